@@ -1,0 +1,168 @@
+"""Local training of one client: ``K`` manual-optimisation steps from the global weights -> :class:`ClientUpdate`.
+
+The client objective is the wrapped LightningModule's own ``training_step`` loss on the client's current
+mini-batch, plus any extra terms that callbacks add (FedProx's ``μ/2‖w − w_t‖²``, SCAFFOLD's and FedDANE's linear
+corrections). Two optimizer conventions are supported:
+
+* plain ``torch.optim`` optimizers (SGD, Adam, ...): ``zero_grad(); loss = objective(); loss.backward(); step()``;
+* the adaptive optimizers of :mod:`fedlightning.optim` (class attribute ``requires_closure = True``): the closure
+  only returns the loss, the optimizer runs ``backward`` itself and re-evaluates the closure under ``no_grad`` at
+  trial points (the convention of the reference Sls code).
+
+Trial evaluations (any closure call made with gradients disabled) must not change the model: every buffer
+(BatchNorm running statistics, ``num_batches_tracked``) is saved before and restored after such a call. The
+optimizers themselves restore the RNG state so each trial sees the gradient evaluation's dropout masks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from fedlightning.state import ClientUpdate, derive_seed, flat_params
+
+__all__ = ["extract_loss", "LocalTrainer"]
+
+ObjectiveTerm = Callable[[Sequence[Tensor]], Tensor]
+
+
+def extract_loss(output: Any, model_name: str = "model") -> Tensor:
+    """The loss from a ``training_step`` output: a scalar tensor, or a dict with key ``"loss"``."""
+    if isinstance(output, Tensor):
+        loss = output
+    elif isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        loss = output["loss"]
+    else:
+        raise TypeError(
+            f"{model_name}.training_step must return the loss (a scalar tensor or a dict with key 'loss') for "
+            f"federated training, but returned {type(output).__name__}"
+            + (f" with keys {sorted(output)}" if isinstance(output, dict) else "")
+        )
+    if loss.numel() != 1:
+        raise TypeError(f"{model_name}.training_step returned a loss with shape {tuple(loss.shape)}, expected a scalar")
+    return loss.reshape(())
+
+
+class LocalTrainer:
+    """Runs the local steps of one client on a working copy of the model.
+
+    Args:
+        model: the working copy (a LightningModule); its parameters are overwritten with the global weights.
+        to_device: moves a batch to the model's device (identity on CPU).
+        grad_clip: optional max-norm clipping of the client gradient (plain optimizers only: clipping would change
+            the search direction of a line search, so adaptive optimizers ignore it).
+    """
+
+    def __init__(self, model: nn.Module, to_device: Callable[[Any], Any] = lambda b: b, grad_clip: Optional[float] = None):
+        self.model = model
+        self.to_device = to_device
+        self.grad_clip = grad_clip
+        self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        self.buffers: List[Tensor] = list(model.buffers())
+        self.model_name = type(model).__name__
+
+    # ------------------------------------------------------------------
+    def _objective(self, batch: Any, step: int, terms: Sequence[ObjectiveTerm]) -> Callable[[], Tensor]:
+        model, params, buffers = self.model, self.params, self.buffers
+
+        def closure() -> Tensor:
+            trial = not torch.is_grad_enabled()
+            saved = [b.clone() for b in buffers] if (trial and buffers) else None
+            loss = extract_loss(model.training_step(batch, step), self.model_name)
+            for term in terms:
+                loss = loss + term(params)
+            if saved is not None:
+                with torch.no_grad():
+                    for b, s in zip(buffers, saved):
+                        b.copy_(s)
+            return loss
+
+        return closure
+
+    def run(
+        self,
+        client_id: int,
+        round: int,
+        seed: int,
+        global_params: Sequence[Tensor],
+        global_buffers: Sequence[Tensor],
+        global_flat: Tensor,
+        loader: Iterable,
+        optimizer: torch.optim.Optimizer,
+        local_steps: int,
+        num_samples: int,
+        terms: Sequence[ObjectiveTerm] = (),
+        float_buffer_mask: Optional[Sequence[bool]] = None,
+    ) -> ClientUpdate:
+        """Train client ``client_id`` for ``local_steps`` steps from the global weights; return its update.
+
+        Dropout and any other ``torch`` randomness inside the model is seeded by ``(seed, "model", round,
+        client_id)`` in a forked RNG, so it does not depend on the other clients of the round and leaves the
+        global RNG untouched.
+        """
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, list(global_params))
+            if self.buffers:
+                torch._foreach_copy_(self.buffers, list(global_buffers))
+        adaptive = getattr(optimizer, "requires_closure", False)
+        losses: List[Tensor] = []
+        step_sizes: List[float] = []
+        backtracks = forwards = backwards = 0
+        devices = [self.params[0].device] if self.params and self.params[0].device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(derive_seed(seed, "model", round, client_id))
+            it = iter(loader)
+            for k in range(local_steps):
+                try:
+                    batch = next(it)
+                except StopIteration:  # cycle: a new shuffled epoch over the client's data
+                    it = iter(loader)
+                    batch = next(it)
+                batch = self.to_device(batch)
+                closure = self._objective(batch, k, terms)
+                optimizer.zero_grad(set_to_none=True)
+                if adaptive:
+                    loss = optimizer.step(closure)
+                    info = getattr(optimizer, "last_step", None) or {}
+                    step_sizes.append(float(info.get("step_size", float("nan"))))
+                    backtracks += int(info.get("backtracks", 0))
+                    forwards += int(info.get("forwards", 1))
+                    backwards += int(info.get("backwards", 1))
+                else:
+                    loss = closure()
+                    loss.backward()
+                    if self.grad_clip is not None:
+                        torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+                    optimizer.step()
+                    step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
+                    forwards += 1
+                    backwards += 1
+                losses.append(loss.detach().reshape(()))
+                if adaptive and not math.isfinite(float(losses[-1])):
+                    break  # adaptive optimizers refuse non-finite losses; stop early, the update is discarded
+        loss_vec = torch.stack(losses).float().cpu() if losses else torch.tensor([float("nan")])
+        delta = global_flat - flat_params(self.params).to(global_flat.dtype)
+        update = ClientUpdate(
+            client_id=client_id,
+            delta=delta,
+            num_samples=num_samples,
+            num_steps=len(losses),
+            first_loss=float(loss_vec[0]),
+            mean_loss=float(loss_vec.mean()),
+            step_sizes=step_sizes,
+            backtracks=backtracks,
+            forwards=forwards,
+            backwards=backwards,
+        )
+        if float_buffer_mask is not None and any(float_buffer_mask):
+            update.buffers = torch.cat(
+                [b.detach().reshape(-1).float() for b, m in zip(self.buffers, float_buffer_mask) if m]
+            )
+        if not bool(torch.isfinite(loss_vec).all()):
+            update.failed, update.failure = True, "non-finite training loss"
+        elif not bool(torch.isfinite(delta).all()):
+            update.failed, update.failure = True, "non-finite model update"
+        return update

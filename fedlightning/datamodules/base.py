@@ -1,0 +1,282 @@
+"""FederatedDataModule: one shared data set, per-client index arrays, per-client loaders and a seeded round sampler.
+
+Subclasses implement :meth:`FederatedDataModule.load` (return the train and test data sets and the train
+labels) and optionally :meth:`FederatedDataModule.natural_clients` (a natural split such as LEAF users). Clients
+never copy data: client ``i`` holds an ``int64`` index array into the one shared training set.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+from fedlightning.datamodules.partition import IID, Partitioner, check_partition
+from fedlightning.state import RoundPlan, derive_seed
+
+__all__ = ["ArrayDataset", "ClientBatchSampler", "FederatedDataModule", "RoundPlanLoader"]
+
+
+class ArrayDataset(Dataset):
+    """In-memory ``(x, y)`` tensors that also accept a list / tensor of indices and return a whole batch.
+
+    The batched fast path lets a client loader fetch a mini-batch with one tensor indexing operation instead of
+    ``batch_size`` ``__getitem__`` calls and a collate; it is what makes small-model simulation cheap.
+    """
+
+    def __init__(self, x: Tensor, y: Tensor):
+        if len(x) != len(y):
+            raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, (list, np.ndarray)):
+            idx = torch.as_tensor(idx, dtype=torch.long)
+        return self.x[idx], self.y[idx]
+
+
+class ClientBatchSampler(Sampler[List[int]]):
+    """Yields the index lists of one shuffled epoch over ``indices`` (last partial batch kept).
+
+    Each ``iter()`` draws a fresh permutation from ``generator``, so re-iterating cycles through new epochs in a
+    reproducible order. ``shuffle=False`` gives sequential batches (evaluation).
+    """
+
+    def __init__(self, indices: np.ndarray, batch_size: int, generator: Optional[torch.Generator], shuffle=True):
+        self.indices = torch.as_tensor(np.asarray(indices), dtype=torch.long)
+        self.batch_size = int(batch_size)
+        self.generator = generator
+        self.shuffle = shuffle
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.indices) / self.batch_size)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        if self.shuffle:
+            order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
+        else:
+            order = self.indices
+        yield from torch.split(order, self.batch_size)
+
+
+class RoundPlanLoader:
+    """The train "data loader" of a federated run: one item per communication round.
+
+    Rounds are numbered from the trainer's ``global_step`` at ``iter()`` time, so a resumed run continues with the
+    same clients an uninterrupted run would have sampled (the sample of round ``r`` depends only on
+    ``(seed, r)``).
+    """
+
+    def __init__(self, datamodule: "FederatedDataModule", length: int):
+        self.datamodule = datamodule
+        self.length = int(length)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[RoundPlan]:
+        dm = self.datamodule
+        trainer = dm._trainer_ref()
+        start = int(trainer.global_step) if trainer is not None else 0
+        for r in range(start, start + self.length):
+            yield dm.round_plan(r)
+
+
+class FederatedDataModule(pl.LightningDataModule):
+    """Base class of every federated data set.
+
+    Args:
+        num_clients: number of clients (ignored by natural splits, which define their own).
+        batch_size: client mini-batch size ``b``.
+        partition: how to split the training set over clients (an :class:`~fedlightning.datamodules.IID`,
+            :class:`~fedlightning.datamodules.Dirichlet` or :class:`~fedlightning.datamodules.Shards` instance).
+            Default IID.
+        seed: seed of the partition (and of any data generation). The *training* randomness (client sampling and
+            data order) is seeded by the FederatedLoop's ``seed``.
+        eval_batch_size: batch size of the global validation/test loaders.
+        num_workers: workers of the evaluation loaders and of per-sample (non in-memory) client loaders.
+        rounds_per_epoch: length of one Lightning "epoch" of rounds when ``trainer.max_steps`` is not set.
+
+    Round sampling (:meth:`sample_clients`): ``clients_per_round`` clients drawn uniformly *without* replacement
+    within a round and independently across rounds from the clients that hold at least one sample, with a
+    generator seeded by ``(seed, "sample", round)``.
+    """
+
+    def __init__(
+        self,
+        num_clients: int = 100,
+        batch_size: int = 50,
+        partition: Optional[Partitioner] = None,
+        seed: int = 0,
+        eval_batch_size: int = 1024,
+        num_workers: int = 0,
+        rounds_per_epoch: int = 1000,
+    ):
+        super().__init__()
+        if int(num_clients) < 1:
+            raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if int(eval_batch_size) < 1:
+            raise ValueError(f"eval_batch_size must be >= 1, got {eval_batch_size}")
+        if int(num_workers) < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if int(rounds_per_epoch) < 1:
+            raise ValueError(f"rounds_per_epoch must be >= 1, got {rounds_per_epoch}")
+        self._num_clients = int(num_clients)
+        self.batch_size = int(batch_size)
+        self.partition = partition if partition is not None else IID()
+        self.seed = int(seed)
+        self.eval_batch_size = int(eval_batch_size)
+        self.num_workers = int(num_workers)
+        self.rounds_per_epoch = int(rounds_per_epoch)
+        self.train_dataset: Optional[Dataset] = None
+        self.test_dataset: Optional[Dataset] = None
+        self.client_indices: List[np.ndarray] = []
+        self.client_test_indices: Optional[List[np.ndarray]] = None
+        # Set by the FederatedLoop (see configure_rounds).
+        self.clients_per_round: Optional[int] = None
+        self.local_steps: int = 1
+        self.sampling_seed: int = 0
+
+    # ------------------------------------------------------------------ to implement
+    def load(self) -> Tuple[Dataset, Optional[Dataset], np.ndarray]:
+        """Return ``(train_dataset, test_dataset, train_labels)``. ``train_labels`` drives the partitioner."""
+        raise NotImplementedError
+
+    def natural_clients(self) -> Optional[List[np.ndarray]]:
+        """Override to return a natural split (one index array per user); None means use ``partition``."""
+        return None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_dataset is not None:
+            return
+        self.train_dataset, self.test_dataset, labels = self.load()
+        natural = self.natural_clients()
+        if natural is not None:
+            self.client_indices = [np.asarray(ix, dtype=np.int64) for ix in natural]
+        else:
+            self.client_indices = self.partition(np.asarray(labels), self._num_clients, seed=self.seed)
+            check_partition(self.client_indices, len(self.train_dataset))
+        self._num_samples = np.array([len(ix) for ix in self.client_indices], dtype=np.int64)
+        self._eligible = np.flatnonzero(self._num_samples > 0)
+
+    def _require_setup(self) -> None:
+        if self.train_dataset is None:
+            self.setup("fit")
+
+    # ------------------------------------------------------------------ clients
+    @property
+    def num_clients(self) -> int:
+        if self.client_indices:
+            return len(self.client_indices)
+        return self._num_clients
+
+    def client_num_samples(self, client_id: int) -> int:
+        self._require_setup()
+        return int(self._num_samples[client_id])
+
+    def client_dataset(self, client_id: int) -> Dataset:
+        self._require_setup()
+        return Subset(self.train_dataset, self.client_indices[client_id].tolist())
+
+    def client_dataloader(self, client_id: int, round: int = 0, seed: Optional[int] = None) -> DataLoader:
+        """Shuffled epochs over client ``client_id``'s samples (last partial batch kept).
+
+        The data order is seeded by ``(seed, "data", round, client_id)`` (``seed`` defaults to the sampling seed
+        the FederatedLoop configured), so it does not depend on which other clients ran before.
+        """
+        self._require_setup()
+        if not 0 <= client_id < self.num_clients:
+            raise IndexError(f"client_id {client_id} out of range [0, {self.num_clients})")
+        seed = self.sampling_seed if seed is None else seed
+        gen = torch.Generator().manual_seed(derive_seed(seed, "data", round, client_id))
+        sampler = ClientBatchSampler(self.client_indices[client_id], self.batch_size, gen)
+        return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers)
+
+    def _loader_from_batches(self, dataset: Dataset, batch_sampler: Sampler, workers: int = 0) -> DataLoader:
+        if isinstance(dataset, ArrayDataset):
+            # batched fast path: dataset[list_of_indices] returns the whole batch, no per-sample collate
+            return DataLoader(dataset, sampler=batch_sampler, batch_size=None, num_workers=0)
+        return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers)
+
+    # ------------------------------------------------------------------ rounds
+    def configure_rounds(self, clients_per_round: int, local_steps: int, seed: int) -> None:
+        """Called by the FederatedLoop at setup: how many clients a round samples and with which seed."""
+        self._require_setup()
+        eligible = len(self._eligible)
+        if int(clients_per_round) < 1:
+            raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}")
+        if clients_per_round > eligible:
+            raise ValueError(
+                f"clients_per_round={clients_per_round} exceeds the number of clients with data ({eligible} of "
+                f"{self.num_clients}); lower clients_per_round or use more clients"
+            )
+        self.clients_per_round = int(clients_per_round)
+        self.local_steps = int(local_steps)
+        self.sampling_seed = int(seed)
+
+    def sample_clients(self, round: int) -> List[int]:
+        if self.clients_per_round is None:
+            raise RuntimeError("configure_rounds() has not been called; use the data module with a FederatedLoop")
+        gen = torch.Generator().manual_seed(derive_seed(self.sampling_seed, "sample", round))
+        pick = torch.randperm(len(self._eligible), generator=gen)[: self.clients_per_round]
+        return [int(self._eligible[i]) for i in pick.tolist()]
+
+    def round_plan(self, round: int) -> RoundPlan:
+        return RoundPlan(round=round, client_ids=self.sample_clients(round), local_steps=self.local_steps)
+
+    def _trainer_ref(self):
+        return getattr(self, "trainer", None)
+
+    def train_dataloader(self) -> RoundPlanLoader:
+        trainer = self._trainer_ref()
+        length = self.rounds_per_epoch
+        if trainer is not None and trainer.max_steps is not None and trainer.max_steps > 0:
+            length = max(1, trainer.max_steps - trainer.global_step)
+        return RoundPlanLoader(self, length)
+
+    # ------------------------------------------------------------------ global evaluation
+    def _eval_loader(self, dataset: Optional[Dataset]) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__} has no evaluation data set")
+        if isinstance(dataset, ArrayDataset):
+            sampler = ClientBatchSampler(np.arange(len(dataset)), self.eval_batch_size, None, shuffle=False)
+            return DataLoader(dataset, sampler=sampler, batch_size=None)
+        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        """The global test set (the papers report accuracy of the global model on the held-out test set)."""
+        self._require_setup()
+        return self._eval_loader(self.test_dataset)
+
+    def test_dataloader(self) -> DataLoader:
+        self._require_setup()
+        return self._eval_loader(self.test_dataset)
+
+    def train_eval_dataloader(self) -> DataLoader:
+        """The whole training set, sequential (global-model training loss/accuracy)."""
+        self._require_setup()
+        return self._eval_loader(self.train_dataset)
+
+    def statistics(self) -> dict:
+        """Clients and samples per client (mean, std, min, max) of the split."""
+        self._require_setup()
+        n = self._num_samples
+        return {
+            "clients": int(len(n)),
+            "samples": int(n.sum()),
+            "samples_per_client_mean": float(n.mean()),
+            "samples_per_client_std": float(n.std()),
+            "samples_per_client_min": int(n.min()),
+            "samples_per_client_max": int(n.max()),
+        }

@@ -1,0 +1,425 @@
+"""FederatedLoop: the LightningModule that trains any user LightningModule federatedly.
+
+One ``training_step`` is one communication round (``trainer.max_steps`` = number of rounds)::
+
+    plan = RoundPlan from the data module's seeded round sampler
+    callbacks.on_round_start(trainer, loop, plan)                 # e.g. KDecay sets plan.local_steps
+    for client in this process's share of plan.client_ids:
+        update = K local steps from w_t on the client's loader    # manual optimisation, client optimizer
+        callbacks.on_client_end(loop, plan, update)
+        strategy.accumulate(stats, update)                         # summable statistics
+    all_reduce(stats) across processes                            # identical on every rank
+    Δ, η = strategy.server_update(loop, stats, plan)
+    global .grad <- Δ ; server_optimizer.step()                   # FedOpt view; Lightning counts the round
+    callbacks.on_round_end(trainer, loop, result)
+
+Validation/test run the wrapped model's own ``validation_step`` / ``test_step`` on the global weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
+from fedlightning.client import LocalTrainer
+from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, flat_params
+
+__all__ = ["FederatedLoop"]
+
+OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
+
+
+def _default_client_optimizer(params: Iterable) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+class _LogRouter:
+    """Replaces ``log`` / ``log_dict`` of a wrapped model instance.
+
+    In ``"forward"`` mode (validation/test on the global model) calls go to the FederatedLoop's own ``self.log``,
+    so they reach the loggers and the progress bar exactly as if the user's module were trained directly. In
+    ``"capture"`` mode (client training) scalar values are collected and the loop logs their per-round mean under
+    ``client/<name>``; torchmetrics ``Metric`` objects are ignored there (their state would mix clients).
+    """
+
+    def __init__(self, loop: "FederatedLoop", mode: str):
+        self.loop_ref = loop
+        self.mode = mode
+        self.captured: Dict[str, List[Tensor]] = {}
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if self.mode == "forward":
+            self.loop_ref.log(name, value, *args, **kwargs)
+            return
+        if isinstance(value, (int, float)):
+            value = torch.tensor(float(value))
+        if isinstance(value, Tensor) and value.numel() == 1:
+            self.captured.setdefault(name, []).append(value.detach().reshape(()).float())
+
+    def log_dict(self, dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        for k, v in dictionary.items():
+            self.log(k, v, *args, **kwargs)
+
+    def pop_means(self) -> Dict[str, float]:
+        out = {f"client/{k}": float(torch.stack(v).mean()) for k, v in self.captured.items() if v}
+        self.captured = {}
+        return out
+
+
+def _install_router(model: pl.LightningModule, router: _LogRouter) -> None:
+    model.__dict__["log"] = router.log
+    model.__dict__["log_dict"] = router.log_dict
+
+
+class FederatedLoop(pl.LightningModule):
+    """Federated training of ``model``.
+
+    Args:
+        model: any LightningModule whose ``training_step(batch, batch_idx)`` returns the loss (tensor, or dict with
+            key ``"loss"``); ``batch_idx`` is the local step index ``k``. Its ``validation_step`` / ``test_step`` are
+            used unchanged on the global model.
+        client_optimizer: factory ``params -> Optimizer`` for the clients (LightningCLI: ``class_path`` +
+            ``init_args``). Default ``SGD(lr=0.1)`` (ours; the papers tune the client lr). A fresh optimizer is
+            built for every client in every round, so plain SGD/momentum buffers never leak across clients;
+            optimizers that define ``get_client_state`` / ``set_client_state`` (SgdArmijo's step size, DecSPS's
+            counters) carry their per-client state across that client's rounds when ``persist_client_state``.
+        local_steps: local steps ``K`` per client per round (seed 000: 20).
+        clients_per_round: clients sampled per round ``|S|`` (seed 000: 20).
+        seed: seed of client sampling, client data order and in-model randomness (dropout); every stream is
+            derived from ``(seed, purpose, round, client_id)``. Model initialisation is seeded by the CLI's
+            ``seed_everything``.
+        client_grad_clip: optional max-norm clipping of client gradients (FedExP's reference code uses 10).
+        persist_client_state: keep client optimizer state across rounds (see ``client_optimizer``).
+        on_client_failure: ``"skip"`` (default): a client whose loss or update is NaN/inf, or whose training raises,
+            is left out of the round with a warning and counted in ``round/failed_clients``; if no client is healthy
+            the global model is unchanged. ``"raise"``: stop with an error naming the client and round.
+    """
+
+    def __init__(
+        self,
+        model: pl.LightningModule,
+        client_optimizer: Optional[OptimizerFactory] = None,
+        local_steps: int = 20,
+        clients_per_round: int = 20,
+        seed: int = 0,
+        client_grad_clip: Optional[float] = None,
+        persist_client_state: bool = True,
+        on_client_failure: str = "skip",
+    ):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a LightningModule, got {type(model).__name__}")
+        if isinstance(local_steps, bool) or int(local_steps) != local_steps or int(local_steps) < 1:
+            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+        if isinstance(clients_per_round, bool) or int(clients_per_round) != clients_per_round or clients_per_round < 1:
+            raise ValueError(f"clients_per_round must be an integer >= 1, got {clients_per_round!r}")
+        if client_grad_clip is not None and not client_grad_clip > 0:
+            raise ValueError(f"client_grad_clip must be > 0 or None, got {client_grad_clip}")
+        if on_client_failure not in ("skip", "raise"):
+            raise ValueError(f"on_client_failure must be 'skip' or 'raise', got {on_client_failure!r}")
+        self.automatic_optimization = False
+        self.model = model
+        self.client_optimizer = client_optimizer if client_optimizer is not None else _default_client_optimizer
+        self.local_steps = int(local_steps)
+        self.clients_per_round = int(clients_per_round)
+        self.seed = int(seed)
+        self.client_grad_clip = client_grad_clip
+        self.persist_client_state = persist_client_state
+        self.on_client_failure = on_client_failure
+        self.client_state = ClientStateStore()
+        self.strategy: Optional[ServerStrategy] = None
+        self.__dict__["_worker"] = None  # working copy of the model (not a submodule: not checkpointed)
+        self._eval_router = _LogRouter(self, "forward")
+        _install_router(self.model, self._eval_router)
+        self.failed_clients_total = 0
+
+    # ================================================================== setup
+    def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        strategies = [cb for cb in trainer.callbacks if isinstance(cb, ServerStrategy)]
+        if len(strategies) > 1:
+            raise ValueError(
+                "only one server strategy callback may be configured, got "
+                + ", ".join(type(s).__name__ for s in strategies)
+            )
+        if not strategies:
+            from fedlightning.callbacks.fedavg import FedAvg
+
+            strategies = [FedAvg()]
+            trainer.callbacks.append(strategies[0])
+        self.strategy = strategies[0]
+        if stage == "fit":
+            dm = self._datamodule()
+            dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed)
+            precision = str(trainer.precision)
+            if precision.startswith("16"):
+                rank_zero_warn(
+                    "precision='16-mixed' has no loss scaling inside client training; use 'bf16-mixed' or 32",
+                )
+
+    def _datamodule(self):
+        from fedlightning.datamodules.base import FederatedDataModule
+
+        dm = getattr(self.trainer, "datamodule", None)
+        if not isinstance(dm, FederatedDataModule):
+            raise TypeError(
+                "FederatedLoop needs a FederatedDataModule (trainer.fit(loop, datamodule=...)), got "
+                f"{type(dm).__name__}"
+            )
+        return dm
+
+    def configure_optimizers(self):
+        if self.strategy is None:
+            raise RuntimeError("the server strategy is resolved in setup(); fit the loop with a Trainer")
+        return self.strategy.configure_server_optimizer(self._global_params())
+
+    def _global_params(self) -> List[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _worker_trainer(self) -> LocalTrainer:
+        w: Optional[LocalTrainer] = self.__dict__["_worker"]
+        if w is None or w.params[0].device != self.device:
+            trainer_ref = self.model._trainer
+            routed = {k: self.model.__dict__.pop(k) for k in ("log", "log_dict") if k in self.model.__dict__}
+            self.model.trainer = None  # do not deep-copy the Trainer (nor the loop through the log router)
+            try:
+                work = copy.deepcopy(self.model)
+            finally:
+                self.model.trainer = trainer_ref
+                self.model.__dict__.update(routed)
+            work.to(self.device)
+            router = _LogRouter(self, "capture")
+            _install_router(work, router)
+            to_device = (lambda b: b) if self.device.type == "cpu" else (lambda b: move_data_to_device(b, self.device))
+            w = LocalTrainer(work, to_device=to_device, grad_clip=self.client_grad_clip)
+            w.router = router  # type: ignore[attr-defined]
+            self.__dict__["_worker"] = w
+        return w
+
+    # ================================================================== one round
+    def _callbacks_with(self, hook: str) -> list:
+        return [cb for cb in self.trainer.callbacks if callable(getattr(cb, hook, None))]
+
+    def _my_clients(self, client_ids: List[int]) -> List[int]:
+        """Deterministic share of the round's clients for this process (round-robin by position)."""
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        return client_ids[rank::world] if world > 1 else list(client_ids)
+
+    def _make_client_optimizer(self, params, client_id: int, lr_scale: float) -> torch.optim.Optimizer:
+        opt = self.client_optimizer(params)
+        if lr_scale != 1.0:
+            for g in opt.param_groups:
+                if "lr" in g:
+                    g["lr"] = g["lr"] * lr_scale
+        if self.persist_client_state and hasattr(opt, "set_client_state"):
+            state = self.client_state.get("optimizer", client_id)
+            if state is not None:
+                opt.set_client_state(state)
+        return opt
+
+    def train_client(self, plan: RoundPlan, client_id: int, global_flat: Tensor) -> ClientUpdate:
+        """Run one client's local training for ``plan`` and return its update (no aggregation)."""
+        dm = self._datamodule()
+        worker = self._worker_trainer()
+        worker.model.train()
+        opt = self._make_client_optimizer(worker.params, client_id, plan.client_lr_scale)
+        terms = []
+        for cb in self._callbacks_with("client_objective"):
+            terms.extend(cb.client_objective(self, plan, client_id) or [])
+        gparams = self._global_params()
+        gbuffers = list(self.model.buffers())
+        update = worker.run(
+            client_id=client_id,
+            round=plan.round,
+            seed=self.seed,
+            global_params=gparams,
+            global_buffers=gbuffers,
+            global_flat=global_flat,
+            loader=dm.client_dataloader(client_id, plan.round, seed=self.seed),
+            optimizer=opt,
+            local_steps=plan.local_steps,
+            num_samples=dm.client_num_samples(client_id),
+            terms=terms,
+            float_buffer_mask=[b.is_floating_point() for b in gbuffers],
+        )
+        if self.persist_client_state and hasattr(opt, "get_client_state") and not update.failed:
+            self.client_state.set("optimizer", client_id, opt.get_client_state())
+        return update
+
+    def training_step(self, plan: RoundPlan, batch_idx: int) -> None:
+        trainer = self.trainer
+        if not isinstance(plan, RoundPlan) or plan.round != self.global_step:
+            # e.g. resumed mid-epoch with a restarted loader: the round is defined by the global step
+            plan = self._datamodule().round_plan(self.global_step)
+        for cb in self._callbacks_with("on_round_start"):
+            cb.on_round_start(trainer, self, plan)
+        if isinstance(plan.local_steps, bool) or int(plan.local_steps) < 1:
+            raise ValueError(f"round {plan.round}: local_steps must be >= 1, got {plan.local_steps!r}")
+        plan.local_steps = int(plan.local_steps)
+
+        strategy = self.strategy
+        gparams = self._global_params()
+        with torch.no_grad():
+            global_flat = flat_params(gparams)
+        stats = RoundStatistics()
+        healthy: List[ClientUpdate] = []
+        failed = 0
+        for cid in self._my_clients(plan.client_ids):
+            try:
+                update = self.train_client(plan, cid, global_flat)
+            except Exception as err:  # noqa: BLE001 - the failure policy decides
+                if self.on_client_failure == "raise":
+                    raise RuntimeError(f"client {cid} failed in round {plan.round}: {err}") from err
+                update = ClientUpdate(client_id=cid, delta=None, num_samples=0, failed=True, failure=repr(err))
+            for cb in self._callbacks_with("on_client_end"):
+                cb.on_client_end(self, plan, update)
+            if update.failed:
+                if self.on_client_failure == "raise":
+                    raise FloatingPointError(f"client {cid} failed in round {plan.round}: {update.failure}")
+                failed += 1
+                rank_zero_warn(f"round {plan.round}: client {cid} skipped ({update.failure})")
+                continue
+            with torch.no_grad():
+                strategy.accumulate(stats, update)
+            self._accumulate_telemetry(stats, update, global_flat.device)
+            healthy.append(update)
+        stats.add("failed", float(failed), global_flat.device)
+        self._reduce(stats)
+
+        metrics = self._server_step(stats, plan)
+        n_failed = int(stats["failed"].item())
+        self.failed_clients_total += n_failed
+        result = RoundResult(
+            plan=plan,
+            num_clients=int(stats["clients"].item()) if "clients" in stats else 0,
+            num_failed=n_failed,
+            metrics=metrics,
+            first_losses=[u.first_loss for u in healthy],
+            mean_losses=[u.mean_loss for u in healthy],
+        )
+        for cb in self._callbacks_with("on_round_end"):
+            cb.on_round_end(trainer, self, result)
+        worker = self.__dict__["_worker"]
+        if worker is not None:
+            result.metrics.update(worker.router.pop_means())
+        self._log_round(result)
+        return None
+
+    @staticmethod
+    def _accumulate_telemetry(stats: RoundStatistics, u: ClientUpdate, device) -> None:
+        stats.add("loss_sum", u.mean_loss, device)
+        stats.add("first_loss_sum", u.first_loss, device)
+        steps = max(u.num_steps, 1)
+        stats.add("backtracks_per_step_sum", u.backtracks / steps, device)
+        stats.add("forwards", float(u.forwards), device)
+        stats.add("backwards", float(u.backwards), device)
+        stats.add("local_steps_sum", float(u.num_steps), device)
+        finite = [s for s in u.step_sizes if math.isfinite(s)]
+        if finite:
+            stats.add("step_size_sum", float(sum(finite)), device)
+            stats.add("step_size_count", float(len(finite)), device)
+            stats.maximum("step_size_max", max(finite), device)
+            stats.maximum("neg_step_size_min", -min(finite), device)
+
+    def _reduce(self, stats: RoundStatistics) -> None:
+        """Combine the statistics of all processes (no-op on one process)."""
+        if self.trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        from fedlightning.distributed import all_reduce_statistics
+
+        all_reduce_statistics(stats)
+
+    @torch.no_grad()
+    def _server_step(self, stats: RoundStatistics, plan: RoundPlan) -> Dict[str, float]:
+        opt = self.optimizers()
+        params = self._global_params()
+        n_clients = float(stats["clients"].item()) if "clients" in stats else 0.0
+        metrics: Dict[str, float] = {"round/clients": n_clients, "round/failed_clients": float(stats["failed"].item())}
+        metrics["round/local_steps"] = float(plan.local_steps)
+        if n_clients == 0:
+            rank_zero_warn(f"round {plan.round}: no healthy client; the global model is left unchanged")
+            for p in params:
+                p.grad = None  # optimizers skip parameters without a gradient: no state change
+            opt.step()
+            return metrics
+        pseudo_grad, lr, extra = self.strategy.server_update(self, stats, plan)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = pseudo_grad[offset : offset + n].view_as(p).to(p.dtype).clone()
+            offset += n
+        if lr is not None:
+            for g in opt.optimizer.param_groups:
+                g["lr"] = lr
+        opt.step()
+        for p in params:
+            p.grad = None
+        if "buffers" in stats:
+            fbufs = [b for b in self.model.buffers() if b.is_floating_point()]
+            avg = stats["buffers"] / stats["weight"].to(stats["buffers"].dtype)
+            off = 0
+            for b in fbufs:
+                b.copy_(avg[off : off + b.numel()].view_as(b))
+                off += b.numel()
+        metrics.update(extra)
+        metrics["train/loss"] = float(stats["loss_sum"].item()) / n_clients
+        metrics["train/first_loss"] = float(stats["first_loss_sum"].item()) / n_clients
+        metrics["server/lr"] = float(lr if lr is not None else opt.optimizer.param_groups[0].get("lr", float("nan")))
+        metrics["server/delta_norm"] = float(pseudo_grad.double().norm().item())
+        metrics["server/mean_client_delta_sq_norm"] = float(stats["sq_norm_sum"].item()) / n_clients
+        metrics["client/backtracks_per_step"] = float(stats["backtracks_per_step_sum"].item()) / n_clients
+        metrics["client/forwards"] = float(stats["forwards"].item())
+        metrics["client/backwards"] = float(stats["backwards"].item())
+        if "step_size_sum" in stats:
+            metrics["client/step_size_mean"] = float(stats["step_size_sum"].item() / stats["step_size_count"].item())
+            metrics["client/step_size_max"] = float(stats["step_size_max"].item())
+            metrics["client/step_size_min"] = -float(stats["neg_step_size_min"].item())
+        return metrics
+
+    def _log_round(self, result: RoundResult) -> None:
+        m = result.metrics
+        if "train/loss" in m:
+            self.log("train/loss", m["train/loss"], prog_bar=True, batch_size=1)
+        rest = {k: v for k, v in m.items() if k != "train/loss"}
+        if rest:
+            self.log_dict(rest, batch_size=1)
+
+    # ================================================================== evaluation on the global model
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+        return self.model.validation_step(batch, batch_idx)
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+        return self.model.test_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+        return self.model.predict_step(batch, batch_idx)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    # ================================================================== checkpoint
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        checkpoint["fedlightning"] = {
+            "format": 1,
+            "client_state": self.client_state.state_dict(),
+            "failed_clients_total": self.failed_clients_total,
+        }
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        fed = checkpoint.get("fedlightning")
+        if fed is None:
+            raise ValueError("this checkpoint was not written by a FederatedLoop (no 'fedlightning' section)")
+        if fed.get("format") != 1:
+            raise ValueError(f"unsupported fedlightning checkpoint format {fed.get('format')!r}")
+        self.client_state.load_state_dict(fed["client_state"])
+        self.failed_clients_total = int(fed.get("failed_clients_total", 0))

@@ -1,0 +1,85 @@
+"""Shared base of the reference models: a LightningModule with a loss, torchmetrics accuracy and the usual steps.
+
+Batches are ``(inputs, targets)``. ``training_step`` returns the mean mini-batch loss (what the FederatedLoop and
+the client optimizers need); ``validation_step`` / ``test_step`` log ``val/loss``, ``val/acc`` (``test/...``)
+aggregated over the whole evaluation set by Lightning and torchmetrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import Tensor, nn
+
+__all__ = ["Classifier"]
+
+
+class Classifier(pl.LightningModule):
+    """A classification LightningModule around ``self.net`` (set by subclasses).
+
+    Args:
+        num_classes: number of classes (for the accuracy metric).
+        lr: learning rate used only when the module is trained on its own (``configure_optimizers``); in federated
+            training the client optimizer of the FederatedLoop is used instead.
+        ignore_index: target value excluded from loss and accuracy (e.g. padding in next-character prediction).
+    """
+
+    def __init__(self, num_classes: int, lr: float = 0.1, ignore_index: int | None = None):
+        super().__init__()
+        if int(num_classes) < 2:
+            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+        self.num_classes = int(num_classes)
+        self.lr = lr
+        self.ignore_index = ignore_index
+        kw = {} if ignore_index is None else {"ignore_index": ignore_index}
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=self.num_classes, **kw)
+        self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=self.num_classes, **kw)
+        self.net: nn.Module = nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def _logits_targets(self, batch: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+        x, y = batch[0], batch[1]
+        logits = self(x)
+        if logits.dim() > 2:  # sequence outputs (N, T, C) -> (N*T, C)
+            logits = logits.reshape(-1, logits.shape[-1])
+            y = y.reshape(-1)
+        return logits, y
+
+    def loss(self, logits: Tensor, y: Tensor) -> Tensor:
+        if self.ignore_index is None:
+            return F.cross_entropy(logits, y)
+        return F.cross_entropy(logits, y, ignore_index=self.ignore_index)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        logits, y = self._logits_targets(batch)
+        loss = self.loss(logits, y)
+        self.log("train/batch_loss", loss)
+        return loss
+
+    def _eval(self, batch: Any, stage: str, metric: torchmetrics.Metric) -> Tensor:
+        logits, y = self._logits_targets(batch)
+        loss = self.loss(logits, y)
+        metric(logits, y)
+        n = y.numel()
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=n)
+        self.log(f"{stage}/acc", metric, prog_bar=True, batch_size=n)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._eval(batch, "val", self.val_acc)
+
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._eval(batch, "test", self.test_acc)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x).argmax(-1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)

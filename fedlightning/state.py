@@ -1,0 +1,198 @@
+"""Small data containers that flow through one federated round, flat-vector helpers and the client state store.
+
+One round, as data (see ``DESIGN.md`` §3)::
+
+    RoundPlan  --(each sampled client trains)-->  ClientUpdate  --(strategy aggregates)-->  RoundResult
+
+Sign convention (FedOpt view, Reddi et al. 2021): a client's *delta* is the pseudo-gradient
+``Δ_i = w_t − w_i`` (global weights minus the client's final local weights), so the server step is
+``w_{t+1} = w_t − η_g · Δ`` with ``Δ`` the (weighted) mean of the ``Δ_i``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "RoundPlan",
+    "ClientUpdate",
+    "RoundResult",
+    "ClientStateStore",
+    "derive_seed",
+    "flat_params",
+    "flat_grads",
+    "assign_flat_",
+    "float_buffers",
+]
+
+
+@dataclass
+class RoundPlan:
+    """What the server decided for one communication round.
+
+    Attributes:
+        round: 0-based round index (equals ``trainer.global_step`` when the round starts).
+        client_ids: the sampled clients, in sampling order.
+        local_steps: number of local optimisation steps ``K`` every client runs this round
+            (schedules such as :class:`~fedlightning.callbacks.KDecay` may change it in ``on_round_start``).
+        client_lr_scale: multiplier applied to the client optimizer's learning rate this round (η-decay schedules).
+        extras: free-form per-round information for callbacks (e.g. FedDANE's gradient-phase clients).
+    """
+
+    round: int
+    client_ids: List[int]
+    local_steps: int
+    client_lr_scale: float = 1.0
+    extras: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ClientUpdate:
+    """What one client reports after its local training.
+
+    Attributes:
+        client_id: which client.
+        delta: flat pseudo-gradient ``w_t − w_i`` over all trainable parameters (float32/64, on the model's device).
+        num_samples: the client's number of training samples ``n_i`` (for sample weighting).
+        num_steps: local steps actually run.
+        first_loss: training loss of the first mini-batch at the global weights (seed 004's ``F_0`` statistic).
+        mean_loss: mean of the per-step mini-batch losses (the papers' "training loss reported by a client").
+        step_sizes: accepted step size of every local step (for SGD: the learning rate).
+        backtracks: total line-search backtracks (trial points rejected) over the round.
+        forwards: forward passes of the model (gradient evaluations + trial evaluations).
+        backwards: backward passes.
+        buffers: flat float buffers (e.g. BatchNorm running statistics) at the end of local training, or None.
+        payload: extra values a strategy asked the client to send (e.g. control-variate deltas).
+        failed: True when the client's training produced a non-finite loss/update or raised.
+        failure: a human-readable reason when ``failed``.
+    """
+
+    client_id: int
+    delta: Optional[Tensor]
+    num_samples: int
+    num_steps: int = 0
+    first_loss: float = float("nan")
+    mean_loss: float = float("nan")
+    step_sizes: List[float] = field(default_factory=list)
+    backtracks: int = 0
+    forwards: int = 0
+    backwards: int = 0
+    buffers: Optional[Tensor] = None
+    payload: Dict[str, Any] = field(default_factory=dict)
+    failed: bool = False
+    failure: str = ""
+
+    @property
+    def last_step_size(self) -> float:
+        return self.step_sizes[-1] if self.step_sizes else float("nan")
+
+
+@dataclass
+class RoundResult:
+    """Outcome of a round, handed to ``on_round_end`` hooks.
+
+    Attributes:
+        plan: the round's plan.
+        num_clients: clients that reported a healthy update.
+        num_failed: clients skipped by the failure policy.
+        metrics: scalar statistics of the round (train loss, η_g, ‖Δ‖, step-size statistics, ...); these are logged.
+        first_losses / mean_losses: per healthy client, for schedules that need them (K-decay "error").
+        pseudo_gradient: the aggregated flat Δ the server applied (None when no client was healthy).
+    """
+
+    plan: RoundPlan
+    num_clients: int
+    num_failed: int
+    metrics: Dict[str, float] = field(default_factory=dict)
+    first_losses: List[float] = field(default_factory=list)
+    mean_losses: List[float] = field(default_factory=list)
+    pseudo_gradient: Optional[Tensor] = None
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed derived from ``parts`` (e.g. ``(seed, "data", round, client_id)``).
+
+    Every random stream of a run is derived this way, never from a shared global generator, so that the same
+    client in the same round sees the same randomness whether clients run sequentially, vectorised, or sharded
+    over processes, and whether the run was resumed or not. A cryptographic hash (blake2b) keeps the streams
+    of neighbouring ``(round, client)`` pairs independent.
+    """
+    h = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def _trainable(params: Iterable[nn.Parameter]) -> List[Tensor]:
+    return [p for p in params if p.requires_grad]
+
+
+def flat_params(params: Iterable[Tensor]) -> Tensor:
+    """Concatenate tensors into one flat vector (a copy, detached)."""
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def flat_grads(params: Iterable[Tensor]) -> Tensor:
+    """Flat gradient vector; a parameter without ``.grad`` contributes zeros."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+@torch.no_grad()
+def assign_flat_(params: Iterable[Tensor], vector: Tensor) -> None:
+    """Copy consecutive slices of ``vector`` into ``params`` in place (inverse of :func:`flat_params`)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(vector[offset : offset + n].view_as(p))
+        offset += n
+    if offset != vector.numel():
+        raise ValueError(f"vector has {vector.numel()} elements but the parameters hold {offset}")
+
+
+def float_buffers(module: nn.Module) -> List[Tensor]:
+    """The floating-point buffers of a module (BatchNorm running mean/var), which FedAvg averages.
+
+    Integer buffers such as ``num_batches_tracked`` are not averaged: the global model keeps its own.
+    """
+    return [b for b in module.buffers() if b.is_floating_point()]
+
+
+class ClientStateStore:
+    """Persistent per-client state (optimizer step sizes, DecSPS counters, SCAFFOLD control variates, ...).
+
+    A plain ``dict`` keyed by ``(namespace, client_id)``: clients that never participated cost nothing.
+    Values are dicts of tensors / Python scalars. The store is saved in, and restored from, the
+    FederatedLoop's checkpoint. Tensors are kept on the device they were stored from; ``state_dict`` moves them
+    to CPU so checkpoints are device independent.
+    """
+
+    def __init__(self) -> None:
+        self._data: Dict[str, Dict[int, Dict[str, Any]]] = {}
+
+    def get(self, namespace: str, client_id: int) -> Optional[Dict[str, Any]]:
+        return self._data.get(namespace, {}).get(int(client_id))
+
+    def set(self, namespace: str, client_id: int, value: Dict[str, Any]) -> None:
+        self._data.setdefault(namespace, {})[int(client_id)] = value
+
+    def clients(self, namespace: str) -> List[int]:
+        return sorted(self._data.get(namespace, {}))
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._data.values())
+
+    def state_dict(self) -> Dict[str, Dict[int, Dict[str, Any]]]:
+        def cpu(v: Any) -> Any:
+            if isinstance(v, Tensor):
+                return v.detach().cpu().clone()
+            if isinstance(v, dict):
+                return {k: cpu(x) for k, x in v.items()}
+            return v
+
+        return {ns: {cid: cpu(val) for cid, val in d.items()} for ns, d in self._data.items()}
+
+    def load_state_dict(self, state: Dict[str, Dict[int, Dict[str, Any]]]) -> None:
+        self._data = {ns: {int(cid): val for cid, val in d.items()} for ns, d in state.items()}
