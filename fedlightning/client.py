@@ -113,7 +113,11 @@ class LocalTrainer:
         backtracks = forwards = backwards = 0
         devices = [self.params[0].device] if self.params and self.params[0].device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(derive_seed(seed, "model", round, client_id))
+            model_seed = derive_seed(seed, "model", round, client_id)
+            # not torch.manual_seed: that also queues a lazy CUDA seeding (with a stack trace) on every call
+            torch.default_generator.manual_seed(model_seed)
+            for dev in devices:
+                torch.cuda.default_generators[dev.index if dev.index is not None else 0].manual_seed(model_seed)
             it = iter(loader)
             for k in range(local_steps):
                 try:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from fedlightning.datamodules.partition import IID, Partitioner, check_partition
 from fedlightning.state import RoundPlan, derive_seed
 
-__all__ = ["ArrayDataset", "ClientBatchSampler", "FederatedDataModule", "RoundPlanLoader"]
+__all__ = ["ArrayDataset", "ArrayBatchLoader", "ClientBatchSampler", "FederatedDataModule", "RoundPlanLoader"]
 
 
 class ArrayDataset(Dataset):
@@ -65,6 +65,24 @@ class ClientBatchSampler(Sampler[List[int]]):
         else:
             order = self.indices
         yield from torch.split(order, self.batch_size)
+
+
+class ArrayBatchLoader:
+    """A minimal loader over an :class:`ArrayDataset`: iterating yields ``dataset[batch_indices]`` for each index
+    batch of ``batch_sampler``. It behaves like ``DataLoader(dataset, batch_sampler=...)`` (same batches, same
+    order) without the per-batch overhead of the DataLoader machinery, which dominates for small models."""
+
+    def __init__(self, dataset: ArrayDataset, batch_sampler: Sampler):
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self):
+        x, y = self.dataset.x, self.dataset.y
+        for idx in self.batch_sampler:
+            yield x[idx], y[idx]
 
 
 class RoundPlanLoader:
@@ -203,10 +221,10 @@ class FederatedDataModule(pl.LightningDataModule):
         sampler = ClientBatchSampler(self.client_indices[client_id], self.batch_size, gen)
         return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers)
 
-    def _loader_from_batches(self, dataset: Dataset, batch_sampler: Sampler, workers: int = 0) -> DataLoader:
+    def _loader_from_batches(self, dataset: Dataset, batch_sampler: Sampler, workers: int = 0):
         if isinstance(dataset, ArrayDataset):
-            # batched fast path: dataset[list_of_indices] returns the whole batch, no per-sample collate
-            return DataLoader(dataset, sampler=batch_sampler, batch_size=None, num_workers=0)
+            # batched fast path: one tensor indexing per batch, no per-sample fetch/collate, no DataLoader machinery
+            return ArrayBatchLoader(dataset, batch_sampler)
         return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers)
 
     # ------------------------------------------------------------------ rounds
@@ -251,7 +269,7 @@ class FederatedDataModule(pl.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__} has no evaluation data set")
         if isinstance(dataset, ArrayDataset):
             sampler = ClientBatchSampler(np.arange(len(dataset)), self.eval_batch_size, None, shuffle=False)
-            return DataLoader(dataset, sampler=sampler, batch_size=None)
+            return DataLoader(dataset, sampler=sampler, batch_size=None)  # a real DataLoader for Lightning
         return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:

@@ -55,13 +55,15 @@ class Dirichlet(Partitioner):
 
     Args:
         alpha: concentration α > 0.
-        min_samples: every client receives at least this many samples. Decision (ours, as NIID-Bench's
-            ``min_require_size``): the whole draw is repeated until it holds, at most ``max_retries`` times, then a
-            clear error asks for a larger α or fewer clients. Default 1, so no client is ever empty.
-        max_retries: see ``min_samples``.
+        min_samples: every client receives at least this many samples. Decision (ours): the whole draw is
+            repeated until it holds (as NIID-Bench's ``min_require_size`` loop), at most ``max_retries`` times;
+            if it still fails (very small α or many clients), the last draw is *repaired* by moving randomly chosen
+            samples from the currently largest clients to the deficient ones, so the split always exists and stays
+            seeded. Default 1, so no client is ever empty.
+        max_retries: see ``min_samples`` (default 10, ours).
     """
 
-    def __init__(self, alpha: float = 0.3, min_samples: int = 1, max_retries: int = 1000):
+    def __init__(self, alpha: float = 0.3, min_samples: int = 1, max_retries: int = 10):
         if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
             raise ValueError(f"Dirichlet alpha must be a finite number > 0, got alpha={alpha!r}")
         if int(min_samples) < 0:
@@ -77,20 +79,37 @@ class Dirichlet(Partitioner):
             )
         classes = np.unique(labels)
         by_class = [np.flatnonzero(labels == k) for k in classes]
-        for _ in range(self.max_retries):
-            parts: List[list] = [[] for _ in range(num_clients)]
-            for idx in by_class:
-                idx = rng.permutation(idx)
-                p = rng.dirichlet(np.full(num_clients, self.alpha))
-                cuts = (np.cumsum(p)[:-1] * len(idx)).astype(np.int64)
-                for c, chunk in enumerate(np.split(idx, cuts)):
-                    parts[c].extend(chunk.tolist())
+        parts: List[np.ndarray] = []
+        for _ in range(max(1, self.max_retries)):
+            parts = self._draw(by_class, num_clients, rng)
             if min(len(p) for p in parts) >= self.min_samples:
-                return [np.asarray(p, dtype=np.int64) for p in parts]
-        raise ValueError(
-            f"Dirichlet(alpha={self.alpha}) could not give every one of {num_clients} clients >= {self.min_samples} "
-            f"samples in {self.max_retries} draws; use a larger alpha, fewer clients or a smaller min_samples"
-        )
+                return parts
+        return self._repair(parts, rng)
+
+    def _draw(self, by_class, num_clients, rng) -> List[np.ndarray]:
+        owner_chunks, index_chunks = [], []
+        for idx in by_class:
+            idx = rng.permutation(idx)
+            p = rng.dirichlet(np.full(num_clients, self.alpha))
+            cuts = (np.cumsum(p)[:-1] * len(idx)).astype(np.int64)
+            # client c gets idx[cuts[c-1]:cuts[c]]: label every position with its owner, vectorised
+            owner_chunks.append(np.searchsorted(cuts, np.arange(len(idx)), side="right"))
+            index_chunks.append(idx)
+        owners = np.concatenate(owner_chunks)
+        indices = np.concatenate(index_chunks)
+        order = np.argsort(owners, kind="stable")
+        bounds = np.searchsorted(owners[order], np.arange(num_clients + 1))
+        return [indices[order[bounds[c] : bounds[c + 1]]] for c in range(num_clients)]
+
+    def _repair(self, parts: List[np.ndarray], rng) -> List[np.ndarray]:
+        parts = [rng.permutation(p) for p in parts]
+        for c in range(len(parts)):
+            while len(parts[c]) < self.min_samples:
+                donor = int(np.argmax([len(p) for p in parts]))
+                take = min(self.min_samples - len(parts[c]), len(parts[donor]) - self.min_samples)
+                parts[c] = np.concatenate([parts[c], parts[donor][:take]])
+                parts[donor] = parts[donor][take:]
+        return parts
 
 
 class Shards(Partitioner):

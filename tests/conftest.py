@@ -1,0 +1,34 @@
+import os
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+
+def make_trainer(max_steps: int, callbacks=None, **kwargs) -> pl.Trainer:
+    """A quiet CPU trainer for federated tests: one step = one round."""
+    opts = dict(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks or [],
+    )
+    opts.update(kwargs)
+    return pl.Trainer(**opts)
+
+
+@pytest.fixture
+def trainer_factory():
+    return make_trainer

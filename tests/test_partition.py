@@ -1,0 +1,83 @@
+import numpy as np
+import pytest
+
+from fedlightning.datamodules import IID, Dirichlet, Shards, check_partition
+
+
+def labels(n=2000, k=10, seed=0):
+    return np.random.default_rng(seed).integers(0, k, size=n)
+
+
+@pytest.mark.parametrize("part", [IID(), Dirichlet(0.3), Dirichlet(5.0, min_samples=5), Shards(2)])
+def test_disjoint_complete_seeded(part):
+    y = labels()
+    a = part(y, 40, seed=7)
+    b = part(y, 40, seed=7)
+    c = part(y, 40, seed=8)
+    assert len(a) == 40
+    check_partition(a, len(y))
+    allidx = np.concatenate(a)
+    assert len(np.unique(allidx)) == len(y)
+    assert all(np.array_equal(x, z) for x, z in zip(a, b))
+    assert not all(np.array_equal(x, z) for x, z in zip(a, c))
+
+
+def test_iid_sizes_balanced():
+    parts = IID()(labels(1003), 10, seed=0)
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def _label_tv_distance(parts, y, k=10):
+    """Mean total-variation distance between each client's label distribution and the global one."""
+    glob = np.bincount(y, minlength=k) / len(y)
+    d = []
+    for p in parts:
+        h = np.bincount(y[p], minlength=k) / len(p)
+        d.append(0.5 * np.abs(h - glob).sum())
+    return float(np.mean(d))
+
+
+def test_dirichlet_alpha_controls_skew():
+    y = labels(20000, 10)
+    near_iid = Dirichlet(1000.0)(y, 20, seed=0)
+    skewed = Dirichlet(0.05)(y, 20, seed=0)
+    assert _label_tv_distance(near_iid, y) < 0.05
+    assert _label_tv_distance(skewed, y) > 0.5
+    # strongly skewed: most clients hold very few classes with >90% of their samples
+    dominant = [np.sort(np.bincount(y[p], minlength=10))[::-1][:2].sum() / len(p) for p in skewed]
+    assert np.median(dominant) > 0.9
+
+
+def test_dirichlet_min_samples_guarantees_no_empty_client():
+    y = labels(500, 10)
+    parts = Dirichlet(0.1, min_samples=3)(y, 50, seed=1)  # infeasible by rejection: exercised the repair
+    assert min(len(p) for p in parts) >= 3
+    check_partition(parts, len(y))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, Dirichlet(0.1, min_samples=3)(y, 50, seed=1)))
+
+
+def test_dirichlet_impossible_min_samples_is_clear_error():  # more than the data holds
+    with pytest.raises(ValueError, match="min_samples=20"):
+        Dirichlet(0.3, min_samples=20)(labels(100), 10, seed=0)
+
+
+@pytest.mark.parametrize("alpha", [0, -1.0, float("nan"), float("inf")])
+def test_dirichlet_bad_alpha(alpha):
+    with pytest.raises(ValueError, match="alpha"):
+        Dirichlet(alpha)
+
+
+def test_shards_classes_per_client():
+    y = np.repeat(np.arange(10), 100)
+    parts = Shards(2)(y, 50, seed=0)
+    assert all(len(np.unique(y[p])) <= 2 for p in parts)
+    with pytest.raises(ValueError, match="classes_per_client"):
+        Shards(0)
+
+
+def test_too_many_clients():
+    with pytest.raises(ValueError, match="num_clients=200"):
+        IID()(labels(100), 200, seed=0)
+    with pytest.raises(ValueError, match="num_clients"):
+        IID()(labels(100), 0, seed=0)
