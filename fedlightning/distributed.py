@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from fedlightning.callbacks.base import RoundStatistics
 
-__all__ = ["all_reduce_statistics"]
+__all__ = ["all_reduce_statistics", "all_gather_objects"]
 
 
 def all_reduce_statistics(stats: RoundStatistics) -> None:
@@ -35,3 +35,10 @@ def all_reduce_statistics(stats: RoundStatistics) -> None:
         t = t.contiguous()
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         stats.values[k], stats.ops[k] = t, op
+
+
+def all_gather_objects(obj):
+    """``[obj_from_rank_0, obj_from_rank_1, ...]`` (picklable objects; tensors should be on the CPU)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

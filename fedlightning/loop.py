@@ -295,6 +295,7 @@ class FederatedLoop(pl.LightningModule):
             healthy.append(update)
         stats.add("failed", float(failed), global_flat.device)
         self._reduce(stats)
+        healthy_summaries = self._share_round_state(plan, healthy)
 
         metrics = self._server_step(stats, plan)
         n_failed = int(stats["failed"].item())
@@ -304,8 +305,8 @@ class FederatedLoop(pl.LightningModule):
             num_clients=int(stats["clients"].item()) if "clients" in stats else 0,
             num_failed=n_failed,
             metrics=metrics,
-            first_losses=[u.first_loss for u in healthy],
-            mean_losses=[u.mean_loss for u in healthy],
+            first_losses=[u[2] for u in healthy_summaries],
+            mean_losses=[u[3] for u in healthy_summaries],
         )
         for cb in self._callbacks_with("on_round_end"):
             cb.on_round_end(trainer, self, result)
@@ -330,6 +331,27 @@ class FederatedLoop(pl.LightningModule):
             stats.add("step_size_count", float(len(finite)), device)
             stats.maximum("step_size_max", max(finite), device)
             stats.maximum("neg_step_size_min", -min(finite), device)
+
+    def _share_round_state(self, plan: RoundPlan, healthy: List[ClientUpdate]) -> List[tuple]:
+        """Per-client scalars of the round's healthy clients, from every process, in sampling order; and, with
+        several processes, the client-state entries written this round are exchanged so every process holds the
+        whole ClientStateStore."""
+        pos = {cid: i for i, cid in enumerate(plan.client_ids)}
+        mine = [(pos.get(u.client_id, -1), u.client_id, u.first_loss, u.mean_loss) for u in healthy]
+        if self.trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+            self.client_state.pop_dirty()
+            return mine
+        from fedlightning.distributed import all_gather_objects
+
+        dirty = self.client_state.pop_dirty()
+        dirty_cpu = {k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()} for k, d in dirty.items()}
+        everything = all_gather_objects((mine, dirty_cpu))
+        summaries: List[tuple] = []
+        for rank, (theirs, entries) in enumerate(everything):
+            summaries.extend(theirs)
+            if rank != self.trainer.global_rank:
+                self.client_state.update_from(entries)
+        return sorted(summaries)
 
     def _reduce(self, stats: RoundStatistics) -> None:
         """Combine the statistics of all processes (no-op on one process)."""

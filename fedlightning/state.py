@@ -166,17 +166,32 @@ class ClientStateStore:
     A plain ``dict`` keyed by ``(namespace, client_id)``: clients that never participated cost nothing.
     Values are dicts of tensors / Python scalars. The store is saved in, and restored from, the
     FederatedLoop's checkpoint. Tensors are kept on the device they were stored from; ``state_dict`` moves them
-    to CPU so checkpoints are device independent.
+    to CPU so checkpoints are device independent. Readers must ``.to(device)`` tensors they get back: with
+    several processes, the entries written by the other processes arrive on the CPU (every process keeps the
+    whole store after each round, so any process can train any client and rank 0's checkpoint is complete).
     """
 
     def __init__(self) -> None:
         self._data: Dict[str, Dict[int, Dict[str, Any]]] = {}
+        self._dirty: set = set()
 
     def get(self, namespace: str, client_id: int) -> Optional[Dict[str, Any]]:
         return self._data.get(namespace, {}).get(int(client_id))
 
     def set(self, namespace: str, client_id: int, value: Dict[str, Any]) -> None:
         self._data.setdefault(namespace, {})[int(client_id)] = value
+        self._dirty.add((namespace, int(client_id)))
+
+    def pop_dirty(self) -> Dict[tuple, Dict[str, Any]]:
+        """Entries written since the last call (what a process must share with the others after a round)."""
+        out = {key: self._data[key[0]][key[1]] for key in sorted(self._dirty)}
+        self._dirty = set()
+        return out
+
+    def update_from(self, entries: Dict[tuple, Dict[str, Any]]) -> None:
+        """Write entries received from other processes (without marking them dirty)."""
+        for (ns, cid), value in entries.items():
+            self._data.setdefault(ns, {})[int(cid)] = value
 
     def clients(self, namespace: str) -> List[int]:
         return sorted(self._data.get(namespace, {}))
@@ -196,3 +211,4 @@ class ClientStateStore:
 
     def load_state_dict(self, state: Dict[str, Dict[int, Dict[str, Any]]]) -> None:
         self._data = {ns: {int(cid): val for cid, val in d.items()} for ns, d in state.items()}
+        self._dirty = set()

@@ -1,0 +1,74 @@
+"""Run a few federated rounds with N CPU processes (Lightning DDP, gloo) and save the global weights.
+
+    python tests/scripts/ddp_run.py --devices 2 --setup fedavg --rounds 3 --out weights.pt
+
+Used by tests/test_ddp.py to compare a 2-process run with a 1-process run of the same configuration.
+"""
+
+import argparse
+import functools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import lightning.pytorch as pl  # noqa: E402
+
+from fedlightning import FederatedLoop  # noqa: E402
+from fedlightning.datamodules import Dirichlet, DigitsDataModule  # noqa: E402
+from fedlightning.models import MLP  # noqa: E402
+
+
+def build(setup: str):
+    callbacks, opt = [], functools.partial(torch.optim.SGD, lr=0.1)
+    if setup == "fedavg":
+        from fedlightning.callbacks import FedAvg
+
+        callbacks = [FedAvg()]
+    elif setup == "fedexp_sls":
+        from fedlightning.callbacks import FedExP
+        from fedlightning.optim import SgdArmijo
+
+        callbacks, opt = [FedExP()], functools.partial(SgdArmijo, eta_max=1.0)
+    elif setup == "decsps":
+        from fedlightning.callbacks import FedAvg
+        from fedlightning.optim import DecSPS
+
+        callbacks, opt = [FedAvg(weighting="uniform")], functools.partial(DecSPS, c0=0.5, gamma_max=1.0)
+    elif setup == "scaffold":
+        from fedlightning.callbacks import Scaffold
+
+        callbacks = [Scaffold()]
+    else:
+        raise SystemExit(f"unknown setup {setup}")
+    return callbacks, opt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--setup", default="fedavg")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    callbacks, opt = build(args.setup)
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[16]), client_optimizer=opt, local_steps=4, clients_per_round=5, seed=1)
+    dm = DigitsDataModule(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
+    trainer = pl.Trainer(
+        max_steps=args.rounds, accelerator="cpu", devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
+    )
+    trainer.fit(loop, datamodule=dm)
+    if trainer.global_rank == 0:
+        store = loop.client_state.state_dict()
+        torch.save({"weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
+                    "store_clients": {ns: sorted(d) for ns, d in store.items()}, "steps": trainer.global_step}, args.out)
+
+
+if __name__ == "__main__":
+    main()
