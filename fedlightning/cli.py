@@ -35,10 +35,48 @@ def _wandb_configured() -> bool:
 
 
 class FederatedCLI(LightningCLI):
+    """LightningCLI with federated defaults.
+
+    * checkpoints are written atomically (:class:`~fedlightning.checkpoint.AtomicCheckpointIO`) unless the config
+      sets ``trainer.plugins``;
+    * when checkpointing is enabled and the config has no ``ModelCheckpoint``, one is added that saves
+      ``last.ckpt`` every ``checkpoint_every_n_rounds`` rounds (default 10, ours) into a version-independent
+      directory ``<logger save_dir>/<logger name>/checkpoints`` (or ``<default_root_dir>/checkpoints``), so an
+      interrupted run resumes with ``python train.py fit --config X --ckpt_path last``.
+    """
+
+    checkpoint_every_n_rounds = 10
+
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(FederatedLoop, FederatedDataModule, *args, **kwargs)
+
+    def _instantiate_trainer(self, config, callbacks):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from fedlightning.checkpoint import AtomicCheckpointIO
+
+        if not config.get("plugins"):
+            config["plugins"] = [AtomicCheckpointIO()]
+        listed = list(config.get("callbacks") or []) + list(callbacks)
+        added = None
+        if config.get("enable_checkpointing", True) is not False and not any(
+            isinstance(cb, ModelCheckpoint) for cb in listed
+        ):
+            added = ModelCheckpoint(save_last=True, every_n_train_steps=self.checkpoint_every_n_rounds)
+            config["callbacks"] = list(config.get("callbacks") or []) + [added]
+        trainer = super()._instantiate_trainer(config, callbacks)
+        if added is not None:
+            import os
+
+            logger = trainer.logger
+            if logger is not None and getattr(logger, "save_dir", None):
+                base = os.path.join(logger.save_dir, str(getattr(logger, "name", "") or ""))
+            else:
+                base = trainer.default_root_dir
+            added.dirpath = os.path.join(base, "checkpoints")
+        return trainer
 
 
 def main(args: Optional[List[str]] = None, run: bool = True) -> FederatedCLI:

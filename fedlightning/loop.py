@@ -36,6 +36,9 @@ from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundR
 
 __all__ = ["FederatedLoop"]
 
+# The FederatedLoop's optimizer step *is* the round: a checkpoint after it holds the new global model, as intended.
+warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
+
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
 
 

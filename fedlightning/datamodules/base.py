@@ -100,6 +100,13 @@ class RoundPlanLoader:
     def __len__(self) -> int:
         return self.length
 
+    # Resumable without state: the next round is always the trainer's global step (see class docstring).
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def __iter__(self) -> Iterator[RoundPlan]:
         dm = self.datamodule
         trainer = dm._trainer_ref()

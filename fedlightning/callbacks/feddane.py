@@ -1,0 +1,225 @@
+r"""FedDANE (seed 003: Li, Sahu, Zaheer, Sanjabi, Talwalkar & Smith, "FedDANE: A Federated Newton-Type Method",
+Asilomar 2019, Alg. 2; reference code github.com/litian96/FedDANE).
+
+One FedDANE iteration = two communication rounds:
+
+1. *Gradient phase.* A sampled set ``S_t`` of clients computes full-batch local gradients at the global weights;
+   the server forms ``g_t = mean_{k∈S_t} ∇F_k(w_t)``.
+2. *Local phase.* Each client ``k`` of ``S'_t`` (the round's sampled clients, ``plan.client_ids``) solves
+   inexactly (its local SGD steps)
+
+   .. math::
+       \min_w\; F_k(w) + \langle g_t - \nabla F_k(w_t),\, w - w_t\rangle + \frac{\mu}{2}\lVert w - w_t\rVert^2
+
+   and the server averages the returned models (FedAvg with ``η_g = 1``).
+
+Dropping the correction gives FedProx; dropping it and setting ``μ = 0`` gives FedAvg (``correction=False``).
+
+Decisions (seed 003 digest §2.3, §8):
+
+* ``S'_t`` is the data module's round sample; ``S_t`` is drawn **independently** by default (the paper), uniformly
+  without replacement from the clients that hold data, with a generator seeded by
+  ``derive_seed(loop.seed, "feddane", round)``; ``gradient_clients="same"`` uses ``S_t = S'_t`` (what the
+  reference code does, its two ``select_clients`` calls share a seed). ``|S_t|`` defaults to ``|S'_t|``.
+* ``∇F_k(w_t)`` is the gradient of the client's mean training loss over **all** its samples (the reference code's
+  full batch), computed with the wrapped model's ``training_step`` in training mode on the FederatedLoop's working
+  copy, chunked by ``gradient_batch_size`` (None: one batch) with chunk losses weighted by chunk size. Model
+  randomness (dropout) is seeded by ``(seed, "feddane-gradient", round, client)`` in a forked RNG. Only the
+  model loss enters the gradient (no other client-objective terms). A client of ``S'_t`` computes its own
+  ``∇F_k(w_t)`` when it starts its local phase (the paper: extra computation, no extra upload), so no per-client
+  gradient is kept in memory.
+* ``g_t`` and the model average use the strategy's ``weighting``: ``"uniform"`` (default, the paper's ``1/K``) or
+  ``"samples"`` (the reference code's ``n_k``-weighted averages).
+* Under DDP every process computes the gradients of its share of ``S_t`` and the sum is all-reduced.
+* The correction is written relative to ``w_t`` (as in the paper's eq. 3), so it is zero at ``w_t``.
+* Communication: ``round/communication_rounds`` logs the cumulative count, 2 per FedDANE iteration (the paper
+  plots per iteration, which favours FedDANE; divide by 2 to compare per communication round).
+
+Logged: ``feddane/gradient_norm`` (‖g_t‖), ``feddane/gradient_clients``, ``round/communication_rounds``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from fedlightning.callbacks.fedavg import FedAvg
+from fedlightning.callbacks.proximal import check_mu, global_anchors, linear_correction, proximal_penalty, split_like
+from fedlightning.client import extract_loss
+from fedlightning.datamodules.base import ArrayDataset, ClientBatchSampler
+from fedlightning.state import RoundPlan, derive_seed, flat_grads, flat_params
+
+__all__ = ["FedDANE", "client_full_gradient"]
+
+
+@torch.enable_grad()
+def client_full_gradient(loop, client_id: int, round: int, batch_size: Optional[int] = None) -> Tensor:
+    """Flat gradient of client ``client_id``'s mean training loss over all its samples at the global weights.
+
+    Uses the FederatedLoop's working copy of the model (its weights and buffers are reset to the global ones
+    first; each client's local training resets them again) and leaves the loop's global model, the global RNG
+    and the round's captured client metrics untouched.
+    """
+    dm = loop._datamodule()
+    worker = loop._worker_trainer()
+    model, params, buffers = worker.model, worker.params, worker.buffers
+    gparams = loop._global_params()
+    with torch.no_grad():
+        torch._foreach_copy_(params, list(gparams))
+        if buffers:
+            torch._foreach_copy_(buffers, list(loop.model.buffers()))
+    indices = np.asarray(dm.client_indices[client_id])
+    n = len(indices)
+    if n == 0:
+        raise ValueError(f"client {client_id} holds no training samples; it has no gradient")
+    chunk = n if batch_size is None else int(batch_size)
+    sampler = ClientBatchSampler(indices, chunk, None, shuffle=False)
+    dataset = dm.train_dataset
+    if isinstance(dataset, ArrayDataset):
+        loader = DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=0)
+    else:
+        loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+    sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
+    router = getattr(worker, "router", None)
+    saved_capture = {k: list(v) for k, v in router.captured.items()} if router is not None else None
+    was_training = model.training
+    model.train()
+    for p in params:
+        p.grad = None
+    devices = [params[0].device] if params and params[0].device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(derive_seed(loop.seed, "feddane-gradient", round, client_id))
+            for size, batch in zip(sizes, loader):
+                batch = worker.to_device(batch)
+                loss = extract_loss(model.training_step(batch, 0), worker.model_name)
+                (loss * (size / n)).backward()
+        grad = flat_grads(params).detach().clone()
+    finally:
+        for p in params:
+            p.grad = None
+        model.train(was_training)
+        if router is not None:
+            router.captured = saved_capture
+    return grad
+
+
+class FedDANE(FedAvg):
+    """FedDANE (see the module docstring).
+
+    Args:
+        mu: proximal coefficient ``μ ≥ 0`` (default 0.0: the reference code's default; the paper tunes
+            ``μ ∈ {0, 0.001, 0.01, 0.1, 1}``).
+        gradient_clients: ``"independent"`` (default, the paper) or ``"same"`` (the reference code).
+        gradient_clients_per_round: ``|S_t|`` (None: the round's number of sampled clients, the paper's ``K``).
+        gradient_batch_size: chunk size of the full-batch gradient (None: the client's whole data at once).
+        correction: include ``⟨g_t − ∇F_k(w_t), w − w_t⟩`` (default True). False reduces FedDANE to FedProx
+            (and, with ``mu=0``, to FedAvg) and skips the gradient phase.
+        weighting: ``"uniform"`` (default, the paper) or ``"samples"`` (the reference code).
+    """
+
+    def __init__(
+        self,
+        mu: float = 0.0,
+        gradient_clients: str = "independent",
+        gradient_clients_per_round: Optional[int] = None,
+        gradient_batch_size: Optional[int] = None,
+        correction: bool = True,
+        weighting: str = "uniform",
+    ):
+        super().__init__(server_lr=1.0, weighting=weighting)
+        self.mu = check_mu(mu)
+        if gradient_clients not in ("independent", "same"):
+            raise ValueError(f"gradient_clients must be 'independent' or 'same', got {gradient_clients!r}")
+        for name, value in (("gradient_clients_per_round", gradient_clients_per_round), ("gradient_batch_size", gradient_batch_size)):
+            if value is not None and (isinstance(value, bool) or int(value) != value or int(value) < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        self.gradient_clients = gradient_clients
+        self.gradient_clients_per_round = None if gradient_clients_per_round is None else int(gradient_clients_per_round)
+        self.gradient_batch_size = None if gradient_batch_size is None else int(gradient_batch_size)
+        self.correction = bool(correction)
+        self._round: Optional[int] = None
+        self._global_gradient: Optional[Tensor] = None  # g_t of the current round
+        self._gradient_client_ids: List[int] = []
+
+    # ------------------------------------------------------------------ gradient phase
+    def sample_gradient_clients(self, loop, plan: RoundPlan) -> List[int]:
+        """``S_t``: the round's clients (``"same"``) or an independent seeded sample of the clients with data."""
+        if self.gradient_clients == "same":
+            return list(plan.client_ids)
+        dm = loop._datamodule()
+        eligible = [k for k in range(dm.num_clients) if dm.client_num_samples(k) > 0]
+        m = self.gradient_clients_per_round or len(plan.client_ids)
+        if m > len(eligible):
+            raise ValueError(f"gradient_clients_per_round={m} exceeds the {len(eligible)} clients that hold data")
+        gen = torch.Generator().manual_seed(derive_seed(loop.seed, "feddane", plan.round))
+        pick = torch.randperm(len(eligible), generator=gen)[:m]
+        return [eligible[i] for i in pick.tolist()]
+
+    def on_round_start(self, trainer, loop, plan: RoundPlan) -> None:
+        self._round = plan.round
+        self._global_gradient = None
+        if not self.correction:
+            self._gradient_client_ids = []
+            return
+        ids = self.sample_gradient_clients(loop, plan)
+        self._gradient_client_ids = ids
+        plan.extras["feddane_gradient_clients"] = list(ids)
+        dm = loop._datamodule()
+        weights = {k: (float(dm.client_num_samples(k)) if self.weighting == "samples" else 1.0) for k in ids}
+        total_weight = sum(weights.values())
+        like = flat_params(loop._global_params())
+        acc = torch.zeros_like(like, dtype=torch.float64)
+        for k in loop._my_clients(ids):
+            acc += weights[k] * client_full_gradient(loop, k, plan.round, self.gradient_batch_size).double()
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(acc)
+        self._global_gradient = (acc / total_weight).to(like.dtype)
+
+    # ------------------------------------------------------------------ local phase
+    def client_objective(self, loop, plan: RoundPlan, client_id: int):
+        if not self.correction and self.mu == 0.0:
+            return []
+        anchors = global_anchors(loop)
+        mu = self.mu
+        directions = None
+        if self.correction:
+            if self._global_gradient is None or self._round != plan.round:
+                raise RuntimeError("FedDANE's gradient phase did not run for this round (on_round_start was not called)")
+            own = client_full_gradient(loop, client_id, plan.round, self.gradient_batch_size)
+            directions = split_like(self._global_gradient - own, anchors)
+
+        def term(params):
+            value = proximal_penalty(params, anchors, mu) if mu != 0.0 else None
+            if directions is not None:
+                lin = linear_correction(params, anchors, directions)
+                value = lin if value is None else value + lin
+            return value
+
+        return [term]
+
+    # ------------------------------------------------------------------ server
+    def server_update(self, loop, stats, plan: RoundPlan):
+        delta, lr, metrics = super().server_update(loop, stats, plan)
+        metrics = dict(metrics)
+        per_round = 2 if self.correction else 1  # without the correction there is no gradient phase (FedProx)
+        metrics["round/communication_rounds"] = float(per_round * (plan.round + 1))
+        if self._global_gradient is not None:
+            metrics["feddane/gradient_norm"] = float(self._global_gradient.double().norm().item())
+            metrics["feddane/gradient_clients"] = float(len(self._gradient_client_ids))
+        return delta, lr, metrics
+
+    def on_round_end(self, trainer, loop, result) -> None:
+        self._global_gradient = None  # free the model-sized vector between rounds
+
+    def __repr__(self) -> str:
+        return (
+            f"FedDANE(mu={self.mu}, gradient_clients={self.gradient_clients!r}, correction={self.correction}, "
+            f"weighting={self.weighting!r})"
+        )
+

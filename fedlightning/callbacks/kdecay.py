@@ -1,0 +1,434 @@
+r"""Decaying the number of local steps (or the client learning rate) over rounds, and the simulated runtime model
+(seed 004: Mills, Hu & Min, "Faster Federated Learning with Decaying Number of Local SGD Steps", Table III and
+Sec. 3.2).
+
+Round index ``r = 1, 2, …`` (``plan.round + 1``); ``K_0`` and ``η_0`` are the configured local steps and client
+learning rate. Table III:
+
+============  ==========================================  ===========================================
+schedule      ``decay="local_steps"`` (``K_r``; ``η_0``)     ``decay="client_lr"`` (``η_r``; ``K_0``)
+============  ==========================================  ===========================================
+``rounds``    ``⌈K_0 · r^{−1/3}⌉``                          ``η_0 · r^{−1/2}``
+``error``     ``⌈K_0 · (F_r/F_0)^{1/3}⌉``                   ``η_0 · (F_r/F_0)^{1/2}``
+``step``      ``K_0``, then ``⌈K_0/10⌉`` once converged     ``η_0``, then ``η_0/10`` once converged
+============  ==========================================  ===========================================
+
+dSGD is ``K ≡ 1`` (``model.local_steps: 1``, ``configs/dsgd.yaml``); Kη-fixed is no schedule at all. The
+η-decay schedules act through ``plan.client_lr_scale`` (the FederatedLoop multiplies the client optimizer's lr).
+
+Decisions (seed 004 digest §4 and §8):
+
+* **Exact ceilings.** ``⌈K_0 r^{−1/3}⌉`` is the smallest integer ``k`` with ``k³·r ≥ K_0³`` and is computed in
+  integer arithmetic (a float guess corrected by exact cube comparisons), so ``K_0 = 60, r = 1000`` gives 6, not
+  the 7 of a naive ``ceil(60 * 1000 ** (-1/3))``. The error schedule does the same with exact rationals of the
+  two float losses (:class:`fractions.Fraction`). ``K_r ≥ 1`` always.
+* **F_r** (error schedule) is the mean of the clients' first-batch losses at the received global model
+  (``train/first_loss`` of the round, reduced over all processes) over the ``window = s`` *previous* rounds
+  ``r−s … r−1`` (the paper's Eq. 15 includes round ``r`` itself, whose losses do not exist before it runs),
+  divided by the number of losses actually received. During the first ``s`` rounds (warm-up) ``K_r = K_0``.
+* **F_0** (``reference_loss``): ``"first_window"`` (default, ours) is the first full-window estimate, the mean
+  over rounds ``1 … s``, so that ``K_{s+1} = K_0`` and the schedule is continuous at the end of the warm-up;
+  ``"first_round"`` is round 1's mean first-batch loss (an estimate of ``F(x_0)``). ``F* = 0`` (the paper). No
+  clamp when ``F_r > F_0`` (the paper states none), so ``K_r`` may exceed ``K_0``.
+* **Step plateau rule** (the paper decays once, "if converged", when the validation error plateaus, without
+  saying how it detects that): with ``step_round`` set, decay from that round on (a fixed switch round, what the
+  paper's figures show); otherwise a plateau detector watches ``monitor`` (a logged metric such as
+  ``"val/loss"``, read after every validation run) or, when ``monitor`` is None, the windowed first-batch loss
+  estimate ``F_r`` (read after every round once the window is full). It declares a plateau after ``patience``
+  consecutive observations without a relative improvement of more than ``plateau_tolerance`` over the best
+  value so far (ReduceLROnPlateau's "rel" rule); the decay applies from the next round on and happens once.
+  Defaults (ours): ``patience = 100`` observations, ``plateau_tolerance = 0.01``. The step decay factor 10 and
+  the window ``s = 100`` are the paper's. ``⌈K_0/10⌉`` is exact for the paper's ``K_0`` (all multiples of 10).
+
+:class:`RuntimeModel` simulates the wall-clock of seed 004 Sec. 3.2 (homogeneous clients, so the straggler
+``max`` is void): ``W_r = |x|/D + K_r·β + |x|/U`` seconds per round, and logs its cumulative sum with the
+cumulative local SGD steps ``Σ_r K_r`` (per client, as Table IV counts), so Table IV can be recomputed from a run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from fractions import Fraction
+from typing import Any, Deque, Dict, Optional, Tuple
+
+from lightning.pytorch.callbacks import Callback
+
+__all__ = [
+    "KDecay",
+    "RuntimeModel",
+    "PlateauDetector",
+    "ceil_cube_root",
+    "rounds_local_steps",
+    "error_local_steps",
+    "step_local_steps",
+    "rounds_lr_scale",
+    "error_lr_scale",
+    "simulated_round_seconds",
+]
+
+SCHEDULES = ("rounds", "error", "step")
+DECAYS = ("local_steps", "client_lr")
+
+
+# ====================================================================== exact integer arithmetic
+def ceil_cube_root(numerator: int, denominator: int = 1) -> int:
+    """The smallest integer ``k ≥ 0`` with ``k³ · denominator ≥ numerator`` (``⌈∛(numerator/denominator)⌉``)."""
+    if denominator <= 0 or numerator < 0:
+        raise ValueError(f"need numerator >= 0 and denominator > 0, got {numerator}/{denominator}")
+    if numerator == 0:
+        return 0
+    try:
+        guess = (numerator / denominator) ** (1.0 / 3.0)
+    except OverflowError:
+        guess = float(Fraction(numerator, denominator).__floor__()) ** (1.0 / 3.0)
+    k = max(0, math.ceil(guess))
+    while k > 0 and (k - 1) ** 3 * denominator >= numerator:
+        k -= 1
+    while k**3 * denominator < numerator:
+        k += 1
+    return k
+
+
+def _check_k0(k0: int) -> int:
+    if isinstance(k0, bool) or int(k0) != k0 or int(k0) < 1:
+        raise ValueError(f"k0 must be an integer >= 1, got {k0!r}")
+    return int(k0)
+
+
+def _check_round(round_number: int) -> int:
+    if isinstance(round_number, bool) or int(round_number) != round_number or int(round_number) < 1:
+        raise ValueError(f"round numbers start at 1, got {round_number!r}")
+    return int(round_number)
+
+
+def _check_losses(loss: float, reference_loss: float) -> None:
+    if not (math.isfinite(loss) and loss >= 0):
+        raise ValueError(f"loss estimate must be finite and >= 0, got {loss}")
+    if not (math.isfinite(reference_loss) and reference_loss > 0):
+        raise ValueError(f"reference loss F_0 must be finite and > 0, got {reference_loss}")
+
+
+def rounds_local_steps(k0: int, round_number: int) -> int:
+    """K_r-rounds: ``⌈K_0 · r^{−1/3}⌉`` (exact)."""
+    k0, r = _check_k0(k0), _check_round(round_number)
+    return max(1, ceil_cube_root(k0**3, r))
+
+
+def error_local_steps(k0: int, loss: float, reference_loss: float) -> int:
+    """K_r-error: ``⌈K_0 · (F_r/F_0)^{1/3}⌉`` (exact in the rationals of the two floats), at least 1."""
+    k0 = _check_k0(k0)
+    _check_losses(loss, reference_loss)
+    target = Fraction(k0) ** 3 * Fraction(loss) / Fraction(reference_loss)
+    return max(1, ceil_cube_root(target.numerator, target.denominator))
+
+
+def step_local_steps(k0: int, factor: float) -> int:
+    """K_r-step after the decay: ``⌈K_0 / factor⌉`` (exact), at least 1."""
+    k0 = _check_k0(k0)
+    q = Fraction(k0) / Fraction(factor)
+    return max(1, -((-q.numerator) // q.denominator))
+
+
+def rounds_lr_scale(round_number: int) -> float:
+    """η_r-rounds multiplier ``r^{−1/2}``."""
+    return 1.0 / math.sqrt(_check_round(round_number))
+
+
+def error_lr_scale(loss: float, reference_loss: float) -> float:
+    """η_r-error multiplier ``(F_r/F_0)^{1/2}`` (no rounding)."""
+    _check_losses(loss, reference_loss)
+    return math.sqrt(loss / reference_loss)
+
+
+def simulated_round_seconds(
+    model_megabits: float, local_steps: int, seconds_per_batch: float, download_mbps: float = 20.0, upload_mbps: float = 5.0
+) -> float:
+    """Seed 004 Eq. 4 for one (homogeneous) round: ``|x|/D + K·β + |x|/U`` seconds."""
+    return model_megabits / download_mbps + local_steps * seconds_per_batch + model_megabits / upload_mbps
+
+
+# ====================================================================== plateau detection
+class PlateauDetector:
+    """``True`` once ``patience`` consecutive values failed to improve on the best by more than ``tolerance``
+    (relative): an improvement means ``value < best · (1 − tolerance)``."""
+
+    def __init__(self, patience: int, tolerance: float):
+        self.patience = int(patience)
+        self.tolerance = float(tolerance)
+        self.best = math.inf
+        self.wait = 0
+
+    def update(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if value < self.best * (1.0 - self.tolerance) or self.best == math.inf:
+            self.best, self.wait = value, 0
+        else:
+            self.wait += 1
+        return self.wait >= self.patience
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"best": self.best, "wait": self.wait}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.best, self.wait = float(state["best"]), int(state["wait"])
+
+
+# ====================================================================== the schedule callback
+class KDecay(Callback):
+    """Seed 004's decay schedules for the local steps ``K_r`` or the client learning rate ``η_r``.
+
+    Args:
+        schedule: ``"rounds"``, ``"error"`` or ``"step"`` (Table III).
+        decay: ``"local_steps"`` (default: the K-decay schedules) or ``"client_lr"`` (the η-decay counterparts).
+        k0: ``K_0`` (None: the FederatedLoop's ``local_steps``). Table I uses 60 / 80 / 50 / 80.
+        window: ``s``, rounds in the loss window of the error schedule and of the default plateau rule (100, the
+            paper).
+        reference_loss: ``"first_window"`` (default) or ``"first_round"``: the definition of ``F_0``.
+        step_round: step schedule: 1-based round from which the decayed value applies (None: plateau rule).
+        step_factor: step schedule decay factor (10, the paper).
+        monitor: step schedule: metric watched by the plateau rule (None: the windowed first-batch loss).
+        patience: plateau rule patience in observations (100, ours).
+        plateau_tolerance: plateau rule relative improvement threshold (0.01, ours).
+    """
+
+    def __init__(
+        self,
+        schedule: str = "rounds",
+        decay: str = "local_steps",
+        k0: Optional[int] = None,
+        window: int = 100,
+        reference_loss: str = "first_window",
+        step_round: Optional[int] = None,
+        step_factor: float = 10.0,
+        monitor: Optional[str] = None,
+        patience: int = 100,
+        plateau_tolerance: float = 0.01,
+    ):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if decay not in DECAYS:
+            raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
+        if reference_loss not in ("first_window", "first_round"):
+            raise ValueError(f"reference_loss must be 'first_window' or 'first_round', got {reference_loss!r}")
+        self.k0 = None if k0 is None else _check_k0(k0)
+        for name, value in (("window", window), ("patience", patience)):
+            if isinstance(value, bool) or int(value) != value or int(value) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if step_round is not None:
+            _check_round(step_round)
+        if isinstance(step_factor, bool) or not isinstance(step_factor, (int, float)) or not (math.isfinite(step_factor) and step_factor > 1):
+            raise ValueError(f"step_factor must be a finite number > 1, got {step_factor!r}")
+        if not (isinstance(plateau_tolerance, (int, float)) and 0.0 <= plateau_tolerance < 1.0):
+            raise ValueError(f"plateau_tolerance must lie in [0, 1), got {plateau_tolerance!r}")
+        self.schedule = schedule
+        self.decay = decay
+        self.window = int(window)
+        self.reference_loss = reference_loss
+        self.step_round = None if step_round is None else int(step_round)
+        self.step_factor = float(step_factor)
+        self.monitor = monitor
+        self.patience = int(patience)
+        self.plateau_tolerance = float(plateau_tolerance)
+        # state (checkpointed)
+        self._history: Deque[Tuple[float, float]] = deque(maxlen=self.window)  # (sum, count) of first losses
+        self._reference: Optional[float] = None  # F_0
+        self._decay_round: Optional[int] = step_round  # 1-based round from which the step decay applies
+        self._detector = PlateauDetector(self.patience, self.plateau_tolerance)
+        self._last: Dict[str, float] = {}
+
+    # ------------------------------------------------------------------ statistics
+    def loss_estimate(self) -> Optional[float]:
+        """``F_r``: mean first-batch loss over the last ``window`` rounds (None during the warm-up)."""
+        if len(self._history) < self.window:
+            return None
+        total = sum(s for s, _ in self._history)
+        count = sum(c for _, c in self._history)
+        return total / count if count > 0 else None
+
+    @property
+    def reference(self) -> Optional[float]:
+        """``F_0`` (None until defined)."""
+        return self._reference
+
+    def decayed(self, round_number: int) -> bool:
+        """Step schedule: is the decay in force in 1-based round ``round_number``?"""
+        return self._decay_round is not None and round_number >= self._decay_round
+
+    def value(self, round_number: int, k0: int) -> Tuple[int, float]:
+        """``(K_r, lr scale)`` for 1-based round ``round_number`` given the current statistics."""
+        r = _check_round(round_number)
+        k, scale = k0, 1.0
+        if self.schedule == "rounds":
+            k, scale = rounds_local_steps(k0, r), rounds_lr_scale(r)
+        elif self.schedule == "error":
+            est, ref = self.loss_estimate(), self._reference
+            if est is not None and ref is not None and ref > 0:
+                k, scale = error_local_steps(k0, est, ref), error_lr_scale(est, ref)
+        elif self.decayed(r):
+            k, scale = step_local_steps(k0, self.step_factor), 1.0 / self.step_factor
+        if self.decay == "local_steps":
+            return k, 1.0
+        return k0, scale
+
+    # ------------------------------------------------------------------ federated hooks
+    def on_round_start(self, trainer, loop, plan) -> None:
+        k0 = self.k0 if self.k0 is not None else int(loop.local_steps)
+        k, scale = self.value(plan.round + 1, k0)
+        plan.local_steps = k
+        plan.client_lr_scale = plan.client_lr_scale * scale
+        est = self.loss_estimate()
+        self._last = {"schedule/local_steps": float(k), "schedule/client_lr_scale": float(scale)}
+        if est is not None:
+            self._last["schedule/loss_estimate"] = est
+        if self._reference is not None:
+            self._last["schedule/reference_loss"] = self._reference
+        if self.schedule == "step":
+            self._last["schedule/decayed"] = float(self.decayed(plan.round + 1))
+
+    def observe(self, round_number: int, first_loss_sum: float, first_loss_count: float) -> None:
+        """Record round ``round_number``'s first-batch losses (sum and count) and update F_0 / the plateau rule."""
+        if not (first_loss_count > 0 and math.isfinite(first_loss_sum)):
+            first_loss_sum, first_loss_count = 0.0, 0.0
+        self._history.append((float(first_loss_sum), float(first_loss_count)))
+        if self._reference is None:
+            if self.reference_loss == "first_round":
+                if first_loss_count > 0:
+                    self._reference = first_loss_sum / first_loss_count
+            else:
+                est = self.loss_estimate()
+                if est is not None and est > 0:
+                    self._reference = est
+        if self.schedule == "step" and self._decay_round is None and self.monitor is None:
+            est = self.loss_estimate()
+            if est is not None and self._detector.update(est):
+                self._decay_round = round_number + 1
+
+    def on_round_end(self, trainer, loop, result) -> None:
+        m = result.metrics
+        if "round/clients" in m and "train/first_loss" in m:
+            count = float(m["round/clients"])
+            total = float(m["train/first_loss"]) * count if count > 0 else 0.0
+        else:
+            losses = [x for x in result.first_losses if math.isfinite(x)]
+            total, count = float(sum(losses)), float(len(losses))
+        self.observe(result.plan.round + 1, total, count)
+        m.update(self._last)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.schedule != "step" or self.monitor is None or self._decay_round is not None or trainer.sanity_checking:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            return
+        if self._detector.update(float(value)):
+            self._decay_round = int(trainer.global_step) + 1  # rounds done = global_step; the next is +1 (1-based)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "history": list(self._history),
+            "reference": self._reference,
+            "decay_round": self._decay_round,
+            "detector": self._detector.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._history = deque((tuple(x) for x in state_dict["history"]), maxlen=self.window)
+        self._reference = state_dict["reference"]
+        self._decay_round = state_dict["decay_round"]
+        self._detector.load_state_dict(state_dict["detector"])
+
+    @property
+    def state_key(self) -> str:
+        return f"KDecay[schedule={self.schedule},decay={self.decay}]"
+
+    def __repr__(self) -> str:
+        return f"KDecay(schedule={self.schedule!r}, decay={self.decay!r}, k0={self.k0}, window={self.window})"
+
+
+# ====================================================================== runtime simulation
+class RuntimeModel(Callback):
+    """Simulated wall-clock of seed 004 (Sec. 3.2): ``W_r = |x|/D + K_r·β + |x|/U`` per round.
+
+    Args:
+        seconds_per_batch: ``β``, compute time of one local mini-batch step in seconds (required; seed 004 Table II
+            measured 5.2e-3 / 0.017 / 0.31 / 1.5 s on a Raspberry Pi 3B+ for Sent140 / FEMNIST / CIFAR100 /
+            Shakespeare).
+        model_megabits: ``|x|`` in megabits (None: the global model's trainable parameters × their bit width / 1e6,
+            e.g. float32 parameters × 32 — how Table I's sizes come out).
+        download_mbps: ``D`` (20 Mbps, the paper's UK 4G figure).
+        upload_mbps: ``U`` (5 Mbps, the paper).
+
+    Logged per round: ``runtime/round_seconds`` (W_r), ``runtime/wall_clock_seconds`` and
+    ``runtime/wall_clock_minutes`` (cumulative), ``runtime/sgd_steps`` (cumulative ``Σ_r K_r`` per client) and
+    ``runtime/client_sgd_steps`` (cumulative local steps summed over the participating clients).
+    """
+
+    def __init__(
+        self,
+        seconds_per_batch: float,
+        model_megabits: Optional[float] = None,
+        download_mbps: float = 20.0,
+        upload_mbps: float = 5.0,
+    ):
+        for name, value, allow_zero in (
+            ("seconds_per_batch", seconds_per_batch, True),
+            ("download_mbps", download_mbps, False),
+            ("upload_mbps", upload_mbps, False),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+                raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+        if model_megabits is not None and (
+            isinstance(model_megabits, bool) or not isinstance(model_megabits, (int, float)) or not math.isfinite(model_megabits) or model_megabits <= 0
+        ):
+            raise ValueError(f"model_megabits must be a finite number > 0 or None, got {model_megabits!r}")
+        self.seconds_per_batch = float(seconds_per_batch)
+        self.model_megabits = None if model_megabits is None else float(model_megabits)
+        self.download_mbps = float(download_mbps)
+        self.upload_mbps = float(upload_mbps)
+        self.wall_clock_seconds = 0.0
+        self.sgd_steps = 0
+        self.client_sgd_steps = 0.0
+
+    @staticmethod
+    def megabits_of(loop) -> float:
+        """Size of the global model's trainable parameters in megabits."""
+        return sum(p.numel() * p.element_size() * 8 for p in loop._global_params()) / 1e6
+
+    def on_round_end(self, trainer, loop, result) -> None:
+        megabits = self.model_megabits if self.model_megabits is not None else self.megabits_of(loop)
+        k = int(result.plan.local_steps)
+        w = simulated_round_seconds(megabits, k, self.seconds_per_batch, self.download_mbps, self.upload_mbps)
+        self.wall_clock_seconds += w
+        self.sgd_steps += k
+        self.client_sgd_steps += float(result.metrics.get("round/clients", result.num_clients)) * k
+        result.metrics.update(
+            {
+                "runtime/round_seconds": w,
+                "runtime/wall_clock_seconds": self.wall_clock_seconds,
+                "runtime/wall_clock_minutes": self.wall_clock_seconds / 60.0,
+                "runtime/sgd_steps": float(self.sgd_steps),
+                "runtime/client_sgd_steps": self.client_sgd_steps,
+                "runtime/model_megabits": megabits,
+            }
+        )
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "wall_clock_seconds": self.wall_clock_seconds,
+            "sgd_steps": self.sgd_steps,
+            "client_sgd_steps": self.client_sgd_steps,
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.wall_clock_seconds = float(state_dict["wall_clock_seconds"])
+        self.sgd_steps = int(state_dict["sgd_steps"])
+        self.client_sgd_steps = float(state_dict["client_sgd_steps"])
+
+    def __repr__(self) -> str:
+        return (
+            f"RuntimeModel(seconds_per_batch={self.seconds_per_batch}, model_megabits={self.model_megabits}, "
+            f"download_mbps={self.download_mbps}, upload_mbps={self.upload_mbps})"
+        )

@@ -1,0 +1,130 @@
+r"""SCAFFOLD with option-II control variates (Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for
+Federated Learning", ICML 2020, Alg. 1).
+
+Server control variate ``c``, client control variates ``c_i`` (both start at 0). Client ``i`` in ``S_t`` runs its
+local steps on the corrected gradient ``g_i(y) − c_i + c``, i.e. on the objective
+
+.. math::
+    f_i(y) + \langle c - c_i,\; y - w_t\rangle ,
+
+then updates (option II, with ``Δ_i = w_t − y_i`` and the local step sizes ``η_{i,k}``)
+
+.. math::
+    c_i^+ = c_i - c + \frac{\Delta_i}{\sum_k \eta_{i,k}}
+    \qquad(\text{the paper's } c_i - c + \tfrac{1}{K\eta_l}(x - y_i) \text{ for a constant } \eta_l).
+
+Server: ``w_{t+1} = w_t − η_g · mean_{i∈S_t} Δ_i`` and ``c ← c + (1/N) Σ_{i∈S_t} (c_i^+ − c_i)`` with ``N`` the
+total number of clients.
+
+Decisions:
+
+* The correction is written as ``⟨c − c_i, y − w_t⟩``: the gradient the paper prescribes, and zero at ``w_t`` so
+  the reported first-batch loss is the plain loss.
+* ``Σ_k η_{i,k}`` is the sum of the step sizes the client actually took (``ClientUpdate.step_sizes``, which
+  includes any per-round lr scale): it equals ``K η_l`` for constant-lr SGD and extends option II to adaptive
+  client optimizers (ours).
+* Weighting: uniform mean of the client deltas (``weighting="uniform"``, the paper); ``"samples"`` is offered.
+* Only healthy clients update ``c_i``; a failed client keeps its old control variate and contributes nothing.
+* Storage: ``c_i`` lives in ``loop.client_state`` (namespace ``"scaffold"``, checkpointed by the loop), one
+  model-sized vector per client that has participated; ``c`` is this strategy's checkpointed state.
+* Option I (``c_i^+`` = gradient at ``w_t`` on fresh data) is not implemented.
+
+Logged: ``server/control_norm`` (‖c‖) and ``server/control_delta_norm`` (‖(1/N)Σ(c_i^+ − c_i)‖).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
+from fedlightning.callbacks.proximal import global_anchors, linear_correction, split_like
+from fedlightning.state import ClientUpdate, RoundPlan
+
+__all__ = ["Scaffold"]
+
+NAMESPACE = "scaffold"
+
+
+class Scaffold(ServerStrategy):
+    """SCAFFOLD, option II (see the module docstring).
+
+    Args:
+        server_lr: global step size ``η_g`` (default 1.0, Karimireddy et al.'s experiments).
+        weighting: ``"uniform"`` (default, the paper) or ``"samples"``.
+    """
+
+    def __init__(self, server_lr: float = 1.0, weighting: str = "uniform"):
+        super().__init__(server_lr=server_lr, weighting=weighting)
+        self.server_control: Optional[Tensor] = None
+
+    # ------------------------------------------------------------------ helpers
+    def _server_control(self, like: Tensor) -> Tensor:
+        if self.server_control is None:
+            self.server_control = torch.zeros_like(like)
+        elif self.server_control.device != like.device or self.server_control.dtype != like.dtype:
+            self.server_control = self.server_control.to(device=like.device, dtype=like.dtype)
+        return self.server_control
+
+    @staticmethod
+    def client_control(loop, client_id: int, like: Tensor) -> Tensor:
+        """``c_i`` of a client (zeros before its first participation)."""
+        stored = loop.client_state.get(NAMESPACE, client_id)
+        if stored is None:
+            return torch.zeros_like(like)
+        return stored["control"].to(device=like.device, dtype=like.dtype)
+
+    # ------------------------------------------------------------------ client side
+    def client_objective(self, loop, plan: RoundPlan, client_id: int):
+        anchors = global_anchors(loop)
+        like = torch.cat([a.reshape(-1) for a in anchors])
+        correction = self._server_control(like) - self.client_control(loop, client_id, like)
+        directions = split_like(correction, anchors)
+
+        def term(params):
+            return linear_correction(params, anchors, directions)
+
+        return [term]
+
+    def on_client_end(self, loop, plan: RoundPlan, update: ClientUpdate) -> None:
+        if update.failed or update.delta is None:
+            return
+        steps = [s for s in update.step_sizes if math.isfinite(s)]
+        total = float(sum(steps))
+        if not steps or total <= 0:
+            update.failed = True
+            update.failure = f"SCAFFOLD needs positive local step sizes, got {update.step_sizes!r}"
+            return
+        delta = update.delta
+        old = self.client_control(loop, update.client_id, delta)
+        new = old - self._server_control(delta) + delta / total
+        update.payload["scaffold_control_delta"] = new - old
+        loop.client_state.set(NAMESPACE, update.client_id, {"control": new.detach()})
+
+    # ------------------------------------------------------------------ server side
+    def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
+        super().accumulate(stats, update)
+        stats.add("scaffold_control_delta", update.payload["scaffold_control_delta"])
+
+    def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan):
+        delta = self.mean_delta(stats)
+        num_clients = int(loop._datamodule().num_clients)
+        control_step = stats["scaffold_control_delta"] / num_clients
+        c = self._server_control(control_step)
+        c.add_(control_step)
+        metrics = {
+            "server/control_norm": float(c.double().norm().item()),
+            "server/control_delta_norm": float(control_step.double().norm().item()),
+        }
+        return delta, None, metrics
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> Dict[str, Any]:
+        c = self.server_control
+        return {"server_control": None if c is None else c.detach().cpu().clone()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.server_control = state_dict.get("server_control")

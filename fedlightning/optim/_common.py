@@ -1,0 +1,223 @@
+"""Shared machinery of the closure-driven client optimizers (:class:`SgdArmijo`, :class:`SPS`, :class:`DecSPS`).
+
+The closure convention (as the reference Sls code, Vaswani et al. 2019): the closure only computes and returns the
+mini-batch loss (a scalar tensor); the optimizer calls it once with gradients enabled and runs ``backward`` itself,
+and evaluates trial points by calling it again under ``torch.no_grad()``. The user calls ``zero_grad()`` before
+``step``. All step-size rules use the squared norm of the gradient over *all* trainable parameters of *all* param
+groups jointly (one global ``‖g‖²``, seed 000 §SGD-Armijo, seed 001 Eq. 2).
+
+Numerical policy shared by the three optimizers (ours; see each optimizer's docstring for what it means there):
+
+* non-finite loss or gradient: the parameters are left unchanged, ``last_step["step_size"]`` is ``nan``, the
+  per-client state is not advanced, and the (non-finite or finite) loss is returned. A non-finite loss is what the
+  FederatedLoop's failure policy detects (the client is skipped); a finite loss with a non-finite gradient is a
+  skipped step, like the inf/NaN-gradient steps ``torch.amp.GradScaler`` skips.
+* ``‖g‖ < grad_tol``: no parameter change, recorded step size ``0.0`` (the reference Sls/SPS threshold 1e-8).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["ClosureOptimizer", "check_positive", "check_finite", "epoch_exponent"]
+
+
+def check_positive(name: str, value: Any, allow_zero: bool = False) -> float:
+    """``float(value)``; a ValueError naming ``name`` unless it is a finite number > 0 (>= 0 with ``allow_zero``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    ok = math.isfinite(v) and (v >= 0 if allow_zero else v > 0)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return v
+
+
+def check_finite(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return v
+
+
+def epoch_exponent(
+    n_batches_per_epoch: Optional[float], batch_size: Optional[int], num_samples: Optional[int]
+) -> Optional[float]:
+    """Validate the epoch-length arguments and return ``b/n = 1/n_batches_per_epoch`` (None when not given).
+
+    Either ``n_batches_per_epoch`` (``n/b``, may be fractional like the reference Sls code's ``len(data)/b``) or
+    both ``batch_size`` (``b``) and ``num_samples`` (``n``) may be given, not both forms.
+    """
+    if n_batches_per_epoch is not None and (batch_size is not None or num_samples is not None):
+        raise ValueError(
+            "give either n_batches_per_epoch or batch_size and num_samples, not both "
+            f"(got n_batches_per_epoch={n_batches_per_epoch!r}, batch_size={batch_size!r}, num_samples={num_samples!r})"
+        )
+    if n_batches_per_epoch is not None:
+        return 1.0 / check_positive("n_batches_per_epoch", n_batches_per_epoch)
+    if (batch_size is None) != (num_samples is None):
+        raise ValueError(
+            f"batch_size and num_samples must be given together, got batch_size={batch_size!r}, num_samples={num_samples!r}"
+        )
+    if batch_size is None:
+        return None
+    for name, v in (("batch_size", batch_size), ("num_samples", num_samples)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    return float(batch_size) / float(num_samples)
+
+
+class ClosureOptimizer(torch.optim.Optimizer):
+    """Base class: closure checks, the global squared gradient norm, RNG forking for trial points, telemetry.
+
+    Telemetry: after every ``step``, ``last_step = {"step_size", "backtracks", "forwards", "backwards"}`` (the
+    accepted step size, rejected trial points, closure calls and backward passes of that step) and running totals
+    ``total_steps``, ``total_backtracks``, ``total_forwards``, ``total_backwards``.
+    """
+
+    #: The FederatedLoop's LocalTrainer passes a loss-only closure to ``step`` for optimizers that set this.
+    requires_closure = True
+
+    def __init__(self, params, defaults: Dict[str, Any]):
+        super().__init__(params, defaults)
+        for group in self.param_groups[1:]:
+            for key, value in defaults.items():
+                if group.get(key) != self.param_groups[0].get(key):
+                    raise ValueError(
+                        f"{type(self).__name__} uses one step size for all parameters (global gradient norm), so every "
+                        f"param group must share {key!r}; got {self.param_groups[0].get(key)!r} and {group.get(key)!r}"
+                    )
+        self.last_step: Dict[str, Any] = {}
+        self.total_steps = 0
+        self.total_backtracks = 0
+        self.total_forwards = 0
+        self.total_backwards = 0
+        # b/n for per-epoch growth factors; set by the constructor or by the FederatedLoop (set_client_data).
+        self._explicit_exponent: Optional[float] = None
+        self._client_exponent: Optional[float] = None
+
+    # ------------------------------------------------------------------ hyperparameters
+    @property
+    def hyper(self) -> Dict[str, Any]:
+        """The hyperparameters (shared by all param groups, checked at construction)."""
+        return self.param_groups[0]
+
+    def set_client_data(self, num_samples: int, batch_size: int) -> None:
+        """Called by the FederatedLoop with the client's number of samples ``n_i`` and batch size ``b`` before it
+        trains, so per-epoch growth factors use ``b/n_i`` of that client. An explicit ``n_batches_per_epoch`` (or
+        ``batch_size`` + ``num_samples``) given to the constructor takes precedence."""
+        self._client_exponent = epoch_exponent(None, int(batch_size), int(num_samples))
+
+    def _epoch_exponent(self, what: str) -> float:
+        exponent = self._explicit_exponent if self._explicit_exponent is not None else self._client_exponent
+        if exponent is None:
+            raise ValueError(
+                f"{type(self).__name__}: {what} needs the epoch length b/n: pass n_batches_per_epoch (or batch_size "
+                "and num_samples) to the constructor, or run inside a FederatedLoop, which sets it per client"
+            )
+        return exponent
+
+    # ------------------------------------------------------------------ parameters and gradients
+    def _params_with_grad(self) -> Tuple[List[Tensor], List[Tensor]]:
+        params, grads = [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    params.append(p)
+                    grads.append(p.grad)
+        return params, grads
+
+    @staticmethod
+    def _squared_norm(grads: Sequence[Tensor]) -> Tensor:
+        """``Σ_tensors Σ g²`` as a 0-d tensor (one fused norm kernel per device/dtype group)."""
+        norms = torch._foreach_norm(list(grads))
+        first = norms[0]
+        if any(n.dtype != first.dtype or n.device != first.device for n in norms[1:]):
+            norms = [n.to(device=first.device, dtype=torch.float64) for n in norms]
+        return torch.stack(norms).square().sum()
+
+    def _loss_and_grad(self, closure: Optional[Callable[[], Tensor]]) -> Tensor:
+        """First closure call (with gradients) and ``backward``; returns the detached scalar loss."""
+        if closure is None or not callable(closure):
+            raise TypeError(
+                f"{type(self).__name__}.step needs a closure that re-evaluates the loss on the same mini-batch "
+                "(it must only compute and return the loss: the optimizer calls backward itself)"
+            )
+        with torch.enable_grad():
+            loss = closure()
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError(
+                    f"the closure must return the loss as a scalar tensor, got {type(loss).__name__}"
+                    + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else "")
+                )
+            if not loss.requires_grad:
+                raise RuntimeError(
+                    "the closure's loss does not require grad: it must be computed from the parameters with "
+                    "gradients enabled (and must not call backward or detach)"
+                )
+            loss.backward()
+        return loss.detach().reshape(())
+
+    @staticmethod
+    def _scalars(*values: Tensor) -> List[float]:
+        """Python floats of several 0-d tensors with one device synchronisation."""
+        return torch.stack([v.detach().reshape(()).to(torch.float64) for v in values]).tolist()
+
+    # ------------------------------------------------------------------ telemetry
+    def _record(self, step_size: float, backtracks: int = 0, forwards: int = 1, backwards: int = 1, **extra) -> None:
+        self.last_step = {"step_size": float(step_size), "backtracks": int(backtracks), "forwards": int(forwards),
+                          "backwards": int(backwards), **extra}
+        self.total_steps += 1
+        self.total_backtracks += int(backtracks)
+        self.total_forwards += int(forwards)
+        self.total_backwards += int(backwards)
+
+    # ------------------------------------------------------------------ persistence (subclasses define the fields)
+    def get_client_state(self) -> Dict[str, Any]:
+        return {}
+
+    def set_client_state(self, state: Dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise TypeError(f"client state must be a dict, got {type(state).__name__}")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state plus the per-client state, so a plain PyTorch checkpoint resumes the rule."""
+        sd = super().state_dict()
+        sd["client_state"] = self.get_client_state()
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        client_state = state_dict.pop("client_state", None)
+        super().load_state_dict(state_dict)
+        if client_state:
+            self.set_client_state(client_state)
+
+
+class RngSnapshot:
+    """The CPU RNG state and the CUDA RNG state of ``device`` (when it is a CUDA device), to replay randomness.
+
+    Trial evaluations of a line search restore the snapshot taken before the gradient evaluation, so dropout draws
+    the same masks in every evaluation of one step (the reference Sls reseeds from wall-clock time instead, which
+    shares masks across steps that start in the same second; we never reseed).
+    """
+
+    __slots__ = ("cpu", "cuda", "device")
+
+    def __init__(self, device: Optional[torch.device]):
+        self.cpu = torch.get_rng_state()
+        self.device = device if (device is not None and device.type == "cuda") else None
+        self.cuda = torch.cuda.get_rng_state(self.device) if self.device is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)

@@ -1,0 +1,118 @@
+"""Checkpoint/resume: an interrupted and resumed run equals the uninterrupted run bit for bit (CPU)."""
+
+import glob
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.checkpoint import AtomicCheckpointIO
+from fedlightning.cli import main
+from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.models import MLP
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _setup(strategy_fn=None, opt=None):
+    pl.seed_everything(0, verbose=False)
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[16], dropout=0.3), client_optimizer=opt, local_steps=3,
+                         clients_per_round=4, seed=2)
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    return loop, dm, ([strategy_fn()] if strategy_fn else [])
+
+
+def _weights(loop):
+    return torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach().clone()
+
+
+def run_resume_equivalence(tmp_path, strategy_fn=None, opt=None, total=6, cut=3):
+    """Uninterrupted `total` rounds vs `cut` rounds (periodic checkpoints) + resume from the round-`cut` checkpoint."""
+    loop, dm, cbs = _setup(strategy_fn, opt)
+    make_trainer(total, callbacks=cbs).fit(loop, datamodule=dm)
+    full = _weights(loop)
+
+    ckdir = tmp_path / "ck"
+    loop, dm, cbs = _setup(strategy_fn, opt)
+    ck = ModelCheckpoint(dirpath=str(ckdir), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    make_trainer(total, callbacks=cbs + [ck], enable_checkpointing=True, plugins=[AtomicCheckpointIO()],
+                 default_root_dir=str(tmp_path)).fit(loop, datamodule=dm)
+    torch.testing.assert_close(_weights(loop), full, atol=0, rtol=0)  # checkpointing itself changes nothing
+    path = str(ckdir / f"step={cut}.ckpt")
+    assert os.path.exists(path), os.listdir(ckdir)
+
+    loop, dm, cbs = _setup(strategy_fn, opt)  # fresh process state: new model init is overwritten by the checkpoint
+    trainer = make_trainer(total, callbacks=cbs, plugins=[AtomicCheckpointIO()])
+    trainer.fit(loop, datamodule=dm, ckpt_path=path)
+    assert trainer.global_step == total
+    return full, _weights(loop), loop
+
+
+def test_resume_fedavg_bit_identical(tmp_path):
+    full, resumed, _ = run_resume_equivalence(tmp_path)
+    assert torch.equal(full, resumed)
+
+
+def test_cli_resume_with_ckpt_path_last(tmp_path):
+    base = ["--config", os.path.join(ROOT, "configs", "quickstart.yaml"),
+            "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+            "--trainer.val_check_interval", "2", "--data.init_args.num_clients", "20",
+            "--model.clients_per_round", "4", "--model.local_steps", "3"]
+    full = main(["fit", *base, "--trainer.max_steps", "5"])
+    w_full = _weights(full.model)
+    # "interrupted" run: a separate save_dir, 3 rounds with a checkpoint every round, then resumed with 'last'
+    other = str(tmp_path / "interrupted")
+    base2 = [a if a != str(tmp_path) else other for a in base]
+    from fedlightning.cli import FederatedCLI
+
+    FederatedCLI.checkpoint_every_n_rounds = 1
+    try:
+        main(["fit", *base2, "--trainer.max_steps", "3"])
+        assert glob.glob(os.path.join(other, "quickstart", "checkpoints", "last.ckpt"))
+        resumed = main(["fit", *base2, "--trainer.max_steps", "5", "--ckpt_path", "last"])
+    finally:
+        FederatedCLI.checkpoint_every_n_rounds = 10
+    assert resumed.trainer.global_step == 5
+    assert torch.equal(_weights(resumed.model), w_full)
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"PK\x03\x04 this is not a checkpoint")
+    loop, dm, cbs = _setup()
+    with pytest.raises(ValueError, match="corrupt, truncated or not a checkpoint"):
+        make_trainer(2, plugins=[AtomicCheckpointIO()]).fit(loop, datamodule=dm, ckpt_path=str(bad))
+
+
+def test_checkpoint_without_federated_section_is_rejected(tmp_path):
+    loop, dm, cbs = _setup()
+    trainer = make_trainer(1, plugins=[AtomicCheckpointIO()])
+    trainer.fit(loop, datamodule=dm)
+    path = tmp_path / "x.ckpt"
+    trainer.save_checkpoint(str(path))
+    ck = torch.load(path, weights_only=False)
+    del ck["fedlightning"]
+    torch.save(ck, path)
+    loop, dm, cbs = _setup()
+    with pytest.raises(ValueError, match="not written by a FederatedLoop"):
+        make_trainer(2, plugins=[AtomicCheckpointIO()]).fit(loop, datamodule=dm, ckpt_path=str(path))
+
+
+def test_atomic_save_keeps_previous_checkpoint_when_writing_fails(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"a": torch.ones(3)}, path)
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt("killed during save")
+
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"a": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    assert torch.equal(io.load_checkpoint(path)["a"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
