@@ -1,0 +1,50 @@
+"""Hostile configurations: every impossible value fails early with a message naming the value (issue 7 corpus)."""
+
+import os
+
+import pytest
+
+from fedlightning.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
+
+# (override arguments, text the error must contain)
+CASES = [
+    (["--model.local_steps", "0"], "local_steps"),
+    (["--model.local_steps", "-5"], "local_steps"),
+    (["--model.clients_per_round", "0"], "clients_per_round"),
+    (["--model.clients_per_round", "500"], "clients_per_round=500"),
+    (["--model.client_grad_clip", "-1"], "client_grad_clip"),
+    (["--model.on_client_failure", "ignore"], "on_client_failure"),
+    (["--data.init_args.num_clients", "0"], "num_clients"),
+    (["--data.init_args.num_clients", "5000"], "num_clients=5000"),
+    (["--data.init_args.batch_size", "0"], "batch_size"),
+    (["--data.init_args.batch_size", "-50"], "batch_size"),
+    (["--data.init_args.test_fraction", "1.5"], "test_fraction"),
+    (["--data.init_args.test_fraction", "0"], "test_fraction"),
+    (["--data.init_args.partition.init_args.alpha", "0"], "alpha"),
+    (["--data.init_args.partition.init_args.alpha", "-0.3"], "alpha"),
+    (["--data.init_args.partition.init_args.min_samples", "-1"], "min_samples"),
+    (["--model.model.init_args.hidden", "[0]"], "hidden"),
+    (["--model.model.init_args.dropout", "1.5"], "dropout"),
+    (["--model.model.init_args.num_classes", "1"], "num_classes"),
+    (["--model.model.class_path", "fedlightning.models.NoSuchModel"], "NoSuchModel"),
+    (["--data.class_path", "fedlightning.datamodules.NoSuchData"], "NoSuchData"),
+    (["--model.no_such_option", "3"], "no_such_option"),
+    (["--trainer.callbacks+=fedlightning.callbacks.FedAvg", "--trainer.callbacks.server_lr", "0"], "server_lr"),
+    (["--trainer.callbacks+=fedlightning.callbacks.FedAvg", "--trainer.callbacks.weighting", "bysize"], "weighting"),
+]
+
+
+@pytest.mark.parametrize("override,needle", CASES, ids=[" ".join(c[0])[:60] for c in CASES])
+def test_bad_config_value_is_named(tmp_path, capsys, override, needle):
+    args = ["fit", "--config", QUICK, "--trainer.max_steps", "1", "--trainer.logger", "false",
+            "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+            "--trainer.default_root_dir", str(tmp_path), *override]
+    with pytest.raises((SystemExit, ValueError, TypeError, ImportError)) as info:
+        main(args)
+    text = str(info.value) + capsys.readouterr().err
+    assert needle in text, text[-2000:]
+    if isinstance(info.value, SystemExit):
+        assert info.value.code != 0
