@@ -1,3 +1,17 @@
-"""Client optimizers (torch.optim.Optimizer subclasses) with per-step telemetry."""
+"""Client optimizers (torch.optim.Optimizer subclasses) with per-step telemetry.
 
-__all__: list = []
+* :class:`SgdArmijo` — SGD with stochastic Armijo line search (Vaswani et al. 2019; FedSLS/FedExpSLS, seed 000).
+* :class:`SPS` — stochastic Polyak step SPS_max, optionally with the smoothed cap (Loizou et al. 2021; FedSPS, seed 001).
+* :class:`DecSPS` — decreasing SPS (Orvieto et al. 2022; FedDecSPS, seed 001).
+
+All three use the closure convention of the reference Sls code: ``opt.zero_grad(); loss = opt.step(closure)`` where
+the closure only returns the mini-batch loss (the optimizer runs ``backward`` and re-evaluates trial points itself).
+They work in any plain PyTorch loop and in the :class:`~fedlightning.FederatedLoop` (class attribute
+``requires_closure``), report ``last_step = {"step_size", "backtracks", "forwards", "backwards"}`` after each step,
+and keep per-client state across rounds through ``get_client_state`` / ``set_client_state``.
+"""
+
+from fedlightning.optim.armijo import SgdArmijo
+from fedlightning.optim.sps import SPS, DecSPS
+
+__all__ = ["SgdArmijo", "SPS", "DecSPS"]

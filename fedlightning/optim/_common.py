@@ -18,12 +18,12 @@ Numerical policy shared by the three optimizers (ours; see each optimizer's docs
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["ClosureOptimizer", "check_positive", "check_finite", "epoch_exponent"]
+__all__ = ["ClosureOptimizer", "RngSnapshot", "check_positive", "check_finite", "epoch_exponent"]
 
 
 def check_positive(name: str, value: Any, allow_zero: bool = False) -> float:
@@ -86,12 +86,12 @@ class ClosureOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: Dict[str, Any]):
         super().__init__(params, defaults)
-        for group in self.param_groups[1:]:
+        for group in self.param_groups:
             for key, value in defaults.items():
-                if group.get(key) != self.param_groups[0].get(key):
+                if group.get(key) != value:
                     raise ValueError(
-                        f"{type(self).__name__} uses one step size for all parameters (global gradient norm), so every "
-                        f"param group must share {key!r}; got {self.param_groups[0].get(key)!r} and {group.get(key)!r}"
+                        f"{type(self).__name__} uses one step size for all parameters (global gradient norm), so param "
+                        f"groups cannot override {key!r} (constructor value {value!r}, group value {group.get(key)!r})"
                     )
         self.last_step: Dict[str, Any] = {}
         self.total_steps = 0
@@ -136,13 +136,20 @@ class ClosureOptimizer(torch.optim.Optimizer):
         return params, grads
 
     @staticmethod
-    def _squared_norm(grads: Sequence[Tensor]) -> Tensor:
-        """``Σ_tensors Σ g²`` as a 0-d tensor (one fused norm kernel per device/dtype group)."""
-        norms = torch._foreach_norm(list(grads))
-        first = norms[0]
-        if any(n.dtype != first.dtype or n.device != first.device for n in norms[1:]):
-            norms = [n.to(device=first.device, dtype=torch.float64) for n in norms]
-        return torch.stack(norms).square().sum()
+    def _loss_and_squared_norm(loss: Tensor, grads: List[Tensor]) -> Tuple[float, float]:
+        """``(f, Σ_tensors Σ g²)`` as Python floats from one fused norm kernel (per device/dtype group). On an
+        accelerator the per-tensor norms and the loss are stacked and read with a single host synchronisation; on the
+        CPU (no synchronisation cost) reading each 0-d result directly avoids the extra stacking op, which is what
+        dominates for small models. The norms are squared and summed in float64 on the host."""
+        norms = torch._foreach_norm(grads)
+        if loss.device.type == "cpu" and norms[0].device.type == "cpu":
+            host = [n.item() for n in norms]
+            return loss.item(), math.fsum(v * v for v in host)
+        try:  # stack promotes dtypes; it fails only for tensors on different devices
+            host = torch.stack([*norms, loss]).tolist()
+        except RuntimeError:
+            host = [float(v) for v in norms] + [float(loss)]
+        return host[-1], math.fsum(v * v for v in host[:-1])
 
     def _loss_and_grad(self, closure: Optional[Callable[[], Tensor]]) -> Tensor:
         """First closure call (with gradients) and ``backward``; returns the detached scalar loss."""
@@ -164,12 +171,8 @@ class ClosureOptimizer(torch.optim.Optimizer):
                     "gradients enabled (and must not call backward or detach)"
                 )
             loss.backward()
-        return loss.detach().reshape(())
-
-    @staticmethod
-    def _scalars(*values: Tensor) -> List[float]:
-        """Python floats of several 0-d tensors with one device synchronisation."""
-        return torch.stack([v.detach().reshape(()).to(torch.float64) for v in values]).tolist()
+        loss = loss.detach()
+        return loss if loss.dim() == 0 else loss.reshape(())
 
     # ------------------------------------------------------------------ telemetry
     def _record(self, step_size: float, backtracks: int = 0, forwards: int = 1, backwards: int = 1, **extra) -> None:

@@ -1,0 +1,231 @@
+r"""SGD with a stochastic Armijo backtracking line search (SGD-Armijo).
+
+Vaswani et al. 2019, "Painless Stochastic Gradient" (Algorithm 1); the client solver of FedSLS / FedExpSLS
+(seed 000, Algorithms 2–5) and FedLi-LS (seed 002). Every step draws one mini-batch :math:`b_k` and returns
+
+.. math::
+    w_k = w_{k-1} - \eta_k g, \qquad g = \nabla f(w_{k-1}; b_k), \qquad
+    \eta_k = \max\{\eta = \eta_0 \beta^m,\ m = 0, 1, \dots :\
+        f(w_{k-1} - \eta g; b_k) \le f(w_{k-1}; b_k) - c\,\eta\,\|g\|^2\}
+
+(the largest point of the grid :math:`\eta_0\beta^m` that satisfies the Armijo condition, on the SAME mini-batch on
+both sides; :math:`\|g\|` over all parameters jointly). The start :math:`\eta_0` comes from the reset policy
+(seed 000, Algorithm 3), with :math:`\eta_{k-1}` the step accepted at the previous step:
+
+=========  ============  =====================================================================================
+``reset``  seed 000      :math:`\eta_0`
+=========  ============  =====================================================================================
+``"max"``  opt 1         :math:`\eta_{l,\max}` (``eta_max``) at every step — the setting of the theory (Lemma 6)
+``"last"`` opt 0         :math:`\eta_{k-1}` (continue damping from the last accepted step)
+``"grow"`` opt 2         :math:`\min\{\eta_{k-1}\,\delta^{b/n},\ \eta_{l,\max}\}`
+=========  ============  =====================================================================================
+
+and :math:`\eta_0 = \eta_{l,\max}` at the first step (Algorithm 3, ``k = 1``).
+
+Decisions the papers leave open (digest 000 §1, reference-implementations §1), all ours unless a source is named:
+
+* **Cap of ``"grow"``**: the grown step is capped at ``eta_max`` (Vaswani et al.'s paper and seed 000's theory assume
+  :math:`\eta \in (0, \eta_{l,\max}]`; the current reference Sls code has no cap).
+* **b/n of ``"grow"``**: ``n_batches_per_epoch`` (:math:`n/b`) or ``batch_size`` + ``num_samples`` given to the
+  constructor; otherwise, inside a :class:`~fedlightning.FederatedLoop`, the loop calls :meth:`set_client_data` with
+  the client's own :math:`n_i` and the data module's ``batch_size`` (seed 000: :math:`n` = the client's number of
+  samples). Outside the loop, ``reset="grow"`` without these raises a ValueError at the first step.
+* **Zero gradient** (``‖g‖ < grad_tol``, default 1e-8 as the reference Sls): no trial, no parameter change,
+  recorded step size ``0.0``; :math:`\eta_{k-1}` is left as it was (the current Sls code does the same to the
+  parameters but stores the reset step).
+* **Exhausted backtracking**: the grid is :math:`\eta_0\beta^m` for ``m = 0..max_backtracks`` (``max_backtracks + 1``
+  trial points; default 100 as the reference Sls). If none satisfies the condition the parameters are left
+  unchanged (recorded step size ``0.0``, ``max_backtracks + 1`` backtracks) — not the reference's
+  :math:`w - 10^{-6} g`, which is not an Armijo step. For ``"last"``/``"grow"``, :math:`\eta_{k-1}` becomes the next
+  grid point :math:`\eta_0\beta^{\text{max\_backtracks}+1}`, so the next search continues below the rejected grid.
+* **Trial evaluations** call the closure under ``torch.no_grad()`` after restoring the CPU RNG state (and the CUDA
+  RNG state of the parameters' device) saved before the gradient evaluation, so dropout draws the same masks as in
+  the gradient evaluation (the reference reseeds from wall-clock time; we never reseed). After the step the RNG is
+  left in the state the gradient evaluation left it in, so the number of trials does not change later randomness.
+  Inside the FederatedLoop the closure also restores every model buffer after a no-grad call, so trial forwards do
+  not update BatchNorm running statistics.
+* **Non-finite loss or gradient**: parameters unchanged, step size ``nan``, :math:`\eta_{k-1}` unchanged, the loss
+  is returned (the FederatedLoop skips a client whose loss is non-finite). A non-finite *trial* loss simply fails
+  the Armijo test (the comparison is False) and the search backtracks.
+* **Persistence across rounds** (``carry_step_size``, default False): seed 000's Algorithm 3 restarts every round at
+  :math:`\eta_{l,\max}` (``k = 1``), so by default each round's first search starts at ``eta_max``. With
+  ``carry_step_size=True`` the first step of a round continues from the step this client accepted last (its
+  ``get_client_state()["step_size"]``, stored by the FederatedLoop per client and checkpointed) with the ``"last"``
+  / ``"grow"`` rule. ``get_client_state`` always reports the last accepted step (used by FedLi-LS-style servers).
+
+Cost per step: 1 forward + 1 backward for the gradient, one forward per trial point, one parameter copy, and one
+host synchronisation per trial (the accept/reject decision) plus one for ``(loss, ‖g‖²)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from fedlightning.optim._common import ClosureOptimizer, RngSnapshot, check_positive, epoch_exponent
+
+__all__ = ["SgdArmijo"]
+
+RESETS = ("max", "last", "grow")
+
+
+class SgdArmijo(ClosureOptimizer):
+    r"""SGD with stochastic Armijo line search (Vaswani et al. 2019; seed 000 Alg. 2–3). See the module docstring.
+
+    Args:
+        params: parameters or param groups (all groups must share the hyperparameters: one step size for all).
+        eta_max: :math:`\eta_{l,\max}`, the upper bound and first trial step. Default 1.0 (the reference Sls
+            ``init_step_size``; seed 000 does not report its value).
+        c: Armijo constant in (0, 1). Default 0.1 (Vaswani et al. 2019).
+        beta: backtracking factor :math:`\beta \in (0, 1)`. Default 0.9 (Vaswani et al. 2019).
+        reset: ``"max"`` (seed 000 opt 1, default: the policy its theory analyses), ``"last"`` (opt 0) or
+            ``"grow"`` (opt 2).
+        delta: growth factor :math:`\delta > 1` of ``"grow"`` per epoch. Default 2.0 (Vaswani et al.; reference Sls
+            ``gamma``).
+        n_batches_per_epoch: :math:`n/b` for ``"grow"`` (alternatively ``batch_size`` and ``num_samples``).
+        batch_size, num_samples: :math:`b` and :math:`n` for ``"grow"``.
+        max_backtracks: largest exponent ``m`` of the grid (``max_backtracks + 1`` trials at most). Default 100
+            (reference Sls).
+        grad_tol: below this gradient norm no step is taken. Default 1e-8 (reference Sls).
+        carry_step_size: start a round from the client's last accepted step (see the module docstring). Default
+            False (seed 000 Alg. 3 restarts at ``eta_max``).
+    """
+
+    def __init__(
+        self,
+        params,
+        eta_max: float = 1.0,
+        c: float = 0.1,
+        beta: float = 0.9,
+        reset: str = "max",
+        delta: float = 2.0,
+        n_batches_per_epoch: Optional[float] = None,
+        batch_size: Optional[int] = None,
+        num_samples: Optional[int] = None,
+        max_backtracks: int = 100,
+        grad_tol: float = 1e-8,
+        carry_step_size: bool = False,
+    ):
+        eta_max = check_positive("eta_max", eta_max)
+        c = check_positive("c", c)
+        if not c < 1:
+            raise ValueError(f"c must be in (0, 1), got {c!r}")
+        beta = check_positive("beta", beta)
+        if not beta < 1:
+            raise ValueError(f"beta must be in (0, 1), got {beta!r}")
+        if reset not in RESETS:
+            raise ValueError(f"reset must be one of {RESETS}, got {reset!r}")
+        delta = check_positive("delta", delta)
+        if not delta > 1:
+            raise ValueError(f"delta must be > 1 (seed 000 Alg. 3), got {delta!r}")
+        if isinstance(max_backtracks, bool) or not isinstance(max_backtracks, int) or max_backtracks < 0:
+            raise ValueError(f"max_backtracks must be an integer >= 0, got {max_backtracks!r}")
+        grad_tol = check_positive("grad_tol", grad_tol, allow_zero=True)
+        if not isinstance(carry_step_size, bool):
+            raise TypeError(f"carry_step_size must be a bool, got {carry_step_size!r}")
+        exponent = epoch_exponent(n_batches_per_epoch, batch_size, num_samples)
+        defaults = dict(eta_max=eta_max, c=c, beta=beta, reset=reset, delta=delta, max_backtracks=max_backtracks,
+                        grad_tol=grad_tol)
+        super().__init__(params, defaults)
+        self._explicit_exponent = exponent
+        self.carry_step_size = carry_step_size
+        self._prev_step: Optional[float] = None  # η_{k-1}: step accepted at the previous step (None before the first)
+        self._carried_step: Optional[float] = None  # last accepted step of the client's previous round
+        self._start: Optional[list] = None  # reusable copy of w_{k-1}
+
+    # ------------------------------------------------------------------ reset policy (seed 000 Alg. 3)
+    def initial_step_size(self) -> float:
+        """:math:`\\eta_0` of the next search."""
+        h = self.hyper
+        prev = self._prev_step
+        if prev is None and self.carry_step_size:
+            prev = self._carried_step
+        if prev is None or h["reset"] == "max":
+            return h["eta_max"]
+        if h["reset"] == "last":
+            return prev
+        return min(prev * h["delta"] ** self._epoch_exponent('reset="grow"'), h["eta_max"])
+
+    # ------------------------------------------------------------------ step
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:  # type: ignore[override]
+        """One SGD-Armijo step on the closure's mini-batch; returns the loss at the original point."""
+        h = self.hyper
+        if h["reset"] == "grow":
+            self._epoch_exponent('reset="grow"')  # fail before any work when b/n is unknown
+        first_params = self.param_groups[0]["params"]
+        device = first_params[0].device if first_params else None
+        rng_before = RngSnapshot(device)
+        loss = self._loss_and_grad(closure)
+        params, grads = self._params_with_grad()
+        if not params:
+            self._record(0.0)
+            return loss
+        loss_value, grad_sq_value = self._loss_and_squared_norm(loss, grads)
+        if not (math.isfinite(loss_value) and math.isfinite(grad_sq_value)):
+            self._record(float("nan"))
+            return loss
+        if grad_sq_value < h["grad_tol"] ** 2 or grad_sq_value == 0.0:
+            self._record(0.0)
+            return loss
+
+        eta0 = self.initial_step_size()
+        rng_after = RngSnapshot(device)
+        c, beta = h["c"], h["beta"]
+        forwards, backtracks, accepted = 1, 0, None
+        with torch.no_grad():
+            start = self._start_buffers(params)  # w_{k-1} (a copy; trial points are w_{k-1} - η g)
+            try:
+                for m in range(h["max_backtracks"] + 1):
+                    eta = eta0 * beta**m
+                    if m > 0:
+                        torch._foreach_copy_(params, start)
+                    torch._foreach_add_(params, grads, alpha=-eta)
+                    rng_before.restore()
+                    trial = closure()
+                    forwards += 1
+                    if float(trial) <= loss_value - c * eta * grad_sq_value:
+                        accepted = eta
+                        break
+                    backtracks += 1
+            except BaseException:  # a failing trial evaluation leaves the model at w_{k-1}
+                torch._foreach_copy_(params, start)
+                rng_after.restore()
+                raise
+            if accepted is None:
+                torch._foreach_copy_(params, start)
+        rng_after.restore()
+        if accepted is None:
+            self._prev_step = eta0 * beta ** (h["max_backtracks"] + 1)
+            self._record(0.0, backtracks, forwards, 1)
+        else:
+            self._prev_step = accepted
+            self._record(accepted, backtracks, forwards, 1)
+        return loss
+
+    def _start_buffers(self, params):
+        """A copy of the current parameters in buffers allocated once per optimizer (reused across steps)."""
+        buffers = self._start
+        if buffers is None or len(buffers) != len(params) or any(
+            b.shape != p.shape or b.dtype != p.dtype or b.device != p.device for b, p in zip(buffers, params)
+        ):
+            buffers = self._start = [torch.empty_like(p) for p in params]
+        torch._foreach_copy_(buffers, params)
+        return buffers
+
+    # ------------------------------------------------------------------ per-client state
+    def get_client_state(self) -> Dict[str, Any]:
+        """``{"step_size": η_{k-1}}``: the last accepted step (None if this client never accepted one)."""
+        prev = self._prev_step if self._prev_step is not None else self._carried_step
+        return {"step_size": prev}
+
+    def set_client_state(self, state: Dict[str, Any]) -> None:
+        super().set_client_state(state)
+        step = state.get("step_size")
+        if step is not None:
+            step = float(step)
+            if not (math.isfinite(step) and step > 0):
+                raise ValueError(f"client state step_size must be a finite number > 0, got {step!r}")
+        self._carried_step = step
