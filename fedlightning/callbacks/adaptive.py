@@ -172,7 +172,7 @@ def _moment_statistics(opt: Optional[torch.optim.Optimizer], second: Optional[st
 
 class FedAdagrad(_AdaptiveStrategy):
     """FedAdagrad (Reddi et al. 2021). Defaults: ``server_lr=0.1``, ``eps=τ=1e-2`` (FedExP reference code's
-    FedAdagrad), ``betas=(0.9, 0.99)`` (Reddi et al. §5; β2 is unused by Adagrad), uniform weighting."""
+    FedAdagrad), ``betas=(0.9, 0.99)`` (Reddi et al. 2021; β2 is unused by Adagrad), uniform weighting."""
 
     rule = "adagrad"
 
@@ -182,7 +182,7 @@ class FedAdagrad(_AdaptiveStrategy):
 
 class FedAdam(_AdaptiveStrategy):
     """FedAdam (Reddi et al. 2021). Defaults: ``server_lr=0.1``, ``eps=τ=1e-2`` (FedExP reference code's FedAdam),
-    ``betas=(0.9, 0.99)`` (Reddi et al. §5), uniform weighting."""
+    ``betas=(0.9, 0.99)`` (Reddi et al. 2021), uniform weighting."""
 
     rule = "adam"
 
@@ -192,7 +192,7 @@ class FedAdam(_AdaptiveStrategy):
 
 class FedYogi(_AdaptiveStrategy):
     """FedYogi (Reddi et al. 2021). Defaults as :class:`FedAdam` (ours: the FedExP code has no FedYogi;
-    ``betas=(0.9, 0.99)`` from Reddi et al. §5)."""
+    ``betas=(0.9, 0.99)`` from Reddi et al. 2021)."""
 
     rule = "yogi"
 
@@ -215,7 +215,7 @@ class FedAvgM(ServerStrategy):
 
     Args:
         server_lr: ``η`` (default 1.0, Hsu et al.).
-        momentum: ``β ∈ [0, 1)`` (default 0.9, Hsu et al.'s best-performing value on CIFAR-10).
+        momentum: ``β ∈ [0, 1)`` (default 0.9: ours, the usual heavy-ball value, inside Hsu et al.'s sweep).
         nesterov: Nesterov momentum (torch's form). Default False (Hsu et al.).
         weighting: default ``"samples"`` (Hsu et al. weight by client samples).
     """

@@ -5,13 +5,13 @@ Sec. 3.2).
 Round index ``r = 1, 2, …`` (``plan.round + 1``); ``K_0`` and ``η_0`` are the configured local steps and client
 learning rate. Table III:
 
-============  ==========================================  ===========================================
-schedule      ``decay="local_steps"`` (``K_r``; ``η_0``)     ``decay="client_lr"`` (``η_r``; ``K_0``)
-============  ==========================================  ===========================================
-``rounds``    ``⌈K_0 · r^{−1/3}⌉``                          ``η_0 · r^{−1/2}``
-``error``     ``⌈K_0 · (F_r/F_0)^{1/3}⌉``                   ``η_0 · (F_r/F_0)^{1/2}``
-``step``      ``K_0``, then ``⌈K_0/10⌉`` once converged     ``η_0``, then ``η_0/10`` once converged
-============  ==========================================  ===========================================
+============  ==============================================  ==============================================
+schedule      ``decay="local_steps"`` (``K_r``; ``η_0``)      ``decay="client_lr"`` (``η_r``; ``K_0``)
+============  ==============================================  ==============================================
+``rounds``    ``⌈K_0 · r^{−1/3}⌉``                            ``η_0 · r^{−1/2}``
+``error``     ``⌈K_0 · (F_r/F_0)^{1/3}⌉``                     ``η_0 · (F_r/F_0)^{1/2}``
+``step``      ``K_0``, then ``⌈K_0/10⌉`` once converged       ``η_0``, then ``η_0/10`` once converged
+============  ==============================================  ==============================================
 
 dSGD is ``K ≡ 1`` (``model.local_steps: 1``, ``configs/dsgd.yaml``); Kη-fixed is no schedule at all. The
 η-decay schedules act through ``plan.client_lr_scale`` (the FederatedLoop multiplies the client optimizer's lr).
@@ -20,8 +20,10 @@ Decisions (seed 004 digest §4 and §8):
 
 * **Exact ceilings.** ``⌈K_0 r^{−1/3}⌉`` is the smallest integer ``k`` with ``k³·r ≥ K_0³`` and is computed in
   integer arithmetic (a float guess corrected by exact cube comparisons), so ``K_0 = 60, r = 1000`` gives 6, not
-  the 7 of a naive ``ceil(60 * 1000 ** (-1/3))``. The error schedule does the same with exact rationals of the
-  two float losses (:class:`fractions.Fraction`). ``K_r ≥ 1`` always.
+  the 7 of a naive ``ceil(60 * 1000 ** (-1/3))``. The error schedule compares cubes in exact rationals of the
+  two float losses (:class:`fractions.Fraction`) after shrinking the target by a relative ``1e-12``
+  (``LOSS_RATIO_TOLERANCE``): the losses are floats, and a ratio such as 0.001 is stored as
+  0.0010000000000000000208, which would otherwise still turn ``60·∛0.001`` into 7. ``K_r ≥ 1`` always.
 * **F_r** (error schedule) is the mean of the clients' first-batch losses at the received global model
   (``train/first_loss`` of the round, reduced over all processes) over the ``window = s`` *previous* rounds
   ``r−s … r−1`` (the paper's Eq. 15 includes round ``r`` itself, whose losses do not exist before it runs),
@@ -68,6 +70,7 @@ __all__ = [
 ]
 
 SCHEDULES = ("rounds", "error", "step")
+LOSS_RATIO_TOLERANCE = Fraction(1, 10**12)  # relative slack of the error schedule's ceiling (module docstring)
 DECAYS = ("local_steps", "client_lr")
 
 
@@ -79,10 +82,16 @@ def ceil_cube_root(numerator: int, denominator: int = 1) -> int:
     if numerator == 0:
         return 0
     try:
-        guess = (numerator / denominator) ** (1.0 / 3.0)
-    except OverflowError:
-        guess = float(Fraction(numerator, denominator).__floor__()) ** (1.0 / 3.0)
-    k = max(0, math.ceil(guess))
+        k = max(0, math.ceil((numerator / denominator) ** (1.0 / 3.0)))
+    except OverflowError:  # beyond float range: bisection on exact integers
+        lo, hi = 0, 1 << ((numerator.bit_length() - denominator.bit_length()) // 3 + 2)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if mid**3 * denominator >= numerator:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
     while k > 0 and (k - 1) ** 3 * denominator >= numerator:
         k -= 1
     while k**3 * denominator < numerator:
@@ -116,10 +125,10 @@ def rounds_local_steps(k0: int, round_number: int) -> int:
 
 
 def error_local_steps(k0: int, loss: float, reference_loss: float) -> int:
-    """K_r-error: ``⌈K_0 · (F_r/F_0)^{1/3}⌉`` (exact in the rationals of the two floats), at least 1."""
+    """K_r-error: ``⌈K_0 · (F_r/F_0)^{1/3}⌉`` (exact rational cubes, relative tolerance 1e-12), at least 1."""
     k0 = _check_k0(k0)
     _check_losses(loss, reference_loss)
-    target = Fraction(k0) ** 3 * Fraction(loss) / Fraction(reference_loss)
+    target = Fraction(k0) ** 3 * Fraction(loss) / Fraction(reference_loss) * (1 - LOSS_RATIO_TOLERANCE)
     return max(1, ceil_cube_root(target.numerator, target.denominator))
 
 

@@ -1,0 +1,291 @@
+"""FedDANE and SCAFFOLD: hand-computed control-variate updates, exact reductions (FedDANE -> FedProx -> FedAvg,
+SCAFFOLD with zero variates -> FedAvg), agreement with plain-PyTorch reference loops, the full-batch gradient, and
+FedDANE's one-step analytic case (every client moves along g_t)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FedAvg, FedDANE, ProximalTerm, Scaffold
+from fedlightning.callbacks.feddane import client_full_gradient
+from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.models import MLP, LogisticRegression
+from fedlightning.state import RoundPlan, derive_seed
+from test_strategies import Recorder, assert_vec, server_round, setup_rule, upd, weights
+
+LR, K, CPR, SEED, ROUNDS = 0.2, 3, 4, 3, 3
+
+
+def make_dm(batch_size=16):
+    return DigitsDataModule(num_clients=12, batch_size=batch_size, partition=Dirichlet(0.5), seed=2)
+
+
+def make_model(kind="logreg", model_seed=1):
+    torch.manual_seed(model_seed)
+    if kind == "mlp":
+        return MLP(input_dim=64, hidden=[16], num_classes=10, dropout=0.3)
+    return LogisticRegression(input_dim=64, num_classes=10)
+
+
+def run(callbacks, rounds=ROUNDS, kind="logreg", cpr=CPR, local_steps=K, batch_size=16, lr=LR, execution="sequential"):
+    model = make_model(kind)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=lr),
+        local_steps=local_steps,
+        clients_per_round=cpr,
+        seed=SEED,
+        client_execution=execution,
+    )
+    trainer = make_trainer(rounds, callbacks=callbacks)
+    trainer.fit(loop, datamodule=make_dm(batch_size))
+    return loop, trainer
+
+
+# ============================================================================ plain-PyTorch references
+def _functional(net):
+    names = [n for n, _ in net.named_parameters()]
+    return lambda w, x: torch.func.functional_call(net, dict(zip(names, w)), (x,))
+
+
+def _grad(f, w, x, y):
+    wr = [t.detach().clone().requires_grad_(True) for t in w]
+    return [g.detach() for g in torch.autograd.grad(F.cross_entropy(f(wr, x), y), wr)]
+
+
+def _client_data(dm, k):
+    idx = torch.as_tensor(dm.client_indices[k])
+    return dm.train_dataset.x[idx], dm.train_dataset.y[idx]
+
+
+def _local_sgd(f, w0, loader, steps, lr, extra):
+    """``steps`` SGD steps on the batch loss plus an explicit extra gradient ``extra(w)`` (cycling the loader)."""
+    w, it = [t.clone() for t in w0], iter(loader)
+    for _ in range(steps):
+        try:
+            x, y = next(it)
+        except StopIteration:
+            it = iter(loader)
+            x, y = next(it)
+        g = _grad(f, w, x, y)
+        e = extra(w)
+        w = [wi - lr * (gi + ei) for wi, gi, ei in zip(w, g, e)]
+    return w
+
+
+def _setup(dm):
+    dm.setup("fit")
+    dm.configure_rounds(CPR, K, SEED)
+    model = make_model()
+    return _functional(model.net), [p.detach().clone() for p in model.net.parameters()]
+
+
+def reference_feddane(mu, mode, rounds=ROUNDS):
+    dm = make_dm()
+    f, glob = _setup(dm)
+    eligible = [k for k in range(dm.num_clients) if dm.client_num_samples(k) > 0]
+    grad_sets = []
+    for r in range(rounds):
+        clients = dm.sample_clients(r)
+        if mode == "same":
+            grad_set = list(clients)
+        else:
+            gen = torch.Generator().manual_seed(derive_seed(SEED, "feddane", r))
+            grad_set = [eligible[i] for i in torch.randperm(len(eligible), generator=gen)[:CPR].tolist()]
+        grad_sets.append(grad_set)
+        grads = {k: _grad(f, glob, *_client_data(dm, k)) for k in set(grad_set) | set(clients)}
+        g = [sum(grads[k][j] for k in grad_set) / len(grad_set) for j in range(len(glob))]
+        new = []
+        for k in clients:
+            corr = [g[j] - grads[k][j] for j in range(len(glob))]
+            loader = dm.client_dataloader(k, r, seed=SEED)
+            new.append(_local_sgd(f, glob, loader, K, LR, lambda w: [c + mu * (wi - gi) for c, wi, gi in zip(corr, w, glob)]))
+        glob = [sum(w[j] for w in new) / len(new) for j in range(len(glob))]
+    return glob, grad_sets
+
+
+def reference_scaffold(rounds=ROUNDS):
+    dm = make_dm()
+    f, glob = _setup(dm)
+    zeros = lambda: [torch.zeros_like(t) for t in glob]  # noqa: E731
+    c, ci = zeros(), {}
+    for r in range(rounds):
+        deltas, dcs = [], []
+        for k in dm.sample_clients(r):
+            cik = ci.get(k, zeros())
+            loader = dm.client_dataloader(k, r, seed=SEED)
+            w = _local_sgd(f, glob, loader, K, LR, lambda w: [cj - cij for cj, cij in zip(c, cik)])
+            delta = [g - wi for g, wi in zip(glob, w)]
+            cnew = [cij - cj + d / (K * LR) for cij, cj, d in zip(cik, c, delta)]  # option II
+            dcs.append([a - b for a, b in zip(cnew, cik)])
+            ci[k] = cnew
+            deltas.append(delta)
+        glob = [g - sum(d[j] for d in deltas) / len(deltas) for j, g in enumerate(glob)]
+        c = [cj + sum(d[j] for d in dcs) / dm.num_clients for j, cj in enumerate(c)]
+    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+    return flat(glob), flat(c), {k: flat(v) for k, v in ci.items()}
+
+
+# ============================================================================ FedDANE
+def test_feddane_without_correction_is_fedprox_and_with_mu_zero_fedavg_exactly():
+    a, _ = run([FedDANE(mu=0.3, correction=False)])
+    b, _ = run([FedAvg(weighting="uniform"), ProximalTerm(0.3)])
+    assert torch.equal(weights(a), weights(b))
+    c, _ = run([FedDANE(mu=0.0, correction=False)])
+    d, _ = run([FedAvg(weighting="uniform")])
+    assert torch.equal(weights(c), weights(d))
+    assert not torch.equal(weights(a), weights(c))  # μ matters
+
+
+def test_feddane_gradient_phase_leaves_the_run_untouched_when_the_correction_vanishes():
+    """One client per round, S_t = S'_t: g_t = ∇F_k(w_t), the correction is exactly 0, so FedDANE == FedProx bit
+    for bit even with dropout — the gradient phase perturbs neither weights, RNG streams nor logged client metrics."""
+    rec = Recorder()
+    a, ta = run([FedDANE(mu=0.3, gradient_clients="same"), rec], kind="mlp", cpr=1)
+    b, tb = run([FedAvg(weighting="uniform"), ProximalTerm(0.3)], kind="mlp", cpr=1)
+    assert torch.equal(weights(a), weights(b))
+    assert float(ta.callback_metrics["client/train/batch_loss"]) == float(tb.callback_metrics["client/train/batch_loss"])
+    assert all(m["feddane/gradient_norm"] > 0 for m in rec.metrics)  # the gradient phase did run
+
+
+@pytest.mark.parametrize("mode", ["independent", "same"])
+def test_feddane_matches_reference_loop(mode):
+    rec = Recorder()
+    loop, _ = run([FedDANE(mu=0.1, gradient_clients=mode), rec])
+    ref, grad_sets = reference_feddane(mu=0.1, mode=mode)
+    got = list(loop.model.net.parameters())
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g.detach(), r, atol=2e-6, rtol=0)
+    assert [p.extras["feddane_gradient_clients"] for p in rec.plans] == grad_sets
+    assert [m["round/communication_rounds"] for m in rec.metrics] == [2.0, 4.0, 6.0]
+    if mode == "same":
+        assert all(p.extras["feddane_gradient_clients"] == p.client_ids for p in rec.plans)
+    else:
+        assert any(p.extras["feddane_gradient_clients"] != p.client_ids for p in rec.plans)
+    plain, _ = run([FedAvg(weighting="uniform"), ProximalTerm(0.1)])
+    assert not torch.allclose(weights(loop), weights(plain), atol=1e-4)  # the correction changes the run
+
+
+def test_feddane_one_full_batch_step_moves_every_client_along_g_t():
+    """K = 1 full-batch step: ∇h_k(w_t) = ∇F_k(w_t) + g_t − ∇F_k(w_t) = g_t, so w_1 = w_0 − lr·g_t exactly."""
+    rec = Recorder()
+    run([FedDANE(mu=0.5), rec], rounds=1, local_steps=1, batch_size=10_000)
+    dm = make_dm(10_000)
+    dm.setup("fit")
+    f, w0 = _setup(dm)
+    grad_set = rec.plans[0].extras["feddane_gradient_clients"]
+    g = torch.stack([torch.cat([t.reshape(-1) for t in _grad(f, w0, *_client_data(dm, k))]) for k in grad_set]).mean(0)
+    torch.testing.assert_close(rec.after[0], rec.before[0] - LR * g.double(), atol=1e-6, rtol=0)
+    for u in rec.updates[0]:
+        torch.testing.assert_close(u.delta, LR * g.double(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_client_full_gradient_is_the_mean_loss_gradient_over_all_samples(chunk):
+    loop, trainer = run([FedAvg()], rounds=1)
+    dm = trainer.datamodule
+    before = weights(loop).clone()
+    k = max(range(dm.num_clients), key=dm.client_num_samples)
+    got = client_full_gradient(loop, k, round=0, batch_size=chunk)
+    f = _functional(loop.model.net)
+    ref = torch.cat([t.reshape(-1) for t in _grad(f, list(loop.model.net.parameters()), *_client_data(dm, k))])
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    assert torch.equal(weights(loop), before)
+
+
+# ============================================================================ SCAFFOLD
+def test_scaffold_control_variates_by_hand():
+    s = Scaffold(server_lr=1.0)
+    loop, opt = setup_rule(s, [1.0, 1.0])
+    loop.num_clients = 4
+    plan = RoundPlan(0, [0], 1)
+    # round 0, c = c_0 = 0: the correction term is zero
+    (term,) = s.client_objective(loop, plan, 0)
+    p = torch.tensor([3.0, -1.0], dtype=torch.float64, requires_grad=True)
+    term([p]).backward()
+    assert_vec(p.grad, [0.0, 0.0])
+    u = upd(0, [0.2, 0.4], step_sizes=[0.1, 0.1])
+    s.on_client_end(loop, plan, u)
+    # c_0+ = c_0 − c + Δ/(Kη) = [0.2, 0.4]/0.2 = [1, 2]
+    assert_vec(loop.client_state.get("scaffold", 0)["control"], [1.0, 2.0])
+    assert_vec(u.payload["scaffold_control_delta"], [1.0, 2.0])
+    server_round(s, loop, opt, [u])
+    assert_vec(s.server_control, [0.25, 0.5])  # c += Σ Δc_i / N, N = 4
+    assert_vec(loop.w, [0.8, 0.6])  # w − η_g Δ
+    # round 1, client 0 again: the term's gradient is c − c_0 = [−0.75, −1.5], and it is zero at w_t
+    (term,) = s.client_objective(loop, RoundPlan(1, [0], 1), 0)
+    p = loop.w.detach().clone().requires_grad_(True)
+    value = term([p])
+    assert float(value.detach()) == 0.0
+    value.backward()
+    assert_vec(p.grad, [-0.75, -1.5])
+    u = upd(0, [0.1, 0.0], step_sizes=[0.05, 0.05])
+    s.on_client_end(loop, RoundPlan(1, [0], 1), u)
+    assert_vec(loop.client_state.get("scaffold", 0)["control"], [1.0 - 0.25 + 1.0, 2.0 - 0.5 + 0.0])
+    # a client without positive step sizes cannot form option II: it is marked failed, its variate untouched
+    bad = upd(1, [0.1, 0.0], step_sizes=[0.0])
+    s.on_client_end(loop, RoundPlan(1, [1], 1), bad)
+    assert bad.failed and "step sizes" in bad.failure and loop.client_state.get("scaffold", 1) is None
+
+
+def test_scaffold_first_round_with_zero_variates_equals_fedavg_exactly():
+    a, _ = run([Scaffold()], rounds=1)
+    b, _ = run([FedAvg(weighting="uniform")], rounds=1)
+    assert torch.equal(weights(a), weights(b))
+    c, _ = run([Scaffold()], rounds=2)
+    d, _ = run([FedAvg(weighting="uniform")], rounds=2)
+    assert not torch.equal(weights(c), weights(d))  # from round 2 on the control variates act
+
+
+def test_scaffold_matches_reference_loop():
+    s = Scaffold()
+    loop, _ = run([s])
+    glob, c, ci = reference_scaffold()
+    torch.testing.assert_close(weights(loop), glob, atol=2e-6, rtol=0)
+    torch.testing.assert_close(s.server_control, c, atol=2e-5, rtol=0)
+    assert sorted(loop.client_state.clients("scaffold")) == sorted(ci)
+    for k, v in ci.items():
+        torch.testing.assert_close(loop.client_state.get("scaffold", k)["control"], v, atol=2e-5, rtol=0)
+    assert float(c.norm()) > 0
+
+
+# ============================================================================ vectorised clients, |S_t| option
+@pytest.mark.parametrize("make", [lambda: [Scaffold()], lambda: [FedDANE(mu=0.1)]], ids=["scaffold", "feddane"])
+def test_objective_terms_work_with_vectorised_clients(make):
+    """The correction terms are called on slices of the batched weights in vectorised mode: same result."""
+    a, _ = run(make())
+    b, _ = run(make(), execution="vectorized")
+    torch.testing.assert_close(weights(b), weights(a), atol=1e-6, rtol=0)
+
+
+def test_feddane_gradient_sample_size_option():
+    rec = Recorder()
+    run([FedDANE(mu=0.1, gradient_clients_per_round=2), rec], rounds=2)
+    assert all(len(p.extras["feddane_gradient_clients"]) == 2 for p in rec.plans)
+    assert all(m["feddane/gradient_clients"] == 2.0 for m in rec.metrics)
+
+
+# ============================================================================ bad arguments
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: FedDANE(mu=-0.1), "mu"),
+        (lambda: FedDANE(mu=float("nan")), "mu"),
+        (lambda: FedDANE(gradient_clients="previous"), "gradient_clients"),
+        (lambda: FedDANE(gradient_clients_per_round=0), "gradient_clients_per_round"),
+        (lambda: FedDANE(gradient_batch_size=0), "gradient_batch_size"),
+        (lambda: FedDANE(weighting="none"), "weighting"),
+        (lambda: Scaffold(weighting="none"), "weighting"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_feddane_gradient_sample_larger_than_population_is_rejected():
+    with pytest.raises(ValueError, match="gradient_clients_per_round"):
+        run([FedDANE(gradient_clients_per_round=50)], rounds=1)
+
