@@ -103,12 +103,15 @@ class Dirichlet(Partitioner):
 
     def _repair(self, parts: List[np.ndarray], rng) -> List[np.ndarray]:
         parts = [rng.permutation(p) for p in parts]
-        for c in range(len(parts)):
-            while len(parts[c]) < self.min_samples:
-                donor = int(np.argmax([len(p) for p in parts]))
-                take = min(self.min_samples - len(parts[c]), len(parts[donor]) - self.min_samples)
+        sizes = np.array([len(p) for p in parts], dtype=np.int64)  # kept in sync: argmax without a list per step
+        for c in np.flatnonzero(sizes < self.min_samples).tolist():
+            while sizes[c] < self.min_samples:
+                donor = int(np.argmax(sizes))
+                take = int(min(self.min_samples - sizes[c], sizes[donor] - self.min_samples))
                 parts[c] = np.concatenate([parts[c], parts[donor][:take]])
                 parts[donor] = parts[donor][take:]
+                sizes[c] += take
+                sizes[donor] -= take
         return parts
 
 

@@ -1,0 +1,163 @@
+"""Scale of the client index: a 100,000-client Dirichlet split and a 3,550-user (FEMNIST-sized) LEAF index.
+
+    python benchmarks/data_scale.py                      # defaults: 1,000,000 labels -> 100,000 clients; 3,550 users
+    python benchmarks/data_scale.py --clients 10000 --samples 100000 --leaf-users 500   # quick
+
+What is measured (numpy and Python allocations through ``tracemalloc``; torch tensors built with ``from_numpy``
+share numpy's memory and are counted there):
+
+* **Dirichlet split** — ``FederatedDataModule.setup()`` with ``Dirichlet(alpha=0.3)`` over ``--samples`` labels of 10
+  classes and ``--clients`` clients: wall time (the split, ``check_partition`` and the per-client bookkeeping), peak
+  traced memory during setup, and the memory the module *retains* per client beyond the client's index array
+  (array headers, list slots, the per-client sample counts). Run with the default ``max_retries=10`` and with
+  ``max_retries=0`` (a single draw, then the repair).
+* **LEAF index** — ``LeafDataModule(name="femnist")`` on LEAF JSON files written here with ``--leaf-users`` users of
+  ``--leaf-samples`` samples each (binary pixels keep the files small; the per-user overhead does not depend on the
+  sample count): wall time of the first load (JSON parse + Arrow cache write) and of a second, cached load, peak
+  traced memory, and retained bytes per user beyond its train and test index arrays and the data tensors.
+
+Target (issue 5): < 1 KB per unsampled client beyond its index array.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+import tracemalloc
+
+import numpy as np
+import torch
+
+from fedlightning.datamodules import ArrayDataset, Dirichlet, FederatedDataModule, LeafDataModule
+
+
+class _LabelsOnly(FederatedDataModule):
+    """A data module over a label vector with one feature per sample (the split is what is measured)."""
+
+    def __init__(self, labels: np.ndarray, **kw):
+        super().__init__(**kw)
+        self.labels = labels
+
+    def load(self):
+        x = torch.from_numpy(np.zeros((len(self.labels), 1), dtype=np.float32))
+        ds = ArrayDataset(x, torch.from_numpy(self.labels))
+        return ds, None, self.labels
+
+
+def _index_bytes(arrays) -> int:
+    return int(sum(a.nbytes for a in arrays))
+
+
+def bench_dirichlet(num_samples: int, num_clients: int, max_retries: int, seed: int = 0) -> dict:
+    labels = np.random.default_rng(seed).integers(0, 10, num_samples).astype(np.int64)
+    dm = _LabelsOnly(labels, num_clients=num_clients, partition=Dirichlet(alpha=0.3, max_retries=max_retries), seed=seed)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    t = time.perf_counter()
+    dm.setup("fit")
+    seconds = time.perf_counter() - t
+    current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    data_bytes = dm.train_dataset.x.numel() * 4  # the zeros features (labels existed before)
+    idx = _index_bytes(dm.client_indices)
+    retained = current - base - data_bytes - idx
+    return {
+        "clients": num_clients,
+        "samples": num_samples,
+        "max_retries": max_retries,
+        "seconds": seconds,
+        "peak_MB": (peak - base) / 1e6,
+        "index_MB": idx / 1e6,
+        "retained_bytes_per_client_beyond_index": retained / num_clients,
+        "min_client_samples": int(min(len(a) for a in dm.client_indices)),
+    }
+
+
+def _write_leaf(root: str, users: int, per_user: int, seed: int = 0, users_per_file: int = 100) -> None:
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", per_user), ("test", max(1, per_user // 4))):
+        os.makedirs(os.path.join(root, split), exist_ok=True)
+        for f, start in enumerate(range(0, users, users_per_file)):
+            names = [f"f{u:05d}_{u % 100:02d}" for u in range(start, min(users, start + users_per_file))]
+            data = {"users": names, "num_samples": [n] * len(names), "user_data": {}}
+            for name in names:
+                x = rng.integers(0, 2, (n, 784)).tolist()  # binary pixels: valid LEAF values, short JSON
+                data["user_data"][name] = {"x": x, "y": rng.integers(0, 62, n).tolist()}
+            with open(os.path.join(root, split, f"all_data_{f}_niid_{split}.json"), "w") as fh:
+                json.dump(data, fh)
+
+
+def bench_leaf(users: int, per_user: int) -> dict:
+    import datasets  # noqa: F401  (imported before measuring: the library's import is not the index's cost)
+    import pyarrow.compute  # noqa: F401
+
+    tmp = tempfile.mkdtemp(prefix="leaf_scale_")
+    try:
+        root, cache = os.path.join(tmp, "femnist"), os.path.join(tmp, "hf_cache")
+        t = time.perf_counter()
+        _write_leaf(root, users, per_user)
+        write_s = time.perf_counter() - t
+        out = {"users": users, "samples_per_user": per_user, "write_json_seconds": write_s}
+        for run in ("first", "cached"):
+            dm = LeafDataModule(name="femnist", data_dir=root, cache_dir=cache)
+            gc.collect()
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            t = time.perf_counter()
+            dm.setup("fit")
+            seconds = time.perf_counter() - t
+            current, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            data = sum(t.numel() * t.element_size() for ds in (dm.train_dataset, dm.test_dataset) for t in (ds.x, ds.y))
+            idx = _index_bytes(dm.client_indices) + _index_bytes(dm.client_test_indices)
+            retained = current - base - data - idx
+            out[f"{run}_load_seconds"] = seconds
+            out[f"{run}_peak_MB"] = (peak - base) / 1e6
+            out[f"{run}_retained_bytes_per_user_beyond_index"] = retained / dm.num_clients
+            out["clients"] = dm.num_clients
+            del dm
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=1_000_000)
+    ap.add_argument("--clients", type=int, default=100_000)
+    ap.add_argument("--leaf-users", type=int, default=3_550)
+    ap.add_argument("--leaf-samples", type=int, default=4)
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
+    results["dirichlet"] = [bench_dirichlet(args.samples, args.clients, r) for r in (10, 0)]
+    results["leaf"] = bench_leaf(args.leaf_users, args.leaf_samples)
+    print(f"machine: {results['machine']}")
+    print("\nDirichlet(alpha=0.3) split, FederatedDataModule.setup()")
+    print("| clients | samples | max_retries | time (s) | peak traced (MB) | index arrays (MB) | retained B/client beyond index |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results["dirichlet"]:
+        print(f"| {r['clients']:,} | {r['samples']:,} | {r['max_retries']} | {r['seconds']:.2f} | {r['peak_MB']:.1f} | "
+              f"{r['index_MB']:.1f} | {r['retained_bytes_per_client_beyond_index']:.0f} |")
+    r = results["leaf"]
+    print("\nLEAF FEMNIST-layout index, LeafDataModule.setup()")
+    print("| users | samples/user | load | time (s) | peak traced (MB) | retained B/user beyond index + data |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for run in ("first", "cached"):
+        print(f"| {r['clients']:,} | {r['samples_per_user']} | {run} | {r[f'{run}_load_seconds']:.2f} | "
+              f"{r[f'{run}_peak_MB']:.1f} | {r[f'{run}_retained_bytes_per_user_beyond_index']:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

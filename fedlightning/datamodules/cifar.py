@@ -1,0 +1,282 @@
+r"""CIFAR-10 / CIFAR-100 (Krizhevsky 2009) as federated data sets: Dirichlet label skew by default, Reddi et al.'s
+Pachinko split of CIFAR-100 as an option, per-sample augmentation.
+
+Files: the "python version" archives, extracted under ``data_dir``: ``cifar-10-batches-py/{data_batch_1..5,
+test_batch}`` and ``cifar-100-python/{train, test}`` (pickled dicts with ``data`` (N×3072 uint8, channel-major
+32×32 images) and ``labels`` / ``fine_labels`` + ``coarse_labels``). They are read directly (torchvision's own
+loader insists on the official archive checksums); ``download=True`` fetches the archives with torchvision's
+``CIFAR10``/``CIFAR100(download=True)`` first. Without the files and without ``download=True`` a FileNotFoundError
+says where to put them — nothing is downloaded unless asked.
+
+Augmentation (training images only, per sample): random 32×32 crop of the image zero-padded by 4 pixels, then a
+horizontal flip with probability 1/2 (the standard CIFAR recipe; seed 000 follows FedExP's code, which applies this
+crop + flip, and seed 004 asks for crop + flip). Unlike the FedExP reference code, which transforms a whole batch
+tensor at once (one crop for the batch), every sample gets its own crop and flip. Padding happens before
+normalisation (as torchvision's ``RandomCrop`` on the raw image), so padded pixels are black. Normalisation: per-channel
+mean/std of the training images (CIFAR-10: (0.4914, 0.4822, 0.4465) / (0.2470, 0.2435, 0.2616); CIFAR-100:
+(0.5071, 0.4865, 0.4409) / (0.2673, 0.2564, 0.2762)). Randomness: torch's global generator (seeded by
+``seed_everything`` and, in loader workers, by PyTorch's per-worker seeding), so a fresh run is reproducible; a run
+resumed from a checkpoint draws different crops than the uninterrupted run would have.
+
+CIFAR-100 Pachinko split (:class:`PachinkoPartition`, Reddi et al. 2021, "Adaptive Federated Optimization", App. C;
+the TFF ``cifar100`` federated split, seed 004 uses its 500 clients of 100 images): every client draws a distribution
+over the 20 coarse labels from ``Dir(α)`` (α = 0.1) and, for each coarse label, a distribution over its 5 fine labels
+from ``Dir(β)`` (β = 10). Each of its samples then draws a coarse label, a fine label within it, and the next unused
+image of that fine label. When a fine label runs out of images it is removed for all later draws (the client's
+distributions are renormalised over the labels that remain), and likewise a coarse label whose fine labels are all
+used up. Clients receive ``len(train) // num_clients`` images (the first ``len % num_clients`` one more), so the split
+covers the training set (500 clients → 100 images each).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from fedlightning.datamodules.base import FederatedDataModule
+from fedlightning.datamodules.partition import Dirichlet, Partitioner
+
+__all__ = ["Cifar10DataModule", "Cifar100DataModule", "CifarImages", "PachinkoPartition", "read_cifar"]
+
+_CIFAR = {
+    10: {
+        "folder": "cifar-10-batches-py",
+        "train": [f"data_batch_{i}" for i in range(1, 6)],
+        "test": ["test_batch"],
+        "label": "labels",
+        "mean": (0.4914, 0.4822, 0.4465),
+        "std": (0.2470, 0.2435, 0.2616),
+        "url": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+    },
+    100: {
+        "folder": "cifar-100-python",
+        "train": ["train"],
+        "test": ["test"],
+        "label": "fine_labels",
+        "mean": (0.5071, 0.4865, 0.4409),
+        "std": (0.2673, 0.2564, 0.2762),
+        "url": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+    },
+}
+
+
+def _get(d: dict, key: str):
+    if key in d:
+        return d[key]
+    if key.encode() in d:
+        return d[key.encode()]
+    raise KeyError(key)
+
+
+def read_cifar(data_dir: str, num_classes: int, split: str) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """``(images uint8 (N, 3, 32, 32), labels int64, coarse labels or None)`` of one split from the python pickles."""
+    spec = _CIFAR[num_classes]
+    folder = os.path.join(data_dir, spec["folder"])
+    paths = [os.path.join(folder, name) for name in spec[split]]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(
+            f"CIFAR-{num_classes} files not found: {missing}. Extract the python version ({spec['url']}) so that "
+            f"{folder}/ holds {', '.join(spec['train'] + spec['test'])}, or pass download=True"
+        )
+    xs, ys, coarse = [], [], []
+    for p in paths:
+        try:
+            with open(p, "rb") as f:
+                entry = pickle.load(f, encoding="latin1")
+            data = np.asarray(_get(entry, "data"), dtype=np.uint8)
+            labels = np.asarray(_get(entry, spec["label"]), dtype=np.int64)
+            if num_classes == 100:
+                coarse.append(np.asarray(_get(entry, "coarse_labels"), dtype=np.int64))
+        except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{p} is not a CIFAR python pickle (dict with data and labels): {e!r}") from None
+        if data.ndim != 2 or data.shape[1] != 3072 or len(data) != len(labels):
+            raise ValueError(f"{p}: expected data of shape (N, 3072) and N labels, got {data.shape} / {len(labels)}")
+        bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+        if len(bad):
+            raise ValueError(f"{p}: label {int(labels[bad[0]])} is outside the class range [0, {num_classes})")
+        xs.append(data.reshape(-1, 3, 32, 32))
+        ys.append(labels)
+    return np.concatenate(xs), np.concatenate(ys), (np.concatenate(coarse) if coarse else None)
+
+
+class CifarImages(Dataset):
+    """uint8 CHW images + labels; items are normalised float32 images (augmented when ``augment``).
+
+    ``__getitem__`` transforms one sample; ``__getitems__`` (used by ``DataLoader`` for a whole batch of indices) does
+    the same per-sample random crops and flips vectorised over the batch.
+    """
+
+    def __init__(self, images: Tensor, labels: Tensor, mean: Sequence[float], std: Sequence[float], augment: bool):
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError(f"images must be a uint8 (N, C, H, W) tensor, got {images.dtype} {tuple(images.shape)}")
+        self.images, self.labels = images, labels
+        self.augment = bool(augment)
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        self.padding = 4
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def _transform(self, imgs: Tensor) -> Tensor:
+        """``imgs``: uint8 (B, C, H, W) -> float32 normalised, each sample cropped/flipped independently."""
+        if self.augment:
+            B, C, H, W = imgs.shape
+            p = self.padding
+            padded = torch.nn.functional.pad(imgs, (p, p, p, p))  # zeros = black, before normalisation
+            top = torch.randint(0, 2 * p + 1, (B,))
+            left = torch.randint(0, 2 * p + 1, (B,))
+            flip = torch.rand(B) < 0.5
+            rows = (top[:, None] + torch.arange(H)[None, :])  # (B, H)
+            cols = left[:, None] + torch.arange(W)[None, :]  # (B, W)
+            cols = torch.where(flip[:, None], cols.flip(1), cols)
+            b = torch.arange(B)[:, None, None]
+            imgs = padded.permute(0, 2, 3, 1)[b, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+        return (imgs.float() / 255.0 - self.mean) / self.std
+
+    def __getitem__(self, idx: int):
+        return self._transform(self.images[idx : idx + 1])[0], self.labels[idx]
+
+    def __getitems__(self, indices: List[int]):
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        x = self._transform(self.images[idx])
+        return list(zip(x.unbind(0), self.labels[idx].unbind(0)))
+
+
+class PachinkoPartition(Partitioner):
+    """Reddi et al.'s two-level (coarse → fine) Dirichlet split of CIFAR-100 (see the module docstring).
+
+    Args:
+        alpha: concentration of the per-client distribution over coarse labels (Reddi et al.: 0.1).
+        beta: concentration of the per-client distributions over the fine labels of each coarse label (10).
+        coarse_of_fine: coarse label of every fine label; :class:`Cifar100DataModule` fills it from the data.
+    """
+
+    def __init__(self, alpha: float = 0.1, beta: float = 10.0, coarse_of_fine: Optional[Sequence[int]] = None):
+        for name, v in (("alpha", alpha), ("beta", beta)):
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v > 0):
+                raise ValueError(f"Pachinko {name} must be a finite number > 0, got {v!r}")
+        self.alpha, self.beta = float(alpha), float(beta)
+        self.coarse_of_fine = None if coarse_of_fine is None else np.asarray(coarse_of_fine, dtype=np.int64)
+
+    def split(self, labels, num_clients, rng):
+        if self.coarse_of_fine is None:
+            raise ValueError("PachinkoPartition needs coarse_of_fine (the coarse label of every fine label)")
+        c_of_f = self.coarse_of_fine
+        if labels.max() >= len(c_of_f):
+            raise ValueError(f"fine label {int(labels.max())} has no coarse label (coarse_of_fine has {len(c_of_f)})")
+        coarse_ids = np.unique(c_of_f)
+        fine_of = {int(c): np.flatnonzero(c_of_f == c) for c in coarse_ids}
+        pools = {int(f): list(rng.permutation(np.flatnonzero(labels == f))) for f in range(len(c_of_f))}
+        left = np.array([len(pools[f]) for f in range(len(c_of_f))], dtype=np.int64)
+        n, N = len(labels), num_clients
+        sizes = np.full(N, n // N, dtype=np.int64)
+        sizes[: n % N] += 1
+        parts: List[np.ndarray] = []
+        for c in range(N):
+            p_coarse = rng.dirichlet(np.full(len(coarse_ids), self.alpha))
+            p_fine = {int(k): rng.dirichlet(np.full(len(fine_of[int(k)]), self.beta)) for k in coarse_ids}
+            mine = np.empty(sizes[c], dtype=np.int64)
+            for s in range(sizes[c]):
+                avail_coarse = np.array([left[fine_of[int(k)]].sum() > 0 for k in coarse_ids])
+                w = p_coarse * avail_coarse
+                w = w / w.sum() if w.sum() > 0 else avail_coarse / avail_coarse.sum()
+                k = int(coarse_ids[rng.choice(len(coarse_ids), p=w)])
+                fines = fine_of[k]
+                avail = left[fines] > 0
+                wf = p_fine[k] * avail
+                wf = wf / wf.sum() if wf.sum() > 0 else avail / avail.sum()
+                f = int(fines[rng.choice(len(fines), p=wf)])
+                mine[s] = pools[f].pop()
+                left[f] -= 1
+            parts.append(mine)
+        return parts
+
+
+class Cifar10DataModule(FederatedDataModule):
+    """CIFAR-10 split over ``num_clients`` clients (default ``Dirichlet(alpha=0.3)`` over 100 clients, seed 000).
+
+    Args:
+        data_dir: folder holding ``cifar-10-batches-py/`` (see the module docstring); default ``data/cifar`` (ours).
+        download: fetch the archive with torchvision when the files are missing (needs network). Default False.
+        augment: per-sample random crop (padding 4) + horizontal flip of training images. Default True.
+        num_clients, batch_size, partition, seed, eval_batch_size, num_workers, rounds_per_epoch: as
+            :class:`FederatedDataModule` (seed 000: 100 clients, batch 50, Dirichlet α = 0.3; seed 001: α ∈ {1, 0.1,
+            0.01}; seed 002: 100 clients, batch 32, α = 0.1).
+    """
+
+    num_classes = 10
+
+    def __init__(
+        self,
+        data_dir: str = "data/cifar",
+        download: bool = False,
+        augment: bool = True,
+        num_clients: int = 100,
+        batch_size: int = 50,
+        partition: Optional[Partitioner] = None,
+        seed: int = 0,
+        eval_batch_size: int = 1024,
+        num_workers: int = 0,
+        rounds_per_epoch: int = 1000,
+    ):
+        super().__init__(
+            num_clients=num_clients,
+            batch_size=batch_size,
+            partition=partition if partition is not None else Dirichlet(alpha=0.3),
+            seed=seed,
+            eval_batch_size=eval_batch_size,
+            num_workers=num_workers,
+            rounds_per_epoch=rounds_per_epoch,
+        )
+        self.data_dir = data_dir
+        self.download = bool(download)
+        self.augment = bool(augment)
+        self.coarse_labels: Optional[np.ndarray] = None
+
+    def prepare_data(self) -> None:
+        if not self.download:
+            return
+        spec = _CIFAR[self.num_classes]
+        if all(os.path.isfile(os.path.join(self.data_dir, spec["folder"], n)) for n in spec["train"] + spec["test"]):
+            return
+        import torchvision
+
+        cls = torchvision.datasets.CIFAR10 if self.num_classes == 10 else torchvision.datasets.CIFAR100
+        cls(self.data_dir, train=True, download=True)
+        cls(self.data_dir, train=False, download=True)
+
+    def load(self):
+        if not os.path.isdir(self.data_dir) and not self.download:
+            raise FileNotFoundError(
+                f"CIFAR data_dir {self.data_dir!r} does not exist: extract {_CIFAR[self.num_classes]['url']} there or "
+                f"pass download=True"
+            )
+        self.prepare_data()
+        spec = _CIFAR[self.num_classes]
+        xtr, ytr, ctr = read_cifar(self.data_dir, self.num_classes, "train")
+        xte, yte, _ = read_cifar(self.data_dir, self.num_classes, "test")
+        self.coarse_labels = ctr
+        if isinstance(self.partition, PachinkoPartition) and self.partition.coarse_of_fine is None:
+            if ctr is None:
+                raise ValueError("PachinkoPartition needs coarse labels (CIFAR-100)")
+            mapping = np.full(self.num_classes, -1, dtype=np.int64)
+            mapping[ytr] = ctr
+            self.partition.coarse_of_fine = mapping
+        train = CifarImages(torch.from_numpy(xtr), torch.from_numpy(ytr), spec["mean"], spec["std"], self.augment)
+        test = CifarImages(torch.from_numpy(xte), torch.from_numpy(yte), spec["mean"], spec["std"], False)
+        return train, test, ytr
+
+
+class Cifar100DataModule(Cifar10DataModule):
+    """CIFAR-100 (fine labels). Default ``Dirichlet(alpha=0.3)`` over 100 clients (seed 000); pass
+    ``partition=PachinkoPartition()`` with ``num_clients=500`` for Reddi et al.'s split (seed 004)."""
+
+    num_classes = 100

@@ -1,0 +1,560 @@
+r"""LEAF federated data sets (Caldas et al. 2018) with their natural per-user clients: FEMNIST, Shakespeare, Sent140.
+
+Two on-disk layouts are read, both offline, through Hugging Face ``datasets`` (results cached as Arrow files, so a
+second run memory-maps them instead of re-parsing):
+
+* **LEAF JSON** (what LEAF's ``preprocess.sh`` writes): ``<data_dir>/train/*.json`` and ``<data_dir>/test/*.json``
+  (or ``*.json`` directly in ``data_dir``, e.g. ``all_data/``, which has no split), each file
+  ``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [...], "y": [...]}}}``.
+  Hugging Face's ``json`` builder cannot read this layout: the per-user keys of ``user_data`` make the Arrow schema
+  differ from file to file, and the build fails as soon as two files hold different users. The files are therefore
+  parsed here (with clear errors naming the file) and streamed, one row per (file, user), into
+  ``datasets.Dataset.from_generator``, fingerprinted by the files' paths, sizes and modification times.
+* **Flower hub parquet** (``flwrlabs/femnist``: columns ``image``, ``writer_id``, ``hsf_id``, ``character``;
+  ``flwrlabs/shakespeare``: ``character_id``, ``x``, ``y``): one row per sample, read with the ``parquet`` (or
+  ``csv``) builder; files whose name contains ``test`` form the test split, the others the train split. FEMNIST
+  PNG images are decoded once (a cached ``map``).
+
+Per task (``name``): inputs / targets / classes.
+
+* ``femnist``: 784 pixel values in [0, 1] (float32; LEAF stores ``grey/255`` of the 28×28 image, Flower's PNGs are
+  decoded the same way), label in [0, 62). Models reshape flat rows to 1×28×28.
+* ``shakespeare``: 80 character codes of LEAF's vocabulary (uint8, see :mod:`.shakespeare`), target the next
+  character's code in [0, 80).
+* ``sent140``: tweet text (LEAF's ``x[4]``) as token ids of the ``vocab_size`` most frequent training tokens
+  (int32, padded with -1, tokens outside the vocabulary dropped; tokeniser: LEAF's ``[\w']+|[.,!?;]`` on lower-cased
+  text), label in {0, 1}. Use :class:`~fedlightning.models.BagOfWordsLinear` (seed 004's normalised BoW linear model).
+
+LEAF's sampling options, applied in LEAF's order (``sample.py`` → ``remove_users.py`` → ``split_data.py``):
+
+1. ``user_fraction``: a seeded random subset of ``max(1, round(f · U))`` users (LEAF's ``--sf`` draws random users
+   until a fraction of the *samples* is reached; counting users instead is our simplification).
+   ``num_users`` (ours) instead fixes the number of clients exactly: after steps 2 and 3, a seeded random subset of
+   that many of the remaining users is kept (papers that state a client count, e.g. seed 004's 3,000 FEMNIST
+   clients, seed 002's 100 clients).
+2. ``min_samples``: users with fewer samples (train + test) are removed (LEAF ``-k``).
+3. Per-user train/test split. ``train_fraction=None`` keeps the split on disk when there is one; a number (or data
+   without a test part, where LEAF's default 0.9 is used) re-splits every user's pooled samples with LEAF's
+   ``-t sample`` rule: ``n_train = max(1, int(f · n))`` (1 when ``n = 2``), users with ``n < 2`` dropped; FEMNIST and
+   Sent140 draw the train samples at random (one seeded generator, users in order); Shakespeare keeps the order and
+   leaves a gap of 79 windows (train = first ``n_train``, test from ``n_train + 79``) so test targets never appear in
+   a train window. Users left without a train or a test sample are dropped (LEAF keeps only users with both).
+
+Clients are the kept users, in order of first appearance (files sorted by name); ``client_names`` holds their ids.
+The train set is stored user-contiguous, so each client's index array is a range; ``client_test_indices`` index the
+(user-contiguous) test set, which is also the global evaluation set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import io
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from fedlightning.datamodules.base import ArrayDataset, FederatedDataModule
+from fedlightning.datamodules.shakespeare import NUM_LETTERS, encode_text
+
+__all__ = ["LeafDataModule", "LEAF_TASKS", "tokenize_tweet"]
+
+#: number of classes of each LEAF task (FEMNIST: 10 digits + 26 + 26 letters; Shakespeare: LEAF's 80 characters)
+LEAF_TASKS: Dict[str, int] = {"femnist": 62, "shakespeare": NUM_LETTERS, "sent140": 2}
+_DEFAULT_USER_COLUMN = {"femnist": "writer_id", "shakespeare": "character_id", "sent140": "user"}
+_TOKEN = re.compile(r"[\w']+|[.,!?;]")
+_CACHE_VERSION = "leaf-v1"  # bump when the parsed representation changes
+
+
+def tokenize_tweet(text: str) -> List[str]:
+    """LEAF's Sent140 tokeniser (``split_line``: words with apostrophes and the punctuation ``.,!?;``), lower-cased."""
+    return _TOKEN.findall(text.lower())
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    import datasets
+
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    verbosity = datasets.utils.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.utils.logging.set_verbosity(verbosity)
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
+# ---------------------------------------------------------------------------------------------- JSON -> Arrow
+def _leaf_json_rows(files: List[str], splits: List[str], name: str, stamps: List[str]) -> Iterator[dict]:
+    """One row per (file, user): ``{"file", "split", "user", "x", "y"}`` (``stamps`` only key the cache)."""
+    for path, split in zip(files, splits):
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"malformed LEAF JSON file {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"LEAF JSON file {path} must hold an object with users/num_samples/user_data")
+        for key in ("users", "user_data"):
+            if key not in data:
+                raise ValueError(f"LEAF JSON file {path} has no {key!r} key (found {sorted(data)})")
+        users, user_data = data["users"], data["user_data"]
+        num_samples = data.get("num_samples", [None] * len(users))
+        if len(num_samples) != len(users):
+            raise ValueError(f"{path}: {len(users)} users but {len(num_samples)} num_samples entries")
+        for user, declared in zip(users, num_samples):
+            if user not in user_data:
+                raise ValueError(f"{path}: user {user!r} is listed in 'users' but has no entry in 'user_data'")
+            entry = user_data[user]
+            if not isinstance(entry, dict) or "x" not in entry or "y" not in entry:
+                raise ValueError(f"{path}: user_data[{user!r}] must have 'x' and 'y' lists")
+            xs, ys = entry["x"], entry["y"]
+            if len(xs) != len(ys):
+                raise ValueError(f"{path}: user {user!r} has {len(xs)} inputs but {len(ys)} labels")
+            if len(ys) == 0:
+                raise ValueError(f"{path}: user {user!r} has no samples (LEAF files list only users with data)")
+            if declared is not None and int(declared) != len(ys):
+                raise ValueError(f"{path}: user {user!r} declares num_samples={declared} but has {len(ys)} samples")
+            if name == "sent140":
+                try:
+                    xs = [str(s[4]) if isinstance(s, (list, tuple)) else str(s) for s in xs]
+                except IndexError:
+                    raise ValueError(f"{path}: user {user!r}: Sent140 inputs must be LEAF's 5-field lists") from None
+            if name == "shakespeare":
+                ys = [str(v) for v in ys]
+            yield {"file": path, "split": split, "user": str(user), "x": xs, "y": ys}
+
+
+def _json_features(name: str):
+    from datasets import Features, Sequence, Value
+
+    x = {"femnist": Sequence(Sequence(Value("float32"))), "shakespeare": Sequence(Value("string")),
+         "sent140": Sequence(Value("string"))}[name]
+    y = Sequence(Value("string")) if name == "shakespeare" else Sequence(Value("int64"))
+    return Features({"file": Value("string"), "split": Value("string"), "user": Value("string"), "x": x, "y": y})
+
+
+# ---------------------------------------------------------------------------------------------- in-memory form
+@dataclass
+class _Part:
+    """Samples of one split: ``x`` (numpy, first axis = sample; for sent140 a list of strings), ``y`` int64 and
+    ``user`` (int code per sample into the module's user list)."""
+
+    x: object
+    y: np.ndarray
+    user: np.ndarray
+
+
+def _take(x, idx: np.ndarray):
+    if isinstance(x, list):
+        return [x[i] for i in idx.tolist()]
+    if len(idx) and idx[-1] - idx[0] + 1 == len(idx) and bool((np.diff(idx) == 1).all()):
+        return x[idx[0] : idx[-1] + 1]  # already user-contiguous (the usual case): a view, no copy of the inputs
+    return x[idx]
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A tensor owning writable memory (views into the memory-mapped Arrow cache are read-only: copied once)."""
+    a = np.ascontiguousarray(a)
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a)
+
+
+def _concat(parts: List[object]):
+    if isinstance(parts[0], list):
+        return [s for p in parts for s in p]
+    return np.concatenate(parts)
+
+
+
+class LeafDataModule(FederatedDataModule):
+    """LEAF natural-split data (see the module docstring for layouts, tasks and sampling).
+
+    Args:
+        name: ``"femnist"``, ``"shakespeare"`` or ``"sent140"``.
+        data_dir: the data folder (LEAF's ``data/`` with ``train/`` and ``test/``, an ``all_data/`` folder of JSON
+            files, or a folder of Flower-hub parquet / csv files).
+        user_fraction: fraction of users kept (seeded), in (0, 1]. Default 1.
+        min_samples: minimum samples (train + test) per user, LEAF's ``-k``. Default 0.
+        train_fraction: ``None`` keeps the on-disk split (LEAF's default 0.9 where there is none); a number in
+            (0, 1) re-splits each user with LEAF's rule.
+        num_users: keep exactly this many users (seeded, after the other filters); default all.
+        user_column: user id column of the parquet/csv layout (default ``writer_id`` for FEMNIST, ``character_id``
+            for Shakespeare).
+        vocab_size: Sent140 vocabulary size (seed 004: 5000 most frequent training tokens).
+        cache_dir: Hugging Face ``datasets`` cache folder (default: the library's).
+        batch_size: client batch size; default 50 (seed 000).
+        seed, eval_batch_size, num_workers, rounds_per_epoch: as :class:`FederatedDataModule`; ``seed`` drives
+            ``user_fraction``, ``num_users`` and the per-user random split.
+    """
+
+    def __init__(
+        self,
+        name: str = "femnist",
+        data_dir: str = "data/leaf/femnist",
+        user_fraction: float = 1.0,
+        min_samples: int = 0,
+        train_fraction: Optional[float] = None,
+        num_users: Optional[int] = None,
+        user_column: Optional[str] = None,
+        vocab_size: int = 5000,
+        cache_dir: Optional[str] = None,
+        batch_size: int = 50,
+        seed: int = 0,
+        eval_batch_size: int = 1024,
+        num_workers: int = 0,
+        rounds_per_epoch: int = 1000,
+    ):
+        super().__init__(
+            num_clients=1,
+            batch_size=batch_size,
+            seed=seed,
+            eval_batch_size=eval_batch_size,
+            num_workers=num_workers,
+            rounds_per_epoch=rounds_per_epoch,
+        )
+        if name not in LEAF_TASKS:
+            raise ValueError(f"unknown LEAF data set name {name!r}; choose one of {sorted(LEAF_TASKS)}")
+        if not (isinstance(user_fraction, (int, float)) and 0.0 < float(user_fraction) <= 1.0):
+            raise ValueError(f"user_fraction must be in (0, 1], got {user_fraction!r}")
+        if isinstance(min_samples, bool) or int(min_samples) != min_samples or int(min_samples) < 0:
+            raise ValueError(f"min_samples must be an integer >= 0, got {min_samples!r}")
+        if train_fraction is not None and not (
+            isinstance(train_fraction, (int, float)) and 0.0 < float(train_fraction) < 1.0
+        ):
+            raise ValueError(f"train_fraction must be None or in (0, 1), got {train_fraction!r}")
+        if int(vocab_size) < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        if num_users is not None and (isinstance(num_users, bool) or int(num_users) != num_users or num_users < 1):
+            raise ValueError(f"num_users must be None or an integer >= 1, got {num_users!r}")
+        self.num_users = None if num_users is None else int(num_users)
+        self.name = name
+        self.data_dir = data_dir
+        self.user_fraction = float(user_fraction)
+        self.min_samples = int(min_samples)
+        self.train_fraction = None if train_fraction is None else float(train_fraction)
+        self.user_column = user_column or _DEFAULT_USER_COLUMN[name]
+        self.vocab_size = int(vocab_size)
+        self.cache_dir = cache_dir
+        self.num_classes = LEAF_TASKS[name]
+        self.seq_length = 80
+        self.client_names: List[str] = []
+        self.num_dropped_users = 0
+        self.vocabulary: Optional[List[str]] = None
+        self._natural: List[np.ndarray] = []
+
+    # ------------------------------------------------------------------ discovery
+    def _discover(self) -> Tuple[str, Dict[str, List[str]]]:
+        root = self.data_dir
+        if not os.path.isdir(root):
+            raise FileNotFoundError(
+                f"LEAF data_dir {root!r} does not exist; put LEAF's preprocessed data there (data/train/*.json and "
+                f"data/test/*.json from `./preprocess.sh` in leaf/data/{self.name}), or the Flower hub parquet files"
+            )
+        tr = sorted(glob.glob(os.path.join(root, "train", "*.json")))
+        te = sorted(glob.glob(os.path.join(root, "test", "*.json")))
+        if tr or te:
+            if not tr:
+                raise FileNotFoundError(f"{root}/test has JSON files but {root}/train has none")
+            return "json", {"train": tr, "test": te}
+        flat = sorted(glob.glob(os.path.join(root, "*.json")))
+        if flat:
+            return "json", {"train": flat, "test": []}
+        for ext in ("parquet", "csv"):
+            files = sorted(glob.glob(os.path.join(root, "**", f"*.{ext}"), recursive=True))
+            if files:
+                test = [f for f in files if "test" in os.path.basename(f).lower()]
+                train = [f for f in files if f not in test]
+                if not train:
+                    raise FileNotFoundError(f"{root}: only test {ext} files found ({test})")
+                return ext, {"train": train, "test": test}
+        raise FileNotFoundError(
+            f"no LEAF data under {root!r}: expected train/*.json + test/*.json (LEAF), *.json, or *.parquet / *.csv"
+        )
+
+    # ------------------------------------------------------------------ reading
+    def _read_json(self, files: Dict[str, List[str]], users: Dict[str, int]) -> Dict[str, Optional[_Part]]:
+        import datasets
+
+        paths = files["train"] + files["test"]
+        splits = ["train"] * len(files["train"]) + ["test"] * len(files["test"])
+        stamps = [f"{os.path.abspath(p)}:{os.path.getsize(p)}:{os.path.getmtime(p)}" for p in paths]
+        fingerprint = hashlib.sha256("|".join([_CACHE_VERSION, self.name] + stamps).encode()).hexdigest()[:32]
+        with _quiet_datasets():
+            try:
+                ds = datasets.Dataset.from_generator(
+                    _leaf_json_rows,
+                    features=_json_features(self.name),
+                    cache_dir=self.cache_dir,
+                    gen_kwargs={"files": paths, "splits": splits, "name": self.name, "stamps": stamps},
+                    fingerprint=fingerprint,
+                )
+            except datasets.exceptions.DatasetGenerationError as e:  # surface our own error naming the file
+                cause = e.__cause__
+                if isinstance(cause, (ValueError, OSError)):
+                    raise cause from None
+                raise
+        table = ds.data.table
+        out: Dict[str, Optional[_Part]] = {"train": None, "test": None}
+        split_col = np.asarray(table.column("split").to_pylist())
+        user_col = table.column("user").to_pylist()
+        file_col = table.column("file").to_pylist()
+        for split in ("train", "test"):
+            rows = np.flatnonzero(split_col == split)
+            if len(rows) == 0:
+                continue
+            contiguous = rows[-1] - rows[0] + 1 == len(rows)  # the generator writes train files, then test files
+            sub = table.slice(int(rows[0]), len(rows)) if contiguous else table.take(rows)
+            counts = np.asarray(sub.column("y").combine_chunks().value_lengths().to_numpy(zero_copy_only=False))
+            codes = np.array([users.setdefault(user_col[r], len(users)) for r in rows], dtype=np.int64)
+            x = self._decode_json_x(sub, counts, [file_col[r] for r in rows])
+            y = self._decode_labels(sub.column("y").combine_chunks().flatten(), np.repeat(rows, counts), file_col)
+            out[split] = _Part(x=x, y=y, user=np.repeat(codes, counts))
+        return out
+
+    def _decode_json_x(self, sub, counts: np.ndarray, row_files: List[str]):
+        import pyarrow.compute as pc
+
+        samples = sub.column("x").combine_chunks().flatten()  # one entry per sample
+        if self.name == "femnist":
+            lengths = pc.list_value_length(samples).to_numpy(zero_copy_only=False)
+            bad = np.flatnonzero(lengths != 784)
+            if len(bad):
+                row = int(np.searchsorted(np.cumsum(counts), bad[0], side="right"))
+                raise ValueError(
+                    f"{row_files[row]}: FEMNIST inputs must have 784 values (28x28), got {int(lengths[bad[0]])}"
+                )
+            return samples.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, 784)
+        if self.name == "shakespeare":
+            return self._encode_windows(samples, lambda i: row_files[int(np.searchsorted(np.cumsum(counts), i, side="right"))])
+        return samples.to_pylist()  # sent140 texts
+
+    def _encode_windows(self, strings, where) -> np.ndarray:
+        import pyarrow.compute as pc
+
+        lengths = pc.utf8_length(strings).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(lengths != self.seq_length)
+        if len(bad):
+            raise ValueError(
+                f"{where(int(bad[0]))}: Shakespeare inputs must be {self.seq_length}-character strings, got one of "
+                f"length {int(lengths[bad[0]])}"
+            )
+        return encode_text("".join(strings.to_pylist())).reshape(-1, self.seq_length)
+
+    def _decode_labels(self, values, sample_rows: np.ndarray, row_file: List[str]) -> np.ndarray:
+        """Labels as int64 in [0, num_classes), or a ValueError naming the file and the value."""
+        if self.name == "shakespeare":
+            chars = values.to_pylist()
+            bad = [i for i, c in enumerate(chars) if len(c) != 1]
+            if bad:
+                raise ValueError(
+                    f"{row_file[int(sample_rows[bad[0]])]}: Shakespeare targets must be single characters, "
+                    f"got {chars[bad[0]]!r}"
+                )
+            return encode_text("".join(chars)).astype(np.int64)
+        y = values.to_numpy(zero_copy_only=False).astype(np.int64)
+        bad = np.flatnonzero((y < 0) | (y >= self.num_classes))
+        if len(bad):
+            raise ValueError(
+                f"{row_file[int(sample_rows[bad[0]])]}: label {int(y[bad[0]])} is outside the class range "
+                f"[0, {self.num_classes}) of {self.name}"
+            )
+        return y
+
+    def _read_table(self, fmt: str, files: Dict[str, List[str]], users: Dict[str, int]) -> Dict[str, Optional[_Part]]:
+        import datasets
+
+        data_files = {k: v for k, v in files.items() if v}
+        with _quiet_datasets():
+            dsd = datasets.load_dataset(fmt, data_files=data_files, cache_dir=self.cache_dir)
+        out: Dict[str, Optional[_Part]] = {"train": None, "test": None}
+        for split, ds in dsd.items():
+            where = ", ".join(os.path.basename(f) for f in data_files[split])
+            cols = ds.column_names
+            if self.user_column not in cols:
+                raise ValueError(
+                    f"{where}: no user column {self.user_column!r} (columns: {cols}); pass user_column= to name it"
+                )
+            if self.name == "femnist":
+                x, y = self._femnist_table(ds, where)
+            elif self.name == "shakespeare":
+                for c in ("x", "y"):
+                    if c not in cols:
+                        raise ValueError(f"{where}: Shakespeare table needs columns 'x' and 'y' (columns: {cols})")
+                table = ds.data.table
+                x = self._encode_windows(table.column("x").combine_chunks(), lambda i: where)
+                y = self._decode_labels(table.column("y").combine_chunks(), np.zeros(len(ds), dtype=np.int64), [where])
+            else:
+                raise ValueError("the parquet/csv layout is supported for femnist and shakespeare (Flower hub)")
+            names = ds.data.table.column(self.user_column).to_pylist()
+            codes = np.array([users.setdefault(str(u), len(users)) for u in names], dtype=np.int64)
+            out[split] = _Part(x=x, y=y, user=codes)
+        return out
+
+    def _femnist_table(self, ds, where: str) -> Tuple[np.ndarray, np.ndarray]:
+        import datasets
+
+        cols = ds.column_names
+        label = next((c for c in ("character", "label", "y") if c in cols), None)
+        image = next((c for c in ("image", "x", "pixels") if c in cols), None)
+        if label is None or image is None:
+            raise ValueError(f"{where}: FEMNIST table needs an image and a label column (columns: {cols})")
+        if isinstance(ds.features[image], datasets.Image):
+            ds = ds.cast_column(image, datasets.Image(decode=False))
+
+        def decode(batch):
+            from PIL import Image as PILImage
+
+            out = []
+            for v in batch[image]:
+                if isinstance(v, dict):
+                    v = v.get("bytes")
+                if isinstance(v, (bytes, bytearray)):
+                    arr = np.asarray(PILImage.open(io.BytesIO(v)).convert("L"), dtype=np.uint8)
+                else:
+                    arr = np.asarray(v, dtype=np.float32)
+                    arr = np.clip(np.rint(arr * 255.0 if arr.max(initial=0) <= 1.0 else arr), 0, 255).astype(np.uint8)
+                if arr.size != 784:
+                    raise ValueError(f"{where}: FEMNIST images must be 28x28, got {arr.shape}")
+                out.append(arr.reshape(-1))
+            return {"pixels": out}
+
+        with _quiet_datasets():
+            pix = ds.map(decode, batched=True, batch_size=1000, remove_columns=[c for c in cols if c != label],
+                         features=datasets.Features({label: ds.features[label],
+                                                     "pixels": datasets.Sequence(datasets.Value("uint8"))}))
+        table = pix.data.table
+        x = table.column("pixels").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        x = (x.reshape(-1, 784).astype(np.float32) / 255.0)
+        y = self._decode_labels(table.column(label).combine_chunks(), np.zeros(len(pix), dtype=np.int64), [where])
+        return x, y
+
+    # ------------------------------------------------------------------ sampling and splitting
+    def _group(self, part: _Part, num_users: int) -> Tuple[np.ndarray, np.ndarray]:
+        """``(order, bounds)``: sample order grouping users contiguously (stable), user ``u`` at
+        ``order[bounds[u]:bounds[u+1]]``."""
+        order = np.argsort(part.user, kind="stable")
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(part.user, minlength=num_users))])
+        return order, bounds
+
+    def load(self):
+        fmt, files = self._discover()
+        users: Dict[str, int] = {}
+        parts = self._read_json(files, users) if fmt == "json" else self._read_table(fmt, files, users)
+        train, test = parts["train"], parts["test"]
+        if train is None:
+            raise ValueError(f"{self.data_dir}: the train split holds no samples")
+        names = list(users)
+        U = len(names)
+        resplit = self.train_fraction is not None or test is None
+        if resplit and test is not None:  # pool each user's samples, train part first (LEAF splits all_data)
+            train = _Part(
+                x=_concat([train.x, test.x]),
+                y=np.concatenate([train.y, test.y]),
+                user=np.concatenate([train.user, test.user]),
+            )
+            test = None
+        tr_order, tr_bounds = self._group(train, U)
+        te_order, te_bounds = self._group(test, U) if test is not None else (None, None)
+        totals = np.diff(tr_bounds) + (np.diff(te_bounds) if test is not None else 0)
+
+        rng = np.random.default_rng(self.seed)
+        keep = np.arange(U)
+        if self.user_fraction < 1.0:  # 1. LEAF sample.py (by users, see the module docstring)
+            k = max(1, int(round(self.user_fraction * U)))
+            keep = np.sort(rng.choice(U, size=k, replace=False))
+        keep = keep[totals[keep] >= self.min_samples]  # 2. LEAF remove_users.py (-k)
+
+        fraction = self.train_fraction if self.train_fraction is not None else 0.9  # LEAF split_data.py default
+        train_sel: List[np.ndarray] = []
+        test_sel: List[np.ndarray] = []
+        kept_names: List[str] = []
+        for u in keep.tolist():
+            tr_u = tr_order[tr_bounds[u] : tr_bounds[u + 1]]
+            if resplit:  # 3. LEAF split_data.py -t sample, on the pooled samples of the user
+                n = len(tr_u)
+                if n < 2:
+                    continue
+                n_train = 1 if n == 2 else max(1, int(fraction * n))
+                if self.name == "shakespeare":  # chronological, with a gap of seq_length - 1 windows
+                    pick_tr, pick_te = np.arange(n_train), np.arange(n_train + self.seq_length - 1, n)
+                else:
+                    pick_tr = np.sort(rng.choice(n, size=n_train, replace=False))
+                    pick_te = np.setdiff1d(np.arange(n), pick_tr)
+                if len(pick_te) == 0:
+                    continue
+                train_sel.append(tr_u[pick_tr])
+                test_sel.append(tr_u[pick_te])
+            else:
+                if len(tr_u) == 0:
+                    continue
+                train_sel.append(tr_u)
+                test_sel.append(te_order[te_bounds[u] : te_bounds[u + 1]])
+            kept_names.append(names[u])
+        if not kept_names:
+            raise ValueError(
+                f"{self.data_dir}: no user left after user_fraction={self.user_fraction}, "
+                f"min_samples={self.min_samples} and the per-user split"
+            )
+        if self.num_users is not None:
+            if self.num_users > len(kept_names):
+                raise ValueError(
+                    f"num_users={self.num_users} but only {len(kept_names)} users remain in {self.data_dir} after "
+                    f"the filters"
+                )
+            chosen = np.sort(np.random.default_rng([self.seed, 1]).choice(len(kept_names), self.num_users, replace=False))
+            kept_names = [kept_names[i] for i in chosen.tolist()]
+            train_sel = [train_sel[i] for i in chosen.tolist()]
+            test_sel = [test_sel[i] for i in chosen.tolist()]
+        self.num_dropped_users = U - len(kept_names)
+        test_source = train if resplit else test
+        n_tr = np.asarray([len(i) for i in train_sel], dtype=np.int64)
+        n_te = np.asarray([len(i) for i in test_sel], dtype=np.int64)
+        tr_all = np.concatenate(train_sel)
+        te_all = np.concatenate(test_sel) if n_te.sum() else np.zeros(0, np.int64)
+        x_tr, y_tr = _take(train.x, tr_all), train.y[tr_all]
+        x_te = _take(test_source.x, te_all) if test_source is not None else _take(train.x, te_all)
+        y_te = test_source.y[te_all] if test_source is not None else np.zeros(0, np.int64)
+        if self.name == "sent140":
+            x_tr, x_te = self._bag_of_words(x_tr, x_te)
+        self.client_names = kept_names
+        off_tr = np.concatenate([[0], np.cumsum(n_tr)])
+        off_te = np.concatenate([[0], np.cumsum(n_te)])
+        self._natural = [np.arange(off_tr[i], off_tr[i + 1], dtype=np.int64) for i in range(len(kept_names))]
+        self.client_test_indices = [np.arange(off_te[i], off_te[i + 1], dtype=np.int64) for i in range(len(kept_names))]
+        train_ds = ArrayDataset(_tensor(x_tr), _tensor(y_tr.astype(np.int64)))
+        test_ds = ArrayDataset(_tensor(x_te), _tensor(y_te.astype(np.int64))) if len(y_te) else None
+        return train_ds, test_ds, y_tr
+
+    def _bag_of_words(self, texts_tr: List[str], texts_te: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+        tok_tr = [tokenize_tweet(t) for t in texts_tr]
+        tok_te = [tokenize_tweet(t) for t in texts_te]
+        counts = Counter(t for toks in tok_tr for t in toks)
+        # most frequent first; ties broken alphabetically so the vocabulary does not depend on data order
+        vocab = [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: self.vocab_size]]
+        self.vocabulary = vocab
+        index = {w: i for i, w in enumerate(vocab)}
+
+        def encode(tokens: List[List[str]]) -> np.ndarray:
+            ids = [[index[t] for t in toks if t in index] for toks in tokens]
+            width = max([1] + [len(r) for r in ids])
+            out = np.full((len(ids), width), -1, dtype=np.int32)
+            for i, r in enumerate(ids):
+                out[i, : len(r)] = r
+            return out
+
+        return encode(tok_tr), encode(tok_te)
+
+    def natural_clients(self) -> List[np.ndarray]:
+        return self._natural

@@ -1,0 +1,143 @@
+"""MnistDataModule on IDX files and LibsvmDataModule on svmlight files written here in the exact on-disk formats."""
+
+import gzip
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from fedlightning.datamodules import IID, LibsvmDataModule, MnistDataModule, Shards
+from fedlightning.datamodules.mnist import MNIST_MEAN, MNIST_STD, read_idx
+
+RNG = np.random.default_rng(0)
+
+
+def _idx_bytes(arr: np.ndarray, magic_dims: int) -> bytes:
+    header = struct.pack(">HBB", 0, 0x08, magic_dims) + struct.pack(">" + "I" * arr.ndim, *arr.shape)
+    return header + arr.astype(np.uint8).tobytes()
+
+
+def write_mnist(folder, n_train=200, n_test=40, gz=False):
+    os.makedirs(folder, exist_ok=True)
+    out = {}
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        x = RNG.integers(0, 256, (n, 28, 28)).astype(np.uint8)
+        y = np.repeat(np.arange(10), n // 10).astype(np.uint8)
+        RNG.shuffle(y)
+        for name, arr, dims in ((f"{prefix}-images-idx3-ubyte", x, 3), (f"{prefix}-labels-idx1-ubyte", y, 1)):
+            raw = _idx_bytes(arr, dims)
+            if gz:
+                with gzip.open(os.path.join(folder, name + ".gz"), "wb") as f:
+                    f.write(raw)
+            else:
+                with open(os.path.join(folder, name), "wb") as f:
+                    f.write(raw)
+        out[prefix] = (x, y)
+    return out
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_mnist_idx_and_two_class_shards(tmp_path, gz):
+    folder = str(tmp_path / "MNIST" / "raw")  # torchvision's layout under data_dir
+    data = write_mnist(folder, gz=gz)
+    dm = MnistDataModule(data_dir=str(tmp_path), num_clients=10)
+    dm.setup()
+    x, y = dm.train_dataset[np.arange(200)]
+    assert x.shape == (200, 1, 28, 28) and x.dtype == torch.float32
+    expected = (torch.from_numpy(data["train"][0]).float() / 255 - MNIST_MEAN) / MNIST_STD
+    torch.testing.assert_close(x[:, 0], expected)
+    assert y.tolist() == data["train"][1].tolist()
+    assert len(dm.test_dataset) == 40
+    assert isinstance(dm.partition, Shards) and dm.partition.classes_per_client == 2
+    ytr = data["train"][1]
+    # 10 clients x 2 shards of 10 sorted-by-label samples: 20 samples each, at most 2 classes (labels are balanced
+    # here, so shards never straddle a class and every client has exactly 2 label blocks)
+    for idx in dm.client_indices:
+        assert len(idx) == 20
+        assert len(np.unique(ytr[idx])) <= 2
+
+
+def test_mnist_iid_option_and_read_idx(tmp_path):
+    data = write_mnist(str(tmp_path))
+    np.testing.assert_array_equal(read_idx(str(tmp_path / "train-images-idx3-ubyte")), data["train"][0])
+    dm = MnistDataModule(data_dir=str(tmp_path), num_clients=4, partition=IID())
+    dm.setup()
+    assert [len(i) for i in dm.client_indices] == [50] * 4
+
+
+def test_mnist_bad_input(tmp_path):
+    with pytest.raises(FileNotFoundError, match="download=True"):
+        MnistDataModule(data_dir=str(tmp_path / "missing")).setup()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
+        MnistDataModule(data_dir=str(tmp_path / "empty")).setup()
+    write_mnist(str(tmp_path / "bad"))
+    p = tmp_path / "bad" / "train-labels-idx1-ubyte"
+    y = np.zeros(200, np.uint8)
+    y[5] = 11
+    p.write_bytes(_idx_bytes(y, 1))
+    with pytest.raises(ValueError, match="train-labels-idx1-ubyte: label 11 is outside the class range"):
+        MnistDataModule(data_dir=str(tmp_path / "bad")).setup()
+    p.write_bytes(b"\x00\x00\x0c\x01" + b"\x00" * 8)
+    with pytest.raises(ValueError, match="train-labels-idx1-ubyte is not a uint8 IDX file"):
+        MnistDataModule(data_dir=str(tmp_path / "bad")).setup()
+    p.write_bytes(_idx_bytes(np.zeros(150, np.uint8), 1))
+    with pytest.raises(ValueError, match="200 images but .* has 150 labels"):
+        MnistDataModule(data_dir=str(tmp_path / "bad")).setup()
+    p.write_bytes(_idx_bytes(np.zeros(150, np.uint8), 1)[:-3])
+    with pytest.raises(ValueError, match="header says"):
+        MnistDataModule(data_dir=str(tmp_path / "bad")).setup()
+
+
+def _svm(path, x, y):
+    from sklearn.datasets import dump_svmlight_file
+
+    dump_svmlight_file(x, y, str(path), zero_based=False)
+
+
+def test_libsvm_w8a_with_test_file(tmp_path):
+    x = (RNG.random((60, 300)) < 0.05).astype(np.float64)
+    y = np.where(RNG.random(60) < 0.3, 1, -1)
+    xt = (RNG.random((15, 300)) < 0.05).astype(np.float64)
+    yt = np.where(RNG.random(15) < 0.3, 1, -1)
+    x[0, 299] = 1.0  # the last feature index (300, one-based) is in range
+    _svm(tmp_path / "w8a", x, y)
+    _svm(tmp_path / "w8a.t", xt[:, :200], yt)  # fewer features in the file: still 300 columns
+    dm = LibsvmDataModule(name="w8a", data_dir=str(tmp_path), num_clients=6)
+    dm.setup()
+    xs, ys = dm.train_dataset[np.arange(60)]
+    np.testing.assert_array_equal(xs.numpy(), x.astype(np.float32))
+    assert ys.tolist() == (y == 1).astype(int).tolist()  # -1 -> 0, +1 -> 1
+    xte, yte = dm.test_dataset[np.arange(15)]
+    assert xte.shape == (15, 300) and yte.tolist() == (yt == 1).astype(int).tolist()
+    assert [len(i) for i in dm.client_indices] == [10] * 6  # i.i.d. by default (seed 001)
+
+
+def test_libsvm_mushrooms_without_test_file(tmp_path):
+    x = RNG.random((50, 112))
+    y = np.where(np.arange(50) % 2 == 0, 1, 2)
+    _svm(tmp_path / "mushrooms", x, y)
+    dm = LibsvmDataModule(name="mushrooms", data_dir=str(tmp_path), num_clients=5, test_fraction=0.2)
+    dm.setup()
+    assert len(dm.train_dataset) == 40 and len(dm.test_dataset) == 10
+    assert set(dm.train_dataset.y.tolist()) == {0, 1}  # labels 1 / 2 -> 0 / 1
+    assert int(dm.test_dataset.y.sum()) == 5  # stratified hold-out
+
+
+def test_libsvm_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="unknown LIBSVM data set 'iris'"):
+        LibsvmDataModule(name="iris")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LibsvmDataModule(name="a9a", data_dir=str(tmp_path / "none")).setup()
+    with pytest.raises(FileNotFoundError, match="a9a"):
+        LibsvmDataModule(name="a9a", data_dir=str(tmp_path)).setup()
+    _svm(tmp_path / "phishing", RNG.random((10, 68)), np.array([0, 1] * 4 + [0, 3]))
+    with pytest.raises(ValueError, match="phishing: label 3 is outside phishing's label pair"):
+        LibsvmDataModule(name="phishing", data_dir=str(tmp_path), num_clients=2).setup()
+    _svm(tmp_path / "ijcnn1", RNG.random((10, 30)), np.array([1, -1] * 5))
+    with pytest.raises(ValueError, match="ijcnn1 is not a valid svmlight file for ijcnn1 \\(22 features\\)"):
+        LibsvmDataModule(name="ijcnn1", data_dir=str(tmp_path), num_clients=2).setup()
+    with pytest.raises(ValueError, match="test_fraction"):
+        LibsvmDataModule(name="a9a", test_fraction=0.0)
