@@ -1,0 +1,1241 @@
+r"""Vectorised clients: the round's clients train in lockstep as one batched computation.
+
+For every client ``i`` of the round, :class:`VectorizedClientTrainer` computes what
+:meth:`fedlightning.client.LocalTrainer.run` computes one client at a time: ``K`` local steps from the global
+weights ``w_t`` on the client's own mini-batches,
+
+.. math::
+    w_i^{k+1} = w_i^k - \gamma_i^k\, d_i^k, \qquad k = 0, \dots, K-1, \qquad \Delta_i = w_t - w_i^K,
+
+with the direction ``d`` and step size ``γ`` of the client optimizer (SGD: ``γ = lr``, ``d = clip(∇f) + λw``;
+SgdArmijo: the largest ``η_0 β^m`` with ``f(w − ηg) ≤ f(w) − cη‖g‖²``; SPS / DecSPS: stochastic Polyak steps; see
+:mod:`fedlightning.optim` for the papers). The ``C`` clients' weights are one ``[C, D]`` tensor; every client's loss
+is the wrapped model's own ``training_step``, called through :func:`torch.func.functional_call` under
+:func:`torch.func.vmap` over clients, and one reverse-mode pass over ``Σ_i f_i(w_i)`` gives all clients'
+gradients at once (the losses are independent, so block ``i`` of the gradient is ``∇f_i(w_i)``). Step sizes,
+Armijo tests and Polyak ratios are ``[C]`` tensors: no Python loop over clients inside a step.
+
+Decisions (ours; the task leaves them open):
+
+* **Same data as sequential.** Client ``i`` draws its batches from
+  ``datamodule.client_dataloader(i, round, seed=loop.seed)`` in the same order, cycling to a new shuffled epoch
+  when the loader runs out (as ``LocalTrainer.run``). For the in-memory ``ArrayBatchLoader`` the index lists are
+  read from the loader's own batch sampler and a step's rows of all clients are gathered with one indexing op per
+  tensor; other loaders are iterated as they are.
+* **Unequal batch sizes** (fewer samples than the batch size, partial last batches). When a step's batches
+  differ in size, each is padded to the largest by repeating its own samples, every sample is one
+  ``training_step`` call on a batch of one (an inner vmap), and a client's loss is the sum of its real samples'
+  losses over their number. This is the batch loss for any loss that is a mean over samples (cross-entropy, MSE:
+  every reference model); a loss that is not (e.g. weighting tokens with ``ignore_index``) is averaged per sample
+  instead. When all batches of a step have the same size, ``training_step`` sees each client's whole batch,
+  exactly as sequentially. (Cutting large clients into several rows to pad less was measured slower on CPU.)
+* **Masked backtracking** (SgdArmijo): each client walks its own grid and stops at its own first accepted point;
+  the result is the sequential search's point by point (see :class:`_BatchedArmijo` for how trials are batched).
+  Zero-gradient, exhausted-search, non-finite and persistence policies, telemetry and ``get_client_state`` are the
+  optimizer's own: the engine reads each client's optimizer instance (built by the loop, client state set) and
+  writes the final per-client state back into it, so ``get_client_state()`` / ``client_report()`` answer exactly as
+  after sequential training.
+* **Randomness.** Sequential mode seeds each client with ``derive_seed(seed, "model", round, client_id)``;
+  batched random ops cannot reproduce those streams, so vectorised mode seeds one forked generator with
+  ``derive_seed(seed, "model-vectorized", round, *client_ids)`` and uses ``vmap(randomness="different")``: dropout
+  masks are independent across clients and samples and reproducible, but not bit-for-bit those of sequential
+  mode. Armijo trials restore the generator state of the gradient evaluation, so they see its dropout masks (as the
+  sequential optimizers do). Equality with sequential mode holds for deterministic models.
+* **Recurrent layers.** ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` have no vmap batching rule; inside the batched call
+  they run through :func:`_rnn_forward` (the same equations in plain tensor ops). On CPU this is slower than the
+  fused kernels sequential mode uses (see docs/benchmarks_vectorized.md).
+* **Unsupported** (:class:`VectorizationUnsupportedError`, naming the layer or setting): batch-statistics layers
+  (every ``BatchNorm``; ``InstanceNorm`` with running statistics), layers ``vmap`` cannot run (found by the first
+  batched call and reported with the module that was executing), RNNs with ``proj_size``, parameters of mixed
+  dtypes, batches with non-tensor leaves, and client optimizers other than ``torch.optim.SGD`` without momentum /
+  Nesterov / ``maximize`` (``weight_decay`` and the loop's gradient clipping are supported) and SgdArmijo, SPS and
+  DecSPS; different settings per parameter group. ``client_execution="auto"`` falls back to sequential mode with a
+  one-time warning instead.
+* **Client objective terms** (``client_objective`` hooks, e.g. FedProx's proximal term) are supported: each term is
+  called on the list of its client's parameter tensors (slices of the batched weights), so its gradient flows
+  through the same backward pass (one Python call per client and term per evaluation).
+* **Failures.** A client whose loss or update is non-finite is reported ``failed`` as sequentially (closure
+  optimizers stop it at its first non-finite loss); the other clients are unaffected. An exception raised inside
+  the batched computation concerns all clients together and is raised, not turned into per-client failures.
+* **Logged values.** ``self.log`` calls inside ``training_step`` are captured per client (per sample and averaged
+  over real samples on padded steps) at every gradient evaluation and fed to the loop's log router, so
+  ``client/<name>`` metrics are the per-round means of sequential mode (trial evaluations are not logged, as
+  sequentially).
+* **Memory.** A round holds the ``[C, D]`` weights and gradients, the step's padded batches and, for SgdArmijo, the
+  trial points of one trial round (reused buffers); activations are those of ``C`` clients at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fedlightning.client import extract_loss
+from fedlightning.state import ClientUpdate, RoundPlan, derive_seed
+
+__all__ = [
+    "CLIENT_EXECUTION_MODES",
+    "VectorizationUnsupportedError",
+    "VectorizedClientTrainer",
+    "check_model_vectorizable",
+    "run_vectorized_round",
+]
+
+#: Values of ``FederatedLoop(client_execution=...)``.
+CLIENT_EXECUTION_MODES = ("sequential", "vectorized", "auto")
+
+
+class VectorizationUnsupportedError(ValueError):
+    """The model, optimizer or data cannot be trained with ``client_execution="vectorized"``."""
+
+
+# ====================================================================== model checks
+def check_model_vectorizable(model: nn.Module) -> None:
+    """Raise :class:`VectorizationUnsupportedError` naming the first layer that keeps batch statistics.
+
+    ``BatchNorm`` normalises with statistics of the whole mini-batch (which padded rows would change) and updates
+    running statistics in place (which ``vmap`` cannot do on a buffer shared by all clients); ``InstanceNorm`` is
+    per-sample and only refused when it tracks running statistics. GroupNorm / LayerNorm are fine.
+    """
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    for name, module in model.named_modules():
+        label = f"'{name}' ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
+        if isinstance(module, _BatchNorm):
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized' cannot train layer {label}: batch-statistics layers (BatchNorm) "
+                "depend on the whole mini-batch and update running statistics in place; use GroupNorm/LayerNorm, "
+                "or client_execution='sequential' (or 'auto' to fall back automatically)"
+            )
+        if isinstance(module, _InstanceNorm) and module.track_running_stats:
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized' cannot train layer {label}: it updates running statistics in "
+                "place (track_running_stats=True); use client_execution='sequential' or 'auto'"
+            )
+
+
+def _rnn_forward(module: nn.RNNBase, input: Tensor, hx: Optional[Any] = None):
+    r"""``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` forward written with plain tensor ops, which ``vmap`` can batch
+    (the fused ``aten::lstm`` / ``gru`` / ``rnn`` kernels have no batching rule).
+
+    The gate equations are PyTorch's (gate order LSTM ``i, f, g, o``; GRU ``r, z, n``):
+
+    .. math::
+        \text{LSTM: } c' = \sigma(f) c + \sigma(i)\tanh(g),\ h' = \sigma(o)\tanh(c'); \qquad
+        \text{GRU: } n = \tanh(W_{in}x + b_{in} + \sigma(r)(W_{hn}h + b_{hn})),\ h' = (1-\sigma(z)) n + \sigma(z) h
+
+    with ``[i|f|g|o] = W_{ih}x + b_{ih} + W_{hh}h + b_{hh}``. Supports ``num_layers``, ``bias``, ``batch_first``,
+    ``bidirectional``, inter-layer ``dropout`` (training mode) and unbatched 2-d inputs, as the module does; the input
+    projections of all time steps are one matmul per layer and direction, the recurrence a loop over time.
+    """
+    if not isinstance(input, Tensor):
+        raise VectorizationUnsupportedError(f"{type(module).__name__}: packed sequences cannot be vectorised")
+    mode = module.mode
+    unbatched = input.dim() == 2
+    x = input.unsqueeze(1 if not module.batch_first else 0) if unbatched else input
+    if not module.batch_first:
+        x = x.transpose(0, 1)  # [B, T, F]
+    B, T = x.shape[0], x.shape[1]
+    H, L = module.hidden_size, module.num_layers
+    D = 2 if module.bidirectional else 1
+    if hx is None:
+        h0 = x.new_zeros(L * D, B, H)
+        c0 = x.new_zeros(L * D, B, H) if mode == "LSTM" else None
+    else:
+        h0, c0 = (hx if mode == "LSTM" else (hx, None))
+        if unbatched:
+            h0 = h0.unsqueeze(1)
+            c0 = c0.unsqueeze(1) if c0 is not None else None
+    act = torch.tanh if mode in ("LSTM", "GRU", "RNN_TANH") else torch.relu
+    h_n, c_n = [], []
+    layer_in = x
+    for layer in range(L):
+        outs = []
+        for d in range(D):
+            sfx = f"_l{layer}" + ("_reverse" if d else "")
+            w_ih, w_hh = getattr(module, "weight_ih" + sfx), getattr(module, "weight_hh" + sfx)
+            b_ih = getattr(module, "bias_ih" + sfx) if module.bias else None
+            b_hh = getattr(module, "bias_hh" + sfx) if module.bias else None
+            seq = layer_in.flip(1) if d else layer_in
+            projected = torch.nn.functional.linear(seq, w_ih, b_ih)  # [B, T, G·H] for all time steps at once
+            h = h0[layer * D + d]
+            c = c0[layer * D + d] if c0 is not None else None
+            steps = []
+            for t in range(T):
+                rec = torch.nn.functional.linear(h, w_hh, b_hh)
+                if mode == "LSTM":
+                    i, f, g, o = (projected[:, t] + rec).chunk(4, dim=-1)
+                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                    h = torch.sigmoid(o) * torch.tanh(c)
+                elif mode == "GRU":
+                    xr, xz, xn = projected[:, t].chunk(3, dim=-1)
+                    hr, hz, hn = rec.chunk(3, dim=-1)
+                    r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+                    h = (1 - z) * torch.tanh(xn + r * hn) + z * h
+                else:
+                    h = act(projected[:, t] + rec)
+                steps.append(h)
+            out = torch.stack(steps, dim=1)
+            outs.append(out.flip(1) if d else out)
+            h_n.append(h)
+            if c is not None:
+                c_n.append(c)
+        layer_in = torch.cat(outs, dim=-1) if D == 2 else outs[0]
+        if layer < L - 1 and module.dropout > 0:
+            layer_in = torch.nn.functional.dropout(layer_in, module.dropout, module.training)
+    output = layer_in if module.batch_first else layer_in.transpose(0, 1)
+    h_n_t = torch.stack(h_n)
+    c_n_t = torch.stack(c_n) if c_n else None
+    if unbatched:
+        output = output.squeeze(0 if module.batch_first else 1)
+        h_n_t = h_n_t.squeeze(1)
+        c_n_t = c_n_t.squeeze(1) if c_n_t is not None else None
+    return output, ((h_n_t, c_n_t) if mode == "LSTM" else h_n_t)
+
+
+def _has_random_layers(model: nn.Module) -> bool:
+    """Dropout layers with p > 0, or stacked RNNs with inter-layer dropout (randomness ``vmap`` must replay)."""
+    from torch.nn.modules.dropout import _DropoutNd
+
+    for module in model.modules():
+        if isinstance(module, _DropoutNd) and module.p > 0:
+            return True
+        if isinstance(module, nn.RNNBase) and module.dropout > 0 and module.num_layers > 1:
+            return True
+    return False
+
+
+def _vmappable_rnns(model: nn.Module) -> List[nn.RNNBase]:
+    """The model's ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` layers, checked for what :func:`_rnn_forward` supports."""
+    found = []
+    for name, module in model.named_modules():
+        if type(module) in (nn.LSTM, nn.GRU, nn.RNN):
+            if getattr(module, "proj_size", 0):
+                raise VectorizationUnsupportedError(
+                    f"client_execution='vectorized' cannot train layer '{name}' ({type(module).__name__}) with "
+                    "proj_size > 0; use client_execution='sequential' or 'auto'"
+                )
+            found.append(module)
+    return found
+
+
+class _TrainingStepCall(nn.Module):
+    """``forward(batch, k)`` = ``model.training_step(batch, k)``, so that ``functional_call`` can run it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Any, step: int) -> Tensor:
+        return extract_loss(self.model.training_step(batch, step), type(self.model).__name__)
+
+
+class _LogCollector:
+    """Stands in for ``model.log`` / ``model.log_dict`` while the model runs under ``vmap``.
+
+    Values are collected as (batched) tensors and returned from the vmapped function as outputs, so they leave
+    ``vmap`` as ordinary ``[C]`` tensors (the loop's router would otherwise keep tensors that escaped ``vmap``).
+    Like the router, non-scalar values and torchmetrics objects are ignored.
+    """
+
+    def __init__(self) -> None:
+        self.names: List[str] = []
+        self.values: List[Tensor] = []
+
+    def reset(self) -> None:
+        self.names, self.values = [], []
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+            return
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                return
+            value = value.detach().reshape(()).float()
+        else:
+            value = torch.tensor(float(value))
+        if name in self.names:  # logged twice in one call: keep the last value, as a logger would
+            self.values[self.names.index(name)] = value
+        else:
+            self.names.append(name)
+            self.values.append(value)
+
+    def log_dict(self, dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        for k, v in dictionary.items():
+            self.log(k, v)
+
+
+class _ModuleTracker:
+    """Remembers which module was executing when a batched call failed (to name the layer in the error)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.stack: List[str] = []
+        self.failed_in: Optional[str] = None
+        self.handles: list = []
+
+    def __enter__(self) -> "_ModuleTracker":
+        for name, module in self.model.named_modules():
+            label = f"'{name}' ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
+
+            def pre(mod, args, label=label):
+                self.stack.append(label)
+
+            def post(mod, args, out, label=label):
+                if self.stack:
+                    self.stack.pop()
+
+            self.handles.append(module.register_forward_pre_hook(pre))
+            self.handles.append(module.register_forward_hook(post))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self.stack:
+            self.failed_in = self.stack[-1]
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+# ====================================================================== data
+class _RoundBatches:
+    """The round's mini-batches of every client, step by step, in the order sequential training draws them.
+
+    ``step(k)`` returns ``(leaves, spec, sizes)``: the batch structure's tensor leaves ``[C, n_max, ...]`` (client
+    ``i``'s batch of step ``k`` in row ``i``, padded to the step's largest batch by repeating its own samples, on the
+    model's device), the pytree spec of a batch, and the real batch sizes ``n_i`` (see :class:`_Layout`).
+    """
+
+    def __init__(self, datamodule, client_ids: Sequence[int], round: int, seed: int, local_steps: int,
+                 to_device: Callable[[Any], Any]):
+        self.local_steps = local_steps
+        self.to_device = to_device
+        loaders = [datamodule.client_dataloader(cid, round, seed=seed) for cid in client_ids]
+        samplers = [self._array_sampler(ld) for ld in loaders]
+        if all(s is not None for s in samplers) and len({id(ld.dataset) for ld in loaders}) == 1:
+            self._init_fast(loaders[0].dataset, samplers)
+        else:
+            self._init_generic(loaders)
+
+    @staticmethod
+    def _array_sampler(loader):
+        """The batch sampler of an in-memory fast-path loader (``ArrayBatchLoader`` over an ArrayDataset), else None."""
+        from fedlightning.datamodules.base import ArrayBatchLoader, ArrayDataset
+
+        if type(loader) is ArrayBatchLoader and isinstance(loader.dataset, ArrayDataset):
+            return loader.batch_sampler
+        return None
+
+    def _init_fast(self, dataset, samplers) -> None:
+        """Index lists straight from each client's batch sampler (exactly what its ``ArrayBatchLoader`` yields as
+        ``(x[idx], y[idx])``), turned into one padded ``[C, n_max]`` index matrix per step, so a step's batches of
+        all clients are gathered with one indexing op per tensor."""
+        self.fast, self.dataset = True, dataset
+        K = self.local_steps
+        chunks: List[List[np.ndarray]] = [[] for _ in range(K)]
+        for sampler in samplers:
+            it = iter(sampler)
+            for k in range(K):
+                try:
+                    idx = next(it)
+                except StopIteration:  # a new shuffled epoch, exactly as LocalTrainer.run re-iterates its loader
+                    it = iter(sampler)
+                    idx = next(it)
+                chunks[k].append(np.asarray(idx, dtype=np.int64).reshape(-1))
+        self.steps = []
+        for step_chunks in chunks:
+            sizes = [len(c) for c in step_chunks]
+            flat = np.concatenate(step_chunks)
+            self.steps.append((torch.from_numpy(flat[_padded_positions(sizes)]), sizes))
+
+    def _init_generic(self, loaders) -> None:
+        self.fast = False
+        K = self.local_steps
+        per_step: List[List[Any]] = [[] for _ in range(K)]
+        with torch.random.fork_rng(devices=[]):  # DataLoader iterators draw a base seed from the global RNG
+            for ld in loaders:
+                it = iter(ld)
+                for k in range(K):
+                    try:
+                        b = next(it)
+                    except StopIteration:
+                        it = iter(ld)
+                        b = next(it)
+                    per_step[k].append(b)
+        self.per_step = per_step
+
+    def step(self, k: int) -> Tuple[List[Tensor], Any, List[int]]:
+        """Leaves ``[C, n_max, ...]`` of step ``k``'s batches (each client's rows, padded by repeating its own rows
+        up to the largest batch of the step), the batch's pytree spec, and the real sizes ``n_i``."""
+        if self.fast:
+            index, sizes = self.steps[k]
+            x, y = self.to_device((self.dataset.x[index], self.dataset.y[index]))
+            leaves, spec = tree_flatten((x, y))
+            return leaves, spec, sizes
+        batches = self.per_step[k]
+        flats, specs = zip(*(tree_flatten(b) for b in batches))
+        spec = specs[0]
+        if any(s != spec for s in specs):
+            raise VectorizationUnsupportedError("the clients' batches have different structures; cannot stack them")
+        sizes = []
+        for leaves in flats:
+            if not leaves or not all(isinstance(x, Tensor) and x.dim() >= 1 for x in leaves):
+                raise VectorizationUnsupportedError(
+                    "client_execution='vectorized' needs batches whose leaves are all tensors with a leading batch "
+                    f"dimension; got leaves of types {[type(x).__name__ for x in leaves]}"
+                )
+            n = leaves[0].shape[0]
+            if any(x.shape[0] != n for x in leaves):
+                raise VectorizationUnsupportedError(
+                    f"batch leaves have different leading sizes {[tuple(x.shape) for x in leaves]}; cannot stack them"
+                )
+            sizes.append(int(n))
+        position = torch.from_numpy(_padded_positions(sizes))
+        leaves = [torch.cat([f[j] for f in flats])[position] for j in range(len(flats[0]))]
+        leaves = tree_flatten(self.to_device(tree_unflatten(leaves, spec)))[0]
+        return leaves, spec, sizes
+
+
+def _padded_positions(sizes: List[int]) -> np.ndarray:
+    """``[C, n_max]`` positions into the clients' concatenated rows; client ``i``'s cell ``j`` holds its own row
+    ``j mod n_i``, so padding cells repeat real samples (finite losses, masked out)."""
+    n = np.asarray(sizes, dtype=np.int64)
+    start = np.cumsum(n) - n
+    return start[:, None] + np.arange(int(n.max()))[None, :] % n[:, None]
+
+
+class _Layout:
+    """How one step's batches are laid out for the batched model call (row ``i`` = client ``i``).
+
+    * whole (every client's batch has the same size ``n``): row ``i`` is client ``i``'s batch ``[n, ...]`` and
+      ``training_step`` sees it exactly as it would sequentially;
+    * padded (sizes differ): every client's batch is padded to the step's largest size ``n_max`` by repeating its own
+      samples (so every cell holds real, finite data) and ``mask`` marks the real cells. Every cell is one
+      ``training_step`` call on a batch of one sample (an inner vmap) and a client's loss is the sum of its real
+      cells' losses over ``n_i``, the mean over its samples.
+
+    (Cutting big clients into several rows to pad less was measured slower on CPU: the extra weight gathers cost
+    more than the padded cells they save.)
+    """
+
+    def __init__(self, leaves: List[Tensor], spec: Any, sizes: List[int]):
+        """``leaves``: the step's batch leaves ``[C, n_max, ...]`` (see :meth:`_RoundBatches.step`)."""
+        self.num_clients = len(sizes)
+        self.batch = tree_unflatten(leaves, spec)
+        n_max = max(sizes)
+        if min(sizes) == n_max:
+            self.mask = self.counts = None
+            return
+        device = leaves[0].device
+        n = torch.tensor(sizes, dtype=torch.long)
+        self.mask = (torch.arange(n_max)[None, :] < n[:, None]).to(device)
+        self.counts = n.to(device)
+
+    def rows(self, clients: Tensor, scratch: Callable[..., Tensor]) -> Tuple[Any, Optional[Tensor], Optional[Tensor]]:
+        """Batch, mask and sample counts of the rows ``clients`` (indices; repeats allowed), gathered into the
+        engine's reusable ``scratch`` buffers (these rows only live during one trial evaluation)."""
+        leaves, spec = tree_flatten(self.batch)
+        P = len(clients)
+        rows = [torch.index_select(x, 0, clients, out=scratch(("rows", j), (P, *x.shape[1:]), x.dtype, x.device))
+                for j, x in enumerate(leaves)]
+        batch = tree_unflatten(rows, spec)
+        if self.mask is None:
+            return batch, None, None
+        return batch, self.mask.index_select(0, clients), self.counts.index_select(0, clients)
+
+
+# ====================================================================== one step's evaluations
+class _StepEvaluator:
+    """Evaluates the clients' objectives on the current step's batches (laid out by :class:`_Layout`).
+
+    ``gradient(W, alive)`` returns every client's loss ``[C]`` and gradient ``[C, D]`` at ``W`` ([C, D]): one vmapped
+    forward, one backward. ``trial(points, clients)`` returns, under ``no_grad``, the losses of the clients
+    ``clients`` ([P] indices, repeats allowed: several trial points of one client) at ``points`` ([P, D]), or of all
+    clients in order (``clients=None``), after restoring the random state of the gradient evaluation; the latter
+    draws exactly the random numbers of the gradient evaluation (same dropout masks, as the sequential optimizers
+    do). ``finish()`` leaves the generator in the state the gradient evaluation left it in, so the number of trials
+    does not change later randomness.
+    """
+
+    def __init__(self, engine: "VectorizedClientTrainer", layout: _Layout, step: int,
+                 terms: Optional[List[List[Callable]]], rng_devices: list, log_sink: Optional[list]):
+        self.engine, self.layout, self.step = engine, layout, step
+        self.terms = terms
+        self.rng_devices = rng_devices
+        self.log_sink = log_sink
+        self.rng_before = None
+        self.rng_after = None
+        self.trials = 0
+
+    def gradient(self, W: Tensor, alive: Tensor) -> Tuple[Tensor, Tensor]:
+        self.rng_before = _rng_state(self.rng_devices)
+        layout, engine = self.layout, self.engine
+        Wl = W.detach().requires_grad_(True)
+        with torch.enable_grad():
+            views = engine._views(Wl)
+            values, logged = engine._row_values(views, layout.batch, layout.mask, self.step)
+            losses = values if layout.counts is None else values / layout.counts.to(values.dtype)
+            if self.terms is not None:
+                losses = losses + engine._term_values(views, self.terms)
+            (grad,) = torch.autograd.grad(losses.sum(), Wl)
+        if self.log_sink is not None and logged:
+            if layout.counts is not None:
+                logged = [(name, v.detach().float() / layout.counts) for name, v in logged]
+            self.log_sink.append((logged, alive))
+        return losses.detach(), grad
+
+    def trial(self, points: Tensor, clients: Optional[Tensor] = None) -> Tensor:
+        """Losses at ``points`` ([P, D]) of the clients ``clients`` ([P] indices, repeats allowed), or of every
+        client in order (``clients=None``, ``P = C``)."""
+        if self.trials == 0:
+            self.rng_after = _rng_state(self.rng_devices)
+        self.trials += 1
+        _set_rng_state(self.rng_before, self.rng_devices)
+        layout, engine = self.layout, self.engine
+        with torch.no_grad():
+            if clients is None:
+                batch, mask, counts, terms = layout.batch, layout.mask, layout.counts, self.terms
+            else:
+                batch, mask, counts = layout.rows(clients, engine.scratch)
+                terms = [self.terms[i] for i in clients.tolist()] if self.terms is not None else None
+            views = engine._views(points)
+            values, _ = engine._row_values(views, batch, mask, self.step)
+            losses = values if counts is None else values / counts.to(values.dtype)
+            if terms is not None:
+                losses = losses + engine._term_values(views, terms)
+        return losses
+
+    def finish(self) -> None:
+        if self.rng_after is not None:
+            _set_rng_state(self.rng_after, self.rng_devices)
+
+
+def _rng_state(cuda_devices) -> Tuple[Tensor, List[Tensor]]:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda_devices]
+
+
+def _set_rng_state(state, cuda_devices) -> None:
+    torch.set_rng_state(state[0])
+    for d, s in zip(cuda_devices, state[1]):
+        torch.cuda.set_rng_state(s, d)
+
+
+# ====================================================================== batched optimizer rules
+class _StepRecord:
+    """Per-step telemetry of every client, kept as tensors until the end of the round (one host sync)."""
+
+    def __init__(self, num_clients: int, device: torch.device):
+        self.losses: List[Tensor] = []
+        self.step_sizes: List[Tensor] = []
+        self.backtracks = torch.zeros(num_clients, dtype=torch.long, device=device)
+        self.forwards = torch.zeros(num_clients, dtype=torch.long, device=device)
+        self.backwards = torch.zeros(num_clients, dtype=torch.long, device=device)
+
+
+class _BatchedRule:
+    """Base of the batched client optimizers: one local step of every client at once, on ``W`` ([C, D]) in place.
+
+    ``alive`` ([C] bool) marks the clients that still train: ``LocalTrainer.run`` stops a client whose loss is
+    non-finite under a closure optimizer (``stops_on_nonfinite``); stopped clients are still computed (their rows
+    ride along in the batched ops) but neither their weights, state nor telemetry change any more.
+    """
+
+    stops_on_nonfinite = False
+
+    def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+        raise NotImplementedError
+
+    def finalize(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Write the batched per-client state back into each client's optimizer instance (whose own
+        ``get_client_state`` / ``client_report`` then give exactly what a sequential run stores)."""
+
+
+class _BatchedSGD(_BatchedRule):
+    """``torch.optim.SGD`` without momentum: ``d = clip(g) + λ w``; ``w ← w − lr · d`` (the same ops as torch).
+
+    A parameter the loss does not depend on gets a zero gradient here, while torch's SGD skips a parameter whose
+    ``.grad`` is None: the two agree except that such a parameter still decays when ``weight_decay > 0``.
+    """
+
+    def __init__(self, lr: float, weight_decay: float, grad_clip: Optional[float], num_clients: int, device):
+        self.lr = float(lr)
+        self.weight_decay = float(weight_decay)
+        self.grad_clip = grad_clip
+        self.lr_vector = torch.full((num_clients,), self.lr, dtype=torch.float64, device=device)
+
+    def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+        loss, g = ev.gradient(W, alive)
+        if self.grad_clip is not None:
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (‖g‖ + 1e-6), clamped to 1, always multiplied
+            norm = torch.linalg.vector_norm(g, dim=1)
+            coef = (float(self.grad_clip) / (norm + 1e-6)).clamp(max=1.0)
+            g = g * coef[:, None]
+        if self.weight_decay != 0.0:
+            g = g.add(W, alpha=self.weight_decay)
+        W.add_(g, alpha=-self.lr)
+        record.losses.append(loss)
+        record.step_sizes.append(self.lr_vector)
+        record.forwards += 1
+        record.backwards += 1
+
+
+def _loss_and_grad_sq(loss: Tensor, g: Tensor, ev: _StepEvaluator) -> Tuple[Tensor, Tensor, Tensor]:
+    """float64 loss and ‖g‖² per client, and the mask of clients whose step is finite (the optimizers' policy:
+    a non-finite loss or gradient leaves the weights and the state unchanged, step size nan).
+
+    ‖g‖² is computed as the optimizers of :mod:`fedlightning.optim` compute it (per-tensor norms in the parameters'
+    dtype, squared and summed in float64), so the Armijo / Polyak decisions see the same numbers up to rounding.
+    """
+    norms = [torch.linalg.vector_norm(v, dim=tuple(range(1, v.dim()))) if v.dim() > 1 else v.abs()
+             for v in ev.engine._views(g)]
+    grad_sq = torch.stack(norms).double().square().sum(dim=0)
+    loss64 = loss.double()
+    finite = torch.isfinite(loss64) & torch.isfinite(grad_sq)
+    return loss64, grad_sq, finite
+
+
+def _move(W: Tensor, g: Tensor, step: Tensor, where: Tensor) -> None:
+    """``w ← w − step · g`` for the clients in ``where`` (same rounding as ``torch._foreach_add_(alpha=-step)``);
+    the other rows are left bit-for-bit unchanged (their gradient may be non-finite)."""
+    moved = torch.addcmul(W, g, (-step).to(W.dtype)[:, None])
+    torch.where(where[:, None], moved, W, out=W)
+
+
+class _BatchedArmijo(_BatchedRule):
+    """:class:`fedlightning.optim.SgdArmijo` for every client at once, with masked backtracking.
+
+    Every client starts from its own ``η_0`` (reset policy, its own last accepted step and ``b/n_i``) and walks the
+    grid ``η_0 β^m``, ``m = 0, 1, …``; it stops at its first accepted ``m`` while the others go on. The outcome
+    (accepted step, backtracks, forward count, state) is the sequential search's, grid point by grid point; only
+    the batching differs:
+
+    * deterministic models: a trial round evaluates every client still searching at a window of its next grid
+      points, all (client, point) pairs in one batched call. A client's first window reaches one point past the
+      ``m`` it accepted at its previous step of the round (the accepted ``m`` changes little from step to step), and
+      each further window doubles, so searches end in one or two rounds with few points past the accepted one.
+      Those extra points are computed but not counted: telemetry counts the search's own evaluations;
+    * models with random layers (dropout): every client at one grid point per round, in order, so the replayed
+      generator gives every trial the dropout masks of its gradient evaluation.
+
+    One host synchronisation per trial round. Zero-gradient, exhausted-search and non-finite policies, telemetry
+    and per-client state are SgdArmijo's (see :mod:`fedlightning.optim.armijo`).
+    """
+
+    stops_on_nonfinite = True
+
+    def __init__(self, optimizers, params, num_clients: int, device):
+        hp = dict(optimizers[0].hyper)
+        self.eta_max, self.c, self.beta = hp["eta_max"], hp["c"], hp["beta"]
+        self.reset, self.delta = hp["reset"], hp["delta"]
+        self.max_backtracks, self.grad_tol = hp["max_backtracks"], hp["grad_tol"]
+        f64 = dict(dtype=torch.float64, device=device)
+        if self.reset == "grow":  # δ^{b/n_i} per client, computed as SgdArmijo does (Python float power)
+            self.growth = torch.tensor([self.delta ** o._epoch_exponent('reset="grow"') for o in optimizers], **f64)
+        # β^m for m = 0 .. max_backtracks + 1, as SgdArmijo computes them (Python float powers)
+        self.powers = torch.tensor([self.beta**m for m in range(self.max_backtracks + 2)], **f64)
+        # η_{k-1}: the step a client accepted last this round; before its first step, the carried step when
+        # carry_step_size (SgdArmijo.initial_step_size), else none (NaN) and the search starts at eta_max
+        starts = [o._carried_step if (o.carry_step_size and o._carried_step is not None) else None for o in optimizers]
+        self.prev = torch.tensor([float("nan") if s is None else s for s in starts], **f64)
+        self.accepted_any = torch.zeros(num_clients, dtype=torch.bool, device=device)
+        self.last_m = torch.zeros(num_clients, dtype=torch.long, device=device)  # window prediction
+
+    def initial_step_size(self) -> Tensor:
+        eta_max = torch.full_like(self.prev, self.eta_max)
+        if self.reset == "max":
+            return eta_max
+        prev = self.prev
+        start = prev if self.reset == "last" else torch.minimum(prev * self.growth, eta_max)
+        return torch.where(torch.isnan(prev), eta_max, start)
+
+    def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+        loss, g = ev.gradient(W, alive)
+        loss64, grad_sq, finite = _loss_and_grad_sq(loss, g, ev)
+        flat = (grad_sq < self.grad_tol**2) | (grad_sq == 0.0)
+        searching = alive & finite & ~flat
+        eta0 = self.initial_step_size()
+        grid = self.max_backtracks + 1  # grid points m = 0 .. max_backtracks
+        if ev.engine.deterministic:
+            first_m, trials = self._search_windows(W, g, ev, loss64, grad_sq, eta0, searching, grid)
+        else:
+            first_m, trials = self._search_in_order(W, g, ev, loss64, grad_sq, eta0, searching, grid)
+        ev.finish()
+        accepted = first_m < grid
+        accepted_eta = torch.where(accepted, eta0 * self.powers[first_m.clamp(max=grid)], torch.zeros_like(eta0))
+        exhausted = searching & ~accepted
+        _move(W, g, accepted_eta, accepted)
+        # η_{k-1}: accepted step; after an exhausted search the next grid point η_0 β^{max_backtracks+1}
+        next_grid = eta0 * self.powers[grid]
+        self.prev = torch.where(accepted, accepted_eta, torch.where(exhausted, next_grid, self.prev))
+        self.accepted_any |= accepted | exhausted
+        self.last_m = torch.where(accepted, first_m, self.last_m)
+        nan = torch.full_like(eta0, float("nan"))
+        record.losses.append(loss)
+        record.step_sizes.append(torch.where(finite, accepted_eta, nan))
+        live = alive.long()
+        record.backtracks += torch.where(accepted, trials - 1, trials) * live
+        record.forwards += (1 + trials) * live
+        record.backwards += live
+
+    def _accepts(self, trial_loss: Tensor, loss64: Tensor, grad_sq: Tensor, eta: Tensor) -> Tensor:
+        """The Armijo test f(w − ηg) ≤ f(w) − c·η·‖g‖², with SgdArmijo's float64 operations and order."""
+        return trial_loss.double() <= loss64 - (self.c * eta) * grad_sq
+
+    def _search_windows(self, W, g, ev, loss64, grad_sq, eta0, searching, grid):
+        """Deterministic models: (client, grid point) pairs of all searching clients in one call per round."""
+        C = W.shape[0]
+        device = W.device
+        never = torch.full((C,), grid, dtype=torch.long, device=device)
+        first_m = never.clone()  # first accepted grid point (grid = none)
+        trials = torch.zeros(C, dtype=torch.long, device=device)
+        next_m = torch.zeros(C, dtype=torch.long, device=device)
+        width = self.last_m + 2  # first window: up to one point past the client's previous accepted m
+        while True:
+            width = torch.minimum(width, grid - next_m) * searching.long()
+            total = int(width.sum())  # the one host synchronisation of this trial round
+            if total == 0:
+                break
+            pair_client = torch.repeat_interleave(torch.arange(C, device=device), width, output_size=total)
+            offset = torch.cumsum(width, 0) - width
+            pair_m = next_m[pair_client] + torch.arange(total, device=device) - offset[pair_client]
+            eta = eta0[pair_client] * self.powers[pair_m]
+            points = self._points(ev, W, g, pair_client, eta)
+            trial_loss = ev.trial(points, pair_client)
+            ok = self._accepts(trial_loss, loss64[pair_client], grad_sq[pair_client], eta)
+            hit = never.scatter_reduce(0, pair_client, torch.where(ok, pair_m, grid), reduce="amin")
+            found = hit < grid
+            first_m = torch.where(found, hit, first_m)
+            trials += torch.where(found, hit - next_m + 1, width)
+            next_m = next_m + width
+            searching = searching & ~found & (next_m < grid)
+            width = width * 2
+        return first_m, trials
+
+    @staticmethod
+    def _points(ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor) -> Tensor:
+        """Trial points ``w_c − η g_c`` of the (client, grid point) pairs, written into the engine's scratch
+        buffers (same rounding as ``torch.addcmul``, hence as SgdArmijo's ``_foreach_add_(alpha=-η)``)."""
+        shape = (len(pair_client), W.shape[1])
+        points = torch.index_select(W, 0, pair_client, out=ev.engine.scratch("points", shape, W.dtype, W.device))
+        g_rows = torch.index_select(g, 0, pair_client, out=ev.engine.scratch("g_rows", shape, W.dtype, W.device))
+        return points.addcmul_(g_rows, (-eta).to(W.dtype).unsqueeze(1))
+
+    def _search_in_order(self, W, g, ev, loss64, grad_sq, eta0, searching, grid):
+        """Models with random layers: every client at one grid point per round, all clients in order."""
+        C = W.shape[0]
+        first_m = torch.full((C,), grid, dtype=torch.long, device=W.device)
+        trials = torch.zeros(C, dtype=torch.long, device=W.device)
+        for m in range(grid):
+            if not bool(searching.any()):  # the one host synchronisation of this trial round
+                break
+            eta = eta0 * self.powers[m]
+            points = torch.addcmul(W, g, (-eta).to(W.dtype).unsqueeze(1))
+            ok = searching & self._accepts(ev.trial(points), loss64, grad_sq, eta)
+            first_m = torch.where(ok, torch.full_like(first_m, m), first_m)
+            trials += searching.long()
+            searching = searching & ~ok
+        return first_m, trials
+
+    def finalize(self, optimizers) -> None:
+        prev = self.prev.tolist()
+        took = self.accepted_any.tolist()
+        for o, p, t in zip(optimizers, prev, took):
+            if t:  # a search ended this round (accepted or exhausted): SgdArmijo's _prev_step
+                o._prev_step = p
+
+
+class _BatchedSPS(_BatchedRule):
+    """:class:`fedlightning.optim.SPS` (SPS_max, constant or smoothed cap; fixed-``lr`` FedSPS-Global mode) for
+    every client at once: ``γ_i = min{(f_i − ℓ*)/(c‖g_i‖²), γ_{b,i}}``, degenerate steps and state as SPS."""
+
+    stops_on_nonfinite = True
+
+    def __init__(self, optimizers, params, num_clients: int, device):
+        hp = dict(optimizers[0].hyper)
+        self.c, self.gamma_max, self.f_star = hp["c"], hp["gamma_max"], hp["f_star"]
+        self.smooth, self.grad_tol = hp["smooth"], hp["grad_tol"]
+        self.fixed_lr = hp.get("lr")
+        f64 = dict(dtype=torch.float64, device=device)
+        if self.smooth:  # δ^{b/n_i} per client, as SPS.cap computes it
+            self.growth = torch.tensor(
+                [hp["smooth_factor"] ** o._epoch_exponent("smooth=True") for o in optimizers], **f64)
+        self.prev = torch.tensor([float("nan") if o._prev_step is None else o._prev_step for o in optimizers], **f64)
+        nan = torch.full((num_clients,), float("nan"), **f64)
+        self.report = (nan.clone(), nan.clone(), nan.clone())  # last step's (sps step, f, ‖g‖²): SPS.client_report
+        self.reported = torch.zeros(num_clients, dtype=torch.bool, device=device)
+
+    def cap(self) -> Tensor:
+        gamma_max = torch.full_like(self.prev, self.gamma_max)
+        if not self.smooth:
+            return gamma_max
+        return torch.where(torch.isnan(self.prev), gamma_max, self.growth * self.prev)
+
+    def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+        loss, g = ev.gradient(W, alive)
+        loss64, grad_sq, finite = _loss_and_grad_sq(loss, g, ev)
+        gap = loss64 - self.f_star
+        cap = self.cap()
+        degenerate = (grad_sq < self.grad_tol**2) | (grad_sq == 0.0) | (gap <= 0.0)
+        ratio = torch.minimum(gap / (self.c * grad_sq), cap)
+        sps_step = torch.where(degenerate, torch.where(gap <= 0.0, torch.zeros_like(cap), cap), ratio)
+        report = alive & finite
+        self.report = tuple(torch.where(report, new, old) for new, old in zip((sps_step, loss64, grad_sq), self.report))
+        self.reported |= report
+        zeros, nan = torch.zeros_like(cap), torch.full_like(cap, float("nan"))
+        if self.fixed_lr is not None:  # FedSPS-Global client: the constant step, SPS only measured
+            step = torch.full_like(cap, self.fixed_lr)
+            moves = alive & finite
+        else:
+            step = torch.where(degenerate, zeros, sps_step)
+            moves = alive & finite & ~degenerate
+            self.prev = torch.where(moves, sps_step, self.prev)
+        _move(W, g, step, moves)
+        record.losses.append(loss)
+        record.step_sizes.append(torch.where(finite, step, nan))
+        record.forwards += alive.long()
+        record.backwards += alive.long()
+
+    def finalize(self, optimizers) -> None:
+        prev = self.prev.tolist()
+        reports = torch.stack(self.report).tolist()
+        reported = self.reported.tolist()
+        for i, o in enumerate(optimizers):
+            o._prev_step = None if math.isnan(prev[i]) else prev[i]
+            if reported[i]:
+                o._report = {"sps_last_step_size": reports[0][i], "sps_last_loss": reports[1][i],
+                             "sps_last_grad_sq": reports[2][i]}
+
+
+class _BatchedDecSPS(_BatchedRule):
+    """:class:`fedlightning.optim.DecSPS` for every client at once:
+    ``γ_t = min{(f − ℓ*)/‖g‖², c_{t−1} γ_{t−1}} / c_t``, ``c_t = c_0 √(t+1)``, with each client's own ``(t, γ_{t−1})``."""
+
+    stops_on_nonfinite = True
+
+    def __init__(self, optimizers, params, num_clients: int, device):
+        hp = dict(optimizers[0].hyper)
+        self.c0, self.f_star, self.grad_tol = hp["c0"], hp["f_star"], hp["grad_tol"]
+        f64 = dict(dtype=torch.float64, device=device)
+        self.t = torch.tensor([float(o.t) for o in optimizers], **f64)
+        self.gamma_prev = torch.tensor([float(o.gamma_prev) for o in optimizers], **f64)
+
+    def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+        loss, g = ev.gradient(W, alive)
+        loss64, grad_sq, finite = _loss_and_grad_sq(loss, g, ev)
+        gap = loss64 - self.f_star
+        degenerate = (grad_sq < self.grad_tol**2) | (grad_sq == 0.0) | (gap <= 0.0)
+        t = self.t
+        c_prev = torch.where(t >= 1, self.c0 * torch.sqrt(t), torch.full_like(t, self.c0))
+        c_t = self.c0 * torch.sqrt(t + 1)
+        gamma = torch.minimum(gap / grad_sq, c_prev * self.gamma_prev) / c_t
+        moves = alive & finite & ~degenerate
+        step = torch.where(moves, gamma, torch.zeros_like(gamma))
+        _move(W, g, step, moves)
+        self.t = torch.where(moves, t + 1, t)
+        self.gamma_prev = torch.where(moves, gamma, self.gamma_prev)
+        record.losses.append(loss)
+        record.step_sizes.append(torch.where(finite, step, torch.full_like(step, float("nan"))))
+        record.forwards += alive.long()
+        record.backwards += alive.long()
+
+    def finalize(self, optimizers) -> None:
+        ts, gammas = self.t.tolist(), self.gamma_prev.tolist()
+        for o, t, gp in zip(optimizers, ts, gammas):
+            o.t, o.gamma_prev = int(t), gp
+
+
+def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor]) -> Dict[str, Any]:
+    """The hyper-parameters shared by every param group of every client optimizer (else unsupported)."""
+    ids = {id(p) for p in params}
+    first = None
+    for opt in optimizers:
+        covered = set()
+        for group in opt.param_groups:
+            hp = {k: v for k, v in group.items() if k != "params"}
+            covered.update(id(p) for p in group["params"])
+            if first is None:
+                first = hp
+            elif hp != first:
+                raise VectorizationUnsupportedError(
+                    f"client_execution='vectorized' needs the same {type(opt).__name__} settings for every "
+                    f"parameter group and client; got {first} and {hp}"
+                )
+        if covered != ids:
+            raise VectorizationUnsupportedError(
+                "client_execution='vectorized' needs the client optimizer to cover all trainable parameters"
+            )
+    return first or {}
+
+
+#: Batched counterparts of the optimizers of fedlightning.optim, by class name.
+_ADAPTIVE_RULES: Dict[str, Callable[..., _BatchedRule]] = {
+    "SgdArmijo": _BatchedArmijo,
+    "SPS": _BatchedSPS,
+    "DecSPS": _BatchedDecSPS,
+}
+
+
+def make_batched_rule(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor],
+                      grad_clip: Optional[float], device: torch.device) -> _BatchedRule:
+    """The batched counterpart of the round's client optimizers (one instance per client, built by the loop).
+
+    Raises :class:`VectorizationUnsupportedError` for optimizers without a batched rule (Adam, SGD with momentum,
+    ...) and for settings that differ between clients or parameter groups.
+    """
+    kinds = {type(o) for o in optimizers}
+    if len(kinds) != 1:
+        raise VectorizationUnsupportedError(
+            f"the clients use different optimizer classes {sorted(k.__name__ for k in kinds)}")
+    kind = kinds.pop()
+    num_clients = len(optimizers)
+    hp = _same_hyperparameters(optimizers, params)
+    if kind is torch.optim.SGD:
+        bad = {k: hp.get(k) for k in ("momentum", "nesterov", "maximize") if hp.get(k)}
+        if bad:
+            raise VectorizationUnsupportedError(
+                "client_execution='vectorized' supports torch.optim.SGD without momentum, nesterov or maximize; got "
+                + ", ".join(f"{k}={v}" for k, v in bad.items())
+            )
+        return _BatchedSGD(hp["lr"], hp.get("weight_decay", 0.0), grad_clip, num_clients, device)
+    batched = _ADAPTIVE_RULES.get(kind.__name__) if kind.__module__.startswith("fedlightning.optim") else None
+    if batched is not None:
+        return batched(optimizers, params, num_clients, device)
+    raise VectorizationUnsupportedError(
+        f"client_execution='vectorized' does not support the client optimizer {kind.__name__}; supported: "
+        "torch.optim.SGD without momentum, fedlightning.optim.SgdArmijo, SPS and DecSPS"
+    )
+
+
+# ====================================================================== the engine
+class VectorizedClientTrainer:
+    """Trains a list of clients in lockstep on the loop's working copy of the model (see the module docstring).
+
+    Args:
+        model: the working copy (``loop._worker_trainer().model``); its parameters are only read for names, shapes
+            and dtype; the clients' weights live in one ``[C, D]`` tensor during a round.
+        to_device: moves a batch to the model's device.
+    """
+
+    def __init__(self, model: nn.Module, to_device: Callable[[Any], Any] = lambda b: b):
+        check_model_vectorizable(model)
+        self.model = model
+        self.to_device = to_device
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise VectorizationUnsupportedError("the model has no trainable parameters")
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1:
+            raise VectorizationUnsupportedError(
+                "client_execution='vectorized' needs one dtype for all trainable parameters, got "
+                f"{sorted(map(str, dtypes))}"
+            )
+        self.dtype = dtypes.pop()
+        # one name per (module, attribute) slot that holds a trainable parameter, tied parameters (one Parameter in
+        # several modules) included, so functional_call can skip its own untie/retie pass (tie_weights=False) and
+        # still give every slot the client's tensor; a shared module reached under several paths is one slot
+        index = {id(p): i for i, (_, p) in enumerate(named)}
+        slots: Dict[Tuple[int, str], str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in index:
+                owner, _, attr = n.rpartition(".")
+                slots.setdefault((id(model.get_submodule(owner)), attr), n)
+        self.alias_index = [("model." + n, index[id(model.get_parameter(n))]) for n in slots.values()]
+        self.shapes = [tuple(p.shape) for _, p in named]
+        self.numels = [p.numel() for _, p in named]
+        self.num_params = sum(self.numels)
+        self.call = _TrainingStepCall(model)
+        self.collector = _LogCollector()
+        self.rnns = _vmappable_rnns(model)
+        self.deterministic = not _has_random_layers(model)
+        self.probed: set = set()
+        self._scratch: Dict[Any, Tensor] = {}
+
+    def scratch(self, key: Any, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A reusable buffer of ``shape`` for ``key`` (grown when needed). Multi-megabyte tensors allocated afresh
+        in every trial round cost more in page faults than the work done in them; the engine reuses these."""
+        numel = math.prod(shape)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(max(numel, int(1.5 * buf.numel()) if buf is not None else 0), dtype=dtype, device=device)
+            self._scratch[key] = buf
+        return buf[:numel].view(*shape)
+
+    # ---------------------------------------------------------------- batched loss
+    def _views(self, W: Tensor) -> List[Tensor]:
+        C = W.shape[0]
+        return [t.view(C, *s) for t, s in zip(torch.split(W, self.numels, dim=1), self.shapes)]
+
+    @contextmanager
+    def _vmap_context(self):
+        """While the model runs under vmap: ``self.log`` goes to the collector, RNN layers use :func:`_rnn_forward`."""
+        model = self.model
+        saved = {k: model.__dict__[k] for k in ("log", "log_dict") if k in model.__dict__}
+        model.__dict__["log"], model.__dict__["log_dict"] = self.collector.log, self.collector.log_dict
+        for rnn in self.rnns:
+            rnn.__dict__["forward"] = functools.partial(_rnn_forward, rnn)
+        try:
+            yield
+        finally:
+            for k in ("log", "log_dict"):
+                model.__dict__.pop(k, None)
+            model.__dict__.update(saved)
+            for rnn in self.rnns:
+                rnn.__dict__.pop("forward", None)
+
+    def _row_values(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int):
+        """One value per row of a :class:`_Layout` batch at the row weights ``views`` ([R, ...] each), and the
+        values the model logged (list of ``(name, [R] tensor)``): whole rows give ``training_step``'s loss of the
+        row; cell rows (``mask`` given) give the sum of the per-sample losses of the row's real cells."""
+        mode = "whole" if mask is None else "per-sample"
+        with self._vmap_context():
+            if mode in self.probed:
+                return self._row_values_vmapped(views, batch, mask, step)
+            tracker = _ModuleTracker(self.model)  # first call of each mode: name the layer if vmap fails
+            try:
+                with tracker:
+                    out = self._row_values_vmapped(views, batch, mask, step)
+            except Exception as err:  # noqa: BLE001 - re-raised with the layer that failed
+                where = tracker.failed_in or f"the model ({type(self.model).__name__})"
+                raise VectorizationUnsupportedError(
+                    f"client_execution='vectorized' failed in {where} while running the clients under "
+                    f"torch.func.vmap: {type(err).__name__}: {err}. Use client_execution='sequential' (or 'auto' "
+                    "to fall back automatically)"
+                ) from err
+            self.probed.add(mode)
+            return out
+
+    def _row_values_vmapped(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int):
+        call, alias_index, collector = self.call, self.alias_index, self.collector
+
+        def one_call(params: Dict[str, Tensor], b: Any):
+            collector.reset()
+            loss = functional_call(call, params, (b, step), tie_weights=False)
+            return loss, tuple(collector.values)
+
+        if mask is None:
+            def per_row(vs, b):
+                return one_call({name: vs[i] for name, i in alias_index}, b)
+
+            values, logged = vmap(per_row, randomness="different")(views, batch)
+        else:
+            def per_row_cells(vs, b, m):
+                params = {name: vs[i] for name, i in alias_index}
+                leaves, spec = tree_flatten(b)
+
+                def per_sample(*sample_leaves):
+                    return one_call(params, tree_unflatten([x.unsqueeze(0) for x in sample_leaves], spec))
+
+                cell_losses, cell_logged = vmap(per_sample, randomness="different")(*leaves)
+
+                def real_sum(v: Tensor) -> Tensor:  # padded cells (repeated samples) count zero
+                    return torch.where(m, v, torch.zeros_like(v)).sum()
+
+                return real_sum(cell_losses), tuple(real_sum(v) for v in cell_logged)
+
+            values, logged = vmap(per_row_cells, randomness="different")(views, batch, mask)
+        return values, list(zip(list(collector.names), logged))
+
+    @staticmethod
+    def _term_values(views: List[Tensor], terms: List[List[Callable]]) -> Tensor:
+        """Σ of each client's objective terms, called on that client's parameter tensors (rows of the batch)."""
+        values = []
+        for c, client_terms in enumerate(terms):
+            own = [v[c] for v in views]
+            total = views[0].new_zeros(())
+            for term in client_terms:
+                total = total + term(own).reshape(())
+            values.append(total)
+        return torch.stack(values)
+
+    # ---------------------------------------------------------------- one round
+    def run(
+        self,
+        client_ids: Sequence[int],
+        round: int,
+        seed: int,
+        global_params: Sequence[Tensor],
+        global_buffers: Sequence[Tensor],
+        global_flat: Tensor,
+        datamodule,
+        optimizers: Sequence[torch.optim.Optimizer],
+        local_steps: int,
+        grad_clip: Optional[float] = None,
+        terms: Optional[Sequence[Sequence[Callable[[Sequence[Tensor]], Tensor]]]] = None,
+        router=None,
+        float_buffer_mask: Optional[Sequence[bool]] = None,
+    ) -> List[ClientUpdate]:
+        """Train ``client_ids`` for ``local_steps`` steps from the global weights; one :class:`ClientUpdate` per
+        client, in order, with the same fields as ``LocalTrainer.run``.
+
+        ``optimizers`` are the clients' optimizer instances as the loop builds them (client state already set);
+        after the round their per-client state holds what sequential training would have left in them, so
+        ``get_client_state()`` / ``client_report()`` can be called on them.
+        """
+        client_ids = [int(c) for c in client_ids]
+        C = len(client_ids)
+        if C == 0:
+            return []
+        if isinstance(local_steps, bool) or int(local_steps) < 1:
+            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+        if len(optimizers) != C:
+            raise ValueError(f"got {len(optimizers)} optimizers for {C} clients")
+        device = global_flat.device
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        rule = make_batched_rule(optimizers, params, grad_clip, device)
+        if terms is not None and len(terms) != C:
+            raise ValueError(f"got objective terms for {len(terms)} clients, expected {C}")
+        term_lists = [list(t) for t in terms] if terms is not None and any(terms) else None
+        self.model.train()
+
+        with torch.no_grad():
+            start = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in global_params])
+        W = start.unsqueeze(0).repeat(C, 1)  # [C, D]: client c's weights in row c
+        record = _StepRecord(C, device)
+        alive = torch.ones(C, dtype=torch.bool, device=device)
+        num_steps = torch.zeros(C, dtype=torch.long, device=device)
+        batches = _RoundBatches(datamodule, client_ids, round, seed, int(local_steps), self.to_device)
+        rng_devices = [device] if device.type == "cuda" else []
+        log_sink: Optional[list] = [] if router is not None else None
+
+        with torch.random.fork_rng(devices=rng_devices):
+            torch.manual_seed(derive_seed(seed, "model-vectorized", round, *client_ids))
+            for k in range(int(local_steps)):
+                layout = _Layout(*batches.step(k))
+                ev = _StepEvaluator(self, layout, k, term_lists, rng_devices, log_sink)
+                rule.step(W, ev, record, alive)
+                num_steps += alive.long()
+                if rule.stops_on_nonfinite:
+                    alive = alive & torch.isfinite(record.losses[-1])
+        rule.finalize(optimizers)
+        if log_sink:
+            _feed_router(router, log_sink)
+        return self._updates(client_ids, W, global_flat, datamodule, record, num_steps, global_buffers,
+                             float_buffer_mask)
+
+    def _updates(self, client_ids, W, global_flat, datamodule, record: _StepRecord, num_steps: Tensor,
+                 global_buffers, float_buffer_mask) -> List[ClientUpdate]:
+        K = len(record.losses)
+        losses = torch.stack(record.losses).float().cpu()  # [K, C]
+        step_sizes = torch.stack(record.step_sizes).double().cpu().t().tolist()  # [C][K]
+        counts = torch.stack([num_steps, record.backtracks, record.forwards, record.backwards]).cpu().tolist()
+        delta = global_flat.unsqueeze(0) - W.to(global_flat.dtype)
+        finite_delta = torch.isfinite(delta).all(dim=1).cpu().tolist()
+        buffers = None
+        if float_buffer_mask is not None and any(float_buffer_mask):
+            # batch-statistics layers are refused, so no buffer changes during client training: every client
+            # reports the global buffers, as LocalTrainer.run does for a model whose buffers stay untouched
+            buffers = torch.cat([b.detach().reshape(-1).float() for b, m in zip(global_buffers, float_buffer_mask) if m])
+        updates = []
+        for c, cid in enumerate(client_ids):
+            n = int(counts[0][c])
+            loss_vec = losses[:n, c] if n > 0 else torch.tensor([float("nan")])
+            update = ClientUpdate(
+                client_id=cid,
+                delta=delta[c],
+                num_samples=datamodule.client_num_samples(cid),
+                num_steps=n,
+                first_loss=float(loss_vec[0]),
+                mean_loss=float(loss_vec.mean()),
+                step_sizes=step_sizes[c][: min(n, K)],
+                backtracks=int(counts[1][c]),
+                forwards=int(counts[2][c]),
+                backwards=int(counts[3][c]),
+            )
+            if buffers is not None:
+                update.buffers = buffers.clone()
+            if not bool(torch.isfinite(loss_vec).all()):
+                update.failed, update.failure = True, "non-finite training loss"
+            elif not finite_delta[c]:
+                update.failed, update.failure = True, "non-finite model update"
+            updates.append(update)
+        return updates
+
+
+def _feed_router(router, log_sink: List[Tuple[List[Tuple[str, Tensor]], Tensor]]) -> None:
+    """Give the loop's log router one value per gradient evaluation of every client still training, as sequential
+    training does (the router ignores a line search's trial evaluations, which run without gradients)."""
+    by_name: Dict[str, List[Tensor]] = {}
+    for logged, evaluated in log_sink:
+        for name, values in logged:
+            by_name.setdefault(name, []).append(values.detach().float()[evaluated])
+    for name, parts in by_name.items():
+        router.captured.setdefault(name, []).extend(torch.cat(parts).unbind(0))
+
+
+# ====================================================================== loop integration
+def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> Optional[List[ClientUpdate]]:
+    """The ClientUpdates of ``client_ids`` for ``plan``, trained in lockstep; None means "train them sequentially".
+
+    Called by :meth:`FederatedLoop.training_step` when ``client_execution`` is ``"vectorized"`` or ``"auto"``. With
+    ``"auto"``, anything :class:`VectorizationUnsupportedError` reports makes the loop fall back to sequential
+    training for the rest of the run, with a one-time warning. Per-client optimizer state is read from and written
+    to ``loop.client_state`` (namespace ``"optimizer"``) exactly as sequential training does.
+    """
+    mode = loop.client_execution
+    if mode == "sequential" or not client_ids or loop.__dict__.get("_vectorized_fallback"):
+        return None
+    try:
+        return _run(loop, plan, client_ids, global_flat)
+    except VectorizationUnsupportedError as err:
+        if mode != "auto":
+            raise
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        loop.__dict__["_vectorized_fallback"] = True
+        rank_zero_warn(f"client_execution='auto': training clients sequentially ({err})")
+        return None
+
+
+def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> List[ClientUpdate]:
+    """Mirror of ``FederatedLoop.train_client`` for all of ``client_ids`` at once."""
+    worker = loop._worker_trainer()
+    engine: Optional[VectorizedClientTrainer] = loop.__dict__.get("_vectorized_engine")
+    if engine is None or engine.model is not worker.model:
+        engine = VectorizedClientTrainer(worker.model, to_device=worker.to_device)
+        loop.__dict__["_vectorized_engine"] = engine
+    dm = loop._datamodule()
+    client_ids = [int(c) for c in client_ids]
+    optimizers = []
+    for cid in client_ids:
+        opt = loop._make_client_optimizer(worker.params, cid, plan.client_lr_scale)
+        if hasattr(opt, "set_client_data"):  # per-client epoch length b/n_i, as train_client
+            opt.set_client_data(num_samples=dm.client_num_samples(cid), batch_size=dm.batch_size)
+        optimizers.append(opt)
+    hooks = loop._callbacks_with("client_objective")
+    terms = []
+    for cid in client_ids:
+        client_terms: list = []
+        for cb in hooks:
+            client_terms.extend(cb.client_objective(loop, plan, cid) or [])
+        terms.append(client_terms)
+    gbuffers = list(loop.model.buffers())
+    updates = engine.run(
+        client_ids=client_ids,
+        round=plan.round,
+        seed=loop.seed,
+        global_params=loop._global_params(),
+        global_buffers=gbuffers,
+        global_flat=global_flat,
+        datamodule=dm,
+        optimizers=optimizers,
+        local_steps=plan.local_steps,
+        grad_clip=loop.client_grad_clip,
+        terms=terms,
+        router=getattr(worker, "router", None),
+        float_buffer_mask=[b.is_floating_point() for b in gbuffers],
+    )
+    for update, opt in zip(updates, optimizers):
+        if hasattr(opt, "client_report"):  # last-step scalars a strategy may use (FedSPS-Global)
+            update.payload.update(opt.client_report())
+        if loop.persist_client_state and hasattr(opt, "get_client_state") and not update.failed:
+            loop.client_state.set("optimizer", update.client_id, opt.get_client_state())
+    return updates

@@ -1,0 +1,526 @@
+"""client_execution="vectorized": the round's clients in lockstep equal sequential training (same seeds, same batches).
+
+Equality is checked on the global weights after several rounds and on every client's telemetry (steps, step sizes,
+backtracks, forward/backward counts) and persistent optimizer state, for SGD, SgdArmijo (masked backtracking),
+SPS and DecSPS, on digits with clients that hold fewer samples than the batch size and unequal sample counts.
+The masked line search is also checked against an analytic quadratic, independent of the sequential code.
+"""
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+import lightning.pytorch as pl
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FedAvg
+from fedlightning.datamodules import IID, ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
+from fedlightning.models import MLP, CharGRU, CharLSTM, Classifier, LogisticRegression
+from fedlightning.optim import SPS, DecSPS, SgdArmijo
+from fedlightning.vectorized import (
+    VectorizationUnsupportedError,
+    VectorizedClientTrainer,
+    _Layout,
+    _padded_positions,
+    _rnn_forward,
+    _StepEvaluator,
+    check_model_vectorizable,
+)
+
+ROUNDS, CPR, K, BATCH = 3, 6, 5, 16
+
+
+class Recorder(pl.Callback):
+    """Keeps every ClientUpdate the loop hands to on_client_end."""
+
+    def __init__(self):
+        self.updates = []
+
+    def on_client_end(self, loop, plan, update):
+        self.updates.append(update)
+
+
+def digits(partition=None, batch_size=BATCH, num_clients=40):
+    return DigitsDataModule(num_clients=num_clients, batch_size=batch_size,
+                            partition=partition if partition is not None else Dirichlet(0.3), seed=0)
+
+
+def fit(model, optimizer, mode, dm_fn=digits, rounds=ROUNDS, callbacks=(), **loop_kwargs):
+    model = copy.deepcopy(model)
+    rec = Recorder()
+    loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=K, clients_per_round=CPR, seed=3,
+                         client_execution=mode, **loop_kwargs)
+    trainer = make_trainer(rounds, callbacks=[FedAvg(), rec, *[copy.deepcopy(c) for c in callbacks]])
+    trainer.fit(loop, datamodule=dm_fn())
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return weights, loop, rec.updates, trainer
+
+
+def assert_same_run(seq, vec, atol=1e-5):
+    (w_seq, loop_seq, ups_seq, _), (w_vec, loop_vec, ups_vec, _) = seq, vec
+    torch.testing.assert_close(w_vec, w_seq, atol=atol, rtol=0)
+    assert [u.client_id for u in ups_vec] == [u.client_id for u in ups_seq]
+    for a, b in zip(ups_seq, ups_vec):
+        assert (a.num_steps, a.backtracks, a.forwards, a.backwards, a.failed, a.num_samples) == (
+            b.num_steps, b.backtracks, b.forwards, b.backwards, b.failed, b.num_samples), a.client_id
+        # Polyak/Armijo step sizes are ratios of float32 losses and ‖g‖² after K steps: rounding shows at 1e-5
+        np.testing.assert_allclose(b.step_sizes, a.step_sizes, rtol=1e-4, atol=1e-7)
+        assert b.first_loss == pytest.approx(a.first_loss, rel=1e-5, abs=1e-6, nan_ok=True)
+        assert b.mean_loss == pytest.approx(a.mean_loss, rel=1e-5, abs=1e-6, nan_ok=True)
+        # per-client deltas: float32 rounding (different summation orders) amplified by Polyak/Armijo steps up to
+        # several units; the averaged global weights are held to ``atol`` above
+        torch.testing.assert_close(b.delta, a.delta, atol=5 * atol, rtol=0, equal_nan=True)
+        assert b.payload.keys() == a.payload.keys()
+        for key in a.payload:  # last-step ‖g‖² etc.: float32 rounding of K steps, amplified by a large step
+            assert b.payload[key] == pytest.approx(a.payload[key], rel=1e-4), key
+    state_seq = loop_seq.client_state.state_dict()
+    state_vec = loop_vec.client_state.state_dict()
+    assert state_vec.keys() == state_seq.keys()
+    for ns in state_seq:
+        assert state_vec[ns].keys() == state_seq[ns].keys()
+        for cid, st in state_seq[ns].items():
+            assert state_vec[ns][cid].keys() == st.keys()
+            for key, value in st.items():
+                got = state_vec[ns][cid][key]
+                if value is None or isinstance(value, int):
+                    assert got == value, (cid, key)
+                else:
+                    assert got == pytest.approx(value, rel=1e-4), (cid, key)  # a step size, as above
+
+
+def mlp():
+    torch.manual_seed(1)
+    return MLP(input_dim=64, hidden=[16], num_classes=10)
+
+
+def logreg():
+    torch.manual_seed(2)
+    return LogisticRegression(input_dim=64, num_classes=10)
+
+
+def test_the_test_data_exercises_padding():
+    """The digits split used below has sampled clients with fewer samples than the batch size, and clients whose
+    sample count is not a multiple of it (partial last batches of different sizes in one step)."""
+    dm = digits()
+    dm.setup("fit")
+    dm.configure_rounds(CPR, K, seed=3)
+    sizes = [dm.client_num_samples(c) for r in range(ROUNDS) for c in dm.sample_clients(r)]
+    assert min(sizes) < BATCH
+    assert any(n > BATCH and n % BATCH for n in sizes)
+    assert len(set(sizes)) > CPR
+
+
+# ---------------------------------------------------------------------------------------------- equality
+@pytest.mark.parametrize(
+    "name,optimizer,clip",
+    [
+        ("sgd", lambda p: torch.optim.SGD(p, lr=0.3), None),
+        ("sgd+wd+clip", lambda p: torch.optim.SGD(p, lr=0.3, weight_decay=0.01), 0.5),
+        ("armijo-max", lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7), None),
+        ("armijo-grow-carry", lambda p: SgdArmijo(p, eta_max=4.0, reset="grow", carry_step_size=True), None),
+        ("armijo-exhausted", lambda p: SgdArmijo(p, eta_max=1e4, beta=0.5, max_backtracks=12, reset="last"), None),
+        ("sps", lambda p: SPS(p, c=0.5, gamma_max=2.0), None),
+        ("sps-smooth", lambda p: SPS(p, smooth=True), None),
+        ("decsps", lambda p: DecSPS(p, c0=0.5, gamma_max=2.0), None),
+        ("sps-global", lambda p: SPS(p, lr=0.3), None),  # FedSPS-Global clients: fixed step, SPS reported
+    ],
+)
+def test_vectorized_equals_sequential_mlp(name, optimizer, clip):
+    seq = fit(mlp(), optimizer, "sequential", client_grad_clip=clip)
+    vec = fit(mlp(), optimizer, "vectorized", client_grad_clip=clip)
+    moved = (seq[0] - torch.cat([p.detach().reshape(-1) for p in mlp().parameters()])).abs().max()
+    assert moved > 1e-2
+    assert_same_run(seq, vec)
+    if name.startswith("armijo"):
+        backtracks = {u.backtracks for u in vec[2]}
+        assert len(backtracks) > 1  # clients searched for different numbers of trials in the same steps
+        assert sum(u.backtracks for u in vec[2]) > 0
+    if name == "armijo-exhausted":  # some searches ran out of grid points (recorded step 0, weights unchanged)
+        assert any(0.0 in u.step_sizes for u in vec[2])
+
+
+@pytest.mark.parametrize("optimizer", [lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7),
+                                       lambda p: SgdArmijo(p, eta_max=1e4, beta=0.5, max_backtracks=12, reset="last")],
+                         ids=["armijo", "armijo-exhausted"])
+def test_armijo_search_for_models_with_random_layers_equals_sequential(optimizer, monkeypatch):
+    """The line search used for models with dropout (every client at one grid point per trial round, in order)
+    also equals sequential training; forced here on a deterministic model so that equality can be checked."""
+    import fedlightning.vectorized as vectorized
+
+    monkeypatch.setattr(vectorized, "_has_random_layers", lambda model: True)
+    vec = fit(mlp(), optimizer, "vectorized")
+    assert vec[1].__dict__["_vectorized_engine"].deterministic is False
+    assert_same_run(fit(mlp(), optimizer, "sequential"), vec)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [lambda p: torch.optim.SGD(p, lr=0.5), lambda p: SgdArmijo(p, eta_max=2.0), lambda p: SPS(p)],
+    ids=["sgd", "armijo", "sps"],
+)
+@pytest.mark.parametrize("partition", ["iid-full-batches", "dirichlet"])
+def test_vectorized_equals_sequential_logistic_regression(optimizer, partition):
+    # IID (35 or 36 samples per client) with batch 7 and K=5: every batch is full, so every step takes the unpadded
+    # path; Dirichlet: padded partial batches
+    dm_fn = (lambda: digits(IID(), batch_size=7)) if partition.startswith("iid") else digits
+    if partition.startswith("iid"):
+        dm = dm_fn()
+        dm.setup("fit")
+        assert min(dm.client_num_samples(c) for c in range(dm.num_clients)) >= K * 7
+    assert_same_run(fit(logreg(), optimizer, "sequential", dm_fn), fit(logreg(), optimizer, "vectorized", dm_fn))
+
+
+class TensorDigits(DigitsDataModule):
+    """Digits through a per-sample TensorDataset (the generic DataLoader path, not the ArrayDataset fast path)."""
+
+    def load(self):
+        train, test, labels = super().load()
+        return torch.utils.data.TensorDataset(train.x, train.y), test, labels
+
+
+def test_generic_loaders_equal_sequential():
+    dm_fn = lambda: TensorDigits(num_clients=40, batch_size=BATCH, partition=Dirichlet(0.3), seed=0)  # noqa: E731
+    opt = lambda p: torch.optim.SGD(p, lr=0.3)  # noqa: E731
+    assert_same_run(fit(mlp(), opt, "sequential", dm_fn, rounds=2), fit(mlp(), opt, "vectorized", dm_fn, rounds=2))
+
+
+class ProxAndShift(pl.Callback):
+    """Per-client objective terms: μ/2‖w − w_t‖² plus a client-specific linear term (client id / 100)·Σw."""
+
+    def __init__(self, mu=0.5):
+        self.mu = mu
+
+    def client_objective(self, loop, plan, client_id):
+        anchor = [p.detach().clone() for p in loop.model.parameters() if p.requires_grad]
+        scale = client_id / 100.0
+
+        def prox(params):
+            return 0.5 * self.mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+
+        def shift(params):
+            return scale * sum(p.sum() for p in params)
+
+        return [prox, shift]
+
+
+@pytest.mark.parametrize("optimizer", [lambda p: torch.optim.SGD(p, lr=0.3), lambda p: SgdArmijo(p, eta_max=4.0)],
+                         ids=["sgd", "armijo"])
+def test_client_objective_terms(optimizer):
+    seq = fit(mlp(), optimizer, "sequential", callbacks=[ProxAndShift()], rounds=2)
+    vec = fit(mlp(), optimizer, "vectorized", callbacks=[ProxAndShift()], rounds=2)
+    plain = fit(mlp(), optimizer, "vectorized", rounds=2)
+    assert (vec[0] - plain[0]).abs().max() > 1e-3  # the terms changed training
+    assert_same_run(seq, vec)
+
+
+@pytest.mark.parametrize("optimizer", [lambda p: torch.optim.SGD(p, lr=0.3), lambda p: SgdArmijo(p, eta_max=4.0)],
+                         ids=["sgd", "armijo"])
+def test_logged_client_metrics_match(optimizer):
+    """self.log calls inside training_step (Classifier logs train/batch_loss) reach the loop's client/ metrics with
+    the same per-round mean as sequentially (one value per gradient evaluation; line-search trials are not logged)."""
+    seq = fit(mlp(), optimizer, "sequential", rounds=2)
+    vec = fit(mlp(), optimizer, "vectorized", rounds=2)
+    a = seq[3].callback_metrics["client/train/batch_loss"]
+    b = vec[3].callback_metrics["client/train/batch_loss"]
+    assert float(b) == pytest.approx(float(a), rel=1e-5)
+
+
+class TiedMLP(Classifier):
+    """A hidden Linear applied twice (one module under several names) and a second Linear whose weight is the
+    same Parameter (one Parameter in two modules)."""
+
+    def __init__(self):
+        super().__init__(num_classes=10)
+        self.shared = nn.Linear(16, 16)
+        twin = nn.Linear(16, 16)
+        twin.weight = self.shared.weight
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), self.shared, nn.Tanh(), self.shared, nn.Tanh(),
+                                 twin, nn.Tanh(), nn.Linear(16, 10))
+
+
+def test_tied_weights_equal_sequential():
+    torch.manual_seed(5)
+    model = TiedMLP()
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert {"shared.weight", "net.2.weight", "net.4.weight", "net.6.weight"} <= set(names)
+    assert model.net[6].weight is model.shared.weight
+    opt = lambda p: torch.optim.SGD(p, lr=0.3)  # noqa: E731
+    assert_same_run(fit(model, opt, "sequential", rounds=2), fit(model, opt, "vectorized", rounds=2))
+
+
+class CharWindows(FederatedDataModule):
+    """Random 6-character windows over a 10-symbol vocabulary, 6 clients of unequal sizes (natural split)."""
+
+    def __init__(self):
+        super().__init__(num_clients=6, batch_size=4)
+
+    def load(self):
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 10, (60, 6), generator=gen)
+        y = torch.randint(0, 10, (60,), generator=gen)
+        data = ArrayDataset(x, y)
+        return data, data, y.numpy()
+
+    def natural_clients(self):
+        sizes = [3, 5, 7, 9, 14, 22]
+        ends = np.cumsum(sizes)
+        return [np.arange(e - n, e) for e, n in zip(ends, sizes)]
+
+
+@pytest.mark.parametrize("model_cls", [CharLSTM, CharGRU])
+@pytest.mark.parametrize("optimizer", [lambda p: torch.optim.SGD(p, lr=0.5), lambda p: SgdArmijo(p, eta_max=1.0)],
+                         ids=["sgd", "armijo"])
+def test_recurrent_models_equal_sequential(model_cls, optimizer):
+    """nn.LSTM / nn.GRU have no vmap batching rule; the engine runs them through _rnn_forward (plain tensor ops)."""
+    torch.manual_seed(6)
+    model = model_cls(vocab_size=10, embedding_dim=4, hidden_size=8, num_layers=2)
+    seq = fit(model, optimizer, "sequential", dm_fn=CharWindows, rounds=2)
+    vec = fit(model, optimizer, "vectorized", dm_fn=CharWindows, rounds=2)
+    assert_same_run(seq, vec)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("batch_first,bidirectional", [(True, False), (False, True)])
+def test_rnn_forward_equals_the_fused_kernels(cls, batch_first, bidirectional):
+    torch.manual_seed(7)
+    rnn = cls(5, 7, num_layers=2, batch_first=batch_first, bidirectional=bidirectional)
+    x = torch.randn(3, 4, 5)
+    for args in [(x,), (x[0],)]:  # batched and unbatched input
+        want, got = rnn(*args), _rnn_forward(rnn, *args)
+        torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+        if cls is nn.LSTM:
+            torch.testing.assert_close(got[1][0], want[1][0], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(got[1][1], want[1][1], atol=1e-6, rtol=1e-5)
+        else:
+            torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- masked line search
+class Quadratic(pl.LightningModule):
+    """f(w; batch) = mean over the batch of ½·a·‖w‖², where each client's samples all carry its curvature a."""
+
+    def __init__(self, dim=3):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(1.0, 2.0, dim))
+
+    def training_step(self, batch, batch_idx):
+        a, _ = batch
+        return (0.5 * a * (self.w**2).sum()).mean()
+
+
+class CurvatureClients(FederatedDataModule):
+    """Client i holds sizes[i] samples, all with curvature curvatures[i] (a natural split)."""
+
+    def __init__(self, curvatures, sizes, batch_size=4):
+        super().__init__(num_clients=len(curvatures), batch_size=batch_size)
+        self.curvatures, self.sizes = curvatures, sizes
+
+    def load(self):
+        a = torch.cat([torch.full((n,), float(c)) for c, n in zip(self.curvatures, self.sizes)])
+        data = ArrayDataset(a, torch.zeros(len(a), dtype=torch.long))
+        return data, data, np.zeros(len(a), dtype=np.int64)
+
+    def natural_clients(self):
+        ends = np.cumsum(self.sizes)
+        return [np.arange(e - n, e) for e, n in zip(ends, self.sizes)]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_masked_backtracking_matches_analytic_quadratic(mode):
+    """On f = ½a‖w‖², w − ηg = (1 − ηa)w and the Armijo test f(w − ηg) ≤ f(w) − cη‖g‖² reduces to η ≤ 2(1 − c)/a,
+    independent of w. So with η_max = 1, β = 1/2, c = 0.1 client a accepts η_max·β^m with the smallest m such that
+    β^m ≤ 1.8/a, after m backtracks, at every one of its K steps, and ends at (1 − ηa)^K w_0."""
+    curvatures = [0.5, 3.0, 10.0, 50.0]
+    sizes = [3, 5, 4, 6]  # unequal counts, some below the batch size 4
+    expected_m = [0, 1, 3, 5]  # 1.8/a = 3.6, 0.6, 0.18, 0.036
+    for a, m in zip(curvatures, expected_m):
+        assert 0.5**m <= 1.8 / a and (m == 0 or 0.5 ** (m - 1) > 1.8 / a)
+    steps = 3
+    model = Quadratic()
+    w0 = model.w.detach().clone()
+    rec = Recorder()
+    loop = FederatedLoop(model, client_optimizer=lambda p: SgdArmijo(p, eta_max=1.0, beta=0.5, c=0.1),
+                         local_steps=steps, clients_per_round=4, seed=0, client_execution=mode)
+    trainer = make_trainer(1, callbacks=[FedAvg(weighting="samples"), rec])
+    trainer.fit(loop, datamodule=CurvatureClients(curvatures, sizes))
+    assert sorted(u.client_id for u in rec.updates) == [0, 1, 2, 3]
+    expected_w = torch.zeros_like(w0)
+    for u in rec.updates:
+        a, m = curvatures[u.client_id], expected_m[u.client_id]
+        eta = 0.5**m
+        assert u.step_sizes == pytest.approx([eta] * steps, rel=1e-12)
+        assert u.backtracks == m * steps
+        assert u.forwards == steps * (2 + m) and u.backwards == steps
+        expected_w += sizes[u.client_id] * (1 - eta * a) ** steps * w0
+    expected_w /= sum(sizes)
+    torch.testing.assert_close(model.w.detach(), expected_w, atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- failures
+class PoisonClient(pl.Callback):
+    """Adds a NaN objective term for one client (its loss is non-finite from the first step on)."""
+
+    def __init__(self, client_id):
+        self.client_id = client_id
+
+    def client_objective(self, loop, plan, client_id):
+        if client_id != self.client_id:
+            return []
+        return [lambda params: params[0].sum() * float("nan")]
+
+
+@pytest.mark.parametrize("optimizer,steps_of_failed", [(lambda p: torch.optim.SGD(p, lr=0.3), K),
+                                                       (lambda p: SgdArmijo(p, eta_max=4.0), 1)],
+                         ids=["sgd", "armijo"])
+def test_a_failing_client_is_skipped_and_others_are_unaffected(optimizer, steps_of_failed):
+    dm = digits()
+    dm.setup("fit")
+    dm.configure_rounds(CPR, K, seed=3)
+    victim = dm.sample_clients(0)[2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        seq = fit(mlp(), optimizer, "sequential", callbacks=[PoisonClient(victim)], rounds=2)
+        vec = fit(mlp(), optimizer, "vectorized", callbacks=[PoisonClient(victim)], rounds=2)
+    failed = [u for u in vec[2] if u.failed]
+    assert [u.client_id for u in failed] == [victim]
+    assert failed[0].failure == "non-finite training loss"
+    assert failed[0].num_steps == steps_of_failed  # closure optimizers stop a client at its first non-finite loss
+    assert torch.isfinite(vec[0]).all()
+    assert vec[1].failed_clients_total == seq[1].failed_clients_total == 1
+    assert_same_run(seq, vec)
+
+
+# ---------------------------------------------------------------------------------------------- randomness
+def test_dropout_masks_are_reproducible_and_replayed_in_trials():
+    """With dropout, vectorised randomness is reproducible (same seed, same result) and a trial evaluation at the
+    gradient point sees the gradient evaluation's masks (same loss), while a new evaluation draws new masks."""
+    torch.manual_seed(0)
+    model = MLP(input_dim=64, hidden=[32], dropout=0.5)
+    opt = lambda p: SgdArmijo(p, eta_max=2.0)  # noqa: E731
+    a = fit(model, opt, "vectorized", rounds=2)[0]
+    b = fit(model, opt, "vectorized", rounds=2)[0]
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+    engine = VectorizedClientTrainer(copy.deepcopy(model))
+    engine.model.train()
+    W = torch.cat([p.detach().reshape(-1) for p in engine.model.parameters()]).repeat(3, 1)
+    everyone = torch.ones(3, dtype=torch.bool)
+    x = torch.randn(1, 64).repeat(24, 1)  # every client sees the same sample
+    y = torch.zeros(24, dtype=torch.long)
+    for sizes in ([8, 8, 8], [8, 5, 3]):  # whole-batch rows, and cells of unequal clients
+        n = sum(sizes)
+        position = torch.from_numpy(_padded_positions(sizes))
+        layout = _Layout([x[:n][position], y[:n][position]], tree_flatten((x, y))[1], sizes)
+        assert (layout.mask is None) == (sizes[0] == sizes[2])
+        ev = _StepEvaluator(engine, layout, 0, None, [], None)
+        loss, _ = ev.gradient(W, everyone)
+        torch.testing.assert_close(ev.trial(W), loss, atol=0, rtol=0)
+        torch.testing.assert_close(ev.trial(W), loss, atol=0, rtol=0)
+        ev.finish()
+        again, _ = _StepEvaluator(engine, layout, 0, None, [], None).gradient(W, everyone)
+        assert not torch.equal(again, loss)
+        assert len(set(loss.tolist())) == 3  # identical clients and data, different masks per client
+
+
+# ---------------------------------------------------------------------------------------------- unsupported
+class BNClassifier(Classifier):
+    def __init__(self):
+        super().__init__(num_classes=10)
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def bn_model():
+    torch.manual_seed(4)
+    return BNClassifier()
+
+
+class ItemGate(nn.Module):
+    """Data-dependent Python control flow (.item()), which vmap cannot batch."""
+
+    def forward(self, x):
+        return x if x.sum().item() > -1e30 else -x
+
+
+class ItemClassifier(Classifier):
+    def __init__(self):
+        super().__init__(num_classes=10)
+        self.net = nn.Sequential(nn.Linear(64, 10), ItemGate())
+
+
+def test_batchnorm_is_refused_naming_the_layer():
+    with pytest.raises(VectorizationUnsupportedError, match=r"'net\.1' \(BatchNorm1d\)"):
+        check_model_vectorizable(BNClassifier())
+    with pytest.raises(VectorizationUnsupportedError, match=r"'net\.1' \(BatchNorm1d\)"):
+        fit(BNClassifier(), lambda p: torch.optim.SGD(p, lr=0.1), "vectorized", rounds=1)
+    check_model_vectorizable(nn.Sequential(nn.Linear(4, 4), nn.GroupNorm(2, 4), nn.LayerNorm(4)))
+
+
+def test_layer_vmap_cannot_run_is_named():
+    with pytest.raises(VectorizationUnsupportedError, match=r"'net\.1' \(ItemGate\)"):
+        fit(ItemClassifier(), lambda p: torch.optim.SGD(p, lr=0.1), "vectorized", rounds=1)
+
+
+@pytest.mark.parametrize(
+    "optimizer,match",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "momentum=0.9"),
+        (lambda p: torch.optim.SGD(p, lr=0.1, nesterov=True, momentum=0.5), "nesterov=True"),
+        (lambda p: torch.optim.Adam(p, lr=0.01), "Adam"),
+        (lambda p: torch.optim.SGD([{"params": list(p)[:1], "lr": 0.1}, {"params": list(p)[1:], "lr": 0.2}]),
+         "same SGD settings"),
+    ],
+    ids=["momentum", "nesterov", "adam", "groups"],
+)
+def test_unsupported_optimizers_are_refused(optimizer, match):
+    with pytest.raises(VectorizationUnsupportedError, match=match):
+        fit(mlp(), optimizer, "vectorized", rounds=1)
+
+
+@pytest.mark.parametrize(
+    "model_fn,optimizer",
+    [(bn_model, lambda p: torch.optim.SGD(p, lr=0.1)), (mlp, lambda p: torch.optim.Adam(p, lr=0.01))],
+    ids=["batchnorm", "adam"],
+)
+def test_auto_falls_back_to_sequential_with_one_warning(model_fn, optimizer):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        auto = fit(model_fn(), optimizer, "auto", rounds=2)
+    fallbacks = [w for w in caught if "client_execution='auto'" in str(w.message)]
+    assert len(fallbacks) == 1
+    seq = fit(model_fn(), optimizer, "sequential", rounds=2)
+    torch.testing.assert_close(auto[0], seq[0], atol=0, rtol=0)
+
+
+def test_auto_vectorizes_supported_models():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        auto = fit(mlp(), lambda p: torch.optim.SGD(p, lr=0.3), "auto", rounds=2)
+    assert not [w for w in caught if "client_execution='auto'" in str(w.message)]
+    assert isinstance(auto[1].__dict__.get("_vectorized_engine"), VectorizedClientTrainer)
+    assert_same_run(fit(mlp(), lambda p: torch.optim.SGD(p, lr=0.3), "sequential", rounds=2), auto)
+
+
+@pytest.mark.parametrize("bad", ["fast", "Vectorized", "", None, 1])
+def test_bad_client_execution_is_rejected(bad):
+    with pytest.raises(ValueError, match="client_execution"):
+        FederatedLoop(mlp(), client_execution=bad)
+
+
+def test_engine_rejects_bad_arguments():
+    engine = VectorizedClientTrainer(mlp())
+    params = [p for p in engine.model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    common = dict(round=0, seed=0, global_params=params, global_buffers=[], global_flat=flat, datamodule=None)
+    opts = [torch.optim.SGD(params, lr=0.1) for _ in range(2)]
+    with pytest.raises(ValueError, match="local_steps"):
+        engine.run(client_ids=[0, 1], optimizers=opts, local_steps=0, **common)
+    with pytest.raises(ValueError, match="2 optimizers for 3 clients"):
+        engine.run(client_ids=[0, 1, 2], optimizers=opts, local_steps=1, **common)
+    with pytest.raises(ValueError, match="objective terms for 1 clients"):
+        engine.run(client_ids=[0, 1], optimizers=opts, local_steps=1, terms=[[]], **common)
+    assert engine.run(client_ids=[], optimizers=[], local_steps=1, **common) == []
