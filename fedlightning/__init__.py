@@ -2,6 +2,8 @@
 
 from fedlightning.loop import FederatedLoop
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult
+from fedlightning.vectorized import VectorizationUnsupportedError
 
 __version__ = "0.1.0"
-__all__ = ["FederatedLoop", "RoundPlan", "ClientUpdate", "RoundResult", "ClientStateStore", "__version__"]
+__all__ = ["FederatedLoop", "RoundPlan", "ClientUpdate", "RoundResult", "ClientStateStore",
+           "VectorizationUnsupportedError", "__version__"]

@@ -50,6 +50,10 @@ class FederatedCLI(LightningCLI):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        if "save_config_callback" not in kwargs:
+            from fedlightning.logging import LogConfigCallback
+
+            kwargs["save_config_callback"] = LogConfigCallback
         super().__init__(FederatedLoop, FederatedDataModule, *args, **kwargs)
 
     def _instantiate_trainer(self, config, callbacks):

@@ -64,6 +64,8 @@ class _LogRouter:
         if self.mode == "forward":
             self.loop_ref.log(name, value, *args, **kwargs)
             return
+        if not torch.is_grad_enabled():  # a line search's trial evaluation (fedlightning.optim): not a training step
+            return
         if isinstance(value, (int, float)):
             value = torch.tensor(float(value))
         if isinstance(value, Tensor) and value.numel() == 1:
@@ -106,6 +108,11 @@ class FederatedLoop(pl.LightningModule):
         on_client_failure: ``"skip"`` (default): a client whose loss or update is NaN/inf, or whose training raises,
             is left out of the round with a warning and counted in ``round/failed_clients``; if no client is healthy
             the global model is unchanged. ``"raise"``: stop with an error naming the client and round.
+        client_execution: ``"sequential"`` (default) trains the round's clients one after the other;
+            ``"vectorized"`` trains them in lockstep as one batched computation (torch.func, see
+            :mod:`fedlightning.vectorized`; models without batch-statistics layers, SGD without momentum and the
+            optimizers of :mod:`fedlightning.optim`), raising a clear error otherwise; ``"auto"`` vectorises when
+            possible and otherwise falls back to sequential with a one-time warning.
     """
 
     def __init__(
@@ -118,6 +125,7 @@ class FederatedLoop(pl.LightningModule):
         client_grad_clip: Optional[float] = None,
         persist_client_state: bool = True,
         on_client_failure: str = "skip",
+        client_execution: str = "sequential",
     ):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
@@ -130,6 +138,10 @@ class FederatedLoop(pl.LightningModule):
             raise ValueError(f"client_grad_clip must be > 0 or None, got {client_grad_clip}")
         if on_client_failure not in ("skip", "raise"):
             raise ValueError(f"on_client_failure must be 'skip' or 'raise', got {on_client_failure!r}")
+        if client_execution not in ("sequential", "vectorized", "auto"):
+            raise ValueError(
+                f"client_execution must be 'sequential', 'vectorized' or 'auto', got {client_execution!r}"
+            )
         self.automatic_optimization = False
         self.model = model
         self.client_optimizer = client_optimizer if client_optimizer is not None else _default_client_optimizer
@@ -139,6 +151,7 @@ class FederatedLoop(pl.LightningModule):
         self.client_grad_clip = client_grad_clip
         self.persist_client_state = persist_client_state
         self.on_client_failure = on_client_failure
+        self.client_execution = client_execution
         self.client_state = ClientStateStore()
         self.strategy: Optional[ServerStrategy] = None
         self.__dict__["_worker"] = None  # working copy of the model (not a submodule: not checkpointed)
@@ -236,6 +249,8 @@ class FederatedLoop(pl.LightningModule):
         worker = self._worker_trainer()
         worker.model.train()
         opt = self._make_client_optimizer(worker.params, client_id, plan.client_lr_scale)
+        if hasattr(opt, "set_client_data"):  # per-client epoch length b/n_i (SgdArmijo reset="grow", smoothed SPS)
+            opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
         terms = []
         for cb in self._callbacks_with("client_objective"):
             terms.extend(cb.client_objective(self, plan, client_id) or [])
@@ -255,9 +270,19 @@ class FederatedLoop(pl.LightningModule):
             terms=terms,
             float_buffer_mask=[b.is_floating_point() for b in gbuffers],
         )
+        if hasattr(opt, "client_report"):  # last-step scalars a strategy may use (FedSPS-Global)
+            update.payload.update(opt.client_report())
         if self.persist_client_state and hasattr(opt, "get_client_state") and not update.failed:
             self.client_state.set("optimizer", client_id, opt.get_client_state())
         return update
+
+    def _vectorized_updates(self, plan: RoundPlan, client_ids: List[int], global_flat: Tensor):
+        """All of ``client_ids``' updates from the vectorised engine, or None to train them one by one."""
+        if self.client_execution == "sequential":
+            return None
+        from fedlightning.vectorized import run_vectorized_round
+
+        return run_vectorized_round(self, plan, client_ids, global_flat)
 
     def training_step(self, plan: RoundPlan, batch_idx: int) -> None:
         trainer = self.trainer
@@ -277,9 +302,11 @@ class FederatedLoop(pl.LightningModule):
         stats = RoundStatistics()
         healthy: List[ClientUpdate] = []
         failed = 0
-        for cid in self._my_clients(plan.client_ids):
+        my_clients = self._my_clients(plan.client_ids)
+        vectorized = self._vectorized_updates(plan, my_clients, global_flat)
+        for i, cid in enumerate(my_clients):
             try:
-                update = self.train_client(plan, cid, global_flat)
+                update = vectorized[i] if vectorized is not None else self.train_client(plan, cid, global_flat)
             except Exception as err:  # noqa: BLE001 - the failure policy decides
                 if self.on_client_failure == "raise":
                     raise RuntimeError(f"client {cid} failed in round {plan.round}: {err}") from err

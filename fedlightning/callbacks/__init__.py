@@ -2,5 +2,37 @@
 
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.callbacks.fedavg import FedAvg
+from fedlightning.callbacks.adaptive import FedAdagrad, FedAdam, FedAMS, FedAvgM, FedYogi
+from fedlightning.callbacks.feddane import FedDANE
+from fedlightning.callbacks.fedexp import FedExP
+from fedlightning.callbacks.fedexprox import FedExProx
+from fedlightning.callbacks.fedli import FedLiLS, FedLiLU
+from fedlightning.callbacks.kdecay import KDecay, RuntimeModel
+from fedlightning.callbacks.proximal import ProximalTerm
+from fedlightning.callbacks.scaffold import Scaffold
+from fedlightning.callbacks.sps_variants import FedSPSGlobal, FedSPSNormalized
+from fedlightning.callbacks.telemetry import GlobalEvaluation, RoundTimer
 
-__all__ = ["RoundStatistics", "ServerStrategy", "FedAvg"]
+__all__ = [
+    "RoundStatistics",
+    "ServerStrategy",
+    "FedAvg",
+    "FedExP",
+    "FedExProx",
+    "FedAdam",
+    "FedYogi",
+    "FedAdagrad",
+    "FedAMS",
+    "FedAvgM",
+    "FedLiLS",
+    "FedLiLU",
+    "Scaffold",
+    "FedDANE",
+    "ProximalTerm",
+    "KDecay",
+    "RuntimeModel",
+    "FedSPSGlobal",
+    "FedSPSNormalized",
+    "RoundTimer",
+    "GlobalEvaluation",
+]

