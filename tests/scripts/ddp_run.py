@@ -2,7 +2,7 @@
 
     python tests/scripts/ddp_run.py --devices 2 --setup fedavg --rounds 3 --out weights.pt
 
-Used by tests/test_ddp.py to compare a 2-process run with a 1-process run of the same configuration.
+Used by tests/test_ddp.py to compare a 2-process run with a 1-process run of the same configuration, and a\n2-process run interrupted after some rounds (``--save-ckpt``) and resumed (``--ckpt-path``) with the uninterrupted one.
 """
 
 import argparse
@@ -52,6 +52,8 @@ def main():
     ap.add_argument("--setup", default="fedavg")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--save-ckpt", default=None, help="write a checkpoint here at the end (all ranks call save)")
+    ap.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
     args = ap.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -63,7 +65,9 @@ def main():
         strategy="ddp" if args.devices > 1 else "auto", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
     )
-    trainer.fit(loop, datamodule=dm)
+    trainer.fit(loop, datamodule=dm, ckpt_path=args.ckpt_path)
+    if args.save_ckpt:
+        trainer.save_checkpoint(args.save_ckpt)
     if trainer.global_rank == 0:
         store = loop.client_state.state_dict()
         torch.save({"weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
