@@ -177,11 +177,22 @@ class FederatedLoop(pl.LightningModule):
         if stage == "fit":
             dm = self._datamodule()
             dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed)
+            self._check_client_optimizer()
             precision = str(trainer.precision)
             if precision.startswith("16"):
                 rank_zero_warn(
                     "precision='16-mixed' has no loss scaling inside client training; use 'bf16-mixed' or 32",
                 )
+
+    def _check_client_optimizer(self) -> None:
+        """Build the client optimizer once before round 0, so that an impossible hyper-parameter (SgdArmijo
+        ``c=1.5``, a negative SGD ``lr``) is a configuration error now instead of a failure of every client, which
+        the ``on_client_failure="skip"`` policy would otherwise absorb round after round. Constructing an optimizer
+        does not touch the parameters."""
+        try:
+            self.client_optimizer(list(self.model.parameters()))
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"client_optimizer cannot be built: {err}") from err
 
     def _datamodule(self):
         from fedlightning.datamodules.base import FederatedDataModule
@@ -427,6 +438,10 @@ class FederatedLoop(pl.LightningModule):
         metrics["train/loss"] = float(stats["loss_sum"].item()) / n_clients
         metrics["train/first_loss"] = float(stats["first_loss_sum"].item()) / n_clients
         metrics["server/lr"] = float(lr if lr is not None else opt.optimizer.param_groups[0].get("lr", float("nan")))
+        # η_g of every strategy under one name: strategies that compute it (FedExP, FedExProx, FedLi) report it and
+        # its unclipped value; for the others it is the server optimizer's learning rate, which nothing clips.
+        metrics.setdefault("server/eta_g", metrics["server/lr"])
+        metrics.setdefault("server/eta_g_raw", metrics["server/eta_g"])
         metrics["server/delta_norm"] = float(pseudo_grad.double().norm().item())
         metrics["server/mean_client_delta_sq_norm"] = float(stats["sq_norm_sum"].item()) / n_clients
         metrics["client/backtracks_per_step"] = float(stats["backtracks_per_step_sum"].item()) / n_clients

@@ -308,3 +308,36 @@ def test_bad_input(femnist_dir, tmp_path):
             _dm(root, tmp_path, name="femnist", **kw)
     with pytest.raises(ValueError, match="no user left"):
         _dm(root, tmp_path, name="femnist", min_samples=100).setup()
+
+
+def test_bad_parquet_files_are_named(tmp_path):
+    """Hostile parquet inputs (issue 7 corpus): a truncated file, a file that is not parquet, a table without the
+    client column, and labels outside the class range each fail with an error naming the file or the value."""
+    import pandas as pd
+
+    text = ("O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name; Or if thou wilt not, " * 2)
+    xs, ys = _windows(text)
+    good = pd.DataFrame({"character_id": ["JULIET"] * 10, "x": xs[:10], "y": ys[:10]})
+
+    def load(root):
+        LeafDataModule(name="shakespeare", data_dir=str(root), cache_dir=str(tmp_path / "hf_cache")).setup()
+
+    trunc = tmp_path / "trunc"
+    trunc.mkdir()
+    good.to_parquet(trunc / "train-0.parquet")
+    data = (trunc / "train-0.parquet").read_bytes()
+    (trunc / "train-0.parquet").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="train-0.parquet"):
+        load(trunc)
+
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "train-0.parquet").write_text("users,x,y\nJULIET,abc,d\n")
+    with pytest.raises(ValueError, match="train-0.parquet"):
+        load(junk)
+
+    nocol = tmp_path / "nocol"
+    nocol.mkdir()
+    good.rename(columns={"character_id": "speaker"}).to_parquet(nocol / "train-0.parquet")
+    with pytest.raises(ValueError, match="character_id"):
+        load(nocol)

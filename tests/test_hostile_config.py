@@ -34,6 +34,20 @@ CASES = [
     (["--model.no_such_option", "3"], "no_such_option"),
     (["--trainer.callbacks+=fedlightning.callbacks.FedAvg", "--trainer.callbacks.server_lr", "0"], "server_lr"),
     (["--trainer.callbacks+=fedlightning.callbacks.FedAvg", "--trainer.callbacks.weighting", "bysize"], "weighting"),
+    # strategies and schedules with impossible or missing arguments
+    (["--trainer.callbacks+=fedlightning.callbacks.FedExP", "--trainer.callbacks.eps", "-1"], "eps"),
+    (["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks.eps", "0"], "eps"),
+    (["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks.betas", "[1.5, 0.99]"], "betas"),
+    (["--trainer.callbacks+=fedlightning.callbacks.KDecay", "--trainer.callbacks.k0", "0"], "k0"),
+    (["--trainer.callbacks+=fedlightning.callbacks.KDecay", "--trainer.callbacks.schedule", "linear"], "schedule"),
+    (["--trainer.callbacks+=fedlightning.callbacks.RuntimeModel"], "seconds_per_batch"),
+    (["--trainer.callbacks+=fedlightning.callbacks.ProximalTerm", "--trainer.callbacks.mu", "-0.1"], "mu"),
+    # client optimizers with impossible hyper-parameters (probabilities / factors outside their range)
+    (["--model.client_optimizer", "fedlightning.optim.SgdArmijo", "--model.client_optimizer.c", "1.5"], "c"),
+    (["--model.client_optimizer", "fedlightning.optim.SgdArmijo", "--model.client_optimizer.beta", "1.0"], "beta"),
+    (["--model.client_optimizer", "fedlightning.optim.SPS", "--model.client_optimizer.gamma_max", "0"], "gamma_max"),
+    (["--model.client_optimizer", "fedlightning.optim.DecSPS", "--model.client_optimizer.c0", "-1"], "c0"),
+    (["--model.client_optimizer", "torch.optim.SGD", "--model.client_optimizer.lr", "-0.1"], "lr"),
 ]
 
 

@@ -376,8 +376,15 @@ class LeafDataModule(FederatedDataModule):
         import datasets
 
         data_files = {k: v for k, v in files.items() if v}
-        with _quiet_datasets():
-            dsd = datasets.load_dataset(fmt, data_files=data_files, cache_dir=self.cache_dir)
+        try:
+            with _quiet_datasets():
+                dsd = datasets.load_dataset(fmt, data_files=data_files, cache_dir=self.cache_dir)
+        except Exception as err:  # pyarrow / datasets errors name neither the file nor the layout
+            listed = ", ".join(f for v in data_files.values() for f in v)
+            raise ValueError(
+                f"cannot read the {fmt} files of the Flower-hub layout ({listed}): the file is truncated, corrupt or "
+                f"not {fmt} ({type(err).__name__}: {err})"
+            ) from err
         out: Dict[str, Optional[_Part]] = {"train": None, "test": None}
         for split, ds in dsd.items():
             where = ", ".join(os.path.basename(f) for f in data_files[split])
