@@ -168,3 +168,28 @@ def test_bad_input(tmp_path):
         PachinkoPartition()(np.arange(10) % 3, 2)
     with pytest.raises(ValueError, match="uint8"):
         CifarImages(torch.zeros(2, 3, 32, 32), torch.zeros(2), (0, 0, 0), (1, 1, 1), True)
+
+
+@pytest.mark.parametrize("cls,folder", [(Cifar10DataModule, "cifar-10-batches-py"), (Cifar100DataModule, "cifar-100-python")])
+def test_failed_download_says_where_to_put_the_files(tmp_path, monkeypatch, cls, folder):
+    """download=True without network: a FileNotFoundError naming the download error, the URL and the folder."""
+    import urllib.error
+
+    import torchvision.datasets.cifar as tv_cifar
+
+    calls = []
+
+    def offline(url, *args, **kwargs):
+        calls.append(url)
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(tv_cifar, "download_and_extract_archive", offline)
+    spec = _CIFAR[cls.num_classes]
+    with pytest.raises(FileNotFoundError) as info:
+        cls(data_dir=str(tmp_path / "data"), download=True).setup()
+    msg = str(info.value)
+    assert calls == [spec["url"]]  # torchvision really tried the official archive
+    assert "download=True failed (URLError" in msg and "name resolution" in msg
+    assert spec["url"] in msg and os.path.join(str(tmp_path / "data"), folder) in msg
+    assert all(name in msg for name in spec["train"] + spec["test"])
+    assert isinstance(info.value.__cause__, urllib.error.URLError)

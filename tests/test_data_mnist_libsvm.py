@@ -141,3 +141,28 @@ def test_libsvm_bad_input(tmp_path):
         LibsvmDataModule(name="ijcnn1", data_dir=str(tmp_path), num_clients=2).setup()
     with pytest.raises(ValueError, match="test_fraction"):
         LibsvmDataModule(name="a9a", test_fraction=0.0)
+
+
+def test_mnist_failed_download_says_where_to_put_the_files(tmp_path, monkeypatch):
+    """download=True without network: torchvision tries every mirror for the first file, then a FileNotFoundError
+    names the download error and the two folders the IDX files may go into."""
+    import urllib.error
+
+    import torchvision.datasets.mnist as tv_mnist
+
+    calls = []
+
+    def offline(url, *args, **kwargs):
+        calls.append(url)
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(tv_mnist, "download_and_extract_archive", offline)
+    root = str(tmp_path / "mnist")
+    with pytest.raises(FileNotFoundError) as info:
+        MnistDataModule(data_dir=root, download=True).setup()
+    msg = str(info.value)
+    assert len(calls) == len(tv_mnist.MNIST.mirrors) and all(u.endswith("train-images-idx3-ubyte.gz") for u in calls)
+    assert "download=True failed (RuntimeError: Error downloading train-images-idx3-ubyte.gz" in msg
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        assert name in msg
+    assert repr(root) in msg and repr(os.path.join(root, "MNIST", "raw")) in msg

@@ -120,6 +120,34 @@ def test_clients_windows_targets_and_split_exactly(tmp_path):
     assert stats["clients"] == 3 and stats["samples"] == len(dm.train_dataset)
 
 
+def test_leaf_comparison_stages_by_hand(tmp_path):
+    """The staged statistics next to LEAF's published ones, on the fixture: 4 roles (ALPHA 5 lines, BETA 2, GAMMA 3,
+    DELTA 3 = 13 lines), BETA dropped by the minimum-lines rule, windows = len(text) - L per kept role."""
+    L = 5
+    dm = ShakespeareDataModule(data_dir=_write(tmp_path), seq_length=L, batch_size=4)
+    dm.setup()
+    rep = dm.leaf_comparison()
+    windows = [len(t) - L for t in (ALPHA, GAMMA, DELTA)]
+    n_train = [max(1, int(0.8 * n)) for n in windows]
+    n_test = [n - (k + L - 1) for n, k in zip(windows, n_train)]
+    offline = {k: v["offline"] for k, v in rep.items()}
+    assert offline == {
+        "roles": 4,
+        "lines": 13,
+        "users": 3,
+        "samples": sum(windows),
+        "samples_per_user": pytest.approx(sum(windows) / 3),
+        "clients": 3,
+        "train_samples": sum(n_train),
+        "test_samples": sum(n_test),
+        "train_samples_per_client": pytest.approx(sum(n_train) / 3),
+    }
+    leaf = {k: v["leaf"] for k, v in rep.items() if v["leaf"] is not None}
+    assert leaf == {"users": 1129, "samples": 4226158, "samples_per_user": 3743.2}  # seed 000's appendix
+    # 4,226,158 / 1,129 = 3,743.28: the published mean is truncated, not rounded
+    assert leaf["samples"] / leaf["users"] == pytest.approx(leaf["samples_per_user"], abs=0.1)
+
+
 def test_default_window_is_80_and_loader_batches(tmp_path):
     lines = [f"Line number {i:02d} of the long speech," for i in range(30)]
     (tmp_path / "long.md").write_text("# Long\n\n**OMEGA**  \n" + "  \n".join(lines) + "\n", encoding="utf-8")

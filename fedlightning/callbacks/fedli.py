@@ -35,7 +35,8 @@ Decisions (seed 002 digest §2):
   code's server DFW values (the paper's values are missing from the text).
 
 The DFW momentum buffer ``z`` lives in the server optimizer (:class:`DFWServerOptimizer`) and is checkpointed by
-Lightning with it. Logged: ``server/eta_g`` (LS: η_g; LU: the effective ``η·γ_t``), ``server/dfw_gamma`` and
+Lightning with it. Logged: ``server/eta_g`` (LS: η_g; LU: the effective ``η·γ_t``) and ``server/eta_g_raw``
+(LS: the same, nothing is clipped; LU: ``η`` times the unclipped ``γ_t``), ``server/dfw_gamma`` and
 ``server/dfw_gamma_raw`` (before clipping), ``server/pseudo_objective`` (``F̂_t``).
 """
 
@@ -195,6 +196,7 @@ class FedLiLU(ServerStrategy):
             "server/dfw_gamma_raw": raw,
             "server/pseudo_objective": f_hat,
             "server/eta_g": self.server_lr * gamma,
+            "server/eta_g_raw": self.server_lr * raw,
         }
         return delta, None, metrics
 

@@ -6,7 +6,8 @@ test_batch}`` and ``cifar-100-python/{train, test}`` (pickled dicts with ``data`
 32×32 images) and ``labels`` / ``fine_labels`` + ``coarse_labels``). They are read directly (torchvision's own
 loader insists on the official archive checksums); ``download=True`` fetches the archives with torchvision's
 ``CIFAR10``/``CIFAR100(download=True)`` first. Without the files and without ``download=True`` a FileNotFoundError
-says where to put them — nothing is downloaded unless asked.
+says where to put them — nothing is downloaded unless asked; when ``download=True`` fails (no network), the
+FileNotFoundError names the download error, the archive's URL and the folder to extract it into.
 
 Augmentation (training images only, per sample): random 32×32 crop of the image zero-padded by 4 pixels, then a
 horizontal flip with probability 1/2 (the standard CIFAR recipe; seed 000 follows FedExP's code, which applies this
@@ -250,8 +251,16 @@ class Cifar10DataModule(FederatedDataModule):
         import torchvision
 
         cls = torchvision.datasets.CIFAR10 if self.num_classes == 10 else torchvision.datasets.CIFAR100
-        cls(self.data_dir, train=True, download=True)
-        cls(self.data_dir, train=False, download=True)
+        try:
+            cls(self.data_dir, train=True, download=True)
+            cls(self.data_dir, train=False, download=True)
+        except Exception as err:  # offline, proxy, checksum mismatch, disk full, ...: say where the files go
+            folder = os.path.join(self.data_dir, spec["folder"])
+            raise FileNotFoundError(
+                f"CIFAR-{self.num_classes}: download=True failed ({type(err).__name__}: {err}). Without network, "
+                f"download {spec['url']} elsewhere and extract it under {self.data_dir!r} so that {folder}/ holds "
+                f"{', '.join(spec['train'] + spec['test'])}"
+            ) from err
 
     def load(self):
         if not os.path.isdir(self.data_dir) and not self.download:

@@ -4,7 +4,8 @@ Files (in ``data_dir`` or ``data_dir/MNIST/raw``, torchvision's layout; each may
 suffix): ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``,
 ``t10k-labels-idx1-ubyte``. IDX format: big-endian int32 magic ``0x00000803`` (uint8, 3 dimensions) for images and
 ``0x00000801`` for labels, then the dimension sizes, then the uint8 values. ``download=True`` fetches them with
-torchvision's ``MNIST(download=True)``; otherwise missing files give a FileNotFoundError saying where to put them.
+torchvision's ``MNIST(download=True)``; otherwise missing files give a FileNotFoundError saying where to put them
+(also when ``download=True`` fails for lack of network: the error names the download error and the folder).
 
 Inputs: ``(1, 28, 28)`` float32, ``(x/255 − 0.1307) / 0.3081`` (the usual MNIST normalisation, ours; seed 001 does
 not say). LogisticRegression / MLP flatten them; LeNet5 uses them as images.
@@ -114,8 +115,16 @@ class MnistDataModule(FederatedDataModule):
         except FileNotFoundError:
             import torchvision
 
-            torchvision.datasets.MNIST(self.data_dir, train=True, download=True)
-            torchvision.datasets.MNIST(self.data_dir, train=False, download=True)
+            try:
+                torchvision.datasets.MNIST(self.data_dir, train=True, download=True)
+                torchvision.datasets.MNIST(self.data_dir, train=False, download=True)
+            except Exception as err:  # offline, proxy, checksum mismatch, ...: say where the files go
+                names = ", ".join(n for pair in _FILES.values() for n in pair)
+                raise FileNotFoundError(
+                    f"MNIST: download=True failed ({type(err).__name__}: {err}). Without network, put the four IDX "
+                    f"files ({names}; optionally .gz) into {self.data_dir!r} or "
+                    f"{os.path.join(self.data_dir, 'MNIST', 'raw')!r}"
+                ) from err
 
     def _split(self, split: str) -> Tuple[np.ndarray, np.ndarray]:
         img_path, lab_path = (_find(self.data_dir, n) for n in _FILES[split])

