@@ -64,6 +64,14 @@ class FederatedCLI(LightningCLI):
         if not config.get("plugins"):
             config["plugins"] = [AtomicCheckpointIO()]
         listed = list(config.get("callbacks") or []) + list(callbacks)
+        from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+
+        if config.get("enable_progress_bar", True) is not False and not any(
+            isinstance(cb, ProgressBar) for cb in listed
+        ):
+            from fedlightning.callbacks.progress import RoundProgressBar
+
+            config["callbacks"] = list(config.get("callbacks") or []) + [RoundProgressBar()]
         added = None
         if config.get("enable_checkpointing", True) is not False and not any(
             isinstance(cb, ModelCheckpoint) for cb in listed

@@ -53,3 +53,19 @@ def test_cli_validate_subcommand(tmp_path):
     cli = main(args)
     acc = float(cli.trainer.callback_metrics["val/acc"])  # untrained global model: near chance
     assert 0.0 <= acc < 0.5
+
+
+def test_progress_bar_counts_rounds(tmp_path):
+    """The CLI's default progress bar is over rounds: its description is 'Round', without v_num."""
+    from fedlightning.callbacks.progress import RoundProgressBar
+
+    cli = main([
+        "fit", "--config", os.path.join(ROOT, "configs", "quickstart.yaml"), "--trainer.max_steps", "3",
+        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.limit_val_batches", "0",
+    ])
+    bars = [cb for cb in cli.trainer.callbacks if isinstance(cb, RoundProgressBar)]
+    assert len(bars) == 1 and cli.trainer.progress_bar_callback is bars[0]
+    bar = bars[0]
+    assert bar._get_train_description(0).strip() == "Round"
+    assert "v_num" not in bar.get_metrics(cli.trainer, cli.model)
