@@ -10,10 +10,13 @@ weights ``w_t`` on the client's own mini-batches,
 with the direction ``d`` and step size ``γ`` of the client optimizer (SGD: ``γ = lr``, ``d = clip(∇f) + λw``;
 SgdArmijo: the largest ``η_0 β^m`` with ``f(w − ηg) ≤ f(w) − cη‖g‖²``; SPS / DecSPS: stochastic Polyak steps; see
 :mod:`fedlightning.optim` for the papers). The ``C`` clients' weights are one ``[C, D]`` tensor; every client's loss
-is the wrapped model's own ``training_step``, called through :func:`torch.func.functional_call` under
-:func:`torch.func.vmap` over clients, and one reverse-mode pass over ``Σ_i f_i(w_i)`` gives all clients'
-gradients at once (the losses are independent, so block ``i`` of the gradient is ``∇f_i(w_i)``). Step sizes,
-Armijo tests and Polyak ratios are ``[C]`` tensors: no Python loop over clients inside a step.
+is the wrapped model's own ``training_step``, run under :func:`torch.func.vmap` over clients with the clients'
+parameter tensors in the modules' parameter slots (what :func:`torch.func.functional_call` does, without its
+per-call name resolution), and one reverse-mode pass over ``Σ_i f_i(w_i)`` gives all clients' gradients at once
+(the losses are independent, so block ``i`` of the gradient is ``∇f_i(w_i)``). Step sizes, Armijo tests and Polyak
+ratios are ``[C]`` tensors: no Python loop over clients inside a step. Per round, the batch rows of all steps are
+gathered at once; per step, plain SGD updates every parameter's rows of ``W`` with its own gradient (no ``[C, D]``
+gradient is assembled) and needs no host synchronisation.
 
 Decisions (ours; the task leaves them open):
 
@@ -75,7 +78,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fedlightning.client import extract_loss
@@ -315,6 +318,9 @@ class _RoundBatches:
     model's device), the pytree spec of a batch, and the real batch sizes ``n_i`` (see :class:`_Layout`).
     """
 
+    #: largest round of gathered batch rows (bytes) that is gathered at once rather than step by step
+    ROUND_GATHER_BYTES = 32 << 20
+
     def __init__(self, datamodule, client_ids: Sequence[int], round: int, seed: int, local_steps: int,
                  to_device: Callable[[Any], Any]):
         self.local_steps = local_steps
@@ -337,25 +343,29 @@ class _RoundBatches:
 
     def _init_fast(self, dataset, samplers) -> None:
         """Index lists straight from each client's batch sampler (exactly what its ``ArrayBatchLoader`` yields as
-        ``(x[idx], y[idx])``), turned into one padded ``[C, n_max]`` index matrix per step, so a step's batches of
-        all clients are gathered with one indexing op per tensor."""
+        ``(x[idx], y[idx])``), turned into one padded ``[C, n_max]`` index matrix per step. The rows of the whole
+        round are gathered with one ``index_select`` per tensor when they fit in :attr:`ROUND_GATHER_BYTES` (each
+        step's batch is then a view into them), else step by step."""
         self.fast, self.dataset = True, dataset
         K = self.local_steps
-        chunks: List[List[np.ndarray]] = [[] for _ in range(K)]
-        for sampler in samplers:
-            it = iter(sampler)
-            for k in range(K):
-                try:
-                    idx = next(it)
-                except StopIteration:  # a new shuffled epoch, exactly as LocalTrainer.run re-iterates its loader
-                    it = iter(sampler)
-                    idx = next(it)
-                chunks[k].append(np.asarray(idx, dtype=np.int64).reshape(-1))
-        self.steps = []
-        for step_chunks in chunks:
+        per_client = [_sampler_batches(sampler, K) for sampler in samplers]
+        steps = []
+        for k in range(K):
+            step_chunks = [batches[k] for batches in per_client]
             sizes = [len(c) for c in step_chunks]
             flat = np.concatenate(step_chunks)
-            self.steps.append((torch.from_numpy(flat[_padded_positions(sizes)]), sizes))
+            steps.append((flat[_padded_positions(sizes)], sizes))
+        self.steps = steps
+        self.round_leaves = None
+        x, y = dataset.x, dataset.y
+        rows = sum(index.size for index, _ in steps)
+        probe = torch.from_numpy(steps[0][0].reshape(-1)[:1])
+        row_bytes = sum(t.numel() * t.element_size() for t in (_take(x, probe), _take(y, probe)))
+        if rows * row_bytes <= self.ROUND_GATHER_BYTES:
+            index = torch.from_numpy(np.concatenate([index.reshape(-1) for index, _ in steps]))
+            gathered = self.to_device((_take(x, index), _take(y, index)))
+            self.round_leaves, self.spec = tree_flatten(gathered)
+            self.offsets = np.cumsum([0] + [index.size for index, _ in steps]).tolist()
 
     def _init_generic(self, loaders) -> None:
         self.fast = False
@@ -378,7 +388,14 @@ class _RoundBatches:
         up to the largest batch of the step), the batch's pytree spec, and the real sizes ``n_i``."""
         if self.fast:
             index, sizes = self.steps[k]
-            x, y = self.to_device((self.dataset.x[index], self.dataset.y[index]))
+            shape = index.shape
+            if self.round_leaves is not None:  # views into the round's rows
+                start, end = self.offsets[k], self.offsets[k + 1]
+                leaves = [x[start:end].view(*shape, *x.shape[1:]) for x in self.round_leaves]
+                return leaves, self.spec, sizes
+            flat = torch.from_numpy(index.reshape(-1))
+            x, y = _take(self.dataset.x, flat), _take(self.dataset.y, flat)
+            x, y = self.to_device((x.view(*shape, *x.shape[1:]), y.view(*shape, *y.shape[1:])))
             leaves, spec = tree_flatten((x, y))
             return leaves, spec, sizes
         batches = self.per_step[k]
@@ -405,6 +422,46 @@ class _RoundBatches:
         return leaves, spec, sizes
 
 
+def _take(data: Any, index: Tensor) -> Tensor:
+    """``data[index]`` for a 1-d int64 ``index``: ``index_select`` for tensors (the same rows, faster than advanced
+    indexing), the object's own indexing otherwise (tensor-like views such as Shakespeare's sliding windows)."""
+    if isinstance(data, Tensor):
+        return torch.index_select(data, 0, index.to(data.device))
+    return data[index]
+
+
+def _sampler_batches(sampler, num: int) -> List[np.ndarray]:
+    """The first ``num`` index batches a client's loader yields, cycling to a new epoch (a new ``iter()``) when the
+    sampler runs out, exactly as ``LocalTrainer.run`` re-iterates its loader.
+
+    For :class:`~fedlightning.datamodules.base.ClientBatchSampler` (the data modules' own sampler) the epochs are
+    drawn here with the sampler's own generator and operations (one ``randperm`` per epoch, cut into batches), which
+    gives the same index lists without a Python generator per epoch; other samplers are iterated.
+    """
+    from fedlightning.datamodules.base import ClientBatchSampler
+
+    out: List[np.ndarray] = []
+    if type(sampler) is ClientBatchSampler and sampler.shuffle and len(sampler.indices) > 0:
+        indices = sampler.indices.numpy()
+        n, bs = len(indices), sampler.batch_size
+        while len(out) < num:
+            order = indices[torch.randperm(n, generator=sampler.generator).numpy()]
+            if n <= bs:
+                out.append(order)
+            else:
+                out.extend(order[i:i + bs] for i in range(0, n, bs))
+        return out[:num]
+    it = iter(sampler)
+    while len(out) < num:
+        try:
+            idx = next(it)
+        except StopIteration:  # a new shuffled epoch
+            it = iter(sampler)
+            idx = next(it)
+        out.append(np.asarray(idx, dtype=np.int64).reshape(-1))
+    return out
+
+
 def _padded_positions(sizes: List[int]) -> np.ndarray:
     """``[C, n_max]`` positions into the clients' concatenated rows; client ``i``'s cell ``j`` holds its own row
     ``j mod n_i``, so padding cells repeat real samples (finite losses, masked out)."""
@@ -427,27 +484,42 @@ class _Layout:
     more than the padded cells they save.)
     """
 
-    def __init__(self, leaves: List[Tensor], spec: Any, sizes: List[int]):
-        """``leaves``: the step's batch leaves ``[C, n_max, ...]`` (see :meth:`_RoundBatches.step`)."""
+    def __init__(self, leaves: List[Tensor], spec: Any, sizes: List[int], cache: Optional[dict] = None):
+        """``leaves``: the step's batch leaves ``[C, n_max, ...]`` (see :meth:`_RoundBatches.step`); ``cache``: a
+        dict kept over the steps of a round, so that steps with the same sizes share their mask and counts."""
         self.num_clients = len(sizes)
+        self.leaves, self.spec = leaves, spec
         self.batch = tree_unflatten(leaves, spec)
+        key = tuple(sizes)
+        if cache is not None and key in cache:
+            self.mask, self.counts, self._counts_as = cache[key]
+            return
         n_max = max(sizes)
         if min(sizes) == n_max:
             self.mask = self.counts = None
-            return
-        device = leaves[0].device
-        n = torch.tensor(sizes, dtype=torch.long)
-        self.mask = (torch.arange(n_max)[None, :] < n[:, None]).to(device)
-        self.counts = n.to(device)
+        else:
+            device = leaves[0].device
+            n = torch.tensor(sizes, dtype=torch.long)
+            self.mask = (torch.arange(n_max)[None, :] < n[:, None]).to(device)
+            self.counts = n.to(device)
+        self._counts_as: Dict[torch.dtype, Tensor] = {}
+        if cache is not None:
+            cache[key] = (self.mask, self.counts, self._counts_as)
+
+    def counts_as(self, dtype: torch.dtype) -> Tensor:
+        """``counts`` converted to ``dtype`` (cached)."""
+        out = self._counts_as.get(dtype)
+        if out is None:
+            out = self._counts_as[dtype] = self.counts.to(dtype)
+        return out
 
     def rows(self, clients: Tensor, scratch: Callable[..., Tensor]) -> Tuple[Any, Optional[Tensor], Optional[Tensor]]:
         """Batch, mask and sample counts of the rows ``clients`` (indices; repeats allowed), gathered into the
         engine's reusable ``scratch`` buffers (these rows only live during one trial evaluation)."""
-        leaves, spec = tree_flatten(self.batch)
         P = len(clients)
         rows = [torch.index_select(x, 0, clients, out=scratch(("rows", j), (P, *x.shape[1:]), x.dtype, x.device))
-                for j, x in enumerate(leaves)]
-        batch = tree_unflatten(rows, spec)
+                for j, x in enumerate(self.leaves)]
+        batch = tree_unflatten(rows, self.spec)
         if self.mask is None:
             return batch, None, None
         return batch, self.mask.index_select(0, clients), self.counts.index_select(0, clients)
@@ -467,35 +539,47 @@ class _StepEvaluator:
     """
 
     def __init__(self, engine: "VectorizedClientTrainer", layout: _Layout, step: int,
-                 terms: Optional[List[List[Callable]]], rng_devices: list, log_sink: Optional[list]):
+                 terms: Optional[List[List[Callable]]], rng_devices: list, log_sink: Optional[list],
+                 trials: bool = True):
         self.engine, self.layout, self.step = engine, layout, step
         self.terms = terms
         self.rng_devices = rng_devices
         self.log_sink = log_sink
+        self.replay = trials  # keep the generator state of the gradient evaluation for trial evaluations
         self.rng_before = None
         self.rng_after = None
         self.trials = 0
 
-    def gradient(self, W: Tensor, alive: Tensor) -> Tuple[Tensor, Tensor]:
-        self.rng_before = _rng_state(self.rng_devices)
+    def gradient(self, W: Tensor, alive: Tensor, flat: bool = True) -> Tuple[Tensor, Any]:
+        """Losses ``[C]`` and gradients at ``W``: one ``[C, D]`` tensor (``flat``), or the list of per-parameter
+        ``[C, *shape]`` gradients (no concatenation; a parameter the loss does not depend on gets zeros)."""
+        if self.replay:
+            self.rng_before = _rng_state(self.rng_devices)
         layout, engine = self.layout, self.engine
-        Wl = W.detach().requires_grad_(True)
+        # one leaf per parameter (views of W's storage): their gradients come out separately, so the backward pass
+        # does not concatenate them into a [C, D] tensor unless the optimizer needs one
+        leaves = [v.detach().requires_grad_(True) for v in engine._views(W)]
         with torch.enable_grad():
-            views = engine._views(Wl)
-            values, logged = engine._row_values(views, layout.batch, layout.mask, self.step)
-            losses = values if layout.counts is None else values / layout.counts.to(values.dtype)
+            values, logged = engine._row_values(leaves, layout.batch, layout.mask, self.step)
+            losses = values if layout.counts is None else values / layout.counts_as(values.dtype)
             if self.terms is not None:
-                losses = losses + engine._term_values(views, self.terms)
-            (grad,) = torch.autograd.grad(losses.sum(), Wl)
+                losses = losses + engine._term_values(leaves, self.terms)
+            grads = torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
+        grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
         if self.log_sink is not None and logged:
             if layout.counts is not None:
                 logged = [(name, v.detach().float() / layout.counts) for name, v in logged]
             self.log_sink.append((logged, alive))
-        return losses.detach(), grad
+        if flat:
+            C = W.shape[0]
+            return losses.detach(), torch.cat([g.reshape(C, -1) for g in grads], dim=1)
+        return losses.detach(), grads
 
     def trial(self, points: Tensor, clients: Optional[Tensor] = None) -> Tensor:
         """Losses at ``points`` ([P, D]) of the clients ``clients`` ([P] indices, repeats allowed), or of every
         client in order (``clients=None``, ``P = C``)."""
+        if self.rng_before is None:
+            raise RuntimeError("trial() needs a gradient() evaluation made with trials=True first")
         if self.trials == 0:
             self.rng_after = _rng_state(self.rng_devices)
         self.trials += 1
@@ -509,7 +593,10 @@ class _StepEvaluator:
                 terms = [self.terms[i] for i in clients.tolist()] if self.terms is not None else None
             views = engine._views(points)
             values, _ = engine._row_values(views, batch, mask, self.step)
-            losses = values if counts is None else values / counts.to(values.dtype)
+            if counts is None:
+                losses = values
+            else:
+                losses = values / (layout.counts_as(values.dtype) if clients is None else counts.to(values.dtype))
             if terms is not None:
                 losses = losses + engine._term_values(views, terms)
         return losses
@@ -539,6 +626,7 @@ class _StepRecord:
         self.backtracks = torch.zeros(num_clients, dtype=torch.long, device=device)
         self.forwards = torch.zeros(num_clients, dtype=torch.long, device=device)
         self.backwards = torch.zeros(num_clients, dtype=torch.long, device=device)
+        self.uniform_evaluations = 0  # one forward and one backward of every client (SGD steps), added at the end
 
 
 class _BatchedRule:
@@ -550,6 +638,7 @@ class _BatchedRule:
     """
 
     stops_on_nonfinite = False
+    uses_trials = False  # evaluates trial points (line search): the evaluator keeps the RNG state to replay
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
         raise NotImplementedError
@@ -573,6 +662,14 @@ class _BatchedSGD(_BatchedRule):
         self.lr_vector = torch.full((num_clients,), self.lr, dtype=torch.float64, device=device)
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+        if self.grad_clip is None and self.weight_decay == 0.0:
+            # plain SGD: w <- w - lr g on every parameter's rows of W, the gradients as the backward pass made them
+            loss, grads = ev.gradient(W, alive, flat=False)
+            torch._foreach_add_(ev.engine._views(W), grads, alpha=-self.lr)
+            record.losses.append(loss)
+            record.step_sizes.append(self.lr_vector)
+            record.uniform_evaluations += 1
+            return
         loss, g = ev.gradient(W, alive)
         if self.grad_clip is not None:
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (‖g‖ + 1e-6), clamped to 1, always multiplied
@@ -584,8 +681,7 @@ class _BatchedSGD(_BatchedRule):
         W.add_(g, alpha=-self.lr)
         record.losses.append(loss)
         record.step_sizes.append(self.lr_vector)
-        record.forwards += 1
-        record.backwards += 1
+        record.uniform_evaluations += 1
 
 
 def _loss_and_grad_sq(loss: Tensor, g: Tensor, ev: _StepEvaluator) -> Tuple[Tensor, Tensor, Tensor]:
@@ -595,19 +691,27 @@ def _loss_and_grad_sq(loss: Tensor, g: Tensor, ev: _StepEvaluator) -> Tuple[Tens
     ‖g‖² is computed as the optimizers of :mod:`fedlightning.optim` compute it (per-tensor norms in the parameters'
     dtype, squared and summed in float64), so the Armijo / Polyak decisions see the same numbers up to rounding.
     """
-    norms = [torch.linalg.vector_norm(v, dim=tuple(range(1, v.dim()))) if v.dim() > 1 else v.abs()
-             for v in ev.engine._views(g)]
+    parts = g if isinstance(g, (list, tuple)) else ev.engine._views(g)
+    norms = [torch.linalg.vector_norm(v, dim=tuple(range(1, v.dim()))) if v.dim() > 1 else v.abs() for v in parts]
     grad_sq = torch.stack(norms).double().square().sum(dim=0)
     loss64 = loss.double()
     finite = torch.isfinite(loss64) & torch.isfinite(grad_sq)
     return loss64, grad_sq, finite
 
 
-def _move(W: Tensor, g: Tensor, step: Tensor, where: Tensor) -> None:
+def _move(W: Tensor, g: Any, step: Tensor, where: Tensor, views: Optional[Callable] = None) -> None:
     """``w ← w − step · g`` for the clients in ``where`` (same rounding as ``torch._foreach_add_(alpha=-step)``);
-    the other rows are left bit-for-bit unchanged (their gradient may be non-finite)."""
-    moved = torch.addcmul(W, g, (-step).to(W.dtype)[:, None])
-    torch.where(where[:, None], moved, W, out=W)
+    the other rows are left bit-for-bit unchanged (their gradient may be non-finite). ``g`` is ``[C, D]``, or the
+    per-parameter gradients, applied to the parameters' views of ``W`` (``views(W)``)."""
+    neg = (-step).to(W.dtype)
+    if isinstance(g, Tensor):
+        moved = torch.addcmul(W, g, neg[:, None])
+        torch.where(where[:, None], moved, W, out=W)
+        return
+    for w, gi in zip(views(W), g):
+        shape = (-1,) + (1,) * (w.dim() - 1)
+        moved = torch.addcmul(w, gi, neg.view(shape))
+        w.copy_(torch.where(where.view(shape), moved, w))
 
 
 class _BatchedArmijo(_BatchedRule):
@@ -631,6 +735,7 @@ class _BatchedArmijo(_BatchedRule):
     """
 
     stops_on_nonfinite = True
+    uses_trials = True
 
     def __init__(self, optimizers, params, num_clients: int, device):
         hp = dict(optimizers[0].hyper)
@@ -780,7 +885,7 @@ class _BatchedSPS(_BatchedRule):
         return torch.where(torch.isnan(self.prev), gamma_max, self.growth * self.prev)
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
-        loss, g = ev.gradient(W, alive)
+        loss, g = ev.gradient(W, alive, flat=False)
         loss64, grad_sq, finite = _loss_and_grad_sq(loss, g, ev)
         gap = loss64 - self.f_star
         cap = self.cap()
@@ -798,7 +903,7 @@ class _BatchedSPS(_BatchedRule):
             step = torch.where(degenerate, zeros, sps_step)
             moves = alive & finite & ~degenerate
             self.prev = torch.where(moves, sps_step, self.prev)
-        _move(W, g, step, moves)
+        _move(W, g, step, moves, ev.engine._views)
         record.losses.append(loss)
         record.step_sizes.append(torch.where(finite, step, nan))
         record.forwards += alive.long()
@@ -829,7 +934,7 @@ class _BatchedDecSPS(_BatchedRule):
         self.gamma_prev = torch.tensor([float(o.gamma_prev) for o in optimizers], **f64)
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
-        loss, g = ev.gradient(W, alive)
+        loss, g = ev.gradient(W, alive, flat=False)
         loss64, grad_sq, finite = _loss_and_grad_sq(loss, g, ev)
         gap = loss64 - self.f_star
         degenerate = (grad_sq < self.grad_tol**2) | (grad_sq == 0.0) | (gap <= 0.0)
@@ -839,7 +944,7 @@ class _BatchedDecSPS(_BatchedRule):
         gamma = torch.minimum(gap / grad_sq, c_prev * self.gamma_prev) / c_t
         moves = alive & finite & ~degenerate
         step = torch.where(moves, gamma, torch.zeros_like(gamma))
-        _move(W, g, step, moves)
+        _move(W, g, step, moves, ev.engine._views)
         self.t = torch.where(moves, t + 1, t)
         self.gamma_prev = torch.where(moves, gamma, self.gamma_prev)
         record.losses.append(loss)
@@ -949,6 +1054,13 @@ class VectorizedClientTrainer:
                 owner, _, attr = n.rpartition(".")
                 slots.setdefault((id(model.get_submodule(owner)), attr), n)
         self.alias_index = [("model." + n, index[id(model.get_parameter(n))]) for n in slots.values()]
+        # the same slots as (module, attribute, index of the client tensor): the batched call puts the clients'
+        # tensors straight into the modules' parameter dicts (what functional_call does, without its per-call
+        # name resolution), and puts the Parameters back afterwards
+        self.param_slots = []
+        for (_, i), n in zip(self.alias_index, slots.values()):
+            owner, _, attr = n.rpartition(".")
+            self.param_slots.append((model.get_submodule(owner)._parameters, attr, i))
         self.shapes = [tuple(p.shape) for _, p in named]
         self.numels = [p.numel() for _, p in named]
         self.num_params = sum(self.numels)
@@ -1014,35 +1126,44 @@ class VectorizedClientTrainer:
             return out
 
     def _row_values_vmapped(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int):
-        call, alias_index, collector = self.call, self.alias_index, self.collector
+        model, slots, collector = self.model, self.param_slots, self.collector
+        model_name = type(model).__name__
+        leaves, spec = tree_flatten(batch)
+        nv, nl = len(views), len(leaves)
 
-        def one_call(params: Dict[str, Tensor], b: Any):
+        def one_call(vs: Sequence[Tensor], b: Any):
+            """``training_step(b, step)`` with the parameter slots holding ``vs`` (as ``functional_call``)."""
             collector.reset()
-            loss = functional_call(call, params, (b, step), tie_weights=False)
-            return loss, tuple(collector.values)
+            saved = [d[attr] for d, attr, _ in slots]
+            try:
+                for d, attr, i in slots:
+                    d[attr] = vs[i]
+                loss = extract_loss(model.training_step(b, step), model_name)
+            finally:
+                for (d, attr, _), t in zip(slots, saved):
+                    d[attr] = t
+            return (loss, *collector.values)
 
+        # flat positional arguments and outputs: vmap's argument handling is a pytree walk per call
         if mask is None:
-            def per_row(vs, b):
-                return one_call({name: vs[i] for name, i in alias_index}, b)
+            def per_row(*args):
+                return one_call(args[:nv], tree_unflatten(list(args[nv:]), spec))
 
-            values, logged = vmap(per_row, randomness="different")(views, batch)
+            out = vmap(per_row, randomness="different")(*views, *leaves)
         else:
-            def per_row_cells(vs, b, m):
-                params = {name: vs[i] for name, i in alias_index}
-                leaves, spec = tree_flatten(b)
+            def per_row_cells(*args):
+                vs, m = args[:nv], args[-1]
 
                 def per_sample(*sample_leaves):
-                    return one_call(params, tree_unflatten([x.unsqueeze(0) for x in sample_leaves], spec))
+                    return one_call(vs, tree_unflatten([x.unsqueeze(0) for x in sample_leaves], spec))
 
-                cell_losses, cell_logged = vmap(per_sample, randomness="different")(*leaves)
+                cell_out = vmap(per_sample, randomness="different")(*args[nv:nv + nl])
+                # padded cells (repeated samples) count zero
+                return tuple(torch.where(m, v, torch.zeros((), dtype=v.dtype, device=v.device)).sum()
+                             for v in cell_out)
 
-                def real_sum(v: Tensor) -> Tensor:  # padded cells (repeated samples) count zero
-                    return torch.where(m, v, torch.zeros_like(v)).sum()
-
-                return real_sum(cell_losses), tuple(real_sum(v) for v in cell_logged)
-
-            values, logged = vmap(per_row_cells, randomness="different")(views, batch, mask)
-        return values, list(zip(list(collector.names), logged))
+            out = vmap(per_row_cells, randomness="different")(*views, *leaves, mask)
+        return out[0], list(zip(list(collector.names), out[1:]))
 
     @staticmethod
     def _term_values(views: List[Tensor], terms: List[List[Callable]]) -> Tensor:
@@ -1106,11 +1227,18 @@ class VectorizedClientTrainer:
         rng_devices = [device] if device.type == "cuda" else []
         log_sink: Optional[list] = [] if router is not None else None
 
+        layouts: dict = {}
         with torch.random.fork_rng(devices=rng_devices):
-            torch.manual_seed(derive_seed(seed, "model-vectorized", round, *client_ids))
+            model_seed = derive_seed(seed, "model-vectorized", round, *client_ids)
+            # what torch.manual_seed does to the generators this round uses (and only to them: torch.manual_seed
+            # would also queue seeding of every lazily initialised accelerator, which fork_rng does not restore)
+            torch.default_generator.manual_seed(model_seed)
+            for d in rng_devices:
+                torch.cuda.default_generators[d.index if d.index is not None else torch.cuda.current_device()
+                                              ].manual_seed(model_seed)
             for k in range(int(local_steps)):
-                layout = _Layout(*batches.step(k))
-                ev = _StepEvaluator(self, layout, k, term_lists, rng_devices, log_sink)
+                layout = _Layout(*batches.step(k), cache=layouts)
+                ev = _StepEvaluator(self, layout, k, term_lists, rng_devices, log_sink, trials=rule.uses_trials)
                 rule.step(W, ev, record, alive)
                 num_steps += alive.long()
                 if rule.stops_on_nonfinite:
@@ -1126,7 +1254,8 @@ class VectorizedClientTrainer:
         K = len(record.losses)
         losses = torch.stack(record.losses).float().cpu()  # [K, C]
         step_sizes = torch.stack(record.step_sizes).double().cpu().t().tolist()  # [C][K]
-        counts = torch.stack([num_steps, record.backtracks, record.forwards, record.backwards]).cpu().tolist()
+        u = record.uniform_evaluations
+        counts = torch.stack([num_steps, record.backtracks, record.forwards + u, record.backwards + u]).cpu().tolist()
         delta = global_flat.unsqueeze(0) - W.to(global_flat.dtype)
         finite_delta = torch.isfinite(delta).all(dim=1).cpu().tolist()
         buffers = None
@@ -1134,17 +1263,27 @@ class VectorizedClientTrainer:
             # batch-statistics layers are refused, so no buffer changes during client training: every client
             # reports the global buffers, as LocalTrainer.run does for a model whose buffers stay untouched
             buffers = torch.cat([b.detach().reshape(-1).float() for b, m in zip(global_buffers, float_buffer_mask) if m])
+        # clients that ran all K steps (the usual case): first loss, mean loss and finiteness of all at once
+        by_client = losses.t().contiguous()  # [C, K]
+        first_all = by_client[:, 0].tolist() if K else []
+        mean_all = by_client.mean(dim=1).tolist()
+        finite_all = torch.isfinite(by_client).all(dim=1).tolist()
         updates = []
         for c, cid in enumerate(client_ids):
             n = int(counts[0][c])
-            loss_vec = losses[:n, c] if n > 0 else torch.tensor([float("nan")])
+            if n == K and K > 0:
+                first_loss, mean_loss, finite_loss = first_all[c], mean_all[c], finite_all[c]
+            else:
+                loss_vec = by_client[c, :n] if n > 0 else torch.tensor([float("nan")])
+                first_loss, mean_loss = float(loss_vec[0]), float(loss_vec.mean())
+                finite_loss = bool(torch.isfinite(loss_vec).all())
             update = ClientUpdate(
                 client_id=cid,
                 delta=delta[c],
                 num_samples=datamodule.client_num_samples(cid),
                 num_steps=n,
-                first_loss=float(loss_vec[0]),
-                mean_loss=float(loss_vec.mean()),
+                first_loss=first_loss,
+                mean_loss=mean_loss,
                 step_sizes=step_sizes[c][: min(n, K)],
                 backtracks=int(counts[1][c]),
                 forwards=int(counts[2][c]),
@@ -1152,7 +1291,7 @@ class VectorizedClientTrainer:
             )
             if buffers is not None:
                 update.buffers = buffers.clone()
-            if not bool(torch.isfinite(loss_vec).all()):
+            if not finite_loss:
                 update.failed, update.failure = True, "non-finite training loss"
             elif not finite_delta[c]:
                 update.failed, update.failure = True, "non-finite model update"
