@@ -1074,11 +1074,12 @@ def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, 
         "offline stand-ins for the papers' CIFAR/FEMNIST/MNIST; orderings are compared, not absolute numbers.",
         "",
     ]
+    setup_rounds = {(sp.paper, sp.setup.key): sp.rounds for sp in specs}  # the rounds actually requested per setup
     for exp in EXPERIMENTS:
         agg_p = agg.get(exp.paper, {})
         out += [f"## Seed {exp.paper}: {exp.title}", "", f"Protocol: {exp.protocol_note}.", ""]
         out += ["Setups: " + "; ".join(
-            f"`{s.key}` = {s.title} ({_rounds_text(max(1, int(round(s.rounds * scale))))}"
+            f"`{s.key}` = {s.title} ({_rounds_text(setup_rounds.get((exp.paper, s.key), max(1, int(round(s.rounds * scale)))))}"
             + "".join(f", {k.replace('_', ' ')} {v}" for k, v in s.protocol.items())
             + f"; stands in for {s.analog})" for s in exp.setups) + ".", ""]
         if exp.paper == "004":
