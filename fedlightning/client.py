@@ -144,7 +144,7 @@ class LocalTrainer:
                     step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
                     forwards += 1
                     backwards += 1
-                losses.append(loss.detach().reshape(()))
+                losses.append(loss.detach())  # a scalar already (extract_loss); cast once after the loop
                 if adaptive and not math.isfinite(float(losses[-1])):
                     break  # adaptive optimizers refuse non-finite losses; stop early, the update is discarded
         loss_vec = torch.stack(losses).float().cpu() if losses else torch.tensor([float("nan")])

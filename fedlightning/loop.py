@@ -69,14 +69,15 @@ class _LogRouter:
         if isinstance(value, (int, float)):
             value = torch.tensor(float(value))
         if isinstance(value, Tensor) and value.numel() == 1:
-            self.captured.setdefault(name, []).append(value.detach().reshape(()).float())
+            self.captured.setdefault(name, []).append(value.detach())  # reshaped and cast once, in pop_means
 
     def log_dict(self, dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
         for k, v in dictionary.items():
             self.log(k, v, *args, **kwargs)
 
     def pop_means(self) -> Dict[str, float]:
-        out = {f"client/{k}": float(torch.stack(v).mean()) for k, v in self.captured.items() if v}
+        out = {f"client/{k}": float(torch.stack([t.reshape(()) for t in v]).float().mean())
+               for k, v in self.captured.items() if v}
         self.captured = {}
         return out
 

@@ -174,6 +174,23 @@ class ClosureOptimizer(torch.optim.Optimizer):
         loss = loss.detach()
         return loss if loss.dim() == 0 else loss.reshape(())
 
+    def _polyak_inputs(self, closure: Optional[Callable[[], Tensor]]):
+        """The inputs of a Polyak-type step: ``(loss, params, grads, f - f*, ||g||^2)``.
+
+        ``params`` is None when no step can be taken, and the step is already recorded: no parameter has a gradient
+        (step size 0), or the loss or the gradient is not finite (step size NaN; the optimizer does not move).
+        """
+        loss = self._loss_and_grad(closure)
+        params, grads = self._params_with_grad()
+        if not params:
+            self._record(0.0)
+            return loss, None, None, 0.0, 0.0
+        loss_value, grad_sq = self._loss_and_squared_norm(loss, grads)
+        if not (math.isfinite(loss_value) and math.isfinite(grad_sq)):
+            self._record(float("nan"))
+            return loss, None, None, 0.0, 0.0
+        return loss, params, grads, loss_value - self.hyper["f_star"], grad_sq
+
     # ------------------------------------------------------------------ telemetry
     def _record(self, step_size: float, backtracks: int = 0, forwards: int = 1, backwards: int = 1, **extra) -> None:
         self.last_step = {"step_size": float(step_size), "backtracks": int(backtracks), "forwards": int(forwards),

@@ -133,23 +133,16 @@ class SPS(ClosureOptimizer):
         h = self.hyper
         if h["smooth"]:
             self._epoch_exponent("smooth=True")  # fail before any work when b/n is unknown
-        loss = self._loss_and_grad(closure)
-        params, grads = self._params_with_grad()
-        if not params:
-            self._record(0.0)
+        loss, params, grads, gap, grad_sq = self._polyak_inputs(closure)
+        if params is None:
             return loss
-        loss_value, grad_sq = self._loss_and_squared_norm(loss, grads)
-        if not (math.isfinite(loss_value) and math.isfinite(grad_sq)):
-            self._record(float("nan"))
-            return loss
-        gap = loss_value - h["f_star"]
         cap = self.cap()
         degenerate = grad_sq < h["grad_tol"] ** 2 or grad_sq == 0.0 or gap <= 0.0
         if degenerate:
             sps_step = 0.0 if gap <= 0.0 else cap  # the rule's limit: ratio 0 (gap <= 0) or +inf (g = 0)
         else:
             sps_step = min(gap / (h["c"] * grad_sq), cap)
-        self._report = {"sps_last_step_size": sps_step, "sps_last_loss": loss_value, "sps_last_grad_sq": grad_sq}
+        self._report = {"sps_last_step_size": sps_step, "sps_last_loss": gap + h["f_star"], "sps_last_grad_sq": grad_sq}
         fixed = h.get("lr")
         if fixed is not None:  # FedSPS-Global client: constant step, SPS only measured
             with torch.no_grad():
@@ -216,16 +209,9 @@ class DecSPS(ClosureOptimizer):
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:  # type: ignore[override]
         """One DecSPS step on the closure's mini-batch; returns the loss."""
         h = self.hyper
-        loss = self._loss_and_grad(closure)
-        params, grads = self._params_with_grad()
-        if not params:
-            self._record(0.0)
+        loss, params, grads, gap, grad_sq = self._polyak_inputs(closure)
+        if params is None:
             return loss
-        loss_value, grad_sq = self._loss_and_squared_norm(loss, grads)
-        if not (math.isfinite(loss_value) and math.isfinite(grad_sq)):
-            self._record(float("nan"))
-            return loss
-        gap = loss_value - h["f_star"]
         if grad_sq < h["grad_tol"] ** 2 or grad_sq == 0.0 or gap <= 0.0:
             self._record(0.0)
             return loss
