@@ -56,8 +56,8 @@ def test_cli_validate_subcommand(tmp_path):
 
 
 def test_progress_bar_counts_rounds(tmp_path):
-    """The CLI's default progress bar is over rounds: its description is 'Round', without v_num."""
-    from fedlightning.callbacks.progress import RoundProgressBar
+    """The CLI's default progress bar is over rounds: described as 'Round', without v_num (rich or tqdm variant)."""
+    from fedlightning.callbacks.progress import RoundProgressBar, RoundTQDMProgressBar
 
     cli = main([
         "fit", "--config", os.path.join(ROOT, "configs", "quickstart.yaml"), "--trainer.max_steps", "3",
@@ -66,6 +66,26 @@ def test_progress_bar_counts_rounds(tmp_path):
     ])
     bars = [cb for cb in cli.trainer.callbacks if isinstance(cb, RoundProgressBar)]
     assert len(bars) == 1 and cli.trainer.progress_bar_callback is bars[0]
-    bar = bars[0]
-    assert bar._get_train_description(0).strip() == "Round"
-    assert "v_num" not in bar.get_metrics(cli.trainer, cli.model)
+    assert "v_num" not in bars[0].get_metrics(cli.trainer, cli.model)
+    if isinstance(bars[0], RoundTQDMProgressBar):
+        assert bars[0].train_progress_bar.desc.startswith("Round")
+    else:
+        assert bars[0]._get_train_description(0).strip() == "Round"
+
+
+def test_tqdm_round_progress_bar_without_rich(tmp_path):
+    """The tqdm variant (used when rich is not installed) counts the rounds: total = max_steps, description 'Round'."""
+    from fedlightning.callbacks.progress import RoundTQDMProgressBar
+
+    bar = RoundTQDMProgressBar()
+    from conftest import make_trainer
+    from fedlightning import FederatedLoop
+    from fedlightning.datamodules import DigitsDataModule
+    from fedlightning.models import MLP
+
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), local_steps=2, clients_per_round=3, seed=0)
+    trainer = make_trainer(4, callbacks=[bar], enable_progress_bar=True)
+    trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, seed=0))
+    assert bar.train_progress_bar.desc.startswith("Round")
+    assert bar.train_progress_bar.total == 4 and bar.train_progress_bar.n == 4
+    assert "v_num" not in bar.get_metrics(trainer, loop)

@@ -2,19 +2,22 @@
 
 One ``training_step`` of the :class:`~fedlightning.FederatedLoop` is one round and the run is bounded by
 ``trainer.max_steps``, so Lightning's default description ("Epoch 0/-2" with ``max_epochs=-1``) and its ``v_num``
-item say nothing useful. :class:`RoundProgressBar` shows "Round" and the loggers' progress-bar metrics only. The CLI
-adds it when the config enables the progress bar and lists no progress bar of its own.
+item say nothing useful. :class:`RoundProgressBar` shows "Round" and the loggers' progress-bar metrics only: the rich
+variant when the optional ``rich`` package is installed, the tqdm one otherwise. The CLI adds it when the config
+enables the progress bar and lists no progress bar of its own.
 """
 
 from __future__ import annotations
 
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-try:  # rich ships with Lightning's extras; fall back to tqdm without it
+try:  # rich is optional (Lightning's extras); tqdm is always there
     from lightning.pytorch.callbacks import RichProgressBar
     from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 except ImportError:  # pragma: no cover
     RichProgressBar, _RICH_AVAILABLE = None, False
+
+ROUND_DESCRIPTION = "Round"
 
 
 def _round_metrics(items):
@@ -22,13 +25,24 @@ def _round_metrics(items):
     return items
 
 
+class RoundTQDMProgressBar(TQDMProgressBar):
+    """tqdm progress bar over rounds (``max_steps``), without the logger version number."""
+
+    def on_train_epoch_start(self, trainer, *args):
+        super().on_train_epoch_start(trainer, *args)
+        self.train_progress_bar.set_description(ROUND_DESCRIPTION)
+
+    def get_metrics(self, trainer, pl_module):
+        return _round_metrics(super().get_metrics(trainer, pl_module))
+
+
 if _RICH_AVAILABLE:
 
-    class RoundProgressBar(RichProgressBar):
+    class RoundRichProgressBar(RichProgressBar):
         """Rich progress bar over rounds (``max_steps``), without the logger version number."""
 
         def _get_train_description(self, current_epoch: int) -> str:
-            text = "Round"
+            text = ROUND_DESCRIPTION
             if len(self.validation_description) > len(text):
                 text = f"{text:{len(self.validation_description)}}"
             return text
@@ -36,14 +50,6 @@ if _RICH_AVAILABLE:
         def get_metrics(self, trainer, pl_module):
             return _round_metrics(super().get_metrics(trainer, pl_module))
 
-else:  # pragma: no cover
-
-    class RoundProgressBar(TQDMProgressBar):
-        """tqdm progress bar over rounds (``max_steps``), without the logger version number."""
-
-        def on_train_epoch_start(self, trainer, *args):
-            super().on_train_epoch_start(trainer, *args)
-            self.train_progress_bar.set_description("Round")
-
-        def get_metrics(self, trainer, pl_module):
-            return _round_metrics(super().get_metrics(trainer, pl_module))
+    RoundProgressBar = RoundRichProgressBar
+else:
+    RoundProgressBar = RoundTQDMProgressBar
