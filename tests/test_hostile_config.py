@@ -47,7 +47,7 @@ CASES = [
     (["--model.client_optimizer", "fedlightning.optim.SgdArmijo", "--model.client_optimizer.beta", "1.0"], "beta"),
     (["--model.client_optimizer", "fedlightning.optim.SPS", "--model.client_optimizer.gamma_max", "0"], "gamma_max"),
     (["--model.client_optimizer", "fedlightning.optim.DecSPS", "--model.client_optimizer.c0", "-1"], "c0"),
-    (["--model.client_optimizer", "torch.optim.SGD", "--model.client_optimizer.lr", "-0.1"], "lr"),
+    (["--model.client_optimizer", "torch.optim.SGD", "--model.client_optimizer.lr", "-0.1"], "-0.1"),
 ]
 
 
