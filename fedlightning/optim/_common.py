@@ -208,6 +208,17 @@ class ClosureOptimizer(torch.optim.Optimizer):
         if not isinstance(state, dict):
             raise TypeError(f"client state must be a dict, got {type(state).__name__}")
 
+    @staticmethod
+    def _state_step(state: Dict[str, Any], key: str, default: Optional[float] = None) -> Optional[float]:
+        """``state[key]`` as a finite step size > 0 (``default`` when absent; None stays None)."""
+        value = state.get(key, default)
+        if value is None:
+            return None
+        value = float(value)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"client state {key} must be a finite number > 0, got {value!r}")
+        return value
+
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state plus the per-client state, so a plain PyTorch checkpoint resumes the rule."""
         sd = super().state_dict()

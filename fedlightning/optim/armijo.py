@@ -223,9 +223,4 @@ class SgdArmijo(ClosureOptimizer):
 
     def set_client_state(self, state: Dict[str, Any]) -> None:
         super().set_client_state(state)
-        step = state.get("step_size")
-        if step is not None:
-            step = float(step)
-            if not (math.isfinite(step) and step > 0):
-                raise ValueError(f"client state step_size must be a finite number > 0, got {step!r}")
-        self._carried_step = step
+        self._carried_step = self._state_step(state, "step_size")

@@ -172,12 +172,7 @@ class SPS(ClosureOptimizer):
 
     def set_client_state(self, state: Dict[str, Any]) -> None:
         super().set_client_state(state)
-        prev = state.get("prev_step")
-        if prev is not None:
-            prev = float(prev)
-            if not (math.isfinite(prev) and prev > 0):
-                raise ValueError(f"client state prev_step must be a finite number > 0, got {prev!r}")
-        self._prev_step = prev
+        self._prev_step = self._state_step(state, "prev_step")
 
 
 class DecSPS(ClosureOptimizer):
@@ -232,9 +227,9 @@ class DecSPS(ClosureOptimizer):
     def set_client_state(self, state: Dict[str, Any]) -> None:
         super().set_client_state(state)
         t = int(state.get("t", 0))
-        gamma_prev = float(state.get("gamma_prev", self.hyper["gamma_max"]))
         if t < 0:
             raise ValueError(f"client state t must be >= 0, got {t}")
-        if not (math.isfinite(gamma_prev) and gamma_prev > 0):
-            raise ValueError(f"client state gamma_prev must be a finite number > 0, got {gamma_prev!r}")
+        gamma_prev = self._state_step(state, "gamma_prev", self.hyper["gamma_max"])
+        if gamma_prev is None:  # DecSPS always has a previous step (γ_max before the first)
+            raise ValueError("client state gamma_prev must be a finite number > 0, got None")
         self.t, self.gamma_prev = t, gamma_prev
