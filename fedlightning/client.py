@@ -17,7 +17,7 @@ optimizers themselves restore the RNG state so each trial sees the gradient eval
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,8 @@ ObjectiveTerm = Callable[[Sequence[Tensor]], Tensor]
 def extract_loss(output: Any, model_name: str = "model") -> Tensor:
     """The loss from a ``training_step`` output: a scalar tensor, or a dict with key ``"loss"``."""
     if isinstance(output, Tensor):
+        if output.dim() == 0:  # the common case: no reshape (a view would add an autograd node to every step)
+            return output
         loss = output
     elif isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
         loss = output["loss"]
@@ -44,6 +46,28 @@ def extract_loss(output: Any, model_name: str = "model") -> Tensor:
     if loss.numel() != 1:
         raise TypeError(f"{model_name}.training_step returned a loss with shape {tuple(loss.shape)}, expected a scalar")
     return loss.reshape(())
+
+
+def _cycle(loader: Iterable, steps: int) -> Iterator[Any]:
+    """Exactly ``steps`` batches from ``loader``, starting a new pass (a new shuffled epoch) whenever it runs out.
+
+    Loaders that know how to do this themselves (``iter_steps``, e.g. the in-memory
+    :class:`~fedlightning.datamodules.base.ArrayBatchLoader`) are asked to; they must give the same batches."""
+    iter_steps = getattr(loader, "iter_steps", None)
+    if iter_steps is not None:
+        yield from iter_steps(steps)
+        return
+    it = iter(loader)
+    for _ in range(steps):
+        try:
+            batch = next(it)
+        except StopIteration:  # cycle: a new shuffled epoch over the client's data
+            it = iter(loader)
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise RuntimeError("the client's data loader yielded no batch (a client without samples?)") from None
+        yield batch
 
 
 class LocalTrainer:
@@ -112,31 +136,47 @@ class LocalTrainer:
         step_sizes: List[float] = []
         backtracks = forwards = backwards = 0
         devices = [self.params[0].device] if self.params and self.params[0].device.type == "cuda" else []
+        # Lean path for plain torch optimizers without extra objective terms: the loss is the model's own
+        # training_step (no closure object per step), gradients are cleared by dropping them (what
+        # ``zero_grad(set_to_none=True)`` does, without its per-call profiling wrapper) unless the optimizer
+        # overrides ``zero_grad``. Same arithmetic as the general path (tests/test_loop_exact.py).
+        lean = not adaptive and not terms
+        plain_zero = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad
+        opt_params = [p for g in optimizer.param_groups for p in g["params"]] if plain_zero else []
+        model, model_name, to_device = self.model, self.model_name, self.to_device
+        on_cpu = not devices
         with torch.random.fork_rng(devices=devices):
             model_seed = derive_seed(seed, "model", round, client_id)
             # not torch.manual_seed: that also queues a lazy CUDA seeding (with a stack trace) on every call
             torch.default_generator.manual_seed(model_seed)
             for dev in devices:
                 torch.cuda.default_generators[dev.index if dev.index is not None else 0].manual_seed(model_seed)
-            it = iter(loader)
-            for k in range(local_steps):
-                try:
-                    batch = next(it)
-                except StopIteration:  # cycle: a new shuffled epoch over the client's data
-                    it = iter(loader)
-                    batch = next(it)
-                batch = self.to_device(batch)
-                closure = self._objective(batch, k, terms)
-                optimizer.zero_grad(set_to_none=True)
-                if adaptive:
-                    loss = optimizer.step(closure)
+            for k, batch in enumerate(_cycle(loader, local_steps)):
+                if not on_cpu:
+                    batch = to_device(batch)
+                if plain_zero:
+                    for p in opt_params:
+                        p.grad = None
+                else:
+                    optimizer.zero_grad(set_to_none=True)
+                if lean:
+                    loss = extract_loss(model.training_step(batch, k), model_name)
+                    loss.backward()
+                    if self.grad_clip is not None:
+                        torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+                    optimizer.step()
+                    step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
+                    forwards += 1
+                    backwards += 1
+                elif adaptive:
+                    loss = optimizer.step(self._objective(batch, k, terms))
                     info = getattr(optimizer, "last_step", None) or {}
                     step_sizes.append(float(info.get("step_size", float("nan"))))
                     backtracks += int(info.get("backtracks", 0))
                     forwards += int(info.get("forwards", 1))
                     backwards += int(info.get("backwards", 1))
                 else:
-                    loss = closure()
+                    loss = self._objective(batch, k, terms)()
                     loss.backward()
                     if self.grad_clip is not None:
                         torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
@@ -147,15 +187,24 @@ class LocalTrainer:
                 losses.append(loss.detach())  # a scalar already (extract_loss); cast once after the loop
                 if adaptive and not math.isfinite(float(losses[-1])):
                     break  # adaptive optimizers refuse non-finite losses; stop early, the update is discarded
-        loss_vec = torch.stack(losses).float().cpu() if losses else torch.tensor([float("nan")])
         delta = global_flat - flat_params(self.params).to(global_flat.dtype)
+        if losses:
+            loss_vec = torch.stack(losses).float()
+            # one host transfer for the four per-client scalars (one sync on an accelerator instead of four)
+            first, mean, loss_ok, delta_ok = torch.stack([
+                loss_vec[0], loss_vec.mean(), torch.isfinite(loss_vec).all().float(),
+                torch.isfinite(delta).all().float(),
+            ]).tolist()
+        else:
+            first = mean = float("nan")
+            loss_ok, delta_ok = 0.0, float(bool(torch.isfinite(delta).all()))
         update = ClientUpdate(
             client_id=client_id,
             delta=delta,
             num_samples=num_samples,
             num_steps=len(losses),
-            first_loss=float(loss_vec[0]),
-            mean_loss=float(loss_vec.mean()),
+            first_loss=first,
+            mean_loss=mean,
             step_sizes=step_sizes,
             backtracks=backtracks,
             forwards=forwards,
@@ -165,8 +214,8 @@ class LocalTrainer:
             update.buffers = torch.cat(
                 [b.detach().reshape(-1).float() for b, m in zip(self.buffers, float_buffer_mask) if m]
             )
-        if not bool(torch.isfinite(loss_vec).all()):
+        if not loss_ok:
             update.failed, update.failure = True, "non-finite training loss"
-        elif not bool(torch.isfinite(delta).all()):
+        elif not delta_ok:
             update.failed, update.failure = True, "non-finite model update"
         return update

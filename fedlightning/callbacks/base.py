@@ -34,34 +34,76 @@ __all__ = ["RoundStatistics", "ServerStrategy"]
 
 
 class RoundStatistics:
-    """Named tensors accumulated over a round's clients; each is reduced across processes by sum or max."""
+    """Named tensors accumulated over a round's clients; each is reduced across processes by sum or max.
+
+    Scalars given as Python numbers are summed (or maxed) as Python floats, i.e. in float64 like the float64
+    tensors they become when first read (``stats[key]``, ``values``), so a client's ten telemetry scalars cost no
+    tensor operations. Tensor values are accumulated in place into the statistic's own copy.
+    """
 
     def __init__(self) -> None:
-        self.values: Dict[str, Tensor] = {}
+        self._values: Dict[str, Tensor] = {}
+        self._scalars: Dict[str, Tuple[float, object]] = {}  # key -> (python float, device)
         self.ops: Dict[str, str] = {}
 
-    def add(self, key: str, value: Tensor | float, device=None) -> None:
-        value = value if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float64, device=device)
-        if key in self.values:
-            self.values[key] = self.values[key] + value
+    def _scalar(self, key: str, value: float, device, op: str) -> None:
+        value = float(value)
+        if key in self._values:  # already a tensor (e.g. read, then added to)
+            self._tensor(key, torch.tensor(value, dtype=torch.float64, device=device), op)
+        elif key in self._scalars:
+            old = self._scalars[key][0]
+            self._scalars[key] = (old + value if op == "sum" else max(old, value), self._scalars[key][1])
         else:
-            self.values[key], self.ops[key] = value.clone(), "sum"
+            self._scalars[key], self.ops[key] = (value, device), op
+
+    def _tensor(self, key: str, value: Tensor, op: str) -> None:
+        if key in self._scalars:
+            self._materialize(key)
+        if key not in self._values:
+            self._values[key], self.ops[key] = value.clone(), op
+            return
+        cur = self._values[key]
+        if op == "sum":
+            if cur.dtype == torch.promote_types(cur.dtype, value.dtype) and cur.shape == torch.broadcast_shapes(cur.shape, value.shape):
+                cur.add_(value)
+            else:
+                self._values[key] = cur + value
+        else:
+            self._values[key] = torch.maximum(cur, value)
+
+    def _materialize(self, key: str) -> None:
+        value, device = self._scalars.pop(key)
+        self._values[key] = torch.tensor(value, dtype=torch.float64, device=device)
+
+    def add(self, key: str, value: Tensor | float, device=None) -> None:
+        if isinstance(value, Tensor):
+            self._tensor(key, value, "sum")
+        else:
+            self._scalar(key, value, device, "sum")
 
     def maximum(self, key: str, value: Tensor | float, device=None) -> None:
-        value = value if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float64, device=device)
-        if key in self.values:
-            self.values[key] = torch.maximum(self.values[key], value)
+        if isinstance(value, Tensor):
+            self._tensor(key, value, "max")
         else:
-            self.values[key], self.ops[key] = value.clone(), "max"
+            self._scalar(key, value, device, "max")
+
+    @property
+    def values(self) -> Dict[str, Tensor]:
+        """Every statistic as a tensor (scalars become float64 tensors on the device they were added with)."""
+        for key in list(self._scalars):
+            self._materialize(key)
+        return self._values
 
     def __getitem__(self, key: str) -> Tensor:
-        return self.values[key]
+        if key in self._scalars:
+            self._materialize(key)
+        return self._values[key]
 
     def __contains__(self, key: str) -> bool:
-        return key in self.values
+        return key in self._values or key in self._scalars
 
     def get(self, key: str, default=None):
-        return self.values.get(key, default)
+        return self[key] if key in self else default
 
 
 class ServerStrategy(Callback):
@@ -101,8 +143,9 @@ class ServerStrategy(Callback):
         stats.add("delta", delta * w)
         stats.add("weight", w, delta.device)
         stats.add("clients", 1.0, delta.device)
-        stats.add("sq_norm_sum", delta.double().pow(2).sum())
-        stats.add("weighted_sq_norm_sum", delta.double().pow(2).sum() * w)
+        sq_norm = delta.double().pow(2).sum()
+        stats.add("sq_norm_sum", sq_norm)
+        stats.add("weighted_sq_norm_sum", sq_norm * w)
         if update.buffers is not None:
             stats.add("buffers", update.buffers * w)
 

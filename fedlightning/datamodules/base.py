@@ -66,6 +66,14 @@ class ClientBatchSampler(Sampler[List[int]]):
             order = self.indices
         yield from torch.split(order, self.batch_size)
 
+    def epoch(self) -> Tuple[Tensor, ...]:
+        """The index batches of one epoch at once (the same draw as one ``iter()``; none for an empty client)."""
+        if len(self.indices) == 0:
+            return ()
+        if self.shuffle:
+            return torch.split(self.indices[torch.randperm(len(self.indices), generator=self.generator)], self.batch_size)
+        return torch.split(self.indices, self.batch_size)
+
 
 class ArrayBatchLoader:
     """A minimal loader over an :class:`ArrayDataset`: iterating yields ``dataset[batch_indices]`` for each index
@@ -80,9 +88,41 @@ class ArrayBatchLoader:
         return len(self.batch_sampler)
 
     def __iter__(self):
-        x, y = self.dataset.x, self.dataset.y
+        take = _row_taker(self.dataset)
         for idx in self.batch_sampler:
-            yield x[idx], y[idx]
+            yield take(idx)
+
+    def iter_steps(self, steps: int) -> Iterator[Tuple[Any, Any]]:
+        """Exactly ``steps`` batches, a new epoch (new permutation) whenever one runs out: the batches that
+        re-iterating this loader gives (``fedlightning.client._cycle``), with one permutation and one split per
+        epoch and no nested generators (the per-step cost matters for small models)."""
+        epoch = getattr(self.batch_sampler, "epoch", None)
+        if epoch is None:
+            it = iter(self)
+            for _ in range(steps):
+                try:
+                    yield next(it)
+                except StopIteration:
+                    it = iter(self)
+                    yield next(it)
+            return
+        take = _row_taker(self.dataset)
+        done = 0
+        while done < steps:
+            batches = epoch()
+            if not batches:
+                raise RuntimeError("the client's data loader yielded no batch (a client without samples?)")
+            for idx in batches[: steps - done]:
+                yield take(idx)
+            done += len(batches)
+
+
+def _row_taker(dataset: "ArrayDataset"):
+    """``idx -> (x[idx], y[idx])`` with ``index_select`` (same rows as advanced indexing, less dispatch work)."""
+    x, y = dataset.x, dataset.y
+    if isinstance(x, Tensor) and isinstance(y, Tensor):
+        return lambda idx: (x.index_select(0, idx), y.index_select(0, idx))
+    return lambda idx: (x[idx], y[idx])
 
 
 class RoundPlanLoader:
