@@ -69,15 +69,15 @@ class _LogRouter:
         if isinstance(value, (int, float)):
             value = torch.tensor(float(value))
         if isinstance(value, Tensor) and value.numel() == 1:
-            self.captured.setdefault(name, []).append(value.detach())  # reshaped and cast once, in pop_means
+            value = value.detach()
+            self.captured.setdefault(name, []).append(value if value.dim() == 0 else value.reshape(()))
 
     def log_dict(self, dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
         for k, v in dictionary.items():
             self.log(k, v, *args, **kwargs)
 
     def pop_means(self) -> Dict[str, float]:
-        out = {f"client/{k}": float(torch.stack([t.reshape(()) for t in v]).float().mean())
-               for k, v in self.captured.items() if v}
+        out = {f"client/{k}": float(torch.stack(v).float().mean()) for k, v in self.captured.items() if v}
         self.captured = {}
         return out
 
@@ -95,8 +95,9 @@ class FederatedLoop(pl.LightningModule):
             key ``"loss"``); ``batch_idx`` is the local step index ``k``. Its ``validation_step`` / ``test_step`` are
             used unchanged on the global model.
         client_optimizer: factory ``params -> Optimizer`` for the clients (LightningCLI: ``class_path`` +
-            ``init_args``). Default ``SGD(lr=0.1)`` (ours; the papers tune the client lr). A fresh optimizer is
-            built for every client in every round, so plain SGD/momentum buffers never leak across clients;
+            ``init_args``). Default ``SGD(lr=0.1)`` (ours; the papers tune the client lr). Every client starts each
+            round with a fresh optimizer (``torch.optim`` classes are built once and reset between sequential
+            clients, which gives the same state), so momentum buffers never leak across clients;
             optimizers that define ``get_client_state`` / ``set_client_state`` (SgdArmijo's step size, DecSPS's
             counters) carry their per-client state across that client's rounds when ``persist_client_state``.
         local_steps: local steps ``K`` per client per round (seed 000: 20).
@@ -243,8 +244,26 @@ class FederatedLoop(pl.LightningModule):
         world, rank = self.trainer.world_size, self.trainer.global_rank
         return client_ids[rank::world] if world > 1 else list(client_ids)
 
-    def _make_client_optimizer(self, params, client_id: int, lr_scale: float) -> torch.optim.Optimizer:
-        opt = self.client_optimizer(params)
+    def _make_client_optimizer(self, params, client_id: int, lr_scale: float, reuse: bool = False) -> torch.optim.Optimizer:
+        """The client optimizer of ``client_id`` for this round: as fresh as a new ``client_optimizer(params)``.
+
+        With ``reuse`` (sequential clients, one at a time on the same working copy), an optimizer of a class from
+        ``torch.optim`` itself is built once and reset for every later client instead (its per-parameter state
+        cleared, its hyper-parameters restored to their values after construction): the same object state as a
+        fresh one, without the ~50 µs construction per client. Other optimizers (``fedlightning.optim``, user
+        classes) are always built by the factory.
+        """
+        cached = self.__dict__.get("_reusable_client_opt") if reuse else None
+        if cached is not None and cached[0] is params and cached[3] is self.client_optimizer:
+            opt, defaults = cached[1], cached[2]
+            opt.state.clear()
+            for group, snapshot in zip(opt.param_groups, defaults):
+                group.update({k: (v.clone() if isinstance(v, Tensor) else v) for k, v in snapshot.items()})
+        else:
+            opt = self.client_optimizer(params)
+            if reuse and type(opt).__module__.startswith("torch.optim.") and not hasattr(opt, "set_client_state"):
+                defaults = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
+                self.__dict__["_reusable_client_opt"] = (params, opt, defaults, self.client_optimizer)
         if lr_scale != 1.0:
             for g in opt.param_groups:
                 if "lr" in g:
@@ -261,7 +280,7 @@ class FederatedLoop(pl.LightningModule):
         worker = self._worker_trainer()
         if not worker.model.training:  # the working copy is private to the loop: train() once, not per client
             worker.model.train()
-        opt = self._make_client_optimizer(worker.params, client_id, plan.client_lr_scale)
+        opt = self._make_client_optimizer(worker.params, client_id, plan.client_lr_scale, reuse=True)
         if hasattr(opt, "set_client_data"):  # per-client epoch length b/n_i (SgdArmijo reset="grow", smoothed SPS)
             opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
         terms = []

@@ -343,29 +343,26 @@ class _RoundBatches:
 
     def _init_fast(self, dataset, samplers) -> None:
         """Index lists straight from each client's batch sampler (exactly what its ``ArrayBatchLoader`` yields as
-        ``(x[idx], y[idx])``), turned into one padded ``[C, n_max]`` index matrix per step. The rows of the whole
-        round are gathered with one ``index_select`` per tensor when they fit in :attr:`ROUND_GATHER_BYTES` (each
-        step's batch is then a view into them), else step by step."""
+        ``(x[idx], y[idx])``), laid out as one padded ``[C, n_max]`` index matrix per step (all steps' matrices are
+        built at once, see :func:`_round_index`). The rows of the whole round are gathered with one
+        ``index_select`` per tensor when they fit in :attr:`ROUND_GATHER_BYTES` (each step's batch is then a view
+        into them), else step by step."""
         self.fast, self.dataset = True, dataset
         K = self.local_steps
-        per_client = [_sampler_batches(sampler, K) for sampler in samplers]
-        steps = []
-        for k in range(K):
-            step_chunks = [batches[k] for batches in per_client]
-            sizes = [len(c) for c in step_chunks]
-            flat = np.concatenate(step_chunks)
-            steps.append((flat[_padded_positions(sizes)], sizes))
-        self.steps = steps
+        index, sizes, widths = _round_index(samplers, K)
+        C = len(samplers)
+        offsets = np.concatenate([[0], np.cumsum(widths * C)]).tolist()
+        sizes_list = sizes.tolist()
+        self.steps = [(index[offsets[k]:offsets[k + 1]].reshape(C, -1), sizes_list[k]) for k in range(K)]
+        self.offsets = offsets
         self.round_leaves = None
         x, y = dataset.x, dataset.y
-        rows = sum(index.size for index, _ in steps)
-        probe = torch.from_numpy(steps[0][0].reshape(-1)[:1])
+        probe = torch.from_numpy(index[:1])
         row_bytes = sum(t.numel() * t.element_size() for t in (_take(x, probe), _take(y, probe)))
-        if rows * row_bytes <= self.ROUND_GATHER_BYTES:
-            index = torch.from_numpy(np.concatenate([index.reshape(-1) for index, _ in steps]))
-            gathered = self.to_device((_take(x, index), _take(y, index)))
+        if index.size * row_bytes <= self.ROUND_GATHER_BYTES:
+            flat = torch.from_numpy(index)
+            gathered = self.to_device((_take(x, flat), _take(y, flat)))
             self.round_leaves, self.spec = tree_flatten(gathered)
-            self.offsets = np.cumsum([0] + [index.size for index, _ in steps]).tolist()
 
     def _init_generic(self, loaders) -> None:
         self.fast = False
@@ -432,25 +429,8 @@ def _take(data: Any, index: Tensor) -> Tensor:
 
 def _sampler_batches(sampler, num: int) -> List[np.ndarray]:
     """The first ``num`` index batches a client's loader yields, cycling to a new epoch (a new ``iter()``) when the
-    sampler runs out, exactly as ``LocalTrainer.run`` re-iterates its loader.
-
-    For :class:`~fedlightning.datamodules.base.ClientBatchSampler` (the data modules' own sampler) the epochs are
-    drawn here with the sampler's own generator and operations (one ``randperm`` per epoch, cut into batches), which
-    gives the same index lists without a Python generator per epoch; other samplers are iterated.
-    """
-    from fedlightning.datamodules.base import ClientBatchSampler
-
+    sampler runs out, exactly as ``LocalTrainer.run`` re-iterates its loader (any batch sampler)."""
     out: List[np.ndarray] = []
-    if type(sampler) is ClientBatchSampler and sampler.shuffle and len(sampler.indices) > 0:
-        indices = sampler.indices.numpy()
-        n, bs = len(indices), sampler.batch_size
-        while len(out) < num:
-            order = indices[torch.randperm(n, generator=sampler.generator).numpy()]
-            if n <= bs:
-                out.append(order)
-            else:
-                out.extend(order[i:i + bs] for i in range(0, n, bs))
-        return out[:num]
     it = iter(sampler)
     while len(out) < num:
         try:
@@ -460,6 +440,55 @@ def _sampler_batches(sampler, num: int) -> List[np.ndarray]:
             idx = next(it)
         out.append(np.asarray(idx, dtype=np.int64).reshape(-1))
     return out
+
+
+def _round_index(samplers, num: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The first ``num`` index batches of every client's batch sampler (as :func:`_sampler_batches`), laid out for
+    the round: returns ``(index, sizes, widths)`` with ``sizes[k, i]`` the size of client ``i``'s batch ``k``,
+    ``widths[k] = max_i sizes[k, i]`` and ``index`` the concatenation over ``k`` of the ``[C, widths[k]]`` matrices
+    whose row ``i`` holds client ``i``'s batch ``k`` padded by repeating its own rows (see
+    :func:`_padded_positions`).
+
+    For :class:`~fedlightning.datamodules.base.ClientBatchSampler` (the data modules' own sampler) the epochs are
+    drawn here with the sampler's own generator and operations (one ``randperm`` per epoch, cut into batches of
+    ``batch_size``, the last one partial): the same index lists as iterating it, with the per-epoch Python work
+    reduced to the ``randperm`` call and everything else done for all clients and steps at once. Other samplers
+    are iterated.
+    """
+    from fedlightning.datamodules.base import ClientBatchSampler
+
+    C = len(samplers)
+    fast = all(type(s) is ClientBatchSampler and s.shuffle and len(s.indices) > 0 for s in samplers)
+    k = np.arange(num, dtype=np.int64)[:, None]
+    if fast:
+        n = np.array([len(s.indices) for s in samplers], dtype=np.int64)
+        bs = np.array([s.batch_size for s in samplers], dtype=np.int64)
+        per_epoch = -(-n // bs)  # batches per epoch
+        epochs = -(-num // per_epoch)  # epochs needed for ``num`` batches
+        perms = [torch.randperm(int(n_i), generator=s.generator)
+                 for s, n_i, e_i in zip(samplers, n.tolist(), epochs.tolist()) for _ in range(e_i)]
+        segment = epochs * n  # client i's epochs, one after the other, in ``order``
+        seg_start = np.cumsum(segment) - segment
+        idx_start = np.cumsum(n) - n
+        # order[seg_start_i + e n_i + j] = sampler_i.indices[perm_{i,e}[j]]
+        all_indices = torch.cat([s.indices for s in samplers]).numpy()
+        order = all_indices[torch.cat(perms).numpy() + np.repeat(idx_start, segment)]
+        b = k % per_epoch  # position of batch k in its epoch
+        starts = seg_start + (k // per_epoch) * n + b * bs  # [K, C]
+        sizes = np.minimum(bs, n - b * bs)
+    else:
+        chunks = [_sampler_batches(s, num) for s in samplers]
+        sizes = np.array([[len(c[j]) for c in chunks] for j in range(num)], dtype=np.int64).reshape(num, C)
+        order = np.concatenate([np.concatenate(c) for c in chunks])
+        client_start = np.cumsum(sizes.sum(0)) - sizes.sum(0)
+        starts = client_start + np.cumsum(sizes, axis=0) - sizes
+    widths = sizes.max(axis=1)  # [K]
+    # cell (k, i, j) for j < widths[k] holds the client's row j mod sizes[k, i]
+    w = np.repeat(widths, C)  # width of every (k, i) row
+    row_start = np.cumsum(w) - w
+    col = np.arange(int(w.sum()), dtype=np.int64) - np.repeat(row_start, w)
+    pos = np.repeat(starts.reshape(-1), w) + col % np.repeat(sizes.reshape(-1), w)
+    return order[pos], sizes, widths
 
 
 def _padded_positions(sizes: List[int]) -> np.ndarray:

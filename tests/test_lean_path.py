@@ -174,3 +174,32 @@ def test_round_metrics_follow_log_every_n_steps_and_reach_callback_metrics(tmp_p
         assert float(r["server/delta_norm"]) == pytest.approx(logged["server/delta_norm"], rel=1e-6)
         assert float(r["round/clients"]) == 3.0
         assert losses[int(r["step"])] == pytest.approx(logged["train/loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    lambda p: torch.optim.Adam(p, lr=1e-2),
+])
+def test_reused_torch_optimizer_equals_a_fresh_one_per_client(make):
+    """torch.optim optimizers are reset, not rebuilt, between sequential clients: momentum / Adam moments must not
+    leak from one client to the next. A subclass defined here is never reused, so it is the fresh reference."""
+    base = type(make([torch.nn.Parameter(torch.zeros(1))]))
+    Fresh = type("Fresh" + base.__name__, (base,), {})  # same arithmetic, a class outside torch.optim
+
+    def fresh(p):
+        opt = make(p)
+        opt.__class__ = Fresh
+        return opt
+
+    def run(factory):
+        torch.manual_seed(0)
+        model = MLP(input_dim=64, hidden=[8])
+        dm = DigitsDataModule(num_clients=12, batch_size=16, partition=Dirichlet(0.5), seed=0)
+        loop = FederatedLoop(model, client_optimizer=factory, local_steps=4, clients_per_round=4, seed=1)
+        make_trainer(3, callbacks=[FedAvg()]).fit(loop, datamodule=dm)
+        return loop, torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+    reused_loop, reused = run(make)
+    fresh_loop, reference = run(fresh)
+    assert "_reusable_client_opt" in reused_loop.__dict__ and "_reusable_client_opt" not in fresh_loop.__dict__
+    torch.testing.assert_close(reused, reference, rtol=0, atol=0)
