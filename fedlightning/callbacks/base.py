@@ -64,7 +64,7 @@ class RoundStatistics:
             return
         cur = self._values[key]
         if op == "sum":
-            if cur.dtype == torch.promote_types(cur.dtype, value.dtype) and cur.shape == torch.broadcast_shapes(cur.shape, value.shape):
+            if cur.dtype == value.dtype and cur.shape == value.shape and cur.device == value.device:
                 cur.add_(value)
             else:
                 self._values[key] = cur + value
