@@ -14,9 +14,33 @@ is the wrapped model's own ``training_step``, run under :func:`torch.func.vmap` 
 parameter tensors in the modules' parameter slots (what :func:`torch.func.functional_call` does, without its
 per-call name resolution), and one reverse-mode pass over ``Σ_i f_i(w_i)`` gives all clients' gradients at once
 (the losses are independent, so block ``i`` of the gradient is ``∇f_i(w_i)``). Step sizes, Armijo tests and Polyak
-ratios are ``[C]`` tensors: no Python loop over clients inside a step. Per round, the batch rows of all steps are
-gathered at once; per step, plain SGD updates every parameter's rows of ``W`` with its own gradient (no ``[C, D]``
-gradient is assembled) and needs no host synchronisation.
+ratios are ``[C]`` tensors: no Python loop over clients inside a step. Per round, the index matrices of all steps
+are built and the batch rows of all steps gathered at once; per step, plain SGD updates every parameter's rows of
+``W`` with its own gradient (no ``[C, D]`` gradient is assembled) and needs no host synchronisation.
+
+Where the time goes (CPU, small models; docs/benchmarks_vectorized.md has the numbers) and what the engine does
+about it:
+
+* **Memory order of W.** Each parameter's block of ``W`` is stored in the memory order its gradient comes out of
+  the backward pass in (learned once per engine from one gradient evaluation,
+  ``VectorizedClientTrainer._learn_layout``): ``linear`` with per-client weights gives weight gradients
+  transposed, and adding a transposed gradient to a row-major block (the SGD update, the ``[C, D]`` gradient of
+  the line search) was a transposing copy that cost as much as the rest of the update. ``_views`` gives the
+  parameters' logical ``[C, *shape]`` views; every ``[R, D]`` tensor of the engine (weights, flat gradients, trial
+  points) is in storage order, and only the round's start weights and the deltas are converted. Values and ops
+  are unchanged.
+* **Outside vmap where possible.** On padded steps the vmapped function returns every cell's value and the
+  masked per-client sums are taken after vmap (the same ops without batching rules); the per-sample
+  ``unsqueeze`` is a view taken before vmap; logged values leave vmap as they are and are detached, reshaped and
+  cast outside; their division by the sample counts and the mask of clients still training are applied once per
+  round (:func:`_feed_router`).
+* **Host work per round.** The data draw keeps one ``randperm`` call per client and epoch (the sampler's own
+  generator, hence the same batches as sequential mode) and builds everything else for all clients and steps with
+  a few numpy ops (:func:`_round_index`); the finiteness of the deltas is one ``amax``/``amin`` per row instead of
+  ``isfinite`` over ``[C, D]`` (10x slower on CPU).
+* **SgdArmijo trial points** are written once per trial round on CPU (one ``addcmul`` per client's block of grid
+  points, the client's rows of ``W`` and ``g`` broadcast) instead of gathering both rows first
+  (:meth:`_BatchedArmijo._points`); the search itself is unchanged.
 
 Decisions (ours; the task leaves them open):
 
@@ -64,6 +88,10 @@ Decisions (ours; the task leaves them open):
   over real samples on padded steps) at every gradient evaluation and fed to the loop's log router, so
   ``client/<name>`` metrics are the per-round means of sequential mode (trial evaluations are not logged, as
   sequentially).
+* **Storage order.** The learned order of ``W``'s blocks can change the summation order of reductions over a
+  parameter (gradient norms for clipping and the Armijo/Polyak tests), i.e. rounding in the last bits; the
+  probe runs once per engine, on the first step of its first round (a resumed run probes again, on its first
+  round), outside the round's random stream.
 * **Memory.** A round holds the ``[C, D]`` weights and gradients, the step's padded batches and, for SgdArmijo, the
   trial points of one trial round (reused buffers); activations are those of ``C`` clients at once.
 """
@@ -263,7 +291,7 @@ class _LogCollector:
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 return
-            value = value.detach().reshape(()).float()
+            # returned from vmap as it is; detached, made a scalar and float32 outside (see _logged_value)
         else:
             value = torch.tensor(float(value))
         if name in self.names:  # logged twice in one call: keep the last value, as a logger would
@@ -275,6 +303,12 @@ class _LogCollector:
     def log_dict(self, dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
         for k, v in dictionary.items():
             self.log(k, v)
+
+
+def _logged_value(value: Tensor, batch_dims: int) -> Tensor:
+    """A logged one-element value as it left vmap (``[R, *shape]`` or ``[R, n_max, *shape]``), detached, with its
+    one element per row / cell, as float32: what ``value.detach().reshape(()).float()`` gives inside vmap."""
+    return value.detach().reshape(value.shape[:batch_dims]).float()
 
 
 class _ModuleTracker:
@@ -578,6 +612,8 @@ class _StepEvaluator:
         self.rng_before = None
         self.rng_after = None
         self.trials = 0
+        self.learn_layout = False  # set by the engine's layout probe
+        self.track_alive = True  # False: every client trains every step (logged values need no mask)
 
     def gradient(self, W: Tensor, alive: Tensor, flat: bool = True) -> Tuple[Tensor, Any]:
         """Losses ``[C]`` and gradients at ``W``: one ``[C, D]`` tensor (``flat``), or the list of per-parameter
@@ -596,12 +632,13 @@ class _StepEvaluator:
             grads = torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
         grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
         if self.log_sink is not None and logged:
-            if layout.counts is not None:
-                logged = [(name, v.detach().float() / layout.counts) for name, v in logged]
-            self.log_sink.append((logged, alive))
+            # per-client sums over real samples on padded steps: divided by the counts at the end of the round
+            self.log_sink.append(([(name, v.detach()) for name, v in logged], layout.counts,
+                                  alive if self.track_alive else None))
+        if self.learn_layout:
+            engine._learn_layout(grads)
         if flat:
-            C = W.shape[0]
-            return losses.detach(), torch.cat([g.reshape(C, -1) for g in grads], dim=1)
+            return losses.detach(), engine._flat(grads)
         return losses.detach(), grads
 
     def trial(self, points: Tensor, clients: Optional[Tensor] = None) -> Tensor:
@@ -835,14 +872,15 @@ class _BatchedArmijo(_BatchedRule):
         width = self.last_m + 2  # first window: up to one point past the client's previous accepted m
         while True:
             width = torch.minimum(width, grid - next_m) * searching.long()
-            total = int(width.sum())  # the one host synchronisation of this trial round
+            widths = width.tolist()  # the one host synchronisation of this trial round
+            total = sum(widths)
             if total == 0:
                 break
             pair_client = torch.repeat_interleave(torch.arange(C, device=device), width, output_size=total)
             offset = torch.cumsum(width, 0) - width
             pair_m = next_m[pair_client] + torch.arange(total, device=device) - offset[pair_client]
             eta = eta0[pair_client] * self.powers[pair_m]
-            points = self._points(ev, W, g, pair_client, eta)
+            points = self._points(ev, W, g, pair_client, eta, widths)
             trial_loss = ev.trial(points, pair_client)
             ok = self._accepts(trial_loss, loss64[pair_client], grad_sq[pair_client], eta)
             hit = never.scatter_reduce(0, pair_client, torch.where(ok, pair_m, grid), reduce="amin")
@@ -855,13 +893,30 @@ class _BatchedArmijo(_BatchedRule):
         return first_m, trials
 
     @staticmethod
-    def _points(ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor) -> Tensor:
+    def _points(ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor,
+                widths: Optional[List[int]] = None) -> Tensor:
         """Trial points ``w_c − η g_c`` of the (client, grid point) pairs, written into the engine's scratch
-        buffers (same rounding as ``torch.addcmul``, hence as SgdArmijo's ``_foreach_add_(alpha=-η)``)."""
+        buffers (same rounding as ``torch.addcmul``, hence as SgdArmijo's ``_foreach_add_(alpha=-η)``).
+
+        On CPU, with ``widths`` (pairs per client, ``pair_client`` sorted by client as ``repeat_interleave`` makes
+        it), each client's block of pairs is one ``addcmul`` of its row of ``W`` and ``g`` broadcast over the block:
+        the points are written once instead of gathering ``W``'s and ``g``'s rows first (3 passes over ``[P, D]``;
+        measured 35 % faster with one thread, even with two). On accelerators three large kernels beat one small
+        kernel per client."""
         shape = (len(pair_client), W.shape[1])
+        neg = (-eta).to(W.dtype).unsqueeze(1)
+        if widths is not None and W.device.type == "cpu":
+            points = ev.engine.scratch("points", shape, W.dtype, W.device)
+            start = 0
+            for c, w in enumerate(widths):
+                if w:
+                    end = start + w
+                    torch.addcmul(W[c].expand(w, -1), g[c].expand(w, -1), neg[start:end], out=points[start:end])
+                    start = end
+            return points
         points = torch.index_select(W, 0, pair_client, out=ev.engine.scratch("points", shape, W.dtype, W.device))
         g_rows = torch.index_select(g, 0, pair_client, out=ev.engine.scratch("g_rows", shape, W.dtype, W.device))
-        return points.addcmul_(g_rows, (-eta).to(W.dtype).unsqueeze(1))
+        return points.addcmul_(g_rows, neg)
 
     def _search_in_order(self, W, g, ev, loss64, grad_sq, eta0, searching, grid):
         """Models with random layers: every client at one grid point per round, all clients in order."""
@@ -1099,6 +1154,10 @@ class VectorizedClientTrainer:
         self.deterministic = not _has_random_layers(model)
         self.probed: set = set()
         self._scratch: Dict[Any, Tensor] = {}
+        self._views_of: Optional[Tuple[Tensor, List[Tensor]]] = None
+        # storage order of each parameter's block of W (None: the parameter's own), see _learn_layout
+        self.orders: List[Optional[Tuple[int, ...]]] = [None] * len(self.shapes)
+        self.layout_learned = False
 
     def scratch(self, key: Any, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
         """A reusable buffer of ``shape`` for ``key`` (grown when needed). Multi-megabyte tensors allocated afresh
@@ -1112,8 +1171,69 @@ class VectorizedClientTrainer:
 
     # ---------------------------------------------------------------- batched loss
     def _views(self, W: Tensor) -> List[Tensor]:
-        C = W.shape[0]
-        return [t.view(C, *s) for t, s in zip(torch.split(W, self.numels, dim=1), self.shapes)]
+        """The per-parameter views ``[R, *shape]`` of ``W`` ([R, D], each parameter's block in its storage order,
+        see :meth:`_learn_layout`); the views of the round's weights are cached (``W`` keeps its storage for the
+        whole round: every update is in place)."""
+        cached = self._views_of
+        if cached is not None and cached[0] is W:
+            return cached[1]
+        R = W.shape[0]
+        views = []
+        for t, shape, order in zip(torch.split(W, self.numels, dim=1), self.shapes, self.orders):
+            if order is None:
+                views.append(t.view(R, *shape))
+            else:  # block stored as the parameter permuted by ``order``; the view puts the dimensions back
+                stored = t.view(R, *(shape[d] for d in order))
+                views.append(stored.permute(0, *(1 + order.index(d) for d in range(len(shape)))))
+        self._views_of = (W, views)
+        return views
+
+    def _flat(self, parts: Sequence[Tensor]) -> Tensor:
+        """``[R, D]`` in the storage order of ``W`` from per-parameter ``[R, *shape]`` tensors (e.g. gradients)."""
+        R = parts[0].shape[0]
+        return torch.cat([(t if order is None else t.permute(0, *(1 + d for d in order))).reshape(R, -1)
+                          for t, order in zip(parts, self.orders)], dim=1)
+
+    def _logical(self, W: Tensor) -> Tensor:
+        """``W`` ([R, D], storage order) in the parameters' own order (``flat_params``' order)."""
+        if all(order is None for order in self.orders):
+            return W
+        return torch.cat([v.reshape(W.shape[0], -1) for v in self._views(W)], dim=1)
+
+    def _stored(self, flat: Tensor) -> Tensor:
+        """A ``[D]`` vector in the parameters' own order, in the storage order of ``W``."""
+        if all(order is None for order in self.orders):
+            return flat
+        return self._flat([t.view(1, *shape) for t, shape in zip(torch.split(flat, self.numels), self.shapes)])[0]
+
+    def _probe_layout(self, start: Tensor, layout: "_Layout", rng_devices: list) -> None:
+        """One gradient evaluation at ``start`` (every client) on ``layout``, to learn the gradients' memory layout
+        (:meth:`_learn_layout`); done once per engine, on the first step of its first round."""
+        self.layout_learned = True
+        W = start.unsqueeze(0).repeat(layout.num_clients, 1)
+        ev = _StepEvaluator(self, layout, 0, None, rng_devices, None, trials=False)
+        ev.learn_layout = True
+        ev.gradient(W, torch.ones(layout.num_clients, dtype=torch.bool, device=W.device), flat=False)
+
+    def _learn_layout(self, grads: Sequence[Tensor]) -> None:
+        """Store every parameter of ``W`` in the memory order its gradient comes out of the backward pass in.
+
+        Batching rules produce some gradients as permuted views (``linear`` with per-client weights gives the
+        weight gradient transposed, ``[C, out, in]`` with strides of ``[C, in, out]``); adding such a gradient to
+        a row-major block is a transposing copy that cost more than the rest of the SGD update. With the block
+        stored in the gradient's order, updates, trial points and gradient concatenation are plain contiguous
+        passes. Called on the first gradient evaluation of the engine; only the memory layout of ``W`` changes
+        (the values and the ops on them are the same, up to the summation order of reductions such as norms)."""
+        orders: List[Optional[Tuple[int, ...]]] = []
+        for g, shape in zip(grads, self.shapes):
+            order = None
+            if g.dim() > 2 and g.shape[1:] == torch.Size(shape):
+                dims = sorted(range(len(shape)), key=lambda d: (-g.stride(1 + d), d))
+                if dims != list(range(len(shape))) and g.permute(0, *(1 + d for d in dims)).is_contiguous():
+                    order = tuple(dims)
+            orders.append(order)
+        self.orders = orders
+        self._views_of = None
 
     @contextmanager
     def _vmap_context(self):
@@ -1158,7 +1278,7 @@ class VectorizedClientTrainer:
         model, slots, collector = self.model, self.param_slots, self.collector
         model_name = type(model).__name__
         leaves, spec = tree_flatten(batch)
-        nv, nl = len(views), len(leaves)
+        nv = len(views)
 
         def one_call(vs: Sequence[Tensor], b: Any):
             """``training_step(b, step)`` with the parameter slots holding ``vs`` (as ``functional_call``)."""
@@ -1181,18 +1301,21 @@ class VectorizedClientTrainer:
             out = vmap(per_row, randomness="different")(*views, *leaves)
         else:
             def per_row_cells(*args):
-                vs, m = args[:nv], args[-1]
+                vs = args[:nv]
 
-                def per_sample(*sample_leaves):
-                    return one_call(vs, tree_unflatten([x.unsqueeze(0) for x in sample_leaves], spec))
+                def per_sample(*sample_leaves):  # a batch of one sample: [1, ...] each
+                    return one_call(vs, tree_unflatten(list(sample_leaves), spec))
 
-                cell_out = vmap(per_sample, randomness="different")(*args[nv:nv + nl])
-                # padded cells (repeated samples) count zero
-                return tuple(torch.where(m, v, torch.zeros((), dtype=v.dtype, device=v.device)).sum()
-                             for v in cell_out)
+                return vmap(per_sample, randomness="different")(*args[nv:])
 
-            out = vmap(per_row_cells, randomness="different")(*views, *leaves, mask)
-        return out[0], list(zip(list(collector.names), out[1:]))
+            # [R, n_max, 1, ...]: every cell a batch of one (the unsqueeze outside vmap is a plain view)
+            cells = vmap(per_row_cells, randomness="different")(*views, *(x.unsqueeze(2) for x in leaves))
+            # [R, n_max] values of every cell; padded cells (repeated samples) count zero. The masked sum runs
+            # outside vmap (the same ops on the same [R, n_max] tensors, without their batching rules)
+            cells = [cells[0]] + [_logged_value(v, 2) for v in cells[1:]]
+            out = [torch.where(mask, v, v.new_zeros(())).sum(1) for v in cells]
+            return out[0], list(zip(list(collector.names), out[1:]))
+        return out[0], list(zip(list(collector.names), [_logged_value(v, 1) for v in out[1:]]))
 
     @staticmethod
     def _term_values(views: List[Tensor], terms: List[List[Callable]]) -> Tensor:
@@ -1248,7 +1371,6 @@ class VectorizedClientTrainer:
 
         with torch.no_grad():
             start = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in global_params])
-        W = start.unsqueeze(0).repeat(C, 1)  # [C, D]: client c's weights in row c
         record = _StepRecord(C, device)
         alive = torch.ones(C, dtype=torch.bool, device=device)
         num_steps = torch.zeros(C, dtype=torch.long, device=device)
@@ -1258,6 +1380,9 @@ class VectorizedClientTrainer:
 
         layouts: dict = {}
         with torch.random.fork_rng(devices=rng_devices):
+            if not self.layout_learned:  # before the round's seeding: its random draws do not count
+                self._probe_layout(start, _Layout(*batches.step(0)), rng_devices)
+            W = self._stored(start).unsqueeze(0).repeat(C, 1)  # [C, D]: client c's weights in row c
             model_seed = derive_seed(seed, "model-vectorized", round, *client_ids)
             # what torch.manual_seed does to the generators this round uses (and only to them: torch.manual_seed
             # would also queue seeding of every lazily initialised accelerator, which fork_rng does not restore)
@@ -1268,6 +1393,7 @@ class VectorizedClientTrainer:
             for k in range(int(local_steps)):
                 layout = _Layout(*batches.step(k), cache=layouts)
                 ev = _StepEvaluator(self, layout, k, term_lists, rng_devices, log_sink, trials=rule.uses_trials)
+                ev.track_alive = rule.stops_on_nonfinite  # else every client trains every step
                 rule.step(W, ev, record, alive)
                 num_steps += alive.long()
                 if rule.stops_on_nonfinite:
@@ -1285,8 +1411,9 @@ class VectorizedClientTrainer:
         step_sizes = torch.stack(record.step_sizes).double().cpu().t().tolist()  # [C][K]
         u = record.uniform_evaluations
         counts = torch.stack([num_steps, record.backtracks, record.forwards + u, record.backwards + u]).cpu().tolist()
-        delta = global_flat.unsqueeze(0) - W.to(global_flat.dtype)
-        finite_delta = torch.isfinite(delta).all(dim=1).cpu().tolist()
+        delta = global_flat.unsqueeze(0) - self._logical(W).to(global_flat.dtype)
+        finite_delta = _rows_finite(delta).cpu().tolist()
+        rows = delta.unbind(0)
         buffers = None
         if float_buffer_mask is not None and any(float_buffer_mask):
             # batch-statistics layers are refused, so no buffer changes during client training: every client
@@ -1308,7 +1435,7 @@ class VectorizedClientTrainer:
                 finite_loss = bool(torch.isfinite(loss_vec).all())
             update = ClientUpdate(
                 client_id=cid,
-                delta=delta[c],
+                delta=rows[c],
                 num_samples=datamodule.client_num_samples(cid),
                 num_steps=n,
                 first_loss=first_loss,
@@ -1328,15 +1455,32 @@ class VectorizedClientTrainer:
         return updates
 
 
-def _feed_router(router, log_sink: List[Tuple[List[Tuple[str, Tensor]], Tensor]]) -> None:
+def _rows_finite(x: Tensor) -> Tensor:
+    """``torch.isfinite(x).all(dim=1)`` for a 2-d ``x``: every entry of a row is finite iff the row's largest and
+    smallest entries are (NaN propagates through both reductions); about 10x cheaper than ``isfinite`` on CPU."""
+    return torch.isfinite(x.amax(dim=1)) & torch.isfinite(x.amin(dim=1))
+
+
+def _feed_router(router, log_sink: List[Tuple[List[Tuple[str, Tensor]], Optional[Tensor], Optional[Tensor]]]) -> None:
     """Give the loop's log router one value per gradient evaluation of every client still training, as sequential
-    training does (the router ignores a line search's trial evaluations, which run without gradients)."""
-    by_name: Dict[str, List[Tensor]] = {}
-    for logged, evaluated in log_sink:
+    training does (the router ignores a line search's trial evaluations, which run without gradients).
+
+    ``log_sink`` holds, per gradient evaluation, the logged ``[C]`` values (sums over real samples on padded steps),
+    the sample counts to divide them by (None: whole batches) and the mask of clients still training (None: all);
+    the values of all evaluations are divided and masked at once, in evaluation order."""
+    by_name: Dict[str, List[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]] = {}
+    for logged, counts, evaluated in log_sink:
         for name, values in logged:
-            by_name.setdefault(name, []).append(values.detach().float()[evaluated])
+            by_name.setdefault(name, []).append((values, counts, evaluated))
     for name, parts in by_name.items():
-        router.captured.setdefault(name, []).extend(torch.cat(parts).unbind(0))
+        values = torch.stack([v.float() for v, _, _ in parts])  # [evaluations, C]
+        if any(n is not None for _, n, _ in parts):
+            ones = torch.ones(values.shape[1], dtype=torch.long, device=values.device)
+            values = values / torch.stack([ones if n is None else n for _, n, _ in parts])  # x / 1 is exact
+        if any(e is not None for _, _, e in parts):
+            everyone = torch.ones(values.shape[1], dtype=torch.bool, device=values.device)
+            values = values[torch.stack([everyone if e is None else e for _, _, e in parts])]
+        router.captured.setdefault(name, []).extend(values.reshape(-1).unbind(0))
 
 
 # ====================================================================== loop integration

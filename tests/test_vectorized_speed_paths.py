@@ -1,0 +1,211 @@
+"""The speed paths of fedlightning.vectorized, each checked against the plain computation it replaces.
+
+* the round's index matrices (``_round_index``): the ClientBatchSampler fast path gives exactly the batches that
+  iterating the samplers gives (epochs cycled, partial last batches, clients smaller and larger than the batch);
+* the weights' storage order (``_learn_layout``): training with the learned (transposed) blocks gives the same
+  losses and weights as with the parameters' own order, and the order conversions round-trip;
+* SgdArmijo trial points written per client block (CPU) equal the gathered ``W[c] − η g[c]`` bit for bit;
+* end-of-round helpers: ``_rows_finite`` and the batched division/masking of logged values (``_feed_router``).
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from fedlightning.datamodules import ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
+from fedlightning.models import MLP, LogisticRegression
+from fedlightning.vectorized import (
+    VectorizedClientTrainer,
+    _BatchedArmijo,
+    _BatchedSGD,
+    _feed_router,
+    _Layout,
+    _padded_positions,
+    _round_index,
+    _RoundBatches,
+    _rows_finite,
+    _sampler_batches,
+    _StepEvaluator,
+    _StepRecord,
+)
+
+
+class Sized(FederatedDataModule):
+    """Clients of chosen sizes (one client per size), to exercise batches smaller than, equal to and larger than
+    the batch size."""
+
+    def __init__(self, sizes, batch_size):
+        super().__init__(num_clients=len(sizes), batch_size=batch_size, seed=0)
+        self.sizes = list(sizes)
+
+    def load(self):
+        n = sum(self.sizes)
+        g = torch.Generator().manual_seed(0)
+        data = ArrayDataset(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+        return data, data, data.y.numpy()
+
+    def natural_clients(self):
+        ends = np.cumsum(self.sizes)
+        return [np.arange(e - s, e) for e, s in zip(ends, self.sizes)]
+
+
+def _expected(dm, client_ids, round, steps):
+    """Step by step: the padded index matrix built from iterating each client's sampler (the reference)."""
+    samplers = [dm.client_dataloader(c, round, seed=0).batch_sampler for c in client_ids]
+    per_client = [_sampler_batches(s, steps) for s in samplers]
+    out = []
+    for k in range(steps):
+        chunks = [b[k] for b in per_client]
+        sizes = [len(c) for c in chunks]
+        out.append((np.concatenate(chunks)[_padded_positions(sizes)], sizes))
+    return out
+
+
+@pytest.mark.parametrize("steps", [1, 3, 7, 20])
+@pytest.mark.parametrize("batch_size", [4, 5, 16])
+def test_round_index_equals_iterating_the_samplers(steps, batch_size):
+    dm = Sized([1, 3, 4, 5, 9, 16, 23], batch_size)
+    dm.setup("fit")
+    clients = [6, 0, 3, 1, 5, 2, 4]
+    for round in range(3):
+        samplers = [dm.client_dataloader(c, round, seed=0).batch_sampler for c in clients]
+        index, sizes, widths = _round_index(samplers, steps)
+        expected = _expected(dm, clients, round, steps)
+        offset = 0
+        for k, (matrix, ref_sizes) in enumerate(expected):
+            assert sizes[k].tolist() == ref_sizes
+            assert widths[k] == max(ref_sizes)
+            got = index[offset:offset + matrix.size].reshape(matrix.shape)
+            np.testing.assert_array_equal(got, matrix)
+            offset += matrix.size
+        assert offset == index.size
+
+
+def test_round_batches_generic_samplers_take_the_iterating_path():
+    """Samplers that are not the data module's ClientBatchSampler are iterated; the same layout results."""
+    dm = Sized([3, 5, 9], 4)
+    dm.setup("fit")
+    samplers = [dm.client_dataloader(c, 0, seed=0).batch_sampler for c in range(3)]
+    listed = [list(_sampler_batches(s, 6)) for s in samplers]
+
+    class Replay:  # a plain batch sampler replaying fixed epochs
+        def __init__(self, batches):
+            self.batches = batches
+
+        def __iter__(self):
+            return iter(self.batches)
+
+    index, sizes, widths = _round_index([Replay(b) for b in listed], 6)
+    offset = 0
+    for k in range(6):
+        chunks = [b[k] for b in listed]
+        matrix = np.concatenate(chunks)[_padded_positions([len(c) for c in chunks])]
+        np.testing.assert_array_equal(index[offset:offset + matrix.size].reshape(matrix.shape), matrix)
+        offset += matrix.size
+
+
+def _digits():
+    dm = DigitsDataModule(num_clients=40, batch_size=16, partition=Dirichlet(0.3), seed=0)
+    dm.setup("fit")
+    dm.configure_rounds(6, 5, seed=3)
+    return dm
+
+
+def _train(engine, batches, W, steps, lr=0.3):
+    rule = _BatchedSGD(lr, 0.0, None, W.shape[0], W.device)
+    record = _StepRecord(W.shape[0], W.device)
+    alive = torch.ones(W.shape[0], dtype=torch.bool)
+    for k in range(steps):
+        ev = _StepEvaluator(engine, _Layout(*batches.step(k)), k, None, [], None, trials=False)
+        rule.step(W, ev, record, alive)
+    return torch.stack(record.losses)
+
+
+def test_learned_storage_order_gives_the_same_training():
+    torch.manual_seed(1)
+    model = MLP(input_dim=64, hidden=[16], num_classes=10)
+    dm = _digits()
+    clients = dm.sample_clients(0)
+    batches = _RoundBatches(dm, clients, 0, 3, 5, lambda b: b)
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    C = len(clients)
+
+    plain = VectorizedClientTrainer(copy.deepcopy(model))
+    W_plain = start.repeat(C, 1)
+    losses_plain = _train(plain, batches, W_plain, 5)
+
+    learned = VectorizedClientTrainer(copy.deepcopy(model))
+    learned._probe_layout(start, _Layout(*batches.step(0)), [])
+    # linear layers with per-client weights give their weight gradients transposed: those blocks are stored so
+    assert learned.orders[0] == (1, 0) and learned.orders[1] is None
+    stored = learned._stored(start)
+    assert not torch.equal(stored, start)
+    torch.testing.assert_close(learned._logical(stored.unsqueeze(0))[0], start, atol=0, rtol=0)
+    W = stored.unsqueeze(0).repeat(C, 1)
+    for view, p in zip(learned._views(W), model.parameters()):
+        torch.testing.assert_close(view[0], p.detach(), atol=0, rtol=0)
+    losses = _train(learned, batches, W, 5)
+    torch.testing.assert_close(losses, losses_plain, atol=1e-6, rtol=0)
+    torch.testing.assert_close(learned._logical(W), W_plain, atol=1e-6, rtol=0)
+    # flat gradients come out in the storage order (rows of W − ηg are trial points)
+    ev = _StepEvaluator(learned, _Layout(*batches.step(0)), 0, None, [], None, trials=False)
+    _, g = ev.gradient(W, torch.ones(C, dtype=torch.bool))
+    _, parts = ev.gradient(W, torch.ones(C, dtype=torch.bool), flat=False)
+    for view, part in zip(learned._views(g), parts):
+        torch.testing.assert_close(view, part, atol=0, rtol=0)
+
+
+def test_vectors_without_permuted_gradients_keep_their_order():
+    torch.manual_seed(2)
+    model = LogisticRegression(input_dim=64, num_classes=10)
+    engine = VectorizedClientTrainer(model)
+    grads = [torch.randn(3, *p.shape) for p in model.parameters()]  # row-major gradients: nothing to learn
+    engine._learn_layout(grads)
+    assert engine.orders == [None, None]
+    W = torch.randn(3, engine.num_params)
+    assert engine._logical(W) is W
+
+
+def test_rows_finite():
+    x = torch.randn(6, 50)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    x[4, 49] = -float("inf")
+    assert _rows_finite(x).tolist() == torch.isfinite(x).all(dim=1).tolist() == [True, False, False, True, False, True]
+
+
+def test_feed_router_divides_and_masks_in_evaluation_order():
+    class Router:
+        captured = {}
+
+    router = Router()
+    v1, v2, v3 = torch.tensor([2.0, 4.0, 6.0]), torch.tensor([1.0, 2.0, 3.0]), torch.tensor([9.0, 8.0, 7.0])
+    counts = torch.tensor([2, 4, 3])
+    alive = torch.tensor([True, False, True])
+    _feed_router(router, [([("a", v1)], counts, None), ([("a", v2), ("b", v2)], None, alive),
+                          ([("a", v3)], counts, alive)])
+    assert [float(t) for t in router.captured["a"]] == [1.0, 1.0, 2.0, 1.0, 3.0, 4.5, float(torch.tensor(7.0) / 3)]
+    assert [float(t) for t in router.captured["b"]] == [1.0, 3.0]
+    assert all(t.dim() == 0 for t in router.captured["a"])
+
+
+def test_trial_points_per_client_blocks_equal_the_gathered_points():
+    torch.manual_seed(3)
+    engine = VectorizedClientTrainer(LogisticRegression(input_dim=64, num_classes=10))
+
+    class Ev:
+        pass
+
+    ev = Ev()
+    ev.engine = engine
+    C, D = 5, engine.num_params
+    W, g = torch.randn(C, D), torch.randn(C, D)
+    widths = [3, 0, 1, 4, 2]
+    pair_client = torch.repeat_interleave(torch.arange(C), torch.tensor(widths))
+    eta = torch.rand(len(pair_client), dtype=torch.float64) * 4
+    blocks = _BatchedArmijo._points(ev, W, g, pair_client, eta, widths).clone()
+    gathered = _BatchedArmijo._points(ev, W, g, pair_client, eta).clone()
+    reference = torch.addcmul(W[pair_client], g[pair_client], (-eta).float().unsqueeze(1))
+    assert torch.equal(blocks, gathered) and torch.equal(blocks, reference)
