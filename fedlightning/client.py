@@ -70,6 +70,38 @@ def _cycle(loader: Iterable, steps: int) -> Iterator[Any]:
         yield batch
 
 
+def _plain_sgd_lrs(optimizer: torch.optim.Optimizer) -> Optional[List[float]]:
+    """The groups' learning rates when ``optimizer.step()`` is exactly ``p -= lr * p.grad`` for every parameter with a
+    gradient (a ``torch.optim.SGD`` without momentum, weight decay, Nesterov, ``maximize`` or step hooks), else None.
+
+    Such a step is then taken with one ``torch._foreach_add_`` per group (:func:`_plain_sgd_step`), the same
+    per-tensor ``add_(grad, alpha=-lr)`` that SGD's own loop runs, without its per-call wrappers (~40 µs of a
+    ~200 µs step of a 10k-parameter model on a CPU core)."""
+    if type(optimizer) is not torch.optim.SGD:
+        return None
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return None
+    from torch.optim import optimizer as _opt_module
+
+    if getattr(_opt_module, "_global_optimizer_pre_hooks", None) or getattr(_opt_module, "_global_optimizer_post_hooks", None):
+        return None
+    lrs = []
+    for g in optimizer.param_groups:
+        if (g.get("momentum", 0) != 0 or g.get("weight_decay", 0) != 0 or g.get("nesterov") or g.get("maximize")
+                or g.get("differentiable") or g.get("fused") or isinstance(g.get("lr"), Tensor)):
+            return None
+        lrs.append(float(g["lr"]))
+    return lrs
+
+
+@torch.no_grad()
+def _plain_sgd_step(optimizer: torch.optim.Optimizer, lrs: Sequence[float]) -> None:
+    for g, lr in zip(optimizer.param_groups, lrs):
+        params = [p for p in g["params"] if p.grad is not None]
+        if params:
+            torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
+
+
 class LocalTrainer:
     """Runs the local steps of one client on a working copy of the model.
 
@@ -143,6 +175,7 @@ class LocalTrainer:
         lean = not adaptive and not terms
         plain_zero = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad
         opt_params = [p for g in optimizer.param_groups for p in g["params"]] if plain_zero else []
+        sgd_lrs = _plain_sgd_lrs(optimizer) if lean else None
         model, model_name, to_device = self.model, self.model_name, self.to_device
         on_cpu = not devices
         with torch.random.fork_rng(devices=devices):
@@ -164,7 +197,10 @@ class LocalTrainer:
                     loss.backward()
                     if self.grad_clip is not None:
                         torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-                    optimizer.step()
+                    if sgd_lrs is not None:
+                        _plain_sgd_step(optimizer, sgd_lrs)
+                    else:
+                        optimizer.step()
                     step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
                     forwards += 1
                     backwards += 1

@@ -95,7 +95,7 @@ def test_lean_step_equals_general_step():
     lean = _fit(lean_model, dm(), 3, [FedAvg()])
     general = _fit(general_model, dm(), 3, [FedAvg(), _ZeroTerm()])
     assert not torch.equal(lean, torch.nn.utils.parameters_to_vector(MLP(input_dim=64, hidden=[8]).parameters()))
-    torch.testing.assert_close(lean, general, rtol=0, atol=1e-7)
+    torch.testing.assert_close(lean, general, rtol=0, atol=0)  # bit-identical: same per-tensor ops
 
 
 def test_optimizer_with_its_own_zero_grad_is_called_every_step():
@@ -203,3 +203,30 @@ def test_reused_torch_optimizer_equals_a_fresh_one_per_client(make):
     fresh_loop, reference = run(fresh)
     assert "_reusable_client_opt" in reused_loop.__dict__ and "_reusable_client_opt" not in fresh_loop.__dict__
     torch.testing.assert_close(reused, reference, rtol=0, atol=0)
+
+
+def test_plain_sgd_fast_step_only_for_exact_sgd():
+    from fedlightning.client import _plain_sgd_lrs, _plain_sgd_step
+
+    p = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2)), torch.nn.Parameter(torch.randn(1))]
+    assert _plain_sgd_lrs(torch.optim.SGD(p, lr=0.3)) == [0.3]
+    assert _plain_sgd_lrs(torch.optim.SGD(p, lr=0.3, momentum=0.9)) is None
+    assert _plain_sgd_lrs(torch.optim.SGD(p, lr=0.3, weight_decay=1e-4)) is None
+    assert _plain_sgd_lrs(torch.optim.SGD(p, lr=0.3, maximize=True)) is None
+    assert _plain_sgd_lrs(torch.optim.Adam(p, lr=0.3)) is None
+    assert _plain_sgd_lrs(type("MySGD", (torch.optim.SGD,), {})(p, lr=0.3)) is None
+    hooked = torch.optim.SGD(p, lr=0.3)
+    hooked.register_step_post_hook(lambda *a: None)
+    assert _plain_sgd_lrs(hooked) is None
+    # same result as SGD's own step, bit for bit, with two groups and a parameter without a gradient
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(t.detach().clone()) for t in p]
+    b = [torch.nn.Parameter(t.detach().clone()) for t in p]
+    for ps in (a, b):
+        ps[0].grad, ps[1].grad = torch.ones(3, 2) * 0.7, torch.arange(2.0)
+    ref = torch.optim.SGD([{"params": a[:2], "lr": 0.1}, {"params": a[2:], "lr": 0.5}])
+    fast = torch.optim.SGD([{"params": b[:2], "lr": 0.1}, {"params": b[2:], "lr": 0.5}])
+    ref.step()
+    _plain_sgd_step(fast, _plain_sgd_lrs(fast))
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
