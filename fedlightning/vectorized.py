@@ -67,7 +67,9 @@ Decisions (ours; the task leaves them open):
   ``derive_seed(seed, "model-vectorized", round, *client_ids)`` and uses ``vmap(randomness="different")``: dropout
   masks are independent across clients and samples and reproducible, but not bit-for-bit those of sequential
   mode. Armijo trials restore the generator state of the gradient evaluation, so they see its dropout masks (as the
-  sequential optimizers do). Equality with sequential mode holds for deterministic models.
+  sequential optimizers do). Equality with sequential mode holds for deterministic models and data: per-sample
+  augmentation that draws from torch's global generator (CIFAR's random crops and flips) is reproducible in either
+  mode but gives different crops in the two, since they consume the generator differently.
 * **Recurrent layers.** ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` have no vmap batching rule; inside the batched call
   they run through :func:`_rnn_forward` (the same equations in plain tensor ops). On CPU this is slower than the
   fused kernels sequential mode uses (see docs/benchmarks_vectorized.md).
