@@ -57,6 +57,11 @@ def _cycle(loader: Iterable, steps: int) -> Iterator[Any]:
     if iter_steps is not None:
         yield from iter_steps(steps)
         return
+    yield from reiterate(loader, steps)
+
+
+def reiterate(loader: Iterable, steps: int) -> Iterator[Any]:
+    """Exactly ``steps`` batches of ``loader``, calling ``iter(loader)`` again whenever it runs out."""
     it = iter(loader)
     for _ in range(steps):
         try:

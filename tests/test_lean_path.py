@@ -230,3 +230,12 @@ def test_plain_sgd_fast_step_only_for_exact_sgd():
     _plain_sgd_step(fast, _plain_sgd_lrs(fast))
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_iter_steps_with_a_batch_sampler_without_epochs():
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    x, y = torch.arange(10.0).unsqueeze(1), torch.arange(10)
+    loader = ArrayBatchLoader(ArrayDataset(x, y), BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False))
+    got = [b[1].tolist() for b in loader.iter_steps(5)]
+    assert got == [[0, 1], [2, 3], [4], [0, 1], [2, 3]]

@@ -98,13 +98,9 @@ class ArrayBatchLoader:
         epoch and no nested generators (the per-step cost matters for small models)."""
         epoch = getattr(self.batch_sampler, "epoch", None)
         if epoch is None:
-            it = iter(self)
-            for _ in range(steps):
-                try:
-                    yield next(it)
-                except StopIteration:
-                    it = iter(self)
-                    yield next(it)
+            from fedlightning.client import reiterate
+
+            yield from reiterate(self, steps)
             return
         take = _row_taker(self.dataset)
         done = 0
@@ -121,7 +117,12 @@ def _row_taker(dataset: "ArrayDataset"):
     """``idx -> (x[idx], y[idx])`` with ``index_select`` (same rows as advanced indexing, less dispatch work)."""
     x, y = dataset.x, dataset.y
     if isinstance(x, Tensor) and isinstance(y, Tensor):
-        return lambda idx: (x.index_select(0, idx), y.index_select(0, idx))
+        def take(idx):
+            if not isinstance(idx, Tensor):  # index lists from a generic batch sampler
+                idx = torch.as_tensor(idx, dtype=torch.long)
+            return x.index_select(0, idx), y.index_select(0, idx)
+
+        return take
     return lambda idx: (x[idx], y[idx])
 
 
