@@ -173,14 +173,14 @@ class LocalTrainer:
         step_sizes: List[float] = []
         backtracks = forwards = backwards = 0
         devices = [self.params[0].device] if self.params and self.params[0].device.type == "cuda" else []
-        # Lean path for plain torch optimizers without extra objective terms: the loss is the model's own
-        # training_step (no closure object per step), gradients are cleared by dropping them (what
+        # Per-step path kept lean for small models: without extra objective terms the loss is the model's own
+        # training_step (no closure object per step); gradients are cleared by dropping them (what
         # ``zero_grad(set_to_none=True)`` does, without its per-call profiling wrapper) unless the optimizer
-        # overrides ``zero_grad``. Same arithmetic as the general path (tests/test_loop_exact.py).
-        lean = not adaptive and not terms
+        # overrides ``zero_grad``; a plain SGD step is one ``_foreach_add_`` per group (``_plain_sgd_lrs``).
+        # Same arithmetic as the closure and ``optimizer.step()`` (tests/test_lean_path.py).
         plain_zero = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad
         opt_params = [p for g in optimizer.param_groups for p in g["params"]] if plain_zero else []
-        sgd_lrs = _plain_sgd_lrs(optimizer) if lean else None
+        sgd_lrs = None if adaptive else _plain_sgd_lrs(optimizer)
         model, model_name, to_device = self.model, self.model_name, self.to_device
         on_cpu = not devices
         with torch.random.fork_rng(devices=devices):
@@ -197,19 +197,7 @@ class LocalTrainer:
                         p.grad = None
                 else:
                     optimizer.zero_grad(set_to_none=True)
-                if lean:
-                    loss = extract_loss(model.training_step(batch, k), model_name)
-                    loss.backward()
-                    if self.grad_clip is not None:
-                        torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-                    if sgd_lrs is not None:
-                        _plain_sgd_step(optimizer, sgd_lrs)
-                    else:
-                        optimizer.step()
-                    step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
-                    forwards += 1
-                    backwards += 1
-                elif adaptive:
+                if adaptive:
                     loss = optimizer.step(self._objective(batch, k, terms))
                     info = getattr(optimizer, "last_step", None) or {}
                     step_sizes.append(float(info.get("step_size", float("nan"))))
@@ -217,11 +205,17 @@ class LocalTrainer:
                     forwards += int(info.get("forwards", 1))
                     backwards += int(info.get("backwards", 1))
                 else:
-                    loss = self._objective(batch, k, terms)()
+                    if terms:
+                        loss = self._objective(batch, k, terms)()
+                    else:
+                        loss = extract_loss(model.training_step(batch, k), model_name)
                     loss.backward()
                     if self.grad_clip is not None:
                         torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-                    optimizer.step()
+                    if sgd_lrs is not None:
+                        _plain_sgd_step(optimizer, sgd_lrs)
+                    else:
+                        optimizer.step()
                     step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
                     forwards += 1
                     backwards += 1

@@ -60,19 +60,18 @@ class ClientBatchSampler(Sampler[List[int]]):
         return math.ceil(len(self.indices) / self.batch_size)
 
     def __iter__(self) -> Iterator[Tensor]:
+        yield from self._split()
+
+    def epoch(self) -> Tuple[Tensor, ...]:
+        """The index batches of one epoch at once (the same draw as one ``iter()``; none for an empty client)."""
+        return self._split() if len(self.indices) else ()
+
+    def _split(self) -> Tuple[Tensor, ...]:
         if self.shuffle:
             order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
         else:
             order = self.indices
-        yield from torch.split(order, self.batch_size)
-
-    def epoch(self) -> Tuple[Tensor, ...]:
-        """The index batches of one epoch at once (the same draw as one ``iter()``; none for an empty client)."""
-        if len(self.indices) == 0:
-            return ()
-        if self.shuffle:
-            return torch.split(self.indices[torch.randperm(len(self.indices), generator=self.generator)], self.batch_size)
-        return torch.split(self.indices, self.batch_size)
+        return torch.split(order, self.batch_size)
 
 
 class ArrayBatchLoader:
