@@ -62,6 +62,32 @@ class Classifier(pl.LightningModule):
         self.log("train/batch_loss", loss)
         return loss
 
+    def training_step_per_sample(self, batch: Any, batch_idx: int) -> Tensor:
+        """Per-sample losses ``[n]``: entry ``j`` is what :meth:`training_step` returns on sample ``j`` alone.
+
+        The optional per-sample protocol of :mod:`fedlightning.vectorized`: on steps where the round's clients have
+        batches of different sizes, the vectorised engine needs every client's mean loss over its real samples; with
+        this method it gets them from one batched call instead of one ``training_step`` per sample (an inner
+        ``vmap``). For sequence outputs the loss of a sample is the mean over its tokens (tokens equal to
+        ``ignore_index`` excluded), as ``training_step`` computes it on that sample alone. Logs ``train/batch_loss``
+        per sample (the engine reports each client's mean over its real samples).
+        """
+        x, y = batch[0], batch[1]
+        logits = self(x)
+        n = logits.shape[0]
+        kw = {} if self.ignore_index is None else {"ignore_index": self.ignore_index}
+        if logits.dim() <= 2:
+            losses = F.cross_entropy(logits, y, reduction="none", **kw)
+        else:  # (N, T, C): per-token losses, averaged per sample
+            tokens = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none", **kw)
+            tokens = tokens.reshape(n, -1)
+            if self.ignore_index is None:
+                losses = tokens.mean(1)
+            else:
+                losses = tokens.sum(1) / (y.reshape(n, -1) != self.ignore_index).sum(1)
+        self.log("train/batch_loss", losses)
+        return losses
+
     def _eval(self, batch: Any, stage: str, metric: torchmetrics.Metric) -> Tensor:
         logits, y = self._logits_targets(batch)
         loss = self.loss(logits, y)

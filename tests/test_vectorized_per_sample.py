@@ -1,0 +1,180 @@
+"""The per-sample protocol of the vectorised engine (``training_step_per_sample``).
+
+On steps where the round's clients have batches of different sizes, the engine needs each client's mean loss over
+its real samples. Without the protocol every sample is one ``training_step`` call on a batch of one (an inner
+vmap); with it, one batched call returns the per-sample losses. Checked here:
+
+* both paths train the same model as sequential mode (and each other) for SGD, SgdArmijo and SPS, and the engine
+  really took the path it was meant to;
+* ``Classifier.training_step_per_sample`` against ``training_step`` on each sample alone and against a hand-written
+  log-softmax, including sequence outputs with ``ignore_index``;
+* which models may use the protocol (a subclass that overrides ``training_step`` only must not);
+* a protocol that disagrees with ``training_step`` or returns the wrong shape is refused with the values named.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fedlightning.models import MLP, Classifier
+from fedlightning.optim import SPS, SgdArmijo
+from fedlightning.vectorized import _per_sample_protocol
+from test_vectorized import assert_same_run, fit, mlp
+
+
+class GenericMLP(MLP):
+    """The same network with ``training_step`` overridden (same loss): the protocol inherited from Classifier no
+    longer applies, so the engine takes the generic per-sample path."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx)
+
+
+def generic_mlp():
+    model = GenericMLP(input_dim=64, hidden=[16], num_classes=10)
+    model.load_state_dict(mlp().state_dict())
+    return model
+
+
+def engine_of(run):
+    return run[1].__dict__["_vectorized_engine"]
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.3),
+    "armijo": lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7),
+    "sps": lambda p: SPS(p, c=0.5, gamma_max=2.0),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_protocol_and_generic_paths_equal_sequential(name):
+    optimizer = OPTIMIZERS[name]
+    seq = fit(mlp(), optimizer, "sequential")
+    fast = fit(mlp(), optimizer, "vectorized")
+    generic = fit(generic_mlp(), optimizer, "vectorized")
+    assert "per-sample protocol" in engine_of(fast).probed and "per-sample" not in engine_of(fast).probed
+    assert "per-sample" in engine_of(generic).probed and "per-sample protocol" not in engine_of(generic).probed
+    assert_same_run(seq, fast)
+    assert_same_run(seq, generic)
+    torch.testing.assert_close(fast[0], generic[0], atol=1e-6, rtol=0)
+
+
+def test_logged_client_metrics_match_on_both_paths():
+    opt = OPTIMIZERS["sgd"]
+    seq = fit(mlp(), opt, "sequential", rounds=2)[3].callback_metrics["client/train/batch_loss"]
+    for model in (mlp(), generic_mlp()):
+        vec = fit(model, opt, "vectorized", rounds=2)[3].callback_metrics["client/train/batch_loss"]
+        assert float(vec) == pytest.approx(float(seq), rel=1e-5)
+
+
+class TokenTagger(Classifier):
+    """A sequence classifier: a label per token, ``logits`` of shape (N, T, C)."""
+
+    def __init__(self, ignore_index=None):
+        super().__init__(num_classes=5, ignore_index=ignore_index)
+        self.net = nn.Sequential(nn.Embedding(7, 6), nn.Tanh(), nn.Linear(6, 5))
+
+
+def reference_losses(logits, y, ignore_index):
+    """Per-sample mean over non-ignored tokens of −log softmax(logits)[y], written out by hand in float64."""
+    logp = logits.double() - logits.double().exp().sum(-1, keepdim=True).log()
+    valid = torch.ones_like(y, dtype=torch.bool) if ignore_index is None else y != ignore_index
+    picked = torch.where(valid, y, 0)
+    nll = -logp.gather(-1, picked.unsqueeze(-1)).squeeze(-1) * valid
+    return nll.sum(1) / valid.sum(1)
+
+
+@pytest.mark.parametrize("ignore_index", [None, 4])
+def test_classifier_per_sample_losses_sequences(ignore_index):
+    torch.manual_seed(0)
+    model = TokenTagger(ignore_index)
+    x = torch.randint(0, 7, (5, 8))
+    y = torch.randint(0, 5, (5, 8))
+    if ignore_index is not None:
+        y[1, :5] = ignore_index  # a sample with some tokens ignored
+        y[3] = ignore_index  # every token ignored: 0/0, as training_step on that sample alone
+    model.log = lambda *a, **k: None  # outside a Trainer
+    with torch.no_grad():
+        per = model.training_step_per_sample((x, y), 0)
+        alone = torch.stack([model.training_step((x[j:j + 1], y[j:j + 1]), 0) for j in range(5)])
+        ref = reference_losses(model(x), y, ignore_index)
+    assert per.shape == (5,)
+    torch.testing.assert_close(per, alone, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(per.double(), ref, atol=1e-6, rtol=1e-6, equal_nan=True)
+    if ignore_index is not None:
+        assert torch.isnan(per[3]) and torch.isfinite(per[[0, 1, 2, 4]]).all()
+
+
+def test_classifier_per_sample_losses_flat_outputs():
+    torch.manual_seed(1)
+    model = MLP(input_dim=64, hidden=[16], num_classes=10)
+    model.log = lambda *a, **k: None
+    x, y = torch.randn(6, 64), torch.randint(0, 10, (6,))
+    with torch.no_grad():
+        per = model.training_step_per_sample((x, y), 0)
+        ref = reference_losses(model(x).unsqueeze(1), y.unsqueeze(1), None)
+        batch = model.training_step((x, y), 0)
+    torch.testing.assert_close(per.double(), ref, atol=1e-6, rtol=1e-6)
+    assert float(per.mean()) == pytest.approx(float(batch), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- who may use it
+class BothOverridden(MLP):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx)
+
+    def training_step_per_sample(self, batch, batch_idx):
+        return super().training_step_per_sample(batch, batch_idx)
+
+
+class PlainModule(nn.Module):
+    def training_step(self, batch, batch_idx):
+        return batch.sum()
+
+
+def test_which_models_use_the_protocol():
+    assert _per_sample_protocol(mlp()) is not None  # Classifier defines both
+    assert _per_sample_protocol(BothOverridden()) is not None
+    assert _per_sample_protocol(generic_mlp()) is None  # training_step overridden below the protocol
+    assert _per_sample_protocol(PlainModule()) is None  # no protocol
+
+
+# ---------------------------------------------------------------------------------------------- bad protocols
+class Doubled(MLP):
+    """A protocol that disagrees with training_step (twice the loss)."""
+
+    def training_step_per_sample(self, batch, batch_idx):
+        return 2 * super().training_step_per_sample(batch, batch_idx)
+
+
+class Averaged(MLP):
+    """A protocol that returns the batch mean instead of one loss per sample."""
+
+    def training_step_per_sample(self, batch, batch_idx):
+        return super().training_step_per_sample(batch, batch_idx).mean()
+
+
+@pytest.mark.parametrize("cls,match", [(Doubled, r"disagrees with training_step: per-sample losses \[[0-9.]+"),
+                                       (Averaged, r"one loss per sample \(a tensor of shape \(\d+,\)")])
+def test_bad_protocols_are_refused_with_the_values(cls, match):
+    model = cls(input_dim=64, hidden=[16], num_classes=10)
+    model.load_state_dict(mlp().state_dict())
+    with pytest.raises(ValueError, match=match):
+        fit(model, OPTIMIZERS["sgd"], "vectorized", rounds=1)
+    with pytest.raises(ValueError, match=match):  # not a reason to fall back: the model is wrong, not unsupported
+        fit(model, OPTIMIZERS["sgd"], "auto", rounds=1)
+
+
+def test_models_with_random_layers_skip_the_check_and_are_reproducible():
+    """Dropout draws differ between one batched call and single-sample calls, so the check is skipped (it would
+    refuse a correct protocol); runs stay reproducible from the seed."""
+    torch.manual_seed(0)
+    model = MLP(input_dim=64, hidden=[32], dropout=0.5)
+    opt = OPTIMIZERS["armijo"]
+    a = fit(copy.deepcopy(model), opt, "vectorized", rounds=2)
+    b = fit(copy.deepcopy(model), opt, "vectorized", rounds=2)
+    assert "per-sample protocol" in engine_of(a).probed
+    torch.testing.assert_close(a[0], b[0], atol=0, rtol=0)
