@@ -19,8 +19,10 @@ For every workload both modes train the same model from the same initial weights
 runs alternate (sequential, vectorized, sequential, ...) ``--repeats`` times, the first two rounds of each run are
 warm-up, and the time of a round is the wall time of the loop's ``training_step`` (clients + aggregation + server
 step, as a Trainer runs it). Reported: the median round time over all repeats and, because other processes on a
-shared machine only ever add time, the minimum; the ratio sequential / vectorized of each; and the largest
-difference between the two modes' global weights after the run (the modes compute the same thing).
+shared machine only ever add time, the minimum; the ratio sequential / vectorized of each; the *paired per-round
+minimum* ratio (every run of a mode trains the same clients in round r, so each round's fastest time over the
+repeats is taken and the sums are compared: the estimate least disturbed by other jobs, as in ``overhead.py``);
+and the largest difference between the two modes' global weights after the run (the modes compute the same thing).
 """
 
 from __future__ import annotations
@@ -153,8 +155,9 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds x {args.repeats} repeats per mode; "
           f"{CLIENTS_PER_ROUND} clients/round, K={LOCAL_STEPS}, batch {BATCH}")
-    print(f"{'workload':26s} {'sequential ms/round':>22s} {'vectorized ms/round':>22s} {'ratio':>13s} {'max |dw|':>9s}")
-    print(f"{'':26s} {'median (min)':>22s} {'median (min)':>22s} {'median (min)':>13s}")
+    print(f"{'workload':26s} {'sequential ms/round':>22s} {'vectorized ms/round':>22s} {'ratio':>13s} "
+          f"{'paired':>7s} {'max |dw|':>9s}")
+    print(f"{'':26s} {'median (min)':>22s} {'median (min)':>22s} {'median (min)':>13s} {'min':>7s}")
     for name in names:
         model_fn, optimizer, dm_fn = WORKLOADS[name]
         try:
@@ -165,18 +168,21 @@ def main():
             continue
         torch.manual_seed(0)
         init_state = model_fn().state_dict()
-        times = {"sequential": [], "vectorized": []}
+        per_run = {"sequential": [], "vectorized": []}
         weights = {}
         for _ in range(args.repeats):
             for mode in ("sequential", "vectorized"):
                 t, w = run(model_fn, optimizer, datamodule, mode, args.rounds, init_state)
-                times[mode] += t
+                per_run[mode].append(t)
                 weights[mode] = w
-        seq, vec = times["sequential"], times["vectorized"]
+        seq, vec = [x for t in per_run["sequential"] for x in t], [x for t in per_run["vectorized"] for x in t]
         med_s, med_v, min_s, min_v = statistics.median(seq), statistics.median(vec), min(seq), min(vec)
+        paired = {m: sum(min(run_times[i] for run_times in runs) for i in range(len(runs[0])))
+                  for m, runs in per_run.items()}
         diff = float((weights["sequential"] - weights["vectorized"]).abs().max())
         print(f"{name:26s} {med_s * 1e3:12.1f} ({min_s * 1e3:7.1f}) {med_v * 1e3:12.1f} ({min_v * 1e3:7.1f}) "
-              f"{med_s / med_v:5.2f}x ({min_s / min_v:4.2f}x) {diff:9.1e}", flush=True)
+              f"{med_s / med_v:5.2f}x ({min_s / min_v:4.2f}x) {paired['sequential'] / paired['vectorized']:6.2f}x "
+              f"{diff:9.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -178,3 +178,15 @@ def test_models_with_random_layers_skip_the_check_and_are_reproducible():
     b = fit(copy.deepcopy(model), opt, "vectorized", rounds=2)
     assert "per-sample protocol" in engine_of(a).probed
     torch.testing.assert_close(a[0], b[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("ignore_index", [None, 3])
+def test_token_losses_equal_cross_entropy_bit_for_bit(ignore_index):
+    torch.manual_seed(2)
+    model = TokenTagger(ignore_index)
+    logits, y = torch.randn(40, 5) * 3, torch.randint(0, 5, (40,))
+    kw = {} if ignore_index is None else {"ignore_index": ignore_index}
+    expected = torch.nn.functional.cross_entropy(logits, y, reduction="none", **kw)
+    assert torch.equal(model._token_losses(logits, y), expected)
+    if ignore_index is not None:
+        assert (expected[y == ignore_index] == 0).all() and (y == ignore_index).any()
