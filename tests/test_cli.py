@@ -89,3 +89,29 @@ def test_tqdm_round_progress_bar_without_rich(tmp_path):
     assert bar.train_progress_bar.desc.startswith("Round")
     assert bar.train_progress_bar.total == 4 and bar.train_progress_bar.n == 4
     assert "v_num" not in bar.get_metrics(trainer, loop)
+
+
+def test_vectorized_quickstart_equals_the_sequential_one(tmp_path):
+    """configs/quickstart_vectorized.yaml differs from the quickstart only in client_execution, and trains the
+    same global model (float rounding apart)."""
+    import torch
+
+    def run(name):
+        cli = main([
+            "fit",
+            "--config", os.path.join(ROOT, "configs", name),
+            "--trainer.max_steps", "3",
+            "--trainer.logger", "false",
+            "--trainer.enable_checkpointing", "false",
+            "--trainer.limit_val_batches", "0",
+            "--trainer.default_root_dir", str(tmp_path / name),
+            "--trainer.enable_progress_bar", "false",
+        ])
+        assert cli.trainer.global_step == 3
+        return cli.model, torch.cat([p.detach().reshape(-1) for p in cli.model.model.parameters()])
+
+    seq_loop, seq = run("quickstart.yaml")
+    vec_loop, vec = run("quickstart_vectorized.yaml")
+    assert (seq_loop.client_execution, vec_loop.client_execution) == ("sequential", "vectorized")
+    assert "_vectorized_engine" in vec_loop.__dict__  # the batched engine really ran
+    torch.testing.assert_close(vec, seq, atol=1e-5, rtol=0)
