@@ -289,17 +289,6 @@ def _vmappable_rnns(model: nn.Module) -> List[nn.RNNBase]:
     return found
 
 
-class _TrainingStepCall(nn.Module):
-    """``forward(batch, k)`` = ``model.training_step(batch, k)``, so that ``functional_call`` can run it."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: Any, step: int) -> Tensor:
-        return extract_loss(self.model.training_step(batch, step), type(self.model).__name__)
-
-
 class _LogCollector:
     """Stands in for ``model.log`` / ``model.log_dict`` while the model runs under ``vmap``.
 
@@ -1187,7 +1176,6 @@ class VectorizedClientTrainer:
         self.shapes = [tuple(p.shape) for _, p in named]
         self.numels = [p.numel() for _, p in named]
         self.num_params = sum(self.numels)
-        self.call = _TrainingStepCall(model)
         self.collector = _LogCollector()
         self.per_sample_step = _per_sample_protocol(model)
         self.rnns = _vmappable_rnns(model)
