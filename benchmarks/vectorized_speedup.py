@@ -122,15 +122,27 @@ class RoundTimer(pl.Callback):
 
 
 def run(model_fn, optimizer, datamodule, mode, rounds, init_state):
+    """One run; ``mode`` "vectorized-generic" is vectorized with the model's per-sample protocol ignored (padded
+    steps then call ``training_step`` once per sample, the path of models without ``training_step_per_sample``)."""
+    import fedlightning.vectorized as vectorized
+
     model = model_fn()
     model.load_state_dict(init_state)
+    generic = mode == "vectorized-generic"
     loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=LOCAL_STEPS,
-                         clients_per_round=CLIENTS_PER_ROUND, seed=0, client_execution=mode)
+                         clients_per_round=CLIENTS_PER_ROUND, seed=0,
+                         client_execution="vectorized" if generic else mode)
     timer = RoundTimer()
     trainer = pl.Trainer(max_steps=rounds, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          callbacks=[FedAvg(), timer])
-    trainer.fit(loop, datamodule=datamodule)
+    protocol = vectorized._per_sample_protocol
+    if generic:
+        vectorized._per_sample_protocol = lambda m: None
+    try:
+        trainer.fit(loop, datamodule=datamodule)
+    finally:
+        vectorized._per_sample_protocol = protocol
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return timer.times[2:], weights
 
@@ -141,6 +153,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per mode")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS))
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--compare-generic", action="store_true",
+                    help="also run vectorized with the per-sample protocol ignored (alternating with the others) and "
+                         "print its time and the protocol's gain")
     args = ap.parse_args()
     if args.rounds < 3 or args.repeats < 1:
         raise ValueError(f"need --rounds >= 3 and --repeats >= 1, got {args.rounds} and {args.repeats}")
@@ -168,14 +183,16 @@ def main():
             continue
         torch.manual_seed(0)
         init_state = model_fn().state_dict()
-        per_run = {"sequential": [], "vectorized": []}
+        modes = ("sequential", "vectorized") + (("vectorized-generic",) if args.compare_generic else ())
+        per_run = {m: [] for m in modes}
         weights = {}
         for _ in range(args.repeats):
-            for mode in ("sequential", "vectorized"):
+            for mode in modes:
                 t, w = run(model_fn, optimizer, datamodule, mode, args.rounds, init_state)
                 per_run[mode].append(t)
                 weights[mode] = w
-        seq, vec = [x for t in per_run["sequential"] for x in t], [x for t in per_run["vectorized"] for x in t]
+        flat = {m: [x for t in runs for x in t] for m, runs in per_run.items()}
+        seq, vec = flat["sequential"], flat["vectorized"]
         med_s, med_v, min_s, min_v = statistics.median(seq), statistics.median(vec), min(seq), min(vec)
         paired = {m: sum(min(run_times[i] for run_times in runs) for i in range(len(runs[0])))
                   for m, runs in per_run.items()}
@@ -183,6 +200,14 @@ def main():
         print(f"{name:26s} {med_s * 1e3:12.1f} ({min_s * 1e3:7.1f}) {med_v * 1e3:12.1f} ({min_v * 1e3:7.1f}) "
               f"{med_s / med_v:5.2f}x ({min_s / min_v:4.2f}x) {paired['sequential'] / paired['vectorized']:6.2f}x "
               f"{diff:9.1e}", flush=True)
+        if args.compare_generic:
+            gen = flat["vectorized-generic"]
+            med_g, min_g = statistics.median(gen), min(gen)
+            diff_g = float((weights["vectorized-generic"] - weights["vectorized"]).abs().max())
+            print(f"{'  without per-sample protocol':26s} {'':22s} {med_g * 1e3:12.1f} ({min_g * 1e3:7.1f}) "
+                  f"{med_s / med_g:5.2f}x ({min_s / min_g:4.2f}x) {paired['sequential'] / paired['vectorized-generic']:6.2f}x "
+                  f"{diff_g:9.1e}  (protocol: {med_g / med_v:.2f}x faster, paired {paired['vectorized-generic'] / paired['vectorized']:.2f}x)",
+                  flush=True)
 
 
 if __name__ == "__main__":
