@@ -190,3 +190,48 @@ def test_token_losses_equal_cross_entropy_bit_for_bit(ignore_index):
     assert torch.equal(model._token_losses(logits, y), expected)
     if ignore_index is not None:
         assert (expected[y == ignore_index] == 0).all() and (y == ignore_index).any()
+
+
+# ---------------------------------------------------------------------------------------------- mixed precision
+def test_token_losses_follow_cross_entropy_under_autocast():
+    """CPU autocast runs cross_entropy in float32 but leaves log_softmax in bfloat16: the per-sample losses upcast
+    first, so they are cross_entropy's float32 numbers, not bfloat16 ones."""
+    torch.manual_seed(3)
+    model = TokenTagger()
+    x, w = torch.randn(16, 6), torch.randn(5, 6)
+    y = torch.randint(0, 5, (16,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = torch.nn.functional.linear(x, w)
+        assert logits.dtype == torch.bfloat16
+        expected = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+        got = model._token_losses(logits, y)
+    assert expected.dtype == got.dtype == torch.float32
+    assert torch.equal(got, expected)
+
+
+def fit_bf16(model, mode):
+    from fedlightning import FederatedLoop
+    from fedlightning.callbacks import FedAvg
+    from conftest import make_trainer
+    from test_vectorized import digits
+
+    model = copy.deepcopy(model)
+    loop = FederatedLoop(model, client_optimizer=OPTIMIZERS["sgd"], local_steps=5, clients_per_round=6, seed=3,
+                         client_execution=mode)
+    make_trainer(2, callbacks=[FedAvg()], precision="bf16-mixed").fit(loop, datamodule=digits())
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), loop
+
+
+def test_bf16_mixed_uses_the_protocol_and_stays_close_to_sequential():
+    """The once-per-engine check runs without autocast, so bf16 rounding (the same product on batches of different
+    shapes) does not reject a correct protocol; a wrong one is still refused."""
+    seq, _ = fit_bf16(mlp(), "sequential")
+    vec, loop = fit_bf16(mlp(), "vectorized")
+    assert "per-sample protocol" in loop.__dict__["_vectorized_engine"].probed
+    start = torch.cat([p.detach().reshape(-1) for p in mlp().parameters()])
+    assert (seq - start).abs().max() > 1e-2  # trained
+    torch.testing.assert_close(vec, seq, atol=5e-3, rtol=0)  # bf16 matmuls: rounding, not another objective
+    doubled = Doubled(input_dim=64, hidden=[16], num_classes=10)
+    doubled.load_state_dict(mlp().state_dict())
+    with pytest.raises(ValueError, match="disagrees with training_step"):
+        fit_bf16(doubled, "vectorized")

@@ -18,6 +18,14 @@ from torch import Tensor, nn
 __all__ = ["Classifier"]
 
 
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is active for ``device_type`` (``torch.is_autocast_enabled(device_type)``, torch >= 2.4)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
 class Classifier(pl.LightningModule):
     """A classification LightningModule around ``self.net`` (set by subclasses).
 
@@ -89,7 +97,12 @@ class Classifier(pl.LightningModule):
     def _token_losses(self, logits: Tensor, y: Tensor) -> Tensor:
         """``F.cross_entropy(logits, y, reduction="none")`` (ignored targets give 0), written as ``−log_softmax``
         gathered at the targets: the same numbers bit for bit, and every op has a ``vmap`` batching rule
-        (``nll_loss`` has none and runs as a Python decomposition under ``vmap``, about 0.2 ms per call)."""
+        (``nll_loss`` has none and runs as a Python decomposition under ``vmap``, about 0.2 ms per call). Under
+        autocast (``precision="bf16-mixed"`` / ``"16-mixed"``) ``cross_entropy`` runs in float32 while
+        ``log_softmax`` on the CPU stays in the low dtype, so half-precision logits are upcast first, as
+        ``cross_entropy``'s cast policy does."""
+        if logits.dtype in (torch.float16, torch.bfloat16) and _autocast_enabled(logits.device.type):
+            logits = logits.float()
         if self.ignore_index is None:
             return -F.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
         valid = y != self.ignore_index
