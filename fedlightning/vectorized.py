@@ -1306,7 +1306,7 @@ class VectorizedClientTrainer:
             return out
 
     def _row_values_vmapped(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int):
-        model, slots, collector = self.model, self.param_slots, self.collector
+        model, collector = self.model, self.collector
         model_name = type(model).__name__
         leaves, spec = tree_flatten(batch)
         nv = len(views)
@@ -1314,14 +1314,8 @@ class VectorizedClientTrainer:
         def one_call(vs: Sequence[Tensor], b: Any):
             """``training_step(b, step)`` with the parameter slots holding ``vs`` (as ``functional_call``)."""
             collector.reset()
-            saved = [d[attr] for d, attr, _ in slots]
-            try:
-                for d, attr, i in slots:
-                    d[attr] = vs[i]
+            with self._weights_in_slots(vs):
                 loss = extract_loss(model.training_step(b, step), model_name)
-            finally:
-                for (d, attr, _), t in zip(slots, saved):
-                    d[attr] = t
             return (loss, *collector.values)
 
         # flat positional arguments and outputs: vmap's argument handling is a pytree walk per call
@@ -1364,18 +1358,26 @@ class VectorizedClientTrainer:
             return out[0], list(zip(list(collector.names), out[1:]))
         return out[0], list(zip(list(collector.names), [_logged_value(v, 1) for v in out[1:]]))
 
-    def _per_sample_losses(self, vs: Sequence[Tensor], batch: Any, step: int, n: int) -> Tensor:
-        """``model.training_step_per_sample(batch, step)`` with the parameter slots holding ``vs``; checked to be a
-        tensor of ``n`` losses."""
+    @contextmanager
+    def _weights_in_slots(self, vs: Sequence[Tensor]):
+        """The modules' parameter slots hold ``vs`` (one tensor per trainable parameter, a client's or a row's
+        weights) inside the block, their Parameters again afterwards: what ``functional_call`` does, without its
+        per-call name resolution."""
         slots = self.param_slots
         saved = [d[attr] for d, attr, _ in slots]
         try:
             for d, attr, i in slots:
                 d[attr] = vs[i]
-            losses = self.per_sample_step(batch, step)
+            yield
         finally:
             for (d, attr, _), t in zip(slots, saved):
                 d[attr] = t
+
+    def _per_sample_losses(self, vs: Sequence[Tensor], batch: Any, step: int, n: int) -> Tensor:
+        """``model.training_step_per_sample(batch, step)`` with the parameter slots holding ``vs``; checked to be a
+        tensor of ``n`` losses."""
+        with self._weights_in_slots(vs):
+            losses = self.per_sample_step(batch, step)
         if not isinstance(losses, Tensor) or tuple(losses.shape) != (n,):
             got = f"shape {tuple(losses.shape)}" if isinstance(losses, Tensor) else type(losses).__name__
             raise ValueError(
@@ -1404,19 +1406,12 @@ class VectorizedClientTrainer:
             full_precision = contextlib.nullcontext()
         with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision:
             per = self._per_sample_losses(row, tree_unflatten([x[0, :k] for x in leaves], spec), step, k)
-            slots = self.param_slots
-            saved = [d[attr] for d, attr, _ in slots]
-            try:
-                for d, attr, i in slots:
-                    d[attr] = row[i]
+            with self._weights_in_slots(row):
                 alone = torch.stack([
                     extract_loss(self.model.training_step(tree_unflatten([x[0, j:j + 1] for x in leaves], spec), step),
                                  model_name).reshape(())
                     for j in range(k)
                 ])
-            finally:
-                for (d, attr, _), t in zip(slots, saved):
-                    d[attr] = t
         self.collector.reset()
         low = self.dtype in (torch.float16, torch.bfloat16)  # half-precision parameters ("16-true", "bf16-true")
         if not torch.allclose(per.double(), alone.double(), rtol=2e-2 if low else 1e-4, atol=2e-2 if low else 1e-6,
