@@ -18,10 +18,10 @@ from fedlightning.models import MLP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _setup(strategy_fn=None, opt=None):
+def _setup(strategy_fn=None, opt=None, client_execution="sequential"):
     pl.seed_everything(0, verbose=False)
     loop = FederatedLoop(MLP(input_dim=64, hidden=[16], dropout=0.3), client_optimizer=opt, local_steps=3,
-                         clients_per_round=4, seed=2)
+                         clients_per_round=4, seed=2, client_execution=client_execution)
     dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
     return loop, dm, ([strategy_fn()] if strategy_fn else [])
 
@@ -30,14 +30,14 @@ def _weights(loop):
     return torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach().clone()
 
 
-def run_resume_equivalence(tmp_path, strategy_fn=None, opt=None, total=6, cut=3):
+def run_resume_equivalence(tmp_path, strategy_fn=None, opt=None, total=6, cut=3, client_execution="sequential"):
     """Uninterrupted `total` rounds vs `cut` rounds (periodic checkpoints) + resume from the round-`cut` checkpoint."""
-    loop, dm, cbs = _setup(strategy_fn, opt)
+    loop, dm, cbs = _setup(strategy_fn, opt, client_execution)
     make_trainer(total, callbacks=cbs).fit(loop, datamodule=dm)
     full = _weights(loop)
 
     ckdir = tmp_path / "ck"
-    loop, dm, cbs = _setup(strategy_fn, opt)
+    loop, dm, cbs = _setup(strategy_fn, opt, client_execution)
     ck = ModelCheckpoint(dirpath=str(ckdir), every_n_train_steps=1, save_top_k=-1, filename="{step}")
     make_trainer(total, callbacks=cbs + [ck], enable_checkpointing=True, plugins=[AtomicCheckpointIO()],
                  default_root_dir=str(tmp_path)).fit(loop, datamodule=dm)
@@ -45,7 +45,7 @@ def run_resume_equivalence(tmp_path, strategy_fn=None, opt=None, total=6, cut=3)
     path = str(ckdir / f"step={cut}.ckpt")
     assert os.path.exists(path), os.listdir(ckdir)
 
-    loop, dm, cbs = _setup(strategy_fn, opt)  # fresh process state: new model init is overwritten by the checkpoint
+    loop, dm, cbs = _setup(strategy_fn, opt, client_execution)  # fresh process state: new model init is overwritten by the checkpoint
     trainer = make_trainer(total, callbacks=cbs, plugins=[AtomicCheckpointIO()])
     trainer.fit(loop, datamodule=dm, ckpt_path=path)
     assert trainer.global_step == total
@@ -55,6 +55,20 @@ def run_resume_equivalence(tmp_path, strategy_fn=None, opt=None, total=6, cut=3)
 def test_resume_fedavg_bit_identical(tmp_path):
     full, resumed, _ = run_resume_equivalence(tmp_path)
     assert torch.equal(full, resumed)
+
+
+@pytest.mark.parametrize("opt", [None, "armijo-carry"], ids=["sgd", "armijo-carry"])
+def test_resume_vectorized_bit_identical(tmp_path, opt):
+    """Vectorised clients: dropout streams derived per round, the layout probe (repeated by the resumed engine)
+    outside them, and SgdArmijo's carried per-client step in the checkpointed client state."""
+    from fedlightning.optim import SgdArmijo
+
+    make = (lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7, reset="last", carry_step_size=True)) if opt else None
+    full, resumed, loop = run_resume_equivalence(tmp_path, opt=make, client_execution="vectorized")
+    assert "_vectorized_engine" in loop.__dict__
+    assert torch.equal(full, resumed)
+    if opt:
+        assert len(loop.client_state.state_dict().get("optimizer", {})) > 0  # carried steps were checkpointed
 
 
 def _fedexpsls():
