@@ -594,7 +594,7 @@ class _Layout:
             n = torch.tensor(sizes, dtype=torch.long)
             self.mask = (torch.arange(n_max)[None, :] < n[:, None]).to(device)
             self.counts = n.to(device)
-        self._counts_as: Dict[torch.dtype, Tensor] = {}
+        self._counts_as: Dict[Any, Tensor] = {}  # by dtype; cell weights by ("weights", dtype)
         if cache is not None:
             cache[key] = (self.mask, self.counts, self._counts_as)
 
@@ -603,6 +603,15 @@ class _Layout:
         out = self._counts_as.get(dtype)
         if out is None:
             out = self._counts_as[dtype] = self.counts.to(dtype)
+        return out
+
+    def cell_weights(self, dtype: torch.dtype) -> Tensor:
+        """``mask / counts`` ([C, n_max]): each real cell's weight ``1/n_i`` in its client's mean, 0 on padded
+        cells (cached with the counts)."""
+        key = ("weights", dtype)
+        out = self._counts_as.get(key)
+        if out is None:
+            out = self._counts_as[key] = self.mask.to(dtype) / self.counts_as(dtype)[:, None]
         return out
 
     def rows(self, clients: Tensor, scratch: Callable[..., Tensor]) -> Tuple[Any, Optional[Tensor], Optional[Tensor]]:
@@ -654,11 +663,22 @@ class _StepEvaluator:
         # does not concatenate them into a [C, D] tensor unless the optimizer needs one
         leaves = [v.detach().requires_grad_(True) for v in engine._views(W)]
         with torch.enable_grad():
-            values, logged = engine._row_values(leaves, layout.batch, layout.mask, self.step)
-            losses = values if layout.counts is None else values / layout.counts_as(values.dtype)
+            if layout.mask is None:
+                losses, logged = engine._row_values(leaves, layout.batch, None, self.step)
+                objective = losses
+            else:
+                # padded rows: the loss of client i is Σ_j m_ij ℓ_ij / n_i (its real cells' mean); the backward pass
+                # starts from Σ_ij ℓ_ij · (m_ij / n_i), whose gradient w.r.t. ℓ is the same m_ij · fl(1/n_i) the
+                # masked sum, the division and the sum over clients give (bit for bit), with fewer autograd nodes;
+                # the reported losses are computed from the detached cells as before
+                cells, values, logged = engine._row_values(leaves, layout.batch, layout.mask, self.step, cells=True)
+                losses = values / layout.counts_as(values.dtype)
+                objective = (cells * layout.cell_weights(cells.dtype)).sum(1)
             if self.terms is not None:
-                losses = losses + engine._term_values(leaves, self.terms)
-            grads = torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
+                terms = engine._term_values(leaves, self.terms)
+                losses = losses + terms
+                objective = objective + terms
+            grads = torch.autograd.grad(objective.sum(), leaves, allow_unused=True)
         grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
         if self.log_sink is not None and logged:
             # per-client sums over real samples on padded steps: divided by the counts at the end of the round
@@ -1281,20 +1301,22 @@ class VectorizedClientTrainer:
             for rnn in self.rnns:
                 rnn.__dict__.pop("forward", None)
 
-    def _row_values(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int):
+    def _row_values(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int, cells: bool = False):
         """One value per row of a :class:`_Layout` batch at the row weights ``views`` ([R, ...] each), and the
         values the model logged (list of ``(name, [R] tensor)``): whole rows give ``training_step``'s loss of the
-        row; cell rows (``mask`` given) give the sum of the per-sample losses of the row's real cells."""
+        row; cell rows (``mask`` given) give the sum of the per-sample losses of the row's real cells, or, with
+        ``cells``, the ``[R, n_max]`` per-sample losses themselves (padded cells included; logged values are still
+        the masked sums)."""
         mode = "whole" if mask is None else "per-sample" if self.per_sample_step is None else "per-sample protocol"
         with self._vmap_context():
             if mode in self.probed:
-                return self._row_values_vmapped(views, batch, mask, step)
+                return self._row_values_vmapped(views, batch, mask, step, cells)
             if mode == "per-sample protocol":
                 self._check_per_sample_protocol(views, batch, mask, step)
             tracker = _ModuleTracker(self.model)  # first call of each mode: name the layer if vmap fails
             try:
                 with tracker:
-                    out = self._row_values_vmapped(views, batch, mask, step)
+                    out = self._row_values_vmapped(views, batch, mask, step, cells)
             except Exception as err:  # noqa: BLE001 - re-raised with the layer that failed
                 where = tracker.failed_in or f"the model ({type(self.model).__name__})"
                 raise VectorizationUnsupportedError(
@@ -1305,7 +1327,8 @@ class VectorizedClientTrainer:
             self.probed.add(mode)
             return out
 
-    def _row_values_vmapped(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int):
+    def _row_values_vmapped(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int,
+                            want_cells: bool = False):
         model, collector = self.model, self.collector
         model_name = type(model).__name__
         leaves, spec = tree_flatten(batch)
@@ -1327,19 +1350,23 @@ class VectorizedClientTrainer:
         elif self.per_sample_step is not None:
             n_max = mask.shape[1]
 
+            as_loss: List[str] = []  # names logged with the loss tensor itself (Classifier's train/batch_loss)
+            names: List[str] = []
+
             def per_row_samples(*args):
                 """``training_step_per_sample`` on the row's whole (padded) batch: ``[n_max]`` losses."""
                 collector.reset(per_sample=True)
                 losses = self._per_sample_losses(args[:nv], tree_unflatten(list(args[nv:]), spec), step, n_max)
-                return (losses, *collector.values)
+                own = [(n, v) for n, v in zip(collector.names, collector.values) if v is not losses]
+                as_loss[:] = [n for n, v in zip(collector.names, collector.values) if v is losses]
+                names[:] = [n for n, _ in own]
+                return (losses, *[v for _, v in own])
 
-            cells = vmap(per_row_samples, randomness="different")(*views, *leaves)
-            names = list(collector.names)
+            out = vmap(per_row_samples, randomness="different")(*views, *leaves)
             collector.reset()
             # values logged with another length than the batch have no per-sample meaning: dropped
-            kept = [(name, v.detach().float()) for name, v in zip(names, cells[1:]) if tuple(v.shape) == tuple(mask.shape)]
-            out = [torch.where(mask, v, v.new_zeros(())).sum(1) for v in [cells[0]] + [v for _, v in kept]]
-            return out[0], list(zip([name for name, _ in kept], out[1:]))
+            kept = [(name, v.detach().float()) for name, v in zip(names, out[1:]) if tuple(v.shape) == tuple(mask.shape)]
+            return self._padded_result(out[0], mask, as_loss, kept, want_cells)
         else:
             def per_row_cells(*args):
                 vs = args[:nv]
@@ -1351,12 +1378,22 @@ class VectorizedClientTrainer:
 
             # [R, n_max, 1, ...]: every cell a batch of one (the unsqueeze outside vmap is a plain view)
             cells = vmap(per_row_cells, randomness="different")(*views, *(x.unsqueeze(2) for x in leaves))
-            # [R, n_max] values of every cell; padded cells (repeated samples) count zero. The masked sum runs
+            # [R, n_max] values of every cell; padded cells (repeated samples) count zero. The masked sums run
             # outside vmap (the same ops on the same [R, n_max] tensors, without their batching rules)
-            cells = [cells[0]] + [_logged_value(v, 2) for v in cells[1:]]
-            out = [torch.where(mask, v, v.new_zeros(())).sum(1) for v in cells]
-            return out[0], list(zip(list(collector.names), out[1:]))
+            kept = list(zip(list(collector.names), [_logged_value(v, 2) for v in cells[1:]]))
+            return self._padded_result(cells[0], mask, [], kept, want_cells)
         return out[0], list(zip(list(collector.names), [_logged_value(v, 1) for v in out[1:]]))
+
+    @staticmethod
+    def _padded_result(cells: Tensor, mask: Tensor, as_loss: List[str], kept: List[Tuple[str, Tensor]],
+                       want_cells: bool):
+        """What :meth:`_row_values` returns for padded rows, from the ``[R, n_max]`` per-sample losses ``cells``:
+        ``(sums, logged)``, or ``(cells, sums, logged)`` with ``want_cells`` (``sums`` then computed from the
+        detached cells). ``as_loss`` names values logged as the loss tensor itself (their sums are the loss sums,
+        not computed twice); ``kept`` are the other logged ``[R, n_max]`` values."""
+        sums = _masked_sum(cells.detach() if want_cells else cells, mask)
+        logged = [(name, sums.detach().float()) for name in as_loss] + [(n, _masked_sum(v, mask)) for n, v in kept]
+        return (cells, sums, logged) if want_cells else (sums, logged)
 
     @contextmanager
     def _weights_in_slots(self, vs: Sequence[Tensor]):
@@ -1559,6 +1596,11 @@ class VectorizedClientTrainer:
                 update.failed, update.failure = True, "non-finite model update"
             updates.append(update)
         return updates
+
+
+def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
+    """Per-row sums of ``values`` ([R, n_max]) over the cells ``mask`` marks real (padded cells count zero)."""
+    return torch.where(mask, values, values.new_zeros(())).sum(1)
 
 
 def _rows_finite(x: Tensor) -> Tensor:
