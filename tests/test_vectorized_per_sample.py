@@ -14,6 +14,8 @@ vmap); with it, one batched call returns the per-sample losses. Checked here:
 
 import copy
 
+import numpy as np
+
 import pytest
 import torch
 from torch import nn
@@ -235,3 +237,44 @@ def test_bf16_mixed_uses_the_protocol_and_stays_close_to_sequential():
     doubled.load_state_dict(mlp().state_dict())
     with pytest.raises(ValueError, match="disagrees with training_step"):
         fit_bf16(doubled, "vectorized")
+
+
+# ---------------------------------------------------------------------------------------------- padded gradients
+@pytest.mark.parametrize("protocol", [True, False], ids=["protocol", "generic"])
+def test_padded_step_losses_and_gradients_equal_per_client_autograd(protocol):
+    """One padded step of the engine (clients of 3, 7, 1 and 5 samples) against plain autograd on each client's
+    real samples alone: loss = training_step on the client's batch, gradient of that loss. The engine starts its
+    backward pass from the weighted cells Σ ℓ_ij m_ij / n_i; the logged train/batch_loss is the per-client sum."""
+    from torch.utils._pytree import tree_flatten
+
+    from fedlightning.vectorized import VectorizedClientTrainer, _Layout, _padded_positions, _StepEvaluator
+
+    torch.manual_seed(4)
+    model = mlp() if protocol else generic_mlp()
+    engine = VectorizedClientTrainer(copy.deepcopy(model))
+    engine.model.train()
+    sizes = [3, 7, 1, 5]
+    x, y = torch.randn(sum(sizes), 64), torch.randint(0, 10, (sum(sizes),))
+    position = torch.from_numpy(_padded_positions(sizes))
+    C = len(sizes)
+    layout = _Layout([x[position].view(C, -1, 64), y[position].view(C, -1)], tree_flatten((x, y))[1], sizes)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    W = torch.stack([flat + 0.05 * torch.randn_like(flat) for _ in range(C)])  # every client its own weights
+    sink = []
+    ev = _StepEvaluator(engine, layout, 0, None, [], sink, trials=False)
+    losses, grads = ev.gradient(W, torch.ones(C, dtype=torch.bool))
+    assert engine.probed == {"per-sample protocol" if protocol else "per-sample"}
+
+    reference = copy.deepcopy(model)
+    reference.log = lambda *a, **k: None
+    params = list(reference.parameters())
+    ends = np.cumsum(sizes)
+    for c, (n, end) in enumerate(zip(sizes, ends)):
+        torch.nn.utils.vector_to_parameters(W[c], params)
+        loss = reference.training_step((x[end - n:end], y[end - n:end]), 0)
+        g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
+        assert float(losses[c]) == pytest.approx(float(loss), rel=1e-6, abs=1e-7)
+        torch.testing.assert_close(engine._logical(grads[c:c + 1])[0], g, atol=1e-6, rtol=1e-5)
+    (name, logged), = sink[0][0]
+    assert name == "train/batch_loss"
+    torch.testing.assert_close(logged / torch.tensor(sizes, dtype=logged.dtype), losses.float(), atol=1e-6, rtol=1e-6)
