@@ -121,6 +121,11 @@ from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fedlightning.client import extract_loss
+
+try:  # functorch's own primitives, which torch.func.vmap drives (see _vmap0)
+    from torch._C._functorch import _add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting, _vmap_increment_nesting
+except ImportError:  # pragma: no cover - a torch without them: the public vmap is used
+    _add_batch_dim = None
 from fedlightning.state import ClientUpdate, RoundPlan, derive_seed
 
 __all__ = [
@@ -1346,7 +1351,7 @@ class VectorizedClientTrainer:
             def per_row(*args):
                 return one_call(args[:nv], tree_unflatten(list(args[nv:]), spec))
 
-            out = vmap(per_row, randomness="different")(*views, *leaves)
+            out = _vmap0(per_row, [*views, *leaves])
         elif self.per_sample_step is not None:
             n_max = mask.shape[1]
 
@@ -1362,7 +1367,7 @@ class VectorizedClientTrainer:
                 names[:] = [n for n, _ in own]
                 return (losses, *[v for _, v in own])
 
-            out = vmap(per_row_samples, randomness="different")(*views, *leaves)
+            out = _vmap0(per_row_samples, [*views, *leaves])
             collector.reset()
             # values logged with another length than the batch have no per-sample meaning: dropped
             kept = [(name, v.detach().float()) for name, v in zip(names, out[1:]) if tuple(v.shape) == tuple(mask.shape)]
@@ -1374,10 +1379,10 @@ class VectorizedClientTrainer:
                 def per_sample(*sample_leaves):  # a batch of one sample: [1, ...] each
                     return one_call(vs, tree_unflatten(list(sample_leaves), spec))
 
-                return vmap(per_sample, randomness="different")(*args[nv:])
+                return _vmap0(per_sample, args[nv:])
 
             # [R, n_max, 1, ...]: every cell a batch of one (the unsqueeze outside vmap is a plain view)
-            cells = vmap(per_row_cells, randomness="different")(*views, *(x.unsqueeze(2) for x in leaves))
+            cells = _vmap0(per_row_cells, [*views, *(x.unsqueeze(2) for x in leaves)])
             # [R, n_max] values of every cell; padded cells (repeated samples) count zero. The masked sums run
             # outside vmap (the same ops on the same [R, n_max] tensors, without their batching rules)
             kept = list(zip(list(collector.names), [_logged_value(v, 2) for v in cells[1:]]))
@@ -1596,6 +1601,26 @@ class VectorizedClientTrainer:
                 update.failed, update.failure = True, "non-finite model update"
             updates.append(update)
         return updates
+
+
+def _vmap0(fn: Callable[..., Tuple[Tensor, ...]], args: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    """``torch.func.vmap(fn, randomness="different")(*args)`` for the engine's calls: flat tensor arguments all
+    batched along dimension 0 (same size), ``fn`` returning a tuple of tensors, outputs batched along dimension 0.
+
+    It drives functorch's primitives (``_vmap_increment_nesting``, ``_add_batch_dim``, ``_remove_batch_dim``)
+    directly, as ``vmap``'s own ``_flat_vmap`` does, without the public wrapper's per-call pytree walks over
+    arguments, ``in_dims`` and outputs (~45 µs per call, 20+ calls per round); ``tests/test_vectorized_speed_paths.py``
+    checks it against ``vmap``. Falls back to ``vmap`` when the primitives are missing.
+    """
+    if _add_batch_dim is None:  # pragma: no cover
+        return vmap(fn, randomness="different")(*args)
+    size = args[0].shape[0]
+    level = _vmap_increment_nesting(size, "different")
+    try:
+        outs = fn(*[_add_batch_dim(a, 0, level) for a in args])
+        return tuple(_remove_batch_dim(o, level, size, 0) for o in outs)
+    finally:
+        _vmap_decrement_nesting()
 
 
 def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:

@@ -209,3 +209,52 @@ def test_trial_points_per_client_blocks_equal_the_gathered_points():
     gathered = _BatchedArmijo._points(ev, W, g, pair_client, eta).clone()
     reference = torch.addcmul(W[pair_client], g[pair_client], (-eta).float().unsqueeze(1))
     assert torch.equal(blocks, gathered) and torch.equal(blocks, reference)
+
+
+# ---------------------------------------------------------------------------------------------- _vmap0
+def test_vmap0_equals_torch_func_vmap():
+    """The engine's direct drive of functorch's primitives gives what torch.func.vmap(randomness="different")
+    gives: batched and unbatched outputs, nesting, random ops (same generator state, same draws), gradients."""
+    from torch.func import vmap
+
+    from fedlightning.vectorized import _vmap0
+
+    w = torch.randn(5, 4, 3, requires_grad=True)
+    x = torch.randn(5, 7, 3)
+
+    def f(wi, xi):
+        h = torch.nn.functional.dropout(xi @ wi.t(), 0.5)
+        inner = vmap(lambda row: (row.sum() * 2,), randomness="different")(h)[0]  # nested inside
+        inner0 = _vmap0(lambda row: (row.sum() * 2,), [h])[0]
+        return h.sum(), inner, inner0, torch.tensor(3.0)  # the last output does not depend on the batch
+
+    torch.manual_seed(0)
+    expected = vmap(f, randomness="different")(w, x)
+    g_expected = torch.autograd.grad(expected[0].sum(), w)[0]
+    torch.manual_seed(0)
+    got = _vmap0(f, [w, x])
+    g_got = torch.autograd.grad(got[0].sum(), w)[0]
+    assert len(got) == len(expected) == 4
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape and torch.equal(a, b)
+    torch.testing.assert_close(got[1], got[2], atol=0, rtol=0)
+    assert torch.equal(got[3], torch.full((5,), 3.0))
+    assert torch.equal(g_got, g_expected)
+
+
+def test_vmap0_leaves_no_vmap_level_behind_after_an_exception(monkeypatch):
+    import fedlightning.vectorized as vectorized
+
+    def boom(xi):
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        vectorized._vmap0(boom, [torch.randn(3, 2)])
+    assert torch._C._functorch.maybe_current_level() is None  # the level was popped
+    assert torch.equal(vectorized._vmap0(lambda xi: (xi * 2,), [torch.ones(3, 2)])[0], torch.full((3, 2), 2.0))
+    monkeypatch.setattr(vectorized, "_add_batch_dim", None)  # no primitives: torch.func.vmap is used instead
+    calls = []
+    public = vectorized.vmap
+    monkeypatch.setattr(vectorized, "vmap", lambda *a, **k: calls.append(k) or public(*a, **k))
+    assert torch.equal(vectorized._vmap0(lambda xi: (xi * 2,), [torch.ones(3, 2)])[0], torch.full((3, 2), 2.0))
+    assert calls == [{"randomness": "different"}]
