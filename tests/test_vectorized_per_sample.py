@@ -110,6 +110,29 @@ def test_classifier_per_sample_losses_sequences(ignore_index):
         assert torch.isnan(per[3]) and torch.isfinite(per[[0, 1, 2, 4]]).all()
 
 
+class FlatIgnoring(Classifier):
+    """One label per sample, with ignore_index."""
+
+    def __init__(self):
+        super().__init__(num_classes=5, ignore_index=4)
+        self.net = nn.Linear(3, 5)
+
+
+def test_classifier_per_sample_losses_flat_outputs_with_ignored_labels():
+    """An ignored label: training_step on that sample alone is 0/0 (nan), and so is its per-sample loss."""
+    torch.manual_seed(5)
+    model = FlatIgnoring()
+    model.log = lambda *a, **k: None
+    x, y = torch.randn(4, 3), torch.tensor([1, 4, 2, 0])
+    with torch.no_grad():
+        per = model.training_step_per_sample((x, y), 0)
+        alone = torch.stack([model.training_step((x[j:j + 1], y[j:j + 1]), 0) for j in range(4)])
+        ref = reference_losses(model(x).unsqueeze(1), y.unsqueeze(1), 4)
+    assert torch.isnan(per[1]) and torch.isnan(alone[1]) and torch.isfinite(per[[0, 2, 3]]).all()
+    torch.testing.assert_close(per, alone, atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(per.double(), ref, atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
 def test_classifier_per_sample_losses_flat_outputs():
     torch.manual_seed(1)
     model = MLP(input_dim=64, hidden=[16], num_classes=10)

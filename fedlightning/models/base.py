@@ -83,8 +83,10 @@ class Classifier(pl.LightningModule):
         x, y = batch[0], batch[1]
         logits = self(x)
         n = logits.shape[0]
-        if logits.dim() <= 2:
+        if logits.dim() <= 2:  # one label per sample
             losses = self._token_losses(logits, y)
+            if self.ignore_index is not None:  # an ignored label: 0/0 = nan, as training_step on that sample alone
+                losses = losses / (y != self.ignore_index)
         else:  # (N, T, C): per-token losses, averaged per sample
             tokens = self._token_losses(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).reshape(n, -1)
             if self.ignore_index is None:
