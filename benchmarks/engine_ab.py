@@ -1,0 +1,78 @@
+"""Same-process A/B of two versions of the vectorised engine (``fedlightning/vectorized.py``).
+
+    git show <commit>:fedlightning/vectorized.py > /tmp/vectorized_old.py
+    python benchmarks/engine_ab.py --old /tmp/vectorized_old.py [--workload digits-mlp-sgd] [--rounds 10] [--repeats 4]
+
+Loads the file given by ``--old`` as a second module beside the installed ``fedlightning.vectorized`` and runs the
+same vectorized workload of ``vectorized_speedup.py`` with each, alternating (old, new, old, new, ...), in one
+process, so that both see the same machine conditions. The loop imports ``run_vectorized_round`` from
+``sys.modules["fedlightning.vectorized"]`` at every round, which is swapped for each run. Prints the median and
+minimum round time (first 2 rounds of each run dropped), the paired per-round minimum sum of each version, and the
+largest difference between the two versions' global weights (0.0 for a change that keeps every value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import statistics
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vectorized_speedup as vs  # noqa: E402
+
+import fedlightning.vectorized as new_engine  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", required=True, help="path of the other vectorized.py")
+    ap.add_argument("--workload", default="digits-mlp-sgd", help="one of " + ", ".join(vs.WORKLOADS))
+    ap.add_argument("--rounds", type=int, default=10, help="rounds per run (the first 2 are warm-up)")
+    ap.add_argument("--repeats", type=int, default=4, help="alternating runs per version")
+    args = ap.parse_args()
+    if args.workload not in vs.WORKLOADS:
+        raise ValueError(f"unknown workload {args.workload!r}; choose from {list(vs.WORKLOADS)}")
+    if args.rounds < 3 or args.repeats < 1:
+        raise ValueError(f"need --rounds >= 3 and --repeats >= 1, got {args.rounds} and {args.repeats}")
+    if not os.path.isfile(args.old):
+        raise FileNotFoundError(f"--old {args.old!r} is not a file")
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    spec = importlib.util.spec_from_file_location("fedlightning.vectorized_old", args.old)
+    old_engine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old_engine)
+
+    model_fn, optimizer, dm_fn = vs.WORKLOADS[args.workload]
+    datamodule = dm_fn()
+    datamodule.setup("fit")
+    torch.manual_seed(0)
+    init_state = model_fn().state_dict()
+    runs = {"old": [], "new": []}
+    weights = {}
+    try:
+        for _ in range(args.repeats):
+            for tag, module in (("old", old_engine), ("new", new_engine)):
+                sys.modules["fedlightning.vectorized"] = module
+                times, w = vs.run(model_fn, optimizer, datamodule, "vectorized", args.rounds, init_state)
+                runs[tag].append(times)
+                weights[tag] = w
+    finally:
+        sys.modules["fedlightning.vectorized"] = new_engine
+    print(f"{args.workload}: {args.rounds} rounds x {args.repeats} alternating runs per version, "
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
+    for tag, r in runs.items():
+        flat = [x for t in r for x in t]
+        paired = sum(min(t[i] for t in r) for i in range(len(r[0])))
+        print(f"  {tag}: median {statistics.median(flat) * 1e3:.2f} ms/round, min {min(flat) * 1e3:.2f}, "
+              f"paired per-round minimum sum {paired * 1e3:.1f} ms")
+    print(f"  max |w_old - w_new| = {float((weights['old'] - weights['new']).abs().max()):.1e}")
+
+
+if __name__ == "__main__":
+    main()
