@@ -107,6 +107,14 @@ def _plain_sgd_step(optimizer: torch.optim.Optimizer, lrs: Sequence[float]) -> N
             torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
 
 
+def _step_outputs(output: Any, loss: Tensor) -> Dict[str, Any]:
+    """``on_train_batch_end``'s ``outputs``, as Lightning builds them: ``{"loss": <detached loss>, **extras}``."""
+    extras = {}
+    if isinstance(output, dict):
+        extras = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in output.items() if k != "loss"}
+    return {"loss": loss, **extras}
+
+
 class LocalTrainer:
     """Runs the local steps of one client on a working copy of the model.
 
@@ -115,31 +123,53 @@ class LocalTrainer:
         to_device: moves a batch to the model's device (identity on CPU).
         grad_clip: optional max-norm clipping of the client gradient (plain optimizers only: clipping would change
             the search direction of a line search, so adaptive optimizers ignore it).
+        hooks: the per-local-step hooks the model's class overrides
+            (:class:`~fedlightning.user_module.ClientHooks`); None when it overrides none (the lean path).
+        metrics: the model's torchmetrics states, saved and restored around trial evaluations
+            (:class:`~fedlightning.user_module.MetricStates`).
     """
 
-    def __init__(self, model: nn.Module, to_device: Callable[[Any], Any] = lambda b: b, grad_clip: Optional[float] = None):
+    def __init__(self, model: nn.Module, to_device: Callable[[Any], Any] = lambda b: b, grad_clip: Optional[float] = None,
+                 hooks: Any = None, metrics: Any = None):
         self.model = model
         self.to_device = to_device
         self.grad_clip = grad_clip
+        self.hooks = hooks
+        self.metrics = metrics if metrics else None
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         self.buffers: List[Tensor] = list(model.buffers())
         self.model_name = type(model).__name__
+        import lightning.pytorch as pl
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        lightning_module = isinstance(model, pl.LightningModule)
+        self.epoch_start = lightning_module and is_overridden("on_train_epoch_start", model, pl.LightningModule)
+        self.epoch_end = lightning_module and is_overridden("on_train_epoch_end", model, pl.LightningModule)
 
     # ------------------------------------------------------------------
     def _objective(self, batch: Any, step: int, terms: Sequence[ObjectiveTerm]) -> Callable[[], Tensor]:
-        model, params, buffers = self.model, self.params, self.buffers
+        model, params, buffers, metrics = self.model, self.params, self.buffers, self.metrics
+        hooks = self.hooks if (self.hooks is not None and self.hooks.batch_end) else None
 
         def closure() -> Tensor:
             trial = not torch.is_grad_enabled()
             saved = [b.clone() for b in buffers] if (trial and buffers) else None
-            loss = extract_loss(model.training_step(batch, step), self.model_name)
+            saved_metrics = metrics.save() if (trial and metrics is not None) else None
+            output = model.training_step(batch, step)
+            loss = extract_loss(output, self.model_name)
+            if hooks is not None and not trial:
+                closure.output = output  # for on_train_batch_end
             for term in terms:
                 loss = loss + term(params)
             if saved is not None:
                 with torch.no_grad():
                     for b, s in zip(buffers, saved):
                         b.copy_(s)
+            if saved_metrics is not None:
+                metrics.restore(saved_metrics)
             return loss
+
+        closure.output = None
 
         return closure
 
@@ -183,6 +213,7 @@ class LocalTrainer:
         sgd_lrs = None if adaptive else _plain_sgd_lrs(optimizer)
         model, model_name, to_device = self.model, self.model_name, self.to_device
         on_cpu = not devices
+        h = self.hooks  # None unless the model's class overrides a per-step hook (user_module.ClientHooks)
         with torch.random.fork_rng(devices=devices):
             model_seed = derive_seed(seed, "model", round, client_id)
             # not torch.manual_seed: that also queues a lazy CUDA seeding (with a stack trace) on every call
@@ -190,15 +221,23 @@ class LocalTrainer:
             for dev in devices:
                 torch.cuda.default_generators[dev.index if dev.index is not None else 0].manual_seed(model_seed)
             for k, batch in enumerate(_cycle(loader, local_steps)):
-                if not on_cpu:
+                if h is not None and h.batch_start and model.on_train_batch_start(batch, k) == -1:
+                    break  # Lightning's "skip the rest of the epoch": this client's local steps end here
+                if h is not None and h.transfer:
+                    batch = h.transfer_batch(model, batch)
+                elif not on_cpu:
                     batch = to_device(batch)
+                if h is not None and h.zero_grad:
+                    model.on_before_zero_grad(optimizer)
                 if plain_zero:
                     for p in opt_params:
                         p.grad = None
                 else:
                     optimizer.zero_grad(set_to_none=True)
                 if adaptive:
-                    loss = optimizer.step(self._objective(batch, k, terms))
+                    closure = self._objective(batch, k, terms)
+                    loss = optimizer.step(closure)
+                    output = closure.output
                     info = getattr(optimizer, "last_step", None) or {}
                     step_sizes.append(float(info.get("step_size", float("nan"))))
                     backtracks += int(info.get("backtracks", 0))
@@ -206,10 +245,19 @@ class LocalTrainer:
                     backwards += int(info.get("backwards", 1))
                 else:
                     if terms:
-                        loss = self._objective(batch, k, terms)()
+                        closure = self._objective(batch, k, terms)
+                        loss = closure()
+                        output = closure.output
                     else:
-                        loss = extract_loss(model.training_step(batch, k), model_name)
+                        output = model.training_step(batch, k)
+                        loss = extract_loss(output, model_name)
+                    if h is not None and h.before_backward:
+                        model.on_before_backward(loss)
                     loss.backward()
+                    if h is not None and h.after_backward:
+                        model.on_after_backward()
+                    if h is not None and h.before_step:
+                        model.on_before_optimizer_step(optimizer)
                     if self.grad_clip is not None:
                         torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
                     if sgd_lrs is not None:
@@ -220,6 +268,8 @@ class LocalTrainer:
                     forwards += 1
                     backwards += 1
                 losses.append(loss.detach())  # a scalar already (extract_loss); cast once after the loop
+                if h is not None and h.batch_end:
+                    model.on_train_batch_end(_step_outputs(output, losses[-1]), batch, k)
                 if adaptive and not math.isfinite(float(losses[-1])):
                     break  # adaptive optimizers refuse non-finite losses; stop early, the update is discarded
         delta = global_flat - flat_params(self.params).to(global_flat.dtype)

@@ -42,29 +42,33 @@ warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimiz
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
 
 
-def _default_client_optimizer(params: Iterable) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
-
-
 class _LogRouter:
     """Replaces ``log`` / ``log_dict`` of a wrapped model instance.
 
     In ``"forward"`` mode (validation/test on the global model) calls go to the FederatedLoop's own ``self.log``,
     so they reach the loggers and the progress bar exactly as if the user's module were trained directly. In
     ``"capture"`` mode (client training) scalar values are collected and the loop logs their per-round mean under
-    ``client/<name>``; torchmetrics ``Metric`` objects are ignored there (their state would mix clients).
+    ``client/<name>``. A torchmetrics ``Metric`` logged there is a round-level metric: the working copy's metric
+    object accumulates every participating client's local steps (each step's batch once: a line search's trial
+    evaluations are undone, see :class:`~fedlightning.user_module.MetricStates`), and :meth:`compute_metrics` gives
+    its value at the end of the round, after which the loop resets it. Across processes ``Metric.compute`` syncs
+    the states (torchmetrics' own distributed reduction).
     """
 
     def __init__(self, loop: "FederatedLoop", mode: str):
         self.loop_ref = loop
         self.mode = mode
         self.captured: Dict[str, List[Tensor]] = {}
+        self.metrics: Dict[str, Any] = {}  # name -> torchmetrics Metric logged in training_step
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self.mode == "forward":
             self.loop_ref.log(name, value, *args, **kwargs)
             return
         if not torch.is_grad_enabled():  # a line search's trial evaluation (fedlightning.optim): not a training step
+            return
+        if _is_metric(value):
+            self.metrics[name] = value
             return
         if isinstance(value, (int, float)):
             value = torch.tensor(float(value))
@@ -81,6 +85,32 @@ class _LogRouter:
         self.captured = {}
         return out
 
+    def compute_metrics(self) -> Dict[str, float]:
+        """``client/<name>`` for every torchmetrics metric logged in ``training_step`` (in name order, so that every
+        process calls ``compute`` — a collective under DDP — in the same order)."""
+        out = {}
+        for name in sorted(self.metrics):
+            value = self.metrics[name].compute()
+            if isinstance(value, Tensor) and value.numel() != 1:
+                raise ValueError(
+                    f"the torchmetrics metric logged as {name!r} in training_step computes a tensor of shape "
+                    f"{tuple(value.shape)}; self.log needs a scalar metric"
+                )
+            out[f"client/{name}"] = float(value)
+        return out
+
+    def reset_metrics(self) -> None:
+        for metric in self.metrics.values():
+            metric.reset()
+
+
+def _is_metric(value: Any) -> bool:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return False
+    return isinstance(value, Metric)
+
 
 def _install_router(model: pl.LightningModule, router: _LogRouter) -> None:
     model.__dict__["log"] = router.log
@@ -95,8 +125,11 @@ class FederatedLoop(pl.LightningModule):
             key ``"loss"``); ``batch_idx`` is the local step index ``k``. Its ``validation_step`` / ``test_step`` are
             used unchanged on the global model.
         client_optimizer: factory ``params -> Optimizer`` for the clients (LightningCLI: ``class_path`` +
-            ``init_args``). Default ``SGD(lr=0.1)`` (ours; the papers tune the client lr). Every client starts each
-            round with a fresh optimizer (``torch.optim`` classes are built once and reset between sequential
+            ``init_args``). Omitted (None): the module's own ``configure_optimizers()`` defines the client optimizer
+            (every return form Lightning accepts; a returned LR scheduler is stepped once per round and
+            checkpointed: :class:`~fedlightning.user_module.ModuleOptimizer`); an explicit ``client_optimizer``
+            wins over it. A module without ``configure_optimizers`` needs ``client_optimizer`` (clear error at
+            setup). Every client starts each round with a fresh optimizer (``torch.optim`` classes are built once and reset between sequential
             clients, which gives the same state), so momentum buffers never leak across clients;
             optimizers that define ``get_client_state`` / ``set_client_state`` (SgdArmijo's step size, DecSPS's
             counters) carry their per-client state across that client's rounds when ``persist_client_state``.
@@ -109,7 +142,13 @@ class FederatedLoop(pl.LightningModule):
         persist_client_state: keep client optimizer state across rounds (see ``client_optimizer``).
         on_client_failure: ``"skip"`` (default): a client whose loss or update is NaN/inf, or whose training raises,
             is left out of the round with a warning and counted in ``round/failed_clients``; if no client is healthy
-            the global model is unchanged. ``"raise"``: stop with an error naming the client and round.
+            the global model is unchanged. ``"raise"``: stop with an error naming the client and round. Under
+            ``"skip"``, a round in which *every* client raised an exception stops the run with that exception
+            chained (a bug in the module or the data, not a faulty client), and ``max_failed_rounds`` consecutive
+            rounds without a healthy client (all diverged) stop it with a ``FloatingPointError``.
+        max_failed_rounds: consecutive rounds without a healthy client tolerated under ``on_client_failure="skip"``
+            before the run stops (default 3, ours: one unlucky round is skipped, a diverged run is not continued
+            silently); ``None`` never stops.
         client_execution: ``"sequential"`` (default) trains the round's clients one after the other;
             ``"vectorized"`` trains them in lockstep as one batched computation (torch.func, see
             :mod:`fedlightning.vectorized`; models without batch-statistics layers, SGD without momentum and the
@@ -128,6 +167,7 @@ class FederatedLoop(pl.LightningModule):
         persist_client_state: bool = True,
         on_client_failure: str = "skip",
         client_execution: str = "sequential",
+        max_failed_rounds: Optional[int] = 3,
     ):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
@@ -140,13 +180,21 @@ class FederatedLoop(pl.LightningModule):
             raise ValueError(f"client_grad_clip must be > 0 or None, got {client_grad_clip}")
         if on_client_failure not in ("skip", "raise"):
             raise ValueError(f"on_client_failure must be 'skip' or 'raise', got {on_client_failure!r}")
+        if max_failed_rounds is not None and (
+            isinstance(max_failed_rounds, bool) or int(max_failed_rounds) != max_failed_rounds or max_failed_rounds < 1
+        ):
+            raise ValueError(f"max_failed_rounds must be an integer >= 1 or None, got {max_failed_rounds!r}")
         if client_execution not in ("sequential", "vectorized", "auto"):
             raise ValueError(
                 f"client_execution must be 'sequential', 'vectorized' or 'auto', got {client_execution!r}"
             )
         self.automatic_optimization = False
         self.model = model
-        self.client_optimizer = client_optimizer if client_optimizer is not None else _default_client_optimizer
+        self.client_optimizer = client_optimizer  # None: the module's configure_optimizers() (resolved at setup)
+        self.max_failed_rounds = None if max_failed_rounds is None else int(max_failed_rounds)
+        self.__dict__["_module_optimizer"] = None
+        self.__dict__["_pending_module_optimizer_state"] = None
+        self.rounds_without_healthy_client = 0
         self.local_steps = int(local_steps)
         self.clients_per_round = int(clients_per_round)
         self.seed = int(seed)
@@ -159,11 +207,13 @@ class FederatedLoop(pl.LightningModule):
         self.__dict__["_worker"] = None  # working copy of the model (not a submodule: not checkpointed)
         self._eval_router = _LogRouter(self, "forward")
         _install_router(self.model, self._eval_router)
+        self._forward_batch_transfer_hooks()
         self.failed_clients_total = 0
 
     # ================================================================== setup
     def setup(self, stage: str) -> None:
         trainer = self.trainer
+        self.model.setup(stage)
         strategies = [cb for cb in trainer.callbacks if isinstance(cb, ServerStrategy)]
         if len(strategies) > 1:
             raise ValueError(
@@ -177,6 +227,12 @@ class FederatedLoop(pl.LightningModule):
             trainer.callbacks.append(strategies[0])
         self.strategy = strategies[0]
         if stage == "fit":
+            if not self.model.automatic_optimization:
+                raise ValueError(
+                    f"{type(self.model).__qualname__} sets automatic_optimization = False (manual optimization); "
+                    "federated client training runs the client optimizer itself: return the loss from training_step "
+                    "and define the optimizer in configure_optimizers() or model.client_optimizer"
+                )
             dm = self._datamodule()
             dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed)
             self._check_client_optimizer()
@@ -191,10 +247,41 @@ class FederatedLoop(pl.LightningModule):
         ``c=1.5``, a negative SGD ``lr``) is a configuration error now instead of a failure of every client, which
         the ``on_client_failure="skip"`` policy would otherwise absorb round after round. Constructing an optimizer
         does not touch the parameters."""
+        factory = self._client_factory()
         try:
-            self.client_optimizer(list(self.model.parameters()))
+            opt = factory(self._global_params())
         except (ValueError, TypeError) as err:
             raise type(err)(f"client_optimizer cannot be built: {err}") from err
+        from fedlightning.user_module import ClientHooks
+
+        ClientHooks(self.model).check_optimizer(opt, type(self.model).__qualname__)
+
+    def _client_factory(self) -> OptimizerFactory:
+        """The client optimizer factory: ``client_optimizer``, or else the module's ``configure_optimizers()``."""
+        if self.client_optimizer is not None:
+            return self.client_optimizer
+        mo = self.__dict__["_module_optimizer"]
+        if mo is None:
+            from lightning.pytorch.utilities.model_helpers import is_overridden
+
+            from fedlightning.user_module import ModuleOptimizer
+
+            if not is_overridden("configure_optimizers", self.model, pl.LightningModule):
+                raise ValueError(
+                    f"no client optimizer: model.client_optimizer is not set and {type(self.model).__qualname__} does "
+                    "not define configure_optimizers(); set one of them (e.g. model.client_optimizer: "
+                    "{class_path: torch.optim.SGD, init_args: {lr: 0.1}})"
+                )
+            mo = ModuleOptimizer(self.model)
+            pending = self.__dict__["_pending_module_optimizer_state"]
+            if pending is not None:
+                mo.load_state_dict(pending)
+                self.__dict__["_pending_module_optimizer_state"] = None
+            self.__dict__["_module_optimizer"] = mo
+            worker = self.__dict__["_worker"]
+            if worker is not None:
+                mo.register(worker.model)
+        return mo
 
     def _datamodule(self):
         from fedlightning.datamodules.base import FederatedDataModule
@@ -206,6 +293,24 @@ class FederatedLoop(pl.LightningModule):
                 f"{type(dm).__name__}"
             )
         return dm
+
+    def _forward_batch_transfer_hooks(self) -> None:
+        """Evaluation batches go through the user's batch-transfer hooks, the round's RoundPlan does not (client
+        batches go through them in client training). Installed only for the hooks the user's class overrides:
+        Lightning warns about every overridden transfer hook of a module trained with a data module."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        model = self.model
+
+        def forward(name: str):
+            def hook(batch: Any, *args: Any) -> Any:
+                return batch if isinstance(batch, RoundPlan) else getattr(model, name)(batch, *args)
+
+            return hook
+
+        for name in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"):
+            if is_overridden(name, model, pl.LightningModule):
+                self.__dict__[name] = forward(name)
 
     def configure_optimizers(self):
         if self.strategy is None:
@@ -227,11 +332,21 @@ class FederatedLoop(pl.LightningModule):
                 self.model.trainer = trainer_ref
                 self.model.__dict__.update(routed)
             work.to(self.device)
+            from fedlightning.user_module import ClientHooks, MetricStates, ModuleOptimizer, make_client_copy
+
+            make_client_copy(work, trainer_ref)
             router = _LogRouter(self, "capture")
             _install_router(work, router)
             to_device = (lambda b: b) if self.device.type == "cpu" else (lambda b: move_data_to_device(b, self.device))
-            w = LocalTrainer(work, to_device=to_device, grad_clip=self.client_grad_clip)
+            hooks = ClientHooks(work)
+            w = LocalTrainer(
+                work, to_device=to_device, grad_clip=self.client_grad_clip,
+                hooks=hooks if hooks.any else None, metrics=MetricStates(work),
+            )
             w.router = router  # type: ignore[attr-defined]
+            mo = self.__dict__["_module_optimizer"]
+            if isinstance(mo, ModuleOptimizer):
+                mo.register(work)
             self.__dict__["_worker"] = w
         return w
 
@@ -253,17 +368,18 @@ class FederatedLoop(pl.LightningModule):
         fresh one, without the ~50 µs construction per client. Other optimizers (``fedlightning.optim``, user
         classes) are always built by the factory.
         """
+        factory = self._client_factory()
         cached = self.__dict__.get("_reusable_client_opt") if reuse else None
-        if cached is not None and cached[0] is params and cached[3] is self.client_optimizer:
+        if cached is not None and cached[0] is params and cached[3] is factory:
             opt, defaults = cached[1], cached[2]
             opt.state.clear()
             for group, snapshot in zip(opt.param_groups, defaults):
                 group.update({k: (v.clone() if isinstance(v, Tensor) else v) for k, v in snapshot.items()})
         else:
-            opt = self.client_optimizer(params)
+            opt = factory(params)
             if reuse and type(opt).__module__.startswith("torch.optim.") and not hasattr(opt, "set_client_state"):
                 defaults = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
-                self.__dict__["_reusable_client_opt"] = (params, opt, defaults, self.client_optimizer)
+                self.__dict__["_reusable_client_opt"] = (params, opt, defaults, factory)
         if lr_scale != 1.0:
             for g in opt.param_groups:
                 if "lr" in g:
@@ -341,9 +457,14 @@ class FederatedLoop(pl.LightningModule):
         gparams = self._round_tensors(plan.round)[0]
         with torch.no_grad():
             global_flat = flat_params(gparams)
+        worker = self._worker_trainer()
+        worker.model.__dict__["_fl_round"] = plan.round  # the client copy's global_step / current_epoch
+        if worker.epoch_start:
+            worker.model.on_train_epoch_start()
         stats = RoundStatistics()
         healthy: List[ClientUpdate] = []
         failed = 0
+        first_error: Optional[tuple] = None
         my_clients = self._my_clients(plan.client_ids)
         vectorized = self._vectorized_updates(plan, my_clients, global_flat)
         for i, cid in enumerate(my_clients):
@@ -353,6 +474,9 @@ class FederatedLoop(pl.LightningModule):
                 if self.on_client_failure == "raise":
                     raise RuntimeError(f"client {cid} failed in round {plan.round}: {err}") from err
                 update = ClientUpdate(client_id=cid, delta=None, num_samples=0, failed=True, failure=repr(err))
+                stats.add("raised", 1.0, global_flat.device)
+                if first_error is None:
+                    first_error = (cid, err)
             for cb in self._callbacks_with("on_client_end"):
                 cb.on_client_end(self, plan, update)
             if update.failed:
@@ -366,7 +490,9 @@ class FederatedLoop(pl.LightningModule):
             self._accumulate_telemetry(stats, update, global_flat.device)
             healthy.append(update)
         stats.add("failed", float(failed), global_flat.device)
+        stats.add("raised", 0.0, global_flat.device)
         self._reduce(stats)
+        self._check_round_failures(plan, stats, first_error)
         healthy_summaries = self._share_round_state(plan, healthy)
 
         metrics = self._server_step(stats, plan)
@@ -382,11 +508,49 @@ class FederatedLoop(pl.LightningModule):
         )
         for cb in self._callbacks_with("on_round_end"):
             cb.on_round_end(trainer, self, result)
-        worker = self.__dict__["_worker"]
-        if worker is not None:
-            result.metrics.update(worker.router.pop_means())
+        router = worker.router
+        if router.metrics:
+            result.metrics.update(router.compute_metrics())
+        if worker.epoch_end:
+            worker.model.on_train_epoch_end()
+        router.reset_metrics()
+        result.metrics.update(router.pop_means())
         self._log_round(result)
+        mo = self.__dict__["_module_optimizer"]
+        if mo is not None and mo.schedulers and self.client_optimizer is None:
+            metrics = {k: v for k, v in trainer.callback_metrics.items()}
+            metrics.update(result.metrics)
+            if mo.step_schedulers(plan.round, metrics):
+                self.__dict__["_reusable_client_opt"] = None  # its snapshot holds the previous round's lr
         return None
+
+    def _check_round_failures(self, plan: RoundPlan, stats: RoundStatistics, first_error: Optional[tuple]) -> None:
+        """The failure policy's stops (``on_client_failure="skip"``; identical on every process, from the reduced
+        counts): every client raised → the round's first exception, chained; ``max_failed_rounds`` consecutive
+        rounds without a healthy client → ``FloatingPointError``."""
+        n_healthy = float(stats["clients"].item()) if "clients" in stats else 0.0
+        if n_healthy > 0:
+            self.rounds_without_healthy_client = 0
+            return
+        raised = int(stats["raised"].item())
+        if raised and raised == len(plan.client_ids):
+            if first_error is not None:
+                what = f"client {first_error[0]}: {type(first_error[1]).__name__}: {first_error[1]}"
+            else:
+                what = "the exceptions were raised on another process"
+            message = (
+                f"round {plan.round}: every client raised an exception ({what}); this is a bug in the model or the "
+                "data, not a faulty client, so the run stops"
+            )
+            raise RuntimeError(message) from (first_error[1] if first_error is not None else None)
+        self.rounds_without_healthy_client += 1
+        limit = self.max_failed_rounds
+        if limit is not None and self.rounds_without_healthy_client >= limit:
+            raise FloatingPointError(
+                f"round {plan.round}: {self.rounds_without_healthy_client} consecutive rounds without a healthy client "
+                f"(max_failed_rounds={limit}); every client's loss or update was NaN/inf or it failed. Lower the "
+                "client learning rate, clip client gradients (client_grad_clip) or raise max_failed_rounds"
+            )
 
     @staticmethod
     def _accumulate_telemetry(stats: RoundStatistics, u: ClientUpdate, device) -> None:
@@ -538,13 +702,96 @@ class FederatedLoop(pl.LightningModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
 
+    # ================================================================== the user's hooks (README: "What your module sees")
+    # Fit-level and evaluation hooks run on the global model exactly when Lightning calls them on the loop. Training
+    # hooks are mapped by client training instead (fedlightning.user_module.ClientHooks; on_train_epoch_start/_end
+    # once per round on the client working copy), so the loop's own train batch/epoch hooks are not forwarded.
+    def teardown(self, stage: str) -> None:
+        self.model.teardown(stage)
+
+    def configure_callbacks(self):
+        return self.model.configure_callbacks()
+
+    def configure_model(self) -> None:
+        self.model.configure_model()
+
+    def on_fit_start(self) -> None:
+        self.model.on_fit_start()
+
+    def on_fit_end(self) -> None:
+        self.model.on_fit_end()
+
+    def on_train_start(self) -> None:
+        self.model.on_train_start()
+
+    def on_train_end(self) -> None:
+        self.model.on_train_end()
+
+    def on_validation_start(self) -> None:
+        self.model.on_validation_start()
+
+    def on_validation_end(self) -> None:
+        self.model.on_validation_end()
+
+    def on_validation_epoch_start(self) -> None:
+        self.model.on_validation_epoch_start()
+
+    def on_validation_epoch_end(self) -> None:
+        self.model.on_validation_epoch_end()
+
+    def on_validation_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        self.model.on_validation_batch_start(*args, **kwargs)
+
+    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.model.on_validation_batch_end(*args, **kwargs)
+
+    def on_test_start(self) -> None:
+        self.model.on_test_start()
+
+    def on_test_end(self) -> None:
+        self.model.on_test_end()
+
+    def on_test_epoch_start(self) -> None:
+        self.model.on_test_epoch_start()
+
+    def on_test_epoch_end(self) -> None:
+        self.model.on_test_epoch_end()
+
+    def on_test_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        self.model.on_test_batch_start(*args, **kwargs)
+
+    def on_test_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.model.on_test_batch_end(*args, **kwargs)
+
+    def on_predict_start(self) -> None:
+        self.model.on_predict_start()
+
+    def on_predict_end(self) -> None:
+        self.model.on_predict_end()
+
+    def on_predict_epoch_start(self) -> None:
+        self.model.on_predict_epoch_start()
+
+    def on_predict_epoch_end(self) -> None:
+        self.model.on_predict_epoch_end()
+
+    def on_predict_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        self.model.on_predict_batch_start(*args, **kwargs)
+
+    def on_predict_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.model.on_predict_batch_end(*args, **kwargs)
+
     # ================================================================== checkpoint
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        mo = self.__dict__["_module_optimizer"]
         checkpoint["fedlightning"] = {
             "format": 1,
             "client_state": self.client_state.state_dict(),
             "failed_clients_total": self.failed_clients_total,
+            "rounds_without_healthy_client": self.rounds_without_healthy_client,
+            "module_optimizer": mo.state_dict() if mo is not None else None,
         }
+        self.model.on_save_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         fed = checkpoint.get("fedlightning")
@@ -554,3 +801,13 @@ class FederatedLoop(pl.LightningModule):
             raise ValueError(f"unsupported fedlightning checkpoint format {fed.get('format')!r}")
         self.client_state.load_state_dict(fed["client_state"])
         self.failed_clients_total = int(fed.get("failed_clients_total", 0))
+        self.rounds_without_healthy_client = int(fed.get("rounds_without_healthy_client", 0))
+        saved = fed.get("module_optimizer")
+        if saved is not None:
+            mo = self.__dict__["_module_optimizer"]
+            if mo is not None:
+                mo.load_state_dict(saved)
+                self.__dict__["_reusable_client_opt"] = None
+            else:  # restored before setup resolved it (e.g. validate/test): applied when it is built
+                self.__dict__["_pending_module_optimizer_state"] = saved
+        self.model.on_load_checkpoint(checkpoint)

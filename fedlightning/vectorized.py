@@ -272,6 +272,21 @@ def _per_sample_protocol(model: nn.Module) -> Optional[Callable[[Any, int], Tens
     return model.training_step_per_sample
 
 
+def _metric_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return []
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Metric)]
+
+
+def _refuse_metric_update(name: str, *args: Any, **kwargs: Any) -> None:
+    raise VectorizationUnsupportedError(
+        f"the torchmetrics metric '{name}' is updated in training_step, which client_execution='vectorized' cannot "
+        "batch over clients yet; use client_execution='sequential' (or 'auto' to fall back automatically)"
+    )
+
+
 def _has_random_layers(model: nn.Module) -> bool:
     """Dropout layers with p > 0, or stacked RNNs with inter-layer dropout (randomness ``vmap`` must replay)."""
     from torch.nn.modules.dropout import _DropoutNd
@@ -1206,6 +1221,7 @@ class VectorizedClientTrainer:
         self.numels = [p.numel() for _, p in named]
         self.num_params = sum(self.numels)
         self.collector = _LogCollector()
+        self.metric_modules = _metric_modules(model)
         self.per_sample_step = _per_sample_protocol(model)
         self.rnns = _vmappable_rnns(model)
         self.deterministic = not _has_random_layers(model)
@@ -1300,6 +1316,9 @@ class VectorizedClientTrainer:
         model.__dict__["log"], model.__dict__["log_dict"] = self.collector.log, self.collector.log_dict
         for rnn in self.rnns:
             rnn.__dict__["forward"] = functools.partial(_rnn_forward, rnn)
+        saved_updates = [(m, m.__dict__.get("update")) for _, m in self.metric_modules]
+        for name, m in self.metric_modules:
+            m.__dict__["update"] = functools.partial(_refuse_metric_update, name)
         try:
             yield
         finally:
@@ -1308,6 +1327,11 @@ class VectorizedClientTrainer:
             model.__dict__.update(saved)
             for rnn in self.rnns:
                 rnn.__dict__.pop("forward", None)
+            for m, update in saved_updates:
+                if update is None:
+                    m.__dict__.pop("update", None)
+                else:
+                    m.__dict__["update"] = update
 
     def _row_values(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int, cells: bool = False):
         """One value per row of a :class:`_Layout` batch at the row weights ``views`` ([R, ...] each), and the
@@ -1686,6 +1710,12 @@ def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int], globa
 def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> List[ClientUpdate]:
     """Mirror of ``FederatedLoop.train_client`` for all of ``client_ids`` at once."""
     worker = loop._worker_trainer()
+    hooks = getattr(worker, "hooks", None)
+    if hooks is not None:
+        raise VectorizationUnsupportedError(
+            f"{worker.model_name} overrides the per-step hook(s) {', '.join(hooks.overridden)}, which "
+            "client_execution='vectorized' cannot call per client; use client_execution='sequential' (or 'auto')"
+        )
     engine: Optional[VectorizedClientTrainer] = loop.__dict__.get("_vectorized_engine")
     if engine is None or engine.model is not worker.model:
         engine = VectorizedClientTrainer(worker.model, to_device=worker.to_device)

@@ -1,0 +1,331 @@
+"""The user's LightningModule inside federated training: what it sees, which of its hooks run, its optimizer.
+
+The FederatedLoop is the module the Trainer runs; the user's module is its submodule ``loop.model`` (the global
+model) and a private working copy trains the clients. This module holds the pieces that make both behave as the
+user's code expects from Lightning (the table "What your module sees" in the README is the user-facing summary):
+
+* :func:`make_client_copy` turns the working copy into an instance of a thin subclass of the user's class that is
+  attached to the Trainer, reports the round as ``global_step`` / ``current_epoch``, and refuses the manual
+  optimisation API (``optimizers()``, ``lr_schedulers()``, ``manual_backward()``) with an error naming it: the loop
+  runs the client optimizer itself.
+* :class:`ClientHooks` lists the per-local-step hooks the user's class overrides (only those are called).
+* :class:`ModuleOptimizer` builds the client optimizer from the module's own ``configure_optimizers()``.
+* :class:`MetricStates` saves and restores torchmetrics states around a line search's trial evaluations.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor, nn
+
+__all__ = [
+    "ClientHooks",
+    "FederatedContractError",
+    "MetricStates",
+    "ModuleOptimizer",
+    "STEP_HOOKS",
+    "make_client_copy",
+]
+
+
+class FederatedContractError(RuntimeError):
+    """The user's module uses a part of Lightning's API that federated client training cannot provide."""
+
+
+_MANUAL_OPTIMIZATION = (
+    "{cls}.{name}() is not available during federated client training: the FederatedLoop runs the client "
+    "optimizer itself (one optimizer step per local step; define the optimizer in configure_optimizers() or set "
+    "model.client_optimizer). Use automatic optimization in training_step (return the loss)."
+)
+
+
+def _refuse(name: str):
+    def method(self, *args: Any, **kwargs: Any):
+        raise FederatedContractError(_MANUAL_OPTIMIZATION.format(cls=type(self).__qualname__, name=name))
+
+    method.__name__ = name
+    return method
+
+
+def _round_property(doc: str):
+    return property(lambda self: int(self.__dict__.get("_fl_round", 0)), doc=doc)
+
+
+_CLIENT_CLASSES: Dict[type, type] = {}
+
+
+def _client_class(cls: type) -> type:
+    """A subclass of the user's class with the client-training view of the Trainer (cached per class)."""
+    sub = _CLIENT_CLASSES.get(cls)
+    if sub is None:
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "global_step": _round_property("The communication round (the number of server steps taken so far)."),
+            "current_epoch": _round_property(
+                "The communication round: one round is one epoch of client-side training (on_train_epoch_start / "
+                "on_train_epoch_end run once per round)."
+            ),
+            "optimizers": _refuse("optimizers"),
+            "lr_schedulers": _refuse("lr_schedulers"),
+            "manual_backward": _refuse("manual_backward"),
+            "toggle_optimizer": _refuse("toggle_optimizer"),
+            "untoggle_optimizer": _refuse("untoggle_optimizer"),
+        }
+        sub = type(cls.__name__, (cls,), namespace)
+        _CLIENT_CLASSES[cls] = sub
+    return sub
+
+
+def make_client_copy(work: pl.LightningModule, trainer: Optional["pl.Trainer"]) -> pl.LightningModule:
+    """Give the client working copy (a deep copy of the global model) the view of the Trainer that client training
+    provides: attached to ``trainer`` (``self.trainer``, ``self.logger``, ``self.device``, ``self.hparams`` work as
+    in Lightning), ``global_step`` and ``current_epoch`` equal to the round (set by the loop as ``_fl_round``), and
+    the manual-optimisation API refused by name. ``type(work).__name__`` and ``isinstance`` checks are unchanged."""
+    work.__class__ = _client_class(type(work))
+    work.__dict__["_fl_round"] = 0
+    if trainer is not None:
+        work.trainer = trainer  # LightningModule's setter also attaches nested LightningModules
+    return work
+
+
+#: Per-local-step hooks, in the order client training calls them (see :class:`ClientHooks`).
+STEP_HOOKS = (
+    "on_train_batch_start",
+    "on_before_batch_transfer",
+    "transfer_batch_to_device",
+    "on_after_batch_transfer",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+)
+#: Hooks that need the loss before ``backward``: closure-based optimizers run ``backward`` themselves.
+_BACKWARD_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+
+
+class ClientHooks:
+    """The per-local-step hooks that ``model``'s class overrides; client training calls only these.
+
+    Mapping (one local step of one client = one Lightning training batch), in call order::
+
+        on_train_batch_start(batch, k)        # returning -1 ends this client's local steps for the round
+        batch = on_before_batch_transfer(batch, 0) -> transfer_batch_to_device(batch, device, 0)
+                -> on_after_batch_transfer(batch, 0)      # only if one of the three is overridden
+        on_before_zero_grad(optimizer); gradients cleared
+        loss = training_step(batch, k)
+        on_before_backward(loss); loss.backward(); on_after_backward()
+        on_before_optimizer_step(optimizer)   # before client gradient clipping, as in Lightning
+        optimizer.step()
+        on_train_batch_end(outputs, batch, k) # outputs: what training_step returned (its loss detached)
+
+    ``k`` is the local step index (the ``batch_idx`` training_step receives). With a closure-based client optimizer
+    (``requires_closure``: SgdArmijo, SPS, DecSPS) the optimizer runs ``backward`` itself, possibly several times per
+    step; overriding ``on_before_backward`` / ``on_after_backward`` / ``on_before_optimizer_step`` is then refused at
+    setup (:meth:`check_optimizer`) rather than called at a different point than Lightning documents.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.overridden = tuple(h for h in STEP_HOOKS if is_overridden(h, model, pl.LightningModule))
+        o = set(self.overridden)
+        self.batch_start = "on_train_batch_start" in o
+        self.transfer = bool(o & {"on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"})
+        self.zero_grad = "on_before_zero_grad" in o
+        self.before_backward = "on_before_backward" in o
+        self.after_backward = "on_after_backward" in o
+        self.before_step = "on_before_optimizer_step" in o
+        self.batch_end = "on_train_batch_end" in o
+        self.any = bool(self.overridden)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer, model_name: str) -> None:
+        if not getattr(optimizer, "requires_closure", False):
+            return
+        bad = [h for h in _BACKWARD_HOOKS if h in self.overridden]
+        if bad:
+            raise ValueError(
+                f"{model_name} overrides {', '.join(bad)}, which client training cannot call with the closure-based "
+                f"client optimizer {type(optimizer).__name__} (it runs backward itself, several times per line "
+                "search); remove the hook or use a torch.optim client optimizer"
+            )
+
+    def transfer_batch(self, model: pl.LightningModule, batch: Any) -> Any:
+        batch = model.on_before_batch_transfer(batch, 0)
+        batch = model.transfer_batch_to_device(batch, model.device, 0)
+        return model.on_after_batch_transfer(batch, 0)
+
+
+# ====================================================================== the module's own optimizer
+class ModuleOptimizer:
+    """Client optimizer factory from the user module's ``configure_optimizers()`` (``client_optimizer`` omitted).
+
+    Every return form Lightning accepts is parsed by Lightning's own parser: an optimizer, a list or tuple with one
+    optimizer, ``([optimizer], [scheduler])``, a dict with ``optimizer`` and optional ``lr_scheduler`` (a scheduler
+    or a scheduler dict with ``monitor``, ``frequency``, ``strict``), a list of such dicts. Decisions:
+
+    * Several optimizers are refused (one client optimizer per local step; ours).
+    * A *template* is built once on the global model; its learning-rate scheduler(s) are stepped once per round by
+      :meth:`step_schedulers` (a round is the scheduler's step and epoch alike; ``frequency`` counts rounds;
+      ``ReduceLROnPlateau`` reads its ``monitor`` from ``trainer.callback_metrics``). The round's client optimizers
+      use the template's current param-group hyper-parameters, so round ``r`` trains with the learning rate after
+      ``r`` scheduler steps. The template's groups and the schedulers are checkpointed (:meth:`state_dict`).
+    * Each client's optimizer is rebuilt by calling ``configure_optimizers()`` on the client working copy (so every
+      constructor argument, parameter group and custom optimizer class is exactly the user's), then given the
+      template's hyper-parameters; a scheduler built there is discarded. The loop may reuse and reset a
+      ``torch.optim`` optimizer between sequential clients exactly as with ``client_optimizer``.
+    """
+
+    def __init__(self, model: pl.LightningModule):
+        self.model_name = type(model).__qualname__
+        optimizer, self.schedulers = self._parse(model)
+        self.template = optimizer
+        self._modules: List[Tuple[Tensor, pl.LightningModule]] = [(self._first_param(model), model)]
+
+    # ------------------------------------------------------------------ parsing
+    def _parse(self, model: pl.LightningModule):
+        from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
+
+        conf = model.configure_optimizers()
+        if conf is None:
+            raise ValueError(
+                f"{self.model_name}.configure_optimizers() returned None and model.client_optimizer is not set: "
+                "there is no client optimizer; return one from configure_optimizers() or set model.client_optimizer"
+            )
+        try:
+            optimizers, schedulers, monitor = _configure_optimizers(conf)
+            configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+        except Exception as err:  # Lightning's MisconfigurationException: name the method
+            raise ValueError(f"{self.model_name}.configure_optimizers(): {err}") from err
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"{self.model_name}.configure_optimizers() returned {len(optimizers)} optimizers; federated client "
+                "training uses exactly one client optimizer (return one, or set model.client_optimizer)"
+            )
+        for cfg in configs:
+            if cfg.scheduler.optimizer is not optimizers[0]:
+                raise ValueError(f"{self.model_name}.configure_optimizers(): a scheduler is not attached to its optimizer")
+        return optimizers[0], configs
+
+    @staticmethod
+    def _first_param(model: nn.Module) -> Optional[Tensor]:
+        return next((p for p in model.parameters() if p.requires_grad), None)
+
+    def register(self, model: pl.LightningModule) -> None:
+        """Make ``model`` (a copy of the global model: the client working copy) buildable by :meth:`__call__`."""
+        self._modules = [m for m in self._modules if m[1] is not model] + [(self._first_param(model), model)]
+
+    # ------------------------------------------------------------------ the factory
+    def __call__(self, params: Sequence[Tensor]) -> torch.optim.Optimizer:
+        params = list(params)
+        first = params[0] if params else None
+        model = next((m for p, m in self._modules if p is first), None)
+        if model is None:
+            raise ValueError(
+                f"the client optimizer comes from {self.model_name}.configure_optimizers() and can only be built for "
+                "the global model or its client working copy"
+            )
+        opt = self.template if model is self._modules[0][1] else self._parse(model)[0]
+        if opt is not self.template:
+            if len(opt.param_groups) != len(self.template.param_groups):
+                raise ValueError(
+                    f"{self.model_name}.configure_optimizers() returned {len(opt.param_groups)} parameter groups on "
+                    f"the client copy but {len(self.template.param_groups)} on the global model"
+                )
+            for group, tmpl in zip(opt.param_groups, self.template.param_groups):
+                for k, v in tmpl.items():
+                    if k != "params":
+                        group[k] = v.clone() if isinstance(v, Tensor) else v
+        return opt
+
+    @property
+    def cls(self) -> type:
+        return type(self.template)
+
+    # ------------------------------------------------------------------ schedule
+    def step_schedulers(self, round: int, metrics: Dict[str, Any]) -> bool:
+        """Step the schedulers after round ``round`` (0-based); True if any learning rate may have changed."""
+        stepped = False
+        for cfg in self.schedulers:
+            if (round + 1) % max(int(cfg.frequency), 1):
+                continue
+            if cfg.reduce_on_plateau:
+                value = metrics.get(cfg.monitor)
+                if value is None:
+                    if cfg.strict:
+                        raise ValueError(
+                            f"{self.model_name}.configure_optimizers(): ReduceLROnPlateau monitors {cfg.monitor!r}, "
+                            f"which is not among the round's metrics {sorted(metrics)}; set 'strict': False to skip "
+                            "rounds without it"
+                        )
+                    continue
+                cfg.scheduler.step(float(value))
+            else:
+                cfg.scheduler.step()
+            stepped = True
+        return stepped
+
+    def state_dict(self) -> Dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.template.param_groups]
+        return {"param_groups": groups, "schedulers": [c.scheduler.state_dict() for c in self.schedulers]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        groups = state.get("param_groups", [])
+        if len(groups) != len(self.template.param_groups) or len(state.get("schedulers", [])) != len(self.schedulers):
+            raise ValueError(
+                f"the checkpoint's client optimizer ({len(groups)} parameter groups, {len(state.get('schedulers', []))} "
+                f"schedulers) does not match {self.model_name}.configure_optimizers() "
+                f"({len(self.template.param_groups)} groups, {len(self.schedulers)} schedulers)"
+            )
+        for g, saved in zip(self.template.param_groups, groups):
+            g.update(saved)
+        for cfg, saved in zip(self.schedulers, state["schedulers"]):
+            cfg.scheduler.load_state_dict(saved)
+
+
+# ====================================================================== torchmetrics around trial evaluations
+class MetricStates:
+    """Snapshot and restore of every torchmetrics ``Metric`` in a model.
+
+    A line search evaluates ``training_step`` at trial points (without gradients); a metric updated there would count
+    each of those batches again. The client's trial closure saves the metric states before such a call and restores
+    them after, as it does for buffers, so a metric sees each local step's batch once, at the gradient evaluation.
+    """
+
+    def __init__(self, model: nn.Module):
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover - torchmetrics is a dependency
+            self.metrics: List[Any] = []
+            return
+        self.metrics = [m for m in model.modules() if isinstance(m, Metric)]
+
+    def __bool__(self) -> bool:
+        return bool(self.metrics)
+
+    def save(self) -> List[Tuple[Any, Dict[str, Any]]]:
+        out = []
+        for m in self.metrics:
+            state = {k: _clone(getattr(m, k)) for k in m._defaults}
+            state["_update_count"] = m._update_count
+            state["_computed"] = m._computed
+            out.append((m, state))
+        return out
+
+    @staticmethod
+    def restore(saved: List[Tuple[Any, Dict[str, Any]]]) -> None:
+        for m, state in saved:
+            for k, v in state.items():
+                setattr(m, k, v)
+
+
+def _clone(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return v.clone()
+    if isinstance(v, list):
+        return [t.clone() if isinstance(t, Tensor) else t for t in v]
+    return v

@@ -1,0 +1,496 @@
+"""A LightningModule written as a user would (no knowledge of fedlightning), run federatedly.
+
+Each test compares against an independent computation: a hand-written reference loop, plain Lightning on the same
+weights, or counts recorded outside the code under test.
+"""
+
+import copy
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FedAvg
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
+from fedlightning.optim import SgdArmijo
+from fedlightning.user_module import FederatedContractError
+
+
+class UserNet(pl.LightningModule):
+    """What a researcher writes: reads the trainer, logs a torchmetrics metric, owns its optimizer."""
+
+    def __init__(self, lr: float = 0.1, warmup_rounds: int = 2, hidden: int = 16):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+        self.test_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+        self.seen = []  # (global_step, current_epoch, batch_idx, correct, total) of every gradient evaluation
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        scale = min(1.0, (self.trainer.global_step + 1) / self.hparams.warmup_rounds)  # warm-up idiom
+        if torch.is_grad_enabled():
+            correct = int((logits.argmax(-1) == y).sum())
+            self.seen.append((self.global_step, self.current_epoch, batch_idx, correct, len(y)))
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc)
+        return scale * F.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.val_acc.update(logits, y)
+        self.log("val_loss", F.cross_entropy(logits, y))
+
+    def on_validation_epoch_end(self):
+        self.log("val_acc_epoch", self.val_acc.compute())
+        self.val_acc.reset()
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.test_acc.update(self(x), y)
+
+    def on_test_epoch_end(self):
+        self.log("test_acc_epoch", self.test_acc.compute())
+        self.test_acc.reset()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def _dm(**kw):
+    return DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1, **kw)
+
+
+def _reference(net, dm, rounds, cpr, k, lr, seed, warmup=2, lrs=None):
+    """FedAvg (sample-weighted) with plain SGD and the warm-up scale, in plain PyTorch."""
+    dm.setup("fit")
+    dm.configure_rounds(cpr, k, seed)
+    glob = [p.detach().clone() for p in net.parameters()]
+    names = [n for n, _ in net.named_parameters()]
+    for r in range(rounds):
+        scale = min(1.0, (r + 1) / warmup)
+        lr_r = lrs[r] if lrs is not None else lr
+        sums = [torch.zeros_like(g) for g in glob]
+        total = 0.0
+        for cid in dm.sample_clients(r):
+            w = [g.clone().requires_grad_(True) for g in glob]
+            loader = dm.client_dataloader(cid, r, seed=seed)
+            it = iter(loader)
+            for _ in range(k):
+                try:
+                    x, y = next(it)
+                except StopIteration:
+                    it = iter(loader)
+                    x, y = next(it)
+                out = torch.func.functional_call(net, dict(zip(names, w)), (x,))
+                grads = torch.autograd.grad(scale * F.cross_entropy(out, y), w)
+                w = [(wi - lr_r * gi).detach().requires_grad_(True) for wi, gi in zip(w, grads)]
+            n = float(dm.client_num_samples(cid))
+            total += n
+            for s, g, wi in zip(sums, glob, w):
+                s += n * (g - wi.detach())
+        glob = [g - s / total for g, s in zip(glob, sums)]
+    return glob
+
+
+class _Record(pl.Callback):
+    def __init__(self):
+        self.rounds = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rounds.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+# ====================================================================== 1. attached to the Trainer
+def test_user_module_sees_the_trainer_and_trains_like_the_reference_loop():
+    torch.manual_seed(0)
+    model = UserNet(lr=0.2)
+    init = copy.deepcopy(model.net)
+    loop = FederatedLoop(model, local_steps=3, clients_per_round=4, seed=5)  # client_optimizer omitted
+    trainer = make_trainer(3, callbacks=[FedAvg()])
+    trainer.fit(loop, datamodule=_dm())
+    worker = loop._worker_trainer().model
+    # global_step and current_epoch are the round inside training_step; the loss's warm-up scale read them
+    assert sorted({(g, e) for g, e, *_ in worker.seen}) == [(0, 0), (1, 1), (2, 2)]
+    assert len(worker.seen) == 3 * 4 * 3
+    assert worker.trainer is trainer and worker.logger is trainer.logger and worker.hparams.lr == 0.2
+    assert worker.device == torch.device("cpu")
+    ref = _reference(init, _dm(), rounds=3, cpr=4, k=3, lr=0.2, seed=5)
+    for got, want in zip(loop.model.net.parameters(), ref):
+        torch.testing.assert_close(got.detach(), want, atol=1e-6, rtol=0)
+
+
+def test_manual_optimization_api_is_refused_by_name_and_stops_the_run():
+    class Manual(UserNet):
+        def training_step(self, batch, batch_idx):
+            self.optimizers()
+            return super().training_step(batch, batch_idx)
+
+    loop = FederatedLoop(Manual(), local_steps=2, clients_per_round=3)
+    with pytest.raises(RuntimeError, match="every client raised") as info:
+        make_trainer(2).fit(loop, datamodule=_dm())
+    assert isinstance(info.value.__cause__, FederatedContractError)
+    assert "Manual.optimizers() is not available" in str(info.value.__cause__)
+
+
+def test_manual_optimization_module_is_refused_at_setup():
+    class Manual(UserNet):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match="automatic_optimization = False"):
+        make_trainer(1).fit(FederatedLoop(Manual(), local_steps=1, clients_per_round=2), datamodule=_dm())
+
+
+# ====================================================================== 2. hooks
+class Hooked(UserNet):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = []
+
+    def setup(self, stage):
+        self.calls.append(("setup", stage))
+
+    def on_fit_start(self):
+        self.calls.append(("on_fit_start",))
+
+    def on_train_start(self):
+        self.calls.append(("on_train_start",))
+
+    def on_train_end(self):
+        self.calls.append(("on_train_end",))
+
+    def on_train_epoch_start(self):
+        self.calls.append(("epoch_start", self.current_epoch))
+
+    def on_train_epoch_end(self):
+        self.calls.append(("epoch_end", self.current_epoch))
+
+    def on_validation_epoch_start(self):
+        self.calls.append(("val_epoch_start", self.global_step))
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.calls.append(("batch_start", batch_idx))
+
+    def on_before_zero_grad(self, optimizer):
+        self.calls.append(("zero_grad",))
+
+    def on_before_backward(self, loss):
+        self.calls.append(("before_backward", float(loss.detach())))
+
+    def on_after_backward(self):
+        self.calls.append(("after_backward", all(p.grad is not None for p in self.net.parameters())))
+
+    def on_before_optimizer_step(self, optimizer):
+        self.calls.append(("before_step", optimizer.param_groups[0]["lr"]))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.calls.append(("batch_end", batch_idx, float(outputs["loss"])))
+
+
+def test_hooks_run_once_per_fit_per_round_and_per_local_step():
+    torch.manual_seed(0)
+    model = Hooked(lr=0.1)
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=1)
+    trainer = make_trainer(2, limit_val_batches=1, val_check_interval=1, check_val_every_n_epoch=None)
+    trainer.fit(loop, datamodule=_dm())
+    glob = [c for c in model.calls if c[0] != "val_epoch_start"]
+    assert glob == [("setup", "fit"), ("on_fit_start",), ("on_train_start",), ("on_train_end",)]
+    # Lightning's sanity check, then after rounds 1 and 2
+    assert [c for c in model.calls if c[0] == "val_epoch_start"] == [("val_epoch_start", s) for s in (0, 1, 2)]
+    client = loop._worker_trainer().model.calls
+    # the working copy was copied after setup: its record starts with the global model's first calls
+    client = [c for c in client if c[0] not in ("setup", "on_fit_start", "on_train_start", "val_epoch_start")]
+    per_step = ["batch_start", "zero_grad", "before_backward", "after_backward", "before_step", "batch_end"]
+    expected = []
+    for r in range(2):
+        expected.append(("epoch_start", r))
+        for _client in range(3):
+            for k in range(2):
+                expected += [(name, k) if name in ("batch_start",) else (name,) for name in per_step]
+        expected.append(("epoch_end", r))
+    got = [(c[0], c[1]) if c[0] in ("epoch_start", "epoch_end", "batch_start") else (c[0],) for c in client]
+    assert got == expected
+    assert all(c[1] for c in client if c[0] == "after_backward")  # gradients exist after backward
+    assert all(c[1] == 0.1 for c in client if c[0] == "before_step")
+    # outputs["loss"] of on_train_batch_end is the loss on_before_backward saw
+    before = [c[1] for c in client if c[0] == "before_backward"]
+    after = [c[2] for c in client if c[0] == "batch_end"]
+    assert before == after
+
+
+def test_on_train_batch_start_minus_one_ends_the_clients_local_steps():
+    class StopAfterOne(UserNet):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 1 else None
+
+    torch.manual_seed(0)
+    a = StopAfterOne()
+    b = UserNet()
+    b.load_state_dict(a.state_dict())
+    make_trainer(2).fit(FederatedLoop(a, local_steps=4, clients_per_round=3, seed=2), datamodule=_dm())
+    make_trainer(2).fit(FederatedLoop(b, local_steps=1, clients_per_round=3, seed=2), datamodule=_dm())
+    for p, q in zip(a.net.parameters(), b.net.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_backward_hooks_with_a_closure_optimizer_are_refused_at_setup():
+    class WithHook(UserNet):
+        def on_after_backward(self):
+            pass
+
+        def configure_optimizers(self):
+            return SgdArmijo(self.parameters())
+
+    with pytest.raises(ValueError, match="on_after_backward.*SgdArmijo"):
+        make_trainer(1).fit(FederatedLoop(WithHook(), local_steps=1, clients_per_round=2), datamodule=_dm())
+
+
+def test_evaluation_hooks_match_plain_lightning_on_the_same_weights():
+    torch.manual_seed(0)
+    model = UserNet()
+    dm = _dm()
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3)
+    trainer = make_trainer(2, limit_val_batches=None)
+    trainer.fit(loop, datamodule=dm)
+    fed_val = trainer.validate(loop, datamodule=dm, verbose=False)[0]
+    fed_test = trainer.test(loop, datamodule=dm, verbose=False)[0]
+    plain = UserNet()
+    plain.load_state_dict(model.state_dict())
+    pt = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    ref_val = pt.validate(plain, dataloaders=dm.val_dataloader(), verbose=False)[0]
+    ref_test = pt.test(plain, dataloaders=dm.test_dataloader(), verbose=False)[0]
+    assert fed_val["val_acc_epoch"] == pytest.approx(ref_val["val_acc_epoch"], abs=1e-7)
+    assert fed_val["val_loss"] == pytest.approx(ref_val["val_loss"], abs=1e-6)
+    assert fed_test["test_acc_epoch"] == pytest.approx(ref_test["test_acc_epoch"], abs=1e-7)
+
+
+# ====================================================================== 3. the module's optimizer
+@pytest.mark.parametrize("form", ["optimizer", "list", "dict", "tuple_of_lists"])
+def test_configure_optimizers_forms_define_the_client_optimizer(form):
+    class Forms(UserNet):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.5)
+            return {"optimizer": opt, "list": [opt], "dict": {"optimizer": opt}, "tuple_of_lists": ([opt], [])}[form]
+
+    torch.manual_seed(0)
+    a = Forms()
+    b = UserNet()
+    b.load_state_dict(a.state_dict())
+    make_trainer(2).fit(FederatedLoop(a, local_steps=3, clients_per_round=3, seed=4), datamodule=_dm())
+    explicit = lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5)  # noqa: E731
+    make_trainer(2).fit(FederatedLoop(b, explicit, local_steps=3, clients_per_round=3, seed=4), datamodule=_dm())
+    moved = sum(float((p - q).abs().sum()) for p, q in zip(a.net.parameters(), UserNet().net.parameters()))
+    assert moved > 0
+    for p, q in zip(a.net.parameters(), b.net.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_explicit_client_optimizer_wins_over_configure_optimizers():
+    torch.manual_seed(0)
+    a = UserNet(lr=5.0)  # configure_optimizers would use lr 5
+    init = copy.deepcopy(a.net)
+    loop = FederatedLoop(a, lambda p: torch.optim.SGD(p, lr=0.2), local_steps=2, clients_per_round=3, seed=3)
+    make_trainer(2).fit(loop, datamodule=_dm())
+    ref = _reference(init, _dm(), rounds=2, cpr=3, k=2, lr=0.2, seed=3)
+    for got, want in zip(a.net.parameters(), ref):
+        torch.testing.assert_close(got.detach(), want, atol=1e-6, rtol=0)
+
+
+def test_custom_optimizer_arguments_survive_the_rebuild_per_client():
+    class Armijo(UserNet):
+        def configure_optimizers(self):
+            return SgdArmijo(self.parameters(), eta_max=2.0, c=0.2, carry_step_size=True)
+
+    torch.manual_seed(0)
+    a = Armijo()
+    b = UserNet()
+    b.load_state_dict(a.state_dict())
+    explicit = lambda p: SgdArmijo(p, eta_max=2.0, c=0.2, carry_step_size=True)  # noqa: E731
+    make_trainer(3).fit(FederatedLoop(a, local_steps=3, clients_per_round=3, seed=4), datamodule=_dm())
+    make_trainer(3).fit(FederatedLoop(b, explicit, local_steps=3, clients_per_round=3, seed=4), datamodule=_dm())
+    for p, q in zip(a.net.parameters(), b.net.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+class Scheduled(UserNet):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+def test_lr_scheduler_is_stepped_once_per_round():
+    torch.manual_seed(0)
+    model = Scheduled(lr=0.4)
+    init = copy.deepcopy(model.net)
+    rec = _Record()
+    make_trainer(3, callbacks=[rec]).fit(FederatedLoop(model, local_steps=2, clients_per_round=3, seed=6),
+                                         datamodule=_dm())
+    assert [r["client/step_size_mean"] for r in rec.rounds] == pytest.approx([0.4, 0.2, 0.1])
+    ref = _reference(init, _dm(), rounds=3, cpr=3, k=2, lr=None, seed=6, lrs=[0.4, 0.2, 0.1])
+    for got, want in zip(model.net.parameters(), ref):
+        torch.testing.assert_close(got.detach(), want, atol=1e-6, rtol=0)
+
+
+def test_lr_scheduler_state_is_resumed(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    full = Scheduled(lr=0.4)
+    part = Scheduled(lr=0.4)
+    part.load_state_dict(full.state_dict())
+    make_trainer(4).fit(FederatedLoop(full, local_steps=2, clients_per_round=3, seed=6), datamodule=_dm())
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    make_trainer(2, callbacks=[ckpt], enable_checkpointing=True).fit(
+        FederatedLoop(part, local_steps=2, clients_per_round=3, seed=6), datamodule=_dm())
+    resumed = Scheduled(lr=0.4)
+    rec = _Record()
+    make_trainer(4, callbacks=[rec]).fit(FederatedLoop(resumed, local_steps=2, clients_per_round=3, seed=6),
+                                         datamodule=_dm(), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert [r["client/step_size_mean"] for r in rec.rounds] == pytest.approx([0.1, 0.05])
+    for p, q in zip(resumed.net.parameters(), full.net.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_optimizer_misconfigurations_are_clear_errors():
+    class Two(UserNet):
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.Adam(self.parameters())]
+
+    class NoOptimizer(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 10)
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.lin(batch[0]), batch[1])
+
+    with pytest.raises(ValueError, match="returned 2 optimizers"):
+        make_trainer(1).fit(FederatedLoop(Two(), local_steps=1, clients_per_round=2), datamodule=_dm())
+    with pytest.raises(ValueError, match="NoOptimizer does not define configure_optimizers"):
+        make_trainer(1).fit(FederatedLoop(NoOptimizer(), local_steps=1, clients_per_round=2), datamodule=_dm())
+
+
+# ====================================================================== 4. training metrics
+@pytest.mark.parametrize("optimizer", ["sgd", "armijo"])
+def test_torchmetrics_metric_in_training_step_is_a_round_metric(optimizer):
+    torch.manual_seed(0)
+    model = UserNet()
+    factory = (lambda p: torch.optim.SGD(p, lr=0.1)) if optimizer == "sgd" else (lambda p: SgdArmijo(p))
+    rec = _Record()
+    loop = FederatedLoop(model, factory, local_steps=3, clients_per_round=4, seed=2)
+    make_trainer(3, callbacks=[rec]).fit(loop, datamodule=_dm())
+    seen = loop._worker_trainer().model.seen  # only gradient evaluations (a line search's trials excluded)
+    for r in range(3):
+        steps = [s for s in seen if s[0] == r]
+        assert len(steps) == 4 * 3
+        want = sum(s[3] for s in steps) / sum(s[4] for s in steps)
+        assert rec.rounds[r]["client/train_acc"] == pytest.approx(want, abs=1e-6)
+
+
+# ====================================================================== 5. failures that are bugs
+def test_a_bug_in_every_client_stops_the_run_with_the_exception_chained():
+    class Buggy(UserNet):
+        def training_step(self, batch, batch_idx):
+            return {"los": super().training_step(batch, batch_idx)}["loss"]
+
+    with pytest.raises(RuntimeError, match=r"round 0: every client raised an exception \(client \d+: KeyError") as e:
+        make_trainer(3).fit(FederatedLoop(Buggy(), local_steps=1, clients_per_round=2), datamodule=_dm())
+    assert isinstance(e.value.__cause__, KeyError)
+
+
+def test_one_failing_client_is_still_skipped():
+    class FailsOnce(UserNet):
+        calls = 0
+
+        def training_step(self, batch, batch_idx):
+            self.calls += 1
+            if self.calls == 1:  # the first client of round 0
+                raise KeyError("client data")
+            return super().training_step(batch, batch_idx)
+
+    rec = _Record()
+    with pytest.warns(UserWarning, match=r"round 0: client \d+ skipped \(KeyError\('client data'\)\)"):
+        make_trainer(2, callbacks=[rec]).fit(FederatedLoop(FailsOnce(), local_steps=1, clients_per_round=3),
+                                             datamodule=_dm())
+    assert [(r["round/failed_clients"], r["round/clients"]) for r in rec.rounds] == [(1, 2), (0, 3)]
+
+
+def test_consecutive_diverged_rounds_stop_after_max_failed_rounds():
+    torch.manual_seed(0)
+    model = UserNet(lr=float("inf"))
+    before = [p.detach().clone() for p in model.parameters()]
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3, max_failed_rounds=3)
+    trainer = make_trainer(10)
+    with pytest.raises(FloatingPointError, match=r"round 2: 3 consecutive rounds without a healthy client"):
+        trainer.fit(loop, datamodule=_dm())
+    for p, q in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach(), q, atol=0, rtol=0)  # the global model was never corrupted
+    tolerant = FederatedLoop(UserNet(lr=float("inf")), local_steps=2, clients_per_round=3, max_failed_rounds=None)
+    with pytest.warns(UserWarning, match="no healthy client"):
+        make_trainer(4).fit(tolerant, datamodule=_dm())
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_max_failed_rounds_is_validated(bad):
+    with pytest.raises(ValueError, match="max_failed_rounds"):
+        FederatedLoop(UserNet(), max_failed_rounds=bad)
+
+
+# ====================================================================== vectorized mode
+def test_vectorized_runs_a_trainer_reading_module_and_refuses_what_it_cannot_batch():
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    class NoMetric(UserNet):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            scale = min(1.0, (self.trainer.global_step + 1) / self.hparams.warmup_rounds)
+            return scale * F.cross_entropy(self(x), y)
+
+    torch.manual_seed(0)
+    a = NoMetric()
+    b = NoMetric()
+    b.load_state_dict(a.state_dict())
+    make_trainer(3).fit(FederatedLoop(a, local_steps=2, clients_per_round=3, seed=1,
+                                      client_execution="vectorized"), datamodule=_dm())
+    make_trainer(3).fit(FederatedLoop(b, local_steps=2, clients_per_round=3, seed=1), datamodule=_dm())
+    for p, q in zip(a.net.parameters(), b.net.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0)
+    class MetricOnly(UserNet):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            logits = self(x)
+            self.train_acc(logits, y)
+            self.log("train_acc", self.train_acc)
+            return F.cross_entropy(logits, y)
+
+    with pytest.raises(VectorizationUnsupportedError, match="'train_acc' is updated in training_step"):
+        make_trainer(1).fit(FederatedLoop(MetricOnly(), local_steps=1, clients_per_round=2,
+                                          client_execution="vectorized"), datamodule=_dm())
+    with pytest.raises(VectorizationUnsupportedError, match="per-step hook"):
+        make_trainer(1).fit(FederatedLoop(Hooked(), local_steps=1, clients_per_round=2,
+                                          client_execution="vectorized"), datamodule=_dm())
+    # auto falls back to sequential and gives the sequential result
+    torch.manual_seed(0)
+    c, d = MetricOnly(), MetricOnly()
+    d.load_state_dict(c.state_dict())
+    with pytest.warns(UserWarning, match="training clients sequentially"):
+        make_trainer(2).fit(FederatedLoop(c, local_steps=2, clients_per_round=3, client_execution="auto"),
+                            datamodule=_dm())
+    make_trainer(2).fit(FederatedLoop(d, local_steps=2, clients_per_round=3), datamodule=_dm())
+    for p, q in zip(c.net.parameters(), d.net.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
