@@ -60,6 +60,8 @@ class _LogRouter:
         self.mode = mode
         self.captured: Dict[str, List[Tensor]] = {}
         self.metrics: Dict[str, Any] = {}  # name -> torchmetrics Metric logged in training_step
+        self.metric_paths: Dict[str, str] = {}  # name -> the metric's module path in the working copy
+        self.module: Optional[torch.nn.Module] = None  # the working copy (capture mode)
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self.mode == "forward":
@@ -68,7 +70,10 @@ class _LogRouter:
         if not torch.is_grad_enabled():  # a line search's trial evaluation (fedlightning.optim): not a training step
             return
         if _is_metric(value):
-            self.metrics[name] = value
+            if name not in self.metrics:
+                self.metrics[name] = value
+                if self.module is not None:
+                    self.metric_paths[name] = next((p for p, m in self.module.named_modules() if m is value), "")
             return
         if isinstance(value, (int, float)):
             value = torch.tensor(float(value))
@@ -98,6 +103,13 @@ class _LogRouter:
                 )
             out[f"client/{name}"] = float(value)
         return out
+
+    def adopt_metrics(self, paths: Dict[str, str]) -> None:
+        """Metrics another process logged (a process whose clients have not logged them yet must still compute)."""
+        for name, path in paths.items():
+            if name not in self.metrics and path and self.module is not None:
+                self.metrics[name] = self.module.get_submodule(path)
+                self.metric_paths[name] = path
 
     def reset_metrics(self) -> None:
         for metric in self.metrics.values():
@@ -336,6 +348,7 @@ class FederatedLoop(pl.LightningModule):
 
             make_client_copy(work, trainer_ref)
             router = _LogRouter(self, "capture")
+            router.module = work
             _install_router(work, router)
             to_device = (lambda b: b) if self.device.type == "cpu" else (lambda b: move_data_to_device(b, self.device))
             hooks = ClientHooks(work)
@@ -581,12 +594,14 @@ class FederatedLoop(pl.LightningModule):
 
         dirty = self.client_state.pop_dirty()
         dirty_cpu = {k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()} for k, d in dirty.items()}
-        everything = all_gather_objects((mine, dirty_cpu))
+        router = self._worker_trainer().router
+        everything = all_gather_objects((mine, dirty_cpu, dict(router.metric_paths)))
         summaries: List[tuple] = []
-        for rank, (theirs, entries) in enumerate(everything):
+        for rank, (theirs, entries, metric_paths) in enumerate(everything):
             summaries.extend(theirs)
             if rank != self.trainer.global_rank:
                 self.client_state.update_from(entries)
+                router.adopt_metrics(metric_paths)  # every process computes (a collective) the same metrics
         return sorted(summaries)
 
     def _reduce(self, stats: RoundStatistics) -> None:

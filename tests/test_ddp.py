@@ -22,7 +22,7 @@ def _run(tmp_path, devices, setup, rounds=3, extra=()):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("setup", ["fedavg", "fedexp_sls", "decsps", "scaffold"])
+@pytest.mark.parametrize("setup", ["fedavg", "fedexp_sls", "decsps", "scaffold", "usermodule"])
 def test_two_processes_equal_one(tmp_path, setup):
     one = _run(tmp_path, 1, setup)
     two = _run(tmp_path, 2, setup)
@@ -30,6 +30,12 @@ def test_two_processes_equal_one(tmp_path, setup):
     torch.testing.assert_close(two["weights"], one["weights"], atol=1e-6, rtol=0)
     # rank 0 holds the per-client state of every client, including those trained by rank 1
     assert two["store_clients"] == one["store_clients"]
+    if setup == "usermodule":  # a torchmetrics metric of training_step: reduced over both processes' clients
+        assert len(one["round_metrics"]) == 3 and all("client/train_acc" in r for r in one["round_metrics"])
+        for a, b in zip(two["round_metrics"], one["round_metrics"]):
+            assert a["client/train_acc"] == pytest.approx(b["client/train_acc"], abs=1e-6)
+        # the StepLR schedule of configure_optimizers: lr 0.2 * 0.7^r in round r
+        assert [r["client/step_size_mean"] for r in two["round_metrics"]] == pytest.approx([0.2, 0.14, 0.098])
 
 
 def test_two_process_resume_equals_uninterrupted_run(tmp_path):

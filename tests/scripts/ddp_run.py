@@ -21,6 +21,34 @@ from fedlightning.datamodules import Dirichlet, DigitsDataModule  # noqa: E402
 from fedlightning.models import MLP  # noqa: E402
 
 
+class UserModule(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.acc(logits, y)
+        self.log("train_acc", self.acc)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.2)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
+
+
+class RoundMetrics(pl.Callback):
+    def __init__(self):
+        self.rounds = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rounds.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("client/")})
+
+
 def build(setup: str):
     callbacks, opt = [], functools.partial(torch.optim.SGD, lr=0.1)
     if setup == "fedavg":
@@ -41,6 +69,10 @@ def build(setup: str):
         from fedlightning.callbacks import Scaffold
 
         callbacks = [Scaffold()]
+    elif setup == "usermodule":  # a user's module: its optimizer and LR schedule, a torchmetrics metric
+        from fedlightning.callbacks import FedAvg
+
+        callbacks, opt = [FedAvg()], None
     else:
         raise SystemExit(f"unknown setup {setup}")
     return callbacks, opt
@@ -58,7 +90,10 @@ def main():
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     callbacks, opt = build(args.setup)
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[16]), client_optimizer=opt, local_steps=4, clients_per_round=5, seed=1)
+    net = UserModule() if args.setup == "usermodule" else MLP(input_dim=64, hidden=[16])
+    loop = FederatedLoop(net, client_optimizer=opt, local_steps=4, clients_per_round=5, seed=1)
+    recorder = RoundMetrics()
+    callbacks = callbacks + [recorder]
     dm = DigitsDataModule(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
     trainer = pl.Trainer(
         max_steps=args.rounds, accelerator="cpu", devices=args.devices,
@@ -71,7 +106,8 @@ def main():
     if trainer.global_rank == 0:
         store = loop.client_state.state_dict()
         torch.save({"weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
-                    "store_clients": {ns: sorted(d) for ns, d in store.items()}, "steps": trainer.global_step}, args.out)
+                    "store_clients": {ns: sorted(d) for ns, d in store.items()}, "steps": trainer.global_step,
+                    "round_metrics": recorder.rounds}, args.out)
 
 
 if __name__ == "__main__":
