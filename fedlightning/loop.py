@@ -182,7 +182,7 @@ class FederatedLoop(pl.LightningModule):
         max_failed_rounds: Optional[int] = 3,
     ):
         super().__init__()
-        if not isinstance(model, torch.nn.Module):
+        if not isinstance(model, pl.LightningModule):
             raise TypeError(f"model must be a LightningModule, got {type(model).__name__}")
         if isinstance(local_steps, bool) or int(local_steps) != local_steps or int(local_steps) < 1:
             raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
