@@ -14,7 +14,12 @@ schedule      ``decay="local_steps"`` (``K_r``; ``η_0``)      ``decay="client_l
 ============  ==============================================  ==============================================
 
 dSGD is ``K ≡ 1`` (``model.local_steps: 1``, ``configs/dsgd.yaml``); Kη-fixed is no schedule at all. The
-η-decay schedules act through ``plan.client_lr_scale`` (the FederatedLoop multiplies the client optimizer's lr).
+η-decay schedules act through ``plan.client_lr_scale``: the FederatedLoop hands it to
+:func:`fedlightning.optim.scale_client_step`, which multiplies ``lr`` of ``torch.optim`` optimizers and every step
+:class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS` and :class:`~fedlightning.optim.DecSPS`
+apply (their docstrings give what is scaled and why). With ``decay="client_lr"`` the first round checks, before any
+client trains, that the configured client optimizer has such a step size and otherwise raises a ValueError naming
+it, so ``schedule/client_lr_scale`` is only logged when it is applied.
 
 Decisions (seed 004 digest §4 and §8):
 
@@ -246,6 +251,7 @@ class KDecay(Callback):
         self._decay_round: Optional[int] = step_round  # 1-based round from which the step decay applies
         self._detector = PlateauDetector(self.patience, self.plateau_tolerance)
         self._last: Dict[str, float] = {}
+        self._optimizer_checked = False  # decay="client_lr": the client optimizer's step size is scalable
 
     # ------------------------------------------------------------------ statistics
     def loss_estimate(self) -> Optional[float]:
@@ -283,6 +289,11 @@ class KDecay(Callback):
 
     # ------------------------------------------------------------------ federated hooks
     def on_round_start(self, trainer, loop, plan) -> None:
+        if self.decay == "client_lr" and not self._optimizer_checked:
+            from fedlightning.optim import check_client_step_scalable
+
+            check_client_step_scalable(loop.client_optimizer(list(loop._global_params())))
+            self._optimizer_checked = True
         k0 = self.k0 if self.k0 is not None else int(loop.local_steps)
         k, scale = self.value(plan.round + 1, k0)
         plan.local_steps = k
