@@ -124,10 +124,10 @@ def test_the_test_data_exercises_padding():
         ("armijo-max", lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7), None),
         ("armijo-grow-carry", lambda p: SgdArmijo(p, eta_max=4.0, reset="grow", carry_step_size=True), None),
         ("armijo-exhausted", lambda p: SgdArmijo(p, eta_max=1e4, beta=0.5, max_backtracks=12, reset="last"), None),
-        ("sps", lambda p: SPS(p, c=0.5, gamma_max=2.0), None),
+        ("sps", lambda p: SPS(p, polyak_c=0.5, gamma_max=2.0), None),
         ("sps-smooth", lambda p: SPS(p, smooth=True), None),
         ("decsps", lambda p: DecSPS(p, c0=0.5, gamma_max=2.0), None),
-        ("sps-global", lambda p: SPS(p, lr=0.3), None),  # FedSPS-Global clients: fixed step, SPS reported
+        ("sps-global", lambda p: SPS(p, fixed_step_size=0.3), None),  # FedSPS-Global clients: fixed step, SPS reported
     ],
 )
 def test_vectorized_equals_sequential_mlp(name, optimizer, clip):

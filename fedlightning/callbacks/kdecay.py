@@ -17,8 +17,8 @@ dSGD is ``K ≡ 1`` (``model.local_steps: 1``, ``configs/dsgd.yaml``); Kη-fixed
 η-decay schedules act through ``plan.client_lr_scale``: the FederatedLoop hands it to
 :func:`fedlightning.optim.scale_client_step`, which multiplies ``lr`` of ``torch.optim`` optimizers and every step
 :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS` and :class:`~fedlightning.optim.DecSPS`
-apply (their docstrings give what is scaled and why). With ``decay="client_lr"`` the first round checks, before any
-client trains, that the configured client optimizer has such a step size and otherwise raises a ValueError naming
+apply (their docstrings give what is scaled and why). With ``decay="client_lr"`` fit start checks, before any client
+trains, that the configured client optimizer has such a step size and otherwise raises a ValueError naming
 it, so ``schedule/client_lr_scale`` is only logged when it is applied.
 
 Decisions (seed 004 digest §4 and §8):
@@ -251,7 +251,6 @@ class KDecay(Callback):
         self._decay_round: Optional[int] = step_round  # 1-based round from which the step decay applies
         self._detector = PlateauDetector(self.patience, self.plateau_tolerance)
         self._last: Dict[str, float] = {}
-        self._optimizer_checked = False  # decay="client_lr": the client optimizer's step size is scalable
 
     # ------------------------------------------------------------------ statistics
     def loss_estimate(self) -> Optional[float]:
@@ -288,12 +287,15 @@ class KDecay(Callback):
         return k0, scale
 
     # ------------------------------------------------------------------ federated hooks
-    def on_round_start(self, trainer, loop, plan) -> None:
-        if self.decay == "client_lr" and not self._optimizer_checked:
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """``decay="client_lr"``: refuse, before any client trains, a client optimizer whose step size the scale
+        cannot reach (:func:`fedlightning.optim.check_client_step_scalable`, a ValueError naming it)."""
+        if self.decay == "client_lr":
             from fedlightning.optim import check_client_step_scalable
 
-            check_client_step_scalable(loop.client_optimizer(list(loop._global_params())))
-            self._optimizer_checked = True
+            check_client_step_scalable(pl_module.client_optimizer(list(pl_module._global_params())))
+
+    def on_round_start(self, trainer, loop, plan) -> None:
         k0 = self.k0 if self.k0 is not None else int(loop.local_steps)
         k, scale = self.value(plan.round + 1, k0)
         plan.local_steps = k

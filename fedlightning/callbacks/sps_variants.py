@@ -146,7 +146,6 @@ class FedSPSGlobal(ServerStrategy):
         self.aggregation = aggregation
         self.initial_step_size = None if initial_step_size is None else _positive("initial_step_size", initial_step_size)
         self.step_size: Optional[float] = self.initial_step_size  # γ of the next round
-        self._client_optimizer_checked = False
 
     # ------------------------------------------------------------------ the SPS value of one (loss, ‖g‖²)
     def sps_value(self, loss: float, grad_sq: float) -> float:
@@ -195,7 +194,7 @@ class FedSPSGlobal(ServerStrategy):
 
     # ------------------------------------------------------------------ hooks
     def _check_client_optimizer(self, loop) -> None:
-        """Refuse, before any client trains, a client optimizer other than SPS in fixed-step mode: the shared step
+        """At fit start (before any client trains), refuse a client optimizer other than SPS in fixed-step mode: the shared step
         reaches the clients as ``client_lr_scale``, which would otherwise multiply an adaptive rule's own steps
         (adaptive SPS: ``γ × γ_i``) or be refused later by :func:`~fedlightning.optim.scale_client_step`."""
         from fedlightning.optim import SPS
@@ -208,10 +207,10 @@ class FedSPSGlobal(ServerStrategy):
                 + (" without fixed_step_size (adaptive SPS)" if isinstance(opt, SPS) else "")
             )
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._check_client_optimizer(pl_module)
+
     def on_round_start(self, trainer, loop, plan: RoundPlan) -> None:
-        if not self._client_optimizer_checked:
-            self._check_client_optimizer(loop)
-            self._client_optimizer_checked = True
         if self.step_size is None:
             self.step_size = self._probe_first_client(trainer, loop, plan)
             if not self.step_size > 0:
