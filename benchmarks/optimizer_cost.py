@@ -53,8 +53,8 @@ def optimizer_grid():
         "SgdArmijo(eta_max=0.1, reset=max)": lambda p: SgdArmijo(p, eta_max=0.1, reset="max"),
         "SgdArmijo(eta_max=1, reset=last)": lambda p: SgdArmijo(p, eta_max=1.0, reset="last"),
         "SgdArmijo(eta_max=10, reset=grow)": lambda p: SgdArmijo(p, eta_max=10.0, reset="grow"),
-        "SPS(c=0.5, gamma_max=1)": lambda p: SPS(p, c=0.5, gamma_max=1.0),
-        "SPS(smooth)": lambda p: SPS(p, c=0.5, gamma_max=1.0, smooth=True),
+        "SPS(polyak_c=0.5, gamma_max=1)": lambda p: SPS(p, polyak_c=0.5, gamma_max=1.0),
+        "SPS(smooth)": lambda p: SPS(p, polyak_c=0.5, gamma_max=1.0, smooth=True),
         "DecSPS(c0=0.5, gamma_max=1)": lambda p: DecSPS(p, c0=0.5, gamma_max=1.0),
     }
 

@@ -394,9 +394,9 @@ class FederatedLoop(pl.LightningModule):
                 defaults = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
                 self.__dict__["_reusable_client_opt"] = (params, opt, defaults, factory)
         if lr_scale != 1.0:
-            for g in opt.param_groups:
-                if "lr" in g:
-                    g["lr"] = g["lr"] * lr_scale
+            from fedlightning.optim import scale_client_step  # every step-size rule, or a clear error
+
+            scale_client_step(opt, lr_scale)
         if self.persist_client_state and hasattr(opt, "set_client_state"):
             state = self.client_state.get("optimizer", client_id)
             if state is not None:

@@ -889,6 +889,9 @@ class _BatchedArmijo(_BatchedRule):
         # carry_step_size (SgdArmijo.initial_step_size), else none (NaN) and the search starts at eta_max
         starts = [o._carried_step if (o.carry_step_size and o._carried_step is not None) else None for o in optimizers]
         self.prev = torch.tensor([float("nan") if s is None else s for s in starts], **f64)
+        self.scale = torch.tensor([o.step_scale for o in optimizers], **f64)  # client step scale (scale_step)
+        accepted = [o._accepted_step for o in optimizers]  # last accepted step (client state, across rounds)
+        self.accepted_step = torch.tensor([float("nan") if a is None else a for a in accepted], **f64)
         self.accepted_any = torch.zeros(num_clients, dtype=torch.bool, device=device)
         self.last_m = torch.zeros(num_clients, dtype=torch.long, device=device)  # window prediction
 
@@ -915,15 +918,16 @@ class _BatchedArmijo(_BatchedRule):
         accepted = first_m < grid
         accepted_eta = torch.where(accepted, eta0 * self.powers[first_m.clamp(max=grid)], torch.zeros_like(eta0))
         exhausted = searching & ~accepted
-        _move(W, g, accepted_eta, accepted)
+        _move(W, g, accepted_eta * self.scale, accepted)  # SgdArmijo applies s·η_k
         # η_{k-1}: accepted step; after an exhausted search the next grid point η_0 β^{max_backtracks+1}
         next_grid = eta0 * self.powers[grid]
         self.prev = torch.where(accepted, accepted_eta, torch.where(exhausted, next_grid, self.prev))
+        self.accepted_step = torch.where(accepted, accepted_eta, self.accepted_step)
         self.accepted_any |= accepted | exhausted
         self.last_m = torch.where(accepted, first_m, self.last_m)
         nan = torch.full_like(eta0, float("nan"))
         record.losses.append(loss)
-        record.step_sizes.append(torch.where(finite, accepted_eta, nan))
+        record.step_sizes.append(torch.where(finite, accepted_eta * self.scale, nan))
         live = alive.long()
         record.backtracks += torch.where(accepted, trials - 1, trials) * live
         record.forwards += (1 + trials) * live
@@ -1009,23 +1013,26 @@ class _BatchedArmijo(_BatchedRule):
     def finalize(self, optimizers) -> None:
         prev = self.prev.tolist()
         took = self.accepted_any.tolist()
-        for o, p, t in zip(optimizers, prev, took):
+        accepted = self.accepted_step.tolist()
+        for o, p, t, a in zip(optimizers, prev, took, accepted):
             if t:  # a search ended this round (accepted or exhausted): SgdArmijo's _prev_step
                 o._prev_step = p
+            o._accepted_step = None if math.isnan(a) else a
 
 
 class _BatchedSPS(_BatchedRule):
-    """:class:`fedlightning.optim.SPS` (SPS_max, constant or smoothed cap; fixed-``lr`` FedSPS-Global mode) for
+    """:class:`fedlightning.optim.SPS` (SPS_max, constant or smoothed cap; ``fixed_step_size`` FedSPS-Global mode) for
     every client at once: ``γ_i = min{(f_i − ℓ*)/(c‖g_i‖²), γ_{b,i}}``, degenerate steps and state as SPS."""
 
     stops_on_nonfinite = True
 
     def __init__(self, optimizers, params, num_clients: int, device):
         hp = dict(optimizers[0].hyper)
-        self.c, self.gamma_max, self.f_star = hp["c"], hp["gamma_max"], hp["f_star"]
+        self.c, self.gamma_max, self.f_star = hp["polyak_c"], hp["gamma_max"], hp["f_star"]
         self.smooth, self.grad_tol = hp["smooth"], hp["grad_tol"]
-        self.fixed_lr = hp.get("lr")
+        self.fixed_lr = hp.get("fixed_step_size")
         f64 = dict(dtype=torch.float64, device=device)
+        self.scale = torch.tensor([o.step_scale for o in optimizers], **f64)  # client step scale (scale_step)
         if self.smooth:  # δ^{b/n_i} per client, as SPS.cap computes it
             self.growth = torch.tensor(
                 [hp["smooth_factor"] ** o._epoch_exponent("smooth=True") for o in optimizers], **f64)
@@ -1053,10 +1060,10 @@ class _BatchedSPS(_BatchedRule):
         self.reported |= report
         zeros, nan = torch.zeros_like(cap), torch.full_like(cap, float("nan"))
         if self.fixed_lr is not None:  # FedSPS-Global client: the constant step, SPS only measured
-            step = torch.full_like(cap, self.fixed_lr)
+            step = torch.full_like(cap, self.fixed_lr) * self.scale
             moves = alive & finite
         else:
-            step = torch.where(degenerate, zeros, sps_step)
+            step = torch.where(degenerate, zeros, sps_step * self.scale)
             moves = alive & finite & ~degenerate
             self.prev = torch.where(moves, sps_step, self.prev)
         _move(W, g, step, moves, ev.engine._views)
@@ -1088,6 +1095,7 @@ class _BatchedDecSPS(_BatchedRule):
         f64 = dict(dtype=torch.float64, device=device)
         self.t = torch.tensor([float(o.t) for o in optimizers], **f64)
         self.gamma_prev = torch.tensor([float(o.gamma_prev) for o in optimizers], **f64)
+        self.scale = torch.tensor([o.step_scale for o in optimizers], **f64)  # client step scale (scale_step)
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
         loss, g = ev.gradient(W, alive, flat=False)
@@ -1099,7 +1107,7 @@ class _BatchedDecSPS(_BatchedRule):
         c_t = self.c0 * torch.sqrt(t + 1)
         gamma = torch.minimum(gap / grad_sq, c_prev * self.gamma_prev) / c_t
         moves = alive & finite & ~degenerate
-        step = torch.where(moves, gamma, torch.zeros_like(gamma))
+        step = torch.where(moves, gamma * self.scale, torch.zeros_like(gamma))
         _move(W, g, step, moves, ev.engine._views)
         self.t = torch.where(moves, t + 1, t)
         self.gamma_prev = torch.where(moves, gamma, self.gamma_prev)

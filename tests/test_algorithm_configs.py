@@ -211,7 +211,7 @@ def test_every_strategy_logs_eta_g_and_its_raw_value():
 
     for strategy, check in (
         (FedAvg(server_lr=0.7), lambda m: m["server/eta_g"] == m["server/eta_g_raw"] == pytest.approx(0.7)),
-        (FedLiLU(lr=0.5, momentum=0.0, weight_decay=0.0, eps=0.0),
+        (FedLiLU(lr=0.5, momentum=0.0, weight_decay=0.0, dfw_eps=0.0),
          lambda m: m["server/eta_g"] == pytest.approx(0.5 * m["server/dfw_gamma"])
          and m["server/eta_g_raw"] == pytest.approx(0.5 * m["server/dfw_gamma_raw"])),
     ):

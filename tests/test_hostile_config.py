@@ -36,7 +36,7 @@ CASES = [
     (["--trainer.callbacks+=fedlightning.callbacks.FedAvg", "--trainer.callbacks.weighting", "bysize"], "weighting"),
     # strategies and schedules with impossible or missing arguments
     (["--trainer.callbacks+=fedlightning.callbacks.FedExP", "--trainer.callbacks.eps", "-1"], "eps"),
-    (["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks.eps", "0"], "eps"),
+    (["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks.tau", "0"], "tau"),
     (["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks.betas", "[1.5, 0.99]"], "betas"),
     (["--trainer.callbacks+=fedlightning.callbacks.KDecay", "--trainer.callbacks.k0", "0"], "k0"),
     (["--trainer.callbacks+=fedlightning.callbacks.KDecay", "--trainer.callbacks.schedule", "linear"], "schedule"),

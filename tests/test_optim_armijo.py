@@ -185,7 +185,7 @@ def test_zero_gradient_takes_no_step_and_keeps_previous_step():
     opt.step(closure)
     assert opt.last_step == {"step_size": 0.0, "backtracks": 0, "forwards": 1, "backwards": 1}
     assert w.item() == 0.0
-    assert opt.get_client_state() == {"step_size": 0.5}
+    assert opt.get_client_state() == {"step_size": 0.5, "accepted_step_size": 0.5}
 
 
 def test_exhausted_backtracking_leaves_parameters_unchanged():
@@ -198,6 +198,7 @@ def test_exhausted_backtracking_leaves_parameters_unchanged():
     assert opt.last_step == {"step_size": 0.0, "backtracks": 4, "forwards": 5, "backwards": 1}
     assert w.detach().tolist() == [1.0, 2.0]
     assert opt.get_client_state()["step_size"] == pytest.approx(0.5**4)  # next search continues below the grid
+    assert opt.get_client_state()["accepted_step_size"] is None  # ...but that grid point was never accepted
 
 
 @pytest.mark.parametrize("bad", ["loss", "grad"])
@@ -269,7 +270,7 @@ def test_carry_step_size_across_instances():
     first.zero_grad()
     first.step(closure)
     state = first.get_client_state()
-    assert state == {"step_size": 0.5}
+    assert state == {"step_size": 0.5, "accepted_step_size": 0.5}
     for carry, backtracks in ((True, 0), (False, 1)):  # without carrying, the round restarts at η_max (Alg. 3, k = 1)
         nxt = SgdArmijo([w], eta_max=1.0, c=0.1, beta=0.5, reset="last", carry_step_size=carry)
         nxt.set_client_state(state)
@@ -279,7 +280,7 @@ def test_carry_step_size_across_instances():
     sd = nxt.state_dict()
     again = SgdArmijo([w], eta_max=1.0, c=0.1, beta=0.5, reset="last", carry_step_size=True)
     again.load_state_dict(sd)
-    assert again.get_client_state() == {"step_size": 0.5}
+    assert again.get_client_state() == {"step_size": 0.5, "accepted_step_size": 0.5}
 
 
 def test_grow_needs_epoch_length():

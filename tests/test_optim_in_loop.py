@@ -172,11 +172,12 @@ def test_loop_logs_step_sizes_and_backtracks_and_sets_client_epoch_length():
     trainer = make_trainer(2, callbacks=[rec])
     dm = digits(num_clients=5, batch_size=20)
     trainer.fit(loop, datamodule=dm)
-    # the loop gave every client optimizer that client's b/n_i
+    # the loop gave every client optimizer that client's epoch length ⌈n_i/b⌉
     built = [o for o in built if o.total_steps > 0]  # the loop also builds one at setup to validate it; it never steps
     assert len(built) == len(rec.updates) == 6
     for opt, (_, u) in zip(built, rec.updates):
-        assert opt._client_exponent == pytest.approx(20 / dm.client_num_samples(u.client_id))
+        # growth delta per local epoch of ⌈n_i/b⌉ steps (the loader keeps the last partial batch)
+        assert opt._client_exponent == pytest.approx(1 / math.ceil(dm.client_num_samples(u.client_id) / 20))
         assert u.forwards == u.num_steps + sum(1 for s in u.step_sizes if s > 0) + u.backtracks
         assert u.backwards == u.num_steps
     last = [u for r, u in rec.updates if r == 1]

@@ -41,7 +41,7 @@ def run(opt, closure, steps):
 # ---------------------------------------------------------------------------------------------------------- SPS
 def test_sps_hand_computed():
     w, closure = case_a()
-    opt = SPS([w], c=0.5, gamma_max=1.0)
+    opt = SPS([w], polyak_c=0.5, gamma_max=1.0)
     opt.zero_grad()
     loss = opt.step(closure)
     assert loss.item() == pytest.approx(6.5)
@@ -54,7 +54,7 @@ def test_sps_hand_computed():
 
 def test_sps_constant_cap_binds():
     w, closure = case_a()
-    opt = SPS([w], c=0.5, gamma_max=0.4)
+    opt = SPS([w], polyak_c=0.5, gamma_max=0.4)
     # ratios 0.52 -> capped 0.4; then from w1 = (3 - 1.2, -1 + 1.6) = (1.8, 0.6): f = 0.5(3.24 + 1.44) = 2.34,
     # ‖g‖² = 3.24 + 5.76 = 9, ratio = 2.34/4.5 = 0.52 -> 0.4 again
     assert run(opt, closure, 2) == [pytest.approx(0.4), pytest.approx(0.4)]
@@ -65,7 +65,7 @@ def test_sps_smoothed_cap_previous_step_reading():
     """b/n = 1/2, δ = 2: cap_0 = γ_b = 1, cap_t = √2·γ_{t−1}. Steps: 0.52; min(0.325, 0.735) = 0.325;
     min(0.52, √2·0.325 = 0.4596) = 0.4596 (the smoothed cap binds where the constant cap would not)."""
     w, closure = case_a()
-    opt = SPS([w], c=0.5, gamma_max=1.0, smooth=True, smooth_factor=2.0, n_batches_per_epoch=2)
+    opt = SPS([w], polyak_c=0.5, gamma_max=1.0, smooth=True, smooth_factor=2.0, n_batches_per_epoch=2)
     steps = run(opt, closure, 3)
     assert steps == [pytest.approx(0.52), pytest.approx(0.325), pytest.approx(math.sqrt(2) * 0.325)]
     assert opt.get_client_state() == {"prev_step": pytest.approx(math.sqrt(2) * 0.325)}
@@ -76,7 +76,7 @@ def test_sps_several_tensors_use_the_global_norm():
     γ = 4.5/(0.5·17) = 9/17."""
     x = torch.nn.Parameter(torch.tensor([2.0], dtype=DT))
     y = torch.nn.Parameter(torch.tensor([1.0, 1.0], dtype=DT))
-    opt = SPS([{"params": [x]}, {"params": [y]}], c=0.5, gamma_max=10.0)
+    opt = SPS([{"params": [x]}, {"params": [y]}], polyak_c=0.5, gamma_max=10.0)
     opt.zero_grad()
     opt.step(quadratic([x, y], [torch.tensor([1.0], dtype=DT), torch.tensor([2.0, 3.0], dtype=DT)]))
     g = 9 / 17
@@ -87,7 +87,7 @@ def test_sps_several_tensors_use_the_global_norm():
 
 def test_sps_f_star_shifts_the_numerator():
     w, closure = case_a()
-    opt = SPS([w], c=0.5, gamma_max=1.0, f_star=1.5)
+    opt = SPS([w], polyak_c=0.5, gamma_max=1.0, f_star=1.5)
     assert run(opt, closure, 1) == [pytest.approx((6.5 - 1.5) / 12.5)]
 
 
@@ -108,7 +108,7 @@ def _random_quadratic(seed):
 def test_sps_never_exceeds_its_cap_and_matches_formula(smooth):
     w, a, z, closure_for = _random_quadratic(1)
     c, gamma_b, nb = 0.3, 0.7, 5
-    opt = SPS([w], c=c, gamma_max=gamma_b, smooth=smooth, n_batches_per_epoch=nb)
+    opt = SPS([w], polyak_c=c, gamma_max=gamma_b, smooth=smooth, n_batches_per_epoch=nb)
     prev, capped = None, 0
     for k in range(25):
         w0 = w.detach().clone()
@@ -131,7 +131,7 @@ def test_sps_zero_gradient_does_not_freeze_the_smoothed_step():
     """The reference SPS stores γ = 0 after a zero-gradient step and then min(δ·0, ·) = 0 forever; here the step
     is skipped and the next step is the normal one (cap √2·0.52 from the last real step)."""
     w, closure = case_a()
-    opt = SPS([w], c=0.5, gamma_max=1.0, smooth=True, n_batches_per_epoch=2)
+    opt = SPS([w], polyak_c=0.5, gamma_max=1.0, smooth=True, n_batches_per_epoch=2)
     run(opt, closure, 1)  # 0.52
     saved = w.detach().clone()
     with torch.no_grad():
@@ -154,7 +154,7 @@ def test_sps_loss_below_f_star_takes_no_step():
 def test_sps_fixed_step_mode_measures_sps():
     """lr set (FedSPS-Global clients): the step is lr, SPS is only reported."""
     w, closure = case_a()
-    opt = SPS([w], c=0.5, gamma_max=1.0, lr=0.1)
+    opt = SPS([w], polyak_c=0.5, gamma_max=1.0, fixed_step_size=0.1)
     run(opt, closure, 1)
     assert opt.last_step["step_size"] == 0.1 and opt.last_step["sps_step_size"] == pytest.approx(0.52)
     torch.testing.assert_close(w.detach(), torch.tensor([2.7, -0.6], dtype=DT))
@@ -289,10 +289,12 @@ def test_non_finite_loss_or_gradient_leaves_model_and_state_unchanged(make, bad)
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"c": 0.0}, "c must"), ({"c": -1.0}, "c must"), ({"c": float("nan")}, "c must"),
+        ({"polyak_c": 0.0}, "polyak_c must"), ({"polyak_c": -1.0}, "polyak_c must"),
+        ({"polyak_c": float("nan")}, "polyak_c must"),
         ({"gamma_max": 0.0}, "gamma_max"), ({"gamma_max": -2.0}, "gamma_max"), ({"gamma_max": float("inf")}, "gamma_max"),
         ({"f_star": float("nan")}, "f_star"), ({"smooth_factor": 0.5}, "smooth_factor"),
-        ({"n_batches_per_epoch": 0.0}, "n_batches_per_epoch"), ({"lr": 0.0}, "lr"), ({"grad_tol": -1e-3}, "grad_tol"),
+        ({"n_batches_per_epoch": 0.0}, "n_batches_per_epoch"), ({"fixed_step_size": 0.0}, "fixed_step_size"),
+        ({"n_batches_per_epoch": 0.5}, "n_batches_per_epoch must be >= 1"), ({"grad_tol": -1e-3}, "grad_tol"),
     ],
 )
 def test_sps_bad_arguments(kwargs, match):

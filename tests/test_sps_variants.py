@@ -186,7 +186,7 @@ def test_fedsps_global_matches_reference_loop(tmp_path):
     model = MLP(input_dim=64, hidden=[16])
     init = copy.deepcopy(model)
     strategy = FedSPSGlobal(c=C, gamma_max=GAMMA_B)
-    loop, trainer, steps = run_loop(model, strategy, lambda p: SPS(p, c=C, gamma_max=GAMMA_B, lr=1.0))
+    loop, trainer, steps = run_loop(model, strategy, lambda p: SPS(p, polyak_c=C, gamma_max=GAMMA_B, fixed_step_size=1.0))
     ref, used = reference_run(init, "global")
     assert used[1] != used[0] and used[2] != used[1]  # the shared step really changes between rounds
     for r, sizes in steps:  # every client step of round r used the round's shared step
@@ -204,7 +204,7 @@ def test_fedsps_normalized_matches_reference_loop(reading):
     torch.manual_seed(1)
     model = MLP(input_dim=64, hidden=[16])
     init = copy.deepcopy(model)
-    loop, _, _ = run_loop(model, FedSPSNormalized(reading=reading), lambda p: SPS(p, c=C, gamma_max=GAMMA_B))
+    loop, _, _ = run_loop(model, FedSPSNormalized(reading=reading), lambda p: SPS(p, polyak_c=C, gamma_max=GAMMA_B))
     ref, _ = reference_run(init, "normalized", reading)
     moved = sum(float((g.detach() - p.detach()).abs().sum()) for g, p in zip(loop.model.net.parameters(), init.net.parameters()))
     assert moved > 1e-2
@@ -215,5 +215,5 @@ def test_fedsps_normalized_matches_reference_loop(reading):
 def test_fedsps_global_needs_fixed_step_sps_clients():
     loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), client_optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
                          local_steps=2, clients_per_round=2)
-    with pytest.raises(TypeError, match="SPS with lr=1.0"):
+    with pytest.raises(TypeError, match="SPS with fixed_step_size=1.0"):
         make_trainer(1, callbacks=[FedSPSGlobal(initial_step_size=0.1)]).fit(loop, datamodule=data())

@@ -301,7 +301,7 @@ def test_fedexprox_rejects_a_second_proximal_term():
 # ============================================================================ adaptive servers
 def test_fedadam_two_rounds_by_hand():
     lr, tau, b1, b2 = 0.1, 0.5, 0.9, 0.99
-    s = FedAdam(server_lr=lr, betas=(b1, b2), eps=tau)
+    s = FedAdam(server_lr=lr, betas=(b1, b2), tau=tau)
     loop, opt = setup_rule(s, [1.0, 1.0])
     server_round(s, loop, opt, [upd(0, [1.0, -2.0])])
     m1 = [0.1, -0.2]
@@ -316,7 +316,7 @@ def test_fedadam_two_rounds_by_hand():
 
 def test_fedyogi_sign_rule_by_hand():
     lr, tau = 0.1, 0.5
-    s = FedYogi(server_lr=lr, betas=(0.9, 0.99), eps=tau)
+    s = FedYogi(server_lr=lr, betas=(0.9, 0.99), tau=tau)
     loop, opt = setup_rule(s, [0.0, 0.0])
     server_round(s, loop, opt, [upd(0, [1.0, -2.0])])
     # v_{-1} - Δ² = [0.25-1, 0.25-4] < 0 -> sign = -1 -> v grows by (1-β2) Δ²
@@ -332,7 +332,7 @@ def test_fedyogi_sign_rule_by_hand():
 
 
 def test_fedadagrad_by_hand():
-    s = FedAdagrad(server_lr=0.1, betas=(0.9, 0.99), eps=0.5)
+    s = FedAdagrad(server_lr=0.1, betas=(0.9, 0.99), tau=0.5)
     loop, opt = setup_rule(s, [0.0, 0.0])
     server_round(s, loop, opt, [upd(0, [1.0, -2.0])])
     v1 = [0.25 + 1.0, 0.25 + 4.0]  # β2 plays no role
@@ -341,7 +341,7 @@ def test_fedadagrad_by_hand():
 
 def test_fedams_max_stabilisation_by_hand():
     lr, eps = 1.0, 0.5
-    s = FedAMS(server_lr=lr, betas=(0.9, 0.99), eps=eps)
+    s = FedAMS(server_lr=lr, betas=(0.9, 0.99), ams_eps=eps)
     loop, opt = setup_rule(s, [0.0, 0.0])
     server_round(s, loop, opt, [upd(0, [1.0, -2.0])])
     m1, v1 = [0.1, -0.2], [0.01, 0.04]
@@ -373,7 +373,7 @@ def test_fedavgm_by_hand():
 
 def test_fedadam_loop_matches_independent_recomputation():
     rec = Recorder()
-    fit([FedAdam(server_lr=0.05, betas=(0.8, 0.9), eps=1e-2), rec], rounds=3)
+    fit([FedAdam(server_lr=0.05, betas=(0.8, 0.9), tau=1e-2), rec], rounds=3)
     m = torch.zeros_like(rec.before[0])
     v = torch.full_like(rec.before[0], 1e-4)
     for r in range(3):
@@ -405,7 +405,7 @@ def test_fedlils_uses_max_of_last_step_sizes():
 
 def test_fedlilu_dfw_step_by_hand():
     lr, lam, mu = 0.5, 0.1, 0.5
-    s = FedLiLU(lr=lr, momentum=mu, weight_decay=lam, eps=0.0)
+    s = FedLiLU(lr=lr, momentum=mu, weight_decay=lam, dfw_eps=0.0)
     loop, opt = setup_rule(s, [1.0, 2.0])
     # round 1: Δ = ([2,0] + [0,0])/2 = [1,0]; F̂ = (1.0 + 0.2)/2 = 0.6; r = λw = [0.1, 0.2]
     m = server_round(s, loop, opt, [upd(0, [2.0, 0.0], mean_loss=1.0), upd(1, [0.0, 0.0], mean_loss=0.2)])
@@ -424,7 +424,7 @@ def test_fedlilu_dfw_step_by_hand():
     w2 = [w1[0] - lr * (r[0] + gamma * 1.0) + mu * z2[0], w1[1] - lr * r[1] + mu * z2[1]]
     assert_vec(loop.w, w2)
     # a loss below the regulariser's correction gives γ = 0: only weight decay (and momentum) act
-    s = FedLiLU(lr=lr, momentum=0.0, weight_decay=lam, eps=0.0)
+    s = FedLiLU(lr=lr, momentum=0.0, weight_decay=lam, dfw_eps=0.0)
     loop, opt = setup_rule(s, [1.0, 2.0])
     m = server_round(s, loop, opt, [upd(0, [1.0, 0.0], mean_loss=0.0)])
     assert m["server/dfw_gamma"] == 0.0 and m["server/dfw_gamma_raw"] < 0
@@ -432,7 +432,7 @@ def test_fedlilu_dfw_step_by_hand():
 
 
 def test_fedlilu_first_loss_option():
-    s = FedLiLU(lr=1.0, momentum=0.0, weight_decay=0.0, eps=0.0, client_loss="first")
+    s = FedLiLU(lr=1.0, momentum=0.0, weight_decay=0.0, dfw_eps=0.0, client_loss="first")
     loop, opt = setup_rule(s, [0.0, 0.0])
     m = server_round(s, loop, opt, [upd(0, [2.0, 0.0], mean_loss=9.0, first_loss=1.0)])
     assert m["server/pseudo_objective"] == 1.0 and m["server/dfw_gamma"] == pytest.approx(0.25)
@@ -440,7 +440,7 @@ def test_fedlilu_first_loss_option():
 
 def test_fedli_loop_matches_independent_recomputation():
     rec = Recorder()
-    fit([FedLiLU(lr=1.0, momentum=0.5, weight_decay=1e-2, eps=1e-5), rec], rounds=3)
+    fit([FedLiLU(lr=1.0, momentum=0.5, weight_decay=1e-2, dfw_eps=1e-5), rec], rounds=3)
     z = torch.zeros_like(rec.before[0])
     for r in range(3):
         n = torch.tensor([float(u.num_samples) for u in rec.updates[r]], dtype=torch.float64)
@@ -540,13 +540,13 @@ def _has_content(state):
         (lambda: FedAdam(betas=(-0.1, 0.99)), "betas"),
         (lambda: FedYogi(betas=(0.9,)), "betas"),
         (lambda: FedAMS(betas=(1.5, 0.9)), "betas"),
-        (lambda: FedAdam(eps=0.0), "eps"),
-        (lambda: FedAdagrad(eps=-1e-3), "eps"),
+        (lambda: FedAdam(tau=0.0), "tau"),
+        (lambda: FedAdagrad(tau=-1e-3), "tau"),
         (lambda: FedAdam(server_lr=0.0), "server_lr"),
         (lambda: FedAvgM(momentum=1.0), "momentum"),
         (lambda: FedLiLU(lr=0.0), "lr"),
         (lambda: FedLiLU(momentum=1.0), "momentum"),
-        (lambda: FedLiLU(eps=-1e-5), "eps"),
+        (lambda: FedLiLU(dfw_eps=-1e-5), "eps"),
         (lambda: FedLiLU(weight_decay=-1.0), "weight_decay"),
         (lambda: FedLiLU(client_loss="last"), "client_loss"),
         (lambda: Scaffold(server_lr=-1.0), "server_lr"),

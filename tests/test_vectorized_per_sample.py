@@ -47,7 +47,7 @@ def engine_of(run):
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.3),
     "armijo": lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7),
-    "sps": lambda p: SPS(p, c=0.5, gamma_max=2.0),
+    "sps": lambda p: SPS(p, polyak_c=0.5, gamma_max=2.0),
 }
 
 

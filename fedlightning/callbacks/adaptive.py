@@ -9,9 +9,10 @@ With the pseudo-gradient ``Δ_t = w_t − mean_i w^i_{t,K}`` (this package's sig
     FedAdagrad: v_t = v_{t−1} + Δ_t²
     FedAdam:    v_t = β2 v_{t−1} + (1 − β2) Δ_t²
     FedYogi:    v_t = v_{t−1} − (1 − β2) Δ_t² · sign(v_{t−1} − Δ_t²)
-    w_{t+1} = w_t − η · m_t / (√v_t + τ)                              (τ: "degree of adaptivity", ``eps``)
+    w_{t+1} = w_t − η · m_t / (√v_t + τ)                              (τ: "degree of adaptivity", ``tau``)
 
     FedAMS:     v_t = β2 v_{t−1} + (1 − β2) Δ_t²,  v̂_t = max(v̂_{t−1}, v_t, ε),  w_{t+1} = w_t − η · m_t / √v̂_t
+                (ε: ``ams_eps``)
 
     FedAvgM:    u_t = β u_{t−1} + Δ_t,  w_{t+1} = w_t − η u_t            (torch SGD with momentum, dampening 0)
 
@@ -21,6 +22,9 @@ All products, squares, roots and maxima are element-wise. Decisions:
   FedAMS starts from ``v_0 = v̂_0 = 0`` (the ``max`` with ``ε`` bounds the denominator from the first round).
 * No bias correction (Reddi et al. and the FedAMS paper have none; the FedCAMS code adds Adam's corrections and a
   separate 1e-8 — not reproduced).
+* Names: τ is ``tau`` and FedAMS's ε is ``ams_eps``, not a shared ``eps``: the two act differently (τ is added to
+  √v, ε floors v̂), and FedExP / FedExProx / FedLi-LU have other ε's; a configuration that switches the strategy
+  class would otherwise carry one into the other with a changed meaning (ours).
 * Weighting: uniform mean over the participating clients (Reddi et al. and Wang et al. average uniformly);
   FedAvgM weights by samples (Hsu et al. use FedAvg's ``n_k`` weights).
 
@@ -135,7 +139,7 @@ class _AdaptiveStrategy(ServerStrategy):
     def __init__(self, server_lr: float, betas: Sequence[float], eps: float, weighting: str):
         super().__init__(server_lr=_check_positive(server_lr, "server_lr"), weighting=weighting)
         self.betas = _check_betas(betas, self.rule)
-        self.eps = _check_positive(eps, "eps")
+        self.eps = _check_positive(eps, "ams_eps" if self.rule == "ams" else "tau")
         self._optimizer: Optional[torch.optim.Optimizer] = None
 
     def configure_server_optimizer(self, params):
@@ -146,7 +150,8 @@ class _AdaptiveStrategy(ServerStrategy):
         result.metrics.update(_moment_statistics(self._optimizer, "max_exp_avg_sq" if self.rule == "ams" else "exp_avg_sq", "exp_avg"))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(server_lr={self.server_lr}, betas={self.betas}, eps={self.eps}, weighting={self.weighting!r})"
+        name = "ams_eps" if self.rule == "ams" else "tau"
+        return f"{type(self).__name__}(server_lr={self.server_lr}, betas={self.betas}, {name}={self.eps}, weighting={self.weighting!r})"
 
 
 def _moment_statistics(opt: Optional[torch.optim.Optimizer], second: Optional[str], first: str) -> Dict[str, float]:
@@ -171,23 +176,23 @@ def _moment_statistics(opt: Optional[torch.optim.Optimizer], second: Optional[st
 
 
 class FedAdagrad(_AdaptiveStrategy):
-    """FedAdagrad (Reddi et al. 2021). Defaults: ``server_lr=0.1``, ``eps=τ=1e-2`` (FedExP reference code's
+    """FedAdagrad (Reddi et al. 2021). Defaults: ``server_lr=0.1``, ``tau=τ=1e-2`` (FedExP reference code's
     FedAdagrad), ``betas=(0.9, 0.99)`` (Reddi et al. 2021; β2 is unused by Adagrad), uniform weighting."""
 
     rule = "adagrad"
 
-    def __init__(self, server_lr: float = 0.1, betas: Tuple[float, float] = (0.9, 0.99), eps: float = 1e-2, weighting: str = "uniform"):
-        super().__init__(server_lr, betas, eps, weighting)
+    def __init__(self, server_lr: float = 0.1, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-2, weighting: str = "uniform"):
+        super().__init__(server_lr, betas, tau, weighting)
 
 
 class FedAdam(_AdaptiveStrategy):
-    """FedAdam (Reddi et al. 2021). Defaults: ``server_lr=0.1``, ``eps=τ=1e-2`` (FedExP reference code's FedAdam),
+    """FedAdam (Reddi et al. 2021). Defaults: ``server_lr=0.1``, ``tau=τ=1e-2`` (FedExP reference code's FedAdam),
     ``betas=(0.9, 0.99)`` (Reddi et al. 2021), uniform weighting."""
 
     rule = "adam"
 
-    def __init__(self, server_lr: float = 0.1, betas: Tuple[float, float] = (0.9, 0.99), eps: float = 1e-2, weighting: str = "uniform"):
-        super().__init__(server_lr, betas, eps, weighting)
+    def __init__(self, server_lr: float = 0.1, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-2, weighting: str = "uniform"):
+        super().__init__(server_lr, betas, tau, weighting)
 
 
 class FedYogi(_AdaptiveStrategy):
@@ -196,18 +201,18 @@ class FedYogi(_AdaptiveStrategy):
 
     rule = "yogi"
 
-    def __init__(self, server_lr: float = 0.1, betas: Tuple[float, float] = (0.9, 0.99), eps: float = 1e-2, weighting: str = "uniform"):
-        super().__init__(server_lr, betas, eps, weighting)
+    def __init__(self, server_lr: float = 0.1, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-2, weighting: str = "uniform"):
+        super().__init__(server_lr, betas, tau, weighting)
 
 
 class FedAMS(_AdaptiveStrategy):
     """FedAMS, AMSGrad with max stabilisation (Wang et al. 2022). Defaults: ``server_lr=1.0``,
-    ``betas=(0.9, 0.99)``, ``eps=1e-3`` (seed 001, Table 3, MNIST; its grid is ε ∈ {1e-8, …, 1})."""
+    ``betas=(0.9, 0.99)``, ``ams_eps=ε=1e-3`` (seed 001, Table 3, MNIST; its grid is ε ∈ {1e-8, …, 1})."""
 
     rule = "ams"
 
-    def __init__(self, server_lr: float = 1.0, betas: Tuple[float, float] = (0.9, 0.99), eps: float = 1e-3, weighting: str = "uniform"):
-        super().__init__(server_lr, betas, eps, weighting)
+    def __init__(self, server_lr: float = 1.0, betas: Tuple[float, float] = (0.9, 0.99), ams_eps: float = 1e-3, weighting: str = "uniform"):
+        super().__init__(server_lr, betas, ams_eps, weighting)
 
 
 class FedAvgM(ServerStrategy):

@@ -2,7 +2,7 @@ r"""FedLi-LS and FedLi-LU (seed 002: Kumar et al., "Towards Hyper-parameter-free
 2408.17145; reference code github.com/zk23du/FedLi).
 
 **FedLi-LS** (federated line search; clients run :class:`~fedlightning.optim.SgdArmijo`). Each client reports the
-step size accepted at its last local step ``η_i``; the server takes one gradient step on the pseudo-gradient
+last step size its line search accepted ``η_i``; the server takes one gradient step on the pseudo-gradient
 
 .. math::
     \Delta_t = \frac{\sum_{i\in S_t} p_i (w_t - w_i)}{\sum_i p_i},\qquad
@@ -25,14 +25,24 @@ parameters jointly (one scalar ``γ_t`` per round).
 Decisions (seed 002 digest §2):
 
 * Weighting ``p_i = n_i`` (``weighting="samples"``, the reference code) for both strategies.
-* FedLi-LS: clients without a finite reported step size (none taken) are left out of the maximum; if no client
-  reports one the round raises. No cap on ``η_g`` (the paper states none); ``server/eta_g`` is logged.
+* FedLi-LS's ``η_i`` is the client's last *accepted* line-search step: SgdArmijo's ``armijo_accepted_step_size``
+  (``client_report``, held in its per-client state across rounds). A zero-gradient step or an exhausted search
+  records step size 0 and does not replace it, so a round in which clients end on such steps keeps a positive
+  ``η_g`` (taking the last entry of the round's step sizes would give ``η_g = 0`` and lose the round when every
+  client ends that way). It is the step before any client step-size scale (``client_lr_scale``, e.g.
+  ``KDecay(decay="client_lr")``): that schedule acts on the clients' moves, which ``Δ_t`` already contains; scaling
+  ``η_g`` too would apply it twice. Clients whose optimizer sends no such report (e.g. ``torch.optim.SGD``) use the
+  last positive finite step size they took this round. Clients with neither (no step accepted yet) are left out
+  of the maximum; if no client has one the round raises. No cap on ``η_g`` (the paper states none);
+  ``server/eta_g`` is logged.
 * FedLi-LU's ``f_i``: the mean mini-batch loss over the client's local steps (``client_loss="mean"``, the
   quantity the paper plots as "train loss" and the code intends) or the first-batch loss at ``w_t``
   (``client_loss="first"``, the quantity of the paper's one-step derivation). It is the client's *objective*
   value: with extra client-objective terms (e.g. a proximal term) configured they are included.
-* FedLi-LU defaults ``lr=η=0.01``, ``momentum=0.9``, ``weight_decay=λ=1e-5``, ``eps=1e-5``: the reference
-  code's server DFW values (the paper's values are missing from the text).
+* FedLi-LU defaults ``lr=η=0.01``, ``momentum=0.9``, ``weight_decay=λ=1e-5``, ``dfw_eps=ε=1e-5``: the reference
+  code's server DFW values (the paper's values are missing from the text). ``ε`` is called ``dfw_eps``, not
+  ``eps``: the ``eps`` of FedExP / FedExProx regularises another quantity, and a configuration switching between
+  the strategies would otherwise carry one into the other.
 
 The DFW momentum buffer ``z`` lives in the server optimizer (:class:`DFWServerOptimizer`) and is checkpointed by
 Lightning with it. Logged: ``server/eta_g`` (LS: η_g; LU: the effective ``η·γ_t``) and ``server/eta_g_raw``
@@ -119,9 +129,19 @@ class FedLiLS(ServerStrategy):
         super().__init__(server_lr=1.0, weighting=weighting)
         self.convex = bool(convex)
 
+    @staticmethod
+    def client_step_size(update: ClientUpdate) -> float:
+        """``η_i``: the client's last accepted line-search step (module docstring); NaN when it has none."""
+        reported = update.payload.get("armijo_accepted_step_size")
+        if reported is not None:
+            reported = float(reported)
+            return reported if math.isfinite(reported) and reported > 0 else float("nan")
+        moved = [s for s in update.step_sizes if math.isfinite(s) and s > 0]
+        return moved[-1] if moved else float("nan")
+
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
         super().accumulate(stats, update)
-        last = update.last_step_size
+        last = self.client_step_size(update)
         if math.isfinite(last):
             stats.maximum("last_step_size_max", last, update.delta.device)
 
@@ -129,8 +149,8 @@ class FedLiLS(ServerStrategy):
         delta = self.mean_delta(stats)
         if "last_step_size_max" not in stats:
             raise RuntimeError(
-                f"round {plan.round}: FedLiLS needs each client's last accepted step size, but no client reported a "
-                "finite one"
+                f"round {plan.round}: FedLiLS needs each client's last accepted step size, but no client has accepted "
+                "a step yet (all steps had zero gradient or exhausted line searches)"
             )
         max_step = float(stats["last_step_size_max"].item())
         eta = 1.0 if self.convex else max_step
@@ -147,7 +167,7 @@ class FedLiLU(ServerStrategy):
         lr: DFW's proximal coefficient ``η`` (default 0.01, reference code).
         momentum: DFW momentum ``μ ∈ [0, 1)`` (default 0.9, reference code).
         weight_decay: ``λ ≥ 0`` of the regulariser ``λ/2‖w‖²`` (default 1e-5, reference code).
-        eps: ``ε ≥ 0`` in the denominator of ``γ_t`` (default 1e-5, reference code).
+        dfw_eps: ``ε ≥ 0`` in the denominator of ``γ_t`` (default 1e-5, reference code).
         client_loss: ``"mean"`` (default) or ``"first"``: which client loss forms ``F̂_t`` (module docstring).
         weighting: default ``"samples"`` (reference code).
     """
@@ -157,7 +177,7 @@ class FedLiLU(ServerStrategy):
         lr: float = 0.01,
         momentum: float = 0.9,
         weight_decay: float = 1e-5,
-        eps: float = 1e-5,
+        dfw_eps: float = 1e-5,
         client_loss: str = "mean",
         weighting: str = "samples",
     ):
@@ -167,7 +187,7 @@ class FedLiLU(ServerStrategy):
         if self.momentum >= 1.0:
             raise ValueError(f"momentum must lie in [0, 1), got {momentum}")
         self.weight_decay = _finite_nonneg(weight_decay, "weight_decay")
-        self.eps = _finite_nonneg(eps, "eps")
+        self.eps = _finite_nonneg(dfw_eps, "dfw_eps")
         if client_loss not in ("mean", "first"):
             raise ValueError(f"client_loss must be 'mean' or 'first', got {client_loss!r}")
         self.client_loss = client_loss
@@ -202,6 +222,6 @@ class FedLiLU(ServerStrategy):
 
     def __repr__(self) -> str:
         return (
-            f"FedLiLU(lr={self.server_lr}, momentum={self.momentum}, weight_decay={self.weight_decay}, eps={self.eps}, "
+            f"FedLiLU(lr={self.server_lr}, momentum={self.momentum}, weight_decay={self.weight_decay}, dfw_eps={self.eps}, "
             f"client_loss={self.client_loss!r}, weighting={self.weighting!r})"
         )

@@ -14,7 +14,12 @@ schedule      ``decay="local_steps"`` (``K_r``; ``η_0``)      ``decay="client_l
 ============  ==============================================  ==============================================
 
 dSGD is ``K ≡ 1`` (``model.local_steps: 1``, ``configs/dsgd.yaml``); Kη-fixed is no schedule at all. The
-η-decay schedules act through ``plan.client_lr_scale`` (the FederatedLoop multiplies the client optimizer's lr).
+η-decay schedules act through ``plan.client_lr_scale``: the FederatedLoop hands it to
+:func:`fedlightning.optim.scale_client_step`, which multiplies ``lr`` of ``torch.optim`` optimizers and every step
+:class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS` and :class:`~fedlightning.optim.DecSPS`
+apply (their docstrings give what is scaled and why). With ``decay="client_lr"`` fit start checks, before any client
+trains, that the configured client optimizer has such a step size and otherwise raises a ValueError naming
+it, so ``schedule/client_lr_scale`` is only logged when it is applied.
 
 Decisions (seed 004 digest §4 and §8):
 
@@ -282,6 +287,14 @@ class KDecay(Callback):
         return k0, scale
 
     # ------------------------------------------------------------------ federated hooks
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """``decay="client_lr"``: refuse, before any client trains, a client optimizer whose step size the scale
+        cannot reach (:func:`fedlightning.optim.check_client_step_scalable`, a ValueError naming it)."""
+        if self.decay == "client_lr":
+            from fedlightning.optim import check_client_step_scalable
+
+            check_client_step_scalable(pl_module.client_optimizer(list(pl_module._global_params())))
+
     def on_round_start(self, trainer, loop, plan) -> None:
         k0 = self.k0 if self.k0 is not None else int(loop.local_steps)
         k, scale = self.value(plan.round + 1, k0)

@@ -37,8 +37,8 @@ in the NEXT round:
 uploads; it is not offered.) The initial :math:`\gamma_0` is, as in the paper, client 0's local SPS step at
 iteration 0: the first client of the first round's sample, evaluated at the global model on its first mini-batch
 (the same batch and dropout seed its first local step uses), unless ``initial_step_size`` is given. Clients must use
-``SPS(lr=1.0)``: SPS in fixed-step mode applies ``lr × client_lr_scale`` and measures the SPS quantities of every
-step; this strategy multiplies the round's ``plan.client_lr_scale`` by :math:`\gamma` in ``on_round_start`` and reads
+``SPS(fixed_step_size=1.0)``: SPS in fixed-step mode applies ``fixed_step_size × client_lr_scale``
+(:meth:`~fedlightning.optim.SPS.scale_step`) and measures the SPS quantities of every step; this strategy multiplies the round's ``plan.client_lr_scale`` by :math:`\gamma` in ``on_round_start`` and reads
 the last step's loss and :math:`\|g\|^2` from ``update.payload`` (``SPS.client_report``). :math:`c`,
 :math:`\gamma_b`, :math:`\ell^*` are this strategy's arguments (the client optimizer's own values only affect its
 telemetry). :math:`\gamma` is checkpointed with the strategy. Clients weigh uniformly and the server has no learning
@@ -193,6 +193,23 @@ class FedSPSGlobal(ServerStrategy):
         return self.sps_value(float(loss.detach()), grad_sq)
 
     # ------------------------------------------------------------------ hooks
+    def _check_client_optimizer(self, loop) -> None:
+        """At fit start (before any client trains), refuse a client optimizer other than SPS in fixed-step mode: the shared step
+        reaches the clients as ``client_lr_scale``, which would otherwise multiply an adaptive rule's own steps
+        (adaptive SPS: ``γ × γ_i``) or be refused later by :func:`~fedlightning.optim.scale_client_step`."""
+        from fedlightning.optim import SPS
+
+        opt = loop.client_optimizer(list(loop._global_params()))
+        if not (isinstance(opt, SPS) and opt.hyper.get("fixed_step_size") is not None):
+            raise TypeError(
+                "FedSPSGlobal needs client_optimizer fedlightning.optim.SPS with fixed_step_size=1.0 (fixed-step "
+                f"mode: the clients apply the server's shared step), got {type(opt).__name__}"
+                + (" without fixed_step_size (adaptive SPS)" if isinstance(opt, SPS) else "")
+            )
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._check_client_optimizer(pl_module)
+
     def on_round_start(self, trainer, loop, plan: RoundPlan) -> None:
         if self.step_size is None:
             self.step_size = self._probe_first_client(trainer, loop, plan)
@@ -209,7 +226,7 @@ class FedSPSGlobal(ServerStrategy):
             return
         if "sps_last_loss" not in update.payload or "sps_last_grad_sq" not in update.payload:
             raise TypeError(
-                "FedSPSGlobal needs client_optimizer fedlightning.optim.SPS with lr=1.0 (fixed-step mode), whose "
+                "FedSPSGlobal needs client_optimizer fedlightning.optim.SPS with fixed_step_size=1.0 (fixed-step mode), whose "
                 f"client_report gives the last step's loss and gradient norm; client {update.client_id} sent "
                 f"{sorted(update.payload)}"
             )

@@ -9,9 +9,14 @@ the closure only returns the mini-batch loss (the optimizer runs ``backward`` an
 They work in any plain PyTorch loop and in the :class:`~fedlightning.FederatedLoop` (class attribute
 ``requires_closure``), report ``last_step = {"step_size", "backtracks", "forwards", "backwards"}`` after each step,
 and keep per-client state across rounds through ``get_client_state`` / ``set_client_state``.
+
+:func:`scale_client_step` multiplies a client optimizer's step size by the round's ``client_lr_scale`` (η-decay
+schedules, FedSPS-Global): ``scale_step`` of these three optimizers (each applies ``scale`` times its rule's step),
+the param groups' ``lr`` of ``torch.optim`` optimizers, and a ValueError naming any other optimizer.
 """
 
+from fedlightning.optim._common import check_client_step_scalable, scale_client_step
 from fedlightning.optim.armijo import SgdArmijo
 from fedlightning.optim.sps import SPS, DecSPS
 
-__all__ = ["SgdArmijo", "SPS", "DecSPS"]
+__all__ = ["SgdArmijo", "SPS", "DecSPS", "scale_client_step", "check_client_step_scalable"]

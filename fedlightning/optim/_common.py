@@ -23,7 +23,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["ClosureOptimizer", "RngSnapshot", "check_positive", "check_finite", "epoch_exponent"]
+__all__ = [
+    "ClosureOptimizer",
+    "RngSnapshot",
+    "check_positive",
+    "check_finite",
+    "epoch_exponent",
+    "scale_client_step",
+    "check_client_step_scalable",
+]
 
 
 def check_positive(name: str, value: Any, allow_zero: bool = False) -> float:
@@ -49,10 +57,17 @@ def check_finite(name: str, value: Any) -> float:
 def epoch_exponent(
     n_batches_per_epoch: Optional[float], batch_size: Optional[int], num_samples: Optional[int]
 ) -> Optional[float]:
-    """Validate the epoch-length arguments and return ``b/n = 1/n_batches_per_epoch`` (None when not given).
+    """Validate the epoch-length arguments and return the per-step exponent ``1/n_batches_per_epoch`` (None when
+    not given), so that a growth factor ``δ`` per local epoch is ``δ**exponent`` per step.
 
-    Either ``n_batches_per_epoch`` (``n/b``, may be fractional like the reference Sls code's ``len(data)/b``) or
-    both ``batch_size`` (``b``) and ``num_samples`` (``n``) may be given, not both forms.
+    Either ``n_batches_per_epoch`` (steps per epoch, ``>= 1``, may be fractional like the reference Sls code's
+    ``len(data)/b``) or both ``batch_size`` (``b``) and ``num_samples`` (``n``) may be given, not both forms.
+    From ``b`` and ``n`` the steps per epoch are ``⌈n/b⌉``: the mini-batches one shuffled epoch of the client's
+    loader yields (the last partial batch is kept), so the growth over one epoch is exactly ``δ``. This is the
+    reference Sls intent ("over one epoch the growth is δ"; it passes ``n/b``, which agrees whenever ``b`` divides
+    ``n``). The reference's ``b/n`` would grow by ``δ^{b/n} > δ`` per step when ``n < b`` (a client of 13 samples
+    with batch 50: ×14.4 per step for ``δ = 2``), while such a client's every step is a whole epoch; ``⌈n/b⌉``
+    gives ``δ`` per step there (ours).
     """
     if n_batches_per_epoch is not None and (batch_size is not None or num_samples is not None):
         raise ValueError(
@@ -60,7 +75,13 @@ def epoch_exponent(
             f"(got n_batches_per_epoch={n_batches_per_epoch!r}, batch_size={batch_size!r}, num_samples={num_samples!r})"
         )
     if n_batches_per_epoch is not None:
-        return 1.0 / check_positive("n_batches_per_epoch", n_batches_per_epoch)
+        steps = check_positive("n_batches_per_epoch", n_batches_per_epoch)
+        if steps < 1:
+            raise ValueError(
+                f"n_batches_per_epoch must be >= 1 (an epoch takes at least one step), got {n_batches_per_epoch!r}; "
+                "with fewer samples than the batch size every step is a whole epoch: pass 1"
+            )
+        return 1.0 / steps
     if (batch_size is None) != (num_samples is None):
         raise ValueError(
             f"batch_size and num_samples must be given together, got batch_size={batch_size!r}, num_samples={num_samples!r}"
@@ -70,7 +91,45 @@ def epoch_exponent(
     for name, v in (("batch_size", batch_size), ("num_samples", num_samples)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    return float(batch_size) / float(num_samples)
+    return 1.0 / float(-(-num_samples // batch_size))
+
+
+def check_client_step_scalable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise a ValueError naming the optimizer unless :func:`scale_client_step` can scale its step size: it defines
+    ``scale_step(scale)`` (the optimizers of :mod:`fedlightning.optim`) or every param group has an ``lr``."""
+    if callable(getattr(optimizer, "scale_step", None)):
+        return
+    groups = getattr(optimizer, "param_groups", None) or []
+    if groups and all("lr" in g for g in groups):
+        return
+    raise ValueError(
+        f"the client optimizer {type(optimizer).__name__} has no step size the client learning-rate scale "
+        "(client_lr_scale: KDecay(decay='client_lr'), FedSPSGlobal) can act on: it defines no scale_step(scale) "
+        "method and not every param group has an 'lr'. Use KDecay(decay='local_steps'), or give the optimizer a "
+        "scale_step(scale) method"
+    )
+
+
+def scale_client_step(optimizer: torch.optim.Optimizer, scale: float) -> None:
+    """Multiply the step size of a client optimizer by ``scale`` (the round's ``client_lr_scale``).
+
+    * optimizers with a ``scale_step(scale)`` method (:class:`~fedlightning.optim.SgdArmijo`,
+      :class:`~fedlightning.optim.SPS`, :class:`~fedlightning.optim.DecSPS`; each docstring says what it scales
+      and why) get that call;
+    * otherwise every param group's ``lr`` is multiplied (``torch.optim`` optimizers);
+    * otherwise a ValueError names the optimizer (:func:`check_client_step_scalable`): a scale is never silently
+      dropped.
+
+    ``scale`` must be a finite number >= 0 (0: the clients do not move, as SGD with ``lr = 0``).
+    """
+    scale = check_positive("client_lr_scale", scale, allow_zero=True)
+    check_client_step_scalable(optimizer)
+    method = getattr(optimizer, "scale_step", None)
+    if callable(method):
+        method(scale)
+        return
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale
 
 
 class ClosureOptimizer(torch.optim.Optimizer):
@@ -98,9 +157,11 @@ class ClosureOptimizer(torch.optim.Optimizer):
         self.total_backtracks = 0
         self.total_forwards = 0
         self.total_backwards = 0
-        # b/n for per-epoch growth factors; set by the constructor or by the FederatedLoop (set_client_data).
+        # 1/steps-per-epoch for per-epoch growth factors; set by the constructor or by the FederatedLoop.
         self._explicit_exponent: Optional[float] = None
         self._client_exponent: Optional[float] = None
+        #: multiplier of every step this optimizer applies (the round's client_lr_scale; see scale_step)
+        self.step_scale = 1.0
 
     # ------------------------------------------------------------------ hyperparameters
     @property
@@ -108,17 +169,31 @@ class ClosureOptimizer(torch.optim.Optimizer):
         """The hyperparameters (shared by all param groups, checked at construction)."""
         return self.param_groups[0]
 
+    def scale_step(self, scale: float) -> None:
+        """Multiply every step this optimizer applies by ``scale`` (>= 0; calls compose by multiplication).
+
+        The step-size rule itself and its per-client state are left in the rule's own units: the rule computes
+        its step as without a scale, the update applies ``scale`` times it, and telemetry (``last_step``) records
+        the applied step. So a scale acts once per step and never compounds through state that feeds the next
+        step (Armijo's ``η_{k-1}``, SPS's smoothed cap, DecSPS's ``γ_{t-1}``). Each optimizer's docstring gives the
+        reasoning for its rule. The FederatedLoop calls it through :func:`scale_client_step` with the round's
+        ``client_lr_scale`` on a freshly built optimizer.
+        """
+        self.step_scale = self.step_scale * check_positive("scale", scale, allow_zero=True)
+
     def set_client_data(self, num_samples: int, batch_size: int) -> None:
         """Called by the FederatedLoop with the client's number of samples ``n_i`` and batch size ``b`` before it
-        trains, so per-epoch growth factors use ``b/n_i`` of that client. An explicit ``n_batches_per_epoch`` (or
-        ``batch_size`` + ``num_samples``) given to the constructor takes precedence."""
+        trains, so per-epoch growth factors use that client's ``⌈n_i/b⌉`` steps per epoch (:func:`epoch_exponent`).
+        An explicit ``n_batches_per_epoch`` (or ``batch_size`` + ``num_samples``) given to the constructor takes
+        precedence."""
         self._client_exponent = epoch_exponent(None, int(batch_size), int(num_samples))
 
     def _epoch_exponent(self, what: str) -> float:
+        """``1/steps-per-epoch`` (:func:`epoch_exponent`) of this client; a ValueError naming ``what`` if unknown."""
         exponent = self._explicit_exponent if self._explicit_exponent is not None else self._client_exponent
         if exponent is None:
             raise ValueError(
-                f"{type(self).__name__}: {what} needs the epoch length b/n: pass n_batches_per_epoch (or batch_size "
+                f"{type(self).__name__}: {what} needs the epoch length (steps per epoch): pass n_batches_per_epoch (or batch_size "
                 "and num_samples) to the constructor, or run inside a FederatedLoop, which sets it per client"
             )
         return exponent

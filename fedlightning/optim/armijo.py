@@ -17,7 +17,7 @@ both sides; :math:`\|g\|` over all parameters jointly). The start :math:`\eta_0`
 =========  ============  =====================================================================================
 ``"max"``  opt 1         :math:`\eta_{l,\max}` (``eta_max``) at every step — the setting of the theory (Lemma 6)
 ``"last"`` opt 0         :math:`\eta_{k-1}` (continue damping from the last accepted step)
-``"grow"`` opt 2         :math:`\min\{\eta_{k-1}\,\delta^{b/n},\ \eta_{l,\max}\}`
+``"grow"`` opt 2         :math:`\min\{\eta_{k-1}\,\delta^{1/\lceil n/b\rceil},\ \eta_{l,\max}\}`
 =========  ============  =====================================================================================
 
 and :math:`\eta_0 = \eta_{l,\max}` at the first step (Algorithm 3, ``k = 1``).
@@ -26,10 +26,17 @@ Decisions the papers leave open (digest 000 §1, reference-implementations §1),
 
 * **Cap of ``"grow"``**: the grown step is capped at ``eta_max`` (Vaswani et al.'s paper and seed 000's theory assume
   :math:`\eta \in (0, \eta_{l,\max}]`; the current reference Sls code has no cap).
-* **b/n of ``"grow"``**: ``n_batches_per_epoch`` (:math:`n/b`) or ``batch_size`` + ``num_samples`` given to the
-  constructor; otherwise, inside a :class:`~fedlightning.FederatedLoop`, the loop calls :meth:`set_client_data` with
-  the client's own :math:`n_i` and the data module's ``batch_size`` (seed 000: :math:`n` = the client's number of
-  samples). Outside the loop, ``reset="grow"`` without these raises a ValueError at the first step.
+* **Growth of ``"grow"``: at most** :math:`\delta` **per local epoch.** Seed 000 and Vaswani et al. write
+  :math:`\delta^{b/n}` per step so that one epoch (:math:`n/b` steps) grows the step by :math:`\delta`; the reference
+  Sls code passes ``n_batches_per_epoch = n/b`` for the same intent. We use the steps one epoch of the client's
+  loader really takes, :math:`\lceil n/b\rceil` (last partial batch kept): the per-step factor is
+  :math:`\delta^{1/\lceil n/b\rceil}`, which equals :math:`\delta^{b/n}` whenever :math:`b` divides :math:`n` and is
+  :math:`\delta` per step when :math:`n \le b` (there every step is a whole epoch; :math:`\delta^{b/n}` would be
+  ×14.4 per step for 13 samples, batch 50, :math:`\delta = 2`). The epoch length comes from
+  ``n_batches_per_epoch`` (``>= 1``) or ``batch_size`` + ``num_samples`` given to the constructor; otherwise, inside
+  a :class:`~fedlightning.FederatedLoop`, the loop calls :meth:`set_client_data` with the client's own :math:`n_i`
+  and the data module's ``batch_size`` (seed 000: :math:`n` = the client's number of samples). Outside the loop,
+  ``reset="grow"`` without these raises a ValueError at the first step.
 * **Zero gradient** (``‖g‖ < grad_tol``, default 1e-8 as the reference Sls): no trial, no parameter change,
   recorded step size ``0.0``; :math:`\eta_{k-1}` is left as it was (the current Sls code does the same to the
   parameters but stores the reset step).
@@ -51,7 +58,19 @@ Decisions the papers leave open (digest 000 §1, reference-implementations §1),
   :math:`\eta_{l,\max}` (``k = 1``), so by default each round's first search starts at ``eta_max``. With
   ``carry_step_size=True`` the first step of a round continues from the step this client accepted last (its
   ``get_client_state()["step_size"]``, stored by the FederatedLoop per client and checkpointed) with the ``"last"``
-  / ``"grow"`` rule. ``get_client_state`` always reports the last accepted step (used by FedLi-LS-style servers).
+  / ``"grow"`` rule. The client state is ``{"step_size": η_{k-1}, "accepted_step_size": ...}``: the search state
+  (after an exhausted search the next grid point, not an accepted step) and the last step the line search really
+  accepted (kept across rounds, never reset by zero-gradient or exhausted steps). :meth:`client_report` sends the
+  latter as ``armijo_accepted_step_size`` (FedLi-LS's ``η_i``).
+* **Client step-size scale** (:meth:`scale_step`, the loop's ``client_lr_scale``: ``KDecay(decay="client_lr")``):
+  the line search runs unchanged (grid, Armijo test, :math:`\eta_{k-1}` and the accepted step all in the rule's own
+  units) and the update applies :math:`s\,\eta_k`. Reasoning (seed 004): its η-decay schedules multiply the step
+  every local update takes by :math:`s_r` relative to the undecayed run. Scaling only ``eta_max`` would not do
+  that: a search that backtracks below :math:`s\,\eta_{l,\max}` is unaffected, and ``reset="last"`` never looks at
+  ``eta_max`` again after the first step. Scaling the state instead would compound :math:`s` from step to step
+  through ``"last"`` / ``"grow"``. With :math:`s > 1` (seed 004's error schedule when the loss rises above
+  :math:`F_0`) the applied step exceeds the accepted Armijo step, as an SGD learning rate times :math:`s` would.
+  ``last_step["step_size"]`` is the applied step :math:`s\,\eta_k`.
 
 Cost per step: 1 forward + 1 backward for the gradient, one forward per trial point, one parameter copy, and one
 host synchronisation per trial (the accept/reject decision) plus one for ``(loss, ‖g‖²)``.
@@ -83,9 +102,11 @@ class SgdArmijo(ClosureOptimizer):
         beta: backtracking factor :math:`\beta \in (0, 1)`. Default 0.9 (Vaswani et al. 2019).
         reset: ``"max"`` (seed 000 opt 1, default: the policy its theory analyses), ``"last"`` (opt 0) or
             ``"grow"`` (opt 2).
-        delta: growth factor :math:`\delta > 1` of ``"grow"`` per epoch. Default 2.0 (Vaswani et al.; reference Sls
+        delta: growth factor :math:`\delta > 1` of ``"grow"`` per local epoch (per step
+            :math:`\delta^{1/\lceil n/b\rceil}`, module docstring). Default 2.0 (Vaswani et al.; reference Sls
             ``gamma``).
-        n_batches_per_epoch: :math:`n/b` for ``"grow"`` (alternatively ``batch_size`` and ``num_samples``).
+        n_batches_per_epoch: steps per epoch (``>= 1``) for ``"grow"`` (alternatively ``batch_size`` and
+            ``num_samples``: :math:`\lceil n/b\rceil`).
         batch_size, num_samples: :math:`b` and :math:`n` for ``"grow"``.
         max_backtracks: largest exponent ``m`` of the grid (``max_backtracks + 1`` trials at most). Default 100
             (reference Sls).
@@ -134,6 +155,7 @@ class SgdArmijo(ClosureOptimizer):
         self.carry_step_size = carry_step_size
         self._prev_step: Optional[float] = None  # η_{k-1}: step accepted at the previous step (None before the first)
         self._carried_step: Optional[float] = None  # last accepted step of the client's previous round
+        self._accepted_step: Optional[float] = None  # the last step the line search accepted (across rounds)
         self._start: Optional[list] = None  # reusable copy of w_{k-1}
 
     # ------------------------------------------------------------------ reset policy (seed 000 Alg. 3)
@@ -196,13 +218,17 @@ class SgdArmijo(ClosureOptimizer):
                 raise
             if accepted is None:
                 torch._foreach_copy_(params, start)
+            elif self.step_scale != 1.0:  # the update applies s·η_k (module docstring)
+                torch._foreach_copy_(params, start)
+                torch._foreach_add_(params, grads, alpha=-(self.step_scale * accepted))
         rng_after.restore()
         if accepted is None:
             self._prev_step = eta0 * beta ** (h["max_backtracks"] + 1)
             self._record(0.0, backtracks, forwards, 1)
         else:
             self._prev_step = accepted
-            self._record(accepted, backtracks, forwards, 1)
+            self._accepted_step = accepted
+            self._record(self.step_scale * accepted, backtracks, forwards, 1)
         return loss
 
     def _start_buffers(self, params):
@@ -217,10 +243,19 @@ class SgdArmijo(ClosureOptimizer):
 
     # ------------------------------------------------------------------ per-client state
     def get_client_state(self) -> Dict[str, Any]:
-        """``{"step_size": η_{k-1}}``: the last accepted step (None if this client never accepted one)."""
+        """``{"step_size": η_{k-1}, "accepted_step_size": last accepted step}`` (module docstring; None where this
+        client has none yet)."""
         prev = self._prev_step if self._prev_step is not None else self._carried_step
-        return {"step_size": prev}
+        return {"step_size": prev, "accepted_step_size": self._accepted_step}
 
     def set_client_state(self, state: Dict[str, Any]) -> None:
         super().set_client_state(state)
         self._carried_step = self._state_step(state, "step_size")
+        self._accepted_step = self._state_step(state, "accepted_step_size")
+
+    def client_report(self) -> Dict[str, float]:
+        """``{"armijo_accepted_step_size": η}``: the last step the line search accepted, in this round or an earlier
+        one of this client (NaN if none); a zero-gradient or exhausted step does not replace it. Before any
+        client-step scale (FedLi-LS's ``η_i``, :class:`~fedlightning.callbacks.FedLiLS`)."""
+        value = self._accepted_step
+        return {"armijo_accepted_step_size": float("nan") if value is None else float(value)}

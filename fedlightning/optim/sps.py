@@ -11,15 +11,20 @@ with a constant cap :math:`\gamma_{b,t} = \gamma_b` (``smooth=False``, seed 001'
 smoothed cap of seed 001 §6 / Loizou et al. 2021 (``smooth=True``, seed 001's non-convex experiments):
 
 .. math::
-    \gamma_{b,0} = \gamma_b, \qquad \gamma_{b,t} = \delta^{\,b/n}\,\gamma_{t-1}\quad (t \ge 1)
+    \gamma_{b,0} = \gamma_b, \qquad \gamma_{b,t} = \delta^{\,1/\lceil n/b\rceil}\,\gamma_{t-1}\quad (t \ge 1)
 
 **Reading of the smoothed cap (digest 001 §1.2, a documented choice):** seed 001 writes
 :math:`\gamma_{b,t} = 2^{|B|/m_i}\gamma_{b,t-1}`, i.e. the multiplier applied to the previous *cap*, which would grow
 exponentially and never look at the step sizes; we implement the reading of the SPS paper it cites and of the
 reference SPS code (``smooth_iter``): the multiplier applies to the previous *step size* :math:`\gamma_{t-1}`.
-``smooth_factor`` is :math:`\delta = 2` (seed 001; reference ``gamma = 2``), ``b/n`` the client's batch size over its
-number of samples (``n_batches_per_epoch`` / ``batch_size`` + ``num_samples``, or set per client by the
-FederatedLoop), so the cap can at most double per local epoch. The first cap is :math:`\gamma_{b,0} = \gamma_b`
+``smooth_factor`` is :math:`\delta = 2` (seed 001; reference ``gamma = 2``), applied as
+:math:`\delta^{1/\lceil n/b\rceil}` per step with :math:`\lceil n/b\rceil` the steps of one local epoch of the client's
+loader (``n_batches_per_epoch`` >= 1, or ``batch_size`` + ``num_samples``, or set per client by the FederatedLoop),
+so the cap can at most double per local epoch. Seed 001 and the reference code write :math:`\delta^{b/n}` (the
+reference passes ``n/b``) with the same intent, growth :math:`\delta` per epoch; the two agree whenever :math:`b`
+divides :math:`n`. With fewer samples than the batch size (every step a whole epoch) :math:`\delta^{b/n}` would
+multiply the cap by :math:`\delta^{b/n} > \delta` per step (×2.9 for 13 samples, batch 20), which is why we count
+whole steps (ours; :func:`fedlightning.optim._common.epoch_exponent`). The first cap is :math:`\gamma_{b,0} = \gamma_b`
 (seed 001: :math:`\gamma_{b,0} = 1`; the reference code also multiplies the first one). In smooth mode ``gamma_max``
 is only this initial value, as in the reference code (no constant cap).
 
@@ -47,12 +52,26 @@ Decisions (ours unless a source is named; digest 001 §1.2, §1.3, §6):
   FederatedLoop skips a client whose loss is non-finite).
 * **Persistent per-client state** (``get_client_state`` / ``set_client_state``, stored by the FederatedLoop per
   client, checkpointed, nothing for clients that never trained): DecSPS keeps :math:`(t, \gamma_{t-1})`, smoothed SPS
-  keeps :math:`\gamma_{t-1}`, across that client's rounds (issue 3). Seed 001's :math:`t` is the global iteration
+  keeps :math:`\gamma_{t-1}`, across that client's rounds. Seed 001's :math:`t` is the global iteration
   index; here :math:`t` counts the (non-degenerate) steps this client has taken, which is the same thing under full
   participation and the natural per-client reading under client sampling. Plain SPS is stateless.
-* ``lr`` (SPS only, default None): when set, SPS applies the *fixed* step ``lr`` (plain SGD) and only measures the
-  SPS step it would have taken (``last_step["sps_step_size"]``, ``client_report()``): the clients of FedSPS-Global
-  (seed 001 App. D.2), whose server strategy sets the round's shared step through the loop's ``client_lr_scale``.
+* ``fixed_step_size`` (SPS only, default None): when set, SPS applies that *fixed* step (plain SGD) and only measures
+  the SPS step it would have taken (``last_step["sps_step_size"]``, ``client_report()``): the clients of
+  FedSPS-Global (seed 001 App. D.2), whose server strategy sets the round's shared step through the loop's
+  ``client_lr_scale``. It is deliberately not called ``lr``: a configuration that switches the client optimizer
+  from ``torch.optim.SGD`` to SPS would otherwise carry SGD's ``lr`` into it and silently turn adaptive SPS into
+  plain SGD. For the same reason SPS's constant is ``polyak_c``, not the ``c`` of
+  :class:`~fedlightning.optim.SgdArmijo` (Armijo's sufficient-decrease constant, another meaning).
+* **Client step-size scale** (:meth:`scale_step`, the loop's ``client_lr_scale``): SPS applies :math:`s\,\gamma_t`
+  (in fixed-step mode :math:`s` times the fixed step, FedSPS-Global's mechanism); DecSPS applies
+  :math:`s\,\gamma_t`. The rules and their state (smoothed SPS's :math:`\gamma_{t-1}`, DecSPS's
+  :math:`(t, \gamma_{t-1})`) stay in the rule's own units, so the scale does not compound through the smoothed cap
+  or :math:`c_{t-1}\gamma_{t-1}`. Reasoning (seed 004): its η-decay multiplies every local step by :math:`s_r`.
+  For SPS, :math:`s\min\{\text{ratio}, \gamma_{b,t}\}` scales both the Polyak ratio and the cap
+  :math:`\gamma_b`; scaling only :math:`\gamma_b` would change nothing on steps where the Polyak ratio is below the
+  cap (typical once the loss is small). For DecSPS, :math:`\gamma_b` only bounds the first step, so scaling it
+  would do nothing after a client's first step. ``last_step["step_size"]`` is the applied step;
+  ``client_report()`` and ``last_step["sps_step_size"]`` are the unscaled SPS measurement.
 
 Cost: one forward + one backward, one fused norm, one host synchronisation (``.tolist()`` of loss and
 :math:`\|g\|^2`) and one fused in-place update per step.
@@ -76,22 +95,24 @@ class SPS(ClosureOptimizer):
 
     Args:
         params: parameters or param groups (all groups share the hyperparameters: one step size for all).
-        c: scaling constant :math:`c > 0`. Default 0.5 (seed 001, all experiments).
+        polyak_c: scaling constant :math:`c > 0` of the Polyak step. Default 0.5 (seed 001, all experiments).
         gamma_max: the cap :math:`\gamma_b` (with ``smooth=True``: the initial cap :math:`\gamma_{b,0}`). Default 1.0
             (seed 001).
         f_star: lower bound :math:`\ell^*` of the loss. Default 0.0 (seed 001).
         smooth: use the smoothed cap (seed 001's non-convex experiments). Default False.
-        smooth_factor: :math:`\delta \ge 1` of the smoothed cap per epoch. Default 2.0 (seed 001 §6).
+        smooth_factor: :math:`\delta \ge 1`, growth of the smoothed cap per local epoch (per step
+            :math:`\delta^{1/\lceil n/b\rceil}`). Default 2.0 (seed 001 §6).
         n_batches_per_epoch, batch_size, num_samples: the epoch length for ``smooth=True`` (see the module
             docstring); inside the FederatedLoop it is set per client when not given.
         grad_tol: below this gradient norm no step is taken. Default 1e-8 (reference SPS).
-        lr: fixed step for FedSPS-Global clients (see the module docstring). Default None (adaptive SPS).
+        fixed_step_size: fixed step for FedSPS-Global clients (see the module docstring). Default None (adaptive
+            SPS).
     """
 
     def __init__(
         self,
         params,
-        c: float = 0.5,
+        polyak_c: float = 0.5,
         gamma_max: float = 1.0,
         f_star: float = 0.0,
         smooth: bool = False,
@@ -100,9 +121,9 @@ class SPS(ClosureOptimizer):
         batch_size: Optional[int] = None,
         num_samples: Optional[int] = None,
         grad_tol: float = 1e-8,
-        lr: Optional[float] = None,
+        fixed_step_size: Optional[float] = None,
     ):
-        c = check_positive("c", c)
+        c = check_positive("polyak_c", polyak_c)
         gamma_max = check_positive("gamma_max", gamma_max)
         f_star = check_finite("f_star", f_star)
         if not isinstance(smooth, bool):
@@ -112,10 +133,10 @@ class SPS(ClosureOptimizer):
             raise ValueError(f"smooth_factor must be >= 1, got {smooth_factor!r}")
         grad_tol = check_positive("grad_tol", grad_tol, allow_zero=True)
         exponent = epoch_exponent(n_batches_per_epoch, batch_size, num_samples)
-        defaults: Dict[str, Any] = dict(c=c, gamma_max=gamma_max, f_star=f_star, smooth=smooth,
+        defaults: Dict[str, Any] = dict(polyak_c=c, gamma_max=gamma_max, f_star=f_star, smooth=smooth,
                                         smooth_factor=smooth_factor, grad_tol=grad_tol)
-        if lr is not None:
-            defaults["lr"] = check_positive("lr", lr)
+        if fixed_step_size is not None:
+            defaults["fixed_step_size"] = check_positive("fixed_step_size", fixed_step_size)
         super().__init__(params, defaults)
         self._explicit_exponent = exponent
         self._prev_step: Optional[float] = None  # γ_{t-1} of the smoothed cap (None: no step taken yet)
@@ -141,21 +162,23 @@ class SPS(ClosureOptimizer):
         if degenerate:
             sps_step = 0.0 if gap <= 0.0 else cap  # the rule's limit: ratio 0 (gap <= 0) or +inf (g = 0)
         else:
-            sps_step = min(gap / (h["c"] * grad_sq), cap)
+            sps_step = min(gap / (h["polyak_c"] * grad_sq), cap)
         self._report = {"sps_last_step_size": sps_step, "sps_last_loss": gap + h["f_star"], "sps_last_grad_sq": grad_sq}
-        fixed = h.get("lr")
-        if fixed is not None:  # FedSPS-Global client: constant step, SPS only measured
+        fixed = h.get("fixed_step_size")
+        if fixed is not None:  # FedSPS-Global client: constant step (times the client scale), SPS only measured
+            applied = fixed * self.step_scale
             with torch.no_grad():
-                torch._foreach_add_(params, grads, alpha=-fixed)
-            self._record(fixed, sps_step_size=sps_step)
+                torch._foreach_add_(params, grads, alpha=-applied)
+            self._record(applied, sps_step_size=sps_step)
             return loss
         if degenerate:
             self._record(0.0, sps_step_size=sps_step)
             return loss
+        applied = sps_step * self.step_scale
         with torch.no_grad():
-            torch._foreach_add_(params, grads, alpha=-sps_step)
+            torch._foreach_add_(params, grads, alpha=-applied)
         self._prev_step = sps_step
-        self._record(sps_step, sps_step_size=sps_step)
+        self._record(applied, sps_step_size=sps_step)
         return loss
 
     def client_report(self) -> Dict[str, float]:
@@ -166,7 +189,7 @@ class SPS(ClosureOptimizer):
 
     def get_client_state(self) -> Dict[str, Any]:
         """Smoothed SPS: ``{"prev_step": γ_{t-1}}``; plain SPS is stateless (``{}``)."""
-        if self.hyper["smooth"] and self.hyper.get("lr") is None:
+        if self.hyper["smooth"] and self.hyper.get("fixed_step_size") is None:
             return {"prev_step": self._prev_step}
         return {}
 
@@ -214,10 +237,11 @@ class DecSPS(ClosureOptimizer):
         c_prev = c0 * math.sqrt(t) if t >= 1 else c0
         c_t = c0 * math.sqrt(t + 1)
         gamma = min(gap / grad_sq, c_prev * self.gamma_prev) / c_t
+        applied = gamma * self.step_scale  # the client scale multiplies the applied step only (module docstring)
         with torch.no_grad():
-            torch._foreach_add_(params, grads, alpha=-gamma)
+            torch._foreach_add_(params, grads, alpha=-applied)
         self.t, self.gamma_prev = t + 1, gamma
-        self._record(gamma)
+        self._record(applied)
         return loss
 
     def get_client_state(self) -> Dict[str, Any]:
