@@ -725,7 +725,19 @@ class FederatedLoop(pl.LightningModule):
         self.model.teardown(stage)
 
     def configure_callbacks(self):
-        return self.model.configure_callbacks()
+        """The user module's callbacks; and, when the Trainer has Lightning's default tqdm bar ("Epoch 0"), the
+        round-counting bar in its place (the CLI adds that bar itself; this gives it to Python users too)."""
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        from fedlightning.callbacks.progress import RoundTQDMProgressBar
+
+        callbacks = self.model.configure_callbacks() or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        bar = self._trainer.progress_bar_callback if self._trainer is not None else None
+        if type(bar) is TQDMProgressBar:  # replaced: Lightning drops a trainer callback a subclass overrides
+            callbacks.append(RoundTQDMProgressBar(refresh_rate=bar.refresh_rate, process_position=bar.process_position,
+                                                  leave=bar._leave))
+        return callbacks
 
     def configure_model(self) -> None:
         self.model.configure_model()

@@ -494,3 +494,20 @@ def test_vectorized_runs_a_trainer_reading_module_and_refuses_what_it_cannot_bat
     make_trainer(2).fit(FederatedLoop(d, local_steps=2, clients_per_round=3), datamodule=_dm())
     for p, q in zip(c.net.parameters(), d.net.parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_python_trainer_gets_the_round_progress_bar():
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from fedlightning.callbacks.progress import RoundTQDMProgressBar
+
+    trainer = make_trainer(2, enable_progress_bar=True)
+    assert type(trainer.progress_bar_callback) is TQDMProgressBar  # Lightning's default ("Epoch 0")
+    trainer.fit(FederatedLoop(UserNet(), local_steps=1, clients_per_round=2), datamodule=_dm())
+    bars = [cb for cb in trainer.callbacks if isinstance(cb, TQDMProgressBar)]
+    assert len(bars) == 1 and isinstance(bars[0], RoundTQDMProgressBar)
+    assert bars[0].train_progress_bar.desc.startswith("Round")
+    custom = RoundTQDMProgressBar(refresh_rate=5)  # a bar the user chose is kept
+    trainer = make_trainer(1, enable_progress_bar=True, callbacks=[custom])
+    trainer.fit(FederatedLoop(UserNet(), local_steps=1, clients_per_round=2), datamodule=_dm())
+    assert trainer.progress_bar_callback is custom
