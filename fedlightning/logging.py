@@ -261,7 +261,7 @@ def find_offline_runs(wandb_dir: str) -> List[str]:
 SWEEP_METHODS = ("grid", "random", "bayes")
 _GOALS = ("minimize", "maximize")
 _ENVVAR = re.compile(r"\$\{envvar:([A-Z0-9_]*)\}")  # the agent's pattern
-_DISTRIBUTION_KEYS = {"distribution", "min", "max", "mu", "sigma", "q", "a", "b", "probabilities"}
+_DISTRIBUTION_KEYS = {"distribution", "min", "max", "mu", "sigma", "q", "a", "b", "probabilities", "parameters"}
 
 
 def validate_sweep(sweep: Mapping[str, Any], name: str = "sweep") -> None:

@@ -433,24 +433,26 @@ class LocalSweep:
 
     def _retry_interrupted(self, study) -> None:
         """Re-queue runs an earlier invocation left unfinished (killed: still RUNNING; Ctrl-C: FAIL marked
-        ``interrupted``) with the same parameters (and grid cell), and mark them retried."""
+        ``interrupted``) with the same parameters (and grid cell). The copy records the number it retries
+        (system attr ``retry_of``), so each interrupted run is re-queued once."""
         import optuna
         from optuna.trial import TrialState, create_trial
 
-        sampler, study.sampler = study.sampler, optuna.samplers.RandomSampler()  # no grid stop() outside optimize
+        trials = study.get_trials(deepcopy=False)
+        retried = {t.system_attrs.get("retry_of") for t in trials}
+        sampler, study.sampler = study.sampler, optuna.samplers.RandomSampler()
         try:
-            for t in study.get_trials(deepcopy=False):
+            for t in trials:
                 stale = t.state == TrialState.RUNNING
-                if not (stale or (t.user_attrs.get("status") == "interrupted" and not t.user_attrs.get("retried"))):
+                if not (stale or t.user_attrs.get("status") == "interrupted") or t.number in retried:
                     continue
                 if stale:
                     study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
                     study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-                study._storage.set_trial_user_attr(t._trial_id, "retried", True)
                 if t.distributions:
                     study.add_trial(create_trial(state=TrialState.WAITING, params=t.params,
                                                  distributions=t.distributions,
-                                                 system_attrs=dict(t.system_attrs)))
+                                                 system_attrs={**t.system_attrs, "retry_of": t.number}))
         finally:
             study.sampler = sampler
 
