@@ -275,14 +275,14 @@ def _params(out):
 @pytest.mark.parametrize("method", ["random", "bayes"])
 def test_random_and_bayes_draw_within_the_ranges_and_are_seeded(method, tmp_path):
     path = _fake_sweep(tmp_path, RANGES, method=method)
-    runs = 12
+    runs = 8
     a, b, c = (str(tmp_path / n) for n in ("a", "b", "c"))
     assert main([path, "--out", a, "--runs", str(runs)]) == 0
-    assert main([path, "--out", b, "--runs", "5"]) == 0  # in two steps: the same draws
+    assert main([path, "--out", b, "--runs", "3"]) == 0  # in two steps: the same draws
     assert main([path, "--out", b, "--runs", str(runs)]) == 0
-    assert main([path, "--out", c, "--runs", "4", "--seed", "1"]) == 0
+    assert main([path, "--out", c, "--runs", "3", "--seed", "1"]) == 0
     assert _params(a) == _params(b)
-    assert [p[1:] for p in _params(c)] != [p[1:] for p in _params(a)[:4]]
+    assert [p[1:] for p in _params(c)] != [p[1:] for p in _params(a)[:3]]
     rows = _table(a)
     assert len(rows) == runs and all(r["status"] == "finished" for r in rows)
     for r in rows:
@@ -300,9 +300,9 @@ def test_bayes_is_tpe_after_its_random_start(tmp_path):
     results, so they differ from random's."""
     random_out, bayes_out = str(tmp_path / "random"), str(tmp_path / "bayes")
     path = _fake_sweep(tmp_path, {"x": RANGES["x"]}, method="random")
-    assert main([path, "--out", random_out, "--runs", "14"]) == 0
+    assert main([path, "--out", random_out, "--runs", "12"]) == 0
     path = _fake_sweep(tmp_path, {"x": RANGES["x"]}, method="bayes")
-    assert main([path, "--out", bayes_out, "--runs", "14"]) == 0
+    assert main([path, "--out", bayes_out, "--runs", "12"]) == 0
     xr = [r[1] for r in _params_x(random_out)]
     xb = [r[1] for r in _params_x(bayes_out)]
     assert xb[:10] == xr[:10] and xb[10:] != xr[10:]
