@@ -48,8 +48,9 @@ The run's output (stdout and stderr) goes to ``OUT/logs/<slug>.log``.
 
 **Run names.** ``<number>-<key>=<value>_...``: the three-digit run number (unique even when two runs draw the same
 values) then each swept parameter by the shortest dotted suffix of its name that is unique in the sweep
-(``lr=0.1``), floats drawn from a range with 4 significant digits, lists joined by ``x`` (``hidden=64x64``); characters outside ``[A-Za-z0-9._=+-]`` become
-``-``. The slug is the CSV logger's run name and the log file's name.
+(``lr=0.1``), floats drawn from a range with 4 significant digits, lists joined by ``x`` (``hidden=64x64``);
+characters outside ``[A-Za-z0-9._=+-]`` become ``-``; at most 150 characters. The slug is the CSV logger's run
+name and the log file's name.
 
 **Results.** A run's final metrics are the last value of every column of its ``metrics.csv`` (W&B's summary
 holds the last logged value by default, the same rule). The table — ``OUT/results.csv`` (every metric, full
@@ -180,8 +181,9 @@ def _param(key: str, spec: Mapping[str, Any], name: str) -> Param:
     if dist is not None and not isinstance(dist, str):
         raise _spec_error(name, key, f"distribution must be a name, got {dist!r}")
     if dist in _UNSUPPORTED:
-        raise _spec_error(name, key, f"distribution {dist!r} is not supported by the local runner ({_UNSUPPORTED[dist]}); "
-                                     "use values, uniform, int_uniform, q_uniform, log_uniform_values or log_uniform")
+        raise _spec_error(name, key, f"distribution {dist!r} is not supported by the local runner "
+                                     f"({_UNSUPPORTED[dist]}); use values, uniform, int_uniform, q_uniform, "
+                                     "log_uniform_values or log_uniform")
     if "probabilities" in spec:
         raise _spec_error(name, key, "'probabilities' is not supported by the local runner "
                                      "(Optuna has no weighted categorical); drop it for equal weights")
@@ -421,8 +423,8 @@ class LocalSweep:
             raise ValueError(f"{self.out} holds a run of sweep {self.study_name!r} with different {changed}; "
                              "use another --out for a changed sweep file")
         if self._seed_arg is not None and self._seed_arg != attrs["seed"]:
-            raise ValueError(f"{self.out} holds a sweep drawn with --seed {attrs['seed']}, got --seed {self._seed_arg}; "
-                             "resume with the same seed or use another --out")
+            raise ValueError(f"{self.out} holds a sweep drawn with --seed {attrs['seed']}, "
+                             f"got --seed {self._seed_arg}; resume with the same seed or use another --out")
         self.seed = attrs["seed"]
         return study
 
