@@ -27,7 +27,7 @@ grid's order is Optuna's seeded shuffle.
 skips finished runs (successful or failed) and continues up to the target: ``--runs N`` is the sweep's *total*
 number of runs (as W&B's ``run_cap``), default the grid size for grid sweeps (capped by ``run_cap``) and
 ``run_cap`` for random/bayes, which need one of the two. A run that was interrupted (Ctrl-C, killed) is retried
-with the same parameters and does not count. The journal remembers the sweep's method, metric, parameters and
+with the same parameters and does not count (Ctrl-C and SIGTERM kill the running subprocess first). The journal remembers the sweep's method, metric, parameters and
 command and the seed; resuming with a different file or seed is refused (use another ``--out``). One sweep process
 per output directory at a time (a lock file, ``OUT/.sweep.lock``).
 
@@ -409,6 +409,7 @@ class LocalSweep:
         """Create or load the study in ``storage``; refuse a different sweep or seed."""
         import optuna
 
+        optuna.logging.set_verbosity(optuna.logging.ERROR)  # the runner prints its own progress
         direction = "maximize" if self.goal == "maximize" else "minimize"
         study = optuna.create_study(study_name=self.study_name, storage=storage, direction=direction,
                                     load_if_exists=True)
@@ -551,7 +552,7 @@ class LocalSweep:
         if dry_run:
             return self._dry_run(total, log)
         os.makedirs(self.out, exist_ok=True)
-        with open(os.path.join(self.out, LOCK), "w") as lock:
+        with open(os.path.join(self.out, LOCK), "w") as lock, _sigterm_interrupts():
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -676,6 +677,31 @@ class LocalSweep:
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         with open(os.path.join(self.out, RESULTS_MD), "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+class _sigterm_interrupts:
+    """While a sweep runs (main thread only), SIGTERM raises KeyboardInterrupt like Ctrl-C does, so a terminated
+    sweep kills its running subprocess and marks the run interrupted instead of leaving it running orphaned."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        return False
 
 
 def _cell(value: Any) -> str:

@@ -12,15 +12,15 @@ import glob
 import math
 import os
 import shlex
-import subprocess
+import signal
 import sys
+import time
 
 import pytest
 import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 import fedlightning.cli as cli_module
-import fedlightning.sweep as sweep_module
 from fedlightning.logging import agent_command, load_sweep, sweep_grid
 from fedlightning.sweep import LOCAL_LOGGER, LocalSweep, main, make_sampler, run_slug, search_space
 
@@ -28,13 +28,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_SWEEPS = sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml")))
 
 # The stand-in program: val/loss = (x - 0.3)^2 (+1 per unit of y), every numeric argument echoed as val/arg_<name>;
-# --mode=fail exits 3, --mode=nan logs a nan loss, --mode=missing logs no val/loss.
+# --mode=fail exits 3, --mode=nan logs a nan loss, --mode=missing logs no val/loss; while the file named by
+# FAKE_TERM_ONCE exists, a call deletes it, sends SIGTERM to the sweep process and sleeps.
 FAKE = r'''
-import math, os, sys
+import math, os, signal, sys, time
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 save, name = args["trainer.logger.init_args.save_dir"], args["trainer.logger.init_args.name"]
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls.txt"), "a") as f:
     f.write(name + "\n")
+if os.environ.get("FAKE_TERM_ONCE") and os.path.exists(os.environ["FAKE_TERM_ONCE"]):
+    os.remove(os.environ["FAKE_TERM_ONCE"])  # once: terminate the sweep process, then wait to be killed
+    os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(120)
 mode = args.get("mode", "ok")
 if mode == "fail":
     sys.exit(3)
@@ -205,38 +210,22 @@ def test_resume_skips_finished_runs(tmp_path):
     assert len(_calls(tmp_path)) == 4
 
 
-class _InterruptOnce:
-    """subprocess.Popen whose first wait() raises KeyboardInterrupt (Ctrl-C during a run)."""
-
-    interrupted = False
-
-    popen = subprocess.Popen
-
-    def __init__(self, *args, **kwargs):
-        self._proc = _InterruptOnce.popen(*args, **kwargs)
-
-    def wait(self):
-        code = self._proc.wait()
-        if not _InterruptOnce.interrupted:
-            _InterruptOnce.interrupted = True
-            raise KeyboardInterrupt
-        return code
-
-    def kill(self):
-        self._proc.kill()
-
-
 def test_interrupted_runs_are_retried_with_the_same_parameters(tmp_path, monkeypatch):
     path = _fake_sweep(tmp_path, {"x": {"values": [0.1, 0.2, 0.3]}, "y": {"value": 1}})
-    _InterruptOnce.interrupted = False
-    # Ctrl-C during the first run: the sweep stops; the next invocation re-runs that grid cell first
-    out = str(tmp_path / "ctrl_c")
-    monkeypatch.setattr(sweep_module.subprocess, "Popen", _InterruptOnce)
+    # SIGTERM (as Ctrl-C) during the first run: the sweep kills the run and stops; the next invocation re-runs
+    # that grid cell first
+    out = str(tmp_path / "terminated")
+    marker = tmp_path / "term_once"
+    marker.write_text("")
+    monkeypatch.setenv("FAKE_TERM_ONCE", str(marker))
+    handler = signal.getsignal(signal.SIGTERM)
+    start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         main([path, "--out", out])
-    monkeypatch.undo()
+    assert time.monotonic() - start < 60  # the runner killed the sleeping run instead of waiting for it
+    assert signal.getsignal(signal.SIGTERM) is handler  # restored
     interrupted = _calls(tmp_path)
-    assert len(interrupted) == 1
+    assert len(interrupted) == 1 and not marker.exists()
     assert main([path, "--out", out]) == 0
     calls = _calls(tmp_path)
     assert len(calls) == 4 and calls[1].split("-", 1)[1] == interrupted[0].split("-", 1)[1]
