@@ -269,8 +269,8 @@ def validate_sweep(sweep: Mapping[str, Any], name: str = "sweep") -> None:
 
     Checked: ``method`` in grid/random/bayes; ``metric`` with ``name`` and ``goal`` minimize/maximize (required by
     bayes, and used by every sweep here); a non-empty ``parameters`` mapping whose entries each give ``value``,
-    a non-empty list ``values`` or a distribution (``min``/``max``/``distribution``), grid sweeps only the first
-    two; ``program``; and, when present, a ``command`` list containing ``${args}`` (else the parameters never
+    a non-empty list ``values`` or a distribution (``min``/``max``/``distribution``, or nested ``parameters``),
+    grid sweeps only the first two; ``program``; and, when present, a ``command`` list containing ``${args}`` (else the parameters never
     reach the program).
     """
     if not isinstance(sweep, Mapping):
