@@ -13,14 +13,16 @@ with ``save_config_callback=LogConfigCallback``.
 (``WANDB_MODE``, ``WANDB_API_KEY`` or a ``wandb login`` entry in ``~/.netrc``), so a run never waits for the network;
 an offline run is uploaded later with ``wandb sync <run dir>``. :func:`wandb_mode` reports which mode a run will
 use and why. :func:`read_offline_run` reads an offline run's ``.wandb`` file back (history rows, config, summary)
-without network or account — for tests and for post-processing.
+without network or account — for tests and for post-processing (its docstring says why it is our own reader).
 
 **Sweeps.** ``configs/sweeps/*.yaml`` are W&B sweep files (``wandb sweep configs/sweeps/X.yaml`` then
-``wandb agent <id>``). :func:`load_sweep` checks a file's essentials, :func:`sweep_grid` lists the parameter sets
-of a grid sweep and :func:`agent_command` builds the exact command line the W&B agent runs for one parameter set
-(the agent's macro expansion: ``${env}`` → ``/usr/bin/env``, ``${interpreter}`` → ``python``, ``${program}`` → the
-sweep's ``program``, ``${args}`` → ``--name=value`` per parameter). ``python -m fedlightning.logging CONFIG.yaml``
-prints the commands of a whole grid, one per line, to run a sweep without W&B.
+``wandb agent <id>``); :mod:`fedlightning.sweep` runs the same files locally (``python -m fedlightning.sweep
+configs/sweeps/X.yaml``: Optuna, resumable, one results table). :func:`load_sweep` checks a file's essentials,
+:func:`sweep_grid` lists the parameter sets of a grid sweep and :func:`agent_command` builds the exact command line
+the W&B agent runs for one parameter set (the agent's macro expansion: ``${env}`` → ``/usr/bin/env``,
+``${interpreter}`` → ``python``, ``${program}`` → the sweep's ``program``, ``${args}`` → ``--name=value`` per
+parameter). ``python -m fedlightning.logging CONFIG.yaml`` only prints the commands of a whole grid, one per line
+(the local runner names, runs and collects them).
 """
 
 from __future__ import annotations
@@ -160,6 +162,14 @@ def read_offline_run(path: str, wait_seconds: float = 0.0) -> OfflineRun:
     LevelDB-log records (32 KiB blocks; record types FULL/FIRST/MIDDLE/LAST) of ``wandb_internal_pb2.Record``
     protobuf messages. Checksums are not verified; a truncated final record (a killed run) is ignored.
 
+    Why our own reader: wandb offers no stable Python reader for this file. Its record *messages* are wandb's own
+    (``wandb.proto.wandb_internal_pb2.Record``, used here to decode them); only the block framing above is ours.
+    Older wandb releases had a framing reader, ``wandb.sdk.internal.datastore.DataStore``, but it was internal (it
+    asserts it runs inside W&B's internal process) and it is gone from current releases (wandb 0.31 has no
+    ``wandb.sdk.internal.datastore``), where the file is read only by the Go ``wandb-core`` service behind
+    ``wandb sync`` and ``wandb leet``, with no Python API; the public ``wandb.Api`` reads uploaded runs only.
+    Offline runs of current releases also write no ``files/wandb-summary.json`` to read instead.
+
     ``wandb.finish()`` can return before W&B's writer process has flushed the file: with ``wait_seconds > 0`` the
     file is re-read until it holds the run's exit record (``OfflineRun.finished``) or the time is up.
     """
@@ -251,7 +261,7 @@ def find_offline_runs(wandb_dir: str) -> List[str]:
 SWEEP_METHODS = ("grid", "random", "bayes")
 _GOALS = ("minimize", "maximize")
 _ENVVAR = re.compile(r"\$\{envvar:([A-Z0-9_]*)\}")  # the agent's pattern
-_DISTRIBUTION_KEYS = {"distribution", "min", "max", "mu", "sigma", "q", "a", "b", "probabilities"}
+_DISTRIBUTION_KEYS = {"distribution", "min", "max", "mu", "sigma", "q", "a", "b", "probabilities", "parameters"}
 
 
 def validate_sweep(sweep: Mapping[str, Any], name: str = "sweep") -> None:
@@ -259,8 +269,8 @@ def validate_sweep(sweep: Mapping[str, Any], name: str = "sweep") -> None:
 
     Checked: ``method`` in grid/random/bayes; ``metric`` with ``name`` and ``goal`` minimize/maximize (required by
     bayes, and used by every sweep here); a non-empty ``parameters`` mapping whose entries each give ``value``,
-    a non-empty list ``values`` or a distribution (``min``/``max``/``distribution``), grid sweeps only the first
-    two; ``program``; and, when present, a ``command`` list containing ``${args}`` (else the parameters never
+    a non-empty list ``values`` or a distribution (``min``/``max``/``distribution``, or nested ``parameters``),
+    grid sweeps only the first two; ``program``; and, when present, a ``command`` list containing ``${args}`` (else the parameters never
     reach the program).
     """
     if not isinstance(sweep, Mapping):
@@ -299,10 +309,19 @@ def validate_sweep(sweep: Mapping[str, Any], name: str = "sweep") -> None:
 
 
 def load_sweep(path: str) -> Dict[str, Any]:
-    """Parse and validate a W&B sweep YAML file (see :func:`validate_sweep`)."""
+    """Parse and validate a W&B sweep YAML file (see :func:`validate_sweep`).
+
+    ``FileNotFoundError`` for a missing file; ``ValueError`` naming the file for invalid YAML or a bad sweep.
+    """
+    name = os.path.basename(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"sweep file not found: {path}")
     with open(path) as f:
-        sweep = yaml.safe_load(f)
-    validate_sweep(sweep, name=os.path.basename(path))
+        try:
+            sweep = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{name} is not valid YAML: {e}") from None
+    validate_sweep(sweep, name=name)
     return sweep
 
 
