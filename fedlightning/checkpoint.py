@@ -170,7 +170,7 @@ class StoreConfigCallback(Callback):
 
 
 def _flatten(value: Any, prefix: str, out: Dict[str, Any]) -> None:
-    if isinstance(value, Mapping) and value:
+    if isinstance(value, Mapping):  # an empty mapping adds no key: ``init_args: {}`` equals no init_args
         for k, v in value.items():
             _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
     elif isinstance(value, (list, tuple)) and value and all(isinstance(v, Mapping) for v in value):
