@@ -236,7 +236,7 @@ def test_best_with_a_monitored_checkpoint_evaluates_that_file(tmp_path, monkeypa
 
 
 # ====================================================================== 3. version directories, last, mismatches
-def test_runs_write_into_their_own_version_directories_and_last_is_the_newest(tmp_path, monkeypatch, capsys):
+def test_runs_get_own_version_dirs_last_is_the_newest_and_a_mismatch_is_refused(tmp_path, monkeypatch, capsys):
     first = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "1", "--model.client_optimizer.init_args.lr",
                                 "0.05")])
     second = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "1")])
