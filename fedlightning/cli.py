@@ -6,43 +6,93 @@
   ``model.model`` (``class_path`` + ``init_args``).
 * ``data`` is any :class:`~fedlightning.datamodules.FederatedDataModule` subclass.
 * Weights & Biases runs offline unless the user configured it (``WANDB_MODE`` or an API key / ``wandb login``),
-  so no run ever blocks on the network.
+  so no run ever blocks on the network (the default is set when ``fedlightning`` is imported, see its docstring).
+
+Decisions this module makes (all ours unless a source is named):
+
+* **No LightningCLI optimizer options.** LightningCLI's ``--optimizer`` / ``--lr_scheduler`` would replace the
+  FederatedLoop's ``configure_optimizers`` — the *server* step of the strategy — and silently turn FedAvg into,
+  e.g., an Adam server step. The options are kept in the parser only to refuse them (command line, config file or
+  environment alike) with an error pointing to ``model.client_optimizer`` and the strategy callbacks in
+  ``trainer.callbacks`` (``auto_configure_optimizers=False``).
+* **Checkpoints are checked before Lightning reads them** (:func:`fedlightning.checkpoint.check_checkpoint`): a file
+  given to ``--ckpt_path`` right after parsing (missing, empty, truncated, not a checkpoint, a checkpoint of another
+  LightningModule); after the model is built, also that its weights fit the model. LightningCLI's own reading of
+  hyper-parameters from the checkpoint is skipped: a FederatedLoop saves none (the config defines the run).
+* **One version directory per run.** The ``last.ckpt`` checkpoint the CLI adds goes into the logger's version
+  directory ``<save_dir>/<name>/<version>/checkpoints`` (Lightning's default for a ``ModelCheckpoint`` without
+  ``dirpath``), or ``<default_root_dir>/checkpoints/version_<N>`` without a logger (next free ``N``).
+* **``--ckpt_path last``** is the newest (file modification time) ``last.ckpt`` among this config's runs:
+  ``<save_dir>/<name>/*/checkpoints/`` (and ``<save_dir>/<name>/checkpoints/``, the pre-version layout), without a
+  logger ``<default_root_dir>/checkpoints/`` and its ``version_*`` folders, plus the ``dirpath`` of every configured
+  ``ModelCheckpoint``. The file resumed is named in one log line. With none, the run starts from round 0 with a
+  warning (Lightning's behaviour for ``last``, kept so a restart script can always pass ``--ckpt_path last``).
+  ``--ckpt_path best`` is the ``best_model_path`` recorded in that newest ``last.ckpt`` by a ``ModelCheckpoint``
+  with a ``monitor``; without one it is an error. ``hpc``, registry names and remote URLs go to Lightning as given.
+* **Resuming with other settings is refused.** Every checkpoint stores the run's resolved config
+  (:class:`~fedlightning.checkpoint.StoreConfigCallback`); ``fit --ckpt_path X`` compares it with the new run's
+  (:func:`~fedlightning.checkpoint.config_differences`: model, data, seeds, strategy / schedule callbacks; not
+  ``trainer.max_steps``) and, when they differ, lists the differences and stops unless ``--resume_mismatch=allow``
+  (then they are listed as a warning). ``validate`` / ``test`` / ``predict`` do not compare settings (evaluating a
+  checkpoint on other data is their purpose), only that the weights fit the model.
+* **One clear last line for configuration errors** (:func:`main`): a ``ValueError`` / ``TypeError`` raised by
+  fedlightning's code, or by the constructor of a class the config names, is printed as
+  ``error: <config key>: <message>`` (the original exception, found through jsonargparse's wrapping via
+  ``__cause__`` / ``__context__``; the key when the message names exactly one argument of that class) with exit
+  code 1. ``FEDLIGHTNING_TRACEBACK=1`` prints the full traceback instead. An error after the first round of the
+  process trained keeps its traceback (it is rarely a configuration error, and re-running to see it is expensive).
 """
 
 from __future__ import annotations
 
+import glob
+import importlib
 import os
+import re
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
 
 from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.loop import FederatedLoop
 
-__all__ = ["FederatedCLI", "main"]
+__all__ = ["FederatedCLI", "main", "TRACEBACK_ENV"]
+
+TRACEBACK_ENV = "FEDLIGHTNING_TRACEBACK"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_KEYWORDS = ("last", "best")
+
+SERVER_OPTIMIZER_HELP = (
+    "Not supported by fedlightning: LightningCLI's {key} would replace the server step of the federated strategy. "
+    "Set the client optimizer with model.client_optimizer and the server step with a strategy in trainer.callbacks."
+)
 
 
-def _wandb_configured() -> bool:
-    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = os.path.expanduser("~/.netrc")
-    try:
-        with open(netrc) as f:
-            return "api.wandb.ai" in f.read()
-    except OSError:
-        return False
+class _RoundsRun(Callback):
+    """Counts the rounds this process trained (tells a configuration error from a failure in a running round)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.count += 1
 
 
 class FederatedCLI(LightningCLI):
-    """LightningCLI with federated defaults.
+    """LightningCLI with federated defaults (the decisions are listed in the module docstring).
 
     * checkpoints are written atomically (:class:`~fedlightning.checkpoint.AtomicCheckpointIO`) unless the config
       sets ``trainer.plugins``;
     * when checkpointing is enabled and the config has no ``ModelCheckpoint``, one is added that saves
-      ``last.ckpt`` every ``checkpoint_every_n_rounds`` rounds (default 10, ours) into a version-independent
-      directory ``<logger save_dir>/<logger name>/checkpoints`` (or ``<default_root_dir>/checkpoints``), so an
-      interrupted run resumes with ``python train.py fit --config X --ckpt_path last``.
+      ``last.ckpt`` every ``checkpoint_every_n_rounds`` rounds (default 10, ours) into the run's version directory,
+      so an interrupted run resumes with ``python train.py fit --config X --ckpt_path last``;
+    * every checkpoint holds the resolved config (``fedlightning_config``), and resuming with other settings is
+      refused unless ``--resume_mismatch=allow``;
+    * ``--optimizer`` / ``--lr_scheduler`` are refused (the server optimizer belongs to the strategy).
     """
 
     checkpoint_every_n_rounds = 10
@@ -50,16 +100,71 @@ class FederatedCLI(LightningCLI):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("auto_configure_optimizers", False)
         if "save_config_callback" not in kwargs:
             from fedlightning.logging import LogConfigCallback
 
             kwargs["save_config_callback"] = LogConfigCallback
-        super().__init__(FederatedLoop, FederatedDataModule, *args, **kwargs)
+        self._rounds_run = _RoundsRun()
+        self._checked: Optional[Tuple[str, Dict[str, Any]]] = None
+        try:
+            super().__init__(FederatedLoop, FederatedDataModule, *args, **kwargs)
+        except (ValueError, TypeError) as err:
+            if self._rounds_run.count == 0:
+                line = _config_error_line(err, self._config_dict())
+                if line is not None:
+                    err.fedlightning_error_line = line  # type: ignore[attr-defined]
+            raise
 
+    # ------------------------------------------------------------------ parser
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_subclass_arguments(
+            Optimizer, "optimizer", instantiate=False, fail_untyped=False, skip={"params"}, required=False,
+            help=SERVER_OPTIMIZER_HELP.format(key="--optimizer"),
+        )
+        parser.add_subclass_arguments(
+            LRSchedulerTypeTuple, "lr_scheduler", instantiate=False, fail_untyped=False, skip={"optimizer"},
+            required=False, help=SERVER_OPTIMIZER_HELP.format(key="--lr_scheduler"),
+        )
+        parser.add_argument(
+            "--resume_mismatch", choices=["refuse", "allow"], default="refuse",
+            help="fit --ckpt_path: when the checkpoint's run used other model / data / seed / strategy settings, "
+                 "'refuse' (default) lists the differences and stops; 'allow' lists them and resumes.",
+        )
+
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        sub = self.config.get("subcommand")
+        config = self.config[sub] if sub else self.config
+        for key in ("optimizer", "lr_scheduler"):
+            value = config.get(key)
+            if value is not None:
+                raise ValueError(
+                    f"{key}: LightningCLI's --{key} is refused by fedlightning (got {_class_name(value)}): the "
+                    "FederatedLoop's optimizer is the SERVER step of the strategy, so it would silently replace it. "
+                    "Set the client optimizer with model.client_optimizer (e.g. --model.client_optimizer="
+                    "torch.optim.Adam --model.client_optimizer.lr=0.01) and the server step with a strategy in "
+                    "trainer.callbacks (e.g. --trainer.callbacks+=fedlightning.callbacks.FedAdam "
+                    "--trainer.callbacks.server_lr=0.01)."
+                )
+
+    def _parse_ckpt_path(self) -> None:
+        """Check an explicit ``--ckpt_path`` file before anything else reads it (replaces LightningCLI's reading of
+        hyper-parameters from the checkpoint: a FederatedLoop saves none)."""
+        sub = self.config.get("subcommand")
+        if not sub:
+            return
+        path = self.config[sub].get("ckpt_path")
+        if _is_local_file(path):
+            from fedlightning.checkpoint import check_checkpoint
+
+            self._checked = (os.fspath(path), check_checkpoint(path))
+
+    # ------------------------------------------------------------------ trainer
     def _instantiate_trainer(self, config, callbacks):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        from fedlightning.checkpoint import AtomicCheckpointIO
+        from fedlightning.checkpoint import AtomicCheckpointIO, StoreConfigCallback
 
         if not config.get("plugins"):
             config["plugins"] = [AtomicCheckpointIO()]
@@ -78,23 +183,280 @@ class FederatedCLI(LightningCLI):
         ):
             added = ModelCheckpoint(save_last=True, every_n_train_steps=self.checkpoint_every_n_rounds)
             config["callbacks"] = list(config.get("callbacks") or []) + [added]
+        config["callbacks"] = list(config.get("callbacks") or []) + [
+            StoreConfigCallback(self._config_dict()), self._rounds_run
+        ]
         trainer = super()._instantiate_trainer(config, callbacks)
-        if added is not None:
-            import os
-
-            logger = trainer.logger
-            if logger is not None and getattr(logger, "save_dir", None):
-                base = os.path.join(logger.save_dir, str(getattr(logger, "name", "") or ""))
-            else:
-                base = trainer.default_root_dir
-            added.dirpath = os.path.join(base, "checkpoints")
+        if added is not None and trainer.logger is None:
+            added.dirpath = _next_version_dir(os.path.join(trainer.default_root_dir, "checkpoints"))
+        # with a logger: dirpath None = Lightning's default, the logger's version directory
         return trainer
+
+    def _config_dict(self) -> Dict[str, Any]:
+        """The resolved config of this run's subcommand as plain data ({} before parsing finished)."""
+        config = getattr(self, "config", None)
+        if config is None:
+            return {}
+        from fedlightning.logging import resolved_config
+
+        sub = config.get("subcommand")
+        try:
+            return resolved_config(self._parser(sub), config[sub] if sub else config)
+        except Exception:  # noqa: BLE001 - only used to name a key or to compare settings
+            return config.clone().as_dict() if hasattr(config, "clone") else {}
+
+    # ------------------------------------------------------------------ checkpoint resolution
+    def before_fit(self) -> None:
+        self._prepare_checkpoint("fit")
+
+    def before_validate(self) -> None:
+        self._prepare_checkpoint("validate")
+
+    def before_test(self) -> None:
+        self._prepare_checkpoint("test")
+
+    def before_predict(self) -> None:
+        self._prepare_checkpoint("predict")
+
+    def _prepare_checkpoint(self, sub: str) -> None:
+        from fedlightning.checkpoint import CheckpointError, check_checkpoint, config_differences, CONFIG_KEY
+
+        sub_config = self.config_init[sub]
+        given = sub_config.get("ckpt_path")
+        path = given
+        if given in _KEYWORDS:
+            path = self._resolve_keyword(given)
+            sub_config["ckpt_path"] = path
+        if not _is_local_file(path):
+            return
+        path = os.fspath(path)
+        if self._checked is not None and self._checked[0] == path:
+            ckpt = self._checked[1]
+            from fedlightning.checkpoint import _check_state_dict
+
+            _check_state_dict(path, ckpt["state_dict"], self.model.state_dict())
+        else:
+            ckpt = check_checkpoint(path, model=self.model)
+        self._checked = None  # the trainer loads it again; do not keep a second copy in memory
+        if sub != "fit":
+            return
+        saved = ckpt.get(CONFIG_KEY)
+        if not isinstance(saved, dict):
+            rank_zero_warn(f"checkpoint {path} stores no run configuration: its settings cannot be compared with "
+                           "this run's")
+            return
+        diffs = config_differences(saved, self._config_dict())
+        if not diffs:
+            return
+        if self.config[sub].get("resume_mismatch", "refuse") == "allow":
+            rank_zero_warn(f"resuming from {path}, written with other settings (--resume_mismatch=allow):\n  "
+                           + "\n  ".join(diffs))
+            return
+        raise CheckpointError(
+            path,
+            f"written by a run with other settings ({len(diffs)} listed above); pass --resume_mismatch=allow to "
+            "resume with this run's settings, or drop --ckpt_path to start a new run",
+            details=diffs,
+        )
+
+    def _last_candidates(self) -> List[str]:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        trainer = self.trainer
+        patterns = []
+        if trainer.loggers:
+            logger = trainer.loggers[0]
+            save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+            base = os.path.join(save_dir, str(logger.name))
+            patterns += [os.path.join(glob.escape(base), "*", "checkpoints", "last.ckpt"),
+                         os.path.join(glob.escape(base), "checkpoints", "last.ckpt")]
+        else:
+            base = os.path.join(trainer.default_root_dir, "checkpoints")
+            patterns += [os.path.join(glob.escape(base), "*", "last.ckpt"),
+                         os.path.join(glob.escape(base), "last.ckpt")]
+        for cb in trainer.callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None and not _is_version_dir_of(cb.dirpath, base):
+                patterns.append(os.path.join(glob.escape(os.fspath(cb.dirpath)),
+                                             cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION))
+        found = {os.path.abspath(f) for p in patterns for f in glob.glob(p) if os.path.isfile(f)}
+        return sorted(found, key=lambda f: (os.path.getmtime(f), f))
+
+    def _resolve_keyword(self, keyword: str) -> Optional[str]:
+        from fedlightning.checkpoint import CheckpointError, check_checkpoint
+
+        candidates = self._last_candidates()
+        where = self._runs_description()
+        if keyword == "last":
+            if not candidates:
+                rank_zero_warn(f"--ckpt_path last: no last.ckpt found in {where}; starting from round 0")
+                return None
+            rank_zero_info(f"--ckpt_path last: resuming from {candidates[-1]} (the newest of {len(candidates)} "
+                           f"last.ckpt in {where})")
+            return candidates[-1]
+        if not candidates:
+            raise CheckpointError(f"best ({where})", "no checkpoint of this config's runs found; pass a file")
+        newest = candidates[-1]
+        ckpt = check_checkpoint(newest)
+        for key, state in (ckpt.get("callbacks") or {}).items():
+            if str(key).startswith("ModelCheckpoint") and isinstance(state, dict) and state.get("monitor") \
+                    and state.get("best_model_path"):
+                best = state["best_model_path"]
+                rank_zero_info(f"--ckpt_path best: using {best} (best {state['monitor']}, recorded in {newest})")
+                return best
+        raise CheckpointError(newest, "--ckpt_path best: this newest checkpoint of the config's runs records no "
+                                      "best model (the CLI's default ModelCheckpoint keeps only last.ckpt; add a "
+                                      "ModelCheckpoint with a monitor to trainer.callbacks, or pass a file)")
+
+    def _runs_description(self) -> str:
+        trainer = self.trainer
+        if trainer.loggers:
+            logger = trainer.loggers[0]
+            save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+            return os.path.join(save_dir, str(logger.name), "*", "checkpoints")
+        return os.path.join(trainer.default_root_dir, "checkpoints")
+
+
+# ====================================================================== helpers
+def _class_name(value: Any) -> str:
+    if isinstance(value, dict) or hasattr(value, "get"):
+        try:
+            return str(value.get("class_path") or value)
+        except Exception:  # noqa: BLE001
+            pass
+    return str(value)
+
+
+def _is_local_file(path: Any) -> bool:
+    if path is None or isinstance(path, bool):
+        return False
+    path = os.fspath(path)
+    return path not in _KEYWORDS and path != "hpc" and "://" not in path and not path.startswith("registry:")
+
+
+def _is_version_dir_of(dirpath, base: str) -> bool:
+    return os.path.dirname(os.path.abspath(os.fspath(dirpath))) == os.path.abspath(base)
+
+
+def _next_version_dir(base: str) -> str:
+    versions = []
+    if os.path.isdir(base):
+        for name in os.listdir(base):
+            m = re.fullmatch(r"version_(\d+)", name)
+            if m and os.path.isdir(os.path.join(base, name)):
+                versions.append(int(m.group(1)))
+    return os.path.join(base, f"version_{max(versions) + 1 if versions else 0}")
+
+
+def _chain(err: BaseException) -> List[BaseException]:
+    out: List[BaseException] = []
+    e: Optional[BaseException] = err
+    while e is not None and e not in out and len(out) < 50:
+        out.append(e)
+        e = e.__cause__ if e.__cause__ is not None else (None if e.__suppress_context__ else e.__context__)
+    return out
+
+
+def _frames(err: BaseException) -> List[Any]:
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
+
+
+def _raised_in_package(err: BaseException) -> bool:
+    frames = _frames(err)
+    return bool(frames) and os.path.abspath(frames[-1].f_code.co_filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+def _import(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _class_nodes(config: Any, path: str = "") -> List[Tuple[str, Any, Dict[str, Any]]]:
+    """(config key, class, its arguments) for every ``class_path`` node of ``config``, plus ``model``
+    (the FederatedLoop) and ``trainer``."""
+    nodes: List[Tuple[str, Any, Dict[str, Any]]] = []
+    if not path and isinstance(config, dict):
+        from lightning.pytorch import Trainer
+
+        if isinstance(config.get("model"), dict):
+            nodes.append(("model", FederatedLoop, config["model"]))
+        if isinstance(config.get("trainer"), dict):
+            nodes.append(("trainer", Trainer, config["trainer"]))
+    if isinstance(config, dict):
+        if isinstance(config.get("class_path"), str):
+            cls = _import(config["class_path"])
+            if cls is not None:
+                nodes.append((f"{path}.init_args" if path else "init_args", cls, config.get("init_args") or {}))
+        for key, value in config.items():
+            nodes += _class_nodes(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(config, list):
+        for i, value in enumerate(config):
+            nodes += _class_nodes(value, f"{path}[{i}]")
+    return nodes
+
+
+def _config_key(err: BaseException, config: Dict[str, Any]) -> Optional[str]:
+    """The config key of the argument the error is about: the innermost constructor of a class the config names,
+    and the one argument of it that the message names."""
+    nodes = _class_nodes(config)
+    message = str(err)
+    for frame in reversed(_frames(err)):
+        if frame.f_code.co_name != "__init__" or "self" not in frame.f_locals:
+            continue
+        owner = type(frame.f_locals["self"])
+        for key, cls, args in nodes:
+            if cls is owner:
+                named = [a for a in args if re.search(rf"(?<![\w.]){re.escape(str(a))}(?!\w)", message)]
+                if len(named) == 1:
+                    return f"{key}.{named[0]}"
+                return key.rsplit(".init_args", 1)[0]
+    return None
+
+
+def _config_error_line(err: BaseException, config: Dict[str, Any]) -> Optional[str]:
+    """``<config key>: <message>`` for the first ValueError / TypeError in the exception chain raised by
+    fedlightning's code or by the constructor of a class the config names; None for any other error."""
+    from fedlightning.checkpoint import CheckpointError
+
+    for e in _chain(err):
+        if not isinstance(e, (ValueError, TypeError)):
+            continue
+        if isinstance(e, CheckpointError):
+            return e.summary_line()
+        key = _config_key(e, config) if config else None
+        if _raised_in_package(e) or key is not None:
+            message = " ".join(str(e).split("\n")).strip()
+            if key is not None and not message.startswith(key):
+                return f"{key}: {message}"
+            return message
+    return None
 
 
 def main(args: Optional[List[str]] = None, run: bool = True) -> FederatedCLI:
-    if not _wandb_configured():
-        os.environ["WANDB_MODE"] = "offline"
-    return FederatedCLI(args=args, run=run)
+    """Run the CLI (``train.py``). A configuration error (see the module docstring) prints its details and a last
+    line ``error: ...`` to stderr and raises ``SystemExit(1)`` (its ``__cause__`` is the original exception), unless
+    the environment variable ``FEDLIGHTNING_TRACEBACK`` is set to a non-empty value other than ``0``."""
+    import fedlightning
+
+    fedlightning._default_wandb_offline()
+    try:
+        return FederatedCLI(args=args, run=run)
+    except (ValueError, TypeError) as err:
+        line = getattr(err, "fedlightning_error_line", None)
+        if line is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        details = getattr(err, "details", None) or []
+        for d in details:
+            sys.stderr.write(f"  {d}\n")
+        sys.stderr.write(f"(set {TRACEBACK_ENV}=1 for the full traceback)\nerror: {line}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from err
 
 
 if __name__ == "__main__":  # pragma: no cover

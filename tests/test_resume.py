@@ -130,7 +130,7 @@ def test_cli_resume_with_ckpt_path_last(tmp_path):
     FederatedCLI.checkpoint_every_n_rounds = 1
     try:
         main(["fit", *base2, "--trainer.max_steps", "3"])
-        assert glob.glob(os.path.join(other, "quickstart", "checkpoints", "last.ckpt"))
+        assert glob.glob(os.path.join(other, "quickstart", "version_0", "checkpoints", "last.ckpt"))
         resumed = main(["fit", *base2, "--trainer.max_steps", "5", "--ckpt_path", "last"])
     finally:
         FederatedCLI.checkpoint_every_n_rounds = 10
