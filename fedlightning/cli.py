@@ -47,6 +47,37 @@ class FederatedCLI(LightningCLI):
 
     checkpoint_every_n_rounds = 10
 
+    #: After ``fit``, evaluate the final global model on the test set with ``trainer.test`` (the model's
+    #: ``test_step`` logs and prints ``test/*``). Default True (ours: ``fit`` otherwise reports only the validation
+    #: split). Switch off per run with ``python train.py fit ... --test_after_fit false``, or for a subclass by
+    #: setting this attribute to False (the option's default).
+    test_after_fit = True
+
+    def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_argument(
+            "--test_after_fit",
+            type=bool,
+            default=self.test_after_fit,
+            help="fit only: after training, evaluate the final global model on the test set (test/* metrics)",
+        )
+
+    def after_fit(self) -> None:
+        """``trainer.test`` on the final global model (the weights in memory, not a checkpoint) and the same data
+        module, when ``test_after_fit`` is on. Skipped when the run was interrupted (Ctrl-C: the model is not the
+        final one) and, with a warning, when the data module has no test set."""
+        if not self._get(self.config, "test_after_fit", self.test_after_fit):
+            return
+        if self.trainer.interrupted:
+            return
+        dm = self.datamodule
+        if dm is not None and getattr(dm, "train_dataset", None) is not None and getattr(dm, "test_dataset", 0) is None:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"{type(dm).__name__} has no test set: test_after_fit skipped")
+            return
+        self.trainer.test(self.model, datamodule=dm)
+
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
