@@ -375,8 +375,9 @@ class FederatedDataModule(pl.LightningDataModule):
         missing = np.setdiff1d(np.arange(len(classes)), np.unique(inverse[train]))
         if len(missing):
             c = int(missing[0])
+            label = classes[c].item() if isinstance(classes[c], np.generic) else classes[c]
             raise ValueError(
-                f"val_fraction={f} leaves class {classes[c]!r} ({int(counts[c])} training sample(s)) without a "
+                f"val_fraction={f} leaves class {label!r} ({int(counts[c])} training sample(s)) without a "
                 f"training sample; lower val_fraction (0 disables validation)"
             )
         return train, val
