@@ -65,7 +65,9 @@ class FederatedCLI(LightningCLI):
     def after_fit(self) -> None:
         """``trainer.test`` on the final global model (the weights in memory, not a checkpoint) and the same data
         module, when ``test_after_fit`` is on. Skipped when the run was interrupted (Ctrl-C: the model is not the
-        final one) and, with a warning, when the data module has no test set."""
+        final one) and, with a warning, when the data module has no test set. ``trainer.test`` starts from empty
+        ``trainer.callback_metrics``; the fit's last values (``train/*``, ``val/*``, ...) are put back next to
+        ``test/*`` so that code reading them after ``fit`` keeps working."""
         if not self._get(self.config, "test_after_fit", self.test_after_fit):
             return
         if self.trainer.interrupted:
@@ -76,7 +78,11 @@ class FederatedCLI(LightningCLI):
 
             rank_zero_warn(f"{type(dm).__name__} has no test set: test_after_fit skipped")
             return
+        fit_metrics = dict(self.trainer.callback_metrics)
         self.trainer.test(self.model, datamodule=dm)
+        metrics = self.trainer.callback_metrics
+        for key, value in fit_metrics.items():
+            metrics.setdefault(key, value)
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("subclass_mode_data", True)
