@@ -64,16 +64,14 @@ class FederatedCLI(LightningCLI):
 
     def after_fit(self) -> None:
         """``trainer.test`` on the final global model (the weights in memory, not a checkpoint) and the same data
-        module, when ``test_after_fit`` is on. Skipped when the run was interrupted (Ctrl-C: the model is not the
-        final one) and, with a warning, when the data module has no test set. ``trainer.test`` starts from empty
-        ``trainer.callback_metrics``; the fit's last values (``train/*``, ``val/*``, ...) are put back next to
-        ``test/*`` so that code reading them after ``fit`` keeps working."""
+        module, when ``test_after_fit`` is on. LightningCLI calls it only after ``fit`` returned normally (Ctrl-C or
+        an error ends the process first). Skipped, with a warning, when the data module has no test set.
+        ``trainer.test`` starts from empty ``trainer.callback_metrics``; the fit's last values (``train/*``,
+        ``val/*``, ...) are put back next to ``test/*`` so that code reading them after ``fit`` keeps working."""
         if not self._get(self.config, "test_after_fit", self.test_after_fit):
             return
-        if self.trainer.interrupted:
-            return
         dm = self.datamodule
-        if dm is not None and getattr(dm, "train_dataset", None) is not None and getattr(dm, "test_dataset", 0) is None:
+        if isinstance(dm, FederatedDataModule) and dm.train_dataset is not None and dm.test_dataset is None:
             from lightning.pytorch.utilities import rank_zero_warn
 
             rank_zero_warn(f"{type(dm).__name__} has no test set: test_after_fit skipped")

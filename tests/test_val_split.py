@@ -382,3 +382,19 @@ def test_test_after_fit_can_be_switched_off(tmp_path):
     cli = _quickstart(tmp_path / "attribute", cli_cls=NoTest)
     assert cli.trainer.global_step == 2 and "val/acc" in cli.trainer.callback_metrics
     assert not [k for k in _logged(tmp_path / "attribute") if k.startswith("test/")]
+
+
+def test_after_fit_keeps_the_fit_metrics_next_to_the_test_metrics(tmp_path):
+    cli = _quickstart(tmp_path)
+    metrics, logged = cli.trainer.callback_metrics, _logged(tmp_path)
+    for key in ("train/loss", "val/acc", "test/acc"):  # trainer.test alone would leave only test/*
+        assert float(metrics[key]) == pytest.approx(logged[key], abs=1e-6), key
+
+
+def test_after_fit_without_a_test_set_warns_and_skips(tmp_path):
+    cli = _quickstart(tmp_path)
+    cli.trainer.callback_metrics.clear()
+    cli.datamodule.test_dataset = None
+    with pytest.warns(UserWarning, match="DigitsDataModule has no test set: test_after_fit skipped"):
+        cli.after_fit()
+    assert not [k for k in cli.trainer.callback_metrics if k.startswith("test/")]
