@@ -221,20 +221,21 @@ class FederatedDataModule(pl.LightningDataModule):
     with generators seeded by ``(seed, "val")`` (independent of the partition's stream). Validation rows stay in
     the shared training set; ``val_indices`` indexes them and no client index array contains them.
 
-    * *Partitioned data* (no :meth:`natural_clients`): ``ceil(val_fraction · n)`` of the ``n`` training samples,
-      stratified by label with scikit-learn's ``StratifiedShuffleSplit`` (so validation has the training set's
-      class proportions); the partitioner then splits the remaining samples. Classes with a single sample cannot be
+    * *Partitioned data* (no :meth:`natural_clients`): ``ceil(val_fraction · n)`` of the ``n`` training samples
+      (scikit-learn's rounding of a fractional ``test_size``: any ``val_fraction > 0`` validates), stratified by
+      label with scikit-learn's ``StratifiedShuffleSplit`` (so validation has the training set's class
+      proportions); the partitioner then splits the remaining samples. Classes with a single sample cannot be
       stratified: they stay in training, and the others are stratified. When there are fewer validation (or
       remaining training) samples than classes, stratification is impossible and the validation samples are a
       seeded uniform draw (scikit-learn's ``train_test_split``) from the classes with two or more samples. A
       fraction that leaves the training set or any class without a training sample is a ValueError.
     * *Natural splits* (:meth:`natural_clients`, e.g. LEAF users): every user gives ``floor(val_fraction · n_u)``
       of its ``n_u`` training samples (:meth:`user_validation_split`; seeded uniform draw, users in order), so
-      validation has the same user population as training; users too small to give one sample keep all. Sequence
-      data whose samples overlap (Shakespeare windows) hold out each user's last windows instead, with a gap
-      (:func:`chronological_holdout`). ``client_val_indices`` holds every user's validation rows. When no user can
-      give a sample, validation is empty and a warning says so.
-    * ``val_fraction=0``: nothing is held out (clients get exactly the split they got without validation) and
+      validation has the same user population as training; users too small to give one sample keep all (rounding
+      down never takes a user's last sample). Sequence data whose samples overlap (Shakespeare windows) hold out
+      each user's last windows instead, with a gap (:func:`chronological_holdout`). ``client_val_indices`` holds
+      every user's validation rows. When no user can give a sample, validation is empty and a warning says so.
+    * ``val_fraction=0``: nothing is held out (the clients split the whole training set, as before any hold-out) and
       :meth:`val_dataloader` returns an empty list, so Lightning skips validation — it never falls back to the test
       set. A callback that monitors a ``val/`` metric (``ModelCheckpoint``, ``EarlyStopping``, ``KDecay``) then
       makes :meth:`val_dataloader` raise a ValueError, since it would otherwise never see its metric.
