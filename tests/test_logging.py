@@ -243,7 +243,8 @@ def test_csv_logger_gets_per_round_metrics_and_resolved_config(tmp_path, monkeyp
     dm = cli.datamodule
     val = torch.as_tensor(dm.val_indices)  # validation: the held-out training rows, not the test set
     with torch.no_grad():
-        direct = float((cli.model.model.net(dm.train_dataset.x[val]).argmax(-1) == dm.train_dataset.y[val]).float().mean())
+        logits = cli.model.model.net(dm.train_dataset.x[val])
+        direct = float((logits.argmax(-1) == dm.train_dataset.y[val]).float().mean())
     assert acc == pytest.approx([direct], abs=1e-6)
     # the resolved config (overrides applied, defaults filled in) is in the logger's hparams.yaml
     hp_files = glob.glob(os.path.join(str(tmp_path), "**", "hparams.yaml"), recursive=True)

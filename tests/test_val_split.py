@@ -15,7 +15,6 @@ from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.cli import FederatedCLI, main
 from fedlightning.datamodules import (
-    IID,
     ArrayDataset,
     DigitsDataModule,
     Dirichlet,
@@ -119,7 +118,7 @@ def test_val_fraction_zero_keeps_the_original_partition_and_has_no_val_loader():
     dm = _digits(seed=4, val_fraction=0)
     dm.setup()
     labels = dm.train_dataset.y.numpy()
-    expected = Dirichlet(alpha=0.5)(labels, 20, seed=4)  # the partition of the whole training set, as without validation
+    expected = Dirichlet(alpha=0.5)(labels, 20, seed=4)  # the partition of the whole training set
     assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, expected))
     assert len(dm.val_indices) == 0 and dm.val_dataloader() == []
     assert dm.statistics()["validation_samples"] == 0

@@ -327,7 +327,8 @@ class FederatedDataModule(pl.LightningDataModule):
             if self.val_fraction > 0 and not len(self.val_indices):
                 warnings.warn(
                     f"{type(self).__name__}: val_fraction={self.val_fraction} holds out no validation sample (no "
-                    f"user has enough training samples to give one), so validation is skipped; raise val_fraction, or set val_fraction=0 to disable validation explicitly",
+                    f"user has enough training samples to give one), so validation is skipped; raise val_fraction, or set "
+                    f"val_fraction=0 to disable validation explicitly",
                     stacklevel=2,
                 )
         else:
