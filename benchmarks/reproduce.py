@@ -26,7 +26,10 @@ Decisions (ours unless a source is named; the setups' docstrings say more):
 * **Final train loss** is the papers' definition (seeds 000/001/002: the mean of the losses the round's clients
   report, ``train/loss``), averaged over the last 5% of the rounds (at least one) to damp client-sampling noise; the
   global model's loss on the whole training set (seed 003's definition) is reported next to it.
-* **Test accuracy** is the global model's accuracy on the test set after the last round (the papers' tables).
+* **Test accuracy** is the global model's accuracy on the test set after the last round (the papers' tables),
+  from ``GlobalEvaluation("test")`` (``test_eval/acc``), never from Lightning's ``val/*``.
+* **No validation split** (``val_fraction: 0`` in every data module): the runs use the papers' hyper-parameters and
+  select nothing, so the clients keep the whole training set, as in the papers.
 * **Mean ± std** over seeds (sample std, ``ddof=1``; 0 with one seed). A claim "A beats B" is called a *tie* when
   the means differ by less than the sum of the two standard deviations.
 * **Seed 004** runs every schedule for the simulated wall-clock budget that Kη-fixed uses for its rounds (the
@@ -119,6 +122,7 @@ def _digits(batch_size_unused: int = 0):
                 "batch_size": batch_size,
                 "partition": {"class_path": "fedlightning.datamodules.Dirichlet", "init_args": {"alpha": 0.3}},
                 "seed": seed,
+                "val_fraction": 0.0,
             },
         }
 
@@ -130,7 +134,7 @@ def _synthetic(alpha: float, beta: float, iid: bool = False):
         return {
             "class_path": "fedlightning.datamodules.SyntheticDataModule",
             "init_args": {"alpha": alpha, "beta": beta, "iid": iid, "num_clients": 30, "batch_size": batch_size,
-                          "seed": seed},
+                          "seed": seed, "val_fraction": 0.0},
         }
 
     return build
@@ -138,7 +142,7 @@ def _synthetic(alpha: float, beta: float, iid: bool = False):
 
 def _shakespeare(seed: int, batch_size: int) -> Dict[str, Any]:
     return {"class_path": "fedlightning.datamodules.ShakespeareDataModule",
-            "init_args": {"batch_size": batch_size, "seed": seed}}
+            "init_args": {"batch_size": batch_size, "seed": seed, "val_fraction": 0.0}}
 
 
 LOGREG_64 = {"class_path": "fedlightning.models.LogisticRegression", "init_args": {"input_dim": 64, "num_classes": 10}}

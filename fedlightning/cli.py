@@ -97,6 +97,41 @@ class FederatedCLI(LightningCLI):
 
     checkpoint_every_n_rounds = 10
 
+    #: After ``fit``, evaluate the final global model on the test set with ``trainer.test`` (the model's
+    #: ``test_step`` logs and prints ``test/*``). Default True (ours: ``fit`` otherwise reports only the validation
+    #: split). Switch off per run with ``python train.py fit ... --test_after_fit false``, or for a subclass by
+    #: setting this attribute to False (the option's default).
+    test_after_fit = True
+
+    def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_argument(
+            "--test_after_fit",
+            type=bool,
+            default=self.test_after_fit,
+            help="fit only: after training, evaluate the final global model on the test set (test/* metrics)",
+        )
+
+    def after_fit(self) -> None:
+        """``trainer.test`` on the final global model (the weights in memory, not a checkpoint) and the same data
+        module, when ``test_after_fit`` is on. LightningCLI calls it only after ``fit`` returned normally (Ctrl-C or
+        an error ends the process first). Skipped, with a warning, when the data module has no test set.
+        ``trainer.test`` starts from empty ``trainer.callback_metrics``; the fit's last values (``train/*``,
+        ``val/*``, ...) are put back next to ``test/*`` so that code reading them after ``fit`` keeps working."""
+        if not self._get(self.config, "test_after_fit", self.test_after_fit):
+            return
+        dm = self.datamodule
+        if isinstance(dm, FederatedDataModule) and dm.train_dataset is not None and dm.test_dataset is None:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"{type(dm).__name__} has no test set: test_after_fit skipped")
+            return
+        fit_metrics = dict(self.trainer.callback_metrics)
+        self.trainer.test(self.model, datamodule=dm)
+        metrics = self.trainer.callback_metrics
+        for key, value in fit_metrics.items():
+            metrics.setdefault(key, value)
+
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})

@@ -61,7 +61,8 @@ def test_cifar10_reads_pickles_and_splits(tmp_path, byte_keys):
         expected = (torch.from_numpy(xs[i].reshape(3, 32, 32)).float() / 255 - mean) / std
         torch.testing.assert_close(x, expected)
         assert int(y) == ys[i]
-    assert sum(len(c) for c in dm.client_indices) == 100 and dm.num_clients == 10
+    assert len(dm.val_indices) == 10  # the default stratified 10 % validation split
+    assert sum(len(c) for c in dm.client_indices) == 90 and dm.num_clients == 10
 
 
 def _padded(img_uint8):
@@ -128,9 +129,10 @@ def test_cifar100_dirichlet_default_and_pachinko(tmp_path):
     pam.setup()
     assert np.array_equal(pam.partition.coarse_of_fine, coarse_of_fine)  # filled from the data
     sizes = [len(c) for c in pam.client_indices]
-    assert sizes == [58] * 1 + [57] * 6  # 400 images over 7 clients: 400 // 7 = 57, the first 400 % 7 get one more
+    assert len(pam.val_indices) == 40  # the default 10 % validation split is held out before the partition
+    assert sizes == [52] * 3 + [51] * 4  # 360 images over 7 clients: 360 // 7 = 51, the first 360 % 7 get one more
     allidx = np.sort(np.concatenate(pam.client_indices))
-    assert np.array_equal(allidx, np.arange(400))  # disjoint cover
+    assert np.array_equal(allidx, np.setdiff1d(np.arange(400), pam.val_indices))  # disjoint cover of the rest
 
 
 def test_pachinko_concentrates_on_few_coarse_labels():

@@ -109,7 +109,7 @@ def test_resplit_follows_leaf_rule(femnist_dir, tmp_path):
 def test_all_data_layout_defaults_to_leaf_90_10(tmp_path):
     users = _femnist_users({"a": 10, "b": 1, "c": 21})
     _write_leaf(str(tmp_path / "all" / "all_data_0.json"), users)
-    dm = _dm(str(tmp_path / "all"), tmp_path, name="femnist")
+    dm = _dm(str(tmp_path / "all"), tmp_path, name="femnist", val_fraction=0)  # LEAF's split itself
     dm.setup()
     assert dm.client_names == ["a", "c"]  # b has < 2 samples: dropped by LEAF's split
     assert [len(i) for i in dm.client_indices] == [9, 18]
@@ -127,7 +127,7 @@ def test_shakespeare_json(tmp_path):
     x2, y2 = _windows(t2)
     _write_leaf(str(tmp_path / "sh" / "train" / "a.json"), {"HAMLET": (x1[:400], y1[:400]), "RICHARD": (x2[:10], y2[:10])})
     _write_leaf(str(tmp_path / "sh" / "test" / "a.json"), {"HAMLET": (x1[400:], y1[400:]), "RICHARD": (x2[10:], y2[10:])})
-    dm = _dm(str(tmp_path / "sh"), tmp_path, name="shakespeare")
+    dm = _dm(str(tmp_path / "sh"), tmp_path, name="shakespeare", val_fraction=0)  # LEAF's split itself
     dm.setup()
     assert dm.client_names == ["HAMLET", "RICHARD"]
     assert [len(i) for i in dm.client_indices] == [400, 10]
@@ -142,7 +142,10 @@ def test_shakespeare_json(tmp_path):
     assert dm.client_names == ["HAMLET"] and dm.num_dropped_users == 1
     x, _ = dm.train_dataset[dm.client_indices[0]]
     xt, yt = dm.test_dataset[dm.client_test_indices[0]]
-    assert [decode(r) for r in x] == x1[:416]
+    # default val_fraction 0.1: the last int(0.1 * 416) = 41 train windows validate, the 79 before them are dropped
+    assert [decode(r) for r in x] == x1[: 416 - 41 - 79]
+    xv, yv = dm.train_dataset[dm.client_val_indices[0]]
+    assert [decode(r) for r in xv] == x1[416 - 41 : 416] and decode(yv) == "".join(y1[416 - 41 : 416])
     assert [decode(r) for r in xt] == x1[495:] and decode(yt) == "".join(y1[495:])
 
 

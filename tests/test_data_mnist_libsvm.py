@@ -42,7 +42,7 @@ def write_mnist(folder, n_train=200, n_test=40, gz=False):
 def test_mnist_idx_and_two_class_shards(tmp_path, gz):
     folder = str(tmp_path / "MNIST" / "raw")  # torchvision's layout under data_dir
     data = write_mnist(folder, gz=gz)
-    dm = MnistDataModule(data_dir=str(tmp_path), num_clients=10)
+    dm = MnistDataModule(data_dir=str(tmp_path), num_clients=10, val_fraction=0)  # seed 001's shards of all images
     dm.setup()
     x, y = dm.train_dataset[np.arange(200)]
     assert x.shape == (200, 1, 28, 28) and x.dtype == torch.float32
@@ -64,7 +64,8 @@ def test_mnist_iid_option_and_read_idx(tmp_path):
     np.testing.assert_array_equal(read_idx(str(tmp_path / "train-images-idx3-ubyte")), data["train"][0])
     dm = MnistDataModule(data_dir=str(tmp_path), num_clients=4, partition=IID())
     dm.setup()
-    assert [len(i) for i in dm.client_indices] == [50] * 4
+    assert len(dm.val_indices) == 20  # the default stratified 10 % of the 200 training images
+    assert [len(i) for i in dm.client_indices] == [45] * 4
 
 
 def test_mnist_bad_input(tmp_path):
@@ -105,7 +106,7 @@ def test_libsvm_w8a_with_test_file(tmp_path):
     x[0, 299] = 1.0  # the last feature index (300, one-based) is in range
     _svm(tmp_path / "w8a", x, y)
     _svm(tmp_path / "w8a.t", xt[:, :200], yt)  # fewer features in the file: still 300 columns
-    dm = LibsvmDataModule(name="w8a", data_dir=str(tmp_path), num_clients=6)
+    dm = LibsvmDataModule(name="w8a", data_dir=str(tmp_path), num_clients=6, val_fraction=0)
     dm.setup()
     xs, ys = dm.train_dataset[np.arange(60)]
     np.testing.assert_array_equal(xs.numpy(), x.astype(np.float32))

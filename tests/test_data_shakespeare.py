@@ -95,7 +95,7 @@ def test_parse_play_roles_lines_and_directions():
 
 def test_clients_windows_targets_and_split_exactly(tmp_path):
     L = 5
-    dm = ShakespeareDataModule(data_dir=_write(tmp_path), seq_length=L, batch_size=4)
+    dm = ShakespeareDataModule(data_dir=_write(tmp_path), seq_length=L, batch_size=4, val_fraction=0)  # LEAF's split
     dm.setup()
     # BETA has 2 lines: dropped by LEAF's rule (at most two lines); the play without a title line uses its file name
     assert dm.client_names == ["The_Test_Play_ALPHA", "The_Test_Play_GAMMA", "Second_Play_DELTA"]
@@ -130,6 +130,8 @@ def test_leaf_comparison_stages_by_hand(tmp_path):
     windows = [len(t) - L for t in (ALPHA, GAMMA, DELTA)]
     n_train = [max(1, int(0.8 * n)) for n in windows]
     n_test = [n - (k + L - 1) for n, k in zip(windows, n_train)]
+    # default val_fraction 0.1: the last int(0.1 n) train windows after a gap of L - 1, if a train window is left
+    n_val = [int(0.1 * k) if int(0.1 * k) and k - int(0.1 * k) - (L - 1) >= 1 else 0 for k in n_train]
     offline = {k: v["offline"] for k, v in rep.items()}
     assert offline == {
         "roles": 4,
@@ -141,7 +143,9 @@ def test_leaf_comparison_stages_by_hand(tmp_path):
         "train_samples": sum(n_train),
         "test_samples": sum(n_test),
         "train_samples_per_client": pytest.approx(sum(n_train) / 3),
+        "validation_samples": sum(n_val),
     }
+    assert sum(n_val) > 0  # the fixture exercises the hold-out
     leaf = {k: v["leaf"] for k, v in rep.items() if v["leaf"] is not None}
     assert leaf == {"users": 1129, "samples": 4226158, "samples_per_user": 3743.2}  # seed 000's appendix
     # 4,226,158 / 1,129 = 3,743.28: the published mean is truncated, not rounded
@@ -151,7 +155,7 @@ def test_leaf_comparison_stages_by_hand(tmp_path):
 def test_default_window_is_80_and_loader_batches(tmp_path):
     lines = [f"Line number {i:02d} of the long speech," for i in range(30)]
     (tmp_path / "long.md").write_text("# Long\n\n**OMEGA**  \n" + "  \n".join(lines) + "\n", encoding="utf-8")
-    dm = ShakespeareDataModule(data_dir=str(tmp_path), batch_size=4)
+    dm = ShakespeareDataModule(data_dir=str(tmp_path), batch_size=4, val_fraction=0)  # LEAF's split
     dm.setup()
     text = " ".join(lines) + " "
     n = len(text) - 80

@@ -49,7 +49,7 @@ def test_legacy_rng_matches_reference_script_draw_for_draw():
     seed = 7
     with threadpool_limits(limits=1, user_api="blas"):  # tiny BLAS calls: threads only slow them down
         n, mean_x, X, Y = reference_generate_synthetic(0.5, 0.5, seed, num_users=8)
-    dm = SyntheticDataModule(alpha=0.5, beta=0.5, num_clients=8, rng="legacy", seed=seed)
+    dm = SyntheticDataModule(alpha=0.5, beta=0.5, num_clients=8, rng="legacy", seed=seed, val_fraction=0)
     dm.setup()
     np.testing.assert_array_equal(dm.params["n"], n)
     np.testing.assert_array_equal(dm.params["v"], mean_x)
@@ -63,7 +63,7 @@ def test_legacy_rng_matches_reference_script_draw_for_draw():
 
 
 def test_shapes_and_per_user_90_10_split():
-    dm = SyntheticDataModule(alpha=1.0, beta=1.0, seed=1)  # small seeds keep the data (and the test) small
+    dm = SyntheticDataModule(alpha=1.0, beta=1.0, seed=1, val_fraction=0)  # small seeds keep the data small
     dm.setup()
     n = dm.params["n"]
     assert dm.num_clients == 30 and len(n) == 30 and (n >= 50).all()

@@ -38,7 +38,8 @@ def test_fake_cifar_is_read_by_the_data_module(gpu_bench, tmp_path):
     assert sorted(dm.test_dataset.labels.tolist()) == sorted(list(range(10)) * 2)  # balanced: 2 of each class
     x, y = dm.train_dataset[0]
     assert tuple(x.shape) == (3, 32, 32) and 0 <= int(y) < 10
-    assert sum(len(c) for c in dm.client_indices) == 103
+    assert len(dm.val_indices) == 11  # the default validation split: ceil(0.1 * 103)
+    assert sum(len(c) for c in dm.client_indices) == 103 - 11
 
     again = gpu_bench.write_fake_cifar10(str(tmp_path / "again"), n_train=103, n_test=20, seed=1)
     with open(os.path.join(again, "test_batch"), "rb") as f1, open(os.path.join(folder, "test_batch"), "rb") as f2:

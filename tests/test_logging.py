@@ -6,6 +6,7 @@ import functools
 import glob
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,8 +103,11 @@ def test_global_train_evaluation_matches_a_direct_computation():
     loop, dm, logger = _small_run([evaluation], rounds=4)
     losses, accs = logger.series("train_eval/loss"), logger.series("train_eval/acc")
     assert len(losses) == 2 and len(accs) == 2  # after rounds 2 and 4 (1-based)
-    # independent: cross-entropy and accuracy of the final global model over the whole training set
-    x, y = dm.train_dataset.x, dm.train_dataset.y
+    # independent: cross-entropy and accuracy of the final global model over the clients' samples (the training
+    # set without its validation rows)
+    rows = torch.as_tensor(np.sort(np.concatenate(dm.client_indices)))
+    assert len(rows) == len(dm.train_dataset) - len(dm.val_indices) > 0
+    x, y = dm.train_dataset.x[rows], dm.train_dataset.y[rows]
     with torch.no_grad():
         logits = loop.model.net(x)
     assert losses[-1] == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-5)
@@ -115,14 +119,15 @@ def test_global_train_evaluation_matches_a_direct_computation():
 def test_global_train_evaluation_subset_is_fixed_and_seeded():
     ev = GlobalEvaluation(every_n_rounds=1, max_samples=50, seed=3)
     loop, dm, logger = _small_run([ev], rounds=1)
-    idx = ev._indices
+    idx = ev._indices  # positions in the clients' samples (the training rows without validation)
     assert len(idx) == 50 and len(set(idx.tolist())) == 50
-    x, y = dm.train_dataset.x[idx], dm.train_dataset.y[idx]
+    rows = torch.as_tensor(np.sort(np.concatenate(dm.client_indices))[idx])
+    x, y = dm.train_dataset.x[rows], dm.train_dataset.y[rows]
     with torch.no_grad():
         expected = float(F.cross_entropy(loop.model.net(x), y))
     assert logger.series("train_eval/loss")[-1] == pytest.approx(expected, rel=1e-5)
     other = GlobalEvaluation(max_samples=50, seed=4)
-    assert not (other._subset(len(dm.train_dataset)) == idx).all()
+    assert not (other._subset(len(dm.training_rows())) == idx).all()
 
 
 
@@ -142,8 +147,9 @@ def test_global_train_evaluation_generic_module_uses_training_step_loss():
 
     ev = GlobalEvaluation(every_n_rounds=1, batch_size=100)
     loop, dm, logger = _small_run([ev], rounds=1, model=Plain())
+    rows = torch.as_tensor(dm.training_rows())  # the clients' samples, no validation row
     with torch.no_grad():
-        expected = float(F.cross_entropy(loop.model.net(dm.train_dataset.x), dm.train_dataset.y))
+        expected = float(F.cross_entropy(loop.model.net(dm.train_dataset.x[rows]), dm.train_dataset.y[rows]))
     assert logger.series("train_eval/loss") == pytest.approx([expected], rel=1e-5)
     assert logger.series("train_eval/acc") == []
 
@@ -235,8 +241,10 @@ def test_csv_logger_gets_per_round_metrics_and_resolved_config(tmp_path, monkeyp
     assert len([r for r in rows if r.get("time/rounds_per_second")]) == 2
     acc = [float(r["val/acc"]) for r in rows if r.get("val/acc")]
     dm = cli.datamodule
+    val = torch.as_tensor(dm.val_indices)  # validation: the held-out training rows, not the test set
     with torch.no_grad():
-        direct = float((cli.model.model.net(dm.test_dataset.x).argmax(-1) == dm.test_dataset.y).float().mean())
+        logits = cli.model.model.net(dm.train_dataset.x[val])
+        direct = float((logits.argmax(-1) == dm.train_dataset.y[val]).float().mean())
     assert acc == pytest.approx([direct], abs=1e-6)
     # the resolved config (overrides applied, defaults filled in) is in the logger's hparams.yaml
     hp_files = glob.glob(os.path.join(str(tmp_path), "**", "hparams.yaml"), recursive=True)

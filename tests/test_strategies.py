@@ -214,9 +214,11 @@ class ValLossRecorder(Callback):
 
 
 def _test_loss(loop, dm, flat):
+    """Loss of the weights ``flat`` on the validation split (what Lightning's validation loop evaluates)."""
     model = copy.deepcopy(loop.model)
     assign_flat_([p for p in model.parameters() if p.requires_grad], flat.to(torch.float32))
-    x, y = dm.test_dataset.x, dm.test_dataset.y
+    val = torch.as_tensor(dm.val_indices)
+    x, y = dm.train_dataset.x[val], dm.train_dataset.y[val]
     with torch.no_grad():
         return float(F.cross_entropy(model(x), y))
 

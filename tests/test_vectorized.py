@@ -165,9 +165,9 @@ def test_armijo_search_for_models_with_random_layers_equals_sequential(optimizer
 )
 @pytest.mark.parametrize("partition", ["iid-full-batches", "dirichlet"])
 def test_vectorized_equals_sequential_logistic_regression(optimizer, partition):
-    # IID (35 or 36 samples per client) with batch 7 and K=5: every batch is full, so every step takes the unpadded
-    # path; Dirichlet: padded partial batches
-    dm_fn = (lambda: digits(IID(), batch_size=7)) if partition.startswith("iid") else digits
+    # IID (35 or 36 of the 1,293 client samples per client) with batch 7 and K=5: every batch is full, so every step
+    # takes the unpadded path; Dirichlet: padded partial batches
+    dm_fn = (lambda: digits(IID(), batch_size=7, num_clients=36)) if partition.startswith("iid") else digits
     if partition.startswith("iid"):
         dm = dm_fn()
         dm.setup("fit")

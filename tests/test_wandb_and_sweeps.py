@@ -109,12 +109,16 @@ def test_quickstart_wandb_offline_logs_per_round_metrics_and_config(tmp_path, mo
     assert run.series("time/train_seconds")[-1] == pytest.approx(sum(secs), rel=1e-6)
     assert run.series("time/rounds_per_second")[-1] == pytest.approx(rounds / sum(secs), rel=1e-6)
 
-    # global model on the test set (val/*) and on the training set (train_eval/*), every 5 rounds
+    # global model on the validation split (val/*) and on the clients' training samples (train_eval/*), every 5
+    # rounds, and on the test set after fit (test/*)
     dm, net = cli.datamodule, cli.model.model.net
+    val, rows = torch.as_tensor(dm.val_indices), torch.as_tensor(dm.training_rows())
     with torch.no_grad():
+        val_acc = float((net(dm.train_dataset.x[val]).argmax(-1) == dm.train_dataset.y[val]).float().mean())
+        train_loss = float(F.cross_entropy(net(dm.train_dataset.x[rows]), dm.train_dataset.y[rows]))
         test_acc = float((net(dm.test_dataset.x).argmax(-1) == dm.test_dataset.y).float().mean())
-        train_loss = float(F.cross_entropy(net(dm.train_dataset.x), dm.train_dataset.y))
-    assert run.series("val/acc") == pytest.approx([test_acc], abs=1e-6)
+    assert run.series("val/acc") == pytest.approx([val_acc], abs=1e-6)
+    assert run.series("test/acc") == pytest.approx([test_acc], abs=1e-6)
     assert run.series("train_eval/loss") == pytest.approx([train_loss], rel=1e-5)
 
     # the full resolved config is the run's config, and its YAML is among the run's files

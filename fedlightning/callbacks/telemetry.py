@@ -17,10 +17,11 @@ r"""Telemetry callbacks: real training throughput, and the global model's loss/a
 
   The papers use two definitions of "training loss": seed 000/001/002 report the mean of the losses the
   participating clients report (the FederatedLoop's ``train/loss``), seed 003's reference code evaluates
-  ``Σ_k n_k F_k(w) / Σ_k n_k`` on all devices every round, which is ``train_eval/loss`` here (the union of the
-  clients' index arrays is the whole training set). Issue 8 asks for the latter "on a schedule". The test split is
-  what Lightning's validation loop evaluates too (``val/*``); ``split="test"`` with ``max_samples`` is the cheap way
-  to follow a large test set (e.g. Shakespeare's ~785k windows) on a fixed random subset.
+  ``Σ_k n_k F_k(w) / Σ_k n_k`` on all devices every round, which is ``train_eval/loss`` here (over the union of the
+  clients' index arrays: the training set without its validation split). Issue 8 asks for the latter "on a
+  schedule". Lightning's validation loop evaluates the validation split (``val/*``), and the CLI's test after fit the
+  test set (``test/*``); ``split="test"`` with ``max_samples`` is the cheap way to follow a large test set during
+  training (e.g. Shakespeare's ~785k windows) on a fixed random subset.
 
 Decisions (ours):
 
@@ -128,7 +129,8 @@ class GlobalEvaluation(Callback):
     """The global model's loss (and accuracy) on the training or test data, every ``every_n_rounds`` rounds.
 
     Args:
-        split: ``"train"`` (default: the training set, the union of the clients' data) or ``"test"``.
+        split: ``"train"`` (default: the union of the clients' data, ``dm.training_rows()``, which excludes the
+            validation split) or ``"test"``.
         every_n_rounds: evaluation period in rounds (default 10, ours).
         max_samples: evaluate a fixed random subset of this many training examples (None: all).
         seed: seed of that subset.
@@ -193,7 +195,8 @@ class GlobalEvaluation(Callback):
         dataset = dm.train_dataset if self.split == "train" else dm.test_dataset
         if dataset is None:
             raise RuntimeError(f"{type(dm).__name__} has no {self.split} data set to evaluate")
-        indices = self._subset(len(dataset))
+        rows = dm.training_rows() if self.split == "train" else np.arange(len(dataset))  # no validation rows
+        indices = rows[self._subset(len(rows))]
         bs = self.batch_size or dm.eval_batch_size
         if isinstance(dataset, ArrayDataset):
             idx = torch.as_tensor(indices, dtype=torch.long)

@@ -3,11 +3,16 @@
 Subclasses implement :meth:`FederatedDataModule.load` (return the train and test data sets and the train
 labels) and optionally :meth:`FederatedDataModule.natural_clients` (a natural split such as LEAF users). Clients
 never copy data: client ``i`` holds an ``int64`` index array into the one shared training set.
+
+A validation split (``val_fraction``, default 0.1) is held out of the training set before the clients are formed:
+``val_dataloader()`` serves it and ``test_dataloader()`` the test set, so hyper-parameters chosen on ``val/*``
+never see test data (see :class:`FederatedDataModule` for the rules).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
@@ -19,7 +24,47 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from fedlightning.datamodules.partition import IID, Partitioner, check_partition
 from fedlightning.state import RoundPlan, derive_seed
 
-__all__ = ["ArrayDataset", "ArrayBatchLoader", "ClientBatchSampler", "FederatedDataModule", "RoundPlanLoader"]
+__all__ = [
+    "ArrayDataset",
+    "ArrayBatchLoader",
+    "ClientBatchSampler",
+    "FederatedDataModule",
+    "RoundPlanLoader",
+    "DEFAULT_VAL_FRACTION",
+    "check_val_fraction",
+    "chronological_holdout",
+]
+
+#: Default fraction of the training data held out for validation (ours: a common 90/10 choice that keeps 90 % of
+#: every training set for the clients; the seed papers select on the test set and give no validation fraction).
+DEFAULT_VAL_FRACTION = 0.1
+_EPS = 1e-9  # absorbs float error in fraction * count (0.7 * 10 = 7.000000000000001) before floor / ceil
+
+
+def check_val_fraction(value: Any) -> float:
+    """``value`` as a float in ``[0, 1)``, or a ValueError naming ``val_fraction`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"val_fraction must be a number in [0, 1) (0 disables validation), got val_fraction={value!r}")
+    v = float(value)
+    if not math.isfinite(v) or not 0.0 <= v < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1) (0 disables validation), got val_fraction={value!r}")
+    return v
+
+
+def chronological_holdout(n: int, fraction: float, gap: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``(train_positions, val_positions)`` of one user's ``n`` time-ordered samples: the last
+    ``k = floor(fraction · n)`` samples validate, the ``gap`` samples before them are dropped, the rest train.
+
+    For overlapping sliding windows (``gap = seq_length − 1``), this keeps every validation target out of every
+    training window, as LEAF's chronological train/test rule does. A user with ``k = 0`` or without a training
+    sample left keeps all its samples for training.
+    """
+    n = int(n)
+    k = int(math.floor(fraction * n + _EPS))
+    n_train = n - k - int(gap)
+    if k == 0 or n_train < 1:
+        return np.arange(n, dtype=np.int64), np.empty(0, dtype=np.int64)
+    return np.arange(n_train, dtype=np.int64), np.arange(n - k, n, dtype=np.int64)
 
 
 class ArrayDataset(Dataset):
@@ -169,6 +214,31 @@ class FederatedDataModule(pl.LightningDataModule):
         eval_batch_size: batch size of the global validation/test loaders.
         num_workers: workers of the evaluation loaders and of per-sample (non in-memory) client loaders.
         rounds_per_epoch: length of one Lightning "epoch" of rounds when ``trainer.max_steps`` is not set.
+        val_fraction: fraction of the training data held out as the validation split, in ``[0, 1)``; default
+            ``DEFAULT_VAL_FRACTION`` = 0.1 (ours). ``0`` disables validation.
+
+    Validation split (decisions, ours). The split is drawn once in :meth:`setup`, before the clients are formed,
+    with generators seeded by ``(seed, "val")`` (independent of the partition's stream). Validation rows stay in
+    the shared training set; ``val_indices`` indexes them and no client index array contains them.
+
+    * *Partitioned data* (no :meth:`natural_clients`): ``ceil(val_fraction · n)`` of the ``n`` training samples
+      (scikit-learn's rounding of a fractional ``test_size``: any ``val_fraction > 0`` validates), stratified by
+      label with scikit-learn's ``StratifiedShuffleSplit`` (so validation has the training set's class
+      proportions); the partitioner then splits the remaining samples. Classes with a single sample cannot be
+      stratified: they stay in training, and the others are stratified. When there are fewer validation (or
+      remaining training) samples than classes, stratification is impossible and the validation samples are a
+      seeded uniform draw (scikit-learn's ``train_test_split``) from the classes with two or more samples. A
+      fraction that leaves the training set or any class without a training sample is a ValueError.
+    * *Natural splits* (:meth:`natural_clients`, e.g. LEAF users): every user gives ``floor(val_fraction · n_u)``
+      of its ``n_u`` training samples (:meth:`user_validation_split`; seeded uniform draw, users in order), so
+      validation has the same user population as training; users too small to give one sample keep all (rounding
+      down never takes a user's last sample). Sequence data whose samples overlap (Shakespeare windows) hold out
+      each user's last windows instead, with a gap (:func:`chronological_holdout`). ``client_val_indices`` holds
+      every user's validation rows. When no user can give a sample, validation is empty and a warning says so.
+    * ``val_fraction=0``: nothing is held out (the clients split the whole training set, as before any hold-out) and
+      :meth:`val_dataloader` returns an empty list, so Lightning skips validation — it never falls back to the test
+      set. A callback that monitors a ``val/`` metric (``ModelCheckpoint``, ``EarlyStopping``, ``KDecay``) then
+      makes :meth:`val_dataloader` raise a ValueError, since it would otherwise never see its metric.
 
     Round sampling (:meth:`sample_clients`): ``clients_per_round`` clients drawn uniformly *without* replacement
     within a round and independently across rounds from the clients that hold at least one sample, with a
@@ -184,6 +254,7 @@ class FederatedDataModule(pl.LightningDataModule):
         eval_batch_size: int = 1024,
         num_workers: int = 0,
         rounds_per_epoch: int = 1000,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
     ):
         super().__init__()
         if int(num_clients) < 1:
@@ -203,10 +274,15 @@ class FederatedDataModule(pl.LightningDataModule):
         self.eval_batch_size = int(eval_batch_size)
         self.num_workers = int(num_workers)
         self.rounds_per_epoch = int(rounds_per_epoch)
+        self.val_fraction = check_val_fraction(val_fraction)
         self.train_dataset: Optional[Dataset] = None
         self.test_dataset: Optional[Dataset] = None
         self.client_indices: List[np.ndarray] = []
         self.client_test_indices: Optional[List[np.ndarray]] = None
+        #: sorted rows of the training set held out for validation (set by setup)
+        self.val_indices: np.ndarray = np.empty(0, dtype=np.int64)
+        #: natural splits: every user's validation rows (None for partitioned data)
+        self.client_val_indices: Optional[List[np.ndarray]] = None
         # Set by the FederatedLoop (see configure_rounds).
         self.clients_per_round: Optional[int] = None
         self.local_steps: int = 1
@@ -221,6 +297,22 @@ class FederatedDataModule(pl.LightningDataModule):
         """Override to return a natural split (one index array per user); None means use ``partition``."""
         return None
 
+    def user_validation_split(self, n: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+        """``(train_positions, val_positions)`` into one user's index array of ``n`` training samples (natural
+        splits). Default: ``floor(val_fraction · n)`` positions drawn uniformly without replacement from ``rng``
+        (none, and no draw, when that is 0). Override for data whose samples are not exchangeable (Shakespeare's
+        overlapping windows use :func:`chronological_holdout`)."""
+        k = int(math.floor(self.val_fraction * n + _EPS))
+        if k == 0:
+            return np.arange(n, dtype=np.int64), np.empty(0, dtype=np.int64)
+        val = np.sort(rng.choice(n, size=k, replace=False)).astype(np.int64)
+        return np.setdiff1d(np.arange(n, dtype=np.int64), val, assume_unique=True), val
+
+    def evaluation_view(self) -> Dataset:
+        """The training set as the validation and train-evaluation loaders read it: ``train_dataset`` itself by
+        default; data sets that augment training samples (CIFAR) return an un-augmented view of the same storage."""
+        return self.train_dataset
+
     # ------------------------------------------------------------------ setup
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:
@@ -228,12 +320,81 @@ class FederatedDataModule(pl.LightningDataModule):
         self.train_dataset, self.test_dataset, labels = self.load()
         natural = self.natural_clients()
         if natural is not None:
-            self.client_indices = [np.asarray(ix, dtype=np.int64) for ix in natural]
+            users = [np.asarray(ix, dtype=np.int64) for ix in natural]
+            self.client_indices, self.client_val_indices = self._natural_holdout(users)
+            val = [v for v in self.client_val_indices if len(v)]
+            self.val_indices = np.sort(np.concatenate(val)) if val else np.empty(0, dtype=np.int64)
+            if self.val_fraction > 0 and not len(self.val_indices):
+                warnings.warn(
+                    f"{type(self).__name__}: val_fraction={self.val_fraction} holds out no validation sample (no "
+                    f"user has enough training samples to give one), so validation is skipped; raise val_fraction, or set "
+                    f"val_fraction=0 to disable validation explicitly",
+                    stacklevel=2,
+                )
         else:
-            self.client_indices = self.partition(np.asarray(labels), self._num_clients, seed=self.seed)
-            check_partition(self.client_indices, len(self.train_dataset))
+            labels = np.asarray(labels)
+            if labels.ndim != 1 or len(labels) != len(self.train_dataset):
+                raise ValueError(
+                    f"{type(self).__name__}.load() returned {labels.shape} train labels for a training set of "
+                    f"{len(self.train_dataset)} samples; it must return one label per training sample"
+                )
+            train_rows, self.val_indices = self._stratified_holdout(labels)
+            parts = self.partition(labels[train_rows], self._num_clients, seed=self.seed)
+            check_partition(parts, len(train_rows))
+            self.client_indices = [train_rows[p] for p in parts]
         self._num_samples = np.array([len(ix) for ix in self.client_indices], dtype=np.int64)
         self._eligible = np.flatnonzero(self._num_samples > 0)
+
+    def _stratified_holdout(self, labels: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """``(train_rows, val_rows)`` (sorted) of a partitioned data set (rules: class docstring)."""
+        n = len(labels)
+        if self.val_fraction == 0.0:
+            return np.arange(n, dtype=np.int64), np.empty(0, dtype=np.int64)
+        from sklearn.model_selection import StratifiedShuffleSplit, train_test_split
+
+        f = self.val_fraction
+        n_val = int(math.ceil(f * n - _EPS))
+        if n_val >= n:
+            raise ValueError(
+                f"val_fraction={f} holds out {n_val} of the {n} training samples and leaves the training set empty; "
+                f"lower val_fraction (0 disables validation)"
+            )
+        classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+        inverse = inverse.reshape(-1)
+        pool = np.flatnonzero(counts[inverse] >= 2)  # rows of the classes that can be stratified
+        k = int((counts >= 2).sum())
+        random_state = derive_seed(self.seed, "val") % (2**32)
+        if n_val > len(pool):  # would need the single samples of classes too: they would vanish from training
+            val = np.arange(n)  # reported by the class check below
+        elif k <= n_val and k <= len(pool) - n_val:
+            splitter = StratifiedShuffleSplit(n_splits=1, test_size=n_val, random_state=random_state)
+            _, pos = next(splitter.split(np.zeros((len(pool), 1)), inverse[pool]))
+            val = pool[pos]
+        else:  # fewer validation (or remaining training) samples than classes: no stratified split exists
+            _, val = train_test_split(pool, test_size=n_val, random_state=random_state)
+        val = np.sort(np.asarray(val, dtype=np.int64))
+        train = np.setdiff1d(np.arange(n, dtype=np.int64), val, assume_unique=True)
+        missing = np.setdiff1d(np.arange(len(classes)), np.unique(inverse[train]))
+        if len(missing):
+            c = int(missing[0])
+            label = classes[c].item() if isinstance(classes[c], np.generic) else classes[c]
+            raise ValueError(
+                f"val_fraction={f} leaves class {label!r} ({int(counts[c])} training sample(s)) without a "
+                f"training sample; lower val_fraction (0 disables validation)"
+            )
+        return train, val
+
+    def _natural_holdout(self, users: List[np.ndarray]) -> Tuple[List[np.ndarray], List[np.ndarray]]:
+        """Per-user ``(train, val)`` index arrays of a natural split (rules: class docstring)."""
+        if self.val_fraction == 0.0:
+            return users, [np.empty(0, dtype=np.int64) for _ in users]
+        rng = np.random.default_rng(derive_seed(self.seed, "val"))
+        train, val = [], []
+        for ix in users:
+            tr, va = self.user_validation_split(len(ix), rng)
+            train.append(ix[tr])
+            val.append(ix[va])
+        return train, val
 
     def _require_setup(self) -> None:
         if self.train_dataset is None:
@@ -311,30 +472,65 @@ class FederatedDataModule(pl.LightningDataModule):
         return RoundPlanLoader(self, length)
 
     # ------------------------------------------------------------------ global evaluation
-    def _eval_loader(self, dataset: Optional[Dataset]) -> DataLoader:
+    def _eval_loader(self, dataset: Optional[Dataset], indices: Optional[np.ndarray] = None) -> DataLoader:
+        """Sequential batches of ``eval_batch_size`` over ``dataset`` (or its rows ``indices``). An
+        :class:`ArrayDataset` is read a whole batch per tensor indexing (the in-memory fast path)."""
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__} has no evaluation data set")
         if isinstance(dataset, ArrayDataset):
-            sampler = ClientBatchSampler(np.arange(len(dataset)), self.eval_batch_size, None, shuffle=False)
+            rows = np.arange(len(dataset)) if indices is None else indices
+            sampler = ClientBatchSampler(rows, self.eval_batch_size, None, shuffle=False)
             return DataLoader(dataset, sampler=sampler, batch_size=None)  # a real DataLoader for Lightning
+        if indices is not None:
+            dataset = Subset(dataset, np.asarray(indices).tolist())
         return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers)
 
-    def val_dataloader(self) -> DataLoader:
-        """The global test set (the papers report accuracy of the global model on the held-out test set)."""
+    def _val_monitors(self) -> List[str]:
+        trainer = self._trainer_ref()
+        found = []
+        for cb in getattr(trainer, "callbacks", None) or []:
+            monitor = getattr(cb, "monitor", None)
+            if isinstance(monitor, str) and monitor.startswith("val/"):
+                found.append(f"{type(cb).__name__}(monitor={monitor!r})")
+        return found
+
+    def val_dataloader(self):
+        """The validation split (``val_indices`` rows of the training set, un-augmented), sequential.
+
+        With no validation rows (``val_fraction=0``, or a natural split whose users are all too small) this is an
+        empty list, so Lightning skips validation; a callback monitoring a ``val/`` metric then raises a ValueError.
+        """
         self._require_setup()
-        return self._eval_loader(self.test_dataset)
+        if len(self.val_indices) == 0:
+            monitors = self._val_monitors()
+            if monitors:
+                raise ValueError(
+                    f"{type(self).__name__} has no validation split (val_fraction={self.val_fraction}) but "
+                    f"{', '.join(monitors)} monitors a validation metric; set data val_fraction > 0 (e.g. "
+                    f"{DEFAULT_VAL_FRACTION}) or monitor another metric"
+                )
+            return []
+        return self._eval_loader(self.evaluation_view(), self.val_indices)
 
     def test_dataloader(self) -> DataLoader:
+        """The global test set, sequential."""
         self._require_setup()
         return self._eval_loader(self.test_dataset)
 
-    def train_eval_dataloader(self) -> DataLoader:
-        """The whole training set, sequential (global-model training loss/accuracy)."""
+    def training_rows(self) -> np.ndarray:
+        """Sorted rows of the training set that clients hold (the union of ``client_indices``; no validation row)."""
         self._require_setup()
-        return self._eval_loader(self.train_dataset)
+        parts = [ix for ix in self.client_indices if len(ix)]
+        return np.sort(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
+
+    def train_eval_dataloader(self) -> DataLoader:
+        """The clients' training samples (:meth:`training_rows`), un-augmented and sequential (global-model
+        training loss/accuracy)."""
+        self._require_setup()
+        return self._eval_loader(self.evaluation_view(), self.training_rows())
 
     def statistics(self) -> dict:
-        """Clients and samples per client (mean, std, min, max) of the split."""
+        """Clients and training samples per client (mean, std, min, max) of the split, and the validation size."""
         self._require_setup()
         n = self._num_samples
         return {
@@ -344,4 +540,5 @@ class FederatedDataModule(pl.LightningDataModule):
             "samples_per_client_std": float(n.std()),
             "samples_per_client_min": int(n.min()),
             "samples_per_client_max": int(n.max()),
+            "validation_samples": int(len(self.val_indices)),
         }

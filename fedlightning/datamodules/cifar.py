@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from fedlightning.datamodules.base import FederatedDataModule
+from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, FederatedDataModule
 from fedlightning.datamodules.partition import Dirichlet, Partitioner
 
 __all__ = ["Cifar10DataModule", "Cifar100DataModule", "CifarImages", "PachinkoPartition", "read_cifar"]
@@ -211,6 +211,10 @@ class Cifar10DataModule(FederatedDataModule):
         num_clients, batch_size, partition, seed, eval_batch_size, num_workers, rounds_per_epoch: as
             :class:`FederatedDataModule` (seed 000: 100 clients, batch 50, Dirichlet α = 0.3; seed 001: α ∈ {1, 0.1,
             0.01}; seed 002: 100 clients, batch 32, α = 0.1).
+        val_fraction: stratified validation split held out of the 50,000 training images before the partition
+            (default 0.1, ours; :class:`FederatedDataModule`). Validation reads those images without augmentation
+            (:meth:`evaluation_view`). The partitioner splits the remaining images, so Pachinko's 500 clients get 90
+            images each with the default and seed 004's 100 with ``val_fraction=0``.
     """
 
     num_classes = 10
@@ -227,6 +231,7 @@ class Cifar10DataModule(FederatedDataModule):
         eval_batch_size: int = 1024,
         num_workers: int = 0,
         rounds_per_epoch: int = 1000,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
     ):
         super().__init__(
             num_clients=num_clients,
@@ -236,6 +241,7 @@ class Cifar10DataModule(FederatedDataModule):
             eval_batch_size=eval_batch_size,
             num_workers=num_workers,
             rounds_per_epoch=rounds_per_epoch,
+            val_fraction=val_fraction,
         )
         self.data_dir = data_dir
         self.download = bool(download)
@@ -282,6 +288,19 @@ class Cifar10DataModule(FederatedDataModule):
         train = CifarImages(torch.from_numpy(xtr), torch.from_numpy(ytr), spec["mean"], spec["std"], self.augment)
         test = CifarImages(torch.from_numpy(xte), torch.from_numpy(yte), spec["mean"], spec["std"], False)
         return train, test, ytr
+
+    def evaluation_view(self) -> CifarImages:
+        """The training images without augmentation (same uint8 storage, no copy): what validation and the
+        train-evaluation loader read."""
+        train = self.train_dataset
+        if not train.augment:
+            return train
+        view = getattr(self, "_eval_view", None)
+        if view is None or view.images is not train.images:
+            spec = _CIFAR[self.num_classes]
+            view = CifarImages(train.images, train.labels, spec["mean"], spec["std"], augment=False)
+            self._eval_view = view
+        return view
 
 
 class Cifar100DataModule(Cifar10DataModule):

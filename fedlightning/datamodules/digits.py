@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fedlightning.datamodules.base import ArrayDataset, FederatedDataModule
+from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
 from fedlightning.datamodules.partition import Dirichlet, Partitioner
 
 __all__ = ["DigitsDataModule"]
@@ -18,8 +18,9 @@ class DigitsDataModule(FederatedDataModule):
 
     Inputs are the 64 pixel values scaled from [0, 16] to [0, 1] (float32, flattened); targets are int64 labels.
     A stratified ``test_fraction`` of the images (seeded by ``seed``) is held out as the global test set; the
-    rest is split over ``num_clients`` clients by ``partition`` (default ``Dirichlet(alpha=0.3)``, the label skew
-    of seed 000's CIFAR experiments).
+    rest is the training set: a stratified ``val_fraction`` (default 0.1) of it is the validation split and the
+    remainder is split over ``num_clients`` clients by ``partition`` (default ``Dirichlet(alpha=0.3)``, the label
+    skew of seed 000's CIFAR experiments). See :class:`FederatedDataModule` for the validation rules.
     """
 
     def __init__(
@@ -31,6 +32,7 @@ class DigitsDataModule(FederatedDataModule):
         test_fraction: float = 0.2,
         eval_batch_size: int = 1024,
         rounds_per_epoch: int = 1000,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
     ):
         super().__init__(
             num_clients=num_clients,
@@ -39,6 +41,7 @@ class DigitsDataModule(FederatedDataModule):
             seed=seed,
             eval_batch_size=eval_batch_size,
             rounds_per_epoch=rounds_per_epoch,
+            val_fraction=val_fraction,
         )
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")

