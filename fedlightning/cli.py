@@ -103,15 +103,6 @@ class FederatedCLI(LightningCLI):
     #: setting this attribute to False (the option's default).
     test_after_fit = True
 
-    def add_arguments_to_parser(self, parser) -> None:
-        super().add_arguments_to_parser(parser)
-        parser.add_argument(
-            "--test_after_fit",
-            type=bool,
-            default=self.test_after_fit,
-            help="fit only: after training, evaluate the final global model on the test set (test/* metrics)",
-        )
-
     def after_fit(self) -> None:
         """``trainer.test`` on the final global model (the weights in memory, not a checkpoint) and the same data
         module, when ``test_after_fit`` is on. LightningCLI calls it only after ``fit`` returned normally (Ctrl-C or
@@ -165,6 +156,12 @@ class FederatedCLI(LightningCLI):
             "--resume_mismatch", choices=["refuse", "allow"], default="refuse",
             help="fit --ckpt_path: when the checkpoint's run used other model / data / seed / strategy settings, "
                  "'refuse' (default) lists the differences and stops; 'allow' lists them and resumes.",
+        )
+        parser.add_argument(
+            "--test_after_fit",
+            type=bool,
+            default=self.test_after_fit,
+            help="fit only: after training, evaluate the final global model on the test set (test/* metrics)",
         )
 
     def parse_arguments(self, parser, args) -> None:

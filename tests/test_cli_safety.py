@@ -22,6 +22,7 @@ import fedlightning.cli as cli_module
 from fedlightning import FederatedLoop
 from fedlightning.checkpoint import CONFIG_KEY, CheckpointError, check_checkpoint, config_differences
 from fedlightning.cli import FederatedCLI, main
+from fedlightning.models import MLP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -408,7 +409,7 @@ def test_negative_server_lr_is_one_last_line_and_the_traceback_is_on_request(tmp
 
 def test_loop_argument_error_names_the_model_key(tmp_path, capsys):
     with pytest.raises(ValueError) as original:
-        FederatedLoop(torch.nn.Linear(1, 1), local_steps=0)
+        FederatedLoop(MLP(input_dim=64, hidden=[4]), local_steps=0)
     line, _ = _exit_with_error(capsys, ["fit", *_tiny(tmp_path, "--trainer.max_steps", "1", "--model.local_steps",
                                                       "0")])
     assert line == f"error: model.local_steps: {original.value}"
