@@ -7,7 +7,7 @@ One ``training_step`` is one communication round (``trainer.max_steps`` = number
     for client in this process's share of plan.client_ids:
         update = K local steps from w_t on the client's loader    # manual optimisation, client optimizer
         callbacks.on_client_end(loop, plan, update)
-        strategy.accumulate(stats, update)                         # summable statistics
+        core sums + strategy.accumulate(stats, update)             # summable statistics
     all_reduce(stats) across processes                            # identical on every rank
     Δ, η = strategy.server_update(loop, stats, plan)
     global .grad <- Δ ; server_optimizer.step()                   # FedOpt view; Lightning counts the round
@@ -30,7 +30,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
+from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, check_hook_names
 from fedlightning.client import LocalTrainer
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, flat_params
 
@@ -238,6 +238,8 @@ class FederatedLoop(pl.LightningModule):
             strategies = [FedAvg()]
             trainer.callbacks.append(strategies[0])
         self.strategy = strategies[0]
+        for cb in trainer.callbacks:
+            check_hook_names(cb)
         if stage == "fit":
             if not self.model.automatic_optimization:
                 raise ValueError(
@@ -294,6 +296,17 @@ class FederatedLoop(pl.LightningModule):
             if worker is not None:
                 mo.register(worker.model)
         return mo
+
+    # ------------------------------------------------------------------ public accessors for callbacks
+    @property
+    def datamodule(self):
+        """The run's :class:`~fedlightning.datamodules.FederatedDataModule` (``trainer.datamodule``)."""
+        return self._datamodule()
+
+    def global_parameters(self) -> List[torch.nn.Parameter]:
+        """The global model's trainable parameters, in ``model.parameters()`` order (the order of every flat
+        vector the loop and the strategies use: ``Δ``, ``update.delta``, ``flat_params``)."""
+        return self._global_params()
 
     def _datamodule(self):
         from fedlightning.datamodules.base import FederatedDataModule
@@ -499,6 +512,7 @@ class FederatedLoop(pl.LightningModule):
                 rank_zero_warn(f"round {plan.round}: client {cid} skipped ({update.failure})")
                 continue
             with torch.no_grad():
+                accumulate_core(strategy, stats, update)
                 strategy.accumulate(stats, update)
             self._accumulate_telemetry(stats, update, global_flat.device)
             healthy.append(update)

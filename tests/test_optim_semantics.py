@@ -13,7 +13,7 @@ import torch
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg, FedLiLS, FedSPSGlobal, KDecay
-from fedlightning.callbacks.base import RoundStatistics
+from fedlightning.callbacks.base import RoundStatistics, accumulate_core
 from fedlightning.cli import main as cli_main
 from fedlightning.datamodules import Dirichlet, DigitsDataModule
 from fedlightning.models import MLP
@@ -288,6 +288,7 @@ def lils_round(updates):
     strategy = FedLiLS()
     stats = RoundStatistics()
     for u in updates:
+        accumulate_core(strategy, stats, u)
         strategy.accumulate(stats, u)
     return strategy.server_update(None, stats, RoundPlan(round=0, client_ids=[u.client_id for u in updates],
                                                          local_steps=3))

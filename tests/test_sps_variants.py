@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 
 from conftest import make_trainer
 from fedlightning import FederatedLoop
-from fedlightning.callbacks.base import RoundStatistics
+from fedlightning.callbacks.base import RoundStatistics, accumulate_core
 from fedlightning.callbacks.sps_variants import FedSPSGlobal, FedSPSNormalized
 from fedlightning.datamodules import IID, DigitsDataModule
 from fedlightning.models import MLP
@@ -42,6 +42,7 @@ def test_normalized_aggregation_hand_computed(reading, expected):
     for u in (update(0, [1.0, 0.0], [0.5, 0.5]), update(1, [0.0, 3.0], [1.0, 2.0])):
         strategy.on_client_end(None, PLAN, u)
         assert not u.failed
+        accumulate_core(strategy, stats, u)
         strategy.accumulate(stats, u)
     delta, lr, metrics = strategy.server_update(None, stats, PLAN)
     assert lr is None
@@ -67,6 +68,7 @@ def test_global_aggregations_hand_computed():
         for u in (update(0, [1.0, 0.0], [0.3], {"sps_last_loss": 2.0, "sps_last_grad_sq": 8.0}),
                   update(1, [0.0, 3.0], [0.3], {"sps_last_loss": 1.0, "sps_last_grad_sq": 1.0})):
             strategy.on_client_end(None, plan, u)
+            accumulate_core(strategy, stats, u)
             strategy.accumulate(stats, u)
         delta, lr, metrics = strategy.server_update(None, stats, plan)
         torch.testing.assert_close(delta, torch.tensor([0.5, 1.5], dtype=torch.float64))  # uniform mean

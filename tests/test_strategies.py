@@ -30,7 +30,7 @@ from fedlightning.callbacks import (
     RuntimeModel,
     Scaffold,
 )
-from fedlightning.callbacks.base import RoundStatistics
+from fedlightning.callbacks.base import RoundStatistics, accumulate_core
 from fedlightning.datamodules import Dirichlet, DigitsDataModule
 from fedlightning.models import LogisticRegression
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, assign_flat_, flat_params
@@ -63,6 +63,7 @@ def server_round(strategy, loop, opt, updates, round=0):
     """What FederatedLoop._server_step does with a strategy: accumulate, server_update, .grad <- Δ, lr, step."""
     stats = RoundStatistics()
     for u in updates:
+        accumulate_core(strategy, stats, u)
         strategy.accumulate(stats, u)
     delta, lr, metrics = strategy.server_update(loop, stats, RoundPlan(round, [u.client_id for u in updates], 1))
     loop.w.grad = delta.view_as(loop.w).to(loop.w.dtype).clone()

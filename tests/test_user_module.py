@@ -5,7 +5,6 @@ weights, or counts recorded outside the code under test.
 """
 
 import copy
-import math
 
 import lightning.pytorch as pl
 import pytest

@@ -1,6 +1,6 @@
 """Server-side callbacks: strategies (aggregation + server step), schedules and telemetry."""
 
-from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
+from fedlightning.callbacks.base import FederatedCallback, RoundStatistics, ServerStep, ServerStrategy
 from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.adaptive import FedAdagrad, FedAdam, FedAMS, FedAvgM, FedYogi
 from fedlightning.callbacks.feddane import FedDANE
@@ -14,7 +14,9 @@ from fedlightning.callbacks.sps_variants import FedSPSGlobal, FedSPSNormalized
 from fedlightning.callbacks.telemetry import GlobalEvaluation, RoundTimer
 
 __all__ = [
+    "FederatedCallback",
     "RoundStatistics",
+    "ServerStep",
     "ServerStrategy",
     "FedAvg",
     "FedExP",

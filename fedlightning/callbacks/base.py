@@ -12,17 +12,20 @@ A strategy decides how client updates become the next global model. Following th
    whose lr is the extrapolated ``η_g`` of the round). Lightning checkpoints that optimizer's state and counts
    rounds as global steps.
 
-Federated hooks every callback may implement (the FederatedLoop calls them on all ``trainer.callbacks``):
+The federated hooks are declared, with their signatures, on :class:`FederatedCallback` (the base of every server
+strategy and schedule); the FederatedLoop calls them on every callback in ``trainer.callbacks`` that defines them,
+and refuses at setup a callback method whose name is a near miss of a hook name (a misspelled hook never runs).
 
-* ``on_round_start(trainer, loop, plan)`` — before clients train (schedules change ``plan.local_steps``);
-* ``client_objective(loop, plan, client_id)`` -> list of extra loss terms ``f(params) -> Tensor`` for that client;
-* ``on_client_end(loop, plan, update)`` — after a client trained (add ``update.payload``);
-* ``on_round_end(trainer, loop, result)`` — after the server step (logging, schedule statistics).
+The loop itself accumulates the core round sums (:func:`accumulate_core`: the weighted sum of the clients' deltas,
+the total weight, the number of clients, ``Σ‖Δ_i‖²``, the weighted float buffers); a strategy's
+:meth:`ServerStrategy.accumulate` adds only its extras, so a strategy that overrides it without calling ``super()``
+still trains.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import difflib
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -30,7 +33,8 @@ from torch import Tensor
 
 from fedlightning.state import ClientUpdate, RoundPlan
 
-__all__ = ["RoundStatistics", "ServerStrategy"]
+__all__ = ["FEDERATED_HOOKS", "FederatedCallback", "RoundStatistics", "ServerStep", "ServerStrategy",
+           "accumulate_core", "check_hook_names"]
 
 
 class RoundStatistics:
@@ -106,7 +110,80 @@ class RoundStatistics:
         return self[key] if key in self else default
 
 
-class ServerStrategy(Callback):
+class FederatedCallback(Callback):
+    """A Lightning callback with the FederatedLoop's hooks, declared here with their signatures (all no-ops).
+
+    Derive schedules, client-objective terms and telemetry from it (server strategies derive from
+    :class:`ServerStrategy`, which derives from it) and override the hooks you need; the Lightning hooks of
+    :class:`~lightning.pytorch.callbacks.Callback` work as usual.
+    """
+
+    def on_round_start(self, trainer, loop, plan: RoundPlan) -> None:
+        """Before the round's clients train; may change ``plan`` (e.g. ``plan.local_steps``, ``plan.client_lr_scale``)."""
+
+    def client_objective(self, loop, plan: RoundPlan, client_id: int) -> List[Any]:
+        """Extra loss terms ``f(params) -> Tensor`` added to client ``client_id``'s ``training_step`` loss this round
+        (``params``: the client's trainable parameters in ``model.parameters()`` order). Default: none."""
+        return []
+
+    def on_client_end(self, loop, plan: RoundPlan, update: ClientUpdate) -> None:
+        """After a client trained (healthy or failed, see ``update.failed``); may add entries to ``update.payload``."""
+
+    def on_round_end(self, trainer, loop, result) -> None:
+        """After the server step, with the round's :class:`~fedlightning.state.RoundResult` (metrics, clients)."""
+
+
+#: The federated hooks, by name (the methods of :class:`FederatedCallback` above).
+FEDERATED_HOOKS = ("on_round_start", "client_objective", "on_client_end", "on_round_end")
+
+
+def check_hook_names(callback: Any) -> None:
+    """Refuse a callback method whose name is a near miss of a federated hook (``on_round_ends``, ``on_client_end_``,
+    ``client_objectives``): it would never be called. Lightning's own hook names and public methods of the base
+    classes are not checked."""
+    known = set(FEDERATED_HOOKS) | {n for n in dir(Callback) if not n.startswith("_")}
+    base_names = {n for cls in type(callback).__mro__ if cls.__module__.startswith("lightning.") for n in vars(cls)}
+    for cls in type(callback).__mro__:
+        if cls in (FederatedCallback, ServerStrategy, Callback, object):
+            continue
+        for name, value in vars(cls).items():
+            if name.startswith("_") or name in known or name in base_names or not callable(value):
+                continue
+            close = difflib.get_close_matches(name, FEDERATED_HOOKS, n=1, cutoff=0.85)
+            if close:
+                raise ValueError(
+                    f"{type(callback).__name__}.{name} looks like the federated hook {close[0]!r} misspelled; it would "
+                    f"never be called. Rename it to {close[0]} (hooks: {', '.join(FEDERATED_HOOKS)})"
+                )
+
+
+class ServerStep(NamedTuple):
+    """What :meth:`ServerStrategy.server_update` returns: the flat pseudo-gradient ``Δ`` the server optimizer steps
+    on, this round's server learning rate (None: the optimizer's own) and extra metrics to log. A tuple, so strategies
+    may also return ``(pseudo_gradient, lr, metrics)``."""
+
+    pseudo_gradient: Tensor
+    lr: Optional[float] = None
+    metrics: Dict[str, float] = {}
+
+
+def accumulate_core(strategy: "ServerStrategy", stats: RoundStatistics, update: ClientUpdate) -> None:
+    """The round sums every strategy relies on, added by the loop for each healthy client: ``delta`` (Σ w_i Δ_i with
+    ``w_i = strategy.client_weight(update)``), ``weight`` (Σ w_i), ``clients``, ``sq_norm_sum`` (Σ‖Δ_i‖²),
+    ``weighted_sq_norm_sum`` and, for models with float buffers, ``buffers`` (Σ w_i b_i)."""
+    w = strategy.client_weight(update)
+    delta = update.delta
+    stats.add("delta", delta * w)
+    stats.add("weight", w, delta.device)
+    stats.add("clients", 1.0, delta.device)
+    sq_norm = delta.double().pow(2).sum()
+    stats.add("sq_norm_sum", sq_norm)
+    stats.add("weighted_sq_norm_sum", sq_norm * w)
+    if update.buffers is not None:
+        stats.add("buffers", update.buffers * w)
+
+
+class ServerStrategy(FederatedCallback):
     """Base class of server strategies. Subclasses override the parts they change.
 
     Args:
@@ -115,9 +192,6 @@ class ServerStrategy(Callback):
             2017); ``"uniform"`` gives every participating client the same weight (seeds 000, 001 and 004 average
             uniformly).
     """
-
-    #: True for strategies that need every client's update kept until the server step (none of the built-ins).
-    needs_all_updates = False
 
     def __init__(self, server_lr: float = 1.0, weighting: str = "samples"):
         if not (server_lr > 0):
@@ -136,25 +210,17 @@ class ServerStrategy(Callback):
         return float(update.num_samples) if self.weighting == "samples" else 1.0
 
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
-        """Add one healthy client's contribution. Default: weighted sum of deltas (and float buffers),
-        total weight, number of clients, and Σ‖Δ_i‖² (logged, and used by extrapolation rules)."""
-        w = self.client_weight(update)
-        delta = update.delta
-        stats.add("delta", delta * w)
-        stats.add("weight", w, delta.device)
-        stats.add("clients", 1.0, delta.device)
-        sq_norm = delta.double().pow(2).sum()
-        stats.add("sq_norm_sum", sq_norm)
-        stats.add("weighted_sq_norm_sum", sq_norm * w)
-        if update.buffers is not None:
-            stats.add("buffers", update.buffers * w)
+        """Add this strategy's extra statistics for one healthy client (default: none). The core sums
+        (:func:`accumulate_core`, weighted with :meth:`client_weight`) are already in ``stats``; calling
+        ``super().accumulate`` is harmless and not required."""
 
     def mean_delta(self, stats: RoundStatistics) -> Tensor:
         return stats["delta"] / stats["weight"].to(stats["delta"].dtype)
 
     def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan) -> Tuple[Tensor, Optional[float], Dict[str, float]]:
-        """Return ``(pseudo_gradient, lr_or_None, metrics)``; ``lr=None`` keeps the optimizer's own lr."""
-        return self.mean_delta(stats), None, {}
+        """Return the round's :class:`ServerStep` ``(pseudo_gradient, lr_or_None, metrics)``; ``lr=None`` keeps the
+        optimizer's own lr. Default: the weighted mean delta (FedAvg)."""
+        return ServerStep(self.mean_delta(stats), None, {})
 
     # -------------------------------------------------------------- state
     @property

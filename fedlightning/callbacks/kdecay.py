@@ -59,7 +59,7 @@ from collections import deque
 from fractions import Fraction
 from typing import Any, Deque, Dict, Optional, Tuple
 
-from lightning.pytorch.callbacks import Callback
+from fedlightning.callbacks.base import FederatedCallback
 
 __all__ = [
     "KDecay",
@@ -190,7 +190,7 @@ class PlateauDetector:
 
 
 # ====================================================================== the schedule callback
-class KDecay(Callback):
+class KDecay(FederatedCallback):
     """Seed 004's decay schedules for the local steps ``K_r`` or the client learning rate ``η_r``.
 
     Args:
@@ -371,7 +371,7 @@ class KDecay(Callback):
 
 
 # ====================================================================== runtime simulation
-class RuntimeModel(Callback):
+class RuntimeModel(FederatedCallback):
     """Simulated wall-clock of seed 004 (Sec. 3.2): ``W_r = |x|/D + K_r·β + |x|/U`` per round.
 
     Args:

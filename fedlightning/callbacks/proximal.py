@@ -23,8 +23,9 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Sequence
 
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor
+
+from fedlightning.callbacks.base import FederatedCallback
 
 __all__ = ["ProximalTerm", "proximal_penalty", "linear_correction", "split_like", "global_anchors", "check_mu"]
 
@@ -70,7 +71,7 @@ def global_anchors(loop) -> List[Tensor]:
     return [p.detach() for p in loop._global_params()]
 
 
-class ProximalTerm(Callback):
+class ProximalTerm(FederatedCallback):
     """Adds FedProx's ``μ/2·‖w − w_t‖²`` to every client's objective.
 
     Args:

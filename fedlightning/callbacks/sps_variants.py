@@ -100,7 +100,7 @@ class FedSPSNormalized(ServerStrategy):
         return 1.0 / normalization_factor(update)
 
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
-        super().accumulate(stats, update)  # Σ Δ_j/ν_j, Σ 1/ν_j, n, buffers weighted by 1/ν_j
+        # the core sums (accumulate_core) are weighted by client_weight = 1/ν_j: Σ Δ_j/ν_j, Σ 1/ν_j, n, buffers
         stats.add("normalization_sum", normalization_factor(update), update.delta.device)
 
     def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan):

@@ -54,8 +54,9 @@ from typing import Any, Deque, Dict, Optional
 
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Subset
+
+from fedlightning.callbacks.base import FederatedCallback
 
 __all__ = ["RoundTimer", "GlobalEvaluation"]
 
@@ -66,7 +67,7 @@ def _check_int(name: str, value: Any, minimum: int = 1) -> int:
     return int(value)
 
 
-class RoundTimer(Callback):
+class RoundTimer(FederatedCallback):
     """Host wall-clock per round and training throughput (see the module docstring).
 
     Args:
@@ -125,7 +126,7 @@ class RoundTimer(Callback):
         return f"RoundTimer(window={self.window})"
 
 
-class GlobalEvaluation(Callback):
+class GlobalEvaluation(FederatedCallback):
     """The global model's loss (and accuracy) on the training or test data, every ``every_n_rounds`` rounds.
 
     Args:

@@ -1,0 +1,78 @@
+"""The federated callback contract: declared hooks, core sums computed by the loop, misspelled hooks refused."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FedAvg, FederatedCallback, ServerStep, ServerStrategy
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
+from fedlightning.models import MLP
+
+
+def _fit(strategy, rounds=2, extra=()):
+    torch.manual_seed(0)
+    model = MLP(input_dim=64, hidden=[8])
+    loop = FederatedLoop(model, lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2, clients_per_round=3, seed=1)
+    trainer = make_trainer(rounds, callbacks=[strategy, *extra])
+    trainer.fit(loop, datamodule=DigitsDataModule(num_clients=8, batch_size=16, partition=Dirichlet(0.5), seed=0))
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), loop, trainer
+
+
+def test_strategy_that_forgets_super_still_trains():
+    class CountsOnly(FedAvg):
+        def accumulate(self, stats, update):  # no super().accumulate: the loop adds the core sums itself
+            stats.add("my_count", 1.0, update.delta.device)
+
+        def server_update(self, loop, stats, plan):
+            assert float(stats["my_count"]) == float(stats["clients"]) == 3.0
+            return super().server_update(loop, stats, plan)
+
+    ref, _, _ = _fit(FedAvg())
+    got, _, _ = _fit(CountsOnly())
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+def test_server_step_named_tuple_sets_the_round_lr():
+    class HalfStep(ServerStrategy):
+        def server_update(self, loop, stats, plan):
+            return ServerStep(self.mean_delta(stats), lr=0.5, metrics={"server/custom": 1.0})
+
+    ref, _, _ = _fit(FedAvg(server_lr=0.5))
+    got, _, trainer = _fit(HalfStep())
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    assert float(trainer.callback_metrics["server/custom"]) == 1.0
+
+
+@pytest.mark.parametrize("base", [FederatedCallback, pl.Callback])
+def test_misspelled_hook_is_refused_at_setup(base):
+    class Schedule(base):
+        def on_round_ends(self, trainer, loop, result):  # "on_round_end" misspelled
+            raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match=r"Schedule.on_round_ends looks like the federated hook 'on_round_end'"):
+        _fit(FedAvg(), extra=[Schedule()])
+
+
+def test_declared_hooks_run_and_accessors_are_public():
+    calls = []
+
+    class Probe(FederatedCallback):
+        def on_round_start(self, trainer, loop, plan):
+            calls.append(("start", plan.round, loop.datamodule is trainer.datamodule))
+
+        def on_client_end(self, loop, plan, update):
+            calls.append(("client", plan.round))
+
+        def on_round_end(self, trainer, loop, result):
+            n = sum(p.numel() for p in loop.global_parameters())
+            calls.append(("end", result.plan.round, n == loop.model.num_params if hasattr(loop.model, "num_params")
+                          else n == sum(p.numel() for p in loop.model.parameters() if p.requires_grad)))
+
+    _fit(FedAvg(), extra=[Probe()])
+    assert calls == [("start", 0, True), ("client", 0), ("client", 0), ("client", 0), ("end", 0, True),
+                     ("start", 1, True), ("client", 1), ("client", 1), ("client", 1), ("end", 1, True)]
+    # the base declares every hook as a no-op with the documented signature
+    cb = FederatedCallback()
+    assert cb.client_objective(None, None, 0) == [] and cb.on_round_start(None, None, None) is None
