@@ -87,3 +87,12 @@ def test_report_written_by_main_names_no_absolute_path(reproduce, tmp_path):
     _no_absolute_path(command, str(tmp_path))
     assert reproduce.portable_command(["--docs", os.path.join(ROOT, "docs")]) == \
         "python benchmarks/reproduce.py --docs docs"
+
+
+def test_committed_report_command_is_repository_relative():
+    """docs/results.md as committed: its command line names no path of the machine that wrote it."""
+    with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
+        line = next(l for l in f if l.startswith("Written by"))
+    command = line.split("Command: `", 1)[1].rsplit("`", 1)[0]
+    assert command.startswith("python benchmarks/reproduce.py ")
+    _no_absolute_path(command)
