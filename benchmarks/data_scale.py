@@ -16,7 +16,7 @@ share numpy's memory and are counted there):
   sample count): wall time of the first load (JSON parse + Arrow cache write) and of a second, cached load, peak
   traced memory, and retained bytes per user beyond its train and test index arrays and the data tensors.
 
-Target (issue 5): < 1 KB per unsampled client beyond its index array.
+Target (docs/benchmarks.md): < 1 KB per unsampled client beyond its index array.
 """
 
 from __future__ import annotations

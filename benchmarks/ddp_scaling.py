@@ -21,7 +21,7 @@ it is the slowest rank's time); the first ``--warmup`` rounds are excluded; the 
 rounds of all repeats and the minimum of the per-run means. The machine of this project has 2 cores shared with
 other jobs: with other work running, two busy processes cannot both get a full core, which caps the efficiency.
 
-Target (issue 6): report the scaling; no fixed number (ideal parallel efficiency 1.0).
+Target (docs/benchmarks.md): report the scaling; no fixed number (ideal parallel efficiency 1.0).
 """
 
 from __future__ import annotations

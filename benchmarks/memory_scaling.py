@@ -17,8 +17,8 @@ Reported per N: the set-up time, RSS after ``setup()`` (data + split), peak RSS 
 memory of the index arrays, the number of client-state entries, and the peak RSS growth per client beyond the 1k
 run: ``(peak_N - peak_1k) / (N - 1000)``, in total and without the index arrays' own growth.
 
-Target (issue 6): memory flat in the number of clients apart from the data indices and client state (issue 5's
-budget: < 1 KB per unsampled client beyond its index array).
+Target (docs/benchmarks.md): memory flat in the number of clients apart from the data indices and client state
+(< 1 KB per unsampled client beyond its index array).
 """
 
 from __future__ import annotations

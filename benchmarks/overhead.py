@@ -17,7 +17,7 @@ Three execution modes per workload:
   bar, validation disabled because it is not part of the client workload).
 * ``vectorized``: the same with ``client_execution="vectorized"`` (torch.func/vmap, ``fedlightning/vectorized.py``).
 
-Workloads (issue 6): FedAvg, 20 clients per round, K = 20 local steps, batch 50 —
+Workloads (results in docs/benchmarks.md): FedAvg, 20 clients per round, K = 20 local steps, batch 50 —
 
 * ``digits-mlp``: scikit-learn digits, 100 clients from Dirichlet(0.3), MLP 64-128-10, SGD(lr=0.1) (the quickstart);
 * ``digits-user-mlp``: the same with the MLP written as a user writes it (:class:`UserMLP`: ``F.cross_entropy``,
@@ -35,7 +35,7 @@ and the minimum over the repeats (other jobs on a shared machine only ever add t
 The Trainer's one-off start-up (setup + first round) is printed separately. One torch thread by default
 (``--threads``), the setting in which per-client framework overhead is most visible.
 
-Target (issue 6): sequential FederatedLoop <= 1.10x the plain loop.
+Target (docs/benchmarks.md): sequential FederatedLoop <= 1.10x the plain loop.
 """
 
 from __future__ import annotations

@@ -1133,6 +1133,68 @@ def _version(module: str) -> str:
 
 
 # ====================================================================== CLI
+PATH_OPTIONS = ("--results", "--docs")
+
+
+def _long_options(parser: argparse.ArgumentParser) -> List[str]:
+    return [o for o in parser._option_string_actions if o.startswith("--")]
+
+
+def _portable_path(value: str, option: str, root: str = ROOT) -> str:
+    """``value`` of a path option as the report prints it: relative to the repository root, with ``/``.
+
+    A relative value is taken relative to the current directory (as argparse and ``open`` take it) and ``~`` is
+    expanded, so ``--docs docs`` from the root, ``--docs ../docs`` from ``benchmarks/`` and ``--docs /abs/repo/docs``
+    all print ``docs``. A directory outside the repository has no portable name: it prints as the placeholder
+    ``RESULTS_DIR`` / ``DOCS_DIR`` (ours) instead of a path of the machine that ran it.
+    """
+    full = os.path.realpath(os.path.abspath(os.path.expanduser(value)))
+    base = os.path.realpath(root)
+    if full == base:
+        return "."
+    if full.startswith(base + os.sep):
+        return os.path.relpath(full, base).replace(os.sep, "/")
+    return option.lstrip("-").upper() + "_DIR"
+
+
+def portable_command(argv: Sequence[str], long_options: Sequence[str] = PATH_OPTIONS, root: str = ROOT) -> str:
+    """The command line docs/results.md prints: ``python benchmarks/reproduce.py`` + ``argv``, shell-quoted, with
+    the values of ``--results`` / ``--docs`` made repository-relative (:func:`_portable_path`).
+
+    Recognises the forms argparse accepts: ``--docs X``, ``--docs=X`` and unambiguous prefixes (``--do X``), a
+    prefix being resolved against ``long_options`` (all the parser's long options) as argparse resolves it.
+    Decision (ours): the report names no path of the machine it was written on, so that the command can be copied
+    from a clone anywhere.
+    """
+    import shlex
+
+    def path_option(token: str) -> Optional[str]:
+        if token in PATH_OPTIONS:
+            return token
+        matches = [o for o in long_options if o.startswith(token)]
+        return matches[0] if len(matches) == 1 and matches[0] in PATH_OPTIONS else None
+
+    out: List[str] = []
+    pending: Optional[str] = None
+    for token in argv:
+        if pending is not None:
+            out.append(_portable_path(token, pending, root))
+            pending = None
+            continue
+        if token.startswith("--"):
+            name, eq, value = token.partition("=")
+            option = path_option(name)
+            if option is not None:
+                if eq:
+                    out.append(f"{name}={_portable_path(value, option, root)}")
+                else:
+                    out.append(name)
+                    pending = option
+                continue
+        out.append(token)
+    return " ".join(["python", "benchmarks/reproduce.py"] + [shlex.quote(t) for t in out])
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", metavar="PATTERN", help="run ids to run (fnmatch; a prefix selects all below)")
@@ -1177,7 +1239,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         counts = execute(specs, ns.results)
         print(f"runs: {counts}")
     toy = not ns.no_toy and selected(TOY_ID, ns.only)
-    args_text = "python benchmarks/reproduce.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args_text = portable_command(list(argv if argv is not None else sys.argv[1:]), _long_options(p))
     path = write_report(specs, ns.results, ns.docs, args_text.strip(), counts, ns.seeds, ns.rounds, toy, ns.toy_rounds)
     print(f"wrote {path}")
     return 0

@@ -2,7 +2,7 @@
 
     python benchmarks/vectorized_speedup.py [--rounds 12] [--repeats 3] [--workloads digits-mlp-sgd,...]
 
-Workloads (FedAvg, 20 clients per round, K = 20 local steps, batch 50, as issue 6 asks):
+Workloads (FedAvg, 20 clients per round, K = 20 local steps, batch 50; results and targets in docs/benchmarks.md):
 
 * ``digits-mlp-sgd`` / ``digits-mlp-armijo``: scikit-learn digits, 100 clients from a Dirichlet(0.3) label split, MLP
   64-128-10 (the quickstart), client optimizer SGD(lr=0.1) / SgdArmijo with the FedSLS config's settings

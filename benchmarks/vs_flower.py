@@ -31,7 +31,7 @@ round), the end-to-end wall time of the whole run including start-up (Trainer se
 actors' imports), the ratio fedlightning / Flower, and the final test accuracy of both (the two sample different
 clients each round, so accuracies agree within a band, not exactly).
 
-Target (issue 6): fedlightning >= 5x Flower's rounds/second.
+Target (docs/benchmarks.md): fedlightning >= 5x Flower's rounds/second.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 r"""Telemetry callbacks: real training throughput, and the global model's loss/accuracy on a schedule.
 
-* :class:`RoundTimer` — host wall-clock per round and throughput (issue 8: "rounds/second")::
+* :class:`RoundTimer` — host wall-clock per round and throughput (rounds/second)::
 
       round_seconds_r = t_end(r) − t_start(r)                    # the whole training_step of round r
       rounds_per_second = n / Σ_{last n rounds} round_seconds     # n = min(window, rounds so far)
@@ -18,8 +18,8 @@ r"""Telemetry callbacks: real training throughput, and the global model's loss/a
   The papers use two definitions of "training loss": seed 000/001/002 report the mean of the losses the
   participating clients report (the FederatedLoop's ``train/loss``), seed 003's reference code evaluates
   ``Σ_k n_k F_k(w) / Σ_k n_k`` on all devices every round, which is ``train_eval/loss`` here (over the union of the
-  clients' index arrays: the training set without its validation split). Issue 8 asks for the latter "on a
-  schedule". Lightning's validation loop evaluates the validation split (``val/*``), and the CLI's test after fit the
+  clients' index arrays: the training set without its validation split), computed here on a schedule.
+  Lightning's validation loop evaluates the validation split (``val/*``), and the CLI's test after fit the
   test set (``test/*``); ``split="test"`` with ``max_samples`` is the cheap way to follow a large test set during
   training (e.g. Shakespeare's ~785k windows) on a fixed random subset.
 
