@@ -1,4 +1,4 @@
-r"""FedLi-LS and FedLi-LU (seed 002: Kumar et al., "Towards Hyper-parameter-free Federated Learning", arXiv
+r"""FedLi-LS and FedLi-LU (seed 002: "Towards Hyper-parameter-free Federated Learning", arXiv
 2408.17145; reference code github.com/zk23du/FedLi).
 
 **FedLi-LS** (federated line search; clients run :class:`~fedlightning.optim.SgdArmijo`). Each client reports the
