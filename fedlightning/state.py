@@ -1,6 +1,6 @@
 """Small data containers that flow through one federated round, flat-vector helpers and the client state store.
 
-One round, as data (see ``DESIGN.md`` §3)::
+One round, as data (docs/architecture.md describes the round)::
 
     RoundPlan  --(each sampled client trains)-->  ClientUpdate  --(strategy aggregates)-->  RoundResult
 

@@ -1,5 +1,5 @@
-"""The single-algorithm configs of configs/*.yaml that no other test runs (FedSLS, FedSPS, FedDecSPS from issue 3;
-FedAdagrad, FedSPS-Global, FedSPS-Normalized from issue 4) run on the quickstart data through the CLI, and what
+"""The single-algorithm configs of configs/*.yaml that no other test runs (FedSLS, FedSPS, FedDecSPS;
+FedAdagrad, FedSPS-Global, FedSPS-Normalized) run on the quickstart data through the CLI, and what
 each run did is checked against an independent recomputation from the recorded client updates: the server rule
 (global weights before/after every round), the client step-size rule (Armijo grid, SPS caps, DecSPS recursion
 and its per-client state across rounds), and the per-round metrics the loop logs (η_g and its raw value, client
@@ -102,7 +102,7 @@ def client_history(rec):
     return history, last
 
 
-# ----------------------------------------------------------------------------------------- issue 3
+# ----------------------------------------------------------------------------------------- seed 000 / 001 clients
 def test_fedsls_config_armijo_grid_and_fedavg_server(tmp_path):
     cli, rec = run("fedsls", tmp_path)
     opt = cli.model.client_optimizer([torch.nn.Parameter(torch.zeros(2))])
@@ -155,7 +155,7 @@ def test_feddecsps_config_recursion_and_persistent_state(tmp_path):
     assert all(m["server/eta_g"] == 1.0 for m in rec.metrics)
 
 
-# ----------------------------------------------------------------------------------------- issue 4
+# ----------------------------------------------------------------------------------------- FedAdagrad and the FedSPS variants
 def test_fedadagrad_config_matches_reddi_recursion(tmp_path):
     cli, rec = run("fedadagrad", tmp_path)
     assert type(cli.model.strategy).__name__ == "FedAdagrad"

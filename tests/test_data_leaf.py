@@ -314,7 +314,7 @@ def test_bad_input(femnist_dir, tmp_path):
 
 
 def test_bad_parquet_files_are_named(tmp_path):
-    """Hostile parquet inputs (issue 7 corpus): a truncated file, a file that is not parquet, a table without the
+    """Hostile parquet inputs (the hostile-input corpus): a truncated file, a file that is not parquet, a table without the
     client column, and labels outside the class range each fail with an error naming the file or the value."""
     import pandas as pd
 

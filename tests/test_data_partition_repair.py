@@ -1,4 +1,4 @@
-"""Dirichlet's repair step (kept in sync with a sizes array since issue 5) gives exactly the split of the original
+"""Dirichlet's repair step (kept in sync with a sizes array) gives exactly the split of the original
 list-based loop, and every client ends with at least ``min_samples``."""
 
 import numpy as np

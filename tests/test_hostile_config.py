@@ -1,4 +1,4 @@
-"""Hostile configurations: every impossible value fails early with a message naming the value (issue 7 corpus)."""
+"""Hostile configurations: every impossible value fails early with a message naming the value (the hostile-input corpus of docs/reliability.md)."""
 
 import os
 

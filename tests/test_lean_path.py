@@ -1,4 +1,4 @@
-"""The lean per-step path of sequential clients (issue 2's overhead work) computes what the general path computes.
+"""The lean per-step path of sequential clients computes what the general path computes.
 
 * ``ArrayBatchLoader.iter_steps`` / ``client._cycle`` give the batches of re-iterating the loader, across epochs;
 * the lean step (no closure, gradients dropped instead of ``zero_grad``) gives the weights of the general step;
