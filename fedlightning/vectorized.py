@@ -129,7 +129,12 @@ try:  # functorch's own primitives, which torch.func.vmap drives (see _vmap0)
     from torch._C._functorch import _add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting, _vmap_increment_nesting
 except ImportError:  # pragma: no cover - a torch without them: the public vmap is used
     _add_batch_dim = None
+try:
+    from torch._C._functorch import is_batchedtensor as _is_batchedtensor
+except ImportError:  # pragma: no cover - every logged value then counts as client-dependent
+    _is_batchedtensor = None
 from fedlightning.state import ClientUpdate, RoundPlan, derive_seed
+from fedlightning.vectorized_losses import LossInterception
 
 __all__ = [
     "CLIENT_EXECUTION_MODES",
@@ -1231,6 +1236,10 @@ class VectorizedClientTrainer:
         self.collector = _LogCollector()
         self.metric_modules = _metric_modules(model)
         self.per_sample_step = _per_sample_protocol(model)
+        # padded steps of a model without the protocol: per-sample loss interception (vectorized_losses) while it
+        # is recognised; None = not tried yet, True = in use, False = generic path (reason in padded_path_reason)
+        self.intercept: Optional[bool] = None
+        self.padded_path_reason = ""
         self.rnns = _vmappable_rnns(model)
         self.deterministic = not _has_random_layers(model)
         self.probed: set = set()
@@ -1347,7 +1356,14 @@ class VectorizedClientTrainer:
         row; cell rows (``mask`` given) give the sum of the per-sample losses of the row's real cells, or, with
         ``cells``, the ``[R, n_max]`` per-sample losses themselves (padded cells included; logged values are still
         the masked sums)."""
-        mode = "whole" if mask is None else "per-sample" if self.per_sample_step is None else "per-sample protocol"
+        if mask is None:
+            mode = "whole"
+        elif self.per_sample_step is not None:
+            mode = "per-sample protocol"
+        elif self.intercept is not False:
+            return self._intercepted_row_values(views, batch, mask, step, cells)
+        else:
+            mode = "per-sample"
         with self._vmap_context():
             if mode in self.probed:
                 return self._row_values_vmapped(views, batch, mask, step, cells)
@@ -1423,6 +1439,122 @@ class VectorizedClientTrainer:
             kept = list(zip(list(collector.names), [_logged_value(v, 2) for v in cells[1:]]))
             return self._padded_result(cells[0], mask, [], kept, want_cells)
         return out[0], list(zip(list(collector.names), [_logged_value(v, 1) for v in out[1:]]))
+
+    def _intercepted_row_values(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool):
+        """:meth:`_row_values` of padded rows through per-sample loss interception
+        (:mod:`fedlightning.vectorized_losses`): one ``training_step`` call per row on its whole padded batch, the
+        standard losses computed per sample and averaged over the row's real samples.
+
+        Used while it is recognised: ``training_step`` must return the output of an intercepted loss, and every
+        value it logs must be one too or not depend on the client (a constant). On the first padded call of the
+        engine, for models without random layers, the intercepted loss of the most padded row is checked against
+        ``training_step`` on that row's real samples alone (a loss that is not a mean over samples, or a forward
+        that mixes samples, fails it). If any of this fails, or the batched call raises, the engine uses the
+        generic path (one ``training_step`` per sample) from then on, after restoring the random state the
+        attempt started from, so the generic path computes exactly what it computes without this attempt. The
+        path taken is logged once (rank-zero info line).
+        """
+        devices = [views[0].device] if views[0].device.type == "cuda" else []
+        rng = None if self.deterministic else _rng_state(devices)
+        first = self.intercept is None
+        try:
+            with self._vmap_context():
+                if first:
+                    reason = self._check_interception(views, batch, mask, step)
+                    if reason is not None:
+                        raise _NotIntercepted(reason)
+                out = self._interception_vmapped(views, batch, mask, step, want_cells)
+        except Exception as err:  # noqa: BLE001 - any failure of the fast path: the generic path decides
+            self.collector.reset()
+            if rng is not None:
+                _set_rng_state(rng, devices)
+            self.intercept = False
+            self.padded_path_reason = str(err) if isinstance(err, _NotIntercepted) else f"{type(err).__name__}: {err}"
+            _info(f"client_execution='vectorized': padded steps of {type(self.model).__name__} call training_step "
+                  f"once per sample ({self.padded_path_reason})")
+            return self._row_values(views, batch, mask, step, want_cells)
+        if first:
+            self.intercept = True
+            self.padded_path_reason = "per-sample loss interception"
+            _info(f"client_execution='vectorized': padded steps of {type(self.model).__name__} compute its loss per "
+                  "sample by loss interception (one training_step call per client)")
+        return out
+
+    def _interception_vmapped(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool):
+        model, collector = self.model, self.collector
+        model_name = type(model).__name__
+        leaves, spec = tree_flatten(batch)
+        nv = len(views)
+        n_max = mask.shape[1]
+        m = mask.to(self.dtype)
+        counts = m.sum(1)
+        as_loss: List[str] = []  # names logged with the loss tensor itself
+        names: List[str] = []  # other logged values, returned as [n_max] cells
+
+        def per_row(*args):
+            vs, row_mask, count = args[:nv], args[nv], args[nv + 1]
+            collector.reset()
+            interception = LossInterception(n_max, row_mask, count)
+            with self._weights_in_slots(vs), interception:
+                loss = extract_loss(model.training_step(tree_unflatten(list(args[nv + 2:]), spec), step), model_name)
+            cells = interception.cells_of(loss)
+            if cells is None:
+                raise _NotIntercepted(_unrecognised("the loss training_step returns", interception))
+            as_loss.clear()
+            names.clear()
+            logged = []
+            for name, value in zip(collector.names, collector.values):
+                own = interception.cells_of(value)
+                if own is cells:
+                    as_loss.append(name)
+                    continue
+                if own is None:
+                    if _is_batched(value):
+                        raise _NotIntercepted(_unrecognised(f"the value logged as {name!r}", interception))
+                    own = row_mask * 0 + value.detach().reshape(())  # a constant: the same value in every cell
+                names.append(name)
+                logged.append(own)
+            return (cells, *logged)
+
+        out = _vmap0(per_row, [*views, m, counts, *leaves])
+        collector.reset()
+        kept = [(name, v.detach().float()) for name, v in zip(names, out[1:])]
+        return self._padded_result(out[0], mask, list(as_loss), kept, want_cells)
+
+    def _check_interception(self, views: List[Tensor], batch: Any, mask: Tensor, step: int) -> Optional[str]:
+        """None if the intercepted loss of the most padded row equals ``training_step`` on its real samples alone
+        (at the row's weights, without gradients, in full precision), else the reason it does not. Skipped (None)
+        for models with random layers, whose two calls draw different random numbers."""
+        if not self.deterministic:
+            return None
+        leaves, spec = tree_flatten(batch)
+        counts = mask.sum(1)
+        r = int(torch.argmin(counts))
+        k, n_max = int(counts[r]), mask.shape[1]
+        row = [v[r].detach() for v in views]
+        model_name = type(self.model).__name__
+        try:
+            full_precision = torch.autocast(device_type=row[0].device.type, enabled=False)
+        except RuntimeError:  # a device type autocast does not know
+            full_precision = contextlib.nullcontext()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision, self._weights_in_slots(row):
+            interception = LossInterception(n_max, mask[r].to(self.dtype), counts[r].to(self.dtype))
+            with interception:
+                padded = extract_loss(self.model.training_step(tree_unflatten([x[r] for x in leaves], spec), step),
+                                      model_name)
+            if interception.cells_of(padded) is None:
+                self.collector.reset()
+                return _unrecognised("the loss training_step returns", interception)
+            real = extract_loss(self.model.training_step(tree_unflatten([x[r, :k] for x in leaves], spec), step),
+                                model_name)
+        self.collector.reset()
+        low = self.dtype in (torch.float16, torch.bfloat16)
+        if not torch.allclose(padded.double(), real.double(), rtol=2e-2 if low else 1e-4, atol=2e-2 if low else 1e-6,
+                              equal_nan=True):
+            return (f"its loss on a client's {k} real samples is {float(real):.6g} but the per-sample interception "
+                    f"on the padded batch of {n_max} gives {float(padded):.6g}: the loss is not a mean of per-sample "
+                    "losses, or the forward pass mixes samples")
+        return None
 
     @staticmethod
     def _padded_result(cells: Tensor, mask: Tensor, as_loss: List[str], kept: List[Tuple[str, Tensor]],
@@ -1636,6 +1768,30 @@ class VectorizedClientTrainer:
                 update.failed, update.failure = True, "non-finite model update"
             updates.append(update)
         return updates
+
+
+class _NotIntercepted(Exception):
+    """Per-sample loss interception does not apply to this call (the message says why)."""
+
+
+def _unrecognised(what: str, interception: LossInterception) -> str:
+    if interception.unrecognised:
+        calls = ", ".join(sorted(set(interception.unrecognised)))
+        return f"{what} is not a recognised mean loss (calls with other arguments or shapes: {calls})"
+    return (f"{what} is not the output of a standard loss with reduction='mean' (F.cross_entropy, F.nll_loss, "
+            "F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy[_with_logits] or their "
+            "nn modules)")
+
+
+def _is_batched(value: Tensor) -> bool:
+    """Whether ``value`` carries vmap's batch dimension (depends on the client's weights or data)."""
+    return _is_batchedtensor is None or _is_batchedtensor(value)
+
+
+def _info(message: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(message)
 
 
 def _vmap0(fn: Callable[..., Tuple[Tensor, ...]], args: Sequence[Tensor]) -> Tuple[Tensor, ...]:
