@@ -1522,15 +1522,18 @@ class VectorizedClientTrainer:
         return self._padded_result(out[0], mask, list(as_loss), kept, want_cells)
 
     def _check_interception(self, views: List[Tensor], batch: Any, mask: Tensor, step: int) -> Optional[str]:
-        """None if the intercepted loss of the most padded row equals ``training_step`` on its real samples alone
+        """None if the intercepted loss of a padded row (see below) equals ``training_step`` on its real samples alone
         (at the row's weights, without gradients, in full precision), else the reason it does not. Skipped (None)
         for models with random layers, whose two calls draw different random numbers."""
         if not self.deterministic:
             return None
         leaves, spec = tree_flatten(batch)
-        counts = mask.sum(1)
-        r = int(torch.argmin(counts))
-        k, n_max = int(counts[r]), mask.shape[1]
+        counts = mask.sum(1).tolist()
+        n_max = mask.shape[1]
+        # the most padded row whose padding is not whole copies of its batch (such copies keep batch means, which
+        # would hide a forward pass that mixes samples), else the most padded row
+        r = min(range(len(counts)), key=lambda i: (n_max % counts[i] == 0, counts[i]))
+        k = int(counts[r])
         row = [v[r].detach() for v in views]
         model_name = type(self.model).__name__
         try:
@@ -1538,7 +1541,7 @@ class VectorizedClientTrainer:
         except RuntimeError:  # a device type autocast does not know
             full_precision = contextlib.nullcontext()
         with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision, self._weights_in_slots(row):
-            interception = LossInterception(n_max, mask[r].to(self.dtype), counts[r].to(self.dtype))
+            interception = LossInterception(n_max, mask[r].to(self.dtype), mask[r].to(self.dtype).sum())
             with interception:
                 padded = extract_loss(self.model.training_step(tree_unflatten([x[r] for x in leaves], spec), step),
                                       model_name)
