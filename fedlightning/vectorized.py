@@ -59,6 +59,20 @@ Decisions (ours; the task leaves them open):
   every reference model); a loss that is not (e.g. weighting tokens with ``ignore_index``) is averaged per sample
   instead. When all batches of a step have the same size, ``training_step`` sees each client's whole batch,
   exactly as sequentially. (Cutting large clients into several rows to pad less was measured slower on CPU.)
+  Padded steps take the first of these paths that applies: the model's per-sample protocol (below); per-sample
+  loss interception; the generic path (one ``training_step`` call per sample, an inner vmap).
+* **Per-sample loss interception** (ours; :mod:`fedlightning.vectorized_losses`). For a model without the
+  protocol, ``training_step`` is called once per client row on the whole padded batch while a
+  ``TorchFunctionMode`` replaces the standard losses with ``reduction="mean"`` (``F.cross_entropy``,
+  ``F.nll_loss``, ``F.mse_loss``, ``F.l1_loss``, ``F.smooth_l1_loss``, ``F.huber_loss``,
+  ``F.binary_cross_entropy[_with_logits]`` and the ``nn`` modules that call them) by their mean over the real
+  samples, computed per sample with ops that have batching rules. It applies while ``training_step`` returns such
+  a loss and logs only such losses or client-independent constants, and, for models without random layers, after
+  a once-per-engine check against ``training_step`` on a client's real samples alone (a loss that is not a mean of
+  per-sample losses fails it); otherwise the engine uses the generic path from then on, with the random state
+  of the failed attempt restored, and says why in a rank-zero info line
+  (:meth:`VectorizedClientTrainer._intercepted_row_values`). A user-written digits MLP then trains as fast as the
+  bundled one (docs/benchmarks_vectorized.md).
 * **Per-sample protocol** (optional, ours). A model may define ``training_step_per_sample(batch, batch_idx)``
   returning ``[n]`` losses, entry ``j`` being ``training_step``'s loss on sample ``j`` alone (values it logs are
   ``[n]`` tensors, averaged over real samples). Padded steps then make one batched call per row instead of the
@@ -91,6 +105,10 @@ Decisions (ours; the task leaves them open):
   Nesterov / ``maximize`` (``weight_decay`` and the loop's gradient clipping are supported) and SgdArmijo, SPS and
   DecSPS; different settings per parameter group. ``client_execution="auto"`` falls back to sequential mode with a
   one-time warning instead.
+* **auto** (ours, :func:`_auto_decide`): at its first round, ``client_execution="auto"`` times one throw-away round
+  of the round's clients both ways and trains vectorised only if that is faster by :data:`AUTO_MARGIN`; models
+  with random layers train sequentially (their dropout masks would depend on the choice). The choice and both
+  timings are logged once; the measurement changes no result.
 * **Client objective terms** (``client_objective`` hooks, e.g. FedProx's proximal term) are supported: each term is
   called on the list of its client's parameter tensors (slices of the batched weights), so its gradient flows
   through the same backward pass (one Python call per client and term per evaluation).
