@@ -18,7 +18,7 @@ ratios are ``[C]`` tensors: no Python loop over clients inside a step. Per round
 are built and the batch rows of all steps gathered at once; per step, plain SGD updates every parameter's rows of
 ``W`` with its own gradient (no ``[C, D]`` gradient is assembled) and needs no host synchronisation.
 
-Where the time goes (CPU, small models; docs/benchmarks_vectorized.md has the numbers) and what the engine does
+Where the time goes (CPU, small models; docs/benchmarks.md §3 has the numbers) and what the engine does
 about it:
 
 * **Memory order of W.** Each parameter's block of ``W`` is stored in the memory order its gradient comes out of
@@ -59,10 +59,24 @@ Decisions (ours; the task leaves them open):
   every reference model); a loss that is not (e.g. weighting tokens with ``ignore_index``) is averaged per sample
   instead. When all batches of a step have the same size, ``training_step`` sees each client's whole batch,
   exactly as sequentially. (Cutting large clients into several rows to pad less was measured slower on CPU.)
+  Padded steps take the first of these paths that applies: the model's per-sample protocol (below); per-sample
+  loss interception; the generic path (one ``training_step`` call per sample, an inner vmap).
+* **Per-sample loss interception** (ours; :mod:`fedlightning.vectorized_losses`). For a model without the
+  protocol, ``training_step`` is called once per client row on the whole padded batch while a
+  ``TorchFunctionMode`` replaces the standard losses with ``reduction="mean"`` (``F.cross_entropy``,
+  ``F.nll_loss``, ``F.mse_loss``, ``F.l1_loss``, ``F.smooth_l1_loss``, ``F.huber_loss``,
+  ``F.binary_cross_entropy[_with_logits]`` and the ``nn`` modules that call them) by their mean over the real
+  samples, computed per sample with ops that have batching rules. It applies while ``training_step`` returns such
+  a loss and logs only such losses or client-independent constants, and, for models without random layers, after
+  a once-per-engine check against ``training_step`` on a client's real samples alone (a loss that is not a mean of
+  per-sample losses fails it); otherwise the engine uses the generic path from then on, with the random state
+  of the failed attempt restored, and says why in a rank-zero info line
+  (:meth:`VectorizedClientTrainer._intercepted_row_values`). A user-written digits MLP then trains as fast as the
+  bundled one (docs/benchmarks.md §3).
 * **Per-sample protocol** (optional, ours). A model may define ``training_step_per_sample(batch, batch_idx)``
   returning ``[n]`` losses, entry ``j`` being ``training_step``'s loss on sample ``j`` alone (values it logs are
   ``[n]`` tensors, averaged over real samples). Padded steps then make one batched call per row instead of the
-  inner vmap: the same numbers, an SGD round of the digits MLP 1.25-1.29x faster (docs/benchmarks_vectorized.md).
+  inner vmap: the same numbers, an SGD round of the digits MLP 1.25-1.29x faster (docs/benchmarks.md §3).
   The reference models (:class:`fedlightning.models.Classifier`) define it. It is used only when defined on the
   class that defines ``training_step`` or below it (a subclass that overrides only ``training_step`` keeps the
   generic path), and, for models without random layers, checked once per engine against ``training_step`` on
@@ -83,7 +97,7 @@ Decisions (ours; the task leaves them open):
   mode but gives different crops in the two, since they consume the generator differently.
 * **Recurrent layers.** ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` have no vmap batching rule; inside the batched call
   they run through :func:`_rnn_forward` (the same equations in plain tensor ops). On CPU this is slower than the
-  fused kernels sequential mode uses (see docs/benchmarks_vectorized.md).
+  fused kernels sequential mode uses (see docs/benchmarks.md §3).
 * **Unsupported** (:class:`VectorizationUnsupportedError`, naming the layer or setting): batch-statistics layers
   (every ``BatchNorm``; ``InstanceNorm`` with running statistics), layers ``vmap`` cannot run (found by the first
   batched call and reported with the module that was executing), RNNs with ``proj_size``, parameters of mixed
@@ -91,6 +105,10 @@ Decisions (ours; the task leaves them open):
   Nesterov / ``maximize`` (``weight_decay`` and the loop's gradient clipping are supported) and SgdArmijo, SPS and
   DecSPS; different settings per parameter group. ``client_execution="auto"`` falls back to sequential mode with a
   one-time warning instead.
+* **auto** (ours, :func:`_auto_decide`): at its first round, ``client_execution="auto"`` times one throw-away round
+  of the round's clients both ways and trains vectorised only if that is faster by :data:`AUTO_MARGIN`; models
+  with random layers train sequentially (their dropout masks would depend on the choice). The choice and both
+  timings are logged once; the measurement changes no result.
 * **Client objective terms** (``client_objective`` hooks, e.g. FedProx's proximal term) are supported: each term is
   called on the list of its client's parameter tensors (slices of the batched weights), so its gradient flows
   through the same backward pass (one Python call per client and term per evaluation).
@@ -114,6 +132,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -129,12 +148,18 @@ try:  # functorch's own primitives, which torch.func.vmap drives (see _vmap0)
     from torch._C._functorch import _add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting, _vmap_increment_nesting
 except ImportError:  # pragma: no cover - a torch without them: the public vmap is used
     _add_batch_dim = None
+try:
+    from torch._C._functorch import is_batchedtensor as _is_batchedtensor
+except ImportError:  # pragma: no cover - every logged value then counts as client-dependent
+    _is_batchedtensor = None
 from fedlightning.state import ClientUpdate, RoundPlan, derive_seed
+from fedlightning.vectorized_losses import LossInterception
 
 __all__ = [
     "CLIENT_EXECUTION_MODES",
     "VectorizationUnsupportedError",
     "VectorizedClientTrainer",
+    "auto_choice",
     "check_model_vectorizable",
     "run_vectorized_round",
 ]
@@ -1231,6 +1256,10 @@ class VectorizedClientTrainer:
         self.collector = _LogCollector()
         self.metric_modules = _metric_modules(model)
         self.per_sample_step = _per_sample_protocol(model)
+        # padded steps of a model without the protocol: per-sample loss interception (vectorized_losses) while it
+        # is recognised; None = not tried yet, True = in use, False = generic path (reason in padded_path_reason)
+        self.intercept: Optional[bool] = None
+        self.padded_path_reason = ""
         self.rnns = _vmappable_rnns(model)
         self.deterministic = not _has_random_layers(model)
         self.probed: set = set()
@@ -1347,7 +1376,14 @@ class VectorizedClientTrainer:
         row; cell rows (``mask`` given) give the sum of the per-sample losses of the row's real cells, or, with
         ``cells``, the ``[R, n_max]`` per-sample losses themselves (padded cells included; logged values are still
         the masked sums)."""
-        mode = "whole" if mask is None else "per-sample" if self.per_sample_step is None else "per-sample protocol"
+        if mask is None:
+            mode = "whole"
+        elif self.per_sample_step is not None:
+            mode = "per-sample protocol"
+        elif self.intercept is not False:
+            return self._intercepted_row_values(views, batch, mask, step, cells)
+        else:
+            mode = "per-sample"
         with self._vmap_context():
             if mode in self.probed:
                 return self._row_values_vmapped(views, batch, mask, step, cells)
@@ -1423,6 +1459,125 @@ class VectorizedClientTrainer:
             kept = list(zip(list(collector.names), [_logged_value(v, 2) for v in cells[1:]]))
             return self._padded_result(cells[0], mask, [], kept, want_cells)
         return out[0], list(zip(list(collector.names), [_logged_value(v, 1) for v in out[1:]]))
+
+    def _intercepted_row_values(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool):
+        """:meth:`_row_values` of padded rows through per-sample loss interception
+        (:mod:`fedlightning.vectorized_losses`): one ``training_step`` call per row on its whole padded batch, the
+        standard losses computed per sample and averaged over the row's real samples.
+
+        Used while it is recognised: ``training_step`` must return the output of an intercepted loss, and every
+        value it logs must be one too or not depend on the client (a constant). On the first padded call of the
+        engine, for models without random layers, the intercepted loss of the most padded row is checked against
+        ``training_step`` on that row's real samples alone (a loss that is not a mean over samples, or a forward
+        that mixes samples, fails it). If any of this fails, or the batched call raises, the engine uses the
+        generic path (one ``training_step`` per sample) from then on, after restoring the random state the
+        attempt started from, so the generic path computes exactly what it computes without this attempt. The
+        path taken is logged once (rank-zero info line).
+        """
+        devices = [views[0].device] if views[0].device.type == "cuda" else []
+        rng = None if self.deterministic else _rng_state(devices)
+        first = self.intercept is None
+        try:
+            with self._vmap_context():
+                if first:
+                    reason = self._check_interception(views, batch, mask, step)
+                    if reason is not None:
+                        raise _NotIntercepted(reason)
+                out = self._interception_vmapped(views, batch, mask, step, want_cells)
+        except Exception as err:  # noqa: BLE001 - any failure of the fast path: the generic path decides
+            self.collector.reset()
+            if rng is not None:
+                _set_rng_state(rng, devices)
+            self.intercept = False
+            self.padded_path_reason = str(err) if isinstance(err, _NotIntercepted) else f"{type(err).__name__}: {err}"
+            _info(f"client_execution='vectorized': padded steps of {type(self.model).__name__} call training_step "
+                  f"once per sample ({self.padded_path_reason})")
+            return self._row_values(views, batch, mask, step, want_cells)
+        if first:
+            self.intercept = True
+            self.padded_path_reason = "per-sample loss interception"
+            _info(f"client_execution='vectorized': padded steps of {type(self.model).__name__} compute its loss per "
+                  "sample by loss interception (one training_step call per client)")
+        return out
+
+    def _interception_vmapped(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool):
+        model, collector = self.model, self.collector
+        model_name = type(model).__name__
+        leaves, spec = tree_flatten(batch)
+        nv = len(views)
+        n_max = mask.shape[1]
+        m = mask.to(self.dtype)
+        counts = m.sum(1)
+        as_loss: List[str] = []  # names logged with the loss tensor itself
+        names: List[str] = []  # other logged values, returned as [n_max] cells
+
+        def per_row(*args):
+            vs, row_mask, count = args[:nv], args[nv], args[nv + 1]
+            collector.reset()
+            interception = LossInterception(n_max, row_mask, count)
+            with self._weights_in_slots(vs), interception:
+                loss = extract_loss(model.training_step(tree_unflatten(list(args[nv + 2:]), spec), step), model_name)
+            cells = interception.cells_of(loss)
+            if cells is None:
+                raise _NotIntercepted(_unrecognised("the loss training_step returns", interception))
+            as_loss.clear()
+            names.clear()
+            logged = []
+            for name, value in zip(collector.names, collector.values):
+                own = interception.cells_of(value)
+                if own is cells:
+                    as_loss.append(name)
+                    continue
+                if own is None:
+                    if _is_batched(value):
+                        raise _NotIntercepted(_unrecognised(f"the value logged as {name!r}", interception))
+                    own = row_mask * 0 + value.detach().reshape(())  # a constant: the same value in every cell
+                names.append(name)
+                logged.append(own)
+            return (cells, *logged)
+
+        out = _vmap0(per_row, [*views, m, counts, *leaves])
+        collector.reset()
+        kept = [(name, v.detach().float()) for name, v in zip(names, out[1:])]
+        return self._padded_result(out[0], mask, list(as_loss), kept, want_cells)
+
+    def _check_interception(self, views: List[Tensor], batch: Any, mask: Tensor, step: int) -> Optional[str]:
+        """None if the intercepted loss of a padded row (see below) equals ``training_step`` on its real samples alone
+        (at the row's weights, without gradients, in full precision), else the reason it does not. Skipped (None)
+        for models with random layers, whose two calls draw different random numbers."""
+        if not self.deterministic:
+            return None
+        leaves, spec = tree_flatten(batch)
+        counts = mask.sum(1).tolist()
+        n_max = mask.shape[1]
+        # the most padded row whose padding is not whole copies of its batch (such copies keep batch means, which
+        # would hide a forward pass that mixes samples), else the most padded row
+        r = min(range(len(counts)), key=lambda i: (n_max % counts[i] == 0, counts[i]))
+        k = int(counts[r])
+        row = [v[r].detach() for v in views]
+        model_name = type(self.model).__name__
+        try:
+            full_precision = torch.autocast(device_type=row[0].device.type, enabled=False)
+        except RuntimeError:  # a device type autocast does not know
+            full_precision = contextlib.nullcontext()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision, self._weights_in_slots(row):
+            interception = LossInterception(n_max, mask[r].to(self.dtype), mask[r].to(self.dtype).sum())
+            with interception:
+                padded = extract_loss(self.model.training_step(tree_unflatten([x[r] for x in leaves], spec), step),
+                                      model_name)
+            if interception.cells_of(padded) is None:
+                self.collector.reset()
+                return _unrecognised("the loss training_step returns", interception)
+            real = extract_loss(self.model.training_step(tree_unflatten([x[r, :k] for x in leaves], spec), step),
+                                model_name)
+        self.collector.reset()
+        low = self.dtype in (torch.float16, torch.bfloat16)
+        if not torch.allclose(padded.double(), real.double(), rtol=2e-2 if low else 1e-4, atol=2e-2 if low else 1e-6,
+                              equal_nan=True):
+            return (f"its loss on a client's {k} real samples is {float(real):.6g} but the per-sample interception "
+                    f"on the padded batch of {n_max} gives {float(padded):.6g}: the loss is not a mean of per-sample "
+                    "losses, or the forward pass mixes samples")
+        return None
 
     @staticmethod
     def _padded_result(cells: Tensor, mask: Tensor, as_loss: List[str], kept: List[Tuple[str, Tensor]],
@@ -1638,6 +1793,30 @@ class VectorizedClientTrainer:
         return updates
 
 
+class _NotIntercepted(Exception):
+    """Per-sample loss interception does not apply to this call (the message says why)."""
+
+
+def _unrecognised(what: str, interception: LossInterception) -> str:
+    if interception.unrecognised:
+        calls = ", ".join(sorted(set(interception.unrecognised)))
+        return f"{what} is not a recognised mean loss (calls with other arguments or shapes: {calls})"
+    return (f"{what} is not the output of a standard loss with reduction='mean' (F.cross_entropy, F.nll_loss, "
+            "F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy[_with_logits] or their "
+            "nn modules)")
+
+
+def _is_batched(value: Tensor) -> bool:
+    """Whether ``value`` carries vmap's batch dimension (depends on the client's weights or data)."""
+    return _is_batchedtensor is None or _is_batchedtensor(value)
+
+
+def _info(message: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(message)
+
+
 def _vmap0(fn: Callable[..., Tuple[Tensor, ...]], args: Sequence[Tensor]) -> Tuple[Tensor, ...]:
     """``torch.func.vmap(fn, randomness="different")(*args)`` for the engine's calls: flat tensor arguments all
     batched along dimension 0 (same size), ``fn`` returning a tuple of tensors, outputs batched along dimension 0.
@@ -1696,14 +1875,19 @@ def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int], globa
     """The ClientUpdates of ``client_ids`` for ``plan``, trained in lockstep; None means "train them sequentially".
 
     Called by :meth:`FederatedLoop.training_step` when ``client_execution`` is ``"vectorized"`` or ``"auto"``. With
-    ``"auto"``, anything :class:`VectorizationUnsupportedError` reports makes the loop fall back to sequential
-    training for the rest of the run, with a one-time warning. Per-client optimizer state is read from and written
-    to ``loop.client_state`` (namespace ``"optimizer"``) exactly as sequential training does.
+    ``"auto"``, the first round decides once for the run (:func:`_auto_decide`), and anything
+    :class:`VectorizationUnsupportedError` reports makes the loop fall back to sequential training for the rest of
+    the run, with a one-time warning. Per-client optimizer state is read from and written to ``loop.client_state``
+    (namespace ``"optimizer"``) exactly as sequential training does.
     """
     mode = loop.client_execution
     if mode == "sequential" or not client_ids or loop.__dict__.get("_vectorized_fallback"):
         return None
     try:
+        if mode == "auto" and "_auto_choice" not in loop.__dict__:
+            if _auto_decide(loop, plan, client_ids, global_flat) == "sequential":
+                loop.__dict__["_vectorized_fallback"] = True
+                return None
         return _run(loop, plan, client_ids, global_flat)
     except VectorizationUnsupportedError as err:
         if mode != "auto":
@@ -1711,12 +1895,97 @@ def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int], globa
         from lightning.pytorch.utilities import rank_zero_warn
 
         loop.__dict__["_vectorized_fallback"] = True
+        loop.__dict__["_auto_choice"] = "sequential"
         rank_zero_warn(f"client_execution='auto': training clients sequentially ({err})")
         return None
 
 
-def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> List[ClientUpdate]:
-    """Mirror of ``FederatedLoop.train_client`` for all of ``client_ids`` at once."""
+#: The clock :func:`_auto_decide` times its throw-away rounds with (replaceable, for deterministic tests).
+_clock = time.perf_counter
+
+#: ``auto`` picks vectorized only when its round is at least this much faster than sequential (ours: timings of
+#: one round on a shared machine vary by several percent, and sequential is the reference path).
+AUTO_MARGIN = 1.1
+
+
+def auto_choice(seconds_sequential: float, seconds_vectorized: float, margin: float = AUTO_MARGIN) -> str:
+    """``"vectorized"`` if ``seconds_vectorized * margin < seconds_sequential``, else ``"sequential"``."""
+    return "vectorized" if seconds_vectorized * margin < seconds_sequential else "sequential"
+
+
+def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> str:
+    """``client_execution="auto"``: choose the mode of this run, once, at its first round; logged once.
+
+    Decisions (ours):
+
+    * **Models with random layers** (dropout) train sequentially: vectorised mode draws other (reproducible)
+      dropout masks than sequential mode, so letting a timing choose would make the results depend on the machine.
+      Set ``client_execution="vectorized"`` to accept that.
+    * **Otherwise measure**: the round's clients are trained on throw-away copies both ways, from the round's global
+      weights, on the same batches (one untimed vectorised round and one untimed sequential client first, to leave
+      one-time costs out: the engine's probes, first calls), then one timed sequential round and one timed
+      vectorised round. Throw-away means: no logged values reach the loop, no client state is written, the
+      updates are dropped; random streams are forked in both modes; so the real round that follows computes
+      exactly what it computes without the measurement. Vectorised is chosen when it is faster by
+      :data:`AUTO_MARGIN` (:func:`auto_choice`). The measurement costs about one round of each mode, once.
+    * A model or optimizer the engine cannot train raises :class:`VectorizationUnsupportedError` from the first
+      throw-away round: the caller falls back to sequential with its warning, as before.
+    """
+    engine = _engine(loop)
+    device = global_flat.device
+    if not engine.deterministic:
+        choice, reason = "sequential", (
+            f"{type(engine.model).__name__} has random layers (dropout), for which vectorised mode draws other "
+            "dropout masks than sequential mode; set client_execution='vectorized' to use it anyway")
+    else:
+        _run(loop, plan, client_ids, global_flat, throwaway=True)  # warm-up: probes, first calls
+        with _throwaway_sequential(loop):
+            loop.train_client(plan, client_ids[0], global_flat)  # warm-up
+            _sync(device)
+            t0 = _clock()
+            for cid in client_ids:
+                loop.train_client(plan, cid, global_flat)
+            _sync(device)
+            t1 = _clock()
+        _run(loop, plan, client_ids, global_flat, throwaway=True)
+        _sync(device)
+        t2 = _clock()
+        seq, vec = t1 - t0, t2 - t1
+        choice = auto_choice(seq, vec)
+        reason = (f"one round of {len(client_ids)} clients x {plan.local_steps} local steps took "
+                  f"{seq * 1e3:.1f} ms sequential, {vec * 1e3:.1f} ms vectorized ({seq / max(vec, 1e-12):.2f}x; "
+                  f"vectorized is chosen when faster by {AUTO_MARGIN}x)")
+    loop.__dict__["_auto_choice"] = choice
+    loop.__dict__["_auto_reason"] = reason
+    _info(f"client_execution='auto': training clients {choice} ({reason})")
+    return choice
+
+
+@contextmanager
+def _throwaway_sequential(loop):
+    """``loop.train_client`` calls inside leave no trace: logged values are discarded and no client state is
+    written (``persist_client_state`` off for the block)."""
+    router = getattr(loop._worker_trainer(), "router", None)
+    captured = router.captured if router is not None else None
+    persist = loop.persist_client_state
+    loop.persist_client_state = False
+    if router is not None:
+        router.captured = {}
+    try:
+        yield
+    finally:
+        loop.persist_client_state = persist
+        if router is not None:
+            router.captured = captured
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _engine(loop) -> "VectorizedClientTrainer":
+    """The loop's engine for its working copy (built on first use; raises what the model cannot do)."""
     worker = loop._worker_trainer()
     hooks = getattr(worker, "hooks", None)
     if hooks is not None:
@@ -1728,6 +1997,15 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) 
     if engine is None or engine.model is not worker.model:
         engine = VectorizedClientTrainer(worker.model, to_device=worker.to_device)
         loop.__dict__["_vectorized_engine"] = engine
+    return engine
+
+
+def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
+         throwaway: bool = False) -> List[ClientUpdate]:
+    """Mirror of ``FederatedLoop.train_client`` for all of ``client_ids`` at once; ``throwaway``: nothing is
+    logged and no client state written (``auto``'s measurement)."""
+    worker = loop._worker_trainer()
+    engine = _engine(loop)
     dm = loop._datamodule()
     client_ids = [int(c) for c in client_ids]
     optimizers = []
@@ -1756,12 +2034,12 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) 
         local_steps=plan.local_steps,
         grad_clip=loop.client_grad_clip,
         terms=terms,
-        router=getattr(worker, "router", None),
+        router=None if throwaway else getattr(worker, "router", None),
         float_buffer_mask=[b.is_floating_point() for b in gbuffers],
     )
     for update, opt in zip(updates, optimizers):
         if hasattr(opt, "client_report"):  # last-step scalars a strategy may use (FedSPS-Global)
             update.payload.update(opt.client_report())
-        if loop.persist_client_state and hasattr(opt, "get_client_state") and not update.failed:
+        if loop.persist_client_state and not throwaway and hasattr(opt, "get_client_state") and not update.failed:
             loop.client_state.set("optimizer", update.client_id, opt.get_client_state())
     return updates

@@ -1,0 +1,271 @@
+r"""Per-sample loss interception: the vectorised engine's fast path for padded steps of users' modules.
+
+On a *padded* step (:mod:`fedlightning.vectorized`: the round's clients have batches of different sizes), every
+client's batch is padded to the step's largest size ``n`` by repeating its own samples, and the engine needs each
+client's loss over its **real** samples only. A module that defines ``training_step_per_sample`` gives per-sample
+losses directly; any other module's ``training_step`` computes a *mean* over the whole (padded) batch, which would
+count the repeated samples. :class:`LossInterception` is a :class:`torch.overrides.TorchFunctionMode` active while
+the engine calls ``training_step`` on a client's padded batch; it catches the standard losses called with
+``reduction="mean"`` and returns the mean over the real samples instead, computed per sample with formulas whose
+ops all have ``vmap`` batching rules (``nll_loss`` has none and runs as a slow per-sample decomposition under
+``vmap``):
+
+===================================================  ===============================================================
+function (and the ``nn`` module that calls it)        per-element loss ``a`` and weight ``d`` (``L = Σa / Σd``)
+===================================================  ===============================================================
+``F.cross_entropy`` (``nn.CrossEntropyLoss``),        class targets: ``a = v·[(1−ε)·w_y·(−log p_y) + ε/C·Σ_c w_c(−log
+``F.nll_loss`` (``nn.NLLLoss``; ``ε = 0``, input     p_c)]``, ``d = v·w_y`` (``v``: target ≠ ``ignore_index``; ``w``:
+are the log-probabilities)                            class ``weight``, 1 without); probability targets: ``a = −Σ_c
+                                                      w_c·t'_c·log p_c`` with ``t' = (1−ε)t + ε/C``, ``d = 1``
+``F.mse_loss`` / ``F.l1_loss``                        ``(x−y)²`` / ``|x−y|``, ``d = 1``
+``F.smooth_l1_loss(beta)`` / ``F.huber_loss(delta)``  torch's piecewise formulas, ``d = 1``
+``F.binary_cross_entropy``                            ``−w·(y·max(log p, −100) + (1−y)·max(log(1−p), −100))``, ``d = 1``
+``F.binary_cross_entropy_with_logits``                ``w·((1−y)·x − (1 + (pw−1)·y)·logσ(x))``, ``d = 1``
+===================================================  ===============================================================
+
+These are the reductions torch documents for ``reduction="mean"`` (for class targets the weighted mean
+``Σ w_y ℓ / Σ w_y`` over the targets that are not ignored, label smoothing sharing that denominator; otherwise the
+mean over all elements). With the padded batch's first dimension as the sample dimension, ``A_j`` / ``D_j`` are the
+sums of ``a`` / ``d`` over sample ``j``'s elements, and the intercepted call returns
+
+.. math::
+    L = \frac{\sum_j m_j A_j}{\sum_j m_j D_j} = \sum_j \frac{m_j}{n_i} c_j, \qquad
+    c_j = \frac{A_j}{\tfrac{1}{n_i}\sum_k m_k D_k}
+
+(``m``: the row's mask of real samples, ``n_i`` its count): exactly the loss sequential training computes on the
+client's real batch, written as the weighted sum of per-sample *cells* ``c_j`` the engine's padded-step backward
+uses. Without class weights or ignored targets ``D_j`` is the number of elements per sample and
+``Σ_k m_k D_k / n_i`` is that number exactly, so ``c_j`` is sample ``j``'s own mean loss.
+
+What is recognised (anything else runs the original function unchanged; decisions ours):
+
+* ``reduction="mean"`` with the legacy ``size_average`` / ``reduce`` unset; ``input.dim() >= 1`` (``>= 2`` for the
+  class losses) with ``input.shape[0] == n``; elementwise losses need ``target.shape == input.shape`` (a
+  broadcasting pair mixes samples) and ``weight`` / ``pos_weight`` that broadcast to ``input``'s shape; class
+  targets of shape ``input.shape[:1] + input.shape[2:]`` or probability targets of ``input``'s shape.
+* ``F.mse_loss`` / ``F.l1_loss`` / ``F.huber_loss`` with their ``weight`` argument are not recognised (its mean
+  normalisation is not a documented per-element formula); ``F.binary_cross_entropy`` under autocast is not
+  recognised (torch refuses it there).
+* Under autocast, half-precision inputs are upcast to float32 first, as autocast's policy does for these losses.
+* The output of a recognised call is remembered (with its cells); ``Tensor.detach`` / ``clone`` of it are
+  remembered as the same loss. The engine uses the cells only when ``training_step`` returns such an output and
+  every value it logs is one (or does not depend on the client); otherwise it falls back to its generic path.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["LossInterception", "INTERCEPTED_LOSSES"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _autocast_upcast(*tensors: Optional[Tensor]):
+    """Half-precision floating tensors as float32 when autocast is on for their device (autocast runs these losses
+    in float32); others unchanged."""
+    out = []
+    for t in tensors:
+        if isinstance(t, Tensor) and t.dtype in _HALF and torch.is_autocast_enabled(t.device.type):
+            t = t.float()
+        out.append(t)
+    return out
+
+
+def _class_loss(logp: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                smoothing: float, n: int) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """``(a, d)`` for cross-entropy / NLL on log-probabilities ``logp`` ([n, C, ...]); None if not recognised."""
+    if logp.dim() < 2 or logp.shape[0] != n:
+        return None
+    C = logp.shape[1]
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != C):
+        return None
+    if not target.is_floating_point():  # class indices
+        if tuple(target.shape) != (logp.shape[0], *logp.shape[2:]):
+            return None
+        valid = target != ignore_index
+        safe = torch.where(valid, target, torch.zeros_like(target))
+        nll = -logp.gather(1, safe.unsqueeze(1)).squeeze(1)
+        if weight is None:
+            d = valid.to(logp.dtype)
+            a = torch.where(valid, nll, torch.zeros_like(nll))
+        else:
+            w_y = weight.to(logp.dtype)[safe]
+            d = torch.where(valid, w_y, torch.zeros_like(w_y))
+            a = d * nll
+        if smoothing > 0:
+            wc = logp if weight is None else logp * weight.to(logp.dtype).view(1, C, *([1] * (logp.dim() - 2)))
+            smooth = -wc.sum(1)
+            a = (1 - smoothing) * a + (smoothing / C) * torch.where(valid, smooth, torch.zeros_like(smooth))
+        return a, d
+    if tuple(target.shape) != tuple(logp.shape):  # class probabilities
+        return None
+    t = target.to(logp.dtype)
+    if smoothing > 0:
+        t = t * (1 - smoothing) + smoothing / C
+    prod = logp * t
+    if weight is not None:
+        prod = prod * weight.to(logp.dtype).view(1, C, *([1] * (logp.dim() - 2)))
+    return -prod.sum(1), None
+
+
+def _cross_entropy(n, input, target, weight=None, ignore_index=-100, label_smoothing=0.0, **_):
+    input, weight = _autocast_upcast(input, weight)
+    if input.dim() < 2:
+        return None
+    return _class_loss(F.log_softmax(input, 1), target, weight, ignore_index, float(label_smoothing), n)
+
+
+def _nll_loss(n, input, target, weight=None, ignore_index=-100, **_):
+    input, weight = _autocast_upcast(input, weight)
+    if target.is_floating_point():  # nll_loss takes class indices only
+        return None
+    return _class_loss(input, target, weight, ignore_index, 0.0, n)
+
+
+def _elementwise(formula: Callable[..., Tensor], weighted: bool = False) -> Callable[..., Optional[tuple]]:
+    """A handler for an elementwise loss ``formula(input, target, **options)``; ``weighted``: its ``weight`` /
+    ``pos_weight`` arguments are part of the formula (else a given ``weight`` is not recognised)."""
+
+    def handler(n, input, target, weight=None, **options):
+        if input.dim() < 1 or input.shape[0] != n or tuple(target.shape) != tuple(input.shape):
+            return None
+        if weight is not None and not weighted:
+            return None
+        extra = [options.get("pos_weight")] if "pos_weight" in options else []
+        for t in [weight, *extra]:
+            if t is not None and torch.broadcast_shapes(t.shape, input.shape) != input.shape:
+                return None
+        input, target, weight, *extra = _autocast_upcast(input, target, weight, *extra)
+        if "pos_weight" in options:
+            options = {**options, "pos_weight": extra[0]}
+        a = formula(input, target.to(input.dtype), weight=weight, **options)
+        return (None if a is None else (a, None))
+
+    return handler
+
+
+def _mse(x, y, weight=None, **_):
+    return (x - y) ** 2
+
+
+def _l1(x, y, weight=None, **_):
+    return (x - y).abs()
+
+
+def _smooth_l1(x, y, weight=None, beta=1.0, **_):
+    z = (x - y).abs()
+    if beta == 0:
+        return z
+    return torch.where(z < beta, 0.5 * z * z / beta, z - 0.5 * beta)
+
+
+def _huber(x, y, weight=None, delta=1.0, **_):
+    z = (x - y).abs()
+    return torch.where(z < delta, 0.5 * z * z, delta * (z - 0.5 * delta))
+
+
+def _bce(p, y, weight=None, **_):
+    if torch.is_autocast_enabled(p.device.type):
+        return None  # torch refuses binary_cross_entropy under autocast: let the original call say so
+    a = -(y * torch.clamp_min(torch.log(p), -100) + (1 - y) * torch.clamp_min(torch.log(1 - p), -100))
+    return a if weight is None else a * weight
+
+
+def _bce_logits(x, y, weight=None, pos_weight=None, **_):
+    log_sig = F.logsigmoid(x)
+    if pos_weight is None:
+        a = (1 - y) * x - log_sig
+    else:
+        a = (1 - y) * x - (1 + (pos_weight - 1) * y) * log_sig
+    return a if weight is None else a * weight
+
+
+#: The functions :class:`LossInterception` recognises, with their handlers.
+INTERCEPTED_LOSSES: Dict[Callable, Callable[..., Optional[tuple]]] = {
+    F.cross_entropy: _cross_entropy,
+    F.nll_loss: _nll_loss,
+    F.mse_loss: _elementwise(_mse),
+    F.l1_loss: _elementwise(_l1),
+    F.smooth_l1_loss: _elementwise(_smooth_l1),
+    F.huber_loss: _elementwise(_huber),
+    F.binary_cross_entropy: _elementwise(_bce, weighted=True),
+    F.binary_cross_entropy_with_logits: _elementwise(_bce_logits, weighted=True),
+}
+_SIGNATURES = {f: inspect.signature(f) for f in INTERCEPTED_LOSSES}
+_ALIASES = (Tensor.detach, Tensor.clone, torch.clone)
+
+
+class LossInterception(TorchFunctionMode):
+    """While active, the losses of :data:`INTERCEPTED_LOSSES` with ``reduction="mean"`` on a padded batch of ``n``
+    samples return the mean over the real samples (see the module docstring for the formulas).
+
+    Args:
+        n: the padded batch size (the first dimension of the loss inputs).
+        mask: ``[n]`` 1 for real samples, 0 for padding (floating; under ``vmap`` a client's row).
+        count: the number of real samples (``mask.sum()``; a scalar tensor).
+
+    After the call, :meth:`cells_of` gives the ``[n]`` per-sample cells of an intercepted output (None for any
+    other tensor), and ``unrecognised`` names the loss calls that ran unchanged.
+    """
+
+    def __init__(self, n: int, mask: Tensor, count: Tensor):
+        super().__init__()
+        self.n, self.mask, self.count = n, mask, count
+        self._outputs: Dict[int, Tuple[Tensor, Tensor]] = {}  # id(output) -> (output, cells); output kept alive
+        self.unrecognised: list = []
+
+    def cells_of(self, value: Any) -> Optional[Tensor]:
+        hit = self._outputs.get(id(value))
+        return hit[1] if hit is not None and hit[0] is value else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = INTERCEPTED_LOSSES.get(func)
+        if handler is not None:
+            out = self._intercept(func, handler, args, kwargs)
+            if out is not None:
+                return out
+            self.unrecognised.append(func.__name__)
+        out = func(*args, **kwargs)
+        if func in _ALIASES and args and isinstance(out, Tensor):
+            cells = self.cells_of(args[0])
+            if cells is not None:
+                self._outputs[id(out)] = (out, cells.detach() if func is Tensor.detach else cells)
+        return out
+
+    def _intercept(self, func, handler, args, kwargs) -> Optional[Tensor]:
+        try:
+            bound = _SIGNATURES[func].bind(*args, **kwargs)
+        except TypeError:
+            return None  # let the original call raise its own error
+        bound.apply_defaults()
+        options = dict(bound.arguments)
+        if options.pop("reduction") != "mean":
+            return None
+        if options.pop("size_average", None) is not None or options.pop("reduce", None) is not None:
+            return None
+        if not isinstance(options.get("input"), Tensor) or not isinstance(options.get("target"), Tensor):
+            return None
+        parts = handler(self.n, **options)
+        if parts is None:
+            return None
+        a, d = parts
+        n = self.n
+        mask = self.mask.to(a.dtype)
+        A = a.reshape(n, -1).sum(1)
+        per_sample = a[0].numel() if a.dim() > 1 else 1
+        if d is None:  # every element weighs 1: Σ_k m_k D_k / n_i is the number of elements per sample
+            cells = A if per_sample == 1 else A / per_sample
+        else:
+            D = d.reshape(n, -1).sum(1)
+            cells = A / ((mask * D).sum() / self.count.to(a.dtype))
+        loss = (cells * (mask / self.count.to(a.dtype))).sum()
+        self._outputs[id(loss)] = (loss, cells)
+        return loss

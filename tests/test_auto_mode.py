@@ -1,0 +1,81 @@
+"""``client_execution="auto"``: vectorised only where it is faster for this model, round shape and device.
+
+The decision is tested deterministically: the clock that times the throw-away rounds is replaced by one that
+returns chosen durations. Checked: the rule itself, that auto's run is bit-identical to a run in the chosen mode
+(the measurement leaves no trace: no logged values, no client state, no random draws), that it measures once per
+run and logs one line naming both timings, and that models with random layers train sequentially unmeasured.
+"""
+
+import logging
+
+import pytest
+import torch
+
+import fedlightning.vectorized as vectorized
+from fedlightning.optim import SgdArmijo
+from fedlightning.vectorized import AUTO_MARGIN, auto_choice
+from test_vectorized import fit
+from test_vectorized_user_losses import UserMLP
+
+
+@pytest.mark.parametrize("seq,vec,want", [
+    (100.0, 50.0, "vectorized"),
+    (100.0, 100.0 / AUTO_MARGIN - 1e-6, "vectorized"),
+    (100.0, 100.0 / AUTO_MARGIN + 1e-6, "sequential"),  # faster, but not by the margin
+    (100.0, 100.0, "sequential"),
+    (100.0, 250.0, "sequential"),
+])
+def test_auto_choice_rule(seq, vec, want):
+    assert auto_choice(seq, vec) == want
+    assert auto_choice(seq, vec, margin=1.0) == ("vectorized" if vec < seq else "sequential")
+
+
+def fake_clock(monkeypatch, seq_ms, vec_ms):
+    """The three readings _auto_decide takes: before the timed sequential round, between, after the vectorised."""
+    readings = iter([0.0, seq_ms / 1e3, (seq_ms + vec_ms) / 1e3])
+    calls = []
+
+    def clock():
+        calls.append(1)
+        return next(readings)
+
+    monkeypatch.setattr(vectorized, "_clock", clock)
+    return calls
+
+
+OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.3), "armijo": lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7)}
+
+
+def assert_identical(a, b):
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+    assert [(u.client_id, u.first_loss, u.mean_loss, u.step_sizes, u.backtracks) for u in a[2]] == \
+        [(u.client_id, u.first_loss, u.mean_loss, u.step_sizes, u.backtracks) for u in b[2]]
+    assert a[1].client_state.state_dict() == b[1].client_state.state_dict()
+    ma, mb = a[3].callback_metrics, b[3].callback_metrics
+    assert float(ma["client/train_loss"]) == float(mb["client/train_loss"])
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("seq_ms,vec_ms,chosen", [(40.0, 10.0, "vectorized"), (10.0, 40.0, "sequential")])
+def test_auto_equals_the_chosen_mode_and_logs_both_timings(monkeypatch, caplog, opt, seq_ms, vec_ms, chosen):
+    calls = fake_clock(monkeypatch, seq_ms, vec_ms)
+    with caplog.at_level(logging.INFO):
+        auto = fit(UserMLP(), OPTIMIZERS[opt], "auto")
+    assert len(calls) == 3  # measured once, at the first round
+    assert auto[1].__dict__["_auto_choice"] == chosen
+    lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
+    assert len(lines) == 1
+    assert f"training clients {chosen}" in lines[0]
+    assert f"{seq_ms:.1f} ms sequential, {vec_ms:.1f} ms vectorized" in lines[0]
+    reference = fit(UserMLP(), OPTIMIZERS[opt], chosen)
+    assert_identical(auto, reference)
+
+
+def test_models_with_random_layers_train_sequentially_without_measuring(monkeypatch, caplog):
+    calls = fake_clock(monkeypatch, 40.0, 10.0)
+    with caplog.at_level(logging.INFO):
+        auto = fit(UserMLP(dropout=0.2), OPTIMIZERS["sgd"], "auto")
+    assert calls == []
+    lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
+    assert len(lines) == 1 and "training clients sequential" in lines[0] and "random layers" in lines[0]
+    assert_identical(auto, fit(UserMLP(dropout=0.2), OPTIMIZERS["sgd"], "sequential"))

@@ -1,0 +1,221 @@
+"""Per-sample loss interception (``fedlightning.vectorized_losses``): the vectorised engine's fast path for padded
+steps of modules written as users write them (``F.cross_entropy(logits, y)``, no ``training_step_per_sample``).
+
+Checked here:
+
+* every intercepted loss, called on a padded batch (also batched over rows with different masks under ``vmap``),
+  equals torch's own function on the real samples alone (class weights, ``ignore_index``, label smoothing,
+  probability targets, the ``nn`` modules), and calls it does not recognise run unchanged;
+* a user-written MLP, a small CNN and an MSE regression module train to the weights of sequential training
+  (<= 1e-5) on ragged Dirichlet splits with K = 5, for SGD and SgdArmijo, and the engine took the fast path;
+* modules it must not take (a logged value it cannot split per sample, a forward pass that mixes samples) fall back
+  to the generic path with the reason recorded, and the fallback trains exactly what the generic path trains
+  (dropout masks included: the attempt's random draws are undone).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import vmap
+
+import lightning.pytorch as pl
+from fedlightning.optim import SgdArmijo
+from fedlightning.vectorized import VectorizedClientTrainer
+from fedlightning.vectorized_losses import LossInterception
+from test_vectorized import assert_same_run, fit
+
+N, REAL, C = 7, 4, 5
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, C, 3, dtype=torch.double, generator=g)
+    y = torch.randint(0, C, (N, 3), generator=g)
+    y[1, 2] = 3  # a target that ignore_index=3 drops
+    w = torch.rand(C, dtype=torch.double, generator=g) + 0.1
+    return x, y, w
+
+
+X, Y, W = _data()
+T = (X.flip(1) * 0.3).detach()
+CASES = {
+    "ce": lambda x, y, t: F.cross_entropy(x[:, :, 0], y[:, 0]),
+    "ce-seq": lambda x, y, t: F.cross_entropy(x, y),
+    "ce-weight-smooth": lambda x, y, t: F.cross_entropy(x, y, weight=W, label_smoothing=0.2),
+    "ce-ignore-smooth": lambda x, y, t: F.cross_entropy(x, y, ignore_index=3, label_smoothing=0.1),
+    "ce-module-weight-ignore": lambda x, y, t: nn.CrossEntropyLoss(weight=W, ignore_index=3)(x, y),
+    "ce-probabilities": lambda x, y, t: F.cross_entropy(x, torch.softmax(2 * t, 1), weight=W, label_smoothing=0.1),
+    "nll": lambda x, y, t: F.nll_loss(F.log_softmax(x, 1), y, weight=W),
+    "mse": lambda x, y, t: F.mse_loss(x, t),
+    "l1-module": lambda x, y, t: nn.L1Loss()(x, t),
+    "smooth-l1": lambda x, y, t: F.smooth_l1_loss(x, t, beta=0.5),
+    "huber-module": lambda x, y, t: nn.HuberLoss(delta=0.7)(x, t),
+    "bce": lambda x, y, t: F.binary_cross_entropy(torch.sigmoid(x), (t > 0).double(), weight=W.view(1, C, 1)),
+    "bce-logits": lambda x, y, t: F.binary_cross_entropy_with_logits(x, (t > 0).double(), pos_weight=W.view(C, 1)),
+    "bce-logits-module": lambda x, y, t: nn.BCEWithLogitsLoss(weight=W.view(C, 1))(x, torch.sigmoid(t)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_intercepted_loss_is_torchs_loss_on_the_real_samples(name):
+    f = CASES[name]
+    mask = (torch.arange(N) < REAL).double()
+    x = X.clone().requires_grad_(True)
+    interception = LossInterception(N, mask, mask.sum())
+    with interception:
+        out = f(x, Y, T)
+    cells = interception.cells_of(out)
+    assert cells is not None and cells.shape == (N,) and not interception.unrecognised
+    xr = X[:REAL].clone().requires_grad_(True)
+    ref = f(xr, Y[:REAL], T[:REAL])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close((cells * mask).sum() / REAL, ref, rtol=1e-12, atol=1e-12)
+    # the gradient reaches the real samples only, and equals torch's
+    out.backward()
+    ref.backward()
+    torch.testing.assert_close(x.grad[:REAL], xr.grad, rtol=1e-10, atol=1e-12)
+    assert float(x.grad[REAL:].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("name", ["ce-module-weight-ignore", "ce-probabilities", "mse", "bce-logits"])
+def test_intercepted_loss_under_vmap_rows_with_different_masks(name):
+    """Rows of one batched call hold 4, 7 and 1 real samples; row r's loss is torch's on its own real samples."""
+    f = CASES[name]
+    counts = [4, 7, 1]
+    masks = torch.stack([(torch.arange(N) < k).double() for k in counts])
+    xs = torch.stack([X, X.roll(1, 0), 2 * X])
+    ys = torch.stack([Y, Y.roll(2, 0), Y])
+    ts = torch.stack([T, T, -T])
+
+    def row(x, y, t, m):
+        interception = LossInterception(N, m, m.sum())
+        with interception:
+            out = f(x, y, t)
+        assert interception.cells_of(out) is not None
+        return out
+
+    got = vmap(row)(xs, ys, ts, masks)
+    want = torch.stack([f(xs[r, :k], ys[r, :k], ts[r, :k]) for r, k in enumerate(counts)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: F.cross_entropy(x[:, :, 0], Y[:, 0], reduction="sum"),  # not a mean
+    lambda x: F.mse_loss(x[:, :, :1], x[:, :1, 0].unsqueeze(-1).expand(N, 1, 1)),  # shapes differ
+    lambda x: F.mse_loss(x[0], T[0]),  # first dimension is not the batch
+    lambda x: F.mse_loss(x, T, weight=torch.ones_like(T)),  # mse with weight: not recognised
+])
+def test_unrecognised_calls_run_unchanged(call):
+    mask = (torch.arange(N) < REAL).double()
+    interception = LossInterception(N, mask, mask.sum())
+    with interception:
+        out = call(X)
+    assert interception.cells_of(out) is None
+    torch.testing.assert_close(out, call(X), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- in the loop
+class UserMLP(pl.LightningModule):
+    """Written as a user would: mean cross-entropy, the loss logged."""
+
+    def __init__(self, dropout=0.0, log_accuracy=False):
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 10))
+        self.log_accuracy = log_accuracy
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss)
+        if self.log_accuracy:  # a batch mean the engine cannot split per sample
+            self.log("train_acc", (logits.argmax(1) == y).float().mean())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class UserCNN(UserMLP):
+    """A small CNN on the 8x8 digit images, loss through ``nn.CrossEntropyLoss`` with label smoothing."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(),
+                                 nn.Linear(4 * 6 * 6, 10))
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss_fn(self.net(x), y)
+        self.log("train_loss", loss.detach())
+        return loss
+
+
+class UserRegression(UserMLP):
+    """Mean squared error against one-hot targets."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), F.one_hot(y, 10).float())
+
+
+class BatchCentred(UserMLP):
+    """Its forward subtracts the batch mean: the loss is not a mean of per-sample losses."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x - x.mean(0)), y)
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.3),
+    "armijo": lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7),
+}
+
+
+def engine_of(run):
+    return run[1].__dict__["_vectorized_engine"]
+
+
+@pytest.mark.parametrize("model_fn,opt", [
+    (UserMLP, "sgd"), (UserMLP, "armijo"), (UserCNN, "sgd"), (UserCNN, "armijo"), (UserRegression, "sgd"),
+])
+def test_users_modules_take_the_fast_path_and_equal_sequential(model_fn, opt):
+    seq = fit(model_fn(), OPTIMIZERS[opt], "sequential")
+    vec = fit(model_fn(), OPTIMIZERS[opt], "vectorized")
+    engine = engine_of(vec)
+    assert engine.intercept is True and "per-sample" not in engine.probed
+    assert_same_run(seq, vec)
+    if model_fn is not UserRegression:  # the per-round mean of the logged loss, as sequential mode logs it
+        got, want = vec[3].callback_metrics["client/train_loss"], seq[3].callback_metrics["client/train_loss"]
+        assert float(got) == pytest.approx(float(want), rel=1e-5)
+
+
+def test_a_forward_that_mixes_samples_falls_back_to_the_generic_path():
+    vec = fit(BatchCentred(), OPTIMIZERS["sgd"], "vectorized")
+    engine = engine_of(vec)
+    assert engine.intercept is False and "per-sample" in engine.probed
+    assert "not a mean of per-sample losses" in engine.padded_path_reason
+
+
+def test_fallback_with_dropout_trains_exactly_what_the_generic_path_trains(monkeypatch):
+    """A dropout model that logs a batch accuracy: the fast attempt draws dropout masks before it finds the logged
+    value it cannot split; the fallback undoes those draws, so the run is bit-identical to the generic path."""
+    model = UserMLP(dropout=0.3, log_accuracy=True)
+    attempted = fit(model, OPTIMIZERS["sgd"], "vectorized")
+    engine = engine_of(attempted)
+    assert engine.intercept is False and "'train_acc'" in engine.padded_path_reason
+
+    init = VectorizedClientTrainer.__init__
+
+    def generic_only(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.intercept = False
+
+    monkeypatch.setattr(VectorizedClientTrainer, "__init__", generic_only)
+    generic = fit(model, OPTIMIZERS["sgd"], "vectorized")
+    torch.testing.assert_close(attempted[0], generic[0], rtol=0, atol=0)
