@@ -272,8 +272,7 @@ def test_empty_data_sets_are_errors():
 
 def test_more_clients_than_samples_is_an_error():
     _raises(
-        "num_clients=121 exceeds the 120 samples of train: every client needs at least one sample; lower "
-        "num_clients or pass a larger train",
+        "num_clients=121 exceeds the 120 training samples: every client needs at least one sample; lower num_clients",
         TensorDataset(X, Y), num_clients=121,
     )
     _raises(

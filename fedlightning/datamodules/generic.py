@@ -190,8 +190,8 @@ class DatasetDataModule(FederatedDataModule):
         n = len(self._train_source)
         if self._num_clients > n:
             raise ValueError(
-                f"num_clients={self._num_clients} exceeds the {n} samples of train: every client needs at least "
-                f"one sample; lower num_clients or pass a larger train"
+                f"num_clients={self._num_clients} exceeds the {n} training samples: every client needs at least "
+                f"one sample; lower num_clients"
             )
         self._train_reader = self._reader(self._train_source, "train")
         self._test_reader = None if test is None else self._reader(self._test_source, "test")
