@@ -294,7 +294,10 @@ class FederatedDataModule(pl.LightningDataModule):
         ``Dataset`` with ``(x, y)`` or dict samples, or a Hugging Face ``datasets.Dataset``. Returns a
         :class:`~fedlightning.datamodules.DatasetDataModule` (whichever class it is called on); ``kwargs`` are its
         arguments (``partition``, ``num_clients``, ``batch_size``, ``seed``, ``val_fraction``, ``labels``,
-        ``input_key``, ``label_key``, ``in_memory``, ...), and its docstring gives the rules."""
+        ``input_key``, ``label_key``, ``in_memory``, ...), and its docstring gives the rules.
+
+        This replaces Lightning's ``LightningDataModule.from_datasets(train_dataset=..., ...)`` (ours): its plain
+        DataLoaders have no clients, so they could not feed a FederatedLoop."""
         from fedlightning.datamodules.generic import DatasetDataModule
 
         return DatasetDataModule(train, test, **kwargs)
