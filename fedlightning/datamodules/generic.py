@@ -180,8 +180,9 @@ class DatasetDataModule(FederatedDataModule):
         )
         if in_memory not in (True, False, "auto") or not isinstance(in_memory, (bool, str)):
             raise ValueError(f"in_memory must be True, False or 'auto', got in_memory={in_memory!r}")
-        if isinstance(max_in_memory_bytes, bool) or not isinstance(max_in_memory_bytes, int) or max_in_memory_bytes < 0:
-            raise ValueError(f"max_in_memory_bytes must be an integer >= 0, got max_in_memory_bytes={max_in_memory_bytes!r}")
+        limit = max_in_memory_bytes
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"max_in_memory_bytes must be an integer >= 0, got max_in_memory_bytes={limit!r}")
         self.in_memory_option = in_memory
         self.max_in_memory_bytes = int(max_in_memory_bytes)
         self.input_key, self.label_key = input_key, label_key
