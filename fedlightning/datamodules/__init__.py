@@ -3,6 +3,7 @@
 from fedlightning.datamodules.base import ArrayDataset, ClientBatchSampler, FederatedDataModule, RoundPlanLoader
 from fedlightning.datamodules.cifar import Cifar10DataModule, Cifar100DataModule, CifarImages, PachinkoPartition
 from fedlightning.datamodules.digits import DigitsDataModule
+from fedlightning.datamodules.generic import DatasetDataModule
 from fedlightning.datamodules.leaf import LeafDataModule
 from fedlightning.datamodules.libsvm import LibsvmDataModule
 from fedlightning.datamodules.mnist import MnistDataModule
@@ -16,6 +17,7 @@ __all__ = [
     "FederatedDataModule",
     "RoundPlanLoader",
     "DigitsDataModule",
+    "DatasetDataModule",
     "IID",
     "Dirichlet",
     "Partitioner",

@@ -288,6 +288,20 @@ class FederatedDataModule(pl.LightningDataModule):
         self.local_steps: int = 1
         self.sampling_seed: int = 0
 
+    @classmethod
+    def from_datasets(cls, train: Any, test: Any = None, **kwargs: Any) -> "FederatedDataModule":
+        """A federated data set over your own ``train`` (and optional ``test``) data set: a map-style torch
+        ``Dataset`` with ``(x, y)`` or dict samples, or a Hugging Face ``datasets.Dataset``. Returns a
+        :class:`~fedlightning.datamodules.DatasetDataModule` (whichever class it is called on); ``kwargs`` are its
+        arguments (``partition``, ``num_clients``, ``batch_size``, ``seed``, ``val_fraction``, ``labels``,
+        ``input_key``, ``label_key``, ``in_memory``, ...), and its docstring gives the rules.
+
+        This replaces Lightning's ``LightningDataModule.from_datasets(train_dataset=..., ...)`` (ours): its plain
+        DataLoaders have no clients, so they could not feed a FederatedLoop."""
+        from fedlightning.datamodules.generic import DatasetDataModule
+
+        return DatasetDataModule(train, test, **kwargs)
+
     # ------------------------------------------------------------------ to implement
     def load(self) -> Tuple[Dataset, Optional[Dataset], np.ndarray]:
         """Return ``(train_dataset, test_dataset, train_labels)``. ``train_labels`` drives the partitioner."""

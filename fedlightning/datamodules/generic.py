@@ -1,0 +1,489 @@
+"""Your own data as a federated data set: :class:`DatasetDataModule` (``FederatedDataModule.from_datasets``).
+
+``DatasetDataModule(train, test=None, partition=..., num_clients=..., ...)`` wraps any map-style torch ``Dataset``
+(samples ``(x, y)`` or dicts) or Hugging Face ``datasets.Dataset`` (dict samples) in the machinery of the bundled
+modules: the validation split, the partitioner, per-client loaders and, when the data fit in memory, the batched
+:class:`~fedlightning.datamodules.ArrayDataset` fast path. Every batch it serves is an ``(x, y)`` pair, whatever
+the samples look like, so a module written for the bundled data sets (``x, y = batch``) trains on it unchanged.
+
+The rules (all decisions ours unless a source is named) are in the docstring of :class:`DatasetDataModule`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
+from fedlightning.datamodules.partition import IID, Partitioner
+
+__all__ = ["DatasetDataModule", "PairView", "LABEL_KEYS", "INPUT_KEYS", "DEFAULT_MAX_IN_MEMORY_BYTES"]
+
+#: Dict keys tried, in order, for the label when ``label_key`` is not given (after a Hugging Face ``ClassLabel``
+#: column). Ours: the names torchvision, Hugging Face and scikit-learn-style code use most.
+LABEL_KEYS = ("label", "labels", "y", "target", "targets")
+#: Dict keys tried, in order, for the input when ``input_key`` is not given and the samples have more than one key
+#: besides the label (ours: common names in torchvision / Hugging Face data sets).
+INPUT_KEYS = ("x", "input", "inputs", "image", "img", "pixel_values", "features", "input_ids")
+#: ``in_memory="auto"`` materialises a data set only below this size (ours: 1 GiB holds CIFAR-10's 50,000 float32
+#: training images, 614 MB, and stays well inside the memory of a laptop).
+DEFAULT_MAX_IN_MEMORY_BYTES = 1 << 30
+
+
+def _is_hf(dataset: Any) -> bool:
+    """True for a Hugging Face ``datasets.Dataset`` (only checked when ``datasets`` is already imported)."""
+    mod = sys.modules.get("datasets")
+    return mod is not None and isinstance(dataset, getattr(mod, "Dataset", ()))
+
+
+def _is_hf_iterable(dataset: Any) -> bool:
+    mod = sys.modules.get("datasets")
+    return mod is not None and isinstance(dataset, getattr(mod, "IterableDataset", ()))
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (Tensor, np.ndarray)):
+        return f"a {type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, Mapping):
+        return f"a dict with keys {sorted(map(str, value))}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} elements"
+    return f"a {type(value).__name__} ({value!r})" if isinstance(value, (int, float, str, bool)) else \
+        f"a {type(value).__name__}"
+
+
+class _Reader:
+    """Turns one sample into its ``(x, y)`` pair: ``kind`` is ``"tuple"`` (positions 0 and 1) or ``"dict"``
+    (``input_key`` / ``label_key``)."""
+
+    def __init__(self, kind: str, input_key: Optional[str] = None, label_key: Optional[str] = None):
+        self.kind, self.input_key, self.label_key = kind, input_key, label_key
+
+    def __call__(self, sample: Any) -> Tuple[Any, Any]:
+        if self.kind == "tuple":
+            return sample[0], sample[1]
+        return sample[self.input_key], sample[self.label_key]
+
+    def describe(self) -> str:
+        if self.kind == "tuple":
+            return "position 1 of the (x, y) samples"
+        return f"key {self.label_key!r} of the dict samples"
+
+
+class PairView(Dataset):
+    """``dataset[i]`` as the ``(x, y)`` pair ``reader`` reads from it (the per-sample path of
+    :class:`DatasetDataModule`; the DataLoader's default collate stacks the pairs into an ``(x, y)`` batch)."""
+
+    def __init__(self, dataset: Any, reader: Callable[[Any], Tuple[Any, Any]]):
+        self.dataset, self.reader = dataset, reader
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Tuple[Any, Any]:
+        return tuple(self.reader(self.dataset[int(i)]))
+
+
+class DatasetDataModule(FederatedDataModule):
+    """A federated data set over your own ``train`` (and optional ``test``) data set.
+
+    ``FederatedDataModule.from_datasets(train, test, ...)`` returns one; from YAML it is
+    ``data: {class_path: fedlightning.datamodules.DatasetDataModule, init_args: {train: {class_path: ...}}}``.
+
+    Args:
+        train: the training set: a map-style torch ``Dataset`` (``len`` and ``dataset[i]``) or a Hugging Face
+            ``datasets.Dataset``. The validation split is held out of it and the clients split the rest.
+        test: the global test set (same sample structure rules), or None for no test set: then
+            :meth:`test_dataloader` raises and ``python train.py fit`` skips its test after fit with a warning.
+        labels: one class label per training sample (overrides every automatic source; see "Labels").
+        input_key, label_key: the input and label keys of dict samples (Hugging Face columns); default: see
+            "Sample structure". Refused for tuple samples.
+        in_memory: ``"auto"`` (default), ``True`` or ``False``; see "In memory".
+        max_in_memory_bytes: the size limit of ``in_memory="auto"``; default ``DEFAULT_MAX_IN_MEMORY_BYTES``
+            (1 GiB, ours).
+        num_clients, batch_size, partition, seed, eval_batch_size, num_workers, rounds_per_epoch, val_fraction:
+            as :class:`~fedlightning.datamodules.FederatedDataModule` (partition default IID, val_fraction
+            default 0.1).
+
+    Sample structure. Every batch served is an ``(x, y)`` pair. A sample that is a tuple or list of exactly two
+    elements is ``(x, y)``. A dict sample (every Hugging Face sample) gives ``y = sample[label_key]`` and
+    ``x = sample[input_key]``. Without ``label_key``, the label is the first ``ClassLabel`` column of a Hugging
+    Face data set, else the first of :data:`LABEL_KEYS` (``label``, ``labels``, ``y``, ``target``, ``targets``)
+    present. Without ``input_key``, the input is the only other key when the sample has exactly two keys, else the
+    first of :data:`INPUT_KEYS` present. Hugging Face data sets are read with ``with_format("torch")`` (their
+    numbers arrive as tensors). Sample 0 of each data set is read at construction, so an empty data set, a sample
+    of another structure (a bare tensor, a tuple of three) or a missing key fails there, with a ValueError that
+    names the argument and says what to pass.
+
+    Labels. Label-based partitions (every partitioner except :class:`~fedlightning.datamodules.IID`) need one
+    class label per training sample; the first source that gives one is used, in this order: ``labels=``; the
+    second tensor of a two-tensor ``TensorDataset``; the label column of a Hugging Face data set; a ``targets``
+    attribute of the training set's length (torchvision's convention); the labels of the in-memory copy; and, for a
+    label-based partition only, one pass reading the label of every sample. A label must be an integer, a bool, a
+    string or an integer-valued float (a 0-d tensor / array of those counts); anything else (a vector, a
+    continuous regression target) cannot drive a label partition, and a label-based partition without labels is a
+    ValueError naming every source tried and how to pass ``labels=``. The validation split is stratified by these
+    labels exactly as for the bundled modules; with IID and no cheap source (no pass is made for IID) it is a
+    seeded uniform draw, the stratified split of a single class.
+
+    In memory. The bundled modules' fast path (one tensor indexing per batch, no per-sample fetch or collate)
+    needs the whole set as two tensors. ``in_memory=True`` materialises every data set: ``x`` and ``y`` are the
+    default collate of all samples (the tensors a DataLoader batch of them would hold, so both paths serve equal
+    batches); samples whose ``x`` or ``y`` differ in shape or dtype, or are not numbers / arrays / tensors, are a
+    ValueError. ``in_memory=False`` keeps per-sample loading (a DataLoader over :class:`PairView`, with
+    ``num_workers`` workers). ``in_memory="auto"`` materialises when it is free or safe: an
+    :class:`~fedlightning.datamodules.ArrayDataset` or a two-tensor ``TensorDataset`` is used as it is (no copy);
+    a Hugging Face data set whose columns are tensors of one shape is read column-wise; any other data set is
+    read sample by sample, but only when it has no ``transform`` / ``transforms`` attribute set (torchvision's
+    convention: a random augmentation would be frozen into one draw; pass ``in_memory=True`` for a deterministic
+    transform such as ``ToTensor``), and only when ``len × (bytes of sample 0's x and y)`` is at most
+    ``max_in_memory_bytes``, and all samples have sample 0's shapes and dtypes; otherwise it stays per-sample.
+    ``dm.in_memory`` tells, after :meth:`setup`, whether the training set took the fast path.
+    """
+
+    def __init__(
+        self,
+        train: Dataset,
+        test: Optional[Dataset] = None,
+        *,
+        labels: Optional[Sequence[Any]] = None,
+        input_key: Optional[str] = None,
+        label_key: Optional[str] = None,
+        in_memory: Union[bool, str] = "auto",
+        max_in_memory_bytes: int = DEFAULT_MAX_IN_MEMORY_BYTES,
+        num_clients: int = 100,
+        batch_size: int = 50,
+        partition: Optional[Partitioner] = None,
+        seed: int = 0,
+        eval_batch_size: int = 1024,
+        num_workers: int = 0,
+        rounds_per_epoch: int = 1000,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
+    ):
+        super().__init__(
+            num_clients=num_clients,
+            batch_size=batch_size,
+            partition=partition,
+            seed=seed,
+            eval_batch_size=eval_batch_size,
+            num_workers=num_workers,
+            rounds_per_epoch=rounds_per_epoch,
+            val_fraction=val_fraction,
+        )
+        if in_memory not in (True, False, "auto") or not isinstance(in_memory, (bool, str)):
+            raise ValueError(f"in_memory must be True, False or 'auto', got in_memory={in_memory!r}")
+        limit = max_in_memory_bytes
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"max_in_memory_bytes must be an integer >= 0, got max_in_memory_bytes={limit!r}")
+        self.in_memory_option = in_memory
+        self.max_in_memory_bytes = int(max_in_memory_bytes)
+        self.input_key, self.label_key = input_key, label_key
+        self._train_source = self._check_source(train, "train")
+        self._test_source = None if test is None else self._check_source(test, "test")
+        n = len(self._train_source)
+        if self._num_clients > n:
+            raise ValueError(
+                f"num_clients={self._num_clients} exceeds the {n} training samples: every client needs at least "
+                f"one sample; lower num_clients"
+            )
+        self._train_reader = self._reader(self._train_source, "train")
+        self._test_reader = None if test is None else self._reader(self._test_source, "test")
+        self._given_labels = None if labels is None else self._check_labels(labels, n)
+        #: whether the training set took the in-memory ArrayDataset path (set by setup)
+        self.in_memory: Optional[bool] = None
+
+    @property
+    def needs_labels(self) -> bool:
+        """Whether the partition is label-based: every partitioner except IID (a partitioner may say otherwise
+        with a ``needs_labels`` attribute)."""
+        return bool(getattr(self.partition, "needs_labels", not isinstance(self.partition, IID)))
+
+    # ------------------------------------------------------------------ construction checks
+    @staticmethod
+    def _check_source(dataset: Any, name: str) -> Any:
+        if _is_hf_iterable(dataset):
+            raise ValueError(
+                f"{name} is a Hugging Face IterableDataset (streaming); DatasetDataModule needs a map-style data set "
+                f"with len() and [i]: load it without streaming=True, or materialise it with "
+                f"datasets.Dataset.from_generator"
+            )
+        if _is_hf(dataset):
+            dataset = dataset.with_format("torch")
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ValueError(
+                f"{name} must be a map-style data set (a torch Dataset with __len__ and __getitem__, or a Hugging "
+                f"Face datasets.Dataset), got {type(dataset).__name__}"
+            )
+        if len(dataset) == 0:
+            raise ValueError(f"{name} is empty (len 0); pass a data set with at least one sample")
+        return dataset
+
+    def _reader(self, dataset: Any, name: str) -> _Reader:
+        sample = dataset[0]
+        if isinstance(sample, Mapping):
+            keys = list(sample)
+            label_key = self.label_key
+            if label_key is None:
+                found = [k for k in self._class_label_columns(dataset) if k in sample]
+                found += [k for k in LABEL_KEYS if k in sample]
+                if not found:
+                    raise ValueError(
+                        f"{name} sample 0 is a dict with keys {keys} and none is a label: tried a Hugging Face "
+                        f"ClassLabel column and the keys {list(LABEL_KEYS)}; pass label_key='<the label key>'"
+                    )
+                label_key = found[0]
+            elif label_key not in sample:
+                raise ValueError(f"label_key={label_key!r} is not a key of {name} sample 0 (keys {keys})")
+            input_key = self.input_key
+            if input_key is None:
+                rest = [k for k in keys if k != label_key]
+                found = rest if len(rest) == 1 else [k for k in INPUT_KEYS if k in rest]
+                if not found:
+                    raise ValueError(
+                        f"{name} sample 0 is a dict with keys {keys}: cannot tell the input from them (tried the only "
+                        f"key besides the label {label_key!r}, then the keys {list(INPUT_KEYS)}); pass "
+                        f"input_key='<the input key>'"
+                    )
+                input_key = found[0]
+            elif input_key not in sample:
+                raise ValueError(f"input_key={input_key!r} is not a key of {name} sample 0 (keys {keys})")
+            return _Reader("dict", input_key, label_key)
+        if isinstance(sample, (tuple, list)) and len(sample) == 2:
+            for arg in ("input_key", "label_key"):
+                if getattr(self, arg) is not None:
+                    raise ValueError(
+                        f"{arg}={getattr(self, arg)!r} applies to dict samples, but {name} sample 0 is a "
+                        f"{type(sample).__name__} (x, y); remove {arg}"
+                    )
+            return _Reader("tuple")
+        raise ValueError(
+            f"{name} sample 0 is {_describe(sample)}; DatasetDataModule needs (x, y) pairs: samples that are a tuple "
+            f"(x, y) or a dict with an input and a label key (input_key / label_key); wrap the data set so that "
+            f"dataset[i] returns one of these"
+        )
+
+    @staticmethod
+    def _class_label_columns(dataset: Any) -> List[str]:
+        features = getattr(dataset, "features", None) if _is_hf(dataset) else None
+        if not features:
+            return []
+        mod = sys.modules["datasets"]
+        return [k for k, f in features.items() if isinstance(f, mod.ClassLabel)]
+
+    @staticmethod
+    def _check_labels(labels: Any, n: int) -> np.ndarray:
+        if isinstance(labels, Tensor):
+            labels = labels.detach().cpu().numpy()
+        arr = np.asarray(labels)
+        if arr.ndim != 1 or len(arr) != n:
+            raise ValueError(
+                f"labels must hold one class label per training sample ({n}), got shape {arr.shape}; pass "
+                f"labels=[label of train[0], label of train[1], ...]"
+            )
+        ids, why = _class_ids(arr)
+        if ids is None:
+            raise ValueError(f"labels cannot be class labels: {why}; pass integer (or string) class labels")
+        return ids
+
+    # ------------------------------------------------------------------ load
+    def load(self) -> Tuple[Dataset, Optional[Dataset], np.ndarray]:
+        """The training and test sets (in memory or per sample) and the training labels; an unlabelled IID split
+        gets one class for every sample (its validation split is then a seeded uniform draw). Also checks that
+        ``num_clients`` training samples remain after the validation hold-out (the base class's rounding)."""
+        train = self._materialise(self._train_source, self._train_reader, "train")
+        self.in_memory = isinstance(train, ArrayDataset)
+        test = None
+        if self._test_source is not None:
+            test = self._materialise(self._test_source, self._test_reader, "test")
+        labels = self._labels(train)
+        #: whether the training labels were found (False: an IID split without labels)
+        self.has_labels = labels is not None
+        n = len(train)
+        n_val = int(math.ceil(self.val_fraction * n - 1e-9))
+        if self._num_clients > n - n_val:
+            raise ValueError(
+                f"num_clients={self._num_clients} exceeds the {n - n_val} training samples left for the clients "
+                f"({n} in train, {n_val} held out for validation by val_fraction={self.val_fraction}); lower "
+                f"num_clients or val_fraction"
+            )
+        return train, test, labels if labels is not None else np.zeros(n, dtype=np.int64)
+
+    def _materialise(self, dataset: Any, reader: _Reader, name: str) -> Dataset:
+        """The data set as an :class:`ArrayDataset` or a :class:`PairView` (rules: class docstring, "In memory")."""
+        option = self.in_memory_option
+        if option is False:
+            return PairView(dataset, reader)
+        if isinstance(dataset, ArrayDataset):
+            return dataset
+        if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+            return ArrayDataset(dataset.tensors[0], dataset.tensors[1])
+        x0, y0 = reader(dataset[0])
+        size = _nbytes(x0) + _nbytes(y0)
+        if option == "auto":
+            if size is None or size * len(dataset) > self.max_in_memory_bytes:
+                return PairView(dataset, reader)
+            if not _is_hf(dataset) and any(getattr(dataset, a, None) is not None for a in ("transform", "transforms")):
+                return PairView(dataset, reader)
+        if _is_hf(dataset):
+            cols = dataset.with_format("torch", columns=[reader.input_key, reader.label_key])[:]
+            x, y = cols[reader.input_key], cols[reader.label_key]
+            if isinstance(x, Tensor) and isinstance(y, Tensor):
+                return ArrayDataset(x, y)
+            if option == "auto":
+                return PairView(dataset, reader)
+            raise ValueError(
+                f"in_memory=True needs every {name} sample's input and label as tensors of one shape, but the "
+                f"Hugging Face columns {reader.input_key!r} / {reader.label_key!r} do not stack (samples of "
+                f"different lengths?); use in_memory=False, or pad the samples to one length"
+            )
+        return self._stack(dataset, reader, name, x0, y0)
+
+    def _stack(self, dataset: Any, reader: _Reader, name: str, x0: Any, y0: Any) -> Dataset:
+        pairs = [(x0, y0)]
+        sig = (_signature(x0), _signature(y0))
+        strict = self.in_memory_option is True
+        if sig[0] is None or sig[1] is None:
+            bad, what = (x0, "input") if sig[0] is None else (y0, "label")
+            raise ValueError(
+                f"in_memory=True cannot store {name} sample 0: its {what} is {_describe(bad)}, not a number, array or "
+                f"tensor; use in_memory=False"
+            )
+        for i in range(1, len(dataset)):
+            x, y = reader(dataset[i])
+            got = (_signature(x), _signature(y))
+            if got != sig:
+                if not strict:
+                    return PairView(dataset, reader)
+                raise ValueError(
+                    f"in_memory=True needs every {name} sample to have sample 0's shapes and types {sig}, but sample "
+                    f"{i} has {got}; use in_memory=False, or make the samples one shape"
+                )
+            pairs.append((x, y))
+        x, y = default_collate(pairs)
+        return ArrayDataset(x, y)
+
+    def _labels(self, train: Dataset) -> Optional[np.ndarray]:
+        """The training labels (rules: class docstring, "Labels"); None when IID has no cheap source."""
+        if self._given_labels is not None:
+            return self._given_labels
+        source, reader, n = self._train_source, self._train_reader, len(self._train_source)
+        tried: List[str] = ["labels= (not given)"]
+        candidates: List[Tuple[str, Callable[[], Any]]] = []
+        if isinstance(source, TensorDataset) and len(source.tensors) == 2:
+            candidates.append(("the second tensor of the TensorDataset", lambda: source.tensors[1]))
+        if _is_hf(source):
+            candidates.append((f"the Hugging Face column {reader.label_key!r}",
+                               lambda: source.with_format("numpy", columns=[reader.label_key])[:][reader.label_key]))
+        targets = getattr(source, "targets", None)
+        if targets is not None:
+            candidates.append(("the train.targets attribute", lambda: targets))
+        else:
+            tried.append("a train.targets attribute (none)")
+        if isinstance(train, ArrayDataset):
+            candidates.append((f"{reader.describe()}, in-memory copy", lambda: train.y))
+        elif self.needs_labels:
+            candidates.append((f"{reader.describe()}, every sample read", lambda: _read_labels(source, reader)))
+        for what, get in candidates:
+            try:
+                arr = get()
+            except _NotALabel as err:
+                tried.append(f"{what} ({err})")
+                continue
+            if isinstance(arr, Tensor):
+                arr = arr.detach().cpu().numpy()
+            arr = np.asarray(arr)
+            if arr.ndim != 1 or len(arr) != n:
+                tried.append(f"{what} (shape {arr.shape}, not one label per sample)")
+                continue
+            ids, why = _class_ids(arr)
+            if ids is None:
+                tried.append(f"{what} ({why})")
+                continue
+            return ids
+        if not self.needs_labels:
+            return None
+        raise ValueError(
+            f"partition={self.partition!r} splits by class label, but no class label could be read for the {n} "
+            f"training samples; tried: {'; '.join(tried)}. Pass labels=[one integer class per training sample], or "
+            f"use partition=IID()"
+        )
+
+    # ------------------------------------------------------------------ evaluation
+    def test_dataloader(self):
+        """The test set, sequential; with ``test=None`` a RuntimeError (``python train.py fit`` skips its test
+        after fit with a warning instead)."""
+        self._require_setup()
+        if self.test_dataset is None:
+            raise RuntimeError(
+                "DatasetDataModule has no test set (test=None); pass test=<a data set> to "
+                "FederatedDataModule.from_datasets / DatasetDataModule"
+            )
+        return super().test_dataloader()
+
+
+class _NotALabel(ValueError):
+    pass
+
+
+def _read_labels(dataset: Any, reader: _Reader) -> np.ndarray:
+    """The label of every sample (one pass); a sample whose label is not a scalar raises :class:`_NotALabel`."""
+    out = []
+    for i in range(len(dataset)):
+        y = reader(dataset[i])[1]
+        if isinstance(y, (Tensor, np.ndarray)):
+            if y.ndim != 0:
+                raise _NotALabel(f"sample {i}'s label is {_describe(y)}, not a scalar")
+            y = y.item()
+        elif not isinstance(y, (int, float, str, bool, np.generic)):
+            raise _NotALabel(f"sample {i}'s label is {_describe(y)}, not a scalar")
+        out.append(y)
+    return np.asarray(out)
+
+
+def _class_ids(arr: np.ndarray) -> Tuple[Optional[np.ndarray], str]:
+    """``(labels, "")`` when ``arr`` holds class labels (integers, bools, strings or integer-valued floats; floats
+    become int64), else ``(None, why)``."""
+    kind = arr.dtype.kind
+    if kind in "iub":
+        return arr, ""
+    if kind in "US":
+        return arr, ""
+    if kind == "f":
+        if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
+            return None, "float values that are not whole numbers (a regression target?)"
+        return arr.astype(np.int64), ""
+    if kind == "O" and all(isinstance(v, (int, str, bool, np.integer)) for v in arr.tolist()):
+        return arr, ""
+    return None, f"values of dtype {arr.dtype}"
+
+
+def _nbytes(value: Any) -> Optional[int]:
+    """Bytes ``value`` takes in a tensor (None when it cannot be stored in one)."""
+    if isinstance(value, Tensor):
+        return value.element_size() * value.numel()
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes) if value.dtype.kind in "biuf" else None
+    if isinstance(value, (bool, int, float, np.number, np.bool_)):
+        return 8
+    return None
+
+
+def _signature(value: Any) -> Optional[Tuple[Any, ...]]:
+    """``(type, shape, dtype)`` of a value the default collate stacks into a tensor, else None."""
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.shape, value.dtype) if value.dtype.kind in "biuf" else None
+    if isinstance(value, (bool, np.bool_)):
+        return ("bool",)
+    if isinstance(value, (int, float, np.number)):
+        return (type(value).__name__,)
+    return None

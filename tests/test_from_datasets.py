@@ -1,0 +1,416 @@
+"""``FederatedDataModule.from_datasets`` / ``DatasetDataModule``: own torch and Hugging Face data sets get the
+bundled modules' clients (the partitioner on the same labels), serve exactly their rows, train to the same weights
+as the in-memory ArrayDataset path, build from YAML, and fail early with exact messages."""
+
+import os
+import re
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.cli import main
+from fedlightning.datamodules import IID, ArrayDataset, DatasetDataModule, Dirichlet, FederatedDataModule, Shards
+from fedlightning.datamodules.base import ClientBatchSampler
+from fedlightning.datamodules.generic import PairView
+from fedlightning.models import MLP
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N, DIM, CLASSES = 120, 6, 4
+
+
+def _data(n=N, seed=0):
+    """Features whose column 0 is the row number (rows are identifiable in a batch) and 4 classes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, DIM, generator=g)
+    x[:, 0] = torch.arange(n, dtype=torch.float32)
+    y = torch.randint(0, CLASSES, (n,), generator=g)
+    return x, y
+
+
+X, Y = _data()
+XT, YT = _data(40, seed=1)
+
+
+class Rows(Dataset):
+    """A custom tuple data set: ``(x_i, int label)``, no ``targets`` attribute; counts its reads."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.reads = x, y, 0
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.x[i], int(self.y[i])
+
+
+class Dicts(Dataset):
+    """A dict data set: numpy image, int label and an extra key (the input is found by name)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x.numpy(), y.numpy()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"image": self.x[i], "label": int(self.y[i]), "idx": i}
+
+
+def _hf(x, y):
+    features = datasets.Features({
+        "features": datasets.Sequence(datasets.Value("float32")),
+        "label": datasets.ClassLabel(num_classes=CLASSES),
+    })
+    return datasets.Dataset.from_dict({"features": x.tolist(), "label": y.tolist()}, features=features)
+
+
+KINDS = {
+    "tensor": lambda x, y: TensorDataset(x, y),
+    "tuple": Rows,
+    "dict": Dicts,
+    "hf": _hf,
+}
+
+
+class Bundled(FederatedDataModule):
+    """The bundled modules' path: an ArrayDataset and its labels from load()."""
+
+    def load(self):
+        return ArrayDataset(X, Y), ArrayDataset(XT, YT), Y.numpy()
+
+
+def _kw(**kw):
+    out = dict(num_clients=6, batch_size=8, partition=Dirichlet(alpha=0.5), seed=3)
+    out.update(kw)
+    return out
+
+
+def _own(kind, **kw):
+    make = KINDS[kind]
+    return FederatedDataModule.from_datasets(make(X, Y), make(XT, YT), **_kw(**kw))
+
+
+# ---------------------------------------------------------------------------------------------- clients
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("partition", [Dirichlet(alpha=0.5), Shards(classes_per_client=2), IID()])
+def test_clients_are_the_partitioner_on_the_same_labels(kind, partition):
+    dm = _own(kind, partition=partition, val_fraction=0)
+    dm.setup()
+    expected = partition(Y.numpy(), 6, seed=3)  # the partitioner itself, on the labels
+    assert len(dm.client_indices) == 6
+    assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, expected))
+    # with the default validation split: the same clients and validation rows as the bundled ArrayDataset path
+    dm, ref = _own(kind, partition=partition), Bundled(**_kw(partition=partition))
+    dm.setup(), ref.setup()
+    assert np.array_equal(dm.val_indices, ref.val_indices) and len(dm.val_indices) == 12  # ceil(0.1 * 120)
+    assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, ref.client_indices))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("in_memory", ["auto", False])
+def test_batches_are_the_clients_rows(kind, in_memory):
+    dm = _own(kind, in_memory=in_memory)
+    dm.setup()
+    assert dm.in_memory is (in_memory == "auto")
+    assert isinstance(dm.train_dataset, ArrayDataset if in_memory == "auto" else PairView)
+    for c in range(dm.num_clients):
+        rows = []
+        for x, y in dm.client_dataloader(c, round=1, seed=5):
+            ids = x[:, 0].long()
+            assert x.dtype == torch.float32 and y.dtype == torch.int64 and len(y) <= 8
+            assert torch.equal(x, X[ids]) and torch.equal(y, Y[ids])
+            rows += ids.tolist()
+        assert sorted(rows) == dm.client_indices[c].tolist()  # one epoch: every row of the client once
+    # the order is the seeded sampler's: ClientBatchSampler with the same generator draws the same batches
+    from fedlightning.state import derive_seed
+
+    gen = torch.Generator().manual_seed(derive_seed(5, "data", 1, 2))
+    expected = [b.tolist() for b in ClientBatchSampler(dm.client_indices[2], 8, gen)]
+    assert [x[:, 0].long().tolist() for x, _ in dm.client_dataloader(2, round=1, seed=5)] == expected
+    xv, yv = next(iter(dm.val_dataloader()))
+    assert torch.equal(xv, X[dm.val_indices]) and torch.equal(yv, Y[dm.val_indices])
+    xt, yt = next(iter(dm.test_dataloader()))
+    assert torch.equal(xt, XT) and torch.equal(yt, YT)
+
+
+def _fit(dm):
+    torch.manual_seed(0)
+    loop = FederatedLoop(MLP(input_dim=DIM, hidden=[8], num_classes=CLASSES), local_steps=3, clients_per_round=2,
+                         seed=0)
+    make_trainer(2).fit(loop, datamodule=dm)
+    return {k: v.clone() for k, v in loop.model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def reference_weights():
+    return _fit(Bundled(**_kw()))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("in_memory", ["auto", False])
+def test_two_round_fit_equals_the_in_memory_array_path(kind, in_memory, reference_weights):
+    weights = _fit(_own(kind, in_memory=in_memory))
+    start = MLP(input_dim=DIM, hidden=[8], num_classes=CLASSES).state_dict()
+    assert any(not torch.equal(start[k], reference_weights[k]) for k in start)  # training moved the weights
+    for k, v in reference_weights.items():
+        assert torch.equal(weights[k], v), k
+
+
+# ---------------------------------------------------------------------------------------------- labels
+def test_labels_come_from_targets_without_reading_the_samples():
+    ds = Rows(X, torch.zeros(N, dtype=torch.long))  # samples say class 0, targets say Y: targets win
+    ds.targets = Y.tolist()
+    dm = DatasetDataModule(ds, in_memory=False, **_kw(val_fraction=0))
+    dm.setup()
+    assert ds.reads == 1  # sample 0, read at construction for the structure check
+    expected = Dirichlet(alpha=0.5)(Y.numpy(), 6, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, expected))
+
+
+def test_labels_argument_overrides_the_samples():
+    other = (Y + 1) % CLASSES
+    dm = DatasetDataModule(TensorDataset(X, Y), labels=other, **_kw(val_fraction=0))
+    dm.setup()
+    expected = Dirichlet(alpha=0.5)(other.numpy(), 6, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, expected))
+
+
+def test_per_sample_labels_are_read_in_one_pass_for_a_label_partition():
+    ds = Rows(X, Y)
+    dm = DatasetDataModule(ds, in_memory=False, **_kw(val_fraction=0))
+    dm.setup()
+    assert ds.reads == 1 + N
+    expected = Dirichlet(alpha=0.5)(Y.numpy(), 6, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, expected))
+
+
+def test_iid_without_labels_is_a_seeded_uniform_validation_draw():
+    reg = torch.randn(N, 2)  # regression targets: no class labels
+    dm = DatasetDataModule(TensorDataset(X, reg), **_kw(partition=IID()))
+    dm.setup()
+    assert dm.has_labels is False
+
+    class OneClass(FederatedDataModule):
+        def load(self):
+            return ArrayDataset(X, reg), None, np.zeros(N, dtype=np.int64)
+
+    ref = OneClass(**_kw(partition=IID()))
+    ref.setup()
+    assert np.array_equal(dm.val_indices, ref.val_indices) and len(dm.val_indices) == 12
+    assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, ref.client_indices))
+
+
+def test_integer_valued_float_labels_are_classes():
+    dm = DatasetDataModule(TensorDataset(X, Y.float()), **_kw(val_fraction=0))
+    dm.setup()
+    expected = Dirichlet(alpha=0.5)(Y.numpy(), 6, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, expected))
+
+
+# ---------------------------------------------------------------------------------------------- in-memory rule
+def test_auto_keeps_transformed_large_and_ragged_data_per_sample():
+    with_transform = Rows(X, Y)
+    with_transform.transform = lambda v: v
+    dm = DatasetDataModule(with_transform, **_kw())
+    dm.setup()
+    assert dm.in_memory is False
+    dm = DatasetDataModule(with_transform, in_memory=True, **_kw())
+    dm.setup()
+    assert dm.in_memory is True and torch.equal(dm.train_dataset.x, X)
+
+    # 120 samples x (6 float32 + one int) = 120 x 32 bytes: the limit decides
+    dm = DatasetDataModule(Rows(X, Y), max_in_memory_bytes=120 * 32, **_kw())
+    dm.setup()
+    assert dm.in_memory is True
+    dm = DatasetDataModule(Rows(X, Y), max_in_memory_bytes=120 * 32 - 1, **_kw())
+    dm.setup()
+    assert dm.in_memory is False
+
+    dm = DatasetDataModule(Ragged(), num_clients=2, partition=IID())
+    dm.setup()
+    assert dm.in_memory is False
+
+
+class Ragged(Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return torch.zeros(1 + i % 2), i % 2
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class Bare(Dataset):
+    def __init__(self, sample):
+        self.sample = sample
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return self.sample
+
+
+def _raises(msg, *args, **kw):
+    with pytest.raises(ValueError, match="^" + re.escape(msg) + "$"):
+        dm = DatasetDataModule(*args, **kw)
+        dm.setup()
+
+
+def test_empty_data_sets_are_errors():
+    empty = TensorDataset(torch.zeros(0, 2), torch.zeros(0))
+    _raises("train is empty (len 0); pass a data set with at least one sample", empty)
+    _raises("test is empty (len 0); pass a data set with at least one sample", TensorDataset(X, Y), empty)
+
+
+def test_more_clients_than_samples_is_an_error():
+    _raises(
+        "num_clients=121 exceeds the 120 training samples: every client needs at least one sample; lower num_clients",
+        TensorDataset(X, Y), num_clients=121,
+    )
+    _raises(
+        "num_clients=110 exceeds the 108 training samples left for the clients (120 in train, 12 held out for "
+        "validation by val_fraction=0.1); lower num_clients or val_fraction",
+        TensorDataset(X, Y), num_clients=110,
+    )
+
+
+def test_unreadable_labels_for_a_label_partition_name_what_was_tried():
+    part = "Dirichlet(alpha=0.5, min_samples=1, max_retries=10)"
+    _raises(
+        f"partition={part} splits by class label, but no class label could be read for the 120 training samples; "
+        "tried: labels= (not given); a train.targets attribute (none); the second tensor of the TensorDataset "
+        "(float values that are not whole numbers (a regression target?)); position 1 of the (x, y) samples, "
+        "in-memory copy (float values that are not whole numbers (a regression target?)). Pass labels=[one "
+        "integer class per training sample], or use partition=IID()",
+        TensorDataset(X, torch.randn(N)), **_kw(),
+    )
+    _raises(
+        f"partition={part} splits by class label, but no class label could be read for the 120 training samples; "
+        "tried: labels= (not given); a train.targets attribute (none); position 1 of the (x, y) samples, every "
+        "sample read (sample 0's label is a Tensor of shape (3,) and dtype torch.float32, not a scalar). Pass "
+        "labels=[one integer class per training sample], or use partition=IID()",
+        VectorLabels(), in_memory=False, **_kw(),
+    )
+    _raises(
+        "labels must hold one class label per training sample (120), got shape (119,); pass labels=[label of "
+        "train[0], label of train[1], ...]",
+        TensorDataset(X, Y), labels=list(range(119)),
+    )
+
+
+class VectorLabels(Dataset):
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return X[i], torch.ones(3)
+
+
+def test_unusable_sample_structures_are_errors():
+    _raises(
+        "train sample 0 is a Tensor of shape (3,) and dtype torch.float32; DatasetDataModule needs (x, y) pairs: "
+        "samples that are a tuple (x, y) or a dict with an input and a label key (input_key / label_key); wrap the "
+        "data set so that dataset[i] returns one of these",
+        Bare(torch.zeros(3)), num_clients=2,
+    )
+    _raises(
+        "train sample 0 is a tuple of 3 elements; DatasetDataModule needs (x, y) pairs: samples that are a tuple "
+        "(x, y) or a dict with an input and a label key (input_key / label_key); wrap the data set so that "
+        "dataset[i] returns one of these",
+        Bare((1, 2, 3)), num_clients=2,
+    )
+    _raises(
+        "train sample 0 is a dict with keys ['a', 'b'] and none is a label: tried a Hugging Face ClassLabel column "
+        "and the keys ['label', 'labels', 'y', 'target', 'targets']; pass label_key='<the label key>'",
+        Bare({"a": 1, "b": 2}), num_clients=2,
+    )
+    _raises(
+        "train sample 0 is a dict with keys ['a', 'b', 'label']: cannot tell the input from them (tried the only key "
+        "besides the label 'label', then the keys ['x', 'input', 'inputs', 'image', 'img', 'pixel_values', "
+        "'features', 'input_ids']); pass input_key='<the input key>'",
+        Bare({"a": 1, "b": 2, "label": 0}), num_clients=2,
+    )
+    _raises("label_key='cls' is not a key of train sample 0 (keys ['a', 'label'])",
+            Bare({"a": 1, "label": 0}), num_clients=2, label_key="cls")
+    _raises(
+        "input_key='a' applies to dict samples, but train sample 0 is a tuple (x, y); remove input_key",
+        Bare((1, 0)), num_clients=2, input_key="a",
+    )
+    _raises(
+        "in_memory=True needs every train sample to have sample 0's shapes and types (('tensor', (1,), "
+        "torch.float32), ('int',)), but sample 1 has (('tensor', (2,), torch.float32), ('int',)); use "
+        "in_memory=False, or make the samples one shape",
+        Ragged(), num_clients=2, partition=IID(), in_memory=True,
+    )
+    _raises("in_memory must be True, False or 'auto', got in_memory='yes'", TensorDataset(X, Y), in_memory="yes")
+    hf_stream = _hf(X[:4], Y[:4]).to_iterable_dataset()
+    _raises(
+        "train is a Hugging Face IterableDataset (streaming); DatasetDataModule needs a map-style data set with len() "
+        "and [i]: load it without streaming=True, or materialise it with datasets.Dataset.from_generator",
+        hf_stream, num_clients=2,
+    )
+
+
+def test_dict_keys_can_be_chosen():
+    ds = Bare({"a": torch.ones(2), "b": torch.zeros(2), "cls": 1})
+    dm = DatasetDataModule(ds, num_clients=2, input_key="b", label_key="cls", partition=IID(), val_fraction=0)
+    dm.setup()
+    x, y = next(iter(dm.client_dataloader(0)))
+    assert torch.equal(x, torch.zeros(5, 2)) and torch.equal(y, torch.ones(5, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------- no test set
+def _own_data_cli(*extra, run=False):
+    return main([
+        *(["fit"] if run else []), "--config", os.path.join(ROOT, "configs", "examples", "own_data.yaml"),
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", "--data.init_args.train.init_args.size", "200", *extra,
+    ], run=run)
+
+
+def test_no_test_set_raises_on_test_dataloader_and_fit_skips_the_test(tmp_path):
+    dm = DatasetDataModule(TensorDataset(X, Y), **_kw())
+    with pytest.raises(RuntimeError, match="^" + re.escape(
+        "DatasetDataModule has no test set (test=None); pass test=<a data set> to FederatedDataModule.from_datasets "
+        "/ DatasetDataModule"
+    ) + "$"):
+        dm.test_dataloader()
+    with pytest.warns(UserWarning, match="DatasetDataModule has no test set: test_after_fit skipped"):
+        cli = _own_data_cli("--data.init_args.test", "null", "--trainer.max_steps", "1",
+                            "--trainer.default_root_dir", str(tmp_path), run=True)
+    assert cli.trainer.global_step == 1 and "train/loss" in cli.trainer.callback_metrics
+    assert not [k for k in cli.trainer.callback_metrics if k.startswith("test/")]
+
+
+# ---------------------------------------------------------------------------------------------- YAML
+def test_yaml_builds_the_same_data_module_as_python(tmp_path):
+    import torchvision
+
+    dm = _own_data_cli().datamodule
+    assert isinstance(dm, DatasetDataModule)
+    dm.setup()
+
+    def fake(size, offset=0):
+        return torchvision.datasets.FakeData(size=size, image_size=(1, 16, 16), num_classes=10,
+                                             transform=torchvision.transforms.ToTensor(), random_offset=offset)
+
+    train = fake(200)
+    xs = torch.stack([train[i][0] for i in range(200)])
+    ys = torch.tensor([train[i][1] for i in range(200)])
+    assert dm.in_memory and torch.equal(dm.train_dataset.x, xs) and torch.equal(dm.train_dataset.y, ys)
+    py = FederatedDataModule.from_datasets(train, fake(500, 1000000), num_clients=20, batch_size=32,
+                                           partition=Dirichlet(alpha=0.5), seed=0, in_memory=True)
+    py.setup()
+    assert np.array_equal(dm.val_indices, py.val_indices)
+    assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, py.client_indices))
+    assert torch.equal(dm.test_dataset.x, py.test_dataset.x)
+    expected = Dirichlet(alpha=0.5)(ys.numpy()[dm.training_rows()], 20, seed=0)  # the partition of the client rows
+    assert all(np.array_equal(a, dm.training_rows()[b]) for a, b in zip(dm.client_indices, expected))
