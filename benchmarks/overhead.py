@@ -57,6 +57,7 @@ from fedlightning.callbacks import FedAvg
 from fedlightning.datamodules import Dirichlet, DigitsDataModule, SyntheticDataModule
 from fedlightning.models import MLP, CharLSTM, LogisticRegression
 from fedlightning.state import derive_seed
+from user_models import UserMLP  # benchmarks/ is on sys.path when a script runs
 
 CPR, K, B, SEED = 20, 20, 50, 0
 MODES = ("plain", "sequential", "vectorized")
@@ -74,30 +75,6 @@ def _shakespeare():
     from fedlightning.datamodules.shakespeare import ShakespeareDataModule
 
     return ShakespeareDataModule(seq_length=20, batch_size=B, seed=0)
-
-
-class UserMLP(pl.LightningModule):
-    """The digits MLP as a user writes it: ``F.cross_entropy``, ``self.log``, its own ``configure_optimizers`` (the
-    FederatedLoop gets no ``client_optimizer``), no fedlightning-specific method."""
-
-    uses_own_optimizer = True
-
-    def __init__(self, lr: float = 0.1):
-        super().__init__()
-        self.lr = lr
-        self.net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 # name: (model factory, client lr, data module factory, default rounds per run)

@@ -42,8 +42,6 @@ import warnings
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import lightning.pytorch as pl
 from fedlightning import FederatedLoop
@@ -51,6 +49,7 @@ from fedlightning.callbacks import FedAvg
 from fedlightning.datamodules import ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
 from fedlightning.models import MLP, CharLSTM, LogisticRegression
 from fedlightning.optim import SgdArmijo
+from user_models import UserMLP  # benchmarks/ is on sys.path when a script runs
 
 CLIENTS_PER_ROUND, LOCAL_STEPS, BATCH = 20, 20, 50
 
@@ -89,26 +88,6 @@ class SyntheticLike(FederatedDataModule):
     def natural_clients(self):
         ends = np.cumsum(self._sizes)
         return [np.arange(e - n, e) for e, n in zip(ends, self._sizes)]
-
-
-class UserMLP(pl.LightningModule):
-    """MLP 64-128-10 written as a user would: ``nn.Sequential``, mean cross-entropy, one logged value."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def digits():
