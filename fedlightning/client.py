@@ -139,12 +139,6 @@ class LocalTrainer:
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         self.buffers: List[Tensor] = list(model.buffers())
         self.model_name = type(model).__name__
-        import lightning.pytorch as pl
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
-        lightning_module = isinstance(model, pl.LightningModule)
-        self.epoch_start = lightning_module and is_overridden("on_train_epoch_start", model, pl.LightningModule)
-        self.epoch_end = lightning_module and is_overridden("on_train_epoch_end", model, pl.LightningModule)
 
     # ------------------------------------------------------------------
     def _objective(self, batch: Any, step: int, terms: Sequence[ObjectiveTerm]) -> Callable[[], Tensor]:

@@ -129,6 +129,24 @@ def _install_router(model: pl.LightningModule, router: _LogRouter) -> None:
     model.__dict__["log_dict"] = router.log_dict
 
 
+#: Hooks of the user's module that run on the global model whenever Lightning calls them on the loop (fit-level and
+#: evaluation hooks); training hooks are mapped by client training instead (fedlightning.user_module.ClientHooks).
+_FORWARDED_HOOKS = (
+    "teardown", "configure_model", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
+    *(f"on_{stage}_{when}" for stage in ("validation", "test", "predict")
+      for when in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end")),
+)
+
+
+def _forward_to_model(name: str):
+    def hook(self: "FederatedLoop", *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.model, name)(*args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = name
+    hook.__doc__ = f"The user's module's ``{name}``, on the global model."
+    return hook
+
+
 class FederatedLoop(pl.LightningModule):
     """Federated training of ``model``.
 
@@ -357,7 +375,7 @@ class FederatedLoop(pl.LightningModule):
                 self.model.trainer = trainer_ref
                 self.model.__dict__.update(routed)
             work.to(self.device)
-            from fedlightning.user_module import ClientHooks, MetricStates, ModuleOptimizer, make_client_copy
+            from fedlightning.user_module import ClientHooks, MetricStates, make_client_copy
 
             make_client_copy(work, trainer_ref)
             router = _LogRouter(self, "capture")
@@ -370,8 +388,9 @@ class FederatedLoop(pl.LightningModule):
                 hooks=hooks if hooks.any else None, metrics=MetricStates(work),
             )
             w.router = router  # type: ignore[attr-defined]
+            w.client_hooks = hooks  # type: ignore[attr-defined]  # incl. the per-round epoch hooks
             mo = self.__dict__["_module_optimizer"]
-            if isinstance(mo, ModuleOptimizer):
+            if mo is not None:
                 mo.register(work)
             self.__dict__["_worker"] = w
         return w
@@ -485,7 +504,7 @@ class FederatedLoop(pl.LightningModule):
             global_flat = flat_params(gparams)
         worker = self._worker_trainer()
         worker.model.__dict__["_fl_round"] = plan.round  # the client copy's global_step / current_epoch
-        if worker.epoch_start:
+        if worker.client_hooks.epoch_start:
             worker.model.on_train_epoch_start()
         stats = RoundStatistics()
         healthy: List[ClientUpdate] = []
@@ -538,15 +557,14 @@ class FederatedLoop(pl.LightningModule):
         router = worker.router
         if router.metrics:
             result.metrics.update(router.compute_metrics())
-        if worker.epoch_end:
+        if worker.client_hooks.epoch_end:
             worker.model.on_train_epoch_end()
         router.reset_metrics()
         result.metrics.update(router.pop_means())
         self._log_round(result)
         mo = self.__dict__["_module_optimizer"]
-        if mo is not None and mo.schedulers and self.client_optimizer is None:
-            metrics = {k: v for k, v in trainer.callback_metrics.items()}
-            metrics.update(result.metrics)
+        if mo is not None and mo.schedulers:  # only built when client_optimizer is None
+            metrics = {**trainer.callback_metrics, **result.metrics}
             if mo.step_schedulers(plan.round, metrics):
                 self.__dict__["_reusable_client_opt"] = None  # its snapshot holds the previous round's lr
         return None
@@ -732,12 +750,9 @@ class FederatedLoop(pl.LightningModule):
         return self.model(*args, **kwargs)
 
     # ================================================================== the user's hooks (README: "What your module sees")
-    # Fit-level and evaluation hooks run on the global model exactly when Lightning calls them on the loop. Training
+    # Fit-level and evaluation hooks are forwarded to the global model (_FORWARDED_HOOKS, installed below the class). Training
     # hooks are mapped by client training instead (fedlightning.user_module.ClientHooks; on_train_epoch_start/_end
     # once per round on the client working copy), so the loop's own train batch/epoch hooks are not forwarded.
-    def teardown(self, stage: str) -> None:
-        self.model.teardown(stage)
-
     def configure_callbacks(self):
         """The user module's callbacks; and, when the Trainer has Lightning's default tqdm bar ("Epoch 0"), the
         round-counting bar in its place (the CLI adds that bar itself; this gives it to Python users too)."""
@@ -752,75 +767,6 @@ class FederatedLoop(pl.LightningModule):
             callbacks.append(RoundTQDMProgressBar(refresh_rate=bar.refresh_rate, process_position=bar.process_position,
                                                   leave=bar._leave))
         return callbacks
-
-    def configure_model(self) -> None:
-        self.model.configure_model()
-
-    def on_fit_start(self) -> None:
-        self.model.on_fit_start()
-
-    def on_fit_end(self) -> None:
-        self.model.on_fit_end()
-
-    def on_train_start(self) -> None:
-        self.model.on_train_start()
-
-    def on_train_end(self) -> None:
-        self.model.on_train_end()
-
-    def on_validation_start(self) -> None:
-        self.model.on_validation_start()
-
-    def on_validation_end(self) -> None:
-        self.model.on_validation_end()
-
-    def on_validation_epoch_start(self) -> None:
-        self.model.on_validation_epoch_start()
-
-    def on_validation_epoch_end(self) -> None:
-        self.model.on_validation_epoch_end()
-
-    def on_validation_batch_start(self, *args: Any, **kwargs: Any) -> None:
-        self.model.on_validation_batch_start(*args, **kwargs)
-
-    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self.model.on_validation_batch_end(*args, **kwargs)
-
-    def on_test_start(self) -> None:
-        self.model.on_test_start()
-
-    def on_test_end(self) -> None:
-        self.model.on_test_end()
-
-    def on_test_epoch_start(self) -> None:
-        self.model.on_test_epoch_start()
-
-    def on_test_epoch_end(self) -> None:
-        self.model.on_test_epoch_end()
-
-    def on_test_batch_start(self, *args: Any, **kwargs: Any) -> None:
-        self.model.on_test_batch_start(*args, **kwargs)
-
-    def on_test_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self.model.on_test_batch_end(*args, **kwargs)
-
-    def on_predict_start(self) -> None:
-        self.model.on_predict_start()
-
-    def on_predict_end(self) -> None:
-        self.model.on_predict_end()
-
-    def on_predict_epoch_start(self) -> None:
-        self.model.on_predict_epoch_start()
-
-    def on_predict_epoch_end(self) -> None:
-        self.model.on_predict_epoch_end()
-
-    def on_predict_batch_start(self, *args: Any, **kwargs: Any) -> None:
-        self.model.on_predict_batch_start(*args, **kwargs)
-
-    def on_predict_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self.model.on_predict_batch_end(*args, **kwargs)
 
     # ================================================================== checkpoint
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
@@ -852,3 +798,7 @@ class FederatedLoop(pl.LightningModule):
             else:  # restored before setup resolved it (e.g. validate/test): applied when it is built
                 self.__dict__["_pending_module_optimizer_state"] = saved
         self.model.on_load_checkpoint(checkpoint)
+
+
+for _name in _FORWARDED_HOOKS:
+    setattr(FederatedLoop, _name, _forward_to_model(_name))

@@ -142,6 +142,9 @@ class ClientHooks:
         self.before_step = "on_before_optimizer_step" in o
         self.batch_end = "on_train_batch_end" in o
         self.any = bool(self.overridden)
+        # once per round on the client copy (called by the loop; not per-step hooks, so not part of ``any``)
+        self.epoch_start = is_overridden("on_train_epoch_start", model, pl.LightningModule)
+        self.epoch_end = is_overridden("on_train_epoch_end", model, pl.LightningModule)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer, model_name: str) -> None:
         if not getattr(optimizer, "requires_closure", False):
@@ -241,10 +244,6 @@ class ModuleOptimizer:
                     if k != "params":
                         group[k] = v.clone() if isinstance(v, Tensor) else v
         return opt
-
-    @property
-    def cls(self) -> type:
-        return type(self.template)
 
     # ------------------------------------------------------------------ schedule
     def step_schedulers(self, round: int, metrics: Dict[str, Any]) -> bool:

@@ -262,8 +262,7 @@ def _test_overrides(tmp_path, params):
 def test_sweep_command_runs_through_the_cli(path, tmp_path, monkeypatch):
     sweep = load_sweep(path)
     missing = _missing_config(sweep)
-    if missing:
-        pytest.skip(f"{missing} does not exist yet (another engineer's config)")
+    assert not missing, f"the sweep {path} runs a config that does not exist: {missing}"
     monkeypatch.chdir(ROOT)  # the agent runs the program from the repository root
     grid = sweep_grid(sweep)
     # the last grid point: parsed and instantiated, values reach the objects
