@@ -750,9 +750,10 @@ class FederatedLoop(pl.LightningModule):
         return self.model(*args, **kwargs)
 
     # ================================================================== the user's hooks (README: "What your module sees")
-    # Fit-level and evaluation hooks are forwarded to the global model (_FORWARDED_HOOKS, installed below the class). Training
-    # hooks are mapped by client training instead (fedlightning.user_module.ClientHooks; on_train_epoch_start/_end
-    # once per round on the client working copy), so the loop's own train batch/epoch hooks are not forwarded.
+    # Fit-level and evaluation hooks are forwarded to the global model (_FORWARDED_HOOKS, installed below the
+    # class). Training hooks are mapped by client training instead (fedlightning.user_module.ClientHooks;
+    # on_train_epoch_start/_end once per round on the client working copy), so the loop's own train batch/epoch
+    # hooks are not forwarded.
     def configure_callbacks(self):
         """The user module's callbacks; and, when the Trainer has Lightning's default tqdm bar ("Epoch 0"), the
         round-counting bar in its place (the CLI adds that bar itself; this gives it to Python users too)."""
