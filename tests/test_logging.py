@@ -51,10 +51,10 @@ class RecordingLogger(Logger):
         return [m[key] for _, m in self.rows if key in m]
 
 
-def _small_run(callbacks, rounds=3, clients=4, local_steps=2, logger=None, model=None):
+def _small_run(callbacks, rounds=3, clients=4, local_steps=2, logger=None, model=None, val_fraction=0.1):
     torch.manual_seed(0)
     model = model or MLP(input_dim=64, hidden=[8], num_classes=10)
-    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1)
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1, val_fraction=val_fraction)
     loop = FederatedLoop(
         model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=local_steps,
         clients_per_round=clients, seed=2,
@@ -163,6 +163,25 @@ def test_global_evaluation_on_the_test_split():
     assert logger.series("test_eval/loss")[-1] == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-5)
     assert logger.series("test_eval/acc")[-1] == pytest.approx(float((logits.argmax(-1) == y).float().mean()))
     assert logger.series("train_eval/loss") == []
+
+
+def test_global_evaluation_on_the_validation_split():
+    ev = GlobalEvaluation(split="val", every_n_rounds=1, max_samples=40, seed=1)
+    loop, dm, logger = _small_run([ev], rounds=2)
+    assert len(dm.val_indices) > 40
+    rows = torch.as_tensor(np.asarray(dm.val_indices)[ev._indices])  # a fixed subset of the validation rows
+    assert len(rows) == 40 and not set(rows.tolist()) & set(dm.training_rows().tolist())
+    x, y = dm.train_dataset.x[rows], dm.train_dataset.y[rows]
+    with torch.no_grad():
+        logits = loop.model.net(x)
+    assert logger.series("val_eval/loss")[-1] == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-5)
+    assert logger.series("val_eval/acc")[-1] == pytest.approx(float((logits.argmax(-1) == y).float().mean()))
+
+
+def test_global_evaluation_on_a_missing_validation_split_names_val_fraction():
+    ev = GlobalEvaluation(split="val", every_n_rounds=1)
+    with pytest.raises(ValueError, match="val_fraction=0"):
+        _small_run([ev], rounds=1, val_fraction=0.0)
 
 
 @pytest.mark.parametrize(

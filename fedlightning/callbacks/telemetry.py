@@ -131,9 +131,9 @@ class GlobalEvaluation(FederatedCallback):
 
     Args:
         split: ``"train"`` (default: the union of the clients' data, ``dm.training_rows()``, which excludes the
-            validation split) or ``"test"``.
+            validation split), ``"val"`` (the validation split, ``dm.val_indices``) or ``"test"``.
         every_n_rounds: evaluation period in rounds (default 10, ours).
-        max_samples: evaluate a fixed random subset of this many training examples (None: all).
+        max_samples: evaluate a fixed random subset of this many examples of the split (None: all).
         seed: seed of that subset.
         batch_size: evaluation batch size (None: the data module's ``eval_batch_size``).
 
@@ -148,8 +148,8 @@ class GlobalEvaluation(FederatedCallback):
         seed: int = 0,
         batch_size: Optional[int] = None,
     ):
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        if split not in ("train", "val", "test"):
+            raise ValueError(f"split must be 'train', 'val' or 'test', got {split!r}")
         self.split = split
         self.every_n_rounds = _check_int("every_n_rounds", every_n_rounds)
         self.max_samples = None if max_samples is None else _check_int("max_samples", max_samples)
@@ -193,10 +193,20 @@ class GlobalEvaluation(FederatedCallback):
 
         if dm.train_dataset is None:
             dm.setup("fit")
-        dataset = dm.train_dataset if self.split == "train" else dm.test_dataset
+        dataset = dm.test_dataset if self.split == "test" else dm.train_dataset
         if dataset is None:
             raise RuntimeError(f"{type(dm).__name__} has no {self.split} data set to evaluate")
-        rows = dm.training_rows() if self.split == "train" else np.arange(len(dataset))  # no validation rows
+        if self.split == "train":
+            rows = dm.training_rows()  # no validation rows
+        elif self.split == "val":
+            rows = np.asarray(dm.val_indices)
+            if not len(rows):
+                raise ValueError(
+                    f"GlobalEvaluation(split='val'): {type(dm).__name__} has no validation split "
+                    f"(val_fraction={dm.val_fraction}); set data val_fraction > 0"
+                )
+        else:
+            rows = np.arange(len(dataset))
         indices = rows[self._subset(len(rows))]
         bs = self.batch_size or dm.eval_batch_size
         if isinstance(dataset, ArrayDataset):
