@@ -277,14 +277,14 @@ class _ModelCall:
         (:mod:`fedlightning.vectorized.losses`): one ``training_step`` call per row on its whole padded batch, the
         standard losses computed per sample and averaged over the row's real samples.
 
-        Decisions (ours): it is used while it is recognised: ``training_step`` must return the output of an intercepted loss, and every
-        value it logs must be one too or not depend on the client (a constant). On the first padded call of the
-        engine, for models without random layers, the intercepted loss of the most padded row is checked against
-        ``training_step`` on that row's real samples alone (a loss that is not a mean over samples, or a forward
-        that mixes samples, fails it). If any of this fails, or the batched call raises, the engine uses the
-        generic path (one ``training_step`` per sample) from then on, after restoring the random state the
-        attempt started from, so the generic path computes exactly what it computes without this attempt. The
-        path taken is logged once (rank-zero info line).
+        Decisions (ours): it is used while it is recognised: ``training_step`` must return the output of an intercepted
+        loss, and every value it logs must be one too or not depend on the client (a constant). On the first padded call
+        of the engine, for models without random layers, the intercepted loss of the most padded row is checked against
+        ``training_step`` on that row's real samples alone (a loss that is not a mean over samples, or a forward that
+        mixes samples, fails it). If any of this fails, or the batched call raises, the engine uses the generic path
+        (one ``training_step`` per sample) from then on, after restoring the random state the attempt started from, so
+        the generic path computes exactly what it computes without this attempt. The path taken is logged once
+        (rank-zero info line).
         """
         devices = [views[0].device] if views[0].device.type == "cuda" else []
         rng = None if self.deterministic else _rng_state(devices)

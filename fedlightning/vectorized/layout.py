@@ -1,6 +1,5 @@
-"""How the clients' rows are laid out: a step's batches (:class:`_Layout`) and the weights ``W`` (:class:`_WeightsLayout`).
-
-Row ``i`` of every batched tensor is client ``i`` (or, for a line search's trial points, one (client, point) pair).
+"""How the clients' rows are laid out: a step's batches (:class:`_Layout`) and the weights ``W``
+(:class:`_WeightsLayout`). Row ``i`` of every batched tensor is client ``i`` (or, for a line search's trial points, one (client, point) pair).
 """
 
 from __future__ import annotations
@@ -32,8 +31,9 @@ class _Layout:
     """
 
     def __init__(self, leaves: List[Tensor], spec: Any, sizes: List[int], cache: Optional[dict] = None):
-        """``leaves``: the step's batch leaves ``[C, n_max, ...]`` (see :meth:`~fedlightning.vectorized.batches._RoundBatches.step`); ``cache``: a
-        dict kept over the steps of a round, so that steps with the same sizes share their mask and counts."""
+        """``leaves``: the step's batch leaves ``[C, n_max, ...]`` (see
+        :meth:`~fedlightning.vectorized.batches._RoundBatches.step`); ``cache``: a dict kept over the steps of a round,
+        so that steps with the same sizes share their mask and counts."""
         self.num_clients = len(sizes)
         self.leaves, self.spec = leaves, spec
         self.batch = tree_unflatten(leaves, spec)

@@ -123,9 +123,9 @@ def _move(W: Tensor, g: Any, step: Tensor, where: Tensor, views: Optional[Callab
 class _BatchedArmijo(_BatchedRule):
     """:class:`fedlightning.optim.SgdArmijo` for every client at once, with masked backtracking.
 
-    Decisions (ours): every client starts from its own ``η_0`` (reset policy, its own last accepted step and ``b/n_i``) and walks the
-    grid ``η_0 β^m``, ``m = 0, 1, …``; it stops at its first accepted ``m`` while the others go on. The outcome
-    (accepted step, backtracks, forward count, state) is the sequential search's, grid point by grid point; only
+    Decisions (ours): every client starts from its own ``η_0`` (reset policy, its own last accepted step and ``b/n_i``)
+    and walks the grid ``η_0 β^m``, ``m = 0, 1, …``; it stops at its first accepted ``m`` while the others go on. The
+    outcome (accepted step, backtracks, forward count, state) is the sequential search's, grid point by grid point; only
     the batching differs:
 
     * deterministic models: a trial round evaluates every client still searching at a window of its next grid
@@ -244,9 +244,9 @@ class _BatchedArmijo(_BatchedRule):
 
         On CPU, with ``widths`` (pairs per client, ``pair_client`` sorted by client as ``repeat_interleave`` makes
         it), each client's block of pairs is one ``addcmul`` of its row of ``W`` and ``g`` broadcast over the block:
-        the points are written once instead of gathering ``W``'s and ``g``'s rows first (3 passes over ``[P, D]``;
-        faster on CPU, docs/benchmarks.md §3). On accelerators three large kernels beat one small kernel per
-        client."""
+        the points are written once instead of gathering ``W``'s and ``g``'s rows first (3 passes over ``[P, D]``),
+        at the price of one kernel call per client: faster for large ``D``, slower for the smallest models
+        (docs/benchmarks.md §3). On accelerators three large kernels beat one small kernel per client."""
         shape = (len(pair_client), W.shape[1])
         neg = (-eta).to(W.dtype).unsqueeze(1)
         if widths is not None and W.device.type == "cpu":
@@ -425,8 +425,10 @@ def make_batched_rule(optimizers: Sequence[torch.optim.Optimizer], params: Seque
                       grad_clip: Optional[float], device: torch.device) -> _BatchedRule:
     """The batched counterpart of the round's client optimizers (one instance per client, built by the loop).
 
-    Raises :class:`VectorizationUnsupportedError` for optimizers without a batched rule (Adam, SGD with momentum,
-    ...) and for settings that differ between clients or parameter groups.
+    Supported: ``torch.optim.SGD`` without momentum, Nesterov or ``maximize`` (``weight_decay`` and the loop's
+    gradient clipping ``grad_clip`` are), and :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`
+    and :class:`~fedlightning.optim.DecSPS`. Raises :class:`VectorizationUnsupportedError` for optimizers without a
+    batched rule (Adam, SGD with momentum, ...) and for settings that differ between clients or parameter groups.
     """
     kinds = {type(o) for o in optimizers}
     if len(kinds) != 1:
