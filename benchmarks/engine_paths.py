@@ -5,7 +5,7 @@
 Shapes are the digits MLP 64-128-10 of ``vectorized_speedup.py`` (D = 9,610 weights) with ``--clients`` clients:
 
 * ``_rows_finite``: the finiteness of every client's delta, ``amax``/``amin`` per row vs ``isfinite(x).all(1)``;
-* ``_vmap0``: one batched call of a function of 8 batched tensors (6 parameters and 2 batch leaves, as the MLP's
+* ``_vmap0``: one batched call of a function of 6 batched tensors (4 parameters and 2 batch leaves, as the MLP's
   call) through functorch's primitives vs ``torch.func.vmap(randomness="different")``; the difference is vmap's
   per-call overhead, which a round pays once per batched call;
 * ``_BatchedArmijo._points``: the trial points of 3 grid points per client, one ``addcmul`` per client block vs
@@ -64,7 +64,7 @@ def main():
         return (a[0].sum() + a[-1].sum(),)
 
     public = vmap(fn, randomness="different")
-    rows.append(("one batched call of 8 tensors", lambda: public(*leaves), lambda: _vmap0(fn, leaves)))
+    rows.append(("one batched call of 6 tensors", lambda: public(*leaves), lambda: _vmap0(fn, leaves)))
 
     class Ev:  # what _points reads of the step evaluator
         pass
