@@ -1,10 +1,12 @@
-"""Same-process A/B of two versions of the vectorised engine (``fedlightning/vectorized.py``).
+"""Same-process A/B of two versions of the vectorised engine (the package ``fedlightning/vectorized/``).
 
-    git show <commit>:fedlightning/vectorized.py > /tmp/vectorized_old.py
-    python benchmarks/engine_ab.py --old /tmp/vectorized_old.py [--workload digits-mlp-sgd] [--rounds 10] [--repeats 4]
+    mkdir -p /tmp/old && git archive <commit> fedlightning/vectorized | tar -x -C /tmp/old
+    python benchmarks/engine_ab.py --old /tmp/old/fedlightning/vectorized [--workload digits-mlp-sgd] [--rounds 10]
+        [--repeats 4]
 
-Loads the file given by ``--old`` as a second module beside the installed ``fedlightning.vectorized`` and runs the
-same vectorized workload of ``vectorized_speedup.py`` with each, alternating (old, new, old, new, ...), in one
+Loads the package folder given by ``--old`` as a second package beside the installed ``fedlightning.vectorized``
+(the package's modules import each other relatively, so the old version's modules come from that folder) and runs
+the same vectorized workload of ``vectorized_speedup.py`` with each, alternating (old, new, old, new, ...), in one
 process, so that both see the same machine conditions. The loop imports ``run_vectorized_round`` from
 ``sys.modules["fedlightning.vectorized"]`` at every round, which is swapped for each run. Prints the median and
 minimum round time (first 2 rounds of each run dropped), the paired per-round minimum sum of each version, and the
@@ -31,7 +33,7 @@ import fedlightning.vectorized as new_engine  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--old", required=True, help="path of the other vectorized.py")
+    ap.add_argument("--old", required=True, help="folder of the other version of the fedlightning.vectorized package")
     ap.add_argument("--workload", default="digits-mlp-sgd", help="one of " + ", ".join(vs.WORKLOADS))
     ap.add_argument("--rounds", type=int, default=10, help="rounds per run (the first 2 are warm-up)")
     ap.add_argument("--repeats", type=int, default=4, help="alternating runs per version")
@@ -40,12 +42,15 @@ def main():
         raise ValueError(f"unknown workload {args.workload!r}; choose from {list(vs.WORKLOADS)}")
     if args.rounds < 3 or args.repeats < 1:
         raise ValueError(f"need --rounds >= 3 and --repeats >= 1, got {args.rounds} and {args.repeats}")
-    if not os.path.isfile(args.old):
-        raise FileNotFoundError(f"--old {args.old!r} is not a file")
+    init = os.path.join(args.old, "__init__.py")
+    if not os.path.isfile(init):
+        raise FileNotFoundError(f"--old {args.old!r} is not a package folder (no __init__.py in it)")
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    spec = importlib.util.spec_from_file_location("fedlightning.vectorized_old", args.old)
+    name = "fedlightning.vectorized_old"
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[args.old])
     old_engine = importlib.util.module_from_spec(spec)
+    sys.modules[name] = old_engine  # its relative imports resolve to fedlightning.vectorized_old.<module>
     spec.loader.exec_module(old_engine)
 
     model_fn, optimizer, dm_fn = vs.WORKLOADS[args.workload]

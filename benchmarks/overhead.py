@@ -15,7 +15,7 @@ Three execution modes per workload:
 * ``sequential``: ``FederatedLoop(client_execution="sequential")`` run by a Lightning ``Trainer`` exactly as
   ``python train.py`` runs it (FedAvg callback, logging of the round metrics; no logger, checkpointing or progress
   bar, validation disabled because it is not part of the client workload).
-* ``vectorized``: the same with ``client_execution="vectorized"`` (torch.func/vmap, ``fedlightning/vectorized.py``).
+* ``vectorized``: the same with ``client_execution="vectorized"`` (torch.func/vmap, ``fedlightning/vectorized/``).
 
 Workloads (results in docs/benchmarks.md): FedAvg, 20 clients per round, K = 20 local steps, batch 50 —
 

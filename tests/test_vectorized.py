@@ -22,15 +22,11 @@ from fedlightning.callbacks import FedAvg
 from fedlightning.datamodules import IID, ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
 from fedlightning.models import MLP, CharGRU, CharLSTM, Classifier, LogisticRegression
 from fedlightning.optim import SPS, DecSPS, SgdArmijo
-from fedlightning.vectorized import (
-    VectorizationUnsupportedError,
-    VectorizedClientTrainer,
-    _Layout,
-    _padded_positions,
-    _rnn_forward,
-    _StepEvaluator,
-    check_model_vectorizable,
-)
+from fedlightning.vectorized import VectorizationUnsupportedError, VectorizedClientTrainer, check_model_vectorizable
+from fedlightning.vectorized.batches import _padded_positions
+from fedlightning.vectorized.layout import _Layout
+from fedlightning.vectorized.step import _StepEvaluator
+from fedlightning.vectorized.torch_internals import _rnn_forward
 
 ROUNDS, CPR, K, BATCH = 3, 6, 5, 16
 
@@ -150,9 +146,9 @@ def test_vectorized_equals_sequential_mlp(name, optimizer, clip):
 def test_armijo_search_for_models_with_random_layers_equals_sequential(optimizer, monkeypatch):
     """The line search used for models with dropout (every client at one grid point per trial round, in order)
     also equals sequential training; forced here on a deterministic model so that equality can be checked."""
-    import fedlightning.vectorized as vectorized
+    import fedlightning.vectorized.call as call
 
-    monkeypatch.setattr(vectorized, "_has_random_layers", lambda model: True)
+    monkeypatch.setattr(call, "_has_random_layers", lambda model: True)
     vec = fit(mlp(), optimizer, "vectorized")
     assert vec[1].__dict__["_vectorized_engine"].deterministic is False
     assert_same_run(fit(mlp(), optimizer, "sequential"), vec)

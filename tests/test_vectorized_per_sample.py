@@ -22,14 +22,14 @@ from torch import nn
 
 from fedlightning.models import MLP, Classifier
 from fedlightning.optim import SPS, SgdArmijo
-from fedlightning.vectorized import _per_sample_protocol
+from fedlightning.vectorized.support import _per_sample_protocol
 from test_vectorized import assert_same_run, fit, mlp
 
 
 class GenericMLP(MLP):
     """The same network with ``training_step`` overridden (same loss): the protocol inherited from Classifier no
     longer applies, and the returned loss is a product (the same value), not an intercepted loss output
-    (``fedlightning.vectorized_losses``), so the engine takes the generic per-sample path."""
+    (``fedlightning.vectorized.losses``), so the engine takes the generic per-sample path."""
 
     def training_step(self, batch, batch_idx):
         return super().training_step(batch, batch_idx) * 1.0
@@ -58,8 +58,9 @@ def test_protocol_and_generic_paths_equal_sequential(name):
     seq = fit(mlp(), optimizer, "sequential")
     fast = fit(mlp(), optimizer, "vectorized")
     generic = fit(generic_mlp(), optimizer, "vectorized")
-    assert "per-sample protocol" in engine_of(fast).probed and "per-sample" not in engine_of(fast).probed
-    assert "per-sample" in engine_of(generic).probed and "per-sample protocol" not in engine_of(generic).probed
+    assert "per-sample protocol" in engine_of(fast).call.probed and "per-sample" not in engine_of(fast).call.probed
+    generic_paths = engine_of(generic).call.probed
+    assert "per-sample" in generic_paths and "per-sample protocol" not in generic_paths
     assert_same_run(seq, fast)
     assert_same_run(seq, generic)
     torch.testing.assert_close(fast[0], generic[0], atol=1e-6, rtol=0)
@@ -202,7 +203,7 @@ def test_models_with_random_layers_skip_the_check_and_are_reproducible():
     opt = OPTIMIZERS["armijo"]
     a = fit(copy.deepcopy(model), opt, "vectorized", rounds=2)
     b = fit(copy.deepcopy(model), opt, "vectorized", rounds=2)
-    assert "per-sample protocol" in engine_of(a).probed
+    assert "per-sample protocol" in engine_of(a).call.probed
     torch.testing.assert_close(a[0], b[0], atol=0, rtol=0)
 
 
@@ -253,7 +254,7 @@ def test_bf16_mixed_uses_the_protocol_and_stays_close_to_sequential():
     shapes) does not reject a correct protocol; a wrong one is still refused."""
     seq, _ = fit_bf16(mlp(), "sequential")
     vec, loop = fit_bf16(mlp(), "vectorized")
-    assert "per-sample protocol" in loop.__dict__["_vectorized_engine"].probed
+    assert "per-sample protocol" in loop.__dict__["_vectorized_engine"].call.probed
     start = torch.cat([p.detach().reshape(-1) for p in mlp().parameters()])
     assert (seq - start).abs().max() > 1e-2  # trained
     torch.testing.assert_close(vec, seq, atol=5e-3, rtol=0)  # bf16 matmuls: rounding, not another objective
@@ -271,7 +272,10 @@ def test_padded_step_losses_and_gradients_equal_per_client_autograd(protocol):
     backward pass from the weighted cells Σ ℓ_ij m_ij / n_i; the logged train/batch_loss is the per-client sum."""
     from torch.utils._pytree import tree_flatten
 
-    from fedlightning.vectorized import VectorizedClientTrainer, _Layout, _padded_positions, _StepEvaluator
+    from fedlightning.vectorized import VectorizedClientTrainer
+    from fedlightning.vectorized.batches import _padded_positions
+    from fedlightning.vectorized.layout import _Layout
+    from fedlightning.vectorized.step import _StepEvaluator
 
     torch.manual_seed(4)
     model = mlp() if protocol else generic_mlp()
@@ -287,7 +291,7 @@ def test_padded_step_losses_and_gradients_equal_per_client_autograd(protocol):
     sink = []
     ev = _StepEvaluator(engine, layout, 0, None, [], sink, trials=False)
     losses, grads = ev.gradient(W, torch.ones(C, dtype=torch.bool))
-    assert engine.probed == {"per-sample protocol" if protocol else "per-sample"}
+    assert engine.call.probed == {"per-sample protocol" if protocol else "per-sample"}
 
     reference = copy.deepcopy(model)
     reference.log = lambda *a, **k: None
@@ -298,7 +302,7 @@ def test_padded_step_losses_and_gradients_equal_per_client_autograd(protocol):
         loss = reference.training_step((x[end - n:end], y[end - n:end]), 0)
         g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
         assert float(losses[c]) == pytest.approx(float(loss), rel=1e-6, abs=1e-7)
-        torch.testing.assert_close(engine._logical(grads[c:c + 1])[0], g, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(engine.weights.logical(grads[c:c + 1])[0], g, atol=1e-6, rtol=1e-5)
     (name, logged), = sink[0][0]
     assert name == "train/batch_loss"
     torch.testing.assert_close(logged / torch.tensor(sizes, dtype=logged.dtype), losses.float(), atol=1e-6, rtol=1e-6)

@@ -2,7 +2,7 @@
 
 * the round's index matrices (``_round_index``): the ClientBatchSampler fast path gives exactly the batches that
   iterating the samplers gives (epochs cycled, partial last batches, clients smaller and larger than the batch);
-* the weights' storage order (``_learn_layout``): training with the learned (transposed) blocks gives the same
+* the weights' storage order (``_WeightsLayout.learn``): training with the learned (transposed) blocks gives the same
   losses and weights as with the parameters' own order, and the order conversions round-trip;
 * SgdArmijo trial points written per client block (CPU) equal the gathered ``W[c] − η g[c]`` bit for bit;
 * end-of-round helpers: ``_rows_finite`` and the batched division/masking of logged values (``_feed_router``).
@@ -16,20 +16,12 @@ import torch
 
 from fedlightning.datamodules import ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
 from fedlightning.models import MLP, LogisticRegression
-from fedlightning.vectorized import (
-    VectorizedClientTrainer,
-    _BatchedArmijo,
-    _BatchedSGD,
-    _feed_router,
-    _Layout,
-    _padded_positions,
-    _round_index,
-    _RoundBatches,
-    _rows_finite,
-    _sampler_batches,
-    _StepEvaluator,
-    _StepRecord,
-)
+from fedlightning.vectorized import VectorizedClientTrainer
+from fedlightning.vectorized.batches import _padded_positions, _round_index, _RoundBatches, _sampler_batches
+from fedlightning.vectorized.engine import _rows_finite
+from fedlightning.vectorized.layout import _Layout
+from fedlightning.vectorized.rules import _BatchedArmijo, _BatchedSGD, _StepRecord
+from fedlightning.vectorized.step import _feed_router, _StepEvaluator
 
 
 class Sized(FederatedDataModule):
@@ -139,21 +131,21 @@ def test_learned_storage_order_gives_the_same_training():
     learned = VectorizedClientTrainer(copy.deepcopy(model))
     learned._probe_layout(start, _Layout(*batches.step(0)), [])
     # linear layers with per-client weights give their weight gradients transposed: those blocks are stored so
-    assert learned.orders[0] == (1, 0) and learned.orders[1] is None
-    stored = learned._stored(start)
+    assert learned.weights.orders[0] == (1, 0) and learned.weights.orders[1] is None
+    stored = learned.weights.stored(start)
     assert not torch.equal(stored, start)
-    torch.testing.assert_close(learned._logical(stored.unsqueeze(0))[0], start, atol=0, rtol=0)
+    torch.testing.assert_close(learned.weights.logical(stored.unsqueeze(0))[0], start, atol=0, rtol=0)
     W = stored.unsqueeze(0).repeat(C, 1)
-    for view, p in zip(learned._views(W), model.parameters()):
+    for view, p in zip(learned.weights.views(W), model.parameters()):
         torch.testing.assert_close(view[0], p.detach(), atol=0, rtol=0)
     losses = _train(learned, batches, W, 5)
     torch.testing.assert_close(losses, losses_plain, atol=1e-6, rtol=0)
-    torch.testing.assert_close(learned._logical(W), W_plain, atol=1e-6, rtol=0)
+    torch.testing.assert_close(learned.weights.logical(W), W_plain, atol=1e-6, rtol=0)
     # flat gradients come out in the storage order (rows of W − ηg are trial points)
     ev = _StepEvaluator(learned, _Layout(*batches.step(0)), 0, None, [], None, trials=False)
     _, g = ev.gradient(W, torch.ones(C, dtype=torch.bool))
     _, parts = ev.gradient(W, torch.ones(C, dtype=torch.bool), flat=False)
-    for view, part in zip(learned._views(g), parts):
+    for view, part in zip(learned.weights.views(g), parts):
         torch.testing.assert_close(view, part, atol=0, rtol=0)
 
 
@@ -162,10 +154,10 @@ def test_vectors_without_permuted_gradients_keep_their_order():
     model = LogisticRegression(input_dim=64, num_classes=10)
     engine = VectorizedClientTrainer(model)
     grads = [torch.randn(3, *p.shape) for p in model.parameters()]  # row-major gradients: nothing to learn
-    engine._learn_layout(grads)
-    assert engine.orders == [None, None]
-    W = torch.randn(3, engine.num_params)
-    assert engine._logical(W) is W
+    engine.weights.learn(grads)
+    assert engine.weights.orders == [None, None]
+    W = torch.randn(3, engine.weights.num_params)
+    assert engine.weights.logical(W) is W
 
 
 def test_rows_finite():
@@ -200,7 +192,7 @@ def test_trial_points_per_client_blocks_equal_the_gathered_points():
 
     ev = Ev()
     ev.engine = engine
-    C, D = 5, engine.num_params
+    C, D = 5, engine.weights.num_params
     W, g = torch.randn(C, D), torch.randn(C, D)
     widths = [3, 0, 1, 4, 2]
     pair_client = torch.repeat_interleave(torch.arange(C), torch.tensor(widths))
@@ -217,7 +209,7 @@ def test_vmap0_equals_torch_func_vmap():
     gives: batched and unbatched outputs, nesting, random ops (same generator state, same draws), gradients."""
     from torch.func import vmap
 
-    from fedlightning.vectorized import _vmap0
+    from fedlightning.vectorized.torch_internals import _vmap0
 
     w = torch.randn(5, 4, 3, requires_grad=True)
     x = torch.randn(5, 7, 3)
@@ -243,18 +235,18 @@ def test_vmap0_equals_torch_func_vmap():
 
 
 def test_vmap0_leaves_no_vmap_level_behind_after_an_exception(monkeypatch):
-    import fedlightning.vectorized as vectorized
+    import fedlightning.vectorized.torch_internals as internals
 
     def boom(xi):
         raise RuntimeError("inside")
 
     with pytest.raises(RuntimeError, match="inside"):
-        vectorized._vmap0(boom, [torch.randn(3, 2)])
+        internals._vmap0(boom, [torch.randn(3, 2)])
     assert torch._C._functorch.maybe_current_level() is None  # the level was popped
-    assert torch.equal(vectorized._vmap0(lambda xi: (xi * 2,), [torch.ones(3, 2)])[0], torch.full((3, 2), 2.0))
-    monkeypatch.setattr(vectorized, "_add_batch_dim", None)  # no primitives: torch.func.vmap is used instead
+    assert torch.equal(internals._vmap0(lambda xi: (xi * 2,), [torch.ones(3, 2)])[0], torch.full((3, 2), 2.0))
+    monkeypatch.setattr(internals, "_add_batch_dim", None)  # no primitives: torch.func.vmap is used instead
     calls = []
-    public = vectorized.vmap
-    monkeypatch.setattr(vectorized, "vmap", lambda *a, **k: calls.append(k) or public(*a, **k))
-    assert torch.equal(vectorized._vmap0(lambda xi: (xi * 2,), [torch.ones(3, 2)])[0], torch.full((3, 2), 2.0))
+    public = internals.vmap
+    monkeypatch.setattr(internals, "vmap", lambda *a, **k: calls.append(k) or public(*a, **k))
+    assert torch.equal(internals._vmap0(lambda xi: (xi * 2,), [torch.ones(3, 2)])[0], torch.full((3, 2), 2.0))
     assert calls == [{"randomness": "different"}]

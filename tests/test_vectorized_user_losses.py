@@ -1,4 +1,4 @@
-"""Per-sample loss interception (``fedlightning.vectorized_losses``): the vectorised engine's fast path for padded
+"""Per-sample loss interception (``fedlightning.vectorized.losses``): the vectorised engine's fast path for padded
 steps of modules written as users write them (``F.cross_entropy(logits, y)``, no ``training_step_per_sample``).
 
 Checked here:
@@ -22,7 +22,7 @@ from torch.func import vmap
 import lightning.pytorch as pl
 from fedlightning.optim import SgdArmijo
 from fedlightning.vectorized import VectorizedClientTrainer
-from fedlightning.vectorized_losses import LossInterception
+from fedlightning.vectorized.losses import LossInterception
 from test_vectorized import assert_same_run, fit
 
 N, REAL, C = 7, 4, 5
@@ -188,7 +188,7 @@ def test_users_modules_take_the_fast_path_and_equal_sequential(model_fn, opt):
     seq = fit(model_fn(), OPTIMIZERS[opt], "sequential")
     vec = fit(model_fn(), OPTIMIZERS[opt], "vectorized")
     engine = engine_of(vec)
-    assert engine.intercept is True and "per-sample" not in engine.probed
+    assert engine.call.intercept is True and "per-sample" not in engine.call.probed
     assert_same_run(seq, vec)
     if model_fn is not UserRegression:  # the per-round mean of the logged loss, as sequential mode logs it
         got, want = vec[3].callback_metrics["client/train_loss"], seq[3].callback_metrics["client/train_loss"]
@@ -198,8 +198,8 @@ def test_users_modules_take_the_fast_path_and_equal_sequential(model_fn, opt):
 def test_a_forward_that_mixes_samples_falls_back_to_the_generic_path():
     vec = fit(BatchCentred(), OPTIMIZERS["sgd"], "vectorized")
     engine = engine_of(vec)
-    assert engine.intercept is False and "per-sample" in engine.probed
-    assert "not a mean of per-sample losses" in engine.padded_path_reason
+    assert engine.call.intercept is False and "per-sample" in engine.call.probed
+    assert "not a mean of per-sample losses" in engine.call.padded_path_reason
 
 
 def test_fallback_with_dropout_trains_exactly_what_the_generic_path_trains(monkeypatch):
@@ -208,13 +208,13 @@ def test_fallback_with_dropout_trains_exactly_what_the_generic_path_trains(monke
     model = UserMLP(dropout=0.3, log_accuracy=True)
     attempted = fit(model, OPTIMIZERS["sgd"], "vectorized")
     engine = engine_of(attempted)
-    assert engine.intercept is False and "'train_acc'" in engine.padded_path_reason
+    assert engine.call.intercept is False and "'train_acc'" in engine.call.padded_path_reason
 
     init = VectorizedClientTrainer.__init__
 
     def generic_only(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.intercept = False
+        self.call.intercept = False
 
     monkeypatch.setattr(VectorizedClientTrainer, "__init__", generic_only)
     generic = fit(model, OPTIMIZERS["sgd"], "vectorized")

@@ -1,55 +1,14 @@
 r"""Per-sample loss interception: the vectorised engine's fast path for padded steps of users' modules.
 
-On a *padded* step (:mod:`fedlightning.vectorized`: the round's clients have batches of different sizes), every
-client's batch is padded to the step's largest size ``n`` by repeating its own samples, and the engine needs each
-client's loss over its **real** samples only. A module that defines ``training_step_per_sample`` gives per-sample
-losses directly; any other module's ``training_step`` computes a *mean* over the whole (padded) batch, which would
-count the repeated samples. :class:`LossInterception` is a :class:`torch.overrides.TorchFunctionMode` active while
-the engine calls ``training_step`` on a client's padded batch; it catches the standard losses called with
-``reduction="mean"`` and returns the mean over the real samples instead, computed per sample with formulas whose
-ops all have ``vmap`` batching rules (``nll_loss`` has none and runs as a slow per-sample decomposition under
-``vmap``):
-
-===================================================  ===============================================================
-function (and the ``nn`` module that calls it)        per-element loss ``a`` and weight ``d`` (``L = Σa / Σd``)
-===================================================  ===============================================================
-``F.cross_entropy`` (``nn.CrossEntropyLoss``),        class targets: ``a = v·[(1−ε)·w_y·(−log p_y) + ε/C·Σ_c w_c(−log
-``F.nll_loss`` (``nn.NLLLoss``; ``ε = 0``, input     p_c)]``, ``d = v·w_y`` (``v``: target ≠ ``ignore_index``; ``w``:
-are the log-probabilities)                            class ``weight``, 1 without); probability targets: ``a = −Σ_c
-                                                      w_c·t'_c·log p_c`` with ``t' = (1−ε)t + ε/C``, ``d = 1``
-``F.mse_loss`` / ``F.l1_loss``                        ``(x−y)²`` / ``|x−y|``, ``d = 1``
-``F.smooth_l1_loss(beta)`` / ``F.huber_loss(delta)``  torch's piecewise formulas, ``d = 1``
-``F.binary_cross_entropy``                            ``−w·(y·max(log p, −100) + (1−y)·max(log(1−p), −100))``, ``d = 1``
-``F.binary_cross_entropy_with_logits``                ``w·((1−y)·x − (1 + (pw−1)·y)·logσ(x))``, ``d = 1``
-===================================================  ===============================================================
-
-These are the reductions torch documents for ``reduction="mean"`` (for class targets the weighted mean
-``Σ w_y ℓ / Σ w_y`` over the targets that are not ignored, label smoothing sharing that denominator; otherwise the
-mean over all elements). With the padded batch's first dimension as the sample dimension, ``A_j`` / ``D_j`` are the
-sums of ``a`` / ``d`` over sample ``j``'s elements, and the intercepted call returns
-
-.. math::
-    L = \frac{\sum_j m_j A_j}{\sum_j m_j D_j} = \sum_j \frac{m_j}{n_i} c_j, \qquad
-    c_j = \frac{A_j}{\tfrac{1}{n_i}\sum_k m_k D_k}
-
-(``m``: the row's mask of real samples, ``n_i`` its count): exactly the loss sequential training computes on the
-client's real batch, written as the weighted sum of per-sample *cells* ``c_j`` the engine's padded-step backward
-uses. Without class weights or ignored targets ``D_j`` is the number of elements per sample and
-``Σ_k m_k D_k / n_i`` is that number exactly, so ``c_j`` is sample ``j``'s own mean loss.
-
-What is recognised (anything else runs the original function unchanged; decisions ours):
-
-* ``reduction="mean"`` with the legacy ``size_average`` / ``reduce`` unset; ``input.dim() >= 1`` (``>= 2`` for the
-  class losses) with ``input.shape[0] == n``; elementwise losses need ``target.shape == input.shape`` (a
-  broadcasting pair mixes samples) and ``weight`` / ``pos_weight`` that broadcast to ``input``'s shape; class
-  targets of shape ``input.shape[:1] + input.shape[2:]`` or probability targets of ``input``'s shape.
-* ``F.mse_loss`` / ``F.l1_loss`` / ``F.huber_loss`` with their ``weight`` argument are not recognised (its mean
-  normalisation is not a documented per-element formula); ``F.binary_cross_entropy`` under autocast is not
-  recognised (torch refuses it there).
-* Under autocast, half-precision inputs are upcast to float32 first, as autocast's policy does for these losses.
-* The output of a recognised call is remembered (with its cells); ``Tensor.detach`` / ``clone`` of it are
-  remembered as the same loss. The engine uses the cells only when ``training_step`` returns such an output and
-  every value it logs is one (or does not depend on the client); otherwise it falls back to its generic path.
+On a *padded* step (the round's clients have batches of different sizes) every client's batch is padded to the
+step's largest size ``n`` by repeating its own samples, and the engine needs each client's loss over its **real**
+samples only. A module's ``training_step`` computes a *mean* over the whole (padded) batch, which would count the
+repeated samples. While the engine calls ``training_step`` on a client's padded batch, :class:`LossInterception`
+(a ``TorchFunctionMode``) catches the standard losses called with ``reduction="mean"``
+(:data:`INTERCEPTED_LOSSES`: ``F.cross_entropy``, ``F.nll_loss``, ``F.mse_loss``, ``F.l1_loss``,
+``F.smooth_l1_loss``, ``F.huber_loss``, ``F.binary_cross_entropy[_with_logits]`` and the ``nn`` modules that call
+them) and returns the mean over the real samples instead, computed per sample with ops that all have ``vmap``
+batching rules (``nll_loss`` has none and runs as a slow per-sample decomposition under ``vmap``).
 """
 
 from __future__ import annotations
@@ -60,7 +19,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
+
+from .torch_internals import TorchFunctionMode
 
 __all__ = ["LossInterception", "INTERCEPTED_LOSSES"]
 
@@ -203,8 +163,49 @@ _ALIASES = (Tensor.detach, Tensor.clone, torch.clone)
 
 
 class LossInterception(TorchFunctionMode):
-    """While active, the losses of :data:`INTERCEPTED_LOSSES` with ``reduction="mean"`` on a padded batch of ``n``
-    samples return the mean over the real samples (see the module docstring for the formulas).
+    r"""While active, the losses of :data:`INTERCEPTED_LOSSES` with ``reduction="mean"`` on a padded batch of ``n``
+    samples return the mean over the real samples:
+
+    ===================================================  ===============================================================
+    function (and the ``nn`` module that calls it)        per-element loss ``a`` and weight ``d`` (``L = Σa / Σd``)
+    ===================================================  ===============================================================
+    ``F.cross_entropy`` (``nn.CrossEntropyLoss``),        class targets: ``a = v·[(1−ε)·w_y·(−log p_y) + ε/C·Σ_c w_c(−log
+    ``F.nll_loss`` (``nn.NLLLoss``; ``ε = 0``, input     p_c)]``, ``d = v·w_y`` (``v``: target ≠ ``ignore_index``; ``w``:
+    are the log-probabilities)                            class ``weight``, 1 without); probability targets: ``a = −Σ_c
+                                                          w_c·t'_c·log p_c`` with ``t' = (1−ε)t + ε/C``, ``d = 1``
+    ``F.mse_loss`` / ``F.l1_loss``                        ``(x−y)²`` / ``|x−y|``, ``d = 1``
+    ``F.smooth_l1_loss(beta)`` / ``F.huber_loss(delta)``  torch's piecewise formulas, ``d = 1``
+    ``F.binary_cross_entropy``                            ``−w·(y·max(log p, −100) + (1−y)·max(log(1−p), −100))``, ``d = 1``
+    ``F.binary_cross_entropy_with_logits``                ``w·((1−y)·x − (1 + (pw−1)·y)·logσ(x))``, ``d = 1``
+    ===================================================  ===============================================================
+
+    These are the reductions torch documents for ``reduction="mean"`` (for class targets the weighted mean
+    ``Σ w_y ℓ / Σ w_y`` over the targets that are not ignored, label smoothing sharing that denominator; otherwise the
+    mean over all elements). With the padded batch's first dimension as the sample dimension, ``A_j`` / ``D_j`` are the
+    sums of ``a`` / ``d`` over sample ``j``'s elements, and the intercepted call returns
+
+    .. math::
+        L = \frac{\sum_j m_j A_j}{\sum_j m_j D_j} = \sum_j \frac{m_j}{n_i} c_j, \qquad
+        c_j = \frac{A_j}{\tfrac{1}{n_i}\sum_k m_k D_k}
+
+    (``m``: the row's mask of real samples, ``n_i`` its count): exactly the loss sequential training computes on the
+    client's real batch, written as the weighted sum of per-sample *cells* ``c_j`` the engine's padded-step backward
+    uses. Without class weights or ignored targets ``D_j`` is the number of elements per sample and
+    ``Σ_k m_k D_k / n_i`` is that number exactly, so ``c_j`` is sample ``j``'s own mean loss.
+
+    What is recognised (anything else runs the original function unchanged; decisions ours):
+
+    * ``reduction="mean"`` with the legacy ``size_average`` / ``reduce`` unset; ``input.dim() >= 1`` (``>= 2`` for the
+      class losses) with ``input.shape[0] == n``; elementwise losses need ``target.shape == input.shape`` (a
+      broadcasting pair mixes samples) and ``weight`` / ``pos_weight`` that broadcast to ``input``'s shape; class
+      targets of shape ``input.shape[:1] + input.shape[2:]`` or probability targets of ``input``'s shape.
+    * ``F.mse_loss`` / ``F.l1_loss`` / ``F.huber_loss`` with their ``weight`` argument are not recognised (its mean
+      normalisation is not a documented per-element formula); ``F.binary_cross_entropy`` under autocast is not
+      recognised (torch refuses it there).
+    * Under autocast, half-precision inputs are upcast to float32 first, as autocast's policy does for these losses.
+    * The output of a recognised call is remembered (with its cells); ``Tensor.detach`` / ``clone`` of it are
+      remembered as the same loss. The engine uses the cells only when ``training_step`` returns such an output and
+      every value it logs is one (or does not depend on the client); otherwise it falls back to its generic path.
 
     Args:
         n: the padded batch size (the first dimension of the loss inputs).

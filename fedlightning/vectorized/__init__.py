@@ -1,0 +1,31 @@
+"""Vectorised client execution: ``FederatedLoop(client_execution="vectorized")`` trains a round's clients in lockstep.
+
+The clients' weights are one ``[C, D]`` tensor and their losses one ``torch.func.vmap`` call of the model's own
+``training_step``, on the same batches as sequential training, giving the same updates (float rounding apart;
+dropout masks differ, reproducibly). It applies to models without batch-statistics layers, per-step hook
+overrides or torchmetrics updates in ``training_step``, with ``torch.optim.SGD`` (no momentum), SgdArmijo, SPS or
+DecSPS clients; anything else raises :class:`VectorizationUnsupportedError` naming the layer or setting.
+``client_execution="auto"`` times one round both ways and trains vectorised only when that is :data:`AUTO_MARGIN`
+times faster, falling back to sequential on anything unsupported. Modules on padded steps (clients' batches of
+unequal size) are fastest with ``training_step_per_sample`` or a standard mean loss
+(:mod:`fedlightning.vectorized.losses`). The README's "Vectorised clients" paragraph is the user guide;
+docs/benchmarks.md §3 has the speed-ups and their commands; the engine's decisions are in the docstrings of
+:mod:`~fedlightning.vectorized.engine` and the modules beside it.
+"""
+
+# Relative imports inside this package let benchmarks/engine_ab.py load another version of it beside this one.
+from .auto import AUTO_MARGIN, CLIENT_EXECUTION_MODES, auto_choice, run_vectorized_round
+from .engine import VectorizedClientTrainer
+from .rules import make_batched_rule
+from .support import VectorizationUnsupportedError, check_model_vectorizable
+
+__all__ = [
+    "AUTO_MARGIN",
+    "CLIENT_EXECUTION_MODES",
+    "VectorizationUnsupportedError",
+    "VectorizedClientTrainer",
+    "auto_choice",
+    "check_model_vectorizable",
+    "make_batched_rule",
+    "run_vectorized_round",
+]

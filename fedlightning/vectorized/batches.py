@@ -1,0 +1,213 @@
+"""The round's mini-batches of every client, drawn as sequential training draws them, padded per step.
+
+:class:`_RoundBatches` gives, step by step, the batch leaves ``[C, n_max, ...]`` of all clients (client ``i``'s
+batch in row ``i``, padded to the step's largest batch by repeating its own samples) and the real sizes ``n_i``;
+:func:`_round_index` builds the index matrices of all steps of a round at once for the data modules' own sampler.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .support import VectorizationUnsupportedError
+from .torch_internals import tree_flatten, tree_unflatten
+
+
+class _RoundBatches:
+    """The round's mini-batches of every client, step by step, in the order sequential training draws them.
+
+    ``step(k)`` returns ``(leaves, spec, sizes)``: the batch structure's tensor leaves ``[C, n_max, ...]`` (client
+    ``i``'s batch of step ``k`` in row ``i``, padded to the step's largest batch by repeating its own samples, on the
+    model's device), the pytree spec of a batch, and the real batch sizes ``n_i`` (see
+    :class:`~fedlightning.vectorized.layout._Layout`).
+
+    Decisions (ours): the same data as sequential training. Client ``i`` draws its batches from
+    ``datamodule.client_dataloader(i, round, seed=loop.seed)`` in the same order, cycling to a new shuffled epoch
+    when the loader runs out (as ``LocalTrainer.run``). For the in-memory ``ArrayBatchLoader`` the index lists are
+    read from the loader's own batch sampler and a step's rows of all clients are gathered with one indexing op per
+    tensor; other loaders are iterated as they are.
+    """
+
+    #: largest round of gathered batch rows (bytes) that is gathered at once rather than step by step
+    ROUND_GATHER_BYTES = 32 << 20
+
+    def __init__(self, datamodule, client_ids: Sequence[int], round: int, seed: int, local_steps: int,
+                 to_device: Callable[[Any], Any]):
+        self.local_steps = local_steps
+        self.to_device = to_device
+        loaders = [datamodule.client_dataloader(cid, round, seed=seed) for cid in client_ids]
+        samplers = [self._array_sampler(ld) for ld in loaders]
+        if all(s is not None for s in samplers) and len({id(ld.dataset) for ld in loaders}) == 1:
+            self._init_fast(loaders[0].dataset, samplers)
+        else:
+            self._init_generic(loaders)
+
+    @staticmethod
+    def _array_sampler(loader):
+        """The batch sampler of an in-memory fast-path loader (``ArrayBatchLoader`` over an ArrayDataset), else None."""
+        from fedlightning.datamodules.base import ArrayBatchLoader, ArrayDataset
+
+        if type(loader) is ArrayBatchLoader and isinstance(loader.dataset, ArrayDataset):
+            return loader.batch_sampler
+        return None
+
+    def _init_fast(self, dataset, samplers) -> None:
+        """Index lists straight from each client's batch sampler (exactly what its ``ArrayBatchLoader`` yields as
+        ``(x[idx], y[idx])``), laid out as one padded ``[C, n_max]`` index matrix per step (all steps' matrices are
+        built at once, see :func:`_round_index`). The rows of the whole round are gathered with one
+        ``index_select`` per tensor when they fit in :attr:`ROUND_GATHER_BYTES` (each step's batch is then a view
+        into them), else step by step."""
+        self.fast, self.dataset = True, dataset
+        K = self.local_steps
+        index, sizes, widths = _round_index(samplers, K)
+        C = len(samplers)
+        offsets = np.concatenate([[0], np.cumsum(widths * C)]).tolist()
+        sizes_list = sizes.tolist()
+        self.steps = [(index[offsets[k]:offsets[k + 1]].reshape(C, -1), sizes_list[k]) for k in range(K)]
+        self.offsets = offsets
+        self.round_leaves = None
+        x, y = dataset.x, dataset.y
+        probe = torch.from_numpy(index[:1])
+        row_bytes = sum(t.numel() * t.element_size() for t in (_take(x, probe), _take(y, probe)))
+        if index.size * row_bytes <= self.ROUND_GATHER_BYTES:
+            flat = torch.from_numpy(index)
+            gathered = self.to_device((_take(x, flat), _take(y, flat)))
+            self.round_leaves, self.spec = tree_flatten(gathered)
+
+    def _init_generic(self, loaders) -> None:
+        self.fast = False
+        K = self.local_steps
+        per_step: List[List[Any]] = [[] for _ in range(K)]
+        with torch.random.fork_rng(devices=[]):  # DataLoader iterators draw a base seed from the global RNG
+            for ld in loaders:
+                it = iter(ld)
+                for k in range(K):
+                    try:
+                        b = next(it)
+                    except StopIteration:
+                        it = iter(ld)
+                        b = next(it)
+                    per_step[k].append(b)
+        self.per_step = per_step
+
+    def step(self, k: int) -> Tuple[List[Tensor], Any, List[int]]:
+        """Leaves ``[C, n_max, ...]`` of step ``k``'s batches (each client's rows, padded by repeating its own rows
+        up to the largest batch of the step), the batch's pytree spec, and the real sizes ``n_i``."""
+        if self.fast:
+            index, sizes = self.steps[k]
+            shape = index.shape
+            if self.round_leaves is not None:  # views into the round's rows
+                start, end = self.offsets[k], self.offsets[k + 1]
+                leaves = [x[start:end].view(*shape, *x.shape[1:]) for x in self.round_leaves]
+                return leaves, self.spec, sizes
+            flat = torch.from_numpy(index.reshape(-1))
+            x, y = _take(self.dataset.x, flat), _take(self.dataset.y, flat)
+            x, y = self.to_device((x.view(*shape, *x.shape[1:]), y.view(*shape, *y.shape[1:])))
+            leaves, spec = tree_flatten((x, y))
+            return leaves, spec, sizes
+        batches = self.per_step[k]
+        flats, specs = zip(*(tree_flatten(b) for b in batches))
+        spec = specs[0]
+        if any(s != spec for s in specs):
+            raise VectorizationUnsupportedError("the clients' batches have different structures; cannot stack them")
+        sizes = []
+        for leaves in flats:
+            if not leaves or not all(isinstance(x, Tensor) and x.dim() >= 1 for x in leaves):
+                raise VectorizationUnsupportedError(
+                    "client_execution='vectorized' needs batches whose leaves are all tensors with a leading batch "
+                    f"dimension; got leaves of types {[type(x).__name__ for x in leaves]}"
+                )
+            n = leaves[0].shape[0]
+            if any(x.shape[0] != n for x in leaves):
+                raise VectorizationUnsupportedError(
+                    f"batch leaves have different leading sizes {[tuple(x.shape) for x in leaves]}; cannot stack them"
+                )
+            sizes.append(int(n))
+        position = torch.from_numpy(_padded_positions(sizes))
+        leaves = [torch.cat([f[j] for f in flats])[position] for j in range(len(flats[0]))]
+        leaves = tree_flatten(self.to_device(tree_unflatten(leaves, spec)))[0]
+        return leaves, spec, sizes
+
+
+def _take(data: Any, index: Tensor) -> Tensor:
+    """``data[index]`` for a 1-d int64 ``index``: ``index_select`` for tensors (the same rows, faster than advanced
+    indexing), the object's own indexing otherwise (tensor-like views such as Shakespeare's sliding windows)."""
+    if isinstance(data, Tensor):
+        return torch.index_select(data, 0, index.to(data.device))
+    return data[index]
+
+
+def _sampler_batches(sampler, num: int) -> List[np.ndarray]:
+    """The first ``num`` index batches a client's loader yields, cycling to a new epoch (a new ``iter()``) when the
+    sampler runs out, exactly as ``LocalTrainer.run`` re-iterates its loader (any batch sampler)."""
+    out: List[np.ndarray] = []
+    it = iter(sampler)
+    while len(out) < num:
+        try:
+            idx = next(it)
+        except StopIteration:  # a new shuffled epoch
+            it = iter(sampler)
+            idx = next(it)
+        out.append(np.asarray(idx, dtype=np.int64).reshape(-1))
+    return out
+
+
+def _round_index(samplers, num: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The first ``num`` index batches of every client's batch sampler (as :func:`_sampler_batches`), laid out for
+    the round: returns ``(index, sizes, widths)`` with ``sizes[k, i]`` the size of client ``i``'s batch ``k``,
+    ``widths[k] = max_i sizes[k, i]`` and ``index`` the concatenation over ``k`` of the ``[C, widths[k]]`` matrices
+    whose row ``i`` holds client ``i``'s batch ``k`` padded by repeating its own rows (see
+    :func:`_padded_positions`).
+
+    For :class:`~fedlightning.datamodules.base.ClientBatchSampler` (the data modules' own sampler) the epochs are
+    drawn here with the sampler's own generator and operations (one ``randperm`` per epoch, cut into batches of
+    ``batch_size``, the last one partial): the same index lists as iterating it, with the per-epoch Python work
+    reduced to the ``randperm`` call and everything else done for all clients and steps at once (the host work of a
+    round is then a few numpy ops besides one ``randperm`` per client and epoch). Other samplers are iterated.
+    """
+    from fedlightning.datamodules.base import ClientBatchSampler
+
+    C = len(samplers)
+    fast = all(type(s) is ClientBatchSampler and s.shuffle and len(s.indices) > 0 for s in samplers)
+    k = np.arange(num, dtype=np.int64)[:, None]
+    if fast:
+        n = np.array([len(s.indices) for s in samplers], dtype=np.int64)
+        bs = np.array([s.batch_size for s in samplers], dtype=np.int64)
+        per_epoch = -(-n // bs)  # batches per epoch
+        epochs = -(-num // per_epoch)  # epochs needed for ``num`` batches
+        perms = [torch.randperm(int(n_i), generator=s.generator)
+                 for s, n_i, e_i in zip(samplers, n.tolist(), epochs.tolist()) for _ in range(e_i)]
+        segment = epochs * n  # client i's epochs, one after the other, in ``order``
+        seg_start = np.cumsum(segment) - segment
+        idx_start = np.cumsum(n) - n
+        # order[seg_start_i + e n_i + j] = sampler_i.indices[perm_{i,e}[j]]
+        all_indices = torch.cat([s.indices for s in samplers]).numpy()
+        order = all_indices[torch.cat(perms).numpy() + np.repeat(idx_start, segment)]
+        b = k % per_epoch  # position of batch k in its epoch
+        starts = seg_start + (k // per_epoch) * n + b * bs  # [K, C]
+        sizes = np.minimum(bs, n - b * bs)
+    else:
+        chunks = [_sampler_batches(s, num) for s in samplers]
+        sizes = np.array([[len(c[j]) for c in chunks] for j in range(num)], dtype=np.int64).reshape(num, C)
+        order = np.concatenate([np.concatenate(c) for c in chunks])
+        client_start = np.cumsum(sizes.sum(0)) - sizes.sum(0)
+        starts = client_start + np.cumsum(sizes, axis=0) - sizes
+    widths = sizes.max(axis=1)  # [K]
+    # cell (k, i, j) for j < widths[k] holds the client's row j mod sizes[k, i]
+    w = np.repeat(widths, C)  # width of every (k, i) row
+    row_start = np.cumsum(w) - w
+    col = np.arange(int(w.sum()), dtype=np.int64) - np.repeat(row_start, w)
+    pos = np.repeat(starts.reshape(-1), w) + col % np.repeat(sizes.reshape(-1), w)
+    return order[pos], sizes, widths
+
+
+def _padded_positions(sizes: List[int]) -> np.ndarray:
+    """``[C, n_max]`` positions into the clients' concatenated rows; client ``i``'s cell ``j`` holds its own row
+    ``j mod n_i``, so padding cells repeat real samples (finite losses, masked out)."""
+    n = np.asarray(sizes, dtype=np.int64)
+    start = np.cumsum(n) - n
+    return start[:, None] + np.arange(int(n.max()))[None, :] % n[:, None]

@@ -1,0 +1,499 @@
+r"""The model's ``training_step`` run under vmap over client rows: one loss per row and the values it logged.
+
+:class:`_ModelCall` puts each row's weights in the modules' parameter slots and calls ``training_step`` on the row's
+batch; on padded steps (clients' batches of different sizes) each row's loss is the mean over its real samples,
+from the model's ``training_step_per_sample``, from per-sample loss interception
+(:mod:`fedlightning.vectorized.losses`) or from one ``training_step`` call per sample, the first that applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from fedlightning.client import extract_loss
+
+from .losses import LossInterception
+from .support import (
+    VectorizationUnsupportedError,
+    _has_random_layers,
+    _metric_modules,
+    _per_sample_protocol,
+    _refuse_metric_update,
+    _vmappable_rnns,
+)
+from .torch_internals import (
+    _is_batched,
+    _parameter_slots,
+    _plain_rnn_forward,
+    _rng_state,
+    _set_rng_state,
+    _tensors_in_slots,
+    _vmap0,
+    tree_flatten,
+    tree_unflatten,
+)
+
+
+class _LogCollector:
+    """Stands in for ``model.log`` / ``model.log_dict`` while the model runs under ``vmap``.
+
+    Values are collected as (batched) tensors and returned from the vmapped function as outputs, so they leave
+    ``vmap`` as ordinary ``[C]`` tensors (the loop's router would otherwise keep tensors that escaped ``vmap``).
+    Like the router, non-scalar values and torchmetrics objects are ignored.
+    """
+
+    def __init__(self) -> None:
+        self.names: List[str] = []
+        self.values: List[Tensor] = []
+        self.per_sample = False  # True while ``training_step_per_sample`` runs: only ``[n]`` values are kept
+
+    def reset(self, per_sample: bool = False) -> None:
+        self.names, self.values = [], []
+        self.per_sample = per_sample
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+            return
+        if self.per_sample:  # one value per sample ([n]); anything else has no per-sample meaning
+            if isinstance(value, Tensor) and value.dim() == 1:
+                self._keep(name, value)
+            return
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                return
+            # returned from vmap as it is; detached, made a scalar and float32 outside (see _logged_value)
+        else:
+            value = torch.tensor(float(value))
+        self._keep(name, value)
+
+    def _keep(self, name: str, value: Tensor) -> None:
+        if name in self.names:  # logged twice in one call: keep the last value, as a logger would
+            self.values[self.names.index(name)] = value
+        else:
+            self.names.append(name)
+            self.values.append(value)
+
+    def log_dict(self, dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        for k, v in dictionary.items():
+            self.log(k, v)
+
+
+def _logged_value(value: Tensor, batch_dims: int) -> Tensor:
+    """A logged one-element value as it left vmap (``[R, *shape]`` or ``[R, n_max, *shape]``), detached, with its
+    one element per row / cell, as float32: what ``value.detach().reshape(()).float()`` gives inside vmap."""
+    return value.detach().reshape(value.shape[:batch_dims]).float()
+
+
+class _ModuleTracker:
+    """Remembers which module was executing when a batched call failed (to name the layer in the error)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.stack: List[str] = []
+        self.failed_in: Optional[str] = None
+        self.handles: list = []
+
+    def __enter__(self) -> "_ModuleTracker":
+        for name, module in self.model.named_modules():
+            label = f"'{name}' ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
+
+            def pre(mod, args, label=label):
+                self.stack.append(label)
+
+            def post(mod, args, out, label=label):
+                if self.stack:
+                    self.stack.pop()
+
+            self.handles.append(module.register_forward_pre_hook(pre))
+            self.handles.append(module.register_forward_hook(post))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self.stack:
+            self.failed_in = self.stack[-1]
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class _ModelCall:
+    """The wrapped model's ``training_step`` on rows of client weights and batches, as one vmapped call.
+
+    Each row's parameter tensors go straight into the modules' parameter slots (what ``functional_call`` does,
+    without its per-call name resolution). While the model runs under vmap (:meth:`_vmap_context`) ``self.log``
+    goes to a :class:`_LogCollector`, RNN layers run in plain tensor ops and a torchmetrics update is refused.
+    :meth:`row_values` gives one loss per row; the first call of each path runs under a :class:`_ModuleTracker`, so
+    a layer ``vmap`` cannot run is reported by name.
+
+    Decisions (ours): work stays outside vmap where it can. On padded steps the vmapped function returns every
+    cell's value and the masked per-client sums are taken after vmap (the same ops without batching rules); the
+    per-sample ``unsqueeze`` is a view taken before vmap; logged values leave vmap as they are and are detached,
+    reshaped and cast outside.
+    """
+
+    def __init__(self, model: nn.Module, named: Sequence[Tuple[str, Tensor]], dtype: torch.dtype):
+        """``named``: the model's trainable parameters (name, Parameter), in the order of the rows' tensors;
+        ``dtype``: theirs (one for all)."""
+        self.model = model
+        self.dtype = dtype
+        self.param_slots = _parameter_slots(model, named)
+        self.collector = _LogCollector()
+        self.metric_modules = _metric_modules(model)
+        self.per_sample_step = _per_sample_protocol(model)
+        # padded steps of a model without the protocol: per-sample loss interception (losses.py) while it is
+        # recognised; None = not tried yet, True = in use, False = generic path (reason in padded_path_reason)
+        self.intercept: Optional[bool] = None
+        self.padded_path_reason = ""
+        self.rnns = _vmappable_rnns(model)
+        self.deterministic = not _has_random_layers(model)
+        self.probed: set = set()
+
+    @contextmanager
+    def _vmap_context(self):
+        """While the model runs under vmap: ``self.log`` goes to the collector, RNN layers use
+        :func:`~fedlightning.vectorized.torch_internals._rnn_forward`, torchmetrics updates are refused."""
+        model = self.model
+        saved = {k: model.__dict__[k] for k in ("log", "log_dict") if k in model.__dict__}
+        model.__dict__["log"], model.__dict__["log_dict"] = self.collector.log, self.collector.log_dict
+        saved_updates = [(m, m.__dict__.get("update")) for _, m in self.metric_modules]
+        for name, m in self.metric_modules:
+            m.__dict__["update"] = functools.partial(_refuse_metric_update, name)
+        try:
+            with _plain_rnn_forward(self.rnns):
+                yield
+        finally:
+            for k in ("log", "log_dict"):
+                model.__dict__.pop(k, None)
+            model.__dict__.update(saved)
+            for m, update in saved_updates:
+                if update is None:
+                    m.__dict__.pop("update", None)
+                else:
+                    m.__dict__["update"] = update
+
+    def row_values(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int, cells: bool = False):
+        """One value per row of a :class:`~fedlightning.vectorized.layout._Layout` batch at the row weights
+        ``views`` ([R, ...] each), and the values the model logged (list of ``(name, [R] tensor)``): whole rows give
+        ``training_step``'s loss of the row; cell rows (``mask`` given) give the sum of the per-sample losses of the
+        row's real cells, or, with ``cells``, the ``[R, n_max]`` per-sample losses themselves (padded cells
+        included; logged values are still the masked sums).
+
+        Cell rows take the first path that applies: the model's per-sample protocol (one
+        ``training_step_per_sample`` call per row, :func:`~fedlightning.vectorized.support._per_sample_protocol`);
+        per-sample loss interception (:meth:`_intercepted_row_values`); the generic path (one ``training_step``
+        call per sample, an inner vmap)."""
+        if mask is None:
+            mode = "whole"
+        elif self.per_sample_step is not None:
+            mode = "per-sample protocol"
+        elif self.intercept is not False:
+            return self._intercepted_row_values(views, batch, mask, step, cells)
+        else:
+            mode = "per-sample"
+        with self._vmap_context():
+            if mode in self.probed:
+                return self._row_values_vmapped(views, batch, mask, step, cells)
+            if mode == "per-sample protocol":
+                self._check_per_sample_protocol(views, batch, mask, step)
+            tracker = _ModuleTracker(self.model)  # first call of each mode: name the layer if vmap fails
+            try:
+                with tracker:
+                    out = self._row_values_vmapped(views, batch, mask, step, cells)
+            except Exception as err:  # noqa: BLE001 - re-raised with the layer that failed
+                where = tracker.failed_in or f"the model ({type(self.model).__name__})"
+                raise VectorizationUnsupportedError(
+                    f"client_execution='vectorized' failed in {where} while running the clients under "
+                    f"torch.func.vmap: {type(err).__name__}: {err}. Use client_execution='sequential' (or 'auto' "
+                    "to fall back automatically)"
+                ) from err
+            self.probed.add(mode)
+            return out
+
+    def _row_values_vmapped(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int,
+                            want_cells: bool = False):
+        model, collector = self.model, self.collector
+        model_name = type(model).__name__
+        leaves, spec = tree_flatten(batch)
+        nv = len(views)
+
+        def one_call(vs: Sequence[Tensor], b: Any):
+            """``training_step(b, step)`` with the parameter slots holding ``vs`` (as ``functional_call``)."""
+            collector.reset()
+            with self._weights_in_slots(vs):
+                loss = extract_loss(model.training_step(b, step), model_name)
+            return (loss, *collector.values)
+
+        # flat positional arguments and outputs: vmap's argument handling is a pytree walk per call
+        if mask is None:
+            def per_row(*args):
+                return one_call(args[:nv], tree_unflatten(list(args[nv:]), spec))
+
+            out = _vmap0(per_row, [*views, *leaves])
+        elif self.per_sample_step is not None:
+            n_max = mask.shape[1]
+
+            as_loss: List[str] = []  # names logged with the loss tensor itself (Classifier's train/batch_loss)
+            names: List[str] = []
+
+            def per_row_samples(*args):
+                """``training_step_per_sample`` on the row's whole (padded) batch: ``[n_max]`` losses."""
+                collector.reset(per_sample=True)
+                losses = self._per_sample_losses(args[:nv], tree_unflatten(list(args[nv:]), spec), step, n_max)
+                own = [(n, v) for n, v in zip(collector.names, collector.values) if v is not losses]
+                as_loss[:] = [n for n, v in zip(collector.names, collector.values) if v is losses]
+                names[:] = [n for n, _ in own]
+                return (losses, *[v for _, v in own])
+
+            out = _vmap0(per_row_samples, [*views, *leaves])
+            collector.reset()
+            # values logged with another length than the batch have no per-sample meaning: dropped
+            kept = [(name, v.detach().float()) for name, v in zip(names, out[1:]) if tuple(v.shape) == tuple(mask.shape)]
+            return self._padded_result(out[0], mask, as_loss, kept, want_cells)
+        else:
+            def per_row_cells(*args):
+                vs = args[:nv]
+
+                def per_sample(*sample_leaves):  # a batch of one sample: [1, ...] each
+                    return one_call(vs, tree_unflatten(list(sample_leaves), spec))
+
+                return _vmap0(per_sample, args[nv:])
+
+            # [R, n_max, 1, ...]: every cell a batch of one (the unsqueeze outside vmap is a plain view)
+            cells = _vmap0(per_row_cells, [*views, *(x.unsqueeze(2) for x in leaves)])
+            # [R, n_max] values of every cell; padded cells (repeated samples) count zero. The masked sums run
+            # outside vmap (the same ops on the same [R, n_max] tensors, without their batching rules)
+            kept = list(zip(list(collector.names), [_logged_value(v, 2) for v in cells[1:]]))
+            return self._padded_result(cells[0], mask, [], kept, want_cells)
+        return out[0], list(zip(list(collector.names), [_logged_value(v, 1) for v in out[1:]]))
+
+    def _intercepted_row_values(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool):
+        """:meth:`row_values` of padded rows through per-sample loss interception
+        (:mod:`fedlightning.vectorized.losses`): one ``training_step`` call per row on its whole padded batch, the
+        standard losses computed per sample and averaged over the row's real samples.
+
+        Decisions (ours): it is used while it is recognised: ``training_step`` must return the output of an intercepted
+        loss, and every value it logs must be one too or not depend on the client (a constant). On the first padded call
+        of the engine, for models without random layers, the intercepted loss of the most padded row is checked against
+        ``training_step`` on that row's real samples alone (a loss that is not a mean over samples, or a forward that
+        mixes samples, fails it). If any of this fails, or the batched call raises, the engine uses the generic path
+        (one ``training_step`` per sample) from then on, after restoring the random state the attempt started from, so
+        the generic path computes exactly what it computes without this attempt. The path taken is logged once
+        (rank-zero info line).
+        """
+        devices = [views[0].device] if views[0].device.type == "cuda" else []
+        rng = None if self.deterministic else _rng_state(devices)
+        first = self.intercept is None
+        try:
+            with self._vmap_context():
+                if first:
+                    reason = self._check_interception(views, batch, mask, step)
+                    if reason is not None:
+                        raise _NotIntercepted(reason)
+                out = self._interception_vmapped(views, batch, mask, step, want_cells)
+        except Exception as err:  # noqa: BLE001 - any failure of the fast path: the generic path decides
+            self.collector.reset()
+            if rng is not None:
+                _set_rng_state(rng, devices)
+            self.intercept = False
+            self.padded_path_reason = str(err) if isinstance(err, _NotIntercepted) else f"{type(err).__name__}: {err}"
+            _info(f"client_execution='vectorized': padded steps of {type(self.model).__name__} call training_step "
+                  f"once per sample ({self.padded_path_reason})")
+            return self.row_values(views, batch, mask, step, want_cells)
+        if first:
+            self.intercept = True
+            self.padded_path_reason = "per-sample loss interception"
+            _info(f"client_execution='vectorized': padded steps of {type(self.model).__name__} compute its loss per "
+                  "sample by loss interception (one training_step call per client)")
+        return out
+
+    def _interception_vmapped(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool):
+        model, collector = self.model, self.collector
+        model_name = type(model).__name__
+        leaves, spec = tree_flatten(batch)
+        nv = len(views)
+        n_max = mask.shape[1]
+        m = mask.to(self.dtype)
+        counts = m.sum(1)
+        as_loss: List[str] = []  # names logged with the loss tensor itself
+        names: List[str] = []  # other logged values, returned as [n_max] cells
+
+        def per_row(*args):
+            vs, row_mask, count = args[:nv], args[nv], args[nv + 1]
+            collector.reset()
+            interception = LossInterception(n_max, row_mask, count)
+            with self._weights_in_slots(vs), interception:
+                loss = extract_loss(model.training_step(tree_unflatten(list(args[nv + 2:]), spec), step), model_name)
+            cells = interception.cells_of(loss)
+            if cells is None:
+                raise _NotIntercepted(_unrecognised("the loss training_step returns", interception))
+            as_loss.clear()
+            names.clear()
+            logged = []
+            for name, value in zip(collector.names, collector.values):
+                own = interception.cells_of(value)
+                if own is cells:
+                    as_loss.append(name)
+                    continue
+                if own is None:
+                    if _is_batched(value):
+                        raise _NotIntercepted(_unrecognised(f"the value logged as {name!r}", interception))
+                    own = row_mask * 0 + value.detach().reshape(())  # a constant: the same value in every cell
+                names.append(name)
+                logged.append(own)
+            return (cells, *logged)
+
+        out = _vmap0(per_row, [*views, m, counts, *leaves])
+        collector.reset()
+        kept = [(name, v.detach().float()) for name, v in zip(names, out[1:])]
+        return self._padded_result(out[0], mask, list(as_loss), kept, want_cells)
+
+    def _check_interception(self, views: List[Tensor], batch: Any, mask: Tensor, step: int) -> Optional[str]:
+        """None if the intercepted loss of a padded row (see below) equals ``training_step`` on its real samples alone
+        (at the row's weights, without gradients, in full precision), else the reason it does not. Skipped (None)
+        for models with random layers, whose two calls draw different random numbers."""
+        if not self.deterministic:
+            return None
+        leaves, spec = tree_flatten(batch)
+        counts = mask.sum(1).tolist()
+        n_max = mask.shape[1]
+        # the most padded row whose padding is not whole copies of its batch (such copies keep batch means, which
+        # would hide a forward pass that mixes samples), else the most padded row
+        r = min(range(len(counts)), key=lambda i: (n_max % counts[i] == 0, counts[i]))
+        k = int(counts[r])
+        row = [v[r].detach() for v in views]
+        model_name = type(self.model).__name__
+        try:
+            full_precision = torch.autocast(device_type=row[0].device.type, enabled=False)
+        except RuntimeError:  # a device type autocast does not know
+            full_precision = contextlib.nullcontext()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision, self._weights_in_slots(row):
+            interception = LossInterception(n_max, mask[r].to(self.dtype), mask[r].to(self.dtype).sum())
+            with interception:
+                padded = extract_loss(self.model.training_step(tree_unflatten([x[r] for x in leaves], spec), step),
+                                      model_name)
+            if interception.cells_of(padded) is None:
+                self.collector.reset()
+                return _unrecognised("the loss training_step returns", interception)
+            real = extract_loss(self.model.training_step(tree_unflatten([x[r, :k] for x in leaves], spec), step),
+                                model_name)
+        self.collector.reset()
+        low = self.dtype in (torch.float16, torch.bfloat16)
+        if not torch.allclose(padded.double(), real.double(), rtol=2e-2 if low else 1e-4, atol=2e-2 if low else 1e-6,
+                              equal_nan=True):
+            return (f"its loss on a client's {k} real samples is {float(real):.6g} but the per-sample interception "
+                    f"on the padded batch of {n_max} gives {float(padded):.6g}: the loss is not a mean of per-sample "
+                    "losses, or the forward pass mixes samples")
+        return None
+
+    @staticmethod
+    def _padded_result(cells: Tensor, mask: Tensor, as_loss: List[str], kept: List[Tuple[str, Tensor]],
+                       want_cells: bool):
+        """What :meth:`row_values` returns for padded rows, from the ``[R, n_max]`` per-sample losses ``cells``:
+        ``(sums, logged)``, or ``(cells, sums, logged)`` with ``want_cells`` (``sums`` then computed from the
+        detached cells). ``as_loss`` names values logged as the loss tensor itself (their sums are the loss sums,
+        not computed twice); ``kept`` are the other logged ``[R, n_max]`` values."""
+        sums = _masked_sum(cells.detach() if want_cells else cells, mask)
+        logged = [(name, sums.detach().float()) for name in as_loss] + [(n, _masked_sum(v, mask)) for n, v in kept]
+        return (cells, sums, logged) if want_cells else (sums, logged)
+
+
+    def _weights_in_slots(self, vs: Sequence[Tensor]):
+        """The modules' parameter slots hold ``vs`` (one tensor per trainable parameter, a row's weights) inside
+        the block, their Parameters again afterwards."""
+        return _tensors_in_slots(self.param_slots, vs)
+
+    def _per_sample_losses(self, vs: Sequence[Tensor], batch: Any, step: int, n: int) -> Tensor:
+        """``model.training_step_per_sample(batch, step)`` with the parameter slots holding ``vs``; checked to be a
+        tensor of ``n`` losses."""
+        with self._weights_in_slots(vs):
+            losses = self.per_sample_step(batch, step)
+        if not isinstance(losses, Tensor) or tuple(losses.shape) != (n,):
+            got = f"shape {tuple(losses.shape)}" if isinstance(losses, Tensor) else type(losses).__name__
+            raise ValueError(
+                f"{type(self.model).__name__}.training_step_per_sample must return one loss per sample (a tensor of "
+                f"shape ({n},) for a batch of {n}), got {got}"
+            )
+        return losses
+
+    def _check_per_sample_protocol(self, views: List[Tensor], batch: Any, mask: Tensor, step: int) -> None:
+        """Once per engine, before the protocol is first used: ``training_step_per_sample(b)[j]`` must equal
+        ``training_step`` on sample ``j`` alone (first client, its first two real samples, at the current weights,
+        without gradients). Skipped for models with random layers, whose two calls draw different random numbers.
+        A mismatch raises ``ValueError`` naming both values (a protocol that disagrees with ``training_step`` would
+        silently train another objective in vectorised mode)."""
+        if not self.deterministic:
+            return
+        leaves, spec = tree_flatten(batch)
+        k = min(2, int(mask[0].sum()))
+        row = [v[0].detach() for v in views]
+        model_name = type(self.model).__name__
+        # in the parameters' own dtype, without autocast: mixed precision would make two correct computations
+        # differ by more than rounding (the same matrix product on batches of different shapes)
+        try:
+            full_precision = torch.autocast(device_type=row[0].device.type, enabled=False)
+        except RuntimeError:  # a device type autocast does not know
+            full_precision = contextlib.nullcontext()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision:
+            per = self._per_sample_losses(row, tree_unflatten([x[0, :k] for x in leaves], spec), step, k)
+            with self._weights_in_slots(row):
+                alone = torch.stack([
+                    extract_loss(self.model.training_step(tree_unflatten([x[0, j:j + 1] for x in leaves], spec), step),
+                                 model_name).reshape(())
+                    for j in range(k)
+                ])
+        self.collector.reset()
+        low = self.dtype in (torch.float16, torch.bfloat16)  # half-precision parameters ("16-true", "bf16-true")
+        if not torch.allclose(per.double(), alone.double(), rtol=2e-2 if low else 1e-4, atol=2e-2 if low else 1e-6,
+                              equal_nan=True):
+            raise ValueError(
+                f"{model_name}.training_step_per_sample disagrees with training_step: per-sample losses "
+                f"{per.tolist()} but training_step on each of those samples alone gives {alone.tolist()}. Its entry j "
+                "must be training_step's loss on sample j alone; fix it, or remove it to let the vectorised engine "
+                "call training_step once per sample"
+            )
+
+    @staticmethod
+    def term_values(views: List[Tensor], terms: List[List[Callable]]) -> Tensor:
+        """Σ of each client's objective terms, called on that client's parameter tensors (rows of the batch).
+
+        Client objective terms (``client_objective`` hooks, e.g. FedProx's proximal term) are called on the list of
+        their client's parameter tensors (slices of the batched weights), so their gradients flow through the same
+        backward pass (one Python call per client and term per evaluation)."""
+        values = []
+        for c, client_terms in enumerate(terms):
+            own = [v[c] for v in views]
+            total = views[0].new_zeros(())
+            for term in client_terms:
+                total = total + term(own).reshape(())
+            values.append(total)
+        return torch.stack(values)
+
+
+class _NotIntercepted(Exception):
+    """Per-sample loss interception does not apply to this call (the message says why)."""
+
+
+def _unrecognised(what: str, interception: LossInterception) -> str:
+    if interception.unrecognised:
+        calls = ", ".join(sorted(set(interception.unrecognised)))
+        return f"{what} is not a recognised mean loss (calls with other arguments or shapes: {calls})"
+    return (f"{what} is not the output of a standard loss with reduction='mean' (F.cross_entropy, F.nll_loss, "
+            "F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy[_with_logits] or their "
+            "nn modules)")
+
+
+def _info(message: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(message)
+
+
+def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
+    """Per-row sums of ``values`` ([R, n_max]) over the cells ``mask`` marks real (padded cells count zero)."""
+    return torch.where(mask, values, values.new_zeros(())).sum(1)

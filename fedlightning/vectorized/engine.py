@@ -1,0 +1,239 @@
+r"""The vectorised engine: :class:`VectorizedClientTrainer` trains a round's clients in lockstep as one batched
+computation, with the same batches and results as sequential training (:mod:`fedlightning.vectorized`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from fedlightning.state import ClientUpdate, derive_seed
+
+from .batches import _RoundBatches
+from .call import _ModelCall
+from .layout import _Layout, _WeightsLayout
+from .rules import _StepRecord, make_batched_rule
+from .step import _feed_router, _StepEvaluator
+from .support import VectorizationUnsupportedError, check_model_vectorizable
+from .torch_internals import _seed_default_generators
+
+
+class VectorizedClientTrainer:
+    r"""Trains a list of clients in lockstep on the loop's working copy of the model.
+
+    For every client ``i`` of the round it computes what :meth:`fedlightning.client.LocalTrainer.run` computes one
+    client at a time: ``K`` local steps from the global weights ``w_t`` on the client's own mini-batches,
+
+    .. math::
+        w_i^{k+1} = w_i^k - \gamma_i^k\, d_i^k, \qquad k = 0, \dots, K-1, \qquad \Delta_i = w_t - w_i^K,
+
+    with the direction ``d`` and step size ``γ`` of the client optimizer (SGD: ``γ = lr``, ``d = clip(∇f) + λw``;
+    SgdArmijo: the largest ``η_0 β^m`` with ``f(w − ηg) ≤ f(w) − cη‖g‖²``; SPS / DecSPS: stochastic Polyak steps;
+    see :mod:`fedlightning.optim` for the papers). The ``C`` clients' weights are one ``[C, D]`` tensor ``W``
+    (:class:`~fedlightning.vectorized.layout._WeightsLayout`); every client's loss is the wrapped model's own
+    ``training_step``, run under :func:`torch.func.vmap` over clients with the clients' parameter tensors in the
+    modules' parameter slots (:class:`~fedlightning.vectorized.call._ModelCall`), and one reverse-mode pass over
+    ``Σ_i f_i(w_i)`` gives all clients' gradients at once (the losses are independent, so block ``i`` of the
+    gradient is ``∇f_i(w_i)``). Per round, the index matrices of all steps are built and the batch rows of all
+    steps gathered at once (:class:`~fedlightning.vectorized.batches._RoundBatches`); per step, plain SGD updates
+    every parameter's rows of ``W`` with its own gradient (no ``[C, D]`` gradient is assembled) and needs no host
+    synchronisation.
+
+    Decisions (ours):
+
+    * **Randomness.** Sequential mode seeds each client with ``derive_seed(seed, "model", round, client_id)``;
+      batched random ops cannot reproduce those streams, so a round seeds one forked generator with
+      ``derive_seed(seed, "model-vectorized", round, *client_ids)`` and uses ``vmap(randomness="different")``:
+      dropout masks are independent across clients and samples and reproducible, but not bit-for-bit those of
+      sequential mode. Armijo trials restore the generator state of the gradient evaluation, so they see its
+      dropout masks (as the sequential optimizers do). Equality with sequential mode holds for deterministic models
+      and data: per-sample augmentation that draws from torch's global generator (CIFAR's random crops and flips)
+      is reproducible in either mode but gives different crops in the two, since they consume the generator
+      differently.
+    * **Failures.** A client whose loss or update is non-finite is reported ``failed`` as sequentially (closure
+      optimizers stop it at its first non-finite loss); the other clients are unaffected. An exception raised
+      inside the batched computation concerns all clients together and is raised, not turned into per-client
+      failures.
+    * **Memory.** A round holds the ``[C, D]`` weights and gradients, the step's padded batches and, for SgdArmijo,
+      the trial points of one trial round (reused :meth:`scratch` buffers); activations are those of ``C`` clients
+      at once.
+
+    Args:
+        model: the working copy (``loop._worker_trainer().model``); its parameters are only read for names, shapes
+            and dtype; the clients' weights live in one ``[C, D]`` tensor during a round.
+        to_device: moves a batch to the model's device.
+    """
+
+    def __init__(self, model: nn.Module, to_device: Callable[[Any], Any] = lambda b: b):
+        check_model_vectorizable(model)
+        self.model = model
+        self.to_device = to_device
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise VectorizationUnsupportedError("the model has no trainable parameters")
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1:
+            raise VectorizationUnsupportedError(
+                "client_execution='vectorized' needs one dtype for all trainable parameters, got "
+                f"{sorted(map(str, dtypes))}"
+            )
+        self.dtype = dtypes.pop()
+        self.weights = _WeightsLayout([p for _, p in named])
+        self.call = _ModelCall(model, named, self.dtype)
+        self._scratch: Dict[Any, Tensor] = {}
+        self.layout_learned = False
+
+    @property
+    def deterministic(self) -> bool:
+        """The model has no random layers (dropout): every evaluation of a point gives the same loss."""
+        return self.call.deterministic
+
+    def scratch(self, key: Any, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A reusable buffer of ``shape`` for ``key`` (grown when needed). Multi-megabyte tensors allocated afresh
+        in every trial round cost more in page faults than the work done in them; the engine reuses these."""
+        numel = math.prod(shape)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(max(numel, int(1.5 * buf.numel()) if buf is not None else 0), dtype=dtype, device=device)
+            self._scratch[key] = buf
+        return buf[:numel].view(*shape)
+
+    def _probe_layout(self, start: Tensor, layout: _Layout, rng_devices: list) -> None:
+        """One gradient evaluation at ``start`` (every client) on ``layout``, to learn the gradients' memory layout
+        (:meth:`~fedlightning.vectorized.layout._WeightsLayout.learn`); done once per engine, on the first step of
+        its first round (a resumed run probes again, on its first round), outside the round's random stream."""
+        self.layout_learned = True
+        W = start.unsqueeze(0).repeat(layout.num_clients, 1)
+        ev = _StepEvaluator(self, layout, 0, None, rng_devices, None, trials=False)
+        ev.learn_layout = True
+        ev.gradient(W, torch.ones(layout.num_clients, dtype=torch.bool, device=W.device), flat=False)
+
+    # ---------------------------------------------------------------- one round
+    def run(
+        self,
+        client_ids: Sequence[int],
+        round: int,
+        seed: int,
+        global_params: Sequence[Tensor],
+        global_buffers: Sequence[Tensor],
+        global_flat: Tensor,
+        datamodule,
+        optimizers: Sequence[torch.optim.Optimizer],
+        local_steps: int,
+        grad_clip: Optional[float] = None,
+        terms: Optional[Sequence[Sequence[Callable[[Sequence[Tensor]], Tensor]]]] = None,
+        router=None,
+        float_buffer_mask: Optional[Sequence[bool]] = None,
+    ) -> List[ClientUpdate]:
+        """Train ``client_ids`` for ``local_steps`` steps from the global weights; one :class:`ClientUpdate` per
+        client, in order, with the same fields as ``LocalTrainer.run``.
+
+        ``optimizers`` are the clients' optimizer instances as the loop builds them (client state already set);
+        after the round their per-client state holds what sequential training would have left in them, so
+        ``get_client_state()`` / ``client_report()`` can be called on them.
+        """
+        client_ids = [int(c) for c in client_ids]
+        C = len(client_ids)
+        if C == 0:
+            return []
+        if isinstance(local_steps, bool) or int(local_steps) < 1:
+            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+        if len(optimizers) != C:
+            raise ValueError(f"got {len(optimizers)} optimizers for {C} clients")
+        device = global_flat.device
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        rule = make_batched_rule(optimizers, params, grad_clip, device)
+        if terms is not None and len(terms) != C:
+            raise ValueError(f"got objective terms for {len(terms)} clients, expected {C}")
+        term_lists = [list(t) for t in terms] if terms is not None and any(terms) else None
+        self.model.train()
+
+        with torch.no_grad():
+            start = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in global_params])
+        record = _StepRecord(C, device)
+        alive = torch.ones(C, dtype=torch.bool, device=device)
+        num_steps = torch.zeros(C, dtype=torch.long, device=device)
+        batches = _RoundBatches(datamodule, client_ids, round, seed, int(local_steps), self.to_device)
+        rng_devices = [device] if device.type == "cuda" else []
+        log_sink: Optional[list] = [] if router is not None else None
+
+        layouts: dict = {}
+        with torch.random.fork_rng(devices=rng_devices):
+            if not self.layout_learned:  # before the round's seeding: its random draws do not count
+                self._probe_layout(start, _Layout(*batches.step(0)), rng_devices)
+            W = self.weights.stored(start).unsqueeze(0).repeat(C, 1)  # [C, D]: client c's weights in row c
+            model_seed = derive_seed(seed, "model-vectorized", round, *client_ids)
+            _seed_default_generators(model_seed, rng_devices)  # the generators this round uses, and only them
+            for k in range(int(local_steps)):
+                layout = _Layout(*batches.step(k), cache=layouts)
+                ev = _StepEvaluator(self, layout, k, term_lists, rng_devices, log_sink, trials=rule.uses_trials)
+                ev.track_alive = rule.stops_on_nonfinite  # else every client trains every step
+                rule.step(W, ev, record, alive)
+                num_steps += alive.long()
+                if rule.stops_on_nonfinite:
+                    alive = alive & torch.isfinite(record.losses[-1])
+        rule.finalize(optimizers)
+        if log_sink:
+            _feed_router(router, log_sink)
+        return self._updates(client_ids, W, global_flat, datamodule, record, num_steps, global_buffers,
+                             float_buffer_mask)
+
+    def _updates(self, client_ids, W, global_flat, datamodule, record: _StepRecord, num_steps: Tensor,
+                 global_buffers, float_buffer_mask) -> List[ClientUpdate]:
+        K = len(record.losses)
+        losses = torch.stack(record.losses).float().cpu()  # [K, C]
+        step_sizes = torch.stack(record.step_sizes).double().cpu().t().tolist()  # [C][K]
+        u = record.uniform_evaluations
+        counts = torch.stack([num_steps, record.backtracks, record.forwards + u, record.backwards + u]).cpu().tolist()
+        delta = global_flat.unsqueeze(0) - self.weights.logical(W).to(global_flat.dtype)
+        finite_delta = _rows_finite(delta).cpu().tolist()
+        rows = delta.unbind(0)
+        buffers = None
+        if float_buffer_mask is not None and any(float_buffer_mask):
+            # batch-statistics layers are refused, so no buffer changes during client training: every client
+            # reports the global buffers, as LocalTrainer.run does for a model whose buffers stay untouched
+            buffers = torch.cat([b.detach().reshape(-1).float() for b, m in zip(global_buffers, float_buffer_mask) if m])
+        # clients that ran all K steps (the usual case): first loss, mean loss and finiteness of all at once
+        by_client = losses.t().contiguous()  # [C, K]
+        first_all = by_client[:, 0].tolist() if K else []
+        mean_all = by_client.mean(dim=1).tolist()
+        finite_all = torch.isfinite(by_client).all(dim=1).tolist()
+        updates = []
+        for c, cid in enumerate(client_ids):
+            n = int(counts[0][c])
+            if n == K and K > 0:
+                first_loss, mean_loss, finite_loss = first_all[c], mean_all[c], finite_all[c]
+            else:
+                loss_vec = by_client[c, :n] if n > 0 else torch.tensor([float("nan")])
+                first_loss, mean_loss = float(loss_vec[0]), float(loss_vec.mean())
+                finite_loss = bool(torch.isfinite(loss_vec).all())
+            update = ClientUpdate(
+                client_id=cid,
+                delta=rows[c],
+                num_samples=datamodule.client_num_samples(cid),
+                num_steps=n,
+                first_loss=first_loss,
+                mean_loss=mean_loss,
+                step_sizes=step_sizes[c][: min(n, K)],
+                backtracks=int(counts[1][c]),
+                forwards=int(counts[2][c]),
+                backwards=int(counts[3][c]),
+            )
+            if buffers is not None:
+                update.buffers = buffers.clone()
+            if not finite_loss:
+                update.failed, update.failure = True, "non-finite training loss"
+            elif not finite_delta[c]:
+                update.failed, update.failure = True, "non-finite model update"
+            updates.append(update)
+        return updates
+
+
+def _rows_finite(x: Tensor) -> Tensor:
+    """``torch.isfinite(x).all(dim=1)`` for a 2-d ``x``: every entry of a row is finite iff the row's largest and
+    smallest entries are (NaN propagates through both reductions); cheaper than ``isfinite`` over ``[C, D]`` on
+    CPU (docs/benchmarks.md §3)."""
+    return torch.isfinite(x.amax(dim=1)) & torch.isfinite(x.amin(dim=1))

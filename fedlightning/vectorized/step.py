@@ -1,0 +1,136 @@
+"""Evaluating one local step of every client at once: losses and gradients (:class:`_StepEvaluator`), line-search
+trial losses, and the values the model logged, handed to the loop's log router once per round (:func:`_feed_router`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .layout import _Layout
+from .torch_internals import _rng_state, _set_rng_state
+
+if TYPE_CHECKING:
+    from .engine import VectorizedClientTrainer
+
+
+class _StepEvaluator:
+    """Evaluates the clients' objectives on the current step's batches (laid out by :class:`_Layout`).
+
+    ``gradient(W, alive)`` returns every client's loss ``[C]`` and gradient ``[C, D]`` at ``W`` ([C, D]): one vmapped
+    forward, one backward. ``trial(points, clients)`` returns, under ``no_grad``, the losses of the clients
+    ``clients`` ([P] indices, repeats allowed: several trial points of one client) at ``points`` ([P, D]), or of all
+    clients in order (``clients=None``), after restoring the random state of the gradient evaluation; the latter
+    draws exactly the random numbers of the gradient evaluation (same dropout masks, as the sequential optimizers
+    do). ``finish()`` leaves the generator in the state the gradient evaluation left it in, so the number of trials
+    does not change later randomness.
+    """
+
+    def __init__(self, engine: VectorizedClientTrainer, layout: _Layout, step: int,
+                 terms: Optional[List[List[Callable]]], rng_devices: list, log_sink: Optional[list],
+                 trials: bool = True):
+        self.engine, self.layout, self.step = engine, layout, step
+        self.terms = terms
+        self.rng_devices = rng_devices
+        self.log_sink = log_sink
+        self.replay = trials  # keep the generator state of the gradient evaluation for trial evaluations
+        self.rng_before = None
+        self.rng_after = None
+        self.trials = 0
+        self.learn_layout = False  # set by the engine's layout probe
+        self.track_alive = True  # False: every client trains every step (logged values need no mask)
+
+    def gradient(self, W: Tensor, alive: Tensor, flat: bool = True) -> Tuple[Tensor, Any]:
+        """Losses ``[C]`` and gradients at ``W``: one ``[C, D]`` tensor (``flat``), or the list of per-parameter
+        ``[C, *shape]`` gradients (no concatenation; a parameter the loss does not depend on gets zeros)."""
+        if self.replay:
+            self.rng_before = _rng_state(self.rng_devices)
+        layout, engine = self.layout, self.engine
+        # one leaf per parameter (views of W's storage): their gradients come out separately, so the backward pass
+        # does not concatenate them into a [C, D] tensor unless the optimizer needs one
+        leaves = [v.detach().requires_grad_(True) for v in engine.weights.views(W)]
+        with torch.enable_grad():
+            if layout.mask is None:
+                losses, logged = engine.call.row_values(leaves, layout.batch, None, self.step)
+                objective = losses
+            else:
+                # padded rows: the loss of client i is Σ_j m_ij ℓ_ij / n_i (its real cells' mean); the backward pass
+                # starts from Σ_ij ℓ_ij · (m_ij / n_i), whose gradient w.r.t. ℓ is the same m_ij · fl(1/n_i) the
+                # masked sum, the division and the sum over clients give (bit for bit), with fewer autograd nodes;
+                # the reported losses are computed from the detached cells as before
+                cells, values, logged = engine.call.row_values(leaves, layout.batch, layout.mask, self.step, cells=True)
+                losses = values / layout.counts_as(values.dtype)
+                objective = (cells * layout.cell_weights(cells.dtype)).sum(1)
+            if self.terms is not None:
+                terms = engine.call.term_values(leaves, self.terms)
+                losses = losses + terms
+                objective = objective + terms
+            grads = torch.autograd.grad(objective.sum(), leaves, allow_unused=True)
+        grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
+        if self.log_sink is not None and logged:
+            # per-client sums over real samples on padded steps: divided by the counts at the end of the round
+            self.log_sink.append(([(name, v.detach()) for name, v in logged], layout.counts,
+                                  alive if self.track_alive else None))
+        if self.learn_layout:
+            engine.weights.learn(grads)
+        if flat:
+            return losses.detach(), engine.weights.flat(grads)
+        return losses.detach(), grads
+
+    def trial(self, points: Tensor, clients: Optional[Tensor] = None) -> Tensor:
+        """Losses at ``points`` ([P, D]) of the clients ``clients`` ([P] indices, repeats allowed), or of every
+        client in order (``clients=None``, ``P = C``)."""
+        if self.rng_before is None:
+            raise RuntimeError("trial() needs a gradient() evaluation made with trials=True first")
+        if self.trials == 0:
+            self.rng_after = _rng_state(self.rng_devices)
+        self.trials += 1
+        _set_rng_state(self.rng_before, self.rng_devices)
+        layout, engine = self.layout, self.engine
+        with torch.no_grad():
+            if clients is None:
+                batch, mask, counts, terms = layout.batch, layout.mask, layout.counts, self.terms
+            else:
+                batch, mask, counts = layout.rows(clients, engine.scratch)
+                terms = [self.terms[i] for i in clients.tolist()] if self.terms is not None else None
+            views = engine.weights.views(points)
+            values, _ = engine.call.row_values(views, batch, mask, self.step)
+            if counts is None:
+                losses = values
+            else:
+                losses = values / (layout.counts_as(values.dtype) if clients is None else counts.to(values.dtype))
+            if terms is not None:
+                losses = losses + engine.call.term_values(views, terms)
+        return losses
+
+    def finish(self) -> None:
+        if self.rng_after is not None:
+            _set_rng_state(self.rng_after, self.rng_devices)
+
+
+def _feed_router(router, log_sink: List[Tuple[List[Tuple[str, Tensor]], Optional[Tensor], Optional[Tensor]]]) -> None:
+    """Give the loop's log router one value per gradient evaluation of every client still training, as sequential
+    training does (the router ignores a line search's trial evaluations, which run without gradients).
+
+    Decisions (ours): ``self.log`` calls inside ``training_step`` are captured per client (per sample and averaged
+    over real samples on padded steps; :class:`~fedlightning.vectorized.call._LogCollector`) at every gradient
+    evaluation and fed to the router here, so ``client/<name>`` metrics are the per-round means of sequential mode.
+
+    ``log_sink`` holds, per gradient evaluation, the logged ``[C]`` values (sums over real samples on padded steps),
+    the sample counts to divide them by (None: whole batches) and the mask of clients still training (None: all);
+    the values of all evaluations are divided and masked at once, in evaluation order."""
+    by_name: Dict[str, List[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]] = {}
+    for logged, counts, evaluated in log_sink:
+        for name, values in logged:
+            by_name.setdefault(name, []).append((values, counts, evaluated))
+    for name, parts in by_name.items():
+        values = torch.stack([v.float() for v, _, _ in parts])  # [evaluations, C]
+        if any(n is not None for _, n, _ in parts):
+            ones = torch.ones(values.shape[1], dtype=torch.long, device=values.device)
+            values = values / torch.stack([ones if n is None else n for _, n, _ in parts])  # x / 1 is exact
+        if any(e is not None for _, _, e in parts):
+            everyone = torch.ones(values.shape[1], dtype=torch.bool, device=values.device)
+            values = values[torch.stack([everyone if e is None else e for _, _, e in parts])]
+        router.captured.setdefault(name, []).extend(values.reshape(-1).unbind(0))

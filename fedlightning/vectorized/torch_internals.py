@@ -1,0 +1,244 @@
+r"""Every use of torch internals by the vectorised engine, each next to its public fallback.
+
+* :func:`_vmap0`: ``torch.func.vmap(fn, randomness="different")`` through functorch's own primitives (fallback:
+  ``torch.func.vmap``); :func:`_is_batched` (fallback: every value counts as batched).
+* :func:`_rnn_forward` / :func:`_plain_rnn_forward`: ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` in plain tensor ops, put
+  in the layers' ``forward`` while the model runs under vmap (the fused kernels have no batching rule).
+* :func:`_parameter_slots` / :func:`_tensors_in_slots`: the clients' tensors in the modules' parameter dicts
+  (``nn.Module._parameters``) during a batched call, which ``torch.func.functional_call`` does per call.
+* Random state (:func:`_rng_state`, :func:`_set_rng_state`, :func:`_seed_default_generators`).
+* ``tree_flatten`` / ``tree_unflatten`` (``torch.utils._pytree``, no public module); the private base classes of
+  batch norm, instance norm and dropout (fallback: their public subclasses); ``torch._foreach_add_`` (fallback: one
+  ``add_`` per tensor); ``TorchFunctionMode`` (``torch.overrides``, not in its ``__all__``).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import vmap
+from torch.overrides import TorchFunctionMode  # noqa: F401 - the base of losses.LossInterception
+from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401 - the engine's pytree helpers
+
+try:  # functorch's own primitives, which torch.func.vmap drives (see _vmap0)
+    from torch._C._functorch import _add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting, _vmap_increment_nesting
+except ImportError:  # pragma: no cover - a torch without them: the public vmap is used
+    _add_batch_dim = None
+try:
+    from torch._C._functorch import is_batchedtensor as _is_batchedtensor
+except ImportError:  # pragma: no cover - every logged value then counts as client-dependent
+    _is_batchedtensor = None
+try:  # the private bases of the layers the engine refuses or replays (batch statistics, random masks)
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    BATCH_NORM_TYPES: Tuple[type, ...] = (_BatchNorm,)
+    INSTANCE_NORM_TYPES: Tuple[type, ...] = (_InstanceNorm,)
+    DROPOUT_TYPES: Tuple[type, ...] = (_DropoutNd,)
+except ImportError:  # pragma: no cover - their public subclasses
+    BATCH_NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+                        nn.LazyBatchNorm3d, nn.SyncBatchNorm)
+    INSTANCE_NORM_TYPES = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d,
+                           nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
+    DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+# ====================================================================== vmap
+def _vmap0(fn: Callable[..., Tuple[Tensor, ...]], args: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    """``torch.func.vmap(fn, randomness="different")(*args)`` for the engine's calls: flat tensor arguments all
+    batched along dimension 0 (same size), ``fn`` returning a tuple of tensors, outputs batched along dimension 0.
+
+    It drives functorch's primitives (``_vmap_increment_nesting``, ``_add_batch_dim``, ``_remove_batch_dim``)
+    directly, as ``vmap``'s own ``_flat_vmap`` does, without the public wrapper's per-call pytree walks over
+    arguments, ``in_dims`` and outputs (a fixed cost per call, and a round makes many calls; docs/benchmarks.md §3);
+    ``tests/test_vectorized_speed_paths.py`` checks it against ``vmap``. Falls back to ``vmap`` when the primitives
+    are missing.
+    """
+    if _add_batch_dim is None:  # pragma: no cover
+        return vmap(fn, randomness="different")(*args)
+    size = args[0].shape[0]
+    level = _vmap_increment_nesting(size, "different")
+    try:
+        outs = fn(*[_add_batch_dim(a, 0, level) for a in args])
+        return tuple(_remove_batch_dim(o, level, size, 0) for o in outs)
+    finally:
+        _vmap_decrement_nesting()
+
+
+def _is_batched(value: Tensor) -> bool:
+    """Whether ``value`` carries vmap's batch dimension (depends on the client's weights or data)."""
+    return _is_batchedtensor is None or _is_batchedtensor(value)
+
+
+# ====================================================================== recurrent layers
+def _rnn_forward(module: nn.RNNBase, input: Tensor, hx: Optional[Any] = None):
+    r"""``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` forward written with plain tensor ops, which ``vmap`` can batch
+    (the fused ``aten::lstm`` / ``gru`` / ``rnn`` kernels have no batching rule).
+
+    The gate equations are PyTorch's (gate order LSTM ``i, f, g, o``; GRU ``r, z, n``):
+
+    .. math::
+        \text{LSTM: } c' = \sigma(f) c + \sigma(i)\tanh(g),\ h' = \sigma(o)\tanh(c'); \qquad
+        \text{GRU: } n = \tanh(W_{in}x + b_{in} + \sigma(r)(W_{hn}h + b_{hn})),\ h' = (1-\sigma(z)) n + \sigma(z) h
+
+    with ``[i|f|g|o] = W_{ih}x + b_{ih} + W_{hh}h + b_{hh}``. Supports ``num_layers``, ``bias``, ``batch_first``,
+    ``bidirectional``, inter-layer ``dropout`` (training mode) and unbatched 2-d inputs, as the module does; the input
+    projections of all time steps are one matmul per layer and direction, the recurrence a loop over time. On a CPU
+    this per-time-step loop is slower than the fused kernels sequential training uses (docs/benchmarks.md §3).
+    """
+    if not isinstance(input, Tensor):
+        from .support import VectorizationUnsupportedError
+
+        raise VectorizationUnsupportedError(f"{type(module).__name__}: packed sequences cannot be vectorised")
+    mode = module.mode
+    unbatched = input.dim() == 2
+    x = input.unsqueeze(1 if not module.batch_first else 0) if unbatched else input
+    if not module.batch_first:
+        x = x.transpose(0, 1)  # [B, T, F]
+    B, T = x.shape[0], x.shape[1]
+    H, L = module.hidden_size, module.num_layers
+    D = 2 if module.bidirectional else 1
+    if hx is None:
+        h0 = x.new_zeros(L * D, B, H)
+        c0 = x.new_zeros(L * D, B, H) if mode == "LSTM" else None
+    else:
+        h0, c0 = (hx if mode == "LSTM" else (hx, None))
+        if unbatched:
+            h0 = h0.unsqueeze(1)
+            c0 = c0.unsqueeze(1) if c0 is not None else None
+    act = torch.tanh if mode in ("LSTM", "GRU", "RNN_TANH") else torch.relu
+    h_n, c_n = [], []
+    layer_in = x
+    for layer in range(L):
+        outs = []
+        for d in range(D):
+            sfx = f"_l{layer}" + ("_reverse" if d else "")
+            w_ih, w_hh = getattr(module, "weight_ih" + sfx), getattr(module, "weight_hh" + sfx)
+            b_ih = getattr(module, "bias_ih" + sfx) if module.bias else None
+            b_hh = getattr(module, "bias_hh" + sfx) if module.bias else None
+            seq = layer_in.flip(1) if d else layer_in
+            projected = torch.nn.functional.linear(seq, w_ih, b_ih)  # [B, T, G·H] for all time steps at once
+            h = h0[layer * D + d]
+            c = c0[layer * D + d] if c0 is not None else None
+            steps = []
+            for t in range(T):
+                rec = torch.nn.functional.linear(h, w_hh, b_hh)
+                if mode == "LSTM":
+                    i, f, g, o = (projected[:, t] + rec).chunk(4, dim=-1)
+                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                    h = torch.sigmoid(o) * torch.tanh(c)
+                elif mode == "GRU":
+                    xr, xz, xn = projected[:, t].chunk(3, dim=-1)
+                    hr, hz, hn = rec.chunk(3, dim=-1)
+                    r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+                    h = (1 - z) * torch.tanh(xn + r * hn) + z * h
+                else:
+                    h = act(projected[:, t] + rec)
+                steps.append(h)
+            out = torch.stack(steps, dim=1)
+            outs.append(out.flip(1) if d else out)
+            h_n.append(h)
+            if c is not None:
+                c_n.append(c)
+        layer_in = torch.cat(outs, dim=-1) if D == 2 else outs[0]
+        if layer < L - 1 and module.dropout > 0:
+            layer_in = torch.nn.functional.dropout(layer_in, module.dropout, module.training)
+    output = layer_in if module.batch_first else layer_in.transpose(0, 1)
+    h_n_t = torch.stack(h_n)
+    c_n_t = torch.stack(c_n) if c_n else None
+    if unbatched:
+        output = output.squeeze(0 if module.batch_first else 1)
+        h_n_t = h_n_t.squeeze(1)
+        c_n_t = c_n_t.squeeze(1) if c_n_t is not None else None
+    return output, ((h_n_t, c_n_t) if mode == "LSTM" else h_n_t)
+
+
+@contextmanager
+def _plain_rnn_forward(rnns: Sequence[nn.RNNBase]):
+    """Inside the block, each of ``rnns`` runs :func:`_rnn_forward` (an instance ``forward`` that shadows the
+    class's); the class's own ``forward`` again afterwards."""
+    for rnn in rnns:
+        rnn.__dict__["forward"] = functools.partial(_rnn_forward, rnn)
+    try:
+        yield
+    finally:
+        for rnn in rnns:
+            rnn.__dict__.pop("forward", None)
+
+
+# ====================================================================== parameter slots
+def _parameter_slots(model: nn.Module, named: Sequence[Tuple[str, Tensor]]) -> List[Tuple[Dict[str, Any], str, int]]:
+    """``(module._parameters, attribute, index into named)`` for every (module, attribute) slot that holds one of
+    the trainable parameters ``named``.
+
+    Tied parameters (one Parameter in several modules) give one slot per module, so every slot receives the
+    client's tensor (``functional_call``'s untie/retie pass is not needed); a shared module reached under several
+    paths is one slot.
+    """
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    slots: Dict[Tuple[int, str], str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in index:
+            owner, _, attr = n.rpartition(".")
+            slots.setdefault((id(model.get_submodule(owner)), attr), n)
+    out = []
+    for n in slots.values():
+        owner, _, attr = n.rpartition(".")
+        out.append((model.get_submodule(owner)._parameters, attr, index[id(model.get_parameter(n))]))
+    return out
+
+
+@contextmanager
+def _tensors_in_slots(slots: Sequence[Tuple[Dict[str, Any], str, int]], vs: Sequence[Tensor]):
+    """The parameter ``slots`` (:func:`_parameter_slots`) hold ``vs`` (one tensor per trainable parameter, a
+    client's or a row's weights) inside the block, their Parameters again afterwards: what ``functional_call``
+    does, without its per-call name resolution."""
+    saved = [d[attr] for d, attr, _ in slots]
+    try:
+        for d, attr, i in slots:
+            d[attr] = vs[i]
+        yield
+    finally:
+        for (d, attr, _), t in zip(slots, saved):
+            d[attr] = t
+
+
+# ====================================================================== random state
+def _rng_state(cuda_devices) -> Tuple[Tensor, List[Tensor]]:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda_devices]
+
+
+def _set_rng_state(state, cuda_devices) -> None:
+    torch.set_rng_state(state[0])
+    for d, s in zip(cuda_devices, state[1]):
+        torch.cuda.set_rng_state(s, d)
+
+
+def _seed_default_generators(seed: int, cuda_devices: Sequence[torch.device]) -> None:
+    """What ``torch.manual_seed(seed)`` does to the CPU generator and to the default generators of
+    ``cuda_devices``, and only to them: ``torch.manual_seed`` would also queue seeding of every lazily initialised
+    accelerator, which ``torch.random.fork_rng`` does not restore."""
+    torch.default_generator.manual_seed(seed)
+    for d in cuda_devices:
+        index = d.index if d.index is not None else torch.cuda.current_device()
+        generators = getattr(torch.cuda, "default_generators", None)
+        if generators is None:  # pragma: no cover - the public per-device call
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+        else:
+            generators[index].manual_seed(seed)
+
+
+# ====================================================================== foreach
+def _foreach_add_(tensors: List[Tensor], others: Sequence[Tensor], alpha: float) -> None:
+    """``t += alpha * o`` for every pair: ``torch._foreach_add_`` (one fused call), else one ``add_`` per tensor."""
+    if hasattr(torch, "_foreach_add_"):
+        torch._foreach_add_(tensors, others, alpha=alpha)
+    else:  # pragma: no cover
+        for t, o in zip(tensors, others):
+            t.add_(o, alpha=alpha)
