@@ -158,6 +158,9 @@ class Experiment:
             unknown = sorted(set(c.setups or ()) - setup_keys)
             if unknown:
                 raise ValueError(f"{where}: claim {c.text[:40]!r}... names setups {unknown} it does not have")
+        if not self.curves or self.budget_cap < 1:
+            raise ValueError(f"{where}: needs at least one curve and budget_cap >= 1, got {len(self.curves)} curves "
+                             f"and budget_cap {self.budget_cap!r}")
         if self.table not in TABLES:
             raise ValueError(f"{where}: table must be one of {TABLES}, got {self.table!r}")
         if self.loss_metric not in (LOSS, GLOSS):
@@ -423,11 +426,12 @@ EXPERIMENTS: List[Experiment] = [
 ]
 
 
-def _check_unique(experiments: Sequence[Experiment]) -> None:
+def check_experiments(experiments: Sequence[Experiment]) -> None:
+    """Experiment keys are unique (they name the runs and the cache folders)."""
     keys = [e.key for e in experiments]
     dup = sorted({k for k in keys if keys.count(k) > 1})
     if dup:
         raise ValueError(f"duplicate experiment keys {dup}: give each study its own key")
 
 
-_check_unique(EXPERIMENTS)
+check_experiments(EXPERIMENTS)

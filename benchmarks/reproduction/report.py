@@ -274,7 +274,8 @@ TABLES = {"methods": _methods_tables, "runtime": _runtime_table}
 
 
 def _ordering(agg_s, labels, metric, higher_better, percent=False):
-    items = [(k, v[metric]) for k, v in agg_s.items() if metric in v and v[metric]["n"] and math.isfinite(v[metric]["mean"])]
+    items = [(k, v[metric]) for k, v in agg_s.items()
+             if metric in v and v[metric]["n"] and math.isfinite(v[metric]["mean"])]
     items.sort(key=lambda kv: -kv[1]["mean"] if higher_better else kv[1]["mean"])
     k = 100.0 if percent else 1.0
     return (" > " if higher_better else " < ").join(f"{labels[a]} ({s['mean'] * k:.3g})" for a, s in items)
@@ -333,8 +334,9 @@ def _toy_section(figures_dir: str, rounds: int) -> str:
 
 
 # ====================================================================== the page
-def _rounds_text(n: int) -> str:
-    return f"{n} round" + ("" if n == 1 else "s")
+def _setup_text(s, rounds: int) -> str:
+    protocol = "".join(f", {k.replace('_', ' ')} {v}" for k, v in s.protocol.items())
+    return f"`{s.key}` = {s.title} ({rounds} round{'' if rounds == 1 else 's'}{protocol}; stands in for {s.analog})"
 
 
 def _duration(seconds: float) -> str:
@@ -388,10 +390,8 @@ def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, 
     for exp in EXPERIMENTS if experiments is None else experiments:
         agg_p = agg.get(exp.key, {})
         out += [f"## Seed {exp.paper}: {exp.title}", "", f"Protocol: {exp.protocol_note}.", ""]
-        out += ["Setups: " + "; ".join(
-            f"`{s.key}` = {s.title} ({_rounds_text(setup_rounds.get((exp.key, s.key), max(1, int(round(s.rounds * scale)))))}"
-            + "".join(f", {k.replace('_', ' ')} {v}" for k, v in s.protocol.items())
-            + f"; stands in for {s.analog})" for s in exp.setups) + ".", ""]
+        rounds = {s.key: setup_rounds.get((exp.key, s.key), max(1, int(round(s.rounds * scale)))) for s in exp.setups}
+        out += ["Setups: " + "; ".join(_setup_text(s, rounds[s.key]) for s in exp.setups) + ".", ""]
         out += TABLES[exp.table](exp, agg_p, missing)
         figs = make_figures(exp, runs, figures_dir)
         for setup_key, files in figs.items():

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from . import BENCH, ROOT
-from .experiments import EXPERIMENTS, Algorithm, Experiment, Setup
+from .experiments import EXPERIMENTS, Algorithm, Experiment, Setup, check_experiments
 
 SCHEMA_VERSION = 1
 DEFAULT_RESULTS = os.path.join(BENCH, "results")
@@ -182,8 +182,10 @@ def all_specs(seeds: int, scale: float, setup_scales: Optional[Dict[str, float]]
     """Every run of ``experiments`` (default: all); ``setup_scales`` maps fnmatch patterns over
     ``<experiment>/<setup>`` to a round scale that replaces ``scale`` for the matching setups (the first matching
     pattern wins)."""
+    experiments = EXPERIMENTS if experiments is None else experiments
+    check_experiments(experiments)
     specs = []
-    for exp in EXPERIMENTS if experiments is None else experiments:
+    for exp in experiments:
         for setup in exp.setups:
             own = scale
             for pattern, value in (setup_scales or {}).items():
