@@ -7,7 +7,8 @@ algorithm's YAML config, then the setup's model and data module and the protocol
 global model on the training and test data every ``eval_every`` rounds
 (:class:`~fedlightning.callbacks.telemetry.GlobalEvaluation`); Lightning's validation loop is off.
 :func:`execute` runs what the cache (``<results>/<experiment>/<setup>/<algorithm>/seed<k>.json``) lacks; a cached
-run is reused when its key (a hash of the arguments, the config file and the round and evaluation counts) matches.
+run is reused when its key (a hash of the repository-relative arguments, the config file and the round and
+evaluation counts) matches, in any checkout.
 
 Decisions (ours): seed ``k`` sets ``seed_everything`` (model initialisation), the loop's seed (client sampling,
 data order) and the data module's seed (partition / synthetic data), so seeds vary all three. A run whose config
@@ -170,7 +171,7 @@ def build_spec(exp: Experiment, setup: Setup, algo: Algorithm, seed: int, scale:
             max_rounds = exp.budget_cap * rounds
             args[args.index(f"--trainer.max_steps={rounds}")] = f"--trainer.max_steps={max_rounds}"
     args += [f"--{a}" for a in algo.args]
-    key_src = json.dumps({"v": SCHEMA_VERSION, "args": args, "config": _read(config_path) if not missing else None,
+    key_src = json.dumps({"v": SCHEMA_VERSION, "args": portable_args(args), "config": _read(config_path) if not missing else None,
                           "eval_every": eval_every, "eval_samples": setup.eval_samples, "rounds": rounds},
                          sort_keys=True)
     key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
@@ -276,7 +277,7 @@ def run_one(spec: RunSpec, budget: Optional[float] = None) -> Dict[str, Any]:
         "rounds_requested": spec.rounds,
         "rounds_done": done,
         "budget_seconds": budget,
-        "args": spec.args,
+        "args": portable_args(spec.args),
         "history": rec.rounds,
         "evals": rec.evals,
         "seconds": time.time() - started,
@@ -285,6 +286,13 @@ def run_one(spec: RunSpec, budget: Optional[float] = None) -> Dict[str, Any]:
 
 
 # ====================================================================== the cache
+def portable_args(args: Sequence[str]) -> List[str]:
+    """``args`` with the repository's own absolute path removed (config files become ``configs/...``), so the cache
+    keys and the stored arguments are the same in every checkout and name no path of one machine."""
+    prefix = ROOT.rstrip(os.sep) + os.sep
+    return [a.replace(prefix, "") for a in args]
+
+
 def result_path(results_dir: str, spec: RunSpec) -> str:
     return os.path.join(results_dir, spec.experiment.key, spec.setup.key, spec.algorithm.key, f"seed{spec.seed}.json")
 
