@@ -6,6 +6,7 @@ compares the observed ordering with the paper's claims, agreement and disagreeme
     python benchmarks/reproduce.py --only "000/*"        # one paper; patterns match run ids (see --list)
     python benchmarks/reproduce.py --rounds 0.25         # a quarter of every setup's rounds
     python benchmarks/reproduce.py --report-only         # rewrite docs/results.md from the cached runs
+    python benchmarks/reproduce.py --studies --report-only   # run the sensitivity studies (benchmarks/studies/)
 
 Run ids are ``<paper>/<setup>/<algorithm>/seed<k>``. Every finished run is cached as JSON under ``--results``
 (default ``benchmarks/results``); a re-run skips runs whose cached arguments match, so an interrupted
@@ -31,6 +32,7 @@ for _path in (ROOT, BENCH):  # fedlightning, the reproduction package and toy_fi
 from reproduction.experiments import TOY_ID  # noqa: E402
 from reproduction.report import portable_command, write_report  # noqa: E402
 from reproduction.runner import DEFAULT_RESULTS, all_specs, execute, quiet, selected  # noqa: E402
+from reproduction.studies import run_studies  # noqa: E402
 
 
 def _long_options(parser: argparse.ArgumentParser) -> List[str]:
@@ -67,6 +69,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--report-only", action="store_true", help="write the report from cached runs, run nothing")
     p.add_argument("--no-toy", action="store_true", help="skip the Fig. 1 toy (seed 000)")
     p.add_argument("--toy-rounds", type=int, default=50)
+    p.add_argument("--studies", action="store_true",
+                   help="also run (or resume) the sensitivity studies of benchmarks/studies/ with the sweep runner")
     ns = p.parse_args(argv)
     if not (ns.rounds > 0 and math.isfinite(ns.rounds)):
         p.error(f"--rounds must be a positive scale, got {ns.rounds}")
@@ -95,6 +99,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not ns.report_only:
         counts = execute(specs, ns.results)
         print(f"runs: {counts}")
+    if ns.studies:
+        codes = run_studies(ns.results)
+        print(f"studies: {codes}")
     toy = not ns.no_toy and selected(TOY_ID, ns.only)
     args_text = portable_command(list(argv if argv is not None else sys.argv[1:]), _long_options(p))
     path = write_report(specs, ns.results, ns.docs, args_text.strip(), counts, ns.seeds, ns.rounds, toy, ns.toy_rounds)

@@ -23,6 +23,7 @@ from . import ROOT
 from .claims import ACC, GLOSS, LOSS
 from .experiments import EXPERIMENTS, Experiment
 from .runner import RunSpec, load_cached
+from .studies import studies_section
 
 VERDICT = {"agrees": "agrees", "agrees_tie": "agrees (no worse beyond the seed spread)", "disagrees": "**disagrees**",
            "tie": "tie (within seed spread)", "n/a": "not checked"}
@@ -354,6 +355,54 @@ def _version(module: str) -> str:
         return "?"
 
 
+def _claim_outcomes(exp, agg_p) -> Dict[str, List[str]]:
+    """Each claim's verdicts over the setups it was checked on: ``{claim text: [verdict, ...]}``."""
+    out: Dict[str, List[str]] = {}
+    for s in exp.setups:
+        if not agg_p.get(s.key):
+            continue
+        for c in exp.claims:
+            if c.setups is None or s.key in c.setups:
+                out.setdefault(c.text, []).append(c.check(agg_p[s.key], exp.labels)[0])
+    return out
+
+
+OFFLINE_GAPS = (
+    "Not testable offline: the CIFAR-10/100 (ResNet) and FEMNIST columns of every paper. Their configs are in "
+    "`configs/<paper>/` ([docs/configs.md](configs.md)); they need the CIFAR python pickles in `data/cifar` (or "
+    "`download: true`) or LEAF's FEMNIST JSON in `data/leaf/femnist`, and a GPU for the ResNets "
+    "(`python train.py fit --config configs/fedexpsls/cifar10_fedexpsls.yaml --trainer.accelerator gpu`)."
+)
+
+
+def _summary(experiments, tallies: Dict[str, Dict[str, List[str]]], findings: Dict[str, str]) -> List[str]:
+    """The page's opening: per paper, which claims hold on every setup checked, which fail on one, which are ties."""
+    lines = ["## Summary", ""]
+    for exp in EXPERIMENTS if experiments is None else experiments:
+        outcomes = tallies.get(exp.paper) or {}
+        if not outcomes:
+            continue
+        holds = [t for t, v in outcomes.items() if v and all(x in ("agrees", "agrees_tie") for x in v)]
+        fails = [t for t, v in outcomes.items() if "disagrees" in v]
+        ties = [t for t, v in outcomes.items() if t not in holds and t not in fails and any(x == "tie" for x in v)]
+        parts = []
+        if holds:
+            parts.append("holds on every setup: " + "; ".join(_short(t) for t in holds))
+        if fails:
+            parts.append("fails on at least one setup: " + "; ".join(_short(t) for t in fails))
+        if ties:
+            parts.append("within the seed spread: " + "; ".join(_short(t) for t in ties))
+        if exp.paper in findings:
+            parts.append("sensitivity study: " + findings[exp.paper])
+        lines.append(f"* **Seed {exp.paper}** ({exp.title}) — " + ". ".join(p[0].upper() + p[1:] for p in parts) + ".")
+    return lines + ["* " + OFFLINE_GAPS, ""]
+
+
+def _short(text: str) -> str:
+    """A claim's text without its parenthesised source."""
+    return text.split(" (")[0]
+
+
 def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, toy: bool, toy_rounds: int,
                  experiments: Optional[Sequence[Experiment]] = None) -> str:
     """Write ``<docs_dir>/results.md`` and ``<docs_dir>/figures/`` for ``experiments`` (default: all) from the
@@ -361,6 +410,7 @@ def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, 
     agg, runs, missing = aggregate(specs, results_dir)
     figures_dir = os.path.join(docs_dir, "figures")
     total_seconds = sum(d["seconds"] for ds in runs.values() for d in ds)
+    study_lines, study_seconds, findings = studies_section(results_dir)
     out = [
         "# Reproduction report",
         "",
@@ -376,7 +426,8 @@ def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, 
         "reported here (a sum over runs, each run on one process), on "
         f"{platform.processor() or platform.machine()} ({os.cpu_count()} logical cores), Python "
         f"{platform.python_version()}, torch {_version('torch')}, lightning {_version('lightning')}; "
-        "one process, one torch thread per run unless `--threads` said otherwise.",
+        "one process, one torch thread per run unless `--threads` said otherwise. Sensitivity studies: "
+        f"{_duration(study_seconds)} more (a sum over their runs, each a `train.py` process).",
         "* Final train loss = mean of the clients' reported losses over the last 5% of rounds; global train loss = the "
         "global model on the whole training set; test accuracy = the global model on the test set after the last "
         "round (Shakespeare: fixed random subsets of 2000 windows). Mean ± std over seeds; \"tie\" = the means differ "
@@ -387,16 +438,21 @@ def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, 
         "",
     ]
     setup_rounds = {(sp.experiment.key, sp.setup.key): sp.rounds for sp in specs}  # the rounds requested per setup
+    body: List[str] = []
+    tallies: Dict[str, Dict[str, List[str]]] = {}
     for exp in EXPERIMENTS if experiments is None else experiments:
         agg_p = agg.get(exp.key, {})
-        out += [f"## Seed {exp.paper}: {exp.title}", "", f"Protocol: {exp.protocol_note}.", ""]
+        body += [f"## Seed {exp.paper}: {exp.title}", "", f"Protocol: {exp.protocol_note}.", ""]
         rounds = {s.key: setup_rounds.get((exp.key, s.key), max(1, int(round(s.rounds * scale)))) for s in exp.setups}
-        out += ["Setups: " + "; ".join(_setup_text(s, rounds[s.key]) for s in exp.setups) + ".", ""]
-        out += TABLES[exp.table](exp, agg_p, missing)
+        body += ["Setups: " + "; ".join(_setup_text(s, rounds[s.key]) for s in exp.setups) + ".", ""]
+        body += TABLES[exp.table](exp, agg_p, missing)
         figs = make_figures(exp, runs, figures_dir)
         for setup_key, files in figs.items():
-            out += [f"![{f}](figures/{f})" for f in files]
-        out += ["", "**Comparison with the paper.** " + _paragraph(exp, agg_p), ""]
+            body += [f"![{f}](figures/{f})" for f in files]
+        body += ["", "**Comparison with the paper.** " + _paragraph(exp, agg_p), ""]
+        tallies[exp.paper] = _claim_outcomes(exp, agg_p)
+    out[4:4] = _summary(experiments, tallies, findings)
+    out += body + study_lines
     if toy:
         out += ["## Seed 000, Fig. 1: the two-quadratics toy", "", _toy_section(figures_dir, toy_rounds)]
     os.makedirs(docs_dir, exist_ok=True)
