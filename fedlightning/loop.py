@@ -30,6 +30,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from fedlightning._validation import integer, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, check_hook_names
 from fedlightning.client import LocalTrainer
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, flat_params
@@ -202,31 +203,21 @@ class FederatedLoop(pl.LightningModule):
         super().__init__()
         if not isinstance(model, pl.LightningModule):
             raise TypeError(f"model must be a LightningModule, got {type(model).__name__}")
-        if isinstance(local_steps, bool) or int(local_steps) != local_steps or int(local_steps) < 1:
-            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
-        if isinstance(clients_per_round, bool) or int(clients_per_round) != clients_per_round or clients_per_round < 1:
-            raise ValueError(f"clients_per_round must be an integer >= 1, got {clients_per_round!r}")
-        if client_grad_clip is not None and not client_grad_clip > 0:
-            raise ValueError(f"client_grad_clip must be > 0 or None, got {client_grad_clip}")
-        if on_client_failure not in ("skip", "raise"):
-            raise ValueError(f"on_client_failure must be 'skip' or 'raise', got {on_client_failure!r}")
-        if max_failed_rounds is not None and (
-            isinstance(max_failed_rounds, bool) or int(max_failed_rounds) != max_failed_rounds or max_failed_rounds < 1
-        ):
-            raise ValueError(f"max_failed_rounds must be an integer >= 1 or None, got {max_failed_rounds!r}")
-        if client_execution not in ("sequential", "vectorized", "auto"):
-            raise ValueError(
-                f"client_execution must be 'sequential', 'vectorized' or 'auto', got {client_execution!r}"
-            )
+        local_steps = integer("local_steps", local_steps)
+        clients_per_round = integer("clients_per_round", clients_per_round)
+        client_grad_clip = positive("client_grad_clip", client_grad_clip, allow_none=True)
+        one_of("on_client_failure", on_client_failure, ("skip", "raise"))
+        max_failed_rounds = integer("max_failed_rounds", max_failed_rounds, allow_none=True)
+        one_of("client_execution", client_execution, ("sequential", "vectorized", "auto"))
         self.automatic_optimization = False
         self.model = model
         self.client_optimizer = client_optimizer  # None: the module's configure_optimizers() (resolved at setup)
-        self.max_failed_rounds = None if max_failed_rounds is None else int(max_failed_rounds)
+        self.max_failed_rounds = max_failed_rounds
         self.__dict__["_module_optimizer"] = None
         self.__dict__["_pending_module_optimizer_state"] = None
         self.rounds_without_healthy_client = 0
-        self.local_steps = int(local_steps)
-        self.clients_per_round = int(clients_per_round)
+        self.local_steps = local_steps
+        self.clients_per_round = clients_per_round
         self.seed = int(seed)
         self.client_grad_clip = client_grad_clip
         self.persist_client_state = persist_client_state
@@ -493,9 +484,7 @@ class FederatedLoop(pl.LightningModule):
             plan = self._datamodule().round_plan(self.global_step)
         for cb in self._callbacks_with("on_round_start"):
             cb.on_round_start(trainer, self, plan)
-        if isinstance(plan.local_steps, bool) or int(plan.local_steps) < 1:
-            raise ValueError(f"round {plan.round}: local_steps must be >= 1, got {plan.local_steps!r}")
-        plan.local_steps = int(plan.local_steps)
+        plan.local_steps = integer("local_steps", plan.local_steps, label=f"round {plan.round}: local_steps")
 
         strategy = self.strategy
         self.__dict__["_round_tensor_cache"] = None  # the parameter list is re-read every round

@@ -38,6 +38,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from torch import Tensor
 
+from fedlightning._validation import non_negative
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.state import RoundPlan, assign_flat_, flat_params
 
@@ -76,9 +77,7 @@ class FedExP(ServerStrategy):
         weighting: str = "uniform",
     ):
         super().__init__(server_lr=1.0, weighting=weighting)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-        self.eps = float(eps)
+        self.eps = non_negative("eps", eps)
         self.scale_eps_by_clients = bool(scale_eps_by_clients)
         self.evaluate_iterate_average = bool(evaluate_iterate_average)
         self._previous_iterate: Optional[Tensor] = None  # w_t of the last round (for the averaged evaluation)

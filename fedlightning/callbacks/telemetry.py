@@ -56,15 +56,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from fedlightning._validation import integer, one_of
 from fedlightning.callbacks.base import FederatedCallback
 
 __all__ = ["RoundTimer", "GlobalEvaluation"]
-
-
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 class RoundTimer(FederatedCallback):
@@ -81,7 +76,7 @@ class RoundTimer(FederatedCallback):
     clock = staticmethod(time.perf_counter)
 
     def __init__(self, window: int = 10):
-        self.window = _check_int("window", window)
+        self.window = integer("window", window)
         self.train_seconds = 0.0
         self.rounds = 0
         self._recent: Deque[float] = deque(maxlen=self.window)
@@ -148,13 +143,11 @@ class GlobalEvaluation(FederatedCallback):
         seed: int = 0,
         batch_size: Optional[int] = None,
     ):
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        self.split = split
-        self.every_n_rounds = _check_int("every_n_rounds", every_n_rounds)
-        self.max_samples = None if max_samples is None else _check_int("max_samples", max_samples)
-        self.seed = _check_int("seed", seed, minimum=0)
-        self.batch_size = None if batch_size is None else _check_int("batch_size", batch_size)
+        self.split = one_of("split", split, ("train", "test"))
+        self.every_n_rounds = integer("every_n_rounds", every_n_rounds)
+        self.max_samples = integer("max_samples", max_samples, allow_none=True)
+        self.seed = integer("seed", seed, 0)
+        self.batch_size = integer("batch_size", batch_size, allow_none=True)
         self._indices: Optional[np.ndarray] = None
         self._size = -1
 

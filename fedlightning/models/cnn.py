@@ -12,6 +12,7 @@ from typing import Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from fedlightning._validation import one_of
 from fedlightning.models.base import Classifier
 
 __all__ = ["LeNet5", "FemnistCNN", "Cifar100CNN"]
@@ -86,8 +87,7 @@ class FemnistCNN(_ImageClassifier):
 
     def __init__(self, num_classes: int = 62, variant: str = "reddi", lr: float = 0.1):
         super().__init__((1, 28, 28), num_classes, lr)
-        if variant not in ("reddi", "leaf"):
-            raise ValueError(f"variant must be 'reddi' or 'leaf', got {variant!r}")
+        one_of("variant", variant, ("reddi", "leaf"))
         self.variant = variant
         if variant == "reddi":
             features = nn.Sequential(

@@ -85,7 +85,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import Tensor
 
-from fedlightning.optim._common import ClosureOptimizer, check_finite, check_positive, epoch_exponent
+from fedlightning._validation import flag, in_range, integer, non_negative, number, positive
+from fedlightning.optim._common import ClosureOptimizer, epoch_exponent
 
 __all__ = ["SPS", "DecSPS"]
 
@@ -123,20 +124,17 @@ class SPS(ClosureOptimizer):
         grad_tol: float = 1e-8,
         fixed_step_size: Optional[float] = None,
     ):
-        c = check_positive("polyak_c", polyak_c)
-        gamma_max = check_positive("gamma_max", gamma_max)
-        f_star = check_finite("f_star", f_star)
-        if not isinstance(smooth, bool):
-            raise TypeError(f"smooth must be a bool, got {smooth!r}")
-        smooth_factor = check_positive("smooth_factor", smooth_factor)
-        if not smooth_factor >= 1:
-            raise ValueError(f"smooth_factor must be >= 1, got {smooth_factor!r}")
-        grad_tol = check_positive("grad_tol", grad_tol, allow_zero=True)
+        c = positive("polyak_c", polyak_c)
+        gamma_max = positive("gamma_max", gamma_max)
+        f_star = number("f_star", f_star)
+        smooth = flag("smooth", smooth)
+        smooth_factor = in_range("smooth_factor", smooth_factor, 1.0)
+        grad_tol = non_negative("grad_tol", grad_tol)
         exponent = epoch_exponent(n_batches_per_epoch, batch_size, num_samples)
         defaults: Dict[str, Any] = dict(polyak_c=c, gamma_max=gamma_max, f_star=f_star, smooth=smooth,
                                         smooth_factor=smooth_factor, grad_tol=grad_tol)
         if fixed_step_size is not None:
-            defaults["fixed_step_size"] = check_positive("fixed_step_size", fixed_step_size)
+            defaults["fixed_step_size"] = positive("fixed_step_size", fixed_step_size)
         super().__init__(params, defaults)
         self._explicit_exponent = exponent
         self._prev_step: Optional[float] = None  # γ_{t-1} of the smoothed cap (None: no step taken yet)
@@ -210,10 +208,10 @@ class DecSPS(ClosureOptimizer):
     """
 
     def __init__(self, params, c0: float = 0.5, gamma_max: float = 1.0, f_star: float = 0.0, grad_tol: float = 1e-8):
-        c0 = check_positive("c0", c0)
-        gamma_max = check_positive("gamma_max", gamma_max)
-        f_star = check_finite("f_star", f_star)
-        grad_tol = check_positive("grad_tol", grad_tol, allow_zero=True)
+        c0 = positive("c0", c0)
+        gamma_max = positive("gamma_max", gamma_max)
+        f_star = number("f_star", f_star)
+        grad_tol = non_negative("grad_tol", grad_tol)
         super().__init__(params, dict(c0=c0, gamma_max=gamma_max, f_star=f_star, grad_tol=grad_tol))
         self.t = 0  # steps taken by this client (the index of the next step)
         self.gamma_prev = gamma_max  # γ_{t-1} (γ_{-1} = γ_b)
@@ -250,9 +248,7 @@ class DecSPS(ClosureOptimizer):
 
     def set_client_state(self, state: Dict[str, Any]) -> None:
         super().set_client_state(state)
-        t = int(state.get("t", 0))
-        if t < 0:
-            raise ValueError(f"client state t must be >= 0, got {t}")
+        t = integer("t", int(state.get("t", 0)), 0, label="client state t")
         gamma_prev = self._state_step(state, "gamma_prev", self.hyper["gamma_max"])
         if gamma_prev is None:  # DecSPS always has a previous step (γ_max before the first)
             raise ValueError("client state gamma_prev must be a finite number > 0, got None")
