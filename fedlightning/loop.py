@@ -21,7 +21,8 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -115,6 +116,34 @@ class _LogRouter:
     def reset_metrics(self) -> None:
         for metric in self.metrics.values():
             metric.reset()
+
+
+@dataclass
+class _Runtime:
+    """What a :class:`FederatedLoop` keeps per process besides its checkpointed state: built on first use, never
+    a registered submodule or buffer (so it is neither moved with the loop by ``.to()``, nor saved in its
+    ``state_dict``, nor walked by ``named_modules``), and not checkpointed.
+    """
+
+    #: the client working copy (a deep copy of the global model) and its LocalTrainer
+    worker: Optional[LocalTrainer] = None
+    #: the client optimizer factory built from the module's configure_optimizers() (client_optimizer None)
+    module_optimizer: Optional[Any] = None
+    #: its checkpointed state, when a checkpoint was loaded before the factory existed
+    pending_module_optimizer_state: Optional[Dict[str, Any]] = None
+    #: ``(params, optimizer, param-group snapshot, factory)`` of the torch.optim optimizer reset between
+    #: sequential clients (:meth:`FederatedLoop._make_client_optimizer`)
+    reusable_client_opt: Optional[Tuple[Any, torch.optim.Optimizer, List[Dict[str, Any]], Any]] = None
+    #: ``(round, params, buffers, float-buffer mask)`` of the global model (:meth:`FederatedLoop._round_tensors`)
+    round_tensors: Optional[Tuple[int, List[Tensor], List[Tensor], List[bool]]] = None
+    #: client_execution "vectorized" / "auto": the engine of the working copy
+    #: (:class:`fedlightning.vectorized.VectorizedClientTrainer`)
+    vectorized_engine: Optional[Any] = None
+    #: client_execution="auto": "vectorized" or "sequential" once the first round decided, and why
+    auto_choice: Optional[str] = None
+    auto_reason: Optional[str] = None
+    #: client_execution="auto": the run trains its clients sequentially from now on
+    vectorized_fallback: bool = False
 
 
 def _is_metric(value: Any) -> bool:
@@ -213,8 +242,7 @@ class FederatedLoop(pl.LightningModule):
         self.model = model
         self.client_optimizer = client_optimizer  # None: the module's configure_optimizers() (resolved at setup)
         self.max_failed_rounds = max_failed_rounds
-        self.__dict__["_module_optimizer"] = None
-        self.__dict__["_pending_module_optimizer_state"] = None
+        self._runtime = _Runtime()
         self.rounds_without_healthy_client = 0
         self.local_steps = local_steps
         self.clients_per_round = clients_per_round
@@ -225,7 +253,6 @@ class FederatedLoop(pl.LightningModule):
         self.client_execution = client_execution
         self.client_state = ClientStateStore()
         self.strategy: Optional[ServerStrategy] = None
-        self.__dict__["_worker"] = None  # working copy of the model (not a submodule: not checkpointed)
         self._eval_router = _LogRouter(self, "forward")
         _install_router(self.model, self._eval_router)
         self._forward_batch_transfer_hooks()
@@ -283,7 +310,8 @@ class FederatedLoop(pl.LightningModule):
         """The client optimizer factory: ``client_optimizer``, or else the module's ``configure_optimizers()``."""
         if self.client_optimizer is not None:
             return self.client_optimizer
-        mo = self.__dict__["_module_optimizer"]
+        runtime = self._runtime
+        mo = runtime.module_optimizer
         if mo is None:
             from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -296,14 +324,12 @@ class FederatedLoop(pl.LightningModule):
                     "{class_path: torch.optim.SGD, init_args: {lr: 0.1}})"
                 )
             mo = ModuleOptimizer(self.model)
-            pending = self.__dict__["_pending_module_optimizer_state"]
-            if pending is not None:
-                mo.load_state_dict(pending)
-                self.__dict__["_pending_module_optimizer_state"] = None
-            self.__dict__["_module_optimizer"] = mo
-            worker = self.__dict__["_worker"]
-            if worker is not None:
-                mo.register(worker.model)
+            if runtime.pending_module_optimizer_state is not None:
+                mo.load_state_dict(runtime.pending_module_optimizer_state)
+                runtime.pending_module_optimizer_state = None
+            runtime.module_optimizer = mo
+            if runtime.worker is not None:
+                mo.register(runtime.worker.model)
         return mo
 
     # ------------------------------------------------------------------ public accessors for callbacks
@@ -311,6 +337,30 @@ class FederatedLoop(pl.LightningModule):
     def datamodule(self):
         """The run's :class:`~fedlightning.datamodules.FederatedDataModule` (``trainer.datamodule``)."""
         return self._datamodule()
+
+    @property
+    def client_execution_choice(self) -> Optional[str]:
+        """How this run trains its clients, ``"sequential"`` or ``"vectorized"``: ``client_execution`` itself, or
+        for ``"auto"`` the mode chosen at the first round (None before it)."""
+        if self.client_execution != "auto":
+            return self.client_execution
+        if self._engine_state("vectorized_fallback"):
+            return "sequential"
+        return self._engine_state("auto_choice")
+
+    @property
+    def vectorized_engine(self):
+        """The :class:`~fedlightning.vectorized.VectorizedClientTrainer` of the client working copy (None until a
+        vectorised round built it)."""
+        return self._engine_state("vectorized_engine")
+
+    def _engine_state(self, name: str) -> Any:
+        """A :class:`_Runtime` field that :mod:`fedlightning.vectorized` writes; where that module still writes
+        ``loop.__dict__["_<name>"]`` instead, the value from there."""
+        value = getattr(self._runtime, name)
+        if value is None or value is False:
+            value = self.__dict__.get(f"_{name}", value)
+        return value
 
     def global_parameters(self) -> List[torch.nn.Parameter]:
         """The global model's trainable parameters, in ``model.parameters()`` order (the order of every flat
@@ -355,7 +405,7 @@ class FederatedLoop(pl.LightningModule):
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _worker_trainer(self) -> LocalTrainer:
-        w: Optional[LocalTrainer] = self.__dict__["_worker"]
+        w = self._runtime.worker
         if w is None or w.params[0].device != self.device:
             trainer_ref = self.model._trainer
             routed = {k: self.model.__dict__.pop(k) for k in ("log", "log_dict") if k in self.model.__dict__}
@@ -380,10 +430,9 @@ class FederatedLoop(pl.LightningModule):
             )
             w.router = router  # type: ignore[attr-defined]
             w.client_hooks = hooks  # type: ignore[attr-defined]  # incl. the per-round epoch hooks
-            mo = self.__dict__["_module_optimizer"]
-            if mo is not None:
-                mo.register(work)
-            self.__dict__["_worker"] = w
+            if self._runtime.module_optimizer is not None:
+                self._runtime.module_optimizer.register(work)
+            self._runtime.worker = w
         return w
 
     # ================================================================== one round
@@ -405,7 +454,7 @@ class FederatedLoop(pl.LightningModule):
         classes) are always built by the factory.
         """
         factory = self._client_factory()
-        cached = self.__dict__.get("_reusable_client_opt") if reuse else None
+        cached = self._runtime.reusable_client_opt if reuse else None
         if cached is not None and cached[0] is params and cached[3] is factory:
             opt, defaults = cached[1], cached[2]
             opt.state.clear()
@@ -415,7 +464,7 @@ class FederatedLoop(pl.LightningModule):
             opt = factory(params)
             if reuse and type(opt).__module__.startswith("torch.optim.") and not hasattr(opt, "set_client_state"):
                 defaults = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
-                self.__dict__["_reusable_client_opt"] = (params, opt, defaults, factory)
+                self._runtime.reusable_client_opt = (params, opt, defaults, factory)
         if lr_scale != 1.0:
             from fedlightning.optim import scale_client_step  # every step-size rule, or a clear error
 
@@ -462,11 +511,11 @@ class FederatedLoop(pl.LightningModule):
     def _round_tensors(self, round: int):
         """The global model's trainable parameters, buffers and float-buffer mask, listed once per round (walking
         a LightningModule's module tree costs ~0.1 ms, which adds up over a round's clients)."""
-        cached = self.__dict__.get("_round_tensor_cache")
+        cached = self._runtime.round_tensors
         if cached is None or cached[0] != round:
             gbuffers = list(self.model.buffers())
             cached = (round, self._global_params(), gbuffers, [b.is_floating_point() for b in gbuffers])
-            self.__dict__["_round_tensor_cache"] = cached
+            self._runtime.round_tensors = cached
         return cached[1], cached[2], cached[3]
 
     def _vectorized_updates(self, plan: RoundPlan, client_ids: List[int], global_flat: Tensor):
@@ -487,12 +536,12 @@ class FederatedLoop(pl.LightningModule):
         plan.local_steps = integer("local_steps", plan.local_steps, label=f"round {plan.round}: local_steps")
 
         strategy = self.strategy
-        self.__dict__["_round_tensor_cache"] = None  # the parameter list is re-read every round
+        self._runtime.round_tensors = None  # the parameter list is re-read every round
         gparams = self._round_tensors(plan.round)[0]
         with torch.no_grad():
             global_flat = flat_params(gparams)
         worker = self._worker_trainer()
-        worker.model.__dict__["_fl_round"] = plan.round  # the client copy's global_step / current_epoch
+        worker.model._fl_round = plan.round  # the client copy's global_step / current_epoch
         if worker.client_hooks.epoch_start:
             worker.model.on_train_epoch_start()
         stats = RoundStatistics()
@@ -551,11 +600,11 @@ class FederatedLoop(pl.LightningModule):
         router.reset_metrics()
         result.metrics.update(router.pop_means())
         self._log_round(result)
-        mo = self.__dict__["_module_optimizer"]
+        mo = self._runtime.module_optimizer
         if mo is not None and mo.schedulers:  # only built when client_optimizer is None
             metrics = {**trainer.callback_metrics, **result.metrics}
             if mo.step_schedulers(plan.round, metrics):
-                self.__dict__["_reusable_client_opt"] = None  # its snapshot holds the previous round's lr
+                self._runtime.reusable_client_opt = None  # its snapshot holds the previous round's lr
         return None
 
     def _check_round_failures(self, plan: RoundPlan, stats: RoundStatistics, first_error: Optional[tuple]) -> None:
@@ -760,7 +809,7 @@ class FederatedLoop(pl.LightningModule):
 
     # ================================================================== checkpoint
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
-        mo = self.__dict__["_module_optimizer"]
+        mo = self._runtime.module_optimizer
         checkpoint["fedlightning"] = {
             "format": 1,
             "client_state": self.client_state.state_dict(),
@@ -781,12 +830,12 @@ class FederatedLoop(pl.LightningModule):
         self.rounds_without_healthy_client = int(fed.get("rounds_without_healthy_client", 0))
         saved = fed.get("module_optimizer")
         if saved is not None:
-            mo = self.__dict__["_module_optimizer"]
+            mo = self._runtime.module_optimizer
             if mo is not None:
                 mo.load_state_dict(saved)
-                self.__dict__["_reusable_client_opt"] = None
+                self._runtime.reusable_client_opt = None
             else:  # restored before setup resolved it (e.g. validate/test): applied when it is built
-                self.__dict__["_pending_module_optimizer_state"] = saved
+                self._runtime.pending_module_optimizer_state = saved
         self.model.on_load_checkpoint(checkpoint)
 
 

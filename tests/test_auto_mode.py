@@ -62,7 +62,7 @@ def test_auto_equals_the_chosen_mode_and_logs_both_timings(monkeypatch, caplog, 
     with caplog.at_level(logging.INFO):
         auto = fit(UserMLP(), OPTIMIZERS[opt], "auto")
     assert len(calls) == 3  # measured once, at the first round
-    assert auto[1].__dict__["_auto_choice"] == chosen
+    assert auto[1].client_execution_choice == chosen
     lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
     assert len(lines) == 1
     assert f"training clients {chosen}" in lines[0]

@@ -201,7 +201,7 @@ def test_reused_torch_optimizer_equals_a_fresh_one_per_client(make):
 
     reused_loop, reused = run(make)
     fresh_loop, reference = run(fresh)
-    assert "_reusable_client_opt" in reused_loop.__dict__ and "_reusable_client_opt" not in fresh_loop.__dict__
+    assert reused_loop._runtime.reusable_client_opt is not None and fresh_loop._runtime.reusable_client_opt is None
     torch.testing.assert_close(reused, reference, rtol=0, atol=0)
 
 

@@ -65,7 +65,7 @@ def test_resume_vectorized_bit_identical(tmp_path, opt):
 
     make = (lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7, reset="last", carry_step_size=True)) if opt else None
     full, resumed, loop = run_resume_equivalence(tmp_path, opt=make, client_execution="vectorized")
-    assert "_vectorized_engine" in loop.__dict__
+    assert loop.vectorized_engine is not None
     assert torch.equal(full, resumed)
     if opt:
         assert len(loop.client_state.state_dict().get("optimizer", {})) > 0  # carried steps were checkpointed
