@@ -31,6 +31,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from fedlightning._logging_route import route_logging, routed_logging
 from fedlightning._validation import integer, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, check_hook_names
 from fedlightning.client import LocalTrainer
@@ -154,11 +155,6 @@ def _is_metric(value: Any) -> bool:
     return isinstance(value, Metric)
 
 
-def _install_router(model: pl.LightningModule, router: _LogRouter) -> None:
-    model.__dict__["log"] = router.log
-    model.__dict__["log_dict"] = router.log_dict
-
-
 #: Hooks of the user's module that run on the global model whenever Lightning calls them on the loop (fit-level and
 #: evaluation hooks); training hooks are mapped by client training instead (fedlightning.user_module.ClientHooks).
 _FORWARDED_HOOKS = (
@@ -254,7 +250,7 @@ class FederatedLoop(pl.LightningModule):
         self.client_state = ClientStateStore()
         self.strategy: Optional[ServerStrategy] = None
         self._eval_router = _LogRouter(self, "forward")
-        _install_router(self.model, self._eval_router)
+        route_logging(self.model, self._eval_router.log, self._eval_router.log_dict)
         self._forward_batch_transfer_hooks()
         self.failed_clients_total = 0
 
@@ -408,20 +404,19 @@ class FederatedLoop(pl.LightningModule):
         w = self._runtime.worker
         if w is None or w.params[0].device != self.device:
             trainer_ref = self.model._trainer
-            routed = {k: self.model.__dict__.pop(k) for k in ("log", "log_dict") if k in self.model.__dict__}
             self.model.trainer = None  # do not deep-copy the Trainer (nor the loop through the log router)
             try:
-                work = copy.deepcopy(self.model)
+                with routed_logging(self.model, None, None):
+                    work = copy.deepcopy(self.model)
             finally:
                 self.model.trainer = trainer_ref
-                self.model.__dict__.update(routed)
             work.to(self.device)
             from fedlightning.user_module import ClientHooks, MetricStates, make_client_copy
 
             make_client_copy(work, trainer_ref)
             router = _LogRouter(self, "capture")
             router.module = work
-            _install_router(work, router)
+            route_logging(work, router.log, router.log_dict)
             to_device = (lambda b: b) if self.device.type == "cpu" else (lambda b: move_data_to_device(b, self.device))
             hooks = ClientHooks(work)
             w = LocalTrainer(
@@ -760,19 +755,11 @@ class FederatedLoop(pl.LightningModule):
                 logger.log_metrics(rest, step=step)
 
     def _step_logs_written(self) -> bool:
-        """Whether Lightning writes this round's step metrics to the loggers (its ``should_update_logs`` rule)."""
+        """Whether Lightning writes this round's step metrics to the loggers: its own rule, as its training loop
+        applies it (``update_train_step_metrics``: ``should_update_logs``, i.e. every ``log_every_n_steps`` rounds
+        or when the trainer is stopping, unless ``log_every_n_steps=0``; or ``fast_dev_run``)."""
         trainer = self.trainer
-        if not trainer.loggers:
-            return False
-        if trainer.fast_dev_run or trainer.should_stop:
-            return True
-        every = int(trainer.log_every_n_steps)
-        if every <= 0:
-            return False
-        stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
-        if stepped is None:  # a Lightning version without the counter: log every round
-            return True
-        return (int(stepped) + 1) % every == 0
+        return bool(trainer.loggers) and bool(trainer.fast_dev_run or trainer._logger_connector.should_update_logs)
 
     # ================================================================== evaluation on the global model
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):

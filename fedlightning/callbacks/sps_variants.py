@@ -54,6 +54,7 @@ from typing import Any, Dict, Optional
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
+from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import number, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.client import extract_loss
@@ -157,13 +158,11 @@ class FedSPSGlobal(ServerStrategy):
         params = [p for p in model.parameters() if p.requires_grad]
         buffers = list(model.buffers())
         saved = [b.detach().clone() for b in buffers]
-        routed = {k: model.__dict__[k] for k in ("log", "log_dict") if k in model.__dict__}
-        model.__dict__["log"] = model.__dict__["log_dict"] = lambda *a, **k: None
         devices = [loop.device] if loop.device.type == "cuda" else []
         was_training = model.training
         try:
             model.train()
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with routed_logging(model, discard, discard), torch.random.fork_rng(devices=devices), torch.enable_grad():
                 seed = derive_seed(loop.seed, "model", plan.round, client_id)
                 torch.default_generator.manual_seed(seed)
                 for dev in devices:
@@ -172,9 +171,6 @@ class FedSPSGlobal(ServerStrategy):
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
         finally:
             model.train(was_training)
-            for k in ("log", "log_dict"):
-                model.__dict__.pop(k, None)
-            model.__dict__.update(routed)
             with torch.no_grad():
                 for b, s in zip(buffers, saved):
                     b.copy_(s)

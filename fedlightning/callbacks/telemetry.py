@@ -47,6 +47,7 @@ Decisions (ours):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -56,6 +57,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import integer, one_of
 from fedlightning.callbacks.base import FederatedCallback
 
@@ -211,32 +213,28 @@ class GlobalEvaluation(FederatedCallback):
         model.eval()
         classifier = isinstance(model, Classifier)
         loss_sum, correct, count = 0.0, 0.0, 0.0
-        saved = {k: model.__dict__[k] for k in ("log", "log_dict") if k in model.__dict__}
-        if not classifier:  # discard the model's own self.log calls of training_step
-            model.__dict__["log"] = lambda *a, **k: None
-            model.__dict__["log_dict"] = lambda *a, **k: None
+        # the model's own self.log calls of training_step are discarded
+        silenced = contextlib.nullcontext() if classifier else routed_logging(model, discard, discard)
         try:
-            for i, batch in enumerate(self._batches(dm)):
-                batch = move_data_to_device(batch, device)
-                if classifier:
-                    logits, y = model._logits_targets(batch)
-                    valid = y != model.ignore_index if model.ignore_index is not None else torch.ones_like(y, dtype=torch.bool)
-                    n = float(valid.sum().item())
-                    if n == 0:
-                        continue
-                    loss = model.loss(logits, y)
-                    loss_sum += float(loss.double().item()) * n
-                    correct += float((logits.argmax(-1)[valid] == y[valid]).sum().item())
-                    count += n
-                else:
-                    loss = extract_loss(model.training_step(batch, i), type(model).__name__)
-                    n = float(len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch))
-                    loss_sum += float(loss.double().item()) * n
-                    count += n
+            with silenced:
+                for i, batch in enumerate(self._batches(dm)):
+                    batch = move_data_to_device(batch, device)
+                    if classifier:
+                        logits, y = model._logits_targets(batch)
+                        valid = y != model.ignore_index if model.ignore_index is not None else torch.ones_like(y, dtype=torch.bool)
+                        n = float(valid.sum().item())
+                        if n == 0:
+                            continue
+                        loss = model.loss(logits, y)
+                        loss_sum += float(loss.double().item()) * n
+                        correct += float((logits.argmax(-1)[valid] == y[valid]).sum().item())
+                        count += n
+                    else:
+                        loss = extract_loss(model.training_step(batch, i), type(model).__name__)
+                        n = float(len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch))
+                        loss_sum += float(loss.double().item()) * n
+                        count += n
         finally:
-            for k in ("log", "log_dict"):
-                model.__dict__.pop(k, None)
-            model.__dict__.update(saved)
             model.train(was_training)
         if count == 0:
             return {}
