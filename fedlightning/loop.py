@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from fedlightning._logging_route import route_logging, routed_logging
+from fedlightning._reference import reference_mode
 from fedlightning._validation import integer, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, check_hook_names
 from fedlightning.client import LocalTrainer
@@ -234,6 +235,7 @@ class FederatedLoop(pl.LightningModule):
         one_of("on_client_failure", on_client_failure, ("skip", "raise"))
         max_failed_rounds = integer("max_failed_rounds", max_failed_rounds, allow_none=True)
         one_of("client_execution", client_execution, ("sequential", "vectorized", "auto"))
+        reference_mode()  # a bad FEDLIGHTNING_REFERENCE value fails here, before any training
         self.automatic_optimization = False
         self.model = model
         self.client_optimizer = client_optimizer  # None: the module's configure_optimizers() (resolved at setup)
@@ -337,7 +339,10 @@ class FederatedLoop(pl.LightningModule):
     @property
     def client_execution_choice(self) -> Optional[str]:
         """How this run trains its clients, ``"sequential"`` or ``"vectorized"``: ``client_execution`` itself, or
-        for ``"auto"`` the mode chosen at the first round (None before it)."""
+        for ``"auto"`` the mode chosen at the first round (None before it); ``"sequential"`` in reference mode
+        (:mod:`fedlightning._reference`)."""
+        if reference_mode():
+            return "sequential"
         if self.client_execution != "auto":
             return self.client_execution
         if self._engine_state("vectorized_fallback"):
@@ -446,9 +451,10 @@ class FederatedLoop(pl.LightningModule):
         ``torch.optim`` itself is built once and reset for every later client instead (its per-parameter state
         cleared, its hyper-parameters restored to their values after construction): the same object state as a
         fresh one, without the ~50 µs construction per client. Other optimizers (``fedlightning.optim``, user
-        classes) are always built by the factory.
+        classes) are always built by the factory, and so is every optimizer in reference mode.
         """
         factory = self._client_factory()
+        reuse = reuse and not reference_mode()
         cached = self._runtime.reusable_client_opt if reuse else None
         if cached is not None and cached[0] is params and cached[3] is factory:
             opt, defaults = cached[1], cached[2]
@@ -505,17 +511,19 @@ class FederatedLoop(pl.LightningModule):
 
     def _round_tensors(self, round: int):
         """The global model's trainable parameters, buffers and float-buffer mask, listed once per round (walking
-        a LightningModule's module tree costs ~0.1 ms, which adds up over a round's clients)."""
+        a LightningModule's module tree costs ~0.1 ms, which adds up over a round's clients); listed at every call
+        in reference mode."""
         cached = self._runtime.round_tensors
-        if cached is None or cached[0] != round:
+        if cached is None or cached[0] != round or reference_mode():
             gbuffers = list(self.model.buffers())
             cached = (round, self._global_params(), gbuffers, [b.is_floating_point() for b in gbuffers])
             self._runtime.round_tensors = cached
         return cached[1], cached[2], cached[3]
 
     def _vectorized_updates(self, plan: RoundPlan, client_ids: List[int], global_flat: Tensor):
-        """All of ``client_ids``' updates from the vectorised engine, or None to train them one by one."""
-        if self.client_execution == "sequential":
+        """All of ``client_ids``' updates from the vectorised engine, or None to train them one by one (always in
+        reference mode)."""
+        if self.client_execution == "sequential" or reference_mode():
             return None
         from fedlightning.vectorized import run_vectorized_round
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from fedlightning._reference import reference_mode
 from fedlightning._validation import integer, non_negative, one_of
 from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.proximal import global_anchors, linear_correction, proximal_penalty, split_like
@@ -81,7 +82,7 @@ def client_full_gradient(loop, client_id: int, round: int, batch_size: Optional[
     chunk = n if batch_size is None else int(batch_size)
     sampler = ClientBatchSampler(indices, chunk, None, shuffle=False)
     dataset = dm.train_dataset
-    if isinstance(dataset, ArrayDataset):
+    if isinstance(dataset, ArrayDataset) and not reference_mode():  # whole-batch indexing
         loader = DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=0)
     else:
         loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0)

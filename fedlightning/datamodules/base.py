@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from fedlightning._reference import reference_mode
 from fedlightning._validation import in_range, integer
 from fedlightning.datamodules.partition import IID, Partitioner, check_partition
 from fedlightning.state import RoundPlan, derive_seed
@@ -431,7 +432,7 @@ class FederatedDataModule(pl.LightningDataModule):
         return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers)
 
     def _loader_from_batches(self, dataset: Dataset, batch_sampler: Sampler, workers: int = 0):
-        if isinstance(dataset, ArrayDataset):
+        if isinstance(dataset, ArrayDataset) and not reference_mode():
             # batched fast path: one tensor indexing per batch, no per-sample fetch/collate, no DataLoader machinery
             return ArrayBatchLoader(dataset, batch_sampler)
         return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers)
@@ -477,7 +478,7 @@ class FederatedDataModule(pl.LightningDataModule):
         :class:`ArrayDataset` is read a whole batch per tensor indexing (the in-memory fast path)."""
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__} has no evaluation data set")
-        if isinstance(dataset, ArrayDataset):
+        if isinstance(dataset, ArrayDataset) and not reference_mode():
             rows = np.arange(len(dataset)) if indices is None else indices
             sampler = ClientBatchSampler(rows, self.eval_batch_size, None, shuffle=False)
             return DataLoader(dataset, sampler=sampler, batch_size=None)  # a real DataLoader for Lightning

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
+from fedlightning._reference import reference_mode
 from fedlightning._validation import integer, one_of
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
 from fedlightning.datamodules.partition import IID, Partitioner
@@ -315,7 +316,7 @@ class DatasetDataModule(FederatedDataModule):
     def _materialise(self, dataset: Any, reader: _Reader, name: str) -> Dataset:
         """The data set as an :class:`ArrayDataset` or a :class:`PairView` (rules: class docstring, "In memory")."""
         option = self.in_memory_option
-        if option is False:
+        if option is False or (option == "auto" and reference_mode()):
             return PairView(dataset, reader)
         if isinstance(dataset, ArrayDataset):
             return dataset
