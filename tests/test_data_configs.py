@@ -115,7 +115,7 @@ def test_cpu_config_trains_one_round(path, tmp_path):
 
 
 def test_readme_tables_list_every_config_and_every_link_resolves():
-    """Issue 5: "a README table lists them" — every config of configs/ (paper configs and single-algorithm configs,
+    """A README table lists the configs: every config of configs/ (paper configs and single-algorithm configs,
     not sweeps) is linked from README.md, every link to a config exists, and the stated counts are right."""
     import re
 

@@ -15,7 +15,7 @@ One FedDANE iteration = two communication rounds:
 
 Dropping the correction gives FedProx; dropping it and setting ``μ = 0`` gives FedAvg (``correction=False``).
 
-Decisions (seed 003 digest §2.3, §8):
+Decisions (what FedDANE's Algorithm 2 leaves open, and where the reference code departs from it):
 
 * ``S'_t`` is the data module's round sample; ``S_t`` is drawn **independently** by default (the paper), uniformly
   without replacement from the clients that hold data, with a generator seeded by

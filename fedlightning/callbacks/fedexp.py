@@ -9,7 +9,8 @@ via Extrapolation", ICLR 2023), as written in seed 000 ("Painless Federated Lear
 with ``Δ^i_t = w_t − w^i_{t,K}`` and ``Δ_t`` their mean. FedExpSLS is this strategy with
 :class:`~fedlightning.optim.SgdArmijo` clients (``configs/fedexpsls.yaml``).
 
-Decisions (the papers leave them open; seed 000 digest §1, reference-implementations §4):
+Decisions (the papers leave them open: "Painless Federated Learning", Alg. 5, and the FedExP paper; the FedExP
+reference code settles some):
 
 * **Weighting** (``weighting="uniform"``, default): the paper's uniform mean. With ``weighting="samples"`` both
   ``Δ_t`` and the mean squared norm use ``p_i = n_i`` (the reference code's ``p_i = n_i/N``):

@@ -22,7 +22,7 @@ and with momentum ``μ > 0`` (DFW's form; ``z`` starts at 0 and persists across 
 ``z ← μ z − η γ_t (Δ_t + r_t)``, ``w_{t+1} ← w_{t+1} + μ z``. Inner products and norms run over all trainable
 parameters jointly (one scalar ``γ_t`` per round).
 
-Decisions (seed 002 digest §2):
+Decisions (what "Towards Hyper-parameter-free Federated Learning", Alg. 1 and 2, leaves open):
 
 * Weighting ``p_i = n_i`` (``weighting="samples"``, the reference code) for both strategies.
 * FedLi-LS's ``η_i`` is the client's last *accepted* line-search step: SgdArmijo's ``armijo_accepted_step_size``

@@ -21,7 +21,7 @@ apply (their docstrings give what is scaled and why). With ``decay="client_lr"``
 trains, that the configured client optimizer has such a step size and otherwise raises a ValueError naming
 it, so ``schedule/client_lr_scale`` is only logged when it is applied.
 
-Decisions (seed 004 digest §4 and §8):
+Decisions (the gaps of Mills et al.'s Sec. 3.5 and Table III):
 
 * **Exact ceilings.** ``⌈K_0 r^{−1/3}⌉`` is the smallest integer ``k`` with ``k³·r ≥ K_0³`` and is computed in
   integer arithmetic (a float guess corrected by exact cube comparisons), so ``K_0 = 60, r = 1000`` gives 6, not

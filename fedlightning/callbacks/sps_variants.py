@@ -5,7 +5,7 @@ strategy of their own: they are :class:`~fedlightning.optim.SPS` / :class:`~fedl
 
 **FedSPS-Normalized** (App. D.1). Clients run FedSPS (local SPS steps); client :math:`j` keeps the normalization
 factor :math:`\nu^j = \sum_k \gamma^j_k`, the sum of its local step sizes in the round, and the server aggregates
-with the factors. Two readings (digest 001 §1.4), ``reading=``:
+with the factors. Two readings of Algorithm 2, ``reading=``:
 
 * ``"weighted_models"`` (default; Algorithm 2 as written): a weighted average of the client models with weights
   :math:`1/\nu^j`,

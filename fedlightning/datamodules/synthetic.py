@@ -17,10 +17,10 @@ user still draws its own ``W_k, b_k, v_k``).
 ``iid=True`` is FedProx's Synthetic-IID: one ``W ~ N(0, 1)^{d×C}`` and ``b ~ N(0, 1)^C`` shared by all users and
 ``v_k = 0``, so every user samples ``x ~ N(0, Σ)`` and labels it with the same model.
 
-Draw order (reference-implementations.md §6, the FedProx/FedDANE ``generate_synthetic.py``), all from ONE seeded
+Draw order (the FedProx/FedDANE reference ``generate_synthetic.py``), all from ONE seeded
 generator: the N sample counts; the N ``u_k``; the N ``B_k``; for each user its ``v_k`` (d draws); then for each user
 ``W_k`` (d×C), ``b_k`` (C) and its ``n_k`` inputs. IID draws the N counts, then the shared ``W``, ``b``, then each
-user's inputs (the reference IID script's order is not in the digest; this order is ours).
+user's inputs (this order is ours: the reference IID script was not available).
 
 RNG API (decision): the reference scripts call numpy's legacy global ``np.random`` functions unseeded. Here
 ``rng="generator"`` (default) uses ``np.random.default_rng(seed)`` (numpy's recommended Generator; same calls, same

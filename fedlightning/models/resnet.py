@@ -11,7 +11,8 @@ expansion 4.
 Normalisation (decision, documented): ``norm="group"`` (default) uses ``GroupNorm(num_groups, C)`` everywhere a
 BatchNorm would be. Default ``num_groups=2``, the FedExP reference code's ``GroupNorm(2, C)`` (seed 000 follows that
 code's setup); seed 002 asks for GroupNorm without a group count. GroupNorm keeps no running statistics, so client
-models have no buffers to average and line-search trial forwards cannot corrupt any (seed 002 digest §7.1).
+models have no buffers to average and line-search trial forwards cannot corrupt any (the reason seed 002,
+"Towards Hyper-parameter-free Federated Learning", gives for GroupNorm).
 ``norm="batch"`` gives the usual BatchNorm network (its running statistics are buffers, averaged by the loop).
 The head is adaptive average pooling over the whole 4×4 map (not the FedExP code's ``avg_pool2d(out, 3)`` quirk,
 which pools only the top-left 3×3 window).

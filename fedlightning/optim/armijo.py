@@ -22,7 +22,8 @@ both sides; :math:`\|g\|` over all parameters jointly). The start :math:`\eta_0`
 
 and :math:`\eta_0 = \eta_{l,\max}` at the first step (Algorithm 3, ``k = 1``).
 
-Decisions the papers leave open (digest 000 §1, reference-implementations §1), all ours unless a source is named:
+Decisions the papers leave open ("Painless Federated Learning", Alg. 2 and 3; the reference Sls code of Vaswani
+et al.), all ours unless a source is named:
 
 * **Cap of ``"grow"``**: the grown step is capped at ``eta_max`` (Vaswani et al.'s paper and seed 000's theory assume
   :math:`\eta \in (0, \eta_{l,\max}]`; the current reference Sls code has no cap).

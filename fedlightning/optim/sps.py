@@ -13,7 +13,7 @@ smoothed cap of seed 001 §6 / Loizou et al. 2021 (``smooth=True``, seed 001's n
 .. math::
     \gamma_{b,0} = \gamma_b, \qquad \gamma_{b,t} = \delta^{\,1/\lceil n/b\rceil}\,\gamma_{t-1}\quad (t \ge 1)
 
-**Reading of the smoothed cap (digest 001 §1.2, a documented choice):** seed 001 writes
+**Reading of the smoothed cap (a documented choice):** seed 001 ("Locally Adaptive Federated Learning", Sec. 6) writes
 :math:`\gamma_{b,t} = 2^{|B|/m_i}\gamma_{b,t-1}`, i.e. the multiplier applied to the previous *cap*, which would grow
 exponentially and never look at the step sizes; we implement the reading of the SPS paper it cites and of the
 reference SPS code (``smooth_iter``): the multiplier applies to the previous *step size* :math:`\gamma_{t-1}`.
@@ -38,7 +38,7 @@ is only this initial value, as in the reference code (no constant cap).
 \min\{\text{ratio}_0/c_0, \gamma_b\}`, :math:`\gamma_t \le \gamma_{t-1}\sqrt{t/(t+1)}`, :math:`\gamma_t \le
 \gamma_b/\sqrt{t+1}`.
 
-Decisions (ours unless a source is named; digest 001 §1.2, §1.3, §6):
+Decisions (ours unless a source is named; "Locally Adaptive Federated Learning", Sec. 5 and 6, leaves them open):
 
 * ``f_star`` is :math:`\ell^*`, a lower bound of the mini-batch loss; 0 for non-negative losses (seed 001, all
   experiments). No epsilon in the denominator (the paper has none; the reference code's ``eps`` only guards
