@@ -5,8 +5,6 @@
 * the switch is read from the environment variable unless set_reference_mode overrides it; bad values are refused.
 """
 
-import copy
-
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -16,11 +14,10 @@ import fedlightning.callbacks.feddane as feddane_module
 import fedlightning.client as client_module
 from conftest import make_trainer
 from fedlightning import FederatedLoop, reference_mode, set_reference_mode
-from fedlightning.callbacks import FedAvg, FedDANE, FedExP, ProximalTerm
 from fedlightning.datamodules import Dirichlet, DigitsDataModule, FederatedDataModule
 from fedlightning.datamodules.base import ArrayBatchLoader
 from fedlightning.models import MLP
-from fedlightning.optim import SgdArmijo
+from registry import CLIENT_OPTIMIZERS, STRATEGIES
 
 
 @pytest.fixture(autouse=True)
@@ -69,19 +66,20 @@ def generic_digits():
                                              partition=Dirichlet(0.5), seed=0)
 
 
+OPT, STRAT = CLIENT_OPTIMIZERS, STRATEGIES
 CONFIGS = {
     # plain SGD: the one-_foreach_add_ step, dropped gradients, the reused optimizer, the in-memory loader
-    "sgd": dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.3), callbacks=[FedAvg()]),
+    "sgd": dict(optimizer=OPT["sgd"], callbacks=[STRAT["fedavg"]]),
     # momentum SGD reused between clients (reset to fresh state), FedExP server
-    "sgd-momentum-fedexp": dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), callbacks=[FedExP()]),
+    "sgd-momentum-fedexp": dict(optimizer=OPT["sgd-momentum"], callbacks=[STRAT["fedexp"]]),
     # a line search with a proximal term: the closure path either way
-    "armijo-prox": dict(optimizer=lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7), callbacks=[FedAvg(), ProximalTerm(0.1)]),
+    "armijo-prox": dict(optimizer=OPT["armijo"], callbacks=[STRAT["fedavg"], STRAT["proximal"]]),
     # FedDANE's gradient phase reads whole client data sets
-    "feddane": dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.2), callbacks=[FedDANE(mu=0.1)]),
+    "feddane": dict(optimizer=OPT["sgd"], callbacks=[STRAT["feddane"]]),
     # the vectorised engine against sequential reference clients
-    "vectorized": dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.3), callbacks=[FedAvg()], execution="vectorized"),
+    "vectorized": dict(optimizer=OPT["sgd"], callbacks=[STRAT["fedavg"]], execution="vectorized"),
     # DatasetDataModule, in_memory="auto": materialised, or per-sample in reference mode
-    "generic-data": dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.3), callbacks=[FedAvg()], dm=generic_digits),
+    "generic-data": dict(optimizer=OPT["sgd"], callbacks=[STRAT["fedavg"]], dm=generic_digits),
 }
 
 
@@ -93,7 +91,7 @@ def fit(config, reference, rounds=3):
         loop = FederatedLoop(model, client_optimizer=config["optimizer"], local_steps=4, clients_per_round=5, seed=1,
                              client_execution=config.get("execution", "sequential"))
         dm = config.get("dm", digits)()
-        make_trainer(rounds, callbacks=[copy.deepcopy(c) for c in config["callbacks"]]).fit(loop, datamodule=dm)
+        make_trainer(rounds, callbacks=[make() for make in config["callbacks"]]).fit(loop, datamodule=dm)
     finally:
         set_reference_mode(None)
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), loop, dm
