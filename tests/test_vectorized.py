@@ -145,7 +145,7 @@ def test_armijo_search_for_models_with_random_layers_equals_sequential(optimizer
 
     monkeypatch.setattr(vectorized, "_has_random_layers", lambda model: True)
     vec = fit(mlp(), optimizer, "vectorized")
-    assert vec[1].__dict__["_vectorized_engine"].deterministic is False
+    assert vec[1].vectorized_engine.deterministic is False
     assert_same_run(fit(mlp(), optimizer, "sequential"), vec)
 
 
@@ -484,7 +484,7 @@ def test_auto_vectorizes_supported_models():
         warnings.simplefilter("always")
         auto = fit(mlp(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=2)
     assert not [w for w in caught if "client_execution='auto'" in str(w.message)]
-    assert isinstance(auto[1].__dict__.get("_vectorized_engine"), VectorizedClientTrainer)
+    assert isinstance(auto[1].vectorized_engine, VectorizedClientTrainer)
     assert_same_run(fit(mlp(), CLIENT_OPTIMIZERS["sgd"], "sequential", rounds=2), auto)
 
 

@@ -42,7 +42,7 @@ def generic_mlp():
 
 
 def engine_of(run):
-    return run[1].__dict__["_vectorized_engine"]
+    return run[1].vectorized_engine
 
 
 @pytest.mark.parametrize("name", ["sgd", "armijo", "sps"])
@@ -246,7 +246,7 @@ def test_bf16_mixed_uses_the_protocol_and_stays_close_to_sequential():
     shapes) does not reject a correct protocol; a wrong one is still refused."""
     seq, _ = fit_bf16(mlp(), "sequential")
     vec, loop = fit_bf16(mlp(), "vectorized")
-    assert "per-sample protocol" in loop.__dict__["_vectorized_engine"].probed
+    assert "per-sample protocol" in loop.vectorized_engine.probed
     start = torch.cat([p.detach().reshape(-1) for p in mlp().parameters()])
     assert (seq - start).abs().max() > 1e-2  # trained
     torch.testing.assert_close(vec, seq, atol=5e-3, rtol=0)  # bf16 matmuls: rounding, not another objective

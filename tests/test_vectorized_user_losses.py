@@ -172,7 +172,7 @@ class BatchCentred(UserMLP):
 
 
 def engine_of(run):
-    return run[1].__dict__["_vectorized_engine"]
+    return run[1].vectorized_engine
 
 
 @pytest.mark.parametrize("model_fn,opt", [
