@@ -27,7 +27,7 @@ def discard(*args: Any, **kwargs: Any) -> None:
 
 
 def route_logging(model: nn.Module, log: Optional[Callable[..., None]], log_dict: Optional[Callable[..., None]]) -> None:
-    """From now on ``model.log`` is ``log`` and ``model.log_dict`` is ``log_dict``; None removes the instance's
+    """Make ``model.log`` ``log`` and ``model.log_dict`` ``log_dict`` until changed again; None removes the instance's
     routing of that method (the class's own method is used)."""
     for name, target in zip(_NAMES, (log, log_dict)):
         if target is None:

@@ -144,7 +144,7 @@ class _Runtime:
     #: client_execution="auto": "vectorized" or "sequential" once the first round decided, and why
     auto_choice: Optional[str] = None
     auto_reason: Optional[str] = None
-    #: client_execution="auto": the run trains its clients sequentially from now on
+    #: client_execution="auto": the clients train sequentially for the rest of the run
     vectorized_fallback: bool = False
 
 
