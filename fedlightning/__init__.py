@@ -10,13 +10,14 @@ overrides a configured choice. To log online from Python without a key in the en
 
 import os as _os
 
+from fedlightning._reference import reference_mode, set_reference_mode
 from fedlightning.loop import FederatedLoop
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult
 from fedlightning.vectorized import VectorizationUnsupportedError
 
 __version__ = "0.1.0"
 __all__ = ["FederatedLoop", "RoundPlan", "ClientUpdate", "RoundResult", "ClientStateStore",
-           "VectorizationUnsupportedError", "__version__"]
+           "VectorizationUnsupportedError", "reference_mode", "set_reference_mode", "__version__"]
 
 
 def _default_wandb_offline(environ=None, netrc_path=None) -> bool:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 from torch import Tensor, nn
 
+from fedlightning._reference import reference_mode
 from fedlightning.state import ClientUpdate, derive_seed, flat_params
 
 __all__ = ["extract_loss", "LocalTrainer"]
@@ -52,9 +53,10 @@ def _cycle(loader: Iterable, steps: int) -> Iterator[Any]:
     """Exactly ``steps`` batches from ``loader``, starting a new pass (a new shuffled epoch) whenever it runs out.
 
     Loaders that know how to do this themselves (``iter_steps``, e.g. the in-memory
-    :class:`~fedlightning.datamodules.base.ArrayBatchLoader`) are asked to; they must give the same batches."""
+    :class:`~fedlightning.datamodules.base.ArrayBatchLoader`) are asked to, except in reference mode; they must give
+    the same batches."""
     iter_steps = getattr(loader, "iter_steps", None)
-    if iter_steps is not None:
+    if iter_steps is not None and not reference_mode():
         yield from iter_steps(steps)
         return
     yield from reiterate(loader, steps)
@@ -201,10 +203,12 @@ class LocalTrainer:
         # training_step (no closure object per step); gradients are cleared by dropping them (what
         # ``zero_grad(set_to_none=True)`` does, without its per-call profiling wrapper) unless the optimizer
         # overrides ``zero_grad``; a plain SGD step is one ``_foreach_add_`` per group (``_plain_sgd_lrs``).
-        # Same arithmetic as the closure and ``optimizer.step()`` (tests/test_lean_path.py).
-        plain_zero = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad
+        # Same arithmetic as the closure and ``optimizer.step()`` (tests/test_lean_path.py); reference mode
+        # (fedlightning._reference) takes the general path.
+        lean = not reference_mode()
+        plain_zero = lean and type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad
         opt_params = [p for g in optimizer.param_groups for p in g["params"]] if plain_zero else []
-        sgd_lrs = None if adaptive else _plain_sgd_lrs(optimizer)
+        sgd_lrs = None if (adaptive or not lean) else _plain_sgd_lrs(optimizer)
         model, model_name, to_device = self.model, self.model_name, self.to_device
         on_cpu = not devices
         h = self.hooks  # None unless the model's class overrides a per-step hook (user_module.ClientHooks)
@@ -238,7 +242,7 @@ class LocalTrainer:
                     forwards += int(info.get("forwards", 1))
                     backwards += int(info.get("backwards", 1))
                 else:
-                    if terms:
+                    if terms or not lean:
                         closure = self._objective(batch, k, terms)
                         loss = closure()
                         output = closure.output

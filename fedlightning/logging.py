@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import re
 import struct
@@ -40,6 +39,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import yaml
 from lightning.pytorch.cli import SaveConfigCallback
+
+from fedlightning._validation import non_negative
 
 __all__ = [
     "LogConfigCallback",
@@ -173,8 +174,7 @@ def read_offline_run(path: str, wait_seconds: float = 0.0) -> OfflineRun:
     ``wandb.finish()`` can return before W&B's writer process has flushed the file: with ``wait_seconds > 0`` the
     file is re-read until it holds the run's exit record (``OfflineRun.finished``) or the time is up.
     """
-    if wait_seconds < 0 or not math.isfinite(wait_seconds):
-        raise ValueError(f"wait_seconds must be a finite number >= 0, got {wait_seconds!r}")
+    wait_seconds = non_negative("wait_seconds", wait_seconds)
     deadline = time.monotonic() + wait_seconds
     while True:
         try:

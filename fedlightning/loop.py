@@ -21,7 +21,8 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -30,6 +31,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from fedlightning._logging_route import route_logging, routed_logging
+from fedlightning._reference import reference_mode
+from fedlightning._validation import integer, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, check_hook_names
 from fedlightning.client import LocalTrainer
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, flat_params
@@ -116,17 +120,40 @@ class _LogRouter:
             metric.reset()
 
 
+@dataclass
+class _Runtime:
+    """What a :class:`FederatedLoop` keeps per process besides its checkpointed state: built on first use, never
+    a registered submodule or buffer (so it is neither moved with the loop by ``.to()``, nor saved in its
+    ``state_dict``, nor walked by ``named_modules``), and not checkpointed.
+    """
+
+    #: the client working copy (a deep copy of the global model) and its LocalTrainer
+    worker: Optional[LocalTrainer] = None
+    #: the client optimizer factory built from the module's configure_optimizers() (client_optimizer None)
+    module_optimizer: Optional[Any] = None
+    #: its checkpointed state, when a checkpoint was loaded before the factory existed
+    pending_module_optimizer_state: Optional[Dict[str, Any]] = None
+    #: ``(params, optimizer, param-group snapshot, factory)`` of the torch.optim optimizer reset between
+    #: sequential clients (:meth:`FederatedLoop._make_client_optimizer`)
+    reusable_client_opt: Optional[Tuple[Any, torch.optim.Optimizer, List[Dict[str, Any]], Any]] = None
+    #: ``(round, params, buffers, float-buffer mask)`` of the global model (:meth:`FederatedLoop._round_tensors`)
+    round_tensors: Optional[Tuple[int, List[Tensor], List[Tensor], List[bool]]] = None
+    #: client_execution "vectorized" / "auto": the engine of the working copy
+    #: (:class:`fedlightning.vectorized.VectorizedClientTrainer`)
+    vectorized_engine: Optional[Any] = None
+    #: client_execution="auto": "vectorized" or "sequential" once the first round decided, and why
+    auto_choice: Optional[str] = None
+    auto_reason: Optional[str] = None
+    #: client_execution="auto": the clients train sequentially for the rest of the run
+    vectorized_fallback: bool = False
+
+
 def _is_metric(value: Any) -> bool:
     try:
         from torchmetrics import Metric
     except ImportError:  # pragma: no cover - torchmetrics is a dependency
         return False
     return isinstance(value, Metric)
-
-
-def _install_router(model: pl.LightningModule, router: _LogRouter) -> None:
-    model.__dict__["log"] = router.log
-    model.__dict__["log_dict"] = router.log_dict
 
 
 #: Hooks of the user's module that run on the global model whenever Lightning calls them on the loop (fit-level and
@@ -202,31 +229,21 @@ class FederatedLoop(pl.LightningModule):
         super().__init__()
         if not isinstance(model, pl.LightningModule):
             raise TypeError(f"model must be a LightningModule, got {type(model).__name__}")
-        if isinstance(local_steps, bool) or int(local_steps) != local_steps or int(local_steps) < 1:
-            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
-        if isinstance(clients_per_round, bool) or int(clients_per_round) != clients_per_round or clients_per_round < 1:
-            raise ValueError(f"clients_per_round must be an integer >= 1, got {clients_per_round!r}")
-        if client_grad_clip is not None and not client_grad_clip > 0:
-            raise ValueError(f"client_grad_clip must be > 0 or None, got {client_grad_clip}")
-        if on_client_failure not in ("skip", "raise"):
-            raise ValueError(f"on_client_failure must be 'skip' or 'raise', got {on_client_failure!r}")
-        if max_failed_rounds is not None and (
-            isinstance(max_failed_rounds, bool) or int(max_failed_rounds) != max_failed_rounds or max_failed_rounds < 1
-        ):
-            raise ValueError(f"max_failed_rounds must be an integer >= 1 or None, got {max_failed_rounds!r}")
-        if client_execution not in ("sequential", "vectorized", "auto"):
-            raise ValueError(
-                f"client_execution must be 'sequential', 'vectorized' or 'auto', got {client_execution!r}"
-            )
+        local_steps = integer("local_steps", local_steps)
+        clients_per_round = integer("clients_per_round", clients_per_round)
+        client_grad_clip = positive("client_grad_clip", client_grad_clip, allow_none=True)
+        one_of("on_client_failure", on_client_failure, ("skip", "raise"))
+        max_failed_rounds = integer("max_failed_rounds", max_failed_rounds, allow_none=True)
+        one_of("client_execution", client_execution, ("sequential", "vectorized", "auto"))
+        reference_mode()  # a bad FEDLIGHTNING_REFERENCE value fails here, before any training
         self.automatic_optimization = False
         self.model = model
         self.client_optimizer = client_optimizer  # None: the module's configure_optimizers() (resolved at setup)
-        self.max_failed_rounds = None if max_failed_rounds is None else int(max_failed_rounds)
-        self.__dict__["_module_optimizer"] = None
-        self.__dict__["_pending_module_optimizer_state"] = None
+        self.max_failed_rounds = max_failed_rounds
+        self._runtime = _Runtime()
         self.rounds_without_healthy_client = 0
-        self.local_steps = int(local_steps)
-        self.clients_per_round = int(clients_per_round)
+        self.local_steps = local_steps
+        self.clients_per_round = clients_per_round
         self.seed = int(seed)
         self.client_grad_clip = client_grad_clip
         self.persist_client_state = persist_client_state
@@ -234,9 +251,8 @@ class FederatedLoop(pl.LightningModule):
         self.client_execution = client_execution
         self.client_state = ClientStateStore()
         self.strategy: Optional[ServerStrategy] = None
-        self.__dict__["_worker"] = None  # working copy of the model (not a submodule: not checkpointed)
         self._eval_router = _LogRouter(self, "forward")
-        _install_router(self.model, self._eval_router)
+        route_logging(self.model, self._eval_router.log, self._eval_router.log_dict)
         self._forward_batch_transfer_hooks()
         self.failed_clients_total = 0
 
@@ -292,7 +308,8 @@ class FederatedLoop(pl.LightningModule):
         """The client optimizer factory: ``client_optimizer``, or else the module's ``configure_optimizers()``."""
         if self.client_optimizer is not None:
             return self.client_optimizer
-        mo = self.__dict__["_module_optimizer"]
+        runtime = self._runtime
+        mo = runtime.module_optimizer
         if mo is None:
             from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -305,14 +322,12 @@ class FederatedLoop(pl.LightningModule):
                     "{class_path: torch.optim.SGD, init_args: {lr: 0.1}})"
                 )
             mo = ModuleOptimizer(self.model)
-            pending = self.__dict__["_pending_module_optimizer_state"]
-            if pending is not None:
-                mo.load_state_dict(pending)
-                self.__dict__["_pending_module_optimizer_state"] = None
-            self.__dict__["_module_optimizer"] = mo
-            worker = self.__dict__["_worker"]
-            if worker is not None:
-                mo.register(worker.model)
+            if runtime.pending_module_optimizer_state is not None:
+                mo.load_state_dict(runtime.pending_module_optimizer_state)
+                runtime.pending_module_optimizer_state = None
+            runtime.module_optimizer = mo
+            if runtime.worker is not None:
+                mo.register(runtime.worker.model)
         return mo
 
     # ------------------------------------------------------------------ public accessors for callbacks
@@ -320,6 +335,23 @@ class FederatedLoop(pl.LightningModule):
     def datamodule(self):
         """The run's :class:`~fedlightning.datamodules.FederatedDataModule` (``trainer.datamodule``)."""
         return self._datamodule()
+
+    @property
+    def client_execution_choice(self) -> Optional[str]:
+        """How this run trains its clients, ``"sequential"`` or ``"vectorized"``: ``client_execution`` itself, or
+        for ``"auto"`` the mode chosen at the first round (None before it); ``"sequential"`` in reference mode
+        (:mod:`fedlightning._reference`)."""
+        if reference_mode():
+            return "sequential"
+        if self.client_execution != "auto":
+            return self.client_execution
+        return "sequential" if self._runtime.vectorized_fallback else self._runtime.auto_choice
+
+    @property
+    def vectorized_engine(self):
+        """The :class:`~fedlightning.vectorized.VectorizedClientTrainer` of the client working copy (None until a
+        vectorised round built it)."""
+        return self._runtime.vectorized_engine
 
     def global_parameters(self) -> List[torch.nn.Parameter]:
         """The global model's trainable parameters, in ``model.parameters()`` order (the order of every flat
@@ -364,23 +396,22 @@ class FederatedLoop(pl.LightningModule):
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _worker_trainer(self) -> LocalTrainer:
-        w: Optional[LocalTrainer] = self.__dict__["_worker"]
+        w = self._runtime.worker
         if w is None or w.params[0].device != self.device:
             trainer_ref = self.model._trainer
-            routed = {k: self.model.__dict__.pop(k) for k in ("log", "log_dict") if k in self.model.__dict__}
             self.model.trainer = None  # do not deep-copy the Trainer (nor the loop through the log router)
             try:
-                work = copy.deepcopy(self.model)
+                with routed_logging(self.model, None, None):
+                    work = copy.deepcopy(self.model)
             finally:
                 self.model.trainer = trainer_ref
-                self.model.__dict__.update(routed)
             work.to(self.device)
             from fedlightning.user_module import ClientHooks, MetricStates, make_client_copy
 
             make_client_copy(work, trainer_ref)
             router = _LogRouter(self, "capture")
             router.module = work
-            _install_router(work, router)
+            route_logging(work, router.log, router.log_dict)
             to_device = (lambda b: b) if self.device.type == "cpu" else (lambda b: move_data_to_device(b, self.device))
             hooks = ClientHooks(work)
             w = LocalTrainer(
@@ -389,10 +420,9 @@ class FederatedLoop(pl.LightningModule):
             )
             w.router = router  # type: ignore[attr-defined]
             w.client_hooks = hooks  # type: ignore[attr-defined]  # incl. the per-round epoch hooks
-            mo = self.__dict__["_module_optimizer"]
-            if mo is not None:
-                mo.register(work)
-            self.__dict__["_worker"] = w
+            if self._runtime.module_optimizer is not None:
+                self._runtime.module_optimizer.register(work)
+            self._runtime.worker = w
         return w
 
     # ================================================================== one round
@@ -411,10 +441,11 @@ class FederatedLoop(pl.LightningModule):
         ``torch.optim`` itself is built once and reset for every later client instead (its per-parameter state
         cleared, its hyper-parameters restored to their values after construction): the same object state as a
         fresh one, without the ~50 µs construction per client. Other optimizers (``fedlightning.optim``, user
-        classes) are always built by the factory.
+        classes) are always built by the factory, and so is every optimizer in reference mode.
         """
         factory = self._client_factory()
-        cached = self.__dict__.get("_reusable_client_opt") if reuse else None
+        reuse = reuse and not reference_mode()
+        cached = self._runtime.reusable_client_opt if reuse else None
         if cached is not None and cached[0] is params and cached[3] is factory:
             opt, defaults = cached[1], cached[2]
             opt.state.clear()
@@ -424,7 +455,7 @@ class FederatedLoop(pl.LightningModule):
             opt = factory(params)
             if reuse and type(opt).__module__.startswith("torch.optim.") and not hasattr(opt, "set_client_state"):
                 defaults = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
-                self.__dict__["_reusable_client_opt"] = (params, opt, defaults, factory)
+                self._runtime.reusable_client_opt = (params, opt, defaults, factory)
         if lr_scale != 1.0:
             from fedlightning.optim import scale_client_step  # every step-size rule, or a clear error
 
@@ -470,17 +501,19 @@ class FederatedLoop(pl.LightningModule):
 
     def _round_tensors(self, round: int):
         """The global model's trainable parameters, buffers and float-buffer mask, listed once per round (walking
-        a LightningModule's module tree costs ~0.1 ms, which adds up over a round's clients)."""
-        cached = self.__dict__.get("_round_tensor_cache")
-        if cached is None or cached[0] != round:
+        a LightningModule's module tree costs ~0.1 ms, which adds up over a round's clients); listed at every call
+        in reference mode."""
+        cached = self._runtime.round_tensors
+        if cached is None or cached[0] != round or reference_mode():
             gbuffers = list(self.model.buffers())
             cached = (round, self._global_params(), gbuffers, [b.is_floating_point() for b in gbuffers])
-            self.__dict__["_round_tensor_cache"] = cached
+            self._runtime.round_tensors = cached
         return cached[1], cached[2], cached[3]
 
     def _vectorized_updates(self, plan: RoundPlan, client_ids: List[int], global_flat: Tensor):
-        """All of ``client_ids``' updates from the vectorised engine, or None to train them one by one."""
-        if self.client_execution == "sequential":
+        """All of ``client_ids``' updates from the vectorised engine, or None to train them one by one (always in
+        reference mode)."""
+        if self.client_execution == "sequential" or reference_mode():
             return None
         from fedlightning.vectorized import run_vectorized_round
 
@@ -493,17 +526,15 @@ class FederatedLoop(pl.LightningModule):
             plan = self._datamodule().round_plan(self.global_step)
         for cb in self._callbacks_with("on_round_start"):
             cb.on_round_start(trainer, self, plan)
-        if isinstance(plan.local_steps, bool) or int(plan.local_steps) < 1:
-            raise ValueError(f"round {plan.round}: local_steps must be >= 1, got {plan.local_steps!r}")
-        plan.local_steps = int(plan.local_steps)
+        plan.local_steps = integer("local_steps", plan.local_steps, label=f"round {plan.round}: local_steps")
 
         strategy = self.strategy
-        self.__dict__["_round_tensor_cache"] = None  # the parameter list is re-read every round
+        self._runtime.round_tensors = None  # the parameter list is re-read every round
         gparams = self._round_tensors(plan.round)[0]
         with torch.no_grad():
             global_flat = flat_params(gparams)
         worker = self._worker_trainer()
-        worker.model.__dict__["_fl_round"] = plan.round  # the client copy's global_step / current_epoch
+        worker.model._fl_round = plan.round  # the client copy's global_step / current_epoch
         if worker.client_hooks.epoch_start:
             worker.model.on_train_epoch_start()
         stats = RoundStatistics()
@@ -562,11 +593,11 @@ class FederatedLoop(pl.LightningModule):
         router.reset_metrics()
         result.metrics.update(router.pop_means())
         self._log_round(result)
-        mo = self.__dict__["_module_optimizer"]
+        mo = self._runtime.module_optimizer
         if mo is not None and mo.schedulers:  # only built when client_optimizer is None
             metrics = {**trainer.callback_metrics, **result.metrics}
             if mo.step_schedulers(plan.round, metrics):
-                self.__dict__["_reusable_client_opt"] = None  # its snapshot holds the previous round's lr
+                self._runtime.reusable_client_opt = None  # its snapshot holds the previous round's lr
         return None
 
     def _check_round_failures(self, plan: RoundPlan, stats: RoundStatistics, first_error: Optional[tuple]) -> None:
@@ -722,19 +753,11 @@ class FederatedLoop(pl.LightningModule):
                 logger.log_metrics(rest, step=step)
 
     def _step_logs_written(self) -> bool:
-        """Whether Lightning writes this round's step metrics to the loggers (its ``should_update_logs`` rule)."""
+        """Whether Lightning writes this round's step metrics to the loggers: its own rule, as its training loop
+        applies it (``update_train_step_metrics``: ``should_update_logs``, i.e. every ``log_every_n_steps`` rounds
+        or when the trainer is stopping, unless ``log_every_n_steps=0``; or ``fast_dev_run``)."""
         trainer = self.trainer
-        if not trainer.loggers:
-            return False
-        if trainer.fast_dev_run or trainer.should_stop:
-            return True
-        every = int(trainer.log_every_n_steps)
-        if every <= 0:
-            return False
-        stepped = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
-        if stepped is None:  # a Lightning version without the counter: log every round
-            return True
-        return (int(stepped) + 1) % every == 0
+        return bool(trainer.loggers) and bool(trainer.fast_dev_run or trainer._logger_connector.should_update_logs)
 
     # ================================================================== evaluation on the global model
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):
@@ -771,7 +794,7 @@ class FederatedLoop(pl.LightningModule):
 
     # ================================================================== checkpoint
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
-        mo = self.__dict__["_module_optimizer"]
+        mo = self._runtime.module_optimizer
         checkpoint["fedlightning"] = {
             "format": 1,
             "client_state": self.client_state.state_dict(),
@@ -792,12 +815,12 @@ class FederatedLoop(pl.LightningModule):
         self.rounds_without_healthy_client = int(fed.get("rounds_without_healthy_client", 0))
         saved = fed.get("module_optimizer")
         if saved is not None:
-            mo = self.__dict__["_module_optimizer"]
+            mo = self._runtime.module_optimizer
             if mo is not None:
                 mo.load_state_dict(saved)
-                self.__dict__["_reusable_client_opt"] = None
+                self._runtime.reusable_client_opt = None
             else:  # restored before setup resolved it (e.g. validate/test): applied when it is built
-                self.__dict__["_pending_module_optimizer_state"] = saved
+                self._runtime.pending_module_optimizer_state = saved
         self.model.on_load_checkpoint(checkpoint)
 
 

@@ -78,6 +78,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
+from fedlightning._validation import integer
 from fedlightning.logging import agent_command, load_sweep, validate_sweep
 
 __all__ = [
@@ -390,9 +391,7 @@ class LocalSweep:
         self._seed_arg = seed
         self.seed = DEFAULT_SEED if seed is None else seed
         run_cap = self.sweep.get("run_cap")
-        if run_cap is not None and (not _is_int(run_cap) or run_cap < 1):
-            raise ValueError(f"{name}: run_cap must be an integer >= 1, got {run_cap!r}")
-        self.run_cap = run_cap
+        self.run_cap = None if run_cap is None else integer("run_cap", run_cap, label=f"{name}: run_cap")
         self.grid_size = None
         if self.method == "grid":
             self.grid_size = math.prod(len(p.choices) for p in self.space.values() if p.kind == "categorical")
@@ -462,8 +461,8 @@ class LocalSweep:
     # ------------------------------------------------------------------ running
     def target(self, runs: Optional[int]) -> int:
         """Total number of runs the sweep should have (see the module docstring)."""
-        if runs is not None and (not _is_int(runs) or runs < 1):
-            raise ValueError(f"--runs must be an integer >= 1, got {runs!r}")
+        if runs is not None:
+            runs = integer("--runs", runs)
         if self.method == "grid":
             cap = min(self.grid_size, self.run_cap or self.grid_size)
             return cap if runs is None else min(runs, self.grid_size)

@@ -52,7 +52,7 @@ def _refuse(name: str):
 
 
 def _round_property(doc: str):
-    return property(lambda self: int(self.__dict__.get("_fl_round", 0)), doc=doc)
+    return property(lambda self: self._fl_round, doc=doc)
 
 
 _CLIENT_CLASSES: Dict[type, type] = {}
@@ -66,6 +66,7 @@ def _client_class(cls: type) -> type:
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
+            "_fl_round": 0,  # the communication round, set by the FederatedLoop before each round
             "global_step": _round_property("The communication round (the number of server steps taken so far)."),
             "current_epoch": _round_property(
                 "The communication round: one round is one epoch of client-side training (on_train_epoch_start / "
@@ -88,7 +89,7 @@ def make_client_copy(work: pl.LightningModule, trainer: Optional["pl.Trainer"]) 
     in Lightning), ``global_step`` and ``current_epoch`` equal to the round (set by the loop as ``_fl_round``), and
     the manual-optimisation API refused by name. ``type(work).__name__`` and ``isinstance`` checks are unchanged."""
     work.__class__ = _client_class(type(work))
-    work.__dict__["_fl_round"] = 0
+    work._fl_round = 0
     if trainer is not None:
         work.trainer = trainer  # LightningModule's setter also attaches nested LightningModules
     return work

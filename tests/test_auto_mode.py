@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import fedlightning.vectorized.auto as auto
-from fedlightning.optim import SgdArmijo
 from fedlightning.vectorized import AUTO_MARGIN, auto_choice
+from registry import CLIENT_OPTIMIZERS
 from test_vectorized import fit
 from test_vectorized_user_losses import UserMLP
 
@@ -43,7 +43,6 @@ def fake_clock(monkeypatch, seq_ms, vec_ms):
     return calls
 
 
-OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.3), "armijo": lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7)}
 
 
 def assert_identical(a, b):
@@ -55,27 +54,27 @@ def assert_identical(a, b):
     assert float(ma["client/train_loss"]) == float(mb["client/train_loss"])
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("opt", ["sgd", "armijo"])
 @pytest.mark.parametrize("seq_ms,vec_ms,chosen", [(40.0, 10.0, "vectorized"), (10.0, 40.0, "sequential")])
 def test_auto_equals_the_chosen_mode_and_logs_both_timings(monkeypatch, caplog, opt, seq_ms, vec_ms, chosen):
     calls = fake_clock(monkeypatch, seq_ms, vec_ms)
     with caplog.at_level(logging.INFO):
-        auto = fit(UserMLP(), OPTIMIZERS[opt], "auto")
+        auto = fit(UserMLP(), CLIENT_OPTIMIZERS[opt], "auto")
     assert len(calls) == 3  # measured once, at the first round
-    assert auto[1].__dict__["_auto_choice"] == chosen
+    assert auto[1].client_execution_choice == chosen
     lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
     assert len(lines) == 1
     assert f"training clients {chosen}" in lines[0]
     assert f"{seq_ms:.1f} ms sequential, {vec_ms:.1f} ms vectorized" in lines[0]
-    reference = fit(UserMLP(), OPTIMIZERS[opt], chosen)
+    reference = fit(UserMLP(), CLIENT_OPTIMIZERS[opt], chosen)
     assert_identical(auto, reference)
 
 
 def test_models_with_random_layers_train_sequentially_without_measuring(monkeypatch, caplog):
     calls = fake_clock(monkeypatch, 40.0, 10.0)
     with caplog.at_level(logging.INFO):
-        auto = fit(UserMLP(dropout=0.2), OPTIMIZERS["sgd"], "auto")
+        auto = fit(UserMLP(dropout=0.2), CLIENT_OPTIMIZERS["sgd"], "auto")
     assert calls == []
     lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
     assert len(lines) == 1 and "training clients sequential" in lines[0] and "random layers" in lines[0]
-    assert_identical(auto, fit(UserMLP(dropout=0.2), OPTIMIZERS["sgd"], "sequential"))
+    assert_identical(auto, fit(UserMLP(dropout=0.2), CLIENT_OPTIMIZERS["sgd"], "sequential"))

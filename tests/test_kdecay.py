@@ -207,7 +207,7 @@ def test_round_times_from_the_paper_constants():
 @pytest.mark.parametrize("k0,megabits,beta,paper", [(60, 0.32, 5.2e-3, 0.21), (80, 6.71, 0.017, 0.11)])
 def test_table_iv_rounds_schedule_relative_steps(k0, megabits, beta, paper):
     """Table IV (K_r-rounds, Sent140 and FEMNIST): total SGD steps relative to Kη-fixed when every schedule gets
-    the simulated wall-clock of Kη-fixed's 10k rounds (seed 004 digest §7.3; its CIFAR100 entry, 0.090, is not
+    the simulated wall-clock of Kη-fixed's 10k rounds (the protocol Table IV implies; its CIFAR100 entry, 0.090, is not
     reproducible from the stated constants under any protocol, so it is not tested)."""
     budget = 10_000 * simulated_round_seconds(megabits, k0, beta)
     wall, steps, r = 0.0, 0, 0

@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import make_trainer
+from registry import CLIENT_OPTIMIZERS, params
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
 from fedlightning.callbacks.base import RoundStatistics
@@ -176,10 +177,7 @@ def test_round_metrics_follow_log_every_n_steps_and_reach_callback_metrics(tmp_p
         assert losses[int(r["step"])] == pytest.approx(logged["train/loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
-    lambda p: torch.optim.Adam(p, lr=1e-2),
-])
+@pytest.mark.parametrize("make", params(CLIENT_OPTIMIZERS, "sgd-momentum+wd", "adam"))
 def test_reused_torch_optimizer_equals_a_fresh_one_per_client(make):
     """torch.optim optimizers are reset, not rebuilt, between sequential clients: momentum / Adam moments must not
     leak from one client to the next. A subclass defined here is never reused, so it is the fresh reference."""
@@ -201,7 +199,7 @@ def test_reused_torch_optimizer_equals_a_fresh_one_per_client(make):
 
     reused_loop, reused = run(make)
     fresh_loop, reference = run(fresh)
-    assert "_reusable_client_opt" in reused_loop.__dict__ and "_reusable_client_opt" not in fresh_loop.__dict__
+    assert reused_loop._runtime.reusable_client_opt is not None and fresh_loop._runtime.reusable_client_opt is None
     torch.testing.assert_close(reused, reference, rtol=0, atol=0)
 
 

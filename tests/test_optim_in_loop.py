@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from conftest import make_trainer
+from registry import CLIENT_OPTIMIZERS, params
 from fedlightning import FederatedLoop
 from fedlightning.datamodules import IID, DigitsDataModule
 from fedlightning.models import MLP
@@ -222,7 +223,7 @@ class NaNLoss(Classifier):
         return super().training_step(batch, batch_idx) * float("nan")
 
 
-@pytest.mark.parametrize("make", [lambda p: SgdArmijo(p), lambda p: SPS(p), lambda p: DecSPS(p)])
+@pytest.mark.parametrize("make", params(CLIENT_OPTIMIZERS, "armijo-default", "sps-default", "decsps-default"))
 def test_non_finite_loss_skips_the_client_and_keeps_the_model(make):
     torch.manual_seed(0)
     model = NaNLoss()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import make_trainer
+from registry import CLIENT_OPTIMIZERS, params
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg, FedLiLS, FedSPSGlobal, KDecay
 from fedlightning.callbacks.base import RoundStatistics, accumulate_core
@@ -242,15 +243,7 @@ def test_fedsps_global_refuses_adaptive_sps_clients():
         make_trainer(1, callbacks=[FedSPSGlobal(initial_step_size=0.1)]).fit(loop, datamodule=digits())
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        lambda p: SgdArmijo(p, eta_max=4.0, reset="grow", carry_step_size=True),
-        lambda p: SPS(p, smooth=True),
-        lambda p: DecSPS(p, c0=0.5, gamma_max=2.0),
-    ],
-    ids=["armijo-grow-carry", "sps-smooth", "decsps"],
-)
+@pytest.mark.parametrize("optimizer", params(CLIENT_OPTIMIZERS, "armijo-grow-carry", "sps-smooth", "decsps"))
 def test_vectorized_equals_sequential_with_a_scaled_adaptive_optimizer(optimizer):
     """KDecay's η-rounds schedule (scales 1, 1/√2, 1/√3) on adaptive clients: same weights, steps, state."""
     schedule = [KDecay(schedule="rounds", decay="client_lr")]

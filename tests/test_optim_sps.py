@@ -176,7 +176,7 @@ def test_sps_smooth_needs_epoch_length():
 
 # ---------------------------------------------------------------------------------------------------------- DecSPS
 def decsps_reference(ratios, c0, gamma_b):
-    """Closed form of the recursion (digest 001 §1.3): γ_0 = min(r_0/c_0, γ_b),
+    """Closed form of FedDecSPS's recursion ("Locally Adaptive Federated Learning", Sec. 5): γ_0 = min(r_0/c_0, γ_b),
     γ_t = min(r_t/(c_0√(t+1)), γ_{t−1}·√(t/(t+1)))."""
     out = []
     for t, r in enumerate(ratios):

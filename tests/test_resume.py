@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from conftest import make_trainer
+from registry import CLIENT_OPTIMIZERS, STRATEGIES
 from fedlightning import FederatedLoop
 from fedlightning.checkpoint import AtomicCheckpointIO
 from fedlightning.cli import main
@@ -61,33 +62,24 @@ def test_resume_fedavg_bit_identical(tmp_path):
 def test_resume_vectorized_bit_identical(tmp_path, opt):
     """Vectorised clients: dropout streams derived per round, the layout probe (repeated by the resumed engine)
     outside them, and SgdArmijo's carried per-client step in the checkpointed client state."""
-    from fedlightning.optim import SgdArmijo
-
-    make = (lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7, reset="last", carry_step_size=True)) if opt else None
+    make = CLIENT_OPTIMIZERS["armijo-last-carry"] if opt else None
     full, resumed, loop = run_resume_equivalence(tmp_path, opt=make, client_execution="vectorized")
-    assert "_vectorized_engine" in loop.__dict__
+    assert loop.vectorized_engine is not None
     assert torch.equal(full, resumed)
     if opt:
         assert len(loop.client_state.state_dict().get("optimizer", {})) > 0  # carried steps were checkpointed
 
 
 def _fedexpsls():
-    from fedlightning.callbacks import FedExP
-    from fedlightning.optim import SgdArmijo
-
-    return (lambda: FedExP(eps=1e-3)), (lambda params: SgdArmijo(params, eta_max=1.0, c=0.1, beta=0.9))
+    return STRATEGIES["fedexp"], CLIENT_OPTIMIZERS["armijo-default"]
 
 
 def _feddecsps():
-    from fedlightning.optim import DecSPS
-
-    return None, (lambda params: DecSPS(params, c0=0.5, gamma_max=1.0))
+    return None, CLIENT_OPTIMIZERS["decsps-gamma1"]
 
 
 def _scaffold():
-    from fedlightning.callbacks import Scaffold
-
-    return (lambda: Scaffold()), None
+    return STRATEGIES["scaffold"], None
 
 
 def _kdecay_error():
@@ -99,9 +91,7 @@ def _kdecay_error():
 
 
 def _fedadam():
-    from fedlightning.callbacks import FedAdam
-
-    return (lambda: FedAdam(server_lr=0.03)), None
+    return STRATEGIES["fedadam"].but(server_lr=0.03), None
 
 
 @pytest.mark.parametrize("make", [_fedexpsls, _feddecsps, _scaffold, _kdecay_error, _fedadam],

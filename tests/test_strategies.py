@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from conftest import make_trainer
+from registry import STRATEGIES
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import (
     FedAdagrad,
@@ -475,14 +476,8 @@ def _state_equal(a, b):
 
 
 ROUND_TRIP = {
-    "fedadam": lambda: [FedAdam(server_lr=0.05)],
-    "fedyogi": lambda: [FedYogi(server_lr=0.05)],
-    "fedadagrad": lambda: [FedAdagrad(server_lr=0.05)],
-    "fedams": lambda: [FedAMS(server_lr=0.05)],
-    "fedavgm": lambda: [FedAvgM()],
-    "fedlilu": lambda: [FedLiLU(lr=1.0)],
-    "scaffold": lambda: [Scaffold()],
-    "fedexp_average": lambda: [FedExP(evaluate_iterate_average=True)],
+    **{name: (lambda case=STRATEGIES[name]: [case()])
+       for name in ("fedadam", "fedyogi", "fedadagrad", "fedams", "fedavgm", "fedlilu", "scaffold", "fedexp-average")},
     "kdecay_runtime": lambda: [KDecay(schedule="error", window=2, reference_loss="first_round"), RuntimeModel(seconds_per_batch=0.01)],
 }
 

@@ -21,12 +21,13 @@ from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
 from fedlightning.datamodules import IID, ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
 from fedlightning.models import MLP, CharGRU, CharLSTM, Classifier, LogisticRegression
-from fedlightning.optim import SPS, DecSPS, SgdArmijo
+from fedlightning.optim import SgdArmijo
 from fedlightning.vectorized import VectorizationUnsupportedError, VectorizedClientTrainer, check_model_vectorizable
 from fedlightning.vectorized.batches import _padded_positions
 from fedlightning.vectorized.layout import _Layout
 from fedlightning.vectorized.step import _StepEvaluator
 from fedlightning.vectorized.torch_internals import _rnn_forward
+from registry import CLIENT_OPTIMIZERS, params
 
 ROUNDS, CPR, K, BATCH = 3, 6, 5, 16
 
@@ -113,20 +114,12 @@ def test_the_test_data_exercises_padding():
 
 # ---------------------------------------------------------------------------------------------- equality
 @pytest.mark.parametrize(
-    "name,optimizer,clip",
-    [
-        ("sgd", lambda p: torch.optim.SGD(p, lr=0.3), None),
-        ("sgd+wd+clip", lambda p: torch.optim.SGD(p, lr=0.3, weight_decay=0.01), 0.5),
-        ("armijo-max", lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7), None),
-        ("armijo-grow-carry", lambda p: SgdArmijo(p, eta_max=4.0, reset="grow", carry_step_size=True), None),
-        ("armijo-exhausted", lambda p: SgdArmijo(p, eta_max=1e4, beta=0.5, max_backtracks=12, reset="last"), None),
-        ("sps", lambda p: SPS(p, polyak_c=0.5, gamma_max=2.0), None),
-        ("sps-smooth", lambda p: SPS(p, smooth=True), None),
-        ("decsps", lambda p: DecSPS(p, c0=0.5, gamma_max=2.0), None),
-        ("sps-global", lambda p: SPS(p, fixed_step_size=0.3), None),  # FedSPS-Global clients: fixed step, SPS reported
-    ],
+    "name,clip",
+    [("sgd", None), ("sgd+wd", 0.5), ("armijo", None), ("armijo-grow-carry", None), ("armijo-exhausted", None),
+     ("sps", None), ("sps-smooth", None), ("decsps", None), ("sps-fixed", None)],
 )
-def test_vectorized_equals_sequential_mlp(name, optimizer, clip):
+def test_vectorized_equals_sequential_mlp(name, clip):
+    optimizer = CLIENT_OPTIMIZERS[name]
     seq = fit(mlp(), optimizer, "sequential", client_grad_clip=clip)
     vec = fit(mlp(), optimizer, "vectorized", client_grad_clip=clip)
     moved = (seq[0] - torch.cat([p.detach().reshape(-1) for p in mlp().parameters()])).abs().max()
@@ -140,9 +133,7 @@ def test_vectorized_equals_sequential_mlp(name, optimizer, clip):
         assert any(0.0 in u.step_sizes for u in vec[2])
 
 
-@pytest.mark.parametrize("optimizer", [lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7),
-                                       lambda p: SgdArmijo(p, eta_max=1e4, beta=0.5, max_backtracks=12, reset="last")],
-                         ids=["armijo", "armijo-exhausted"])
+@pytest.mark.parametrize("optimizer", params(CLIENT_OPTIMIZERS, "armijo", "armijo-exhausted"))
 def test_armijo_search_for_models_with_random_layers_equals_sequential(optimizer, monkeypatch):
     """The line search used for models with dropout (every client at one grid point per trial round, in order)
     also equals sequential training; forced here on a deterministic model so that equality can be checked."""
@@ -150,15 +141,11 @@ def test_armijo_search_for_models_with_random_layers_equals_sequential(optimizer
 
     monkeypatch.setattr(call, "_has_random_layers", lambda model: True)
     vec = fit(mlp(), optimizer, "vectorized")
-    assert vec[1].__dict__["_vectorized_engine"].deterministic is False
+    assert vec[1].vectorized_engine.deterministic is False
     assert_same_run(fit(mlp(), optimizer, "sequential"), vec)
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [lambda p: torch.optim.SGD(p, lr=0.5), lambda p: SgdArmijo(p, eta_max=2.0), lambda p: SPS(p)],
-    ids=["sgd", "armijo", "sps"],
-)
+@pytest.mark.parametrize("optimizer", params(CLIENT_OPTIMIZERS, "sgd-lr0.5", "armijo-eta2", "sps-default"))
 @pytest.mark.parametrize("partition", ["iid-full-batches", "dirichlet"])
 def test_vectorized_equals_sequential_logistic_regression(optimizer, partition):
     # IID (35 or 36 of the 1,293 client samples per client) with batch 7 and K=5: every batch is full, so every step
@@ -181,7 +168,7 @@ class TensorDigits(DigitsDataModule):
 
 def test_generic_loaders_equal_sequential():
     dm_fn = lambda: TensorDigits(num_clients=40, batch_size=BATCH, partition=Dirichlet(0.3), seed=0)  # noqa: E731
-    opt = lambda p: torch.optim.SGD(p, lr=0.3)  # noqa: E731
+    opt = CLIENT_OPTIMIZERS["sgd"]
     assert_same_run(fit(mlp(), opt, "sequential", dm_fn, rounds=2), fit(mlp(), opt, "vectorized", dm_fn, rounds=2))
 
 
@@ -204,8 +191,7 @@ class ProxAndShift(pl.Callback):
         return [prox, shift]
 
 
-@pytest.mark.parametrize("optimizer", [lambda p: torch.optim.SGD(p, lr=0.3), lambda p: SgdArmijo(p, eta_max=4.0)],
-                         ids=["sgd", "armijo"])
+@pytest.mark.parametrize("optimizer", params(CLIENT_OPTIMIZERS, "sgd", "armijo-eta4"))
 def test_client_objective_terms(optimizer):
     seq = fit(mlp(), optimizer, "sequential", callbacks=[ProxAndShift()], rounds=2)
     vec = fit(mlp(), optimizer, "vectorized", callbacks=[ProxAndShift()], rounds=2)
@@ -214,8 +200,7 @@ def test_client_objective_terms(optimizer):
     assert_same_run(seq, vec)
 
 
-@pytest.mark.parametrize("optimizer", [lambda p: torch.optim.SGD(p, lr=0.3), lambda p: SgdArmijo(p, eta_max=4.0)],
-                         ids=["sgd", "armijo"])
+@pytest.mark.parametrize("optimizer", params(CLIENT_OPTIMIZERS, "sgd", "armijo-eta4"))
 def test_logged_client_metrics_match(optimizer):
     """self.log calls inside training_step (Classifier logs train/batch_loss) reach the loop's client/ metrics with
     the same per-round mean as sequentially (one value per gradient evaluation; line-search trials are not logged)."""
@@ -245,7 +230,7 @@ def test_tied_weights_equal_sequential():
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     assert {"shared.weight", "net.2.weight", "net.4.weight", "net.6.weight"} <= set(names)
     assert model.net[6].weight is model.shared.weight
-    opt = lambda p: torch.optim.SGD(p, lr=0.3)  # noqa: E731
+    opt = CLIENT_OPTIMIZERS["sgd"]
     assert_same_run(fit(model, opt, "sequential", rounds=2), fit(model, opt, "vectorized", rounds=2))
 
 
@@ -269,8 +254,7 @@ class CharWindows(FederatedDataModule):
 
 
 @pytest.mark.parametrize("model_cls", [CharLSTM, CharGRU])
-@pytest.mark.parametrize("optimizer", [lambda p: torch.optim.SGD(p, lr=0.5), lambda p: SgdArmijo(p, eta_max=1.0)],
-                         ids=["sgd", "armijo"])
+@pytest.mark.parametrize("optimizer", params(CLIENT_OPTIMIZERS, "sgd-lr0.5", "armijo-default"))
 def test_recurrent_models_equal_sequential(model_cls, optimizer):
     """nn.LSTM / nn.GRU have no vmap batching rule; the engine runs them through _rnn_forward (plain tensor ops)."""
     torch.manual_seed(6)
@@ -370,9 +354,8 @@ class PoisonClient(pl.Callback):
         return [lambda params: params[0].sum() * float("nan")]
 
 
-@pytest.mark.parametrize("optimizer,steps_of_failed", [(lambda p: torch.optim.SGD(p, lr=0.3), K),
-                                                       (lambda p: SgdArmijo(p, eta_max=4.0), 1)],
-                         ids=["sgd", "armijo"])
+@pytest.mark.parametrize("optimizer,steps_of_failed", [(CLIENT_OPTIMIZERS["sgd"], K), (CLIENT_OPTIMIZERS["armijo-eta4"], 1)],
+                         ids=["sgd", "armijo-eta4"])
 def test_a_failing_client_is_skipped_and_others_are_unaffected(optimizer, steps_of_failed):
     dm = digits()
     dm.setup("fit")
@@ -397,7 +380,7 @@ def test_dropout_masks_are_reproducible_and_replayed_in_trials():
     gradient point sees the gradient evaluation's masks (same loss), while a new evaluation draws new masks."""
     torch.manual_seed(0)
     model = MLP(input_dim=64, hidden=[32], dropout=0.5)
-    opt = lambda p: SgdArmijo(p, eta_max=2.0)  # noqa: E731
+    opt = CLIENT_OPTIMIZERS["armijo-eta2"]
     a = fit(model, opt, "vectorized", rounds=2)[0]
     b = fit(model, opt, "vectorized", rounds=2)[0]
     torch.testing.assert_close(a, b, atol=0, rtol=0)
@@ -495,10 +478,10 @@ def test_auto_falls_back_to_sequential_with_one_warning(model_fn, optimizer):
 def test_auto_vectorizes_supported_models():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        auto = fit(mlp(), lambda p: torch.optim.SGD(p, lr=0.3), "auto", rounds=2)
+        auto = fit(mlp(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=2)
     assert not [w for w in caught if "client_execution='auto'" in str(w.message)]
-    assert isinstance(auto[1].__dict__.get("_vectorized_engine"), VectorizedClientTrainer)
-    assert_same_run(fit(mlp(), lambda p: torch.optim.SGD(p, lr=0.3), "sequential", rounds=2), auto)
+    assert isinstance(auto[1].vectorized_engine, VectorizedClientTrainer)
+    assert_same_run(fit(mlp(), CLIENT_OPTIMIZERS["sgd"], "sequential", rounds=2), auto)
 
 
 @pytest.mark.parametrize("bad", ["fast", "Vectorized", "", None, 1])

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from fedlightning.models import MLP, Classifier
-from fedlightning.optim import SPS, SgdArmijo
 from fedlightning.vectorized.support import _per_sample_protocol
+from registry import CLIENT_OPTIMIZERS
 from test_vectorized import assert_same_run, fit, mlp
 
 
@@ -42,19 +42,12 @@ def generic_mlp():
 
 
 def engine_of(run):
-    return run[1].__dict__["_vectorized_engine"]
+    return run[1].vectorized_engine
 
 
-OPTIMIZERS = {
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.3),
-    "armijo": lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7),
-    "sps": lambda p: SPS(p, polyak_c=0.5, gamma_max=2.0),
-}
-
-
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ["sgd", "armijo", "sps"])
 def test_protocol_and_generic_paths_equal_sequential(name):
-    optimizer = OPTIMIZERS[name]
+    optimizer = CLIENT_OPTIMIZERS[name]
     seq = fit(mlp(), optimizer, "sequential")
     fast = fit(mlp(), optimizer, "vectorized")
     generic = fit(generic_mlp(), optimizer, "vectorized")
@@ -67,7 +60,7 @@ def test_protocol_and_generic_paths_equal_sequential(name):
 
 
 def test_logged_client_metrics_match_on_both_paths():
-    opt = OPTIMIZERS["sgd"]
+    opt = CLIENT_OPTIMIZERS["sgd"]
     seq = fit(mlp(), opt, "sequential", rounds=2)[3].callback_metrics["client/train/batch_loss"]
     for model in (mlp(), generic_mlp()):
         vec = fit(model, opt, "vectorized", rounds=2)[3].callback_metrics["client/train/batch_loss"]
@@ -190,9 +183,9 @@ def test_bad_protocols_are_refused_with_the_values(cls, match):
     model = cls(input_dim=64, hidden=[16], num_classes=10)
     model.load_state_dict(mlp().state_dict())
     with pytest.raises(ValueError, match=match):
-        fit(model, OPTIMIZERS["sgd"], "vectorized", rounds=1)
+        fit(model, CLIENT_OPTIMIZERS["sgd"], "vectorized", rounds=1)
     with pytest.raises(ValueError, match=match):  # not a reason to fall back: the model is wrong, not unsupported
-        fit(model, OPTIMIZERS["sgd"], "auto", rounds=1)
+        fit(model, CLIENT_OPTIMIZERS["sgd"], "auto", rounds=1)
 
 
 def test_models_with_random_layers_skip_the_check_and_are_reproducible():
@@ -200,7 +193,7 @@ def test_models_with_random_layers_skip_the_check_and_are_reproducible():
     refuse a correct protocol); runs stay reproducible from the seed."""
     torch.manual_seed(0)
     model = MLP(input_dim=64, hidden=[32], dropout=0.5)
-    opt = OPTIMIZERS["armijo"]
+    opt = CLIENT_OPTIMIZERS["armijo"]
     a = fit(copy.deepcopy(model), opt, "vectorized", rounds=2)
     b = fit(copy.deepcopy(model), opt, "vectorized", rounds=2)
     assert "per-sample protocol" in engine_of(a).call.probed
@@ -243,7 +236,7 @@ def fit_bf16(model, mode):
     from test_vectorized import digits
 
     model = copy.deepcopy(model)
-    loop = FederatedLoop(model, client_optimizer=OPTIMIZERS["sgd"], local_steps=5, clients_per_round=6, seed=3,
+    loop = FederatedLoop(model, client_optimizer=CLIENT_OPTIMIZERS["sgd"], local_steps=5, clients_per_round=6, seed=3,
                          client_execution=mode)
     make_trainer(2, callbacks=[FedAvg()], precision="bf16-mixed").fit(loop, datamodule=digits())
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), loop
@@ -254,7 +247,7 @@ def test_bf16_mixed_uses_the_protocol_and_stays_close_to_sequential():
     shapes) does not reject a correct protocol; a wrong one is still refused."""
     seq, _ = fit_bf16(mlp(), "sequential")
     vec, loop = fit_bf16(mlp(), "vectorized")
-    assert "per-sample protocol" in loop.__dict__["_vectorized_engine"].call.probed
+    assert "per-sample protocol" in loop.vectorized_engine.call.probed
     start = torch.cat([p.detach().reshape(-1) for p in mlp().parameters()])
     assert (seq - start).abs().max() > 1e-2  # trained
     torch.testing.assert_close(vec, seq, atol=5e-3, rtol=0)  # bf16 matmuls: rounding, not another objective

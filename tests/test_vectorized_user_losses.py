@@ -20,9 +20,9 @@ from torch import nn
 from torch.func import vmap
 
 import lightning.pytorch as pl
-from fedlightning.optim import SgdArmijo
 from fedlightning.vectorized import VectorizedClientTrainer
 from fedlightning.vectorized.losses import LossInterception
+from registry import CLIENT_OPTIMIZERS
 from test_vectorized import assert_same_run, fit
 
 N, REAL, C = 7, 4, 5
@@ -171,22 +171,16 @@ class BatchCentred(UserMLP):
         return F.cross_entropy(self.net(x - x.mean(0)), y)
 
 
-OPTIMIZERS = {
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.3),
-    "armijo": lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7),
-}
-
-
 def engine_of(run):
-    return run[1].__dict__["_vectorized_engine"]
+    return run[1].vectorized_engine
 
 
 @pytest.mark.parametrize("model_fn,opt", [
     (UserMLP, "sgd"), (UserMLP, "armijo"), (UserCNN, "sgd"), (UserCNN, "armijo"), (UserRegression, "sgd"),
 ])
 def test_users_modules_take_the_fast_path_and_equal_sequential(model_fn, opt):
-    seq = fit(model_fn(), OPTIMIZERS[opt], "sequential")
-    vec = fit(model_fn(), OPTIMIZERS[opt], "vectorized")
+    seq = fit(model_fn(), CLIENT_OPTIMIZERS[opt], "sequential")
+    vec = fit(model_fn(), CLIENT_OPTIMIZERS[opt], "vectorized")
     engine = engine_of(vec)
     assert engine.call.intercept is True and "per-sample" not in engine.call.probed
     assert_same_run(seq, vec)
@@ -196,7 +190,7 @@ def test_users_modules_take_the_fast_path_and_equal_sequential(model_fn, opt):
 
 
 def test_a_forward_that_mixes_samples_falls_back_to_the_generic_path():
-    vec = fit(BatchCentred(), OPTIMIZERS["sgd"], "vectorized")
+    vec = fit(BatchCentred(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
     engine = engine_of(vec)
     assert engine.call.intercept is False and "per-sample" in engine.call.probed
     assert "not a mean of per-sample losses" in engine.call.padded_path_reason
@@ -206,7 +200,7 @@ def test_fallback_with_dropout_trains_exactly_what_the_generic_path_trains(monke
     """A dropout model that logs a batch accuracy: the fast attempt draws dropout masks before it finds the logged
     value it cannot split; the fallback undoes those draws, so the run is bit-identical to the generic path."""
     model = UserMLP(dropout=0.3, log_accuracy=True)
-    attempted = fit(model, OPTIMIZERS["sgd"], "vectorized")
+    attempted = fit(model, CLIENT_OPTIMIZERS["sgd"], "vectorized")
     engine = engine_of(attempted)
     assert engine.call.intercept is False and "'train_acc'" in engine.call.padded_path_reason
 
@@ -217,5 +211,5 @@ def test_fallback_with_dropout_trains_exactly_what_the_generic_path_trains(monke
         self.call.intercept = False
 
     monkeypatch.setattr(VectorizedClientTrainer, "__init__", generic_only)
-    generic = fit(model, OPTIMIZERS["sgd"], "vectorized")
+    generic = fit(model, CLIENT_OPTIMIZERS["sgd"], "vectorized")
     torch.testing.assert_close(attempted[0], generic[0], rtol=0, atol=0)

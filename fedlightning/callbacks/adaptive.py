@@ -36,11 +36,11 @@ FederatedLoop returns from ``configure_optimizers``, so Lightning checkpoints an
 
 from __future__ import annotations
 
-import math
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
+from fedlightning._validation import in_range, one_of, positive
 from fedlightning.callbacks.base import ServerStrategy
 
 __all__ = ["AdaptiveServerOptimizer", "FedAdagrad", "FedAdam", "FedYogi", "FedAMS", "FedAvgM"]
@@ -53,16 +53,7 @@ def _check_betas(betas: Sequence[float], rule: str) -> Tuple[float, float]:
         b1, b2 = (float(b) for b in betas)
     except (TypeError, ValueError):
         raise ValueError(f"betas must be a pair of numbers, got {betas!r}") from None
-    for name, b in (("beta1", b1), ("beta2", b2)):
-        if not (0.0 <= b < 1.0):
-            raise ValueError(f"betas must lie in [0, 1); got {name}={b}")
-    return b1, b2
-
-
-def _check_positive(value: float, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
+    return in_range("betas[0]", b1, 0.0, 1.0), in_range("betas[1]", b2, 0.0, 1.0)
 
 
 class AdaptiveServerOptimizer(torch.optim.Optimizer):
@@ -80,11 +71,10 @@ class AdaptiveServerOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, lr: float, rule: str, betas: Sequence[float] = (0.9, 0.99), eps: float = 1e-3):
-        if rule not in _RULES:
-            raise ValueError(f"rule must be one of {_RULES}, got {rule!r}")
-        lr = _check_positive(lr, "lr")
+        one_of("rule", rule, _RULES)
+        lr = positive("lr", lr)
         b1, b2 = _check_betas(betas, rule)
-        eps = _check_positive(eps, "eps")
+        eps = positive("eps", eps)
         super().__init__(params, dict(lr=lr, betas=(b1, b2), eps=eps, rule=rule))
 
     @torch.no_grad()
@@ -137,9 +127,9 @@ class _AdaptiveStrategy(ServerStrategy):
     rule: str = ""
 
     def __init__(self, server_lr: float, betas: Sequence[float], eps: float, weighting: str):
-        super().__init__(server_lr=_check_positive(server_lr, "server_lr"), weighting=weighting)
+        super().__init__(server_lr=positive("server_lr", server_lr), weighting=weighting)
         self.betas = _check_betas(betas, self.rule)
-        self.eps = _check_positive(eps, "ams_eps" if self.rule == "ams" else "tau")
+        self.eps = positive("ams_eps" if self.rule == "ams" else "tau", eps)
         self._optimizer: Optional[torch.optim.Optimizer] = None
 
     def configure_server_optimizer(self, params):
@@ -226,9 +216,8 @@ class FedAvgM(ServerStrategy):
     """
 
     def __init__(self, server_lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False, weighting: str = "samples"):
-        super().__init__(server_lr=_check_positive(server_lr, "server_lr"), weighting=weighting)
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (0.0 <= momentum < 1.0):
-            raise ValueError(f"momentum must lie in [0, 1), got {momentum!r}")
+        super().__init__(server_lr=positive("server_lr", server_lr), weighting=weighting)
+        momentum = in_range("momentum", momentum, 0.0, 1.0)
         if nesterov and momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0")
         self.momentum = float(momentum)

@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from fedlightning._validation import one_of, positive
 from fedlightning.state import ClientUpdate, RoundPlan
 
 __all__ = ["FEDERATED_HOOKS", "FederatedCallback", "RoundStatistics", "ServerStep", "ServerStrategy",
@@ -194,12 +195,8 @@ class ServerStrategy(FederatedCallback):
     """
 
     def __init__(self, server_lr: float = 1.0, weighting: str = "samples"):
-        if not (server_lr > 0):
-            raise ValueError(f"server_lr must be > 0, got {server_lr}")
-        if weighting not in ("samples", "uniform"):
-            raise ValueError(f"weighting must be 'samples' or 'uniform', got {weighting!r}")
-        self.server_lr = float(server_lr)
-        self.weighting = weighting
+        self.server_lr = positive("server_lr", server_lr)
+        self.weighting = one_of("weighting", weighting, ("samples", "uniform"))
 
     # -------------------------------------------------------------- server optimizer
     def configure_server_optimizer(self, params: List[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -15,7 +15,7 @@ One FedDANE iteration = two communication rounds:
 
 Dropping the correction gives FedProx; dropping it and setting ``μ = 0`` gives FedAvg (``correction=False``).
 
-Decisions (seed 003 digest §2.3, §8):
+Decisions (what FedDANE's Algorithm 2 leaves open, and where the reference code departs from it):
 
 * ``S'_t`` is the data module's round sample; ``S_t`` is drawn **independently** by default (the paper), uniformly
   without replacement from the clients that hold data, with a generator seeded by
@@ -48,8 +48,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from fedlightning._reference import reference_mode
+from fedlightning._validation import integer, non_negative, one_of
 from fedlightning.callbacks.fedavg import FedAvg
-from fedlightning.callbacks.proximal import check_mu, global_anchors, linear_correction, proximal_penalty, split_like
+from fedlightning.callbacks.proximal import global_anchors, linear_correction, proximal_penalty, split_like
 from fedlightning.client import extract_loss
 from fedlightning.datamodules.base import ArrayDataset, ClientBatchSampler
 from fedlightning.state import RoundPlan, derive_seed, flat_grads, flat_params
@@ -80,7 +82,7 @@ def client_full_gradient(loop, client_id: int, round: int, batch_size: Optional[
     chunk = n if batch_size is None else int(batch_size)
     sampler = ClientBatchSampler(indices, chunk, None, shuffle=False)
     dataset = dm.train_dataset
-    if isinstance(dataset, ArrayDataset):
+    if isinstance(dataset, ArrayDataset) and not reference_mode():  # whole-batch indexing
         loader = DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=0)
     else:
         loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
@@ -133,15 +135,11 @@ class FedDANE(FedAvg):
         weighting: str = "uniform",
     ):
         super().__init__(server_lr=1.0, weighting=weighting)
-        self.mu = check_mu(mu)
-        if gradient_clients not in ("independent", "same"):
-            raise ValueError(f"gradient_clients must be 'independent' or 'same', got {gradient_clients!r}")
-        for name, value in (("gradient_clients_per_round", gradient_clients_per_round), ("gradient_batch_size", gradient_batch_size)):
-            if value is not None and (isinstance(value, bool) or int(value) != value or int(value) < 1):
-                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
-        self.gradient_clients = gradient_clients
-        self.gradient_clients_per_round = None if gradient_clients_per_round is None else int(gradient_clients_per_round)
-        self.gradient_batch_size = None if gradient_batch_size is None else int(gradient_batch_size)
+        self.mu = non_negative("mu", mu)
+        self.gradient_clients = one_of("gradient_clients", gradient_clients, ("independent", "same"))
+        self.gradient_clients_per_round = integer("gradient_clients_per_round", gradient_clients_per_round,
+                                                  allow_none=True)
+        self.gradient_batch_size = integer("gradient_batch_size", gradient_batch_size, allow_none=True)
         self.correction = bool(correction)
         self._round: Optional[int] = None
         self._global_gradient: Optional[Tensor] = None  # g_t of the current round

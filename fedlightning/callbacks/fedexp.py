@@ -9,7 +9,8 @@ via Extrapolation", ICLR 2023), as written in seed 000 ("Painless Federated Lear
 with ``Δ^i_t = w_t − w^i_{t,K}`` and ``Δ_t`` their mean. FedExpSLS is this strategy with
 :class:`~fedlightning.optim.SgdArmijo` clients (``configs/fedexpsls.yaml``).
 
-Decisions (the papers leave them open; seed 000 digest §1, reference-implementations §4):
+Decisions (the papers leave them open: "Painless Federated Learning", Alg. 5, and the FedExP paper; the FedExP
+reference code settles some):
 
 * **Weighting** (``weighting="uniform"``, default): the paper's uniform mean. With ``weighting="samples"`` both
   ``Δ_t`` and the mean squared norm use ``p_i = n_i`` (the reference code's ``p_i = n_i/N``):
@@ -38,6 +39,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from torch import Tensor
 
+from fedlightning._validation import non_negative
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.state import RoundPlan, assign_flat_, flat_params
 
@@ -76,9 +78,7 @@ class FedExP(ServerStrategy):
         weighting: str = "uniform",
     ):
         super().__init__(server_lr=1.0, weighting=weighting)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-        self.eps = float(eps)
+        self.eps = non_negative("eps", eps)
         self.scale_eps_by_clients = bool(scale_eps_by_clients)
         self.evaluate_iterate_average = bool(evaluate_iterate_average)
         self._previous_iterate: Optional[Tensor] = None  # w_t of the last round (for the averaged evaluation)

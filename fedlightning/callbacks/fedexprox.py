@@ -33,11 +33,11 @@ Logged: ``server/eta_g`` (``α_t``) and ``server/eta_g_raw`` (identical here: no
 
 from __future__ import annotations
 
-import math
 from typing import Dict
 
+from fedlightning._validation import non_negative, one_of
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
-from fedlightning.callbacks.proximal import check_mu, global_anchors, proximal_penalty
+from fedlightning.callbacks.proximal import global_anchors, proximal_penalty
 from fedlightning.state import RoundPlan
 
 __all__ = ["FedExProx", "grads_extrapolation"]
@@ -67,13 +67,9 @@ class FedExProx(ServerStrategy):
 
     def __init__(self, mu: float, rule: str = "grads", server_lr: float = 1.0, eps: float = 0.0, weighting: str = "uniform"):
         super().__init__(server_lr=server_lr, weighting=weighting)
-        self.mu = check_mu(mu)
-        if rule not in _RULES:
-            raise ValueError(f"rule must be one of {_RULES}, got {rule!r}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-        self.rule = rule
-        self.eps = float(eps)
+        self.mu = non_negative("mu", mu)
+        self.rule = one_of("rule", rule, _RULES)
+        self.eps = non_negative("eps", eps)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         from fedlightning.callbacks.proximal import ProximalTerm

@@ -22,7 +22,7 @@ and with momentum ``μ > 0`` (DFW's form; ``z`` starts at 0 and persists across 
 ``z ← μ z − η γ_t (Δ_t + r_t)``, ``w_{t+1} ← w_{t+1} + μ z``. Inner products and norms run over all trainable
 parameters jointly (one scalar ``γ_t`` per round).
 
-Decisions (seed 002 digest §2):
+Decisions (what "Towards Hyper-parameter-free Federated Learning", Alg. 1 and 2, leaves open):
 
 * Weighting ``p_i = n_i`` (``weighting="samples"``, the reference code) for both strategies.
 * FedLi-LS's ``η_i`` is the client's last *accepted* line-search step: SgdArmijo's ``armijo_accepted_step_size``
@@ -58,6 +58,7 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from fedlightning._validation import in_range, non_negative, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.state import ClientUpdate, RoundPlan, flat_params
 
@@ -106,14 +107,6 @@ class DFWServerOptimizer(torch.optim.Optimizer):
                     z.mul_(mu).sub_(lr * gamma * (delta + r))
                     p.add_(z, alpha=mu)
         return loss
-
-
-def _finite_nonneg(value: float, name: str, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < 0 or (strict and value == 0):
-        raise ValueError(f"{name} must be {'> 0' if strict else '>= 0'}, got {value}")
-    return float(value)
 
 
 class FedLiLS(ServerStrategy):
@@ -181,16 +174,12 @@ class FedLiLU(ServerStrategy):
         client_loss: str = "mean",
         weighting: str = "samples",
     ):
-        lr = _finite_nonneg(lr, "lr", strict=True)
+        lr = positive("lr", lr)
         super().__init__(server_lr=lr, weighting=weighting)
-        self.momentum = _finite_nonneg(momentum, "momentum")
-        if self.momentum >= 1.0:
-            raise ValueError(f"momentum must lie in [0, 1), got {momentum}")
-        self.weight_decay = _finite_nonneg(weight_decay, "weight_decay")
-        self.eps = _finite_nonneg(dfw_eps, "dfw_eps")
-        if client_loss not in ("mean", "first"):
-            raise ValueError(f"client_loss must be 'mean' or 'first', got {client_loss!r}")
-        self.client_loss = client_loss
+        self.momentum = in_range("momentum", momentum, 0.0, 1.0)
+        self.weight_decay = non_negative("weight_decay", weight_decay)
+        self.eps = non_negative("dfw_eps", dfw_eps)
+        self.client_loss = one_of("client_loss", client_loss, ("mean", "first"))
         self._optimizer: Optional[DFWServerOptimizer] = None
 
     def configure_server_optimizer(self, params):

@@ -21,7 +21,7 @@ apply (their docstrings give what is scaled and why). With ``decay="client_lr"``
 trains, that the configured client optimizer has such a step size and otherwise raises a ValueError naming
 it, so ``schedule/client_lr_scale`` is only logged when it is applied.
 
-Decisions (seed 004 digest §4 and §8):
+Decisions (the gaps of Mills et al.'s Sec. 3.5 and Table III):
 
 * **Exact ceilings.** ``⌈K_0 r^{−1/3}⌉`` is the smallest integer ``k`` with ``k³·r ≥ K_0³`` and is computed in
   integer arithmetic (a float guess corrected by exact cube comparisons), so ``K_0 = 60, r = 1000`` gives 6, not
@@ -59,6 +59,7 @@ from collections import deque
 from fractions import Fraction
 from typing import Any, Deque, Dict, Optional, Tuple
 
+from fedlightning._validation import in_range, integer, non_negative, one_of, positive
 from fedlightning.callbacks.base import FederatedCallback
 
 __all__ = [
@@ -105,22 +106,17 @@ def ceil_cube_root(numerator: int, denominator: int = 1) -> int:
 
 
 def _check_k0(k0: int) -> int:
-    if isinstance(k0, bool) or int(k0) != k0 or int(k0) < 1:
-        raise ValueError(f"k0 must be an integer >= 1, got {k0!r}")
-    return int(k0)
+    return integer("k0", k0)
 
 
 def _check_round(round_number: int) -> int:
-    if isinstance(round_number, bool) or int(round_number) != round_number or int(round_number) < 1:
-        raise ValueError(f"round numbers start at 1, got {round_number!r}")
-    return int(round_number)
+    """A 1-based round number."""
+    return integer("round_number", round_number)
 
 
 def _check_losses(loss: float, reference_loss: float) -> None:
-    if not (math.isfinite(loss) and loss >= 0):
-        raise ValueError(f"loss estimate must be finite and >= 0, got {loss}")
-    if not (math.isfinite(reference_loss) and reference_loss > 0):
-        raise ValueError(f"reference loss F_0 must be finite and > 0, got {reference_loss}")
+    non_negative("loss", loss, label="loss estimate")
+    positive("reference_loss", reference_loss, label="reference loss F_0")
 
 
 def rounds_local_steps(k0: int, round_number: int) -> int:
@@ -220,31 +216,16 @@ class KDecay(FederatedCallback):
         patience: int = 100,
         plateau_tolerance: float = 0.01,
     ):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if decay not in DECAYS:
-            raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
-        if reference_loss not in ("first_window", "first_round"):
-            raise ValueError(f"reference_loss must be 'first_window' or 'first_round', got {reference_loss!r}")
-        self.k0 = None if k0 is None else _check_k0(k0)
-        for name, value in (("window", window), ("patience", patience)):
-            if isinstance(value, bool) or int(value) != value or int(value) < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if step_round is not None:
-            _check_round(step_round)
-        if isinstance(step_factor, bool) or not isinstance(step_factor, (int, float)) or not (math.isfinite(step_factor) and step_factor > 1):
-            raise ValueError(f"step_factor must be a finite number > 1, got {step_factor!r}")
-        if not (isinstance(plateau_tolerance, (int, float)) and 0.0 <= plateau_tolerance < 1.0):
-            raise ValueError(f"plateau_tolerance must lie in [0, 1), got {plateau_tolerance!r}")
-        self.schedule = schedule
-        self.decay = decay
-        self.window = int(window)
-        self.reference_loss = reference_loss
-        self.step_round = None if step_round is None else int(step_round)
-        self.step_factor = float(step_factor)
+        self.schedule = one_of("schedule", schedule, SCHEDULES)
+        self.decay = one_of("decay", decay, DECAYS)
+        self.reference_loss = one_of("reference_loss", reference_loss, ("first_window", "first_round"))
+        self.k0 = integer("k0", k0, allow_none=True)
+        self.window = integer("window", window)
+        self.patience = integer("patience", patience)
+        self.step_round = integer("step_round", step_round, allow_none=True)
+        self.step_factor = in_range("step_factor", step_factor, 1.0, low_closed=False)
+        self.plateau_tolerance = in_range("plateau_tolerance", plateau_tolerance, 0.0, 1.0)
         self.monitor = monitor
-        self.patience = int(patience)
-        self.plateau_tolerance = float(plateau_tolerance)
         # state (checkpointed)
         self._history: Deque[Tuple[float, float]] = deque(maxlen=self.window)  # (sum, count) of first losses
         self._reference: Optional[float] = None  # F_0
@@ -395,21 +376,10 @@ class RuntimeModel(FederatedCallback):
         download_mbps: float = 20.0,
         upload_mbps: float = 5.0,
     ):
-        for name, value, allow_zero in (
-            ("seconds_per_batch", seconds_per_batch, True),
-            ("download_mbps", download_mbps, False),
-            ("upload_mbps", upload_mbps, False),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-                raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-        if model_megabits is not None and (
-            isinstance(model_megabits, bool) or not isinstance(model_megabits, (int, float)) or not math.isfinite(model_megabits) or model_megabits <= 0
-        ):
-            raise ValueError(f"model_megabits must be a finite number > 0 or None, got {model_megabits!r}")
-        self.seconds_per_batch = float(seconds_per_batch)
-        self.model_megabits = None if model_megabits is None else float(model_megabits)
-        self.download_mbps = float(download_mbps)
-        self.upload_mbps = float(upload_mbps)
+        self.seconds_per_batch = non_negative("seconds_per_batch", seconds_per_batch)
+        self.model_megabits = positive("model_megabits", model_megabits, allow_none=True)
+        self.download_mbps = positive("download_mbps", download_mbps)
+        self.upload_mbps = positive("upload_mbps", upload_mbps)
         self.wall_clock_seconds = 0.0
         self.sgd_steps = 0
         self.client_sgd_steps = 0.0

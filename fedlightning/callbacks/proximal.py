@@ -20,23 +20,14 @@ ask for and is zero at the global weights, so the client's first-batch loss (see
 
 from __future__ import annotations
 
-import math
 from typing import Callable, List, Sequence
 
 from torch import Tensor
 
+from fedlightning._validation import non_negative
 from fedlightning.callbacks.base import FederatedCallback
 
-__all__ = ["ProximalTerm", "proximal_penalty", "linear_correction", "split_like", "global_anchors", "check_mu"]
-
-
-def check_mu(mu: float, name: str = "mu") -> float:
-    """``mu`` as a float, or a ValueError when it is negative, NaN or infinite."""
-    if isinstance(mu, bool) or not isinstance(mu, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(mu).__name__}")
-    if not math.isfinite(mu) or mu < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {mu}")
-    return float(mu)
+__all__ = ["ProximalTerm", "proximal_penalty", "linear_correction", "split_like", "global_anchors"]
 
 
 def proximal_penalty(params: Sequence[Tensor], anchors: Sequence[Tensor], mu: float) -> Tensor:
@@ -80,7 +71,7 @@ class ProximalTerm(FederatedCallback):
     """
 
     def __init__(self, mu: float):
-        self.mu = check_mu(mu)
+        self.mu = non_negative("mu", mu)
 
     def client_objective(self, loop, plan, client_id: int) -> List[Callable[[Sequence[Tensor]], Tensor]]:
         if self.mu == 0.0:

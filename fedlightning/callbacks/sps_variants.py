@@ -5,7 +5,7 @@ strategy of their own: they are :class:`~fedlightning.optim.SPS` / :class:`~fedl
 
 **FedSPS-Normalized** (App. D.1). Clients run FedSPS (local SPS steps); client :math:`j` keeps the normalization
 factor :math:`\nu^j = \sum_k \gamma^j_k`, the sum of its local step sizes in the round, and the server aggregates
-with the factors. Two readings (digest 001 §1.4), ``reading=``:
+with the factors. Two readings of Algorithm 2, ``reading=``:
 
 * ``"weighted_models"`` (default; Algorithm 2 as written): a weighted average of the client models with weights
   :math:`1/\nu^j`,
@@ -54,6 +54,8 @@ from typing import Any, Dict, Optional
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
+from fedlightning._logging_route import discard, routed_logging
+from fedlightning._validation import number, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.client import extract_loss
 from fedlightning.state import ClientUpdate, RoundPlan, derive_seed
@@ -62,12 +64,6 @@ __all__ = ["FedSPSNormalized", "FedSPSGlobal"]
 
 READINGS = ("weighted_models", "fednova")
 AGGREGATIONS = ("mean_of_steps", "ratio_of_means")
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 def normalization_factor(update: ClientUpdate) -> float:
@@ -84,9 +80,7 @@ class FedSPSNormalized(ServerStrategy):
 
     def __init__(self, reading: str = "weighted_models"):
         super().__init__(server_lr=1.0, weighting="uniform")  # seed 001: no server learning rate
-        if reading not in READINGS:
-            raise ValueError(f"reading must be one of {READINGS}, got {reading!r}")
-        self.reading = reading
+        self.reading = one_of("reading", reading, READINGS)
 
     def on_client_end(self, loop, plan: RoundPlan, update: ClientUpdate) -> None:
         if update.failed:
@@ -136,15 +130,11 @@ class FedSPSGlobal(ServerStrategy):
         initial_step_size: Optional[float] = None,
     ):
         super().__init__(server_lr=1.0, weighting="uniform")  # seed 001: uniform average, no server learning rate
-        self.c = _positive("c", c)
-        self.gamma_max = _positive("gamma_max", gamma_max)
-        if isinstance(f_star, bool) or not isinstance(f_star, (int, float)) or not math.isfinite(f_star):
-            raise ValueError(f"f_star must be a finite number, got {f_star!r}")
-        self.f_star = float(f_star)
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        self.aggregation = aggregation
-        self.initial_step_size = None if initial_step_size is None else _positive("initial_step_size", initial_step_size)
+        self.c = positive("c", c)
+        self.gamma_max = positive("gamma_max", gamma_max)
+        self.f_star = number("f_star", f_star)
+        self.aggregation = one_of("aggregation", aggregation, AGGREGATIONS)
+        self.initial_step_size = positive("initial_step_size", initial_step_size, allow_none=True)
         self.step_size: Optional[float] = self.initial_step_size  # γ of the next round
 
     # ------------------------------------------------------------------ the SPS value of one (loss, ‖g‖²)
@@ -168,13 +158,11 @@ class FedSPSGlobal(ServerStrategy):
         params = [p for p in model.parameters() if p.requires_grad]
         buffers = list(model.buffers())
         saved = [b.detach().clone() for b in buffers]
-        routed = {k: model.__dict__[k] for k in ("log", "log_dict") if k in model.__dict__}
-        model.__dict__["log"] = model.__dict__["log_dict"] = lambda *a, **k: None
         devices = [loop.device] if loop.device.type == "cuda" else []
         was_training = model.training
         try:
             model.train()
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with routed_logging(model, discard, discard), torch.random.fork_rng(devices=devices), torch.enable_grad():
                 seed = derive_seed(loop.seed, "model", plan.round, client_id)
                 torch.default_generator.manual_seed(seed)
                 for dev in devices:
@@ -183,9 +171,6 @@ class FedSPSGlobal(ServerStrategy):
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
         finally:
             model.train(was_training)
-            for k in ("log", "log_dict"):
-                model.__dict__.pop(k, None)
-            model.__dict__.update(routed)
             with torch.no_grad():
                 for b, s in zip(buffers, saved):
                     b.copy_(s)

@@ -47,6 +47,7 @@ Decisions (ours):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -56,15 +57,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from fedlightning._logging_route import discard, routed_logging
+from fedlightning._validation import integer, one_of
 from fedlightning.callbacks.base import FederatedCallback
 
 __all__ = ["RoundTimer", "GlobalEvaluation"]
-
-
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 class RoundTimer(FederatedCallback):
@@ -81,7 +78,7 @@ class RoundTimer(FederatedCallback):
     clock = staticmethod(time.perf_counter)
 
     def __init__(self, window: int = 10):
-        self.window = _check_int("window", window)
+        self.window = integer("window", window)
         self.train_seconds = 0.0
         self.rounds = 0
         self._recent: Deque[float] = deque(maxlen=self.window)
@@ -148,13 +145,11 @@ class GlobalEvaluation(FederatedCallback):
         seed: int = 0,
         batch_size: Optional[int] = None,
     ):
-        if split not in ("train", "val", "test"):
-            raise ValueError(f"split must be 'train', 'val' or 'test', got {split!r}")
-        self.split = split
-        self.every_n_rounds = _check_int("every_n_rounds", every_n_rounds)
-        self.max_samples = None if max_samples is None else _check_int("max_samples", max_samples)
-        self.seed = _check_int("seed", seed, minimum=0)
-        self.batch_size = None if batch_size is None else _check_int("batch_size", batch_size)
+        self.split = one_of("split", split, ("train", "val", "test"))
+        self.every_n_rounds = integer("every_n_rounds", every_n_rounds)
+        self.max_samples = integer("max_samples", max_samples, allow_none=True)
+        self.seed = integer("seed", seed, 0)
+        self.batch_size = integer("batch_size", batch_size, allow_none=True)
         self._indices: Optional[np.ndarray] = None
         self._size = -1
 
@@ -228,32 +223,28 @@ class GlobalEvaluation(FederatedCallback):
         model.eval()
         classifier = isinstance(model, Classifier)
         loss_sum, correct, count = 0.0, 0.0, 0.0
-        saved = {k: model.__dict__[k] for k in ("log", "log_dict") if k in model.__dict__}
-        if not classifier:  # discard the model's own self.log calls of training_step
-            model.__dict__["log"] = lambda *a, **k: None
-            model.__dict__["log_dict"] = lambda *a, **k: None
+        # the model's own self.log calls of training_step are discarded
+        silenced = contextlib.nullcontext() if classifier else routed_logging(model, discard, discard)
         try:
-            for i, batch in enumerate(self._batches(dm)):
-                batch = move_data_to_device(batch, device)
-                if classifier:
-                    logits, y = model._logits_targets(batch)
-                    valid = y != model.ignore_index if model.ignore_index is not None else torch.ones_like(y, dtype=torch.bool)
-                    n = float(valid.sum().item())
-                    if n == 0:
-                        continue
-                    loss = model.loss(logits, y)
-                    loss_sum += float(loss.double().item()) * n
-                    correct += float((logits.argmax(-1)[valid] == y[valid]).sum().item())
-                    count += n
-                else:
-                    loss = extract_loss(model.training_step(batch, i), type(model).__name__)
-                    n = float(len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch))
-                    loss_sum += float(loss.double().item()) * n
-                    count += n
+            with silenced:
+                for i, batch in enumerate(self._batches(dm)):
+                    batch = move_data_to_device(batch, device)
+                    if classifier:
+                        logits, y = model._logits_targets(batch)
+                        valid = y != model.ignore_index if model.ignore_index is not None else torch.ones_like(y, dtype=torch.bool)
+                        n = float(valid.sum().item())
+                        if n == 0:
+                            continue
+                        loss = model.loss(logits, y)
+                        loss_sum += float(loss.double().item()) * n
+                        correct += float((logits.argmax(-1)[valid] == y[valid]).sum().item())
+                        count += n
+                    else:
+                        loss = extract_loss(model.training_step(batch, i), type(model).__name__)
+                        n = float(len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch))
+                        loss_sum += float(loss.double().item()) * n
+                        count += n
         finally:
-            for k in ("log", "log_dict"):
-                model.__dict__.pop(k, None)
-            model.__dict__.update(saved)
             model.train(was_training)
         if count == 0:
             return {}

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from fedlightning._reference import reference_mode
+from fedlightning._validation import in_range, integer
 from fedlightning.datamodules.partition import IID, Partitioner, check_partition
 from fedlightning.state import RoundPlan, derive_seed
 
@@ -43,12 +45,7 @@ _EPS = 1e-9  # absorbs float error in fraction * count (0.7 * 10 = 7.00000000000
 
 def check_val_fraction(value: Any) -> float:
     """``value`` as a float in ``[0, 1)``, or a ValueError naming ``val_fraction`` and the value."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"val_fraction must be a number in [0, 1) (0 disables validation), got val_fraction={value!r}")
-    v = float(value)
-    if not math.isfinite(v) or not 0.0 <= v < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1) (0 disables validation), got val_fraction={value!r}")
-    return v
+    return in_range("val_fraction", value, 0.0, 1.0, hint="0 disables validation", show_name=True)
 
 
 def chronological_holdout(n: int, fraction: float, gap: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -257,22 +254,13 @@ class FederatedDataModule(pl.LightningDataModule):
         val_fraction: float = DEFAULT_VAL_FRACTION,
     ):
         super().__init__()
-        if int(num_clients) < 1:
-            raise ValueError(f"num_clients must be >= 1, got {num_clients}")
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if int(eval_batch_size) < 1:
-            raise ValueError(f"eval_batch_size must be >= 1, got {eval_batch_size}")
-        if int(num_workers) < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if int(rounds_per_epoch) < 1:
-            raise ValueError(f"rounds_per_epoch must be >= 1, got {rounds_per_epoch}")
-        self._num_clients = int(num_clients)
-        self.batch_size = int(batch_size)
+        self._num_clients = integer("num_clients", num_clients)
+        self.batch_size = integer("batch_size", batch_size)
+        self.eval_batch_size = integer("eval_batch_size", eval_batch_size)
+        self.num_workers = integer("num_workers", num_workers, 0)
+        rounds_per_epoch = integer("rounds_per_epoch", rounds_per_epoch)
         self.partition = partition if partition is not None else IID()
         self.seed = int(seed)
-        self.eval_batch_size = int(eval_batch_size)
-        self.num_workers = int(num_workers)
         self.rounds_per_epoch = int(rounds_per_epoch)
         self.val_fraction = check_val_fraction(val_fraction)
         self.train_dataset: Optional[Dataset] = None
@@ -444,7 +432,7 @@ class FederatedDataModule(pl.LightningDataModule):
         return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers)
 
     def _loader_from_batches(self, dataset: Dataset, batch_sampler: Sampler, workers: int = 0):
-        if isinstance(dataset, ArrayDataset):
+        if isinstance(dataset, ArrayDataset) and not reference_mode():
             # batched fast path: one tensor indexing per batch, no per-sample fetch/collate, no DataLoader machinery
             return ArrayBatchLoader(dataset, batch_sampler)
         return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers)
@@ -454,8 +442,7 @@ class FederatedDataModule(pl.LightningDataModule):
         """Called by the FederatedLoop at setup: how many clients a round samples and with which seed."""
         self._require_setup()
         eligible = len(self._eligible)
-        if int(clients_per_round) < 1:
-            raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}")
+        clients_per_round = integer("clients_per_round", clients_per_round)
         if clients_per_round > eligible:
             raise ValueError(
                 f"clients_per_round={clients_per_round} exceeds the number of clients with data ({eligible} of "
@@ -491,7 +478,7 @@ class FederatedDataModule(pl.LightningDataModule):
         :class:`ArrayDataset` is read a whole batch per tensor indexing (the in-memory fast path)."""
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__} has no evaluation data set")
-        if isinstance(dataset, ArrayDataset):
+        if isinstance(dataset, ArrayDataset) and not reference_mode():
             rows = np.arange(len(dataset)) if indices is None else indices
             sampler = ClientBatchSampler(rows, self.eval_batch_size, None, shuffle=False)
             return DataLoader(dataset, sampler=sampler, batch_size=None)  # a real DataLoader for Lightning

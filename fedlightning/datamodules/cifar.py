@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from fedlightning._validation import positive
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, FederatedDataModule
 from fedlightning.datamodules.partition import Dirichlet, Partitioner
 
@@ -161,10 +162,8 @@ class PachinkoPartition(Partitioner):
     """
 
     def __init__(self, alpha: float = 0.1, beta: float = 10.0, coarse_of_fine: Optional[Sequence[int]] = None):
-        for name, v in (("alpha", alpha), ("beta", beta)):
-            if not (isinstance(v, (int, float)) and np.isfinite(v) and v > 0):
-                raise ValueError(f"Pachinko {name} must be a finite number > 0, got {v!r}")
-        self.alpha, self.beta = float(alpha), float(beta)
+        self.alpha = positive("alpha", alpha, label="Pachinko alpha")
+        self.beta = positive("beta", beta, label="Pachinko beta")
         self.coarse_of_fine = None if coarse_of_fine is None else np.asarray(coarse_of_fine, dtype=np.int64)
 
     def split(self, labels, num_clients, rng):

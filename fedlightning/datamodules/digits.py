@@ -7,6 +7,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from fedlightning._validation import in_range
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
 from fedlightning.datamodules.partition import Dirichlet, Partitioner
 
@@ -43,9 +44,7 @@ class DigitsDataModule(FederatedDataModule):
             rounds_per_epoch=rounds_per_epoch,
             val_fraction=val_fraction,
         )
-        if not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-        self.test_fraction = float(test_fraction)
+        self.test_fraction = in_range("test_fraction", test_fraction, 0.0, 1.0, low_closed=False)
 
     def load(self):
         from sklearn.datasets import load_digits

@@ -22,6 +22,8 @@ from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
+from fedlightning._reference import reference_mode
+from fedlightning._validation import integer, one_of
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
 from fedlightning.datamodules.partition import IID, Partitioner
 
@@ -178,13 +180,8 @@ class DatasetDataModule(FederatedDataModule):
             rounds_per_epoch=rounds_per_epoch,
             val_fraction=val_fraction,
         )
-        if in_memory not in (True, False, "auto") or not isinstance(in_memory, (bool, str)):
-            raise ValueError(f"in_memory must be True, False or 'auto', got in_memory={in_memory!r}")
-        limit = max_in_memory_bytes
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"max_in_memory_bytes must be an integer >= 0, got max_in_memory_bytes={limit!r}")
-        self.in_memory_option = in_memory
-        self.max_in_memory_bytes = int(max_in_memory_bytes)
+        self.in_memory_option = one_of("in_memory", in_memory, (True, False, "auto"), show_name=True)
+        self.max_in_memory_bytes = integer("max_in_memory_bytes", max_in_memory_bytes, 0, show_name=True)
         self.input_key, self.label_key = input_key, label_key
         self._train_source = self._check_source(train, "train")
         self._test_source = None if test is None else self._check_source(test, "test")
@@ -319,7 +316,7 @@ class DatasetDataModule(FederatedDataModule):
     def _materialise(self, dataset: Any, reader: _Reader, name: str) -> Dataset:
         """The data set as an :class:`ArrayDataset` or a :class:`PairView` (rules: class docstring, "In memory")."""
         option = self.in_memory_option
-        if option is False:
+        if option is False or (option == "auto" and reference_mode()):
             return PairView(dataset, reader)
         if isinstance(dataset, ArrayDataset):
             return dataset

@@ -69,6 +69,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from fedlightning._validation import in_range, integer
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule, chronological_holdout
 from fedlightning.datamodules.shakespeare import NUM_LETTERS, encode_text
 
@@ -238,26 +239,14 @@ class LeafDataModule(FederatedDataModule):
         )
         if name not in LEAF_TASKS:
             raise ValueError(f"unknown LEAF data set name {name!r}; choose one of {sorted(LEAF_TASKS)}")
-        if not (isinstance(user_fraction, (int, float)) and 0.0 < float(user_fraction) <= 1.0):
-            raise ValueError(f"user_fraction must be in (0, 1], got {user_fraction!r}")
-        if isinstance(min_samples, bool) or int(min_samples) != min_samples or int(min_samples) < 0:
-            raise ValueError(f"min_samples must be an integer >= 0, got {min_samples!r}")
-        if train_fraction is not None and not (
-            isinstance(train_fraction, (int, float)) and 0.0 < float(train_fraction) < 1.0
-        ):
-            raise ValueError(f"train_fraction must be None or in (0, 1), got {train_fraction!r}")
-        if int(vocab_size) < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-        if num_users is not None and (isinstance(num_users, bool) or int(num_users) != num_users or num_users < 1):
-            raise ValueError(f"num_users must be None or an integer >= 1, got {num_users!r}")
-        self.num_users = None if num_users is None else int(num_users)
+        self.num_users = integer("num_users", num_users, allow_none=True)
         self.name = name
         self.data_dir = data_dir
-        self.user_fraction = float(user_fraction)
-        self.min_samples = int(min_samples)
-        self.train_fraction = None if train_fraction is None else float(train_fraction)
+        self.user_fraction = in_range("user_fraction", user_fraction, 0.0, 1.0, low_closed=False, high_closed=True)
+        self.min_samples = integer("min_samples", min_samples, 0)
+        self.train_fraction = in_range("train_fraction", train_fraction, 0.0, 1.0, low_closed=False, allow_none=True)
         self.user_column = user_column or _DEFAULT_USER_COLUMN[name]
-        self.vocab_size = int(vocab_size)
+        self.vocab_size = integer("vocab_size", vocab_size)
         self.cache_dir = cache_dir
         self.num_classes = LEAF_TASKS[name]
         self.seq_length = 80

@@ -21,6 +21,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from fedlightning._validation import in_range
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
 from fedlightning.datamodules.partition import IID, Partitioner
 
@@ -83,11 +84,9 @@ class LibsvmDataModule(FederatedDataModule):
         )
         if name not in LIBSVM_DATASETS:
             raise ValueError(f"unknown LIBSVM data set {name!r}; choose one of {sorted(LIBSVM_DATASETS)}")
-        if not (isinstance(test_fraction, (int, float)) and 0.0 < float(test_fraction) < 1.0):
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
         self.name = name
         self.data_dir = data_dir
-        self.test_fraction = float(test_fraction)
+        self.test_fraction = in_range("test_fraction", test_fraction, 0.0, 1.0, low_closed=False)
         self.num_features, self.label_pair, self.train_file, self.test_file = LIBSVM_DATASETS[name]
 
     def _read(self, path: str) -> Tuple[np.ndarray, np.ndarray]:

@@ -11,6 +11,8 @@ from typing import List, Sequence
 
 import numpy as np
 
+from fedlightning._validation import integer, positive
+
 __all__ = ["Partitioner", "IID", "Dirichlet", "Shards", "check_partition"]
 
 
@@ -21,8 +23,7 @@ class Partitioner:
         labels = np.asarray(labels)
         if labels.ndim != 1:
             raise ValueError(f"labels must be a 1-D array, got shape {labels.shape}")
-        if int(num_clients) < 1:
-            raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+        num_clients = integer("num_clients", num_clients)
         if num_clients > len(labels):
             raise ValueError(
                 f"num_clients={num_clients} exceeds the number of samples ({len(labels)}): some clients would be empty"
@@ -64,12 +65,8 @@ class Dirichlet(Partitioner):
     """
 
     def __init__(self, alpha: float = 0.3, min_samples: int = 1, max_retries: int = 10):
-        if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
-            raise ValueError(f"Dirichlet alpha must be a finite number > 0, got alpha={alpha!r}")
-        if int(min_samples) < 0:
-            raise ValueError(f"min_samples must be >= 0, got {min_samples}")
-        self.alpha = float(alpha)
-        self.min_samples = int(min_samples)
+        self.alpha = positive("alpha", alpha, label="Dirichlet alpha", show_name=True)
+        self.min_samples = integer("min_samples", min_samples, 0)
         self.max_retries = int(max_retries)
 
     def split(self, labels, num_clients, rng):
@@ -122,9 +119,7 @@ class Shards(Partitioner):
     """
 
     def __init__(self, classes_per_client: int = 2):
-        if int(classes_per_client) < 1:
-            raise ValueError(f"classes_per_client must be >= 1, got {classes_per_client}")
-        self.classes_per_client = int(classes_per_client)
+        self.classes_per_client = integer("classes_per_client", classes_per_client)
 
     def split(self, labels, num_clients, rng):
         num_shards = num_clients * self.classes_per_client

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedlightning._validation import in_range, integer
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule, chronological_holdout
 
 __all__ = [
@@ -292,17 +293,11 @@ class ShakespeareDataModule(FederatedDataModule):
             rounds_per_epoch=rounds_per_epoch,
             val_fraction=val_fraction,
         )
-        if int(seq_length) < 1:
-            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-        if int(min_lines) < 1:
-            raise ValueError(f"min_lines must be >= 1, got {min_lines}")
-        if not (isinstance(train_fraction, (int, float)) and 0.0 < float(train_fraction) < 1.0):
-            raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction!r}")
         self.data_dir = data_dir
         self.plays = list(plays) if plays is not None else None
-        self.seq_length = int(seq_length)
-        self.min_lines = int(min_lines)
-        self.train_fraction = float(train_fraction)
+        self.seq_length = integer("seq_length", seq_length)
+        self.min_lines = integer("min_lines", min_lines)
+        self.train_fraction = in_range("train_fraction", train_fraction, 0.0, 1.0, low_closed=False)
         self.client_names: List[str] = []
         self.num_dropped_roles = 0
         self._stages: Dict[str, int] = {}

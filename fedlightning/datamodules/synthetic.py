@@ -17,10 +17,10 @@ user still draws its own ``W_k, b_k, v_k``).
 ``iid=True`` is FedProx's Synthetic-IID: one ``W ~ N(0, 1)^{d×C}`` and ``b ~ N(0, 1)^C`` shared by all users and
 ``v_k = 0``, so every user samples ``x ~ N(0, Σ)`` and labels it with the same model.
 
-Draw order (reference-implementations.md §6, the FedProx/FedDANE ``generate_synthetic.py``), all from ONE seeded
+Draw order (the FedProx/FedDANE reference ``generate_synthetic.py``), all from ONE seeded
 generator: the N sample counts; the N ``u_k``; the N ``B_k``; for each user its ``v_k`` (d draws); then for each user
 ``W_k`` (d×C), ``b_k`` (C) and its ``n_k`` inputs. IID draws the N counts, then the shared ``W``, ``b``, then each
-user's inputs (the reference IID script's order is not in the digest; this order is ours).
+user's inputs (this order is ours: the reference IID script was not available).
 
 RNG API (decision): the reference scripts call numpy's legacy global ``np.random`` functions unseeded. Here
 ``rng="generator"`` (default) uses ``np.random.default_rng(seed)`` (numpy's recommended Generator; same calls, same
@@ -45,6 +45,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from fedlightning._validation import in_range, integer, non_negative, one_of
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
 
 __all__ = ["SyntheticDataModule", "synthetic_covariance_diagonal", "generate_synthetic"]
@@ -160,21 +161,10 @@ class SyntheticDataModule(FederatedDataModule):
             rounds_per_epoch=rounds_per_epoch,
             val_fraction=val_fraction,
         )
-        for name, value in (("alpha", alpha), ("beta", beta)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if int(dim) < 1:
-            raise ValueError(f"dim must be >= 1, got {dim}")
-        if int(classes) < 2:
-            raise ValueError(f"classes must be >= 2, got {classes}")
-        if not (isinstance(train_fraction, (int, float)) and 0.0 < float(train_fraction) < 1.0):
-            raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction!r}")
-        if rng not in ("generator", "legacy"):
-            raise ValueError(f"rng must be 'generator' or 'legacy', got {rng!r}")
-        self.alpha, self.beta, self.iid = float(alpha), float(beta), bool(iid)
-        self.dim, self.classes = int(dim), int(classes)
-        self.train_fraction = float(train_fraction)
-        self.rng = rng
+        self.alpha, self.beta, self.iid = non_negative("alpha", alpha), non_negative("beta", beta), bool(iid)
+        self.dim, self.classes = integer("dim", dim), integer("classes", classes, 2)
+        self.train_fraction = in_range("train_fraction", train_fraction, 0.0, 1.0, low_closed=False)
+        self.rng = one_of("rng", rng, ("generator", "legacy"))
         self.params: Optional[dict] = None
         self._natural: List[np.ndarray] = []
 

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import Tensor, nn
 
+from fedlightning._validation import integer
+
 __all__ = ["Classifier"]
 
 
@@ -38,9 +40,7 @@ class Classifier(pl.LightningModule):
 
     def __init__(self, num_classes: int, lr: float = 0.1, ignore_index: int | None = None):
         super().__init__()
-        if int(num_classes) < 2:
-            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-        self.num_classes = int(num_classes)
+        self.num_classes = integer("num_classes", num_classes, 2)
         self.lr = lr
         self.ignore_index = ignore_index
         kw = {} if ignore_index is None else {"ignore_index": ignore_index}

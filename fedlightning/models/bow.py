@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from fedlightning._validation import integer
 from fedlightning.models.base import Classifier
 
 __all__ = ["BagOfWordsLinear"]
@@ -34,9 +35,7 @@ class BagOfWordsLinear(Classifier):
 
     def __init__(self, vocab_size: int = 5000, num_classes: int = 2, lr: float = 3.0):
         super().__init__(num_classes=num_classes, lr=lr)
-        if int(vocab_size) < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-        self.vocab_size = int(vocab_size)
+        self.vocab_size = integer("vocab_size", vocab_size)
         self.linear = nn.Linear(self.vocab_size, self.num_classes)
         self.net = self.linear
 

@@ -12,6 +12,7 @@ from typing import Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from fedlightning._validation import one_of
 from fedlightning.models.base import Classifier
 
 __all__ = ["LeNet5", "FemnistCNN", "Cifar100CNN"]
@@ -86,8 +87,7 @@ class FemnistCNN(_ImageClassifier):
 
     def __init__(self, num_classes: int = 62, variant: str = "reddi", lr: float = 0.1):
         super().__init__((1, 28, 28), num_classes, lr)
-        if variant not in ("reddi", "leaf"):
-            raise ValueError(f"variant must be 'reddi' or 'leaf', got {variant!r}")
+        one_of("variant", variant, ("reddi", "leaf"))
         self.variant = variant
         if variant == "reddi":
             features = nn.Sequential(
@@ -125,8 +125,9 @@ class Cifar100CNN(_ImageClassifier):
 
     ``lr`` (standalone training only) defaults to seed 004's η₀ = 0.01. The paper gives neither channel counts nor
     padding, only the model size (40.0 Mb ≈ 1.25 M float32 parameters).
-    Decision (from the digest's size check, seed 004 §6): 32 and 64 channels with *unpadded* convolutions on 32×32
-    inputs, so the flattened features are 6·6·64 = 2,304 and the model has exactly 1,250,852 parameters (40.03 Mb).
+    Decision (from the model size of Mills et al., Table I): 32 and 64 channels with *unpadded* convolutions on
+    32×32 inputs, so the flattened features are 6·6·64 = 2,304 and the model has exactly 1,250,852 parameters
+    (40.03 Mb).
     The paper's 28×28 random crop does not fit the stated size with any padding, so the data modules feed 32×32 images
     (pad-4 random crop + flip augmentation).
     """

@@ -6,6 +6,7 @@ from typing import Sequence
 
 from torch import nn
 
+from fedlightning._validation import in_range, integer
 from fedlightning.models.base import Classifier
 
 __all__ = ["LogisticRegression", "MLP"]
@@ -20,9 +21,7 @@ class LogisticRegression(Classifier):
 
     def __init__(self, input_dim: int = 64, num_classes: int = 10, lr: float = 0.1):
         super().__init__(num_classes=num_classes, lr=lr)
-        if int(input_dim) < 1:
-            raise ValueError(f"input_dim must be >= 1, got {input_dim}")
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(int(input_dim), self.num_classes))
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(integer("input_dim", input_dim), self.num_classes))
 
 
 class MLP(Classifier):
@@ -41,18 +40,14 @@ class MLP(Classifier):
         lr: float = 0.1,
     ):
         super().__init__(num_classes=num_classes, lr=lr)
-        if int(input_dim) < 1:
-            raise ValueError(f"input_dim must be >= 1, got {input_dim}")
-        if any(int(h) < 1 for h in hidden):
-            raise ValueError(f"hidden sizes must be >= 1, got {list(hidden)}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        prev = integer("input_dim", input_dim)
+        sizes = [integer(f"hidden[{i}]", h) for i, h in enumerate(hidden)]
+        dropout = in_range("dropout", dropout, 0.0, 1.0)
         layers: list = [nn.Flatten()]
-        prev = int(input_dim)
-        for h in hidden:
-            layers += [nn.Linear(prev, int(h)), nn.ReLU()]
+        for h in sizes:
+            layers += [nn.Linear(prev, h), nn.ReLU()]
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
-            prev = int(h)
+            prev = h
         layers.append(nn.Linear(prev, self.num_classes))
         self.net = nn.Sequential(*layers)

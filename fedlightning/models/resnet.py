@@ -11,7 +11,8 @@ expansion 4.
 Normalisation (decision, documented): ``norm="group"`` (default) uses ``GroupNorm(num_groups, C)`` everywhere a
 BatchNorm would be. Default ``num_groups=2``, the FedExP reference code's ``GroupNorm(2, C)`` (seed 000 follows that
 code's setup); seed 002 asks for GroupNorm without a group count. GroupNorm keeps no running statistics, so client
-models have no buffers to average and line-search trial forwards cannot corrupt any (seed 002 digest §7.1).
+models have no buffers to average and line-search trial forwards cannot corrupt any (the reason seed 002,
+"Towards Hyper-parameter-free Federated Learning", gives for GroupNorm).
 ``norm="batch"`` gives the usual BatchNorm network (its running statistics are buffers, averaged by the loop).
 The head is adaptive average pooling over the whole 4×4 map (not the FedExP code's ``avg_pool2d(out, 3)`` quirk,
 which pools only the top-left 3×3 window).
@@ -23,6 +24,7 @@ from typing import List, Sequence, Type
 
 from torch import Tensor, nn
 
+from fedlightning._validation import integer, one_of
 from fedlightning.models.base import Classifier
 
 __all__ = ["ResNet", "ResNet18", "ResNet50"]
@@ -107,19 +109,15 @@ class ResNet(Classifier):
         lr: float = 0.1,
     ):
         super().__init__(num_classes=num_classes, lr=lr)
-        if block not in ("basic", "bottleneck"):
-            raise ValueError(f"block must be 'basic' or 'bottleneck', got {block!r}")
-        if norm not in ("group", "batch"):
-            raise ValueError(f"norm must be 'group' or 'batch', got {norm!r}")
+        one_of("block", block, ("basic", "bottleneck"))
+        one_of("norm", norm, ("group", "batch"))
         blocks = [int(b) for b in num_blocks]
         if len(blocks) != 4 or any(b < 1 for b in blocks):
             raise ValueError(f"num_blocks must be four positive integers, got {list(num_blocks)}")
-        if int(width) < 1 or int(num_groups) < 1:
-            raise ValueError(f"width and num_groups must be >= 1, got width={width}, num_groups={num_groups}")
-        if norm == "group" and int(width) % int(num_groups) != 0:
+        width, num_groups = integer("width", width), integer("num_groups", num_groups)
+        if norm == "group" and width % num_groups != 0:
             raise ValueError(f"num_groups={num_groups} must divide the base width {width}")
         cls: Type[nn.Module] = _BasicBlock if block == "basic" else _Bottleneck
-        width, num_groups = int(width), int(num_groups)
         layers: List[nn.Module] = [
             nn.Conv2d(int(in_channels), width, 3, stride=1, padding=1, bias=False),
             _norm(norm, width, num_groups),

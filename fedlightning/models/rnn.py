@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from fedlightning._validation import integer
 from fedlightning.models.base import Classifier
 
 __all__ = ["CharLSTM", "CharGRU"]
@@ -29,16 +30,14 @@ class _CharRNN(Classifier):
     cell: type = nn.LSTM
 
     def __init__(self, vocab_size: int, embedding_dim: int, hidden_size: int, num_layers: int, lr: float):
-        if int(vocab_size) < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-        for name, v in (("embedding_dim", embedding_dim), ("hidden_size", hidden_size), ("num_layers", num_layers)):
-            if int(v) < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
-        super().__init__(num_classes=int(vocab_size), lr=lr)
-        self.vocab_size = int(vocab_size)
-        self.embedding = nn.Embedding(self.vocab_size, int(embedding_dim))
-        self.rnn = self.cell(int(embedding_dim), int(hidden_size), num_layers=int(num_layers), batch_first=True)
-        self.head = nn.Linear(int(hidden_size), self.vocab_size)
+        vocab_size = integer("vocab_size", vocab_size, 2)
+        embedding_dim, hidden_size = integer("embedding_dim", embedding_dim), integer("hidden_size", hidden_size)
+        num_layers = integer("num_layers", num_layers)
+        super().__init__(num_classes=vocab_size, lr=lr)
+        self.vocab_size = vocab_size
+        self.embedding = nn.Embedding(self.vocab_size, embedding_dim)
+        self.rnn = self.cell(embedding_dim, hidden_size, num_layers=num_layers, batch_first=True)
+        self.head = nn.Linear(hidden_size, self.vocab_size)
 
     def forward(self, x: Tensor) -> Tensor:
         out, _ = self.rnn(self.embedding(x.long()))

@@ -23,35 +23,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from fedlightning._validation import integer, non_negative, positive
+
 __all__ = [
     "ClosureOptimizer",
     "RngSnapshot",
-    "check_positive",
-    "check_finite",
     "epoch_exponent",
     "scale_client_step",
     "check_client_step_scalable",
 ]
-
-
-def check_positive(name: str, value: Any, allow_zero: bool = False) -> float:
-    """``float(value)``; a ValueError naming ``name`` unless it is a finite number > 0 (>= 0 with ``allow_zero``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    v = float(value)
-    ok = math.isfinite(v) and (v >= 0 if allow_zero else v > 0)
-    if not ok:
-        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return v
-
-
-def check_finite(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return v
 
 
 def epoch_exponent(
@@ -75,7 +55,7 @@ def epoch_exponent(
             f"(got n_batches_per_epoch={n_batches_per_epoch!r}, batch_size={batch_size!r}, num_samples={num_samples!r})"
         )
     if n_batches_per_epoch is not None:
-        steps = check_positive("n_batches_per_epoch", n_batches_per_epoch)
+        steps = positive("n_batches_per_epoch", n_batches_per_epoch)
         if steps < 1:
             raise ValueError(
                 f"n_batches_per_epoch must be >= 1 (an epoch takes at least one step), got {n_batches_per_epoch!r}; "
@@ -88,9 +68,7 @@ def epoch_exponent(
         )
     if batch_size is None:
         return None
-    for name, v in (("batch_size", batch_size), ("num_samples", num_samples)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    batch_size, num_samples = integer("batch_size", batch_size), integer("num_samples", num_samples)
     return 1.0 / float(-(-num_samples // batch_size))
 
 
@@ -122,7 +100,7 @@ def scale_client_step(optimizer: torch.optim.Optimizer, scale: float) -> None:
 
     ``scale`` must be a finite number >= 0 (0: the clients do not move, as SGD with ``lr = 0``).
     """
-    scale = check_positive("client_lr_scale", scale, allow_zero=True)
+    scale = non_negative("client_lr_scale", scale)
     check_client_step_scalable(optimizer)
     method = getattr(optimizer, "scale_step", None)
     if callable(method):
@@ -179,7 +157,7 @@ class ClosureOptimizer(torch.optim.Optimizer):
         reasoning for its rule. The FederatedLoop calls it through :func:`scale_client_step` with the round's
         ``client_lr_scale`` on a freshly built optimizer.
         """
-        self.step_scale = self.step_scale * check_positive("scale", scale, allow_zero=True)
+        self.step_scale = self.step_scale * non_negative("scale", scale)
 
     def set_client_data(self, num_samples: int, batch_size: int) -> None:
         """Called by the FederatedLoop with the client's number of samples ``n_i`` and batch size ``b`` before it
@@ -289,10 +267,7 @@ class ClosureOptimizer(torch.optim.Optimizer):
         value = state.get(key, default)
         if value is None:
             return None
-        value = float(value)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"client state {key} must be a finite number > 0, got {value!r}")
-        return value
+        return positive(key, float(value), label=f"client state {key}")
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state plus the per-client state, so a plain PyTorch checkpoint resumes the rule."""

@@ -22,7 +22,8 @@ both sides; :math:`\|g\|` over all parameters jointly). The start :math:`\eta_0`
 
 and :math:`\eta_0 = \eta_{l,\max}` at the first step (Algorithm 3, ``k = 1``).
 
-Decisions the papers leave open (digest 000 §1, reference-implementations §1), all ours unless a source is named:
+Decisions the papers leave open ("Painless Federated Learning", Alg. 2 and 3; the reference Sls code of Vaswani
+et al.), all ours unless a source is named:
 
 * **Cap of ``"grow"``**: the grown step is capped at ``eta_max`` (Vaswani et al.'s paper and seed 000's theory assume
   :math:`\eta \in (0, \eta_{l,\max}]`; the current reference Sls code has no cap).
@@ -84,7 +85,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import Tensor
 
-from fedlightning.optim._common import ClosureOptimizer, RngSnapshot, check_positive, epoch_exponent
+from fedlightning._validation import flag, in_range, integer, non_negative, one_of, positive
+from fedlightning.optim._common import ClosureOptimizer, RngSnapshot, epoch_exponent
 
 __all__ = ["SgdArmijo"]
 
@@ -130,23 +132,14 @@ class SgdArmijo(ClosureOptimizer):
         grad_tol: float = 1e-8,
         carry_step_size: bool = False,
     ):
-        eta_max = check_positive("eta_max", eta_max)
-        c = check_positive("c", c)
-        if not c < 1:
-            raise ValueError(f"c must be in (0, 1), got {c!r}")
-        beta = check_positive("beta", beta)
-        if not beta < 1:
-            raise ValueError(f"beta must be in (0, 1), got {beta!r}")
-        if reset not in RESETS:
-            raise ValueError(f"reset must be one of {RESETS}, got {reset!r}")
-        delta = check_positive("delta", delta)
-        if not delta > 1:
-            raise ValueError(f"delta must be > 1 (seed 000 Alg. 3), got {delta!r}")
-        if isinstance(max_backtracks, bool) or not isinstance(max_backtracks, int) or max_backtracks < 0:
-            raise ValueError(f"max_backtracks must be an integer >= 0, got {max_backtracks!r}")
-        grad_tol = check_positive("grad_tol", grad_tol, allow_zero=True)
-        if not isinstance(carry_step_size, bool):
-            raise TypeError(f"carry_step_size must be a bool, got {carry_step_size!r}")
+        eta_max = positive("eta_max", eta_max)
+        c = in_range("c", c, 0.0, 1.0, low_closed=False)
+        beta = in_range("beta", beta, 0.0, 1.0, low_closed=False)
+        reset = one_of("reset", reset, RESETS)
+        delta = in_range("delta", delta, 1.0, low_closed=False)  # a growth factor ("Painless Federated Learning", Alg. 3)
+        max_backtracks = integer("max_backtracks", max_backtracks, 0)
+        grad_tol = non_negative("grad_tol", grad_tol)
+        carry_step_size = flag("carry_step_size", carry_step_size)
         exponent = epoch_exponent(n_batches_per_epoch, batch_size, num_samples)
         defaults = dict(eta_max=eta_max, c=c, beta=beta, reset=reset, delta=delta, max_backtracks=max_backtracks,
                         grad_tol=grad_tol)

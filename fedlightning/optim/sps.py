@@ -13,7 +13,7 @@ smoothed cap of seed 001 §6 / Loizou et al. 2021 (``smooth=True``, seed 001's n
 .. math::
     \gamma_{b,0} = \gamma_b, \qquad \gamma_{b,t} = \delta^{\,1/\lceil n/b\rceil}\,\gamma_{t-1}\quad (t \ge 1)
 
-**Reading of the smoothed cap (digest 001 §1.2, a documented choice):** seed 001 writes
+**Reading of the smoothed cap (a documented choice):** seed 001 ("Locally Adaptive Federated Learning", Sec. 6) writes
 :math:`\gamma_{b,t} = 2^{|B|/m_i}\gamma_{b,t-1}`, i.e. the multiplier applied to the previous *cap*, which would grow
 exponentially and never look at the step sizes; we implement the reading of the SPS paper it cites and of the
 reference SPS code (``smooth_iter``): the multiplier applies to the previous *step size* :math:`\gamma_{t-1}`.
@@ -38,7 +38,7 @@ is only this initial value, as in the reference code (no constant cap).
 \min\{\text{ratio}_0/c_0, \gamma_b\}`, :math:`\gamma_t \le \gamma_{t-1}\sqrt{t/(t+1)}`, :math:`\gamma_t \le
 \gamma_b/\sqrt{t+1}`.
 
-Decisions (ours unless a source is named; digest 001 §1.2, §1.3, §6):
+Decisions (ours unless a source is named; "Locally Adaptive Federated Learning", Sec. 5 and 6, leaves them open):
 
 * ``f_star`` is :math:`\ell^*`, a lower bound of the mini-batch loss; 0 for non-negative losses (seed 001, all
   experiments). No epsilon in the denominator (the paper has none; the reference code's ``eps`` only guards
@@ -85,7 +85,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import Tensor
 
-from fedlightning.optim._common import ClosureOptimizer, check_finite, check_positive, epoch_exponent
+from fedlightning._validation import flag, in_range, integer, non_negative, number, positive
+from fedlightning.optim._common import ClosureOptimizer, epoch_exponent
 
 __all__ = ["SPS", "DecSPS"]
 
@@ -123,20 +124,17 @@ class SPS(ClosureOptimizer):
         grad_tol: float = 1e-8,
         fixed_step_size: Optional[float] = None,
     ):
-        c = check_positive("polyak_c", polyak_c)
-        gamma_max = check_positive("gamma_max", gamma_max)
-        f_star = check_finite("f_star", f_star)
-        if not isinstance(smooth, bool):
-            raise TypeError(f"smooth must be a bool, got {smooth!r}")
-        smooth_factor = check_positive("smooth_factor", smooth_factor)
-        if not smooth_factor >= 1:
-            raise ValueError(f"smooth_factor must be >= 1, got {smooth_factor!r}")
-        grad_tol = check_positive("grad_tol", grad_tol, allow_zero=True)
+        c = positive("polyak_c", polyak_c)
+        gamma_max = positive("gamma_max", gamma_max)
+        f_star = number("f_star", f_star)
+        smooth = flag("smooth", smooth)
+        smooth_factor = in_range("smooth_factor", smooth_factor, 1.0)
+        grad_tol = non_negative("grad_tol", grad_tol)
         exponent = epoch_exponent(n_batches_per_epoch, batch_size, num_samples)
         defaults: Dict[str, Any] = dict(polyak_c=c, gamma_max=gamma_max, f_star=f_star, smooth=smooth,
                                         smooth_factor=smooth_factor, grad_tol=grad_tol)
         if fixed_step_size is not None:
-            defaults["fixed_step_size"] = check_positive("fixed_step_size", fixed_step_size)
+            defaults["fixed_step_size"] = positive("fixed_step_size", fixed_step_size)
         super().__init__(params, defaults)
         self._explicit_exponent = exponent
         self._prev_step: Optional[float] = None  # γ_{t-1} of the smoothed cap (None: no step taken yet)
@@ -210,10 +208,10 @@ class DecSPS(ClosureOptimizer):
     """
 
     def __init__(self, params, c0: float = 0.5, gamma_max: float = 1.0, f_star: float = 0.0, grad_tol: float = 1e-8):
-        c0 = check_positive("c0", c0)
-        gamma_max = check_positive("gamma_max", gamma_max)
-        f_star = check_finite("f_star", f_star)
-        grad_tol = check_positive("grad_tol", grad_tol, allow_zero=True)
+        c0 = positive("c0", c0)
+        gamma_max = positive("gamma_max", gamma_max)
+        f_star = number("f_star", f_star)
+        grad_tol = non_negative("grad_tol", grad_tol)
         super().__init__(params, dict(c0=c0, gamma_max=gamma_max, f_star=f_star, grad_tol=grad_tol))
         self.t = 0  # steps taken by this client (the index of the next step)
         self.gamma_prev = gamma_max  # γ_{t-1} (γ_{-1} = γ_b)
@@ -250,9 +248,7 @@ class DecSPS(ClosureOptimizer):
 
     def set_client_state(self, state: Dict[str, Any]) -> None:
         super().set_client_state(state)
-        t = int(state.get("t", 0))
-        if t < 0:
-            raise ValueError(f"client state t must be >= 0, got {t}")
+        t = integer("t", int(state.get("t", 0)), 0, label="client state t")
         gamma_prev = self._state_step(state, "gamma_prev", self.hyper["gamma_max"])
         if gamma_prev is None:  # DecSPS always has a previous step (γ_max before the first)
             raise ValueError("client state gamma_prev must be a finite number > 0, got None")

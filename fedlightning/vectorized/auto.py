@@ -34,13 +34,13 @@ def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int], globa
     the run, with a one-time warning. Per-client optimizer state is read from and written to ``loop.client_state``
     (namespace ``"optimizer"``) exactly as sequential training does.
     """
-    mode = loop.client_execution
-    if mode == "sequential" or not client_ids or loop.__dict__.get("_vectorized_fallback"):
+    mode, runtime = loop.client_execution, loop._runtime
+    if mode == "sequential" or not client_ids or runtime.vectorized_fallback:
         return None
     try:
-        if mode == "auto" and "_auto_choice" not in loop.__dict__:
+        if mode == "auto" and runtime.auto_choice is None:
             if _auto_decide(loop, plan, client_ids, global_flat) == "sequential":
-                loop.__dict__["_vectorized_fallback"] = True
+                runtime.vectorized_fallback = True
                 return None
         return _run(loop, plan, client_ids, global_flat)
     except VectorizationUnsupportedError as err:
@@ -48,8 +48,8 @@ def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int], globa
             raise
         from lightning.pytorch.utilities import rank_zero_warn
 
-        loop.__dict__["_vectorized_fallback"] = True
-        loop.__dict__["_auto_choice"] = "sequential"
+        runtime.vectorized_fallback = True
+        runtime.auto_choice = "sequential"
         rank_zero_warn(f"client_execution='auto': training clients sequentially ({err})")
         return None
 
@@ -109,8 +109,7 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
         reason = (f"one round of {len(client_ids)} clients x {plan.local_steps} local steps took "
                   f"{seq * 1e3:.1f} ms sequential, {vec * 1e3:.1f} ms vectorized ({seq / max(vec, 1e-12):.2f}x; "
                   f"vectorized is chosen when faster by {AUTO_MARGIN}x)")
-    loop.__dict__["_auto_choice"] = choice
-    loop.__dict__["_auto_reason"] = reason
+    loop._runtime.auto_choice, loop._runtime.auto_reason = choice, reason
     _info(f"client_execution='auto': training clients {choice} ({reason})")
     return choice
 
@@ -147,10 +146,10 @@ def _engine(loop) -> VectorizedClientTrainer:
             f"{worker.model_name} overrides the per-step hook(s) {', '.join(hooks.overridden)}, which "
             "client_execution='vectorized' cannot call per client; use client_execution='sequential' (or 'auto')"
         )
-    engine: Optional[VectorizedClientTrainer] = loop.__dict__.get("_vectorized_engine")
+    engine: Optional[VectorizedClientTrainer] = loop._runtime.vectorized_engine
     if engine is None or engine.model is not worker.model:
         engine = VectorizedClientTrainer(worker.model, to_device=worker.to_device)
-        loop.__dict__["_vectorized_engine"] = engine
+        loop._runtime.vectorized_engine = engine
     return engine
 
 
