@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
