@@ -19,20 +19,20 @@ Validation/test run the wrapped model's own ``validation_step`` / ``test_step`` 
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from fedlightning._hooks import _FORWARDED_HOOKS, _LogRouter, _forward_to_model
 from fedlightning._logging_route import route_logging, routed_logging
 from fedlightning._reference import reference_mode
+from fedlightning._round import _RoundEnd
 from fedlightning._validation import integer, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, check_hook_names
 from fedlightning.client import LocalTrainer
@@ -44,80 +44,6 @@ __all__ = ["FederatedLoop"]
 warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
-
-
-class _LogRouter:
-    """Replaces ``log`` / ``log_dict`` of a wrapped model instance.
-
-    In ``"forward"`` mode (validation/test on the global model) calls go to the FederatedLoop's own ``self.log``,
-    so they reach the loggers and the progress bar exactly as if the user's module were trained directly. In
-    ``"capture"`` mode (client training) scalar values are collected and the loop logs their per-round mean under
-    ``client/<name>``. A torchmetrics ``Metric`` logged there is a round-level metric: the working copy's metric
-    object accumulates every participating client's local steps (each step's batch once: a line search's trial
-    evaluations are undone, see :class:`~fedlightning.user_module.MetricStates`), and :meth:`compute_metrics` gives
-    its value at the end of the round, after which the loop resets it. Across processes ``Metric.compute`` syncs
-    the states (torchmetrics' own distributed reduction).
-    """
-
-    def __init__(self, loop: "FederatedLoop", mode: str):
-        self.loop_ref = loop
-        self.mode = mode
-        self.captured: Dict[str, List[Tensor]] = {}
-        self.metrics: Dict[str, Any] = {}  # name -> torchmetrics Metric logged in training_step
-        self.metric_paths: Dict[str, str] = {}  # name -> the metric's module path in the working copy
-        self.module: Optional[torch.nn.Module] = None  # the working copy (capture mode)
-
-    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if self.mode == "forward":
-            self.loop_ref.log(name, value, *args, **kwargs)
-            return
-        if not torch.is_grad_enabled():  # a line search's trial evaluation (fedlightning.optim): not a training step
-            return
-        if _is_metric(value):
-            if name not in self.metrics:
-                self.metrics[name] = value
-                if self.module is not None:
-                    self.metric_paths[name] = next((p for p, m in self.module.named_modules() if m is value), "")
-            return
-        if isinstance(value, (int, float)):
-            value = torch.tensor(float(value))
-        if isinstance(value, Tensor) and value.numel() == 1:
-            value = value.detach()
-            self.captured.setdefault(name, []).append(value if value.dim() == 0 else value.reshape(()))
-
-    def log_dict(self, dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        for k, v in dictionary.items():
-            self.log(k, v, *args, **kwargs)
-
-    def pop_means(self) -> Dict[str, float]:
-        out = {f"client/{k}": float(torch.stack(v).float().mean()) for k, v in self.captured.items() if v}
-        self.captured = {}
-        return out
-
-    def compute_metrics(self) -> Dict[str, float]:
-        """``client/<name>`` for every torchmetrics metric logged in ``training_step`` (in name order, so that every
-        process calls ``compute`` — a collective under DDP — in the same order)."""
-        out = {}
-        for name in sorted(self.metrics):
-            value = self.metrics[name].compute()
-            if isinstance(value, Tensor) and value.numel() != 1:
-                raise ValueError(
-                    f"the torchmetrics metric logged as {name!r} in training_step computes a tensor of shape "
-                    f"{tuple(value.shape)}; self.log needs a scalar metric"
-                )
-            out[f"client/{name}"] = float(value)
-        return out
-
-    def adopt_metrics(self, paths: Dict[str, str]) -> None:
-        """Metrics another process logged (a process whose clients have not logged them yet must still compute)."""
-        for name, path in paths.items():
-            if name not in self.metrics and path and self.module is not None:
-                self.metrics[name] = self.module.get_submodule(path)
-                self.metric_paths[name] = path
-
-    def reset_metrics(self) -> None:
-        for metric in self.metrics.values():
-            metric.reset()
 
 
 @dataclass
@@ -148,33 +74,7 @@ class _Runtime:
     vectorized_fallback: bool = False
 
 
-def _is_metric(value: Any) -> bool:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics is a dependency
-        return False
-    return isinstance(value, Metric)
-
-
-#: Hooks of the user's module that run on the global model whenever Lightning calls them on the loop (fit-level and
-#: evaluation hooks); training hooks are mapped by client training instead (fedlightning.user_module.ClientHooks).
-_FORWARDED_HOOKS = (
-    "teardown", "configure_model", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
-    *(f"on_{stage}_{when}" for stage in ("validation", "test", "predict")
-      for when in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end")),
-)
-
-
-def _forward_to_model(name: str):
-    def hook(self: "FederatedLoop", *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.model, name)(*args, **kwargs)
-
-    hook.__name__ = hook.__qualname__ = name
-    hook.__doc__ = f"The user's module's ``{name}``, on the global model."
-    return hook
-
-
-class FederatedLoop(pl.LightningModule):
+class FederatedLoop(_RoundEnd, pl.LightningModule):
     """Federated training of ``model``.
 
     Args:
@@ -599,165 +499,6 @@ class FederatedLoop(pl.LightningModule):
             if mo.step_schedulers(plan.round, metrics):
                 self._runtime.reusable_client_opt = None  # its snapshot holds the previous round's lr
         return None
-
-    def _check_round_failures(self, plan: RoundPlan, stats: RoundStatistics, first_error: Optional[tuple]) -> None:
-        """The failure policy's stops (``on_client_failure="skip"``; identical on every process, from the reduced
-        counts): every client raised → the round's first exception, chained; ``max_failed_rounds`` consecutive
-        rounds without a healthy client → ``FloatingPointError``."""
-        n_healthy = float(stats["clients"].item()) if "clients" in stats else 0.0
-        if n_healthy > 0:
-            self.rounds_without_healthy_client = 0
-            return
-        raised = int(stats["raised"].item())
-        if raised and raised == len(plan.client_ids):
-            if first_error is not None:
-                what = f"client {first_error[0]}: {type(first_error[1]).__name__}: {first_error[1]}"
-            else:
-                what = "the exceptions were raised on another process"
-            message = (
-                f"round {plan.round}: every client raised an exception ({what}); this is a bug in the model or the "
-                "data, not a faulty client, so the run stops"
-            )
-            raise RuntimeError(message) from (first_error[1] if first_error is not None else None)
-        self.rounds_without_healthy_client += 1
-        limit = self.max_failed_rounds
-        if limit is not None and self.rounds_without_healthy_client >= limit:
-            raise FloatingPointError(
-                f"round {plan.round}: {self.rounds_without_healthy_client} consecutive rounds without a healthy client "
-                f"(max_failed_rounds={limit}); every client's loss or update was NaN/inf or it failed. Lower the "
-                "client learning rate, clip client gradients (client_grad_clip) or raise max_failed_rounds"
-            )
-
-    @staticmethod
-    def _accumulate_telemetry(stats: RoundStatistics, u: ClientUpdate, device) -> None:
-        stats.add("loss_sum", u.mean_loss, device)
-        stats.add("first_loss_sum", u.first_loss, device)
-        steps = max(u.num_steps, 1)
-        stats.add("backtracks_per_step_sum", u.backtracks / steps, device)
-        stats.add("forwards", float(u.forwards), device)
-        stats.add("backwards", float(u.backwards), device)
-        stats.add("local_steps_sum", float(u.num_steps), device)
-        finite = [s for s in u.step_sizes if math.isfinite(s)]
-        if finite:
-            stats.add("step_size_sum", float(sum(finite)), device)
-            stats.add("step_size_count", float(len(finite)), device)
-            stats.maximum("step_size_max", max(finite), device)
-            stats.maximum("neg_step_size_min", -min(finite), device)
-
-    def _share_round_state(self, plan: RoundPlan, healthy: List[ClientUpdate]) -> List[tuple]:
-        """Per-client scalars of the round's healthy clients, from every process, in sampling order; and, with
-        several processes, the client-state entries written this round are exchanged so every process holds the
-        whole ClientStateStore."""
-        pos = {cid: i for i, cid in enumerate(plan.client_ids)}
-        mine = [(pos.get(u.client_id, -1), u.client_id, u.first_loss, u.mean_loss) for u in healthy]
-        if self.trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            self.client_state.pop_dirty()
-            return mine
-        from fedlightning.distributed import all_gather_objects
-
-        dirty = self.client_state.pop_dirty()
-        dirty_cpu = {k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()} for k, d in dirty.items()}
-        router = self._worker_trainer().router
-        everything = all_gather_objects((mine, dirty_cpu, dict(router.metric_paths)))
-        summaries: List[tuple] = []
-        for rank, (theirs, entries, metric_paths) in enumerate(everything):
-            summaries.extend(theirs)
-            if rank != self.trainer.global_rank:
-                self.client_state.update_from(entries)
-                router.adopt_metrics(metric_paths)  # every process computes (a collective) the same metrics
-        return sorted(summaries)
-
-    def _reduce(self, stats: RoundStatistics) -> None:
-        """Combine the statistics of all processes (no-op on one process)."""
-        if self.trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        from fedlightning.distributed import all_reduce_statistics
-
-        all_reduce_statistics(stats)
-
-    @torch.no_grad()
-    def _server_step(self, stats: RoundStatistics, plan: RoundPlan) -> Dict[str, float]:
-        opt = self.optimizers()
-        params = self._global_params()
-        n_clients = float(stats["clients"].item()) if "clients" in stats else 0.0
-        metrics: Dict[str, float] = {"round/clients": n_clients, "round/failed_clients": float(stats["failed"].item())}
-        metrics["round/local_steps"] = float(plan.local_steps)
-        if n_clients == 0:
-            rank_zero_warn(f"round {plan.round}: no healthy client; the global model is left unchanged")
-            for p in params:
-                p.grad = None  # optimizers skip parameters without a gradient: no state change
-            opt.step()
-            return metrics
-        pseudo_grad, lr, extra = self.strategy.server_update(self, stats, plan)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = pseudo_grad[offset : offset + n].view_as(p).to(p.dtype).clone()
-            offset += n
-        if lr is not None:
-            for g in opt.optimizer.param_groups:
-                g["lr"] = lr
-        opt.step()
-        for p in params:
-            p.grad = None
-        if "buffers" in stats:
-            fbufs = [b for b in self.model.buffers() if b.is_floating_point()]
-            avg = stats["buffers"] / stats["weight"].to(stats["buffers"].dtype)
-            off = 0
-            for b in fbufs:
-                b.copy_(avg[off : off + b.numel()].view_as(b))
-                off += b.numel()
-        metrics.update(extra)
-        metrics["train/loss"] = float(stats["loss_sum"].item()) / n_clients
-        metrics["train/first_loss"] = float(stats["first_loss_sum"].item()) / n_clients
-        metrics["server/lr"] = float(lr if lr is not None else opt.optimizer.param_groups[0].get("lr", float("nan")))
-        # η_g of every strategy under one name: strategies that compute it (FedExP, FedExProx, FedLi) report it and
-        # its unclipped value; for the others it is the server optimizer's learning rate, which nothing clips.
-        metrics.setdefault("server/eta_g", metrics["server/lr"])
-        metrics.setdefault("server/eta_g_raw", metrics["server/eta_g"])
-        metrics["server/delta_norm"] = float(pseudo_grad.double().norm().item())
-        metrics["server/mean_client_delta_sq_norm"] = float(stats["sq_norm_sum"].item()) / n_clients
-        metrics["client/backtracks_per_step"] = float(stats["backtracks_per_step_sum"].item()) / n_clients
-        metrics["client/forwards"] = float(stats["forwards"].item())
-        metrics["client/backwards"] = float(stats["backwards"].item())
-        if "step_size_sum" in stats:
-            metrics["client/step_size_mean"] = float(stats["step_size_sum"].item() / stats["step_size_count"].item())
-            metrics["client/step_size_max"] = float(stats["step_size_max"].item())
-            metrics["client/step_size_min"] = -float(stats["neg_step_size_min"].item())
-        return metrics
-
-    def _log_round(self, result: RoundResult) -> None:
-        """Log the round's metrics.
-
-        ``train/loss`` (the progress bar) goes through ``self.log``. The other round metrics bypass Lightning's
-        result collection (~0.4 ms per ``self.log`` call, ~7 ms for a round's ~17 metrics on a 2-core CPU; see
-        docs/benchmarks.md §1): they are put into ``trainer.callback_metrics`` every round (for
-        ``ModelCheckpoint(monitor=...)``, ``EarlyStopping``, schedules) and written to the loggers, at the same
-        step as ``train/loss``, on the rounds Lightning writes step metrics (every ``log_every_n_steps`` rounds, or
-        when the trainer is stopping). A CSV logger therefore has two rows for such a step (ours, then
-        Lightning's with ``train/loss``); ``trainer.logged_metrics`` holds only ``train/loss`` of them.
-        """
-        m = result.metrics
-        trainer = self.trainer
-        if "train/loss" in m:
-            self.log("train/loss", m["train/loss"], prog_bar=True, batch_size=1)
-        rest = {k: float(v) for k, v in m.items() if k != "train/loss"}
-        if not rest:
-            return
-        callback_metrics = trainer.callback_metrics
-        for k, v in rest.items():
-            callback_metrics[k] = torch.tensor(v)
-        if self._step_logs_written():
-            step = int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
-            for logger in trainer.loggers:
-                logger.log_metrics(rest, step=step)
-
-    def _step_logs_written(self) -> bool:
-        """Whether Lightning writes this round's step metrics to the loggers: its own rule, as its training loop
-        applies it (``update_train_step_metrics``: ``should_update_logs``, i.e. every ``log_every_n_steps`` rounds
-        or when the trainer is stopping, unless ``log_every_n_steps=0``; or ``fast_dev_run``)."""
-        trainer = self.trainer
-        return bool(trainer.loggers) and bool(trainer.fast_dev_run or trainer._logger_connector.should_update_logs)
 
     # ================================================================== evaluation on the global model
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):

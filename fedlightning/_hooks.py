@@ -1,0 +1,115 @@
+"""How the user's module talks to :class:`~fedlightning.loop.FederatedLoop`: its ``self.log`` calls
+(:class:`_LogRouter`: forwarded to the loop on the global model, captured per round during client training) and
+the fit-level / evaluation hooks the loop forwards to the global model (``_FORWARDED_HOOKS``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedlightning.loop import FederatedLoop
+
+
+class _LogRouter:
+    """Replaces ``log`` / ``log_dict`` of a wrapped model instance.
+
+    In ``"forward"`` mode (validation/test on the global model) calls go to the FederatedLoop's own ``self.log``,
+    so they reach the loggers and the progress bar exactly as if the user's module were trained directly. In
+    ``"capture"`` mode (client training) scalar values are collected and the loop logs their per-round mean under
+    ``client/<name>``. A torchmetrics ``Metric`` logged there is a round-level metric: the working copy's metric
+    object accumulates every participating client's local steps (each step's batch once: a line search's trial
+    evaluations are undone, see :class:`~fedlightning.user_module.MetricStates`), and :meth:`compute_metrics` gives
+    its value at the end of the round, after which the loop resets it. Across processes ``Metric.compute`` syncs
+    the states (torchmetrics' own distributed reduction).
+    """
+
+    def __init__(self, loop: "FederatedLoop", mode: str):
+        self.loop_ref = loop
+        self.mode = mode
+        self.captured: Dict[str, List[Tensor]] = {}
+        self.metrics: Dict[str, Any] = {}  # name -> torchmetrics Metric logged in training_step
+        self.metric_paths: Dict[str, str] = {}  # name -> the metric's module path in the working copy
+        self.module: Optional[torch.nn.Module] = None  # the working copy (capture mode)
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if self.mode == "forward":
+            self.loop_ref.log(name, value, *args, **kwargs)
+            return
+        if not torch.is_grad_enabled():  # a line search's trial evaluation (fedlightning.optim): not a training step
+            return
+        if _is_metric(value):
+            if name not in self.metrics:
+                self.metrics[name] = value
+                if self.module is not None:
+                    self.metric_paths[name] = next((p for p, m in self.module.named_modules() if m is value), "")
+            return
+        if isinstance(value, (int, float)):
+            value = torch.tensor(float(value))
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.detach()
+            self.captured.setdefault(name, []).append(value if value.dim() == 0 else value.reshape(()))
+
+    def log_dict(self, dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        for k, v in dictionary.items():
+            self.log(k, v, *args, **kwargs)
+
+    def pop_means(self) -> Dict[str, float]:
+        out = {f"client/{k}": float(torch.stack(v).float().mean()) for k, v in self.captured.items() if v}
+        self.captured = {}
+        return out
+
+    def compute_metrics(self) -> Dict[str, float]:
+        """``client/<name>`` for every torchmetrics metric logged in ``training_step`` (in name order, so that every
+        process calls ``compute`` — a collective under DDP — in the same order)."""
+        out = {}
+        for name in sorted(self.metrics):
+            value = self.metrics[name].compute()
+            if isinstance(value, Tensor) and value.numel() != 1:
+                raise ValueError(
+                    f"the torchmetrics metric logged as {name!r} in training_step computes a tensor of shape "
+                    f"{tuple(value.shape)}; self.log needs a scalar metric"
+                )
+            out[f"client/{name}"] = float(value)
+        return out
+
+    def adopt_metrics(self, paths: Dict[str, str]) -> None:
+        """Metrics another process logged (a process whose clients have not logged them yet must still compute)."""
+        for name, path in paths.items():
+            if name not in self.metrics and path and self.module is not None:
+                self.metrics[name] = self.module.get_submodule(path)
+                self.metric_paths[name] = path
+
+    def reset_metrics(self) -> None:
+        for metric in self.metrics.values():
+            metric.reset()
+
+
+def _is_metric(value: Any) -> bool:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return False
+    return isinstance(value, Metric)
+
+
+#: Hooks of the user's module that run on the global model whenever Lightning calls them on the loop (fit-level and
+#: evaluation hooks); training hooks are mapped by client training instead (fedlightning.user_module.ClientHooks).
+_FORWARDED_HOOKS = (
+    "teardown", "configure_model", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
+    *(f"on_{stage}_{when}" for stage in ("validation", "test", "predict")
+      for when in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end")),
+)
+
+
+def _forward_to_model(name: str):
+    def hook(self: "FederatedLoop", *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.model, name)(*args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = name
+    hook.__doc__ = f"The user's module's ``{name}``, on the global model."
+    return hook
+

@@ -1,0 +1,7 @@
+"""``python -m fedlightning.sweep SWEEP.yaml [--out DIR] [--runs N] [--seed S] [--dry-run]``."""
+
+import sys
+
+from fedlightning.sweep.runner import main
+
+sys.exit(main())

@@ -1,0 +1,418 @@
+"""The local sweep runner: :class:`LocalSweep` (an Optuna study in ``OUT/optuna.journal``, one subprocess per run,
+the results tables) and :func:`main`, the command line."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import fcntl
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from fedlightning._validation import integer
+from fedlightning.logging import agent_command, load_sweep
+from fedlightning.sweep.results import RunFailed, RunResult, _cell, _DryRun, _short_names, read_final_metrics, run_slug
+from fedlightning.sweep.space import make_sampler, search_space
+
+DEFAULT_SEED = 0  # ours: W&B sweep files have no seed
+JOURNAL = "optuna.journal"
+LOCK = ".sweep.lock"
+RESULTS_CSV = "results.csv"
+RESULTS_MD = "results.md"
+LOCAL_LOGGER = "lightning.pytorch.loggers.CSVLogger"
+
+# ====================================================================== the sweep
+class LocalSweep:
+    """A W&B sweep file run locally into ``out``.
+
+    **Resume.** The study lives in Optuna's journal file ``OUT/optuna.journal``. Re-running the same command loads
+    it, skips finished runs (successful or failed) and continues up to the target (:meth:`target`). A run that was
+    interrupted (Ctrl-C, killed) is retried with the same parameters and does not count (Ctrl-C and SIGTERM kill
+    the running subprocess first). The journal remembers the sweep's method, metric, parameters and command and the
+    seed; resuming with a different file or seed is refused (use another ``--out``). One sweep process per output
+    directory at a time (a lock file, ``OUT/.sweep.lock``).
+
+    **Running a run.** Every run is a subprocess of the sweep's own command line (:meth:`command`), started from the
+    current directory (run from the directory the sweep's paths are relative to, the repository root, as for
+    ``wandb agent``); its stdout and stderr go to ``OUT/logs/<slug>.log``.
+
+    **Results.** One row per run (:meth:`results`), sorted by the sweep's ``metric`` (:meth:`sort`). A failing run
+    is recorded as ``failed`` with its exit code and does not stop the sweep; a run that exits 0 without logging
+    the metric is ``no metric``. The best run is printed as a ready ``python train.py fit ...`` command
+    (:meth:`best_command`: the sweep's command with the best parameters, without the local logger).
+
+    Args:
+        sweep: the parsed sweep (:func:`fedlightning.logging.load_sweep`).
+        out: output directory (created).
+        seed: sampler seed; None → the seed stored in ``out`` when resuming, else :data:`DEFAULT_SEED`.
+        interpreter: what ``${interpreter}`` becomes for the runs (default this Python).
+        name: used in error messages and as the study name when the sweep has no ``name``.
+    """
+
+    def __init__(self, sweep: Mapping[str, Any], out: str, seed: Optional[int] = None,
+                 interpreter: Optional[str] = None, name: str = "sweep"):
+        self.sweep = dict(sweep)
+        self.file_name = name
+        self.space = search_space(self.sweep, name=name)
+        self.method = self.sweep["method"]
+        self.metric = self.sweep["metric"]["name"]
+        self.goal = self.sweep["metric"]["goal"]
+        self.out = os.path.abspath(out)
+        self.interpreter = interpreter or sys.executable
+        self.study_name = str(self.sweep.get("name") or os.path.splitext(name)[0])
+        self._seed_arg = seed
+        self.seed = DEFAULT_SEED if seed is None else seed
+        run_cap = self.sweep.get("run_cap")
+        self.run_cap = None if run_cap is None else integer("run_cap", run_cap, label=f"{name}: run_cap")
+        self.grid_size = None
+        if self.method == "grid":
+            self.grid_size = math.prod(len(p.choices) for p in self.space.values() if p.kind == "categorical")
+
+    # ------------------------------------------------------------------ storage
+    @property
+    def journal(self) -> str:
+        return os.path.join(self.out, JOURNAL)
+
+    def _fingerprint(self) -> Dict[str, Any]:
+        return {k: self.sweep.get(k) for k in ("method", "metric", "parameters", "program", "command")}
+
+    def _open_study(self, storage):
+        """Create or load the study in ``storage``; refuse a different sweep or seed."""
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.ERROR)  # the runner prints its own progress
+        direction = "maximize" if self.goal == "maximize" else "minimize"
+        study = optuna.create_study(study_name=self.study_name, storage=storage, direction=direction,
+                                    load_if_exists=True)
+        attrs = study.user_attrs
+        fingerprint = json.loads(json.dumps(self._fingerprint()))
+        if "sweep" not in attrs:
+            study.set_user_attr("sweep", fingerprint)
+            study.set_user_attr("seed", self.seed)
+            return study
+        if attrs["sweep"] != fingerprint:
+            changed = sorted(k for k in fingerprint if fingerprint[k] != attrs["sweep"].get(k))
+            raise ValueError(f"{self.out} holds a run of sweep {self.study_name!r} with different {changed}; "
+                             "use another --out for a changed sweep file")
+        if self._seed_arg is not None and self._seed_arg != attrs["seed"]:
+            raise ValueError(f"{self.out} holds a sweep drawn with --seed {attrs['seed']}, "
+                             f"got --seed {self._seed_arg}; resume with the same seed or use another --out")
+        self.seed = attrs["seed"]
+        return study
+
+    def _storage(self):
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        return JournalStorage(JournalFileBackend(self.journal))
+
+    def _retry_interrupted(self, study) -> None:
+        """Re-queue runs an earlier invocation left unfinished (killed: still RUNNING; Ctrl-C: FAIL marked
+        ``interrupted``) with the same parameters (and grid cell). The copy records the number it retries
+        (system attr ``retry_of``), so each interrupted run is re-queued once."""
+        import optuna
+        from optuna.trial import TrialState, create_trial
+
+        trials = study.get_trials(deepcopy=False)
+        retried = {t.system_attrs.get("retry_of") for t in trials}
+        sampler, study.sampler = study.sampler, optuna.samplers.RandomSampler()
+        try:
+            for t in trials:
+                stale = t.state == TrialState.RUNNING
+                if not (stale or t.user_attrs.get("status") == "interrupted") or t.number in retried:
+                    continue
+                if stale:
+                    study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
+                    study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                if t.distributions:
+                    study.add_trial(create_trial(state=TrialState.WAITING, params=t.params,
+                                                 distributions=t.distributions,
+                                                 system_attrs={**t.system_attrs, "retry_of": t.number}))
+        finally:
+            study.sampler = sampler
+
+    # ------------------------------------------------------------------ running
+    def target(self, runs: Optional[int]) -> int:
+        """Total number of runs the sweep should have: ``runs`` (``--runs N``) is the sweep's *total* (as W&B's
+        ``run_cap``); default the grid size for grid sweeps (capped by ``run_cap``) and ``run_cap`` for
+        random/bayes, which need one of the two."""
+        if runs is not None:
+            runs = integer("--runs", runs)
+        if self.method == "grid":
+            cap = min(self.grid_size, self.run_cap or self.grid_size)
+            return cap if runs is None else min(runs, self.grid_size)
+        if runs is None and self.run_cap is None:
+            raise ValueError(f"{self.file_name}: a {self.method} sweep has no end; give --runs N (total runs) "
+                             "or run_cap in the sweep file")
+        return runs if runs is not None else self.run_cap
+
+    def command(self, params: Mapping[str, Any], slug: Optional[str] = None,
+                interpreter: Optional[str] = None) -> List[str]:
+        """The run's command: the sweep's own command line, built by :func:`fedlightning.logging.agent_command`
+        exactly as the W&B agent builds it (``${interpreter}`` is this Python, ``sys.executable``), plus, when
+        ``slug`` is given, the local logger: ``--trainer.logger=lightning.pytorch.loggers.CSVLogger`` with
+        ``save_dir=OUT/runs``, ``name=<slug>`` and ``version=''``, so the run logs to ``OUT/runs/<slug>/metrics.csv``
+        (with its ``config.yaml``; checkpoints, if the command enables them, go to ``OUT/runs/<slug>/checkpoints``).
+
+        Ours: a CSV file is read back with the standard library, and a run does not start a W&B service process;
+        W&B's own logging of the same parameters is one command away (the best run's command keeps the sweep's
+        logger). ``WANDB_MODE=offline`` is set in the run's environment too, in case the program itself calls W&B.
+        So the program must be a LightningCLI (``train.py``) and the sweep may not sweep ``trainer.logger*``.
+        """
+        cmd = agent_command(self.sweep, params, interpreter=interpreter or self.interpreter)
+        if slug is not None:
+            cmd += [f"--trainer.logger={LOCAL_LOGGER}",
+                    f"--trainer.logger.init_args.save_dir={os.path.join(self.out, 'runs')}",
+                    f"--trainer.logger.init_args.name={slug}",
+                    "--trainer.logger.init_args.version="]
+        return cmd
+
+    def best_command(self, params: Mapping[str, Any]) -> str:
+        """``python <program> ...``: the sweep's command for ``params`` without the ``${env}`` prefix."""
+        sentinel = "\0env"
+        cmd = agent_command(self.sweep, params, interpreter="python", env=sentinel)
+        return shlex.join(c for c in cmd if c != sentinel)
+
+    def _suggest(self, trial) -> Dict[str, Any]:
+        return {k: p.suggest(trial) for k, p in self.space.items()}
+
+    def _execute(self, trial, log: Callable[[str], None], total: int) -> float:
+        params = self._suggest(trial)
+        slug = run_slug(trial.number, params, self.space)
+        trial.set_user_attr("slug", slug)
+        cmd = self.command(params, slug)
+        logs = os.path.join(self.out, "logs")
+        os.makedirs(logs, exist_ok=True)
+        run_dir = os.path.join(self.out, "runs", slug)
+        if os.path.isdir(run_dir):  # an interrupted attempt's files; the new attempt starts clean
+            import shutil
+
+            shutil.rmtree(run_dir)
+        env = dict(os.environ, WANDB_MODE="offline")
+        log(f"[{self._done + 1}/{total}] {slug}")
+        start = time.monotonic()
+        with open(os.path.join(logs, slug + ".log"), "w") as out:
+            out.write(shlex.join(cmd) + "\n")
+            out.flush()
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            try:
+                code = proc.wait()
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                trial.set_user_attr("status", "interrupted")
+                raise
+        seconds = time.monotonic() - start
+        trial.set_user_attr("exit_code", code)
+        trial.set_user_attr("seconds", round(seconds, 3))
+        metrics = read_final_metrics(os.path.join(run_dir, "metrics.csv"))
+        value = metrics.get(self.metric)
+        if code != 0:
+            trial.set_user_attr("status", "failed")
+            log(f"    failed with exit code {code} after {seconds:.1f} s (log: {os.path.join(logs, slug + '.log')})")
+            raise RunFailed(f"exit code {code}")
+        if value is None or not math.isfinite(value):
+            trial.set_user_attr("status", "no metric")
+            seen = ", ".join(sorted(metrics)) or "none"
+            log(f"    finished but {self.metric} is {'missing' if value is None else value} "
+                f"(logged: {seen}) after {seconds:.1f} s")
+            raise RunFailed(f"{self.metric} is {value}")
+        trial.set_user_attr("status", "finished")
+        log(f"    {self.metric} = {value:.6g} ({seconds:.1f} s)")
+        return value
+
+    def run(self, runs: Optional[int] = None, dry_run: bool = False,
+            log: Callable[[str], None] = print) -> List[RunResult]:
+        """Run the sweep up to ``runs`` total runs (see :meth:`target`); write the tables; return the sorted results.
+
+        ``dry_run``: print the commands of the runs that would start next and change nothing on disk (the draws
+        run against an in-memory copy of the journal; for bayes only draws before any new result are exact).
+        """
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.ERROR)
+        total = self.target(runs)
+        if dry_run:
+            return self._dry_run(total, log)
+        os.makedirs(self.out, exist_ok=True)
+        with open(os.path.join(self.out, LOCK), "w") as lock, _sigterm_interrupts():
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise ValueError(f"another sweep process is running in {self.out} (lock {LOCK} held); "
+                                 "wait for it or use another --out") from None
+            study = self._open_study(self._storage())
+            self._retry_interrupted(study)
+            self._done = self._count(study)
+            if self._done >= total:
+                log(f"{self.study_name}: {self._done} run(s) recorded, target {total}: nothing to run")
+            while self._done < total:
+                study.sampler = make_sampler(self.method, self.space, self.seed, len(study.get_trials(deepcopy=False)))
+                study.optimize(lambda t: self._execute(t, log, total), n_trials=1, catch=(RunFailed,))
+                self._done = self._count(study)
+            results = self.results(study)
+            self.write_tables(results)
+        best = self.best(results)
+        log(f"results: {os.path.join(self.out, RESULTS_MD)} and {RESULTS_CSV}")
+        if best is not None:
+            log(f"best run {best.slug}: {self.metric} = {best.value(self.metric):.6g}\n"
+                f"{self.best_command(best.params)}")
+        else:
+            log(f"no run logged a finite {self.metric}")
+        return results
+
+    def _dry_run(self, total: int, log: Callable[[str], None]) -> List[RunResult]:
+        import optuna
+
+        memory = optuna.storages.InMemoryStorage()
+        if os.path.isfile(self.journal):
+            study = self._open_study(self._storage())  # checks fingerprint and seed
+            optuna.copy_study(from_study_name=self.study_name, from_storage=self._storage(), to_storage=memory)
+            study = optuna.load_study(study_name=self.study_name, storage=memory)
+        else:
+            study = self._open_study(memory)
+        self._retry_interrupted(study)
+        done = self._count(study)
+        planned: List[RunResult] = []
+
+        def show(trial):
+            params = self._suggest(trial)
+            slug = run_slug(trial.number, params, self.space)
+            trial.set_user_attr("status", "planned")
+            planned.append(RunResult(trial.number, slug, params, "planned"))
+            log(shlex.join(self.command(params, slug)))
+            raise _DryRun
+
+        while done < total:
+            study.sampler = make_sampler(self.method, self.space, self.seed, len(study.get_trials(deepcopy=False)))
+            study.optimize(show, n_trials=1, catch=(_DryRun,))
+            done += 1
+        return planned
+
+    @staticmethod
+    def _count(study) -> int:
+        from optuna.trial import TrialState
+
+        return sum(1 for t in study.get_trials(deepcopy=False)
+                   if t.state in (TrialState.COMPLETE, TrialState.FAIL) and t.user_attrs.get("status") != "interrupted")
+
+    # ------------------------------------------------------------------ results
+    def results(self, study=None) -> List[RunResult]:
+        """Every recorded run (interrupted attempts left out), sorted by the metric (:meth:`sort`); a run's final
+        metrics are :func:`~fedlightning.sweep.results.read_final_metrics` of its ``metrics.csv``."""
+        if study is None:
+            if not os.path.isfile(self.journal):
+                return []
+            study = self._open_study(self._storage())
+        rows = []
+        for t in study.get_trials(deepcopy=False):
+            status = t.user_attrs.get("status", "running")
+            if status == "interrupted" or "slug" not in t.user_attrs:
+                continue
+            params = {k: (p.value if p.kind == "constant" else p.decode(t.params[k]))
+                      for k, p in self.space.items() if p.kind == "constant" or k in t.params}
+            slug = t.user_attrs["slug"]
+            metrics = read_final_metrics(os.path.join(self.out, "runs", slug, "metrics.csv"))
+            rows.append(RunResult(t.number, slug, params, status, t.user_attrs.get("exit_code"), metrics,
+                                  t.user_attrs.get("seconds")))
+        return self.sort(rows)
+
+    def sort(self, rows: Sequence[RunResult]) -> List[RunResult]:
+        """By the sweep's metric (``goal`` maximize: largest first); runs without a finite value (failed,
+        diverged, metric never logged) last, in run order."""
+        sign = -1.0 if self.goal == "maximize" else 1.0
+        good = [r for r in rows if r.status == "finished" and r.value(self.metric) is not None]
+        rest = [r for r in rows if r not in good]
+        return (sorted(good, key=lambda r: (sign * r.value(self.metric), r.number))
+                + sorted(rest, key=lambda r: r.number))
+
+    def best(self, results: Sequence[RunResult]) -> Optional[RunResult]:
+        for r in results:
+            if r.status == "finished" and r.value(self.metric) is not None:
+                return r
+        return None
+
+    def write_tables(self, results: Sequence[RunResult]) -> None:
+        """``results.csv`` (full parameter names, every final metric) and ``results.md`` (ours: the parameters by
+        their short names, the sweep's metric and the metrics sharing its prefix, e.g. ``val/*``)."""
+        keys = list(self.space)
+        metric_names = sorted({m for r in results for m in r.metrics} - {self.metric})
+        metric_cols = [self.metric] + metric_names
+        with open(os.path.join(self.out, RESULTS_CSV), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["rank", "run", "status", "exit_code", "seconds"] + keys + metric_cols)
+            for i, r in enumerate(results, 1):
+                w.writerow([i, r.slug, r.status, "" if r.exit_code is None else r.exit_code,
+                            "" if r.seconds is None else r.seconds]
+                           + [_cell(r.params.get(k)) for k in keys]
+                           + ["" if m not in r.metrics else repr(r.metrics[m]) for m in metric_cols])
+        prefix = self.metric.split("/", 1)[0] + "/" if "/" in self.metric else None
+        md_metrics = [self.metric] + [m for m in metric_names if prefix and m.startswith(prefix)]
+        short = _short_names(keys)
+        swept = [k for k in keys if self.space[k].kind != "constant"]
+        lines = [f"# Sweep {self.study_name}: {self.metric} ({self.goal})", ""]
+        best = self.best(results)
+        if best is not None:
+            lines += ["Best run, to reproduce:", "", "```", self.best_command(best.params), "```", ""]
+        header = ["rank", "run", "status", "exit code"] + [short[k] for k in swept] + md_metrics
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for i, r in enumerate(results, 1):
+            cells = [str(i), r.slug, r.status, "" if r.exit_code is None else str(r.exit_code)]
+            cells += [_cell(r.params.get(k)) for k in swept]
+            cells += [f"{r.metrics[m]:.4g}" if m in r.metrics else "" for m in md_metrics]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        with open(os.path.join(self.out, RESULTS_MD), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+class _sigterm_interrupts:
+    """While a sweep runs (main thread only), SIGTERM raises KeyboardInterrupt like Ctrl-C does, so a terminated
+    sweep kills its running subprocess and marks the run interrupted instead of leaving it running orphaned."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        return False
+
+
+# ====================================================================== command line
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m fedlightning.sweep SWEEP.yaml [--out DIR] [--runs N] [--seed S] [--dry-run]``; exit code 0,
+    or 2 with ``error: ...`` on stderr for a bad file or argument."""
+    p = argparse.ArgumentParser(prog="python -m fedlightning.sweep",
+                                description="Run a W&B sweep file locally (Optuna; resumable).")
+    p.add_argument("sweep", help="a W&B sweep YAML file")
+    p.add_argument("--out", help="output directory (default runs/sweeps/<sweep name>)")
+    p.add_argument("--runs", type=int, help="total number of runs (default: the grid size or the file's run_cap)")
+    p.add_argument("--seed", type=int, help=f"sampler seed (default {DEFAULT_SEED}, or the one stored in --out)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands of the next runs; run nothing")
+    ns = p.parse_args(argv)
+    try:
+        sweep = load_sweep(ns.sweep)
+        name = os.path.basename(ns.sweep)
+        out = ns.out or os.path.join("runs", "sweeps", str(sweep.get("name") or os.path.splitext(name)[0]))
+        LocalSweep(sweep, out, seed=ns.seed, name=name).run(runs=ns.runs, dry_run=ns.dry_run)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
