@@ -1,80 +1,15 @@
-r"""SGD with a stochastic Armijo backtracking line search (SGD-Armijo).
+r"""SGD with a stochastic Armijo backtracking line search (SGD-Armijo): :class:`SgdArmijo`.
 
 Vaswani et al. 2019, "Painless Stochastic Gradient" (Algorithm 1); the client solver of FedSLS / FedExpSLS
-(seed 000, Algorithms 2–5) and FedLi-LS (seed 002). Every step draws one mini-batch :math:`b_k` and returns
+("Painless Federated Learning", seed 000, Algorithms 2–5) and FedLi-LS. Every step draws one mini-batch and takes
 
 .. math::
-    w_k = w_{k-1} - \eta_k g, \qquad g = \nabla f(w_{k-1}; b_k), \qquad
-    \eta_k = \max\{\eta = \eta_0 \beta^m,\ m = 0, 1, \dots :\
-        f(w_{k-1} - \eta g; b_k) \le f(w_{k-1}; b_k) - c\,\eta\,\|g\|^2\}
+    w_k = w_{k-1} - \eta_k g, \qquad
+    \eta_k = \max\{\eta_0 \beta^m :\ f(w_{k-1} - \eta g; b_k) \le f(w_{k-1}; b_k) - c\,\eta\,\|g\|^2\}
 
-(the largest point of the grid :math:`\eta_0\beta^m` that satisfies the Armijo condition, on the SAME mini-batch on
-both sides; :math:`\|g\|` over all parameters jointly). The start :math:`\eta_0` comes from the reset policy
-(seed 000, Algorithm 3), with :math:`\eta_{k-1}` the step accepted at the previous step:
-
-=========  ============  =====================================================================================
-``reset``  seed 000      :math:`\eta_0`
-=========  ============  =====================================================================================
-``"max"``  opt 1         :math:`\eta_{l,\max}` (``eta_max``) at every step — the setting of the theory (Lemma 6)
-``"last"`` opt 0         :math:`\eta_{k-1}` (continue damping from the last accepted step)
-``"grow"`` opt 2         :math:`\min\{\eta_{k-1}\,\delta^{1/\lceil n/b\rceil},\ \eta_{l,\max}\}`
-=========  ============  =====================================================================================
-
-and :math:`\eta_0 = \eta_{l,\max}` at the first step (Algorithm 3, ``k = 1``).
-
-Decisions the papers leave open ("Painless Federated Learning", Alg. 2 and 3; the reference Sls code of Vaswani
-et al.), all ours unless a source is named:
-
-* **Cap of ``"grow"``**: the grown step is capped at ``eta_max`` (Vaswani et al.'s paper and seed 000's theory assume
-  :math:`\eta \in (0, \eta_{l,\max}]`; the current reference Sls code has no cap).
-* **Growth of ``"grow"``: at most** :math:`\delta` **per local epoch.** Seed 000 and Vaswani et al. write
-  :math:`\delta^{b/n}` per step so that one epoch (:math:`n/b` steps) grows the step by :math:`\delta`; the reference
-  Sls code passes ``n_batches_per_epoch = n/b`` for the same intent. We use the steps one epoch of the client's
-  loader really takes, :math:`\lceil n/b\rceil` (last partial batch kept): the per-step factor is
-  :math:`\delta^{1/\lceil n/b\rceil}`, which equals :math:`\delta^{b/n}` whenever :math:`b` divides :math:`n` and is
-  :math:`\delta` per step when :math:`n \le b` (there every step is a whole epoch; :math:`\delta^{b/n}` would be
-  ×14.4 per step for 13 samples, batch 50, :math:`\delta = 2`). The epoch length comes from
-  ``n_batches_per_epoch`` (``>= 1``) or ``batch_size`` + ``num_samples`` given to the constructor; otherwise, inside
-  a :class:`~fedlightning.FederatedLoop`, the loop calls :meth:`set_client_data` with the client's own :math:`n_i`
-  and the data module's ``batch_size`` (seed 000: :math:`n` = the client's number of samples). Outside the loop,
-  ``reset="grow"`` without these raises a ValueError at the first step.
-* **Zero gradient** (``‖g‖ < grad_tol``, default 1e-8 as the reference Sls): no trial, no parameter change,
-  recorded step size ``0.0``; :math:`\eta_{k-1}` is left as it was (the current Sls code does the same to the
-  parameters but stores the reset step).
-* **Exhausted backtracking**: the grid is :math:`\eta_0\beta^m` for ``m = 0..max_backtracks`` (``max_backtracks + 1``
-  trial points; default 100 as the reference Sls). If none satisfies the condition the parameters are left
-  unchanged (recorded step size ``0.0``, ``max_backtracks + 1`` backtracks) — not the reference's
-  :math:`w - 10^{-6} g`, which is not an Armijo step. For ``"last"``/``"grow"``, :math:`\eta_{k-1}` becomes the next
-  grid point :math:`\eta_0\beta^{\text{max\_backtracks}+1}`, so the next search continues below the rejected grid.
-* **Trial evaluations** call the closure under ``torch.no_grad()`` after restoring the CPU RNG state (and the CUDA
-  RNG state of the parameters' device) saved before the gradient evaluation, so dropout draws the same masks as in
-  the gradient evaluation (the reference reseeds from wall-clock time; we never reseed). After the step the RNG is
-  left in the state the gradient evaluation left it in, so the number of trials does not change later randomness.
-  Inside the FederatedLoop the closure also restores every model buffer after a no-grad call, so trial forwards do
-  not update BatchNorm running statistics.
-* **Non-finite loss or gradient**: parameters unchanged, step size ``nan``, :math:`\eta_{k-1}` unchanged, the loss
-  is returned (the FederatedLoop skips a client whose loss is non-finite). A non-finite *trial* loss simply fails
-  the Armijo test (the comparison is False) and the search backtracks.
-* **Persistence across rounds** (``carry_step_size``, default False): seed 000's Algorithm 3 restarts every round at
-  :math:`\eta_{l,\max}` (``k = 1``), so by default each round's first search starts at ``eta_max``. With
-  ``carry_step_size=True`` the first step of a round continues from the step this client accepted last (its
-  ``get_client_state()["step_size"]``, stored by the FederatedLoop per client and checkpointed) with the ``"last"``
-  / ``"grow"`` rule. The client state is ``{"step_size": η_{k-1}, "accepted_step_size": ...}``: the search state
-  (after an exhausted search the next grid point, not an accepted step) and the last step the line search really
-  accepted (kept across rounds, never reset by zero-gradient or exhausted steps). :meth:`client_report` sends the
-  latter as ``armijo_accepted_step_size`` (FedLi-LS's ``η_i``).
-* **Client step-size scale** (:meth:`scale_step`, the loop's ``client_lr_scale``: ``KDecay(decay="client_lr")``):
-  the line search runs unchanged (grid, Armijo test, :math:`\eta_{k-1}` and the accepted step all in the rule's own
-  units) and the update applies :math:`s\,\eta_k`. Reasoning (seed 004): its η-decay schedules multiply the step
-  every local update takes by :math:`s_r` relative to the undecayed run. Scaling only ``eta_max`` would not do
-  that: a search that backtracks below :math:`s\,\eta_{l,\max}` is unaffected, and ``reset="last"`` never looks at
-  ``eta_max`` again after the first step. Scaling the state instead would compound :math:`s` from step to step
-  through ``"last"`` / ``"grow"``. With :math:`s > 1` (seed 004's error schedule when the loss rises above
-  :math:`F_0`) the applied step exceeds the accepted Armijo step, as an SGD learning rate times :math:`s` would.
-  ``last_step["step_size"]`` is the applied step :math:`s\,\eta_k`.
-
-Cost per step: 1 forward + 1 backward for the gradient, one forward per trial point, one parameter copy, and one
-host synchronisation per trial (the accept/reject decision) plus one for ``(loss, ‖g‖²)``.
+on the same mini-batch on both sides, with :math:`\eta_0` from the ``reset`` policy. The reset policies and every
+decision the papers leave open (growth per epoch, zero gradient, exhausted search, trial RNG, persistence across
+rounds, client step-size scale) are in :class:`SgdArmijo`'s docstring.
 """
 
 from __future__ import annotations
@@ -94,7 +29,83 @@ RESETS = ("max", "last", "grow")
 
 
 class SgdArmijo(ClosureOptimizer):
-    r"""SGD with stochastic Armijo line search (Vaswani et al. 2019; seed 000 Alg. 2–3). See the module docstring.
+    r"""SGD with stochastic Armijo line search (Vaswani et al. 2019; seed 000 Alg. 2–3).
+
+    Vaswani et al. 2019, "Painless Stochastic Gradient" (Algorithm 1); the client solver of FedSLS / FedExpSLS
+    (seed 000, Algorithms 2–5) and FedLi-LS (seed 002). Every step draws one mini-batch :math:`b_k` and returns
+
+    .. math::
+        w_k = w_{k-1} - \eta_k g, \qquad g = \nabla f(w_{k-1}; b_k), \qquad
+        \eta_k = \max\{\eta = \eta_0 \beta^m,\ m = 0, 1, \dots :\
+            f(w_{k-1} - \eta g; b_k) \le f(w_{k-1}; b_k) - c\,\eta\,\|g\|^2\}
+
+    (the largest point of the grid :math:`\eta_0\beta^m` that satisfies the Armijo condition, on the SAME mini-batch on
+    both sides; :math:`\|g\|` over all parameters jointly). The start :math:`\eta_0` comes from the reset policy
+    (seed 000, Algorithm 3), with :math:`\eta_{k-1}` the step accepted at the previous step:
+
+    =========  ============  =====================================================================================
+    ``reset``  seed 000      :math:`\eta_0`
+    =========  ============  =====================================================================================
+    ``"max"``  opt 1         :math:`\eta_{l,\max}` (``eta_max``) at every step — the setting of the theory (Lemma 6)
+    ``"last"`` opt 0         :math:`\eta_{k-1}` (continue damping from the last accepted step)
+    ``"grow"`` opt 2         :math:`\min\{\eta_{k-1}\,\delta^{1/\lceil n/b\rceil},\ \eta_{l,\max}\}`
+    =========  ============  =====================================================================================
+
+    and :math:`\eta_0 = \eta_{l,\max}` at the first step (Algorithm 3, ``k = 1``).
+
+    Decisions the papers leave open ("Painless Federated Learning", Alg. 2 and 3; the reference Sls code of Vaswani
+    et al.), all ours unless a source is named:
+
+    * **Cap of ``"grow"``**: the grown step is capped at ``eta_max`` (Vaswani et al.'s paper and seed 000's theory assume
+      :math:`\eta \in (0, \eta_{l,\max}]`; the current reference Sls code has no cap).
+    * **Growth of ``"grow"``: at most** :math:`\delta` **per local epoch.** Seed 000 and Vaswani et al. write
+      :math:`\delta^{b/n}` per step so that one epoch (:math:`n/b` steps) grows the step by :math:`\delta`; the reference
+      Sls code passes ``n_batches_per_epoch = n/b`` for the same intent. We use the steps one epoch of the client's
+      loader really takes, :math:`\lceil n/b\rceil` (last partial batch kept): the per-step factor is
+      :math:`\delta^{1/\lceil n/b\rceil}`, which equals :math:`\delta^{b/n}` whenever :math:`b` divides :math:`n` and is
+      :math:`\delta` per step when :math:`n \le b` (there every step is a whole epoch; :math:`\delta^{b/n}` would be
+      ×14.4 per step for 13 samples, batch 50, :math:`\delta = 2`). The epoch length comes from
+      ``n_batches_per_epoch`` (``>= 1``) or ``batch_size`` + ``num_samples`` given to the constructor; otherwise, inside
+      a :class:`~fedlightning.FederatedLoop`, the loop calls :meth:`set_client_data` with the client's own :math:`n_i`
+      and the data module's ``batch_size`` (seed 000: :math:`n` = the client's number of samples). Outside the loop,
+      ``reset="grow"`` without these raises a ValueError at the first step.
+    * **Zero gradient** (``‖g‖ < grad_tol``, default 1e-8 as the reference Sls): no trial, no parameter change,
+      recorded step size ``0.0``; :math:`\eta_{k-1}` is left as it was (the current Sls code does the same to the
+      parameters but stores the reset step).
+    * **Exhausted backtracking**: the grid is :math:`\eta_0\beta^m` for ``m = 0..max_backtracks`` (``max_backtracks + 1``
+      trial points; default 100 as the reference Sls). If none satisfies the condition the parameters are left
+      unchanged (recorded step size ``0.0``, ``max_backtracks + 1`` backtracks) — not the reference's
+      :math:`w - 10^{-6} g`, which is not an Armijo step. For ``"last"``/``"grow"``, :math:`\eta_{k-1}` becomes the next
+      grid point :math:`\eta_0\beta^{\text{max\_backtracks}+1}`, so the next search continues below the rejected grid.
+    * **Trial evaluations** call the closure under ``torch.no_grad()`` after restoring the CPU RNG state (and the CUDA
+      RNG state of the parameters' device) saved before the gradient evaluation, so dropout draws the same masks as in
+      the gradient evaluation (the reference reseeds from wall-clock time; we never reseed). After the step the RNG is
+      left in the state the gradient evaluation left it in, so the number of trials does not change later randomness.
+      Inside the FederatedLoop the closure also restores every model buffer after a no-grad call, so trial forwards do
+      not update BatchNorm running statistics.
+    * **Non-finite loss or gradient**: parameters unchanged, step size ``nan``, :math:`\eta_{k-1}` unchanged, the loss
+      is returned (the FederatedLoop skips a client whose loss is non-finite). A non-finite *trial* loss simply fails
+      the Armijo test (the comparison is False) and the search backtracks.
+    * **Persistence across rounds** (``carry_step_size``, default False): seed 000's Algorithm 3 restarts every round at
+      :math:`\eta_{l,\max}` (``k = 1``), so by default each round's first search starts at ``eta_max``. With
+      ``carry_step_size=True`` the first step of a round continues from the step this client accepted last (its
+      ``get_client_state()["step_size"]``, stored by the FederatedLoop per client and checkpointed) with the ``"last"``
+      / ``"grow"`` rule. The client state is ``{"step_size": η_{k-1}, "accepted_step_size": ...}``: the search state
+      (after an exhausted search the next grid point, not an accepted step) and the last step the line search really
+      accepted (kept across rounds, never reset by zero-gradient or exhausted steps). :meth:`client_report` sends the
+      latter as ``armijo_accepted_step_size`` (FedLi-LS's ``η_i``).
+    * **Client step-size scale** (:meth:`scale_step`, the loop's ``client_lr_scale``: ``KDecay(decay="client_lr")``):
+      the line search runs unchanged (grid, Armijo test, :math:`\eta_{k-1}` and the accepted step all in the rule's own
+      units) and the update applies :math:`s\,\eta_k`. Reasoning (seed 004): its η-decay schedules multiply the step
+      every local update takes by :math:`s_r` relative to the undecayed run. Scaling only ``eta_max`` would not do
+      that: a search that backtracks below :math:`s\,\eta_{l,\max}` is unaffected, and ``reset="last"`` never looks at
+      ``eta_max`` again after the first step. Scaling the state instead would compound :math:`s` from step to step
+      through ``"last"`` / ``"grow"``. With :math:`s > 1` (seed 004's error schedule when the loss rises above
+      :math:`F_0`) the applied step exceeds the accepted Armijo step, as an SGD learning rate times :math:`s` would.
+      ``last_step["step_size"]`` is the applied step :math:`s\,\eta_k`.
+
+    Cost per step: 1 forward + 1 backward for the gradient, one forward per trial point, one parameter copy, and one
+    host synchronisation per trial (the accept/reject decision) plus one for ``(loss, ‖g‖²)``.
 
     Args:
         params: parameters or param groups (all groups must share the hyperparameters: one step size for all).
@@ -105,7 +116,7 @@ class SgdArmijo(ClosureOptimizer):
         reset: ``"max"`` (seed 000 opt 1, default: the policy its theory analyses), ``"last"`` (opt 0) or
             ``"grow"`` (opt 2).
         delta: growth factor :math:`\delta > 1` of ``"grow"`` per local epoch (per step
-            :math:`\delta^{1/\lceil n/b\rceil}`, module docstring). Default 2.0 (Vaswani et al.; reference Sls
+            :math:`\delta^{1/\lceil n/b\rceil}`, above). Default 2.0 (Vaswani et al.; reference Sls
             ``gamma``).
         n_batches_per_epoch: steps per epoch (``>= 1``) for ``"grow"`` (alternatively ``batch_size`` and
             ``num_samples``: :math:`\lceil n/b\rceil`).
@@ -113,7 +124,7 @@ class SgdArmijo(ClosureOptimizer):
         max_backtracks: largest exponent ``m`` of the grid (``max_backtracks + 1`` trials at most). Default 100
             (reference Sls).
         grad_tol: below this gradient norm no step is taken. Default 1e-8 (reference Sls).
-        carry_step_size: start a round from the client's last accepted step (see the module docstring). Default
+        carry_step_size: start a round from the client's last accepted step (see above). Default
             False (seed 000 Alg. 3 restarts at ``eta_max``).
     """
 
@@ -211,7 +222,7 @@ class SgdArmijo(ClosureOptimizer):
                 raise
             if accepted is None:
                 torch._foreach_copy_(params, start)
-            elif self.step_scale != 1.0:  # the update applies s·η_k (module docstring)
+            elif self.step_scale != 1.0:  # the update applies s·η_k (SgdArmijo docstring)
                 torch._foreach_copy_(params, start)
                 torch._foreach_add_(params, grads, alpha=-(self.step_scale * accepted))
         rng_after.restore()
@@ -236,7 +247,7 @@ class SgdArmijo(ClosureOptimizer):
 
     # ------------------------------------------------------------------ per-client state
     def get_client_state(self) -> Dict[str, Any]:
-        """``{"step_size": η_{k-1}, "accepted_step_size": last accepted step}`` (module docstring; None where this
+        """``{"step_size": η_{k-1}, "accepted_step_size": last accepted step}`` (SgdArmijo docstring; None where this
         client has none yet)."""
         prev = self._prev_step if self._prev_step is not None else self._carried_step
         return {"step_size": prev, "accepted_step_size": self._accepted_step}
