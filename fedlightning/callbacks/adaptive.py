@@ -1,37 +1,13 @@
-r"""Adaptive server optimizers on the pseudo-gradient: FedAdagrad, FedAdam, FedYogi (Reddi et al., "Adaptive
+"""Adaptive server optimizers on the pseudo-gradient: FedAdagrad, FedAdam, FedYogi (Reddi et al., "Adaptive
 Federated Optimization", ICLR 2021, Alg. 2), FedAMS (Wang, Lin & Chen, "Communication-Efficient Adaptive
-Federated Learning", ICML 2022 — the seed 001 baseline) and FedAvgM (server momentum; Hsu, Qi & Brown 2019,
-"Measuring the Effects of Non-Identical Data Distribution for Federated Visual Classification").
+Federated Learning", ICML 2022) and FedAvgM (server momentum; Hsu, Qi & Brown 2019, "Measuring the Effects of
+Non-Identical Data Distribution for Federated Visual Classification").
 
-With the pseudo-gradient ``Δ_t = w_t − mean_i w^i_{t,K}`` (this package's sign; Reddi et al. write ``−Δ_t``)::
-
-    m_t = β1 m_{t−1} + (1 − β1) Δ_t                                   (all four adaptive rules)
-    FedAdagrad: v_t = v_{t−1} + Δ_t²
-    FedAdam:    v_t = β2 v_{t−1} + (1 − β2) Δ_t²
-    FedYogi:    v_t = v_{t−1} − (1 − β2) Δ_t² · sign(v_{t−1} − Δ_t²)
-    w_{t+1} = w_t − η · m_t / (√v_t + τ)                              (τ: "degree of adaptivity", ``tau``)
-
-    FedAMS:     v_t = β2 v_{t−1} + (1 − β2) Δ_t²,  v̂_t = max(v̂_{t−1}, v_t, ε),  w_{t+1} = w_t − η · m_t / √v̂_t
-                (ε: ``ams_eps``)
-
-    FedAvgM:    u_t = β u_{t−1} + Δ_t,  w_{t+1} = w_t − η u_t            (torch SGD with momentum, dampening 0)
-
-All products, squares, roots and maxima are element-wise. Decisions:
-
-* Initial state (Reddi et al. Alg. 2: ``m_{−1} = 0``, ``v_{−1} ≥ τ²``): ``v_{−1} = τ²`` for Adagrad/Adam/Yogi;
-  FedAMS starts from ``v_0 = v̂_0 = 0`` (the ``max`` with ``ε`` bounds the denominator from the first round).
-* No bias correction (Reddi et al. and the FedAMS paper have none; the FedCAMS code adds Adam's corrections and a
-  separate 1e-8 — not reproduced).
-* Names: τ is ``tau`` and FedAMS's ε is ``ams_eps``, not a shared ``eps``: the two act differently (τ is added to
-  √v, ε floors v̂), and FedExP / FedExProx / FedLi-LU have other ε's; a configuration that switches the strategy
-  class would otherwise carry one into the other with a changed meaning (ours).
-* Weighting: uniform mean over the participating clients (Reddi et al. and Wang et al. average uniformly);
-  FedAvgM weights by samples (Hsu et al. use FedAvg's ``n_k`` weights).
-
-The optimizer state (``m``, ``v``, ``v̂``, momentum buffer) lives in the server optimizer that the
-FederatedLoop returns from ``configure_optimizers``, so Lightning checkpoints and restores it. Logged per round:
-``server/first_moment_norm`` (‖m‖ or ‖u‖), ``server/second_moment_mean`` and ``server/second_moment_max`` (of
-``v``, or ``v̂`` for FedAMS).
+With ``Δ_t = w_t − mean_i w^i_{t,K}``: ``m_t = β1 m_{t−1} + (1 − β1) Δ_t``, a second moment ``v_t`` per rule, and
+``w_{t+1} = w_t − η · m_t / (√v_t + τ)`` (FedAvgM: ``u_t = β u_{t−1} + Δ_t``, ``w_{t+1} = w_t − η u_t``). The rules,
+initial state and bias correction: :class:`AdaptiveServerOptimizer`; parameter names, weighting and logged
+statistics: :class:`_AdaptiveStrategy`. The optimizer state lives in the server optimizer, so Lightning
+checkpoints it.
 """
 
 from __future__ import annotations
@@ -58,6 +34,26 @@ def _check_betas(betas: Sequence[float], rule: str) -> Tuple[float, float]:
 
 class AdaptiveServerOptimizer(torch.optim.Optimizer):
     """The server update rules of FedAdagrad / FedAdam / FedYogi / FedAMS as one torch optimizer.
+
+    With the pseudo-gradient ``Δ_t = w_t − mean_i w^i_{t,K}`` (this package's sign; Reddi et al. write ``−Δ_t``)::
+
+        m_t = β1 m_{t−1} + (1 − β1) Δ_t                                   (all four adaptive rules)
+        FedAdagrad: v_t = v_{t−1} + Δ_t²
+        FedAdam:    v_t = β2 v_{t−1} + (1 − β2) Δ_t²
+        FedYogi:    v_t = v_{t−1} − (1 − β2) Δ_t² · sign(v_{t−1} − Δ_t²)
+        w_{t+1} = w_t − η · m_t / (√v_t + τ)                              (τ: "degree of adaptivity", ``tau``)
+
+        FedAMS:     v_t = β2 v_{t−1} + (1 − β2) Δ_t²,  v̂_t = max(v̂_{t−1}, v_t, ε),  w_{t+1} = w_t − η · m_t / √v̂_t
+                    (ε: ``ams_eps``)
+
+        FedAvgM:    u_t = β u_{t−1} + Δ_t,  w_{t+1} = w_t − η u_t            (torch SGD with momentum, dampening 0)
+
+    All products, squares, roots and maxima are element-wise. Decisions:
+
+    * Initial state (Reddi et al. Alg. 2: ``m_{−1} = 0``, ``v_{−1} ≥ τ²``): ``v_{−1} = τ²`` for Adagrad/Adam/Yogi;
+      FedAMS starts from ``v_0 = v̂_0 = 0`` (the ``max`` with ``ε`` bounds the denominator from the first round).
+    * No bias correction (Reddi et al. and the FedAMS paper have none; the FedCAMS code adds Adam's corrections and a
+      separate 1e-8 — not reproduced).
 
     ``p.grad`` holds the pseudo-gradient ``Δ_t``. State per parameter: ``exp_avg`` (m), ``exp_avg_sq`` (v) and,
     for ``rule="ams"``, ``max_exp_avg_sq`` (v̂).
@@ -122,7 +118,19 @@ class AdaptiveServerOptimizer(torch.optim.Optimizer):
 
 
 class _AdaptiveStrategy(ServerStrategy):
-    """Shared parts of the adaptive strategies: the server optimizer and its logged statistics."""
+    """Shared parts of the adaptive strategies: the server optimizer and its logged statistics.
+
+    * Names: τ is ``tau`` and FedAMS's ε is ``ams_eps``, not a shared ``eps``: the two act differently (τ is added to
+      √v, ε floors v̂), and FedExP / FedExProx / FedLi-LU have other ε's; a configuration that switches the strategy
+      class would otherwise carry one into the other with a changed meaning (ours).
+    * Weighting: uniform mean over the participating clients (Reddi et al. and Wang et al. average uniformly);
+      FedAvgM weights by samples (Hsu et al. use FedAvg's ``n_k`` weights).
+
+    The optimizer state (``m``, ``v``, ``v̂``, momentum buffer) lives in the server optimizer that the
+    FederatedLoop returns from ``configure_optimizers``, so Lightning checkpoints and restores it. Logged per round:
+    ``server/first_moment_norm`` (‖m‖ or ‖u‖), ``server/second_moment_mean`` and ``server/second_moment_max`` (of
+    ``v``, or ``v̂`` for FedAMS).
+    """
 
     rule: str = ""
 
