@@ -1,25 +1,11 @@
 """Server strategies as Lightning callbacks with federated hooks.
 
-A strategy decides how client updates become the next global model. Following the FedOpt view (Reddi et al.
-2021), the server step is an optimizer step on the pseudo-gradient: the strategy
-
-1. gives every client update a weight and adds what it needs into a :class:`RoundStatistics` (summable
-   statistics, so that sharding clients over processes is one ``all_reduce``) — :meth:`ServerStrategy.accumulate`;
-2. turns the reduced statistics into a flat pseudo-gradient ``Δ`` and, optionally, this round's server learning
-   rate — :meth:`ServerStrategy.server_update`;
-3. the FederatedLoop writes ``Δ`` into the global parameters' ``.grad`` and steps the optimizer returned by
-   :meth:`ServerStrategy.configure_server_optimizer` (FedAvg: SGD(lr=server_lr); FedAdam: Adam; FedExP: SGD
-   whose lr is the extrapolated ``η_g`` of the round). Lightning checkpoints that optimizer's state and counts
-   rounds as global steps.
-
-The federated hooks are declared, with their signatures, on :class:`FederatedCallback` (the base of every server
-strategy and schedule); the FederatedLoop calls them on every callback in ``trainer.callbacks`` that defines them,
-and refuses at setup a callback method whose name is a near miss of a hook name (a misspelled hook never runs).
-
-The loop itself accumulates the core round sums (:func:`accumulate_core`: the weighted sum of the clients' deltas,
-the total weight, the number of clients, ``Σ‖Δ_i‖²``, the weighted float buffers); a strategy's
-:meth:`ServerStrategy.accumulate` adds only its extras, so a strategy that overrides it without calling ``super()``
-still trains.
+A strategy decides how client updates become the next global model; following the FedOpt view (Reddi et al.
+2021), the server step is an optimizer step on the pseudo-gradient ``Δ``. :class:`ServerStrategy` (weights,
+``accumulate``, ``server_update``, ``configure_server_optimizer``; a round's three steps in its docstring),
+:class:`RoundStatistics` (summable statistics: one ``all_reduce`` across processes), :func:`accumulate_core` (the
+sums the loop adds for every strategy), :class:`FederatedCallback` (the federated hooks with their signatures) and
+:func:`check_hook_names` (near misses of hook names refused at setup).
 """
 
 from __future__ import annotations
@@ -117,6 +103,10 @@ class FederatedCallback(Callback):
     Derive schedules, client-objective terms and telemetry from it (server strategies derive from
     :class:`ServerStrategy`, which derives from it) and override the hooks you need; the Lightning hooks of
     :class:`~lightning.pytorch.callbacks.Callback` work as usual.
+
+    The federated hooks are declared, with their signatures, on :class:`FederatedCallback` (the base of every server
+    strategy and schedule); the FederatedLoop calls them on every callback in ``trainer.callbacks`` that defines them,
+    and refuses at setup a callback method whose name is a near miss of a hook name (a misspelled hook never runs).
     """
 
     def on_round_start(self, trainer, loop, plan: RoundPlan) -> None:
@@ -171,7 +161,13 @@ class ServerStep(NamedTuple):
 def accumulate_core(strategy: "ServerStrategy", stats: RoundStatistics, update: ClientUpdate) -> None:
     """The round sums every strategy relies on, added by the loop for each healthy client: ``delta`` (Σ w_i Δ_i with
     ``w_i = strategy.client_weight(update)``), ``weight`` (Σ w_i), ``clients``, ``sq_norm_sum`` (Σ‖Δ_i‖²),
-    ``weighted_sq_norm_sum`` and, for models with float buffers, ``buffers`` (Σ w_i b_i)."""
+    ``weighted_sq_norm_sum`` and, for models with float buffers, ``buffers`` (Σ w_i b_i).
+
+    The loop itself accumulates the core round sums (:func:`accumulate_core`: the weighted sum of the clients' deltas,
+    the total weight, the number of clients, ``Σ‖Δ_i‖²``, the weighted float buffers); a strategy's
+    :meth:`ServerStrategy.accumulate` adds only its extras, so a strategy that overrides it without calling ``super()``
+    still trains.
+    """
     w = strategy.client_weight(update)
     delta = update.delta
     stats.add("delta", delta * w)
@@ -186,6 +182,18 @@ def accumulate_core(strategy: "ServerStrategy", stats: RoundStatistics, update: 
 
 class ServerStrategy(FederatedCallback):
     """Base class of server strategies. Subclasses override the parts they change.
+
+    A strategy decides how client updates become the next global model. Following the FedOpt view (Reddi et al.
+    2021), the server step is an optimizer step on the pseudo-gradient: the strategy
+
+    1. gives every client update a weight and adds what it needs into a :class:`RoundStatistics` (summable
+       statistics, so that sharding clients over processes is one ``all_reduce``) — :meth:`ServerStrategy.accumulate`;
+    2. turns the reduced statistics into a flat pseudo-gradient ``Δ`` and, optionally, this round's server learning
+       rate — :meth:`ServerStrategy.server_update`;
+    3. the FederatedLoop writes ``Δ`` into the global parameters' ``.grad`` and steps the optimizer returned by
+       :meth:`ServerStrategy.configure_server_optimizer` (FedAvg: SGD(lr=server_lr); FedAdam: Adam; FedExP: SGD
+       whose lr is the extrapolated ``η_g`` of the round). Lightning checkpoints that optimizer's state and counts
+       rounds as global steps.
 
     Args:
         server_lr: global learning rate ``η_g`` of the server optimizer.

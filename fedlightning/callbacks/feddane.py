@@ -1,41 +1,15 @@
-r"""FedDANE (seed 003: Li, Sahu, Zaheer, Sanjabi, Talwalkar & Smith, "FedDANE: A Federated Newton-Type Method",
-Asilomar 2019, Alg. 2; reference code github.com/litian96/FedDANE).
+r"""FedDANE (Li, Sahu, Zaheer, Sanjabi, Talwalkar & Smith, "FedDANE: A Federated Newton-Type Method", Asilomar
+2019, Alg. 2; seed 003): :class:`FedDANE`.
 
-One FedDANE iteration = two communication rounds:
+One FedDANE iteration is two communication rounds: a gradient phase (``g_t = mean_{k∈S_t} ∇F_k(w_t)`` over a
+sampled set ``S_t``), then a local phase in which each client ``k`` of the round's sample inexactly solves
 
-1. *Gradient phase.* A sampled set ``S_t`` of clients computes full-batch local gradients at the global weights;
-   the server forms ``g_t = mean_{k∈S_t} ∇F_k(w_t)``.
-2. *Local phase.* Each client ``k`` of ``S'_t`` (the round's sampled clients, ``plan.client_ids``) solves
-   inexactly (its local SGD steps)
+.. math::
+    \min_w\; F_k(w) + \langle g_t - \nabla F_k(w_t),\, w - w_t\rangle + \frac{\mu}{2}\lVert w - w_t\rVert^2
 
-   .. math::
-       \min_w\; F_k(w) + \langle g_t - \nabla F_k(w_t),\, w - w_t\rangle + \frac{\mu}{2}\lVert w - w_t\rVert^2
-
-   and the server averages the returned models (FedAvg with ``η_g = 1``).
-
-Dropping the correction gives FedProx; dropping it and setting ``μ = 0`` gives FedAvg (``correction=False``).
-
-Decisions (what FedDANE's Algorithm 2 leaves open, and where the reference code departs from it):
-
-* ``S'_t`` is the data module's round sample; ``S_t`` is drawn **independently** by default (the paper), uniformly
-  without replacement from the clients that hold data, with a generator seeded by
-  ``derive_seed(loop.seed, "feddane", round)``; ``gradient_clients="same"`` uses ``S_t = S'_t`` (what the
-  reference code does, its two ``select_clients`` calls share a seed). ``|S_t|`` defaults to ``|S'_t|``.
-* ``∇F_k(w_t)`` is the gradient of the client's mean training loss over **all** its samples (the reference code's
-  full batch), computed with the wrapped model's ``training_step`` in training mode on the FederatedLoop's working
-  copy, chunked by ``gradient_batch_size`` (None: one batch) with chunk losses weighted by chunk size. Model
-  randomness (dropout) is seeded by ``(seed, "feddane-gradient", round, client)`` in a forked RNG. Only the
-  model loss enters the gradient (no other client-objective terms). A client of ``S'_t`` computes its own
-  ``∇F_k(w_t)`` when it starts its local phase (the paper: extra computation, no extra upload), so no per-client
-  gradient is kept in memory.
-* ``g_t`` and the model average use the strategy's ``weighting``: ``"uniform"`` (default, the paper's ``1/K``) or
-  ``"samples"`` (the reference code's ``n_k``-weighted averages).
-* Under DDP every process computes the gradients of its share of ``S_t`` and the sum is all-reduced.
-* The correction is written relative to ``w_t`` (as in the paper's eq. 3), so it is zero at ``w_t``.
-* Communication: ``round/communication_rounds`` logs the cumulative count, 2 per FedDANE iteration (the paper
-  plots per iteration, which favours FedDANE; divide by 2 to compare per communication round).
-
-Logged: ``feddane/gradient_norm`` (‖g_t‖), ``feddane/gradient_clients``, ``round/communication_rounds``.
+and the server averages the returned models. The decisions the paper leaves open (how ``S_t`` is drawn, the full
+gradient, weighting, DDP, communication count) are in :class:`FedDANE`'s docstring; the full-batch client gradient
+is :func:`client_full_gradient`.
 """
 
 from __future__ import annotations
@@ -112,7 +86,43 @@ def client_full_gradient(loop, client_id: int, round: int, batch_size: Optional[
 
 
 class FedDANE(FedAvg):
-    """FedDANE (see the module docstring).
+    r"""FedDANE: two communication rounds per iteration, a gradient phase and a corrected local phase.
+
+    One FedDANE iteration = two communication rounds:
+
+    1. *Gradient phase.* A sampled set ``S_t`` of clients computes full-batch local gradients at the global weights;
+       the server forms ``g_t = mean_{k∈S_t} ∇F_k(w_t)``.
+    2. *Local phase.* Each client ``k`` of ``S'_t`` (the round's sampled clients, ``plan.client_ids``) solves
+       inexactly (its local SGD steps)
+
+       .. math::
+           \min_w\; F_k(w) + \langle g_t - \nabla F_k(w_t),\, w - w_t\rangle + \frac{\mu}{2}\lVert w - w_t\rVert^2
+
+       and the server averages the returned models (FedAvg with ``η_g = 1``).
+
+    Dropping the correction gives FedProx; dropping it and setting ``μ = 0`` gives FedAvg (``correction=False``).
+
+    Decisions (what FedDANE's Algorithm 2 leaves open, and where the reference code departs from it):
+
+    * ``S'_t`` is the data module's round sample; ``S_t`` is drawn **independently** by default (the paper), uniformly
+      without replacement from the clients that hold data, with a generator seeded by
+      ``derive_seed(loop.seed, "feddane", round)``; ``gradient_clients="same"`` uses ``S_t = S'_t`` (what the
+      reference code does, its two ``select_clients`` calls share a seed). ``|S_t|`` defaults to ``|S'_t|``.
+    * ``∇F_k(w_t)`` is the gradient of the client's mean training loss over **all** its samples (the reference code's
+      full batch), computed with the wrapped model's ``training_step`` in training mode on the FederatedLoop's working
+      copy, chunked by ``gradient_batch_size`` (None: one batch) with chunk losses weighted by chunk size. Model
+      randomness (dropout) is seeded by ``(seed, "feddane-gradient", round, client)`` in a forked RNG. Only the
+      model loss enters the gradient (no other client-objective terms). A client of ``S'_t`` computes its own
+      ``∇F_k(w_t)`` when it starts its local phase (the paper: extra computation, no extra upload), so no per-client
+      gradient is kept in memory.
+    * ``g_t`` and the model average use the strategy's ``weighting``: ``"uniform"`` (default, the paper's ``1/K``) or
+      ``"samples"`` (the reference code's ``n_k``-weighted averages).
+    * Under DDP every process computes the gradients of its share of ``S_t`` and the sum is all-reduced.
+    * The correction is written relative to ``w_t`` (as in the paper's eq. 3), so it is zero at ``w_t``.
+    * Communication: ``round/communication_rounds`` logs the cumulative count, 2 per FedDANE iteration (the paper
+      plots per iteration, which favours FedDANE; divide by 2 to compare per communication round).
+
+    Logged: ``feddane/gradient_norm`` (‖g_t‖), ``feddane/gradient_clients``, ``round/communication_rounds``.
 
     Args:
         mu: proximal coefficient ``μ ≥ 0`` (default 0.0: the reference code's default; the paper tunes

@@ -1,35 +1,14 @@
 r"""FedExP: server step-size extrapolation (Jhunjhunwala, Wang & Joshi, "FedExP: Speeding Up Federated Averaging
-via Extrapolation", ICLR 2023), as written in seed 000 ("Painless Federated Learning", Alg. 5, FedExpSLS).
+via Extrapolation", ICLR 2023), as written in "Painless Federated Learning" (seed 000), Alg. 5 (FedExpSLS).
 
 .. math::
     \eta_{g,t} = \max\Bigl\{1,\; \frac{\sum_{i\in S_t}\lVert\Delta^i_t\rVert^2}
                                      {2\,|S_t|\,(\lVert\Delta_t\rVert^2 + \epsilon)}\Bigr\},
     \qquad w_{t+1} = w_t - \eta_{g,t}\,\Delta_t
 
-with ``Δ^i_t = w_t − w^i_{t,K}`` and ``Δ_t`` their mean. FedExpSLS is this strategy with
-:class:`~fedlightning.optim.SgdArmijo` clients (``configs/fedexpsls.yaml``).
-
-Decisions (the papers leave them open: "Painless Federated Learning", Alg. 5, and the FedExP paper; the FedExP
-reference code settles some):
-
-* **Weighting** (``weighting="uniform"``, default): the paper's uniform mean. With ``weighting="samples"`` both
-  ``Δ_t`` and the mean squared norm use ``p_i = n_i`` (the reference code's ``p_i = n_i/N``):
-  ``η_g = max{1, (Σ p_i‖Δ_i‖²/Σ p_i) / (2(‖Δ_t‖² + ε))}``; with equal weights this is the formula above.
-* **ε** (``eps``, default ``1e-3``: the reference code's CIFAR value; it uses 0.1 on EMNIST). The paper adds
-  ``ε``; the reference code adds ``M·ε`` (``M`` = participating clients): ``scale_eps_by_clients=True``.
-  ``eps = 0`` is allowed; when then ``‖Δ_t‖ = 0`` the step is empty anyway and ``η_g = 1`` is used.
-* **Averaged-iterate evaluation** (``evaluate_iterate_average=True``, off by default — the paper does not do
-  it): validation and test see ``(w_t + w_{t+1})/2`` (the last two global iterates) while training continues
-  from ``w_{t+1}``; after the first round the reference code evaluates ``w_1`` itself, and so does this class.
-  The weights are swapped in at ``on_validation_start`` / ``on_test_start`` and restored at the matching
-  ``*_end`` hook (before Lightning's ModelCheckpoint, which always runs last, saves anything). Only trainable
-  parameters are averaged; buffers (BatchNorm statistics) stay those of ``w_{t+1}``.
-* The reference code also decays the client lr and ``ε`` by 0.998 per round; that is a schedule, not part of
-  this rule (not implemented here).
-
-Logged per round: ``server/eta_g`` (η_g after the ``max{1, ·}``), ``server/eta_g_raw`` (before it) and
-``server/eps`` (the ε actually added); the loop adds ``server/delta_norm`` and
-``server/mean_client_delta_sq_norm``.
+:class:`FedExP` (its docstring: weighting, ε, averaged-iterate evaluation, logged values) and
+:func:`fedexp_server_lr` (the formula). FedExpSLS is this strategy with :class:`~fedlightning.optim.SgdArmijo`
+clients (``configs/fedexpsls.yaml``).
 """
 
 from __future__ import annotations
@@ -61,7 +40,32 @@ def fedexp_server_lr(mean_client_sq_norm: float, delta_sq_norm: float, eps: floa
 
 
 class FedExP(ServerStrategy):
-    """FedExP server extrapolation (see the module docstring for the formula and the options).
+    """FedExP server extrapolation (the formula: module docstring).
+
+    With ``Δ^i_t = w_t − w^i_{t,K}`` and ``Δ_t`` their mean. FedExpSLS is this strategy with
+    :class:`~fedlightning.optim.SgdArmijo` clients (``configs/fedexpsls.yaml``).
+
+    Decisions (the papers leave them open: "Painless Federated Learning", Alg. 5, and the FedExP paper; the FedExP
+    reference code settles some):
+
+    * **Weighting** (``weighting="uniform"``, default): the paper's uniform mean. With ``weighting="samples"`` both
+      ``Δ_t`` and the mean squared norm use ``p_i = n_i`` (the reference code's ``p_i = n_i/N``):
+      ``η_g = max{1, (Σ p_i‖Δ_i‖²/Σ p_i) / (2(‖Δ_t‖² + ε))}``; with equal weights this is the formula above.
+    * **ε** (``eps``, default ``1e-3``: the reference code's CIFAR value; it uses 0.1 on EMNIST). The paper adds
+      ``ε``; the reference code adds ``M·ε`` (``M`` = participating clients): ``scale_eps_by_clients=True``.
+      ``eps = 0`` is allowed; when then ``‖Δ_t‖ = 0`` the step is empty anyway and ``η_g = 1`` is used.
+    * **Averaged-iterate evaluation** (``evaluate_iterate_average=True``, off by default — the paper does not do
+      it): validation and test see ``(w_t + w_{t+1})/2`` (the last two global iterates) while training continues
+      from ``w_{t+1}``; after the first round the reference code evaluates ``w_1`` itself, and so does this class.
+      The weights are swapped in at ``on_validation_start`` / ``on_test_start`` and restored at the matching
+      ``*_end`` hook (before Lightning's ModelCheckpoint, which always runs last, saves anything). Only trainable
+      parameters are averaged; buffers (BatchNorm statistics) stay those of ``w_{t+1}``.
+    * The reference code also decays the client lr and ``ε`` by 0.998 per round; that is a schedule, not part of
+      this rule (not implemented here).
+
+    Logged per round: ``server/eta_g`` (η_g after the ``max{1, ·}``), ``server/eta_g_raw`` (before it) and
+    ``server/eps`` (the ε actually added); the loop adds ``server/delta_norm`` and
+    ``server/mean_client_delta_sq_norm``.
 
     Args:
         eps: ``ε ≥ 0`` in the denominator (default 1e-3, FedExP reference code, CIFAR experiments).

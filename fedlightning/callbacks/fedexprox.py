@@ -1,34 +1,10 @@
-r"""FedExProx: proximal clients with server extrapolation (Li, Acharya & Richtárik, "The Power of Extrapolation in
-Federated Learning", NeurIPS 2024; a baseline of seed 000).
+"""FedExProx: proximal clients with server extrapolation (Li, Acharya & Richtárik, "The Power of Extrapolation in
+Federated Learning", NeurIPS 2024): :class:`FedExProx`.
 
-Each sampled client approximates the proximal point ``p_i = prox_{γ f_i}(w_t)``, i.e. solves
-``min_w f_i(w) + (μ/2)‖w − w_t‖²`` with ``μ = 1/γ`` by its local steps (an *inexact* prox: ``K`` steps of the
-client optimizer, as in the FedProx local solver). With ``Δ_i = w_t − p_i`` and ``Δ = Σ p_i Δ_i / Σ p_i`` the
-server extrapolates
-
-.. math::
-    w_{t+1} = w_t - \alpha_t \Delta ,\qquad
-    \alpha_t = \begin{cases}
-        \alpha & \text{rule "constant" (} \alpha = \texttt{server\_lr}\text{; the paper's } 1/(\gamma L_\gamma)\text{)}\\
-        \dfrac{\sum_i p_i\lVert\Delta_i\rVert^2 / \sum_i p_i}{\lVert\Delta\rVert^2 + \epsilon}
-            & \text{rule "grads" (gradient diversity, GraDS)}
-    \end{cases}
-
-Implemented: the constant and the GraDS rules. Not implemented: StoPS (it needs each client's Moreau-envelope
-value ``f_i(p_i) + ‖w_t − p_i‖²/(2γ)`` and its infimum, which clients do not report).
-
-Decisions:
-
-* ``mu > 0`` adds the proximal term to every client's objective (shared with
-  :class:`~fedlightning.callbacks.ProximalTerm`; do not configure both). ``mu = 0`` leaves the client objective
-  alone (then GraDS is FedExP's rule without its ``1/2`` and ``max{1, ·}``).
-* GraDS is ``≥ 1`` automatically (Jensen: ``mean‖Δ_i‖² ≥ ‖mean Δ_i‖²``), so no ``max{1, ·}`` is applied; with
-  ``eps = 0`` (default, the paper's rule has no ``ε``) and ``Δ = 0`` the step is empty and ``α_t = 1`` is used.
-* Weighting ``"uniform"`` (default, the paper's mean over the sampled clients) or ``"samples"``.
-* The FedExP reference code's "fedprox(exp)" (FedExP's rule with proximal clients) is
-  ``FedExP`` + ``ProximalTerm`` — not this class.
-
-Logged: ``server/eta_g`` (``α_t``) and ``server/eta_g_raw`` (identical here: no clipping).
+Each client inexactly solves ``min_w f_i(w) + (μ/2)‖w − w_t‖²``; with ``Δ = Σ p_i Δ_i / Σ p_i`` the server steps
+``w_{t+1} = w_t − α_t Δ`` with a constant ``α_t`` or the gradient-diversity rule (GraDS,
+:func:`grads_extrapolation`) ``α_t = mean‖Δ_i‖² / (‖Δ‖² + ε)``. The rules, what is not implemented (StoPS) and
+the decisions are in :class:`FedExProx`'s docstring.
 """
 
 from __future__ import annotations
@@ -54,7 +30,36 @@ def grads_extrapolation(mean_client_sq_norm: float, delta_sq_norm: float, eps: f
 
 
 class FedExProx(ServerStrategy):
-    """FedExProx (see the module docstring).
+    r"""FedExProx: proximal clients, extrapolated server step.
+
+    Each sampled client approximates the proximal point ``p_i = prox_{γ f_i}(w_t)``, i.e. solves
+    ``min_w f_i(w) + (μ/2)‖w − w_t‖²`` with ``μ = 1/γ`` by its local steps (an *inexact* prox: ``K`` steps of the
+    client optimizer, as in the FedProx local solver). With ``Δ_i = w_t − p_i`` and ``Δ = Σ p_i Δ_i / Σ p_i`` the
+    server extrapolates
+
+    .. math::
+        w_{t+1} = w_t - \alpha_t \Delta ,\qquad
+        \alpha_t = \begin{cases}
+            \alpha & \text{rule "constant" (} \alpha = \texttt{server\_lr}\text{; the paper's } 1/(\gamma L_\gamma)\text{)}\\
+            \dfrac{\sum_i p_i\lVert\Delta_i\rVert^2 / \sum_i p_i}{\lVert\Delta\rVert^2 + \epsilon}
+                & \text{rule "grads" (gradient diversity, GraDS)}
+        \end{cases}
+
+    Implemented: the constant and the GraDS rules. Not implemented: StoPS (it needs each client's Moreau-envelope
+    value ``f_i(p_i) + ‖w_t − p_i‖²/(2γ)`` and its infimum, which clients do not report).
+
+    Decisions:
+
+    * ``mu > 0`` adds the proximal term to every client's objective (shared with
+      :class:`~fedlightning.callbacks.ProximalTerm`; do not configure both). ``mu = 0`` leaves the client objective
+      alone (then GraDS is FedExP's rule without its ``1/2`` and ``max{1, ·}``).
+    * GraDS is ``≥ 1`` automatically (Jensen: ``mean‖Δ_i‖² ≥ ‖mean Δ_i‖²``), so no ``max{1, ·}`` is applied; with
+      ``eps = 0`` (default, the paper's rule has no ``ε``) and ``Δ = 0`` the step is empty and ``α_t = 1`` is used.
+    * Weighting ``"uniform"`` (default, the paper's mean over the sampled clients) or ``"samples"``.
+    * The FedExP reference code's "fedprox(exp)" (FedExP's rule with proximal clients) is
+      ``FedExP`` + ``ProximalTerm`` — not this class.
+
+    Logged: ``server/eta_g`` (``α_t``) and ``server/eta_g_raw`` (identical here: no clipping).
 
     Args:
         mu: proximal coefficient ``μ = 1/γ ≥ 0`` of the clients. No default: the paper sets ``γ`` per problem.

@@ -1,53 +1,13 @@
-r"""FedLi-LS and FedLi-LU (seed 002: "Towards Hyper-parameter-free Federated Learning", arXiv
-2408.17145; reference code github.com/zk23du/FedLi).
+"""FedLi-LS and FedLi-LU ("Towards Hyper-parameter-free Federated Learning", arXiv 2408.17145; seed 002).
 
-**FedLi-LS** (federated line search; clients run :class:`~fedlightning.optim.SgdArmijo`). Each client reports the
-last step size its line search accepted ``η_i``; the server takes one gradient step on the pseudo-gradient
+**FedLi-LS** (:class:`FedLiLS`): SgdArmijo clients; the server steps ``w_{t+1} = w_t − η_g Δ_t`` with ``η_g`` the
+largest step size the round's clients' line searches accepted (1 for convex problems).
 
-.. math::
-    \Delta_t = \frac{\sum_{i\in S_t} p_i (w_t - w_i)}{\sum_i p_i},\qquad
-    \eta_g = \max_{i\in S_t} \eta_i \ \text{(non-convex)} \quad\text{or}\quad \eta_g = 1 \ \text{(convex)},\qquad
-    w_{t+1} = w_t - \eta_g \Delta_t .
+**FedLi-LU** (:class:`FedLiLU`): SGD clients; one Deep-Frank-Wolfe server step (Berrada et al. 2018,
+:class:`DFWServerOptimizer`) ``w_{t+1} = w_t − η (λ w_t + γ_t Δ_t)`` with the clipped optimal step ``γ_t``
+(:func:`dfw_gamma`) computed from the clients' mean loss.
 
-**FedLi-LU** (federated linearised updates; SGD clients, Deep-Frank-Wolfe server step of Berrada et al. 2018).
-Clients report a loss value ``f_i``; with ``F̂_t = Σ p_i f_i / Σ p_i`` and ``r_t = λ w_t`` (gradient of
-``λ/2‖w‖²``):
-
-.. math::
-    \gamma_t = \mathrm{clip}_{[0,1]}\Bigl(\frac{\hat F_t - \eta\langle r_t, \Delta_t\rangle}
-                                              {\eta\lVert\Delta_t\rVert^2 + \epsilon}\Bigr),\qquad
-    w_{t+1} = w_t - \eta (r_t + \gamma_t \Delta_t),
-
-and with momentum ``μ > 0`` (DFW's form; ``z`` starts at 0 and persists across rounds)
-``z ← μ z − η γ_t (Δ_t + r_t)``, ``w_{t+1} ← w_{t+1} + μ z``. Inner products and norms run over all trainable
-parameters jointly (one scalar ``γ_t`` per round).
-
-Decisions (what "Towards Hyper-parameter-free Federated Learning", Alg. 1 and 2, leaves open):
-
-* Weighting ``p_i = n_i`` (``weighting="samples"``, the reference code) for both strategies.
-* FedLi-LS's ``η_i`` is the client's last *accepted* line-search step: SgdArmijo's ``armijo_accepted_step_size``
-  (``client_report``, held in its per-client state across rounds). A zero-gradient step or an exhausted search
-  records step size 0 and does not replace it, so a round in which clients end on such steps keeps a positive
-  ``η_g`` (taking the last entry of the round's step sizes would give ``η_g = 0`` and lose the round when every
-  client ends that way). It is the step before any client step-size scale (``client_lr_scale``, e.g.
-  ``KDecay(decay="client_lr")``): that schedule acts on the clients' moves, which ``Δ_t`` already contains; scaling
-  ``η_g`` too would apply it twice. Clients whose optimizer sends no such report (e.g. ``torch.optim.SGD``) use the
-  last positive finite step size they took this round. Clients with neither (no step accepted yet) are left out
-  of the maximum; if no client has one the round raises. No cap on ``η_g`` (the paper states none);
-  ``server/eta_g`` is logged.
-* FedLi-LU's ``f_i``: the mean mini-batch loss over the client's local steps (``client_loss="mean"``, the
-  quantity the paper plots as "train loss" and the code intends) or the first-batch loss at ``w_t``
-  (``client_loss="first"``, the quantity of the paper's one-step derivation). It is the client's *objective*
-  value: with extra client-objective terms (e.g. a proximal term) configured they are included.
-* FedLi-LU defaults ``lr=η=0.01``, ``momentum=0.9``, ``weight_decay=λ=1e-5``, ``dfw_eps=ε=1e-5``: the reference
-  code's server DFW values (the paper's values are missing from the text). ``ε`` is called ``dfw_eps``, not
-  ``eps``: the ``eps`` of FedExP / FedExProx regularises another quantity, and a configuration switching between
-  the strategies would otherwise carry one into the other.
-
-The DFW momentum buffer ``z`` lives in the server optimizer (:class:`DFWServerOptimizer`) and is checkpointed by
-Lightning with it. Logged: ``server/eta_g`` (LS: η_g; LU: the effective ``η·γ_t``) and ``server/eta_g_raw``
-(LS: the same, nothing is clipped; LU: ``η`` times the unclipped ``γ_t``), ``server/dfw_gamma`` and
-``server/dfw_gamma_raw`` (before clipping), ``server/pseudo_objective`` (``F̂_t``).
+The formulas, defaults and the decisions the paper leaves open are in the two classes' docstrings.
 """
 
 from __future__ import annotations
@@ -110,7 +70,29 @@ class DFWServerOptimizer(torch.optim.Optimizer):
 
 
 class FedLiLS(ServerStrategy):
-    """FedLi-LS server: ``η_g`` = max of the clients' last accepted step sizes (or 1 with ``convex=True``).
+    r"""FedLi-LS server: ``η_g`` = max of the clients' last accepted step sizes (or 1 with ``convex=True``).
+
+    **FedLi-LS** (federated line search; clients run :class:`~fedlightning.optim.SgdArmijo`). Each client reports the
+    last step size its line search accepted ``η_i``; the server takes one gradient step on the pseudo-gradient
+
+    .. math::
+        \Delta_t = \frac{\sum_{i\in S_t} p_i (w_t - w_i)}{\sum_i p_i},\qquad
+        \eta_g = \max_{i\in S_t} \eta_i \ \text{(non-convex)} \quad\text{or}\quad \eta_g = 1 \ \text{(convex)},\qquad
+        w_{t+1} = w_t - \eta_g \Delta_t .
+
+    Decisions (what "Towards Hyper-parameter-free Federated Learning", Alg. 1 and 2, leaves open):
+
+    * Weighting ``p_i = n_i`` (``weighting="samples"``, the reference code) for both strategies.
+    * FedLi-LS's ``η_i`` is the client's last *accepted* line-search step: SgdArmijo's ``armijo_accepted_step_size``
+      (``client_report``, held in its per-client state across rounds). A zero-gradient step or an exhausted search
+      records step size 0 and does not replace it, so a round in which clients end on such steps keeps a positive
+      ``η_g`` (taking the last entry of the round's step sizes would give ``η_g = 0`` and lose the round when every
+      client ends that way). It is the step before any client step-size scale (``client_lr_scale``, e.g.
+      ``KDecay(decay="client_lr")``): that schedule acts on the clients' moves, which ``Δ_t`` already contains; scaling
+      ``η_g`` too would apply it twice. Clients whose optimizer sends no such report (e.g. ``torch.optim.SGD``) use the
+      last positive finite step size they took this round. Clients with neither (no step accepted yet) are left out
+      of the maximum; if no client has one the round raises. No cap on ``η_g`` (the paper states none);
+      ``server/eta_g`` is logged.
 
     Args:
         convex: use ``η_g = 1`` (the paper's rule for convex / strongly convex problems). Default False: the
@@ -124,7 +106,7 @@ class FedLiLS(ServerStrategy):
 
     @staticmethod
     def client_step_size(update: ClientUpdate) -> float:
-        """``η_i``: the client's last accepted line-search step (module docstring); NaN when it has none."""
+        """``η_i``: the client's last accepted line-search step (FedLiLS docstring); NaN when it has none."""
         reported = update.payload.get("armijo_accepted_step_size")
         if reported is not None:
             reported = float(reported)
@@ -154,14 +136,44 @@ class FedLiLS(ServerStrategy):
 
 
 class FedLiLU(ServerStrategy):
-    """FedLi-LU server: one Deep-Frank-Wolfe step on the pseudo-gradient with the clients' mean loss.
+    r"""FedLi-LU server: one Deep-Frank-Wolfe step on the pseudo-gradient with the clients' mean loss.
+
+    **FedLi-LU** (federated linearised updates; SGD clients, Deep-Frank-Wolfe server step of Berrada et al. 2018).
+    Clients report a loss value ``f_i``; with ``F̂_t = Σ p_i f_i / Σ p_i`` and ``r_t = λ w_t`` (gradient of
+    ``λ/2‖w‖²``):
+
+    .. math::
+        \gamma_t = \mathrm{clip}_{[0,1]}\Bigl(\frac{\hat F_t - \eta\langle r_t, \Delta_t\rangle}
+                                                  {\eta\lVert\Delta_t\rVert^2 + \epsilon}\Bigr),\qquad
+        w_{t+1} = w_t - \eta (r_t + \gamma_t \Delta_t),
+
+    and with momentum ``μ > 0`` (DFW's form; ``z`` starts at 0 and persists across rounds)
+    ``z ← μ z − η γ_t (Δ_t + r_t)``, ``w_{t+1} ← w_{t+1} + μ z``. Inner products and norms run over all trainable
+    parameters jointly (one scalar ``γ_t`` per round).
+
+    Decisions (what "Towards Hyper-parameter-free Federated Learning", Alg. 1 and 2, leaves open):
+
+    * Weighting ``p_i = n_i`` (``weighting="samples"``, the reference code), as for FedLi-LS.
+    * FedLi-LU's ``f_i``: the mean mini-batch loss over the client's local steps (``client_loss="mean"``, the
+      quantity the paper plots as "train loss" and the code intends) or the first-batch loss at ``w_t``
+      (``client_loss="first"``, the quantity of the paper's one-step derivation). It is the client's *objective*
+      value: with extra client-objective terms (e.g. a proximal term) configured they are included.
+    * FedLi-LU defaults ``lr=η=0.01``, ``momentum=0.9``, ``weight_decay=λ=1e-5``, ``dfw_eps=ε=1e-5``: the reference
+      code's server DFW values (the paper's values are missing from the text). ``ε`` is called ``dfw_eps``, not
+      ``eps``: the ``eps`` of FedExP / FedExProx regularises another quantity, and a configuration switching between
+      the strategies would otherwise carry one into the other.
+
+    The DFW momentum buffer ``z`` lives in the server optimizer (:class:`DFWServerOptimizer`) and is checkpointed by
+    Lightning with it. Logged: ``server/eta_g`` (LS: η_g; LU: the effective ``η·γ_t``) and ``server/eta_g_raw``
+    (LS: the same, nothing is clipped; LU: ``η`` times the unclipped ``γ_t``), ``server/dfw_gamma`` and
+    ``server/dfw_gamma_raw`` (before clipping), ``server/pseudo_objective`` (``F̂_t``).
 
     Args:
         lr: DFW's proximal coefficient ``η`` (default 0.01, reference code).
         momentum: DFW momentum ``μ ∈ [0, 1)`` (default 0.9, reference code).
         weight_decay: ``λ ≥ 0`` of the regulariser ``λ/2‖w‖²`` (default 1e-5, reference code).
         dfw_eps: ``ε ≥ 0`` in the denominator of ``γ_t`` (default 1e-5, reference code).
-        client_loss: ``"mean"`` (default) or ``"first"``: which client loss forms ``F̂_t`` (module docstring).
+        client_loss: ``"mean"`` (default) or ``"first"``: which client loss forms ``F̂_t`` (see above).
         weighting: default ``"samples"`` (reference code).
     """
 
