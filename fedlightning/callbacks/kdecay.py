@@ -1,55 +1,12 @@
-r"""Decaying the number of local steps (or the client learning rate) over rounds, and the simulated runtime model
-(seed 004: Mills, Hu & Min, "Faster Federated Learning with Decaying Number of Local SGD Steps", Table III and
+"""Decaying the number of local steps (or the client learning rate) over rounds, and the simulated runtime model
+(Mills, Hu & Min, "Faster Federated Learning with Decaying Number of Local SGD Steps", seed 004, Table III and
 Sec. 3.2).
 
-Round index ``r = 1, 2, …`` (``plan.round + 1``); ``K_0`` and ``η_0`` are the configured local steps and client
-learning rate. Table III:
-
-============  ==============================================  ==============================================
-schedule      ``decay="local_steps"`` (``K_r``; ``η_0``)      ``decay="client_lr"`` (``η_r``; ``K_0``)
-============  ==============================================  ==============================================
-``rounds``    ``⌈K_0 · r^{−1/3}⌉``                            ``η_0 · r^{−1/2}``
-``error``     ``⌈K_0 · (F_r/F_0)^{1/3}⌉``                     ``η_0 · (F_r/F_0)^{1/2}``
-``step``      ``K_0``, then ``⌈K_0/10⌉`` once converged       ``η_0``, then ``η_0/10`` once converged
-============  ==============================================  ==============================================
-
-dSGD is ``K ≡ 1`` (``model.local_steps: 1``, ``configs/dsgd.yaml``); Kη-fixed is no schedule at all. The
-η-decay schedules act through ``plan.client_lr_scale``: the FederatedLoop hands it to
-:func:`fedlightning.optim.scale_client_step`, which multiplies ``lr`` of ``torch.optim`` optimizers and every step
-:class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS` and :class:`~fedlightning.optim.DecSPS`
-apply (their docstrings give what is scaled and why). With ``decay="client_lr"`` fit start checks, before any client
-trains, that the configured client optimizer has such a step size and otherwise raises a ValueError naming
-it, so ``schedule/client_lr_scale`` is only logged when it is applied.
-
-Decisions (the gaps of Mills et al.'s Sec. 3.5 and Table III):
-
-* **Exact ceilings.** ``⌈K_0 r^{−1/3}⌉`` is the smallest integer ``k`` with ``k³·r ≥ K_0³`` and is computed in
-  integer arithmetic (a float guess corrected by exact cube comparisons), so ``K_0 = 60, r = 1000`` gives 6, not
-  the 7 of a naive ``ceil(60 * 1000 ** (-1/3))``. The error schedule compares cubes in exact rationals of the
-  two float losses (:class:`fractions.Fraction`) after shrinking the target by a relative ``1e-12``
-  (``LOSS_RATIO_TOLERANCE``): the losses are floats, and a ratio such as 0.001 is stored as
-  0.0010000000000000000208, which would otherwise still turn ``60·∛0.001`` into 7. ``K_r ≥ 1`` always.
-* **F_r** (error schedule) is the mean of the clients' first-batch losses at the received global model
-  (``train/first_loss`` of the round, reduced over all processes) over the ``window = s`` *previous* rounds
-  ``r−s … r−1`` (the paper's Eq. 15 includes round ``r`` itself, whose losses do not exist before it runs),
-  divided by the number of losses actually received. During the first ``s`` rounds (warm-up) ``K_r = K_0``.
-* **F_0** (``reference_loss``): ``"first_window"`` (default, ours) is the first full-window estimate, the mean
-  over rounds ``1 … s``, so that ``K_{s+1} = K_0`` and the schedule is continuous at the end of the warm-up;
-  ``"first_round"`` is round 1's mean first-batch loss (an estimate of ``F(x_0)``). ``F* = 0`` (the paper). No
-  clamp when ``F_r > F_0`` (the paper states none), so ``K_r`` may exceed ``K_0``.
-* **Step plateau rule** (the paper decays once, "if converged", when the validation error plateaus, without
-  saying how it detects that): with ``step_round`` set, decay from that round on (a fixed switch round, what the
-  paper's figures show); otherwise a plateau detector watches ``monitor`` (a logged metric such as
-  ``"val/loss"``, read after every validation run) or, when ``monitor`` is None, the windowed first-batch loss
-  estimate ``F_r`` (read after every round once the window is full). It declares a plateau after ``patience``
-  consecutive observations without a relative improvement of more than ``plateau_tolerance`` over the best
-  value so far (ReduceLROnPlateau's "rel" rule); the decay applies from the next round on and happens once.
-  Defaults (ours): ``patience = 100`` observations, ``plateau_tolerance = 0.01``. The step decay factor 10 and
-  the window ``s = 100`` are the paper's. ``⌈K_0/10⌉`` is exact for the paper's ``K_0`` (all multiples of 10).
-
-:class:`RuntimeModel` simulates the wall-clock of seed 004 Sec. 3.2 (homogeneous clients, so the straggler
-``max`` is void): ``W_r = |x|/D + K_r·β + |x|/U`` seconds per round, and logs its cumulative sum with the
-cumulative local SGD steps ``Σ_r K_r`` (per client, as Table IV counts), so Table IV can be recomputed from a run.
+:class:`KDecay`: ``K_r = ⌈K_0 · r^{−1/3}⌉`` (``rounds``), ``⌈K_0 · (F_r/F_0)^{1/3}⌉`` (``error``) or a one-time
+step decay once converged; with ``decay="client_lr"`` the client learning rate instead (exponent 1/2). The table,
+dSGD / Kη-fixed and the decisions (exact ceilings, ``F_r``, ``F_0``, the plateau rule) are in its docstring; the
+schedule functions (:func:`rounds_local_steps`, :func:`error_local_steps`, ...) compute one value each.
+:class:`RuntimeModel`: the simulated wall-clock ``W_r = |x|/D + K_r·β + |x|/U`` per round.
 """
 
 from __future__ import annotations
@@ -76,7 +33,7 @@ __all__ = [
 ]
 
 SCHEDULES = ("rounds", "error", "step")
-LOSS_RATIO_TOLERANCE = Fraction(1, 10**12)  # relative slack of the error schedule's ceiling (module docstring)
+LOSS_RATIO_TOLERANCE = Fraction(1, 10**12)  # relative slack of the error schedule's ceiling (KDecay docstring)
 DECAYS = ("local_steps", "client_lr")
 
 
@@ -188,6 +145,51 @@ class PlateauDetector:
 # ====================================================================== the schedule callback
 class KDecay(FederatedCallback):
     """Seed 004's decay schedules for the local steps ``K_r`` or the client learning rate ``η_r``.
+
+    Round index ``r = 1, 2, …`` (``plan.round + 1``); ``K_0`` and ``η_0`` are the configured local steps and client
+    learning rate. Table III:
+
+    ============  ==============================================  ==============================================
+    schedule      ``decay="local_steps"`` (``K_r``; ``η_0``)      ``decay="client_lr"`` (``η_r``; ``K_0``)
+    ============  ==============================================  ==============================================
+    ``rounds``    ``⌈K_0 · r^{−1/3}⌉``                            ``η_0 · r^{−1/2}``
+    ``error``     ``⌈K_0 · (F_r/F_0)^{1/3}⌉``                     ``η_0 · (F_r/F_0)^{1/2}``
+    ``step``      ``K_0``, then ``⌈K_0/10⌉`` once converged       ``η_0``, then ``η_0/10`` once converged
+    ============  ==============================================  ==============================================
+
+    dSGD is ``K ≡ 1`` (``model.local_steps: 1``, ``configs/dsgd.yaml``); Kη-fixed is no schedule at all. The
+    η-decay schedules act through ``plan.client_lr_scale``: the FederatedLoop hands it to
+    :func:`fedlightning.optim.scale_client_step`, which multiplies ``lr`` of ``torch.optim`` optimizers and every step
+    :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS` and :class:`~fedlightning.optim.DecSPS`
+    apply (their docstrings give what is scaled and why). With ``decay="client_lr"`` fit start checks, before any client
+    trains, that the configured client optimizer has such a step size and otherwise raises a ValueError naming
+    it, so ``schedule/client_lr_scale`` is only logged when it is applied.
+
+    Decisions (the gaps of Mills et al.'s Sec. 3.5 and Table III):
+
+    * **Exact ceilings.** ``⌈K_0 r^{−1/3}⌉`` is the smallest integer ``k`` with ``k³·r ≥ K_0³`` and is computed in
+      integer arithmetic (a float guess corrected by exact cube comparisons), so ``K_0 = 60, r = 1000`` gives 6, not
+      the 7 of a naive ``ceil(60 * 1000 ** (-1/3))``. The error schedule compares cubes in exact rationals of the
+      two float losses (:class:`fractions.Fraction`) after shrinking the target by a relative ``1e-12``
+      (``LOSS_RATIO_TOLERANCE``): the losses are floats, and a ratio such as 0.001 is stored as
+      0.0010000000000000000208, which would otherwise still turn ``60·∛0.001`` into 7. ``K_r ≥ 1`` always.
+    * **F_r** (error schedule) is the mean of the clients' first-batch losses at the received global model
+      (``train/first_loss`` of the round, reduced over all processes) over the ``window = s`` *previous* rounds
+      ``r−s … r−1`` (the paper's Eq. 15 includes round ``r`` itself, whose losses do not exist before it runs),
+      divided by the number of losses actually received. During the first ``s`` rounds (warm-up) ``K_r = K_0``.
+    * **F_0** (``reference_loss``): ``"first_window"`` (default, ours) is the first full-window estimate, the mean
+      over rounds ``1 … s``, so that ``K_{s+1} = K_0`` and the schedule is continuous at the end of the warm-up;
+      ``"first_round"`` is round 1's mean first-batch loss (an estimate of ``F(x_0)``). ``F* = 0`` (the paper). No
+      clamp when ``F_r > F_0`` (the paper states none), so ``K_r`` may exceed ``K_0``.
+    * **Step plateau rule** (the paper decays once, "if converged", when the validation error plateaus, without
+      saying how it detects that): with ``step_round`` set, decay from that round on (a fixed switch round, what the
+      paper's figures show); otherwise a plateau detector watches ``monitor`` (a logged metric such as
+      ``"val/loss"``, read after every validation run) or, when ``monitor`` is None, the windowed first-batch loss
+      estimate ``F_r`` (read after every round once the window is full). It declares a plateau after ``patience``
+      consecutive observations without a relative improvement of more than ``plateau_tolerance`` over the best
+      value so far (ReduceLROnPlateau's "rel" rule); the decay applies from the next round on and happens once.
+      Defaults (ours): ``patience = 100`` observations, ``plateau_tolerance = 0.01``. The step decay factor 10 and
+      the window ``s = 100`` are the paper's. ``⌈K_0/10⌉`` is exact for the paper's ``K_0`` (all multiples of 10).
 
     Args:
         schedule: ``"rounds"``, ``"error"`` or ``"step"`` (Table III).
@@ -367,6 +369,10 @@ class RuntimeModel(FederatedCallback):
     Logged per round: ``runtime/round_seconds`` (W_r), ``runtime/wall_clock_seconds`` and
     ``runtime/wall_clock_minutes`` (cumulative), ``runtime/sgd_steps`` (cumulative ``Σ_r K_r`` per client) and
     ``runtime/client_sgd_steps`` (cumulative local steps summed over the participating clients).
+
+    :class:`RuntimeModel` simulates the wall-clock of seed 004 Sec. 3.2 (homogeneous clients, so the straggler
+    ``max`` is void): ``W_r = |x|/D + K_r·β + |x|/U`` seconds per round, and logs its cumulative sum with the
+    cumulative local SGD steps ``Σ_r K_r`` (per client, as Table IV counts), so Table IV can be recomputed from a run.
     """
 
     def __init__(

@@ -1,21 +1,12 @@
 r"""FedProx's proximal term as a client-objective callback (Li et al., "Federated Optimization in Heterogeneous
-Networks", MLSys 2020).
-
-Every participating client minimises its loss plus a proximal penalty towards the round's global weights:
+Networks", MLSys 2020): :class:`ProximalTerm` adds
 
 .. math::
-    h_i(w) = f_i(w) + \frac{\mu}{2}\,\lVert w - w_t \rVert^2 ,
-    \qquad \nabla h_i(w) = \nabla f_i(w) + \mu\,(w - w_t)
+    h_i(w) = f_i(w) + \frac{\mu}{2}\,\lVert w - w_t \rVert^2
 
-(the local step of FedProx's reference code, ``w <- w - η [∇f(w; batch) + μ (w − w_t)]``). The term is a
-*client-objective* part: it composes with any server strategy (FedAvg → FedProx; FedExP → the FedExP reference
-code's "fedprox(exp)"; :class:`~fedlightning.callbacks.FedExProx` and :class:`~fedlightning.callbacks.FedDANE`
-add the same term themselves through :func:`proximal_penalty`). The norm runs over all trainable parameters
-jointly; ``μ = 0`` adds nothing (FedAvg).
-
-The module also holds the linear correction term shared by SCAFFOLD and FedDANE,
-:math:`\langle c, w - w_t\rangle` (gradient ``c``): written relative to ``w_t`` it has the gradient the papers
-ask for and is zero at the global weights, so the client's first-batch loss (seed 004's statistic) is unchanged.
+to every client's objective. Also the helpers other strategies use for their client terms:
+:func:`proximal_penalty`, :func:`linear_correction` (SCAFFOLD's and FedDANE's ``⟨c, w − w_t⟩``),
+:func:`global_anchors`, :func:`split_like`.
 """
 
 from __future__ import annotations
@@ -37,7 +28,12 @@ def proximal_penalty(params: Sequence[Tensor], anchors: Sequence[Tensor], mu: fl
 
 
 def linear_correction(params: Sequence[Tensor], anchors: Sequence[Tensor], directions: Sequence[Tensor]) -> Tensor:
-    r""":math:`\sum_j \langle c_j, p_j - a_j\rangle` (gradient ``c``; zero at ``p = a``)."""
+    r""":math:`\sum_j \langle c_j, p_j - a_j\rangle` (gradient ``c``; zero at ``p = a``).
+
+    The module also holds the linear correction term shared by SCAFFOLD and FedDANE,
+    :math:`\langle c, w - w_t\rangle` (gradient ``c``): written relative to ``w_t`` it has the gradient the papers
+    ask for and is zero at the global weights, so the client's first-batch loss (seed 004's statistic) is unchanged.
+    """
     return sum((c * (p - a)).sum() for p, a, c in zip(params, anchors, directions))
 
 
@@ -63,7 +59,19 @@ def global_anchors(loop) -> List[Tensor]:
 
 
 class ProximalTerm(FederatedCallback):
-    """Adds FedProx's ``μ/2·‖w − w_t‖²`` to every client's objective.
+    r"""Adds FedProx's ``μ/2·‖w − w_t‖²`` to every client's objective.
+
+    Every participating client minimises its loss plus a proximal penalty towards the round's global weights:
+
+    .. math::
+        h_i(w) = f_i(w) + \frac{\mu}{2}\,\lVert w - w_t \rVert^2 ,
+        \qquad \nabla h_i(w) = \nabla f_i(w) + \mu\,(w - w_t)
+
+    (the local step of FedProx's reference code, ``w <- w - η [∇f(w; batch) + μ (w − w_t)]``). The term is a
+    *client-objective* part: it composes with any server strategy (FedAvg → FedProx; FedExP → the FedExP reference
+    code's "fedprox(exp)"; :class:`~fedlightning.callbacks.FedExProx` and :class:`~fedlightning.callbacks.FedDANE`
+    add the same term themselves through :func:`proximal_penalty`). The norm runs over all trainable parameters
+    jointly; ``μ = 0`` adds nothing (FedAvg).
 
     Args:
         mu: proximal coefficient ``μ ≥ 0``. No default: FedProx tunes it per data set (Li et al. 2020 use

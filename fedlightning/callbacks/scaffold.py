@@ -1,35 +1,9 @@
-r"""SCAFFOLD with option-II control variates (Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for
-Federated Learning", ICML 2020, Alg. 1).
+"""SCAFFOLD with option-II control variates (Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for
+Federated Learning", ICML 2020, Alg. 1): :class:`Scaffold`.
 
-Server control variate ``c``, client control variates ``c_i`` (both start at 0). Client ``i`` in ``S_t`` runs its
-local steps on the corrected gradient ``g_i(y) − c_i + c``, i.e. on the objective
-
-.. math::
-    f_i(y) + \langle c - c_i,\; y - w_t\rangle ,
-
-then updates (option II, with ``Δ_i = w_t − y_i`` and the local step sizes ``η_{i,k}``)
-
-.. math::
-    c_i^+ = c_i - c + \frac{\Delta_i}{\sum_k \eta_{i,k}}
-    \qquad(\text{the paper's } c_i - c + \tfrac{1}{K\eta_l}(x - y_i) \text{ for a constant } \eta_l).
-
-Server: ``w_{t+1} = w_t − η_g · mean_{i∈S_t} Δ_i`` and ``c ← c + (1/N) Σ_{i∈S_t} (c_i^+ − c_i)`` with ``N`` the
-total number of clients.
-
-Decisions:
-
-* The correction is written as ``⟨c − c_i, y − w_t⟩``: the gradient the paper prescribes, and zero at ``w_t`` so
-  the reported first-batch loss is the plain loss.
-* ``Σ_k η_{i,k}`` is the sum of the step sizes the client actually took (``ClientUpdate.step_sizes``, which
-  includes any per-round lr scale): it equals ``K η_l`` for constant-lr SGD and extends option II to adaptive
-  client optimizers (ours).
-* Weighting: uniform mean of the client deltas (``weighting="uniform"``, the paper); ``"samples"`` is offered.
-* Only healthy clients update ``c_i``; a failed client keeps its old control variate and contributes nothing.
-* Storage: ``c_i`` lives in ``loop.client_state`` (namespace ``"scaffold"``, checkpointed by the loop), one
-  model-sized vector per client that has participated; ``c`` is this strategy's checkpointed state.
-* Option I (``c_i^+`` = gradient at ``w_t`` on fresh data) is not implemented.
-
-Logged: ``server/control_norm`` (‖c‖) and ``server/control_delta_norm`` (‖(1/N)Σ(c_i^+ − c_i)‖).
+Client ``i`` runs its local steps on ``f_i(y) + ⟨c − c_i, y − w_t⟩`` and updates its control variate
+``c_i^+ = c_i − c + Δ_i / Σ_k η_{i,k}``; the server averages the deltas and moves ``c`` by
+``(1/N) Σ (c_i^+ − c_i)``. The formulas and the decisions are in :class:`Scaffold`'s docstring.
 """
 
 from __future__ import annotations
@@ -50,7 +24,37 @@ NAMESPACE = "scaffold"
 
 
 class Scaffold(ServerStrategy):
-    """SCAFFOLD, option II (see the module docstring).
+    r"""SCAFFOLD, option II.
+
+    Server control variate ``c``, client control variates ``c_i`` (both start at 0). Client ``i`` in ``S_t`` runs its
+    local steps on the corrected gradient ``g_i(y) − c_i + c``, i.e. on the objective
+
+    .. math::
+        f_i(y) + \langle c - c_i,\; y - w_t\rangle ,
+
+    then updates (option II, with ``Δ_i = w_t − y_i`` and the local step sizes ``η_{i,k}``)
+
+    .. math::
+        c_i^+ = c_i - c + \frac{\Delta_i}{\sum_k \eta_{i,k}}
+        \qquad(\text{the paper's } c_i - c + \tfrac{1}{K\eta_l}(x - y_i) \text{ for a constant } \eta_l).
+
+    Server: ``w_{t+1} = w_t − η_g · mean_{i∈S_t} Δ_i`` and ``c ← c + (1/N) Σ_{i∈S_t} (c_i^+ − c_i)`` with ``N`` the
+    total number of clients.
+
+    Decisions:
+
+    * The correction is written as ``⟨c − c_i, y − w_t⟩``: the gradient the paper prescribes, and zero at ``w_t`` so
+      the reported first-batch loss is the plain loss.
+    * ``Σ_k η_{i,k}`` is the sum of the step sizes the client actually took (``ClientUpdate.step_sizes``, which
+      includes any per-round lr scale): it equals ``K η_l`` for constant-lr SGD and extends option II to adaptive
+      client optimizers (ours).
+    * Weighting: uniform mean of the client deltas (``weighting="uniform"``, the paper); ``"samples"`` is offered.
+    * Only healthy clients update ``c_i``; a failed client keeps its old control variate and contributes nothing.
+    * Storage: ``c_i`` lives in ``loop.client_state`` (namespace ``"scaffold"``, checkpointed by the loop), one
+      model-sized vector per client that has participated; ``c`` is this strategy's checkpointed state.
+    * Option I (``c_i^+`` = gradient at ``w_t`` on fresh data) is not implemented.
+
+    Logged: ``server/control_norm`` (‖c‖) and ``server/control_delta_norm`` (‖(1/N)Σ(c_i^+ − c_i)‖).
 
     Args:
         server_lr: global step size ``η_g`` (default 1.0, Karimireddy et al.'s experiments).

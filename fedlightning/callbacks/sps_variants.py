@@ -3,47 +3,9 @@ Federated Learning" (seed 001, App. D.1 Algorithm 2 and App. D.2 Algorithm 3). P
 strategy of their own: they are :class:`~fedlightning.optim.SPS` / :class:`~fedlightning.optim.DecSPS` clients with
 ``FedAvg(weighting="uniform")`` (``configs/fedsps.yaml``, ``configs/feddecsps.yaml``).
 
-**FedSPS-Normalized** (App. D.1). Clients run FedSPS (local SPS steps); client :math:`j` keeps the normalization
-factor :math:`\nu^j = \sum_k \gamma^j_k`, the sum of its local step sizes in the round, and the server aggregates
-with the factors. Two readings of Algorithm 2, ``reading=``:
-
-* ``"weighted_models"`` (default; Algorithm 2 as written): a weighted average of the client models with weights
-  :math:`1/\nu^j`,
-
-  .. math:: x_{t+1} = \frac{\sum_j x^j/\nu^j}{\sum_j 1/\nu^j}
-            \iff \Delta = \frac{\sum_j \Delta_j/\nu^j}{\sum_j 1/\nu^j} \quad (\Delta_j = x_t - x^j);
-
-* ``"fednova"`` (the prose: "pseudo-gradients normalized by the client and server normalization factors", the
-  FedNova form of Wang et al. 2020): :math:`\Delta = \big(\tfrac1n\sum_j \nu^j\big)\cdot\tfrac1n\sum_j \Delta_j/\nu^j`.
-
-Decisions (ours): :math:`\nu^j` includes the step size of the round's last local step (Algorithm 2 as typeset
-adds :math:`\gamma_t^j` only on non-communication steps, which would make :math:`\nu^j = 0` for :math:`\tau = 1`) and
-starts at 0 each round; it is the sum of the finite ``ClientUpdate.step_sizes``. A client whose factor is not
-positive (it did not move in the whole round) has no direction to normalize: it is marked failed (the loop leaves it
-out with a warning). Float buffers (BatchNorm statistics) are averaged with the same weights :math:`1/\nu^j`. The
-paper finds no practical advantage over FedSPS (Fig. 6).
-
-**FedSPS-Global** (App. D.2, Algorithm 3). One step size :math:`\gamma` is shared by all clients and all local steps
-of a round (plain SGD steps :math:`x \leftarrow x - \gamma g`); at each communication step it is recomputed from the
-clients' last local step (loss :math:`F_j` and gradient :math:`g_j` at the point where that step was taken) and used
-in the NEXT round:
-
-* ``aggregation="mean_of_steps"`` (default; Eq. 41, the paper's choice (a)):
-  :math:`\gamma \leftarrow \frac1n\sum_j \min\{(F_j - \ell^*)/(c\|g_j\|^2),\ \gamma_b\}`;
-* ``aggregation="ratio_of_means"`` (choice (b)):
-  :math:`\gamma \leftarrow \min\{\frac1n\sum_j (F_j - \ell^*) / (c\cdot\frac1n\sum_j\|g_j\|^2),\ \gamma_b\}`.
-
-(Choice (c), with the norm of the averaged gradient, "explodes in practice" per the paper and needs model-sized
-uploads; it is not offered.) The initial :math:`\gamma_0` is, as in the paper, client 0's local SPS step at
-iteration 0: the first client of the first round's sample, evaluated at the global model on its first mini-batch
-(the same batch and dropout seed its first local step uses), unless ``initial_step_size`` is given. Clients must use
-``SPS(fixed_step_size=1.0)``: SPS in fixed-step mode applies ``fixed_step_size × client_lr_scale``
-(:meth:`~fedlightning.optim.SPS.scale_step`) and measures the SPS quantities of every step; this strategy multiplies the round's ``plan.client_lr_scale`` by :math:`\gamma` in ``on_round_start`` and reads
-the last step's loss and :math:`\|g\|^2` from ``update.payload`` (``SPS.client_report``). :math:`c`,
-:math:`\gamma_b`, :math:`\ell^*` are this strategy's arguments (the client optimizer's own values only affect its
-telemetry). :math:`\gamma` is checkpointed with the strategy. Clients weigh uniformly and the server has no learning
-rate (Algorithm 3). Degenerate client values: :math:`\max(F_j-\ell^*, 0)` in the numerator, and a zero gradient
-counts as :math:`\gamma_b` in (a) (the limit of the min).
+:class:`FedSPSNormalized` aggregates with the clients' normalization factors :math:`\nu^j = \sum_k \gamma^j_k`
+(two readings of Algorithm 2); :class:`FedSPSGlobal` shares one SPS step size per round across all clients. The
+formulas and decisions are in the two classes' docstrings.
 """
 
 from __future__ import annotations
@@ -72,10 +34,30 @@ def normalization_factor(update: ClientUpdate) -> float:
 
 
 class FedSPSNormalized(ServerStrategy):
-    """FedSPS-Normalized (seed 001, App. D.1): aggregation normalized by the clients' summed step sizes.
+    r"""FedSPS-Normalized (seed 001, App. D.1): aggregation normalized by the clients' summed step sizes.
+
+    **FedSPS-Normalized** (App. D.1). Clients run FedSPS (local SPS steps); client :math:`j` keeps the normalization
+    factor :math:`\nu^j = \sum_k \gamma^j_k`, the sum of its local step sizes in the round, and the server aggregates
+    with the factors. Two readings of Algorithm 2, ``reading=``:
+
+    * ``"weighted_models"`` (default; Algorithm 2 as written): a weighted average of the client models with weights
+      :math:`1/\nu^j`,
+
+      .. math:: x_{t+1} = \frac{\sum_j x^j/\nu^j}{\sum_j 1/\nu^j}
+                \iff \Delta = \frac{\sum_j \Delta_j/\nu^j}{\sum_j 1/\nu^j} \quad (\Delta_j = x_t - x^j);
+
+    * ``"fednova"`` (the prose: "pseudo-gradients normalized by the client and server normalization factors", the
+      FedNova form of Wang et al. 2020): :math:`\Delta = \big(\tfrac1n\sum_j \nu^j\big)\cdot\tfrac1n\sum_j \Delta_j/\nu^j`.
+
+    Decisions (ours): :math:`\nu^j` includes the step size of the round's last local step (Algorithm 2 as typeset
+    adds :math:`\gamma_t^j` only on non-communication steps, which would make :math:`\nu^j = 0` for :math:`\tau = 1`) and
+    starts at 0 each round; it is the sum of the finite ``ClientUpdate.step_sizes``. A client whose factor is not
+    positive (it did not move in the whole round) has no direction to normalize: it is marked failed (the loop leaves it
+    out with a warning). Float buffers (BatchNorm statistics) are averaged with the same weights :math:`1/\nu^j`. The
+    paper finds no practical advantage over FedSPS (Fig. 6).
 
     Args:
-        reading: ``"weighted_models"`` (Algorithm 2 as written, default) or ``"fednova"`` (see the module docstring).
+        reading: ``"weighted_models"`` (Algorithm 2 as written, default) or ``"fednova"`` (see above).
     """
 
     def __init__(self, reading: str = "weighted_models"):
@@ -111,14 +93,36 @@ class FedSPSNormalized(ServerStrategy):
 
 
 class FedSPSGlobal(ServerStrategy):
-    """FedSPS-Global (seed 001, App. D.2): one SPS step size per round shared by all clients (module docstring).
+    r"""FedSPS-Global (seed 001, App. D.2): one SPS step size per round shared by all clients.
+
+    **FedSPS-Global** (App. D.2, Algorithm 3). One step size :math:`\gamma` is shared by all clients and all local steps
+    of a round (plain SGD steps :math:`x \leftarrow x - \gamma g`); at each communication step it is recomputed from the
+    clients' last local step (loss :math:`F_j` and gradient :math:`g_j` at the point where that step was taken) and used
+    in the NEXT round:
+
+    * ``aggregation="mean_of_steps"`` (default; Eq. 41, the paper's choice (a)):
+      :math:`\gamma \leftarrow \frac1n\sum_j \min\{(F_j - \ell^*)/(c\|g_j\|^2),\ \gamma_b\}`;
+    * ``aggregation="ratio_of_means"`` (choice (b)):
+      :math:`\gamma \leftarrow \min\{\frac1n\sum_j (F_j - \ell^*) / (c\cdot\frac1n\sum_j\|g_j\|^2),\ \gamma_b\}`.
+
+    (Choice (c), with the norm of the averaged gradient, "explodes in practice" per the paper and needs model-sized
+    uploads; it is not offered.) The initial :math:`\gamma_0` is, as in the paper, client 0's local SPS step at
+    iteration 0: the first client of the first round's sample, evaluated at the global model on its first mini-batch
+    (the same batch and dropout seed its first local step uses), unless ``initial_step_size`` is given. Clients must use
+    ``SPS(fixed_step_size=1.0)``: SPS in fixed-step mode applies ``fixed_step_size × client_lr_scale``
+    (:meth:`~fedlightning.optim.SPS.scale_step`) and measures the SPS quantities of every step; this strategy multiplies the round's ``plan.client_lr_scale`` by :math:`\gamma` in ``on_round_start`` and reads
+    the last step's loss and :math:`\|g\|^2` from ``update.payload`` (``SPS.client_report``). :math:`c`,
+    :math:`\gamma_b`, :math:`\ell^*` are this strategy's arguments (the client optimizer's own values only affect its
+    telemetry). :math:`\gamma` is checkpointed with the strategy. Clients weigh uniformly and the server has no learning
+    rate (Algorithm 3). Degenerate client values: :math:`\max(F_j-\ell^*, 0)` in the numerator, and a zero gradient
+    counts as :math:`\gamma_b` in (a) (the limit of the min).
 
     Args:
         c: SPS constant :math:`c`. Default 0.5 (seed 001).
-        gamma_max: cap :math:`\\gamma_b`. Default 1.0 (seed 001).
-        f_star: lower bound :math:`\\ell^*`. Default 0.0 (seed 001).
+        gamma_max: cap :math:`\gamma_b`. Default 1.0 (seed 001).
+        f_star: lower bound :math:`\ell^*`. Default 0.0 (seed 001).
         aggregation: ``"mean_of_steps"`` (seed 001's choice (a), default) or ``"ratio_of_means"`` (choice (b)).
-        initial_step_size: :math:`\\gamma_0`; None (default) measures client 0's SPS step at iteration 0 (seed 001).
+        initial_step_size: :math:`\gamma_0`; None (default) measures client 0's SPS step at iteration 0 (seed 001).
     """
 
     def __init__(
@@ -139,7 +143,7 @@ class FedSPSGlobal(ServerStrategy):
 
     # ------------------------------------------------------------------ the SPS value of one (loss, ‖g‖²)
     def sps_value(self, loss: float, grad_sq: float) -> float:
-        """:math:`\\min\\{\\max(F-\\ell^*, 0)/(c\\|g\\|^2), \\gamma_b\\}` (0/0 := 0, x/0 := ∞ for x > 0)."""
+        """:math:`\\min\\{\\max(F-\ell^*, 0)/(c\\|g\\|^2), \gamma_b\\}` (0/0 := 0, x/0 := ∞ for x > 0)."""
         return self._capped_ratio(max(loss - self.f_star, 0.0), grad_sq)
 
     def _capped_ratio(self, gap: float, grad_sq: float) -> float:

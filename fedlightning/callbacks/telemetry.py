@@ -1,48 +1,11 @@
-r"""Telemetry callbacks: real training throughput, and the global model's loss/accuracy on a schedule.
+"""Telemetry callbacks: real training throughput, and the global model's loss/accuracy on a schedule.
 
-* :class:`RoundTimer` — host wall-clock per round and throughput (rounds/second)::
+* :class:`RoundTimer` — host wall-clock per round and throughput (``time/*``: round seconds, rounds per second,
+  client steps per second); the simulated wall-clock is :class:`~fedlightning.callbacks.RuntimeModel`'s.
+* :class:`GlobalEvaluation` — the global model's loss (and accuracy) on the training data (``train_eval/*``, the
+  training loss of FedDANE's reference code) or the test data (``test_eval/*``) every ``every_n_rounds`` rounds.
 
-      round_seconds_r = t_end(r) − t_start(r)                    # the whole training_step of round r
-      rounds_per_second = n / Σ_{last n rounds} round_seconds     # n = min(window, rounds so far)
-      client_steps_per_second_r = |S_r| · K_r / round_seconds_r   # healthy clients × local steps
-
-  The *simulated* wall-clock of seed 004 and the cumulative SGD steps ``Σ_r K_r`` are logged by
-  :class:`~fedlightning.callbacks.RuntimeModel` (``runtime/*``); this callback does not repeat them.
-
-* :class:`GlobalEvaluation` — the global model's loss (and accuracy) on the *training* data (``split="train"``) or
-  the test data (``split="test"``) every ``every_n_rounds`` rounds::
-
-      <split>_eval/loss = Σ_j ℓ(w_{t+1}; x_j, y_j) / N        # over the N examples of the split (or a fixed subset)
-      <split>_eval/acc  = #{j : argmax f(w_{t+1}; x_j) = y_j} / N
-
-  The papers use two definitions of "training loss": seed 000/001/002 report the mean of the losses the
-  participating clients report (the FederatedLoop's ``train/loss``), seed 003's reference code evaluates
-  ``Σ_k n_k F_k(w) / Σ_k n_k`` on all devices every round, which is ``train_eval/loss`` here (over the union of the
-  clients' index arrays: the training set without its validation split), computed here on a schedule.
-  Lightning's validation loop evaluates the validation split (``val/*``), and the CLI's test after fit the
-  test set (``test/*``); ``split="test"`` with ``max_samples`` is the cheap way to follow a large test set during
-  training (e.g. Shakespeare's ~785k windows) on a fixed random subset.
-
-Decisions (ours):
-
-* ``RoundTimer`` measures from Lightning's ``on_train_batch_start`` to ``on_train_batch_end`` of the round, i.e.
-  client training, the server step, every ``on_round_end`` callback and the loop's own logging; validation and
-  checkpointing, which Lightning runs after ``on_train_batch_end``, are excluded. ``time/train_seconds`` (the sum of
-  the round times) and the round count are checkpointed, so a resumed run continues the totals; the moving window
-  of ``rounds_per_second`` restarts with the process. Default window: 10 rounds.
-* The client-step count uses ``round/clients`` (healthy clients, reduced over all processes) times the round's
-  ``K_r``, as :class:`RuntimeModel` counts ``runtime/client_sgd_steps``.
-* ``GlobalEvaluation`` evaluates after the server step of round ``r`` (0-based) when
-  ``(r + 1) % every_n_rounds == 0`` and logs at the same step as that round's ``train/loss``. The values go to the
-  loggers directly (and into ``trainer.callback_metrics``), not through ``LightningModule.log``, because Lightning
-  re-logs the last value of a step metric at every later step, which would repeat stale values between
-  evaluations.
-  For a :class:`~fedlightning.models.Classifier` the loss is the exact per-target mean (``ignore_index`` targets
-  excluded, sequence outputs flattened) and accuracy is logged too; for any other LightningModule the loss is the
-  batch-size-weighted mean of its ``training_step`` loss (its ``self.log`` calls are discarded) and no accuracy is
-  logged. The model is put in ``eval()`` mode (no dropout, BatchNorm running statistics used) and restored.
-  ``max_samples`` evaluates a fixed random subset drawn once with ``seed``; default: all training examples.
-  With several processes every process evaluates the same data (identical values, no communication).
+Formulas and decisions are in the two classes' docstrings.
 """
 
 from __future__ import annotations
@@ -65,13 +28,32 @@ __all__ = ["RoundTimer", "GlobalEvaluation"]
 
 
 class RoundTimer(FederatedCallback):
-    """Host wall-clock per round and training throughput (see the module docstring).
+    """Host wall-clock per round and training throughput.
+
+    Host wall-clock per round and throughput (rounds/second)::
+
+        round_seconds_r = t_end(r) − t_start(r)                    # the whole training_step of round r
+        rounds_per_second = n / Σ_{last n rounds} round_seconds     # n = min(window, rounds so far)
+        client_steps_per_second_r = |S_r| · K_r / round_seconds_r   # healthy clients × local steps
+
+    The *simulated* wall-clock of seed 004 and the cumulative SGD steps ``Σ_r K_r`` are logged by
+    :class:`~fedlightning.callbacks.RuntimeModel` (``runtime/*``); this callback does not repeat them.
 
     Args:
         window: number of recent rounds averaged in ``time/rounds_per_second`` (default 10, ours).
 
     Logged per round: ``time/round_seconds``, ``time/train_seconds`` (cumulative), ``time/rounds_per_second``
     (moving average over ``window`` rounds), ``time/client_steps_per_second`` (this round).
+
+    Decisions (ours):
+
+    * ``RoundTimer`` measures from Lightning's ``on_train_batch_start`` to ``on_train_batch_end`` of the round, i.e.
+      client training, the server step, every ``on_round_end`` callback and the loop's own logging; validation and
+      checkpointing, which Lightning runs after ``on_train_batch_end``, are excluded. ``time/train_seconds`` (the sum of
+      the round times) and the round count are checkpointed, so a resumed run continues the totals; the moving window
+      of ``rounds_per_second`` restarts with the process. Default window: 10 rounds.
+    * The client-step count uses ``round/clients`` (healthy clients, reduced over all processes) times the round's
+      ``K_r``, as :class:`RuntimeModel` counts ``runtime/client_sgd_steps``.
     """
 
     #: the clock (seconds); replace on an instance to test with a deterministic clock
@@ -126,6 +108,20 @@ class RoundTimer(FederatedCallback):
 class GlobalEvaluation(FederatedCallback):
     """The global model's loss (and accuracy) on the training or test data, every ``every_n_rounds`` rounds.
 
+    The global model's loss (and accuracy) on the *training* data (``split="train"``) or
+    the test data (``split="test"``) every ``every_n_rounds`` rounds::
+
+        <split>_eval/loss = Σ_j ℓ(w_{t+1}; x_j, y_j) / N        # over the N examples of the split (or a fixed subset)
+        <split>_eval/acc  = #{j : argmax f(w_{t+1}; x_j) = y_j} / N
+
+    The papers use two definitions of "training loss": seed 000/001/002 report the mean of the losses the
+    participating clients report (the FederatedLoop's ``train/loss``), seed 003's reference code evaluates
+    ``Σ_k n_k F_k(w) / Σ_k n_k`` on all devices every round, which is ``train_eval/loss`` here (over the union of the
+    clients' index arrays: the training set without its validation split), computed here on a schedule.
+    Lightning's validation loop evaluates the validation split (``val/*``), and the CLI's test after fit the
+    test set (``test/*``); ``split="test"`` with ``max_samples`` is the cheap way to follow a large test set during
+    training (e.g. Shakespeare's ~785k windows) on a fixed random subset.
+
     Args:
         split: ``"train"`` (default: the union of the clients' data, ``dm.training_rows()``, which excludes the
             validation split), ``"val"`` (the validation split, ``dm.val_indices``) or ``"test"``.
@@ -135,6 +131,20 @@ class GlobalEvaluation(FederatedCallback):
         batch_size: evaluation batch size (None: the data module's ``eval_batch_size``).
 
     Logged: ``<split>_eval/loss`` and, for :class:`~fedlightning.models.Classifier` models, ``<split>_eval/acc``.
+
+    Decisions (ours):
+
+    * ``GlobalEvaluation`` evaluates after the server step of round ``r`` (0-based) when
+      ``(r + 1) % every_n_rounds == 0`` and logs at the same step as that round's ``train/loss``. The values go to the
+      loggers directly (and into ``trainer.callback_metrics``), not through ``LightningModule.log``, because Lightning
+      re-logs the last value of a step metric at every later step, which would repeat stale values between
+      evaluations.
+      For a :class:`~fedlightning.models.Classifier` the loss is the exact per-target mean (``ignore_index`` targets
+      excluded, sequence outputs flattened) and accuracy is logged too; for any other LightningModule the loss is the
+      batch-size-weighted mean of its ``training_step`` loss (its ``self.log`` calls are discarded) and no accuracy is
+      logged. The model is put in ``eval()`` mode (no dropout, BatchNorm running statistics used) and restored.
+      ``max_samples`` evaluates a fixed random subset drawn once with ``seed``; default: all training examples.
+      With several processes every process evaluates the same data (identical values, no communication).
     """
 
     def __init__(
