@@ -1,32 +1,11 @@
 """Atomic checkpoint writing, and one clear error for every checkpoint that cannot resume a run.
 
-**Atomic writes.** Lightning's default checkpoint IO writes the file in place: a process killed during
-``save_checkpoint`` leaves a truncated file that replaces the previous good one. :class:`AtomicCheckpointIO` writes
-to a temporary file in the same directory, flushes it to disk, then ``os.replace``s it over the target (atomic on
-POSIX), so a checkpoint path always holds either the old or the new complete checkpoint. The FederatedCLI installs
-it by default.
-
-**Checking a checkpoint before Lightning reads it.** :func:`check_checkpoint` opens a file and raises one
-:class:`CheckpointError` (a ``ValueError``) whose message starts with ``checkpoint <path>:`` and names the problem:
-
-* the file does not exist, is a directory, or is empty;
-* ``torch.load`` cannot read it (truncated, random bytes, another format): "corrupt, truncated or not a checkpoint";
-* it is not a Lightning checkpoint (no ``state_dict`` mapping);
-* it is a Lightning checkpoint of another LightningModule (no ``fedlightning`` section, which
-  :meth:`~fedlightning.FederatedLoop.on_save_checkpoint` writes) or of an unknown ``fedlightning`` format;
-* with ``model=``: its ``state_dict`` does not fit the model (missing / unexpected keys, different shapes: another
-  architecture), listing up to 5 of each (ours).
-
-The file is loaded with ``weights_only=False``, exactly as :class:`AtomicCheckpointIO` (and so the Trainer) loads it
-afterwards: only hand the CLI checkpoints you trust. Remote paths (``scheme://``) are not checked here (ours: opening
-them costs a download); Lightning reads them as usual.
-
-**Stored configuration.** :class:`StoreConfigCallback` adds the run's resolved CLI configuration to every checkpoint
-under the top-level key ``fedlightning_config`` (the key :data:`CONFIG_KEY`); :func:`config_differences` lists the
-settings that decide the training trajectory (``model``, ``data``, ``seed_everything`` and the non-Lightning
-``trainer.callbacks``: strategies, schedules, telemetry) in which two such configurations differ. Every other
-``trainer`` setting (``max_steps`` included: extending a run is normal; devices, logger, validation interval) is
-not compared (ours).
+* :class:`AtomicCheckpointIO`: write to a temporary file, then ``os.replace`` it over the target, so a checkpoint
+  path always holds either the old or the new complete checkpoint (the FederatedCLI installs it by default).
+* :func:`check_checkpoint`: one :class:`CheckpointError` (``checkpoint <path>: ...``) naming why a file cannot be
+  used (missing, empty, corrupt, not a FederatedLoop checkpoint, weights that do not fit the model).
+* :class:`StoreConfigCallback` / :func:`config_differences`: the run's resolved CLI configuration stored in every
+  checkpoint (``CONFIG_KEY``) and the training-relevant settings in which two configurations differ.
 """
 
 from __future__ import annotations
@@ -62,6 +41,15 @@ class CheckpointError(ValueError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO with atomic writes.
+
+    **Atomic writes.** Lightning's default checkpoint IO writes the file in place: a process killed during
+    ``save_checkpoint`` leaves a truncated file that replaces the previous good one. :class:`AtomicCheckpointIO` writes
+    to a temporary file in the same directory, flushes it to disk, then ``os.replace``s it over the target (atomic on
+    POSIX), so a checkpoint path always holds either the old or the new complete checkpoint. The FederatedCLI installs
+    it by default.
+    """
+
     def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
         path = os.fspath(path)
         if "://" in path:  # remote file systems: fall back to Lightning's writer
@@ -105,8 +93,24 @@ def _listed(items: List[str]) -> str:
 
 def check_checkpoint(path, model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
     """Load ``path`` on the CPU and return the checkpoint, or raise :class:`CheckpointError` naming the problem
-    (see the module docstring). With ``model`` (the :class:`~fedlightning.FederatedLoop` the run will load it into),
-    the checkpoint's ``state_dict`` must have exactly the model's keys and shapes."""
+    (listed below). With ``model`` (the :class:`~fedlightning.FederatedLoop` the run will load it into),
+    the checkpoint's ``state_dict`` must have exactly the model's keys and shapes.
+
+    **Checking a checkpoint before Lightning reads it.** :func:`check_checkpoint` opens a file and raises one
+    :class:`CheckpointError` (a ``ValueError``) whose message starts with ``checkpoint <path>:`` and names the problem:
+
+    * the file does not exist, is a directory, or is empty;
+    * ``torch.load`` cannot read it (truncated, random bytes, another format): "corrupt, truncated or not a checkpoint";
+    * it is not a Lightning checkpoint (no ``state_dict`` mapping);
+    * it is a Lightning checkpoint of another LightningModule (no ``fedlightning`` section, which
+      :meth:`~fedlightning.FederatedLoop.on_save_checkpoint` writes) or of an unknown ``fedlightning`` format;
+    * with ``model=``: its ``state_dict`` does not fit the model (missing / unexpected keys, different shapes: another
+      architecture), listing up to 5 of each (ours).
+
+    The file is loaded with ``weights_only=False``, exactly as :class:`AtomicCheckpointIO` (and so the Trainer) loads it
+    afterwards: only hand the CLI checkpoints you trust. Remote paths (``scheme://``) are not checked here (ours: opening
+    them costs a download); Lightning reads them as usual.
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(path, "file not found")
@@ -195,7 +199,15 @@ def _compared(config: Mapping[str, Any]) -> Dict[str, Any]:
 
 
 def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
-    """``"key: checkpoint <a> -> now <b>"`` for every compared setting (see the module docstring) that differs."""
+    """``"key: checkpoint <a> -> now <b>"`` for every compared setting that differs.
+
+    **Stored configuration.** :class:`StoreConfigCallback` adds the run's resolved CLI configuration to every checkpoint
+    under the top-level key ``fedlightning_config`` (the key :data:`CONFIG_KEY`); :func:`config_differences` lists the
+    settings that decide the training trajectory (``model``, ``data``, ``seed_everything`` and the non-Lightning
+    ``trainer.callbacks``: strategies, schedules, telemetry) in which two such configurations differ. Every other
+    ``trainer`` setting (``max_steps`` included: extending a run is normal; devices, logger, validation interval) is
+    not compared (ours).
+    """
     a, b = _compared(saved), _compared(current)
     missing = object()
     lines = []

@@ -8,39 +8,9 @@
 * Weights & Biases runs offline unless the user configured it (``WANDB_MODE`` or an API key / ``wandb login``),
   so no run ever blocks on the network (the default is set when ``fedlightning`` is imported, see its docstring).
 
-Decisions this module makes (all ours unless a source is named):
-
-* **No LightningCLI optimizer options.** LightningCLI's ``--optimizer`` / ``--lr_scheduler`` would replace the
-  FederatedLoop's ``configure_optimizers`` — the *server* step of the strategy — and silently turn FedAvg into,
-  e.g., an Adam server step. The options are kept in the parser only to refuse them (command line, config file or
-  environment alike) with an error pointing to ``model.client_optimizer`` and the strategy callbacks in
-  ``trainer.callbacks`` (``auto_configure_optimizers=False``).
-* **Checkpoints are checked before Lightning reads them** (:func:`fedlightning.checkpoint.check_checkpoint`): a file
-  given to ``--ckpt_path`` right after parsing (missing, empty, truncated, not a checkpoint, a checkpoint of another
-  LightningModule); after the model is built, also that its weights fit the model. LightningCLI's own reading of
-  hyper-parameters from the checkpoint is skipped: a FederatedLoop saves none (the config defines the run).
-* **One version directory per run.** The ``last.ckpt`` checkpoint the CLI adds goes into the logger's version
-  directory ``<save_dir>/<name>/<version>/checkpoints`` (Lightning's default for a ``ModelCheckpoint`` without
-  ``dirpath``), or ``<default_root_dir>/checkpoints/version_<N>`` without a logger (next free ``N``).
-* **``--ckpt_path last``** is the newest (file modification time) ``last.ckpt`` among this config's runs:
-  ``<save_dir>/<name>/*/checkpoints/`` (and ``<save_dir>/<name>/checkpoints/``, the pre-version layout), without a
-  logger ``<default_root_dir>/checkpoints/`` and its ``version_*`` folders, plus the ``dirpath`` of every configured
-  ``ModelCheckpoint``. The file resumed is named in one log line. With none, the run starts from round 0 with a
-  warning (Lightning's behaviour for ``last``, kept so a restart script can always pass ``--ckpt_path last``).
-  ``--ckpt_path best`` is the ``best_model_path`` recorded in that newest ``last.ckpt`` by a ``ModelCheckpoint``
-  with a ``monitor``; without one it is an error. ``hpc``, registry names and remote URLs go to Lightning as given.
-* **Resuming with other settings is refused.** Every checkpoint stores the run's resolved config
-  (:class:`~fedlightning.checkpoint.StoreConfigCallback`); ``fit --ckpt_path X`` compares it with the new run's
-  (:func:`~fedlightning.checkpoint.config_differences`: model, data, seeds, strategy / schedule callbacks; not
-  ``trainer.max_steps``) and, when they differ, lists the differences and stops unless ``--resume_mismatch=allow``
-  (then they are listed as a warning). ``validate`` / ``test`` / ``predict`` do not compare settings (evaluating a
-  checkpoint on other data is their purpose), only that the weights fit the model.
-* **One clear last line for configuration errors** (:func:`main`): a ``ValueError`` / ``TypeError`` raised by
-  fedlightning's code, or by the constructor of a class the config names, is printed as
-  ``error: <config key>: <message>`` (the original exception, found through jsonargparse's wrapping via
-  ``__cause__`` / ``__context__``; the key when the message names exactly one argument of that class) with exit
-  code 1. ``FEDLIGHTNING_TRACEBACK=1`` prints the full traceback instead. An error after the first round of the
-  process trained keeps its traceback (it is rarely a configuration error, and re-running to see it is expensive).
+:class:`FederatedCLI`'s docstring lists its decisions (no LightningCLI optimizer options, checkpoint checks, one
+version directory per run, ``--ckpt_path last`` / ``best``, refusing to resume with other settings); :func:`main`'s
+the one-line configuration errors.
 """
 
 from __future__ import annotations
@@ -83,7 +53,35 @@ class _RoundsRun(Callback):
 
 
 class FederatedCLI(LightningCLI):
-    """LightningCLI with federated defaults (the decisions are listed in the module docstring).
+    """LightningCLI with federated defaults.
+
+    Decisions this module makes (all ours unless a source is named):
+
+    * **No LightningCLI optimizer options.** LightningCLI's ``--optimizer`` / ``--lr_scheduler`` would replace the
+      FederatedLoop's ``configure_optimizers`` — the *server* step of the strategy — and silently turn FedAvg into,
+      e.g., an Adam server step. The options are kept in the parser only to refuse them (command line, config file or
+      environment alike) with an error pointing to ``model.client_optimizer`` and the strategy callbacks in
+      ``trainer.callbacks`` (``auto_configure_optimizers=False``).
+    * **Checkpoints are checked before Lightning reads them** (:func:`fedlightning.checkpoint.check_checkpoint`): a file
+      given to ``--ckpt_path`` right after parsing (missing, empty, truncated, not a checkpoint, a checkpoint of another
+      LightningModule); after the model is built, also that its weights fit the model. LightningCLI's own reading of
+      hyper-parameters from the checkpoint is skipped: a FederatedLoop saves none (the config defines the run).
+    * **One version directory per run.** The ``last.ckpt`` checkpoint the CLI adds goes into the logger's version
+      directory ``<save_dir>/<name>/<version>/checkpoints`` (Lightning's default for a ``ModelCheckpoint`` without
+      ``dirpath``), or ``<default_root_dir>/checkpoints/version_<N>`` without a logger (next free ``N``).
+    * **``--ckpt_path last``** is the newest (file modification time) ``last.ckpt`` among this config's runs:
+      ``<save_dir>/<name>/*/checkpoints/`` (and ``<save_dir>/<name>/checkpoints/``, the pre-version layout), without a
+      logger ``<default_root_dir>/checkpoints/`` and its ``version_*`` folders, plus the ``dirpath`` of every configured
+      ``ModelCheckpoint``. The file resumed is named in one log line. With none, the run starts from round 0 with a
+      warning (Lightning's behaviour for ``last``, kept so a restart script can always pass ``--ckpt_path last``).
+      ``--ckpt_path best`` is the ``best_model_path`` recorded in that newest ``last.ckpt`` by a ``ModelCheckpoint``
+      with a ``monitor``; without one it is an error. ``hpc``, registry names and remote URLs go to Lightning as given.
+    * **Resuming with other settings is refused.** Every checkpoint stores the run's resolved config
+      (:class:`~fedlightning.checkpoint.StoreConfigCallback`); ``fit --ckpt_path X`` compares it with the new run's
+      (:func:`~fedlightning.checkpoint.config_differences`: model, data, seeds, strategy / schedule callbacks; not
+      ``trainer.max_steps``) and, when they differ, lists the differences and stops unless ``--resume_mismatch=allow``
+      (then they are listed as a warning). ``validate`` / ``test`` / ``predict`` do not compare settings (evaluating a
+      checkpoint on other data is their purpose), only that the weights fit the model.
 
     * checkpoints are written atomically (:class:`~fedlightning.checkpoint.AtomicCheckpointIO`) unless the config
       sets ``trainer.plugins``;
@@ -471,9 +469,17 @@ def _config_error_line(err: BaseException, config: Dict[str, Any]) -> Optional[s
 
 
 def main(args: Optional[List[str]] = None, run: bool = True) -> FederatedCLI:
-    """Run the CLI (``train.py``). A configuration error (see the module docstring) prints its details and a last
+    """Run the CLI (``train.py``). A configuration error (see below) prints its details and a last
     line ``error: ...`` to stderr and raises ``SystemExit(1)`` (its ``__cause__`` is the original exception), unless
-    the environment variable ``FEDLIGHTNING_TRACEBACK`` is set to a non-empty value other than ``0``."""
+    the environment variable ``FEDLIGHTNING_TRACEBACK`` is set to a non-empty value other than ``0``.
+
+    * **One clear last line for configuration errors** (ours): a ``ValueError`` / ``TypeError`` raised by
+      fedlightning's code, or by the constructor of a class the config names, is printed as
+      ``error: <config key>: <message>`` (the original exception, found through jsonargparse's wrapping via
+      ``__cause__`` / ``__context__``; the key when the message names exactly one argument of that class) with exit
+      code 1. ``FEDLIGHTNING_TRACEBACK=1`` prints the full traceback instead. An error after the first round of the
+      process trained keeps its traceback (it is rarely a configuration error, and re-running to see it is expensive).
+    """
     import fedlightning
 
     fedlightning._default_wandb_offline()

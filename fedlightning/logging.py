@@ -1,28 +1,12 @@
 """Experiment logging helpers: the resolved config with every logger, W&B offline runs, W&B sweep files.
 
-**Config logging.** :class:`LogConfigCallback` is LightningCLI's ``SaveConfigCallback`` (which writes
-``config.yaml`` into the log directory) that also hands the full resolved configuration — every default filled
-in, after all ``--config`` files and command-line overrides — to ``log_hyperparams`` of every configured logger:
-W&B stores it as the run config (nested keys such as ``model.local_steps``), CSVLogger and TensorBoardLogger write
-it to their ``hparams.yaml``. For W&B the YAML text is also written into the run's files directory as
-``cli_config.yaml`` (uploaded with the run; the name avoids W&B's own ``config.yaml``), so
-``python train.py fit --config cli_config.yaml`` re-creates a run from its W&B page. The FederatedCLI installs it
-with ``save_config_callback=LogConfigCallback``.
-
-**W&B policy** (the CLI, :func:`fedlightning.cli.main`): W&B runs offline unless the user configured it
-(``WANDB_MODE``, ``WANDB_API_KEY`` or a ``wandb login`` entry in ``~/.netrc``), so a run never waits for the network;
-an offline run is uploaded later with ``wandb sync <run dir>``. :func:`wandb_mode` reports which mode a run will
-use and why. :func:`read_offline_run` reads an offline run's ``.wandb`` file back (history rows, config, summary)
-without network or account — for tests and for post-processing (its docstring says why it is our own reader).
-
-**Sweeps.** ``configs/sweeps/*.yaml`` are W&B sweep files (``wandb sweep configs/sweeps/X.yaml`` then
-``wandb agent <id>``); :mod:`fedlightning.sweep` runs the same files locally (``python -m fedlightning.sweep
-configs/sweeps/X.yaml``: Optuna, resumable, one results table). :func:`load_sweep` checks a file's essentials,
-:func:`sweep_grid` lists the parameter sets of a grid sweep and :func:`agent_command` builds the exact command line
-the W&B agent runs for one parameter set (the agent's macro expansion: ``${env}`` → ``/usr/bin/env``,
-``${interpreter}`` → ``python``, ``${program}`` → the sweep's ``program``, ``${args}`` → ``--name=value`` per
-parameter). ``python -m fedlightning.logging CONFIG.yaml`` only prints the commands of a whole grid, one per line
-(the local runner names, runs and collects them).
+* :class:`LogConfigCallback`: the full resolved configuration handed to every logger (and ``config.yaml``).
+* :func:`wandb_mode`: W&B runs offline unless the user configured it; :func:`read_offline_run` /
+  :func:`find_offline_runs` read an offline run back without network or account.
+* Sweeps: :func:`validate_sweep` / :func:`load_sweep` check a W&B sweep file, :func:`sweep_grid` lists a grid's
+  parameter sets and :func:`agent_command` builds the exact command line the W&B agent runs;
+  :mod:`fedlightning.sweep` runs the same files locally. ``python -m fedlightning.logging CONFIG.yaml`` prints the
+  commands of a whole grid, one per line.
 """
 
 from __future__ import annotations
@@ -68,6 +52,15 @@ def resolved_config(parser, config) -> Dict[str, Any]:
 class LogConfigCallback(SaveConfigCallback):
     """``SaveConfigCallback`` that also logs the resolved config with every logger of the trainer.
 
+    **Config logging.** :class:`LogConfigCallback` is LightningCLI's ``SaveConfigCallback`` (which writes
+    ``config.yaml`` into the log directory) that also hands the full resolved configuration — every default filled
+    in, after all ``--config`` files and command-line overrides — to ``log_hyperparams`` of every configured logger:
+    W&B stores it as the run config (nested keys such as ``model.local_steps``), CSVLogger and TensorBoardLogger write
+    it to their ``hparams.yaml``. For W&B the YAML text is also written into the run's files directory as
+    ``cli_config.yaml`` (uploaded with the run; the name avoids W&B's own ``config.yaml``), so
+    ``python train.py fit --config cli_config.yaml`` re-creates a run from its W&B page. The FederatedCLI installs it
+    with ``save_config_callback=LogConfigCallback``.
+
     Same arguments as Lightning's ``SaveConfigCallback`` (the CLI passes them). Runs on global rank 0 only, once
     per process (Lightning's ``already_saved`` flag).
     """
@@ -99,6 +92,12 @@ def wandb_mode(environ: Optional[Mapping[str, str]] = None, netrc_path: Optional
     ``WANDB_MODE`` wins when set (``online``, ``offline``, ``disabled``, ...). Otherwise a configured account
     (``WANDB_API_KEY`` or an ``api.wandb.ai`` entry in ``~/.netrc``) means ``online``; with neither, the CLI sets
     ``WANDB_MODE=offline``.
+
+    **W&B policy** (the CLI, :func:`fedlightning.cli.main`): W&B runs offline unless the user configured it
+    (``WANDB_MODE``, ``WANDB_API_KEY`` or a ``wandb login`` entry in ``~/.netrc``), so a run never waits for the network;
+    an offline run is uploaded later with ``wandb sync <run dir>``. :func:`wandb_mode` reports which mode a run will
+    use and why. :func:`read_offline_run` reads an offline run's ``.wandb`` file back (history rows, config, summary)
+    without network or account — for tests and for post-processing (its docstring says why it is our own reader).
     """
     env = os.environ if environ is None else environ
     mode = env.get("WANDB_MODE")
@@ -359,6 +358,15 @@ def agent_command(
     omitted and ``True`` ones as bare ``--name``, ``${args_no_equals}``, ``${args_json}`` and the Hydra forms;
     ``${envvar:NAME}`` → the environment variable (``NAME`` itself when unset, as the agent does). Without a
     ``command`` the agent's default ``${env} ${interpreter} ${program} ${args}`` is used.
+
+    **Sweeps.** ``configs/sweeps/*.yaml`` are W&B sweep files (``wandb sweep configs/sweeps/X.yaml`` then
+    ``wandb agent <id>``); :mod:`fedlightning.sweep` runs the same files locally (``python -m fedlightning.sweep
+    configs/sweeps/X.yaml``: Optuna, resumable, one results table). :func:`load_sweep` checks a file's essentials,
+    :func:`sweep_grid` lists the parameter sets of a grid sweep and :func:`agent_command` builds the exact command line
+    the W&B agent runs for one parameter set (the agent's macro expansion: ``${env}`` → ``/usr/bin/env``,
+    ``${interpreter}`` → ``python``, ``${program}`` → the sweep's ``program``, ``${args}`` → ``--name=value`` per
+    parameter). ``python -m fedlightning.logging CONFIG.yaml`` only prints the commands of a whole grid, one per line
+    (the local runner names, runs and collects them).
     """
     command = sweep.get("command") or ["${env}", "${interpreter}", "${program}", "${args}"]
     args, no_hyphens, no_bool, no_equals = [], [], [], []

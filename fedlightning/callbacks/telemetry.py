@@ -30,7 +30,7 @@ __all__ = ["RoundTimer", "GlobalEvaluation"]
 class RoundTimer(FederatedCallback):
     """Host wall-clock per round and training throughput.
 
-    Host wall-clock per round and throughput (rounds/second)::
+    With ``window`` the moving window::
 
         round_seconds_r = t_end(r) − t_start(r)                    # the whole training_step of round r
         rounds_per_second = n / Σ_{last n rounds} round_seconds     # n = min(window, rounds so far)
@@ -108,8 +108,7 @@ class RoundTimer(FederatedCallback):
 class GlobalEvaluation(FederatedCallback):
     """The global model's loss (and accuracy) on the training or test data, every ``every_n_rounds`` rounds.
 
-    The global model's loss (and accuracy) on the *training* data (``split="train"``) or
-    the test data (``split="test"``) every ``every_n_rounds`` rounds::
+    On the *training* data (``split="train"``) or the test data (``split="test"``)::
 
         <split>_eval/loss = Σ_j ℓ(w_{t+1}; x_j, y_j) / N        # over the N examples of the split (or a fixed subset)
         <split>_eval/acc  = #{j : argmax f(w_{t+1}; x_j) = y_j} / N

@@ -1,21 +1,9 @@
-r"""ResNet-18 and ResNet-50 (He et al. 2016) for 32×32 inputs, with GroupNorm by default.
+"""ResNet-18 and ResNet-50 (He et al. 2016) for 32×32 inputs, with GroupNorm by default.
 
-Used by seed 000 (ResNet-18, CIFAR-10/100), seed 001 (ResNet-18 on CIFAR-10, ResNet-50 on CIFAR-100) and seed 002
-(ResNet-18 with BatchNorm replaced by GroupNorm, after Hsieh et al. 2020).
-
-CIFAR form of the network (the standard adaptation for 32×32 images): a 3×3 stride-1 stem convolution with no
-max-pool, four stages of residual blocks with 64/128/256/512 base widths and strides 1/2/2/2, global average pooling,
-one linear layer. ResNet-18 uses basic blocks ``[2, 2, 2, 2]``, ResNet-50 bottleneck blocks ``[3, 4, 6, 3]`` with
-expansion 4.
-
-Normalisation (decision, documented): ``norm="group"`` (default) uses ``GroupNorm(num_groups, C)`` everywhere a
-BatchNorm would be. Default ``num_groups=2``, the FedExP reference code's ``GroupNorm(2, C)`` (seed 000 follows that
-code's setup); seed 002 asks for GroupNorm without a group count. GroupNorm keeps no running statistics, so client
-models have no buffers to average and line-search trial forwards cannot corrupt any (the reason seed 002,
-"Towards Hyper-parameter-free Federated Learning", gives for GroupNorm).
-``norm="batch"`` gives the usual BatchNorm network (its running statistics are buffers, averaged by the loop).
-The head is adaptive average pooling over the whole 4×4 map (not the FedExP code's ``avg_pool2d(out, 3)`` quirk,
-which pools only the top-left 3×3 window).
+Used by "Painless Federated Learning" (seed 000; ResNet-18, CIFAR-10/100), "Locally Adaptive Federated Learning"
+(seed 001; ResNet-18 on CIFAR-10, ResNet-50 on CIFAR-100) and "Towards Hyper-parameter-free Federated Learning"
+(seed 002; ResNet-18 with GroupNorm). The architecture and the normalisation decision are in :class:`ResNet`'s
+docstring.
 """
 
 from __future__ import annotations
@@ -85,7 +73,21 @@ class _Bottleneck(nn.Module):
 
 
 class ResNet(Classifier):
-    """A CIFAR-style ResNet (see the module docstring).
+    """A CIFAR-style ResNet.
+
+    CIFAR form of the network (the standard adaptation for 32×32 images): a 3×3 stride-1 stem convolution with no
+    max-pool, four stages of residual blocks with 64/128/256/512 base widths and strides 1/2/2/2, global average pooling,
+    one linear layer. ResNet-18 uses basic blocks ``[2, 2, 2, 2]``, ResNet-50 bottleneck blocks ``[3, 4, 6, 3]`` with
+    expansion 4.
+
+    Normalisation (decision, documented): ``norm="group"`` (default) uses ``GroupNorm(num_groups, C)`` everywhere a
+    BatchNorm would be. Default ``num_groups=2``, the FedExP reference code's ``GroupNorm(2, C)`` (seed 000 follows that
+    code's setup); seed 002 asks for GroupNorm without a group count. GroupNorm keeps no running statistics, so client
+    models have no buffers to average and line-search trial forwards cannot corrupt any (the reason seed 002,
+    "Towards Hyper-parameter-free Federated Learning", gives for GroupNorm).
+    ``norm="batch"`` gives the usual BatchNorm network (its running statistics are buffers, averaged by the loop).
+    The head is adaptive average pooling over the whole 4×4 map (not the FedExP code's ``avg_pool2d(out, 3)`` quirk,
+    which pools only the top-left 3×3 window).
 
     Args:
         block: ``"basic"`` (ResNet-18/34) or ``"bottleneck"`` (ResNet-50/101).

@@ -11,9 +11,7 @@ the character that follows the window (one target per sample, as in LEAF and see
 * :class:`CharGRU`: seed 004 (Table I): embedding 79→8, two stacked GRU layers of 128 units, softmax output;
   162,887 parameters with PyTorch's GRU (two bias vectors per gate) and a 79-symbol vocabulary, the paper's 5.21 Mb.
 
-``lr`` (used only when a model is trained on its own) defaults to FedProx's tuned Shakespeare rate 0.8 for the LSTM
-and seed 004's η₀ = 0.1 for the GRU. ``vocab_size`` defaults to 80, LEAF's ``ALL_LETTERS`` (see :mod:`fedlightning.datamodules.shakespeare`); seed 004's
-79 is one symbol fewer (its vocabulary is not listed), so ``CharGRU(vocab_size=79)`` reproduces its size exactly.
+The ``lr`` and ``vocab_size`` defaults are in the classes' docstrings.
 """
 
 from __future__ import annotations
@@ -45,7 +43,12 @@ class _CharRNN(Classifier):
 
 
 class CharLSTM(_CharRNN):
-    """LEAF's Shakespeare LSTM: embedding 8, 2×LSTM(256), linear head (819,920 parameters for 80 symbols)."""
+    """LEAF's Shakespeare LSTM: embedding 8, 2×LSTM(256), linear head (819,920 parameters for 80 symbols).
+
+    ``lr`` (used only when a model is trained on its own) defaults to FedProx's tuned Shakespeare rate 0.8 for the LSTM
+    and seed 004's η₀ = 0.1 for the GRU. ``vocab_size`` defaults to 80, LEAF's ``ALL_LETTERS`` (see :mod:`fedlightning.datamodules.shakespeare`); seed 004's
+    79 is one symbol fewer (its vocabulary is not listed), so ``CharGRU(vocab_size=79)`` reproduces its size exactly.
+    """
 
     cell = nn.LSTM
 
@@ -56,7 +59,12 @@ class CharLSTM(_CharRNN):
 
 
 class CharGRU(_CharRNN):
-    """Seed 004's Shakespeare GRU: embedding 8, 2×GRU(128), linear head (162,887 parameters for 79 symbols)."""
+    """Seed 004's Shakespeare GRU: embedding 8, 2×GRU(128), linear head (162,887 parameters for 79 symbols).
+
+    ``lr`` (used only when a model is trained on its own) defaults to FedProx's tuned Shakespeare rate 0.8 for the LSTM
+    and seed 004's η₀ = 0.1 for the GRU. ``vocab_size`` defaults to 80, LEAF's ``ALL_LETTERS`` (see :mod:`fedlightning.datamodules.shakespeare`); seed 004's
+    79 is one symbol fewer (its vocabulary is not listed), so ``CharGRU(vocab_size=79)`` reproduces its size exactly.
+    """
 
     cell = nn.GRU
 
