@@ -1,32 +1,12 @@
-r"""CIFAR-10 / CIFAR-100 (Krizhevsky 2009) as federated data sets: Dirichlet label skew by default, Reddi et al.'s
+"""CIFAR-10 / CIFAR-100 (Krizhevsky 2009) as federated data sets: Dirichlet label skew by default, Reddi et al.'s
 Pachinko split of CIFAR-100 as an option, per-sample augmentation.
 
-Files: the "python version" archives, extracted under ``data_dir``: ``cifar-10-batches-py/{data_batch_1..5,
-test_batch}`` and ``cifar-100-python/{train, test}`` (pickled dicts with ``data`` (N×3072 uint8, channel-major
-32×32 images) and ``labels`` / ``fine_labels`` + ``coarse_labels``). They are read directly (torchvision's own
-loader insists on the official archive checksums); ``download=True`` fetches the archives with torchvision's
-``CIFAR10``/``CIFAR100(download=True)`` first. Without the files and without ``download=True`` a FileNotFoundError
-says where to put them — nothing is downloaded unless asked; when ``download=True`` fails (no network), the
-FileNotFoundError names the download error, the archive's URL and the folder to extract it into.
-
-Augmentation (training images only, per sample): random 32×32 crop of the image zero-padded by 4 pixels, then a
-horizontal flip with probability 1/2 (the standard CIFAR recipe; seed 000 follows FedExP's code, which applies this
-crop + flip, and seed 004 asks for crop + flip). Unlike the FedExP reference code, which transforms a whole batch
-tensor at once (one crop for the batch), every sample gets its own crop and flip. Padding happens before
-normalisation (as torchvision's ``RandomCrop`` on the raw image), so padded pixels are black. Normalisation: per-channel
-mean/std of the training images (CIFAR-10: (0.4914, 0.4822, 0.4465) / (0.2470, 0.2435, 0.2616); CIFAR-100:
-(0.5071, 0.4865, 0.4409) / (0.2673, 0.2564, 0.2762)). Randomness: torch's global generator (seeded by
-``seed_everything`` and, in loader workers, by PyTorch's per-worker seeding), so a fresh run is reproducible; a run
-resumed from a checkpoint draws different crops than the uninterrupted run would have.
-
-CIFAR-100 Pachinko split (:class:`PachinkoPartition`, Reddi et al. 2021, "Adaptive Federated Optimization", App. C;
-the TFF ``cifar100`` federated split, seed 004 uses its 500 clients of 100 images): every client draws a distribution
-over the 20 coarse labels from ``Dir(α)`` (α = 0.1) and, for each coarse label, a distribution over its 5 fine labels
-from ``Dir(β)`` (β = 10). Each of its samples then draws a coarse label, a fine label within it, and the next unused
-image of that fine label. When a fine label runs out of images it is removed for all later draws (the client's
-distributions are renormalised over the labels that remain), and likewise a coarse label whose fine labels are all
-used up. Clients receive ``len(train) // num_clients`` images (the first ``len % num_clients`` one more), so the split
-covers the training set (500 clients → 100 images each).
+* :func:`read_cifar`: the "python version" archives under ``data_dir`` (``download=True`` fetches them; otherwise
+  a FileNotFoundError says where to put them).
+* :class:`CifarImages`: per-sample random crop (padding 4) + horizontal flip, per-channel normalisation.
+* :class:`PachinkoPartition`: Reddi et al. 2021's two-level Dirichlet split of CIFAR-100 (the TFF ``cifar100``
+  federated split).
+* :class:`Cifar10DataModule`, :class:`Cifar100DataModule`: the data modules.
 """
 
 from __future__ import annotations
@@ -77,7 +57,16 @@ def _get(d: dict, key: str):
 
 
 def read_cifar(data_dir: str, num_classes: int, split: str) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    """``(images uint8 (N, 3, 32, 32), labels int64, coarse labels or None)`` of one split from the python pickles."""
+    """``(images uint8 (N, 3, 32, 32), labels int64, coarse labels or None)`` of one split from the python pickles.
+
+    Files: the "python version" archives, extracted under ``data_dir``: ``cifar-10-batches-py/{data_batch_1..5,
+    test_batch}`` and ``cifar-100-python/{train, test}`` (pickled dicts with ``data`` (N×3072 uint8, channel-major
+    32×32 images) and ``labels`` / ``fine_labels`` + ``coarse_labels``). They are read directly (torchvision's own
+    loader insists on the official archive checksums); ``download=True`` fetches the archives with torchvision's
+    ``CIFAR10``/``CIFAR100(download=True)`` first. Without the files and without ``download=True`` a FileNotFoundError
+    says where to put them — nothing is downloaded unless asked; when ``download=True`` fails (no network), the
+    FileNotFoundError names the download error, the archive's URL and the folder to extract it into.
+    """
     spec = _CIFAR[num_classes]
     folder = os.path.join(data_dir, spec["folder"])
     paths = [os.path.join(folder, name) for name in spec[split]]
@@ -110,6 +99,16 @@ def read_cifar(data_dir: str, num_classes: int, split: str) -> Tuple[np.ndarray,
 
 class CifarImages(Dataset):
     """uint8 CHW images + labels; items are normalised float32 images (augmented when ``augment``).
+
+    Augmentation (training images only, per sample): random 32×32 crop of the image zero-padded by 4 pixels, then a
+    horizontal flip with probability 1/2 (the standard CIFAR recipe; seed 000 follows FedExP's code, which applies this
+    crop + flip, and seed 004 asks for crop + flip). Unlike the FedExP reference code, which transforms a whole batch
+    tensor at once (one crop for the batch), every sample gets its own crop and flip. Padding happens before
+    normalisation (as torchvision's ``RandomCrop`` on the raw image), so padded pixels are black. Normalisation: per-channel
+    mean/std of the training images (CIFAR-10: (0.4914, 0.4822, 0.4465) / (0.2470, 0.2435, 0.2616); CIFAR-100:
+    (0.5071, 0.4865, 0.4409) / (0.2673, 0.2564, 0.2762)). Randomness: torch's global generator (seeded by
+    ``seed_everything`` and, in loader workers, by PyTorch's per-worker seeding), so a fresh run is reproducible; a run
+    resumed from a checkpoint draws different crops than the uninterrupted run would have.
 
     ``__getitem__`` transforms one sample; ``__getitems__`` (used by ``DataLoader`` for a whole batch of indices) does
     the same per-sample random crops and flips vectorised over the batch.
@@ -153,7 +152,16 @@ class CifarImages(Dataset):
 
 
 class PachinkoPartition(Partitioner):
-    """Reddi et al.'s two-level (coarse → fine) Dirichlet split of CIFAR-100 (see the module docstring).
+    """Reddi et al.'s two-level (coarse → fine) Dirichlet split of CIFAR-100.
+
+    CIFAR-100 Pachinko split (:class:`PachinkoPartition`, Reddi et al. 2021, "Adaptive Federated Optimization", App. C;
+    the TFF ``cifar100`` federated split, seed 004 uses its 500 clients of 100 images): every client draws a distribution
+    over the 20 coarse labels from ``Dir(α)`` (α = 0.1) and, for each coarse label, a distribution over its 5 fine labels
+    from ``Dir(β)`` (β = 10). Each of its samples then draws a coarse label, a fine label within it, and the next unused
+    image of that fine label. When a fine label runs out of images it is removed for all later draws (the client's
+    distributions are renormalised over the labels that remain), and likewise a coarse label whose fine labels are all
+    used up. Clients receive ``len(train) // num_clients`` images (the first ``len % num_clients`` one more), so the split
+    covers the training set (500 clients → 100 images each).
 
     Args:
         alpha: concentration of the per-client distribution over coarse labels (Reddi et al.: 0.1).
@@ -204,7 +212,7 @@ class Cifar10DataModule(FederatedDataModule):
     """CIFAR-10 split over ``num_clients`` clients (default ``Dirichlet(alpha=0.3)`` over 100 clients, seed 000).
 
     Args:
-        data_dir: folder holding ``cifar-10-batches-py/`` (see the module docstring); default ``data/cifar`` (ours).
+        data_dir: folder holding ``cifar-10-batches-py/`` (see :func:`read_cifar`); default ``data/cifar`` (ours).
         download: fetch the archive with torchvision when the files are missing (needs network). Default False.
         augment: per-sample random crop (padding 4) + horizontal flip of training images. Default True.
         num_clients, batch_size, partition, seed, eval_batch_size, num_workers, rounds_per_epoch: as

