@@ -1,4 +1,5 @@
-"""FederatedLoop: the LightningModule that trains any user LightningModule federatedly.
+"""FederatedLoop: the LightningModule that trains any user LightningModule federatedly (the end of a round:
+:mod:`fedlightning._round`).
 
 One ``training_step`` is one communication round (``trainer.max_steps`` = number of rounds)::
 
@@ -12,8 +13,6 @@ One ``training_step`` is one communication round (``trainer.max_steps`` = number
     Δ, η = strategy.server_update(loop, stats, plan)
     global .grad <- Δ ; server_optimizer.step()                   # FedOpt view; Lightning counts the round
     callbacks.on_round_end(trainer, loop, result)
-
-Validation/test run the wrapped model's own ``validation_step`` / ``test_step`` on the global weights.
 """
 
 from __future__ import annotations

@@ -273,8 +273,8 @@ class ShakespeareDataModule(FederatedDataModule):
             seeds 002 and 004 use 32).
         seed, eval_batch_size, num_workers, rounds_per_epoch: as :class:`FederatedDataModule` (no randomness is
             involved in building this data set).
-        val_fraction: per-client fraction of the train windows held out (chronologically, see the module
-            docstring) for validation; default 0.1 (ours).
+        val_fraction: per-client fraction of the train windows held out (chronologically, see above) for
+            validation; default 0.1 (ours).
 
     Attributes after ``setup()``: ``client_names`` (LEAF-style user ids, in client order), ``client_test_indices``
     (index arrays into the test set), ``client_val_indices`` (index arrays into the training set),
