@@ -80,7 +80,8 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
       one-time costs out: the engine's probes, first calls), then one timed sequential round and one timed
       vectorised round. Throw-away means: no logged values reach the loop, no client state is written, the
       updates are dropped; random streams are forked in both modes; so the real round that follows computes
-      exactly what it computes without the measurement. Vectorised is chosen when it is faster by
+      exactly what it computes without the measurement (torchmetrics states are restored after the sequential
+      clients and not updated by the vectorised ones). Vectorised is chosen when it is faster by
       :data:`AUTO_MARGIN` (:func:`auto_choice`). The measurement costs about one round of each mode, once.
     * A model or optimizer the engine cannot train raises :class:`VectorizationUnsupportedError` from the first
       throw-away round: the caller falls back to sequential with its warning, as before.
@@ -117,10 +118,14 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
 
 @contextmanager
 def _throwaway_sequential(loop):
-    """``loop.train_client`` calls inside leave no trace: logged values are discarded and no client state is
-    written (``persist_client_state`` off for the block)."""
-    router = getattr(loop._worker_trainer(), "router", None)
+    """``loop.train_client`` calls inside leave no trace: logged values are discarded, torchmetrics states restored
+    and no client state is written (``persist_client_state`` off for the block)."""
+    worker = loop._worker_trainer()
+    router = getattr(worker, "router", None)
+    metrics = getattr(worker, "metrics", None)
+    saved_metrics = metrics.save() if metrics else None
     captured = router.captured if router is not None else None
+    logged = (dict(router.metrics), dict(router.metric_paths)) if router is not None else None
     persist = loop.persist_client_state
     loop.persist_client_state = False
     if router is not None:
@@ -129,8 +134,11 @@ def _throwaway_sequential(loop):
         yield
     finally:
         loop.persist_client_state = persist
+        if saved_metrics is not None:
+            metrics.restore(saved_metrics)
         if router is not None:
             router.captured = captured
+            router.metrics, router.metric_paths = logged
 
 
 def _sync(device: torch.device) -> None:
@@ -190,6 +198,7 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
         terms=terms,
         router=None if throwaway else getattr(worker, "router", None),
         float_buffer_mask=[b.is_floating_point() for b in gbuffers],
+        update_metrics=not throwaway,
     )
     for update, opt in zip(updates, optimizers):
         if hasattr(opt, "client_report"):  # last-step scalars a strategy may use (FedSPS-Global)
