@@ -275,3 +275,45 @@ def test_a_statistic_of_whole_batches_is_replayed():
     # the module never resets it: both hold the mean of the 2 rounds x CPR clients x K batch accuracies
     assert float(runs[0].weight) == float(runs[1].weight) == 2 * CPR * K
     assert float(runs[1].compute()) == pytest.approx(float(runs[0].compute()), abs=1e-6)
+
+
+class RunningMean(torchmetrics.Metric):
+    """A state reduced by "mean": torchmetrics' forward merges it with a running average, not as update does."""
+
+    full_state_update = False
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("value", torch.tensor(0.0), dist_reduce_fx="mean")
+
+    def update(self, x):
+        self.value = 0.5 * self.value + 0.5 * x.float().mean()
+
+    def compute(self):
+        return self.value
+
+
+@pytest.mark.parametrize("make,args,replayed_as_update", [
+    (lambda: torchmetrics.classification.MulticlassAccuracy(num_classes=4, average="micro"), "logits", True),
+    (lambda: torchmetrics.MeanMetric(), "values", True),
+    (lambda: torchmetrics.MaxMetric(), "values", True),
+    (lambda: torchmetrics.CatMetric(), "values", True),
+    (lambda: torchmetrics.classification.MulticlassF1Score(num_classes=4, average="macro"), "logits", True),
+    (lambda: RunningMean(), "values", False),
+], ids=["accuracy", "mean", "max", "cat", "f1", "mean-reduced"])
+def test_forward_is_replayed_as_update_only_where_the_state_is_the_same(make, args, replayed_as_update):
+    """Against torchmetrics' own forward: where the replay uses update, both leave the same state."""
+    from fedlightning.vectorized.metrics import _forward_as_update
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 4, (6,), generator=g)) if args == "logits"
+               else (torch.randn(5, generator=g),) for _ in range(3)]
+    by_forward, by_update = make(), make()
+    for b in batches:
+        by_forward(*b)
+        by_update.update(*b)
+    assert _forward_as_update(by_forward) is replayed_as_update
+    same = all(torch.equal(torch.as_tensor(torch.cat(a) if isinstance(a, list) else a),
+                           torch.as_tensor(torch.cat(b) if isinstance(b, list) else b))
+               for a, b in ((getattr(by_forward, k), getattr(by_update, k)) for k in by_forward._defaults))
+    assert same is replayed_as_update

@@ -134,15 +134,14 @@ class VectorizedClientTrainer:
         terms: Optional[Sequence[Sequence[Callable[[Sequence[Tensor]], Tensor]]]] = None,
         router=None,
         float_buffer_mask: Optional[Sequence[bool]] = None,
-        update_metrics: bool = True,
     ) -> List[ClientUpdate]:
         """Train ``client_ids`` for ``local_steps`` steps from the global weights; one :class:`ClientUpdate` per
         client, in order, with the same fields as ``LocalTrainer.run``.
 
         ``optimizers`` are the clients' optimizer instances as the loop builds them (client state already set);
         after the round their per-client state holds what sequential training would have left in them, so
-        ``get_client_state()`` / ``client_report()`` can be called on them. With ``update_metrics`` the model's
-        torchmetrics metrics are updated as sequential training updates them (off: a throw-away round).
+        ``get_client_state()`` / ``client_report()`` can be called on them. The model's torchmetrics metrics are
+        updated as sequential training updates them; values logged from them go to ``router``.
         """
         client_ids = [int(c) for c in client_ids]
         C = len(client_ids)
@@ -172,7 +171,7 @@ class VectorizedClientTrainer:
         batches = _RoundBatches(datamodule, client_ids, round, seed, int(local_steps), self.to_device)
         rng_devices = [device] if device.type == "cuda" else []
         log_sink: Optional[list] = [] if router is not None else None
-        metric_sink: Optional[list] = [] if update_metrics and self.call.metric_calls else None
+        metric_sink: Optional[list] = [] if self.call.metric_calls else None
 
         layouts: dict = {}
         with torch.random.fork_rng(devices=rng_devices):

@@ -19,6 +19,10 @@ Decisions (ours):
   refused with the metric named: it cannot be split into the clients' real samples.
 * The value ``compute()`` or ``metric(...)`` returns inside ``training_step`` is only known after the replay: it
   may be logged (``self.log``) or passed to another metric's ``update``; any other use is refused.
+* ``metric(...)`` whose batch value nothing reads is replayed as ``metric.update(...)`` when that leaves the state
+  ``forward`` leaves (every state reduced by sum, concatenation, min or max, or ``full_state_update``; not with
+  ``dist_sync_on_step``): torchmetrics' ``forward`` also resets, computes the batch value and merges, about four
+  times the cost of ``update``. The metric's ``_forward_cache`` (its last batch value) is then not set.
 * Memory: the recorded arguments of a round (``K`` steps × ``C`` clients × one update's arguments) are kept until
   its end.
 """
@@ -105,6 +109,9 @@ class _MetricStep:
                  metric_logs: Dict[str, int]):
         self.calls, self.tensors, self.kinds = calls, tensors, kinds
         self.logged, self.metric_logs = logged, metric_logs
+        # the calls whose return value is read (logged, or an argument of a later call)
+        self.read = {i for _, i in logged} | {v for call in calls for k, v in (*call.args, *call.kwargs.values())
+                                              if k == "result"}
         self.counts: Optional[List[int]] = None  # real samples per row on padded steps
         self.alive: Optional[Tensor] = None  # [C] bool: the clients that took this step (None: all)
 
@@ -262,6 +269,7 @@ def _replay(modules: Sequence[Tuple[str, nn.Module]], steps: Sequence[_MetricSte
     if not steps:
         return
     alive = [step.alive.tolist() if step.alive is not None else None for step in steps]
+    as_update = [_forward_as_update(m) for _, m in modules]
     with torch.enable_grad():  # the router keeps values logged with gradients enabled (not a trial evaluation)
         for c in range(num_clients):
             for step, took in zip(steps, alive):
@@ -269,12 +277,14 @@ def _replay(modules: Sequence[Tuple[str, nn.Module]], steps: Sequence[_MetricSte
                     continue
                 tensors = step.client_tensors(c) if step.tensors else []
                 results: List[Any] = []
-                for call in step.calls:
+                for i, call in enumerate(step.calls):
                     args = [_resolve(s, tensors, results) for s in call.args]
                     kwargs = {k: _resolve(s, tensors, results) for k, s in call.kwargs.items()}
                     metric = modules[call.metric][1]
-                    if call.method == "forward":
+                    if call.method == "forward" and (i in step.read or not as_update[call.metric]):
                         results.append(metric(*args, **kwargs))
+                    elif call.method == "forward":
+                        results.append(metric.update(*args, **kwargs))
                     else:
                         results.append(getattr(metric, call.method)(*args, **kwargs))
                 if router is not None:
@@ -284,6 +294,22 @@ def _replay(modules: Sequence[Tuple[str, nn.Module]], steps: Sequence[_MetricSte
             for step in steps:
                 for name, i in step.metric_logs.items():
                     router.log(name, modules[i][1])
+
+
+def _forward_as_update(metric: nn.Module) -> bool:
+    """Whether ``metric.update(...)`` leaves the state ``metric(...)`` (``forward``) leaves: torchmetrics' forward
+    either updates once and restores that state (``full_state_update``), or merges the batch's state into the global
+    one with each state's reduction, which for sums, concatenations, minima and maxima is the update itself."""
+    try:
+        from torchmetrics import Metric
+        from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_min, dim_zero_sum
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return False
+    if not isinstance(metric, Metric) or metric.dist_sync_on_step:
+        return False
+    if metric.full_state_update or metric.full_state_update is None:
+        return True
+    return all(fn in (dim_zero_sum, dim_zero_cat, dim_zero_min, dim_zero_max) for fn in metric._reductions.values())
 
 
 def _resolve(spec: Tuple[str, Any], tensors: List[Tensor], results: List[Any]) -> Any:
