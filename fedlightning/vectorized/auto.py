@@ -81,8 +81,9 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
       vectorised round. Throw-away means: no logged values reach the loop, no client state is written, the
       updates are dropped; random streams are forked in both modes; so the real round that follows computes
       exactly what it computes without the measurement (torchmetrics states are restored after each throw-away
-      round; both rounds make the metric calls a real round makes, so their cost is timed). Vectorised is chosen when it is faster by
-      :data:`AUTO_MARGIN` (:func:`auto_choice`). The measurement costs about one round of each mode, once.
+      round; both rounds make the metric calls a real round makes, so their cost is timed). Vectorised is chosen
+      when it is faster by :data:`AUTO_MARGIN` (:func:`auto_choice`). The measurement costs about one round of
+      each mode, once.
     * A model or optimizer the engine cannot train raises :class:`VectorizationUnsupportedError` from the first
       throw-away round: the caller falls back to sequential with its warning, as before.
     """

@@ -1,30 +1,12 @@
 r"""torchmetrics metrics used in ``training_step`` under vmap: their calls are recorded, then replayed per client.
 
 While the model runs under vmap, :class:`_MetricCalls` stands in for ``update``, ``forward`` (``metric(...)``),
-``compute`` and ``reset`` of every torchmetrics ``Metric`` and ``MetricCollection`` of the model: a call is recorded
-with its arguments, whose tensors leave vmap as ``[C, ...]`` outputs, as logged values do. After the round,
-:func:`_replay` makes the same calls outside vmap on each client's own tensors (its real samples only on padded
-steps), client after client and each client's steps in order: the calls sequential training makes, in its order, so
-the metrics end the round in sequential training's state and values read from them inside ``training_step``
-(``self.log("acc", metric.compute())``, the batch value ``metric(preds, y)`` returns) are sequential training's.
-
-Decisions (ours):
-
-* Only gradient evaluations count; a line search's trial evaluations are not recorded (sequential training undoes
-  their metric updates, :class:`fedlightning.user_module.MetricStates`).
-* A recorded tensor argument is one per client (whole batches), the client's real samples of a per-sample tensor
-  (first dimension the padded batch; on one-sample calls the cells of its real samples), a loss the engine
-  intercepted (its value is the mean over real samples), or a tensor the same for every client. Python constants
-  are kept as they are. Anything else (a padded-batch statistic such as a mean accuracy, a container argument) is
-  refused with the metric named: it cannot be split into the clients' real samples.
-* The value ``compute()`` or ``metric(...)`` returns inside ``training_step`` is only known after the replay: it
-  may be logged (``self.log``) or passed to another metric's ``update``; any other use is refused.
-* ``metric(...)`` whose batch value nothing reads is replayed as ``metric.update(...)`` when that leaves the state
-  ``forward`` leaves (every state reduced by sum, concatenation, min or max, or ``full_state_update``; not with
-  ``dist_sync_on_step``): torchmetrics' ``forward`` also resets, computes the batch value and merges, about four
-  times the cost of ``update``. The metric's ``_forward_cache`` (its last batch value) is then not set.
-* Memory: the recorded arguments of a round (``K`` steps × ``C`` clients × one update's arguments) are kept until
-  its end.
+``compute`` and ``reset`` of every torchmetrics ``Metric`` and ``MetricCollection`` of the model and records each
+call; its tensor arguments leave vmap as ``[C, ...]`` outputs, as logged values do. After the round :func:`_replay`
+makes the same calls outside vmap on each client's own tensors (its real samples on padded steps), client after
+client and each client's steps in order: sequential training's calls in its order, so the metrics end the round in
+its state and values read from them in ``training_step`` (``self.log("acc", metric.compute())``, the batch value
+``metric(preds, y)`` returns) are its values.
 """
 
 from __future__ import annotations
@@ -131,7 +113,26 @@ class _MetricStep:
 class _MetricCalls:
     """Stands in for the metric methods of the model's torchmetrics modules while it runs under vmap (see the
     module docstring). :meth:`begin` starts one batched call, :meth:`outputs` are the tensors the vmapped function
-    returns besides its own, :meth:`finish` turns them into the call's :class:`_MetricStep`."""
+    returns besides its own, :meth:`finish` turns them into the call's :class:`_MetricStep`.
+
+    Decisions (ours):
+
+    * Only gradient evaluations count; a line search's trial evaluations are not recorded (sequential training undoes
+      their metric updates, :class:`fedlightning.user_module.MetricStates`).
+    * A recorded tensor argument is one per client (whole batches), the client's real samples of a per-sample tensor
+      (first dimension the padded batch; on one-sample calls the cells of its real samples), a loss the engine
+      intercepted (its value is the mean over real samples), or a tensor the same for every client. Python constants are
+      kept as they are. Anything else (a padded-batch statistic such as a mean accuracy, a container argument) is
+      refused with the metric named: it cannot be split into the clients' real samples.
+    * The value ``compute()`` or ``metric(...)`` returns inside ``training_step`` is only known after the replay: it may
+      be logged (``self.log``) or passed to another metric's ``update``; any other use is refused.
+    * ``metric(...)`` whose batch value nothing reads is replayed as ``metric.update(...)`` when that leaves the state
+      ``forward`` leaves (every state reduced by sum, concatenation, min or max, or ``full_state_update``; not with
+      ``dist_sync_on_step``): torchmetrics' ``forward`` also resets, computes the batch value and merges states, which
+      ``update`` does not. The metric's ``_forward_cache`` (its last batch value) is then not set.
+    * Memory: the recorded arguments of a round (``K`` steps × ``C`` clients × one update's arguments) are kept until
+      its end.
+    """
 
     def __init__(self, modules: Sequence[Tuple[str, nn.Module]]):
         self.modules = list(modules)

@@ -1,26 +1,9 @@
-r"""Batch normalisation (and instance normalisation with running statistics) per client under vmap.
+r"""BatchNorm (and InstanceNorm with running statistics) per client while the clients run in lockstep.
 
-:class:`_NormLayers` runs the model's ``BatchNorm1d/2d/3d`` and tracking ``InstanceNorm1d/2d/3d`` layers while the
-clients run in lockstep: each client has its own running statistics (rows of ``[C, ...]`` tensors, as the weights),
-batch statistics are taken over the client's real samples only, and a layer's forward gives what the layer gives
-on the client's batch alone. For a batch of ``n`` real samples ``x_j`` (channel dimension 1, ``S`` elements per
-channel and sample) and ``m = nS``:
-
-.. math::
-    \mu = \tfrac{1}{m}\textstyle\sum x, \quad \sigma^2 = \tfrac{1}{m}\sum (x-\mu)^2, \quad
-    y = \frac{x-\mu}{\sqrt{\sigma^2+\epsilon}}\,\gamma + \beta, \quad
-    \hat\mu \leftarrow (1-\rho)\hat\mu + \rho\mu, \quad \hat\sigma^2 \leftarrow (1-\rho)\hat\sigma^2 +
-    \rho\,\tfrac{m}{m-1}\sigma^2
-
-in training mode (``ρ = momentum``, or ``1/num_batches_tracked`` with ``momentum=None``; ``num_batches_tracked`` counted
-per client), and ``μ̂, σ̂²`` in place of ``μ, σ²`` in eval mode (as ``nn.BatchNorm*``; without running statistics
-batch statistics in both). Instance normalisation takes ``μ, σ²`` per sample and channel and moves its running
-statistics by their mean over the real samples (as ``F.instance_norm``). On a padded step (clients' batches of
-unequal size) the sums run over the client's real samples only (its mask); padding never enters a statistic.
-
-Decisions (ours): refused, with the layer named, are ``SyncBatchNorm`` (statistics across processes), subclasses that
-override ``forward``, inputs whose first dimension is not the padded batch on a padded step, and a batch of one value
-per channel in training mode (torch raises for that client; vectorized clients cannot fail one client alone).
+:class:`_NormLayers` stands in for the ``forward`` of the model's ``BatchNorm1d/2d/3d`` and tracking
+``InstanceNorm1d/2d/3d`` layers under vmap: every client has its own running statistics (rows of ``[C, ...]``
+tensors, like the weights), batch statistics are taken over the client's real samples only (padding never enters
+them), and each client's output and statistics are what the layer gives on the client's batch alone.
 """
 
 from __future__ import annotations
@@ -37,9 +20,29 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 class _NormLayers:
-    """The model's normalisation layers with batch or running statistics, and, during a round, every client's
+    r"""The model's normalisation layers with batch or running statistics, and, during a round, every client's
     running statistics (``stats``: ``[C, ...]`` tensors, three per tracking layer: mean, variance,
-    ``num_batches_tracked``)."""
+    ``num_batches_tracked``).
+
+    For a client's ``n`` real samples (channel dimension 1, ``S`` elements per channel and sample, ``m = nS``):
+
+    .. math::
+        \mu = \tfrac{1}{m}\textstyle\sum x, \quad \sigma^2 = \tfrac{1}{m}\sum (x-\mu)^2, \quad
+        y = \frac{x-\mu}{\sqrt{\sigma^2+\epsilon}}\,\gamma + \beta, \quad
+        \hat\mu \leftarrow (1-\rho)\hat\mu + \rho\mu, \quad
+        \hat\sigma^2 \leftarrow (1-\rho)\hat\sigma^2 + \rho\,\tfrac{m}{m-1}\sigma^2
+
+    in training mode (``ρ = momentum``, or ``1/num_batches_tracked`` with ``momentum=None``, the counter kept per
+    client), and ``μ̂, σ̂²`` in place of ``μ, σ²`` in eval mode, as ``nn.BatchNorm*`` (without running statistics:
+    batch statistics in both modes). Instance normalisation takes ``μ, σ²`` per sample and channel and moves its
+    running statistics by their mean over the real samples, as ``F.instance_norm``. On a padded step the sums run
+    over the client's real samples only (its mask).
+
+    Decisions (ours): refused, with the layer named, are ``SyncBatchNorm`` and subclasses that override ``forward``
+    (:func:`~fedlightning.vectorized.support.check_model_vectorizable`), an input whose first dimension is not the
+    padded batch on a padded step, and a batch of one value per channel in training mode (torch raises for that
+    client, and clients in lockstep cannot fail one client alone). Half-precision inputs are normalised in float32.
+    """
 
     def __init__(self, model: nn.Module):
         self.layers: List[Tuple[str, nn.Module, bool, Optional[int]]] = []  # (label, module, is_instance, slot)
@@ -180,11 +183,13 @@ class _NormLayers:
             mask, n = self._real(label, x)
             if mask is None:
                 mean = x.mean(dims)
-                var = (x - mean.reshape(shape)).square().mean(dims)
-            else:
+                centered = x - mean.reshape(shape)
+                var = centered.square().mean(dims)
+            else:  # sums over the real samples only
                 size = n * per_channel
                 mean = (x * mask).sum(dims) / size
-                var = ((x - mean.reshape(shape)).square() * mask).sum(dims) / size
+                centered = x - mean.reshape(shape)
+                var = (centered.square() * mask).sum(dims) / size
             if training and tracked:
                 nbt = nbt + 1
                 rho = module.momentum if module.momentum is not None else (1.0 / nbt.double()).to(rm.dtype)
@@ -194,11 +199,14 @@ class _NormLayers:
                 self.current[slot:slot + 3] = [rm_new, rv_new, nbt]
         else:
             mean, var = rm.to(x.dtype), rv.to(x.dtype)
-        out = (x - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + module.eps)
+            centered = x - mean.reshape(shape)
+        scale = torch.rsqrt(var + module.eps)  # per channel: 1/σ·γ, then one fused pass over the input
         if module.weight is not None:
-            out = out * module.weight.to(out.dtype).reshape(shape)
+            scale = scale * module.weight.to(x.dtype)
         if module.bias is not None:
-            out = out + module.bias.to(out.dtype).reshape(shape)
+            out = torch.addcmul(module.bias.to(x.dtype).reshape(shape), centered, scale.reshape(shape))
+        else:
+            out = centered * scale.reshape(shape)
         return out.to(input.dtype)
 
     def _instance(self, label: str, module: nn.Module, slot: Optional[int], input: Tensor,
