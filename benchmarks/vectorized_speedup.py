@@ -1,6 +1,6 @@
 """Vectorised vs sequential client execution: round time of the same federated workload, measured in one run.
 
-    python benchmarks/vectorized_speedup.py [--rounds 12] [--repeats 3] [--workloads digits-mlp-sgd,...]
+    python benchmarks/vectorized_speedup.py [--rounds 12] [--repeats 3] [--workloads digits-mlp-sgd,...] [--auto]
 
 Workloads (FedAvg, 20 clients per round, K = 20 local steps, batch 50, ours; results and targets in
 docs/benchmarks.md):
@@ -13,6 +13,10 @@ docs/benchmarks.md):
   ``F.cross_entropy(logits, y)``, no ``training_step_per_sample``): padded steps take the engine's per-sample loss
   interception (``fedlightning.vectorized.losses``); ``--compare-generic`` then measures the generic path (one
   ``training_step`` per sample) in the same run.
+* ``digits-usermlp-metrics-sgd``: :class:`UserMLP` with a torchmetrics accuracy updated and logged in
+  ``training_step`` (:class:`MetricsMLP`); vectorized mode replays the metric's updates per client after the round.
+* ``digits-usercnn-bn-sgd``: a user CNN with BatchNorm2d on the 8x8 images (:class:`BatchNormCNN`: conv 3x3 with 8
+  channels, BatchNorm2d, ReLU, 2x2 max-pooling, linear 128-10); vectorized mode keeps per-client running statistics.
 * ``synthetic-logreg-sgd`` / ``synthetic-logreg-armijo``: Synthetic(1, 1) of the FedDANE/FedProx generator
   (reference-implementations.md §6: n_k = int(lognormal(4, 2)) + 50 samples, d = 60, 10 classes, per-client W_k,
   b_k, v_k) with 100 clients, made here with a fixed numpy seed; multinomial logistic regression 60-10.
@@ -44,6 +48,10 @@ import numpy as np
 import torch
 
 import lightning.pytorch as pl
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
 from fedlightning.datamodules import ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
@@ -52,6 +60,32 @@ from fedlightning.optim import SgdArmijo
 from user_models import UserMLP  # benchmarks/ is on sys.path when a script runs
 
 CLIENTS_PER_ROUND, LOCAL_STEPS, BATCH = 20, 20, 50
+
+
+class MetricsMLP(UserMLP):
+    """:class:`UserMLP` that also updates and logs a torchmetrics accuracy in ``training_step``."""
+
+    def __init__(self, lr: float = 0.1):
+        super().__init__(lr)
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc)
+        self.log("train_loss", loss)
+        return loss
+
+
+class BatchNormCNN(UserMLP):
+    """A user CNN with BatchNorm2d on the 8x8 digit images (rows of 64 values)."""
+
+    def __init__(self, lr: float = 0.1):
+        super().__init__(lr)
+        self.net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                 nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(128, 10))
 
 
 class SyntheticLike(FederatedDataModule):
@@ -113,6 +147,8 @@ WORKLOADS = {
     "digits-mlp-armijo": (lambda: MLP(input_dim=64, hidden=[128], num_classes=10), armijo, digits),
     "digits-usermlp-sgd": (UserMLP, sgd(0.1), digits),
     "digits-usermlp-armijo": (UserMLP, armijo, digits),
+    "digits-usermlp-metrics-sgd": (MetricsMLP, sgd(0.1), digits),
+    "digits-usercnn-bn-sgd": (BatchNormCNN, sgd(0.1), digits),
     "synthetic-logreg-sgd": (lambda: LogisticRegression(input_dim=60, num_classes=10), sgd(0.01), SyntheticLike),
     "synthetic-logreg-armijo": (lambda: LogisticRegression(input_dim=60, num_classes=10), armijo, SyntheticLike),
     "shakespeare-lstm-sgd": (lambda: CharLSTM(embedding_dim=8, hidden_size=64, num_layers=1), sgd(0.8), shakespeare),
@@ -156,7 +192,7 @@ def run(model_fn, optimizer, datamodule, mode, rounds, init_state):
         call._per_sample_protocol = protocol
         call._ModelCall._check_interception = check
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return timer.times[2:], weights
+    return timer.times[2:], weights, loop
 
 
 def main():
@@ -168,6 +204,9 @@ def main():
     ap.add_argument("--compare-generic", action="store_true",
                     help="also run vectorized with the per-sample protocol and loss interception turned off "
                          "(alternating with the others) and print its time and the fast path's gain")
+    ap.add_argument("--auto", action="store_true",
+                    help="after each workload, one run with client_execution='auto' (3 rounds): print the mode it "
+                         "chose and its one-round measurement")
     args = ap.parse_args()
     if args.rounds < 3 or args.repeats < 1:
         raise ValueError(f"need --rounds >= 3 and --repeats >= 1, got {args.rounds} and {args.repeats}")
@@ -200,7 +239,7 @@ def main():
         weights = {}
         for _ in range(args.repeats):
             for mode in modes:
-                t, w = run(model_fn, optimizer, datamodule, mode, args.rounds, init_state)
+                t, w, _ = run(model_fn, optimizer, datamodule, mode, args.rounds, init_state)
                 per_run[mode].append(t)
                 weights[mode] = w
         flat = {m: [x for t in runs for x in t] for m, runs in per_run.items()}
@@ -221,6 +260,10 @@ def main():
                   f"{diff_g:9.1e}  (fast path: {med_g / med_v:.2f}x faster, paired {paired['vectorized-generic'] / paired['vectorized']:.2f}x)",
                   flush=True)
 
+        if args.auto:
+            loop = run(model_fn, optimizer, datamodule, "auto", 3, init_state)[2]
+            print(f"{'  auto':26s} chose {loop.__dict__.get('_auto_choice')}: {loop.__dict__.get('_auto_reason')}",
+                  flush=True)
 
 if __name__ == "__main__":
     main()

@@ -469,23 +469,40 @@ def test_vectorized_runs_a_trainer_reading_module_and_refuses_what_it_cannot_bat
     make_trainer(3).fit(FederatedLoop(b, local_steps=2, clients_per_round=3, seed=1), datamodule=_dm())
     for p, q in zip(a.net.parameters(), b.net.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0)
-    class MetricOnly(UserNet):
+    class LabelCount(torchmetrics.Metric):
+        """Counts labels given as a list of tensors (an argument vectorised mode cannot record per client)."""
+
+        def __init__(self):
+            super().__init__()
+            self.add_state("n", torch.tensor(0), dist_reduce_fx="sum")
+
+        def update(self, labels):
+            self.n += sum(len(t) for t in labels)
+
+        def compute(self):
+            return self.n
+
+    class ListMetric(UserNet):
+        def __init__(self):
+            super().__init__()
+            self.labels = LabelCount()
+
         def training_step(self, batch, batch_idx):
             x, y = batch
-            logits = self(x)
-            self.train_acc(logits, y)
-            self.log("train_acc", self.train_acc)
-            return F.cross_entropy(logits, y)
+            self.labels.update([y])
+            self.log("labels", self.labels)
+            return F.cross_entropy(self(x), y)
 
-    with pytest.raises(VectorizationUnsupportedError, match="'train_acc' is updated in training_step"):
-        make_trainer(1).fit(FederatedLoop(MetricOnly(), local_steps=1, clients_per_round=2,
+    with pytest.raises(VectorizationUnsupportedError, match="'labels' is updated in training_step with an argument "
+                                                            "of type list"):
+        make_trainer(1).fit(FederatedLoop(ListMetric(), local_steps=1, clients_per_round=2,
                                           client_execution="vectorized"), datamodule=_dm())
     with pytest.raises(VectorizationUnsupportedError, match="per-step hook"):
         make_trainer(1).fit(FederatedLoop(Hooked(), local_steps=1, clients_per_round=2,
                                           client_execution="vectorized"), datamodule=_dm())
     # auto falls back to sequential and gives the sequential result
     torch.manual_seed(0)
-    c, d = MetricOnly(), MetricOnly()
+    c, d = ListMetric(), ListMetric()
     d.load_state_dict(c.state_dict())
     with pytest.warns(UserWarning, match="training clients sequentially"):
         make_trainer(2).fit(FederatedLoop(c, local_steps=2, clients_per_round=3, client_execution="auto"),

@@ -407,15 +407,26 @@ def test_dropout_masks_are_reproducible_and_replayed_in_trials():
 
 
 # ---------------------------------------------------------------------------------------------- unsupported
-class BNClassifier(Classifier):
+class SyncBNClassifier(Classifier):
     def __init__(self):
         super().__init__(num_classes=10)
-        self.net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.SyncBatchNorm(16), nn.ReLU(), nn.Linear(16, 10))
 
 
-def bn_model():
+class OwnBatchNorm(nn.BatchNorm1d):
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+class OwnBNClassifier(Classifier):
+    def __init__(self):
+        super().__init__(num_classes=10)
+        self.net = nn.Sequential(nn.Linear(64, 16), OwnBatchNorm(16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def sync_bn_model():
     torch.manual_seed(4)
-    return BNClassifier()
+    return SyncBNClassifier()
 
 
 class ItemGate(nn.Module):
@@ -431,12 +442,15 @@ class ItemClassifier(Classifier):
         self.net = nn.Sequential(nn.Linear(64, 10), ItemGate())
 
 
-def test_batchnorm_is_refused_naming_the_layer():
-    with pytest.raises(VectorizationUnsupportedError, match=r"'net\.1' \(BatchNorm1d\)"):
-        check_model_vectorizable(BNClassifier())
-    with pytest.raises(VectorizationUnsupportedError, match=r"'net\.1' \(BatchNorm1d\)"):
-        fit(BNClassifier(), lambda p: torch.optim.SGD(p, lr=0.1), "vectorized", rounds=1)
-    check_model_vectorizable(nn.Sequential(nn.Linear(4, 4), nn.GroupNorm(2, 4), nn.LayerNorm(4)))
+def test_sync_batchnorm_and_own_forward_are_refused_naming_the_layer():
+    with pytest.raises(VectorizationUnsupportedError, match=r"'net\.1' \(SyncBatchNorm\)"):
+        check_model_vectorizable(SyncBNClassifier())
+    with pytest.raises(VectorizationUnsupportedError, match=r"'net\.1' \(SyncBatchNorm\)"):
+        fit(SyncBNClassifier(), lambda p: torch.optim.SGD(p, lr=0.1), "vectorized", rounds=1)
+    with pytest.raises(VectorizationUnsupportedError, match=r"'net\.1' \(OwnBatchNorm\): it overrides forward"):
+        check_model_vectorizable(OwnBNClassifier())
+    check_model_vectorizable(nn.Sequential(nn.Linear(4, 4), nn.GroupNorm(2, 4), nn.LayerNorm(4), nn.BatchNorm1d(4),
+                                           nn.InstanceNorm1d(4, track_running_stats=True)))
 
 
 def test_layer_vmap_cannot_run_is_named():
@@ -462,8 +476,8 @@ def test_unsupported_optimizers_are_refused(optimizer, match):
 
 @pytest.mark.parametrize(
     "model_fn,optimizer",
-    [(bn_model, lambda p: torch.optim.SGD(p, lr=0.1)), (mlp, lambda p: torch.optim.Adam(p, lr=0.01))],
-    ids=["batchnorm", "adam"],
+    [(sync_bn_model, lambda p: torch.optim.SGD(p, lr=0.1)), (mlp, lambda p: torch.optim.Adam(p, lr=0.01))],
+    ids=["syncbatchnorm", "adam"],
 )
 def test_auto_falls_back_to_sequential_with_one_warning(model_fn, optimizer):
     with warnings.catch_warnings(record=True) as caught:

@@ -1,10 +1,10 @@
 """Vectorised client execution: ``FederatedLoop(client_execution="vectorized")`` trains a round's clients in lockstep.
 
 The clients' weights are one ``[C, D]`` tensor and their losses one ``torch.func.vmap`` call of the model's own
-``training_step``, on the same batches as sequential training, giving the same updates (float rounding apart;
-dropout masks differ, reproducibly). It applies to models without batch-statistics layers, per-step hook
-overrides or torchmetrics updates in ``training_step``, with ``torch.optim.SGD`` (no momentum), SgdArmijo, SPS or
-DecSPS clients; anything else raises :class:`VectorizationUnsupportedError` naming the layer or setting.
+``training_step``, on the same batches as sequential training, giving the same updates, BatchNorm running statistics
+and torchmetrics values (float rounding apart; dropout masks differ, reproducibly). It applies to models without
+per-step hook overrides or ``SyncBatchNorm``, with ``torch.optim.SGD`` (no momentum), SgdArmijo, SPS or DecSPS
+clients; anything else raises :class:`VectorizationUnsupportedError` naming the layer, metric or setting.
 ``client_execution="auto"`` times one round both ways and trains vectorised only when that is :data:`AUTO_MARGIN`
 times faster, falling back to sequential on anything unsupported. Modules on padded steps (clients' batches of
 unequal size) are fastest with ``training_step_per_sample`` or a standard mean loss

@@ -80,8 +80,10 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
       one-time costs out: the engine's probes, first calls), then one timed sequential round and one timed
       vectorised round. Throw-away means: no logged values reach the loop, no client state is written, the
       updates are dropped; random streams are forked in both modes; so the real round that follows computes
-      exactly what it computes without the measurement. Vectorised is chosen when it is faster by
-      :data:`AUTO_MARGIN` (:func:`auto_choice`). The measurement costs about one round of each mode, once.
+      exactly what it computes without the measurement (torchmetrics states are restored after each throw-away
+      round; both rounds make the metric calls a real round makes, so their cost is timed). Vectorised is chosen
+      when it is faster by :data:`AUTO_MARGIN` (:func:`auto_choice`). The measurement costs about one round of
+      each mode, once.
     * A model or optimizer the engine cannot train raises :class:`VectorizationUnsupportedError` from the first
       throw-away round: the caller falls back to sequential with its warning, as before.
     """
@@ -116,10 +118,14 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
 
 @contextmanager
 def _throwaway_sequential(loop):
-    """``loop.train_client`` calls inside leave no trace: logged values are discarded and no client state is
-    written (``persist_client_state`` off for the block)."""
-    router = getattr(loop._worker_trainer(), "router", None)
+    """``loop.train_client`` calls inside leave no trace: logged values are discarded, torchmetrics states restored
+    and no client state is written (``persist_client_state`` off for the block)."""
+    worker = loop._worker_trainer()
+    router = getattr(worker, "router", None)
+    metrics = getattr(worker, "metrics", None)
+    saved_metrics = metrics.save() if metrics else None
     captured = router.captured if router is not None else None
+    logged = (dict(router.metrics), dict(router.metric_paths)) if router is not None else None
     persist = loop.persist_client_state
     loop.persist_client_state = False
     if router is not None:
@@ -128,8 +134,11 @@ def _throwaway_sequential(loop):
         yield
     finally:
         loop.persist_client_state = persist
+        if saved_metrics is not None:
+            metrics.restore(saved_metrics)
         if router is not None:
             router.captured = captured
+            router.metrics, router.metric_paths = logged
 
 
 def _sync(device: torch.device) -> None:
@@ -156,7 +165,7 @@ def _engine(loop) -> VectorizedClientTrainer:
 def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
          throwaway: bool = False) -> List[ClientUpdate]:
     """Mirror of ``FederatedLoop.train_client`` for all of ``client_ids`` at once; ``throwaway``: nothing is
-    logged and no client state written (``auto``'s measurement)."""
+    logged, no client state written and torchmetrics states restored (``auto``'s measurement)."""
     worker = loop._worker_trainer()
     engine = _engine(loop)
     dm = loop._datamodule()
@@ -175,21 +184,28 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
             client_terms.extend(cb.client_objective(loop, plan, cid) or [])
         terms.append(client_terms)
     gbuffers = list(loop.model.buffers())
-    updates = engine.run(
-        client_ids=client_ids,
-        round=plan.round,
-        seed=loop.seed,
-        global_params=loop._global_params(),
-        global_buffers=gbuffers,
-        global_flat=global_flat,
-        datamodule=dm,
-        optimizers=optimizers,
-        local_steps=plan.local_steps,
-        grad_clip=loop.client_grad_clip,
-        terms=terms,
-        router=None if throwaway else getattr(worker, "router", None),
-        float_buffer_mask=[b.is_floating_point() for b in gbuffers],
-    )
+    # a throw-away round replays the metric calls as a real round does (its time counts) and then restores them
+    metrics = getattr(worker, "metrics", None)
+    saved_metrics = metrics.save() if throwaway and metrics else None
+    try:
+        updates = engine.run(
+            client_ids=client_ids,
+            round=plan.round,
+            seed=loop.seed,
+            global_params=loop._global_params(),
+            global_buffers=gbuffers,
+            global_flat=global_flat,
+            datamodule=dm,
+            optimizers=optimizers,
+            local_steps=plan.local_steps,
+            grad_clip=loop.client_grad_clip,
+            terms=terms,
+            router=None if throwaway else getattr(worker, "router", None),
+            float_buffer_mask=[b.is_floating_point() for b in gbuffers],
+        )
+    finally:
+        if saved_metrics is not None:
+            metrics.restore(saved_metrics)
     for update, opt in zip(updates, optimizers):
         if hasattr(opt, "client_report"):  # last-step scalars a strategy may use (FedSPS-Global)
             update.payload.update(opt.client_report())

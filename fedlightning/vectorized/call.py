@@ -4,29 +4,26 @@ r"""The model's ``training_step`` run under vmap over client rows: one loss per 
 batch; on padded steps (clients' batches of different sizes) each row's loss is the mean over its real samples,
 from the model's ``training_step_per_sample``, from per-sample loss interception
 (:mod:`fedlightning.vectorized.losses`) or from one ``training_step`` call per sample, the first that applies.
+Normalisation layers run per client (:mod:`fedlightning.vectorized.norms`) and torchmetrics calls are recorded
+(:mod:`fedlightning.vectorized.metrics`); a gradient evaluation's :class:`_Effects` carry both out of the call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from fedlightning._logging_route import routed_logging
 from fedlightning.client import extract_loss
 
 from .losses import LossInterception
-from .support import (
-    VectorizationUnsupportedError,
-    _has_random_layers,
-    _metric_modules,
-    _per_sample_protocol,
-    _refuse_metric_update,
-    _vmappable_rnns,
-)
+from .metrics import _MetricCalls, _MetricStep, _metric_modules, _metric_types, _Pending
+from .norms import _NormLayers
+from .support import VectorizationUnsupportedError, _has_random_layers, _per_sample_protocol, _vmappable_rnns
 from .torch_internals import (
     _is_batched,
     _parameter_slots,
@@ -45,20 +42,29 @@ class _LogCollector:
 
     Values are collected as (batched) tensors and returned from the vmapped function as outputs, so they leave
     ``vmap`` as ordinary ``[C]`` tensors (the loop's router would otherwise keep tensors that escaped ``vmap``).
-    Like the router, non-scalar values and torchmetrics objects are ignored.
+    Like the router, non-scalar values are ignored; torchmetrics metrics and the values they return go to the
+    metric recorder (:class:`~fedlightning.vectorized.metrics._MetricCalls`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Optional[_MetricCalls] = None) -> None:
         self.names: List[str] = []
         self.values: List[Tensor] = []
         self.per_sample = False  # True while ``training_step_per_sample`` runs: only ``[n]`` values are kept
+        self.metrics = metrics
+        self.metric_types = _metric_types()
 
     def reset(self, per_sample: bool = False) -> None:
         self.names, self.values = [], []
         self.per_sample = per_sample
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, _Pending):
+            if self.metrics is not None:
+                self.metrics.log_value(name, value)
+            return
         if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+            if self.metrics is not None and self.metric_types and isinstance(value, self.metric_types):
+                self.metrics.log_metric(name, value)
             return
         if self.per_sample:  # one value per sample ([n]); anything else has no per-sample meaning
             if isinstance(value, Tensor) and value.dim() == 1:
@@ -122,19 +128,33 @@ class _ModuleTracker:
         self.handles = []
 
 
+class _Effects:
+    """What a gradient evaluation's batched ``training_step`` call leaves besides losses and logged values: the
+    rows' running statistics after it (``stats``, :class:`~fedlightning.vectorized.norms._NormLayers`; None when
+    nothing changed them) and its recorded metric calls (``metrics``, a
+    :class:`~fedlightning.vectorized.metrics._MetricStep`; None without metrics)."""
+
+    def __init__(self) -> None:
+        self.stats: Optional[List[Tensor]] = None
+        self.metrics: Optional[_MetricStep] = None
+
+
 class _ModelCall:
     """The wrapped model's ``training_step`` on rows of client weights and batches, as one vmapped call.
 
     Each row's parameter tensors go straight into the modules' parameter slots (what ``functional_call`` does,
     without its per-call name resolution). While the model runs under vmap (:meth:`_vmap_context`) ``self.log``
-    goes to a :class:`_LogCollector`, RNN layers run in plain tensor ops and a torchmetrics update is refused.
-    :meth:`row_values` gives one loss per row; the first call of each path runs under a :class:`_ModuleTracker`, so
-    a layer ``vmap`` cannot run is reported by name.
+    goes to a :class:`_LogCollector`, RNN layers run in plain tensor ops, normalisation layers run per client with
+    the rows' running statistics and torchmetrics calls are recorded. :meth:`row_values` gives one loss per row; the
+    first call of each path runs under a :class:`_ModuleTracker`, so a layer ``vmap`` cannot run is reported by name.
 
     Decisions (ours): work stays outside vmap where it can. On padded steps the vmapped function returns every
     cell's value and the masked per-client sums are taken after vmap (the same ops without batching rules); the
     per-sample ``unsqueeze`` is a view taken before vmap; logged values leave vmap as they are and are detached,
-    reshaped and cast outside.
+    reshaped and cast outside. The per-sample protocol is not used for models with BatchNorm (a sample's loss
+    depends on the client's batch) nor for modules whose ``training_step`` calls a torchmetrics metric (the metric
+    calls are ``training_step``'s; found by one call on a sample, once per engine): their padded steps go through
+    loss interception, which calls ``training_step`` itself.
     """
 
     def __init__(self, model: nn.Module, named: Sequence[Tuple[str, Tensor]], dtype: torch.dtype):
@@ -143,9 +163,10 @@ class _ModelCall:
         self.model = model
         self.dtype = dtype
         self.param_slots = _parameter_slots(model, named)
-        self.collector = _LogCollector()
-        self.metric_modules = _metric_modules(model)
-        self.per_sample_step = _per_sample_protocol(model)
+        self.metric_calls = _MetricCalls(_metric_modules(model))
+        self.collector = _LogCollector(self.metric_calls)
+        self.norms = _NormLayers(model)
+        self.per_sample_step = None if self.norms else _per_sample_protocol(model)
         # padded steps of a model without the protocol: per-sample loss interception (losses.py) while it is
         # recognised; None = not tried yet, True = in use, False = generic path (reason in padded_path_reason)
         self.intercept: Optional[bool] = None
@@ -154,125 +175,184 @@ class _ModelCall:
         self.deterministic = not _has_random_layers(model)
         self.probed: set = set()
 
+    @property
+    def metric_modules(self) -> List[Tuple[str, nn.Module]]:
+        return self.metric_calls.modules
+
     @contextmanager
     def _vmap_context(self):
         """While the model runs under vmap: ``self.log`` goes to the collector, RNN layers use
-        :func:`~fedlightning.vectorized.torch_internals._rnn_forward`, torchmetrics updates are refused."""
-        model = self.model
-        saved = {k: model.__dict__[k] for k in ("log", "log_dict") if k in model.__dict__}
-        model.__dict__["log"], model.__dict__["log_dict"] = self.collector.log, self.collector.log_dict
-        saved_updates = [(m, m.__dict__.get("update")) for _, m in self.metric_modules]
-        for name, m in self.metric_modules:
-            m.__dict__["update"] = functools.partial(_refuse_metric_update, name)
+        :func:`~fedlightning.vectorized.torch_internals._rnn_forward`, normalisation layers
+        :class:`~fedlightning.vectorized.norms._NormLayers`, torchmetrics calls are recorded."""
+        saved_metrics = self.metric_calls.install()
+        self.norms.install()
         try:
-            with _plain_rnn_forward(self.rnns):
+            with routed_logging(self.model, self.collector.log, self.collector.log_dict), _plain_rnn_forward(self.rnns):
                 yield
         finally:
-            for k in ("log", "log_dict"):
-                model.__dict__.pop(k, None)
-            model.__dict__.update(saved)
-            for m, update in saved_updates:
-                if update is None:
-                    m.__dict__.pop("update", None)
-                else:
-                    m.__dict__["update"] = update
+            self.metric_calls.uninstall(saved_metrics)
+            self.norms.uninstall()
+            self.metric_calls.begin(False)
 
-    def row_values(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int, cells: bool = False):
+    def row_values(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int, cells: bool = False,
+                   clients: Optional[Tensor] = None, effects: Optional[_Effects] = None,
+                   min_count: Optional[int] = None):
         """One value per row of a :class:`~fedlightning.vectorized.layout._Layout` batch at the row weights
         ``views`` ([R, ...] each), and the values the model logged (list of ``(name, [R] tensor)``): whole rows give
         ``training_step``'s loss of the row; cell rows (``mask`` given) give the sum of the per-sample losses of the
         row's real cells, or, with ``cells``, the ``[R, n_max]`` per-sample losses themselves (padded cells
         included; logged values are still the masked sums).
 
+        ``clients``: the client of each row (None: row ``i`` is client ``i``), whose running statistics the rows
+        use; ``effects``: filled with the call's new running statistics and metric calls (None: a trial or check
+        evaluation, whose effects are dropped); ``min_count``: the smallest real batch of the rows (read from
+        ``mask`` when not given).
+
         Cell rows take the first path that applies: the model's per-sample protocol (one
         ``training_step_per_sample`` call per row, :func:`~fedlightning.vectorized.support._per_sample_protocol`);
         per-sample loss interception (:meth:`_intercepted_row_values`); the generic path (one ``training_step``
         call per sample, an inner vmap)."""
+        stats = self.norms.rows(clients) if self.norms.stats else []
         if mask is None:
             mode = "whole"
-        elif self.per_sample_step is not None:
-            mode = "per-sample protocol"
-        elif self.intercept is not False:
-            return self._intercepted_row_values(views, batch, mask, step, cells)
+            min_count = tree_flatten(batch)[0][0].shape[1]
         else:
-            mode = "per-sample"
+            if min_count is None:
+                min_count = int(mask.sum(1).min()) if self.norms else 2
+            if self.per_sample_step is not None:
+                mode = "per-sample protocol"
+            elif self.intercept is not False:
+                return self._intercepted_row_values(views, batch, mask, step, cells, clients, stats, effects,
+                                                   min_count)
+            else:
+                mode = "per-sample"
+                mixing = self.norms.batch_dependent()
+                if mixing:
+                    raise VectorizationUnsupportedError(
+                        f"client_execution='vectorized': {', '.join(mixing)} computes statistics over a client's "
+                        "batch, which padded steps (clients' batches of unequal size) can only restrict to the "
+                        "client's real samples through loss interception, and it does not apply to "
+                        f"{type(self.model).__name__} ({self.padded_path_reason}); return a standard mean loss "
+                        "(e.g. F.cross_entropy) from training_step, or use client_execution='sequential' (or 'auto')"
+                    )
         with self._vmap_context():
-            if mode in self.probed:
-                return self._row_values_vmapped(views, batch, mask, step, cells)
-            if mode == "per-sample protocol":
-                self._check_per_sample_protocol(views, batch, mask, step)
-            tracker = _ModuleTracker(self.model)  # first call of each mode: name the layer if vmap fails
-            try:
-                with tracker:
-                    out = self._row_values_vmapped(views, batch, mask, step, cells)
-            except Exception as err:  # noqa: BLE001 - re-raised with the layer that failed
-                where = tracker.failed_in or f"the model ({type(self.model).__name__})"
-                raise VectorizationUnsupportedError(
-                    f"client_execution='vectorized' failed in {where} while running the clients under "
-                    f"torch.func.vmap: {type(err).__name__}: {err}. Use client_execution='sequential' (or 'auto' "
-                    "to fall back automatically)"
-                ) from err
-            self.probed.add(mode)
-            return out
+            if mode == "per-sample protocol" and mode not in self.probed and \
+                    not self._check_per_sample_protocol(views, batch, mask, step):
+                self.per_sample_step = None  # training_step calls a metric: padded steps call training_step
+                mode = ""
+            elif mode in self.probed:
+                return self._row_values_vmapped(views, batch, mask, step, cells, stats, effects, min_count)
+            else:
+                tracker = _ModuleTracker(self.model)  # first call of each mode: name the layer if vmap fails
+                try:
+                    with tracker:
+                        out = self._row_values_vmapped(views, batch, mask, step, cells, stats, effects, min_count)
+                except VectorizationUnsupportedError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - re-raised with the layer that failed
+                    where = tracker.failed_in or f"the model ({type(self.model).__name__})"
+                    raise VectorizationUnsupportedError(
+                        f"client_execution='vectorized' failed in {where} while running the clients under "
+                        f"torch.func.vmap: {type(err).__name__}: {err}. Use client_execution='sequential' (or "
+                        "'auto' to fall back automatically)"
+                    ) from err
+                self.probed.add(mode)
+                return out
+        return self._intercepted_row_values(views, batch, mask, step, cells, clients, stats, effects, min_count)
 
     def _row_values_vmapped(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int,
-                            want_cells: bool = False):
-        model, collector = self.model, self.collector
+                            want_cells: bool, stats: List[Tensor], effects: Optional[_Effects], min_count: int):
+        model, collector, metric_calls, norms = self.model, self.collector, self.metric_calls, self.norms
         model_name = type(model).__name__
         leaves, spec = tree_flatten(batch)
-        nv = len(views)
+        nv, ns = len(views), len(stats)
+        record = effects is not None
+        sizes = [0, 0]  # values logged, metric tensors: the outputs that follow the loss
 
-        def one_call(vs: Sequence[Tensor], b: Any):
-            """``training_step(b, step)`` with the parameter slots holding ``vs`` (as ``functional_call``)."""
-            collector.reset()
-            with self._weights_in_slots(vs):
-                loss = extract_loss(model.training_step(b, step), model_name)
-            return (loss, *collector.values)
+        def one_call(vs: Sequence[Tensor], st: Sequence[Tensor], b: Any, rows: str, n: int = 0,
+                     row_mask: Optional[Tensor] = None, count: Optional[Tensor] = None):
+            """``training_step(b, step)`` with the parameter slots holding ``vs`` (as ``functional_call``) and the
+            normalisation layers the running statistics ``st``."""
+            collector.reset(per_sample=rows == "padded")
+            metric_calls.begin(record, rows, n)
+            norms.begin(st, row_mask, count, min_count)
+            if rows == "padded":
+                loss = self._per_sample_losses(vs, b, step, n)
+            else:
+                with self._weights_in_slots(vs):
+                    loss = extract_loss(model.training_step(b, step), model_name)
+            outs = metric_calls.outputs()
+            sizes[:] = [len(collector.values), len(outs)]
+            return loss, list(collector.values), outs, norms.end()
 
         # flat positional arguments and outputs: vmap's argument handling is a pytree walk per call
         if mask is None:
             def per_row(*args):
-                return one_call(args[:nv], tree_unflatten(list(args[nv:]), spec))
+                loss, logged, outs, new = one_call(args[:nv], args[nv:nv + ns],
+                                                   tree_unflatten(list(args[nv + ns:]), spec), "whole")
+                return (loss, *logged, *outs, *new)
 
-            out = _vmap0(per_row, [*views, *leaves])
-        elif self.per_sample_step is not None:
+            out = _vmap0(per_row, [*views, *stats, *leaves])
+            nl, nm = sizes
+            self._keep_effects(effects, out[1 + nl:1 + nl + nm], out[1 + nl + nm:], None)
+            return out[0], list(zip(list(collector.names), [_logged_value(v, 1) for v in out[1:1 + nl]]))
+        if self.per_sample_step is not None:
             n_max = mask.shape[1]
-
             as_loss: List[str] = []  # names logged with the loss tensor itself (Classifier's train/batch_loss)
             names: List[str] = []
 
             def per_row_samples(*args):
                 """``training_step_per_sample`` on the row's whole (padded) batch: ``[n_max]`` losses."""
-                collector.reset(per_sample=True)
-                losses = self._per_sample_losses(args[:nv], tree_unflatten(list(args[nv:]), spec), step, n_max)
-                own = [(n, v) for n, v in zip(collector.names, collector.values) if v is not losses]
-                as_loss[:] = [n for n, v in zip(collector.names, collector.values) if v is losses]
+                losses, logged, outs, new = one_call(args[:nv], args[nv:nv + ns],
+                                                     tree_unflatten(list(args[nv + ns:]), spec), "padded", n_max)
+                own = [(n, v) for n, v in zip(collector.names, logged) if v is not losses]
+                as_loss[:] = [n for n, v in zip(collector.names, logged) if v is losses]
                 names[:] = [n for n, _ in own]
-                return (losses, *[v for _, v in own])
+                sizes[0] = len(own)
+                return (losses, *[v for _, v in own], *outs, *new)
 
-            out = _vmap0(per_row_samples, [*views, *leaves])
+            out = _vmap0(per_row_samples, [*views, *stats, *leaves])
             collector.reset()
+            nl, nm = sizes
+            self._keep_effects(effects, out[1 + nl:1 + nl + nm], out[1 + nl + nm:], mask)
             # values logged with another length than the batch have no per-sample meaning: dropped
-            kept = [(name, v.detach().float()) for name, v in zip(names, out[1:]) if tuple(v.shape) == tuple(mask.shape)]
+            kept = [(name, v.detach().float()) for name, v in zip(names, out[1:1 + nl])
+                    if tuple(v.shape) == tuple(mask.shape)]
             return self._padded_result(out[0], mask, as_loss, kept, want_cells)
-        else:
-            def per_row_cells(*args):
-                vs = args[:nv]
 
-                def per_sample(*sample_leaves):  # a batch of one sample: [1, ...] each
-                    return one_call(vs, tree_unflatten(list(sample_leaves), spec))
+        def per_row_cells(*args):
+            vs, st = args[:nv], args[nv:nv + ns]
 
-                return _vmap0(per_sample, args[nv:])
+            def per_sample(*sample_leaves):  # a batch of one sample: [1, ...] each
+                loss, logged, outs, _ = one_call(vs, st, tree_unflatten(list(sample_leaves), spec), "cell")
+                return (loss, *logged, *outs)
 
-            # [R, n_max, 1, ...]: every cell a batch of one (the unsqueeze outside vmap is a plain view)
-            cells = _vmap0(per_row_cells, [*views, *(x.unsqueeze(2) for x in leaves)])
-            # [R, n_max] values of every cell; padded cells (repeated samples) count zero. The masked sums run
-            # outside vmap (the same ops on the same [R, n_max] tensors, without their batching rules)
-            kept = list(zip(list(collector.names), [_logged_value(v, 2) for v in cells[1:]]))
-            return self._padded_result(cells[0], mask, [], kept, want_cells)
-        return out[0], list(zip(list(collector.names), [_logged_value(v, 1) for v in out[1:]]))
+            return _vmap0(per_sample, args[nv + ns:])
 
-    def _intercepted_row_values(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool):
+        # [R, n_max, 1, ...]: every cell a batch of one (the unsqueeze outside vmap is a plain view)
+        cells = _vmap0(per_row_cells, [*views, *stats, *(x.unsqueeze(2) for x in leaves)])
+        nl, nm = sizes
+        self._keep_effects(effects, cells[1 + nl:1 + nl + nm], None, mask)
+        # [R, n_max] values of every cell; padded cells (repeated samples) count zero. The masked sums run
+        # outside vmap (the same ops on the same [R, n_max] tensors, without their batching rules)
+        kept = list(zip(list(collector.names), [_logged_value(v, 2) for v in cells[1:1 + nl]]))
+        return self._padded_result(cells[0], mask, [], kept, want_cells)
+
+    def _keep_effects(self, effects: Optional[_Effects], metric_outs: Sequence[Tensor],
+                      stats: Optional[Sequence[Tensor]], mask: Optional[Tensor]) -> None:
+        """Fill ``effects`` (if any) from a batched call's outputs: the rows' new running statistics (None: the
+        path changes none) and the recorded metric calls (their real sample counts are the layout's)."""
+        if effects is None:
+            return
+        if stats is not None and len(stats):
+            effects.stats = list(stats)
+        step = self.metric_calls.finish(metric_outs)
+        if step is not None and step.calls:
+            effects.metrics = step
+
+    def _intercepted_row_values(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
+                                clients: Optional[Tensor], stats: List[Tensor], effects: Optional[_Effects],
+                                min_count: int):
         """:meth:`row_values` of padded rows through per-sample loss interception
         (:mod:`fedlightning.vectorized.losses`): one ``training_step`` call per row on its whole padded batch, the
         standard losses computed per sample and averaged over the row's real samples.
@@ -284,7 +364,8 @@ class _ModelCall:
         mixes samples, fails it). If any of this fails, or the batched call raises, the engine uses the generic path
         (one ``training_step`` per sample) from then on, after restoring the random state the attempt started from, so
         the generic path computes exactly what it computes without this attempt. The path taken is logged once
-        (rank-zero info line).
+        (rank-zero info line). A :class:`VectorizationUnsupportedError` (a metric or layer the engine cannot run per
+        client) is raised as it is: the generic path would refuse it too.
         """
         devices = [views[0].device] if views[0].device.type == "cuda" else []
         rng = None if self.deterministic else _rng_state(devices)
@@ -292,10 +373,13 @@ class _ModelCall:
         try:
             with self._vmap_context():
                 if first:
-                    reason = self._check_interception(views, batch, mask, step)
+                    reason = self._check_interception(views, batch, mask, step, stats)
                     if reason is not None:
                         raise _NotIntercepted(reason)
-                out = self._interception_vmapped(views, batch, mask, step, want_cells)
+                out = self._interception_vmapped(views, batch, mask, step, want_cells, stats, effects, min_count)
+        except VectorizationUnsupportedError:
+            self.collector.reset()
+            raise
         except Exception as err:  # noqa: BLE001 - any failure of the fast path: the generic path decides
             self.collector.reset()
             if rng is not None:
@@ -304,7 +388,9 @@ class _ModelCall:
             self.padded_path_reason = str(err) if isinstance(err, _NotIntercepted) else f"{type(err).__name__}: {err}"
             _info(f"client_execution='vectorized': padded steps of {type(self.model).__name__} call training_step "
                   f"once per sample ({self.padded_path_reason})")
-            return self.row_values(views, batch, mask, step, want_cells)
+            if effects is not None:
+                effects.stats = effects.metrics = None
+            return self.row_values(views, batch, mask, step, want_cells, clients, effects, min_count)
         if first:
             self.intercept = True
             self.padded_path_reason = "per-sample loss interception"
@@ -312,23 +398,31 @@ class _ModelCall:
                   "sample by loss interception (one training_step call per client)")
         return out
 
-    def _interception_vmapped(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool):
-        model, collector = self.model, self.collector
+    def _interception_vmapped(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
+                              stats: List[Tensor], effects: Optional[_Effects], min_count: int):
+        model, collector, metric_calls, norms = self.model, self.collector, self.metric_calls, self.norms
         model_name = type(model).__name__
         leaves, spec = tree_flatten(batch)
-        nv = len(views)
+        nv, ns = len(views), len(stats)
         n_max = mask.shape[1]
         m = mask.to(self.dtype)
         counts = m.sum(1)
+        record = effects is not None
         as_loss: List[str] = []  # names logged with the loss tensor itself
         names: List[str] = []  # other logged values, returned as [n_max] cells
+        sizes = [0, 0]
 
         def per_row(*args):
             vs, row_mask, count = args[:nv], args[nv], args[nv + 1]
+            st = args[nv + 2:nv + 2 + ns]
             collector.reset()
             interception = LossInterception(n_max, row_mask, count)
+            metric_calls.begin(record, "padded", n_max, interception)
+            norms.begin(st, row_mask, count, min_count)
             with self._weights_in_slots(vs), interception:
-                loss = extract_loss(model.training_step(tree_unflatten(list(args[nv + 2:]), spec), step), model_name)
+                loss = extract_loss(model.training_step(tree_unflatten(list(args[nv + 2 + ns:]), spec), step),
+                                    model_name)
+            new = norms.end()
             cells = interception.cells_of(loss)
             if cells is None:
                 raise _NotIntercepted(_unrecognised("the loss training_step returns", interception))
@@ -346,17 +440,22 @@ class _ModelCall:
                     own = row_mask * 0 + value.detach().reshape(())  # a constant: the same value in every cell
                 names.append(name)
                 logged.append(own)
-            return (cells, *logged)
+            outs = metric_calls.outputs()
+            sizes[:] = [len(logged), len(outs)]
+            return (cells, *logged, *outs, *new)
 
-        out = _vmap0(per_row, [*views, m, counts, *leaves])
+        out = _vmap0(per_row, [*views, m, counts, *stats, *leaves])
         collector.reset()
-        kept = [(name, v.detach().float()) for name, v in zip(names, out[1:])]
+        nl, nm = sizes
+        self._keep_effects(effects, out[1 + nl:1 + nl + nm], out[1 + nl + nm:], mask)
+        kept = [(name, v.detach().float()) for name, v in zip(names, out[1:1 + nl])]
         return self._padded_result(out[0], mask, list(as_loss), kept, want_cells)
 
-    def _check_interception(self, views: List[Tensor], batch: Any, mask: Tensor, step: int) -> Optional[str]:
+    def _check_interception(self, views: List[Tensor], batch: Any, mask: Tensor, step: int,
+                            stats: List[Tensor]) -> Optional[str]:
         """None if the intercepted loss of a padded row (see below) equals ``training_step`` on its real samples alone
-        (at the row's weights, without gradients, in full precision), else the reason it does not. Skipped (None)
-        for models with random layers, whose two calls draw different random numbers."""
+        (at the row's weights and running statistics, without gradients, in full precision), else the reason it does
+        not. Skipped (None) for models with random layers, whose two calls draw different random numbers."""
         if not self.deterministic:
             return None
         leaves, spec = tree_flatten(batch)
@@ -367,21 +466,28 @@ class _ModelCall:
         r = min(range(len(counts)), key=lambda i: (n_max % counts[i] == 0, counts[i]))
         k = int(counts[r])
         row = [v[r].detach() for v in views]
+        row_stats = [s[r] for s in stats]
         model_name = type(self.model).__name__
         try:
             full_precision = torch.autocast(device_type=row[0].device.type, enabled=False)
         except RuntimeError:  # a device type autocast does not know
             full_precision = contextlib.nullcontext()
+        self.metric_calls.begin(False)
         with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision, self._weights_in_slots(row):
-            interception = LossInterception(n_max, mask[r].to(self.dtype), mask[r].to(self.dtype).sum())
+            row_mask = mask[r].to(self.dtype)
+            interception = LossInterception(n_max, row_mask, row_mask.sum())
+            self.norms.begin(row_stats, row_mask, row_mask.sum(), k)
             with interception:
                 padded = extract_loss(self.model.training_step(tree_unflatten([x[r] for x in leaves], spec), step),
                                       model_name)
             if interception.cells_of(padded) is None:
                 self.collector.reset()
+                self.norms.end()
                 return _unrecognised("the loss training_step returns", interception)
+            self.norms.begin(row_stats, None, None, k)
             real = extract_loss(self.model.training_step(tree_unflatten([x[r, :k] for x in leaves], spec), step),
                                 model_name)
+            self.norms.end()
         self.collector.reset()
         low = self.dtype in (torch.float16, torch.bfloat16)
         if not torch.allclose(padded.double(), real.double(), rtol=2e-2 if low else 1e-4, atol=2e-2 if low else 1e-6,
@@ -421,16 +527,15 @@ class _ModelCall:
             )
         return losses
 
-    def _check_per_sample_protocol(self, views: List[Tensor], batch: Any, mask: Tensor, step: int) -> None:
-        """Once per engine, before the protocol is first used: ``training_step_per_sample(b)[j]`` must equal
+    def _check_per_sample_protocol(self, views: List[Tensor], batch: Any, mask: Tensor, step: int) -> bool:
+        """Once per engine, before the protocol is first used. False if ``training_step`` calls a torchmetrics
+        metric (one call on the first client's first sample, without gradients, random state restored): padded
+        steps must then call ``training_step`` itself. Else ``training_step_per_sample(b)[j]`` must equal
         ``training_step`` on sample ``j`` alone (first client, its first two real samples, at the current weights,
-        without gradients). Skipped for models with random layers, whose two calls draw different random numbers.
+        without gradients); skipped for models with random layers, whose two calls draw different random numbers.
         A mismatch raises ``ValueError`` naming both values (a protocol that disagrees with ``training_step`` would
         silently train another objective in vectorised mode)."""
-        if not self.deterministic:
-            return
         leaves, spec = tree_flatten(batch)
-        k = min(2, int(mask[0].sum()))
         row = [v[0].detach() for v in views]
         model_name = type(self.model).__name__
         # in the parameters' own dtype, without autocast: mixed precision would make two correct computations
@@ -439,6 +544,20 @@ class _ModelCall:
             full_precision = torch.autocast(device_type=row[0].device.type, enabled=False)
         except RuntimeError:  # a device type autocast does not know
             full_precision = contextlib.nullcontext()
+        if self.metric_calls:
+            devices = [row[0].device] if row[0].device.type == "cuda" else []
+            self.metric_calls.begin(True)
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), full_precision, \
+                    self._weights_in_slots(row):
+                self.model.training_step(tree_unflatten([x[0, :1] for x in leaves], spec), step)
+            calls = bool(self.metric_calls.calls)
+            self.metric_calls.begin(False)
+            self.collector.reset()
+            if calls:
+                return False
+        if not self.deterministic:
+            return True
+        k = min(2, int(mask[0].sum()))
         with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision:
             per = self._per_sample_losses(row, tree_unflatten([x[0, :k] for x in leaves], spec), step, k)
             with self._weights_in_slots(row):
@@ -457,6 +576,7 @@ class _ModelCall:
                 "must be training_step's loss on sample j alone; fix it, or remove it to let the vectorised engine "
                 "call training_step once per sample"
             )
+        return True
 
     @staticmethod
     def term_values(views: List[Tensor], terms: List[List[Callable]]) -> Tensor:

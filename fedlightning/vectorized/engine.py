@@ -15,6 +15,7 @@ from fedlightning.state import ClientUpdate, derive_seed
 from .batches import _RoundBatches
 from .call import _ModelCall
 from .layout import _Layout, _WeightsLayout
+from .metrics import _replay
 from .rules import _StepRecord, make_batched_rule
 from .step import _feed_router, _StepEvaluator
 from .support import VectorizationUnsupportedError, check_model_vectorizable
@@ -57,9 +58,14 @@ class VectorizedClientTrainer:
       optimizers stop it at its first non-finite loss); the other clients are unaffected. An exception raised
       inside the batched computation concerns all clients together and is raised, not turned into per-client
       failures.
+    * **Running statistics and metrics.** BatchNorm layers keep one row of running statistics per client, moved
+      by the client's gradient evaluations only, and every client reports its own float buffers in its update, as
+      sequential training does (:mod:`fedlightning.vectorized.norms`). torchmetrics calls made in
+      ``training_step`` at gradient evaluations are replayed after the last step, client after client
+      (:mod:`fedlightning.vectorized.metrics`).
     * **Memory.** A round holds the ``[C, D]`` weights and gradients, the step's padded batches and, for SgdArmijo,
       the trial points of one trial round (reused :meth:`scratch` buffers); activations are those of ``C`` clients
-      at once.
+      at once; with torchmetrics metrics, the arguments of the round's metric calls.
 
     Args:
         model: the working copy (``loop._worker_trainer().model``); its parameters are only read for names, shapes
@@ -109,6 +115,7 @@ class VectorizedClientTrainer:
         W = start.unsqueeze(0).repeat(layout.num_clients, 1)
         ev = _StepEvaluator(self, layout, 0, None, rng_devices, None, trials=False)
         ev.learn_layout = True
+        ev.keep_effects = False
         ev.gradient(W, torch.ones(layout.num_clients, dtype=torch.bool, device=W.device), flat=False)
 
     # ---------------------------------------------------------------- one round
@@ -133,7 +140,8 @@ class VectorizedClientTrainer:
 
         ``optimizers`` are the clients' optimizer instances as the loop builds them (client state already set);
         after the round their per-client state holds what sequential training would have left in them, so
-        ``get_client_state()`` / ``client_report()`` can be called on them.
+        ``get_client_state()`` / ``client_report()`` can be called on them. The model's torchmetrics metrics are
+        updated as sequential training updates them; values logged from them go to ``router``.
         """
         client_ids = [int(c) for c in client_ids]
         C = len(client_ids)
@@ -149,7 +157,11 @@ class VectorizedClientTrainer:
         if terms is not None and len(terms) != C:
             raise ValueError(f"got objective terms for {len(terms)} clients, expected {C}")
         term_lists = [list(t) for t in terms] if terms is not None and any(terms) else None
-        self.model.train()
+        if not self.model.training:  # as train_client: layers the module put in eval mode stay there
+            self.model.train()
+        norms = self.call.norms
+        if norms:
+            norms.start(global_buffers, C)
 
         with torch.no_grad():
             start = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in global_params])
@@ -159,6 +171,7 @@ class VectorizedClientTrainer:
         batches = _RoundBatches(datamodule, client_ids, round, seed, int(local_steps), self.to_device)
         rng_devices = [device] if device.type == "cuda" else []
         log_sink: Optional[list] = [] if router is not None else None
+        metric_sink: Optional[list] = [] if self.call.metric_calls else None
 
         layouts: dict = {}
         with torch.random.fork_rng(devices=rng_devices):
@@ -169,7 +182,8 @@ class VectorizedClientTrainer:
             _seed_default_generators(model_seed, rng_devices)  # the generators this round uses, and only them
             for k in range(int(local_steps)):
                 layout = _Layout(*batches.step(k), cache=layouts)
-                ev = _StepEvaluator(self, layout, k, term_lists, rng_devices, log_sink, trials=rule.uses_trials)
+                ev = _StepEvaluator(self, layout, k, term_lists, rng_devices, log_sink, trials=rule.uses_trials,
+                                    metric_sink=metric_sink)
                 ev.track_alive = rule.stops_on_nonfinite  # else every client trains every step
                 rule.step(W, ev, record, alive)
                 num_steps += alive.long()
@@ -178,8 +192,13 @@ class VectorizedClientTrainer:
         rule.finalize(optimizers)
         if log_sink:
             _feed_router(router, log_sink)
-        return self._updates(client_ids, W, global_flat, datamodule, record, num_steps, global_buffers,
-                             float_buffer_mask)
+        if metric_sink:
+            _replay(self.call.metric_modules, metric_sink, C, router)
+        try:
+            return self._updates(client_ids, W, global_flat, datamodule, record, num_steps, global_buffers,
+                                 float_buffer_mask)
+        finally:
+            norms.stats = []
 
     def _updates(self, client_ids, W, global_flat, datamodule, record: _StepRecord, num_steps: Tensor,
                  global_buffers, float_buffer_mask) -> List[ClientUpdate]:
@@ -193,9 +212,15 @@ class VectorizedClientTrainer:
         rows = delta.unbind(0)
         buffers = None
         if float_buffer_mask is not None and any(float_buffer_mask):
-            # batch-statistics layers are refused, so no buffer changes during client training: every client
-            # reports the global buffers, as LocalTrainer.run does for a model whose buffers stay untouched
-            buffers = torch.cat([b.detach().reshape(-1).float() for b, m in zip(global_buffers, float_buffer_mask) if m])
+            # every client's float buffers, as LocalTrainer.run reports them: its running statistics, and the
+            # global value of buffers that client training does not change
+            norms = self.call.norms
+            if norms.stats:
+                buffers = norms.client_buffers(global_buffers, float_buffer_mask, len(client_ids)).unbind(0)
+            else:
+                shared = torch.cat([b.detach().reshape(-1).float()
+                                    for b, m in zip(global_buffers, float_buffer_mask) if m])
+                buffers = [shared] * len(client_ids)
         # clients that ran all K steps (the usual case): first loss, mean loss and finiteness of all at once
         by_client = losses.t().contiguous()  # [C, K]
         first_all = by_client[:, 0].tolist() if K else []
@@ -223,7 +248,7 @@ class VectorizedClientTrainer:
                 backwards=int(counts[3][c]),
             )
             if buffers is not None:
-                update.buffers = buffers.clone()
+                update.buffers = buffers[c].clone()
             if not finite_loss:
                 update.failed, update.failure = True, "non-finite training loss"
             elif not finite_delta[c]:

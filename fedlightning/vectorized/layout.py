@@ -35,6 +35,7 @@ class _Layout:
         :meth:`~fedlightning.vectorized.batches._RoundBatches.step`); ``cache``: a dict kept over the steps of a round,
         so that steps with the same sizes share their mask and counts."""
         self.num_clients = len(sizes)
+        self.sizes, self.min_size = list(sizes), min(sizes)
         self.leaves, self.spec = leaves, spec
         self.batch = tree_unflatten(leaves, spec)
         key = tuple(sizes)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .call import _Effects
 from .layout import _Layout
 from .torch_internals import _rng_state, _set_rng_state
 
@@ -26,15 +27,21 @@ class _StepEvaluator:
     draws exactly the random numbers of the gradient evaluation (same dropout masks, as the sequential optimizers
     do). ``finish()`` leaves the generator in the state the gradient evaluation left it in, so the number of trials
     does not change later randomness.
+
+    A gradient evaluation also moves the running statistics of the clients it evaluates (those still training) and
+    records its metric calls into ``metric_sink`` (with the step's real sample counts and the clients still
+    training), replayed at the end of the round; trial evaluations change neither.
     """
 
     def __init__(self, engine: VectorizedClientTrainer, layout: _Layout, step: int,
                  terms: Optional[List[List[Callable]]], rng_devices: list, log_sink: Optional[list],
-                 trials: bool = True):
+                 trials: bool = True, metric_sink: Optional[list] = None):
         self.engine, self.layout, self.step = engine, layout, step
         self.terms = terms
         self.rng_devices = rng_devices
         self.log_sink = log_sink
+        self.metric_sink = metric_sink
+        self.keep_effects = True  # False: the engine's layout probe (running statistics and metrics untouched)
         self.replay = trials  # keep the generator state of the gradient evaluation for trial evaluations
         self.rng_before = None
         self.rng_after = None
@@ -51,16 +58,18 @@ class _StepEvaluator:
         # one leaf per parameter (views of W's storage): their gradients come out separately, so the backward pass
         # does not concatenate them into a [C, D] tensor unless the optimizer needs one
         leaves = [v.detach().requires_grad_(True) for v in engine.weights.views(W)]
+        effects = _Effects() if self.keep_effects else None
         with torch.enable_grad():
             if layout.mask is None:
-                losses, logged = engine.call.row_values(leaves, layout.batch, None, self.step)
+                losses, logged = engine.call.row_values(leaves, layout.batch, None, self.step, effects=effects)
                 objective = losses
             else:
                 # padded rows: the loss of client i is Σ_j m_ij ℓ_ij / n_i (its real cells' mean); the backward pass
                 # starts from Σ_ij ℓ_ij · (m_ij / n_i), whose gradient w.r.t. ℓ is the same m_ij · fl(1/n_i) the
                 # masked sum, the division and the sum over clients give (bit for bit), with fewer autograd nodes;
                 # the reported losses are computed from the detached cells as before
-                cells, values, logged = engine.call.row_values(leaves, layout.batch, layout.mask, self.step, cells=True)
+                cells, values, logged = engine.call.row_values(leaves, layout.batch, layout.mask, self.step, cells=True,
+                                                               effects=effects, min_count=layout.min_size)
                 losses = values / layout.counts_as(values.dtype)
                 objective = (cells * layout.cell_weights(cells.dtype)).sum(1)
             if self.terms is not None:
@@ -69,6 +78,14 @@ class _StepEvaluator:
                 objective = objective + terms
             grads = torch.autograd.grad(objective.sum(), leaves, allow_unused=True)
         grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
+        if effects is not None:
+            evaluated = alive if self.track_alive else None
+            if effects.stats is not None:
+                engine.call.norms.write(effects.stats, evaluated)
+            if effects.metrics is not None and self.metric_sink is not None:
+                effects.metrics.counts = layout.sizes if layout.mask is not None else None
+                effects.metrics.alive = evaluated
+                self.metric_sink.append(effects.metrics)
         if self.log_sink is not None and logged:
             # per-client sums over real samples on padded steps: divided by the counts at the end of the round
             self.log_sink.append(([(name, v.detach()) for name, v in logged], layout.counts,
@@ -96,7 +113,8 @@ class _StepEvaluator:
                 batch, mask, counts = layout.rows(clients, engine.scratch)
                 terms = [self.terms[i] for i in clients.tolist()] if self.terms is not None else None
             views = engine.weights.views(points)
-            values, _ = engine.call.row_values(views, batch, mask, self.step)
+            values, _ = engine.call.row_values(views, batch, mask, self.step, clients=clients,
+                                               min_count=layout.min_size)
             if counts is None:
                 losses = values
             else:

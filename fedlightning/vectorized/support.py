@@ -1,11 +1,14 @@
 """What the vectorised engine can train, and the model features it adapts to.
 
-:func:`check_model_vectorizable` refuses batch-statistics layers; the other refusals
-(:class:`VectorizationUnsupportedError`, naming the layer or setting) come from the probes here (RNNs with
-``proj_size``, torchmetrics updated in ``training_step``), from the engine (parameters of mixed dtypes, batches with
-non-tensor leaves, layers ``vmap`` cannot run: found by the first batched call and reported with the module that was
-executing), and from :func:`fedlightning.vectorized.rules.make_batched_rule` (client optimizers). With
-``client_execution="auto"`` any of them makes the run fall back to sequential training with one warning.
+:func:`check_model_vectorizable` refuses normalisation layers it cannot run per client (``SyncBatchNorm``, subclasses
+that override ``forward``); BatchNorm and instance norm with running statistics run per client
+(:mod:`fedlightning.vectorized.norms`), torchmetrics metrics used in ``training_step`` are recorded and replayed per
+client (:mod:`fedlightning.vectorized.metrics`). The other refusals (:class:`VectorizationUnsupportedError`, naming
+the layer, metric or setting) come from the probes here (RNNs with ``proj_size``), from those two modules (metric
+arguments that cannot be split per client, a batch of one value per channel), from the engine (parameters of mixed
+dtypes, batches with non-tensor leaves, layers ``vmap`` cannot run: found by the first batched call and reported with
+the module that was executing) and from :func:`fedlightning.vectorized.rules.make_batched_rule` (client optimizers).
+With ``client_execution="auto"`` any of them makes the run fall back to sequential training with one warning.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from torch import Tensor, nn
 
-from .torch_internals import BATCH_NORM_TYPES, DROPOUT_TYPES, INSTANCE_NORM_TYPES
+from .torch_internals import BATCH_NORM_TYPES, DROPOUT_TYPES, INSTANCE_NORM_TYPES, SYNC_BATCH_NORM_TYPES
 
 
 class VectorizationUnsupportedError(ValueError):
@@ -22,25 +25,39 @@ class VectorizationUnsupportedError(ValueError):
 
 
 def check_model_vectorizable(model: nn.Module) -> None:
-    """Raise :class:`VectorizationUnsupportedError` naming the first layer that keeps batch statistics.
+    """Raise :class:`VectorizationUnsupportedError` naming the first normalisation layer the engine cannot run per
+    client: ``SyncBatchNorm`` (its statistics span processes) and subclasses of BatchNorm / InstanceNorm that override
+    ``forward`` (the engine runs the layers' standard computation, :mod:`fedlightning.vectorized.norms`).
+    BatchNorm, InstanceNorm, GroupNorm and LayerNorm are fine."""
+    _norm_layers(model)
 
-    ``BatchNorm`` normalises with statistics of the whole mini-batch (which padded rows would change) and updates
-    running statistics in place (which ``vmap`` cannot do on a buffer shared by all clients); ``InstanceNorm`` is
-    per-sample and only refused when it tracks running statistics. GroupNorm / LayerNorm are fine.
-    """
+
+def _norm_layers(model: nn.Module) -> List[Tuple[str, nn.Module, bool]]:
+    """``(label, module, is_instance_norm)`` of the BatchNorm layers and of the InstanceNorm layers that track running
+    statistics (the layers :class:`~fedlightning.vectorized.norms._NormLayers` runs); refuses the others (see
+    :func:`check_model_vectorizable`)."""
+    found = []
     for name, module in model.named_modules():
         label = f"'{name}' ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
-        if isinstance(module, BATCH_NORM_TYPES):
+        if isinstance(module, SYNC_BATCH_NORM_TYPES):
             raise VectorizationUnsupportedError(
-                f"client_execution='vectorized' cannot train layer {label}: batch-statistics layers (BatchNorm) "
-                "depend on the whole mini-batch and update running statistics in place; use GroupNorm/LayerNorm, "
-                "or client_execution='sequential' (or 'auto' to fall back automatically)"
+                f"client_execution='vectorized' cannot train layer {label}: SyncBatchNorm computes its statistics "
+                "across processes; use BatchNorm, or client_execution='sequential' (or 'auto' to fall back "
+                "automatically)"
             )
-        if isinstance(module, INSTANCE_NORM_TYPES) and module.track_running_stats:
+        instance = isinstance(module, INSTANCE_NORM_TYPES)
+        if not (isinstance(module, BATCH_NORM_TYPES) or instance):
+            continue
+        base = INSTANCE_NORM_TYPES[0] if instance else BATCH_NORM_TYPES[0]
+        if getattr(type(module), "forward", None) is not getattr(base, "forward", None):
             raise VectorizationUnsupportedError(
-                f"client_execution='vectorized' cannot train layer {label}: it updates running statistics in "
-                "place (track_running_stats=True); use client_execution='sequential' or 'auto'"
+                f"client_execution='vectorized' cannot train layer {label}: it overrides forward, and the engine runs "
+                f"{base.__name__}'s own computation per client; use client_execution='sequential' (or 'auto')"
             )
+        if instance and not module.track_running_stats:
+            continue  # per-sample statistics, no buffers: vmap runs it as it is
+        found.append((label, module, instance))
+    return found
 
 
 def _per_sample_protocol(model: nn.Module) -> Optional[Callable[[Any, int], Tensor]]:
@@ -69,21 +86,6 @@ def _per_sample_protocol(model: nn.Module) -> Optional[Callable[[Any, int], Tens
     if sample_owner is None or step_owner is None or not issubclass(sample_owner, step_owner):
         return None
     return model.training_step_per_sample
-
-
-def _metric_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics is a dependency
-        return []
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, Metric)]
-
-
-def _refuse_metric_update(name: str, *args: Any, **kwargs: Any) -> None:
-    raise VectorizationUnsupportedError(
-        f"the torchmetrics metric '{name}' is updated in training_step, which client_execution='vectorized' cannot "
-        "batch over clients yet; use client_execution='sequential' (or 'auto' to fall back automatically)"
-    )
 
 
 def _has_random_layers(model: nn.Module) -> bool:

@@ -32,7 +32,7 @@ try:
     from torch._C._functorch import is_batchedtensor as _is_batchedtensor
 except ImportError:  # pragma: no cover - every logged value then counts as client-dependent
     _is_batchedtensor = None
-try:  # the private bases of the layers the engine refuses or replays (batch statistics, random masks)
+try:  # the private bases of the layers the engine runs per client or replays (batch statistics, random masks)
     from torch.nn.modules.batchnorm import _BatchNorm
     from torch.nn.modules.dropout import _DropoutNd
     from torch.nn.modules.instancenorm import _InstanceNorm
@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover - their public subclasses
     INSTANCE_NORM_TYPES = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d,
                            nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
     DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+SYNC_BATCH_NORM_TYPES: Tuple[type, ...] = (nn.SyncBatchNorm,)
 
 
 # ====================================================================== vmap
