@@ -194,7 +194,7 @@ def test_a_batchnorm_the_module_freezes_uses_its_running_statistics(opt, loss):
     the path that calls training_step once per sample (a loss the engine does not intercept) runs it."""
     seq = fit(BNNet("mlp", frozen=True, loss=loss), OPTIMIZERS[opt], "sequential")
     vec = fit(BNNet("mlp", frozen=True, loss=loss), OPTIMIZERS[opt], "vectorized")
-    assert vec[3].__dict__["_vectorized_engine"].call.intercept is (loss == "cross_entropy")
+    assert vec[3].vectorized_engine.call.intercept is (loss == "cross_entropy")
     assert_same(seq, vec)
     start = [b.clone() for b in BNNet("mlp").buffers()]
     for a, b in zip(start, vec[1]):
@@ -206,8 +206,8 @@ def test_auto_picks_a_mode_and_keeps_the_results():
         warnings.simplefilter("always")
         auto = fit(BNNet("cnn"), OPTIMIZERS["sgd"], "auto")
     assert not [w for w in caught if "training clients sequentially" in str(w.message)]
-    assert isinstance(auto[3].__dict__.get("_vectorized_engine"), VectorizedClientTrainer)
-    assert auto[3].__dict__["_auto_choice"] in ("sequential", "vectorized")
+    assert isinstance(auto[3].vectorized_engine, VectorizedClientTrainer)
+    assert auto[3].client_execution_choice in ("sequential", "vectorized")
     assert_same(fit(BNNet("cnn"), OPTIMIZERS["sgd"], "sequential"), auto)
 
 

@@ -155,7 +155,7 @@ def test_line_search_in_client_order_equals_sequential(monkeypatch):
 
     monkeypatch.setattr(call, "_has_random_layers", lambda model: True)
     vec = fit(MetricNet("object"), OPTIMIZERS["armijo"], "vectorized")
-    assert vec[2].__dict__["_vectorized_engine"].deterministic is False
+    assert vec[2].vectorized_engine.deterministic is False
     assert sum(u.backtracks for u in vec[1].updates) > 0
     assert_same_metrics(fit(MetricNet("object"), OPTIMIZERS["armijo"], "sequential"), vec, ["acc", "mean_loss"])
 
@@ -191,7 +191,7 @@ def test_one_call_per_sample_path_equals_sequential():
     """A loss the engine does not intercept: padded steps call training_step on each sample; the metric's
     per-sample arguments are gathered from the client's real samples."""
     vec = fit(MetricNet("per_sample_only", loss="own"), OPTIMIZERS["sgd"], "vectorized")
-    assert vec[2].__dict__["_vectorized_engine"].call.intercept is False
+    assert vec[2].vectorized_engine.call.intercept is False
     assert_same_metrics(fit(MetricNet("per_sample_only", loss="own"), OPTIMIZERS["sgd"], "sequential"), vec, ["acc"])
 
 
@@ -216,7 +216,7 @@ class ProtocolMLP(MLP):
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_per_sample_protocol_is_not_used_when_training_step_calls_a_metric(opt):
     vec = fit(ProtocolMLP(), OPTIMIZERS[opt], "vectorized")
-    call = vec[2].__dict__["_vectorized_engine"].call
+    call = vec[2].vectorized_engine.call
     assert call.per_sample_step is None and call.intercept is True
     assert_same_metrics(fit(ProtocolMLP(), OPTIMIZERS[opt], "sequential"), vec, ["train_acc"])
 
@@ -226,8 +226,8 @@ def test_auto_vectorizes_a_module_with_metrics():
         warnings.simplefilter("always")
         auto = fit(MetricNet("object"), OPTIMIZERS["sgd"], "auto")
     assert not [w for w in caught if "training clients sequentially" in str(w.message)]
-    assert isinstance(auto[2].__dict__.get("_vectorized_engine"), VectorizedClientTrainer)
-    assert auto[2].__dict__["_auto_choice"] in ("sequential", "vectorized")
+    assert isinstance(auto[2].vectorized_engine, VectorizedClientTrainer)
+    assert auto[2].client_execution_choice in ("sequential", "vectorized")
     # whichever mode it chose, the measurement left the metrics as they were: the sequential series
     assert_same_metrics(fit(MetricNet("object"), OPTIMIZERS["sgd"], "sequential"), auto, ["acc", "mean_loss"])
 
