@@ -74,3 +74,12 @@ def test_every_question_names_existing_study_files():
     for q in studies.QUESTIONS:
         assert {name for _, name in q.methods} <= files
         assert set(q.claimed) == {label for label, _ in q.methods}
+
+
+def test_summary_keeps_a_claims_words_and_drops_its_source():
+    from reproduction.report import _short
+
+    assert _short("FedSPS (untuned) is at least as good as the tuned FedAvg (Figs. 3-4)") == \
+        "FedSPS (untuned) is at least as good as the tuned FedAvg"
+    assert _short("FedExP reaches the lowest training loss (Table 2)") == "FedExP reaches the lowest training loss"
+    assert _short("no source here") == "no source here"

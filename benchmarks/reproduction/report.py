@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import platform
+import re
 import shlex
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -399,8 +400,9 @@ def _summary(experiments, tallies: Dict[str, Dict[str, List[str]]], findings: Di
 
 
 def _short(text: str) -> str:
-    """A claim's text without its parenthesised source."""
-    return text.split(" (")[0]
+    """A claim's text without its trailing parenthesised source: ``"A (untuned) beats B (Fig. 3)"`` →
+    ``"A (untuned) beats B"``."""
+    return re.sub(r"\s*\([^()]*\)$", "", text)
 
 
 def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, toy: bool, toy_rounds: int,
