@@ -48,44 +48,15 @@ import numpy as np
 import torch
 
 import lightning.pytorch as pl
-import torch.nn.functional as F
-import torchmetrics
-from torch import nn
 
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
 from fedlightning.datamodules import ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
 from fedlightning.models import MLP, CharLSTM, LogisticRegression
 from fedlightning.optim import SgdArmijo
-from user_models import UserMLP  # benchmarks/ is on sys.path when a script runs
+from user_models import BatchNormCNN, MetricsMLP, UserMLP  # benchmarks/ is on sys.path when a script runs
 
 CLIENTS_PER_ROUND, LOCAL_STEPS, BATCH = 20, 20, 50
-
-
-class MetricsMLP(UserMLP):
-    """:class:`UserMLP` that also updates and logs a torchmetrics accuracy in ``training_step``."""
-
-    def __init__(self, lr: float = 0.1):
-        super().__init__(lr)
-        self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits, y)
-        self.train_acc(logits, y)
-        self.log("train_acc", self.train_acc)
-        self.log("train_loss", loss)
-        return loss
-
-
-class BatchNormCNN(UserMLP):
-    """A user CNN with BatchNorm2d on the 8x8 digit images (rows of 64 values)."""
-
-    def __init__(self, lr: float = 0.1):
-        super().__init__(lr)
-        self.net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8),
-                                 nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(128, 10))
 
 
 class SyntheticLike(FederatedDataModule):
@@ -262,8 +233,7 @@ def main():
 
         if args.auto:
             loop = run(model_fn, optimizer, datamodule, "auto", 3, init_state)[2]
-            print(f"{'  auto':26s} chose {loop.__dict__.get('_auto_choice')}: {loop.__dict__.get('_auto_reason')}",
-                  flush=True)
+            print(f"{'  auto':26s} chose {loop.client_execution_choice}: {loop._runtime.auto_reason}", flush=True)
 
 if __name__ == "__main__":
     main()

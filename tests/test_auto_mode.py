@@ -51,7 +51,9 @@ def assert_identical(a, b):
         [(u.client_id, u.first_loss, u.mean_loss, u.step_sizes, u.backtracks) for u in b[2]]
     assert a[1].client_state.state_dict() == b[1].client_state.state_dict()
     ma, mb = a[3].callback_metrics, b[3].callback_metrics
-    assert float(ma["client/train_loss"]) == float(mb["client/train_loss"])
+    logged = sorted(k for k in ma if k.startswith("client/"))
+    assert logged and logged == sorted(k for k in mb if k.startswith("client/"))
+    assert [float(ma[k]) for k in logged] == [float(mb[k]) for k in logged]
 
 
 @pytest.mark.parametrize("opt", ["sgd", "armijo"])
@@ -78,3 +80,50 @@ def test_models_with_random_layers_train_sequentially_without_measuring(monkeypa
     lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
     assert len(lines) == 1 and "training clients sequential" in lines[0] and "random layers" in lines[0]
     assert_identical(auto, fit(UserMLP(dropout=0.2), CLIENT_OPTIMIZERS["sgd"], "sequential"))
+
+
+def test_recurrent_models_train_sequentially_on_cpu_without_measuring(monkeypatch, caplog):
+    """The fused LSTM/GRU kernels have no batching rule; on a CPU the step-by-step gate equations are slower than
+    sequential training (docs/benchmarks.md §3), so auto does not spend a measurement on them."""
+    from fedlightning.models import CharLSTM
+    from test_vectorized import CharWindows
+
+    calls = fake_clock(monkeypatch, 40.0, 10.0)  # a measurement would choose vectorized
+    torch.manual_seed(6)
+    model = CharLSTM(vocab_size=10, embedding_dim=4, hidden_size=8, num_layers=1)
+    with caplog.at_level(logging.INFO):
+        got = fit(model, CLIENT_OPTIMIZERS["sgd"], "auto", dm_fn=CharWindows, rounds=2)
+    assert calls == []
+    assert got[1].client_execution_choice == "sequential"
+    lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
+    assert len(lines) == 1 and "recurrent layers (LSTM)" in lines[0]
+    assert_identical(got, fit(model, CLIENT_OPTIMIZERS["sgd"], "sequential", dm_fn=CharWindows, rounds=2))
+
+
+def test_measurement_times_a_few_local_steps_after_a_one_step_warm_up(monkeypatch):
+    """Sequential warm-up: one client, 1 step; timed: every client, min(K, AUTO_MEASURE_STEPS) steps; the
+    vectorized throw-away rounds likewise (1 step, then the timed steps)."""
+    from fedlightning import FederatedLoop
+    from test_vectorized import K
+
+    fake_clock(monkeypatch, 40.0, 10.0)
+    monkeypatch.setattr(auto, "AUTO_MEASURE_STEPS", 2)
+    assert K > 2
+    seen = {"sequential": [], "vectorized": []}
+    train_client, run = FederatedLoop.train_client, auto._run
+
+    def spy_client(self, plan, client_id, global_flat):
+        seen["sequential"].append(plan.local_steps)
+        return train_client(self, plan, client_id, global_flat)
+
+    def spy_run(loop, plan, client_ids, global_flat, throwaway=False):
+        seen["vectorized"].append((plan.local_steps, throwaway))
+        return run(loop, plan, client_ids, global_flat, throwaway=throwaway)
+
+    monkeypatch.setattr(FederatedLoop, "train_client", spy_client)
+    monkeypatch.setattr(auto, "_run", spy_run)
+    got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=2)
+    clients = len(got[2]) // 2  # updates of the two real rounds
+    assert seen["sequential"] == [1] + [2] * clients  # nothing sequential after choosing vectorized
+    assert seen["vectorized"] == [(1, True), (2, True), (K, False), (K, False)]
+    assert all(u.num_steps == K for u in got[2])

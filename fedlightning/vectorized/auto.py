@@ -8,6 +8,7 @@ applies to its one-time measurement (:func:`_auto_decide`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from typing import List, Optional, Sequence
@@ -61,6 +62,10 @@ _clock = time.perf_counter
 #: one round on a shared machine vary by several percent, and sequential is the reference path).
 AUTO_MARGIN = 1.1
 
+#: Local steps of every client that ``auto`` times in each mode (at most the round's ``K``; ours: enough steps to
+#: average out one step's noise, few enough that the measurement costs a fraction of a round).
+AUTO_MEASURE_STEPS = 5
+
 
 def auto_choice(seconds_sequential: float, seconds_vectorized: float, margin: float = AUTO_MARGIN) -> str:
     """``"vectorized"`` if ``seconds_vectorized * margin < seconds_sequential``, else ``"sequential"``."""
@@ -70,45 +75,57 @@ def auto_choice(seconds_sequential: float, seconds_vectorized: float, margin: fl
 def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> str:
     """``client_execution="auto"``: choose the mode of this run, once, at its first round; logged once.
 
-    Decisions (ours):
+    Decisions (ours; the measurements behind them: ``python benchmarks/auto_zoo.py``, docs/benchmarks.md §3):
 
     * **Models with random layers** (dropout) train sequentially: vectorised mode draws other (reproducible)
       dropout masks than sequential mode, so letting a timing choose would make the results depend on the machine.
       Set ``client_execution="vectorized"`` to accept that.
+    * **Recurrent layers on a CPU** (``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``) train sequentially without measuring:
+      their fused kernels have no vmap batching rule, the engine runs the gate equations one time step at a time
+      (:func:`~fedlightning.vectorized.torch_internals._rnn_forward`), and that measured 0.26–0.61x sequential on
+      2 CPU cores, so a measurement would only cost time. On an accelerator they are measured like any model.
     * **Otherwise measure**: the round's clients are trained on throw-away copies both ways, from the round's global
-      weights, on the same batches (one untimed vectorised round and one untimed sequential client first, to leave
-      one-time costs out: the engine's probes, first calls), then one timed sequential round and one timed
-      vectorised round. Throw-away means: no logged values reach the loop, no client state is written, the
-      updates are dropped; random streams are forked in both modes; so the real round that follows computes
-      exactly what it computes without the measurement (torchmetrics states are restored after each throw-away
-      round; both rounds make the metric calls a real round makes, so their cost is timed). Vectorised is chosen
-      when it is faster by :data:`AUTO_MARGIN` (:func:`auto_choice`). The measurement costs about one round of
-      each mode, once.
+      weights, on the same batches: first one untimed local step of every client each way (one-time costs: the
+      engine's probes, first calls), then :data:`AUTO_MEASURE_STEPS` local steps (at most the round's ``K``) timed
+      sequentially and vectorised. Per-step costs do not depend on how many steps follow, so a few steps decide as
+      well as a whole round at a fraction of its cost. Throw-away means: no logged values reach the loop, no client
+      state is written, the updates are dropped; random streams are forked in both modes; so the real round that
+      follows computes exactly what it computes without the measurement (torchmetrics states are restored after
+      each throw-away round; both rounds make the metric calls a real round makes, so their cost is timed).
+      Vectorised is chosen when it is faster by :data:`AUTO_MARGIN` (:func:`auto_choice`).
     * A model or optimizer the engine cannot train raises :class:`VectorizationUnsupportedError` from the first
       throw-away round: the caller falls back to sequential with its warning, as before.
     """
     engine = _engine(loop)
     device = global_flat.device
+    rnns = [type(m).__name__ for m in engine.model.modules() if isinstance(m, torch.nn.RNNBase)]
     if not engine.deterministic:
         choice, reason = "sequential", (
             f"{type(engine.model).__name__} has random layers (dropout), for which vectorised mode draws other "
             "dropout masks than sequential mode; set client_execution='vectorized' to use it anyway")
+    elif rnns and device.type == "cpu":
+        choice, reason = "sequential", (
+            f"{type(engine.model).__name__} has recurrent layers ({', '.join(sorted(set(rnns)))}), which vectorised "
+            "mode runs one time step at a time, slower than sequential training on a CPU; set "
+            "client_execution='vectorized' to use it anyway")
     else:
-        _run(loop, plan, client_ids, global_flat, throwaway=True)  # warm-up: probes, first calls
+        warm = dataclasses.replace(plan, local_steps=1)
+        timed = dataclasses.replace(plan, local_steps=min(plan.local_steps, AUTO_MEASURE_STEPS))
+        _run(loop, warm, client_ids, global_flat, throwaway=True)  # warm-up: probes, first calls
         with _throwaway_sequential(loop):
-            loop.train_client(plan, client_ids[0], global_flat)  # warm-up
+            loop.train_client(warm, client_ids[0], global_flat)  # warm-up
             _sync(device)
             t0 = _clock()
             for cid in client_ids:
-                loop.train_client(plan, cid, global_flat)
+                loop.train_client(timed, cid, global_flat)
             _sync(device)
             t1 = _clock()
-        _run(loop, plan, client_ids, global_flat, throwaway=True)
+        _run(loop, timed, client_ids, global_flat, throwaway=True)
         _sync(device)
         t2 = _clock()
         seq, vec = t1 - t0, t2 - t1
         choice = auto_choice(seq, vec)
-        reason = (f"one round of {len(client_ids)} clients x {plan.local_steps} local steps took "
+        reason = (f"{timed.local_steps} local steps of {len(client_ids)} clients took "
                   f"{seq * 1e3:.1f} ms sequential, {vec * 1e3:.1f} ms vectorized ({seq / max(vec, 1e-12):.2f}x; "
                   f"vectorized is chosen when faster by {AUTO_MARGIN}x)")
     loop._runtime.auto_choice, loop._runtime.auto_reason = choice, reason

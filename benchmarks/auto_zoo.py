@@ -1,0 +1,141 @@
+"""``client_execution="auto"`` on a zoo of users' modules: does it pick the faster mode, and is it never slower?
+
+    python benchmarks/auto_zoo.py [--rounds 20] [--repeats 2] [--threads 1] [--models mlp,cnn,...]
+
+For every module of the zoo (written as a user writes them, ``benchmarks/user_models.py``): the same federated run
+(FedAvg, 20 clients per round, K = 20 local steps, batch 50, SGD from the module's ``configure_optimizers``) with
+``client_execution`` = ``"sequential"``, ``"vectorized"`` and ``"auto"``, alternated ``--repeats`` times. A run's
+time is the sum of its rounds' wall times (the loop's ``training_step``: clients, aggregation, server step), first
+round included, so ``auto``'s one-time measurement and the vectorized engine's first-call probes are counted.
+Each mode's time is its fastest run (other processes only ever add time).
+
+Printed per module: the three times, the faster of sequential and vectorized, ``auto``'s choice and reason, and
+``auto``'s speed against sequential (sequential time / auto time; the target is >= 0.9).
+
+Zoo: ``mlp`` (:class:`UserMLP`), ``metrics-mlp`` (a torchmetrics accuracy in ``training_step``), ``dropout-mlp``
+(dropout 0.2), ``cnn`` (conv-ReLU-pool-linear), ``bn-cnn`` (with BatchNorm2d), all on scikit-learn's digits (100
+clients, Dirichlet 0.3); ``char-lstm`` (embedding 8, one LSTM layer of 64 units, lr 0.8) on LEAF Shakespeare by role,
+20-character windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+import warnings
+
+import torch
+
+import lightning.pytorch as pl
+
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FedAvg
+from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from user_models import BatchNormCNN, DropoutMLP, MetricsMLP, UserCharLSTM, UserCNN, UserMLP
+
+CLIENTS_PER_ROUND, LOCAL_STEPS, BATCH = 20, 20, 50
+MODES = ("sequential", "vectorized", "auto")
+
+
+def digits():
+    return DigitsDataModule(num_clients=100, batch_size=BATCH, partition=Dirichlet(0.3), seed=0, val_fraction=0.0)
+
+
+def shakespeare():
+    from fedlightning.datamodules.shakespeare import ShakespeareDataModule
+
+    return ShakespeareDataModule(seq_length=20, batch_size=BATCH, seed=0, val_fraction=0.0)
+
+
+ZOO = {
+    "mlp": (UserMLP, digits),
+    "metrics-mlp": (MetricsMLP, digits),
+    "dropout-mlp": (DropoutMLP, digits),
+    "cnn": (UserCNN, digits),
+    "bn-cnn": (BatchNormCNN, digits),
+    "char-lstm": (UserCharLSTM, shakespeare),
+}
+
+
+class RoundTimer(pl.Callback):
+    def __init__(self):
+        self.times = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def run(model_cls, datamodule, mode, rounds, init_state):
+    """One run; returns (seconds of all rounds, the loop)."""
+    model = model_cls()
+    model.load_state_dict(init_state)
+    loop = FederatedLoop(model, local_steps=LOCAL_STEPS, clients_per_round=CLIENTS_PER_ROUND, seed=0,
+                         client_execution=mode)
+    timer = RoundTimer()
+    trainer = pl.Trainer(max_steps=rounds, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0, callbacks=[FedAvg(), timer])
+    trainer.fit(loop, datamodule=datamodule)
+    return sum(timer.times), loop
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=20, help="rounds per run (all timed)")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs per mode")
+    ap.add_argument("--models", default=",".join(ZOO), help="comma-separated subset of " + ", ".join(ZOO))
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    args = ap.parse_args()
+    if args.rounds < 1 or args.repeats < 1:
+        raise ValueError(f"need --rounds >= 1 and --repeats >= 1, got {args.rounds} and {args.repeats}")
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in ZOO]
+    if unknown:
+        raise ValueError(f"unknown models {unknown}; choose from {list(ZOO)}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("fedlightning").setLevel(logging.WARNING)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds x {args.repeats} repeats per mode; "
+          f"{CLIENTS_PER_ROUND} clients/round, K={LOCAL_STEPS}, batch {BATCH}")
+    print(f"{'model':12s} {'sequential s':>12s} {'vectorized s':>12s} {'auto s':>8s} {'faster':>10s} "
+          f"{'auto chose':>10s} {'auto vs seq':>11s}  reason")
+    rows = []
+    for name in names:
+        model_cls, dm_fn = ZOO[name]
+        try:
+            datamodule = dm_fn()
+            datamodule.setup("fit")
+        except (FileNotFoundError, ImportError) as err:
+            print(f"{name:12s} skipped: {err}")
+            continue
+        torch.manual_seed(0)
+        init_state = model_cls().state_dict()
+        best = {m: float("inf") for m in MODES}
+        choice = reason = None
+        for _ in range(args.repeats):
+            for mode in MODES:
+                seconds, loop = run(model_cls, datamodule, mode, args.rounds, init_state)
+                best[mode] = min(best[mode], seconds)
+                if mode == "auto":
+                    choice, reason = loop.client_execution_choice, loop._runtime.auto_reason
+        faster = "vectorized" if best["vectorized"] < best["sequential"] else "sequential"
+        ratio = best["sequential"] / best["auto"]
+        rows.append((name, faster, choice, ratio))
+        print(f"{name:12s} {best['sequential']:12.2f} {best['vectorized']:12.2f} {best['auto']:8.2f} {faster:>10s} "
+              f"{choice:>10s} {ratio:10.2f}x  {reason}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    for name, faster, choice, ratio in rows:
+        verdict = "picked the faster mode" if faster == choice else "did NOT pick the faster mode"
+        print(f"{name}: auto {verdict}; auto is {ratio:.2f}x sequential ({'meets' if ratio >= 0.9 else 'misses'} >= 0.9x)")
+
+
+if __name__ == "__main__":
+    main()
