@@ -62,6 +62,14 @@ class DropoutMLP(UserMLP):
         self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 10))
 
 
+class WideMLP(UserMLP):
+    """:class:`UserMLP` with two hidden layers of 1024 units (1.1 M weights: compute-bound steps)."""
+
+    def __init__(self, lr: float = 0.1):
+        super().__init__(lr)
+        self.net = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
 class UserCNN(UserMLP):
     """A user CNN on the 8x8 digit images: conv 3x3 with 8 channels, ReLU, 2x2 max-pooling, linear 128-10."""
 

@@ -101,8 +101,8 @@ def test_recurrent_models_train_sequentially_on_cpu_without_measuring(monkeypatc
 
 
 def test_measurement_times_a_few_local_steps_after_a_one_step_warm_up(monkeypatch):
-    """Sequential warm-up: one client, 1 step; timed: every client, min(K, AUTO_MEASURE_STEPS) steps; the
-    vectorized throw-away rounds likewise (1 step, then the timed steps)."""
+    """Warm-up: 1 step of one client sequentially and of two clients vectorized; timed: every client,
+    min(K, AUTO_MEASURE_STEPS) steps, each way."""
     from fedlightning import FederatedLoop
     from test_vectorized import K
 
@@ -117,7 +117,7 @@ def test_measurement_times_a_few_local_steps_after_a_one_step_warm_up(monkeypatc
         return train_client(self, plan, client_id, global_flat)
 
     def spy_run(loop, plan, client_ids, global_flat, throwaway=False):
-        seen["vectorized"].append((plan.local_steps, throwaway))
+        seen["vectorized"].append((len(client_ids), plan.local_steps, throwaway))
         return run(loop, plan, client_ids, global_flat, throwaway=throwaway)
 
     monkeypatch.setattr(FederatedLoop, "train_client", spy_client)
@@ -125,5 +125,5 @@ def test_measurement_times_a_few_local_steps_after_a_one_step_warm_up(monkeypatc
     got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=2)
     clients = len(got[2]) // 2  # updates of the two real rounds
     assert seen["sequential"] == [1] + [2] * clients  # nothing sequential after choosing vectorized
-    assert seen["vectorized"] == [(1, True), (2, True), (K, False), (K, False)]
+    assert seen["vectorized"] == [(2, 1, True), (clients, 2, True), (clients, K, False), (clients, K, False)]
     assert all(u.num_steps == K for u in got[2])

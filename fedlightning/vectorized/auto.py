@@ -85,10 +85,13 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
       (:func:`~fedlightning.vectorized.torch_internals._rnn_forward`), and that measured 0.26–0.61x sequential on
       2 CPU cores, so a measurement would only cost time. On an accelerator they are measured like any model.
     * **Otherwise measure**: the round's clients are trained on throw-away copies both ways, from the round's global
-      weights, on the same batches: first one untimed local step of every client each way (one-time costs: the
-      engine's probes, first calls), then :data:`AUTO_MEASURE_STEPS` local steps (at most the round's ``K``) timed
+      weights, on the same batches: first one untimed local step of two clients vectorised and of one client
+      sequentially (one-time costs: the engine's probes, first calls; few clients, as a large model's per-round
+      weight layout costs in proportion to them), then :data:`AUTO_MEASURE_STEPS` local steps (at most the round's ``K``) timed
       sequentially and vectorised. Per-step costs do not depend on how many steps follow, so a few steps decide as
-      well as a whole round at a fraction of its cost. Throw-away means: no logged values reach the loop, no client
+      well as a whole round at a fraction of its cost; per-round fixed costs (the engine's weight layout, which grows
+      with the model) weigh more in 5 steps than in ``K``, which can only tip a close call towards sequential, the
+      reference path. Throw-away means: no logged values reach the loop, no client
       state is written, the updates are dropped; random streams are forked in both modes; so the real round that
       follows computes exactly what it computes without the measurement (torchmetrics states are restored after
       each throw-away round; both rounds make the metric calls a real round makes, so their cost is timed).
@@ -111,7 +114,7 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
     else:
         warm = dataclasses.replace(plan, local_steps=1)
         timed = dataclasses.replace(plan, local_steps=min(plan.local_steps, AUTO_MEASURE_STEPS))
-        _run(loop, warm, client_ids, global_flat, throwaway=True)  # warm-up: probes, first calls
+        _run(loop, warm, client_ids[:2], global_flat, throwaway=True)  # warm-up: probes, first calls
         with _throwaway_sequential(loop):
             loop.train_client(warm, client_ids[0], global_flat)  # warm-up
             _sync(device)
