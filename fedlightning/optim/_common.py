@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from fedlightning._validation import integer, non_negative, positive
+from fedlightning.optim import rules
 
 __all__ = [
     "ClosureOptimizer",
@@ -239,7 +240,7 @@ class ClosureOptimizer(torch.optim.Optimizer):
             self._record(0.0)
             return loss, None, None, 0.0, 0.0
         loss_value, grad_sq = self._loss_and_squared_norm(loss, grads)
-        if not (math.isfinite(loss_value) and math.isfinite(grad_sq)):
+        if not rules.finite_step(loss_value, grad_sq):
             self._record(float("nan"))
             return loss, None, None, 0.0, 0.0
         return loss, params, grads, loss_value - self.hyper["f_star"], grad_sq
