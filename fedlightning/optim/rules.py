@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "CountRoots",
     "armijo_accepts",
     "armijo_after_search",
     "armijo_initial_step",
@@ -51,22 +52,21 @@ def _where(cond: Value, a: Value, b: Value) -> Value:
 
 
 def _minimum(a: Value, b: Value) -> Value:
+    """``torch.minimum``'s semantics (NaN if either is NaN) for numbers too."""
     if isinstance(a, Tensor):
         return torch.minimum(a, b if isinstance(b, Tensor) else torch.full_like(a, b))
     if isinstance(b, Tensor):
         return torch.minimum(torch.full_like(b, a), b)
-    return min(a, b)
+    return a if a <= b else (b if b < a else math.nan)
 
 
 def _divide(a: Value, b: Value) -> Value:
-    """``a / b``; a Python ``b == 0`` gives NaN instead of raising (only reached where the result is not used)."""
+    """``a / b`` with IEEE semantics for numbers too (``±inf`` or NaN for a zero ``b``, where Python raises)."""
     if isinstance(a, Tensor) or isinstance(b, Tensor) or b != 0.0:
         return a / b
-    return math.nan
-
-
-def _sqrt(x: Value) -> Value:
-    return torch.sqrt(x) if isinstance(x, Tensor) else math.sqrt(x)
+    if a != a or a == 0.0:
+        return math.nan
+    return math.copysign(math.inf, a) * math.copysign(1.0, b)
 
 
 def _isnan(x: Value) -> Value:
@@ -174,18 +174,39 @@ def sps_after_step(gamma: Value, degenerate: Value, scale: Value, prev: Value,
     return polyak_after_step(gamma, degenerate, scale, (prev, gamma))
 
 
-def decsps_bound(c0: float, t: Value, gamma_prev: Value) -> Tuple[Value, Value]:
-    """``(c_{t-1} γ_{t-1}, c_t)`` of DecSPS: :math:`c_t = c_0\\sqrt{t+1}`, :math:`c_{-1} = c_0`."""
-    c_prev = _where(t >= 1, c0 * _sqrt(t), c0)
-    return c_prev * gamma_prev, c0 * _sqrt(t + 1)
+class CountRoots:
+    """:math:`\\sqrt{k}` of integer-valued step counts ``k`` ([C] tensor), equal to ``math.sqrt(k)``: looked up in
+    a table of ``math.sqrt`` values that grows as needed (:meth:`cover`). ``torch.sqrt`` on float64 is not correctly
+    rounded on every CPU (MKL's vectorised sqrt differs from ``math.sqrt`` in the last bit for some integers), so a
+    batch of clients would otherwise get other :math:`c_t` than each client alone."""
+
+    def __init__(self, device: torch.device):
+        self.table = torch.zeros(0, dtype=torch.float64, device=device)
+
+    def cover(self, largest: int) -> None:
+        """Make counts up to ``largest`` available (the table at least doubles when it grows)."""
+        if largest >= len(self.table):
+            size = max(largest + 1, 2 * len(self.table))
+            self.table = torch.tensor([math.sqrt(k) for k in range(size)], dtype=torch.float64,
+                                      device=self.table.device)
+
+    def __call__(self, counts: Tensor) -> Tensor:
+        return self.table[counts.long()]
 
 
-def decsps_step(gap: Value, grad_sq: Value, t: Value, gamma_prev: Value, c0: float,
-                grad_tol: float) -> Tuple[Value, Value]:
+def decsps_bound(c0: float, t: Value, gamma_prev: Value, sqrt=math.sqrt) -> Tuple[Value, Value]:
+    """``(c_{t-1} γ_{t-1}, c_t)`` of DecSPS: :math:`c_t = c_0\\sqrt{t+1}`, :math:`c_{-1} = c_0`, with ``sqrt``
+    the correctly rounded square root of step counts (``math.sqrt``; for tensors a :class:`CountRoots`)."""
+    c_prev = _where(t >= 1, c0 * sqrt(t), c0)
+    return c_prev * gamma_prev, c0 * sqrt(t + 1)
+
+
+def decsps_step(gap: Value, grad_sq: Value, t: Value, gamma_prev: Value, c0: float, grad_tol: float,
+                sqrt=math.sqrt) -> Tuple[Value, Value]:
     """``(γ_t, degenerate)``: DecSPS :math:`\\gamma_t = \\min\\{(f - \\ell^*)/\\|g\\|^2,
     c_{t-1}\\gamma_{t-1}\\}/c_t` (:func:`decsps_bound`); degenerate as :func:`sps_step` (no step)."""
     degenerate = _polyak_degenerate(gap, grad_sq, grad_tol)
-    bound, c_t = decsps_bound(c0, t, gamma_prev)
+    bound, c_t = decsps_bound(c0, t, gamma_prev, sqrt)
     return _minimum(_divide(gap, grad_sq), bound) / c_t, degenerate
 
 

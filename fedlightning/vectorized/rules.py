@@ -399,12 +399,16 @@ class _BatchedDecSPS(BatchedRule):
         self.t = torch.tensor([float(st["t"]) for st in states], **f64)
         self.gamma_prev = torch.tensor([float(st["gamma_prev"]) for st in states], **f64)
         self.scale = torch.tensor([o.step_scale for o in optimizers], **f64)  # client step scale (scale_step)
+        self.sqrt = rules.CountRoots(device)  # √t as DecSPS's math.sqrt computes it
+        self.t_bound = max((st["t"] for st in states), default=0)  # no client's t exceeds it (no host sync)
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
         loss, g = ev.gradient(W, alive, flat=False)
         loss64, grad_sq, finite = self.loss_and_grad_sq(loss, g, ev)
+        self.sqrt.cover(self.t_bound + 1)
         gamma, degenerate = rules.decsps_step(loss64 - self.f_star, grad_sq, self.t, self.gamma_prev, self.c0,
-                                              self.grad_tol)
+                                              self.grad_tol, self.sqrt)
+        self.t_bound += 1
         step, moved, t, gamma_prev = rules.polyak_after_step(gamma, degenerate, self.scale, (self.t, self.t + 1),
                                                              (self.gamma_prev, gamma))
         moves = alive & finite & moved
