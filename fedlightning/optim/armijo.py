@@ -22,7 +22,7 @@ from torch import Tensor
 
 from fedlightning._validation import flag, in_range, integer, non_negative, one_of, positive
 from fedlightning.optim import rules
-from fedlightning.optim._common import ClosureOptimizer, RngSnapshot, epoch_exponent
+from fedlightning.optim._common import ClosureOptimizer, RngSnapshot, batched_form, epoch_exponent
 
 __all__ = ["SgdArmijo"]
 
@@ -129,6 +129,9 @@ class SgdArmijo(ClosureOptimizer):
             False (seed 000 Alg. 3 restarts at ``eta_max``).
     """
 
+    batched_rule = batched_form("_BatchedArmijo")
+    growth_setting = ("delta", 'reset="grow"')
+
     def __init__(
         self,
         params,
@@ -163,20 +166,7 @@ class SgdArmijo(ClosureOptimizer):
         self._accepted_step: Optional[float] = None  # the last step the line search accepted (across rounds)
         self._start: Optional[list] = None  # reusable copy of w_{k-1}
 
-    @classmethod
-    def batched_rule(cls):
-        """The batched form for ``client_execution="vectorized"``
-        (:class:`fedlightning.vectorized.BatchedRule`)."""
-        from fedlightning.vectorized import rules as batched
-
-        return batched._BatchedArmijo
-
     # ------------------------------------------------------------------ reset policy (seed 000 Alg. 3)
-    def per_step_growth(self) -> float:
-        """:math:`\\delta^{1/\\lceil n/b\\rceil}`, the growth of ``reset="grow"`` per step (a ValueError when the
-        epoch length is unknown)."""
-        return rules.per_step_growth(self.hyper["delta"], self._epoch_exponent('reset="grow"'))
-
     def initial_step_size(self) -> float:
         """:math:`\\eta_0` of the next search (:func:`fedlightning.optim.rules.armijo_initial_step`)."""
         h = self.hyper

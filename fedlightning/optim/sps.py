@@ -20,7 +20,7 @@ from torch import Tensor
 
 from fedlightning._validation import flag, in_range, integer, non_negative, number, positive
 from fedlightning.optim import rules
-from fedlightning.optim._common import ClosureOptimizer, epoch_exponent
+from fedlightning.optim._common import ClosureOptimizer, batched_form, epoch_exponent
 
 __all__ = ["SPS", "DecSPS"]
 
@@ -109,6 +109,9 @@ class SPS(ClosureOptimizer):
             SPS).
     """
 
+    batched_rule = batched_form("_BatchedSPS")
+    growth_setting = ("smooth_factor", "smooth=True")
+
     def __init__(
         self,
         params,
@@ -138,19 +141,6 @@ class SPS(ClosureOptimizer):
         self._explicit_exponent = exponent
         self._prev_step: Optional[float] = None  # γ_{t-1} of the smoothed cap (None: no step taken yet)
         self._report: Dict[str, float] = {}
-
-    @classmethod
-    def batched_rule(cls):
-        """The batched form for ``client_execution="vectorized"``
-        (:class:`fedlightning.vectorized.BatchedRule`)."""
-        from fedlightning.vectorized import rules as batched
-
-        return batched._BatchedSPS
-
-    def per_step_growth(self) -> float:
-        """:math:`\\delta^{1/\\lceil n/b\\rceil}`, the growth of the smoothed cap per step (a ValueError when the
-        epoch length is unknown)."""
-        return rules.per_step_growth(self.hyper["smooth_factor"], self._epoch_exponent("smooth=True"))
 
     def cap(self) -> float:
         """The cap :math:`\\gamma_{b,t}` of the next step (:func:`fedlightning.optim.rules.sps_cap`)."""
@@ -222,6 +212,8 @@ class DecSPS(ClosureOptimizer):
         grad_tol: below this gradient norm no step is taken. Default 1e-8 (reference SPS).
     """
 
+    batched_rule = batched_form("_BatchedDecSPS")
+
     def __init__(self, params, c0: float = 0.5, gamma_max: float = 1.0, f_star: float = 0.0, grad_tol: float = 1e-8):
         c0 = positive("c0", c0)
         gamma_max = positive("gamma_max", gamma_max)
@@ -230,14 +222,6 @@ class DecSPS(ClosureOptimizer):
         super().__init__(params, dict(c0=c0, gamma_max=gamma_max, f_star=f_star, grad_tol=grad_tol))
         self.t = 0  # steps taken by this client (the index of the next step)
         self.gamma_prev = gamma_max  # γ_{t-1} (γ_{-1} = γ_b)
-
-    @classmethod
-    def batched_rule(cls):
-        """The batched form for ``client_execution="vectorized"``
-        (:class:`fedlightning.vectorized.BatchedRule`)."""
-        from fedlightning.vectorized import rules as batched
-
-        return batched._BatchedDecSPS
 
     def next_bound(self) -> float:
         """:math:`c_{t-1}\\gamma_{t-1}/c_t`, the largest step the next iteration may take."""
