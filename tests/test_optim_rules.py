@@ -1,4 +1,4 @@
-"""The step-size rules of fedlightning.optim.rules, and the batched-form extension point (fedlightning.vectorized.BatchedRule).
+"""The step-size rules of fedlightning.optim.rules, and the batched-form extension point (vectorized.BatchedRule).
 
 Every rule gives, for a ``[C]`` batch of clients, exactly (bit for bit) what it gives for each client alone, and the
 paper's formula on analytic cases computed by hand. A user optimizer (normalized gradient descent, written here)
@@ -104,7 +104,8 @@ def test_decsps_batch_equals_each_client():
     per_client(lambda t, gp: rules.decsps_bound(0.5, t, gp, sqrt), t, gamma_prev)
     gamma, degenerate = per_client(lambda gap, sq, t, gp: rules.decsps_step(gap, sq, t, gp, 0.5, 1e-8, sqrt),
                                    GAP, GRAD_SQ, t, gamma_prev)
-    per_client(lambda g, d, s, t, gp: rules.polyak_after_step(g, d, s, (t, t + 1), (gp, g)),
+    per_client(lambda g, d, s, t, gp: rules.polyak_after_step(g, d, s, t, t + 1) + rules.polyak_after_step(
+               g, d, s, gp, g)[2:],
                gamma.tolist(), degenerate.tolist(), [1.0, 0.5, 2.0, 1.0, 1.0, 0.3, 1.0, 1.0], t, gamma_prev)
 
 
@@ -183,8 +184,8 @@ def test_decsps_by_hand():
     bound, c_t = rules.decsps_bound(0.5, 3, 0.4)
     assert (bound, c_t) == (0.5 * math.sqrt(3) * 0.4, 1.0)
     assert rules.decsps_step(0.0, 4.0, 3, 0.4, 0.5, 1e-8)[1] is True
-    assert rules.polyak_after_step(0.25, False, 2.0, (3, 4), (0.4, 0.25)) == (0.5, True, 4, 0.25)
-    assert rules.polyak_after_step(0.25, True, 2.0, (3, 4), (0.4, 0.25)) == (0.0, False, 3, 0.4)
+    assert rules.polyak_after_step(0.25, False, 2.0, (3, 0.4), (4, 0.25)) == (0.5, True, (4, 0.25))
+    assert rules.polyak_after_step(0.25, True, 2.0, (3, 0.4), (4, 0.25)) == (0.0, False, (3, 0.4))
 
 
 def test_sgd_direction_by_hand():

@@ -43,46 +43,50 @@ Value = Any  # a Python float / int / bool (one client) or a [C] tensor (a batch
 
 
 # ---------------------------------------------------------------------------------------- float-or-tensor helpers
+# Each tests for a Python number first: isinstance(x, (float, int)) costs ~30 ns where isinstance(x, Tensor) costs
+# ~150 ns (torch's metaclass), and the one-client form runs once per local step.
+_NUMBER = (float, int)  # bool is an int
+
+
 def _where(cond: Value, a: Value, b: Value) -> Value:
-    if isinstance(cond, Tensor):
-        if not isinstance(a, Tensor) and not isinstance(b, Tensor):  # two numbers: a float64 result
-            a = torch.full(cond.shape, a, dtype=torch.float64, device=cond.device)
-        return torch.where(cond, a, b)
-    return a if cond else b
+    """``a`` where ``cond``, else ``b``; tuples elementwise (a number ``cond`` selects a whole tuple)."""
+    if isinstance(cond, _NUMBER):
+        return a if cond else b
+    if isinstance(a, tuple):
+        return tuple(_where(cond, x, y) for x, y in zip(a, b))
+    if isinstance(a, _NUMBER) and isinstance(b, _NUMBER):  # two numbers: a float64 result
+        a = torch.full(cond.shape, a, dtype=torch.float64, device=cond.device)
+    return torch.where(cond, a, b)
 
 
 def _minimum(a: Value, b: Value) -> Value:
     """``torch.minimum``'s semantics (NaN if either is NaN) for numbers too."""
-    if isinstance(a, Tensor):
-        return torch.minimum(a, b if isinstance(b, Tensor) else torch.full_like(a, b))
-    if isinstance(b, Tensor):
+    if isinstance(a, _NUMBER):
+        if isinstance(b, _NUMBER):
+            return a if a <= b else (b if b < a else math.nan)
         return torch.minimum(torch.full_like(b, a), b)
-    return a if a <= b else (b if b < a else math.nan)
+    return torch.minimum(a, torch.full_like(a, b) if isinstance(b, _NUMBER) else b)
 
 
 def _divide(a: Value, b: Value) -> Value:
     """``a / b`` with IEEE semantics for numbers too (``±inf`` or NaN for a zero ``b``, where Python raises)."""
-    if isinstance(a, Tensor) or isinstance(b, Tensor) or b != 0.0:
+    if not (isinstance(a, _NUMBER) and isinstance(b, _NUMBER)) or b != 0.0:
         return a / b
     if a != a or a == 0.0:
         return math.nan
     return math.copysign(math.inf, a) * math.copysign(1.0, b)
 
 
-def _isnan(x: Value) -> Value:
-    return torch.isnan(x) if isinstance(x, Tensor) else x != x
-
-
 def _isfinite(x: Value) -> Value:
-    return torch.isfinite(x) if isinstance(x, Tensor) else math.isfinite(x)
+    return math.isfinite(x) if isinstance(x, _NUMBER) else torch.isfinite(x)
 
 
 def _not(x: Value) -> Value:
-    return ~x if isinstance(x, Tensor) else not x
+    return (not x) if isinstance(x, _NUMBER) else ~x
 
 
 def _full_like(like: Value, value: float) -> Value:
-    return torch.full_like(like, value) if isinstance(like, Tensor) else value
+    return value if isinstance(like, _NUMBER) else torch.full_like(like, value)
 
 
 # ---------------------------------------------------------------------------------------- shared by the rules
@@ -125,7 +129,7 @@ def armijo_initial_step(reset: str, eta_max: float, prev: Value, growth: float |
     if reset == "max":
         return _full_like(prev, eta_max)
     start = prev if reset == "last" else _minimum(prev * growth, eta_max)
-    return _where(_isnan(prev), eta_max, start)
+    return _where(prev != prev, eta_max, start)
 
 
 def armijo_accepts(trial_loss: Value, loss: Value, grad_sq: Value, c: float, eta: Value) -> Value:
@@ -148,7 +152,7 @@ def sps_cap(gamma_max: float, prev: Value, growth: Optional[float | Value] = Non
     :math:`\\delta^{1/\\lceil n/b\\rceil}\\gamma_{t-1}` (``gamma_max`` while :math:`\\gamma_{t-1}` is NaN)."""
     if growth is None:
         return _full_like(prev, gamma_max)
-    return _where(_isnan(prev), gamma_max, growth * prev)
+    return _where(prev != prev, gamma_max, growth * prev)
 
 
 def _polyak_degenerate(gap: Value, grad_sq: Value, grad_tol: float) -> Value:
@@ -171,7 +175,7 @@ def sps_after_step(gamma: Value, degenerate: Value, scale: Value, prev: Value,
     and the state is not advanced (SPS is only measured)."""
     if fixed_step_size is not None:
         return fixed_step_size * scale, True, prev
-    return polyak_after_step(gamma, degenerate, scale, (prev, gamma))
+    return polyak_after_step(gamma, degenerate, scale, prev, gamma)
 
 
 class CountRoots:
@@ -210,11 +214,10 @@ def decsps_step(gap: Value, grad_sq: Value, t: Value, gamma_prev: Value, c0: flo
     return _minimum(_divide(gap, grad_sq), bound) / c_t, degenerate
 
 
-def polyak_after_step(gamma: Value, degenerate: Value, scale: Value,
-                      *updates: Tuple[Value, Value]) -> Tuple[Value, ...]:
-    """``(applied step, moved, *state)`` of a Polyak step: the applied step :math:`s\\gamma` (0 on a degenerate
-    step), whether it moved, and for each ``(old, new)`` pair of ``updates`` the next state: ``new`` where the step
-    moved, ``old`` where it did not (the state is not advanced by a degenerate step)."""
-    applied = _where(degenerate, 0.0, gamma * scale)
+def polyak_after_step(gamma: Value, degenerate: Value, scale: Value, old: Value,
+                      new: Value) -> Tuple[Value, Value, Value]:
+    """``(applied step, moved, state)`` of a Polyak step: the applied step :math:`s\\gamma` (0 on a degenerate
+    step), whether it moved, and the rule's state: ``new`` (its value after a real step) where the step moved, else
+    ``old`` (a degenerate step does not advance it). ``old`` / ``new``: one value, or a tuple of values."""
     moved = _not(degenerate)
-    return (applied, moved) + tuple(_where(moved, new, old) for old, new in updates)
+    return _where(degenerate, 0.0, gamma * scale), moved, _where(moved, new, old)

@@ -237,8 +237,8 @@ class DecSPS(ClosureOptimizer):
         t = self.t
         gamma, degenerate = rules.decsps_step(gap, grad_sq, t, self.gamma_prev, h["c0"], h["grad_tol"])
         # the client scale multiplies the applied step only (SPS docstring)
-        applied, moved, self.t, self.gamma_prev = rules.polyak_after_step(
-            gamma, degenerate, self.step_scale, (t, t + 1), (self.gamma_prev, gamma))
+        applied, moved, (self.t, self.gamma_prev) = rules.polyak_after_step(
+            gamma, degenerate, self.step_scale, (t, self.gamma_prev), (t + 1, gamma))
         if moved:
             with torch.no_grad():
                 torch._foreach_add_(params, grads, alpha=-applied)

@@ -409,8 +409,8 @@ class _BatchedDecSPS(BatchedRule):
         gamma, degenerate = rules.decsps_step(loss64 - self.f_star, grad_sq, self.t, self.gamma_prev, self.c0,
                                               self.grad_tol, self.sqrt)
         self.t_bound += 1
-        step, moved, t, gamma_prev = rules.polyak_after_step(gamma, degenerate, self.scale, (self.t, self.t + 1),
-                                                             (self.gamma_prev, gamma))
+        step, moved, (t, gamma_prev) = rules.polyak_after_step(gamma, degenerate, self.scale,
+                                                               (self.t, self.gamma_prev), (self.t + 1, gamma))
         moves = alive & finite & moved
         step = torch.where(moves, step, torch.zeros_like(step))
         self.move(W, g, step, moves, ev.views)
