@@ -8,8 +8,9 @@ matters for small models) or ``[C]`` float64 tensors and bool masks (one entry p
 give bit-identical values. "No value" (no previous step yet) is NaN in both forms. Every decision is float64: the
 losses and squared gradient norms enter as float64 (Python floats, or tensors cast with ``.double()``), and factors
 that are powers (the Armijo grid :math:`\beta^m`, per-step growth :math:`\delta^{1/\lceil n/b\rceil}`) are Python
-float powers, computed once per client, never tensor powers. The client step-size scale multiplies the applied step
-only, never the rule's state (:meth:`~fedlightning.optim._common.ClosureOptimizer.scale_step`).
+float powers, computed once per client, never tensor powers; DecSPS's :math:`\sqrt{t}` is ``math.sqrt``
+(:class:`CountRoots` for tensors). The client step-size scale multiplies the applied step only, never the rule's
+state (:meth:`~fedlightning.optim._common.ClosureOptimizer.scale_step`).
 """
 
 from __future__ import annotations
