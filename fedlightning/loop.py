@@ -365,18 +365,36 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
                 opt.set_client_state(state)
         return opt
 
+    def prepare_client(self, plan: RoundPlan, client_id: int, params, reuse: bool = False):
+        """``(optimizer, terms)`` of ``client_id`` for ``plan``, as sequential and vectorised training use them: the
+        client optimizer over ``params`` (:meth:`_make_client_optimizer`: scaled, client state set) told the
+        client's epoch length ``b/n_i`` (``set_client_data``: SgdArmijo ``reset="grow"``, smoothed SPS), and the
+        ``client_objective`` terms of the callbacks."""
+        opt = self._make_client_optimizer(params, client_id, plan.client_lr_scale, reuse=reuse)
+        if hasattr(opt, "set_client_data"):
+            dm = self._datamodule()
+            opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
+        terms = []
+        for cb in self._callbacks_with("client_objective"):
+            terms.extend(cb.client_objective(self, plan, client_id) or [])
+        return opt, terms
+
+    def finish_client(self, update: ClientUpdate, optimizer: torch.optim.Optimizer, persist: bool = True) -> None:
+        """After a client trained: its optimizer's ``client_report()`` (last-step scalars a strategy may use,
+        FedSPS-Global) joins ``update.payload``, and its ``get_client_state()`` is stored for the client's next
+        round (with ``persist`` and ``persist_client_state``, unless the update failed)."""
+        if hasattr(optimizer, "client_report"):
+            update.payload.update(optimizer.client_report())
+        if persist and self.persist_client_state and hasattr(optimizer, "get_client_state") and not update.failed:
+            self.client_state.set("optimizer", update.client_id, optimizer.get_client_state())
+
     def train_client(self, plan: RoundPlan, client_id: int, global_flat: Tensor) -> ClientUpdate:
         """Run one client's local training for ``plan`` and return its update (no aggregation)."""
         dm = self._datamodule()
         worker = self._worker_trainer()
         if not worker.model.training:  # the working copy is private to the loop: train() once, not per client
             worker.model.train()
-        opt = self._make_client_optimizer(worker.params, client_id, plan.client_lr_scale, reuse=True)
-        if hasattr(opt, "set_client_data"):  # per-client epoch length b/n_i (SgdArmijo reset="grow", smoothed SPS)
-            opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
-        terms = []
-        for cb in self._callbacks_with("client_objective"):
-            terms.extend(cb.client_objective(self, plan, client_id) or [])
+        opt, terms = self.prepare_client(plan, client_id, worker.params, reuse=True)
         gparams, gbuffers, float_mask = self._round_tensors(plan.round)
         update = worker.run(
             client_id=client_id,
@@ -392,10 +410,7 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             terms=terms,
             float_buffer_mask=float_mask,
         )
-        if hasattr(opt, "client_report"):  # last-step scalars a strategy may use (FedSPS-Global)
-            update.payload.update(opt.client_report())
-        if self.persist_client_state and hasattr(opt, "get_client_state") and not update.failed:
-            self.client_state.set("optimizer", client_id, opt.get_client_state())
+        self.finish_client(update, opt)
         return update
 
     def _round_tensors(self, round: int):

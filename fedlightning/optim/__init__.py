@@ -4,11 +4,11 @@
 * :class:`SPS` — stochastic Polyak step SPS_max, optionally with the smoothed cap (Loizou et al. 2021; FedSPS, seed 001).
 * :class:`DecSPS` — decreasing SPS (Orvieto et al. 2022; FedDecSPS, seed 001).
 
-All three use the closure convention of the reference Sls code: ``opt.zero_grad(); loss = opt.step(closure)`` where
-the closure only returns the mini-batch loss (the optimizer runs ``backward`` and re-evaluates trial points itself).
-They work in any plain PyTorch loop and in the :class:`~fedlightning.FederatedLoop` (class attribute
-``requires_closure``), report ``last_step = {"step_size", "backtracks", "forwards", "backwards"}`` after each step,
-and keep per-client state across rounds through ``get_client_state`` / ``set_client_state``.
+All three use the closure convention of the reference Sls code: ``opt.zero_grad(); loss = opt.step(closure)`` (the
+closure only returns the mini-batch loss), work in any PyTorch loop and in the :class:`~fedlightning.FederatedLoop`,
+report ``last_step`` after each step, keep per-client state through ``get_client_state`` / ``set_client_state``, and
+name their batched form (``batched_rule``) for ``client_execution="vectorized"``; the step-size rules of both forms
+are written once, in :mod:`fedlightning.optim.rules`.
 
 :func:`scale_client_step` multiplies a client optimizer's step size by the round's ``client_lr_scale`` (η-decay
 schedules, FedSPS-Global): ``scale_step`` of these three optimizers (each applies ``scale`` times its rule's step),

@@ -24,9 +24,11 @@ import torch
 from torch import Tensor
 
 from fedlightning._validation import integer, non_negative, positive
+from fedlightning.optim import rules
 
 __all__ = [
     "ClosureOptimizer",
+    "batched_form",
     "RngSnapshot",
     "epoch_exponent",
     "scale_client_step",
@@ -110,6 +112,19 @@ def scale_client_step(optimizer: torch.optim.Optimizer, scale: float) -> None:
         group["lr"] = group["lr"] * scale
 
 
+def batched_form(name: str) -> classmethod:
+    """A ``batched_rule`` classmethod returning ``fedlightning.vectorized.rules.<name>``, the optimizer's batched
+    form (:class:`fedlightning.vectorized.BatchedRule`), imported when first asked for."""
+
+    def batched_rule(cls):
+        from fedlightning.vectorized import rules as batched
+
+        return getattr(batched, name)
+
+    batched_rule.__doc__ = f"The batched form for client_execution='vectorized': fedlightning.vectorized.rules.{name}."
+    return classmethod(batched_rule)
+
+
 class ClosureOptimizer(torch.optim.Optimizer):
     """Base class: closure checks, the global squared gradient norm, RNG forking for trial points, telemetry.
 
@@ -120,6 +135,8 @@ class ClosureOptimizer(torch.optim.Optimizer):
 
     #: The FederatedLoop's LocalTrainer passes a loss-only closure to ``step`` for optimizers that set this.
     requires_closure = True
+    #: ``(hyper-parameter, setting)`` of a growth factor per local epoch (:meth:`per_step_growth`), or None.
+    growth_setting: Optional[Tuple[str, str]] = None
 
     def __init__(self, params, defaults: Dict[str, Any]):
         super().__init__(params, defaults)
@@ -165,6 +182,12 @@ class ClosureOptimizer(torch.optim.Optimizer):
         An explicit ``n_batches_per_epoch`` (or ``batch_size`` + ``num_samples``) given to the constructor takes
         precedence."""
         self._client_exponent = epoch_exponent(None, int(batch_size), int(num_samples))
+
+    def per_step_growth(self) -> float:
+        """:math:`\\delta^{1/\\lceil n/b\\rceil}`: the rule's growth factor per local epoch (the hyper-parameter
+        named by ``growth_setting``) as a per-step factor; a ValueError when the epoch length is unknown."""
+        factor, what = self.growth_setting
+        return rules.per_step_growth(self.hyper[factor], self._epoch_exponent(what))
 
     def _epoch_exponent(self, what: str) -> float:
         """``1/steps-per-epoch`` (:func:`epoch_exponent`) of this client; a ValueError naming ``what`` if unknown."""
@@ -239,7 +262,7 @@ class ClosureOptimizer(torch.optim.Optimizer):
             self._record(0.0)
             return loss, None, None, 0.0, 0.0
         loss_value, grad_sq = self._loss_and_squared_norm(loss, grads)
-        if not (math.isfinite(loss_value) and math.isfinite(grad_sq)):
+        if not rules.finite_step(loss_value, grad_sq):
             self._record(float("nan"))
             return loss, None, None, 0.0, 0.0
         return loss, params, grads, loss_value - self.hyper["f_star"], grad_sq

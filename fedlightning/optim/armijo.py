@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from fedlightning._validation import flag, in_range, integer, non_negative, one_of, positive
-from fedlightning.optim._common import ClosureOptimizer, RngSnapshot, epoch_exponent
+from fedlightning.optim import rules
+from fedlightning.optim._common import ClosureOptimizer, RngSnapshot, batched_form, epoch_exponent
 
 __all__ = ["SgdArmijo"]
 
@@ -128,6 +129,9 @@ class SgdArmijo(ClosureOptimizer):
             False (seed 000 Alg. 3 restarts at ``eta_max``).
     """
 
+    batched_rule = batched_form("_BatchedArmijo")
+    growth_setting = ("delta", 'reset="grow"')
+
     def __init__(
         self,
         params,
@@ -164,16 +168,13 @@ class SgdArmijo(ClosureOptimizer):
 
     # ------------------------------------------------------------------ reset policy (seed 000 Alg. 3)
     def initial_step_size(self) -> float:
-        """:math:`\\eta_0` of the next search."""
+        """:math:`\\eta_0` of the next search (:func:`fedlightning.optim.rules.armijo_initial_step`)."""
         h = self.hyper
         prev = self._prev_step
         if prev is None and self.carry_step_size:
             prev = self._carried_step
-        if prev is None or h["reset"] == "max":
-            return h["eta_max"]
-        if h["reset"] == "last":
-            return prev
-        return min(prev * h["delta"] ** self._epoch_exponent('reset="grow"'), h["eta_max"])
+        growth = self.per_step_growth() if (h["reset"] == "grow" and prev is not None) else 1.0
+        return rules.armijo_initial_step(h["reset"], h["eta_max"], math.nan if prev is None else prev, growth)
 
     # ------------------------------------------------------------------ step
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:  # type: ignore[override]
@@ -190,29 +191,29 @@ class SgdArmijo(ClosureOptimizer):
             self._record(0.0)
             return loss
         loss_value, grad_sq_value = self._loss_and_squared_norm(loss, grads)
-        if not (math.isfinite(loss_value) and math.isfinite(grad_sq_value)):
+        if not rules.finite_step(loss_value, grad_sq_value):
             self._record(float("nan"))
             return loss
-        if grad_sq_value < h["grad_tol"] ** 2 or grad_sq_value == 0.0:
+        if rules.flat_gradient(grad_sq_value, h["grad_tol"]):
             self._record(0.0)
             return loss
 
         eta0 = self.initial_step_size()
         rng_after = RngSnapshot(device)
-        c, beta = h["c"], h["beta"]
+        c, powers = h["c"], rules.armijo_powers(h["beta"], h["max_backtracks"])
         forwards, backtracks, accepted = 1, 0, None
         with torch.no_grad():
             start = self._start_buffers(params)  # w_{k-1} (a copy; trial points are w_{k-1} - η g)
             try:
                 for m in range(h["max_backtracks"] + 1):
-                    eta = eta0 * beta**m
+                    eta = eta0 * powers[m]
                     if m > 0:
                         torch._foreach_copy_(params, start)
                     torch._foreach_add_(params, grads, alpha=-eta)
                     rng_before.restore()
                     trial = closure()
                     forwards += 1
-                    if float(trial) <= loss_value - c * eta * grad_sq_value:
+                    if rules.armijo_accepts(float(trial), loss_value, grad_sq_value, c, eta):
                         accepted = eta
                         break
                     backtracks += 1
@@ -226,13 +227,10 @@ class SgdArmijo(ClosureOptimizer):
                 torch._foreach_copy_(params, start)
                 torch._foreach_add_(params, grads, alpha=-(self.step_scale * accepted))
         rng_after.restore()
-        if accepted is None:
-            self._prev_step = eta0 * beta ** (h["max_backtracks"] + 1)
-            self._record(0.0, backtracks, forwards, 1)
-        else:
-            self._prev_step = accepted
-            self._accepted_step = accepted
-            self._record(self.step_scale * accepted, backtracks, forwards, 1)
+        found = accepted is not None
+        self._prev_step, self._accepted_step = rules.armijo_after_search(
+            eta0, accepted, found, not found, self._prev_step, self._accepted_step, powers[-1])
+        self._record(self.step_scale * accepted if found else 0.0, backtracks, forwards, 1)
         return loss
 
     def _start_buffers(self, params):

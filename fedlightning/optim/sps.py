@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from fedlightning._validation import flag, in_range, integer, non_negative, number, positive
-from fedlightning.optim._common import ClosureOptimizer, epoch_exponent
+from fedlightning.optim import rules
+from fedlightning.optim._common import ClosureOptimizer, batched_form, epoch_exponent
 
 __all__ = ["SPS", "DecSPS"]
 
@@ -108,6 +109,9 @@ class SPS(ClosureOptimizer):
             SPS).
     """
 
+    batched_rule = batched_form("_BatchedSPS")
+    growth_setting = ("smooth_factor", "smooth=True")
+
     def __init__(
         self,
         params,
@@ -139,11 +143,10 @@ class SPS(ClosureOptimizer):
         self._report: Dict[str, float] = {}
 
     def cap(self) -> float:
-        """The cap :math:`\\gamma_{b,t}` of the next step."""
-        h = self.hyper
-        if not h["smooth"] or self._prev_step is None:
-            return h["gamma_max"]
-        return h["smooth_factor"] ** self._epoch_exponent("smooth=True") * self._prev_step
+        """The cap :math:`\\gamma_{b,t}` of the next step (:func:`fedlightning.optim.rules.sps_cap`)."""
+        h, prev = self.hyper, self._prev_step
+        growth = self.per_step_growth() if (h["smooth"] and prev is not None) else None
+        return rules.sps_cap(h["gamma_max"], math.nan if prev is None else prev, growth)
 
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:  # type: ignore[override]
         """One SPS step on the closure's mini-batch; returns the loss."""
@@ -153,27 +156,13 @@ class SPS(ClosureOptimizer):
         loss, params, grads, gap, grad_sq = self._polyak_inputs(closure)
         if params is None:
             return loss
-        cap = self.cap()
-        degenerate = grad_sq < h["grad_tol"] ** 2 or grad_sq == 0.0 or gap <= 0.0
-        if degenerate:
-            sps_step = 0.0 if gap <= 0.0 else cap  # the rule's limit: ratio 0 (gap <= 0) or +inf (g = 0)
-        else:
-            sps_step = min(gap / (h["polyak_c"] * grad_sq), cap)
+        sps_step, degenerate = rules.sps_step(gap, grad_sq, h["polyak_c"], self.cap(), h["grad_tol"])
         self._report = {"sps_last_step_size": sps_step, "sps_last_loss": gap + h["f_star"], "sps_last_grad_sq": grad_sq}
-        fixed = h.get("fixed_step_size")
-        if fixed is not None:  # FedSPS-Global client: constant step (times the client scale), SPS only measured
-            applied = fixed * self.step_scale
+        applied, moved, self._prev_step = rules.sps_after_step(sps_step, degenerate, self.step_scale, self._prev_step,
+                                                               h.get("fixed_step_size"))
+        if moved:
             with torch.no_grad():
                 torch._foreach_add_(params, grads, alpha=-applied)
-            self._record(applied, sps_step_size=sps_step)
-            return loss
-        if degenerate:
-            self._record(0.0, sps_step_size=sps_step)
-            return loss
-        applied = sps_step * self.step_scale
-        with torch.no_grad():
-            torch._foreach_add_(params, grads, alpha=-applied)
-        self._prev_step = sps_step
         self._record(applied, sps_step_size=sps_step)
         return loss
 
@@ -182,6 +171,11 @@ class SPS(ClosureOptimizer):
         :math:`\\min\\{(f-\\ell^*)/(c\\|g\\|^2), \\gamma_b\\}`, the loss :math:`f` and :math:`\\|g\\|^2`, all
         measured at the point where the last step was taken."""
         return dict(self._report)
+
+    def set_client_report(self, report: Dict[str, float]) -> None:
+        """Set what :meth:`client_report` returns (the batched form of SPS writes what each client's last step
+        measured)."""
+        self._report = {key: float(report[key]) for key in ("sps_last_step_size", "sps_last_loss", "sps_last_grad_sq")}
 
     def get_client_state(self) -> Dict[str, Any]:
         """Smoothed SPS: ``{"prev_step": γ_{t-1}}``; plain SPS is stateless (``{}``)."""
@@ -218,6 +212,8 @@ class DecSPS(ClosureOptimizer):
         grad_tol: below this gradient norm no step is taken. Default 1e-8 (reference SPS).
     """
 
+    batched_rule = batched_form("_BatchedDecSPS")
+
     def __init__(self, params, c0: float = 0.5, gamma_max: float = 1.0, f_star: float = 0.0, grad_tol: float = 1e-8):
         c0 = positive("c0", c0)
         gamma_max = positive("gamma_max", gamma_max)
@@ -229,9 +225,8 @@ class DecSPS(ClosureOptimizer):
 
     def next_bound(self) -> float:
         """:math:`c_{t-1}\\gamma_{t-1}/c_t`, the largest step the next iteration may take."""
-        c0 = self.hyper["c0"]
-        c_prev = c0 * math.sqrt(self.t) if self.t >= 1 else c0
-        return c_prev * self.gamma_prev / (c0 * math.sqrt(self.t + 1))
+        bound, c_t = rules.decsps_bound(self.hyper["c0"], self.t, self.gamma_prev)
+        return bound / c_t
 
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:  # type: ignore[override]
         """One DecSPS step on the closure's mini-batch; returns the loss."""
@@ -239,17 +234,14 @@ class DecSPS(ClosureOptimizer):
         loss, params, grads, gap, grad_sq = self._polyak_inputs(closure)
         if params is None:
             return loss
-        if grad_sq < h["grad_tol"] ** 2 or grad_sq == 0.0 or gap <= 0.0:
-            self._record(0.0)
-            return loss
-        c0, t = h["c0"], self.t
-        c_prev = c0 * math.sqrt(t) if t >= 1 else c0
-        c_t = c0 * math.sqrt(t + 1)
-        gamma = min(gap / grad_sq, c_prev * self.gamma_prev) / c_t
-        applied = gamma * self.step_scale  # the client scale multiplies the applied step only (SPS docstring)
-        with torch.no_grad():
-            torch._foreach_add_(params, grads, alpha=-applied)
-        self.t, self.gamma_prev = t + 1, gamma
+        t = self.t
+        gamma, degenerate = rules.decsps_step(gap, grad_sq, t, self.gamma_prev, h["c0"], h["grad_tol"])
+        # the client scale multiplies the applied step only (SPS docstring)
+        applied, moved, (self.t, self.gamma_prev) = rules.polyak_after_step(
+            gamma, degenerate, self.step_scale, (t, self.gamma_prev), (t + 1, gamma))
+        if moved:
+            with torch.no_grad():
+                torch._foreach_add_(params, grads, alpha=-applied)
         self._record(applied)
         return loss
 

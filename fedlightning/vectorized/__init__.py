@@ -3,8 +3,9 @@
 The clients' weights are one ``[C, D]`` tensor and their losses one ``torch.func.vmap`` call of the model's own
 ``training_step``, on the same batches as sequential training, giving the same updates, BatchNorm running statistics
 and torchmetrics values (float rounding apart; dropout masks differ, reproducibly). It applies to models without
-per-step hook overrides or ``SyncBatchNorm``, with ``torch.optim.SGD`` (no momentum), SgdArmijo, SPS or DecSPS
-clients; anything else raises :class:`VectorizationUnsupportedError` naming the layer, metric or setting.
+per-step hook overrides or ``SyncBatchNorm``, with ``torch.optim.SGD`` (no momentum) clients or clients whose optimizer
+class names a batched form (:class:`BatchedRule`: SgdArmijo, SPS, DecSPS, and user optimizers that opt in);
+anything else raises :class:`VectorizationUnsupportedError` naming the layer, metric, optimizer or setting.
 ``client_execution="auto"`` times one round both ways and trains vectorised only when that is :data:`AUTO_MARGIN`
 times faster, falling back to sequential on anything unsupported. Modules on padded steps (clients' batches of
 unequal size) are fastest with ``training_step_per_sample`` or a standard mean loss
@@ -16,11 +17,12 @@ docs/benchmarks.md §3 has the speed-ups and their commands; the engine's decisi
 # Relative imports inside this package let benchmarks/engine_ab.py load another version of it beside this one.
 from .auto import AUTO_MARGIN, CLIENT_EXECUTION_MODES, auto_choice, run_vectorized_round
 from .engine import VectorizedClientTrainer
-from .rules import make_batched_rule
+from .rules import BatchedRule, StepRecord, make_batched_rule
 from .support import VectorizationUnsupportedError, check_model_vectorizable
 
 __all__ = [
     "AUTO_MARGIN",
+    "BatchedRule",
     "CLIENT_EXECUTION_MODES",
     "VectorizationUnsupportedError",
     "VectorizedClientTrainer",
@@ -28,4 +30,5 @@ __all__ = [
     "check_model_vectorizable",
     "make_batched_rule",
     "run_vectorized_round",
+    "StepRecord",
 ]

@@ -184,25 +184,14 @@ def _engine(loop) -> VectorizedClientTrainer:
 
 def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
          throwaway: bool = False) -> List[ClientUpdate]:
-    """Mirror of ``FederatedLoop.train_client`` for all of ``client_ids`` at once; ``throwaway``: nothing is
-    logged, no client state written and torchmetrics states restored (``auto``'s measurement)."""
+    """``FederatedLoop.train_client`` for all of ``client_ids`` at once (the loop's ``prepare_client`` and
+    ``finish_client`` around the engine's round); ``throwaway``: nothing is logged, no client state written and
+    torchmetrics states restored (``auto``'s measurement)."""
     worker = loop._worker_trainer()
     engine = _engine(loop)
-    dm = loop._datamodule()
     client_ids = [int(c) for c in client_ids]
-    optimizers = []
-    for cid in client_ids:
-        opt = loop._make_client_optimizer(worker.params, cid, plan.client_lr_scale)
-        if hasattr(opt, "set_client_data"):  # per-client epoch length b/n_i, as train_client
-            opt.set_client_data(num_samples=dm.client_num_samples(cid), batch_size=dm.batch_size)
-        optimizers.append(opt)
-    hooks = loop._callbacks_with("client_objective")
-    terms = []
-    for cid in client_ids:
-        client_terms: list = []
-        for cb in hooks:
-            client_terms.extend(cb.client_objective(loop, plan, cid) or [])
-        terms.append(client_terms)
+    prepared = [loop.prepare_client(plan, cid, worker.params) for cid in client_ids]
+    optimizers = [opt for opt, _ in prepared]
     gbuffers = list(loop.model.buffers())
     # a throw-away round replays the metric calls as a real round does (its time counts) and then restores them
     metrics = getattr(worker, "metrics", None)
@@ -215,11 +204,11 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
             global_params=loop._global_params(),
             global_buffers=gbuffers,
             global_flat=global_flat,
-            datamodule=dm,
+            datamodule=loop._datamodule(),
             optimizers=optimizers,
             local_steps=plan.local_steps,
             grad_clip=loop.client_grad_clip,
-            terms=terms,
+            terms=[terms for _, terms in prepared],
             router=None if throwaway else getattr(worker, "router", None),
             float_buffer_mask=[b.is_floating_point() for b in gbuffers],
         )
@@ -227,8 +216,5 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
         if saved_metrics is not None:
             metrics.restore(saved_metrics)
     for update, opt in zip(updates, optimizers):
-        if hasattr(opt, "client_report"):  # last-step scalars a strategy may use (FedSPS-Global)
-            update.payload.update(opt.client_report())
-        if loop.persist_client_state and not throwaway and hasattr(opt, "get_client_state") and not update.failed:
-            loop.client_state.set("optimizer", update.client_id, opt.get_client_state())
+        loop.finish_client(update, opt, persist=not throwaway)
     return updates

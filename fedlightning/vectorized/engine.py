@@ -16,7 +16,7 @@ from .batches import _RoundBatches
 from .call import _ModelCall
 from .layout import _Layout, _WeightsLayout
 from .metrics import _replay
-from .rules import _StepRecord, make_batched_rule
+from .rules import StepRecord, make_batched_rule
 from .step import _feed_router, _StepEvaluator
 from .support import VectorizationUnsupportedError, check_model_vectorizable
 from .torch_internals import _seed_default_generators
@@ -165,7 +165,7 @@ class VectorizedClientTrainer:
 
         with torch.no_grad():
             start = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in global_params])
-        record = _StepRecord(C, device)
+        record = StepRecord(C, device)
         alive = torch.ones(C, dtype=torch.bool, device=device)
         num_steps = torch.zeros(C, dtype=torch.long, device=device)
         batches = _RoundBatches(datamodule, client_ids, round, seed, int(local_steps), self.to_device)
@@ -200,7 +200,7 @@ class VectorizedClientTrainer:
         finally:
             norms.stats = []
 
-    def _updates(self, client_ids, W, global_flat, datamodule, record: _StepRecord, num_steps: Tensor,
+    def _updates(self, client_ids, W, global_flat, datamodule, record: StepRecord, num_steps: Tensor,
                  global_buffers, float_buffer_mask) -> List[ClientUpdate]:
         K = len(record.losses)
         losses = torch.stack(record.losses).float().cpu()  # [K, C]

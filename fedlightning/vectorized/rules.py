@@ -1,11 +1,13 @@
 r"""Batched client optimizers: one local step of every client at once, on the clients' weights ``W`` ([C, D]) in place.
 
-:func:`make_batched_rule` maps the round's client optimizers to their batched rule: ``torch.optim.SGD`` without
-momentum (:class:`_BatchedSGD`), and :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS` and
-:class:`~fedlightning.optim.DecSPS` (:class:`_BatchedArmijo`, :class:`_BatchedSPS`, :class:`_BatchedDecSPS`: step
-sizes, Armijo tests and Polyak ratios as ``[C]`` tensors, no Python loop over clients inside a step). Each rule reads
-the clients' optimizer instances (built by the loop, client state set) and writes the final per-client state back,
-so ``get_client_state()`` / ``client_report()`` answer exactly as after sequential training.
+:class:`BatchedRule` is the public extension point: a client optimizer class opts in to vectorised execution with a
+``batched_rule`` attribute naming its batched form, which :func:`make_batched_rule` reads. ``torch.optim.SGD``
+without momentum maps to :class:`_BatchedSGD`; :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`
+and :class:`~fedlightning.optim.DecSPS` name :class:`_BatchedArmijo`, :class:`_BatchedSPS`, :class:`_BatchedDecSPS`,
+which evaluate the step-size rules of :mod:`fedlightning.optim.rules` on ``[C]`` tensors (no Python loop over
+clients inside a step). Each rule reads the clients' optimizer instances (built by the loop, client state set) and
+writes the final per-client state back through their public methods, so ``get_client_state()`` /
+``client_report()`` answer exactly as after sequential training.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 from torch import Tensor
 
+from fedlightning.optim import rules
+
 from .support import VectorizationUnsupportedError
 from .torch_internals import _foreach_add_
 
@@ -23,8 +27,18 @@ if TYPE_CHECKING:
     from .step import _StepEvaluator
 
 
-class _StepRecord:
-    """Per-step telemetry of every client, kept as tensors until the end of the round (one host sync)."""
+def _nan_for_none(values) -> List[float]:
+    return [float("nan") if v is None else float(v) for v in values]
+
+
+def _none_for_nan(value: float) -> Optional[float]:
+    return None if math.isnan(value) else value
+
+
+class StepRecord:
+    """Per-step telemetry of every client, kept as tensors until the end of the round (one host sync): the losses
+    ``[C]`` and applied step sizes ``[C]`` of each step (:meth:`add`), and per-client counts of rejected trial
+    points (``backtracks``), forward and backward passes."""
 
     def __init__(self, num_clients: int, device: torch.device):
         self.losses: List[Tensor] = []
@@ -34,32 +48,119 @@ class _StepRecord:
         self.backwards = torch.zeros(num_clients, dtype=torch.long, device=device)
         self.uniform_evaluations = 0  # one forward and one backward of every client (SGD steps), added at the end
 
+    def add(self, loss: Tensor, step_sizes: Tensor, alive: Tensor, forwards: Optional[Tensor] = None,
+            backtracks: Optional[Tensor] = None) -> None:
+        """One step: the clients' losses and applied step sizes (NaN where the step was not finite), and for the
+        clients in ``alive`` one backward pass, ``forwards`` forward passes (default 1) and ``backtracks``."""
+        self.losses.append(loss)
+        self.step_sizes.append(step_sizes)
+        live = alive.long()
+        self.forwards += live if forwards is None else forwards * live
+        self.backwards += live
+        if backtracks is not None:
+            self.backtracks += backtracks * live
 
-class _BatchedRule:
-    """Base of the batched client optimizers: one local step of every client at once, on ``W`` ([C, D]) in place.
 
-    ``alive`` ([C] bool) marks the clients that still train: ``LocalTrainer.run`` stops a client whose loss is
-    non-finite under a closure optimizer (``stops_on_nonfinite``); stopped clients are still computed (their rows
-    ride along in the batched ops) but neither their weights, state nor telemetry change any more.
+_StepRecord = StepRecord  # the name tests/test_vectorized_speed_paths.py imports
+
+
+class BatchedRule:
+    """A client optimizer's batched form: one local step of every client of a round at once, on ``W`` in place.
+
+    **Opting in.** A client optimizer class (a ``torch.optim.Optimizer``) names its batched form in a class
+    attribute ``batched_rule``: a subclass of this class, or a classmethod returning one (to import it lazily). It
+    must be defined on the class that defines ``step`` or on a subclass of it, so that a subclass overriding
+    ``step`` is not run with its parent's batched form. Optimizers without one get a
+    :class:`VectorizationUnsupportedError` naming them (``client_execution="auto"`` then trains sequentially).
+
+    **Construction**, once per round: ``Rule(optimizers, params, device, grad_clip)``. ``optimizers``: the round's
+    client optimizers, in client order, built as for sequential training (``set_client_data``,
+    ``set_client_state`` and ``scale_step`` applied; the same hyper-parameters for every client and param group,
+    checked); ``params``: the model's trainable parameters; ``grad_clip``: the loop's ``client_grad_clip``, which
+    sequential training applies to optimizers without ``requires_closure``: such a rule sets
+    ``applies_grad_clip = True`` and clips with :meth:`clip`, else a ``grad_clip`` is refused. Read per-client
+    state through the optimizers' public methods (``get_client_state()`` and the like).
+
+    **step(W, ev, record, alive)**, once per local step. ``W`` ([C, D]): row ``c`` holds client ``c``'s weights,
+    the columns in the engine's storage order; update it in place. ``alive`` ([C] bool): the clients still
+    training (with ``stops_on_nonfinite``, a client stops after its first non-finite loss, as sequential training
+    stops a closure optimizer); leave the other rows unchanged (:meth:`move`). ``ev`` evaluates this step's batches:
+
+    * ``ev.gradient(W, alive, flat=True)`` -> ``(loss [C], g)``: one forward and backward of every client; ``g``
+      is ``[C, D]`` in ``W``'s column order, or (``flat=False``) the per-parameter ``[C, *shape]`` gradients;
+    * ``ev.views(W)``: the per-parameter ``[C, *shape]`` views of ``W``; ``ev.deterministic``: no random layers;
+    * with ``uses_trials = True``: ``ev.trial(points, clients=None)``, losses at trial points ``[P, D]`` of the
+      clients ``clients`` ([P] indices; None: every client in order) under ``no_grad``, with the gradient
+      evaluation's random state; call ``ev.finish()`` after the last trial of the step.
+
+    ``record`` (:class:`StepRecord`) takes the step's telemetry: ``record.add(loss, step_sizes, alive)``.
+
+    **finalize(optimizers)**, after the round: write the per-client state back through the optimizers' public
+    methods (``set_client_state()`` and the like), so that ``get_client_state()`` and ``client_report()`` answer
+    as after sequential training.
     """
 
-    stops_on_nonfinite = False
+    stops_on_nonfinite = False  # a client stops at its first non-finite loss (closure optimizers)
     uses_trials = False  # evaluates trial points (line search): the evaluator keeps the RNG state to replay
+    applies_grad_clip = False  # clips the gradient with the loop's client_grad_clip (clip())
 
-    def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor], device: torch.device,
+                 grad_clip: Optional[float] = None):
+        self.grad_clip = grad_clip
+
+    def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
         raise NotImplementedError
 
     def finalize(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Write the batched per-client state back into each client's optimizer instance (whose own
-        ``get_client_state`` / ``client_report`` then give exactly what a sequential run stores)."""
+        """Write the batched per-client state back into each client's optimizer instance."""
+
+    def clip(self, g: Tensor) -> Tensor:
+        """``g`` ([C, D]) clipped per client as ``torch.nn.utils.clip_grad_norm_(max_norm=grad_clip)`` does:
+        ``coef = max_norm / (‖g‖ + 1e-6)``, clamped to 1, always multiplied; ``g`` itself without ``grad_clip``."""
+        if self.grad_clip is None:
+            return g
+        norm = torch.linalg.vector_norm(g, dim=1)
+        coef = (float(self.grad_clip) / (norm + 1e-6)).clamp(max=1.0)
+        return g * coef[:, None]
+
+    @staticmethod
+    def loss_and_grad_sq(loss: Tensor, g: Any, ev: _StepEvaluator) -> Tuple[Tensor, Tensor, Tensor]:
+        """float64 loss and ‖g‖² per client, and the mask of clients whose step is finite
+        (:func:`fedlightning.optim.rules.finite_step`).
+
+        ‖g‖² is computed as the optimizers of :mod:`fedlightning.optim` compute it (per-tensor norms in the
+        parameters' dtype, squared and summed in float64), so their decisions see the same numbers up to rounding.
+        """
+        parts = g if isinstance(g, (list, tuple)) else ev.views(g)
+        norms = [torch.linalg.vector_norm(v, dim=tuple(range(1, v.dim()))) if v.dim() > 1 else v.abs() for v in parts]
+        grad_sq = torch.stack(norms).double().square().sum(dim=0)
+        loss64 = loss.double()
+        return loss64, grad_sq, rules.finite_step(loss64, grad_sq)
+
+    @staticmethod
+    def move(W: Tensor, g: Any, step: Tensor, where: Tensor, views: Optional[Callable] = None) -> None:
+        """``w ← w − step · g`` for the clients in ``where`` (same rounding as ``torch._foreach_add_(alpha=-step)``);
+        the other rows are left bit-for-bit unchanged (their gradient may be non-finite). ``g`` is ``[C, D]``, or
+        the per-parameter gradients, applied to the parameters' views of ``W`` (``views(W)``, e.g. ``ev.views``)."""
+        neg = (-step).to(W.dtype)
+        if isinstance(g, Tensor):
+            moved = torch.addcmul(W, g, neg[:, None])
+            torch.where(where[:, None], moved, W, out=W)
+            return
+        for w, gi in zip(views(W), g):
+            shape = (-1,) + (1,) * (w.dim() - 1)
+            moved = torch.addcmul(w, gi, neg.view(shape))
+            w.copy_(torch.where(where.view(shape), moved, w))
 
 
-class _BatchedSGD(_BatchedRule):
+class _BatchedSGD(BatchedRule):
     """``torch.optim.SGD`` without momentum: ``d = clip(g) + λ w``; ``w ← w − lr · d`` (the same ops as torch).
 
     A parameter the loss does not depend on gets a zero gradient here, while torch's SGD skips a parameter whose
     ``.grad`` is None: the two agree except that such a parameter still decays when ``weight_decay > 0``.
     """
+
+    applies_grad_clip = True
 
     def __init__(self, lr: float, weight_decay: float, grad_clip: Optional[float], num_clients: int, device):
         self.lr = float(lr)
@@ -67,60 +168,20 @@ class _BatchedSGD(_BatchedRule):
         self.grad_clip = grad_clip
         self.lr_vector = torch.full((num_clients,), self.lr, dtype=torch.float64, device=device)
 
-    def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+    def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
         if self.grad_clip is None and self.weight_decay == 0.0:
             # plain SGD: w <- w - lr g on every parameter's rows of W, the gradients as the backward pass made them
             loss, grads = ev.gradient(W, alive, flat=False)
-            _foreach_add_(ev.engine.weights.views(W), grads, alpha=-self.lr)
-            record.losses.append(loss)
-            record.step_sizes.append(self.lr_vector)
-            record.uniform_evaluations += 1
-            return
-        loss, g = ev.gradient(W, alive)
-        if self.grad_clip is not None:
-            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (‖g‖ + 1e-6), clamped to 1, always multiplied
-            norm = torch.linalg.vector_norm(g, dim=1)
-            coef = (float(self.grad_clip) / (norm + 1e-6)).clamp(max=1.0)
-            g = g * coef[:, None]
-        if self.weight_decay != 0.0:
-            g = g.add(W, alpha=self.weight_decay)
-        W.add_(g, alpha=-self.lr)
+            _foreach_add_(ev.views(W), grads, alpha=-self.lr)
+        else:
+            loss, g = ev.gradient(W, alive)
+            W.add_(rules.sgd_direction(self.clip(g), W, self.weight_decay), alpha=-self.lr)
         record.losses.append(loss)
         record.step_sizes.append(self.lr_vector)
         record.uniform_evaluations += 1
 
 
-def _loss_and_grad_sq(loss: Tensor, g: Tensor, ev: _StepEvaluator) -> Tuple[Tensor, Tensor, Tensor]:
-    """float64 loss and ‖g‖² per client, and the mask of clients whose step is finite (the optimizers' policy:
-    a non-finite loss or gradient leaves the weights and the state unchanged, step size nan).
-
-    ‖g‖² is computed as the optimizers of :mod:`fedlightning.optim` compute it (per-tensor norms in the parameters'
-    dtype, squared and summed in float64), so the Armijo / Polyak decisions see the same numbers up to rounding.
-    """
-    parts = g if isinstance(g, (list, tuple)) else ev.engine.weights.views(g)
-    norms = [torch.linalg.vector_norm(v, dim=tuple(range(1, v.dim()))) if v.dim() > 1 else v.abs() for v in parts]
-    grad_sq = torch.stack(norms).double().square().sum(dim=0)
-    loss64 = loss.double()
-    finite = torch.isfinite(loss64) & torch.isfinite(grad_sq)
-    return loss64, grad_sq, finite
-
-
-def _move(W: Tensor, g: Any, step: Tensor, where: Tensor, views: Optional[Callable] = None) -> None:
-    """``w ← w − step · g`` for the clients in ``where`` (same rounding as ``torch._foreach_add_(alpha=-step)``);
-    the other rows are left bit-for-bit unchanged (their gradient may be non-finite). ``g`` is ``[C, D]``, or the
-    per-parameter gradients, applied to the parameters' views of ``W`` (``views(W)``)."""
-    neg = (-step).to(W.dtype)
-    if isinstance(g, Tensor):
-        moved = torch.addcmul(W, g, neg[:, None])
-        torch.where(where[:, None], moved, W, out=W)
-        return
-    for w, gi in zip(views(W), g):
-        shape = (-1,) + (1,) * (w.dim() - 1)
-        moved = torch.addcmul(w, gi, neg.view(shape))
-        w.copy_(torch.where(where.view(shape), moved, w))
-
-
-class _BatchedArmijo(_BatchedRule):
+class _BatchedArmijo(BatchedRule):
     """:class:`fedlightning.optim.SgdArmijo` for every client at once, with masked backtracking.
 
     Decisions (ours): every client starts from its own ``η_0`` (reset policy, its own last accepted step and ``b/n_i``)
@@ -143,42 +204,38 @@ class _BatchedArmijo(_BatchedRule):
     stops_on_nonfinite = True
     uses_trials = True
 
-    def __init__(self, optimizers, params, num_clients: int, device):
+    def __init__(self, optimizers, params, device, grad_clip=None):
+        super().__init__(optimizers, params, device, grad_clip)
         hp = dict(optimizers[0].hyper)
-        self.eta_max, self.c, self.beta = hp["eta_max"], hp["c"], hp["beta"]
-        self.reset, self.delta = hp["reset"], hp["delta"]
+        self.eta_max, self.c, self.reset = hp["eta_max"], hp["c"], hp["reset"]
         self.max_backtracks, self.grad_tol = hp["max_backtracks"], hp["grad_tol"]
         f64 = dict(dtype=torch.float64, device=device)
-        if self.reset == "grow":  # δ^{b/n_i} per client, computed as SgdArmijo does (Python float power)
-            self.growth = torch.tensor([self.delta ** o._epoch_exponent('reset="grow"') for o in optimizers], **f64)
-        # β^m for m = 0 .. max_backtracks + 1, as SgdArmijo computes them (Python float powers)
-        self.powers = torch.tensor([self.beta**m for m in range(self.max_backtracks + 2)], **f64)
-        # η_{k-1}: the step a client accepted last this round; before its first step, the carried step when
+        self.growth = 1.0
+        if self.reset == "grow":  # δ^{1/⌈n_i/b⌉} per client (SgdArmijo.per_step_growth)
+            self.growth = torch.tensor([o.per_step_growth() for o in optimizers], **f64)
+        self.powers_list = rules.armijo_powers(hp["beta"], self.max_backtracks)
+        self.powers = torch.tensor(self.powers_list, **f64)
+        # the client state at the start of the round; η_{k-1} before a client's first step is its carried step when
         # carry_step_size (SgdArmijo.initial_step_size), else none (NaN) and the search starts at eta_max
-        starts = [o._carried_step if (o.carry_step_size and o._carried_step is not None) else None for o in optimizers]
-        self.prev = torch.tensor([float("nan") if s is None else s for s in starts], **f64)
+        states = [o.get_client_state() for o in optimizers]
+        self.start_state = torch.tensor(_nan_for_none(st["step_size"] for st in states), **f64)
+        carry = torch.tensor([o.carry_step_size for o in optimizers], dtype=torch.bool, device=device)
+        self.prev = torch.where(carry, self.start_state, torch.full_like(self.start_state, float("nan")))
         self.scale = torch.tensor([o.step_scale for o in optimizers], **f64)  # client step scale (scale_step)
-        accepted = [o._accepted_step for o in optimizers]  # last accepted step (client state, across rounds)
-        self.accepted_step = torch.tensor([float("nan") if a is None else a for a in accepted], **f64)
-        self.accepted_any = torch.zeros(num_clients, dtype=torch.bool, device=device)
-        self.last_m = torch.zeros(num_clients, dtype=torch.long, device=device)  # window prediction
+        self.accepted_step = torch.tensor(_nan_for_none(st["accepted_step_size"] for st in states), **f64)
+        self.accepted_any = torch.zeros(len(optimizers), dtype=torch.bool, device=device)
+        self.last_m = torch.zeros(len(optimizers), dtype=torch.long, device=device)  # window prediction
 
     def initial_step_size(self) -> Tensor:
-        eta_max = torch.full_like(self.prev, self.eta_max)
-        if self.reset == "max":
-            return eta_max
-        prev = self.prev
-        start = prev if self.reset == "last" else torch.minimum(prev * self.growth, eta_max)
-        return torch.where(torch.isnan(prev), eta_max, start)
+        return rules.armijo_initial_step(self.reset, self.eta_max, self.prev, self.growth)
 
-    def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+    def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
         loss, g = ev.gradient(W, alive)
-        loss64, grad_sq, finite = _loss_and_grad_sq(loss, g, ev)
-        flat = (grad_sq < self.grad_tol**2) | (grad_sq == 0.0)
-        searching = alive & finite & ~flat
+        loss64, grad_sq, finite = self.loss_and_grad_sq(loss, g, ev)
+        searching = alive & finite & ~rules.flat_gradient(grad_sq, self.grad_tol)
         eta0 = self.initial_step_size()
         grid = self.max_backtracks + 1  # grid points m = 0 .. max_backtracks
-        if ev.engine.deterministic:
+        if ev.deterministic:
             first_m, trials = self._search_windows(W, g, ev, loss64, grad_sq, eta0, searching, grid)
         else:
             first_m, trials = self._search_in_order(W, g, ev, loss64, grad_sq, eta0, searching, grid)
@@ -186,24 +243,17 @@ class _BatchedArmijo(_BatchedRule):
         accepted = first_m < grid
         accepted_eta = torch.where(accepted, eta0 * self.powers[first_m.clamp(max=grid)], torch.zeros_like(eta0))
         exhausted = searching & ~accepted
-        _move(W, g, accepted_eta * self.scale, accepted)  # SgdArmijo applies s·η_k
-        # η_{k-1}: accepted step; after an exhausted search the next grid point η_0 β^{max_backtracks+1}
-        next_grid = eta0 * self.powers[grid]
-        self.prev = torch.where(accepted, accepted_eta, torch.where(exhausted, next_grid, self.prev))
-        self.accepted_step = torch.where(accepted, accepted_eta, self.accepted_step)
+        self.move(W, g, accepted_eta * self.scale, accepted)  # SgdArmijo applies s·η_k
+        self.prev, self.accepted_step = rules.armijo_after_search(
+            eta0, accepted_eta, accepted, exhausted, self.prev, self.accepted_step, self.powers_list[grid])
         self.accepted_any |= accepted | exhausted
         self.last_m = torch.where(accepted, first_m, self.last_m)
         nan = torch.full_like(eta0, float("nan"))
-        record.losses.append(loss)
-        record.step_sizes.append(torch.where(finite, accepted_eta * self.scale, nan))
-        live = alive.long()
-        record.backtracks += torch.where(accepted, trials - 1, trials) * live
-        record.forwards += (1 + trials) * live
-        record.backwards += live
+        record.add(loss, torch.where(finite, accepted_eta * self.scale, nan), alive, forwards=1 + trials,
+                   backtracks=torch.where(accepted, trials - 1, trials))
 
     def _accepts(self, trial_loss: Tensor, loss64: Tensor, grad_sq: Tensor, eta: Tensor) -> Tensor:
-        """The Armijo test f(w − ηg) ≤ f(w) − c·η·‖g‖², with SgdArmijo's float64 operations and order."""
-        return trial_loss.double() <= loss64 - (self.c * eta) * grad_sq
+        return rules.armijo_accepts(trial_loss.double(), loss64, grad_sq, self.c, eta)
 
     def _search_windows(self, W, g, ev, loss64, grad_sq, eta0, searching, grid):
         """Deterministic models: (client, grid point) pairs of all searching clients in one call per round."""
@@ -279,115 +329,99 @@ class _BatchedArmijo(_BatchedRule):
         return first_m, trials
 
     def finalize(self, optimizers) -> None:
-        prev = self.prev.tolist()
-        took = self.accepted_any.tolist()
+        # η_{k-1}: the search state where a search ended this round (accepted or exhausted), else the round's start
+        prev = torch.where(self.accepted_any, self.prev, self.start_state).tolist()
         accepted = self.accepted_step.tolist()
-        for o, p, t, a in zip(optimizers, prev, took, accepted):
-            if t:  # a search ended this round (accepted or exhausted): SgdArmijo's _prev_step
-                o._prev_step = p
-            o._accepted_step = None if math.isnan(a) else a
+        for o, p, a in zip(optimizers, prev, accepted):
+            o.set_client_state({"step_size": _none_for_nan(p), "accepted_step_size": _none_for_nan(a)})
 
 
-class _BatchedSPS(_BatchedRule):
+class _BatchedSPS(BatchedRule):
     """:class:`fedlightning.optim.SPS` (SPS_max, constant or smoothed cap; ``fixed_step_size`` FedSPS-Global mode) for
     every client at once: ``γ_i = min{(f_i − ℓ*)/(c‖g_i‖²), γ_{b,i}}``, degenerate steps and state as SPS."""
 
     stops_on_nonfinite = True
 
-    def __init__(self, optimizers, params, num_clients: int, device):
+    def __init__(self, optimizers, params, device, grad_clip=None):
+        super().__init__(optimizers, params, device, grad_clip)
         hp = dict(optimizers[0].hyper)
         self.c, self.gamma_max, self.f_star = hp["polyak_c"], hp["gamma_max"], hp["f_star"]
-        self.smooth, self.grad_tol = hp["smooth"], hp["grad_tol"]
-        self.fixed_lr = hp.get("fixed_step_size")
+        self.grad_tol, self.fixed_lr = hp["grad_tol"], hp.get("fixed_step_size")
         f64 = dict(dtype=torch.float64, device=device)
         self.scale = torch.tensor([o.step_scale for o in optimizers], **f64)  # client step scale (scale_step)
-        if self.smooth:  # δ^{b/n_i} per client, as SPS.cap computes it
-            self.growth = torch.tensor(
-                [hp["smooth_factor"] ** o._epoch_exponent("smooth=True") for o in optimizers], **f64)
-        self.prev = torch.tensor([float("nan") if o._prev_step is None else o._prev_step for o in optimizers], **f64)
-        nan = torch.full((num_clients,), float("nan"), **f64)
+        self.growth = None  # constant cap
+        if hp["smooth"]:  # δ^{1/⌈n_i/b⌉} per client (SPS.per_step_growth)
+            self.growth = torch.tensor([o.per_step_growth() for o in optimizers], **f64)
+        self.prev = torch.tensor(_nan_for_none(o.get_client_state().get("prev_step") for o in optimizers), **f64)
+        nan = torch.full((len(optimizers),), float("nan"), **f64)
         self.report = (nan.clone(), nan.clone(), nan.clone())  # last step's (sps step, f, ‖g‖²): SPS.client_report
-        self.reported = torch.zeros(num_clients, dtype=torch.bool, device=device)
+        self.reported = torch.zeros(len(optimizers), dtype=torch.bool, device=device)
 
     def cap(self) -> Tensor:
-        gamma_max = torch.full_like(self.prev, self.gamma_max)
-        if not self.smooth:
-            return gamma_max
-        return torch.where(torch.isnan(self.prev), gamma_max, self.growth * self.prev)
+        return rules.sps_cap(self.gamma_max, self.prev, self.growth)
 
-    def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+    def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
         loss, g = ev.gradient(W, alive, flat=False)
-        loss64, grad_sq, finite = _loss_and_grad_sq(loss, g, ev)
-        gap = loss64 - self.f_star
-        cap = self.cap()
-        degenerate = (grad_sq < self.grad_tol**2) | (grad_sq == 0.0) | (gap <= 0.0)
-        ratio = torch.minimum(gap / (self.c * grad_sq), cap)
-        sps_step = torch.where(degenerate, torch.where(gap <= 0.0, torch.zeros_like(cap), cap), ratio)
+        loss64, grad_sq, finite = self.loss_and_grad_sq(loss, g, ev)
+        sps_step, degenerate = rules.sps_step(loss64 - self.f_star, grad_sq, self.c, self.cap(), self.grad_tol)
         report = alive & finite
         self.report = tuple(torch.where(report, new, old) for new, old in zip((sps_step, loss64, grad_sq), self.report))
         self.reported |= report
-        zeros, nan = torch.zeros_like(cap), torch.full_like(cap, float("nan"))
-        if self.fixed_lr is not None:  # FedSPS-Global client: the constant step, SPS only measured
-            step = torch.full_like(cap, self.fixed_lr) * self.scale
-            moves = alive & finite
-        else:
-            step = torch.where(degenerate, zeros, sps_step * self.scale)
-            moves = alive & finite & ~degenerate
-            self.prev = torch.where(moves, sps_step, self.prev)
-        _move(W, g, step, moves, ev.engine.weights.views)
-        record.losses.append(loss)
-        record.step_sizes.append(torch.where(finite, step, nan))
-        record.forwards += alive.long()
-        record.backwards += alive.long()
+        step, moved, prev = rules.sps_after_step(sps_step, degenerate, self.scale, self.prev, self.fixed_lr)
+        moves = report & moved
+        self.prev = torch.where(moves, prev, self.prev)
+        self.move(W, g, step, moves, ev.views)
+        record.add(loss, torch.where(finite, step, torch.full_like(step, float("nan"))), alive)
 
     def finalize(self, optimizers) -> None:
         prev = self.prev.tolist()
         reports = torch.stack(self.report).tolist()
         reported = self.reported.tolist()
         for i, o in enumerate(optimizers):
-            o._prev_step = None if math.isnan(prev[i]) else prev[i]
+            o.set_client_state({"prev_step": _none_for_nan(prev[i])})
             if reported[i]:
-                o._report = {"sps_last_step_size": reports[0][i], "sps_last_loss": reports[1][i],
-                             "sps_last_grad_sq": reports[2][i]}
+                o.set_client_report({"sps_last_step_size": reports[0][i], "sps_last_loss": reports[1][i],
+                                     "sps_last_grad_sq": reports[2][i]})
 
 
-class _BatchedDecSPS(_BatchedRule):
+class _BatchedDecSPS(BatchedRule):
     """:class:`fedlightning.optim.DecSPS` for every client at once:
     ``γ_t = min{(f − ℓ*)/‖g‖², c_{t−1} γ_{t−1}} / c_t``, ``c_t = c_0 √(t+1)``, with each client's own ``(t, γ_{t−1})``."""
 
     stops_on_nonfinite = True
 
-    def __init__(self, optimizers, params, num_clients: int, device):
+    def __init__(self, optimizers, params, device, grad_clip=None):
+        super().__init__(optimizers, params, device, grad_clip)
         hp = dict(optimizers[0].hyper)
         self.c0, self.f_star, self.grad_tol = hp["c0"], hp["f_star"], hp["grad_tol"]
         f64 = dict(dtype=torch.float64, device=device)
-        self.t = torch.tensor([float(o.t) for o in optimizers], **f64)
-        self.gamma_prev = torch.tensor([float(o.gamma_prev) for o in optimizers], **f64)
+        states = [o.get_client_state() for o in optimizers]
+        self.t = torch.tensor([float(st["t"]) for st in states], **f64)
+        self.gamma_prev = torch.tensor([float(st["gamma_prev"]) for st in states], **f64)
         self.scale = torch.tensor([o.step_scale for o in optimizers], **f64)  # client step scale (scale_step)
+        self.sqrt = rules.CountRoots(device)  # √t as DecSPS's math.sqrt computes it
+        self.t_bound = max((st["t"] for st in states), default=0)  # no client's t exceeds it (no host sync)
 
-    def step(self, W: Tensor, ev: _StepEvaluator, record: _StepRecord, alive: Tensor) -> None:
+    def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
         loss, g = ev.gradient(W, alive, flat=False)
-        loss64, grad_sq, finite = _loss_and_grad_sq(loss, g, ev)
-        gap = loss64 - self.f_star
-        degenerate = (grad_sq < self.grad_tol**2) | (grad_sq == 0.0) | (gap <= 0.0)
-        t = self.t
-        c_prev = torch.where(t >= 1, self.c0 * torch.sqrt(t), torch.full_like(t, self.c0))
-        c_t = self.c0 * torch.sqrt(t + 1)
-        gamma = torch.minimum(gap / grad_sq, c_prev * self.gamma_prev) / c_t
-        moves = alive & finite & ~degenerate
-        step = torch.where(moves, gamma * self.scale, torch.zeros_like(gamma))
-        _move(W, g, step, moves, ev.engine.weights.views)
-        self.t = torch.where(moves, t + 1, t)
-        self.gamma_prev = torch.where(moves, gamma, self.gamma_prev)
-        record.losses.append(loss)
-        record.step_sizes.append(torch.where(finite, step, torch.full_like(step, float("nan"))))
-        record.forwards += alive.long()
-        record.backwards += alive.long()
+        loss64, grad_sq, finite = self.loss_and_grad_sq(loss, g, ev)
+        self.sqrt.cover(self.t_bound + 1)
+        gamma, degenerate = rules.decsps_step(loss64 - self.f_star, grad_sq, self.t, self.gamma_prev, self.c0,
+                                              self.grad_tol, self.sqrt)
+        self.t_bound += 1
+        step, moved, (t, gamma_prev) = rules.polyak_after_step(gamma, degenerate, self.scale,
+                                                               (self.t, self.gamma_prev), (self.t + 1, gamma))
+        moves = alive & finite & moved
+        step = torch.where(moves, step, torch.zeros_like(step))
+        self.move(W, g, step, moves, ev.views)
+        self.t = torch.where(moves, t, self.t)
+        self.gamma_prev = torch.where(moves, gamma_prev, self.gamma_prev)
+        record.add(loss, torch.where(finite, step, torch.full_like(step, float("nan"))), alive)
 
     def finalize(self, optimizers) -> None:
         ts, gammas = self.t.tolist(), self.gamma_prev.tolist()
         for o, t, gp in zip(optimizers, ts, gammas):
-            o.t, o.gamma_prev = int(t), gp
+            o.set_client_state({"t": int(t), "gamma_prev": gp})
 
 
 def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor]) -> Dict[str, Any]:
@@ -413,29 +447,38 @@ def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: S
     return first or {}
 
 
-#: Batched counterparts of the optimizers of fedlightning.optim, by class name.
-_ADAPTIVE_RULES: Dict[str, Callable[..., _BatchedRule]] = {
-    "SgdArmijo": _BatchedArmijo,
-    "SPS": _BatchedSPS,
-    "DecSPS": _BatchedDecSPS,
-}
+def _batched_form(kind: type) -> Optional[type]:
+    """The :class:`BatchedRule` subclass ``kind`` names in ``batched_rule`` (a class, or a classmethod returning
+    one), or None: none, or one inherited from above the class that defines ``step`` (a subclass that overrides
+    ``step`` does not run its parent's batched form)."""
+    owner = next((k for k in kind.__mro__ if "batched_rule" in vars(k)), None)
+    if owner is None or not issubclass(owner, next(k for k in kind.__mro__ if "step" in vars(k))):
+        return None
+    form = kind.batched_rule
+    if not isinstance(form, type):
+        form = form()
+    if not (isinstance(form, type) and issubclass(form, BatchedRule)):
+        raise TypeError(f"{kind.__name__}.batched_rule must be a subclass of fedlightning.vectorized.BatchedRule "
+                        f"(or a classmethod returning one), got {form!r}")
+    return form
 
 
 def make_batched_rule(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor],
-                      grad_clip: Optional[float], device: torch.device) -> _BatchedRule:
-    """The batched counterpart of the round's client optimizers (one instance per client, built by the loop).
+                      grad_clip: Optional[float], device: torch.device) -> BatchedRule:
+    """The batched form of the round's client optimizers (one instance per client, built by the loop).
 
     Supported: ``torch.optim.SGD`` without momentum, Nesterov or ``maximize`` (``weight_decay`` and the loop's
-    gradient clipping ``grad_clip`` are), and :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`
-    and :class:`~fedlightning.optim.DecSPS`. Raises :class:`VectorizationUnsupportedError` for optimizers without a
-    batched rule (Adam, SGD with momentum, ...) and for settings that differ between clients or parameter groups.
+    gradient clipping ``grad_clip`` are), and every optimizer class that names its batched form in
+    ``batched_rule`` (:class:`BatchedRule`): :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`,
+    :class:`~fedlightning.optim.DecSPS`, and user optimizers that opt in. Raises
+    :class:`VectorizationUnsupportedError` for optimizers without a batched form (Adam, SGD with momentum, ...),
+    for settings that differ between clients or parameter groups, and for a ``grad_clip`` the rule does not apply.
     """
     kinds = {type(o) for o in optimizers}
     if len(kinds) != 1:
         raise VectorizationUnsupportedError(
             f"the clients use different optimizer classes {sorted(k.__name__ for k in kinds)}")
     kind = kinds.pop()
-    num_clients = len(optimizers)
     hp = _same_hyperparameters(optimizers, params)
     if kind is torch.optim.SGD:
         bad = {k: hp.get(k) for k in ("momentum", "nesterov", "maximize") if hp.get(k)}
@@ -444,11 +487,16 @@ def make_batched_rule(optimizers: Sequence[torch.optim.Optimizer], params: Seque
                 "client_execution='vectorized' supports torch.optim.SGD without momentum, nesterov or maximize; got "
                 + ", ".join(f"{k}={v}" for k, v in bad.items())
             )
-        return _BatchedSGD(hp["lr"], hp.get("weight_decay", 0.0), grad_clip, num_clients, device)
-    batched = _ADAPTIVE_RULES.get(kind.__name__) if kind.__module__.startswith("fedlightning.optim") else None
-    if batched is not None:
-        return batched(optimizers, params, num_clients, device)
-    raise VectorizationUnsupportedError(
-        f"client_execution='vectorized' does not support the client optimizer {kind.__name__}; supported: "
-        "torch.optim.SGD without momentum, fedlightning.optim.SgdArmijo, SPS and DecSPS"
-    )
+        return _BatchedSGD(hp["lr"], hp.get("weight_decay", 0.0), grad_clip, len(optimizers), device)
+    form = _batched_form(kind)
+    if form is None:
+        raise VectorizationUnsupportedError(
+            f"client_execution='vectorized' does not support the client optimizer {kind.__name__}: it names no "
+            "batched form (a batched_rule attribute, fedlightning.vectorized.BatchedRule); supported: torch.optim.SGD "
+            "without momentum, fedlightning.optim.SgdArmijo, SPS and DecSPS, and optimizers with a batched_rule"
+        )
+    if grad_clip is not None and not form.applies_grad_clip and not getattr(kind, "requires_closure", False):
+        raise VectorizationUnsupportedError(
+            f"the batched form {form.__name__} of {kind.__name__} does not apply the loop's client_grad_clip "
+            "(BatchedRule.applies_grad_clip); use client_execution='sequential', or clip in the rule")
+    return form(optimizers, params, device, grad_clip)

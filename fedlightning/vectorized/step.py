@@ -96,6 +96,15 @@ class _StepEvaluator:
             return losses.detach(), engine.weights.flat(grads)
         return losses.detach(), grads
 
+    def views(self, W: Tensor) -> List[Tensor]:
+        """The per-parameter views ``[R, *shape]`` of ``W`` ([R, D])."""
+        return self.engine.weights.views(W)
+
+    @property
+    def deterministic(self) -> bool:
+        """The model has no random layers (dropout)."""
+        return self.engine.deterministic
+
     def trial(self, points: Tensor, clients: Optional[Tensor] = None) -> Tensor:
         """Losses at ``points`` ([P, D]) of the clients ``clients`` ([P] indices, repeats allowed), or of every
         client in order (``clients=None``, ``P = C``)."""
