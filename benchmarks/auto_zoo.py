@@ -23,10 +23,8 @@ clients, Dirichlet 0.3); ``char-lstm`` (embedding 8, one LSTM layer of 64 units,
 from __future__ import annotations
 
 import argparse
-import logging
+import functools
 import os
-import time
-import warnings
 
 import torch
 
@@ -34,43 +32,22 @@ import lightning.pytorch as pl
 
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
 from user_models import BatchNormCNN, DropoutMLP, MetricsMLP, UserCharLSTM, UserCNN, UserMLP, WideMLP
+from vectorized_speedup import CLIENTS_PER_ROUND, LOCAL_STEPS, RoundTimer, digits, load_data, shakespeare, start
 
-CLIENTS_PER_ROUND, LOCAL_STEPS, BATCH = 20, 20, 50
 MODES = ("sequential", "vectorized", "auto")
-
-
-def digits():
-    return DigitsDataModule(num_clients=100, batch_size=BATCH, partition=Dirichlet(0.3), seed=0, val_fraction=0.0)
-
-
-def shakespeare():
-    from fedlightning.datamodules.shakespeare import ShakespeareDataModule
-
-    return ShakespeareDataModule(seq_length=20, batch_size=BATCH, seed=0, val_fraction=0.0)
-
+digits_all = functools.partial(digits, val_fraction=0.0)  # every sample in a client (no validation split)
+shakespeare_all = functools.partial(shakespeare, val_fraction=0.0)
 
 ZOO = {
-    "mlp": (UserMLP, digits),
-    "metrics-mlp": (MetricsMLP, digits),
-    "dropout-mlp": (DropoutMLP, digits),
-    "wide-mlp": (WideMLP, digits),
-    "cnn": (UserCNN, digits),
-    "bn-cnn": (BatchNormCNN, digits),
-    "char-lstm": (UserCharLSTM, shakespeare),
+    "mlp": (UserMLP, digits_all),
+    "metrics-mlp": (MetricsMLP, digits_all),
+    "dropout-mlp": (DropoutMLP, digits_all),
+    "wide-mlp": (WideMLP, digits_all),
+    "cnn": (UserCNN, digits_all),
+    "bn-cnn": (BatchNormCNN, digits_all),
+    "char-lstm": (UserCharLSTM, shakespeare_all),
 }
-
-
-class RoundTimer(pl.Callback):
-    def __init__(self):
-        self.times = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(time.perf_counter() - self._start)
 
 
 def run(model_cls, datamodule, mode, rounds, init_state):
@@ -94,30 +71,14 @@ def main():
     ap.add_argument("--models", default=",".join(ZOO), help="comma-separated subset of " + ", ".join(ZOO))
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = ap.parse_args()
-    if args.rounds < 1 or args.repeats < 1:
-        raise ValueError(f"need --rounds >= 1 and --repeats >= 1, got {args.rounds} and {args.repeats}")
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in ZOO]
-    if unknown:
-        raise ValueError(f"unknown models {unknown}; choose from {list(ZOO)}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("fedlightning").setLevel(logging.WARNING)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds x {args.repeats} repeats per mode; "
-          f"{CLIENTS_PER_ROUND} clients/round, K={LOCAL_STEPS}, batch {BATCH}")
+    names = start(args, args.models, ZOO, "models", min_rounds=1)
     print(f"{'model':12s} {'sequential s':>12s} {'vectorized s':>12s} {'auto s':>8s} {'faster':>10s} "
           f"{'auto chose':>10s} {'auto vs seq':>11s}  reason")
     rows = []
     for name in names:
         model_cls, dm_fn = ZOO[name]
-        try:
-            datamodule = dm_fn()
-            datamodule.setup("fit")
-        except (FileNotFoundError, ImportError) as err:
-            print(f"{name:12s} skipped: {err}")
+        datamodule = load_data(name, dm_fn, width=12)
+        if datamodule is None:
             continue
         torch.manual_seed(0)
         init_state = model_cls().state_dict()

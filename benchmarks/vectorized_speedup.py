@@ -95,14 +95,14 @@ class SyntheticLike(FederatedDataModule):
         return [np.arange(e - n, e) for e, n in zip(ends, self._sizes)]
 
 
-def digits():
-    return DigitsDataModule(num_clients=100, batch_size=BATCH, partition=Dirichlet(0.3), seed=0)
+def digits(**kwargs):
+    return DigitsDataModule(num_clients=100, batch_size=BATCH, partition=Dirichlet(0.3), seed=0, **kwargs)
 
 
-def shakespeare():
+def shakespeare(**kwargs):
     from fedlightning.datamodules.shakespeare import ShakespeareDataModule
 
-    return ShakespeareDataModule(seq_length=20, batch_size=BATCH, seed=0)
+    return ShakespeareDataModule(seq_length=20, batch_size=BATCH, seed=0, **kwargs)
 
 
 def sgd(lr):
@@ -166,6 +166,37 @@ def run(model_fn, optimizer, datamodule, mode, rounds, init_state):
     return timer.times[2:], weights, loop
 
 
+def start(args, selection: str, table: dict, what: str, min_rounds: int) -> list:
+    """Check ``--rounds`` / ``--repeats`` and the comma-separated ``selection`` of ``table``'s keys, set the torch
+    threads, silence Lightning and print the header line; returns the selected names."""
+    if args.rounds < min_rounds or args.repeats < 1:
+        raise ValueError(f"need --rounds >= {min_rounds} and --repeats >= 1, got {args.rounds} and {args.repeats}")
+    names = [w.strip() for w in selection.split(",") if w.strip()]
+    unknown = [w for w in names if w not in table]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; choose from {list(table)}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("fedlightning").setLevel(logging.WARNING)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds x {args.repeats} repeats per mode; "
+          f"{CLIENTS_PER_ROUND} clients/round, K={LOCAL_STEPS}, batch {BATCH}")
+    return names
+
+
+def load_data(name: str, dm_fn, width: int):
+    """``dm_fn()`` set up for fitting, or None (and a "skipped" line) when its data are not installed."""
+    try:
+        datamodule = dm_fn()
+        datamodule.setup("fit")
+        return datamodule
+    except (FileNotFoundError, ImportError) as err:
+        print(f"{name:{width}s} skipped: {err}")
+        return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=12, help="rounds per run (the first 2 are warm-up)")
@@ -179,29 +210,14 @@ def main():
                     help="after each workload, one run with client_execution='auto' (3 rounds): print the mode it "
                          "chose and its one-round measurement")
     args = ap.parse_args()
-    if args.rounds < 3 or args.repeats < 1:
-        raise ValueError(f"need --rounds >= 3 and --repeats >= 1, got {args.rounds} and {args.repeats}")
-    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = [w for w in names if w not in WORKLOADS]
-    if unknown:
-        raise ValueError(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds x {args.repeats} repeats per mode; "
-          f"{CLIENTS_PER_ROUND} clients/round, K={LOCAL_STEPS}, batch {BATCH}")
+    names = start(args, args.workloads, WORKLOADS, "workloads", min_rounds=3)
     print(f"{'workload':26s} {'sequential ms/round':>22s} {'vectorized ms/round':>22s} {'ratio':>13s} "
           f"{'paired':>7s} {'max |dw|':>9s}")
     print(f"{'':26s} {'median (min)':>22s} {'median (min)':>22s} {'median (min)':>13s} {'min':>7s}")
     for name in names:
         model_fn, optimizer, dm_fn = WORKLOADS[name]
-        try:
-            datamodule = dm_fn()
-            datamodule.setup("fit")
-        except (FileNotFoundError, ImportError) as err:
-            print(f"{name:26s} skipped: {err}")
+        datamodule = load_data(name, dm_fn, width=26)
+        if datamodule is None:
             continue
         torch.manual_seed(0)
         init_state = model_fn().state_dict()
