@@ -100,6 +100,40 @@ def test_intercepted_loss_under_vmap_rows_with_different_masks(name):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+TWO_ARGUMENT_CALLS = {
+    F.cross_entropy: lambda x: (x, Y),
+    F.nll_loss: lambda x: (F.log_softmax(x, 1), Y),
+    F.mse_loss: lambda x: (x, T),
+    F.l1_loss: lambda x: (x, T),
+    F.smooth_l1_loss: lambda x: (x, T),
+    F.huber_loss: lambda x: (x, T),
+    F.binary_cross_entropy: lambda x: (torch.sigmoid(x), (T > 0).double()),
+    F.binary_cross_entropy_with_logits: lambda x: (x, torch.sigmoid(T)),
+}
+
+
+@pytest.mark.parametrize("loss", list(TWO_ARGUMENT_CALLS), ids=lambda f: f.__name__)
+def test_two_positional_arguments_equal_the_bound_keyword_call(loss):
+    """``loss(input, target)`` takes the per-loss pre-bound defaults; ``loss(input=..., target=...)`` binds the
+    call's signature: the same output and cells, bit for bit."""
+    from fedlightning.vectorized.losses import _TWO_ARGUMENT_CALLS
+
+    assert loss in _TWO_ARGUMENT_CALLS
+    mask = (torch.arange(N) < REAL).double()
+    results = []
+    for positional in (True, False):
+        inp, target = TWO_ARGUMENT_CALLS[loss](X)
+        interception = LossInterception(N, mask, mask.sum())
+        with interception:
+            out = loss(inp, target) if positional else loss(input=inp, target=target)
+        results.append((out, interception.cells_of(out)))
+    (a, cells_a), (b, cells_b) = results
+    assert cells_a is not None and cells_b is not None
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(cells_a, cells_b, rtol=0, atol=0)
+    torch.testing.assert_close(a, loss(*[t[:REAL] for t in TWO_ARGUMENT_CALLS[loss](X)]), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("call", [
     lambda x: F.cross_entropy(x[:, :, 0], Y[:, 0], reduction="sum"),  # not a mean
     lambda x: F.mse_loss(x[:, :, :1], x[:, :1, 0].unsqueeze(-1).expand(N, 1, 1)),  # shapes differ

@@ -50,11 +50,11 @@ def _class_loss(logp: Tensor, target: Tensor, weight: Optional[Tensor], ignore_i
         if tuple(target.shape) != (logp.shape[0], *logp.shape[2:]):
             return None
         valid = target != ignore_index
-        safe = torch.where(valid, target, torch.zeros_like(target))
+        safe = torch.where(valid, target, 0)
         nll = -logp.gather(1, safe.unsqueeze(1)).squeeze(1)
         if weight is None:
             d = valid.to(logp.dtype)
-            a = torch.where(valid, nll, torch.zeros_like(nll))
+            a = torch.where(valid, nll, 0.0)
         else:
             w_y = weight.to(logp.dtype)[safe]
             d = torch.where(valid, w_y, torch.zeros_like(w_y))
@@ -159,6 +159,19 @@ INTERCEPTED_LOSSES: Dict[Callable, Callable[..., Optional[tuple]]] = {
     F.binary_cross_entropy_with_logits: _elementwise(_bce_logits, weighted=True),
 }
 _SIGNATURES = {f: inspect.signature(f) for f in INTERCEPTED_LOSSES}
+
+
+def _two_argument_defaults(sig: inspect.Signature) -> Optional[Dict[str, Any]]:
+    """The bound arguments of a call ``f(input, target)`` (defaults applied), when the signature's first two
+    parameters are ``input`` and ``target``; None otherwise."""
+    params = list(sig.parameters.values())
+    if len(params) < 2 or [p.name for p in params[:2]] != ["input", "target"]:
+        return None
+    return {p.name: p.default for p in params[2:] if p.default is not inspect.Parameter.empty}
+
+
+#: ``f(input, target)`` bound once per loss (the common call: no argument binding per step).
+_TWO_ARGUMENT_CALLS = {f: d for f, d in ((f, _two_argument_defaults(s)) for f, s in _SIGNATURES.items()) if d is not None}
 _ALIASES = (Tensor.detach, Tensor.clone, torch.clone)
 
 
@@ -242,12 +255,16 @@ class LossInterception(TorchFunctionMode):
         return out
 
     def _intercept(self, func, handler, args, kwargs) -> Optional[Tensor]:
-        try:
-            bound = _SIGNATURES[func].bind(*args, **kwargs)
-        except TypeError:
-            return None  # let the original call raise its own error
-        bound.apply_defaults()
-        options = dict(bound.arguments)
+        defaults = _TWO_ARGUMENT_CALLS.get(func) if len(args) == 2 and not kwargs else None
+        if defaults is not None:
+            options = dict(defaults, input=args[0], target=args[1])
+        else:
+            try:
+                bound = _SIGNATURES[func].bind(*args, **kwargs)
+            except TypeError:
+                return None  # let the original call raise its own error
+            bound.apply_defaults()
+            options = dict(bound.arguments)
         if options.pop("reduction") != "mean":
             return None
         if options.pop("size_average", None) is not None or options.pop("reduce", None) is not None:
@@ -260,12 +277,13 @@ class LossInterception(TorchFunctionMode):
         a, d = parts
         n = self.n
         mask = self.mask.to(a.dtype)
-        A = a.reshape(n, -1).sum(1)
-        per_sample = a[0].numel() if a.dim() > 1 else 1
+        one_per_sample = a.dim() == 1  # [n]: one element per sample, no per-sample sums
+        A = a if one_per_sample else a.reshape(n, -1).sum(1)
+        per_sample = 1 if one_per_sample else a[0].numel()
         if d is None:  # every element weighs 1: Σ_k m_k D_k / n_i is the number of elements per sample
             cells = A if per_sample == 1 else A / per_sample
         else:
-            D = d.reshape(n, -1).sum(1)
+            D = d if one_per_sample else d.reshape(n, -1).sum(1)
             cells = A / ((mask * D).sum() / self.count.to(a.dtype))
         loss = (cells * (mask / self.count.to(a.dtype))).sum()
         self._outputs[id(loss)] = (loss, cells)
