@@ -64,7 +64,7 @@ def main():
         for _ in range(args.repeats):
             for tag, module in (("old", old_engine), ("new", new_engine)):
                 sys.modules["fedlightning.vectorized"] = module
-                times, w = vs.run(model_fn, optimizer, datamodule, "vectorized", args.rounds, init_state)
+                times, w, _ = vs.run(model_fn, optimizer, datamodule, "vectorized", args.rounds, init_state)
                 runs[tag].append(times)
                 weights[tag] = w
     finally:

@@ -162,15 +162,19 @@ _SIGNATURES = {f: inspect.signature(f) for f in INTERCEPTED_LOSSES}
 
 
 def _two_argument_defaults(sig: inspect.Signature) -> Optional[Dict[str, Any]]:
-    """The bound arguments of a call ``f(input, target)`` (defaults applied), when the signature's first two
-    parameters are ``input`` and ``target``; None otherwise."""
+    """The defaults of every parameter after ``input`` and ``target`` when the signature starts with those two and
+    all the others have defaults; None otherwise."""
     params = list(sig.parameters.values())
     if len(params) < 2 or [p.name for p in params[:2]] != ["input", "target"]:
         return None
-    return {p.name: p.default for p in params[2:] if p.default is not inspect.Parameter.empty}
+    if any(p.default is inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params[2:]):
+        return None
+    return {p.name: p.default for p in params[2:]}
 
 
-#: ``f(input, target)`` bound once per loss (the common call: no argument binding per step).
+#: Defaults of the losses' optional parameters: a call ``f(input, target, **options)`` (how ``torch.nn.functional``
+#: hands its losses to a function mode: the two tensors positional, every option by keyword) is bound by a dict
+#: merge instead of ``inspect.Signature.bind`` on every step.
 _TWO_ARGUMENT_CALLS = {f: d for f, d in ((f, _two_argument_defaults(s)) for f, s in _SIGNATURES.items()) if d is not None}
 _ALIASES = (Tensor.detach, Tensor.clone, torch.clone)
 
@@ -255,9 +259,9 @@ class LossInterception(TorchFunctionMode):
         return out
 
     def _intercept(self, func, handler, args, kwargs) -> Optional[Tensor]:
-        defaults = _TWO_ARGUMENT_CALLS.get(func) if len(args) == 2 and not kwargs else None
-        if defaults is not None:
-            options = dict(defaults, input=args[0], target=args[1])
+        defaults = _TWO_ARGUMENT_CALLS.get(func) if len(args) == 2 else None
+        if defaults is not None and kwargs.keys() <= defaults.keys():
+            options = {**defaults, **kwargs, "input": args[0], "target": args[1]}
         else:
             try:
                 bound = _SIGNATURES[func].bind(*args, **kwargs)
