@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 
 import torch
@@ -72,6 +73,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = ap.parse_args()
     names = start(args, args.models, ZOO, "models", min_rounds=1)
+    logging.getLogger("fedlightning").setLevel(logging.WARNING)  # auto's choice is printed in the table
     print(f"{'model':12s} {'sequential s':>12s} {'vectorized s':>12s} {'auto s':>8s} {'faster':>10s} "
           f"{'auto chose':>10s} {'auto vs seq':>11s}  reason")
     rows = []

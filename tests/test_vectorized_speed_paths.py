@@ -20,7 +20,7 @@ from fedlightning.vectorized import VectorizedClientTrainer
 from fedlightning.vectorized.batches import _padded_positions, _round_index, _RoundBatches, _sampler_batches
 from fedlightning.vectorized.engine import _rows_finite
 from fedlightning.vectorized.layout import _Layout
-from fedlightning.vectorized.rules import _BatchedArmijo, _BatchedSGD, _StepRecord
+from fedlightning.vectorized.rules import StepRecord, _BatchedArmijo, _BatchedSGD
 from fedlightning.vectorized.step import _feed_router, _StepEvaluator
 
 
@@ -107,7 +107,7 @@ def _digits():
 
 def _train(engine, batches, W, steps, lr=0.3):
     rule = _BatchedSGD(lr, 0.0, None, W.shape[0], W.device)
-    record = _StepRecord(W.shape[0], W.device)
+    record = StepRecord(W.shape[0], W.device)
     alive = torch.ones(W.shape[0], dtype=torch.bool)
     for k in range(steps):
         ev = _StepEvaluator(engine, _Layout(*batches.step(k)), k, None, [], None, trials=False)

@@ -61,9 +61,6 @@ class StepRecord:
             self.backtracks += backtracks * live
 
 
-_StepRecord = StepRecord  # the name tests/test_vectorized_speed_paths.py imports
-
-
 class BatchedRule:
     """A client optimizer's batched form: one local step of every client of a round at once, on ``W`` in place.
 
