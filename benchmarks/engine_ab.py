@@ -2,7 +2,7 @@
 
     mkdir -p /tmp/old && git archive <commit> fedlightning/vectorized | tar -x -C /tmp/old
     python benchmarks/engine_ab.py --old /tmp/old/fedlightning/vectorized [--workload digits-mlp-sgd] [--rounds 10]
-        [--repeats 4]
+        [--repeats 4] [--threads 1]
 
 Loads the package folder given by ``--old`` as a second package beside the installed ``fedlightning.vectorized``
 (the package's modules import each other relatively, so the old version's modules come from that folder) and runs
@@ -37,6 +37,7 @@ def main():
     ap.add_argument("--workload", default="digits-mlp-sgd", help="one of " + ", ".join(vs.WORKLOADS))
     ap.add_argument("--rounds", type=int, default=10, help="rounds per run (the first 2 are warm-up)")
     ap.add_argument("--repeats", type=int, default=4, help="alternating runs per version")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = ap.parse_args()
     if args.workload not in vs.WORKLOADS:
         raise ValueError(f"unknown workload {args.workload!r}; choose from {list(vs.WORKLOADS)}")
@@ -45,6 +46,8 @@ def main():
     init = os.path.join(args.old, "__init__.py")
     if not os.path.isfile(init):
         raise FileNotFoundError(f"--old {args.old!r} is not a package folder (no __init__.py in it)")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     name = "fedlightning.vectorized_old"

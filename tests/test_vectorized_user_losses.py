@@ -144,6 +144,86 @@ def test_unrecognised_calls_run_unchanged(call):
     torch.testing.assert_close(out, call(X), rtol=0, atol=0)
 
 
+CLASS_CASES = ["ce", "ce-seq", "ce-weight-smooth", "ce-ignore-smooth", "ce-module-weight-ignore", "nll"]
+
+
+@pytest.mark.parametrize("name", CLASS_CASES)
+@pytest.mark.parametrize("batched", [False, True])
+def test_class_losses_without_ignored_targets_skip_the_validity_mask_to_the_same_bits(name, batched, monkeypatch):
+    """When no target equals ``ignore_index`` (checked on the CPU tensor holding every row's targets) the class
+    losses take a shorter path without the validity mask and weight sums: the same loss and cells, bit for bit, as
+    the general path. Targets that are ignored (``ignore_index=3`` here: ``Y`` holds a 3) keep the general path."""
+    import fedlightning.vectorized.losses as losses
+
+    f = CASES[name]
+    counts = [4, 7, 1]
+    masks = torch.stack([(torch.arange(N) < k).double() for k in counts])
+    xs, ys = torch.stack([X, X.roll(1, 0), 2 * X]), torch.stack([Y, Y.roll(2, 0), Y])
+    taken = []
+    none_equal = losses._none_equal
+
+    def run(general: bool):
+        monkeypatch.setattr(losses, "_none_equal",
+                            (lambda t, v: False) if general else (lambda t, v: taken.append(none_equal(t, v)) or taken[-1]))
+
+        def row(x, y, m):
+            interception = LossInterception(N, m, m.sum())
+            with interception:
+                out = f(x, y, T)
+            return out, interception.cells_of(out)
+
+        if batched:
+            return vmap(row)(xs, ys, masks)
+        return row(xs[0], ys[0], masks[0])
+
+    fast, general = run(False), run(True)
+    assert taken and all(taken) == (name in ("ce", "ce-seq", "ce-weight-smooth", "nll"))
+    for a, b in zip(fast, general):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_none_equal_reads_every_row_and_never_synchronises_a_device():
+    """``_none_equal`` sees the targets of all rows under vmap (one row holding the value is enough), and answers
+    False without looking on a device other than the CPU."""
+    from fedlightning.vectorized.losses import _none_equal
+    from fedlightning.vectorized.torch_internals import _physical
+
+    y = torch.tensor([[0, 1, 2], [2, 1, -100]])
+    assert _none_equal(y[0], -100) and not _none_equal(y, -100)
+    assert vmap(lambda r: torch.tensor(_none_equal(r, -100)))(y).tolist() == [False, False]
+    assert vmap(lambda r: torch.tensor(_none_equal(r, 5)))(y).tolist() == [True, True]
+    assert vmap(lambda r: torch.tensor(_physical(r) is y))(y).tolist() == [True, True]
+    assert vmap(vmap(lambda r: torch.tensor(_physical(r) is None)))(y).tolist() == [[True] * 3] * 2
+    assert not _none_equal(torch.zeros(3, dtype=torch.long, device="meta"), -100)
+
+
+@pytest.mark.parametrize("classes", [2, 3, 10, 15, 16, 40])
+def test_float32_cross_entropy_on_cpu_through_the_transposed_log_softmax(classes):
+    """On CPU, float32 logits with 3 to 15 classes take the log-softmax over the transposed class dimension (torch's
+    kernel for a short last dimension is slow): the loss of each row equals torch's cross-entropy on its real samples
+    to float32 rounding, with gradients, for class counts on both sides of the range."""
+    g = torch.Generator().manual_seed(classes)
+    counts = [4, 7, 1]
+    xs = torch.randn(3, N, classes, generator=g)
+    ys = torch.randint(0, classes, (3, N), generator=g)
+    masks = torch.stack([(torch.arange(N) < k).float() for k in counts])
+
+    def row(x, y, m):
+        with LossInterception(N, m, m.sum()) as interception:
+            out = F.cross_entropy(x, y)
+        assert interception.cells_of(out) is not None
+        return out
+
+    x1 = xs.clone().requires_grad_(True)
+    got = vmap(row)(x1, ys, masks)
+    got.sum().backward()
+    x2 = xs.clone().requires_grad_(True)
+    want = torch.stack([F.cross_entropy(x2[r, :k], ys[r, :k]) for r, k in enumerate(counts)])
+    want.sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-7)
+
+
 # ---------------------------------------------------------------------------------------------- in the loop
 class UserMLP(pl.LightningModule):
     """Written as a user would: mean cross-entropy, the loss logged."""

@@ -174,6 +174,20 @@ class _ModelCall:
         self.rnns = _vmappable_rnns(model)
         self.deterministic = not _has_random_layers(model)
         self.probed: set = set()
+        self._mask_terms: Optional[Tuple[Tensor, int, Tuple[Tensor, Tensor, Tensor]]] = None
+
+    def _row_terms(self, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(m, counts, weights)`` of a ``[R, n_max]`` mask of real cells: the mask in the parameters' dtype, the
+        rows' counts and ``m / counts``; reused while the same mask tensor comes back unchanged (the steps of a
+        round with the same sizes share their layout's mask; an in-place write bumps its version)."""
+        hit = self._mask_terms
+        if hit is not None and hit[0] is mask and hit[1] == mask._version:
+            return hit[2]
+        m = mask.to(self.dtype)
+        counts = m.sum(1)
+        terms = (m, counts, m / counts[:, None])
+        self._mask_terms = (mask, mask._version, terms)
+        return terms
 
     @property
     def metric_modules(self) -> List[Tuple[str, nn.Module]]:
@@ -405,22 +419,21 @@ class _ModelCall:
         leaves, spec = tree_flatten(batch)
         nv, ns = len(views), len(stats)
         n_max = mask.shape[1]
-        m = mask.to(self.dtype)
-        counts = m.sum(1)
+        m, counts, weights = self._row_terms(mask)
         record = effects is not None
         as_loss: List[str] = []  # names logged with the loss tensor itself
         names: List[str] = []  # other logged values, returned as [n_max] cells
         sizes = [0, 0]
 
         def per_row(*args):
-            vs, row_mask, count = args[:nv], args[nv], args[nv + 1]
-            st = args[nv + 2:nv + 2 + ns]
+            vs, row_mask, count, row_weights = args[:nv], args[nv], args[nv + 1], args[nv + 2]
+            st = args[nv + 3:nv + 3 + ns]
             collector.reset()
-            interception = LossInterception(n_max, row_mask, count)
+            interception = LossInterception(n_max, row_mask, count, row_weights)
             metric_calls.begin(record, "padded", n_max, interception)
             norms.begin(st, row_mask, count, min_count)
             with self._weights_in_slots(vs), interception:
-                loss = extract_loss(model.training_step(tree_unflatten(list(args[nv + 2 + ns:]), spec), step),
+                loss = extract_loss(model.training_step(tree_unflatten(list(args[nv + 3 + ns:]), spec), step),
                                     model_name)
             new = norms.end()
             cells = interception.cells_of(loss)
@@ -444,7 +457,7 @@ class _ModelCall:
             sizes[:] = [len(logged), len(outs)]
             return (cells, *logged, *outs, *new)
 
-        out = _vmap0(per_row, [*views, m, counts, *stats, *leaves])
+        out = _vmap0(per_row, [*views, m, counts, weights, *stats, *leaves])
         collector.reset()
         nl, nm = sizes
         self._keep_effects(effects, out[1 + nl:1 + nl + nm], out[1 + nl + nm:], mask)

@@ -1,7 +1,8 @@
 r"""Every use of torch internals by the vectorised engine, each next to its public fallback.
 
 * :func:`_vmap0`: ``torch.func.vmap(fn, randomness="different")`` through functorch's own primitives (fallback:
-  ``torch.func.vmap``); :func:`_is_batched` (fallback: every value counts as batched).
+  ``torch.func.vmap``); :func:`_is_batched` (fallback: every value counts as batched); :func:`_physical`, the tensor
+  under a batched one (fallback: unknown, and its callers take their general path).
 * :func:`_rnn_forward` / :func:`_plain_rnn_forward`: ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` in plain tensor ops, put
   in the layers' ``forward`` while the model runs under vmap (the fused kernels have no batching rule).
 * :func:`_parameter_slots` / :func:`_tensors_in_slots`: the clients' tensors in the modules' parameter dicts
@@ -32,6 +33,10 @@ try:
     from torch._C._functorch import is_batchedtensor as _is_batchedtensor
 except ImportError:  # pragma: no cover - every logged value then counts as client-dependent
     _is_batchedtensor = None
+try:
+    from torch._C._functorch import get_unwrapped as _get_unwrapped
+except ImportError:  # pragma: no cover - _physical then knows no tensor
+    _get_unwrapped = None
 try:  # the private bases of the layers the engine runs per client or replays (batch statistics, random masks)
     from torch.nn.modules.batchnorm import _BatchNorm
     from torch.nn.modules.dropout import _DropoutNd
@@ -74,6 +79,18 @@ def _vmap0(fn: Callable[..., Tuple[Tensor, ...]], args: Sequence[Tensor]) -> Tup
 def _is_batched(value: Tensor) -> bool:
     """Whether ``value`` carries vmap's batch dimension (depends on the client's weights or data)."""
     return _is_batchedtensor is None or _is_batchedtensor(value)
+
+
+def _physical(value: Tensor) -> Optional[Tensor]:
+    """The plain tensor holding every row's values of ``value``: the tensor under its vmap batch dimension when it
+    carries one level of it, ``value`` itself when it carries none; None when it is batched more than once or
+    functorch's accessor is missing. For checks on data that hold for all rows at once (read, never written)."""
+    if _is_batchedtensor is None or _get_unwrapped is None:  # pragma: no cover
+        return None
+    if not _is_batchedtensor(value):
+        return value
+    inner = _get_unwrapped(value)
+    return None if _is_batchedtensor(inner) else inner
 
 
 # ====================================================================== recurrent layers
