@@ -62,21 +62,23 @@ class _StepEvaluator:
         with torch.enable_grad():
             if layout.mask is None:
                 losses, logged = engine.call.row_values(leaves, layout.batch, None, self.step, effects=effects)
-                objective = losses
+                roots, seeds = [losses], [None]
             else:
                 # padded rows: the loss of client i is Σ_j m_ij ℓ_ij / n_i (its real cells' mean); the backward pass
-                # starts from Σ_ij ℓ_ij · (m_ij / n_i), whose gradient w.r.t. ℓ is the same m_ij · fl(1/n_i) the
-                # masked sum, the division and the sum over clients give (bit for bit), with fewer autograd nodes;
-                # the reported losses are computed from the detached cells as before
+                # starts at the cells ℓ with the gradient m_ij · fl(1/n_i), the one the masked sum, the division and
+                # the sum over clients give (bit for bit), without building those nodes; the reported losses are
+                # computed from the detached cells
                 cells, values, logged = engine.call.row_values(leaves, layout.batch, layout.mask, self.step, cells=True,
                                                                effects=effects, min_count=layout.min_size)
                 losses = values / layout.counts_as(values.dtype)
-                objective = (cells * layout.cell_weights(cells.dtype)).sum(1)
+                roots, seeds = [cells], [layout.cell_weights(cells.dtype)]
             if self.terms is not None:
                 terms = engine.call.term_values(leaves, self.terms)
                 losses = losses + terms
-                objective = objective + terms
-            grads = torch.autograd.grad(objective.sum(), leaves, allow_unused=True)
+                roots.append(terms)
+                seeds.append(None)
+            seeds = [torch.ones_like(r) if g is None else g for r, g in zip(roots, seeds)]
+            grads = torch.autograd.grad(roots, leaves, grad_outputs=seeds, allow_unused=True)
         grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
         if effects is not None:
             evaluated = alive if self.track_alive else None
