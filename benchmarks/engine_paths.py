@@ -10,7 +10,12 @@ Shapes are the digits MLP 64-128-10 of ``vectorized_speedup.py`` (D = 9,610 weig
   per-call overhead, which a round pays once per batched call;
 * ``_BatchedArmijo._points``: the trial points of 3 grid points per client, one ``addcmul`` per client block vs
   gathering the rows of ``W`` and ``g`` first; at D = 9,610 and at D = 100,000 (a small CNN's size), since the
-  blocks trade one kernel call per client for two fewer passes over the points.
+  blocks trade one kernel call per client for two fewer passes over the points;
+* ``losses._log_softmax_classes``: the intercepted cross-entropy's log-softmax of every client's ``[31, 10]`` logits
+  under vmap, forward and backward, vs ``F.log_softmax(logits, 1)``;
+* no bucketing: one local step (the MLP's vmapped forward and backward with a masked mean loss) of ``--clients``
+  clients padded to 33 samples, vs the same clients split into two buckets of half the clients each, padded to 16
+  and to 33 (what bucketing by batch size would run instead on the digits workload's sizes).
 
 Each case is timed with ``timeit`` (best of ``--repeats`` runs of enough calls for about 0.2 s); the same numbers
 are computed both ways (the tests in ``tests/test_vectorized_speed_paths.py`` check that).
@@ -23,11 +28,13 @@ import os
 import timeit
 
 import torch
+import torch.nn.functional as F
 from torch.func import vmap
 
 from fedlightning.models import MLP
 from fedlightning.vectorized import VectorizedClientTrainer
 from fedlightning.vectorized.engine import _rows_finite
+from fedlightning.vectorized.losses import _log_softmax_classes
 from fedlightning.vectorized.rules import _BatchedArmijo
 from fedlightning.vectorized.torch_internals import _vmap0
 
@@ -79,6 +86,34 @@ def main():
         rows.append((f"Armijo trial points, D = {dim:,}",
                      lambda W=W, g=g: _BatchedArmijo._points(ev, W, g, pair_client, eta),
                      lambda W=W, g=g: _BatchedArmijo._points(ev, W, g, pair_client, eta, widths)))
+
+    logits = torch.randn(C, 31, 10)
+    seed = torch.randn(C, 31, 10)
+
+    def log_softmax_step(f):
+        z = logits.clone().requires_grad_(True)
+        return torch.autograd.grad(vmap(f)(z), z, seed)
+
+    rows.append(("log-softmax of [C, 31, 10], fwd+bwd", lambda: log_softmax_step(lambda r: F.log_softmax(r, 1)),
+                 lambda: log_softmax_step(_log_softmax_classes)))
+
+    def mlp_loss(W1, b1, W2, b2, x, y, w):
+        logp = _log_softmax_classes(F.linear(F.relu(F.linear(x, W1, b1)), W2, b2))
+        return -(logp.gather(1, y.unsqueeze(1)).squeeze(1) * w).sum()
+
+    def padded_step(rows_, n):
+        weights = [v[:rows_].clone() for v in engine.weights.views(torch.randn(C, D) * 0.1)]
+        x, y = torch.randn(rows_, n, 64), torch.randint(0, 10, (rows_, n))
+        w = torch.full((rows_, n), 1.0 / n)
+
+        def step():
+            ps = [p.detach().requires_grad_(True) for p in weights]
+            return torch.autograd.grad(vmap(mlp_loss)(*ps, x, y, w).sum(), ps)
+
+        return step
+
+    one, low, high = padded_step(C, 33), padded_step(C // 2, 16), padded_step(C - C // 2, 33)
+    rows.append(("MLP step, 2 buckets vs 1 padded", lambda: (low(), high()), one))
 
     print(f"C = {C}, D = {D}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     print(f"{'case':<34} {'plain (µs)':>11} {'engine (µs)':>12} {'ratio':>7}")
