@@ -31,16 +31,25 @@ def test_auto_choice_rule(seq, vec, want):
 
 
 def fake_clock(monkeypatch, seq_ms, vec_ms):
-    """The three readings _auto_decide takes: before the timed sequential round, between, after the vectorised."""
-    readings = iter([0.0, seq_ms / 1e3, (seq_ms + vec_ms) / 1e3])
+    """_auto_decide's readings: 0 before the timed sequential round, ``seq_ms`` after it (the start of the timed
+    vectorised round), and ``seq_ms + vec_ms`` at every later reading (after each vectorised step and at its end):
+    the vectorised round takes ``vec_ms``, all of it in its first step."""
     calls = []
 
     def clock():
         calls.append(1)
-        return next(readings)
+        return {1: 0.0, 2: seq_ms / 1e3}.get(len(calls), (seq_ms + vec_ms) / 1e3)
 
     monkeypatch.setattr(auto, "_clock", clock)
     return calls
+
+
+def readings(vectorized_steps: int) -> int:
+    """Clock readings of one measurement whose timed vectorised round ran ``vectorized_steps`` local steps: two
+    around the sequential round, one after each vectorised step but the last of the timed round, one at its end."""
+    from test_vectorized import K
+
+    return 2 + min(vectorized_steps, min(K, auto.AUTO_MEASURE_STEPS) - 1) + 1
 
 
 
@@ -59,15 +68,21 @@ def assert_identical(a, b):
 @pytest.mark.parametrize("opt", ["sgd", "armijo"])
 @pytest.mark.parametrize("seq_ms,vec_ms,chosen", [(40.0, 10.0, "vectorized"), (10.0, 40.0, "sequential")])
 def test_auto_equals_the_chosen_mode_and_logs_both_timings(monkeypatch, caplog, opt, seq_ms, vec_ms, chosen):
+    from test_vectorized import K
+
     calls = fake_clock(monkeypatch, seq_ms, vec_ms)
     with caplog.at_level(logging.INFO):
         auto = fit(UserMLP(), CLIENT_OPTIMIZERS[opt], "auto")
-    assert len(calls) == 3  # measured once, at the first round
+    # measured once, at the first round; a vectorised round that has lost after its first step stops there
+    assert len(calls) == readings(K if chosen == "vectorized" else 1)
     assert auto[1].client_execution_choice == chosen
     lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
     assert len(lines) == 1
     assert f"training clients {chosen}" in lines[0]
-    assert f"{seq_ms:.1f} ms sequential, {vec_ms:.1f} ms vectorized" in lines[0]
+    if chosen == "vectorized":
+        assert f"{seq_ms:.1f} ms sequential, {vec_ms:.1f} ms vectorized" in lines[0]
+    else:
+        assert f"{seq_ms:.1f} ms sequential, 1 took {vec_ms:.1f} ms vectorized, measurement stopped" in lines[0]
     reference = fit(UserMLP(), CLIENT_OPTIMIZERS[opt], chosen)
     assert_identical(auto, reference)
 
@@ -116,9 +131,9 @@ def test_measurement_times_a_few_local_steps_after_a_one_step_warm_up(monkeypatc
         seen["sequential"].append(plan.local_steps)
         return train_client(self, plan, client_id, global_flat)
 
-    def spy_run(loop, plan, client_ids, global_flat, throwaway=False):
+    def spy_run(loop, plan, client_ids, global_flat, throwaway=False, stop=None):
         seen["vectorized"].append((len(client_ids), plan.local_steps, throwaway))
-        return run(loop, plan, client_ids, global_flat, throwaway=throwaway)
+        return run(loop, plan, client_ids, global_flat, throwaway=throwaway, stop=stop)
 
     monkeypatch.setattr(FederatedLoop, "train_client", spy_client)
     monkeypatch.setattr(auto, "_run", spy_run)
@@ -127,3 +142,53 @@ def test_measurement_times_a_few_local_steps_after_a_one_step_warm_up(monkeypatc
     assert seen["sequential"] == [1] + [2] * clients  # nothing sequential after choosing vectorized
     assert seen["vectorized"] == [(2, 1, True), (clients, 2, True), (clients, K, False), (clients, K, False)]
     assert all(u.num_steps == K for u in got[2])
+
+
+@pytest.mark.parametrize("per_step_ms,steps_run,chosen", [(30.0, 2, "sequential"), (6.0, 5, "vectorized")])
+def test_vectorized_measurement_stops_once_it_cannot_win(monkeypatch, caplog, per_step_ms, steps_run, chosen):
+    """The timed vectorised round is asked after each step whether its time so far already rules it out (more than
+    sequential's time / AUTO_MARGIN): 40 ms sequential for 5 steps, vectorised at 30 ms per step has lost after 2
+    steps (60 ms > 36.4 ms) and stops there; at 6 ms per step it runs all 5 (30 ms) and is chosen. A stopped
+    measurement leaves no trace: the run equals a sequential run."""
+    from fedlightning import FederatedLoop
+    from test_vectorized import K
+
+    monkeypatch.setattr(auto, "AUTO_MEASURE_STEPS", 5)
+    assert K == 5  # the timed rounds run K steps, which real rounds run too
+    clock = {"now": 0.0}
+    monkeypatch.setattr(auto, "_clock", lambda: clock["now"])
+    train_client, run = FederatedLoop.train_client, auto._run
+    asked = []
+
+    def spy_client(self, plan, client_id, global_flat):
+        if plan.local_steps == 5 and clock["now"] < 0.040:
+            clock["now"] = 0.040  # the timed sequential round (its first client onwards): 40 ms
+        return train_client(self, plan, client_id, global_flat)
+
+    def spy_run(loop, plan, client_ids, global_flat, throwaway=False, stop=None):
+        if stop is None:
+            return run(loop, plan, client_ids, global_flat, throwaway=throwaway)
+
+        def timed_stop():  # asked after each step but the last: that step took per_step_ms
+            asked.append(1)
+            clock["now"] += per_step_ms / 1e3
+            return stop()
+
+        out = run(loop, plan, client_ids, global_flat, throwaway=throwaway, stop=timed_stop)
+        if out is not None:
+            clock["now"] += per_step_ms / 1e3  # the last step
+        return out
+
+    monkeypatch.setattr(FederatedLoop, "train_client", spy_client)
+    monkeypatch.setattr(auto, "_run", spy_run)
+    with caplog.at_level(logging.INFO):
+        got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto")
+    assert got[1].client_execution_choice == chosen
+    assert len(asked) == min(steps_run, 4)
+    line = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()][0]
+    if chosen == "sequential":
+        assert "40.0 ms sequential, 2 took 60.0 ms vectorized, measurement stopped" in line
+    else:
+        assert "40.0 ms sequential, 30.0 ms vectorized (1.33x" in line
+    monkeypatch.undo()
+    assert_identical(got, fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], chosen))

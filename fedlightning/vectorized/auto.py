@@ -91,7 +91,9 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
       sequentially and vectorised. Per-step costs do not depend on how many steps follow, so a few steps decide as
       well as a whole round at a fraction of its cost; per-round fixed costs (the engine's weight layout, which grows
       with the model) weigh more in 5 steps than in ``K``, which can only tip a close call towards sequential, the
-      reference path. Throw-away means: no logged values reach the loop, no client
+      reference path. The vectorised timed round stops after the step at which its time so far already rules it
+      out (sequential is then chosen without the remaining steps: a model for which vectorised is much slower
+      costs fewer of its slow steps). Throw-away means: no logged values reach the loop, no client
       state is written, the updates are dropped; random streams are forked in both modes; so the real round that
       follows computes exactly what it computes without the measurement (torchmetrics states are restored after
       each throw-away round; both rounds make the metric calls a real round makes, so their cost is timed).
@@ -123,14 +125,23 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
                 loop.train_client(timed, cid, global_flat)
             _sync(device)
             t1 = _clock()
-        _run(loop, timed, client_ids, global_flat, throwaway=True)
+        seq = t1 - t0
+        steps = [0]
+
+        def lost() -> bool:  # vectorized can no longer be chosen: the rest of its timed round is not needed
+            steps[0] += 1
+            _sync(device)
+            return auto_choice(seq, _clock() - t1) == "sequential"
+
+        finished = _run(loop, timed, client_ids, global_flat, throwaway=True, stop=lost) is not None
         _sync(device)
-        t2 = _clock()
-        seq, vec = t1 - t0, t2 - t1
-        choice = auto_choice(seq, vec)
-        reason = (f"{timed.local_steps} local steps of {len(client_ids)} clients took "
-                  f"{seq * 1e3:.1f} ms sequential, {vec * 1e3:.1f} ms vectorized ({seq / max(vec, 1e-12):.2f}x; "
-                  f"vectorized is chosen when faster by {AUTO_MARGIN}x)")
+        vec = _clock() - t1
+        choice = "sequential" if not finished else auto_choice(seq, vec)
+        vec_steps = timed.local_steps if finished else steps[0]
+        reason = (f"{timed.local_steps} local steps of {len(client_ids)} clients took {seq * 1e3:.1f} ms sequential, "
+                  + (f"{vec * 1e3:.1f} ms vectorized ({seq / max(vec, 1e-12):.2f}x; " if finished else
+                     f"{vec_steps} took {vec * 1e3:.1f} ms vectorized, measurement stopped (")
+                  + f"vectorized is chosen when faster by {AUTO_MARGIN}x)")
     loop._runtime.auto_choice, loop._runtime.auto_reason = choice, reason
     _info(f"client_execution='auto': training clients {choice} ({reason})")
     return choice
@@ -183,10 +194,13 @@ def _engine(loop) -> VectorizedClientTrainer:
 
 
 def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
-         throwaway: bool = False) -> List[ClientUpdate]:
+         throwaway: bool = False, stop=None) -> Optional[List[ClientUpdate]]:
     """``FederatedLoop.train_client`` for all of ``client_ids`` at once (the loop's ``prepare_client`` and
     ``finish_client`` around the engine's round); ``throwaway``: nothing is logged, no client state written and
-    torchmetrics states restored (``auto``'s measurement)."""
+    torchmetrics states restored (``auto``'s measurement); ``stop`` (throw-away rounds only): the engine's early
+    stop, after which the round returns None."""
+    if stop is not None and not throwaway:
+        raise ValueError("only a throw-away round can stop early")
     worker = loop._worker_trainer()
     engine = _engine(loop)
     client_ids = [int(c) for c in client_ids]
@@ -211,10 +225,13 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
             terms=[terms for _, terms in prepared],
             router=None if throwaway else getattr(worker, "router", None),
             float_buffer_mask=[b.is_floating_point() for b in gbuffers],
+            stop=stop,
         )
     finally:
         if saved_metrics is not None:
             metrics.restore(saved_metrics)
+    if updates is None:
+        return None
     for update, opt in zip(updates, optimizers):
         loop.finish_client(update, opt, persist=not throwaway)
     return updates

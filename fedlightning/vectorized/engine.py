@@ -134,9 +134,14 @@ class VectorizedClientTrainer:
         terms: Optional[Sequence[Sequence[Callable[[Sequence[Tensor]], Tensor]]]] = None,
         router=None,
         float_buffer_mask: Optional[Sequence[bool]] = None,
-    ) -> List[ClientUpdate]:
+        stop: Optional[Callable[[], bool]] = None,
+    ) -> Optional[List[ClientUpdate]]:
         """Train ``client_ids`` for ``local_steps`` steps from the global weights; one :class:`ClientUpdate` per
         client, in order, with the same fields as ``LocalTrainer.run``.
+
+        ``stop``: asked after every local step but the last; when it answers True the round ends there and ``run``
+        returns None (``auto``'s timed throw-away round, which stops once vectorized can no longer win; the
+        optimizers' per-client state and the model's metrics are then left as the steps made them).
 
         ``optimizers`` are the clients' optimizer instances as the loop builds them (client state already set);
         after the round their per-client state holds what sequential training would have left in them, so
@@ -189,6 +194,9 @@ class VectorizedClientTrainer:
                 num_steps += alive.long()
                 if rule.stops_on_nonfinite:
                     alive = alive & torch.isfinite(record.losses[-1])
+                if stop is not None and k + 1 < int(local_steps) and stop():
+                    norms.stats = []
+                    return None
         rule.finalize(optimizers)
         if log_sink:
             _feed_router(router, log_sink)
