@@ -136,12 +136,13 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
         finished = _run(loop, timed, client_ids, global_flat, throwaway=True, stop=lost) is not None
         _sync(device)
         vec = _clock() - t1
-        choice = "sequential" if not finished else auto_choice(seq, vec)
-        vec_steps = timed.local_steps if finished else steps[0]
+        choice = auto_choice(seq, vec)  # sequential after a stop: vec only grew since it had lost
+        if finished:
+            measured = f"{vec * 1e3:.1f} ms vectorized ({seq / max(vec, 1e-12):.2f}x; "
+        else:
+            measured = f"{steps[0]} took {vec * 1e3:.1f} ms vectorized, measurement stopped ("
         reason = (f"{timed.local_steps} local steps of {len(client_ids)} clients took {seq * 1e3:.1f} ms sequential, "
-                  + (f"{vec * 1e3:.1f} ms vectorized ({seq / max(vec, 1e-12):.2f}x; " if finished else
-                     f"{vec_steps} took {vec * 1e3:.1f} ms vectorized, measurement stopped (")
-                  + f"vectorized is chosen when faster by {AUTO_MARGIN}x)")
+                  f"{measured}vectorized is chosen when faster by {AUTO_MARGIN}x)")
     loop._runtime.auto_choice, loop._runtime.auto_reason = choice, reason
     _info(f"client_execution='auto': training clients {choice} ({reason})")
     return choice
