@@ -63,31 +63,24 @@ def _class_loss(logp: Tensor, target: Tensor, weight: Optional[Tensor], ignore_i
     if not target.is_floating_point():  # class indices
         if tuple(target.shape) != (logp.shape[0], *logp.shape[2:]):
             return None
-        if _none_equal(target, ignore_index):  # the same values as below with every target valid, fewer ops
-            nll = -logp.gather(1, target.unsqueeze(1)).squeeze(1)
-            if weight is None:
-                a, d = nll, None
-            else:
-                d = weight.to(logp.dtype)[target]
-                a = d * nll
-            if smoothing > 0:
-                wc = logp if weight is None else logp * weight.to(logp.dtype).view(1, C, *([1] * (logp.dim() - 2)))
-                a = (1 - smoothing) * a + (smoothing / C) * -wc.sum(1)
-            return a, d
-        valid = target != ignore_index
-        safe = torch.where(valid, target, 0)
+        # without targets equal to ignore_index every target is valid: no validity mask, no weight sums (d = None),
+        # the same values with fewer ops
+        valid = None if _none_equal(target, ignore_index) else target != ignore_index
+
+        def kept(x: Tensor) -> Tensor:  # x on valid targets, 0 on ignored ones
+            return x if valid is None else torch.where(valid, x, 0.0)
+
+        safe = target if valid is None else torch.where(valid, target, 0)
         nll = -logp.gather(1, safe.unsqueeze(1)).squeeze(1)
         if weight is None:
-            d = valid.to(logp.dtype)
-            a = torch.where(valid, nll, 0.0)
+            d = None if valid is None else valid.to(logp.dtype)
+            a = kept(nll)
         else:
-            w_y = weight.to(logp.dtype)[safe]
-            d = torch.where(valid, w_y, torch.zeros_like(w_y))
+            d = kept(weight.to(logp.dtype)[safe])
             a = d * nll
         if smoothing > 0:
             wc = logp if weight is None else logp * weight.to(logp.dtype).view(1, C, *([1] * (logp.dim() - 2)))
-            smooth = -wc.sum(1)
-            a = (1 - smoothing) * a + (smoothing / C) * torch.where(valid, smooth, torch.zeros_like(smooth))
+            a = (1 - smoothing) * a + (smoothing / C) * kept(-wc.sum(1))
         return a, d
     if tuple(target.shape) != tuple(logp.shape):  # class probabilities
         return None
@@ -105,12 +98,10 @@ def _log_softmax_classes(input: Tensor) -> Tensor:
     classes.
 
     Decision (ours, measured): torch's CPU kernel for a log-softmax over the *last* dimension is slow when that
-    dimension is shorter than an AVX-512 vector of float32 (16): on a ``[20, 31, 10]`` input (the vmapped logits of
-    20 clients' padded digits batches) forward and backward take 192 µs, against 85 µs for the same values through
-    the kernel for an inner dimension (log-softmax over dim 1 of ``[20, 10, 31]``), and 50 µs at 16 classes, one
-    thread (``benchmarks/vectorized_speedup.py`` workload ``digits-usermlp-sgd``; docs/benchmarks.md §3). The two
-    kernels agree to float rounding (≤ 1 ulp of the loss here). Other devices, dtypes and class counts use the plain
-    call."""
+    dimension is shorter than an AVX-512 vector of float32 (16); through the kernel for an inner dimension, forward
+    and backward of 20 clients' vmapped ``[31, 10]`` logits (the padded digits batches) run 1.49–1.84× faster, one
+    thread (``python benchmarks/engine_paths.py --threads 1``; docs/benchmarks.md §3). The two kernels agree to float
+    rounding (``tests/test_vectorized_user_losses.py``). Other devices, dtypes and class counts use the plain call."""
     K = input.shape[1]
     if input.dim() == 2 and 3 <= K < 16 and input.dtype == torch.float32 and input.device.type == "cpu":
         return F.log_softmax(input.transpose(0, 1), 0).transpose(0, 1)
