@@ -250,3 +250,99 @@ def test_vmap0_leaves_no_vmap_level_behind_after_an_exception(monkeypatch):
     monkeypatch.setattr(internals, "vmap", lambda *a, **k: calls.append(k) or public(*a, **k))
     assert torch.equal(internals._vmap0(lambda xi: (xi * 2,), [torch.ones(3, 2)])[0], torch.full((3, 2), 2.0))
     assert calls == [{"randomness": "different"}]
+
+
+# ---------------------------------------------------------------------------------------------- batched linear layers
+def _linear_cases():
+    """(name, input, weight, bias, in_dims): weights batched over 4 clients, inputs batched or shared, with and without
+    a bias, batch dimensions at the front or elsewhere, 1-d to 4-d inputs."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    W, b = r(4, 6, 5), r(4, 6)
+    return [
+        ("2-d input, bias", r(4, 7, 5), W, b, (0, 0, 0)),
+        ("no bias", r(4, 7, 5), W, None, (0, 0, None)),
+        ("1-d input", r(4, 5), W, b, (0, 0, 0)),
+        ("4-d input", r(4, 2, 3, 7, 5), W, b, (0, 0, 0)),
+        ("shared input", r(7, 5), W, b, (None, 0, 0)),
+        ("shared bias", r(4, 7, 5), W, r(6), (0, 0, None)),
+        ("batch dimension not in front", r(7, 4, 5), r(6, 4, 5), r(6, 4), (1, 1, 1)),
+    ]
+
+
+@pytest.mark.parametrize("case", _linear_cases(), ids=lambda c: c[0])
+def test_batched_linear_equals_vmap_of_linear(case):
+    """A linear layer with the clients' weights, as the engine computes it (one baddbmm on the tensors under vmap's
+    batch dimension), gives F.linear's values and gradients under vmap, for every input, weight and bias layout."""
+    from torch.func import vmap
+
+    from fedlightning.vectorized import torch_internals as internals
+
+    _, x, W, b, in_dims = case
+    used = []
+
+    def fast(xi, wi, bi=None):
+        out = internals._batched_linear(xi, wi, bi)
+        used.append(out is not None)
+        return torch.nn.functional.linear(xi, wi, bi) if out is None else out
+
+    args = [t.clone().requires_grad_(True) if t is not None else None for t in (x, W, b)]
+    ref_args = [t.clone().requires_grad_(True) if t is not None else None for t in (x, W, b)]
+    got = vmap(fast, in_dims=in_dims)(*args)
+    expected = vmap(torch.nn.functional.linear, in_dims=in_dims)(*ref_args)
+    assert all(used) and used  # the batched path ran
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    seed = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=expected.dtype)
+    leaves = [t for t in args if t is not None]
+    ref_leaves = [t for t in ref_args if t is not None]
+    for a, e in zip(torch.autograd.grad(got, leaves, seed), torch.autograd.grad(expected, ref_leaves, seed)):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_batched_linear_declines_what_it_does_not_cover():
+    """Outside vmap, weights not batched (a frozen layer), nested vmap levels, mixed dtypes and autocast: None, and
+    the caller runs F.linear."""
+    from torch.func import vmap
+
+    from fedlightning.vectorized.torch_internals import _batched_linear, _linear
+
+    x, W, b = torch.randn(4, 3, 5), torch.randn(4, 6, 5), torch.randn(4, 6)
+    assert _batched_linear(x[0], W[0], b[0]) is None  # no vmap
+    seen = []
+
+    def record(*args):
+        out = _batched_linear(*args)
+        seen.append(out is None)
+        return _linear(*args)
+
+    vmap(record, in_dims=(0, None, None))(x, W[0], b[0])  # weights shared by the rows
+    vmap(lambda xi, wi: vmap(lambda s: record(s, wi))(xi), in_dims=(0, 0))(x, W)  # weight one level out
+    vmap(lambda *a: seen.append(_batched_linear(*a) is None) or a[0])(x.double(), W, b)  # mixed dtypes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = vmap(record)(x, W, b)
+        expected = vmap(torch.nn.functional.linear)(x, W, b)
+    assert seen == [True, True, True, True]
+    assert out.dtype == expected.dtype and torch.equal(out, expected)  # autocast's own choice, as F.linear makes it
+    torch.testing.assert_close(vmap(_linear)(x, W, b), vmap(torch.nn.functional.linear)(x, W, b))
+
+
+def test_engine_runs_linear_layers_batched_and_restores_them(monkeypatch):
+    """In a vectorized round, nn.Linear layers (the bundled MLP's, a user's) compute through _batched_linear, and
+    afterwards run their class's own forward again."""
+    from fedlightning.vectorized import torch_internals as internals
+
+    calls = []
+    real = internals._batched_linear
+    monkeypatch.setattr(internals, "_batched_linear", lambda *a: calls.append(1) or real(*a))
+    dm = Sized([3, 5, 8, 13], batch_size=4)
+    dm.setup("fit")
+    model = MLP(input_dim=8, hidden=[16], num_classes=3)
+    trainer = VectorizedClientTrainer(model)
+    params = [p.detach().clone() for p in model.parameters()]
+    flat = torch.cat([p.reshape(-1) for p in params])
+    trainer.run([0, 1, 2, 3], 0, 0, params, [], flat, dm, [torch.optim.SGD(model.parameters(), lr=0.1)] * 4, 3)
+    assert len(calls) >= 2 * 3  # two layers, three steps
+    assert all("forward" not in m.__dict__ for m in model.modules())

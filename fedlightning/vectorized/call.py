@@ -25,8 +25,10 @@ from .metrics import _MetricCalls, _MetricStep, _metric_modules, _metric_types, 
 from .norms import _NormLayers
 from .support import VectorizationUnsupportedError, _has_random_layers, _per_sample_protocol, _vmappable_rnns
 from .torch_internals import (
+    _batched_linear_forward,
     _is_batched,
     _parameter_slots,
+    _plain_linears,
     _plain_rnn_forward,
     _rng_state,
     _set_rng_state,
@@ -172,6 +174,7 @@ class _ModelCall:
         self.intercept: Optional[bool] = None
         self.padded_path_reason = ""
         self.rnns = _vmappable_rnns(model)
+        self.linears = _plain_linears(model)
         self.deterministic = not _has_random_layers(model)
         self.probed: set = set()
         self._mask_terms: Optional[Tuple[Tensor, int, Tuple[Tensor, Tensor, Tensor]]] = None
@@ -196,12 +199,14 @@ class _ModelCall:
     @contextmanager
     def _vmap_context(self):
         """While the model runs under vmap: ``self.log`` goes to the collector, RNN layers use
-        :func:`~fedlightning.vectorized.torch_internals._rnn_forward`, normalisation layers
+        :func:`~fedlightning.vectorized.torch_internals._rnn_forward`, linear layers
+        :func:`~fedlightning.vectorized.torch_internals._batched_linear`, normalisation layers
         :class:`~fedlightning.vectorized.norms._NormLayers`, torchmetrics calls are recorded."""
         saved_metrics = self.metric_calls.install()
         self.norms.install()
         try:
-            with routed_logging(self.model, self.collector.log, self.collector.log_dict), _plain_rnn_forward(self.rnns):
+            with routed_logging(self.model, self.collector.log, self.collector.log_dict), _plain_rnn_forward(self.rnns), \
+                    _batched_linear_forward(self.linears):
                 yield
         finally:
             self.metric_calls.uninstall(saved_metrics)
