@@ -132,7 +132,7 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     transpose, expands, reshapes, ``bmm``, ``mul`` by ``beta``, ``add``), about ten operations forward and as many
     autograd nodes backward; here it is one ``baddbmm`` and three views. The values are those of the rule (a
     batched matrix product plus the bias, the same products; ``tests/test_vectorized_speed_paths.py`` compares
-    values and gradients); the digits MLP's vectorized round takes 4–11 % less time with it
+    values and gradients); the digits MLPs' vectorized rounds take 3–5 % less time with it
     (``benchmarks/engine_ab.py``, docs/benchmarks.md §3)."""
     if _maybe_current_level is None:  # pragma: no cover
         return None
