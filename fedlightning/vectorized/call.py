@@ -25,13 +25,14 @@ from .metrics import _MetricCalls, _MetricStep, _metric_modules, _metric_types, 
 from .norms import _NormLayers
 from .support import VectorizationUnsupportedError, _has_random_layers, _per_sample_protocol, _vmappable_rnns
 from .torch_internals import (
-    _batched_linear_forward,
     _is_batched,
+    _linear_forward,
     _parameter_slots,
     _plain_linears,
-    _plain_rnn_forward,
+    _rnn_forward,
     _rng_state,
     _set_rng_state,
+    _shadowed_forwards,
     _tensors_in_slots,
     _vmap0,
     tree_flatten,
@@ -173,8 +174,9 @@ class _ModelCall:
         # recognised; None = not tried yet, True = in use, False = generic path (reason in padded_path_reason)
         self.intercept: Optional[bool] = None
         self.padded_path_reason = ""
-        self.rnns = _vmappable_rnns(model)
-        self.linears = _plain_linears(model)
+        # layers computed another way under vmap: recurrent layers in plain tensor ops, linear layers batched
+        self.forwards = [(m, _rnn_forward) for m in _vmappable_rnns(model)] + \
+            [(m, _linear_forward) for m in _plain_linears(model)]
         self.deterministic = not _has_random_layers(model)
         self.probed: set = set()
         self._mask_terms: Optional[Tuple[Tensor, int, Tuple[Tensor, Tensor, Tensor]]] = None
@@ -205,8 +207,8 @@ class _ModelCall:
         saved_metrics = self.metric_calls.install()
         self.norms.install()
         try:
-            with routed_logging(self.model, self.collector.log, self.collector.log_dict), _plain_rnn_forward(self.rnns), \
-                    _batched_linear_forward(self.linears):
+            with routed_logging(self.model, self.collector.log, self.collector.log_dict), \
+                    _shadowed_forwards(self.forwards):
                 yield
         finally:
             self.metric_calls.uninstall(saved_metrics)

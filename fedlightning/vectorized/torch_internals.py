@@ -3,9 +3,9 @@ r"""Every use of torch internals by the vectorised engine, each next to its publ
 * :func:`_vmap0`: ``torch.func.vmap(fn, randomness="different")`` through functorch's own primitives (fallback:
   ``torch.func.vmap``); :func:`_is_batched` (fallback: every value counts as batched); :func:`_physical`, the tensor
   under a batched one (fallback: unknown, and its callers take their general path).
-* :func:`_batched_linear` / :func:`_batched_linear_forward`: a linear layer with the clients' weights as one
-  ``baddbmm`` on the tensors under vmap's batch dimension (fallback: vmap's own rule for ``F.linear``).
-* :func:`_rnn_forward` / :func:`_plain_rnn_forward`: ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` in plain tensor ops, put
+* :func:`_batched_linear` / :func:`_linear_forward`: a linear layer with the clients' weights as one ``baddbmm`` on
+  the tensors under vmap's batch dimension (fallback: vmap's own rule for ``F.linear``).
+* :func:`_rnn_forward`: ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` in plain tensor ops, put
   in the layers' ``forward`` while the model runs under vmap (the fused kernels have no batching rule).
 * :func:`_parameter_slots` / :func:`_tensors_in_slots`: the clients' tensors in the modules' parameter dicts
   (``nn.Module._parameters``) during a batched call, which ``torch.func.functional_call`` does per call.
@@ -184,27 +184,14 @@ def _linear_forward(module: nn.Linear, input: Tensor) -> Tensor:
 
 
 def _plain_linears(model: nn.Module) -> List[nn.Linear]:
-    """The model's ``nn.Linear`` layers (and subclasses) that run ``nn.Linear``'s own ``forward``."""
-    return [m for m in model.modules() if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
-            and "forward" not in m.__dict__]
-
-
-@contextmanager
-def _batched_linear_forward(linears: Sequence[nn.Linear]):
-    """Inside the block, each of ``linears`` (from :func:`_plain_linears`) computes its output with :func:`_linear`
-    (an instance ``forward`` that shadows the class's; hooks still run, as ``nn.Module.__call__`` calls it); the
-    class's own ``forward`` again afterwards.
+    """The model's ``nn.Linear`` layers (and subclasses) that run ``nn.Linear``'s own ``forward``: while the model runs
+    under vmap, the engine has them compute through :func:`_linear_forward` (:func:`_shadowed_forwards`).
 
     Decision (ours, measured): the layers, not ``F.linear`` itself, are redirected. Catching ``F.linear`` with a
     ``TorchFunctionMode`` costs a Python call on every torch function the model calls, which took back the gain on
     the bundled MLP (``benchmarks/engine_ab.py``); a module's own ``F.linear`` calls keep vmap's rule."""
-    for m in linears:
-        m.__dict__["forward"] = functools.partial(_linear_forward, m)
-    try:
-        yield
-    finally:
-        for m in linears:
-            m.__dict__.pop("forward", None)
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+            and "forward" not in m.__dict__]
 
 
 # ====================================================================== recurrent layers
@@ -291,16 +278,18 @@ def _rnn_forward(module: nn.RNNBase, input: Tensor, hx: Optional[Any] = None):
 
 
 @contextmanager
-def _plain_rnn_forward(rnns: Sequence[nn.RNNBase]):
-    """Inside the block, each of ``rnns`` runs :func:`_rnn_forward` (an instance ``forward`` that shadows the
-    class's); the class's own ``forward`` again afterwards."""
-    for rnn in rnns:
-        rnn.__dict__["forward"] = functools.partial(_rnn_forward, rnn)
+def _shadowed_forwards(forwards: Sequence[Tuple[nn.Module, Callable[..., Any]]]):
+    """Inside the block, each module of ``forwards`` (``(module, fn)`` pairs) runs ``fn(module, *args)`` (an instance
+    ``forward`` that shadows the class's; hooks still run, as ``nn.Module.__call__`` calls it); the class's own
+    ``forward`` again afterwards. The engine pairs recurrent layers with :func:`_rnn_forward` and linear layers
+    (:func:`_plain_linears`) with :func:`_linear_forward`."""
+    for module, fn in forwards:
+        module.__dict__["forward"] = functools.partial(fn, module)
     try:
         yield
     finally:
-        for rnn in rnns:
-            rnn.__dict__.pop("forward", None)
+        for module, _ in forwards:
+            module.__dict__.pop("forward", None)
 
 
 # ====================================================================== parameter slots
