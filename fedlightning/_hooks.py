@@ -30,7 +30,7 @@ class _LogRouter:
     def __init__(self, loop: "FederatedLoop", mode: str):
         self.loop_ref = loop
         self.mode = mode
-        self.captured: Dict[str, List[Tensor]] = {}
+        self.captured: Dict[str, List[Tensor]] = {}  # name -> values in logging order: scalars, or 1-d runs of them
         self.metrics: Dict[str, Any] = {}  # name -> torchmetrics Metric logged in training_step
         self.metric_paths: Dict[str, str] = {}  # name -> the metric's module path in the working copy
         self.module: Optional[torch.nn.Module] = None  # the working copy (capture mode)
@@ -58,7 +58,7 @@ class _LogRouter:
             self.log(k, v, *args, **kwargs)
 
     def pop_means(self) -> Dict[str, float]:
-        out = {f"client/{k}": float(torch.stack(v).float().mean()) for k, v in self.captured.items() if v}
+        out = {f"client/{k}": float(_concat(v).float().mean()) for k, v in self.captured.items() if v}
         self.captured = {}
         return out
 
@@ -113,3 +113,10 @@ def _forward_to_model(name: str):
     hook.__doc__ = f"The user's module's ``{name}``, on the global model."
     return hook
 
+
+def _concat(values: List[Tensor]) -> Tensor:
+    """The captured values of one name as one 1-d tensor, in order (0-d values from sequential clients, 1-d runs of
+    values from the vectorised engine, which hands over a round's values at once)."""
+    if all(v.dim() == 0 for v in values):
+        return torch.stack(values)
+    return torch.cat([v.reshape(-1) for v in values])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedlightning._hooks import _concat
 from fedlightning.datamodules import ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
 from fedlightning.models import MLP, LogisticRegression
 from fedlightning.vectorized import VectorizedClientTrainer
@@ -178,9 +179,21 @@ def test_feed_router_divides_and_masks_in_evaluation_order():
     alive = torch.tensor([True, False, True])
     _feed_router(router, [([("a", v1)], counts, None), ([("a", v2), ("b", v2)], None, alive),
                           ([("a", v3)], counts, alive)])
-    assert [float(t) for t in router.captured["a"]] == [1.0, 1.0, 2.0, 1.0, 3.0, 4.5, float(torch.tensor(7.0) / 3)]
-    assert [float(t) for t in router.captured["b"]] == [1.0, 3.0]
-    assert all(t.dim() == 0 for t in router.captured["a"])
+    assert _concat(router.captured["a"]).tolist() == [1.0, 1.0, 2.0, 1.0, 3.0, 4.5, float(torch.tensor(7.0) / 3)]
+    assert _concat(router.captured["b"]).tolist() == [1.0, 3.0]
+
+
+def test_log_router_means_mix_scalars_and_runs_in_order():
+    """pop_means over values captured one by one (sequential clients) and as 1-d runs (the vectorised engine): the
+    mean of all of them in logging order, the same bits as the mean of the stacked scalars."""
+    from fedlightning._hooks import _LogRouter
+
+    values = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    router = _LogRouter(loop=None, mode="capture")
+    router.captured = {"a": [values[0], values[1:30], values[30], values[31:]], "b": list(values.unbind(0))}
+    means = router.pop_means()
+    assert means["client/a"] == means["client/b"] == float(torch.stack(list(values.unbind(0))).mean())
+    assert router.captured == {}
 
 
 def test_trial_points_per_client_blocks_equal_the_gathered_points():

@@ -16,7 +16,7 @@ Checked here:
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.func import vmap
 
 import lightning.pytorch as pl
@@ -195,6 +195,27 @@ def test_none_equal_reads_every_row_and_never_synchronises_a_device():
     assert vmap(lambda r: torch.tensor(_physical(r) is y))(y).tolist() == [True, True]
     assert vmap(vmap(lambda r: torch.tensor(_physical(r) is None)))(y).tolist() == [[True] * 3] * 2
     assert not _none_equal(torch.zeros(3, dtype=torch.long, device="meta"), -100)
+
+
+def test_none_equal_answers_for_the_whole_round_tensor_while_it_is_unchanged(monkeypatch):
+    """Steps' targets are views of the round's gathered targets: the whole tensor is checked once and the answer
+    reused for its views, until the tensor is written (its version changes) or replaced; a view whose base holds the
+    value elsewhere is checked itself."""
+    from fedlightning.vectorized import losses
+
+    round_targets = torch.arange(60).remainder(7)  # 4 steps of [3, 5]
+    steps = [round_targets[15 * k:15 * (k + 1)].view(3, 5) for k in range(4)]
+    checked = []
+    real_any = Tensor.any
+    monkeypatch.setattr(Tensor, "any", lambda t, *a: checked.append(t.numel()) or real_any(t, *a))
+    assert all(vmap(lambda r: torch.tensor(losses._none_equal(r, -100)))(y).all() for y in steps)
+    assert checked == [60]  # the round tensor once, no step on its own
+    steps[2][1, 4] = -100  # an ignored target written into step 2 (the round tensor's version changes)
+    answers = [bool(vmap(lambda r: torch.tensor(losses._none_equal(r, -100)))(y).all()) for y in steps]
+    assert answers == [True, True, False, True]
+    assert checked == [60, 60, 15, 15, 15, 15]  # the base again, then each step itself (the base holds the value)
+    fresh = torch.arange(60).remainder(7)
+    assert losses._none_equal(fresh[:15], -100) and checked[-1] == 60  # another tensor: checked anew
 
 
 @pytest.mark.parametrize("classes", [2, 3, 10, 15, 16, 40])

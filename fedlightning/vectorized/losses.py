@@ -14,6 +14,7 @@ batching rules (``nll_loss`` has none and runs as a slow per-sample decompositio
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -45,11 +46,33 @@ def _none_equal(target: Tensor, value: int) -> bool:
     Decision (ours, measured): without targets equal to ``ignore_index`` the class losses need neither the validity
     mask nor the weight sums ``D`` (``D`` is then the number of elements, the path ``d = None``), which saves seven of
     the interception's vmapped ops on each padded step; both paths give the same values bit for bit
-    (``tests/test_vectorized_user_losses.py``)."""
+    (``tests/test_vectorized_user_losses.py``). A step's targets are usually a view of the round's gathered targets:
+    the answer for that whole tensor is kept (:data:`_NONE_EQUAL_SEEN`) while it is alive and unchanged (same
+    version counter), so the round's steps do not check again."""
     if target.device.type != "cpu":
         return False
     rows = _physical(target)
-    return rows is not None and not bool((rows == value).any())
+    if rows is None:
+        return False
+    base = rows._base
+    if base is not None and base.numel() <= 64 * rows.numel():
+        try:
+            version = base._version
+        except RuntimeError:  # an inference tensor has no version counter
+            version = None
+        if version is not None:
+            seen = _NONE_EQUAL_SEEN.get(value)
+            if seen is None or seen[0]() is not base or seen[1] != version:
+                seen = (weakref.ref(base), version, not bool((base == value).any()))
+                _NONE_EQUAL_SEEN[value] = seen
+            if seen[2]:
+                return True
+    return not bool((rows == value).any())
+
+
+#: value -> (weak reference to a tensor, its version, whether none of its elements equals the value): the last
+#: tensor :func:`_none_equal` checked whole, per value
+_NONE_EQUAL_SEEN: Dict[int, Tuple[Any, int, bool]] = {}
 
 
 def _class_loss(logp: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,

@@ -162,4 +162,4 @@ def _feed_router(router, log_sink: List[Tuple[List[Tuple[str, Tensor]], Optional
         if any(e is not None for _, _, e in parts):
             everyone = torch.ones(values.shape[1], dtype=torch.bool, device=values.device)
             values = values[torch.stack([everyone if e is None else e for _, _, e in parts])]
-        router.captured.setdefault(name, []).extend(values.reshape(-1).unbind(0))
+        router.captured.setdefault(name, []).append(values.reshape(-1))  # one 1-d run of the round's values
