@@ -61,18 +61,21 @@ def _none_equal(target: Tensor, value: int) -> bool:
         except RuntimeError:  # an inference tensor has no version counter
             version = None
         if version is not None:
-            seen = _NONE_EQUAL_SEEN.get(value)
+            key = (id(base), value)
+            seen = _NONE_EQUAL_SEEN.get(key)
             if seen is None or seen[0]() is not base or seen[1] != version:
-                seen = (weakref.ref(base), version, not bool((base == value).any()))
-                _NONE_EQUAL_SEEN[value] = seen
+                if len(_NONE_EQUAL_SEEN) >= 16:
+                    _NONE_EQUAL_SEEN.clear()
+                seen = _NONE_EQUAL_SEEN[key] = (weakref.ref(base), version, not bool((base == value).any()))
             if seen[2]:
                 return True
     return not bool((rows == value).any())
 
 
-#: value -> (weak reference to a tensor, its version, whether none of its elements equals the value): the last
-#: tensor :func:`_none_equal` checked whole, per value
-_NONE_EQUAL_SEEN: Dict[int, Tuple[Any, int, bool]] = {}
+#: (id of a tensor, value) -> (weak reference to the tensor, its version, whether none of its elements equals the
+#: value): the tensors :func:`_none_equal` checked whole (the round's targets, a line search's gathered trial rows),
+#: at most 16 at a time; an entry counts only while its tensor is that same tensor, unchanged
+_NONE_EQUAL_SEEN: Dict[Tuple[int, int], Tuple[Any, int, bool]] = {}
 
 
 def _class_loss(logp: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,

@@ -153,6 +153,8 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     if x.dtype != dtype or not dtype.is_floating_point or torch.is_autocast_enabled(W.device.type):
         return None
     C = W.shape[0]
+    if x.numel() == 0:
+        return None
     x2 = x.reshape(C, -1, x.shape[-1])
     if bias is None:
         y = torch.bmm(x2, W.transpose(1, 2))
