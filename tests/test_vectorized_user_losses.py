@@ -6,8 +6,9 @@ Checked here:
 * every intercepted loss, called on a padded batch (also batched over rows with different masks under ``vmap``),
   equals torch's own function on the real samples alone (class weights, ``ignore_index``, label smoothing,
   probability targets, the ``nn`` modules), and calls it does not recognise run unchanged;
-* a user-written MLP, a small CNN and an MSE regression module train to the weights of sequential training
-  (<= 1e-5) on ragged Dirichlet splits with K = 5, for SGD and SgdArmijo, and the engine took the fast path;
+* a user-written MLP, a small CNN, an MSE regression module and a module with a per-token and a frozen linear
+  layer train to the weights of sequential training (<= 1e-5) on ragged Dirichlet splits with K = 5, for SGD and
+  SgdArmijo, and the engine took the fast path;
 * modules it must not take (a logged value it cannot split per sample, a forward pass that mixes samples) fall back
   to the generic path with the reason recorded, and the fallback trains exactly what the generic path trains
   (dropout masks included: the attempt's random draws are undone).
@@ -301,12 +302,32 @@ class BatchCentred(UserMLP):
         return F.cross_entropy(self.net(x - x.mean(0)), y)
 
 
+class UserTokens(UserMLP):
+    """Linear layers as users also write them: one applied to every token of a sequence (a 3-d input), one frozen
+    (its weights shared by all clients, not trained)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Linear(8, 12)
+        self.frozen = nn.Linear(12, 12).requires_grad_(False)
+        self.head = nn.Linear(12, 10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        tokens = torch.relu(self.embed(x.view(-1, 8, 8)))  # [B, 8 tokens, 12]
+        loss = F.cross_entropy(self.head(torch.tanh(self.frozen(tokens.mean(1)))), y)
+        self.log("train_loss", loss)
+        return loss
+
+
 def engine_of(run):
     return run[1].vectorized_engine
 
 
 @pytest.mark.parametrize("model_fn,opt", [
     (UserMLP, "sgd"), (UserMLP, "armijo"), (UserCNN, "sgd"), (UserCNN, "armijo"), (UserRegression, "sgd"),
+    (UserTokens, "sgd"),
 ])
 def test_users_modules_take_the_fast_path_and_equal_sequential(model_fn, opt):
     seq = fit(model_fn(), CLIENT_OPTIMIZERS[opt], "sequential")
