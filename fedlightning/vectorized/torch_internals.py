@@ -109,10 +109,8 @@ def _one_level(value: Tensor, level: int) -> Tuple[Optional[Tensor], bool]:
     (batched at another level or more than once) ``(None, True)``."""
     if not _is_batchedtensor(value):
         return None, False
-    if _maybe_get_level(value) != level:
-        return None, True
-    inner = _get_unwrapped(value)
-    if _is_batchedtensor(inner):
+    inner = _physical(value) if _maybe_get_level(value) == level else None
+    if inner is None:
         return None, True
     bdim = _maybe_get_bdim(value)
     return (inner if bdim == 0 else inner.movedim(bdim, 0)), True
