@@ -359,3 +359,110 @@ def test_engine_runs_linear_layers_batched_and_restores_them(monkeypatch):
     trainer.run([0, 1, 2, 3], 0, 0, params, [], flat, dm, [torch.optim.SGD(model.parameters(), lr=0.1)] * 4, 3)
     assert len(calls) >= 2 * 3  # two layers, three steps
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+# ------------------------------------------------------------------------------- per-sample class losses (batched)
+def _gathered_nll(logits: bool):
+    """The interception's vmapped formula for one row: ``-gather(log_softmax(x), y)`` (or of log-probabilities),
+    with the interception's choice of log-softmax kernel."""
+    from fedlightning.vectorized.losses import _log_softmax_classes
+
+    def f(x, y):
+        logp = _log_softmax_classes(x) if logits else x
+        return -logp.gather(1, y.unsqueeze(1)).squeeze(1)
+
+    return f
+
+
+@pytest.mark.parametrize("classes", [10, 20, 2])
+@pytest.mark.parametrize("logits", [True, False], ids=["cross_entropy", "nll_loss"])
+@pytest.mark.parametrize("layout", ["rows in front", "shared targets", "batch dimension not in front", "float64"])
+def test_batched_nll_equals_the_vmapped_formula(classes, logits, layout):
+    """Per-sample cross-entropy / NLL as the engine computes it on the tensors under vmap's batch dimension
+    (log_softmax + one nll_loss) gives the vmapped gather formula's values and gradients bit for bit, for both
+    log-softmax kernels (3-15 classes through the transpose, others over the last dimension), shared targets and
+    a batch dimension elsewhere than in front."""
+    from torch.func import vmap
+
+    from fedlightning.vectorized.torch_internals import _batched_nll
+
+    g = torch.Generator().manual_seed(classes)
+    dtype = torch.float64 if layout == "float64" else torch.float32
+    x = torch.randn(4, 7, classes, generator=g, dtype=dtype) * 3
+    y = torch.randint(0, classes, (4, 7), generator=g)
+    in_dims = (0, 0)
+    if layout == "shared targets":
+        y, in_dims = y[0], (0, None)
+    elif layout == "batch dimension not in front":
+        x, y, in_dims = x.transpose(0, 1).contiguous(), y.t().contiguous(), (1, 1)
+    if not logits:
+        x = torch.log_softmax(x, -1)
+    used = []
+
+    def fast(xi, yi):
+        out = _batched_nll(xi, yi, logits)
+        used.append(out is not None)
+        return out
+
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    got = vmap(fast, in_dims=in_dims)(xa, y)
+    expected = vmap(_gathered_nll(logits), in_dims=in_dims)(xb, y)
+    assert used == [True]
+    assert torch.equal(got, expected)
+    seed = torch.rand(expected.shape, generator=g, dtype=dtype)
+    assert torch.equal(torch.autograd.grad(got, xa, seed)[0], torch.autograd.grad(expected, xb, seed)[0])
+
+
+def test_batched_nll_declines_what_it_does_not_cover():
+    """Outside vmap, inputs not batched, nested vmap levels, targets that are not int64 and inputs with more than
+    two dimensions: None (the interception's vmapped formula runs)."""
+    from torch.func import vmap
+
+    from fedlightning.vectorized.torch_internals import _batched_nll
+
+    x, y = torch.randn(4, 5, 3), torch.randint(0, 3, (4, 5))
+    assert _batched_nll(x[0], y[0], True) is None  # no vmap
+    seen = []
+
+    def record(xi, yi):
+        seen.append(_batched_nll(xi, yi, True) is None)
+        return xi.sum()
+
+    vmap(record, in_dims=(None, 0))(x[0], y)  # logits shared by the rows
+    vmap(lambda xi, yi: vmap(record)(xi, yi))(x.unsqueeze(1).expand(4, 2, 5, 3), y.unsqueeze(1).expand(4, 2, 5))
+    vmap(record)(x, y.int())  # int32 targets
+    vmap(record)(x.unsqueeze(-1), y.unsqueeze(-1))  # [n, K, 1] logits
+    assert seen == [True, True, True, True]
+
+
+def test_interception_takes_the_batched_nll_only_without_ignored_targets(monkeypatch):
+    """F.cross_entropy intercepted on padded rows: the batched nll path for plain class targets, the general formula
+    (validity mask and weight sums) when a target equals ignore_index, with class weights or label smoothing; every
+    call gives the masked mean the sequential loss gives on the real samples."""
+    from torch.func import vmap
+
+    from fedlightning.vectorized import losses
+
+    calls = []
+    real = losses._batched_nll
+    monkeypatch.setattr(losses, "_batched_nll", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(3, 6, 5, generator=g), torch.randint(0, 5, (3, 6), generator=g)
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4], dtype=torch.float32)
+    weight = torch.rand(5, generator=g) + 0.5
+    ignored = y.clone()
+    ignored[0, 1] = ignored[1, 0] = -100
+    cases = [({}, y, True), ({"weight": weight}, y, False), ({"label_smoothing": 0.1}, y, False), ({}, ignored, False)]
+    for kwargs, targets, batched in cases:
+        calls.clear()
+
+        def row(xi, yi, mi):
+            with losses.LossInterception(6, mi, mi.sum()):
+                return torch.nn.functional.cross_entropy(xi, yi, **kwargs)
+
+        got = vmap(row)(x, targets, mask)
+        for i in range(3):
+            k = int(mask[i].sum())
+            expected = torch.nn.functional.cross_entropy(x[i, :k], targets[i, :k], **kwargs)
+            torch.testing.assert_close(got[i], expected, rtol=1e-6, atol=1e-7)
+        assert bool(calls) == batched, kwargs

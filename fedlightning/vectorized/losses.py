@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .torch_internals import TorchFunctionMode, _physical
+from .torch_internals import TorchFunctionMode, _batched_nll, _physical
 
 __all__ = ["LossInterception", "INTERCEPTED_LOSSES"]
 
@@ -134,10 +134,26 @@ def _log_softmax_classes(input: Tensor) -> Tensor:
     return F.log_softmax(input, 1)
 
 
+def _plain_nll(n: int, input: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
+               smoothing: float, log_softmax: bool) -> Optional[Tuple[Tensor, None]]:
+    """``(a, None)`` with ``a = −log p_y`` per sample through :func:`_batched_nll` (two kernels on the tensors under
+    vmap's batch dimension) for the common case, ``[n, K]`` input and ``[n]`` int64 class targets without class
+    weights, label smoothing or targets equal to ``ignore_index``: the values of :func:`_class_loss` bit for bit.
+    None otherwise, and :func:`_class_loss` runs."""
+    if (weight is not None or smoothing > 0 or input.dim() != 2 or input.shape[0] != n or target.dim() != 1
+            or target.dtype != torch.int64 or target.shape[0] != n or not _none_equal(target, ignore_index)):
+        return None
+    a = _batched_nll(input, target, log_softmax)
+    return None if a is None else (a, None)
+
+
 def _cross_entropy(n, input, target, weight=None, ignore_index=-100, label_smoothing=0.0, **_):
     input, weight = _autocast_upcast(input, weight)
     if input.dim() < 2:
         return None
+    plain = _plain_nll(n, input, target, weight, ignore_index, float(label_smoothing), True)
+    if plain is not None:
+        return plain
     return _class_loss(_log_softmax_classes(input), target, weight, ignore_index, float(label_smoothing), n)
 
 
@@ -145,6 +161,9 @@ def _nll_loss(n, input, target, weight=None, ignore_index=-100, **_):
     input, weight = _autocast_upcast(input, weight)
     if target.is_floating_point():  # nll_loss takes class indices only
         return None
+    plain = _plain_nll(n, input, target, weight, ignore_index, 0.0, False)
+    if plain is not None:
+        return plain
     return _class_loss(input, target, weight, ignore_index, 0.0, n)
 
 

@@ -5,6 +5,8 @@ r"""Every use of torch internals by the vectorised engine, each next to its publ
   under a batched one (fallback: unknown, and its callers take their general path).
 * :func:`_batched_linear` / :func:`_linear_forward`: a linear layer with the clients' weights as one ``baddbmm`` on
   the tensors under vmap's batch dimension (fallback: vmap's own rule for ``F.linear``).
+* :func:`_batched_nll`: cross-entropy / NLL per sample for class targets as ``log_softmax`` + ``nll_loss`` on the
+  tensors under vmap's batch dimension (fallback: the interception's vmapped formula).
 * :func:`_rnn_forward`: ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` in plain tensor ops, put
   in the layers' ``forward`` while the model runs under vmap (the fused kernels have no batching rule).
 * :func:`_parameter_slots` / :func:`_tensors_in_slots`: the clients' tensors in the modules' parameter dicts
@@ -168,6 +170,49 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None
             return None
         y = torch.baddbmm(b.unsqueeze(1), x2, W.transpose(1, 2))
     return _add_batch_dim(y.reshape(*x.shape[:-1], y.shape[-1]), 0, level)
+
+
+def _batched_nll(input: Tensor, target: Tensor, log_softmax: bool) -> Optional[Tensor]:
+    r"""``-log p_y`` of every sample (``[n]``, batched at the current level) for logits (``log_softmax``) or
+    log-probabilities ``input`` ``[n, K]`` and class indices ``target`` ``[n]`` (int64) inside the engine's vmap,
+    computed on the tensors under the batch dimension: ``log_softmax`` over the classes and one ``nll_loss`` with
+    ``reduction="none"`` for all rows; None where it does not apply, and the caller takes its vmapped formula.
+
+    It applies when ``input`` is batched once, at the current level, with two logical dimensions and a floating
+    dtype, and ``target`` is an int64 ``[n]`` batched likewise or not at all (shared by the rows). The caller checks
+    that no target equals ``ignore_index`` (``nll_loss`` would give those 0, the formula's masked value).
+
+    Decision (ours, measured): vmap's rules for the formula ``-gather(log_softmax(x), y)`` run about fifteen
+    operations forward and backward (views, ``gather``, ``neg``, and ``new_zeros`` + ``scatter_add`` backward);
+    here it is two kernels each way, the same values bit for bit (``nll_loss`` negates the gathered entry;
+    ``tests/test_vectorized_speed_paths.py``). For float32 CPU logits with 3 to 15 classes the log-softmax runs over
+    the class dimension transposed to the middle, as :func:`~fedlightning.vectorized.losses._log_softmax_classes`
+    decides and for the same measured reason."""
+    if _maybe_current_level is None:  # pragma: no cover
+        return None
+    level = _maybe_current_level()
+    if level is None or not isinstance(input, Tensor) or not isinstance(target, Tensor):
+        return None
+    X, _ = _one_level(input, level)
+    if X is None or X.dim() != 3 or not X.dtype.is_floating_point or target.dtype != torch.int64:
+        return None
+    C, n, K = X.shape
+    T, t_batched = _one_level(target, level)
+    if T is None:
+        if t_batched or target.dim() != 1:
+            return None
+        T = target.expand(C, *target.shape)
+    if tuple(T.shape) != (C, n) or n == 0 or K == 0:
+        return None
+    nll = torch.nn.functional.nll_loss
+    with _no_torch_function():  # plain kernels: the engine's loss interception would otherwise see these calls
+        if log_softmax and X.device.type == "cpu" and X.dtype == torch.float32 and 3 <= K < 16:
+            cells = nll(torch.log_softmax(X.transpose(1, 2), 1), T, reduction="none")
+        else:
+            if log_softmax:
+                X = torch.log_softmax(X, 2)
+            cells = nll(X.reshape(C * n, K), T.reshape(C * n), reduction="none").view(C, n)
+        return _add_batch_dim(cells, 0, level)
 
 
 def _linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
