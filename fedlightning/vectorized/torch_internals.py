@@ -118,6 +118,24 @@ def _one_level(value: Tensor, level: int) -> Tuple[Optional[Tensor], bool]:
     return (inner if bdim == 0 else inner.movedim(bdim, 0)), True
 
 
+def _current_level(*values: Any) -> Optional[int]:
+    """The innermost vmap level when every one of ``values`` is a tensor (None outside vmap, without functorch's
+    accessor, or for a non-tensor)."""
+    if _maybe_current_level is None or not all(isinstance(v, Tensor) for v in values):  # pragma: no cover
+        return None
+    return _maybe_current_level()
+
+
+def _rows_of(value: Tensor, level: int, rows: int) -> Optional[Tensor]:
+    """``value``'s rows at ``level`` as a plain tensor with them in front: the tensor under the batch dimension when
+    it is batched once at ``level``, ``value`` expanded over ``rows`` when it is not batched (shared by the rows),
+    None when it is batched otherwise."""
+    physical, batched = _one_level(value, level)
+    if physical is not None:
+        return physical
+    return None if batched else value.expand(rows, *value.shape)
+
+
 def _batched_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Optional[Tensor]:
     r"""``F.linear(input, weight, bias)`` inside the engine's vmap as one ``baddbmm`` on the plain tensors:
     ``y_c = b_c + x_c W_c^\top`` for every row ``c`` (``bmm`` without a bias), returned batched at the current level;
@@ -134,20 +152,14 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     batched matrix product plus the bias, the same products; ``tests/test_vectorized_speed_paths.py`` compares
     values and gradients); the digits MLPs' vectorized rounds take 3–5 % less time with it
     (``benchmarks/engine_ab.py``, docs/benchmarks.md §3)."""
-    if _maybe_current_level is None:  # pragma: no cover
-        return None
-    level = _maybe_current_level()
-    if level is None or not isinstance(weight, Tensor) or not isinstance(input, Tensor):
+    level = _current_level(input, weight)
+    if level is None:
         return None
     W, _ = _one_level(weight, level)
     if W is None or W.dim() != 3:
         return None
-    x, x_batched = _one_level(input, level)
-    if x is None:
-        if x_batched or input.dim() < 1:
-            return None
-        x = input.expand(W.shape[0], *input.shape)
-    elif x.dim() < 2:
+    x = _rows_of(input, level, W.shape[0])
+    if x is None or x.dim() < 2:
         return None
     dtype = W.dtype
     if x.dtype != dtype or not dtype.is_floating_point or torch.is_autocast_enabled(W.device.type):
@@ -159,14 +171,8 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     if bias is None:
         y = torch.bmm(x2, W.transpose(1, 2))
     else:
-        if not isinstance(bias, Tensor):
-            return None
-        b, b_batched = _one_level(bias, level)
-        if b is None:
-            if b_batched:
-                return None
-            b = bias.expand(C, *bias.shape)
-        if b.dim() != 2 or b.dtype != dtype:
+        b = _rows_of(bias, level, C) if isinstance(bias, Tensor) else None
+        if b is None or b.dim() != 2 or b.dtype != dtype:
             return None
         y = torch.baddbmm(b.unsqueeze(1), x2, W.transpose(1, 2))
     return _add_batch_dim(y.reshape(*x.shape[:-1], y.shape[-1]), 0, level)
@@ -188,21 +194,15 @@ def _batched_nll(input: Tensor, target: Tensor, log_softmax: bool) -> Optional[T
     ``tests/test_vectorized_speed_paths.py``). For float32 CPU logits with 3 to 15 classes the log-softmax runs over
     the class dimension transposed to the middle, as :func:`~fedlightning.vectorized.losses._log_softmax_classes`
     decides and for the same measured reason."""
-    if _maybe_current_level is None:  # pragma: no cover
-        return None
-    level = _maybe_current_level()
-    if level is None or not isinstance(input, Tensor) or not isinstance(target, Tensor):
+    level = _current_level(input, target)
+    if level is None:
         return None
     X, _ = _one_level(input, level)
     if X is None or X.dim() != 3 or not X.dtype.is_floating_point or target.dtype != torch.int64:
         return None
     C, n, K = X.shape
-    T, t_batched = _one_level(target, level)
-    if T is None:
-        if t_batched or target.dim() != 1:
-            return None
-        T = target.expand(C, *target.shape)
-    if tuple(T.shape) != (C, n) or n == 0 or K == 0:
+    T = _rows_of(target, level, C)
+    if T is None or tuple(T.shape) != (C, n) or n == 0 or K == 0:
         return None
     nll = torch.nn.functional.nll_loss
     with _no_torch_function():  # plain kernels: the engine's loss interception would otherwise see these calls
