@@ -139,9 +139,9 @@ def _plain_nll(n: int, input: Tensor, target: Tensor, weight: Optional[Tensor], 
     """``(a, None)`` with ``a = −log p_y`` per sample through :func:`_batched_nll` (two kernels on the tensors under
     vmap's batch dimension) for the common case, ``[n, K]`` input and ``[n]`` int64 class targets without class
     weights, label smoothing or targets equal to ``ignore_index``: the values of :func:`_class_loss` bit for bit.
-    None otherwise, and :func:`_class_loss` runs."""
-    if (weight is not None or smoothing > 0 or input.dim() != 2 or input.shape[0] != n or target.dim() != 1
-            or target.dtype != torch.int64 or target.shape[0] != n or not _none_equal(target, ignore_index)):
+    None otherwise, and :func:`_class_loss` runs. (:func:`_batched_nll` checks the shapes and dtypes itself.)"""
+    if weight is not None or smoothing > 0 or input.dim() != 2 or input.shape[0] != n \
+            or not _none_equal(target, ignore_index):
         return None
     a = _batched_nll(input, target, log_softmax)
     return None if a is None else (a, None)
