@@ -364,3 +364,24 @@ def test_fallback_with_dropout_trains_exactly_what_the_generic_path_trains(monke
     monkeypatch.setattr(VectorizedClientTrainer, "__init__", generic_only)
     generic = fit(model, CLIENT_OPTIMIZERS["sgd"], "vectorized")
     torch.testing.assert_close(attempted[0], generic[0], rtol=0, atol=0)
+
+
+class TooFewClasses(UserMLP):
+    """A head with 4 outputs for the digits' 10 classes: targets out of range, a user's mistake."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_class_targets_out_of_range_stop_the_run_with_torchs_error_as_sequential_does():
+    """Targets beyond the logits' classes: the batched class loss raises, the engine retries on its generic path,
+    whose error names torch's own message with the bad target; sequential mode stops the run when every client
+    raised it. Neither trains on."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    with pytest.raises(RuntimeError, match=r"every client raised .*IndexError: Target \d+ is out of bounds"):
+        fit(TooFewClasses(), CLIENT_OPTIMIZERS["sgd"], "sequential")
+    with pytest.raises(VectorizationUnsupportedError, match=r"(Target|index) \d+ is out of bounds"):
+        fit(TooFewClasses(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
