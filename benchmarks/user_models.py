@@ -102,3 +102,14 @@ class UserCharLSTM(UserMLP):
     def forward(self, x):
         out, _ = self.lstm(self.embed(x.long()))
         return self.head(out[:, -1])
+
+
+class UserResNet18(UserMLP):
+    """torchvision's ``resnet18(num_classes=10)`` as a user trains it on CIFAR-10: BatchNorm layers (running
+    statistics), mean ``F.cross_entropy``, SGD lr 0.01 (the FedExP-SLS CIFAR config's client rate)."""
+
+    def __init__(self, lr: float = 0.01, num_classes: int = 10):
+        super().__init__(lr)
+        import torchvision
+
+        self.net = torchvision.models.resnet18(num_classes=num_classes)

@@ -58,6 +58,9 @@ from user_models import BatchNormCNN, MetricsMLP, UserMLP  # benchmarks/ is on s
 
 CLIENTS_PER_ROUND, LOCAL_STEPS, BATCH = 20, 20, 50
 
+#: The Trainer's accelerator for every run (``--accelerator``; set by :func:`start`).
+ACCELERATOR = "cpu"
+
 
 class SyntheticLike(FederatedDataModule):
     """Synthetic(alpha, beta) of the FedProx/FedDANE generator (reference-implementations.md §6), 100 users.
@@ -126,15 +129,22 @@ WORKLOADS = {
 }
 
 
+def _clock() -> float:
+    """Wall time, after the GPU's queued work has finished when runs are on ``cuda`` (kernels run asynchronously)."""
+    if ACCELERATOR == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class RoundTimer(pl.Callback):
     def __init__(self):
         self.times = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = time.perf_counter()
+        self._start = _clock()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(time.perf_counter() - self._start)
+        self.times.append(_clock() - self._start)
 
 
 def run(model_fn, optimizer, datamodule, mode, rounds, init_state):
@@ -150,9 +160,9 @@ def run(model_fn, optimizer, datamodule, mode, rounds, init_state):
                          clients_per_round=CLIENTS_PER_ROUND, seed=0,
                          client_execution="vectorized" if generic else mode)
     timer = RoundTimer()
-    trainer = pl.Trainer(max_steps=rounds, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[FedAvg(), timer])
+    trainer = pl.Trainer(max_steps=rounds, accelerator=ACCELERATOR, devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, callbacks=[FedAvg(), timer])
     protocol, check = call._per_sample_protocol, call._ModelCall._check_interception
     if generic:
         call._per_sample_protocol = lambda m: None
@@ -162,13 +172,25 @@ def run(model_fn, optimizer, datamodule, mode, rounds, init_state):
     finally:
         call._per_sample_protocol = protocol
         call._ModelCall._check_interception = check
-    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     return timer.times[2:], weights, loop
 
 
+def add_common_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--threads`` and ``--accelerator``, shared with ``auto_zoo.py``."""
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu",
+                    help="where the runs train (default cpu); cuda times rounds after torch.cuda.synchronize()")
+
+
 def start(args, selection: str, table: dict, what: str, min_rounds: int) -> list:
-    """Check ``--rounds`` / ``--repeats`` and the comma-separated ``selection`` of ``table``'s keys, set the torch
-    threads, silence Lightning and print the header line; returns the selected names."""
+    """Check ``--rounds`` / ``--repeats`` / ``--accelerator`` and the comma-separated ``selection`` of ``table``'s
+    keys, set the torch threads and the runs' accelerator, silence Lightning and print the header line; returns the
+    selected names."""
+    global ACCELERATOR
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--accelerator cuda: torch sees no CUDA device on this machine")
+    ACCELERATOR = args.accelerator
     if args.rounds < min_rounds or args.repeats < 1:
         raise ValueError(f"need --rounds >= {min_rounds} and --repeats >= 1, got {args.rounds} and {args.repeats}")
     names = [w.strip() for w in selection.split(",") if w.strip()]
@@ -179,7 +201,8 @@ def start(args, selection: str, table: dict, what: str, min_rounds: int) -> list
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+    device = torch.cuda.get_device_name() if ACCELERATOR == "cuda" else "CPU"
+    print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds x {args.repeats} repeats per mode; "
           f"{CLIENTS_PER_ROUND} clients/round, K={LOCAL_STEPS}, batch {BATCH}")
     return names
@@ -201,7 +224,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=12, help="rounds per run (the first 2 are warm-up)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per mode")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS))
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    add_common_arguments(ap)
     ap.add_argument("--compare-generic", action="store_true",
                     help="also run vectorized with the per-sample protocol and loss interception turned off "
                          "(alternating with the others) and print its time and the fast path's gain")
