@@ -460,6 +460,8 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         for i, cid in enumerate(my_clients):
             try:
                 update = vectorized[i] if vectorized is not None else self.train_client(plan, cid, global_flat)
+                if isinstance(update, Exception):  # the vectorised engine's client that raised, as sequentially
+                    raise update
             except Exception as err:  # noqa: BLE001 - the failure policy decides
                 if self.on_client_failure == "raise":
                     raise RuntimeError(f"client {cid} failed in round {plan.round}: {err}") from err

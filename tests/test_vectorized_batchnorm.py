@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 
 from conftest import make_trainer
@@ -211,31 +212,97 @@ def test_auto_picks_a_mode_and_keeps_the_results():
     assert_same(fit(BNNet("cnn"), OPTIMIZERS["sgd"], "sequential"), auto)
 
 
+# ---------------------------------------------------------------------------------------------- one-sample batches
+class OneSampleNet(BNNet):
+    """Linear, BatchNorm1d, ReLU, linear on 8 features, 3 classes; logs its loss and a torchmetrics accuracy."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.acc(logits, y)
+        self.log("acc", self.acc)
+        self.log("train_loss", loss)
+        return loss
+
+
+class RoundLog(pl.Callback):
+    """Every round's client/* and round/failed_clients values."""
+
+    def __init__(self):
+        self.rounds = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rounds.append({k: float(v) for k, v in trainer.callback_metrics.items()
+                            if k.startswith("client/") or k == "round/failed_clients"})
+
+
+def fit_one_sample(mode, opt, sizes, rounds=2, **loop_kwargs):
+    """A run on clients of ``sizes`` samples (batch 4, K = 3): (weights, buffers, client updates, per-round logged
+    values, the "client ... skipped" warnings)."""
+    model, rec, log = OneSampleNet(), Recorder(), RoundLog()
+    loop = FederatedLoop(model, client_optimizer=OPTIMIZERS[opt], local_steps=3, clients_per_round=len(sizes), seed=0,
+                         client_execution=mode, **loop_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(rounds, callbacks=[FedAvg(), rec, log]).fit(loop, datamodule=Sized(sizes, batch_size=4))
+    skipped = sorted(str(w.message) for w in caught if "skipped" in str(w.message))
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return weights, [b.detach().clone() for b in model.buffers()], rec.updates, log.rounds, skipped
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_a_client_batch_of_one_sample_fails_that_client_as_sequentially(opt):
+    """torch's BatchNorm raises for a training batch of one value per channel, and sequential training leaves such a
+    client out of the round (on_client_failure="skip"). Clients of 1, 5 and 9 samples with batch 4 and K = 3 meet a
+    one-sample batch at steps 0, 1 and 2 (the 9-sample client's data order reshuffles, the sizes stay 4, 4, 1): in
+    vectorised mode they fail with the same error, their steps before it are logged and fed to the metric, and the
+    global model, buffers and logged values equal sequential training's."""
+    sizes = [1, 5, 9, 12]
+    seq = fit_one_sample("sequential", opt, sizes)
+    vec = fit_one_sample("vectorized", opt, sizes)
+    assert len(seq[4]) == 2 * 3 and seq[4] == vec[4]  # clients 0, 1, 2 in both rounds
+    assert "client 0 skipped (ValueError('Expected more than 1 value per channel when training, got input size " \
+           "torch.Size([1, 6])'))" in seq[4][0]
+    assert [(u.client_id, u.failed) for u in vec[2]] == [(u.client_id, u.failed) for u in seq[2]]
+    assert {u.client_id for u in seq[2] if u.failed} == {0, 1, 2}
+    torch.testing.assert_close(vec[0], seq[0], atol=1e-5, rtol=0)
+    for a, b in zip(seq[1], vec[1]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert [r["round/failed_clients"] for r in vec[3]] == [r["round/failed_clients"] for r in seq[3]] == [3.0, 3.0]
+    for a, b in zip(seq[3], vec[3]):
+        assert a.keys() == b.keys() and {"client/acc", "client/train_loss"} <= a.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    healthy = fit_one_sample("sequential", opt, [12])  # the failed clients' partial steps are in the logged values
+    assert seq[3][0]["client/train_loss"] != pytest.approx(healthy[3][0]["client/train_loss"], abs=1e-3)
+    auto = fit_one_sample("auto", opt, sizes)  # its throw-away measurement meets the failing clients too
+    assert auto[4] == seq[4]
+    torch.testing.assert_close(auto[0], seq[0], atol=1e-5, rtol=0)
+
+
+def test_a_client_batch_of_one_sample_under_on_client_failure_raise_and_when_every_client_fails():
+    """The failure policy's other outcomes, with the same messages in both modes: on_client_failure="raise" stops at
+    the client; a round in which every client raised (at steps 0, 0 and 1) stops the run with the first error."""
+    messages = []
+    for mode in ("sequential", "vectorized"):
+        with pytest.raises(RuntimeError, match=r"client 0 failed in round 0: Expected more than 1 value per channel "
+                                               r"when training, got input size torch\.Size\(\[1, 6\]\)"):
+            fit_one_sample(mode, "sgd", [1, 12], on_client_failure="raise")
+        with pytest.raises(RuntimeError, match=r"round 0: every client raised an exception \(client \d: ValueError: "
+                                               r"Expected more than 1 value per channel") as err:
+            fit_one_sample(mode, "sgd", [1, 1, 5], rounds=1)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+
+
 # ---------------------------------------------------------------------------------------------- refusals
-def test_a_client_batch_of_one_sample_is_refused_naming_the_layer():
-    """Sequential training fails a client whose BatchNorm1d batch has one sample (torch raises); vectorised clients
-    cannot fail one client alone, so the round is refused and "auto" trains sequentially."""
-
-    class Small(BNNet):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(1)
-            self.net = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
-
-    def dm():
-        return Sized([1, 5, 9, 12], batch_size=4)
-
-    def make(mode):
-        return FederatedLoop(Small(), client_optimizer=OPTIMIZERS["sgd"], local_steps=2, clients_per_round=4, seed=0,
-                             client_execution=mode)
-
-    with pytest.raises(VectorizationUnsupportedError, match=r"layer 'net\.1' \(BatchNorm1d\) would normalise a batch "
-                                                            r"of one value per channel"):
-        make_trainer(1).fit(make("vectorized"), datamodule=dm())
-    with pytest.warns(UserWarning, match="training clients sequentially"):
-        make_trainer(1).fit(make("auto"), datamodule=dm())
-
-
 @pytest.mark.parametrize("kind,loss,match", [
     ("mlp", "own", r"'net\.1' \(BatchNorm1d\) computes statistics over a client's batch"),
     ("tokens", "cross_entropy", r"layer 'bn' \(BatchNorm1d\) got an input whose first dimension \(\d+\) is not the "

@@ -466,3 +466,30 @@ def test_interception_takes_the_batched_nll_only_without_ignored_targets(monkeyp
             expected = torch.nn.functional.cross_entropy(x[i, :k], targets[i, :k], **kwargs)
             torch.testing.assert_close(got[i], expected, rtol=1e-6, atol=1e-7)
         assert bool(calls) == batched, kwargs
+
+
+def test_check_tolerance_follows_tf32_switches():
+    """The engine's interception and per-sample checks compare two computations of a loss on batches of different
+    sizes: strict in float32 on CPU and on CUDA without TF32, looser where cuDNN's default TF32 convolutions (or TF32
+    matrix products) may run, loosest for half-precision parameters."""
+    from fedlightning.vectorized.call import _tf32, _tolerance
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+             torch.get_float32_matmul_precision())
+    try:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = False, False
+        torch.set_float32_matmul_precision("highest")
+        assert not _tf32(cuda) and _tolerance(torch.float32, cuda) == (1e-4, 1e-6)
+        for switch in ("conv", "matmul", "precision"):
+            torch.set_float32_matmul_precision("high" if switch == "precision" else "highest")
+            torch.backends.cudnn.allow_tf32 = switch == "conv"
+            if switch == "matmul":  # (setting the precision sets this switch too)
+                torch.backends.cuda.matmul.allow_tf32 = True
+            assert _tf32(cuda) and not _tf32(cpu), switch
+            assert _tolerance(torch.float32, cuda) == (1e-2, 1e-3)
+            assert _tolerance(torch.float32, cpu) == (1e-4, 1e-6)
+        assert _tolerance(torch.bfloat16, cpu) == _tolerance(torch.float16, cuda) == (2e-2, 2e-2)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])

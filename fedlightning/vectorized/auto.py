@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import contextmanager
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -26,8 +26,11 @@ from .support import VectorizationUnsupportedError
 CLIENT_EXECUTION_MODES = ("sequential", "vectorized", "auto")
 
 
-def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> Optional[List[ClientUpdate]]:
-    """The ClientUpdates of ``client_ids`` for ``plan``, trained in lockstep; None means "train them sequentially".
+def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int],
+                         global_flat: Tensor) -> Optional[List[Union[ClientUpdate, Exception]]]:
+    """The ClientUpdates of ``client_ids`` for ``plan``, trained in lockstep (the exception sequential training
+    raises in place of a client's update, for a client whose training raised); None means "train them
+    sequentially".
 
     Called by :meth:`FederatedLoop.training_step` when ``client_execution`` is ``"vectorized"`` or ``"auto"``. With
     ``"auto"``, the first round decides once for the run (:func:`_auto_decide`), and anything
@@ -118,11 +121,11 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
         timed = dataclasses.replace(plan, local_steps=min(plan.local_steps, AUTO_MEASURE_STEPS))
         _run(loop, warm, client_ids[:2], global_flat, throwaway=True)  # warm-up: probes, first calls
         with _throwaway_sequential(loop):
-            loop.train_client(warm, client_ids[0], global_flat)  # warm-up
+            _train_or_fail(loop, warm, client_ids[0], global_flat)  # warm-up
             _sync(device)
             t0 = _clock()
             for cid in client_ids:
-                loop.train_client(timed, cid, global_flat)
+                _train_or_fail(loop, timed, cid, global_flat)
             _sync(device)
             t1 = _clock()
         seq = t1 - t0
@@ -146,6 +149,16 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
     loop._runtime.auto_choice, loop._runtime.auto_reason = choice, reason
     _info(f"client_execution='auto': training clients {choice} ({reason})")
     return choice
+
+
+def _train_or_fail(loop, plan: RoundPlan, client_id: int, global_flat: Tensor) -> None:
+    """``loop.train_client`` in ``auto``'s timed throw-away round: a client whose training raises (a BatchNorm batch
+    of one sample) is the failure policy's business in the real round that follows; here it only ends that
+    client's share of the timing, as it ends its training."""
+    try:
+        loop.train_client(plan, client_id, global_flat)
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
 
 
 @contextmanager
@@ -195,7 +208,7 @@ def _engine(loop) -> VectorizedClientTrainer:
 
 
 def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
-         throwaway: bool = False, stop=None) -> Optional[List[ClientUpdate]]:
+         throwaway: bool = False, stop=None) -> Optional[List[Union[ClientUpdate, Exception]]]:
     """``FederatedLoop.train_client`` for all of ``client_ids`` at once (the loop's ``prepare_client`` and
     ``finish_client`` around the engine's round); ``throwaway``: nothing is logged, no client state written and
     torchmetrics states restored (``auto``'s measurement); ``stop`` (throw-away rounds only): the engine's early
@@ -234,5 +247,6 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
     if updates is None:
         return None
     for update, opt in zip(updates, optimizers):
-        loop.finish_client(update, opt, persist=not throwaway)
+        if not isinstance(update, Exception):  # a client that raised leaves no client state, as sequentially
+            loop.finish_client(update, opt, persist=not throwaway)
     return updates

@@ -5,7 +5,7 @@ computation, with the same batches and results as sequential training (:mod:`fed
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -55,9 +55,13 @@ class VectorizedClientTrainer:
       is reproducible in either mode but gives different crops in the two, since they consume the generator
       differently.
     * **Failures.** A client whose loss or update is non-finite is reported ``failed`` as sequentially (closure
-      optimizers stop it at its first non-finite loss); the other clients are unaffected. An exception raised
-      inside the batched computation concerns all clients together and is raised, not turned into per-client
-      failures.
+      optimizers stop it at its first non-finite loss); the other clients are unaffected. A client whose batch
+      holds one sample where a BatchNorm layer in training mode sees one value per channel gets, in place of its
+      update, the ``ValueError`` torch raises for it in sequential training
+      (:attr:`~fedlightning.vectorized.norms._NormLayers.singular`); from that step on its values are neither logged nor
+      fed to metrics or running statistics, as a sequential client that raised there, and the loop's
+      ``on_client_failure`` policy treats it as it treats that client. Any other exception raised inside the
+      batched computation concerns all clients together and is raised, not turned into per-client failures.
     * **Running statistics and metrics.** BatchNorm layers keep one row of running statistics per client, moved
       by the client's gradient evaluations only, and every client reports its own float buffers in its update, as
       sequential training does (:mod:`fedlightning.vectorized.norms`). torchmetrics calls made in
@@ -91,6 +95,19 @@ class VectorizedClientTrainer:
         self.call = _ModelCall(model, named, self.dtype)
         self._scratch: Dict[Any, Tensor] = {}
         self.layout_learned = False
+        #: during a round: ``[C]`` bool of the clients that raised (None while none has), and their exceptions
+        self.failed: Optional[Tensor] = None
+        self.raised: Dict[int, Exception] = {}
+
+    def fail_clients(self, rows: Tensor, step: int, singular: Tuple[str, torch.Size]) -> None:
+        """The clients ``rows`` ([C] bool) raise at local step ``step`` what ``nn.BatchNorm*`` raises for their batch
+        of one sample (``singular``: the layer and the input size it would get,
+        :attr:`~fedlightning.vectorized.norms._NormLayers.singular`)."""
+        new = rows if self.failed is None else rows & ~self.failed
+        for c in new.nonzero().flatten().tolist():  # a host sync, on the rare steps that have such a client
+            self.raised[c] = ValueError(
+                f"Expected more than 1 value per channel when training, got input size {singular[1]}")
+        self.failed = rows if self.failed is None else self.failed | rows
 
     @property
     def deterministic(self) -> bool:
@@ -135,9 +152,10 @@ class VectorizedClientTrainer:
         router=None,
         float_buffer_mask: Optional[Sequence[bool]] = None,
         stop: Optional[Callable[[], bool]] = None,
-    ) -> Optional[List[ClientUpdate]]:
+    ) -> Optional[List[Union[ClientUpdate, Exception]]]:
         """Train ``client_ids`` for ``local_steps`` steps from the global weights; one :class:`ClientUpdate` per
-        client, in order, with the same fields as ``LocalTrainer.run``.
+        client, in order, with the same fields as ``LocalTrainer.run``, or, for a client whose training raised (see
+        *Failures* above), the exception sequential training raises for it.
 
         ``stop``: asked after every local step but the last; when it answers True the round ends there and ``run``
         returns None (``auto``'s timed throw-away round, which stops once vectorized can no longer win; the
@@ -167,6 +185,7 @@ class VectorizedClientTrainer:
         norms = self.call.norms
         if norms:
             norms.start(global_buffers, C)
+        self.failed, self.raised = None, {}
 
         with torch.no_grad():
             start = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in global_params])
@@ -194,6 +213,8 @@ class VectorizedClientTrainer:
                 num_steps += alive.long()
                 if rule.stops_on_nonfinite:
                     alive = alive & torch.isfinite(record.losses[-1])
+                if self.failed is not None:
+                    alive = alive & ~self.failed
                 if stop is not None and k + 1 < int(local_steps) and stop():
                     norms.stats = []
                     return None
@@ -209,7 +230,7 @@ class VectorizedClientTrainer:
             norms.stats = []
 
     def _updates(self, client_ids, W, global_flat, datamodule, record: StepRecord, num_steps: Tensor,
-                 global_buffers, float_buffer_mask) -> List[ClientUpdate]:
+                 global_buffers, float_buffer_mask) -> List[Union[ClientUpdate, Exception]]:
         K = len(record.losses)
         losses = torch.stack(record.losses).float().cpu()  # [K, C]
         step_sizes = torch.stack(record.step_sizes).double().cpu().t().tolist()  # [C][K]
@@ -255,6 +276,9 @@ class VectorizedClientTrainer:
                 forwards=int(counts[2][c]),
                 backwards=int(counts[3][c]),
             )
+            if c in self.raised:
+                updates.append(self.raised[c])
+                continue
             if buffers is not None:
                 update.buffers = buffers[c].clone()
             if not finite_loss:

@@ -39,9 +39,16 @@ class _NormLayers:
     over the client's real samples only (its mask).
 
     Decisions (ours): refused, with the layer named, are ``SyncBatchNorm`` and subclasses that override ``forward``
-    (:func:`~fedlightning.vectorized.support.check_model_vectorizable`), an input whose first dimension is not the
-    padded batch on a padded step, and a batch of one value per channel in training mode (torch raises for that
-    client, and clients in lockstep cannot fail one client alone). Half-precision inputs are normalised in float32.
+    (:func:`~fedlightning.vectorized.support.check_model_vectorizable`) and an input whose first dimension is not the
+    padded batch on a padded step. Half-precision inputs are normalised in float32.
+
+    A client batch of one value per channel in training mode (one sample reaching a layer with 1x1 feature maps:
+    torchvision's ResNets on 32x32 images at ``layer4``, for a client whose last batch holds one sample) is what
+    ``nn.BatchNorm*`` raises a ``ValueError`` for, and sequential training then fails that client (the loop's
+    ``on_client_failure``). Here the call goes on (the variance of one value is 0, its unbiased correction is
+    clamped to stay finite) and :attr:`singular` records the first such layer and the input size the client's
+    forward pass would have had; the engine fails the clients whose batch at that step held one sample with torch's
+    error, from that step on, as sequential training does (:class:`~fedlightning.vectorized.step._StepEvaluator`).
     """
 
     def __init__(self, model: nn.Module):
@@ -62,6 +69,9 @@ class _NormLayers:
         self.mask: Optional[Tensor] = None
         self.count: Optional[Tensor] = None
         self.min_count = 0
+        #: ``(layer label, input size of a one-sample client batch)`` of the first layer since the last reset that
+        #: normalised one value per channel in training mode; None if none did (reset by the step evaluator).
+        self.singular: Optional[Tuple[str, torch.Size]] = None
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -173,12 +183,9 @@ class _NormLayers:
         shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
         if training or not tracked:
             per_channel = math.prod(x.shape[2:])
-            if self.min_count * per_channel <= 1:
-                raise VectorizationUnsupportedError(
-                    f"client_execution='vectorized': layer {label} would normalise a batch of one value per channel "
-                    f"in training mode (a client's batch of {self.min_count} sample(s)), for which torch raises and "
-                    "sequential training fails that client; use client_execution='sequential' (or 'auto')"
-                )
+            singular = self.min_count * per_channel <= 1
+            if singular and self.singular is None:
+                self.singular = (label, torch.Size([1, *input.shape[1:]]))
             dims = (0,) + tuple(range(2, x.dim()))
             mask, n = self._real(label, x)
             if mask is None:
@@ -195,7 +202,11 @@ class _NormLayers:
                 rho = module.momentum if module.momentum is not None else (1.0 / nbt.double()).to(rm.dtype)
                 size = n * per_channel
                 rm_new = (1 - rho) * rm + rho * mean.to(rm.dtype)
-                rv_new = (1 - rho) * rv + rho * (var * (size / (size - 1))).to(rv.dtype)
+                if singular:  # a one-sample client fails at this step; keep its row finite
+                    correction = size / ((size - 1).clamp(min=1) if isinstance(size, Tensor) else max(size - 1, 1))
+                else:
+                    correction = size / (size - 1)
+                rv_new = (1 - rho) * rv + rho * (var * correction).to(rv.dtype)
                 self.current[slot:slot + 3] = [rm_new, rv_new, nbt]
         else:
             mean, var = rm.to(x.dtype), rv.to(x.dtype)

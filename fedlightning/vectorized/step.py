@@ -59,6 +59,9 @@ class _StepEvaluator:
         # does not concatenate them into a [C, D] tensor unless the optimizer needs one
         leaves = [v.detach().requires_grad_(True) for v in engine.weights.views(W)]
         effects = _Effects() if self.keep_effects else None
+        norms = engine.call.norms
+        if norms:
+            norms.singular = None
         with torch.enable_grad():
             if layout.mask is None:
                 losses, logged = engine.call.row_values(leaves, layout.batch, None, self.step, effects=effects)
@@ -80,8 +83,12 @@ class _StepEvaluator:
             seeds = [torch.ones_like(r) if g is None else g for r, g in zip(roots, seeds)]
             grads = torch.autograd.grad(roots, leaves, grad_outputs=seeds, allow_unused=True)
         grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
+        evaluated = alive if self.track_alive else None
+        if effects is not None and norms and norms.singular is not None:
+            engine.fail_clients(self._one_sample_rows(alive), self.step, norms.singular)
+        if engine.failed is not None:  # clients that raised (this step or before) are no longer evaluated
+            evaluated = (alive if evaluated is None else evaluated) & ~engine.failed
         if effects is not None:
-            evaluated = alive if self.track_alive else None
             if effects.stats is not None:
                 engine.call.norms.write(effects.stats, evaluated)
             if effects.metrics is not None and self.metric_sink is not None:
@@ -90,13 +97,17 @@ class _StepEvaluator:
                 self.metric_sink.append(effects.metrics)
         if self.log_sink is not None and logged:
             # per-client sums over real samples on padded steps: divided by the counts at the end of the round
-            self.log_sink.append(([(name, v.detach()) for name, v in logged], layout.counts,
-                                  alive if self.track_alive else None))
+            self.log_sink.append(([(name, v.detach()) for name, v in logged], layout.counts, evaluated))
         if self.learn_layout:
             engine.weights.learn(grads)
         if flat:
             return losses.detach(), engine.weights.flat(grads)
         return losses.detach(), grads
+
+    def _one_sample_rows(self, alive: Tensor) -> Tensor:
+        """``[C]`` bool: the clients still training whose batch at this step holds one sample."""
+        one = torch.tensor([n == 1 for n in self.layout.sizes], dtype=torch.bool, device=alive.device)
+        return one & alive
 
     def views(self, W: Tensor) -> List[Tensor]:
         """The per-parameter views ``[R, *shape]`` of ``W`` ([R, D])."""
