@@ -363,3 +363,29 @@ def test_torchvision_resnet18_equals_sequential_with_one_sample_batches():
         torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10)
     moved = TorchvisionResNet().state_dict()
     assert max(float((a.double() - moved[k].double()).abs().max()) for k, a in seq[0].state_dict().items()) > 1e-3
+
+
+def test_armijo_trial_calls_are_split_under_the_memory_cap(monkeypatch):
+    """The batched Armijo search evaluates its (client, grid point) pairs in calls of at most
+    max(C, TRIAL_POINT_BYTES / row bytes) rows: with the cap at 1 byte every call holds at most C = 6 rows, the search
+    needed more pairs than that, and the run equals the uncapped one and sequential training."""
+    import fedlightning.vectorized.rules as rules
+    from fedlightning.vectorized.step import _StepEvaluator
+
+    rows = []
+    trial = _StepEvaluator.trial
+
+    def spy(self, points, clients=None):
+        rows.append(points.shape[0])
+        return trial(self, points, clients)
+
+    monkeypatch.setattr(_StepEvaluator, "trial", spy)
+    uncapped = fit(BNNet("mlp"), OPTIMIZERS["armijo"], "vectorized")
+    assert max(rows) > CPR  # windows of more pairs than clients
+    rows.clear()
+    monkeypatch.setattr(rules, "TRIAL_POINT_BYTES", 1)
+    capped = fit(BNNet("mlp"), OPTIMIZERS["armijo"], "vectorized")
+    assert max(rows) <= CPR
+    assert_same(uncapped, capped, atol=1e-6)
+    assert [u.backtracks for u in capped[2]] == [u.backtracks for u in uncapped[2]]
+    assert_same(fit(BNNet("mlp"), OPTIMIZERS["armijo"], "sequential"), capped)

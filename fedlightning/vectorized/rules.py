@@ -26,6 +26,13 @@ from .torch_internals import _foreach_add_
 if TYPE_CHECKING:
     from .step import _StepEvaluator
 
+#: Bytes of trial points (``[P, D]``, and as many gathered gradient rows on accelerators) one trial call of the
+#: batched Armijo search may hold before its (client, grid point) pairs are split over several calls of at least
+#: ``C`` rows each (ours: 512 MiB; a trial call of ``C`` rows then holds no more than the step's gradient
+#: evaluation, whose activations and ``[C, D]`` gradients are larger, so a search fits where the round's gradient
+#: evaluation fits: a ResNet-18's ~300 pairs of 20 clients asked 26.6 GiB at once on an 80 GB GPU without it).
+TRIAL_POINT_BYTES = 1 << 29
+
 
 def _nan_for_none(values) -> List[float]:
     return [float("nan") if v is None else float(v) for v in values]
@@ -187,7 +194,8 @@ class _BatchedArmijo(BatchedRule):
     the batching differs:
 
     * deterministic models: a trial round evaluates every client still searching at a window of its next grid
-      points, all (client, point) pairs in one batched call. A client's first window reaches one point past the
+      points, all (client, point) pairs in one batched call (several calls of at least ``C`` pairs where the trial
+      points would pass :data:`TRIAL_POINT_BYTES`). A client's first window reaches one point past the
       ``m`` it accepted at its previous step of the round (the accepted ``m`` changes little from step to step), and
       each further window doubles, so searches end in one or two rounds with few points past the accepted one.
       Those extra points are computed but not counted: telemetry counts the search's own evaluations;
@@ -271,8 +279,7 @@ class _BatchedArmijo(BatchedRule):
             offset = torch.cumsum(width, 0) - width
             pair_m = next_m[pair_client] + torch.arange(total, device=device) - offset[pair_client]
             eta = eta0[pair_client] * self.powers[pair_m]
-            points = self._points(ev, W, g, pair_client, eta, widths)
-            trial_loss = ev.trial(points, pair_client)
+            trial_loss = self._trial_losses(ev, W, g, pair_client, eta, widths)
             ok = self._accepts(trial_loss, loss64[pair_client], grad_sq[pair_client], eta)
             hit = never.scatter_reduce(0, pair_client, torch.where(ok, pair_m, grid), reduce="amin")
             found = hit < grid
@@ -282,6 +289,27 @@ class _BatchedArmijo(BatchedRule):
             searching = searching & ~found & (next_m < grid)
             width = width * 2
         return first_m, trials
+
+    def _trial_losses(self, ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor,
+                      widths: List[int]) -> Tensor:
+        """The losses at the trial points of the (client, grid point) pairs, in one trial call, or in calls of at most
+        ``max(C, TRIAL_POINT_BYTES / (D · itemsize))`` pairs each (:data:`TRIAL_POINT_BYTES`); each pair's loss is
+        the same either way (a row's loss does not depend on the other rows of its call)."""
+        C, D = W.shape
+        limit = max(C, TRIAL_POINT_BYTES // max(D * W.element_size(), 1))
+        total = len(pair_client)
+        if total <= limit:
+            return ev.trial(self._points(ev, W, g, pair_client, eta, widths), pair_client)
+        owners = [c for c, w in enumerate(widths) for _ in range(w)]  # pairs are sorted by client
+        out = []
+        for start in range(0, total, limit):
+            end = min(start + limit, total)
+            part = [0] * len(widths)
+            for c in owners[start:end]:
+                part[c] += 1
+            clients = pair_client[start:end]
+            out.append(ev.trial(self._points(ev, W, g, clients, eta[start:end], part), clients))
+        return torch.cat(out)
 
     @staticmethod
     def _points(ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor,
