@@ -343,10 +343,10 @@ class TorchvisionResNet(pl.LightningModule):
 def test_torchvision_resnet18_equals_sequential_with_one_sample_batches():
     """A user's torchvision ResNet-18: per-client BatchNorm statistics over real samples, padded steps, and the
     clients whose batch of one sample reaches the 1x1 maps failing as sequentially (clients of 1, 9, 17 and 25
-    samples, batch 8, K = 2: the first two fail at steps 0 and 1). Compared in float64: on tiny batches this
-    network's training amplifies rounding (with clients of 1, 3, 5 and 6 samples and batch 4, scaling the initial
-    weights by 1 + 1e-15 changes sequential float64 results by 6e-3), so the split keeps the real batches at 8
-    samples, where that perturbation changes them by 3e-13."""
+    samples, batch 8, K = 2: the first two fail at steps 0 and 1). Compared in float64: on batches of 1-3 samples
+    this network's training amplifies rounding (``benchmarks/bn_conditioning.py``: scaling the initial weights by
+    1 + 1e-15 moves a float64 run by 1e-3), so the split keeps the real batches at 8 samples, where it moves it by
+    1e-14."""
     def run(mode):
         model, rec = TorchvisionResNet(), Recorder()
         loop = FederatedLoop(model, client_optimizer=OPTIMIZERS["sgd"], local_steps=2, clients_per_round=4, seed=0,
