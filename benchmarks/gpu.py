@@ -42,7 +42,9 @@ Decisions:
   float32 gradients depend on summation order (on CPU, a width-8 ResNet-18 on random data: both modes' fp32
   gradients are up to 1e-3..1e-2 off a float64 reference in the first layers; in float64 the modes agree to 1e-16),
   and on GPU TF32 convolutions (cuDNN's default) add rounding: the TF32 settings are printed, ``--no-tf32`` turns
-  them off.
+  them off. For the torchvision ResNet the number measures nothing about the modes: BatchNorm over clients' last
+  batches of 2-3 samples at 1x1 feature maps amplifies rounding past O(1) within a round
+  (``benchmarks/bn_conditioning.py``; the modes are compared in float64 by ``tests/test_vectorized_batchnorm.py``).
 * **Failures are findings.** An exception in a run (vectorized or bf16 unsupported, out of memory) is recorded with
   its message and the script carries on. ``--budget-s`` (default 420) bounds the whole run: a run that cannot finish
   in the time left (estimated from the same mode's previous run) is skipped with a note, and a run still going at the
