@@ -99,9 +99,9 @@ class VectorizedClientTrainer:
         self.failed: Optional[Tensor] = None
         self.raised: Dict[int, Exception] = {}
 
-    def fail_clients(self, rows: Tensor, step: int, singular: Tuple[str, torch.Size]) -> None:
-        """The clients ``rows`` ([C] bool) raise at local step ``step`` what ``nn.BatchNorm*`` raises for their batch
-        of one sample (``singular``: the layer and the input size it would get,
+    def fail_clients(self, rows: Tensor, singular: Tuple[str, torch.Size]) -> None:
+        """The clients ``rows`` ([C] bool) raise, at the current local step, what ``nn.BatchNorm*`` raises for their
+        batch of one sample (``singular``: the layer and the input size it would get,
         :attr:`~fedlightning.vectorized.norms._NormLayers.singular`)."""
         new = rows if self.failed is None else rows & ~self.failed
         for c in new.nonzero().flatten().tolist():  # a host sync, on the rare steps that have such a client

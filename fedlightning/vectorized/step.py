@@ -85,7 +85,7 @@ class _StepEvaluator:
         grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
         evaluated = alive if self.track_alive else None
         if effects is not None and norms and norms.singular is not None:
-            engine.fail_clients(self._one_sample_rows(alive), self.step, norms.singular)
+            engine.fail_clients(self._one_sample_rows(alive), norms.singular)
         if engine.failed is not None:  # clients that raised (this step or before) are no longer evaluated
             evaluated = (alive if evaluated is None else evaluated) & ~engine.failed
         if effects is not None:
