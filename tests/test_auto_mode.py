@@ -192,3 +192,60 @@ def test_vectorized_measurement_stops_once_it_cannot_win(monkeypatch, caplog, pe
         assert "40.0 ms sequential, 30.0 ms vectorized (1.33x" in line
     monkeypatch.undo()
     assert_identical(got, fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], chosen))
+
+
+def oom_on_call(monkeypatch, which):
+    """The vectorised engine raises CUDA's out-of-memory error at its ``which``-th round (1-based) and runs
+    normally otherwise; returns the list of calls."""
+    from fedlightning.vectorized import VectorizedClientTrainer
+
+    calls = []
+    run = VectorizedClientTrainer.run
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == which:
+            self.scratch("probe", (4, 4), torch.float32, torch.device("cpu"))  # a buffer the fallback frees
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.64 GiB.\nmore details")
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(VectorizedClientTrainer, "run", failing)
+    return calls
+
+
+@pytest.mark.parametrize("when", ["measurement", "later round"])
+def test_auto_trains_sequentially_when_vectorized_runs_out_of_memory(monkeypatch, when):
+    """Vectorised clients hold C clients' activations at once: where that does not fit, "auto" falls back to
+    sequential training (one warning naming the reason, the engine's buffers freed), and its run equals sequential
+    mode's from the round that ran out on (bit for bit when that is the measurement)."""
+    if when == "measurement":
+        oom_on_call(monkeypatch, 1)  # auto's warm-up throw-away round
+        fake_clock(monkeypatch, 40.0, 10.0)
+    else:
+        fake_clock(monkeypatch, 40.0, 10.0)  # vectorized is chosen ...
+        calls = oom_on_call(monkeypatch, 4)  # ... warm-up, timed and real round 0 run; round 1 runs out
+    with pytest.warns(UserWarning, match=r"client_execution='auto': training clients sequentially \(vectorized "
+                                         r"clients ran out of accelerator memory: CUDA out of memory\. Tried to "
+                                         r"allocate 26\.64 GiB\.\)"):
+        run = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto")
+    loop = run[1]
+    assert loop.client_execution_choice == "sequential" and loop._runtime.vectorized_fallback
+    assert loop._runtime.vectorized_engine._scratch == {}
+    sequential = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "sequential")
+    if when == "measurement":
+        assert_identical(run, sequential)
+    else:
+        assert len(calls) == 4  # no vectorised round after the fallback
+        from test_vectorized import assert_same_run
+
+        assert_same_run(sequential, run)
+
+
+def test_vectorized_out_of_memory_names_the_setting(monkeypatch):
+    oom_on_call(monkeypatch, 1)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"client_execution='vectorized': the round's \d+ clients in "
+                                                          r"lockstep did not fit in accelerator memory \(CUDA out of "
+                                                          r"memory\. Tried to allocate 26\.64 GiB\.\); use "
+                                                          r"client_execution='sequential' or 'auto', or fewer "
+                                                          r"clients_per_round"):
+        fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "vectorized")

@@ -37,6 +37,13 @@ def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int],
     :class:`VectorizationUnsupportedError` reports makes the loop fall back to sequential training for the rest of
     the run, with a one-time warning. Per-client optimizer state is read from and written to ``loop.client_state``
     (namespace ``"optimizer"``) exactly as sequential training does.
+
+    Accelerator memory (ours): the round's ``C`` clients in lockstep hold ``C`` clients' activations and a ``[C, D]``
+    weight and gradient matrix, so a model that trains sequentially can run out of memory vectorised. With
+    ``"auto"`` that is one more reason to train sequentially: the engine's buffers are freed, the round (its
+    measurement, or a real round, which has then changed no client state, metric or logged value) is trained
+    sequentially, and so is the rest of the run, with a one-time warning. With ``"vectorized"`` the
+    ``OutOfMemoryError`` is raised again with the setting named.
     """
     mode, runtime = loop.client_execution, loop._runtime
     if mode == "sequential" or not client_ids or runtime.vectorized_fallback:
@@ -50,12 +57,33 @@ def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int],
     except VectorizationUnsupportedError as err:
         if mode != "auto":
             raise
-        from lightning.pytorch.utilities import rank_zero_warn
+        reason = str(err)
+    except torch.cuda.OutOfMemoryError as err:
+        _free(loop)
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if mode != "auto":
+            raise torch.cuda.OutOfMemoryError(
+                f"client_execution='vectorized': the round's {len(client_ids)} clients in lockstep did not fit in "
+                f"accelerator memory ({first}); use client_execution='sequential' or 'auto', or fewer "
+                "clients_per_round") from err
+        reason = f"vectorized clients ran out of accelerator memory: {first}"
+    from lightning.pytorch.utilities import rank_zero_warn
 
-        runtime.vectorized_fallback = True
-        runtime.auto_choice = "sequential"
-        rank_zero_warn(f"client_execution='auto': training clients sequentially ({err})")
-        return None
+    runtime.vectorized_fallback = True
+    runtime.auto_choice, runtime.auto_reason = "sequential", reason
+    rank_zero_warn(f"client_execution='auto': training clients sequentially ({reason})")
+    return None
+
+
+def _free(loop) -> None:
+    """Drop the vectorised engine's reusable buffers and the allocator's cached blocks after running out of memory."""
+    engine = loop._runtime.vectorized_engine
+    if engine is not None:
+        engine._scratch.clear()
+        if engine.call.norms:
+            engine.call.norms.stats = []
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 #: The clock :func:`_auto_decide` times its throw-away rounds with (replaceable, for deterministic tests).
