@@ -107,8 +107,8 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             silently); ``None`` never stops.
         client_execution: ``"sequential"`` (default) trains the round's clients one after the other;
             ``"vectorized"`` trains them in lockstep as one batched computation (torch.func, see
-            :mod:`fedlightning.vectorized`; models without SyncBatchNorm, SGD without momentum and the
-            optimizers of :mod:`fedlightning.optim`), raising a clear error otherwise; ``"auto"`` vectorises when
+            :mod:`fedlightning.vectorized`; models without SyncBatchNorm, ``torch.optim`` SGD, Adam and AdamW
+            and the optimizers of :mod:`fedlightning.optim`), raising a clear error otherwise; ``"auto"`` vectorises when
             possible and otherwise falls back to sequential with a one-time warning.
     """
 

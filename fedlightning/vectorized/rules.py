@@ -2,7 +2,7 @@ r"""Batched client optimizers: one local step of every client at once, on the cl
 
 :class:`BatchedRule` is the public extension point: a client optimizer class opts in to vectorised execution with a
 ``batched_rule`` attribute naming its batched form, which :func:`make_batched_rule` reads. ``torch.optim.SGD``
-without momentum maps to :class:`_BatchedSGD`; :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`
+maps to :class:`_BatchedSGD`, ``torch.optim.Adam`` / ``AdamW`` to :class:`_BatchedAdam`; :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`
 and :class:`~fedlightning.optim.DecSPS` name :class:`_BatchedArmijo`, :class:`_BatchedSPS`, :class:`_BatchedDecSPS`,
 which evaluate the step-size rules of :mod:`fedlightning.optim.rules` on ``[C]`` tensors (no Python loop over
 clients inside a step). Each rule reads the clients' optimizer instances (built by the loop, client state set) and
@@ -158,28 +158,103 @@ class BatchedRule:
 
 
 class _BatchedSGD(BatchedRule):
-    """``torch.optim.SGD`` without momentum: ``d = clip(g) + λ w``; ``w ← w − lr · d`` (the same ops as torch).
+    """``torch.optim.SGD``: ``d = ±clip(g) + λ w``; with momentum ``μ``, ``b ← d`` at a client's first step of the
+    round, ``b ← μ b + (1 − τ) d`` after it, and ``d ← d + μ b`` (Nesterov) or ``d ← b``; ``w ← w − lr · d``. The
+    same ops as torch's SGD, on the ``[C, D]`` rows of all clients at once (one momentum buffer row per client).
 
-    A parameter the loss does not depend on gets a zero gradient here, while torch's SGD skips a parameter whose
-    ``.grad`` is None: the two agree except that such a parameter still decays when ``weight_decay > 0``.
+    The loop gives every client a fresh optimizer each round (``FederatedLoop``'s ``client_optimizer``), so the
+    momentum buffers start empty at every round, as sequentially. A parameter the loss does not depend on gets a
+    zero gradient here, while torch's SGD skips a parameter whose ``.grad`` is None: the two agree except that such
+    a parameter still decays (``weight_decay > 0``) or moves with its momentum here.
     """
 
     applies_grad_clip = True
 
-    def __init__(self, lr: float, weight_decay: float, grad_clip: Optional[float], num_clients: int, device):
+    def __init__(self, lr: float, weight_decay: float, grad_clip: Optional[float], num_clients: int, device,
+                 momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False):
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
         self.grad_clip = grad_clip
+        self.momentum, self.dampening = float(momentum), float(dampening)
+        self.nesterov, self.maximize = bool(nesterov), bool(maximize)
+        self.buffer: Optional[Tensor] = None
         self.lr_vector = torch.full((num_clients,), self.lr, dtype=torch.float64, device=device)
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
-        if self.grad_clip is None and self.weight_decay == 0.0:
+        plain = self.momentum == 0.0 and not self.maximize
+        if plain and self.grad_clip is None and self.weight_decay == 0.0:
             # plain SGD: w <- w - lr g on every parameter's rows of W, the gradients as the backward pass made them
             loss, grads = ev.gradient(W, alive, flat=False)
             _foreach_add_(ev.views(W), grads, alpha=-self.lr)
-        else:
+        elif plain:
             loss, g = ev.gradient(W, alive)
             W.add_(rules.sgd_direction(self.clip(g), W, self.weight_decay), alpha=-self.lr)
+        else:
+            loss, g = ev.gradient(W, alive)
+            g = self.clip(g)
+            d = rules.sgd_direction(-g if self.maximize else g, W, self.weight_decay)
+            if self.momentum != 0.0:
+                if self.buffer is None:
+                    self.buffer = d.detach().clone()
+                else:
+                    self.buffer.mul_(self.momentum).add_(d, alpha=1 - self.dampening)
+                d = d.add(self.buffer, alpha=self.momentum) if self.nesterov else self.buffer
+            W.add_(d, alpha=-self.lr)
+        record.losses.append(loss)
+        record.step_sizes.append(self.lr_vector)
+        record.uniform_evaluations += 1
+
+
+class _BatchedAdam(BatchedRule):
+    """``torch.optim.Adam`` / ``AdamW`` (their non-fused arithmetic), every client at once: per client and step
+    ``t``, ``g ← ±clip(g)`` (+ ``λ w`` for Adam's coupled weight decay; AdamW first scales ``w`` by ``1 − lr λ``),
+    ``m ← lerp(m, g, 1 − β₁)``, ``v ← β₂ v + (1 − β₂) g²`` (AMSGrad: ``v̂ = max(v̂, v)``), and
+    ``w ← w − lr / (1 − β₁^t) · m / (√v / √(1 − β₂^t) + ε)``, with the moment rows ``[C, D]`` zero at the start of the
+    round (a fresh optimizer per client and round, as sequentially).
+
+    Decisions (ours): a parameter the loss does not depend on gets a zero gradient here (torch skips a parameter
+    whose ``.grad`` is None), so its moments decay and it moves with them; ``foreach``, ``fused``, ``capturable`` and
+    ``differentiable`` select torch's implementation, not the arithmetic, and are not reproduced (a fused kernel
+    can round differently).
+    """
+
+    applies_grad_clip = True
+
+    def __init__(self, hp: Dict[str, Any], decoupled: bool, grad_clip: Optional[float], num_clients: int, device):
+        self.lr, self.eps, self.weight_decay = float(hp["lr"]), float(hp["eps"]), float(hp.get("weight_decay", 0.0))
+        self.beta1, self.beta2 = (float(b) for b in hp["betas"])
+        self.amsgrad, self.maximize = bool(hp.get("amsgrad", False)), bool(hp.get("maximize", False))
+        self.decoupled = decoupled
+        self.grad_clip = grad_clip
+        self.t = 0
+        self.m: Optional[Tensor] = None
+        self.v: Optional[Tensor] = None
+        self.v_max: Optional[Tensor] = None
+        self.lr_vector = torch.full((num_clients,), self.lr, dtype=torch.float64, device=device)
+
+    def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
+        loss, g = ev.gradient(W, alive)
+        g = self.clip(g)
+        if self.maximize:
+            g = -g
+        if self.m is None:
+            self.m, self.v = torch.zeros_like(W), torch.zeros_like(W)
+            self.v_max = torch.zeros_like(W) if self.amsgrad else None
+        self.t += 1
+        if self.weight_decay != 0.0:
+            if self.decoupled:
+                W.mul_(1 - self.lr * self.weight_decay)
+            else:
+                g = g.add(W, alpha=self.weight_decay)
+        self.m.lerp_(g, 1 - self.beta1)
+        self.v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+        bias1, bias2 = 1 - self.beta1 ** self.t, 1 - self.beta2 ** self.t
+        second = self.v
+        if self.amsgrad:
+            torch.maximum(self.v_max, self.v, out=self.v_max)
+            second = self.v_max
+        denom = (second.sqrt() / bias2 ** 0.5).add_(self.eps)
+        W.addcdiv_(self.m, denom, value=-(self.lr / bias1))
         record.losses.append(loss)
         record.step_sizes.append(self.lr_vector)
         record.uniform_evaluations += 1
@@ -492,12 +567,13 @@ def make_batched_rule(optimizers: Sequence[torch.optim.Optimizer], params: Seque
                       grad_clip: Optional[float], device: torch.device) -> BatchedRule:
     """The batched form of the round's client optimizers (one instance per client, built by the loop).
 
-    Supported: ``torch.optim.SGD`` without momentum, Nesterov or ``maximize`` (``weight_decay`` and the loop's
-    gradient clipping ``grad_clip`` are), and every optimizer class that names its batched form in
-    ``batched_rule`` (:class:`BatchedRule`): :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`,
+    Supported: ``torch.optim.SGD`` (momentum, dampening, Nesterov, ``maximize``, ``weight_decay``),
+    ``torch.optim.Adam`` and ``AdamW`` (AMSGrad, ``maximize``, ``weight_decay``), each with the loop's gradient
+    clipping ``grad_clip``, and every optimizer class that names its batched form in ``batched_rule``
+    (:class:`BatchedRule`): :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`,
     :class:`~fedlightning.optim.DecSPS`, and user optimizers that opt in. Raises
-    :class:`VectorizationUnsupportedError` for optimizers without a batched form (Adam, SGD with momentum, ...),
-    for settings that differ between clients or parameter groups, and for a ``grad_clip`` the rule does not apply.
+    :class:`VectorizationUnsupportedError` for optimizers without a batched form (RMSprop, Adagrad, ...), for
+    settings that differ between clients or parameter groups, and for a ``grad_clip`` the rule does not apply.
     """
     kinds = {type(o) for o in optimizers}
     if len(kinds) != 1:
@@ -506,19 +582,19 @@ def make_batched_rule(optimizers: Sequence[torch.optim.Optimizer], params: Seque
     kind = kinds.pop()
     hp = _same_hyperparameters(optimizers, params)
     if kind is torch.optim.SGD:
-        bad = {k: hp.get(k) for k in ("momentum", "nesterov", "maximize") if hp.get(k)}
-        if bad:
-            raise VectorizationUnsupportedError(
-                "client_execution='vectorized' supports torch.optim.SGD without momentum, nesterov or maximize; got "
-                + ", ".join(f"{k}={v}" for k, v in bad.items())
-            )
-        return _BatchedSGD(hp["lr"], hp.get("weight_decay", 0.0), grad_clip, len(optimizers), device)
+        return _BatchedSGD(hp["lr"], hp.get("weight_decay", 0.0), grad_clip, len(optimizers), device,
+                           momentum=hp.get("momentum", 0.0), dampening=hp.get("dampening", 0.0),
+                           nesterov=hp.get("nesterov", False), maximize=hp.get("maximize", False))
+    if kind in (torch.optim.Adam, torch.optim.AdamW):
+        decoupled = kind is torch.optim.AdamW or bool(hp.get("decoupled_weight_decay", False))
+        return _BatchedAdam(hp, decoupled, grad_clip, len(optimizers), device)
     form = _batched_form(kind)
     if form is None:
         raise VectorizationUnsupportedError(
             f"client_execution='vectorized' does not support the client optimizer {kind.__name__}: it names no "
-            "batched form (a batched_rule attribute, fedlightning.vectorized.BatchedRule); supported: torch.optim.SGD "
-            "without momentum, fedlightning.optim.SgdArmijo, SPS and DecSPS, and optimizers with a batched_rule"
+            "batched form (a batched_rule attribute, fedlightning.vectorized.BatchedRule); supported: "
+            "torch.optim.SGD, Adam and AdamW, fedlightning.optim.SgdArmijo, SPS and DecSPS, and optimizers with a "
+            "batched_rule"
         )
     if grad_clip is not None and not form.applies_grad_clip and not getattr(kind, "requires_closure", False):
         raise VectorizationUnsupportedError(
