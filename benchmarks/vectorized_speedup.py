@@ -13,6 +13,9 @@ docs/benchmarks.md):
   ``F.cross_entropy(logits, y)``, no ``training_step_per_sample``): padded steps take the engine's per-sample loss
   interception (``fedlightning.vectorized.losses``); ``--compare-generic`` then measures the generic path (one
   ``training_step`` per sample) in the same run.
+* ``digits-usermlp-momentum`` / ``digits-usermlp-adam``: :class:`UserMLP` with ``torch.optim.SGD(lr=0.05,
+  momentum=0.9)`` / ``torch.optim.Adam(lr=1e-3)``, the optimizers users' ``configure_optimizers`` return most often
+  (batched with one moment row per client, ``fedlightning.vectorized.rules``).
 * ``digits-usermlp-metrics-sgd``: :class:`UserMLP` with a torchmetrics accuracy updated and logged in
   ``training_step`` (:class:`MetricsMLP`); vectorized mode replays the metric's updates per client after the round.
 * ``digits-usercnn-bn-sgd``: a user CNN with BatchNorm2d on the 8x8 images (:class:`BatchNormCNN`: conv 3x3 with 8
@@ -121,6 +124,8 @@ WORKLOADS = {
     "digits-mlp-armijo": (lambda: MLP(input_dim=64, hidden=[128], num_classes=10), armijo, digits),
     "digits-usermlp-sgd": (UserMLP, sgd(0.1), digits),
     "digits-usermlp-armijo": (UserMLP, armijo, digits),
+    "digits-usermlp-momentum": (UserMLP, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), digits),
+    "digits-usermlp-adam": (UserMLP, lambda params: torch.optim.Adam(params, lr=1e-3), digits),
     "digits-usermlp-metrics-sgd": (MetricsMLP, sgd(0.1), digits),
     "digits-usercnn-bn-sgd": (BatchNormCNN, sgd(0.1), digits),
     "synthetic-logreg-sgd": (lambda: LogisticRegression(input_dim=60, num_classes=10), sgd(0.01), SyntheticLike),
