@@ -79,9 +79,7 @@ def _free(loop) -> None:
     """Drop the vectorised engine's reusable buffers and the allocator's cached blocks after running out of memory."""
     engine = loop._runtime.vectorized_engine
     if engine is not None:
-        engine._scratch.clear()
-        if engine.call.norms:
-            engine.call.norms.stats = []
+        engine.release()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

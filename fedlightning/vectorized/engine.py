@@ -109,6 +109,13 @@ class VectorizedClientTrainer:
                 f"Expected more than 1 value per channel when training, got input size {singular[1]}")
         self.failed = rows if self.failed is None else self.failed | rows
 
+    def release(self) -> None:
+        """Drop the reusable buffers (:meth:`scratch`) and a round's per-client statistics, e.g. after a round ran
+        out of memory (the next round allocates them again)."""
+        self._scratch.clear()
+        if self.call.norms:
+            self.call.norms.stats = []
+
     @property
     def deterministic(self) -> bool:
         """The model has no random layers (dropout): every evaluation of a point gives the same loss."""
@@ -257,6 +264,9 @@ class VectorizedClientTrainer:
         finite_all = torch.isfinite(by_client).all(dim=1).tolist()
         updates = []
         for c, cid in enumerate(client_ids):
+            if c in self.raised:
+                updates.append(self.raised[c])
+                continue
             n = int(counts[0][c])
             if n == K and K > 0:
                 first_loss, mean_loss, finite_loss = first_all[c], mean_all[c], finite_all[c]
@@ -276,9 +286,6 @@ class VectorizedClientTrainer:
                 forwards=int(counts[2][c]),
                 backwards=int(counts[3][c]),
             )
-            if c in self.raised:
-                updates.append(self.raised[c])
-                continue
             if buffers is not None:
                 update.buffers = buffers[c].clone()
             if not finite_loss:

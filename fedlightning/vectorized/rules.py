@@ -181,14 +181,10 @@ class _BatchedSGD(BatchedRule):
         self.lr_vector = torch.full((num_clients,), self.lr, dtype=torch.float64, device=device)
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
-        plain = self.momentum == 0.0 and not self.maximize
-        if plain and self.grad_clip is None and self.weight_decay == 0.0:
+        if self.momentum == 0.0 and not self.maximize and self.grad_clip is None and self.weight_decay == 0.0:
             # plain SGD: w <- w - lr g on every parameter's rows of W, the gradients as the backward pass made them
             loss, grads = ev.gradient(W, alive, flat=False)
             _foreach_add_(ev.views(W), grads, alpha=-self.lr)
-        elif plain:
-            loss, g = ev.gradient(W, alive)
-            W.add_(rules.sgd_direction(self.clip(g), W, self.weight_decay), alpha=-self.lr)
         else:
             loss, g = ev.gradient(W, alive)
             g = self.clip(g)
