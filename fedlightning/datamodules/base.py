@@ -23,6 +23,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from fedlightning._reference import reference_mode
 from fedlightning._validation import in_range, integer
+from fedlightning.datamodules.checks import (
+    as_label_array,
+    bad_label_rows,
+    first_nonfinite_value,
+    label_problem,
+    nonfinite_rows,
+)
 from fedlightning.datamodules.partition import IID, Partitioner, check_partition
 from fedlightning.state import RoundPlan, derive_seed
 
@@ -41,6 +48,11 @@ __all__ = [
 #: every training set for the clients; the seed papers select on the test set and give no validation fraction).
 DEFAULT_VAL_FRACTION = 0.1
 _EPS = 1e-9  # absorbs float error in fraction * count (0.7 * 10 = 7.000000000000001) before floor / ceil
+_SET_NAME = {"train": "training", "test": "test"}
+
+
+def _first_of(rows: np.ndarray) -> str:
+    return f" (the first of {len(rows)} such samples)" if len(rows) > 1 else ""
 
 
 def check_val_fraction(value: Any) -> float:
@@ -240,7 +252,26 @@ class FederatedDataModule(pl.LightningDataModule):
     Round sampling (:meth:`sample_clients`): ``clients_per_round`` clients drawn uniformly *without* replacement
     within a round and independently across rounds from the clients that hold at least one sample, with a
     generator seeded by ``(seed, "sample", round)``.
+
+    Data checks (decisions, ours; :meth:`setup` runs them once, after the clients are formed; docs/datasets.md has the
+    table of checks and messages). A training or test set held in memory (an :class:`ArrayDataset` whose ``x`` is a
+    tensor or array) is scanned for NaN / ±inf inputs, and its 1-D labels for values that are not class ids: not finite;
+    negative (integer labels); with :attr:`num_classes` known, not a whole number or ``>= num_classes``. The first
+    offending sample of the rows in use (client, validation and test rows; rows no split uses are ignored) stops
+    ``setup`` with a ValueError naming the split, the client (and user, for natural splits) and the sample's row in
+    its data set, and the value. Float labels without a known :attr:`num_classes` are targets of the user's own loss
+    and are only checked for being finite. Data sets that load samples lazily (any other ``Dataset``) are not scanned:
+    reading every sample would cost a pass over the data (image decoding, transforms); their subclasses check what
+    they read (CIFAR's, MNIST's and LIBSVM's readers check labels against their classes). ``check_labels = False``
+    turns the label checks off (targets that are not class ids, e.g. ±1).
     """
+
+    #: Number of classes of the labels when the data set knows it (the bundled data sets;
+    #: :class:`~fedlightning.datamodules.DatasetDataModule`'s ``num_classes`` or ``ClassLabel``); None: unknown, so
+    #: labels are only checked for being finite and, when integers, non-negative.
+    num_classes: Optional[int] = None
+    #: Whether :meth:`setup` checks the labels as class ids (the class docstring, "Data checks").
+    check_labels: bool = True
 
     def __init__(
         self,
@@ -320,6 +351,15 @@ class FederatedDataModule(pl.LightningDataModule):
         if self.train_dataset is not None:
             return
         self.train_dataset, self.test_dataset, labels = self.load()
+        try:
+            self._form_clients(labels)
+            self._check_data()
+        except BaseException:  # a later setup() must not find a half-checked data set and skip the checks
+            self.train_dataset = None
+            raise
+
+    def _form_clients(self, labels: Any) -> None:
+        """The validation split and the client index arrays (rules: class docstring)."""
         natural = self.natural_clients()
         if natural is not None:
             users = [np.asarray(ix, dtype=np.int64) for ix in natural]
@@ -331,7 +371,7 @@ class FederatedDataModule(pl.LightningDataModule):
                     f"{type(self).__name__}: val_fraction={self.val_fraction} holds out no validation sample (no "
                     f"user has enough training samples to give one), so validation is skipped; raise val_fraction, or set "
                     f"val_fraction=0 to disable validation explicitly",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
         else:
             labels = np.asarray(labels)
@@ -346,6 +386,88 @@ class FederatedDataModule(pl.LightningDataModule):
             self.client_indices = [train_rows[p] for p in parts]
         self._num_samples = np.array([len(ix) for ix in self.client_indices], dtype=np.int64)
         self._eligible = np.flatnonzero(self._num_samples > 0)
+
+    # ------------------------------------------------------------------ data checks
+    def _check_data(self) -> None:
+        """The setup-time data checks (class docstring, "Data checks"): a ValueError for the first offending row."""
+        for set_name, dataset in (("train", self.train_dataset), ("test", self.test_dataset)):
+            if isinstance(dataset, ArrayDataset):
+                rows = self._used_rows(set_name, nonfinite_rows(dataset.x))
+                if len(rows):
+                    row = int(rows[0])
+                    split, owner = self._row_owner(set_name, row)
+                    raise ValueError(
+                        f"{type(self).__name__}: non-finite input in the {split} split: sample {row} of the "
+                        f"{_SET_NAME[set_name]} set{owner} holds {first_nonfinite_value(dataset.x[row])}"
+                        f"{_first_of(rows)}; fix or drop it: a NaN or infinite input makes the loss, and through the "
+                        f"average the global model, non-finite"
+                    )
+            labels = self._label_array(set_name) if self.check_labels else None
+            if labels is None:
+                continue
+            rows = self._used_rows(set_name, bad_label_rows(labels, self.num_classes))
+            if len(rows):
+                row = int(rows[0])
+                value = labels[row].item()
+                split, owner = self._row_owner(set_name, row)
+                problem = label_problem(value, self.num_classes)
+                raise ValueError(
+                    f"{type(self).__name__}: bad label in the {split} split: sample {row} of the "
+                    f"{_SET_NAME[set_name]} set{owner} has label {value!r}{_first_of(rows)}, "
+                    f"{self._label_problem_text(problem)}{self._label_hint() if problem != 'not finite' else ''}"
+                )
+
+    def _label_array(self, set_name: str) -> Optional[np.ndarray]:
+        """The 1-D labels that ``set_name`` ("train" / "test") serves, when known without reading samples (an
+        :class:`ArrayDataset`'s ``y``); None: not checked."""
+        dataset = self.train_dataset if set_name == "train" else self.test_dataset
+        return as_label_array(dataset.y) if isinstance(dataset, ArrayDataset) else None
+
+    def _num_classes_source(self) -> str:
+        """How error messages name where :attr:`num_classes` comes from."""
+        return f"num_classes={self.num_classes}"
+
+    def _label_hint(self) -> str:
+        """Appended to a label error (subclasses name their way to turn the check off)."""
+        return ""
+
+    def _label_problem_text(self, problem: str) -> str:
+        c = self.num_classes
+        return {
+            "not finite": "which is not finite",
+            "not a whole number": f"not a whole number, but {self._num_classes_source()} makes the labels class ids",
+            "negative": "which is negative: class labels are 0, 1, ..., num_classes - 1",
+            "outside": f"outside the classes 0 to {c - 1 if c else 0} of {self._num_classes_source()}",
+        }[problem]
+
+    def _used_rows(self, set_name: str, rows: np.ndarray) -> np.ndarray:
+        """``rows`` that some split reads: every test row; training rows held by a client or the validation split."""
+        if set_name == "test" or not len(rows):
+            return rows
+        used = [self.val_indices] + [ix for ix in self.client_indices if len(ix)]
+        return rows[np.isin(rows, np.concatenate(used))]
+
+    def _row_owner(self, set_name: str, row: int) -> Tuple[str, str]:
+        """``(split, " (client c ...)")`` of a row of the training (``"train"``) or test set, for error messages."""
+        if set_name == "test":
+            for c, ix in enumerate(self.client_test_indices or []):
+                if np.any(ix == row):
+                    return "test", f" ({self._client_label(c, 'test')})"
+            return "test", ""
+        for c, ix in enumerate(self.client_indices):
+            if np.any(ix == row):
+                return "training", f" ({self._client_label(c, 'train')})"
+        for c, ix in enumerate(self.client_val_indices or []):
+            if np.any(ix == row):
+                return "validation", f" ({self._client_label(c, 'train')})"
+        return "validation", ""
+
+    def _client_label(self, client_id: int, set_name: str) -> str:
+        """How error messages name a client: ``client 3``, with the user id of natural splits (``client_names``)."""
+        names = getattr(self, "client_names", None)
+        if names is not None and client_id < len(names):
+            return f"client {client_id}, user {names[client_id]!r}"
+        return f"client {client_id}"
 
     def _stratified_holdout(self, labels: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """``(train_rows, val_rows)`` (sorted) of a partitioned data set (rules: class docstring)."""

@@ -45,6 +45,7 @@ class DigitsDataModule(FederatedDataModule):
             val_fraction=val_fraction,
         )
         self.test_fraction = in_range("test_fraction", test_fraction, 0.0, 1.0, low_closed=False)
+        self.num_classes = 10  # the ten digits
 
     def load(self):
         from sklearn.datasets import load_digits

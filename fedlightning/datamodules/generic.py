@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -22,8 +23,9 @@ from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from fedlightning._reference import reference_mode
-from fedlightning._validation import integer, one_of
+from fedlightning._validation import flag, integer, one_of
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
+from fedlightning.datamodules.checks import as_label_array
 from fedlightning.datamodules.partition import IID, Partitioner
 
 __all__ = ["DatasetDataModule", "PairView", "LABEL_KEYS", "INPUT_KEYS", "DEFAULT_MAX_IN_MEMORY_BYTES"]
@@ -67,6 +69,8 @@ class _Reader:
 
     def __init__(self, kind: str, input_key: Optional[str] = None, label_key: Optional[str] = None):
         self.kind, self.input_key, self.label_key = kind, input_key, label_key
+        #: the label of sample 0 (read once, at construction)
+        self.label0: Any = None
 
     def __call__(self, sample: Any) -> Tuple[Any, Any]:
         if self.kind == "tuple":
@@ -78,19 +82,32 @@ class _Reader:
             return "position 1 of the (x, y) samples"
         return f"key {self.label_key!r} of the dict samples"
 
+    def where(self, name: str, i: int) -> str:
+        """Python syntax for sample ``i``'s label in data set ``name``: ``train[0][1]`` / ``train[0]['label']``."""
+        return f"{name}[{i}][1]" if self.kind == "tuple" else f"{name}[{i}][{self.label_key!r}]"
+
 
 class PairView(Dataset):
     """``dataset[i]`` as the ``(x, y)`` pair ``reader`` reads from it (the per-sample path of
-    :class:`DatasetDataModule`; the DataLoader's default collate stacks the pairs into an ``(x, y)`` batch)."""
+    :class:`DatasetDataModule`; the DataLoader's default collate stacks the pairs into an ``(x, y)`` batch).
 
-    def __init__(self, dataset: Any, reader: Callable[[Any], Tuple[Any, Any]]):
+    ``cast_labels`` (set by :class:`DatasetDataModule` for class labels stored as floats) serves each label as an
+    ``int64`` class id; a label that is not a whole number then raises a ValueError naming the sample (``name`` is
+    the data set's name in that message)."""
+
+    def __init__(self, dataset: Any, reader: Callable[[Any], Tuple[Any, Any]], cast_labels: bool = False,
+                 name: str = "train"):
         self.dataset, self.reader = dataset, reader
+        self.cast_labels, self.name = bool(cast_labels), name
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> Tuple[Any, Any]:
-        return tuple(self.reader(self.dataset[int(i)]))
+        x, y = self.reader(self.dataset[int(i)])
+        if self.cast_labels:
+            y = _class_id(y, f"{self.name}[{int(i)}]")
+        return x, y
 
 
 class DatasetDataModule(FederatedDataModule):
@@ -105,6 +122,11 @@ class DatasetDataModule(FederatedDataModule):
         test: the global test set (same sample structure rules), or None for no test set: then
             :meth:`test_dataloader` raises and ``python train.py fit`` skips its test after fit with a warning.
         labels: one class label per training sample (overrides every automatic source; see "Labels").
+        num_classes: the number of classes of the served labels (the model's classes); labels outside
+            ``0 … num_classes − 1`` are then an error at setup. Default: the size of the training set's Hugging Face
+            ``ClassLabel`` label feature, else unknown. See "Label checks".
+        check_labels: check the served labels as class ids and serve whole-number float labels as int64 (default
+            True); False serves the labels exactly as the data set returns them, unchecked. See "Label checks".
         input_key, label_key: the input and label keys of dict samples (Hugging Face columns); default: see
             "Sample structure". Refused for tuple samples.
         in_memory: ``"auto"`` (default), ``True`` or ``False``; see "In memory".
@@ -148,6 +170,25 @@ class DatasetDataModule(FederatedDataModule):
     transform such as ``ToTensor``), and only when ``len × (bytes of sample 0's x and y)`` is at most
     ``max_in_memory_bytes``, and all samples have sample 0's shapes and dtypes; otherwise it stays per-sample.
     ``dm.in_memory`` tells, after :meth:`setup`, whether the training set took the fast path.
+
+    Label checks (decisions, ours; ``check_labels=False`` turns all of them off). These concern the labels *served*
+    to the model (``y`` of every batch), not the partition labels of ``labels=``.
+
+    * A string label in sample 0 is a ValueError at construction that says how to make class ids (a Hugging Face
+      data set: ``class_encode_column``; a ``ClassLabel`` column already serves integer ids).
+    * A train and a test ``ClassLabel`` with different names is a ValueError (one id would mean two classes).
+    * The labels are known without another pass when the training set is in memory, is a Hugging Face data set (its
+      label column), or had its labels read for a label partition. Known float labels that are all whole numbers
+      are class ids: they are served as ``int64`` (a warning says so, since ``BCEWithLogitsLoss`` wants float
+      targets), and so are the test labels, which must then be whole numbers too. Known float labels with a
+      fractional part are a regression target, served as they are, unless ``num_classes`` is given.
+    * ``num_classes`` given: the labels are class ids. Float labels are served as ``int64`` (per sample, when not
+      known in advance: a fractional one then raises a ValueError naming the sample when it is read).
+    * At setup (:class:`~fedlightning.datamodules.FederatedDataModule`, "Data checks"), the known labels of the
+      training and test sets are checked: not finite, negative, not a whole number or ``>= num_classes`` (the last
+      two when ``num_classes`` is known) is a ValueError naming the split, the client, the sample and the value.
+      Labels that are not known (per-sample data sets under IID without a label source) are not scanned: reading
+      every sample costs a pass over the data, which the per-sample path exists to avoid.
     """
 
     def __init__(
@@ -156,6 +197,8 @@ class DatasetDataModule(FederatedDataModule):
         test: Optional[Dataset] = None,
         *,
         labels: Optional[Sequence[Any]] = None,
+        num_classes: Optional[int] = None,
+        check_labels: bool = True,
         input_key: Optional[str] = None,
         label_key: Optional[str] = None,
         in_memory: Union[bool, str] = "auto",
@@ -181,6 +224,8 @@ class DatasetDataModule(FederatedDataModule):
         )
         self.in_memory_option = one_of("in_memory", in_memory, (True, False, "auto"), show_name=True)
         self.max_in_memory_bytes = integer("max_in_memory_bytes", max_in_memory_bytes, 0, show_name=True)
+        self.check_labels = flag("check_labels", check_labels)
+        num_classes = integer("num_classes", num_classes, 1, allow_none=True, show_name=True)
         self.input_key, self.label_key = input_key, label_key
         self._train_source = self._check_source(train, "train")
         self._test_source = None if test is None else self._check_source(test, "test")
@@ -192,9 +237,18 @@ class DatasetDataModule(FederatedDataModule):
             )
         self._train_reader = self._reader(self._train_source, "train")
         self._test_reader = None if test is None else self._reader(self._test_source, "test")
-        self._given_labels = None if labels is None else self._check_labels(labels, n)
+        self._given_labels = None if labels is None else self._given_label_ids(labels, n)
         #: whether the training set took the in-memory ArrayDataset path (set by setup)
         self.in_memory: Optional[bool] = None
+        names = self._class_names()
+        #: number of classes: ``num_classes=``, else the size of the training set's ``ClassLabel``, else None
+        self.num_classes = num_classes if num_classes is not None else (len(names) if names is not None else None)
+        self._classes_from = (
+            f"num_classes={num_classes}" if num_classes is not None
+            else f"the ClassLabel feature {self._train_reader.label_key!r} of train" if names is not None else None
+        )
+        self._label_arrays: dict = {}
+        self._read_pass: Optional[np.ndarray] = None
 
     @property
     def needs_labels(self) -> bool:
@@ -224,6 +278,23 @@ class DatasetDataModule(FederatedDataModule):
 
     def _reader(self, dataset: Any, name: str) -> _Reader:
         sample = dataset[0]
+        reader = self._structure(dataset, name, sample)
+        reader.label0 = reader(sample)[1]
+        if self.check_labels and isinstance(reader.label0, (str, bytes)):
+            if _is_hf(dataset):
+                fix = (f"cast the column with {name} = {name}.class_encode_column({reader.label_key!r}) (a Hugging "
+                       f"Face ClassLabel maps each string to a class id)")
+            else:
+                fix = ("return integer class ids from __getitem__ (e.g. classes.index(label)), or build a Hugging Face "
+                       "data set and cast the column with class_encode_column")
+            raise ValueError(
+                f"{name} labels are strings ({reader.where(name, 0)} is {_scalar(reader.label0)!r}), but a model needs integer "
+                f"class ids: {fix}; or pass check_labels=False to serve the strings as they are"
+            )
+        return reader
+
+    def _structure(self, dataset: Any, name: str, sample: Any) -> _Reader:
+        """How to read ``(x, y)`` from samples shaped like ``sample`` (rules: class docstring, "Sample structure")."""
         if isinstance(sample, Mapping):
             keys = list(sample)
             label_key = self.label_key
@@ -274,8 +345,29 @@ class DatasetDataModule(FederatedDataModule):
         mod = sys.modules["datasets"]
         return [k for k, f in features.items() if isinstance(f, mod.ClassLabel)]
 
+    def _class_names(self) -> Optional[List[str]]:
+        """The names of the training set's ``ClassLabel`` label feature (None when it is not one). A test set whose
+        label is a ``ClassLabel`` of other names is a ValueError: one class id would mean two classes."""
+        train = _label_feature(self._train_source, self._train_reader)
+        if train is None:
+            return None
+        names = list(train.names)
+        test = None if self._test_source is None else _label_feature(self._test_source, self._test_reader)
+        if test is not None and list(test.names) != names:
+            other = list(test.names)
+            i = next((i for i, (a, b) in enumerate(zip(names, other)) if a != b), min(len(names), len(other)))
+            differ = (f"class {i} is {names[i]!r} in train but {other[i]!r} in test" if i < min(len(names), len(other))
+                      else f"train has {len(names)} names, test {len(other)}")
+            key = self._train_reader.label_key
+            raise ValueError(
+                f"the ClassLabel names of train and test differ ({differ}), so one class id would mean two classes; "
+                f"align them: test = test.align_labels_with_mapping({{name: i for i, name in "
+                f"enumerate(train.features[{key!r}].names)}}, {key!r})"
+            )
+        return names
+
     @staticmethod
-    def _check_labels(labels: Any, n: int) -> np.ndarray:
+    def _given_label_ids(labels: Any, n: int) -> np.ndarray:
         if isinstance(labels, Tensor):
             labels = labels.detach().cpu().numpy()
         arr = np.asarray(labels)
@@ -302,6 +394,7 @@ class DatasetDataModule(FederatedDataModule):
         labels = self._labels(train)
         #: whether the training labels were found (False: an IID split without labels)
         self.has_labels = labels is not None
+        train, test = self._settle_labels(train, test)
         n = len(train)
         n_val = int(math.ceil(self.val_fraction * n - 1e-9))
         if self._num_clients > n - n_val:
@@ -316,25 +409,26 @@ class DatasetDataModule(FederatedDataModule):
         """The data set as an :class:`ArrayDataset` or a :class:`PairView` (rules: class docstring, "In memory")."""
         option = self.in_memory_option
         if option is False or (option == "auto" and reference_mode()):
-            return PairView(dataset, reader)
+            return PairView(dataset, reader, name=name)
         if isinstance(dataset, ArrayDataset):
             return dataset
         if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
             return ArrayDataset(dataset.tensors[0], dataset.tensors[1])
         x0, y0 = reader(dataset[0])
-        size = _nbytes(x0) + _nbytes(y0)
+        x_bytes, y_bytes = _nbytes(x0), _nbytes(y0)
+        size = None if x_bytes is None or y_bytes is None else x_bytes + y_bytes
         if option == "auto":
             if size is None or size * len(dataset) > self.max_in_memory_bytes:
-                return PairView(dataset, reader)
+                return PairView(dataset, reader, name=name)
             if not _is_hf(dataset) and any(getattr(dataset, a, None) is not None for a in ("transform", "transforms")):
-                return PairView(dataset, reader)
+                return PairView(dataset, reader, name=name)
         if _is_hf(dataset):
             cols = dataset.with_format("torch", columns=[reader.input_key, reader.label_key])[:]
             x, y = cols[reader.input_key], cols[reader.label_key]
             if isinstance(x, Tensor) and isinstance(y, Tensor):
                 return ArrayDataset(x, y)
             if option == "auto":
-                return PairView(dataset, reader)
+                return PairView(dataset, reader, name=name)
             raise ValueError(
                 f"in_memory=True needs every {name} sample's input and label as tensors of one shape, but the "
                 f"Hugging Face columns {reader.input_key!r} / {reader.label_key!r} do not stack (samples of "
@@ -357,7 +451,7 @@ class DatasetDataModule(FederatedDataModule):
             got = (_signature(x), _signature(y))
             if got != sig:
                 if not strict:
-                    return PairView(dataset, reader)
+                    return PairView(dataset, reader, name=name)
                 raise ValueError(
                     f"in_memory=True needs every {name} sample to have sample 0's shapes and types {sig}, but sample "
                     f"{i} has {got}; use in_memory=False, or make the samples one shape"
@@ -386,7 +480,7 @@ class DatasetDataModule(FederatedDataModule):
         if isinstance(train, ArrayDataset):
             candidates.append((f"{reader.describe()}, in-memory copy", lambda: train.y))
         elif self.needs_labels:
-            candidates.append((f"{reader.describe()}, every sample read", lambda: _read_labels(source, reader)))
+            candidates.append((f"{reader.describe()}, every sample read", lambda: self._remember(_read_labels(source, reader))))
         for what, get in candidates:
             try:
                 arr = get()
@@ -412,6 +506,72 @@ class DatasetDataModule(FederatedDataModule):
             f"use partition=IID()"
         )
 
+    def _remember(self, labels: np.ndarray) -> np.ndarray:
+        """Keeps the labels of the one pass over the samples (the label checks reuse them)."""
+        self._read_pass = labels
+        return labels
+
+    # ------------------------------------------------------------------ label checks
+    def _settle_labels(self, train: Dataset, test: Optional[Dataset]) -> Tuple[Dataset, Optional[Dataset]]:
+        """Serves class labels stored as floats as int64 class ids and records the labels that the base class checks
+        (rules: class docstring, "Label checks")."""
+        self._label_arrays = {}
+        if not self.check_labels:
+            return train, test
+        y = _served_labels(train, self._train_source, self._train_reader, self._read_pass)
+        classes: Optional[bool] = True if self.num_classes is not None else None
+        if y is not None:
+            if y.dtype.kind == "f":
+                whole = bool(_whole(y).all())
+                classes = classes or whole
+                if whole:
+                    y = y.astype(np.int64)
+                    train = _with_class_ids(train)
+                    self._warn_cast(self._train_reader, "train")
+            else:
+                classes = True
+        elif classes and _is_float_label(self._train_reader.label0):  # not scanned: cast (and check) per sample
+            train = _with_class_ids(train)
+            self._warn_cast(self._train_reader, "train", scanned=False)
+        self._label_arrays["train"] = y
+        if test is None:
+            return train, test
+        yt = _served_labels(test, self._test_source, self._test_reader, None)
+        if classes and yt is not None and yt.dtype.kind == "f":
+            bad = np.flatnonzero(~_whole(yt))
+            if len(bad) and self.num_classes is None:  # with num_classes, the base class's check names it
+                r = int(bad[0])
+                raise ValueError(
+                    f"{type(self).__name__}: bad label in the test split: sample {r} of the test set has label "
+                    f"{yt[r].item()!r}, not a whole number, but the training labels are class ids{self._label_hint()}"
+                )
+            if not len(bad):
+                yt = yt.astype(np.int64)
+                test = _with_class_ids(test)
+        elif classes and yt is None and _is_float_label(self._test_reader.label0):
+            test = _with_class_ids(test)
+        self._label_arrays["test"] = yt
+        return train, test
+
+    def _warn_cast(self, reader: _Reader, name: str, scanned: bool = True) -> None:
+        what = "whole-number floats" if scanned else f"floats and {self._classes_from} makes them class ids"
+        then = "" if scanned else " (a label that is not a whole number raises a ValueError when it is read)"
+        warnings.warn(
+            f"{type(self).__name__}: the {name} labels are {what} ({reader.where(name, 0)} is "
+            f"{_scalar(reader.label0)!r}); they are served as int64 class ids{then}. Pass check_labels=False to serve "
+            f"them unchanged (e.g. float targets of BCEWithLogitsLoss)",
+            stacklevel=5,
+        )
+
+    def _label_array(self, set_name: str) -> Optional[np.ndarray]:
+        return self._label_arrays.get(set_name)
+
+    def _num_classes_source(self) -> str:
+        return self._classes_from or super()._num_classes_source()
+
+    def _label_hint(self) -> str:
+        return "; pass check_labels=False if the labels are targets of your own loss, not class ids"
+
     # ------------------------------------------------------------------ evaluation
     def test_dataloader(self):
         """The test set, sequential; with ``test=None`` a RuntimeError (``python train.py fit`` skips its test
@@ -427,6 +587,70 @@ class DatasetDataModule(FederatedDataModule):
 
 class _NotALabel(ValueError):
     pass
+
+
+def _label_feature(dataset: Any, reader: _Reader) -> Any:
+    """The Hugging Face ``ClassLabel`` feature of the label column of ``dataset``, or None."""
+    if not _is_hf(dataset) or reader.kind != "dict":
+        return None
+    feature = dataset.features.get(reader.label_key)
+    return feature if isinstance(feature, sys.modules["datasets"].ClassLabel) else None
+
+
+def _scalar(value: Any) -> Any:
+    """A 0-d tensor / array or NumPy scalar as the Python value (for messages)."""
+    return value.item() if isinstance(value, (Tensor, np.ndarray, np.generic)) and np.ndim(value) == 0 else value
+
+
+def _whole(labels: np.ndarray) -> np.ndarray:
+    """Mask of the finite whole numbers of a float array."""
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(labels) & (labels == np.round(labels))
+
+
+def _is_float_label(y: Any) -> bool:
+    if isinstance(y, Tensor):
+        return y.is_floating_point() and y.dim() == 0
+    return isinstance(y, (float, np.floating)) or (isinstance(y, np.ndarray) and y.ndim == 0 and y.dtype.kind == "f")
+
+
+def _served_labels(data: Dataset, source: Any, reader: _Reader, read_pass: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """The 1-D labels ``data`` serves, when known without another pass over the samples: the in-memory ``y``, a
+    Hugging Face label column, or the labels of the pass made for a label partition; None: not scanned."""
+    if isinstance(data, ArrayDataset):
+        return as_label_array(data.y)
+    if _is_hf(source) and reader.kind == "dict":
+        column = source.with_format("numpy", columns=[reader.label_key])[:][reader.label_key]
+        return as_label_array(column) if isinstance(column, np.ndarray) else None
+    return None if read_pass is None else as_label_array(read_pass)
+
+
+def _with_class_ids(data: Dataset) -> Dataset:
+    """``data`` serving its float labels as int64 class ids."""
+    if isinstance(data, ArrayDataset):
+        y = data.y
+        return ArrayDataset(data.x, y.long() if isinstance(y, Tensor) else np.asarray(y).astype(np.int64))
+    return PairView(data.dataset, data.reader, cast_labels=True, name=data.name)
+
+
+def _is_whole(value: float) -> bool:
+    return math.isfinite(value) and float(value).is_integer()
+
+
+def _class_id(y: Any, where: str) -> Any:
+    """A float class label as an int64 class id (0-d tensor: ``.long()``; Python / NumPy float: ``int``); other labels
+    unchanged. A float that is not a whole number is a ValueError naming ``where``."""
+    if isinstance(y, Tensor):
+        if not y.is_floating_point():
+            return y
+        if y.dim() == 0 and not _is_whole(y.item()):
+            raise ValueError(f"{where}: label {y.item()!r} is not a whole number, but the training labels are class ids")
+        return y.long()
+    if isinstance(y, (float, np.floating)) or (isinstance(y, np.ndarray) and y.ndim == 0 and y.dtype.kind == "f"):
+        if not _is_whole(float(y)):
+            raise ValueError(f"{where}: label {float(y)!r} is not a whole number, but the training labels are class ids")
+        return int(y)
+    return y
 
 
 def _read_labels(dataset: Any, reader: _Reader) -> np.ndarray:

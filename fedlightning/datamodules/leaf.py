@@ -16,6 +16,7 @@ import io
 import json
 import os
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -27,13 +28,14 @@ from fedlightning._validation import in_range, integer
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule, chronological_holdout
 from fedlightning.datamodules.shakespeare import NUM_LETTERS, encode_text
 
-__all__ = ["LeafDataModule", "LEAF_TASKS", "tokenize_tweet"]
+__all__ = ["LeafDataModule", "LEAF_TASKS", "file_digest", "tokenize_tweet"]
 
 #: number of classes of each LEAF task (FEMNIST: 10 digits + 26 + 26 letters; Shakespeare: LEAF's 80 characters)
 LEAF_TASKS: Dict[str, int] = {"femnist": 62, "shakespeare": NUM_LETTERS, "sent140": 2}
 _DEFAULT_USER_COLUMN = {"femnist": "writer_id", "shakespeare": "character_id", "sent140": "user"}
 _TOKEN = re.compile(r"[\w']+|[.,!?;]")
-_CACHE_VERSION = "leaf-v1"  # bump when the parsed representation changes
+_CACHE_VERSION = "leaf-v2"  # bump when the parsed representation or the cache key changes
+_DIGEST_CHUNK = 1 << 20  # bytes read at a time when hashing a data file
 
 
 def tokenize_tweet(text: str) -> List[str]:
@@ -55,6 +57,20 @@ def _quiet_datasets():
         datasets.utils.logging.set_verbosity(verbosity)
         if not was_disabled:
             datasets.enable_progress_bars()
+
+
+def file_digest(path: str) -> str:
+    """SHA-256 of a file's bytes (hex), read in 1 MiB blocks: the Arrow cache key of the LEAF files.
+
+    Keyed by content, a rewritten file is re-read even when its size and modification time are unchanged (a key of
+    size and mtime served stale labels then). SHA-256 is the fastest of ``hashlib``'s digests on CPUs with SHA
+    instructions (about 0.9 GB/s on this project's test machine, against 0.4 GB/s for BLAKE2b); hashing costs
+    a small fraction of parsing the same JSON (ours)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_DIGEST_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- JSON -> Arrow
@@ -96,6 +112,21 @@ def _leaf_json_rows(files: List[str], splits: List[str], name: str, stamps: List
             if name == "shakespeare":
                 ys = [str(v) for v in ys]
             yield {"file": path, "split": split, "user": str(user), "x": xs, "y": ys}
+
+
+def _check_unique_users(split: str, users: List[str], files: List[str]) -> None:
+    """A ValueError when a user has two rows (file, user) in one split: listed twice in a file's ``users``, or in two
+    files of the split (its samples would be trained on twice, and a copy could land in validation)."""
+    first: Dict[str, str] = {}
+    for user, path in zip(users, files):
+        if user in first:
+            where = (f"{path}: user {user!r} is listed twice in 'users'" if first[user] == path
+                     else f"user {user!r} is listed in two {split} files, {first[user]} and {path}")
+            raise ValueError(
+                f"{where}; a LEAF user must appear once per split (its samples would be trained on twice and could "
+                f"leak into the validation split)"
+            )
+        first[user] = path
 
 
 def _json_features(name: str):
@@ -153,11 +184,13 @@ class LeafDataModule(FederatedDataModule):
       Hugging Face's ``json`` builder cannot read this layout: the per-user keys of ``user_data`` make the Arrow schema
       differ from file to file, and the build fails as soon as two files hold different users. The files are therefore
       parsed here (with clear errors naming the file) and streamed, one row per (file, user), into
-      ``datasets.Dataset.from_generator``, fingerprinted by the files' paths, sizes and modification times.
+      ``datasets.Dataset.from_generator``, fingerprinted by the files' paths and the SHA-256 of their bytes
+      (:func:`file_digest`), so a rewritten file is parsed again even with its old size and modification time.
     * **Flower hub parquet** (``flwrlabs/femnist``: columns ``image``, ``writer_id``, ``hsf_id``, ``character``;
       ``flwrlabs/shakespeare``: ``character_id``, ``x``, ``y``): one row per sample, read with the ``parquet`` (or
       ``csv``) builder; files whose name contains ``test`` form the test split, the others the train split. FEMNIST
-      PNG images are decoded once (a cached ``map``).
+      PNG images are decoded once (a cached ``map``). The builder's config is named by the files' SHA-256 (``datasets``
+      itself keys local files by their modification time only).
 
     Per task (``name``): inputs / targets / classes.
 
@@ -183,6 +216,16 @@ class LeafDataModule(FederatedDataModule):
        Sent140 draw the train samples at random (one seeded generator, users in order); Shakespeare keeps the order and
        leaves a gap of 79 windows (train = first ``n_train``, test from ``n_train + 79``) so test targets never appear in
        a train window. Users left without a train or a test sample are dropped (LEAF keeps only users with both).
+
+    Checks of the JSON layout (ValueErrors name the file and the user): a user listed twice in a file's ``users``,
+    or in two files of one split (train or test); ``num_samples[i]`` different from the length of that user's
+    ``user_data[...]["y"]``; a user without samples, inputs and labels of different lengths, labels outside the task's
+    classes, inputs of the wrong size. Test users without a training sample (on-disk split kept) are left out with
+    their test samples, with a warning that counts and names them (decision, ours: LEAF's model code trains and tests
+    the same users, and the global test set stays the union of the clients' test parts, as for the users that
+    ``user_fraction`` and ``num_users`` leave out; ``train_fraction=`` pools and re-splits them instead). Non-finite
+    inputs and labels are checked by :class:`~fedlightning.datamodules.FederatedDataModule` at setup; its messages
+    name the client, the user and the user's files.
 
     Clients are the kept users, in order of first appearance (files sorted by name); ``client_names`` holds their ids.
     The train set is stored user-contiguous, so each client's index array is a range; ``client_test_indices`` index the
@@ -260,6 +303,8 @@ class LeafDataModule(FederatedDataModule):
         self.num_dropped_users = 0
         self.vocabulary: Optional[List[str]] = None
         self._natural: List[np.ndarray] = []
+        self._user_files: Dict[Tuple[str, str], List[str]] = {}  # (split, user) -> the files holding the user
+        self._resplit = False
 
     # ------------------------------------------------------------------ discovery
     def _discover(self) -> Tuple[str, Dict[str, List[str]]]:
@@ -296,7 +341,7 @@ class LeafDataModule(FederatedDataModule):
 
         paths = files["train"] + files["test"]
         splits = ["train"] * len(files["train"]) + ["test"] * len(files["test"])
-        stamps = [f"{os.path.abspath(p)}:{os.path.getsize(p)}:{os.path.getmtime(p)}" for p in paths]
+        stamps = [f"{os.path.abspath(p)}:{file_digest(p)}" for p in paths]
         fingerprint = hashlib.sha256("|".join([_CACHE_VERSION, self.name] + stamps).encode()).hexdigest()[:32]
         with _quiet_datasets():
             try:
@@ -321,6 +366,9 @@ class LeafDataModule(FederatedDataModule):
             rows = np.flatnonzero(split_col == split)
             if len(rows) == 0:
                 continue
+            _check_unique_users(split, [user_col[r] for r in rows], [file_col[r] for r in rows])
+            for r in rows:
+                self._user_files.setdefault((split, user_col[r]), []).append(file_col[r])
             contiguous = rows[-1] - rows[0] + 1 == len(rows)  # the generator writes train files, then test files
             sub = table.slice(int(rows[0]), len(rows)) if contiguous else table.take(rows)
             counts = np.asarray(sub.column("y").combine_chunks().value_lengths().to_numpy(zero_copy_only=False))
@@ -383,9 +431,12 @@ class LeafDataModule(FederatedDataModule):
         import datasets
 
         data_files = {k: v for k, v in files.items() if v}
+        # datasets keys the cache of local files by their modification time only: name the config by their content
+        stamps = [f"{split}:{os.path.abspath(p)}:{file_digest(p)}" for split, v in data_files.items() for p in v]
+        config = "leaf-" + hashlib.sha256("|".join([_CACHE_VERSION] + stamps).encode()).hexdigest()[:32]
         try:
             with _quiet_datasets():
-                dsd = datasets.load_dataset(fmt, data_files=data_files, cache_dir=self.cache_dir)
+                dsd = datasets.load_dataset(fmt, name=config, data_files=data_files, cache_dir=self.cache_dir)
         except Exception as err:  # pyarrow / datasets errors name neither the file nor the layout
             listed = ", ".join(f for v in data_files.values() for f in v)
             raise ValueError(
@@ -413,6 +464,8 @@ class LeafDataModule(FederatedDataModule):
                 raise ValueError("the parquet/csv layout is supported for femnist and shakespeare (Flower hub)")
             names = ds.data.table.column(self.user_column).to_pylist()
             codes = np.array([users.setdefault(str(u), len(users)) for u in names], dtype=np.int64)
+            for u in dict.fromkeys(map(str, names)):
+                self._user_files.setdefault((split, u), []).append(where)
             out[split] = _Part(x=x, y=y, user=codes)
         return out
 
@@ -465,6 +518,7 @@ class LeafDataModule(FederatedDataModule):
     def load(self):
         fmt, files = self._discover()
         users: Dict[str, int] = {}
+        self._user_files = {}
         parts = self._read_json(files, users) if fmt == "json" else self._read_table(fmt, files, users)
         train, test = parts["train"], parts["test"]
         if train is None:
@@ -479,9 +533,12 @@ class LeafDataModule(FederatedDataModule):
                 user=np.concatenate([train.user, test.user]),
             )
             test = None
+        self._resplit = resplit
         tr_order, tr_bounds = self._group(train, U)
         te_order, te_bounds = self._group(test, U) if test is not None else (None, None)
         totals = np.diff(tr_bounds) + (np.diff(te_bounds) if test is not None else 0)
+        if test is not None:
+            self._warn_test_only_users(names, np.diff(tr_bounds), np.diff(te_bounds))
 
         rng = np.random.default_rng(self.seed)
         keep = np.arange(U)
@@ -550,6 +607,28 @@ class LeafDataModule(FederatedDataModule):
         train_ds = ArrayDataset(_tensor(x_tr), _tensor(y_tr.astype(np.int64)))
         test_ds = ArrayDataset(_tensor(x_te), _tensor(y_te.astype(np.int64))) if len(y_te) else None
         return train_ds, test_ds, y_tr
+
+    def _warn_test_only_users(self, names: List[str], n_train: np.ndarray, n_test: np.ndarray) -> None:
+        """Warns when test users have no training sample: they are left out with their test samples (LeafDataModule
+        docstring)."""
+        orphans = np.flatnonzero((n_train == 0) & (n_test > 0))
+        if not len(orphans):
+            return
+        shown = ", ".join(repr(names[u]) for u in orphans[:3]) + (", ..." if len(orphans) > 3 else "")
+        warnings.warn(
+            f"LeafDataModule: {len(orphans)} test user(s) in {self.data_dir} have no training sample and are left out "
+            f"with their {int(n_test[orphans].sum())} test samples (LEAF trains and tests the same users): {shown}; "
+            f"pass train_fraction= to pool and re-split every user's samples instead",
+            stacklevel=4,
+        )
+
+    def _client_label(self, client_id: int, set_name: str) -> str:
+        """``client 3, user 'f_0003', in <its files>`` (the files of the split the row comes from)."""
+        label = super()._client_label(client_id, set_name)
+        user = self.client_names[client_id] if client_id < len(self.client_names) else None
+        splits = ("train", "test") if self._resplit else (set_name,)
+        files = [f for split in splits for f in self._user_files.get((split, user), [])]
+        return label + (f", in {', '.join(files)}" if files else "")
 
     def _bag_of_words(self, texts_tr: List[str], texts_te: List[str]) -> Tuple[np.ndarray, np.ndarray]:
         tok_tr = [tokenize_tweet(t) for t in texts_tr]

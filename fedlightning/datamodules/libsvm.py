@@ -88,6 +88,7 @@ class LibsvmDataModule(FederatedDataModule):
         self.data_dir = data_dir
         self.test_fraction = in_range("test_fraction", test_fraction, 0.0, 1.0, low_closed=False)
         self.num_features, self.label_pair, self.train_file, self.test_file = LIBSVM_DATASETS[name]
+        self.num_classes = 2  # the label pair, mapped to 0 and 1
 
     def _read(self, path: str) -> Tuple[np.ndarray, np.ndarray]:
         from sklearn.datasets import load_svmlight_file

@@ -112,6 +112,7 @@ class MnistDataModule(FederatedDataModule):
         )
         self.data_dir = data_dir
         self.download = bool(download)
+        self.num_classes = 10
 
     def prepare_data(self) -> None:
         if not self.download:

@@ -311,6 +311,7 @@ class ShakespeareDataModule(FederatedDataModule):
         self.train_fraction = in_range("train_fraction", train_fraction, 0.0, 1.0, low_closed=False)
         self.client_names: List[str] = []
         self.num_dropped_roles = 0
+        self.num_classes = NUM_LETTERS  # next-character targets: LEAF's 80-character vocabulary
         self._stages: Dict[str, int] = {}
         self._natural: List[np.ndarray] = []
 

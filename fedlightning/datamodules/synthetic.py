@@ -169,6 +169,7 @@ class SyntheticDataModule(FederatedDataModule):
         )
         self.alpha, self.beta, self.iid = non_negative("alpha", alpha), non_negative("beta", beta), bool(iid)
         self.dim, self.classes = integer("dim", dim), integer("classes", classes, 2)
+        self.num_classes = self.classes
         self.train_fraction = in_range("train_fraction", train_fraction, 0.0, 1.0, low_closed=False)
         self.rng = one_of("rng", rng, ("generator", "legacy"))
         self.params: Optional[dict] = None
