@@ -23,7 +23,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 __all__ = [
+    "SettingError",
     "WrongTypeError",
+    "check_fit_settings",
+    "check_learning_rates",
+    "check_val_check_interval",
     "flag",
     "in_range",
     "integer",
@@ -36,6 +40,16 @@ __all__ = [
 
 class WrongTypeError(TypeError, ValueError):
     """A value of the wrong kind for its field (both a ``TypeError`` and a ``ValueError``)."""
+
+
+class SettingError(ValueError):
+    """An impossible setting of a run. ``config_key`` is the setting's key in a ``train.py`` config
+    (``trainer.max_steps``, ``model.seed``), which the CLI's one-line error starts with; the message itself names the
+    setting as a Python user writes it, and the value."""
+
+    def __init__(self, config_key: str, message: str) -> None:
+        super().__init__(message)
+        self.config_key = config_key
 
 
 def _fail(name: str, rule: str, value: Any, *, label: Optional[str], show_name: bool, allow_none: bool,
@@ -138,3 +152,84 @@ def flag(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         _fail(name, "a bool", value, label=None, show_name=False, allow_none=False, error=WrongTypeError)
     return bool(value)
+
+
+#: ``max_epochs`` that Lightning sets when a fit gives neither ``max_epochs`` nor a time limit and ``max_steps=-1``
+#: (``lightning.pytorch.loops.utilities._parse_loop_limits``).
+LIGHTNING_DEFAULT_MAX_EPOCHS = 1000
+
+
+def check_fit_settings(trainer: Any, loop: Any) -> None:
+    """Refuse, before round 0, trainer and loop settings with which a federated fit cannot run as asked; each
+    :class:`SettingError` names the setting and the value. Called by ``FederatedLoop.setup("fit")``, so Python users
+    get the same checks as ``train.py``. Decisions (ours):
+
+    * ``trainer.max_steps`` is the number of rounds (one ``training_step`` is one round). ``0`` trains nothing and
+      would still report success, so it is refused. ``-1`` (no step limit) is accepted with an explicit
+      ``max_epochs`` (``max_epochs × rounds_per_epoch`` rounds, or ``-1``: until stopped) or a ``max_time``; with
+      neither, Lightning picks ``max_epochs=1000``, i.e. 1000 × ``rounds_per_epoch`` rounds nobody chose, which is
+      refused (an explicit ``max_epochs=1000`` cannot be told apart from that default and is refused too).
+      Values below ``-1`` are Lightning's own error.
+    * ``trainer.val_check_interval``: a number of rounds (int) or a fraction of an epoch of rounds (float) must be
+      > 0 and finite (``0`` is a ``ZeroDivisionError`` in Lightning's loop); ``check_val_every_n_epoch`` must be
+      None or >= 1 (likewise). Time-based intervals (``"00:01:00"``) are Lightning's.
+    * ``model.seed`` must be an integer >= 0: every random stream is derived from it, and a negative seed is
+      almost always a sentinel ("random") that the loop does not implement.
+    """
+    from lightning.pytorch.callbacks import Timer
+
+    max_steps = getattr(trainer, "max_steps", None)
+    max_epochs = getattr(trainer, "max_epochs", None)
+    if isinstance(max_steps, int) and not isinstance(max_steps, bool):
+        if max_steps == 0:
+            raise SettingError("trainer.max_steps", "max_steps is the number of federated rounds and must be >= 1 "
+                                                    "(or -1 with max_epochs), got 0")
+        timed = any(isinstance(cb, Timer) for cb in getattr(trainer, "callbacks", []))
+        if max_steps == -1 and max_epochs == LIGHTNING_DEFAULT_MAX_EPOCHS and not timed:
+            raise SettingError(
+                "trainer.max_steps",
+                "max_steps is the number of federated rounds; got -1 (no limit) without max_epochs or max_time, "
+                f"so Lightning would run {LIGHTNING_DEFAULT_MAX_EPOCHS} epochs of rounds_per_epoch rounds: set "
+                "max_steps to the number of rounds",
+            )
+    check_val_check_interval(getattr(trainer, "val_check_interval", None))
+    every = getattr(trainer, "check_val_every_n_epoch", None)
+    if every is not None:
+        try:
+            integer("check_val_every_n_epoch", every, allow_none=True)
+        except ValueError as err:
+            raise SettingError("trainer.check_val_every_n_epoch", str(err)) from None
+    seed = getattr(loop, "seed", None)
+    try:
+        integer("seed", seed, 0)
+    except ValueError as err:
+        raise SettingError("model.seed", str(err)) from None
+
+
+def check_val_check_interval(interval: Any) -> None:
+    """Refuse a numeric ``trainer.val_check_interval`` that is not > 0 and finite (rounds as an int, a fraction of an
+    epoch of rounds as a float); None and time-based values (``"00:01:00"``, a timedelta, a dict) pass."""
+    if _is_real(interval):
+        v = float(interval)
+        if not (math.isfinite(v) and v > 0):
+            raise SettingError("trainer.val_check_interval",
+                               "val_check_interval must be > 0 (validate every N rounds, or a fraction of an "
+                               f"epoch of rounds), got {interval!r}")
+
+
+def check_learning_rates(optimizer: Any, config_key: str, owner: str) -> None:
+    """Refuse a client optimizer whose learning rate (``lr`` of any parameter group) is NaN or infinite:
+    ``torch.optim.SGD`` accepts both, and every client's loss would then be non-finite, so every client would be
+    skipped and the global model never change. ``owner`` names the optimizer in the message (e.g.
+    ``"client_optimizer SGD"``); ``config_key`` is its ``lr`` key in a ``train.py`` config."""
+    for i, group in enumerate(getattr(optimizer, "param_groups", None) or []):
+        lr = group.get("lr") if isinstance(group, dict) else None
+        if lr is None or isinstance(lr, bool):
+            continue
+        try:
+            value = float(lr)
+        except (TypeError, ValueError):
+            continue
+        if not math.isfinite(value):
+            where = f" (parameter group {i})" if len(optimizer.param_groups) > 1 else ""
+            raise SettingError(config_key, f"{owner} lr must be a finite number, got {value!r}{where}")

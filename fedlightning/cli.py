@@ -15,6 +15,8 @@ the one-line configuration errors.
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import glob
 import importlib
 import os
@@ -25,8 +27,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
+from fedlightning._validation import SettingError, check_val_check_interval
 from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.loop import FederatedLoop
 
@@ -35,6 +39,7 @@ __all__ = ["FederatedCLI", "main", "TRACEBACK_ENV"]
 TRACEBACK_ENV = "FEDLIGHTNING_TRACEBACK"
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _KEYWORDS = ("last", "best")
+_MAX_SEED = 2**32 - 1  # lightning.fabric.utilities.seed.max_seed_value (numpy's seed range)
 
 SERVER_OPTIMIZER_HELP = (
     "Not supported by fedlightning: LightningCLI's {key} would replace the server step of the federated strategy. "
@@ -133,12 +138,26 @@ class FederatedCLI(LightningCLI):
         self._checked: Optional[Tuple[str, Dict[str, Any]]] = None
         try:
             super().__init__(FederatedLoop, FederatedDataModule, *args, **kwargs)
-        except (ValueError, TypeError) as err:
+        except argparse.ArgumentError as err:
+            err.fedlightning_error_line = _parser_error_line(  # type: ignore[attr-defined]
+                err, self, kwargs.get("args"))
+            raise
+        except (ValueError, TypeError, MisconfigurationException) as err:
             if self._rounds_run.count == 0:
                 line = _config_error_line(err, self._config_dict())
                 if line is not None:
                     err.fedlightning_error_line = line  # type: ignore[attr-defined]
             raise
+
+    def init_parser(self, **kwargs: Any):
+        """LightningCLI's parser with two settings of ours (each overridable through ``parser_kwargs``):
+        ``exit_on_error=False`` — a parsing error is raised as ``argparse.ArgumentError`` instead of printing
+        jsonargparse's usage and union dump and exiting, so :func:`main` reduces it to one line
+        (:func:`_parser_error_line`); ``allow_abbrev=False`` — ``--model.local_step 5`` is an unknown option, not
+        silently ``--model.local_steps 5`` (argparse's prefix matching, which jsonargparse 4 still applies)."""
+        kwargs.setdefault("exit_on_error", False)
+        kwargs.setdefault("allow_abbrev", False)
+        return super().init_parser(**kwargs)
 
     # ------------------------------------------------------------------ parser
     def add_arguments_to_parser(self, parser) -> None:
@@ -177,6 +196,13 @@ class FederatedCLI(LightningCLI):
                     "trainer.callbacks (e.g. --trainer.callbacks+=fedlightning.callbacks.FedAdam "
                     "--trainer.callbacks.server_lr=0.01)."
                 )
+        trainer = config.get("trainer")
+        if trainer is not None and hasattr(trainer, "get"):  # before Lightning's own, less precise error
+            check_val_check_interval(trainer.get("val_check_interval"))
+        seed = config.get("seed_everything")
+        if seed is not None and not isinstance(seed, bool) and not 0 <= seed <= _MAX_SEED:
+            raise SettingError("seed_everything", f"seed_everything must be an integer in [0, {_MAX_SEED}] (numpy's "
+                                                  f"seed range) or true/false, got {seed!r}")
 
     def _parse_ckpt_path(self) -> None:
         """Check an explicit ``--ckpt_path`` file before anything else reads it (replaces LightningCLI's reading of
@@ -455,10 +481,12 @@ def _config_error_line(err: BaseException, config: Dict[str, Any]) -> Optional[s
     from fedlightning.checkpoint import CheckpointError
 
     for e in _chain(err):
-        if not isinstance(e, (ValueError, TypeError)):
+        if not isinstance(e, (ValueError, TypeError, MisconfigurationException)):
             continue
         if isinstance(e, CheckpointError):
             return e.summary_line()
+        if isinstance(getattr(e, "config_key", None), str):  # fedlightning._validation.SettingError
+            return f"{e.config_key}: {' '.join(str(e).split())}"
         key = _config_key(e, config) if config else None
         if _raised_in_package(e) or key is not None:
             message = " ".join(str(e).split("\n")).strip()
@@ -466,6 +494,383 @@ def _config_error_line(err: BaseException, config: Dict[str, Any]) -> Optional[s
                 return f"{key}: {message}"
             return message
     return None
+
+
+# ====================================================================== parser errors in one line
+#: Parameters renamed in this project's history (a name that meant different things in different classes was
+#: split): (class path, old name) -> the message. jsonargparse only says "Option 'c' is not accepted".
+_RENAMED: Dict[Tuple[str, str], str] = {
+    ("fedlightning.optim.SPS", "c"): "SPS's c is now polyak_c",
+    ("fedlightning.optim.SPS", "lr"): "SPS takes no lr: its step is the Polyak step (a fixed step for FedSPS-Global "
+                                      "clients is fixed_step_size)",
+    ("fedlightning.callbacks.FedAdagrad", "eps"): "FedAdagrad's eps is now tau",
+    ("fedlightning.callbacks.FedAdam", "eps"): "FedAdam's eps is now tau",
+    ("fedlightning.callbacks.FedYogi", "eps"): "FedYogi's eps is now tau",
+    ("fedlightning.callbacks.FedAMS", "eps"): "FedAMS's eps is now ams_eps",
+    ("fedlightning.callbacks.FedLiLU", "eps"): "FedLiLU's eps is now dfw_eps",
+}
+
+#: Union alternatives that never explain a failure: the "path to a config file" reading of any value, the generic
+#: subclass hint and ``None``.
+_UNINFORMATIVE = ("Expected a path but", "Not a valid subclass of", "Expected a <class 'NoneType'>",
+                  "Expected a dot import path string")
+#: jsonargparse's list of the forms a subclass argument may take (a hint, not a reason).
+_HINTS = ("Subclass types expect", "a class path (str)", "a dict with", "a dict without")
+
+
+class _Node:
+    """One line of a jsonargparse error message and the lines indented under it."""
+
+    __slots__ = ("text", "children")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.children: List["_Node"] = []
+
+    def all_text(self) -> str:
+        return "\n".join([self.text] + [c.all_text() for c in self.children])
+
+
+def _message_tree(message: str) -> List[_Node]:
+    """jsonargparse's nested message as a tree by indentation (a ``- `` bullet's text without the dash)."""
+    roots: List[_Node] = []
+    stack: List[Tuple[int, _Node]] = []
+    for raw in message.splitlines():
+        text = raw.strip()
+        if not text:
+            continue
+        indent = len(raw) - len(raw.lstrip())
+        node = _Node(text[2:] if text.startswith("- ") else text)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        (stack[-1][1].children if stack else roots).append(node)
+        stack.append((indent, node))
+    return roots
+
+
+def _type_phrase(spec: str) -> str:
+    """``<class 'float'>`` -> ``a float``; ``typing.Literal['a', 'b']`` -> ``one of 'a', 'b'``."""
+    spec = spec.strip()
+    lit = re.fullmatch(r"typing\.Literal\[(.*)\]", spec)
+    if lit:
+        return f"one of {lit.group(1)}"
+    cls = re.fullmatch(r"<class '([\w.]+)'>", spec)
+    name = cls.group(1) if cls else spec
+    short = {"NoneType": "null", "bool": "a bool (true/false)", "int": "an int", "float": "a float",
+             "str": "a string", "list": "a list", "dict": "a mapping", "collections.abc.Sequence": "a list"}
+    if name in short:
+        return short[name]
+    return f"a {name.rsplit('.', 1)[-1]}"
+
+
+def _join_or(items: List[str]) -> str:
+    items = list(dict.fromkeys(items))
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def _value_text(raw: str) -> str:
+    """A value from jsonargparse's message as the user wrote it (YAML-typed: ``'high'``, ``1.5``)."""
+    raw = raw.split(". Got value: ", 1)[0].strip()
+    if raw == "None":
+        return "null"
+    try:
+        import yaml
+
+        value = yaml.safe_load(raw)
+    except Exception:  # noqa: BLE001 - shown as text
+        value = raw
+    return repr(value) if isinstance(value, (str, int, float, bool)) or value is None else raw
+
+
+def _closest(word: str, choices: List[str]) -> Optional[str]:
+    """The valid name ``word`` most likely stands for: one it abbreviates, else difflib's closest (cutoff 0.6)."""
+    choices = sorted(set(c for c in choices if c))
+    prefixed = [c for c in choices if c.startswith(word) and c != word]
+    if len(prefixed) == 1:
+        return prefixed[0]
+    close = difflib.get_close_matches(word, choices, n=1)
+    return close[0] if close else None
+
+
+def _parameters(class_path: Optional[str]) -> Tuple[str, List[str]]:
+    """(class name, accepted init argument names) of a class the config names."""
+    cls = _import(class_path) if class_path else None
+    if cls is None:
+        return (class_path or "").rsplit(".", 1)[-1], []
+    import inspect
+
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return cls.__name__, []
+    return cls.__name__, [n for n, p in params.items()
+                          if n not in ("self", "params") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+class _ParserError:
+    """The config key and one-line message of a jsonargparse parsing error (see :func:`_parser_error_line`)."""
+
+    def __init__(self, known_keys: List[str]) -> None:
+        self.known_keys = known_keys
+        self.path: List[str] = []
+        self.class_path: Optional[str] = None
+        self.in_class = False
+        self.given: Optional[str] = None
+        self.message: Optional[str] = None
+
+    # ---------------------------------------------------------------- the key
+    def add_key(self, key: str) -> None:
+        if self.in_class:
+            self.path.append("init_args")
+            self.in_class = False
+        self.path.append(key)
+
+    def enter_class(self, class_path: Optional[str]) -> None:
+        self.class_path = class_path
+        self.in_class = True
+        given = self.given or ""
+        if class_path and self.path and given.startswith("["):  # a list of classes: name the item
+            listed = re.findall(r"""class_path['"]?[:=]\s*['"]([^'"]+)['"]""", given)
+            if listed.count(class_path) == 1:
+                self.path[-1] += f"[{listed.index(class_path)}]"
+
+    def key(self) -> str:
+        return ".".join(self.path) or "config"
+
+    # ---------------------------------------------------------------- leaves
+    def expected(self, types: List[str], value: Optional[str]) -> None:
+        literals = [v.strip() for t in types for m in [re.fullmatch(r"typing\.Literal\[(.*)\]", t.strip())] if m
+                    for v in m.group(1).split(",")]
+        phrases = [_type_phrase(t) for t in types if "NoneType" not in t and "Literal[" not in t]
+        if literals:
+            phrases.insert(0, f"one of {', '.join(dict.fromkeys(literals))}")
+        if any("NoneType" in t for t in types) or not phrases:
+            phrases.append("null")
+        got = "" if value is None else f", got {_value_text(value)}"
+        self.message = f"expected {_join_or(phrases)}{got}"
+
+    def unknown_option(self, name: str) -> None:
+        if self.in_class:
+            self.add_key(name)
+            owner = self.class_path
+            for (path, old), text in _RENAMED.items():
+                if old == name and owner and _import(path) is not None and _import(path) is _import(owner):
+                    self.message = text
+                    return
+            cls_name, accepted = _parameters(owner)
+            close = _closest(name, accepted)
+            self.message = (f"{cls_name} has no argument {name!r}"
+                            + (f" (did you mean {close}?)" if close else f"; it accepts {', '.join(accepted)}"
+                               if accepted else ""))
+            return
+        self.path.extend(name.split("."))
+        self.message = _unknown_key_message(".".join(self.path), self.known_keys)
+
+    def missing_class(self, module: str, name: str) -> None:
+        self.path.append("class_path")
+        self.in_class = False
+        try:
+            names = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
+        except Exception:  # noqa: BLE001
+            names = []
+        close = _closest(name, names)
+        self.message = (f"{module}.{name} does not exist (module {module} has no {name!r}"
+                        + (f"; did you mean {module}.{close}?)" if close else ")"))
+
+    def other(self, text: str) -> None:
+        self.message = " ".join(text.split())
+
+    # ---------------------------------------------------------------- walking the message
+    def walk_list(self, nodes: List[_Node]) -> bool:
+        for n in nodes:
+            if n.text.startswith("Given value: "):
+                self.given = n.text[len("Given value: "):]
+        errors = next((n for n in nodes if n.text == "Errors:"), None)
+        if errors is not None and any(n.text.startswith("Does not validate against any") for n in nodes):
+            scored = [(self._score(b), i, b) for i, b in enumerate(errors.children)]
+            best = max(scored, key=lambda s: (s[0], -s[1]))
+            if best[0] > 0:
+                return self.walk(best[2].text, best[2].children)
+            types = [m.group(1) for b in errors.children
+                     for m in [re.fullmatch(r"Expected a (.+?)(?:\. Got value: .*)?", b.text)] if m
+                     and not b.text.startswith(_UNINFORMATIVE[-1])]
+            self.expected(types, self.given)
+            return True
+        ranked = sorted(enumerate(nodes), key=lambda t: (-self._score(t[1]), t[0]))
+        for _, n in ranked:
+            if n.text.startswith(("Given value", "Subtypes:", "Errors:", "Expected a path but",
+                                  "Expected a dot import path string") + _HINTS):
+                continue
+            if self.walk(n.text, n.children):
+                return True
+        return False
+
+    @staticmethod
+    def _score(node: _Node) -> int:
+        text = node.all_text()
+        if node.text.startswith("Not a valid subclass of") and ". Got value: " in node.text:
+            return 1  # names the value that is not a class
+        if node.text.startswith(_UNINFORMATIVE + _HINTS):
+            return 0
+        if re.search(r"class_path '(lightning\.|lightning\.pytorch\.)?Callback'", text):
+            return 1  # the base class's reading of a subclass argument
+        if re.search(r'Parser key "|Problem with given class_path|callable class:|is not accepted|'
+                     r"has no attribute|No module named|are required", text):
+            return 3
+        if node.text.startswith("Expected a "):
+            return 0
+        return 2
+
+    def walk(self, text: str, children: List[_Node]) -> bool:
+        m = re.match(r'Parser key "([^"]+)":\s*(.*)$', text)
+        if m:
+            self.add_key(m.group(1))
+            return self.walk(m.group(2), children) if m.group(2) else self.walk_list(children)
+        m = re.match(r"Problem with given class_path '([^']+)':\s*(.*)$", text)
+        if m:
+            self.enter_class(m.group(1))
+            return self.walk(m.group(2), children) if m.group(2) else self.walk_list(children)
+        m = re.match(r".*? expects a function or a callable class:\s*(.*)$", text)
+        if m:
+            found = re.search(r"class_path='([^']+)'", "\n".join([text] + [c.all_text() for c in children]))
+            self.enter_class(found.group(1) if found else None)
+            return self.walk(m.group(1), children) if m.group(1) else self.walk_list(children)
+        m = re.match(r"Option '([^']+)' is not accepted", text)
+        if m:
+            self.unknown_option(m.group(1))
+            return True
+        m = re.match(r"(Group|Subcommand) '([^']+)' does not accept option '([^']+)'", text)
+        if m:
+            if m.group(1) == "Group":
+                self.path.append(m.group(2))
+            self.unknown_option(m.group(3))
+            return True
+        m = re.match(r"Expected a (.+?)\. Got value: (.*)$", text)
+        if m:
+            self.expected([m.group(1)], m.group(2))
+            return True
+        m = re.match(r"Not a valid subclass of (\S+?)(?:\. Got value: (.*))?$", text)
+        if m:
+            got = f", got {_value_text(m.group(2))}" if m.group(2) is not None else ""
+            self.message = f"expected a subclass of {m.group(1)} (a class_path with its init_args){got}"
+            return True
+        m = re.match(r"module '([^']+)' has no attribute '([^']+)'", text)
+        if m:
+            self.missing_class(m.group(1), m.group(2))
+            return True
+        m = re.match(r"No module named '([^']+)'", text)
+        if m:
+            self.path.append("class_path")
+            self.in_class = False
+            self.message = f"cannot import {_value_text(self.class_path or self.given or m.group(1))}: {text}"
+            return True
+        m = re.match(r"the following arguments are required: (.+)$", text)
+        if m:
+            names = [n.strip() for n in m.group(1).split(",")]
+            self.add_key(names[0])
+            owner = (self.class_path or "").rsplit(".", 1)[-1]
+            self.message = (f"{owner} needs {', '.join(names)} (not given)" if owner
+                            else f"required, not given ({', '.join(names)})")
+            return True
+        if children:
+            if self.walk_list(children):
+                return True
+        if text:
+            self.other(text)
+            return True
+        return False
+
+
+def _unknown_key_message(key: str, known_keys: List[str]) -> str:
+    """``unknown option ...; did you mean ...?`` for a key no parser knows (the closest sibling key, else the
+    closest key)."""
+    prefix, _, last = key.rpartition(".")
+    siblings = [k[len(prefix) + 1:].split(".")[0] for k in known_keys if prefix and k.startswith(prefix + ".")]
+    close = _closest(last, siblings) if siblings else None
+    if not siblings:  # the prefix itself is unknown (trainr.max_steps): name the whole key
+        last = key
+    if close is None:
+        close = _closest(key, known_keys)
+    if close is not None and close.startswith(last) and close != last:
+        return f"unknown option {last!r}: abbreviated options are not accepted (did you mean {close}?)"
+    return f"unknown option {last!r}" + (f" (did you mean {close}?)" if close else "")
+
+
+def _known_keys(cli: Any) -> List[str]:
+    """Every option key of the CLI's parsers (``model.local_steps``, ``trainer.max_steps``, ``data``, ...)."""
+    parsers = [getattr(cli, "parser", None)] + list(getattr(cli, "_subcommand_parsers", {}).values())
+    keys = {a.dest for p in parsers if p is not None for a in p._actions}
+    return sorted(k for k in keys if k and k not in ("help", argparse.SUPPRESS))
+
+
+def _yaml_problem(args: Optional[List[str]]) -> Optional[str]:
+    """``<file>: <YAML problem> (line L, column C)`` for the first ``--config`` file that is not valid YAML."""
+    import yaml
+
+    argv = list(sys.argv[1:] if args is None else args)
+    files = []
+    for i, a in enumerate(argv):
+        if a in ("-c", "--config") and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif a.startswith("--config="):
+            files.append(a.split("=", 1)[1])
+    for path in files:
+        try:
+            with open(path) as f:
+                yaml.safe_load(f)
+        except yaml.MarkedYAMLError as err:
+            mark = err.problem_mark
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            return f"{path}: not valid YAML: {err.problem or err.context}{where}"
+        except (OSError, yaml.YAMLError):
+            continue
+    return None
+
+
+def _parser_error_line(err: argparse.ArgumentError, cli: Any, args: Optional[List[str]] = None) -> str:
+    """``<config key>: <message naming the value>``: a jsonargparse parsing error in one line (ours).
+
+    jsonargparse nests its message by config level and lists every alternative of each ``Union``; the line keeps
+    the innermost key (``data.init_args.partition.init_args.alpha``, class levels spelled ``init_args`` as in a
+    YAML file, a list item as ``[i]`` when known) and the reason: the expected type and the given value, a class
+    that does not exist (with the closest name in its module), an argument a class does not take (a renamed one
+    says its new name, :data:`_RENAMED`; otherwise the closest accepted name), an unknown or abbreviated option
+    (the closest valid key), a file that is not valid YAML (file, line, column).
+    """
+    message = str(err)
+    known = _known_keys(cli)
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    m = re.match(r"unrecognized arguments: (.*)$", first)
+    if m:
+        tokens = m.group(1).split()
+        opts = [t for t in tokens if t.startswith("-")]
+        if not opts:
+            return f"command line: unexpected argument(s) {' '.join(tokens)!r}"
+        key = opts[0].lstrip("-").split("=", 1)[0]
+        return f"{key}: {_unknown_key_message(key, known)}"
+    m = re.match(r"argument (-*[\w.\[\]-]+)(?:/[^:]*)?: (.*)$", first)
+    if m:
+        return f"{m.group(1).lstrip('-')}: {' '.join(m.group(2).split())}"
+    m = re.match(r'expected "([^"]+)" to be one of \{([^}]*)\}', first)
+    if m:
+        return f"{m.group(1)}: not given (one of {', '.join(m.group(2).split(','))})"
+    m = re.match(r"the following arguments are required: (.+)$", first)
+    if m:
+        names = [re.sub(r"^(fit|validate|test|predict)\.", "", n.strip()) for n in m.group(1).split(",")]
+        return f"{names[0]}: required, not given" + (f" (nor {', '.join(names[1:])})" if names[1:] else "")
+    if first.startswith("Problems parsing config"):
+        problem = _yaml_problem(args)
+        return f"config: {problem}" if problem else "config: " + " ".join(message.split())
+    m = re.match(r"""Key "([^"]+)" is required""", first)
+    if m:
+        return f"{m.group(1)}: required, not given"
+    m = re.match(r"Option '([^']+)' is not accepted", first)
+    if m:
+        return f"{m.group(1)}: {_unknown_key_message(m.group(1), known)}"
+    state = _ParserError(known)
+    if not state.walk_list(_message_tree(message)) or state.message is None:
+        return "config: " + " ".join(first.split())
+    return f"{state.key()}: {state.message}"
 
 
 def main(args: Optional[List[str]] = None, run: bool = True) -> FederatedCLI:
@@ -485,7 +890,7 @@ def main(args: Optional[List[str]] = None, run: bool = True) -> FederatedCLI:
     fedlightning._default_wandb_offline()
     try:
         return FederatedCLI(args=args, run=run)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, MisconfigurationException, argparse.ArgumentError) as err:
         line = getattr(err, "fedlightning_error_line", None)
         if line is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise

@@ -32,7 +32,7 @@ from fedlightning._hooks import _FORWARDED_HOOKS, _LogRouter, _forward_to_model
 from fedlightning._logging_route import route_logging, routed_logging
 from fedlightning._reference import reference_mode
 from fedlightning._round import _RoundEnd
-from fedlightning._validation import integer, one_of, positive
+from fedlightning._validation import check_fit_settings, check_learning_rates, integer, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, check_hook_names
 from fedlightning.client import LocalTrainer
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, flat_params
@@ -180,6 +180,7 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
                     "federated client training runs the client optimizer itself: return the loss from training_step "
                     "and define the optimizer in configure_optimizers() or model.client_optimizer"
                 )
+            check_fit_settings(trainer, self)  # max_steps, val_check_interval, seed: refused before round 0
             dm = self._datamodule()
             dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed)
             self._check_client_optimizer()
@@ -199,6 +200,10 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             opt = factory(self._global_params())
         except (ValueError, TypeError) as err:
             raise type(err)(f"client_optimizer cannot be built: {err}") from err
+        if self.client_optimizer is not None:
+            check_learning_rates(opt, "model.client_optimizer.init_args.lr", f"client_optimizer {type(opt).__name__}")
+        else:
+            check_learning_rates(opt, "model.model", f"{type(self.model).__qualname__}.configure_optimizers()")
         from fedlightning.user_module import ClientHooks
 
         ClientHooks(self.model).check_optimizer(opt, type(self.model).__qualname__)
