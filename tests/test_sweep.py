@@ -175,10 +175,13 @@ def test_grid_of_real_runs_resumes_sorts_by_metric_and_the_best_command_reproduc
 
 
 # ---------------------------------------------------------------------------------------------- stand-in runs
-def test_failed_runs_are_recorded_with_exit_code_and_the_sweep_continues(tmp_path):
+def test_failed_runs_are_recorded_with_exit_code_and_the_sweep_continues(tmp_path, capsys):
     path = _fake_sweep(tmp_path, {"mode": {"values": ["fail", "ok", "nan", "missing"]}, "x": {"values": [0.6, 0.2]}})
     out = str(tmp_path / "out")
-    assert main([path, "--out", out]) == 0
+    assert main([path, "--out", out]) == 0  # some runs finished: the sweep has a best run
+    logs = os.path.join(os.path.abspath(out), "logs")
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"warning: 6 of 8 runs failed (2 exited non-zero, 4 logged no finite val/loss); logs: {logs}{os.sep}")
     assert len(_calls(tmp_path)) == 8  # every run was started, after the failures too
     rows = _table(out)
     assert len(rows) == 8
@@ -192,6 +195,27 @@ def test_failed_runs_are_recorded_with_exit_code_and_the_sweep_continues(tmp_pat
     assert status == {("fail", "3", "failed"), ("nan", "0", "no metric"), ("missing", "0", "no metric")}
     assert all(r["val/loss"] == "" for r in rest if r["mode"] in ("fail", "missing"))
     assert all(math.isnan(float(r["val/loss"])) for r in rest if r["mode"] == "nan")
+
+
+def test_a_sweep_whose_every_run_failed_exits_non_zero_naming_the_logs(tmp_path, capsys):
+    """Every run failed (a crash or no finite metric): exit code 1, each run and its log above, and a last line
+    counting them; resuming the finished sweep reports the same."""
+    path = _fake_sweep(tmp_path, {"mode": {"values": ["fail", "nan", "fail"]}})
+    out = str(tmp_path / "out")
+    logs = os.path.join(os.path.abspath(out), "logs")
+    last = f"error: all 3 runs failed (2 exited non-zero, 1 logged no finite val/loss); logs: {logs}{os.sep}"
+    assert main([path, "--out", out]) == 1
+    err = capsys.readouterr().err.rstrip().splitlines()
+    assert err[-1] == last
+    rows = {r["run"]: r for r in _table(out)}
+    assert len(rows) == 3
+    for slug, row in rows.items():
+        code = f" (exit code {row['exit_code']})" if row["status"] == "failed" else ""
+        assert f"  {slug}: {row['status']}{code}, log {os.path.join(logs, slug + '.log')}" in err
+        assert os.path.isfile(os.path.join(logs, slug + ".log"))
+    assert main([path, "--out", out]) == 1  # nothing left to run: the recorded runs still all failed
+    assert capsys.readouterr().err.strip().splitlines()[-1] == last
+    assert main([path, "--out", str(tmp_path / "dry"), "--dry-run"]) == 0  # nothing ran, nothing failed
 
 
 def test_resume_skips_finished_runs(tmp_path):

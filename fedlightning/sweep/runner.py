@@ -397,8 +397,16 @@ class _sigterm_interrupts:
 
 # ====================================================================== command line
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m fedlightning.sweep SWEEP.yaml [--out DIR] [--runs N] [--seed S] [--dry-run]``; exit code 0,
-    or 2 with ``error: ...`` on stderr for a bad file or argument."""
+    """``python -m fedlightning.sweep SWEEP.yaml [--out DIR] [--runs N] [--seed S] [--dry-run]``.
+
+    Exit codes (ours): ``0`` when at least one of the sweep's recorded runs finished with a finite metric (the sweep
+    has a best run), also when others failed — the last line is then a warning ``warning: K of N runs failed ...;
+    logs: OUT/logs/`` (a failing run is an outcome of the search, e.g. a diverging learning rate, and the table
+    records it); ``1`` when every recorded run failed (non-zero exit code, or no finite metric): the lines above name
+    each run and its log file, the last line ``error: all N runs failed ...; logs: OUT/logs/``; ``2`` with
+    ``error: ...`` for a bad sweep file or argument. The counts are over every run the output directory records,
+    so a resumed sweep with nothing left to run reports the same. ``--dry-run`` exits 0.
+    """
     p = argparse.ArgumentParser(prog="python -m fedlightning.sweep",
                                 description="Run a W&B sweep file locally (Optuna; resumable).")
     p.add_argument("sweep", help="a W&B sweep YAML file")
@@ -411,8 +419,33 @@ def main(argv: Optional[List[str]] = None) -> int:
         sweep = load_sweep(ns.sweep)
         name = os.path.basename(ns.sweep)
         out = ns.out or os.path.join("runs", "sweeps", str(sweep.get("name") or os.path.splitext(name)[0]))
-        LocalSweep(sweep, out, seed=ns.seed, name=name).run(runs=ns.runs, dry_run=ns.dry_run)
+        runner = LocalSweep(sweep, out, seed=ns.seed, name=name)
+        results = runner.run(runs=ns.runs, dry_run=ns.dry_run)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if ns.dry_run:
+        return 0
+    return _report_failures(runner, results)
+
+
+def _report_failures(runner: LocalSweep, results: Sequence[RunResult]) -> int:
+    """Print the failed runs and a last line counting them (see :func:`main`); the exit code."""
+    bad = [r for r in results if r.status != "finished"]
+    if not bad:
+        return 0
+    logs = os.path.join(runner.out, "logs")
+    failed = sum(1 for r in bad if r.status == "failed")
+    causes = ", ".join(part for part in (
+        f"{failed} exited non-zero" if failed else "",
+        f"{len(bad) - failed} logged no finite {runner.metric}" if len(bad) > failed else "",
+    ) if part)
+    every = len(bad) == len(results)
+    if every:
+        for r in bad:
+            code = f" (exit code {r.exit_code})" if r.status == "failed" and r.exit_code is not None else ""
+            print(f"  {r.slug}: {r.status}{code}, log {os.path.join(logs, r.slug + '.log')}", file=sys.stderr)
+        print(f"error: all {len(results)} runs failed ({causes}); logs: {logs}{os.sep}", file=sys.stderr)
+        return 1
+    print(f"warning: {len(bad)} of {len(results)} runs failed ({causes}); logs: {logs}{os.sep}", file=sys.stderr)
     return 0
