@@ -79,7 +79,8 @@ class _RoundEnd:
         dirty = self.client_state.pop_dirty()
         dirty_cpu = {k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()} for k, d in dirty.items()}
         router = self._worker_trainer().router
-        everything = all_gather_objects((mine, dirty_cpu, dict(router.metric_paths)))
+        everything = all_gather_objects((mine, dirty_cpu, dict(router.metric_paths)), round=plan.round,
+                                        what="client summaries and client state of the round")
         summaries: List[tuple] = []
         for rank, (theirs, entries, metric_paths) in enumerate(everything):
             summaries.extend(theirs)
@@ -94,7 +95,7 @@ class _RoundEnd:
             return
         from fedlightning.distributed import all_reduce_statistics
 
-        all_reduce_statistics(stats)
+        all_reduce_statistics(stats, round=self.global_step)  # global_step is the round being trained
 
     @torch.no_grad()
     def _server_step(self, stats: RoundStatistics, plan: RoundPlan) -> Dict[str, float]:

@@ -1,25 +1,133 @@
-"""Collective operations used when clients are sharded over processes (Lightning DDP strategies)."""
+"""Collective operations used when clients are sharded over processes (Lightning DDP strategies), with a timeout.
+
+A process that stops answering (frozen by ``SIGSTOP``, swapped out, a hung device, a host that went away without
+closing its sockets) would leave the other processes waiting in the round's next collective for torch's default
+process-group timeout: 30 minutes for gloo (the CPU backend), 10 minutes for NCCL. Every collective of a federated
+round therefore runs under the **collective timeout** (default :data:`DEFAULT_COLLECTIVE_TIMEOUT_S` = 300 s, ours;
+the environment variable ``FEDLIGHTNING_COLLECTIVE_TIMEOUT`` = seconds, e.g. ``1800``), and a collective that fails
+raises :class:`CollectiveError` naming the collective, the round and this process's rank, chained to torch's
+error.
+
+Decisions (ours):
+
+* The timeout is the process group's own (``torch.distributed.set_timeout`` on the default group, which gloo and
+  NCCL honour; Lightning's ``DDPStrategy(timeout=...)`` passes its value to ``init_process_group`` the same way). It
+  is set at the first federated collective of the process (round 0's ``all_reduce_statistics``), so from then on it
+  also bounds Lightning's own collectives on that group (checkpoint barriers, ``sync_dist`` logging); it replaces a
+  ``timeout`` given to the strategy. Collectives before round 0 (Lightning's setup barriers) keep the strategy's
+  timeout.
+* 300 s: the other processes wait in a collective for as long as the slowest one takes to reach it, i.e. the
+  imbalance of one round's client training, a validation or a checkpoint write, normally seconds; five minutes
+  leaves a wide margin and still ends a run whose process froze long before torch's 30 minutes. A run whose ranks
+  legitimately drift further apart (very unequal clients, a slow shared file system) sets the variable higher.
+* gloo (CPU): the waiting processes raise, and :class:`CollectiveError` says which collective, round and rank.
+  NCCL (GPU): torch's watchdog aborts the process when the timeout passes (its message names the operation by
+  torch's name and sequence number), because CUDA work after a failed NCCL operation is unsafe; the timeout is the
+  same.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from datetime import timedelta
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from fedlightning.callbacks.base import RoundStatistics
 
-__all__ = ["all_reduce_statistics", "all_gather_objects"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT_ENV",
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "CollectiveError",
+    "collective_timeout",
+    "apply_collective_timeout",
+    "all_reduce_statistics",
+    "all_gather_objects",
+]
+
+#: environment variable: the collective timeout in seconds (a positive number)
+COLLECTIVE_TIMEOUT_ENV = "FEDLIGHTNING_COLLECTIVE_TIMEOUT"
+#: the collective timeout when the variable is not set (ours, see the module docstring)
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
+# the default process group the timeout was last set on (a new group, e.g. a second Trainer.fit, gets it again)
+_timeout_group: Optional[object] = None
 
 
-def all_reduce_statistics(stats: RoundStatistics) -> None:
-    """Sum (or max) every statistic over all processes, in place.
+class CollectiveError(RuntimeError):
+    """A collective of a federated round failed or timed out: another process crashed, froze or fell behind."""
+
+
+def collective_timeout() -> timedelta:
+    """The collective timeout: ``FEDLIGHTNING_COLLECTIVE_TIMEOUT`` seconds, else :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`.
+
+    Raises ``ValueError`` naming the variable and its value when it is not a positive finite number.
+    """
+    raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(
+            f"{COLLECTIVE_TIMEOUT_ENV}={raw!r}: the collective timeout must be a positive number of seconds "
+            f"(default {DEFAULT_COLLECTIVE_TIMEOUT_S:g})"
+        )
+    return timedelta(seconds=seconds)
+
+
+def apply_collective_timeout() -> timedelta:
+    """Set the collective timeout on the default process group (once per group) and return it."""
+    global _timeout_group
+    timeout = collective_timeout()
+    group = dist.group.WORLD
+    if group is not _timeout_group:
+        dist.set_timeout(timeout)
+        _timeout_group = group
+    return timeout
+
+
+@contextlib.contextmanager
+def _named(collective: str, round: Optional[int], timeout: timedelta) -> Iterator[None]:
+    """Re-raise a collective's ``RuntimeError`` (torch's ``DistError`` family and gloo's errors are RuntimeErrors)
+    as :class:`CollectiveError` naming the collective, the round, this rank and the timeout."""
+    start = time.monotonic()
+    try:
+        yield
+    except RuntimeError as err:
+        waited = time.monotonic() - start
+        limit = timeout.total_seconds()
+        where = f"round {round}, rank {dist.get_rank()}" if round is not None else f"rank {dist.get_rank()}"
+        if waited >= 0.9 * limit:
+            why = (
+                f"did not complete within the collective timeout of {limit:g} s ({COLLECTIVE_TIMEOUT_ENV}): another "
+                f"process crashed, froze or is more than {limit:g} s behind this one"
+            )
+        else:
+            why = f"failed after {waited:.1f} s (another process may have exited)"
+        raise CollectiveError(f"{where}: collective {collective} {why}; torch: {err}") from err
+
+
+def all_reduce_statistics(stats: RoundStatistics, round: Optional[int] = None) -> None:
+    """Sum (or max) every statistic over all processes, in place; ``round`` names the round in errors.
 
     Ranks may hold different keys (a rank whose clients all failed has no ``delta``), so the key set, each key's
     reduction and shape are agreed first with ``all_gather_object``; missing entries are zero (sum) or -inf (max).
+    Runs under the collective timeout; a failure raises :class:`CollectiveError`.
     """
+    timeout = apply_collective_timeout()
     world = dist.get_world_size()
     local = {k: (stats.ops[k], tuple(v.shape), str(v.dtype), str(v.device)) for k, v in stats.values.items()}
     gathered = [None] * world
-    dist.all_gather_object(gathered, local)
+    with _named("all_gather_object (the keys of the round statistics)", round, timeout):
+        dist.all_gather_object(gathered, local)
     spec = {}
     for g in gathered:
         for k, s in g.items():
@@ -33,12 +141,19 @@ def all_reduce_statistics(stats: RoundStatistics) -> None:
             dev = next(iter(stats.values.values())).device if stats.values else torch.device("cpu")
             t = torch.zeros(shape, dtype=dt, device=dev) if op == "sum" else torch.full(shape, -float("inf"), dtype=dt, device=dev)
         t = t.contiguous()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        with _named(f"all_reduce (round statistic {k!r}, {op})", round, timeout):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         stats.values[k], stats.ops[k] = t, op
 
 
-def all_gather_objects(obj):
-    """``[obj_from_rank_0, obj_from_rank_1, ...]`` (picklable objects; tensors should be on the CPU)."""
+def all_gather_objects(obj, round: Optional[int] = None, what: str = "objects"):
+    """``[obj_from_rank_0, obj_from_rank_1, ...]`` (picklable objects; tensors should be on the CPU).
+
+    Runs under the collective timeout; a failure raises :class:`CollectiveError` naming ``what``, ``round`` and
+    the rank.
+    """
+    timeout = apply_collective_timeout()
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with _named(f"all_gather_object ({what})", round, timeout):
+        dist.all_gather_object(out, obj)
     return out

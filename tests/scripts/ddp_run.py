@@ -2,13 +2,19 @@
 
     python tests/scripts/ddp_run.py --devices 2 --setup fedavg --rounds 3 --out weights.pt
 
-Used by tests/test_ddp.py to compare a 2-process run with a 1-process run of the same configuration, and a\n2-process run interrupted after some rounds (``--save-ckpt``) and resumed (``--ckpt-path``) with the uninterrupted one.
+Used by tests/test_ddp.py to compare a 2-process run with a 1-process run of the same configuration (``--float64``:
+model and data in float64, where the two must agree to rounding), a 2-process
+run interrupted after some rounds (``--save-ckpt``) and resumed (``--ckpt-path``) with the uninterrupted one, and a
+run in which one rank freezes itself (``--freeze-rank 1 --freeze-round 1 --freeze-file F``: at the start of that
+round the rank writes ``<pid> <time.time()>`` to F and sends itself SIGSTOP).
 """
 
 import argparse
 import functools
 import os
+import signal
 import sys
+import time
 
 import torch
 
@@ -17,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning.pytorch as pl  # noqa: E402
 
 from fedlightning import FederatedLoop  # noqa: E402
-from fedlightning.datamodules import Dirichlet, DigitsDataModule  # noqa: E402
+from fedlightning.datamodules import ArrayDataset, Dirichlet, DigitsDataModule  # noqa: E402
 from fedlightning.models import MLP  # noqa: E402
 
 
@@ -41,12 +47,34 @@ class UserModule(pl.LightningModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
 
 
+class Digits64(DigitsDataModule):
+    """The digits with float64 inputs."""
+
+    def load(self):
+        train, test, labels = super().load()
+        return ArrayDataset(train.x.double(), train.y), ArrayDataset(test.x.double(), test.y), labels
+
+
 class RoundMetrics(pl.Callback):
     def __init__(self):
         self.rounds = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.rounds.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("client/")})
+
+
+class Freeze(pl.Callback):
+    """At the start of round ``round`` on rank ``rank``: record this process's pid and the time, then SIGSTOP."""
+
+    def __init__(self, rank, round, path):
+        self.rank, self.round, self.path = rank, round, path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.round:
+            with open(self.path + ".part", "w") as f:
+                f.write(f"{os.getpid()} {time.time()!r}")
+            os.replace(self.path + ".part", self.path)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def build(setup: str):
@@ -86,15 +114,23 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--save-ckpt", default=None, help="write a checkpoint here at the end (all ranks call save)")
     ap.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
+    ap.add_argument("--freeze-rank", type=int, default=None, help="this rank stops itself (SIGSTOP)")
+    ap.add_argument("--freeze-round", type=int, default=1, help="... at the start of this round")
+    ap.add_argument("--freeze-file", default=None, help="... after writing '<pid> <time>' here")
+    ap.add_argument("--float64", action="store_true", help="model and data in float64 (default dtype float64)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.float64:
+        torch.set_default_dtype(torch.float64)
     pl.seed_everything(0, verbose=False)
     callbacks, opt = build(args.setup)
     net = UserModule() if args.setup == "usermodule" else MLP(input_dim=64, hidden=[16])
     loop = FederatedLoop(net, client_optimizer=opt, local_steps=4, clients_per_round=5, seed=1)
     recorder = RoundMetrics()
     callbacks = callbacks + [recorder]
-    dm = DigitsDataModule(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
+    if args.freeze_rank is not None:
+        callbacks.append(Freeze(args.freeze_rank, args.freeze_round, args.freeze_file))
+    dm = (Digits64 if args.float64 else DigitsDataModule)(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
     trainer = pl.Trainer(
         max_steps=args.rounds, accelerator="cpu", devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto", logger=False, enable_checkpointing=False,
