@@ -14,7 +14,14 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from fedlightning.datamodules import IID, ArrayDataset, DatasetDataModule, Dirichlet, FederatedDataModule, LeafDataModule
+from fedlightning.datamodules import (
+    IID,
+    ArrayDataset,
+    DatasetDataModule,
+    Dirichlet,
+    FederatedDataModule,
+    LeafDataModule,
+)
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.datamodules import checks

@@ -255,9 +255,9 @@ class FederatedDataModule(pl.LightningDataModule):
 
     Data checks (decisions, ours; :meth:`setup` runs them once, after the clients are formed; docs/datasets.md has the
     table of checks and messages). A training or test set held in memory (an :class:`ArrayDataset` whose ``x`` is a
-    tensor or array) is scanned for NaN / ±inf inputs, and its 1-D labels for values that are not class ids: not finite;
-    negative (integer labels); with :attr:`num_classes` known, not a whole number or ``>= num_classes``. The first
-    offending sample of the rows in use (client, validation and test rows; rows no split uses are ignored) stops
+    tensor or array) is scanned for NaN / ±inf inputs, and its 1-D labels for values that are not class ids: not
+    finite; negative (integer labels); with :attr:`num_classes` known, not a whole number or ``>= num_classes``. The
+    first offending sample of the rows in use (client, validation and test rows; rows no split uses are ignored) stops
     ``setup`` with a ValueError naming the split, the client (and user, for natural splits) and the sample's row in
     its data set, and the value. Float labels without a known :attr:`num_classes` are targets of the user's own loss
     and are only checked for being finite. Data sets that load samples lazily (any other ``Dataset``) are not scanned:

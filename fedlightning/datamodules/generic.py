@@ -288,8 +288,8 @@ class DatasetDataModule(FederatedDataModule):
                 fix = ("return integer class ids from __getitem__ (e.g. classes.index(label)), or build a Hugging Face "
                        "data set and cast the column with class_encode_column")
             raise ValueError(
-                f"{name} labels are strings ({reader.where(name, 0)} is {_scalar(reader.label0)!r}), but a model needs integer "
-                f"class ids: {fix}; or pass check_labels=False to serve the strings as they are"
+                f"{name} labels are strings ({reader.where(name, 0)} is {_scalar(reader.label0)!r}), but a model needs "
+                f"integer class ids: {fix}; or pass check_labels=False to serve the strings as they are"
             )
         return reader
 
@@ -480,7 +480,8 @@ class DatasetDataModule(FederatedDataModule):
         if isinstance(train, ArrayDataset):
             candidates.append((f"{reader.describe()}, in-memory copy", lambda: train.y))
         elif self.needs_labels:
-            candidates.append((f"{reader.describe()}, every sample read", lambda: self._remember(_read_labels(source, reader))))
+            candidates.append((f"{reader.describe()}, every sample read",
+                               lambda: self._remember(_read_labels(source, reader))))
         for what, get in candidates:
             try:
                 arr = get()
@@ -614,7 +615,8 @@ def _is_float_label(y: Any) -> bool:
     return isinstance(y, (float, np.floating)) or (isinstance(y, np.ndarray) and y.ndim == 0 and y.dtype.kind == "f")
 
 
-def _served_labels(data: Dataset, source: Any, reader: _Reader, read_pass: Optional[np.ndarray]) -> Optional[np.ndarray]:
+def _served_labels(data: Dataset, source: Any, reader: _Reader,
+                   read_pass: Optional[np.ndarray]) -> Optional[np.ndarray]:
     """The 1-D labels ``data`` serves, when known without another pass over the samples: the in-memory ``y``, a
     Hugging Face label column, or the labels of the pass made for a label partition; None: not scanned."""
     if isinstance(data, ArrayDataset):
@@ -638,19 +640,14 @@ def _is_whole(value: float) -> bool:
 
 
 def _class_id(y: Any, where: str) -> Any:
-    """A float class label as an int64 class id (0-d tensor: ``.long()``; Python / NumPy float: ``int``); other labels
-    unchanged. A float that is not a whole number is a ValueError naming ``where``."""
-    if isinstance(y, Tensor):
-        if not y.is_floating_point():
-            return y
-        if y.dim() == 0 and not _is_whole(y.item()):
-            raise ValueError(f"{where}: label {y.item()!r} is not a whole number, but the training labels are class ids")
-        return y.long()
-    if isinstance(y, (float, np.floating)) or (isinstance(y, np.ndarray) and y.ndim == 0 and y.dtype.kind == "f"):
-        if not _is_whole(float(y)):
-            raise ValueError(f"{where}: label {float(y)!r} is not a whole number, but the training labels are class ids")
-        return int(y)
-    return y
+    """A scalar float class label as an int64 class id (0-d tensor: ``.long()``; Python / NumPy float: ``int``);
+    other labels unchanged. A float that is not a whole number is a ValueError naming ``where``."""
+    if not _is_float_label(y):
+        return y
+    value = float(y.item() if isinstance(y, Tensor) else y)
+    if not _is_whole(value):
+        raise ValueError(f"{where}: label {value!r} is not a whole number, but the training labels are class ids")
+    return y.long() if isinstance(y, Tensor) else int(value)
 
 
 def _read_labels(dataset: Any, reader: _Reader) -> np.ndarray:
