@@ -1,38 +1,57 @@
-"""Atomic checkpoint writing, and one clear error for every checkpoint that cannot resume a run.
+"""Checkpoints that cannot run code, are written atomically, keep a run's final round, and fail with one clear line.
 
-* :class:`AtomicCheckpointIO`: write to a temporary file, then ``os.replace`` it over the target, so a checkpoint
-  path always holds either the old or the new complete checkpoint (the FederatedCLI installs it by default).
+* :func:`read_checkpoint`: the one reader of checkpoint files (``torch.load`` with ``weights_only=True`` and the
+  allow-listed data types of :func:`safe_types`; ``weights_only=False`` only as a warned opt-in).
+* :class:`AtomicCheckpointIO`: Lightning's checkpoint IO through :func:`read_checkpoint`, writing to a temporary file
+  that ``os.replace`` moves over the target, so a checkpoint path always holds a complete checkpoint.
+* :class:`RoundCheckpoint`: Lightning's ``ModelCheckpoint`` that also saves the final round of a run.
 * :func:`check_checkpoint`: one :class:`CheckpointError` (``checkpoint <path>: ...``) naming why a file cannot be
-  used (missing, empty, corrupt, not a FederatedLoop checkpoint, weights that do not fit the model).
+  used (missing, empty, corrupt, a type that could run code, not a FederatedLoop checkpoint, weights that do not fit).
+* :func:`checkpoint_round` / :func:`remove_interrupted_writes`: what ``--ckpt_path last`` ranks and cleans up.
 * :class:`StoreConfigCallback` / :func:`config_differences`: the run's resolved CLI configuration stored in every
   checkpoint (``CONFIG_KEY``) and the training-relevant settings in which two configurations differ.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import pickletools
+import re
+import socket
 import tempfile
-from typing import Any, Callable, Dict, List, Mapping, Optional
+import time
+import zipfile
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_warn
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "check_checkpoint", "StoreConfigCallback",
-           "config_differences", "CONFIG_KEY", "FEDLIGHTNING_FORMAT"]
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "RoundCheckpoint", "check_checkpoint", "read_checkpoint",
+           "checkpoint_round", "remove_interrupted_writes", "safe_types", "StoreConfigCallback",
+           "config_differences", "CONFIG_KEY", "FEDLIGHTNING_FORMAT", "TEMP_PREFIX", "STALE_TEMP_SECONDS"]
 
 CONFIG_KEY = "fedlightning_config"
 FEDLIGHTNING_FORMAT = 1  #: the ``format`` number FederatedLoop writes into the checkpoint's ``fedlightning`` section
+TEMP_PREFIX = ".tmp-"  #: name prefix of :class:`AtomicCheckpointIO`'s temporary files (``.tmp-<host>-<pid>-*.ckpt``)
+STALE_TEMP_SECONDS = 3600  #: a temporary file nobody can vouch for is a leftover after this long unmodified (ours)
 _LIST_AT_MOST = 5
+_TRUST_HINT = "pass --weights_only false (Python: weights_only=False) to load a checkpoint you trust"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message starts with ``checkpoint <path>:``."""
+    """A checkpoint that cannot be used; the message starts with ``checkpoint <path>:``.
 
-    def __init__(self, path, problem: str, details: Optional[List[str]] = None):
+    ``unsafe_type`` is the name of the type a refused file needs (``None`` for every other problem)."""
+
+    def __init__(self, path, problem: str, details: Optional[List[str]] = None, unsafe_type: Optional[str] = None):
         self.path = os.fspath(path)
         self.problem = problem
         self.details = list(details or [])
+        self.unsafe_type = unsafe_type
         super().__init__(self.summary_line() + ("".join(f"\n  {d}" for d in self.details)))
 
     def summary_line(self) -> str:
@@ -40,14 +59,255 @@ class CheckpointError(ValueError):
         return f"checkpoint {self.path}: {self.problem}"
 
 
+# ====================================================================== reading: no code from files
+def safe_types() -> List[Any]:
+    """The types and constructors, beyond torch's own ``weights_only`` set, that a checkpoint may need.
+
+    **What ``weights_only`` admits.** Every checkpoint read of fedlightning (the CLI's checks, ``--ckpt_path last`` /
+    ``best``, the resume comparison and the Trainer's own read for fit / validate / test / predict through
+    :class:`AtomicCheckpointIO`) unpickles with ``torch.load(weights_only=True)``: tensors, parameters, torch sizes,
+    dtypes and devices, ``dict`` / ``OrderedDict`` / ``list`` / ``tuple`` / ``set``, strings, bytes and numbers (torch's
+    set), plus these plain data types (ours):
+
+    * ``pathlib`` paths (``PosixPath``, ``WindowsPath``, ``PurePosixPath``, ``PureWindowsPath``): e.g. a directory in
+      a callback's state;
+    * numpy scalars and arrays of numeric, boolean, string, bytes, datetime and timedelta dtypes (numpy's
+      ``scalar`` / ``_reconstruct`` constructors, ``ndarray``, ``dtype`` and these dtype classes; under their numpy 1
+      and numpy 2 module names): e.g. a metric a user's ``on_save_checkpoint`` stores. Object and structured (void)
+      dtypes are not admitted: their elements could be anything.
+
+    Every checkpoint written by ``train.py`` with the bundled configs, and by a user's module with
+    ``save_hyperparameters()``, torchmetrics metrics and a learning-rate scheduler (StepLR, CosineAnnealingLR,
+    ReduceLROnPlateau, OneCycleLR, SequentialLR), needs only torch's own set (checked with
+    ``torch.serialization.get_unsafe_globals_in_checkpoint``: the FederatedLoop stores no hyper-parameters, Lightning
+    stores a module's ``hparams`` as a plain ``dict``, and scheduler / optimizer / callback states are plain data).
+    Nothing callable beyond these constructors is admitted; Lightning's ``AttributeDict`` is not needed (torch's
+    reader cannot fill a ``dict`` subclass anyway).
+    """
+    import pathlib
+
+    import numpy as np
+
+    out: List[Any] = []
+    for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
+        out += [cls, (cls, f"pathlib.{cls.__name__}")]
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    for fn in (core.multiarray.scalar, core.multiarray._reconstruct):
+        out.append(fn)
+        for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+            out.append((fn, f"{module}.{fn.__name__}"))
+    out += [np.ndarray, np.dtype]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:  # numpy >= 1.25: every dtype instance is of its own class
+        for name in dir(dtypes):
+            cls = getattr(dtypes, name)
+            if name.endswith("DType") and isinstance(cls, type) and name not in ("ObjectDType", "VoidDType"):
+                out.append(cls)
+    return out
+
+
+@contextlib.contextmanager
+def _allowing_safe_types() -> Iterator[None]:
+    """``torch.serialization.safe_globals`` for the :func:`safe_types` not already allow-listed (so that leaving it
+    does not remove a type the user allow-listed process-wide)."""
+    present = set(map(_global_key, torch.serialization.get_safe_globals()))
+    added = [g for g in safe_types() if _global_key(g) not in present]
+    with torch.serialization.safe_globals(added):
+        yield
+
+
+def _global_key(g: Any) -> Any:
+    return (id(g[0]), g[1]) if isinstance(g, tuple) else id(g)
+
+
+_GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL (\S+)")
+_CLASS_IN_MESSAGE = re.compile(r"but got <class '([^']+)'>")
+_FUNCTION_IN_MESSAGE = re.compile(r"unrecognized function (\S+)")
+
+
+def _readable_name(name: str) -> str:
+    """``posix.system`` -> ``os.system`` (how Python users know it), otherwise as the file names it."""
+    module, _, attr = name.rpartition(".")
+    if module in ("posix", "nt") and hasattr(os, attr):
+        return f"os.{attr}"
+    return name
+
+
+def _pickle_globals(path: str) -> List[str]:
+    """The globals a pickle names (``GLOBAL`` and protocol-4 ``STACK_GLOBAL``), read statically with pickletools
+    (nothing is executed): ``data.pkl`` of a torch zip checkpoint, or the file itself."""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                names = [n for n in z.namelist() if n.endswith("data.pkl")]
+                data = z.read(names[0]) if names else b""
+        else:
+            with open(path, "rb") as f:
+                data = f.read(64 << 20)
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return []
+    found: List[str] = []
+    stream = io.BytesIO(data)
+    recent: List[Any] = []
+    memo: Dict[int, Any] = {}
+    try:
+        while stream.tell() < len(data):
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name == "GLOBAL":
+                    found.append(str(arg).replace(" ", "."))
+                    recent.append(None)
+                elif op.name == "STACK_GLOBAL":
+                    if len(recent) >= 2 and isinstance(recent[-1], str) and isinstance(recent[-2], str):
+                        found.append(f"{recent[-2]}.{recent[-1]}")
+                    recent.append(None)
+                elif op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[len(memo) if op.name == "MEMOIZE" else int(arg)] = recent[-1] if recent else None
+                elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                    recent.append(memo.get(int(arg)))
+                else:
+                    recent.append(arg if isinstance(arg, str) else None)
+                del recent[:-8]
+    except Exception:  # noqa: BLE001 - not a (complete) pickle: report what was read
+        pass
+    return found
+
+
+def _unsafe_type(path: str, err: BaseException) -> Optional[str]:
+    """The type that ``weights_only`` refused, from torch's message, else from a static read of the pickle."""
+    message = str(err)
+    if "Weights only load failed" not in message and "WeightsUnpickler" not in message:
+        return None
+    for pattern in (_GLOBAL_IN_MESSAGE, _CLASS_IN_MESSAGE, _FUNCTION_IN_MESSAGE):
+        m = pattern.search(message)
+        if m:
+            return _readable_name(m.group(1))
+    allowed = _admitted_names()
+    for name in _pickle_globals(path):
+        if name not in allowed and not (allowed is _NO_NAMES and name.startswith(("torch.", "collections."))):
+            return _readable_name(name)
+    return None
+
+
+_NO_NAMES: frozenset = frozenset()
+
+
+def _admitted_names() -> Any:
+    """The global names torch's ``weights_only`` reader admits with :func:`safe_types` (torch keeps the list in its
+    private reader module; without it, ``torch.*`` and ``collections.*`` names count as admitted, for naming only)."""
+    from torch import _weights_only_unpickler as wou
+
+    default, user = getattr(wou, "_get_allowed_globals", None), getattr(wou, "_get_user_allowed_globals", None)
+    if default is None or user is None:
+        return _NO_NAMES
+    with _allowing_safe_types():
+        return set(default()) | set(user())
+
+
+def _reader_detail(err: BaseException) -> str:
+    """The first sentence of a reader error; for torch's weights_only message, the unpickler's own line."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()
+        if detail:
+            return f"{type(err).__name__}: {detail[0].strip()}"
+    return _first_line(err)
+
+
+_warned_untrusted: set = set()
+
+
+def _warn_untrusted(path: str) -> None:
+    if path not in _warned_untrusted:
+        _warned_untrusted.add(path)
+        rank_zero_warn(f"checkpoint {path}: loading with weights_only=False (--weights_only false): any code pickled "
+                       "in the file runs now; only do this for a checkpoint you trust")
+
+
+def read_checkpoint(path, weights_only: Optional[bool] = None, map_location: Any = "cpu",
+                    mmap: bool = False) -> Any:
+    """``torch.load(path)`` under fedlightning's policy; every failure is one :class:`CheckpointError`.
+
+    **No code from files** (ours; torch's and Lightning's ``weights_only`` argument). ``weights_only`` ``None``
+    (Lightning's default) or ``True``: the file is unpickled with ``weights_only=True`` and :func:`safe_types`
+    allow-listed, so no pickled callable runs; a file that needs any other type is refused with
+    ``checkpoint <path>: refuses to load: it needs the type <module.name>, ...`` (the name from torch's reader, or from
+    a static read of the pickle when torch names none). ``False`` (``--weights_only false``): the explicit opt-in for a
+    checkpoint the user trusts, loaded with ``weights_only=False`` after a warning naming the file (once per file and
+    process). ``mmap`` maps the tensors' storage instead of reading it (zip checkpoints only): cheap for reading a
+    checkpoint's round.
+    """
+    path = os.fspath(path)
+    if weights_only is False:
+        _warn_untrusted(path)
+        try:
+            return torch.load(path, map_location=map_location, weights_only=False)
+        except Exception as err:  # noqa: BLE001
+            raise CheckpointError(path, f"corrupt, truncated or not a checkpoint ({_first_line(err)})") from err
+    use_mmap = bool(mmap) and zipfile.is_zipfile(path)
+    return _safe_load(path, lambda: torch.load(path, map_location=map_location, weights_only=True, mmap=use_mmap))
+
+
+def _safe_load(path: str, load: Callable[[], Any]) -> Any:
+    """``load()`` (a ``weights_only=True`` read) with :func:`safe_types` allow-listed; failures as CheckpointError."""
+    try:
+        with _allowing_safe_types():
+            return load()
+    except Exception as err:  # noqa: BLE001 - any reader failure means the same thing to the user
+        unsafe = _unsafe_type(path, err)
+        if unsafe is not None:
+            raise CheckpointError(
+                path, f"refuses to load: it needs the type {unsafe}, which is not an allow-listed data type and "
+                      f"could run code; {_TRUST_HINT}", unsafe_type=unsafe) from err
+        raise CheckpointError(path, f"corrupt, truncated or not a checkpoint ({_reader_detail(err)})") from err
+
+
+def checkpoint_round(checkpoint: Mapping[str, Any]) -> int:
+    """The number of rounds a FederatedLoop checkpoint holds (Lightning's ``global_step``; one step = one round)."""
+    step = checkpoint.get("global_step")
+    if isinstance(step, torch.Tensor):
+        step = int(step.item())
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"global_step {step!r} is not a round count")
+    return step
+
+
+# ====================================================================== writing: atomic, umask, final round
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux exposes it (``os.umask`` sets it to read it, which
+    races with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+
+
+_TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-.*\.ckpt")
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO with atomic writes.
+    """Lightning's checkpoint IO with atomic writes, the umask's permissions and the ``weights_only`` policy.
 
     **Atomic writes.** Lightning's default checkpoint IO writes the file in place: a process killed during
     ``save_checkpoint`` leaves a truncated file that replaces the previous good one. :class:`AtomicCheckpointIO` writes
-    to a temporary file in the same directory, flushes it to disk, then ``os.replace``s it over the target (atomic on
-    POSIX), so a checkpoint path always holds either the old or the new complete checkpoint. The FederatedCLI installs
-    it by default.
+    to a temporary file ``.tmp-<host>-<pid>-<random>.ckpt`` in the same directory, flushes it to disk, gives it the
+    permissions a new file gets (``0o666 & ~umask``: ``mkstemp`` creates it ``0o600``), then ``os.replace``s it over
+    the target (atomic on POSIX), so a checkpoint path always holds either the old or the new complete checkpoint.
+    A process killed mid-write leaves its temporary file; :func:`remove_interrupted_writes` (run by
+    ``--ckpt_path last``) deletes it. The FederatedCLI installs this IO by default.
+
+    **Reading** goes through :func:`read_checkpoint` with the ``weights_only`` Lightning passes from
+    ``fit`` / ``validate`` / ``test`` / ``predict(weights_only=...)`` (LightningCLI's ``--weights_only``): ``None`` and
+    ``True`` load safely, ``False`` is the warned opt-in.
     """
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
@@ -56,26 +316,125 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".ckpt", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{_host_tag()}-{os.getpid()}-", suffix=".ckpt", dir=directory)
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+                if hasattr(os, "fchmod"):
+                    os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
 
-    def load_checkpoint(self, path, map_location: Optional[Callable] = lambda storage, loc: storage, weights_only=None) -> Dict[str, Any]:
+    def load_checkpoint(self, path, map_location: Optional[Callable] = lambda storage, loc: storage,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = os.fspath(path)
-        if "://" not in path and not os.path.isfile(path):
-            raise FileNotFoundError(f"checkpoint file not found: {path}")
+        if "://" in path:  # remote: Lightning's reader (fsspec) under the same policy
+            if weights_only is False:
+                _warn_untrusted(path)
+                return super().load_checkpoint(path, map_location=map_location, weights_only=False)
+            return _safe_load(path, lambda: super(AtomicCheckpointIO, self).load_checkpoint(
+                path, map_location=map_location, weights_only=True))
+        if not os.path.isfile(path):
+            raise CheckpointError(path, "file not found")
+        return read_checkpoint(path, weights_only=weights_only, map_location=map_location)
+
+
+def remove_interrupted_writes(directories: Sequence[str]) -> List[str]:
+    """Delete the temporary files of interrupted :class:`AtomicCheckpointIO` writes in ``directories``; return them.
+
+    **Which temporary files are leftovers** (ours): ``.tmp-<host>-<pid>-*.ckpt`` written on this host by a process
+    that no longer runs (or by this process, which is not writing while it resolves ``--ckpt_path``); any other
+    ``.tmp-*.ckpt`` (another host of a shared file system, another writer's name, a system without process checks)
+    once it has not been modified for :data:`STALE_TEMP_SECONDS` (1 hour), so that a run still writing into a
+    sibling version directory never loses its file mid-write.
+    """
+    host, now, removed = _host_tag(), time.time(), []
+    for directory in dict.fromkeys(os.path.abspath(d) for d in directories):
         try:
-            return super().load_checkpoint(path, map_location=map_location, weights_only=False)
-        except Exception as err:  # noqa: BLE001
-            raise ValueError(f"checkpoint {path} is corrupt, truncated or not a checkpoint: {err}") from err
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in sorted(names):
+            if not (name.startswith(TEMP_PREFIX) and name.endswith(".ckpt")):
+                continue
+            path = os.path.join(directory, name)
+            m = _TEMP_NAME.fullmatch(name)
+            try:
+                if m and m["host"] == host and os.name == "posix":
+                    pid = int(m["pid"])
+                    leftover = pid == os.getpid() or not _process_running(pid)
+                else:
+                    leftover = now - os.path.getmtime(path) > STALE_TEMP_SECONDS
+                if leftover and os.path.isfile(path):
+                    os.unlink(path)
+                    removed.append(path)
+            except FileNotFoundError:  # another process (rank) removed it first
+                continue
+    return removed
+
+
+def _process_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # POSIX only: signal 0 checks existence (on Windows os.kill would terminate the process)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RoundCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` that keeps the last round a run completed (the FederatedCLI's default).
+
+    **What is saved when** (ours; Lightning's ``ModelCheckpoint`` saves ``last`` at ``every_n_train_steps`` and at the
+    end of training only if it saved nothing before, so a run of 13 rounds with saves every 10 ended at round 10):
+
+    * every ``every_n_train_steps`` rounds, as ``ModelCheckpoint`` does;
+    * when training ends normally — ``max_steps`` reached, ``EarlyStopping`` or any callback setting
+      ``trainer.should_stop``, ``max_time`` — the final round as ``last`` (with ``save_last``), unless that round
+      is already saved;
+    * when an exception stops a one-process run (``max_failed_rounds``, ``on_client_failure="raise"``, Ctrl-C, an
+      error in validation), the last completed round as ``last``, only where the model is at a round boundary: no
+      round was in progress, or the round in progress changed nothing yet (its server step did not run and no
+      client wrote persistent state). A round part-way through its clients' state is never saved. With several
+      processes nothing is saved on an exception (the exception may be on one process only, and a save waits for
+      all). A failure of that save is a warning; the original exception goes on.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._round_started_at: Optional[int] = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        self._round_started_at = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._round_started_at = None
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        if not self.save_last or trainer.world_size > 1 or self._should_skip_saving_checkpoint(trainer):
+            return
+        started = self._round_started_at
+        store = getattr(pl_module, "client_state", None)
+        if started is not None and (trainer.global_step != started or store is None or store.has_dirty):
+            return  # part-way through a round: not a state any run passes through
+        try:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        except Exception as err:  # noqa: BLE001 - never hide the exception that stopped the run
+            rank_zero_warn(f"the last completed round (round {trainer.global_step}) could not be saved after the run "
+                           f"stopped: {type(err).__name__}: {err}")
 
 
 def _first_line(err: BaseException) -> str:
@@ -91,7 +450,8 @@ def _listed(items: List[str]) -> str:
     return ", ".join(items[:_LIST_AT_MOST]) + (f" (and {more} more)" if more > 0 else "")
 
 
-def check_checkpoint(path, model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
+def check_checkpoint(path, model: Optional[torch.nn.Module] = None, weights_only: Optional[bool] = None,
+                     mmap: bool = False) -> Dict[str, Any]:
     """Load ``path`` on the CPU and return the checkpoint, or raise :class:`CheckpointError` naming the problem
     (listed below). With ``model`` (the :class:`~fedlightning.FederatedLoop` the run will load it into),
     the checkpoint's ``state_dict`` must have exactly the model's keys and shapes.
@@ -101,15 +461,18 @@ def check_checkpoint(path, model: Optional[torch.nn.Module] = None) -> Dict[str,
 
     * the file does not exist, is a directory, or is empty;
     * ``torch.load`` cannot read it (truncated, random bytes, another format): "corrupt, truncated or not a checkpoint";
+    * it needs a type that ``weights_only`` does not admit (:func:`read_checkpoint`): "refuses to load: it needs the
+      type <name>, ...";
     * it is not a Lightning checkpoint (no ``state_dict`` mapping);
     * it is a Lightning checkpoint of another LightningModule (no ``fedlightning`` section, which
       :meth:`~fedlightning.FederatedLoop.on_save_checkpoint` writes) or of an unknown ``fedlightning`` format;
     * with ``model=``: its ``state_dict`` does not fit the model (missing / unexpected keys, different shapes: another
       architecture), listing up to 5 of each (ours).
 
-    The file is loaded with ``weights_only=False``, exactly as :class:`AtomicCheckpointIO` (and so the Trainer) loads it
-    afterwards: only hand the CLI checkpoints you trust. Remote paths (``scheme://``) are not checked here (ours: opening
-    them costs a download); Lightning reads them as usual.
+    The file is read by :func:`read_checkpoint` with ``weights_only`` (``None`` / ``True``: safely; ``False``: the
+    warned opt-in), exactly as :class:`AtomicCheckpointIO` (and so the Trainer) reads it afterwards. Remote paths
+    (``scheme://``) are not checked here (ours: opening them costs a download); Lightning reads them through
+    :class:`AtomicCheckpointIO` with the same policy.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -118,10 +481,7 @@ def check_checkpoint(path, model: Optional[torch.nn.Module] = None) -> Dict[str,
         raise CheckpointError(path, "is a directory, not a checkpoint file")
     if os.path.getsize(path) == 0:
         raise CheckpointError(path, "the file is empty (0 bytes): corrupt, truncated or not a checkpoint")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any reader failure means the same thing to the user
-        raise CheckpointError(path, f"corrupt, truncated or not a checkpoint ({_first_line(err)})") from err
+    ckpt = read_checkpoint(path, weights_only=weights_only, mmap=mmap)
     if not isinstance(ckpt, Mapping) or not isinstance(ckpt.get("state_dict"), Mapping):
         raise CheckpointError(path, "not a Lightning checkpoint (no 'state_dict'); pass a .ckpt file a fedlightning "
                                     "run wrote")

@@ -68,19 +68,28 @@ class FederatedCLI(LightningCLI):
       environment alike) with an error pointing to ``model.client_optimizer`` and the strategy callbacks in
       ``trainer.callbacks`` (``auto_configure_optimizers=False``).
     * **Checkpoints are checked before Lightning reads them** (:func:`fedlightning.checkpoint.check_checkpoint`): a file
-      given to ``--ckpt_path`` right after parsing (missing, empty, truncated, not a checkpoint, a checkpoint of another
-      LightningModule); after the model is built, also that its weights fit the model. LightningCLI's own reading of
-      hyper-parameters from the checkpoint is skipped: a FederatedLoop saves none (the config defines the run).
-    * **One version directory per run.** The ``last.ckpt`` checkpoint the CLI adds goes into the logger's version
-      directory ``<save_dir>/<name>/<version>/checkpoints`` (Lightning's default for a ``ModelCheckpoint`` without
+      given to ``--ckpt_path`` right after parsing (missing, empty, truncated, not a checkpoint, a type that could run
+      code, a checkpoint of another LightningModule); after the model is built, also that its weights fit the model.
+      LightningCLI's own reading of hyper-parameters from the checkpoint is skipped: a FederatedLoop saves none (the
+      config defines the run). Every read, the Trainer's included, is ``weights_only`` (safe types only) unless the
+      command says ``--weights_only false`` (:func:`fedlightning.checkpoint.read_checkpoint`).
+    * **One version directory per run.** The checkpoints of the CLI's default
+      :class:`~fedlightning.checkpoint.RoundCheckpoint` go into the logger's version directory
+      ``<save_dir>/<name>/<version>/checkpoints`` (Lightning's default for a ``ModelCheckpoint`` without
       ``dirpath``), or ``<default_root_dir>/checkpoints/version_<N>`` without a logger (next free ``N``).
-    * **``--ckpt_path last``** is the newest (file modification time) ``last.ckpt`` among this config's runs:
+    * **``--ckpt_path last``** is the newest *complete* checkpoint of this config's runs by the round it holds
+      (``global_step`` read from the file, ``weights_only``; ties broken by modification time, then name): every
+      ``*.ckpt`` (``last.ckpt``, ``last-v1.ckpt``, ``epoch=...-step=....ckpt``, ...) in
       ``<save_dir>/<name>/*/checkpoints/`` (and ``<save_dir>/<name>/checkpoints/``, the pre-version layout), without a
-      logger ``<default_root_dir>/checkpoints/`` and its ``version_*`` folders, plus the ``dirpath`` of every configured
-      ``ModelCheckpoint``. The file resumed is named in one log line. With none, the run starts from round 0 with a
-      warning (Lightning's behaviour for ``last``, kept so a restart script can always pass ``--ckpt_path last``).
-      ``--ckpt_path best`` is the ``best_model_path`` recorded in that newest ``last.ckpt`` by a ``ModelCheckpoint``
-      with a ``monitor``; without one it is an error. ``hpc``, registry names and remote URLs go to Lightning as given.
+      logger ``<default_root_dir>/checkpoints/`` and its ``version_*`` folders, plus the ``dirpath`` of every
+      configured ``ModelCheckpoint``. A file that cannot be read (truncated, not a fedlightning checkpoint) is
+      skipped with a warning naming it; a file that needs a type that could run code stops the run (a planted
+      file is refused, not skipped). Temporary files of interrupted writes in those folders are deleted first
+      (:func:`~fedlightning.checkpoint.remove_interrupted_writes`, one log line). The file and round resumed are
+      named in one log line. With none, the run starts from round 0 with a warning (Lightning's behaviour for
+      ``last``, kept so a restart script can always pass ``--ckpt_path last``). ``--ckpt_path best`` is the
+      ``best_model_path`` recorded in that newest checkpoint by a ``ModelCheckpoint`` with a ``monitor``; without one it
+      is an error. ``hpc``, registry names and remote URLs go to Lightning as given.
     * **Resuming with other settings is refused.** Every checkpoint stores the run's resolved config
       (:class:`~fedlightning.checkpoint.StoreConfigCallback`); ``fit --ckpt_path X`` compares it with the new run's
       (:func:`~fedlightning.checkpoint.config_differences`: model, data, seeds, strategy / schedule callbacks; not
@@ -90,8 +99,9 @@ class FederatedCLI(LightningCLI):
 
     * checkpoints are written atomically (:class:`~fedlightning.checkpoint.AtomicCheckpointIO`) unless the config
       sets ``trainer.plugins``;
-    * when checkpointing is enabled and the config has no ``ModelCheckpoint``, one is added that saves
-      ``last.ckpt`` every ``checkpoint_every_n_rounds`` rounds (default 10, ours) into the run's version directory,
+    * when checkpointing is enabled and the config has no ``ModelCheckpoint``, a
+      :class:`~fedlightning.checkpoint.RoundCheckpoint` is added that saves ``last.ckpt`` every
+      ``checkpoint_every_n_rounds`` rounds (default 10, ours) and the final round into the run's version directory,
       so an interrupted run resumes with ``python train.py fit --config X --ckpt_path last``;
     * every checkpoint holds the resolved config (``fedlightning_config``), and resuming with other settings is
       refused unless ``--resume_mismatch=allow``;
@@ -214,13 +224,18 @@ class FederatedCLI(LightningCLI):
         if _is_local_file(path):
             from fedlightning.checkpoint import check_checkpoint
 
-            self._checked = (os.fspath(path), check_checkpoint(path))
+            self._checked = (os.fspath(path), check_checkpoint(path, weights_only=self._weights_only(sub)))
+
+    def _weights_only(self, sub: str) -> Optional[bool]:
+        """The subcommand's ``--weights_only`` (Lightning's argument of fit / validate / test / predict; None if the
+        subcommand has none)."""
+        return self.config[sub].get("weights_only")
 
     # ------------------------------------------------------------------ trainer
     def _instantiate_trainer(self, config, callbacks):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        from fedlightning.checkpoint import AtomicCheckpointIO, StoreConfigCallback
+        from fedlightning.checkpoint import AtomicCheckpointIO, RoundCheckpoint, StoreConfigCallback
 
         if not config.get("plugins"):
             config["plugins"] = [AtomicCheckpointIO()]
@@ -237,7 +252,7 @@ class FederatedCLI(LightningCLI):
         if config.get("enable_checkpointing", True) is not False and not any(
             isinstance(cb, ModelCheckpoint) for cb in listed
         ):
-            added = ModelCheckpoint(save_last=True, every_n_train_steps=self.checkpoint_every_n_rounds)
+            added = RoundCheckpoint(save_last=True, every_n_train_steps=self.checkpoint_every_n_rounds)
             config["callbacks"] = list(config.get("callbacks") or []) + [added]
         config["callbacks"] = list(config.get("callbacks") or []) + [
             StoreConfigCallback(self._config_dict()), self._rounds_run
@@ -279,9 +294,10 @@ class FederatedCLI(LightningCLI):
 
         sub_config = self.config_init[sub]
         given = sub_config.get("ckpt_path")
+        weights_only = self._weights_only(sub)
         path = given
         if given in _KEYWORDS:
-            path = self._resolve_keyword(given)
+            path = self._resolve_keyword(given, weights_only)
             sub_config["ckpt_path"] = path
         if not _is_local_file(path):
             return
@@ -292,7 +308,7 @@ class FederatedCLI(LightningCLI):
 
             _check_state_dict(path, ckpt["state_dict"], self.model.state_dict())
         else:
-            ckpt = check_checkpoint(path, model=self.model)
+            ckpt = check_checkpoint(path, model=self.model, weights_only=weights_only)
         self._checked = None  # the trainer loads it again; do not keep a second copy in memory
         if sub != "fit":
             return
@@ -315,53 +331,85 @@ class FederatedCLI(LightningCLI):
             details=diffs,
         )
 
-    def _last_candidates(self) -> List[str]:
+    def _run_directories(self) -> Tuple[List[str], str]:
+        """The folders ``--ckpt_path last`` / ``best`` search (existing ones) and the base folder of this config's
+        runs."""
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         trainer = self.trainer
-        patterns = []
         if trainer.loggers:
             logger = trainer.loggers[0]
             save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
             base = os.path.join(save_dir, str(logger.name))
-            patterns += [os.path.join(glob.escape(base), "*", "checkpoints", "last.ckpt"),
-                         os.path.join(glob.escape(base), "checkpoints", "last.ckpt")]
+            patterns = [os.path.join(glob.escape(base), "*", "checkpoints"),
+                        os.path.join(glob.escape(base), "checkpoints")]
         else:
             base = os.path.join(trainer.default_root_dir, "checkpoints")
-            patterns += [os.path.join(glob.escape(base), "*", "last.ckpt"),
-                         os.path.join(glob.escape(base), "last.ckpt")]
+            patterns = [os.path.join(glob.escape(base), "*"), glob.escape(base)]
+        found = [d for p in patterns for d in sorted(glob.glob(p)) if os.path.isdir(d)]
         for cb in trainer.callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None and not _is_version_dir_of(cb.dirpath, base):
-                patterns.append(os.path.join(glob.escape(os.fspath(cb.dirpath)),
-                                             cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION))
-        found = {os.path.abspath(f) for p in patterns for f in glob.glob(p) if os.path.isfile(f)}
-        return sorted(found, key=lambda f: (os.path.getmtime(f), f))
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None and not _is_version_dir_of(cb.dirpath, base) \
+                    and os.path.isdir(cb.dirpath):
+                found.append(os.fspath(cb.dirpath))
+        return list(dict.fromkeys(os.path.abspath(d) for d in found)), base
 
-    def _resolve_keyword(self, keyword: str) -> Optional[str]:
-        from fedlightning.checkpoint import CheckpointError, check_checkpoint
+    def _last_candidates(self) -> List[str]:
+        """Every ``*.ckpt`` file in the searched folders (temporary ``.tmp-*`` files excluded)."""
+        from fedlightning.checkpoint import TEMP_PREFIX
 
-        candidates = self._last_candidates()
+        directories, _ = self._run_directories()
+        files = {os.path.join(d, f) for d in directories for f in os.listdir(d)
+                 if f.endswith(".ckpt") and not f.startswith(TEMP_PREFIX) and os.path.isfile(os.path.join(d, f))}
+        return sorted(files)
+
+    def _resolve_keyword(self, keyword: str, weights_only: Optional[bool] = None) -> Optional[str]:
+        """``last`` / ``best`` -> a file (see the class docstring): the newest complete checkpoint by round."""
+        from fedlightning.checkpoint import (CheckpointError, check_checkpoint, checkpoint_round,
+                                             remove_interrupted_writes)
+
+        directories, _ = self._run_directories()
         where = self._runs_description()
+        removed = remove_interrupted_writes(directories)
+        if removed:
+            rank_zero_info(f"--ckpt_path {keyword}: removed {len(removed)} temporary file(s) of interrupted checkpoint "
+                           f"writes: {', '.join(removed)}")
+        candidates = self._last_candidates()
+        newest: Optional[Tuple[Tuple[int, float, str], Dict[str, Any]]] = None
+        for path in candidates:
+            try:
+                ckpt = check_checkpoint(path, weights_only=weights_only, mmap=True)
+                key = (checkpoint_round(ckpt), os.path.getmtime(path), path)
+            except CheckpointError as err:
+                if err.unsafe_type is not None:
+                    raise  # a file that could run code is refused, never passed over silently
+                rank_zero_warn(f"--ckpt_path {keyword}: skipped {err.summary_line()}")
+                continue
+            except (ValueError, OSError) as err:
+                rank_zero_warn(f"--ckpt_path {keyword}: skipped checkpoint {path}: {err}")
+                continue
+            if newest is None or key > newest[0]:
+                newest = (key, ckpt)
         if keyword == "last":
-            if not candidates:
-                rank_zero_warn(f"--ckpt_path last: no last.ckpt found in {where}; starting from round 0")
+            if newest is None:
+                rank_zero_warn(f"--ckpt_path last: no complete checkpoint found in {where}; starting from round 0")
                 return None
-            rank_zero_info(f"--ckpt_path last: resuming from {candidates[-1]} (the newest of {len(candidates)} "
-                           f"last.ckpt in {where})")
-            return candidates[-1]
-        if not candidates:
-            raise CheckpointError(f"best ({where})", "no checkpoint of this config's runs found; pass a file")
-        newest = candidates[-1]
-        ckpt = check_checkpoint(newest)
+            (round_, _, path), ckpt = newest
+            rank_zero_info(f"--ckpt_path last: resuming from {path} (round {round_}, the newest complete of "
+                           f"{len(candidates)} checkpoint file(s) in {where})")
+            self._checked = (path, ckpt)
+            return path
+        if newest is None:
+            raise CheckpointError(f"best ({where})", "no complete checkpoint of this config's runs found; pass a file")
+        (_, _, path), ckpt = newest
         for key, state in (ckpt.get("callbacks") or {}).items():
             if str(key).startswith("ModelCheckpoint") and isinstance(state, dict) and state.get("monitor") \
                     and state.get("best_model_path"):
                 best = state["best_model_path"]
-                rank_zero_info(f"--ckpt_path best: using {best} (best {state['monitor']}, recorded in {newest})")
+                rank_zero_info(f"--ckpt_path best: using {best} (best {state['monitor']}, recorded in {path})")
                 return best
-        raise CheckpointError(newest, "--ckpt_path best: this newest checkpoint of the config's runs records no "
-                                      "best model (the CLI's default ModelCheckpoint keeps only last.ckpt; add a "
-                                      "ModelCheckpoint with a monitor to trainer.callbacks, or pass a file)")
+        raise CheckpointError(path, "--ckpt_path best: this newest checkpoint of the config's runs records no "
+                                    "best model (the CLI's default checkpoint monitors no metric; add a "
+                                    "ModelCheckpoint with a monitor to trainer.callbacks, or pass a file)")
 
     def _runs_description(self) -> str:
         trainer = self.trainer

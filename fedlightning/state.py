@@ -182,6 +182,11 @@ class ClientStateStore:
         self._data.setdefault(namespace, {})[int(client_id)] = value
         self._dirty.add((namespace, int(client_id)))
 
+    @property
+    def has_dirty(self) -> bool:
+        """Whether entries were written since the last :meth:`pop_dirty` (during a round: its clients wrote state)."""
+        return bool(self._dirty)
+
     def pop_dirty(self) -> Dict[tuple, Dict[str, Any]]:
         """Entries written since the last call (what a process must share with the others after a round)."""
         out = {key: self._data[key[0]][key[1]] for key in sorted(self._dirty)}

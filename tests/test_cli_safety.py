@@ -3,8 +3,9 @@
 * LightningCLI's ``--optimizer`` / ``--lr_scheduler`` (they would replace the strategy's server step) are refused;
 * every bad ``--ckpt_path`` (missing, empty, truncated, random bytes, a foreign Lightning checkpoint, an unknown
   format, another architecture; a file, ``last`` or ``best``) ends in one last line naming the file and the problem;
-* each run checkpoints into its own version directory, ``--ckpt_path last`` is the newest ``last.ckpt`` of the
-  config's runs, and resuming with other settings is refused unless ``--resume_mismatch=allow``;
+* each run checkpoints into its own version directory, ``--ckpt_path last`` is the newest complete checkpoint (by
+  round, then time) of the config's runs, and resuming with other settings is refused unless
+  ``--resume_mismatch=allow``;
 * ``WandbLogger`` from Python runs offline when nothing is configured;
 * configuration errors end in one line ``error: <key>: <message>`` (exit code 1), full traceback on request.
 """
@@ -201,12 +202,26 @@ def test_check_checkpoint_accepts_a_good_file_and_its_model(trained):
     assert info.value.path == os.fspath(trained) and "missing in the checkpoint: model.net.5.weight" in str(info.value)
 
 
-def test_last_that_is_corrupt_names_the_file(trained, tmp_path, capsys):
-    run = tmp_path / "quickstart" / "version_0" / "checkpoints"
-    run.mkdir(parents=True)
-    (run / "last.ckpt").write_bytes(open(trained, "rb").read()[:100])
-    line, _ = _exit_with_error(capsys, ["fit", *_tiny(tmp_path, "--trainer.max_steps", "2"), "--ckpt_path", "last"])
-    assert line.startswith(f"error: checkpoint {run / 'last.ckpt'}: corrupt, truncated or not a checkpoint")
+def test_last_skips_a_corrupt_newer_file_naming_it(trained, tmp_path, monkeypatch):
+    """A truncated checkpoint (newer by time and by version) is passed over with a warning naming it; the complete
+    one of the other run is resumed."""
+    good = tmp_path / "quickstart" / "version_0" / "checkpoints"
+    bad = tmp_path / "quickstart" / "version_1" / "checkpoints"
+    good.mkdir(parents=True)
+    bad.mkdir(parents=True)
+    (good / "last.ckpt").write_bytes(open(trained, "rb").read())
+    (bad / "last.ckpt").write_bytes(open(trained, "rb").read()[:100])
+    os.utime(bad / "last.ckpt", (os.path.getmtime(good / "last.ckpt") + 10,) * 2)
+    infos = []
+    monkeypatch.setattr(cli_module, "rank_zero_info", infos.append)
+    with pytest.warns(UserWarning) as caught:
+        cli = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "2"), "--ckpt_path", "last"])
+    skipped = [str(w.message) for w in caught if "skipped" in str(w.message)]
+    assert skipped == [f"--ckpt_path last: skipped checkpoint {bad / 'last.ckpt'}: corrupt, truncated or not a "
+                       "checkpoint (RuntimeError: PytorchStreamReader failed reading zip archive: failed finding "
+                       "central directory)"]
+    assert infos[-1].startswith(f"--ckpt_path last: resuming from {good / 'last.ckpt'} (round 1, ")
+    assert cli.trainer.global_step == 2
 
 
 def test_best_without_a_monitored_checkpoint_is_an_error(trained, tmp_path, capsys):
@@ -215,8 +230,8 @@ def test_best_without_a_monitored_checkpoint_is_an_error(trained, tmp_path, caps
     (run / "last.ckpt").write_bytes(open(trained, "rb").read())
     line, _ = _exit_with_error(capsys, ["validate", *_tiny(tmp_path), "--ckpt_path", "best"])
     assert line == (f"error: checkpoint {run / 'last.ckpt'}: --ckpt_path best: this newest checkpoint of the "
-                    "config's runs records no best model (the CLI's default ModelCheckpoint keeps only last.ckpt; "
-                    "add a ModelCheckpoint with a monitor to trainer.callbacks, or pass a file)")
+                    "config's runs records no best model (the CLI's default checkpoint monitors no metric; add a "
+                    "ModelCheckpoint with a monitor to trainer.callbacks, or pass a file)")
 
 
 def test_best_with_a_monitored_checkpoint_evaluates_that_file(tmp_path, monkeypatch):
@@ -254,8 +269,8 @@ def test_runs_get_own_version_dirs_last_is_the_newest_and_a_mismatch_is_refused(
     capsys.readouterr()
     line, lines = _exit_with_error(capsys, ["fit", *_tiny(tmp_path, "--trainer.max_steps", "2"), "--ckpt_path",
                                             "last"])
-    assert infos == [f"--ckpt_path last: resuming from {paths[0]} (the newest of 2 last.ckpt in "
-                     f"{os.path.join(tmp_path, 'quickstart', '*', 'checkpoints')})"]
+    assert infos == [f"--ckpt_path last: resuming from {paths[0]} (round 1, the newest complete of 2 checkpoint "
+                     f"file(s) in {os.path.join(tmp_path, 'quickstart', '*', 'checkpoints')})"]
     assert line == (f"error: checkpoint {paths[0]}: written by a run with other settings (1 listed above); pass "
                     "--resume_mismatch=allow to resume with this run's settings, or drop --ckpt_path to start a "
                     "new run")
@@ -275,7 +290,8 @@ def test_resume_with_the_same_settings_and_more_rounds_needs_no_flag(tmp_path):
 
 
 def test_last_with_no_checkpoint_starts_from_round_0_with_a_warning(tmp_path):
-    with pytest.warns(UserWarning, match=r"--ckpt_path last: no last.ckpt found in .*; starting from round 0"):
+    with pytest.warns(UserWarning, match=r"--ckpt_path last: no complete checkpoint found in .*; starting from "
+                                         r"round 0"):
         cli = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "1"), "--ckpt_path", "last"])
     assert cli.trainer.global_step == 1
 

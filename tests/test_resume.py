@@ -1,4 +1,5 @@
-"""Checkpoint/resume: an interrupted and resumed run equals the uninterrupted run bit for bit (CPU)."""
+"""Checkpoint/resume: an interrupted and resumed run equals the uninterrupted run bit for bit (CPU), every checkpoint
+read with ``weights_only=True`` (the project's safe reader)."""
 
 import glob
 import os
@@ -48,7 +49,7 @@ def run_resume_equivalence(tmp_path, strategy_fn=None, opt=None, total=6, cut=3,
 
     loop, dm, cbs = _setup(strategy_fn, opt, client_execution)  # fresh process state: new model init is overwritten by the checkpoint
     trainer = make_trainer(total, callbacks=cbs, plugins=[AtomicCheckpointIO()])
-    trainer.fit(loop, datamodule=dm, ckpt_path=path)
+    trainer.fit(loop, datamodule=dm, ckpt_path=path, weights_only=True)  # the safe reader: no pickled code
     assert trainer.global_step == total
     return full, _weights(loop), loop
 
@@ -121,7 +122,7 @@ def test_cli_resume_with_ckpt_path_last(tmp_path):
     try:
         main(["fit", *base2, "--trainer.max_steps", "3"])
         assert glob.glob(os.path.join(other, "quickstart", "version_0", "checkpoints", "last.ckpt"))
-        resumed = main(["fit", *base2, "--trainer.max_steps", "5", "--ckpt_path", "last"])
+        resumed = main(["fit", *base2, "--trainer.max_steps", "5", "--ckpt_path", "last", "--weights_only", "true"])
     finally:
         FederatedCLI.checkpoint_every_n_rounds = 10
     assert resumed.trainer.global_step == 5

@@ -2,7 +2,8 @@
 Pachinko split of CIFAR-100 as an option, per-sample augmentation.
 
 * :func:`read_cifar`: the "python version" archives under ``data_dir`` (``download=True`` fetches them; otherwise
-  a FileNotFoundError says where to put them).
+  a FileNotFoundError says where to put them), unpickled by a reader that admits only arrays and plain data, the
+  official files checked against their official MD5 checksums.
 * :class:`CifarImages`: per-sample random crop (padding 4) + horizontal flip, per-channel normalisation.
 * :class:`PachinkoPartition`: Reddi et al. 2021's two-level Dirichlet split of CIFAR-100 (the TFF ``cifar100``
   federated split).
@@ -11,9 +12,11 @@ Pachinko split of CIFAR-100 as an option, per-sample augmentation.
 
 from __future__ import annotations
 
+import codecs
+import hashlib
 import os
 import pickle
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -24,7 +27,8 @@ from fedlightning._validation import positive
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, FederatedDataModule
 from fedlightning.datamodules.partition import Dirichlet, Partitioner
 
-__all__ = ["Cifar10DataModule", "Cifar100DataModule", "CifarImages", "PachinkoPartition", "read_cifar"]
+__all__ = ["Cifar10DataModule", "Cifar100DataModule", "CifarImages", "PachinkoPartition", "read_cifar",
+           "OFFICIAL_MD5"]
 
 _CIFAR = {
     10: {
@@ -48,6 +52,104 @@ _CIFAR = {
 }
 
 
+#: MD5 checksum and number of images of every official file of the "python version" archives (the checksums of
+#: torchvision.datasets.CIFAR10 / CIFAR100 ``train_list`` / ``test_list``; the sizes of Krizhevsky 2009's data sets).
+OFFICIAL_MD5 = {
+    "cifar-10-batches-py": {
+        "data_batch_1": ("c99cafc152244af753f735de768cd75f", 10000),
+        "data_batch_2": ("d4bba439e000b95fd0a9bffe97cbabec", 10000),
+        "data_batch_3": ("54ebc095f3ab1f0389bbae665268c751", 10000),
+        "data_batch_4": ("634d18415352ddfa80567beed471001a", 10000),
+        "data_batch_5": ("482c414d41f54cd18b22e5b47cb7c3cb", 10000),
+        "test_batch": ("40351d587109b95175f43aff81a1287e", 10000),
+    },
+    "cifar-100-python": {
+        "train": ("16019d7e3df5f24257cddd939b257f8d", 50000),
+        "test": ("f0ef6b0ae62326f3e7ffdfab6717acfc", 10000),
+    },
+}
+
+#: Globals a CIFAR data pickle may name: numpy's array and scalar reconstruction (numpy 1 and numpy 2 module names;
+#: ``_frombuffer`` for protocol-5 pickles), ``ndarray`` and ``dtype``, and Python's plain data types.
+_ALLOWED_GLOBALS = {
+    **{(m, "_reconstruct"): None for m in ("numpy.core.multiarray", "numpy._core.multiarray")},
+    **{(m, "scalar"): None for m in ("numpy.core.multiarray", "numpy._core.multiarray")},
+    **{(m, "_frombuffer"): None for m in ("numpy.core.numeric", "numpy._core.numeric")},
+    ("numpy", "ndarray"): None,
+    ("numpy", "dtype"): None,
+    ("collections", "OrderedDict"): None,
+    **{("builtins", n): None for n in ("set", "frozenset", "bytearray", "bytes", "complex", "int", "float", "bool",
+                                       "str", "list", "dict", "tuple")},
+}
+
+
+def _latin1_encode(text: str, encoding: str = "utf-8") -> bytes:
+    """``_codecs.encode`` as Python 3 pickles bytes in protocol 2 (``encode(text, 'latin1')``), for that codec only."""
+    if codecs.lookup(encoding).name != "iso8859-1":
+        raise pickle.UnpicklingError(f"refuses to decode bytes with the codec {encoding!r} (only latin1)")
+    return codecs.encode(text, "latin1")
+
+
+class _DataUnpickler(pickle.Unpickler):
+    """An unpickler whose ``find_class`` admits only :data:`_ALLOWED_GLOBALS` (and ``_codecs.encode`` for latin1): a
+    pickle that names anything else (a function that could run code) is refused before anything is called."""
+
+    def __init__(self, file, path: str):
+        super().__init__(file, encoding="latin1")
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # the builtins module as Python 2 pickles (the official files) name it
+            module = "builtins"
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_encode
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        raise _RefusedGlobal(
+            f"{self.path}: refuses to unpickle the global {module}.{name}: a CIFAR data file holds only arrays, lists, "
+            "dicts, strings and numbers, and unpickling another global could run code"
+        )
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    pass
+
+
+def _md5(path: str) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_official(path: str) -> None:
+    """The official-checksum rule (ours): a file with an official name (``<folder>/<name>`` of :data:`OFFICIAL_MD5`)
+    that is at least as large as the official file's pixels (images × 3072 bytes) claims to be the official file and
+    must have its MD5 checksum; a smaller file cannot hold the official data set and is read as a file of the user's
+    own (a subset, a test fixture). A full-size file that differs (modified labels, a corrupted download) is refused
+    naming both checksums: to train on a modified CIFAR, hand it over with ``FederatedDataModule.from_datasets``."""
+    folder, name = os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path)
+    official = OFFICIAL_MD5.get(folder, {}).get(name)
+    if official is None:
+        return
+    expected, images = official
+    if os.path.getsize(path) < images * 3072:
+        return
+    actual = _md5(path)
+    if actual != expected:
+        raise ValueError(
+            f"{path}: MD5 checksum {actual} differs from the official {expected} of {folder}/{name} (a file of the "
+            "official size under the official name must be the official file): download the archive again"
+        )
+
+
+def _load_pickle(path: str) -> Any:
+    """The CIFAR data pickle at ``path``, read by :class:`_DataUnpickler`."""
+    with open(path, "rb") as f:
+        return _DataUnpickler(f, path).load()
+
+
 def _get(d: dict, key: str):
     if key in d:
         return d[key]
@@ -62,10 +164,19 @@ def read_cifar(data_dir: str, num_classes: int, split: str) -> Tuple[np.ndarray,
     Files: the "python version" archives, extracted under ``data_dir``: ``cifar-10-batches-py/{data_batch_1..5,
     test_batch}`` and ``cifar-100-python/{train, test}`` (pickled dicts with ``data`` (N×3072 uint8, channel-major
     32×32 images) and ``labels`` / ``fine_labels`` + ``coarse_labels``). They are read directly (torchvision's own
-    loader insists on the official archive checksums); ``download=True`` fetches the archives with torchvision's
-    ``CIFAR10``/``CIFAR100(download=True)`` first. Without the files and without ``download=True`` a FileNotFoundError
-    says where to put them — nothing is downloaded unless asked; when ``download=True`` fails (no network), the
-    FileNotFoundError names the download error, the archive's URL and the folder to extract it into.
+    loader insists on the official archive checksums, so smaller files of the same format could not be used);
+    ``download=True`` fetches the archives with torchvision's ``CIFAR10``/``CIFAR100(download=True)`` first.
+
+    **No code from data files** (ours). The pickles are read by an unpickler that admits only numpy's array and
+    scalar reconstruction, ``ndarray``, ``dtype`` and Python's plain data types (lists, dicts, tuples, sets,
+    strings, bytes, numbers): a file naming any other global is refused with ``<file>: refuses to unpickle the global
+    <module.name>: ...`` before anything is called. **Official files** are checked against the official MD5 checksums
+    (:data:`OFFICIAL_MD5`) when they claim to be official: an official name and at least the official file's pixel
+    bytes (images × 3072); a mismatch is refused naming both checksums.
+
+    Without the files and without ``download=True`` a FileNotFoundError says where to put them — nothing is
+    downloaded unless asked; when ``download=True`` fails (no network), the FileNotFoundError names the download
+    error, the archive's URL and the folder to extract it into.
     """
     spec = _CIFAR[num_classes]
     folder = os.path.join(data_dir, spec["folder"])
@@ -78,14 +189,17 @@ def read_cifar(data_dir: str, num_classes: int, split: str) -> Tuple[np.ndarray,
         )
     xs, ys, coarse = [], [], []
     for p in paths:
+        _check_official(p)
         try:
-            with open(p, "rb") as f:
-                entry = pickle.load(f, encoding="latin1")
+            entry = _load_pickle(p)
             data = np.asarray(_get(entry, "data"), dtype=np.uint8)
             labels = np.asarray(_get(entry, spec["label"]), dtype=np.int64)
             if num_classes == 100:
                 coarse.append(np.asarray(_get(entry, "coarse_labels"), dtype=np.int64))
-        except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as e:
+        except _RefusedGlobal as e:
+            raise ValueError(str(e)) from None
+        except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, AttributeError, IndexError,
+                LookupError) as e:
             raise ValueError(f"{p} is not a CIFAR python pickle (dict with data and labels): {e!r}") from None
         if data.ndim != 2 or data.shape[1] != 3072 or len(data) != len(labels):
             raise ValueError(f"{p}: expected data of shape (N, 3072) and N labels, got {data.shape} / {len(labels)}")

@@ -1,0 +1,520 @@
+"""Checkpoints and data files cannot run code; a run keeps the last round it completed; ``--ckpt_path last`` resumes
+the newest complete checkpoint by round and removes the temporary files of interrupted writes; checkpoint files get
+the umask's permissions.
+
+The "evil" files below hold an object whose unpickling calls ``os.system("touch <marker>")``: a marker file that
+exists afterwards means pickled code ran.
+"""
+
+import hashlib
+import os
+import pickle
+import shlex
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path, PurePosixPath
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fedlightning.cli as cli_module
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FederatedCallback
+from fedlightning.checkpoint import (STALE_TEMP_SECONDS, AtomicCheckpointIO, CheckpointError, RoundCheckpoint,
+                                     check_checkpoint, read_checkpoint, remove_interrupted_writes)
+from fedlightning.cli import FederatedCLI, main
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
+from fedlightning.models import MLP
+from fedlightning.optim import SgdArmijo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
+TINY = ["--config", QUICK, "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
+        "--trainer.enable_model_summary", "false", "--data.init_args.num_clients", "10",
+        "--model.clients_per_round", "2", "--model.local_steps", "2", "--test_after_fit", "false"]
+REFUSED = ("refuses to load: it needs the type os.system, which is not an allow-listed data type and could run code; "
+           "pass --weights_only false (Python: weights_only=False) to load a checkpoint you trust")
+
+
+def _tiny(save_dir, *extra):
+    return [*TINY, "--trainer.logger.init_args.save_dir", str(save_dir), "--trainer.default_root_dir",
+            str(save_dir), *extra]
+
+
+def _exit_with_error(capsys, args):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err, "nothing on stderr"
+    return err[-1]
+
+
+def _weights(module):
+    return torch.nn.utils.parameters_to_vector(module.parameters()).detach().clone()
+
+
+class Evil:
+    """Unpickling it runs ``os.system``, which creates ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(self.marker)}",))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A fedlightning checkpoint of the tiny quickstart run (1 round) and its contents."""
+    d = tmp_path_factory.mktemp("trained")
+    cli = main(["fit", *_tiny(d, "--trainer.max_steps", "1")])
+    path = os.path.join(cli.trainer.log_dir, "checkpoints", "last.ckpt")
+    return path, read_checkpoint(path)
+
+
+def _write_evil(trained, path, marker):
+    """The trained checkpoint (a valid FederatedLoop checkpoint) with an Evil object in its fedlightning section."""
+    ckpt = dict(trained[1])
+    ckpt["fedlightning"] = {**ckpt["fedlightning"], "note": Evil(marker)}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(ckpt, path)
+    return path
+
+
+# ====================================================================== 1. no code from checkpoints
+@pytest.mark.parametrize("subcommand,extra", [("fit", []), ("fit", ["--weights_only", "true"]), ("validate", []),
+                                              ("test", []), ("predict", [])],
+                         ids=["fit", "fit-weights_only-true", "validate", "test", "predict"])
+def test_evil_checkpoint_is_refused_by_every_subcommand(trained, tmp_path, capsys, subcommand, extra):
+    marker = tmp_path / "MARKER"
+    evil = _write_evil(trained, str(tmp_path / "evil.ckpt"), marker)
+    args = [subcommand, *_tiny(tmp_path / "run"), "--ckpt_path", evil, *extra]
+    if subcommand == "fit":
+        args += ["--trainer.max_steps", "2"]
+    line = _exit_with_error(capsys, args)
+    assert line == f"error: checkpoint {evil}: {REFUSED}"
+    assert not marker.exists()
+
+
+def test_planted_last_checkpoint_is_refused(trained, tmp_path, capsys):
+    """An evil file planted among the run's checkpoints stops ``--ckpt_path last`` (it is not skipped), even next to
+    a good checkpoint of a later round."""
+    marker = tmp_path / "MARKER"
+    good = tmp_path / "quickstart" / "version_0" / "checkpoints" / "last.ckpt"
+    good.parent.mkdir(parents=True)
+    good.write_bytes(open(trained[0], "rb").read())
+    planted = _write_evil(trained, str(tmp_path / "quickstart" / "version_1" / "checkpoints" / "last.ckpt"), marker)
+    line = _exit_with_error(capsys, ["fit", *_tiny(tmp_path, "--trainer.max_steps", "2"), "--ckpt_path", "last"])
+    assert line == f"error: checkpoint {planted}: {REFUSED}"
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("fn", ["fit", "validate", "test", "predict"])
+def test_the_trainers_own_read_is_safe(trained, tmp_path, fn):
+    """Without the CLI's checks, the Trainer's read through AtomicCheckpointIO refuses the file too."""
+    marker = tmp_path / "MARKER"
+    evil = _write_evil(trained, str(tmp_path / "evil.ckpt"), marker)
+    loop = FederatedLoop(MLP(input_dim=64, num_classes=10, hidden=[128]), local_steps=1, clients_per_round=2)
+    trainer = make_trainer(2, plugins=[AtomicCheckpointIO()])
+    kwargs = {"dataloaders": DataLoader(TensorDataset(torch.zeros(2, 64)))} if fn == "predict" else \
+        {"datamodule": DigitsDataModule(num_clients=10, batch_size=16, seed=0)}
+    with pytest.raises(CheckpointError) as info:
+        getattr(trainer, fn)(loop, ckpt_path=evil, **kwargs)
+    assert str(info.value) == f"checkpoint {evil}: {REFUSED}" and info.value.unsafe_type == "os.system"
+    assert not marker.exists()
+
+
+def test_weights_only_false_is_the_warned_opt_in(trained, tmp_path):
+    """The same file loads with ``--weights_only false``: its code runs (the marker appears) after a warning."""
+    marker = tmp_path / "MARKER"
+    evil = _write_evil(trained, str(tmp_path / "evil.ckpt"), marker)
+    with pytest.warns(UserWarning, match=rf"checkpoint {evil}: loading with weights_only=False \(--weights_only "
+                                         r"false\): any code pickled in the file runs now"):
+        cli = main(["fit", *_tiny(tmp_path / "run", "--trainer.max_steps", "2"), "--ckpt_path", evil,
+                    "--weights_only", "false"])
+    assert marker.exists()
+    assert cli.trainer.global_step == 2
+
+
+def test_refused_types_are_named_whatever_the_pickle(trained, tmp_path):
+    """Torch names the global of a protocol-2 file; a protocol-4 pickle (STACK_GLOBAL, which torch's reader does not
+    name) is read statically; an object array's element type is refused by its dtype."""
+    marker = tmp_path / "MARKER"
+    p4 = tmp_path / "p4.ckpt"
+    with open(p4, "wb") as f:
+        pickle.dump({"state_dict": {}, "x": Evil(marker)}, f, protocol=4)
+    with pytest.raises(CheckpointError) as info:
+        check_checkpoint(p4)
+    assert info.value.summary_line() == f"checkpoint {p4}: {REFUSED}"
+    objects = tmp_path / "objects.ckpt"
+    torch.save({**trained[1], "extra": np.array([1, "a"], dtype=object)}, objects)
+    with pytest.raises(CheckpointError) as info:
+        check_checkpoint(objects)
+    assert info.value.unsafe_type == "numpy.dtypes.ObjectDType"
+    assert not marker.exists()
+
+
+def test_allow_listed_data_types_load_and_nothing_else_is_allowed_afterwards(trained, tmp_path):
+    """Paths and numpy scalars / arrays load under weights_only (torch alone refuses them); the allow-list is scoped
+    to fedlightning's reads."""
+    extra = {"path": Path("/data/run"), "pure": PurePosixPath("a/b"), "f64": np.float64(0.1), "i64": np.int64(-3),
+             "flag": np.bool_(True), "name": np.str_("x"), "array": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    path = tmp_path / "typed.ckpt"
+    torch.save({**trained[1], "extra": extra}, path)
+    before = torch.serialization.get_safe_globals()
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+    loaded = check_checkpoint(path)["extra"]
+    assert torch.serialization.get_safe_globals() == before
+    for key, value in extra.items():
+        assert type(loaded[key]) is type(value), key
+    assert loaded["path"] == extra["path"] and loaded["pure"] == extra["pure"] and loaded["name"] == "x"
+    assert loaded["f64"] == np.float64(0.1) and loaded["i64"] == -3 and loaded["flag"]
+    np.testing.assert_array_equal(loaded["array"], extra["array"])
+    assert loaded["array"].dtype == np.float32
+
+
+# ====================================================================== 2. real checkpoints resume under weights_only
+class HParamNet(pl.LightningModule):
+    """A user's module: hyper-parameters, torchmetrics metrics, SGD with a ReduceLROnPlateau scheduler, and extra
+    plain data (a path, numpy values) in its own checkpoint hook."""
+
+    def __init__(self, lr: float = 0.2, hidden: int = 16):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+        self.loaded_extra = None
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc)
+        return F.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_acc(self(x), y)
+        self.log("val_acc", self.val_acc)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "train/loss"}}
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["user_extra"] = {"dir": Path("/data"), "best": np.float64(0.5), "counts": np.arange(3)}
+
+    def on_load_checkpoint(self, checkpoint):
+        self.loaded_extra = checkpoint["user_extra"]
+
+
+def test_user_module_checkpoint_resumes_bit_exactly_under_weights_only(tmp_path):
+    """save_hyperparameters + torchmetrics + an LR scheduler + a checkpoint hook with paths and numpy values:
+    2 rounds, then resumed to 4 with ``--weights_only true``, equal the uninterrupted 4 rounds bit for bit."""
+    user = ["--model.model", f"{__name__}.HParamNet", "--model.client_optimizer", "null"]
+    full = main(["fit", *_tiny(tmp_path / "full", "--trainer.max_steps", "4"), *user])
+    main(["fit", *_tiny(tmp_path / "cut", "--trainer.max_steps", "2"), *user])
+    resumed = main(["fit", *_tiny(tmp_path / "cut", "--trainer.max_steps", "4"), *user, "--ckpt_path", "last",
+                    "--weights_only", "true"])
+    assert resumed.trainer.global_step == 4
+    assert torch.equal(_weights(resumed.model), _weights(full.model))
+    extra = resumed.model.model.loaded_extra
+    assert extra["dir"] == Path("/data") and type(extra["best"]) is np.float64
+    np.testing.assert_array_equal(extra["counts"], np.arange(3))
+
+
+# ====================================================================== 3. nothing lost: the final round
+def _last_holds_the_model(path, module):
+    ckpt = read_checkpoint(path)
+    state = module.state_dict()
+    assert set(ckpt["state_dict"]) == set(state)
+    assert all(torch.equal(ckpt["state_dict"][k], state[k]) for k in state)
+    return ckpt["global_step"]
+
+
+def test_a_finished_run_checkpoints_its_final_round(tmp_path):
+    cli = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "13")])
+    folder = os.path.join(cli.trainer.log_dir, "checkpoints")
+    assert _last_holds_the_model(os.path.join(folder, "last.ckpt"), cli.model) == 13
+    assert {f: read_checkpoint(os.path.join(folder, f))["global_step"] for f in os.listdir(folder)} == \
+        {"last.ckpt": 13, "epoch=0-step=10.ckpt": 10}
+
+
+def test_early_stopping_keeps_the_round_it_stopped_at(tmp_path):
+    """EarlyStopping stops at the validation of round 12 (threshold reached); the default checkpoint saved round 10,
+    and the final round 12 too."""
+    cli = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "40", "--trainer.limit_val_batches", "1.0",
+                              "--trainer.val_check_interval", "12"),
+                "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
+                "--trainer.callbacks.monitor=val/loss", "--trainer.callbacks.stopping_threshold=1e9"])
+    assert cli.trainer.global_step == 12
+    assert _last_holds_the_model(os.path.join(cli.trainer.log_dir, "checkpoints", "last.ckpt"), cli.model) == 12
+
+
+class NanAfter(MLP):
+    """An MLP whose loss is NaN from round ``bad_from`` on (every client of those rounds fails)."""
+
+    def __init__(self, bad_from: int):
+        super().__init__(input_dim=64, num_classes=10, hidden=[8])
+        self.bad_from = bad_from
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step >= self.bad_from else loss
+
+
+def _fit_until_error(tmp_path, callbacks=()):
+    ck = RoundCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True, every_n_train_steps=10)
+    trainer = make_trainer(30, callbacks=[ck, *callbacks], enable_checkpointing=True, plugins=[AtomicCheckpointIO()])
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    return trainer, dm, str(tmp_path / "ck" / "last.ckpt")
+
+
+def test_max_failed_rounds_keeps_the_last_completed_round(tmp_path):
+    loop = FederatedLoop(NanAfter(bad_from=12), local_steps=2, clients_per_round=2, seed=0, max_failed_rounds=2)
+    trainer, dm, last = _fit_until_error(tmp_path)
+    with pytest.raises(FloatingPointError, match="max_failed_rounds=2"):
+        trainer.fit(loop, datamodule=dm)
+    assert trainer.global_step > 10  # past the periodic checkpoint of round 10
+    assert _last_holds_the_model(last, loop) == trainer.global_step
+
+
+class RaiseInRound(FederatedCallback):
+    """Raises in ``on_client_end`` of the second client of round ``round``."""
+
+    def __init__(self, round: int):
+        self.round, self.seen = round, 0
+
+    def on_client_end(self, loop, plan, update):
+        if plan.round == self.round:
+            self.seen += 1
+            if self.seen == 2:
+                raise RuntimeError("stop in the middle of the round")
+
+
+@pytest.mark.parametrize("client_state", [False, True], ids=["sgd", "armijo-with-client-state"])
+def test_an_error_mid_round_saves_only_a_round_boundary(tmp_path, client_state):
+    """SGD clients keep no state: the round in progress changed nothing, so round 12 (its start) is saved. SgdArmijo
+    clients carrying their step: the first client already wrote its state, so nothing is saved (round 10 stays)."""
+    opt = (lambda p: SgdArmijo(p, eta_max=4.0, reset="last", carry_step_size=True)) if client_state else None
+    loop = FederatedLoop(MLP(input_dim=64, num_classes=10, hidden=[8]), client_optimizer=opt, local_steps=2,
+                         clients_per_round=3, seed=0)
+    trainer, dm, last = _fit_until_error(tmp_path, [RaiseInRound(12)])
+    with pytest.raises(RuntimeError, match="stop in the middle of the round"):
+        trainer.fit(loop, datamodule=dm)
+    assert trainer.global_step == 12
+    if client_state:
+        assert len(loop.client_state) > 0 and read_checkpoint(last)["global_step"] == 10
+    else:
+        assert _last_holds_the_model(last, loop) == 12
+
+
+# ====================================================================== 4. --ckpt_path last: by round, temp files
+def _with_round(trained, path, round_, mtime):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({**trained[1], "global_step": round_}, path)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_last_is_the_newest_complete_round_of_any_file_name(trained, tmp_path, monkeypatch):
+    """By round, not by name or time: a newer ``last.ckpt`` of an earlier round loses to step files of round 3; of the
+    two round-3 files the newer one wins; a truncated file is skipped with a warning; a leftover temporary file of
+    a dead writer is removed, one of a running writer is kept."""
+    runs = tmp_path / "quickstart"
+    now = time.time()
+    _with_round(trained, str(runs / "version_0" / "checkpoints" / "last.ckpt"), 2, now)
+    _with_round(trained, str(runs / "version_0" / "checkpoints" / "epoch=0-step=3.ckpt"), 3, now - 30)
+    newest = _with_round(trained, str(runs / "version_1" / "checkpoints" / "last-v1.ckpt"), 3, now - 20)
+    truncated = runs / "version_1" / "checkpoints" / "last.ckpt"
+    truncated.write_bytes(open(trained[0], "rb").read()[:200])
+    host = socket.gethostname().replace("-", "_")
+    leftover = runs / "version_1" / "checkpoints" / f".tmp-{host}-{_dead_pid()}-abc.ckpt"
+    leftover.write_bytes(b"half a checkpoint")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        writing = runs / "version_0" / "checkpoints" / f".tmp-{host}-{sleeper.pid}-def.ckpt"
+        writing.write_bytes(b"being written")
+        infos = []
+        monkeypatch.setattr(cli_module, "rank_zero_info", infos.append)
+        with pytest.warns(UserWarning, match="skipped") as caught:
+            cli = main(["validate", *_tiny(tmp_path), "--ckpt_path", "last"])
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    where = os.path.join(tmp_path, "quickstart", "*", "checkpoints")
+    assert infos[:2] == [
+        f"--ckpt_path last: removed 1 temporary file(s) of interrupted checkpoint writes: {leftover}",
+        f"--ckpt_path last: resuming from {newest} (round 3, the newest complete of 4 checkpoint file(s) in {where})",
+    ]
+    assert cli.config_init["validate"]["ckpt_path"] == newest
+    assert [str(w.message) for w in caught if "skipped" in str(w.message)] == [
+        f"--ckpt_path last: skipped checkpoint {truncated}: corrupt, truncated or not a checkpoint (RuntimeError: "
+        "PytorchStreamReader failed reading zip archive: failed finding central directory)"]
+    assert not leftover.exists() and writing.exists()
+
+
+def test_remove_interrupted_writes_rule(tmp_path):
+    host = socket.gethostname().replace("-", "_")
+    old = time.time() - STALE_TEMP_SECONDS - 60
+    files = {
+        f".tmp-{host}-{_dead_pid()}-a.ckpt": True,  # this host, writer gone
+        f".tmp-{host}-{os.getpid()}-b.ckpt": True,  # this process is not writing now
+        f".tmp-{host}-{os.getppid()}-c.ckpt": False,  # this host, writer alive
+        ".tmp-otherhost-1-d.ckpt": False,  # another host, recently modified
+        ".tmp-otherhost-1-e.ckpt": True,  # another host, unmodified for over an hour
+        ".tmp-q8x_2kd.ckpt": True,  # no writer recorded, old
+        "last.ckpt": False,
+    }
+    for name in files:
+        (tmp_path / name).write_bytes(b"x")
+    for name in (".tmp-otherhost-1-e.ckpt", ".tmp-q8x_2kd.ckpt"):
+        os.utime(tmp_path / name, (old, old))
+    removed = remove_interrupted_writes([str(tmp_path), str(tmp_path / "missing")])
+    assert sorted(removed) == sorted(str(tmp_path / n) for n, gone in files.items() if gone)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, gone in files.items() if not gone)
+
+
+KILLED_RUN = textwrap.dedent("""
+    import io, os, signal, sys
+    import torch
+    torch.set_num_threads(1)
+    from fedlightning.cli import FederatedCLI, main
+    FederatedCLI.checkpoint_every_n_rounds = 1
+    kill_at, calls, real_save = int(sys.argv[1]), [0], torch.save
+
+    def save(obj, f, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == kill_at:  # half of the bytes reach the temporary file, then kill -9
+            buf = io.BytesIO()
+            real_save(obj, buf, *args, **kwargs)
+            f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+    main(sys.argv[2:])
+""")
+
+
+def test_kill_9_mid_write_resumes_the_newest_complete_round_bit_exactly(tmp_path, monkeypatch):
+    """Checkpoints every round write ``epoch=0-step=r.ckpt`` then ``last.ckpt``; kill -9 during the 6th write (round
+    3's ``last.ckpt``) leaves last.ckpt at round 2, the step file at round 3 and half a temporary file. ``last``
+    resumes round 3, removes the temporary file, and 4 rounds equal the uninterrupted run bit for bit."""
+    cut = tmp_path / "cut"
+    env = {**os.environ, "PYTHONPATH": ROOT, "WANDB_MODE": "offline"}
+    proc = subprocess.run([sys.executable, "-c", KILLED_RUN, "6", "fit", *_tiny(cut, "--trainer.max_steps", "4")],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    folder = cut / "quickstart" / "version_0" / "checkpoints"
+    temps = [p for p in folder.iterdir() if p.name.startswith(".tmp-")]
+    assert len(temps) == 1
+    assert {p.name: read_checkpoint(str(p))["global_step"] for p in folder.iterdir() if not p.name.startswith(".")} \
+        == {"last.ckpt": 2, "epoch=0-step=3.ckpt": 3}
+    infos = []
+    monkeypatch.setattr(cli_module, "rank_zero_info", infos.append)
+    resumed = main(["fit", *_tiny(cut, "--trainer.max_steps", "4"), "--ckpt_path", "last"])
+    assert infos[0] == f"--ckpt_path last: removed 1 temporary file(s) of interrupted checkpoint writes: {temps[0]}"
+    assert infos[1].startswith(f"--ckpt_path last: resuming from {folder / 'epoch=0-step=3.ckpt'} (round 3, ")
+    assert not temps[0].exists()
+    full = main(["fit", *_tiny(tmp_path / "full", "--trainer.max_steps", "4")])
+    assert resumed.trainer.global_step == 4
+    assert torch.equal(_weights(resumed.model), _weights(full.model))
+
+
+# ====================================================================== 5. file permissions
+@pytest.mark.parametrize("umask", [0o027, 0o002])
+def test_checkpoint_files_respect_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        AtomicCheckpointIO().save_checkpoint({"a": torch.ones(2)}, tmp_path / "x.ckpt")
+        with open(tmp_path / "reference", "w"):  # how the system creates a file under this umask
+            pass
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE(os.stat(tmp_path / "x.ckpt").st_mode)
+    assert mode == stat.S_IMODE(os.stat(tmp_path / "reference").st_mode) == 0o666 & ~umask
+
+
+# ====================================================================== 6. CIFAR data files
+def _cifar_file(folder, name, entry):
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "wb") as f:
+        pickle.dump(entry, f, protocol=2)
+    return path
+
+
+def test_cifar_pickle_naming_a_callable_is_refused(tmp_path):
+    from fedlightning.datamodules.cifar import read_cifar
+
+    marker = tmp_path / "MARKER"
+    folder = tmp_path / "cifar-10-batches-py"
+    path = _cifar_file(str(folder), "test_batch", {"data": Evil(marker), "labels": [0]})
+    with pytest.raises(ValueError) as info:
+        read_cifar(str(tmp_path), 10, "test")
+    assert str(info.value) == (f"{path}: refuses to unpickle the global posix.system: a CIFAR data file holds only "
+                               "arrays, lists, dicts, strings and numbers, and unpickling another global could run "
+                               "code")
+    assert not marker.exists()
+
+
+def test_cifar_official_checksums_are_torchvision_s():
+    import torchvision
+
+    from fedlightning.datamodules.cifar import OFFICIAL_MD5
+
+    for cls, folder in ((torchvision.datasets.CIFAR10, "cifar-10-batches-py"),
+                        (torchvision.datasets.CIFAR100, "cifar-100-python")):
+        assert {n: md5 for n, (md5, _) in OFFICIAL_MD5[folder].items()} == dict(cls.train_list + cls.test_list)
+
+
+def test_cifar_official_size_file_must_match_its_checksum(tmp_path, monkeypatch):
+    """A 10000-image test_batch claims to be the official file: its checksum is compared (refused naming both); the
+    same content is read when it is the expected checksum; a smaller file is not compared."""
+    import fedlightning.datamodules.cifar as cifar
+
+    folder = str(tmp_path / "cifar-10-batches-py")
+    labels = (np.arange(10000) % 10).tolist()
+    path = _cifar_file(folder, "test_batch", {"data": np.zeros((10000, 3072), np.uint8), "labels": labels})
+    actual = hashlib.md5(open(path, "rb").read()).hexdigest()
+    with pytest.raises(ValueError) as info:
+        cifar.read_cifar(str(tmp_path), 10, "test")
+    assert str(info.value) == (f"{path}: MD5 checksum {actual} differs from the official "
+                               "40351d587109b95175f43aff81a1287e of cifar-10-batches-py/test_batch (a file of the "
+                               "official size under the official name must be the official file): download the "
+                               "archive again")
+    official = {**cifar.OFFICIAL_MD5["cifar-10-batches-py"], "test_batch": (actual, 10000)}
+    monkeypatch.setitem(cifar.OFFICIAL_MD5, "cifar-10-batches-py", official)
+    x, y, _ = cifar.read_cifar(str(tmp_path), 10, "test")
+    assert x.shape == (10000, 3, 32, 32) and y.tolist() == labels
+    monkeypatch.undo()
+    _cifar_file(folder, "test_batch", {"data": np.zeros((100, 3072), np.uint8), "labels": labels[:100]})
+    assert cifar.read_cifar(str(tmp_path), 10, "test")[0].shape == (100, 3, 32, 32)
