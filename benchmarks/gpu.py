@@ -209,7 +209,8 @@ def run_once(model_fn, optimizer, dm, mode, rounds, init_state, cfg, accel, dead
     model = model_fn()
     model.load_state_dict(init_state)
     loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=cfg["K"], clients_per_round=cfg["cpr"],
-                         seed=0, client_execution="vectorized" if mode.startswith("vec") else "sequential")
+                         seed=0, client_execution="vectorized" if mode.startswith("vec") else "sequential",
+                         on_client_error="skip")  # clients meeting a one-sample BatchNorm batch are left out
     timer = RoundTimer(cuda, deadline)
     trainer = pl.Trainer(max_steps=rounds, accelerator=accel, devices=1,
                          precision="bf16-mixed" if mode.endswith("bf16") else "32-true", logger=False,

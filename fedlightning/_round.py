@@ -1,10 +1,12 @@
-"""The end of a :class:`~fedlightning.loop.FederatedLoop` round (a mixin of the loop): the failure policy's stops,
-the telemetry sums, the exchange and reduction of round statistics across processes, the server step
-(Δ into the global parameters' ``.grad``, then the strategy's server optimizer) and round logging.
+"""The end of a :class:`~fedlightning.loop.FederatedLoop` round (a mixin of the loop): the aggregation checks of a
+client, the failure policy's stops, the telemetry sums, the exchange and reduction of round statistics across
+processes, the server step (Δ into the global parameters' ``.grad``, then the strategy's server optimizer, its result
+checked before it is committed) and round logging.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Dict, List, Optional
 
@@ -17,12 +19,102 @@ from fedlightning.callbacks.base import RoundStatistics
 from fedlightning.state import ClientUpdate, RoundPlan, RoundResult
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class _ServerState:
+    """A copy of the global parameters and of the server optimizer's state and hyper-parameters, taken before the
+    server step, to put back when the step's result is refused (:meth:`_RoundEnd._check_candidate`)."""
+
+    def __init__(self, params: List[Tensor], optimizer: torch.optim.Optimizer) -> None:
+        self.params, self.optimizer = params, optimizer
+        self.values = [p.detach().clone() for p in params]
+        self.state = {p: {k: (v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)) for k, v in st.items()}
+                      for p, st in optimizer.state.items()}
+        self.groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        torch._foreach_copy_([p.detach() for p in self.params], self.values)
+        self.optimizer.state.clear()
+        self.optimizer.state.update(self.state)
+        for group, values in zip(self.optimizer.param_groups, self.groups):
+            group.update(values)
+
+
 class _RoundEnd:
     """Methods of :class:`~fedlightning.loop.FederatedLoop` that turn the round's client updates into the new
     global model and the round's metrics (mixed into the loop; ``self`` is the loop)."""
 
+    def _screen_update(self, update: ClientUpdate, weight: float, num_sampled: int) -> Optional[Tensor]:
+        """The aggregation checks of one healthy client (the rule: :class:`~fedlightning.loop.FederatedLoop`'s
+        ``max_update_norm``): ``‖Δ_i‖²`` (float64, the value the round's sums add) when the client passes; else
+        ``update`` is marked failed with the reason and its update norm, and None is returned."""
+        sq_norm = update.delta.double().pow(2).sum()
+        figures = [sq_norm] if update.buffers is None else [sq_norm, update.buffers.double().pow(2).sum()]
+        values = torch.stack(figures).tolist() if len(figures) > 1 else [float(sq_norm.item())]  # one host read
+        norm, w, n = math.sqrt(values[0]), abs(weight), 2 * num_sampled
+        f64 = torch.finfo(torch.float64).max
+        limit = torch.finfo(update.delta.dtype).max / n
+        reason = None
+        if not math.isfinite(weight):
+            reason = f"non-finite aggregation weight {weight!r}"
+        elif self.max_update_norm is not None and norm > self.max_update_norm:
+            reason = f"update norm {norm:.4g} > max_update_norm={self.max_update_norm:g}"
+        elif w * norm >= limit:
+            reason = (f"update norm {norm:.4g}: its weighted update (weight {weight:g}) could overflow the "
+                      f"{_dtype_name(update.delta.dtype)} sum of the round's {num_sampled} clients (limit "
+                      f"|w|·‖Δ‖ < {limit:.4g})")
+        elif values[0] * max(w, 1.0) >= f64 / n:
+            reason = f"update norm {norm:.4g}: its squared norm could overflow the float64 sums of the round"
+        elif len(values) > 1:
+            buffer_norm = math.sqrt(values[1])
+            buffer_limit = torch.finfo(update.buffers.dtype).max / n
+            if not math.isfinite(buffer_norm) or w * buffer_norm >= buffer_limit:
+                reason = (f"update norm {norm:.4g}, float buffers norm {buffer_norm:.4g}: its weighted buffers "
+                          f"could overflow the {_dtype_name(update.buffers.dtype)} sum of the round's {num_sampled} "
+                          "clients")
+        if reason is None:
+            return sq_norm
+        update.failed, update.failure = True, reason
+        return None
+
+    def _stop_by_policy(self, plan: RoundPlan, stats: RoundStatistics, stop: Optional[tuple]) -> None:
+        """Stop the run when a client of this round raised under ``on_client_error="raise"`` or failed under
+        ``on_client_failure="raise"`` (``stop``: ``(client, exception or failure text)`` on this process). Every
+        process decides from the reduced count; with several processes the stop of the client first in sampling
+        order is raised on all of them."""
+        if not float(stats["stopped"].item()):
+            return
+        pos = {cid: i for i, cid in enumerate(plan.client_ids)}
+
+        def describe(s):
+            if s is None:
+                return None
+            cid, what = s
+            if isinstance(what, BaseException):
+                return (pos.get(cid, -1), cid, f"{type(what).__name__}: {what}", True)
+            return (pos.get(cid, -1), cid, str(what), False)
+
+        mine = describe(stop)
+        everything = [mine]
+        if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            from fedlightning.distributed import all_gather_objects
+
+            everything = all_gather_objects(mine)
+        _, cid, what, raised = min(d for d in everything if d is not None)
+        cause = stop[1] if stop is not None and stop[0] == cid and isinstance(stop[1], BaseException) else None
+        if raised:
+            raise RuntimeError(
+                f"round {plan.round}: client {cid} raised {what}. An exception in client training is a bug in the "
+                "model or the data, not a faulty client, so the run stops (on_client_error='skip' would leave such "
+                "clients out of their round)"
+            ) from cause
+        raise FloatingPointError(f"client {cid} failed in round {plan.round}: {what}")
+
     def _check_round_failures(self, plan: RoundPlan, stats: RoundStatistics, first_error: Optional[tuple]) -> None:
-        """The failure policy's stops (``on_client_failure="skip"``; identical on every process, from the reduced
+        """The failure policy's stops (the ``"skip"`` policies; identical on every process, from the reduced
         counts): every client raised → the round's first exception, chained; ``max_failed_rounds`` consecutive
         rounds without a healthy client → ``FloatingPointError``."""
         n_healthy = float(stats["clients"].item()) if "clients" in stats else 0.0
@@ -48,6 +140,20 @@ class _RoundEnd:
                 f"(max_failed_rounds={limit}); every client's loss or update was NaN/inf or it failed. Lower the "
                 "client learning rate, clip client gradients (client_grad_clip) or raise max_failed_rounds"
             )
+
+    def _check_run_trained(self) -> None:
+        """At the end of training: a run in which no round had a healthy client (the global model never changed)
+        stops with a ``FloatingPointError``, unless ``max_failed_rounds`` is None. Resumed runs count their rounds
+        before the checkpoint: ``rounds_without_healthy_client`` is checkpointed and consecutive, so it equals the
+        number of rounds trained exactly when none had a healthy client."""
+        rounds = int(self.global_step)
+        if self.max_failed_rounds is None or rounds == 0 or self.rounds_without_healthy_client < rounds:
+            return
+        raise FloatingPointError(
+            f"no round of this run had a healthy client ({rounds} round{'s' if rounds != 1 else ''}; every client's "
+            "loss or update was NaN/inf, too large, or it failed), so the global model was never updated. Lower the "
+            "client learning rate or clip client gradients (client_grad_clip)"
+        )
 
     @staticmethod
     def _accumulate_telemetry(stats: RoundStatistics, u: ClientUpdate, device) -> None:
@@ -116,10 +222,31 @@ class _RoundEnd:
             n = p.numel()
             p.grad = pseudo_grad[offset : offset + n].view_as(p).to(p.dtype).clone()
             offset += n
+        server_opt = opt.optimizer
+        saved = _ServerState(params, server_opt)
         if lr is not None:
-            for g in opt.optimizer.param_groups:
+            for g in server_opt.param_groups:
                 g["lr"] = lr
-        opt.step()
+
+        checked = []
+
+        def check(*_):  # after the step, before Lightning counts it (a post hook runs inside optimizer.step)
+            checked.append(True)
+            self._check_candidate(plan, params, server_opt, saved, pseudo_grad, lr, extra)
+
+        handle = server_opt.register_step_post_hook(check)
+        try:
+            opt.step()
+        except Exception:
+            if not checked:  # an optimizer that raised half-way (e.g. an lr beyond float32) changes nothing either
+                saved.restore()
+                for p in params:
+                    p.grad = None
+            raise
+        finally:
+            handle.remove()
+        if not checked:  # a step that does not run torch's step hooks: checked now, after Lightning counted it
+            self._check_candidate(plan, params, server_opt, saved, pseudo_grad, lr, extra)
         for p in params:
             p.grad = None
         if "buffers" in stats:
@@ -147,6 +274,43 @@ class _RoundEnd:
             metrics["client/step_size_max"] = float(stats["step_size_max"].item())
             metrics["client/step_size_min"] = -float(stats["neg_step_size_min"].item())
         return metrics
+
+    def _check_candidate(self, plan: RoundPlan, params: List[Tensor], server_opt, saved: "_ServerState",
+                         pseudo_grad: Tensor, lr: Optional[float], extra: Dict[str, float]) -> None:
+        """The server step check (rule: :class:`~fedlightning.loop.FederatedLoop`'s ``max_update_norm``): if a
+        global parameter or a floating tensor of the server optimizer's state is non-finite after the step, both are
+        restored from ``saved`` and a ``FloatingPointError`` names the round, the strategy and the statistic."""
+        state_tensors = [v for st in server_opt.state.values() for v in st.values()
+                         if isinstance(v, Tensor) and v.is_floating_point()]
+        peak = torch.nn.utils.get_total_norm(list(params) + state_tensors, norm_type=math.inf)
+        if math.isfinite(float(peak.item())):
+            return
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        where = next((f"parameter {n}" for n, p in zip(names, params) if not bool(torch.isfinite(p).all())), None)
+        if where is None:
+            by_param = {id(p): n for n, p in zip(names, params)}
+            where = next(f"server optimizer state {k!r} of {by_param.get(id(p), 'a parameter')}"
+                         for p, st in server_opt.state.items() for k, v in st.items()
+                         if isinstance(v, Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()))
+        saved.restore()
+        for p in params:
+            p.grad = None
+        step_lr = lr if lr is not None else server_opt.param_groups[0].get("lr", float("nan"))
+        delta_norm = float(pseudo_grad.double().norm().item())
+        if not bool(torch.isfinite(pseudo_grad).all()):
+            statistic = "the pseudo-gradient Δ from server_update is non-finite"
+        elif not math.isfinite(float(step_lr)):
+            statistic = f"the server learning rate server/lr = {step_lr!r} is non-finite"
+        else:
+            shown = ", ".join(f"{k} = {v:.4g}" for k, v in extra.items() if isinstance(v, (int, float)))
+            statistic = (f"the step server/lr·Δ overflows: server/lr = {float(step_lr):.4g}, server/delta_norm = "
+                         f"{delta_norm:.4g}" + (f" ({shown})" if shown else ""))
+        raise FloatingPointError(
+            f"round {plan.round}: the server step of {type(self.strategy).__name__} would make the global model "
+            f"non-finite ({where}): {statistic}. The global model and the server optimizer state are left as they "
+            "were before this round and the run stops; every client update passed the aggregation checks, so the "
+            "strategy or its hyper-parameters are at fault, not a client"
+        )
 
     def _log_round(self, result: RoundResult) -> None:
         """Log the round's metrics.

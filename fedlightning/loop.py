@@ -8,10 +8,12 @@ One ``training_step`` is one communication round (``trainer.max_steps`` = number
     for client in this process's share of plan.client_ids:
         update = K local steps from w_t on the client's loader    # manual optimisation, client optimizer
         callbacks.on_client_end(loop, plan, update)
+        aggregation checks (norm, overflow)                        # else the client is skipped (or the run stops)
         core sums + strategy.accumulate(stats, update)             # summable statistics
     all_reduce(stats) across processes                            # identical on every rank
     Δ, η = strategy.server_update(loop, stats, plan)
     global .grad <- Δ ; server_optimizer.step()                   # FedOpt view; Lightning counts the round
+    (a non-finite result is undone and stops the run)
     callbacks.on_round_end(trainer, loop, result)
 """
 
@@ -91,20 +93,49 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             counters) carry their per-client state across that client's rounds when ``persist_client_state``.
         local_steps: local steps ``K`` per client per round (seed 000: 20).
         clients_per_round: clients sampled per round ``|S|`` (seed 000: 20).
-        seed: seed of client sampling, client data order and in-model randomness (dropout); every stream is
-            derived from ``(seed, purpose, round, client_id)``. Model initialisation is seeded by the CLI's
-            ``seed_everything``.
+        seed: seed (an integer ``>= 0``) of client sampling, client data order and in-model randomness (dropout);
+            every stream is derived from ``(seed, purpose, round, client_id)``. Model initialisation is seeded by the
+            CLI's ``seed_everything``.
         client_grad_clip: optional max-norm clipping of client gradients (FedExP's reference code uses 10).
         persist_client_state: keep client optimizer state across rounds (see ``client_optimizer``).
-        on_client_failure: ``"skip"`` (default): a client whose loss or update is NaN/inf, or whose training raises,
-            is left out of the round with a warning and counted in ``round/failed_clients``; if no client is healthy
-            the global model is unchanged. ``"raise"``: stop with an error naming the client and round. Under
-            ``"skip"``, a round in which *every* client raised an exception stops the run with that exception
-            chained (a bug in the module or the data, not a faulty client), and ``max_failed_rounds`` consecutive
-            rounds without a healthy client (all diverged) stop it with a ``FloatingPointError``.
-        max_failed_rounds: consecutive rounds without a healthy client tolerated under ``on_client_failure="skip"``
-            before the run stops (default 3, ours: one unlucky round is skipped, a diverged run is not continued
-            silently); ``None`` never stops.
+        on_client_failure: what happens to a client whose *result* is unusable: its loss or update is NaN/inf, a
+            strategy marks it failed, or it fails the aggregation checks below. ``"skip"`` (default): it is left
+            out of the round with a warning naming the round, the client and the cause, and counted in
+            ``round/failed_clients``; if no client is healthy the global model is unchanged. ``"raise"``: the run
+            stops with a ``FloatingPointError`` naming the client and round.
+        on_client_error: what happens when a client's training *raises* (a target out of range, a shape mismatch,
+            a BatchNorm batch of one sample). ``"raise"`` (default, ours: an exception is a bug in the module or the
+            data, not a faulty client): the run stops at the first client that raised, with a ``RuntimeError``
+            naming the round, the client and the exception (chained). ``"skip"``: the client is left out of its
+            round as under ``on_client_failure="skip"``; a round in which *every* client raised still stops the run
+            with the first exception chained.
+        max_failed_rounds: consecutive rounds without a healthy client tolerated before the run stops with a
+            ``FloatingPointError`` (default 3, ours: one unlucky round is skipped, a diverged run is not continued
+            silently); the same error ends a run in which no round had a healthy client, when training ends
+            (``on_train_end``, after the checkpoint callbacks), so such a run never exits 0. ``None`` never stops.
+        max_update_norm: optional bound on a client's update norm ``‖Δ_i‖`` (float64): a client above it is left
+            out of the round (``on_client_failure``). Default None (ours): only the overflow rule applies.
+
+            **Aggregation checks** (ours). Every healthy client passes them before anything of it enters the
+            round's sums; each decision depends only on that client's update, its weight ``w_i`` and the number of
+            clients sampled this round ``|S|``, so it is the same in any order, mode (sequential, vectorized) and
+            on every DDP process (before the all-reduce). A client is left out when ``|w_i|·‖Δ_i‖ ≥
+            finfo.max / (2|S|)`` in the update's dtype (then no sum of ``|S|`` weighted updates, in any order and
+            with each addition's rounding, can overflow: ``‖Δ_i‖`` bounds every entry, and the factor 2 covers the
+            roundings), when ``|w_i|·‖Δ_i‖²`` could overflow the float64 sums of squared norms by the same rule, when
+            its weight is non-finite, when its float buffers (BatchNorm statistics) are non-finite or could overflow
+            their float32 sum, or when one of the strategy's extra statistics for it (``strategy.accumulate``) is
+            non-finite or could overflow (:meth:`~fedlightning.callbacks.RoundStatistics.unsafe_entry`). The warning
+            gives the update norm. ``‖Δ_i‖²`` is the float64 reduction the round's sums use anyway; the check adds
+            one host read per client. Callbacks' ``on_client_end`` runs before these checks, and a client's
+            optimizer state (``persist_client_state``) is stored before them: a client left out here keeps it.
+
+            **Server step check** (ours). After the server optimizer stepped, the global parameters and the floating
+            tensors of the server optimizer's state are checked (one max-norm): if one is non-finite, both are put
+            back as they were before the round and the run stops with a ``FloatingPointError`` naming the round,
+            the strategy and the statistic at fault (non-finite ``Δ``, ``η_g``, or the step ``η_g·Δ`` overflowing);
+            the round is not counted. Every client passed the checks above, so this is a problem of the strategy
+            or its hyper-parameters, not of a client.
         client_execution: ``"sequential"`` (default) trains the round's clients one after the other;
             ``"vectorized"`` trains them in lockstep as one batched computation (torch.func, see
             :mod:`fedlightning.vectorized`; models without SyncBatchNorm, ``torch.optim`` SGD, Adam and AdamW
@@ -124,6 +155,8 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         on_client_failure: str = "skip",
         client_execution: str = "sequential",
         max_failed_rounds: Optional[int] = 3,
+        on_client_error: str = "raise",
+        max_update_norm: Optional[float] = None,
     ):
         super().__init__()
         if not isinstance(model, pl.LightningModule):
@@ -131,7 +164,10 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         local_steps = integer("local_steps", local_steps)
         clients_per_round = integer("clients_per_round", clients_per_round)
         client_grad_clip = positive("client_grad_clip", client_grad_clip, allow_none=True)
+        seed = integer("seed", seed, minimum=0)
         one_of("on_client_failure", on_client_failure, ("skip", "raise"))
+        one_of("on_client_error", on_client_error, ("raise", "skip"))
+        max_update_norm = positive("max_update_norm", max_update_norm, allow_none=True)
         max_failed_rounds = integer("max_failed_rounds", max_failed_rounds, allow_none=True)
         one_of("client_execution", client_execution, ("sequential", "vectorized", "auto"))
         reference_mode()  # a bad FEDLIGHTNING_REFERENCE value fails here, before any training
@@ -147,6 +183,8 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         self.client_grad_clip = client_grad_clip
         self.persist_client_state = persist_client_state
         self.on_client_failure = on_client_failure
+        self.on_client_error = on_client_error
+        self.max_update_norm = max_update_norm
         self.client_execution = client_execution
         self.client_state = ClientStateStore()
         self.strategy: Optional[ServerStrategy] = None
@@ -459,37 +497,55 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         stats = RoundStatistics()
         healthy: List[ClientUpdate] = []
         failed = 0
-        first_error: Optional[tuple] = None
+        first_error: Optional[tuple] = None  # (client, exception) of the first client that raised, under "skip"
+        stop: Optional[tuple] = None  # (client, exception or failure): the policy stops the run after the reduction
+        device = global_flat.device
         my_clients = self._my_clients(plan.client_ids)
         vectorized = self._vectorized_updates(plan, my_clients, global_flat)
         for i, cid in enumerate(my_clients):
+            raised = False
             try:
                 update = vectorized[i] if vectorized is not None else self.train_client(plan, cid, global_flat)
                 if isinstance(update, Exception):  # the vectorised engine's client that raised, as sequentially
                     raise update
             except Exception as err:  # noqa: BLE001 - the failure policy decides
-                if self.on_client_failure == "raise":
-                    raise RuntimeError(f"client {cid} failed in round {plan.round}: {err}") from err
+                if self.on_client_error == "raise":
+                    stop = (cid, err)  # every process reaches the reduction below before the run stops
+                    break
                 update = ClientUpdate(client_id=cid, delta=None, num_samples=0, failed=True, failure=repr(err))
-                stats.add("raised", 1.0, global_flat.device)
+                raised = True
+                stats.add("raised", 1.0, device)
                 if first_error is None:
                     first_error = (cid, err)
             for cb in self._callbacks_with("on_client_end"):
                 cb.on_client_end(self, plan, update)
+            if not update.failed:
+                weight = strategy.client_weight(update)
+                sq_norm = self._screen_update(update, weight, len(plan.client_ids))
+            if not update.failed:
+                with torch.no_grad():
+                    extras = RoundStatistics()
+                    strategy.accumulate(extras, update)
+                unsafe = extras.unsafe_entry(len(plan.client_ids))
+                if unsafe is not None:
+                    update.failed, update.failure = True, f"{type(strategy).__name__} statistic {unsafe}"
             if update.failed:
-                if self.on_client_failure == "raise":
-                    raise FloatingPointError(f"client {cid} failed in round {plan.round}: {update.failure}")
+                if self.on_client_failure == "raise" and not raised:
+                    stop = (cid, update.failure)
+                    break
                 failed += 1
                 rank_zero_warn(f"round {plan.round}: client {cid} skipped ({update.failure})")
                 continue
             with torch.no_grad():
-                accumulate_core(strategy, stats, update)
-                strategy.accumulate(stats, update)
-            self._accumulate_telemetry(stats, update, global_flat.device)
+                accumulate_core(strategy, stats, update, weight=weight, sq_norm=sq_norm)
+            stats.merge(extras)
+            self._accumulate_telemetry(stats, update, device)
             healthy.append(update)
-        stats.add("failed", float(failed), global_flat.device)
-        stats.add("raised", 0.0, global_flat.device)
+        stats.add("failed", float(failed), device)
+        stats.add("raised", 0.0, device)
+        stats.add("stopped", 1.0 if stop is not None else 0.0, device)
         self._reduce(stats)
+        self._stop_by_policy(plan, stats, stop)
         self._check_round_failures(plan, stats, first_error)
         healthy_summaries = self._share_round_state(plan, healthy)
 
@@ -554,6 +610,13 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
                                                   leave=bar._leave))
         return callbacks
 
+    def on_train_end(self) -> None:
+        """The user's module's ``on_train_end``, then the end-of-run check of the failure policy (a run in which no
+        round had a healthy client fails: ``max_failed_rounds``). Lightning calls the callbacks' ``on_train_end``
+        (checkpoints) before this hook."""
+        self.model.on_train_end()
+        self._check_run_trained()
+
     # ================================================================== checkpoint
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         mo = self._runtime.module_optimizer
@@ -587,4 +650,5 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
 
 
 for _name in _FORWARDED_HOOKS:
-    setattr(FederatedLoop, _name, _forward_to_model(_name))
+    if _name not in FederatedLoop.__dict__:  # on_train_end forwards itself, then checks the run
+        setattr(FederatedLoop, _name, _forward_to_model(_name))

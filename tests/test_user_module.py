@@ -139,7 +139,7 @@ def test_manual_optimization_api_is_refused_by_name_and_stops_the_run():
             return super().training_step(batch, batch_idx)
 
     loop = FederatedLoop(Manual(), local_steps=2, clients_per_round=3)
-    with pytest.raises(RuntimeError, match="every client raised") as info:
+    with pytest.raises(RuntimeError, match=r"round 0: client \d+ raised FederatedContractError") as info:
         make_trainer(2).fit(loop, datamodule=_dm())
     assert isinstance(info.value.__cause__, FederatedContractError)
     assert "Manual.optimizers() is not available" in str(info.value.__cause__)
@@ -408,7 +408,8 @@ def test_a_bug_in_every_client_stops_the_run_with_the_exception_chained():
             return {"los": super().training_step(batch, batch_idx)}["loss"]
 
     with pytest.raises(RuntimeError, match=r"round 0: every client raised an exception \(client \d+: KeyError") as e:
-        make_trainer(3).fit(FederatedLoop(Buggy(), local_steps=1, clients_per_round=2), datamodule=_dm())
+        make_trainer(3).fit(FederatedLoop(Buggy(), local_steps=1, clients_per_round=2, on_client_error="skip"),
+                            datamodule=_dm())
     assert isinstance(e.value.__cause__, KeyError)
 
 
@@ -424,8 +425,8 @@ def test_one_failing_client_is_still_skipped():
 
     rec = _Record()
     with pytest.warns(UserWarning, match=r"round 0: client \d+ skipped \(KeyError\('client data'\)\)"):
-        make_trainer(2, callbacks=[rec]).fit(FederatedLoop(FailsOnce(), local_steps=1, clients_per_round=3),
-                                             datamodule=_dm())
+        make_trainer(2, callbacks=[rec]).fit(
+            FederatedLoop(FailsOnce(), local_steps=1, clients_per_round=3, on_client_error="skip"), datamodule=_dm())
     assert [(r["round/failed_clients"], r["round/clients"]) for r in rec.rounds] == [(1, 2), (0, 3)]
 
 

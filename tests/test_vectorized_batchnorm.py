@@ -246,8 +246,10 @@ class RoundLog(pl.Callback):
 
 def fit_one_sample(mode, opt, sizes, rounds=2, **loop_kwargs):
     """A run on clients of ``sizes`` samples (batch 4, K = 3): (weights, buffers, client updates, per-round logged
-    values, the "client ... skipped" warnings)."""
-    model, rec, log = OneSampleNet(), Recorder(), RoundLog()
+    values, the "client ... skipped" warnings). Clients that raise are skipped (``on_client_error="skip"``) unless
+    ``loop_kwargs`` say otherwise."""
+    loop_kwargs.setdefault("on_client_error", "skip")
+    model, rec, log = to_float64(OneSampleNet()), Recorder(), RoundLog()
     loop = FederatedLoop(model, client_optimizer=OPTIMIZERS[opt], local_steps=3, clients_per_round=len(sizes), seed=0,
                          client_execution=mode, **loop_kwargs)
     with warnings.catch_warnings(record=True) as caught:
@@ -261,7 +263,7 @@ def fit_one_sample(mode, opt, sizes, rounds=2, **loop_kwargs):
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_a_client_batch_of_one_sample_fails_that_client_as_sequentially(opt):
     """torch's BatchNorm raises for a training batch of one value per channel, and sequential training leaves such a
-    client out of the round (on_client_failure="skip"). Clients of 1, 5 and 9 samples with batch 4 and K = 3 meet a
+    client out of the round (on_client_error="skip"). Clients of 1, 5 and 9 samples with batch 4 and K = 3 meet a
     one-sample batch at steps 0, 1 and 2 (the 9-sample client's data order reshuffles, the sizes stay 4, 4, 1): in
     vectorised mode they fail with the same error, their steps before it are logged and fed to the metric, and the
     global model, buffers and logged values equal sequential training's."""
@@ -288,14 +290,15 @@ def test_a_client_batch_of_one_sample_fails_that_client_as_sequentially(opt):
     torch.testing.assert_close(auto[0], seq[0], atol=1e-5, rtol=0)
 
 
-def test_a_client_batch_of_one_sample_under_on_client_failure_raise_and_when_every_client_fails():
-    """The failure policy's other outcomes, with the same messages in both modes: on_client_failure="raise" stops at
-    the client; a round in which every client raised (at steps 0, 0 and 1) stops the run with the first error."""
+def test_a_client_batch_of_one_sample_under_on_client_error_raise_and_when_every_client_fails():
+    """The failure policy's other outcomes, with the same messages in both modes: on_client_error="raise" (the
+    default) stops at the client; under "skip", a round in which every client raised (at steps 0, 0 and 1) stops the
+    run with the first error."""
     messages = []
     for mode in ("sequential", "vectorized"):
-        with pytest.raises(RuntimeError, match=r"client 0 failed in round 0: Expected more than 1 value per channel "
-                                               r"when training, got input size torch\.Size\(\[1, 6\]\)"):
-            fit_one_sample(mode, "sgd", [1, 12], on_client_failure="raise")
+        with pytest.raises(RuntimeError, match=r"round 0: client 0 raised ValueError: Expected more than 1 value per "
+                                               r"channel when training, got input size torch\.Size\(\[1, 6\]\)"):
+            fit_one_sample(mode, "sgd", [1, 12], on_client_error="raise")
         with pytest.raises(RuntimeError, match=r"round 0: every client raised an exception \(client \d: ValueError: "
                                                r"Expected more than 1 value per channel") as err:
             fit_one_sample(mode, "sgd", [1, 1, 5], rounds=1)
@@ -350,7 +353,7 @@ def test_torchvision_resnet18_equals_sequential_with_one_sample_batches():
     def run(mode):
         model, rec = TorchvisionResNet(), Recorder()
         loop = FederatedLoop(model, client_optimizer=OPTIMIZERS["sgd"], local_steps=2, clients_per_round=4, seed=0,
-                             client_execution=mode)
+                             client_execution=mode, on_client_error="skip")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             make_trainer(1, callbacks=[FedAvg(), rec]).fit(loop, datamodule=Images([1, 9, 17, 25], batch_size=8))

@@ -11,6 +11,7 @@ sums the loop adds for every strategy), :class:`FederatedCallback` (the federate
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -96,6 +97,33 @@ class RoundStatistics:
     def get(self, key: str, default=None):
         return self[key] if key in self else default
 
+    def merge(self, other: "RoundStatistics") -> None:
+        """Add (or max) every statistic of ``other`` into this one, as if each had been added here; a tensor this
+        object does not hold yet is adopted without a copy (``other`` is not used afterwards)."""
+        for key, (value, device) in other._scalars.items():
+            self._scalar(key, value, device, other.ops[key])
+        for key, value in other._values.items():
+            if key in self._values or key in self._scalars:
+                self._tensor(key, value, other.ops[key])
+            else:
+                self._values[key], self.ops[key] = value, other.ops[key]
+
+    def unsafe_entry(self, num_terms: int) -> Optional[str]:
+        """``"<key> = <value>"`` for the first statistic that is non-finite, or whose sum over ``num_terms`` values of
+        its size could overflow its dtype (a summed entry of magnitude ``≥ finfo.max / (2·num_terms)``; Python
+        numbers are float64); None when every one is safe. Tensors are measured by their float64 2-norm (one
+        reduction each), which bounds every entry."""
+        for key, (value, _) in self._scalars.items():
+            limit = torch.finfo(torch.float64).max / (2 * num_terms)
+            if not math.isfinite(value) or (self.ops[key] == "sum" and abs(value) >= limit):
+                return f"{key} = {value!r}"
+        for key, value in self._values.items():
+            size = float(value.double().pow(2).sum().sqrt().item()) if value.numel() else 0.0
+            limit = torch.finfo(value.dtype).max / (2 * num_terms) if value.is_floating_point() else math.inf
+            if not math.isfinite(size) or (self.ops[key] == "sum" and size >= limit):
+                return f"{key} (norm {size:.4g})"
+        return None
+
 
 class FederatedCallback(Callback):
     """A Lightning callback with the FederatedLoop's hooks, declared here with their signatures (all no-ops).
@@ -118,7 +146,9 @@ class FederatedCallback(Callback):
         return []
 
     def on_client_end(self, loop, plan: RoundPlan, update: ClientUpdate) -> None:
-        """After a client trained (healthy or failed, see ``update.failed``); may add entries to ``update.payload``."""
+        """After a client trained (healthy or failed, see ``update.failed``); may add entries to ``update.payload``
+        or mark the update failed. The loop's aggregation checks (update norm, overflow; ``FederatedLoop``'s
+        ``max_update_norm``) come after this hook and may still leave a client it saw healthy out of the round."""
 
     def on_round_end(self, trainer, loop, result) -> None:
         """After the server step, with the round's :class:`~fedlightning.state.RoundResult` (metrics, clients)."""
@@ -158,22 +188,25 @@ class ServerStep(NamedTuple):
     metrics: Dict[str, float] = {}
 
 
-def accumulate_core(strategy: "ServerStrategy", stats: RoundStatistics, update: ClientUpdate) -> None:
+def accumulate_core(strategy: "ServerStrategy", stats: RoundStatistics, update: ClientUpdate,
+                    weight: Optional[float] = None, sq_norm: Optional[Tensor] = None) -> None:
     """The round sums every strategy relies on, added by the loop for each healthy client: ``delta`` (Σ w_i Δ_i with
     ``w_i = strategy.client_weight(update)``), ``weight`` (Σ w_i), ``clients``, ``sq_norm_sum`` (Σ‖Δ_i‖²),
-    ``weighted_sq_norm_sum`` and, for models with float buffers, ``buffers`` (Σ w_i b_i).
+    ``weighted_sq_norm_sum`` and, for models with float buffers, ``buffers`` (Σ w_i b_i). ``weight`` and ``sq_norm``
+    (``‖Δ_i‖²`` as ``update.delta.double().pow(2).sum()``) are computed here unless the caller already has them.
 
     The loop itself accumulates the core round sums (:func:`accumulate_core`: the weighted sum of the clients' deltas,
     the total weight, the number of clients, ``Σ‖Δ_i‖²``, the weighted float buffers); a strategy's
     :meth:`ServerStrategy.accumulate` adds only its extras, so a strategy that overrides it without calling ``super()``
     still trains.
     """
-    w = strategy.client_weight(update)
+    w = strategy.client_weight(update) if weight is None else weight
     delta = update.delta
     stats.add("delta", delta * w)
     stats.add("weight", w, delta.device)
     stats.add("clients", 1.0, delta.device)
-    sq_norm = delta.double().pow(2).sum()
+    if sq_norm is None:
+        sq_norm = delta.double().pow(2).sum()
     stats.add("sq_norm_sum", sq_norm)
     stats.add("weighted_sq_norm_sum", sq_norm * w)
     if update.buffers is not None:
@@ -215,9 +248,11 @@ class ServerStrategy(FederatedCallback):
         return float(update.num_samples) if self.weighting == "samples" else 1.0
 
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
-        """Add this strategy's extra statistics for one healthy client (default: none). The core sums
-        (:func:`accumulate_core`, weighted with :meth:`client_weight`) are already in ``stats``; calling
-        ``super().accumulate`` is harmless and not required."""
+        """Add this strategy's extra statistics for one healthy client (default: none). ``stats`` is a fresh
+        :class:`RoundStatistics` for this client: the loop checks its entries (a non-finite one, or one that could
+        overflow the round's sum, leaves the client out of the round, :meth:`RoundStatistics.unsafe_entry`) and then
+        adds them to the round's statistics, next to the core sums (:func:`accumulate_core`, weighted with
+        :meth:`client_weight`). Calling ``super().accumulate`` is harmless and not required."""
 
     def mean_delta(self, stats: RoundStatistics) -> Tensor:
         return stats["delta"] / stats["weight"].to(stats["delta"].dtype)

@@ -60,7 +60,7 @@ class VectorizedClientTrainer:
       update, the ``ValueError`` torch raises for it in sequential training
       (:attr:`~fedlightning.vectorized.norms._NormLayers.singular`); from that step on its values are neither logged nor
       fed to metrics or running statistics, as a sequential client that raised there, and the loop's
-      ``on_client_failure`` policy treats it as it treats that client. Any other exception raised inside the
+      ``on_client_error`` policy treats it as it treats that client. Any other exception raised inside the
       batched computation concerns all clients together and is raised, not turned into per-client failures.
     * **Running statistics and metrics.** BatchNorm layers keep one row of running statistics per client, moved
       by the client's gradient evaluations only, and every client reports its own float buffers in its update, as

@@ -45,7 +45,7 @@ class _NormLayers:
     A client batch of one value per channel in training mode (one sample reaching a layer with 1x1 feature maps:
     torchvision's ResNets on 32x32 images at ``layer4``, for a client whose last batch holds one sample) is what
     ``nn.BatchNorm*`` raises a ``ValueError`` for, and sequential training then fails that client (the loop's
-    ``on_client_failure``). Here the call goes on (the variance of one value is 0, its unbiased correction is
+    ``on_client_error``). Here the call goes on (the variance of one value is 0, its unbiased correction is
     clamped to stay finite) and :attr:`singular` records the first such layer and the input size the client's
     forward pass would have had; the engine fails the clients whose batch at that step held one sample with torch's
     error, from that step on, as sequential training does (:class:`~fedlightning.vectorized.step._StepEvaluator`).
