@@ -33,7 +33,7 @@ import torch
 
 from fedlightning.datamodules import ArrayDataset
 
-__all__ = ["EPS32", "EPS64", "RTOL64", "rtol32", "tol64", "assert_close64", "assert_rounding_close", "Float64Inputs",
+__all__ = ["EPS32", "EPS64", "RTOL64", "rtol32", "tol64", "assert_close64", "assert_close32", "assert_rounding_close", "Float64Inputs",
            "to_float64", "flat"]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
@@ -58,6 +58,16 @@ def rtol32(n: int = 1) -> float:
     values straddle a rounding boundary rarely, but on some machine they do, so the check must allow it.
     """
     return n * EPS32 + RTOL64
+
+
+def assert_close32(actual, expected, n: int = 1) -> None:
+    """Float32 tensors that are ``n``-term float32 sums / means of roundings of float64 values agreeing to
+    :data:`RTOL64` (e.g. the float buffers a client reports, which the loop sends as float32, and their average):
+    ``|actual − expected| ≤ rtol32(n) · max(1, max|expected|)``, the bound of :func:`rtol32` for terms bounded by
+    the result's scale (a weighted mean's terms are)."""
+    a, e = torch.as_tensor(actual), torch.as_tensor(expected)
+    assert a.dtype == e.dtype == torch.float32, f"float32 comparison of {a.dtype} and {e.dtype}"
+    torch.testing.assert_close(a, e, atol=tol64(e, rtol32(n)), rtol=0, equal_nan=True)
 
 
 def tol64(expected, rtol: float = RTOL64) -> float:

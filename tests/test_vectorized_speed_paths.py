@@ -23,6 +23,7 @@ from fedlightning.vectorized.engine import _rows_finite
 from fedlightning.vectorized.layout import _Layout
 from fedlightning.vectorized.rules import StepRecord, _BatchedArmijo, _BatchedSGD
 from fedlightning.vectorized.step import _feed_router, _StepEvaluator
+from numerics import Float64Inputs, assert_close64
 
 
 class Sized(FederatedDataModule):
@@ -99,8 +100,12 @@ def test_round_batches_generic_samplers_take_the_iterating_path():
         offset += matrix.size
 
 
+class _Digits64(Float64Inputs, DigitsDataModule):
+    """The digits with float64 inputs."""
+
+
 def _digits():
-    dm = DigitsDataModule(num_clients=40, batch_size=16, partition=Dirichlet(0.3), seed=0)
+    dm = _Digits64(num_clients=40, batch_size=16, partition=Dirichlet(0.3), seed=0)
     dm.setup("fit")
     dm.configure_rounds(6, 5, seed=3)
     return dm
@@ -117,8 +122,9 @@ def _train(engine, batches, W, steps, lr=0.3):
 
 
 def test_learned_storage_order_gives_the_same_training():
+    """In float64: another storage order of the weights sums in another order."""
     torch.manual_seed(1)
-    model = MLP(input_dim=64, hidden=[16], num_classes=10)
+    model = MLP(input_dim=64, hidden=[16], num_classes=10).double()
     dm = _digits()
     clients = dm.sample_clients(0)
     batches = _RoundBatches(dm, clients, 0, 3, 5, lambda b: b)
@@ -140,8 +146,8 @@ def test_learned_storage_order_gives_the_same_training():
     for view, p in zip(learned.weights.views(W), model.parameters()):
         torch.testing.assert_close(view[0], p.detach(), atol=0, rtol=0)
     losses = _train(learned, batches, W, 5)
-    torch.testing.assert_close(losses, losses_plain, atol=1e-6, rtol=0)
-    torch.testing.assert_close(learned.weights.logical(W), W_plain, atol=1e-6, rtol=0)
+    assert_close64(losses, losses_plain)
+    assert_close64(learned.weights.logical(W), W_plain)
     # flat gradients come out in the storage order (rows of W − ηg are trial points)
     ev = _StepEvaluator(learned, _Layout(*batches.step(0)), 0, None, [], None, trials=False)
     _, g = ev.gradient(W, torch.ones(C, dtype=torch.bool))
@@ -438,7 +444,7 @@ def test_batched_nll_declines_what_it_does_not_cover():
 def test_interception_takes_the_batched_nll_only_without_ignored_targets(monkeypatch):
     """F.cross_entropy intercepted on padded rows: the batched nll path for plain class targets, the general formula
     (validity mask and weight sums) when a target equals ignore_index, with class weights or label smoothing; every
-    call gives the masked mean the sequential loss gives on the real samples."""
+    call gives the masked mean the sequential loss gives on the real samples (float64: other summation orders)."""
     from torch.func import vmap
 
     from fedlightning.vectorized import losses
@@ -447,9 +453,9 @@ def test_interception_takes_the_batched_nll_only_without_ignored_targets(monkeyp
     real = losses._batched_nll
     monkeypatch.setattr(losses, "_batched_nll", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(3, 6, 5, generator=g), torch.randint(0, 5, (3, 6), generator=g)
-    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4], dtype=torch.float32)
-    weight = torch.rand(5, generator=g) + 0.5
+    x, y = torch.randn(3, 6, 5, generator=g, dtype=torch.float64), torch.randint(0, 5, (3, 6), generator=g)
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4], dtype=torch.float64)
+    weight = torch.rand(5, generator=g, dtype=torch.float64) + 0.5
     ignored = y.clone()
     ignored[0, 1] = ignored[1, 0] = -100
     cases = [({}, y, True), ({"weight": weight}, y, False), ({"label_smoothing": 0.1}, y, False), ({}, ignored, False)]
@@ -464,7 +470,7 @@ def test_interception_takes_the_batched_nll_only_without_ignored_targets(monkeyp
         for i in range(3):
             k = int(mask[i].sum())
             expected = torch.nn.functional.cross_entropy(x[i, :k], targets[i, :k], **kwargs)
-            torch.testing.assert_close(got[i], expected, rtol=1e-6, atol=1e-7)
+            assert_close64(got[i], expected)
         assert bool(calls) == batched, kwargs
 
 
