@@ -19,7 +19,7 @@ import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -303,7 +303,9 @@ class LeafDataModule(FederatedDataModule):
         self.num_dropped_users = 0
         self.vocabulary: Optional[List[str]] = None
         self._natural: List[np.ndarray] = []
-        self._user_files: Dict[Tuple[str, str], List[str]] = {}  # (split, user) -> the files holding the user
+        self._files: List[str] = []  # the data files (their index names a client's file in error messages)
+        self._pending_files: Dict[str, Tuple[np.ndarray, np.ndarray]] = {}
+        self._client_files: Dict[str, np.ndarray] = {}  # split -> index into _files of every client's file
         self._resplit = False
 
     # ------------------------------------------------------------------ discovery
@@ -367,12 +369,11 @@ class LeafDataModule(FederatedDataModule):
             if len(rows) == 0:
                 continue
             _check_unique_users(split, [user_col[r] for r in rows], [file_col[r] for r in rows])
-            for r in rows:
-                self._user_files.setdefault((split, user_col[r]), []).append(file_col[r])
             contiguous = rows[-1] - rows[0] + 1 == len(rows)  # the generator writes train files, then test files
             sub = table.slice(int(rows[0]), len(rows)) if contiguous else table.take(rows)
             counts = np.asarray(sub.column("y").combine_chunks().value_lengths().to_numpy(zero_copy_only=False))
             codes = np.array([users.setdefault(user_col[r], len(users)) for r in rows], dtype=np.int64)
+            self._note_files(split, codes, [file_col[r] for r in rows])
             x = self._decode_json_x(sub, counts, [file_col[r] for r in rows])
             y = self._decode_labels(sub.column("y").combine_chunks().flatten(), np.repeat(rows, counts), file_col)
             out[split] = _Part(x=x, y=y, user=np.repeat(codes, counts))
@@ -464,8 +465,7 @@ class LeafDataModule(FederatedDataModule):
                 raise ValueError("the parquet/csv layout is supported for femnist and shakespeare (Flower hub)")
             names = ds.data.table.column(self.user_column).to_pylist()
             codes = np.array([users.setdefault(str(u), len(users)) for u in names], dtype=np.int64)
-            for u in dict.fromkeys(map(str, names)):
-                self._user_files.setdefault((split, u), []).append(where)
+            self._note_files(split, codes, where)
             out[split] = _Part(x=x, y=y, user=codes)
         return out
 
@@ -518,7 +518,7 @@ class LeafDataModule(FederatedDataModule):
     def load(self):
         fmt, files = self._discover()
         users: Dict[str, int] = {}
-        self._user_files = {}
+        self._files, self._pending_files, self._client_files = [], {}, {}
         parts = self._read_json(files, users) if fmt == "json" else self._read_table(fmt, files, users)
         train, test = parts["train"], parts["test"]
         if train is None:
@@ -551,6 +551,7 @@ class LeafDataModule(FederatedDataModule):
         train_sel: List[np.ndarray] = []
         test_sel: List[np.ndarray] = []
         kept_names: List[str] = []
+        kept_codes: List[int] = []
         for u in keep.tolist():
             tr_u = tr_order[tr_bounds[u] : tr_bounds[u + 1]]
             if resplit:  # 3. LEAF split_data.py -t sample, on the pooled samples of the user
@@ -573,6 +574,7 @@ class LeafDataModule(FederatedDataModule):
                 train_sel.append(tr_u)
                 test_sel.append(te_order[te_bounds[u] : te_bounds[u + 1]])
             kept_names.append(names[u])
+            kept_codes.append(u)
         if not kept_names:
             raise ValueError(
                 f"{self.data_dir}: no user left after user_fraction={self.user_fraction}, "
@@ -586,6 +588,7 @@ class LeafDataModule(FederatedDataModule):
                 )
             chosen = np.sort(np.random.default_rng([self.seed, 1]).choice(len(kept_names), self.num_users, replace=False))
             kept_names = [kept_names[i] for i in chosen.tolist()]
+            kept_codes = [kept_codes[i] for i in chosen.tolist()]
             train_sel = [train_sel[i] for i in chosen.tolist()]
             test_sel = [test_sel[i] for i in chosen.tolist()]
         self.num_dropped_users = U - len(kept_names)
@@ -600,6 +603,7 @@ class LeafDataModule(FederatedDataModule):
         if self.name == "sent140":
             x_tr, x_te = self._bag_of_words(x_tr, x_te)
         self.client_names = kept_names
+        self._keep_client_files(U, kept_codes)
         off_tr = np.concatenate([[0], np.cumsum(n_tr)])
         off_te = np.concatenate([[0], np.cumsum(n_te)])
         self._natural = [np.arange(off_tr[i], off_tr[i + 1], dtype=np.int64) for i in range(len(kept_names))]
@@ -622,12 +626,32 @@ class LeafDataModule(FederatedDataModule):
             stacklevel=4,
         )
 
+    def _note_files(self, split: str, codes: np.ndarray, paths: Union[str, List[str]]) -> None:
+        """Records which file holds each row (user ``codes[i]`` of ``split`` is in ``paths[i]``, or in ``paths`` for
+        all rows) until :meth:`_keep_client_files` keeps it for the kept users."""
+        ids: Dict[str, int] = {p: i for i, p in enumerate(self._files)}
+        if isinstance(paths, str):
+            index = np.full(len(codes), ids.setdefault(paths, len(ids)), dtype=np.int32)
+        else:
+            index = np.array([ids.setdefault(p, len(ids)) for p in paths], dtype=np.int32)
+        self._files = list(ids)
+        self._pending_files[split] = (codes, index)
+
+    def _keep_client_files(self, num_users: int, kept_codes: List[int]) -> None:
+        """Per split, the index into ``_files`` of every kept client's file (−1: none); 4 bytes per client and split,
+        for error messages (:meth:`_client_label`)."""
+        for split, (codes, index) in self._pending_files.items():
+            lookup = np.full(num_users, -1, dtype=np.int32)
+            lookup[codes] = index
+            self._client_files[split] = lookup[np.asarray(kept_codes, dtype=np.int64)]
+        self._pending_files = {}
+
     def _client_label(self, client_id: int, set_name: str) -> str:
         """``client 3, user 'f_0003', in <its files>`` (the files of the split the row comes from)."""
         label = super()._client_label(client_id, set_name)
-        user = self.client_names[client_id] if client_id < len(self.client_names) else None
         splits = ("train", "test") if self._resplit else (set_name,)
-        files = [f for split in splits for f in self._user_files.get((split, user), [])]
+        files = [self._files[int(self._client_files[split][client_id])] for split in splits
+                 if split in self._client_files and self._client_files[split][client_id] >= 0]
         return label + (f", in {', '.join(files)}" if files else "")
 
     def _bag_of_words(self, texts_tr: List[str], texts_te: List[str]) -> Tuple[np.ndarray, np.ndarray]:
