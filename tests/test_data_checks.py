@@ -192,12 +192,13 @@ def test_nan_and_fractional_labels():
     # class labels in train, a fractional label in test
     test = YT.float()
     test[2] = 1.25
-    _raises(
-        "DatasetDataModule: bad label in the test split: sample 2 of the test set has label 1.25, not a whole number, "
-        "but the training labels are class ids; pass check_labels=False if the labels are targets of your own loss, "
-        "not class ids",
-        lambda: _setup(DatasetDataModule(TensorDataset(X, Y.float()), TensorDataset(XT, test), **KW)),
-    )
+    with pytest.warns(UserWarning, match="the train labels are whole-number floats"):
+        _raises(
+            "DatasetDataModule: bad label in the test split: sample 2 of the test set has label 1.25, not a whole "
+            "number, but the training labels are class ids; pass check_labels=False if the labels are targets of your "
+            "own loss, not class ids",
+            lambda: _setup(DatasetDataModule(TensorDataset(X, Y.float()), TensorDataset(XT, test), **KW)),
+        )
 
 
 class Floats(Dataset):
