@@ -7,6 +7,7 @@ checked before it is committed) and round logging.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Dict, List, Optional
 
@@ -21,6 +22,12 @@ from fedlightning.state import ClientUpdate, RoundPlan, RoundResult
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+@functools.lru_cache(maxsize=None)
+def _largest(dtype: torch.dtype) -> float:
+    """``torch.finfo(dtype).max`` (cached: the aggregation checks ask for it for every client)."""
+    return float(torch.finfo(dtype).max)
 
 
 class _ServerState:
@@ -55,8 +62,8 @@ class _RoundEnd:
         figures = [sq_norm] if update.buffers is None else [sq_norm, update.buffers.double().pow(2).sum()]
         values = torch.stack(figures).tolist() if len(figures) > 1 else [float(sq_norm.item())]  # one host read
         norm, w, n = math.sqrt(values[0]), abs(weight), 2 * num_sampled
-        f64 = torch.finfo(torch.float64).max
-        limit = torch.finfo(update.delta.dtype).max / n
+        f64 = _largest(torch.float64)
+        limit = _largest(update.delta.dtype) / n
         reason = None
         if not math.isfinite(weight):
             reason = f"non-finite aggregation weight {weight!r}"
@@ -70,7 +77,7 @@ class _RoundEnd:
             reason = f"update norm {norm:.4g}: its squared norm could overflow the float64 sums of the round"
         elif len(values) > 1:
             buffer_norm = math.sqrt(values[1])
-            buffer_limit = torch.finfo(update.buffers.dtype).max / n
+            buffer_limit = _largest(update.buffers.dtype) / n
             if not math.isfinite(buffer_norm) or w * buffer_norm >= buffer_limit:
                 reason = (f"update norm {norm:.4g}, float buffers norm {buffer_norm:.4g}: its weighted buffers "
                           f"could overflow the {_dtype_name(update.buffers.dtype)} sum of the round's {num_sampled} "

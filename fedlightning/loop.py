@@ -500,6 +500,7 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         first_error: Optional[tuple] = None  # (client, exception) of the first client that raised, under "skip"
         stop: Optional[tuple] = None  # (client, exception or failure): the policy stops the run after the reduction
         device = global_flat.device
+        has_extras = type(strategy).accumulate is not ServerStrategy.accumulate  # else nothing to check or merge
         my_clients = self._my_clients(plan.client_ids)
         vectorized = self._vectorized_updates(plan, my_clients, global_flat)
         for i, cid in enumerate(my_clients):
@@ -522,7 +523,8 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             if not update.failed:
                 weight = strategy.client_weight(update)
                 sq_norm = self._screen_update(update, weight, len(plan.client_ids))
-            if not update.failed:
+            extras = None
+            if not update.failed and has_extras:
                 with torch.no_grad():
                     extras = RoundStatistics()
                     strategy.accumulate(extras, update)
@@ -538,7 +540,8 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
                 continue
             with torch.no_grad():
                 accumulate_core(strategy, stats, update, weight=weight, sq_norm=sq_norm)
-            stats.merge(extras)
+            if extras is not None:
+                stats.merge(extras)
             self._accumulate_telemetry(stats, update, device)
             healthy.append(update)
         stats.add("failed", float(failed), device)
