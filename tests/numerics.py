@@ -31,10 +31,10 @@ from typing import Optional
 
 import torch
 
-from fedlightning.datamodules import ArrayDataset
+from fedlightning.datamodules import ArrayDataset, DigitsDataModule
 
 __all__ = ["EPS32", "EPS64", "RTOL64", "rtol32", "tol64", "assert_close64", "assert_close32", "assert_rounding_close", "Float64Inputs",
-           "to_float64", "flat"]
+           "Digits64", "float64_data", "to_float64", "flat"]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 EPS64 = torch.finfo(torch.float64).eps  # 2.22e-16
@@ -133,6 +133,23 @@ class Float64Inputs:
     def load(self):
         train, test, labels = super().load()
         return _double(train), _double(test), labels
+
+
+class Digits64(Float64Inputs, DigitsDataModule):
+    """scikit-learn's digits (:class:`~fedlightning.datamodules.DigitsDataModule`) with float64 inputs."""
+
+
+def float64_data(datamodule):
+    """``datamodule`` (built elsewhere, e.g. by the CLI from a config) loads float64 inputs: its ``load()`` is
+    wrapped on the instance as :class:`Float64Inputs` does for a class. Returns it."""
+    load = datamodule.load
+
+    def load64():
+        train, test, labels = load()
+        return _double(train), _double(test), labels
+
+    datamodule.load = load64
+    return datamodule
 
 
 def to_float64(model: torch.nn.Module) -> torch.nn.Module:

@@ -3,7 +3,8 @@ FedAdagrad, FedSPS-Global, FedSPS-Normalized) run on the quickstart data through
 each run did is checked against an independent recomputation from the recorded client updates: the server rule
 (global weights before/after every round), the client step-size rule (Armijo grid, SPS caps, DecSPS recursion
 and its per-client state across rounds), and the per-round metrics the loop logs (η_g and its raw value, client
-step-size mean/min/max, line-search steps per gradient step, forward/backward counts, K_r)."""
+step-size mean/min/max, line-search steps per gradient step, forward/backward counts, K_r). The runs are float64
+(the config's model and data converted), so the recomputation agrees to rounding (numerics.RTOL64)."""
 
 import math
 import os
@@ -17,6 +18,7 @@ from fedlightning.cli import main
 from fedlightning.state import flat_params
 
 from conftest import make_trainer
+from numerics import RTOL64, assert_close64, float64_data, to_float64
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENTS, PER_ROUND, STEPS, ROUNDS, BATCH = 5, 4, 3, 2, 20
@@ -59,11 +61,14 @@ def run(name, tmp_path, *extra):
         *extra,
     ]
     cli = main(args, run=False)
+    to_float64(cli.model)
+    float64_data(cli.datamodule)
     rec = Recorder()
     cli.trainer.callbacks.append(rec)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == ROUNDS and len(rec.updates) == ROUNDS
     assert all(len(u) == PER_ROUND and not any(x.failed for x in u) for u in rec.updates)
+    assert all(x.delta.dtype == torch.float64 for u in rec.updates for x in u)
     return cli, rec
 
 
@@ -74,7 +79,7 @@ def uniform_mean(updates):
 def assert_fedavg_uniform(rec, server_lr=1.0):
     for r in range(ROUNDS):
         expected = rec.before[r] - server_lr * uniform_mean(rec.updates[r])
-        torch.testing.assert_close(rec.after[r], expected, atol=1e-6, rtol=0)
+        assert_close64(rec.after[r], expected)
 
 
 def assert_logged_client_telemetry(rec):
@@ -89,7 +94,8 @@ def assert_logged_client_telemetry(rec):
         assert m["client/forwards"] == sum(u.forwards for u in ups)
         assert m["client/backwards"] == sum(u.backwards for u in ups) == PER_ROUND * STEPS
         assert m["round/local_steps"] == STEPS  # K_r
-        assert m["server/delta_norm"] == pytest.approx(float((rec.before[r] - rec.after[r]).norm()) / m["server/eta_g"], rel=1e-4)
+        assert m["server/delta_norm"] == pytest.approx(float((rec.before[r] - rec.after[r]).norm()) / m["server/eta_g"],
+                                                       rel=RTOL64)
 
 
 def client_history(rec):
@@ -166,9 +172,9 @@ def test_fedadagrad_config_matches_reddi_recursion(tmp_path):
         delta = uniform_mean(rec.updates[r])
         m = b1 * m + (1 - b1) * delta
         v = v + delta**2
-        torch.testing.assert_close(rec.after[r], rec.before[r] - lr * m / (v.sqrt() + tau), atol=1e-6, rtol=0)
+        assert_close64(rec.after[r], rec.before[r] - lr * m / (v.sqrt() + tau))
         assert rec.metrics[r]["server/eta_g"] == rec.metrics[r]["server/eta_g_raw"] == pytest.approx(lr)
-        assert rec.metrics[r]["server/first_moment_norm"] == pytest.approx(float(m.norm()), rel=1e-5)
+        assert rec.metrics[r]["server/first_moment_norm"] == pytest.approx(float(m.norm()), rel=RTOL64)
 
 
 def test_fedsps_global_config_shared_step_from_the_clients_last_steps(tmp_path):
@@ -188,7 +194,7 @@ def test_fedsps_global_config_shared_step_from_the_clients_last_steps(tmp_path):
 
 
 def assert_fedavg_uniform_round(rec, r):
-    torch.testing.assert_close(rec.after[r], rec.before[r] - uniform_mean(rec.updates[r]), atol=1e-6, rtol=0)
+    assert_close64(rec.after[r], rec.before[r] - uniform_mean(rec.updates[r]))
 
 
 def test_fedsps_normalized_config_weights_models_by_inverse_step_sums(tmp_path):
@@ -198,7 +204,7 @@ def test_fedsps_normalized_config_weights_models_by_inverse_step_sums(tmp_path):
         nu = torch.tensor([math.fsum(u.step_sizes) for u in ups], dtype=torch.float64)
         deltas = torch.stack([u.delta.double() for u in ups])
         expected = (deltas / nu[:, None]).sum(0) / (1.0 / nu).sum()  # seed 001 Alg. 2: sum x_j/nu_j / sum 1/nu_j
-        torch.testing.assert_close(rec.after[r], rec.before[r] - expected, atol=1e-6, rtol=0)
+        assert_close64(rec.after[r], rec.before[r] - expected)
 
 
 # ----------------------------------------------------------------------------------------- eta_g for every strategy

@@ -1,4 +1,5 @@
-"""FedAvg + SGD through the FederatedLoop equals a hand-written PyTorch reference loop (same clients, same batches)."""
+"""FedAvg + SGD through the FederatedLoop equals a hand-written PyTorch reference loop (same clients, same batches),
+in float64: the two sum in different orders (tests/numerics.py)."""
 
 import copy
 
@@ -12,6 +13,7 @@ from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
 from fedlightning.datamodules import Dirichlet, DigitsDataModule
 from fedlightning.models import MLP, LogisticRegression
+from numerics import Digits64, assert_close64, to_float64
 
 
 def reference_fedavg(model, dm, rounds, clients_per_round, local_steps, lr, seed, server_lr=1.0, weighting="samples"):
@@ -55,24 +57,24 @@ def reference_fedavg(model, dm, rounds, clients_per_round, local_steps, lr, seed
 )
 def test_fedavg_matches_reference_loop(model_fn, weighting, server_lr):
     torch.manual_seed(1)
-    model = model_fn()
+    model = to_float64(model_fn())
     init = copy.deepcopy(model)
     rounds, cpr, k, lr, seed = 4, 5, 7, 0.2, 3
-    dm = DigitsDataModule(num_clients=12, batch_size=16, partition=Dirichlet(0.5), seed=2)
+    dm = Digits64(num_clients=12, batch_size=16, partition=Dirichlet(0.5), seed=2)
     loop = FederatedLoop(
         model, client_optimizer=lambda p: torch.optim.SGD(p, lr=lr), local_steps=k, clients_per_round=cpr, seed=seed
     )
     trainer = make_trainer(rounds, callbacks=[FedAvg(server_lr=server_lr, weighting=weighting)])
     trainer.fit(loop, datamodule=dm)
     assert trainer.global_step == rounds
-    dm_ref = DigitsDataModule(num_clients=12, batch_size=16, partition=Dirichlet(0.5), seed=2)
+    dm_ref = Digits64(num_clients=12, batch_size=16, partition=Dirichlet(0.5), seed=2)
     ref = reference_fedavg(init, dm_ref, rounds, cpr, k, lr, seed, server_lr=server_lr, weighting=weighting)
     got = list(loop.model.net.parameters())
     assert len(got) == len(ref)
     moved = sum(float((g.detach() - p0.detach()).abs().sum()) for g, p0 in zip(got, init.net.parameters()))
     assert moved > 1e-2  # training really changed the model
     for g, r in zip(got, ref):
-        torch.testing.assert_close(g.detach(), r, atol=1e-6, rtol=0)
+        assert_close64(g.detach(), r)
 
 
 def test_clients_cycle_their_loader_and_keep_partial_batches():
@@ -90,7 +92,7 @@ def test_clients_cycle_their_loader_and_keep_partial_batches():
     assert sorted(epoch1[0].tolist()) == sorted(epoch2[0].tolist())
     # same (seed, round, client) -> same order; another round -> (almost surely) another order
     again = [b[0] for b in dm.client_dataloader(small, round=0, seed=0)]
-    torch.testing.assert_close(again[0], next(iter(dm.client_dataloader(small, round=0, seed=0)))[0])
+    assert torch.equal(again[0], next(iter(dm.client_dataloader(small, round=0, seed=0)))[0])
     big = int(np.argmax([dm.client_num_samples(i) for i in range(dm.num_clients)]))
     b0 = next(iter(dm.client_dataloader(big, round=0, seed=0)))[0]
     b1 = next(iter(dm.client_dataloader(big, round=1, seed=0)))[0]
