@@ -370,6 +370,21 @@ def test_bad_policy_arguments_are_refused_by_name(key, value, message):
         FederatedLoop(MLP(input_dim=64, hidden=[8]), **{key: value})
 
 
+@pytest.mark.parametrize("key,value,message", [
+    ("seed", "-1", "seed must be an integer >= 0, got -1"),
+    ("on_client_error", "ignore", "on_client_error must be 'raise' or 'skip', got 'ignore'"),
+    ("max_update_norm", "-3", "max_update_norm must be a finite number > 0 or None, got -3.0"),
+])
+def test_bad_policy_arguments_are_one_line_config_errors(tmp_path, capsys, key, value, message):
+    from fedlightning.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", os.path.join(ROOT, "configs", "quickstart.yaml"), "--trainer.logger", "false",
+              "--trainer.default_root_dir", str(tmp_path), f"--model.{key}", value])
+    assert info.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: model.{key}: {message}"
+
+
 def test_a_run_without_a_healthy_round_exits_non_zero_through_train_py(tmp_path):
     """quickstart with a client learning rate of 1e37 for two rounds (fewer than max_failed_rounds): every client's
     loss becomes non-finite, and train.py exits 1 with the end-of-run FloatingPointError as its last line."""
