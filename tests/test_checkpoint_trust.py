@@ -9,6 +9,7 @@ exists afterwards means pickled code ran.
 import hashlib
 import os
 import pickle
+import re
 import shlex
 import signal
 import socket
@@ -336,6 +337,12 @@ def _with_round(trained, path, round_, mtime):
     return path
 
 
+def _host():
+    """The host as AtomicCheckpointIO writes it into temporary file names (characters other than letters, digits and
+    dots as ``_``, at most 64)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64]
+
+
 def _dead_pid():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -353,7 +360,7 @@ def test_last_is_the_newest_complete_round_of_any_file_name(trained, tmp_path, m
     newest = _with_round(trained, str(runs / "version_1" / "checkpoints" / "last-v1.ckpt"), 3, now - 20)
     truncated = runs / "version_1" / "checkpoints" / "last.ckpt"
     truncated.write_bytes(open(trained[0], "rb").read()[:200])
-    host = socket.gethostname().replace("-", "_")
+    host = _host()
     leftover = runs / "version_1" / "checkpoints" / f".tmp-{host}-{_dead_pid()}-abc.ckpt"
     leftover.write_bytes(b"half a checkpoint")
     sleeper = subprocess.Popen(["sleep", "60"])
@@ -380,7 +387,7 @@ def test_last_is_the_newest_complete_round_of_any_file_name(trained, tmp_path, m
 
 
 def test_remove_interrupted_writes_rule(tmp_path):
-    host = socket.gethostname().replace("-", "_")
+    host = _host()
     old = time.time() - STALE_TEMP_SECONDS - 60
     files = {
         f".tmp-{host}-{_dead_pid()}-a.ckpt": True,  # this host, writer gone
