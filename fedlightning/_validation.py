@@ -12,6 +12,11 @@ Numbers are Python or NumPy reals, finite unless the rule says otherwise; ``bool
 lets ``None`` through (returned as is) and adds "or None" to the rule; ``show_name`` writes the value as
 ``name=value``; ``label`` replaces the field name at the start of the message (``"Dirichlet alpha"``); ``hint``
 follows the rule in parentheses.
+
+Run-level checks raise :class:`SettingError` (a ``ValueError`` carrying the setting's ``train.py`` config key):
+:func:`check_fit_settings` (trainer limits, validation interval, seed) and :func:`check_learning_rates` (a client
+optimizer's learning rates), both called by ``FederatedLoop.setup`` before round 0, and
+:func:`check_val_check_interval`, which the CLI also calls right after parsing.
 """
 
 from __future__ import annotations

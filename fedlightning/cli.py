@@ -10,7 +10,8 @@
 
 :class:`FederatedCLI`'s docstring lists its decisions (no LightningCLI optimizer options, checkpoint checks, one
 version directory per run, ``--ckpt_path last`` / ``best``, refusing to resume with other settings); :func:`main`'s
-the one-line configuration errors.
+the one-line configuration errors (``error: <config key>: <message>``, parsing errors included; abbreviated options
+are refused).
 """
 
 from __future__ import annotations
@@ -506,12 +507,14 @@ def _class_nodes(config: Any, path: str = "") -> List[Tuple[str, Any, Dict[str, 
 
 
 def _config_key(err: BaseException, config: Dict[str, Any]) -> Optional[str]:
-    """The config key of the argument the error is about: the innermost constructor of a class the config names,
-    and the one argument of it that the message names."""
+    """The config key of the argument the error is about, from the innermost frame of a method of an object the
+    config names (its constructor, or a later method such as a data module's ``setup`` or the loop's): that class's
+    key plus the one argument of it the message names. Frames that name no single argument are passed over, except
+    a constructor's, which gives the class's key."""
     nodes = _class_nodes(config)
     message = str(err)
     for frame in reversed(_frames(err)):
-        if frame.f_code.co_name != "__init__" or "self" not in frame.f_locals:
+        if "self" not in frame.f_locals:
             continue
         owner = type(frame.f_locals["self"])
         for key, cls, args in nodes:
@@ -519,28 +522,36 @@ def _config_key(err: BaseException, config: Dict[str, Any]) -> Optional[str]:
                 named = [a for a in args if re.search(rf"(?<![\w.]){re.escape(str(a))}(?!\w)", message)]
                 if len(named) == 1:
                     return f"{key}.{named[0]}"
-                return key.rsplit(".init_args", 1)[0]
+                if frame.f_code.co_name == "__init__":
+                    return key.rsplit(".init_args", 1)[0]
+                break
     return None
 
 
 def _config_error_line(err: BaseException, config: Dict[str, Any]) -> Optional[str]:
-    """``<config key>: <message>`` for the first ValueError / TypeError in the exception chain raised by
-    fedlightning's code or by the constructor of a class the config names; None for any other error."""
+    """``<config key>: <message>`` for the first ValueError / TypeError (or Lightning's
+    ``MisconfigurationException``) in the exception chain raised by fedlightning's code or by a class the config
+    names; None for any other error. The message is that error's; the key is found on it or, when it is a wrapper
+    (``client_optimizer cannot be built: ...``), on the errors it chains (:func:`_config_key`)."""
     from fedlightning.checkpoint import CheckpointError
 
-    for e in _chain(err):
-        if not isinstance(e, (ValueError, TypeError, MisconfigurationException)):
-            continue
+    chain = [e for e in _chain(err) if isinstance(e, (ValueError, TypeError, MisconfigurationException))]
+    for i, e in enumerate(chain):
         if isinstance(e, CheckpointError):
             return e.summary_line()
+        message = " ".join(str(e).split())
         if isinstance(getattr(e, "config_key", None), str):  # fedlightning._validation.SettingError
-            return f"{e.config_key}: {' '.join(str(e).split())}"
+            return f"{e.config_key}: {message}"
         key = _config_key(e, config) if config else None
-        if _raised_in_package(e) or key is not None:
-            message = " ".join(str(e).split("\n")).strip()
-            if key is not None and not message.startswith(key):
-                return f"{key}: {message}"
-            return message
+        if not (_raised_in_package(e) or key is not None):
+            continue
+        for inner in chain[i + 1:]:  # a chained error may name the argument more precisely
+            found = getattr(inner, "config_key", None) or (_config_key(inner, config) if config else None)
+            if found is not None and (key is None or found.startswith(key + ".")):
+                key = found
+        if key is not None and not message.startswith(key):
+            return f"{key}: {message}"
+        return message
     return None
 
 
@@ -637,7 +648,13 @@ def _closest(word: str, choices: List[str]) -> Optional[str]:
     if len(prefixed) == 1:
         return prefixed[0]
     close = difflib.get_close_matches(word, choices, n=1)
-    return close[0] if close else None
+    if close:
+        return close[0]
+    lower: Dict[str, str] = {}
+    for c in choices:  # case apart (Sgd -> SGD)
+        lower.setdefault(c.lower(), c)
+    close = difflib.get_close_matches(word.lower(), list(lower), n=1)
+    return lower[close[0]] if close else None
 
 
 def _parameters(class_path: Optional[str]) -> Tuple[str, List[str]]:
@@ -718,7 +735,8 @@ class _ParserError:
         self.path.append("class_path")
         self.in_class = False
         try:
-            names = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
+            found = importlib.import_module(module)
+            names = [n for n in dir(found) if not n.startswith("_") and isinstance(getattr(found, n, None), type)]
         except Exception:  # noqa: BLE001
             names = []
         close = _closest(name, names)
@@ -923,15 +941,25 @@ def _parser_error_line(err: argparse.ArgumentError, cli: Any, args: Optional[Lis
 
 def main(args: Optional[List[str]] = None, run: bool = True) -> FederatedCLI:
     """Run the CLI (``train.py``). A configuration error (see below) prints its details and a last
-    line ``error: ...`` to stderr and raises ``SystemExit(1)`` (its ``__cause__`` is the original exception), unless
-    the environment variable ``FEDLIGHTNING_TRACEBACK`` is set to a non-empty value other than ``0``.
+    line ``error: <config key>: <message>`` to stderr and raises ``SystemExit(1)`` (its ``__cause__`` is the original
+    exception), unless the environment variable ``FEDLIGHTNING_TRACEBACK`` is set to a non-empty value other than
+    ``0``: then the original exception is raised (a parsing error as jsonargparse's ``argparse.ArgumentError`` with
+    its full message; the one line is its ``fedlightning_error_line``).
 
-    * **One clear last line for configuration errors** (ours): a ``ValueError`` / ``TypeError`` raised by
-      fedlightning's code, or by the constructor of a class the config names, is printed as
-      ``error: <config key>: <message>`` (the original exception, found through jsonargparse's wrapping via
-      ``__cause__`` / ``__context__``; the key when the message names exactly one argument of that class) with exit
-      code 1. ``FEDLIGHTNING_TRACEBACK=1`` prints the full traceback instead. An error after the first round of the
-      process trained keeps its traceback (it is rarely a configuration error, and re-running to see it is expensive).
+    **Configuration errors** (ours; docs/reliability.md lists examples), all before the first round of the process:
+
+    * a parsing error (the parser does not exit, :meth:`FederatedCLI.init_parser`), reduced by
+      :func:`_parser_error_line` to the innermost key and the reason (expected type and given value, a missing class
+      with the closest name, a renamed argument with its new name, an unknown or abbreviated key with the closest
+      valid one, a YAML error with its line);
+    * a ``ValueError`` / ``TypeError`` / Lightning ``MisconfigurationException`` raised by fedlightning's code or by
+      a class the config names (found through jsonargparse's wrapping via ``__cause__`` / ``__context__``); the key
+      is a :class:`~fedlightning._validation.SettingError`'s ``config_key`` (the trainer and learning-rate checks
+      of ``FederatedLoop.setup``), else the class of the innermost frame of an object the config names plus the one
+      argument of it the message names (:func:`_config_key`).
+
+    An error after the first round of the process trained keeps its traceback (it is rarely a configuration error,
+    and re-running to see it is expensive); so do errors of any other type or origin.
     """
     import fedlightning
 
