@@ -33,8 +33,8 @@ import torch
 
 from fedlightning.datamodules import ArrayDataset, DigitsDataModule
 
-__all__ = ["EPS32", "EPS64", "RTOL64", "rtol32", "tol64", "assert_close64", "assert_close32", "assert_rounding_close", "Float64Inputs",
-           "Digits64", "float64_data", "to_float64", "flat"]
+__all__ = ["EPS32", "EPS64", "RTOL64", "rtol32", "tol64", "assert_close64", "assert_close32", "assert_rounding_close",
+           "Float64Inputs", "Digits64", "float64_data", "to_float64", "flat"]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 EPS64 = torch.finfo(torch.float64).eps  # 2.22e-16

@@ -12,7 +12,7 @@ from registry import STRATEGIES, params
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg, FedDANE, ProximalTerm, Scaffold
 from fedlightning.callbacks.feddane import client_full_gradient
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import Dirichlet
 from fedlightning.models import MLP, LogisticRegression
 from fedlightning.state import RoundPlan, derive_seed
 from numerics import Digits64, assert_close64, to_float64

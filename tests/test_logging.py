@@ -17,7 +17,7 @@ import fedlightning.cli as cli_module
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks.telemetry import GlobalEvaluation, RoundTimer
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import Dirichlet
 from fedlightning.logging import LogConfigCallback, wandb_mode
 from fedlightning.models import MLP
 from numerics import RTOL64, Digits64, rtol32, to_float64

@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from conftest import make_trainer
+from numerics import rtol32
 from registry import CLIENT_OPTIMIZERS, params
 from fedlightning import FederatedLoop
 from fedlightning.datamodules import IID, DigitsDataModule
@@ -152,9 +153,9 @@ def test_client_state_round_trips_through_a_checkpoint(tmp_path):
     assert resumed.client_state.clients("optimizer") == full.client_state.clients("optimizer")
     for cid in full.client_state.clients("optimizer"):
         a, b = full.client_state.get("optimizer", cid), resumed.client_state.get("optimizer", cid)
-        assert a["t"] == b["t"] and a["gamma_prev"] == pytest.approx(b["gamma_prev"], rel=1e-6)
+        assert a["t"] == b["t"] and a["gamma_prev"] == b["gamma_prev"]  # the same computation: bit for bit
     for p, q in zip(full.model.parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------- telemetry + b/n
@@ -182,15 +183,17 @@ def test_loop_logs_step_sizes_and_backtracks_and_sets_client_epoch_length():
         assert u.forwards == u.num_steps + sum(1 for s in u.step_sizes if s > 0) + u.backtracks
         assert u.backwards == u.num_steps
     last = [u for r, u in rec.updates if r == 1]
-    m = trainer.callback_metrics
-    assert float(m["client/backtracks_per_step"]) == pytest.approx(sum(u.backtracks / u.num_steps for u in last) / 3)
+    m = trainer.callback_metrics  # float32 values: one rounding of the loop's float64 statistics (numerics.rtol32)
+    assert float(m["client/backtracks_per_step"]) == pytest.approx(sum(u.backtracks / u.num_steps for u in last) / 3,
+                                                                   rel=rtol32(1))
     sizes = [s for u in last for s in u.step_sizes]
-    assert float(m["client/step_size_mean"]) == pytest.approx(sum(sizes) / len(sizes), rel=1e-6)
-    assert float(m["client/step_size_max"]) == pytest.approx(max(sizes), rel=1e-6)
-    assert float(m["client/step_size_min"]) == pytest.approx(min(sizes), rel=1e-6)
+    assert float(m["client/step_size_mean"]) == pytest.approx(sum(sizes) / len(sizes), rel=rtol32(1))
+    assert float(m["client/step_size_max"]) == pytest.approx(max(sizes), rel=rtol32(1))
+    assert float(m["client/step_size_min"]) == pytest.approx(min(sizes), rel=rtol32(1))
     assert float(m["client/forwards"]) == sum(u.forwards for u in last)
-    # the model's own training_step logs are averaged over gradient evaluations only, not over trial points
-    assert float(m["client/train/batch_loss"]) == pytest.approx(sum(u.mean_loss for u in last) / 3, rel=1e-5)
+    # the model's own training_step logs are averaged over gradient evaluations only, not over trial points: a
+    # float32 mean of the 3 x 5 float32 batch losses against the mean of the 3 clients' float32 means of 5
+    assert float(m["client/train/batch_loss"]) == pytest.approx(sum(u.mean_loss for u in last) / 3, rel=rtol32(15 + 5))
     assert sum(u.backtracks for u in last) > 0  # the metric is not trivially zero
 
 

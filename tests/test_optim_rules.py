@@ -15,10 +15,11 @@ import lightning.pytorch as pl
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import Dirichlet
 from fedlightning.models import MLP
 from fedlightning.optim import rules
 from fedlightning.vectorized import BatchedRule, VectorizationUnsupportedError
+from numerics import Digits64, assert_close64, flat, to_float64
 
 NAN = float("nan")
 
@@ -275,23 +276,24 @@ class Recorder(pl.Callback):
 
 
 def fit(optimizer, mode, rounds=3, **loop_kwargs):
+    """A float64 run (the modes sum in different orders: compared to numerics.RTOL64)."""
     torch.manual_seed(1)
-    model = MLP(input_dim=64, hidden=[16], num_classes=10)
+    model = to_float64(MLP(input_dim=64, hidden=[16], num_classes=10))
     rec = Recorder()
     loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=5, clients_per_round=6, seed=3,
                          client_execution=mode, **loop_kwargs)
     make_trainer(rounds, callbacks=[FedAvg(), rec]).fit(
-        loop, datamodule=DigitsDataModule(num_clients=40, batch_size=16, partition=Dirichlet(0.3), seed=0))
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), loop, rec.updates
+        loop, datamodule=Digits64(num_clients=40, batch_size=16, partition=Dirichlet(0.3), seed=0))
+    return flat(model), loop, rec.updates
 
 
 def test_user_optimizer_with_a_batched_form_trains_vectorized_as_sequential():
     w_seq, loop_seq, ups_seq = fit(lambda p: NormalizedGD(p, lr=0.05), "sequential")
     w_vec, loop_vec, ups_vec = fit(lambda p: NormalizedGD(p, lr=0.05), "vectorized")
     torch.manual_seed(1)
-    w_init = torch.cat([p.detach().reshape(-1) for p in MLP(input_dim=64, hidden=[16], num_classes=10).parameters()])
+    w_init = flat(to_float64(MLP(input_dim=64, hidden=[16], num_classes=10)))
     assert (w_seq - w_init).abs().max() > 1e-2  # the clients moved
-    torch.testing.assert_close(w_vec, w_seq, atol=1e-5, rtol=0)
+    assert_close64(w_vec, w_seq)
     assert [u.client_id for u in ups_vec] == [u.client_id for u in ups_seq]
     sizes = {u.num_samples for u in ups_seq}
     assert min(sizes) < 16 and len({n % 16 for n in sizes}) > 1  # ragged: clients below one batch, partial batches

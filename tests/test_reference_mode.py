@@ -1,7 +1,7 @@
 """Reference mode (FEDLIGHTNING_REFERENCE=1 / fedlightning.set_reference_mode): every fast path off, same results.
 
-* a run in reference mode gives the weights of the same run with the fast paths (≤ 1e-6) for several
-  configurations, and the fast paths really ran in one and not in the other (spies on each);
+* a run in reference mode gives the weights of the same run with the fast paths (float64 runs, to numerics.RTOL64)
+  for several configurations, and the fast paths really ran in one and not in the other (spies on each);
 * the switch is read from the environment variable unless set_reference_mode overrides it; bad values are refused.
 """
 
@@ -14,9 +14,10 @@ import fedlightning.callbacks.feddane as feddane_module
 import fedlightning.client as client_module
 from conftest import make_trainer
 from fedlightning import FederatedLoop, reference_mode, set_reference_mode
-from fedlightning.datamodules import Dirichlet, DigitsDataModule, FederatedDataModule
+from fedlightning.datamodules import Dirichlet, FederatedDataModule
 from fedlightning.datamodules.base import ArrayBatchLoader
 from fedlightning.models import MLP
+from numerics import Digits64, assert_close64, flat, to_float64
 from registry import CLIENT_OPTIMIZERS, STRATEGIES
 
 
@@ -55,7 +56,7 @@ class Spies:
 
 
 def digits():
-    return DigitsDataModule(num_clients=20, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    return Digits64(num_clients=20, batch_size=16, partition=Dirichlet(0.5), seed=0)
 
 
 def generic_digits():
@@ -87,7 +88,7 @@ def fit(config, reference, rounds=3):
     set_reference_mode(reference)
     try:
         torch.manual_seed(0)
-        model = MLP(input_dim=64, hidden=[16])
+        model = to_float64(MLP(input_dim=64, hidden=[16]))
         loop = FederatedLoop(model, client_optimizer=config["optimizer"], local_steps=4, clients_per_round=5, seed=1,
                              client_execution=config.get("execution", "sequential"))
         dm = config.get("dm", digits)()
@@ -106,9 +107,9 @@ def test_reference_run_equals_the_fast_run(name, monkeypatch):
     spies.counts = dict.fromkeys(spies.counts, 0)
     ref, ref_loop, ref_dm = fit(config, reference=True)
     torch.manual_seed(0)
-    start = torch.nn.utils.parameters_to_vector(MLP(input_dim=64, hidden=[16]).parameters()).detach()
+    start = flat(to_float64(MLP(input_dim=64, hidden=[16])))
     assert (fast - start).abs().max() > 1e-2  # the runs trained
-    torch.testing.assert_close(ref, fast, atol=1e-6, rtol=0)
+    assert_close64(ref, fast)
 
     assert not any(spies.counts.values()), spies.counts  # reference mode took no fast path
     assert ref_loop._runtime.reusable_client_opt is None and ref_loop.vectorized_engine is None

@@ -13,10 +13,11 @@ from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks.base import RoundStatistics, accumulate_core
 from fedlightning.callbacks.sps_variants import FedSPSGlobal, FedSPSNormalized
-from fedlightning.datamodules import IID, DigitsDataModule
+from fedlightning.datamodules import IID
 from fedlightning.models import MLP
 from fedlightning.optim import SPS
 from fedlightning.state import ClientUpdate, RoundPlan
+from numerics import RTOL64, Digits64, assert_close64, to_float64
 
 
 def update(cid, delta, steps, payload=None):
@@ -108,7 +109,8 @@ ROUNDS, CPR, K, SEED, C, GAMMA_B = 3, 3, 4, 5, 2.0, 5.0
 
 
 def data():
-    return DigitsDataModule(num_clients=6, batch_size=16, partition=IID(), seed=0)
+    """Float64 inputs: whole runs are compared with the reference loops in float64 (numerics.RTOL64)."""
+    return Digits64(num_clients=6, batch_size=16, partition=IID(), seed=0)
 
 
 def loss_and_grad(net, names, w, batch):
@@ -185,16 +187,16 @@ def run_loop(model, strategy, client_optimizer):
 
 def test_fedsps_global_matches_reference_loop(tmp_path):
     torch.manual_seed(0)
-    model = MLP(input_dim=64, hidden=[16])
+    model = to_float64(MLP(input_dim=64, hidden=[16]))
     init = copy.deepcopy(model)
     strategy = FedSPSGlobal(c=C, gamma_max=GAMMA_B)
     loop, trainer, steps = run_loop(model, strategy, lambda p: SPS(p, polyak_c=C, gamma_max=GAMMA_B, fixed_step_size=1.0))
     ref, used = reference_run(init, "global")
     assert used[1] != used[0] and used[2] != used[1]  # the shared step really changes between rounds
     for r, sizes in steps:  # every client step of round r used the round's shared step
-        assert sizes == [pytest.approx(used[r], rel=1e-5)] * K
+        assert sizes == [pytest.approx(used[r], rel=RTOL64)] * K
     for got, want in zip(loop.model.net.parameters(), ref):
-        torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-5)
+        assert_close64(got.detach(), want)
     path = tmp_path / "global.ckpt"
     trainer.save_checkpoint(str(path))
     saved = torch.load(str(path), weights_only=False)["callbacks"][strategy.state_key]
@@ -204,14 +206,14 @@ def test_fedsps_global_matches_reference_loop(tmp_path):
 @pytest.mark.parametrize("reading", ["weighted_models", "fednova"])
 def test_fedsps_normalized_matches_reference_loop(reading):
     torch.manual_seed(1)
-    model = MLP(input_dim=64, hidden=[16])
+    model = to_float64(MLP(input_dim=64, hidden=[16]))
     init = copy.deepcopy(model)
     loop, _, _ = run_loop(model, FedSPSNormalized(reading=reading), lambda p: SPS(p, polyak_c=C, gamma_max=GAMMA_B))
     ref, _ = reference_run(init, "normalized", reading)
     moved = sum(float((g.detach() - p.detach()).abs().sum()) for g, p in zip(loop.model.net.parameters(), init.net.parameters()))
     assert moved > 1e-2
     for got, want in zip(loop.model.net.parameters(), ref):
-        torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-5)
+        assert_close64(got.detach(), want)
 
 
 def test_fedsps_global_needs_fixed_step_sps_clients():

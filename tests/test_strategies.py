@@ -34,7 +34,7 @@ from fedlightning.callbacks import (
     Scaffold,
 )
 from fedlightning.callbacks.base import RoundStatistics, accumulate_core
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import Dirichlet
 from fedlightning.models import LogisticRegression
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, assign_flat_, flat_params
 

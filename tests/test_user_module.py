@@ -19,6 +19,7 @@ from fedlightning.callbacks import FedAvg
 from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.optim import SgdArmijo
 from fedlightning.user_module import FederatedContractError
+from numerics import Digits64, assert_close64, rtol32, to_float64
 
 
 class UserNet(pl.LightningModule):
@@ -73,6 +74,12 @@ def _dm(**kw):
     return DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1, **kw)
 
 
+def _dm64(**kw):
+    """The same clients with float64 inputs: runs compared with a reference computed another way are float64
+    (numerics.RTOL64)."""
+    return Digits64(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1, **kw)
+
+
 def _reference(net, dm, rounds, cpr, k, lr, seed, warmup=2, lrs=None):
     """FedAvg (sample-weighted) with plain SGD and the warm-up scale, in plain PyTorch."""
     dm.setup("fit")
@@ -116,20 +123,20 @@ class _Record(pl.Callback):
 # ====================================================================== 1. attached to the Trainer
 def test_user_module_sees_the_trainer_and_trains_like_the_reference_loop():
     torch.manual_seed(0)
-    model = UserNet(lr=0.2)
+    model = to_float64(UserNet(lr=0.2))
     init = copy.deepcopy(model.net)
     loop = FederatedLoop(model, local_steps=3, clients_per_round=4, seed=5)  # client_optimizer omitted
     trainer = make_trainer(3, callbacks=[FedAvg()])
-    trainer.fit(loop, datamodule=_dm())
+    trainer.fit(loop, datamodule=_dm64())
     worker = loop._worker_trainer().model
     # global_step and current_epoch are the round inside training_step; the loss's warm-up scale read them
     assert sorted({(g, e) for g, e, *_ in worker.seen}) == [(0, 0), (1, 1), (2, 2)]
     assert len(worker.seen) == 3 * 4 * 3
     assert worker.trainer is trainer and worker.logger is trainer.logger and worker.hparams.lr == 0.2
     assert worker.device == torch.device("cpu")
-    ref = _reference(init, _dm(), rounds=3, cpr=4, k=3, lr=0.2, seed=5)
+    ref = _reference(init, _dm64(), rounds=3, cpr=4, k=3, lr=0.2, seed=5)
     for got, want in zip(loop.model.net.parameters(), ref):
-        torch.testing.assert_close(got.detach(), want, atol=1e-6, rtol=0)
+        assert_close64(got.detach(), want)
 
 
 def test_manual_optimization_api_is_refused_by_name_and_stops_the_run():
@@ -273,9 +280,10 @@ def test_evaluation_hooks_match_plain_lightning_on_the_same_weights():
     pt = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
     ref_val = pt.validate(plain, dataloaders=dm.val_dataloader(), verbose=False)[0]
     ref_test = pt.test(plain, dataloaders=dm.test_dataloader(), verbose=False)[0]
-    assert fed_val["val_acc_epoch"] == pytest.approx(ref_val["val_acc_epoch"], abs=1e-7)
-    assert fed_val["val_loss"] == pytest.approx(ref_val["val_loss"], abs=1e-6)
-    assert fed_test["test_acc_epoch"] == pytest.approx(ref_test["test_acc_epoch"], abs=1e-7)
+    # the same validation_step / test_step on the same weights and batches: the same numbers
+    assert fed_val["val_acc_epoch"] == ref_val["val_acc_epoch"]
+    assert fed_val["val_loss"] == ref_val["val_loss"]
+    assert fed_test["test_acc_epoch"] == ref_test["test_acc_epoch"]
 
 
 # ====================================================================== 3. the module's optimizer
@@ -301,13 +309,13 @@ def test_configure_optimizers_forms_define_the_client_optimizer(form):
 
 def test_explicit_client_optimizer_wins_over_configure_optimizers():
     torch.manual_seed(0)
-    a = UserNet(lr=5.0)  # configure_optimizers would use lr 5
+    a = to_float64(UserNet(lr=5.0))  # configure_optimizers would use lr 5
     init = copy.deepcopy(a.net)
     loop = FederatedLoop(a, lambda p: torch.optim.SGD(p, lr=0.2), local_steps=2, clients_per_round=3, seed=3)
-    make_trainer(2).fit(loop, datamodule=_dm())
-    ref = _reference(init, _dm(), rounds=2, cpr=3, k=2, lr=0.2, seed=3)
+    make_trainer(2).fit(loop, datamodule=_dm64())
+    ref = _reference(init, _dm64(), rounds=2, cpr=3, k=2, lr=0.2, seed=3)
     for got, want in zip(a.net.parameters(), ref):
-        torch.testing.assert_close(got.detach(), want, atol=1e-6, rtol=0)
+        assert_close64(got.detach(), want)
 
 
 def test_custom_optimizer_arguments_survive_the_rebuild_per_client():
@@ -334,15 +342,16 @@ class Scheduled(UserNet):
 
 def test_lr_scheduler_is_stepped_once_per_round():
     torch.manual_seed(0)
-    model = Scheduled(lr=0.4)
+    model = to_float64(Scheduled(lr=0.4))
     init = copy.deepcopy(model.net)
     rec = _Record()
     make_trainer(3, callbacks=[rec]).fit(FederatedLoop(model, local_steps=2, clients_per_round=3, seed=6),
-                                         datamodule=_dm())
-    assert [r["client/step_size_mean"] for r in rec.rounds] == pytest.approx([0.4, 0.2, 0.1])
-    ref = _reference(init, _dm(), rounds=3, cpr=3, k=2, lr=None, seed=6, lrs=[0.4, 0.2, 0.1])
+                                         datamodule=_dm64())
+    # logged as float32: one rounding (numerics.rtol32)
+    assert [r["client/step_size_mean"] for r in rec.rounds] == pytest.approx([0.4, 0.2, 0.1], rel=rtol32(1))
+    ref = _reference(init, _dm64(), rounds=3, cpr=3, k=2, lr=None, seed=6, lrs=[0.4, 0.2, 0.1])
     for got, want in zip(model.net.parameters(), ref):
-        torch.testing.assert_close(got.detach(), want, atol=1e-6, rtol=0)
+        assert_close64(got.detach(), want)
 
 
 def test_lr_scheduler_state_is_resumed(tmp_path):
@@ -398,7 +407,8 @@ def test_torchmetrics_metric_in_training_step_is_a_round_metric(optimizer):
         steps = [s for s in seen if s[0] == r]
         assert len(steps) == 4 * 3
         want = sum(s[3] for s in steps) / sum(s[4] for s in steps)
-        assert rec.rounds[r]["client/train_acc"] == pytest.approx(want, abs=1e-6)
+        # torchmetrics' float32 ratio of the same counts: one rounding (numerics.rtol32)
+        assert rec.rounds[r]["client/train_acc"] == pytest.approx(want, rel=rtol32(1))
 
 
 # ====================================================================== 5. failures that are bugs
@@ -462,14 +472,14 @@ def test_vectorized_runs_a_trainer_reading_module_and_refuses_what_it_cannot_bat
             return scale * F.cross_entropy(self(x), y)
 
     torch.manual_seed(0)
-    a = NoMetric()
-    b = NoMetric()
+    a = to_float64(NoMetric())
+    b = to_float64(NoMetric())
     b.load_state_dict(a.state_dict())
     make_trainer(3).fit(FederatedLoop(a, local_steps=2, clients_per_round=3, seed=1,
-                                      client_execution="vectorized"), datamodule=_dm())
-    make_trainer(3).fit(FederatedLoop(b, local_steps=2, clients_per_round=3, seed=1), datamodule=_dm())
+                                      client_execution="vectorized"), datamodule=_dm64())
+    make_trainer(3).fit(FederatedLoop(b, local_steps=2, clients_per_round=3, seed=1), datamodule=_dm64())
     for p, q in zip(a.net.parameters(), b.net.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=0)
+        assert_close64(p, q)
     class LabelCount(torchmetrics.Metric):
         """Counts labels given as a list of tensors (an argument vectorised mode cannot record per client)."""
 

@@ -337,7 +337,7 @@ class CurvatureClients(FederatedDataModule):
 def test_masked_backtracking_matches_analytic_quadratic(mode):
     """On f = ½a‖w‖², w − ηg = (1 − ηa)w and the Armijo test f(w − ηg) ≤ f(w) − cη‖g‖² reduces to η ≤ 2(1 − c)/a,
     independent of w. So with η_max = 1, β = 1/2, c = 0.1 client a accepts η_max·β^m with the smallest m such that
-    β^m ≤ 1.8/a, after m backtracks, at every one of its K steps, and ends at (1 − ηa)^K w_0 (float64 throughout)."""
+    β^m ≤ 1.8/a, after m backtracks, at every one of its K steps, and ends at (1 − ηa)^K w_0 (all in float64)."""
     curvatures = [0.5, 3.0, 10.0, 50.0]
     sizes = [3, 5, 4, 6]  # unequal counts, some below the batch size 4
     expected_m = [0, 1, 3, 5]  # 1.8/a = 3.6, 0.6, 0.18, 0.036

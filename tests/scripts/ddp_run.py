@@ -130,7 +130,8 @@ def main():
     callbacks = callbacks + [recorder]
     if args.freeze_rank is not None:
         callbacks.append(Freeze(args.freeze_rank, args.freeze_round, args.freeze_file))
-    dm = (Digits64 if args.float64 else DigitsDataModule)(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
+    data_cls = Digits64 if args.float64 else DigitsDataModule
+    dm = data_cls(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
     trainer = pl.Trainer(
         max_steps=args.rounds, accelerator="cpu", devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto", logger=False, enable_checkpointing=False,
