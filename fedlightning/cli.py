@@ -150,8 +150,11 @@ class FederatedCLI(LightningCLI):
         try:
             super().__init__(FederatedLoop, FederatedDataModule, *args, **kwargs)
         except argparse.ArgumentError as err:
-            err.fedlightning_error_line = _parser_error_line(  # type: ignore[attr-defined]
-                err, self, kwargs.get("args"))
+            try:
+                line = _parser_error_line(err, self, kwargs.get("args"))
+            except Exception:  # noqa: BLE001 - a message this reduction does not know stays one line
+                line = "config: " + " ".join(str(err).split())
+            err.fedlightning_error_line = line  # type: ignore[attr-defined]
             raise
         except (ValueError, TypeError, MisconfigurationException) as err:
             if self._rounds_run.count == 0:
@@ -973,7 +976,8 @@ def main(args: Optional[List[str]] = None, run: bool = True) -> FederatedCLI:
         details = getattr(err, "details", None) or []
         for d in details:
             sys.stderr.write(f"  {d}\n")
-        sys.stderr.write(f"(set {TRACEBACK_ENV}=1 for the full traceback)\nerror: {line}\n")
+        full = "jsonargparse's full message" if isinstance(err, argparse.ArgumentError) else "the full traceback"
+        sys.stderr.write(f"(set {TRACEBACK_ENV}=1 for {full})\nerror: {line}\n")
         sys.stderr.flush()
         raise SystemExit(1) from err
 
