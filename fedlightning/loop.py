@@ -536,7 +536,8 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
                     stop = (cid, update.failure)
                     break
                 failed += 1
-                rank_zero_warn(f"round {plan.round}: client {cid} skipped ({update.failure})")
+                # every process names its own clients (rank_zero_warn would drop the other processes' ones)
+                warnings.warn(f"round {plan.round}: client {cid} skipped ({update.failure})", UserWarning, stacklevel=2)
                 continue
             with torch.no_grad():
                 accumulate_core(strategy, stats, update, weight=weight, sq_norm=sq_norm)

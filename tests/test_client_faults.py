@@ -411,8 +411,8 @@ DDP_SCRIPT = os.path.join(ROOT, "tests", "scripts", "ddp_client_faults.py")
 def test_two_processes_skip_the_overflowing_client_and_stop_on_an_exception(tmp_path):
     """Two DDP processes (gloo), the client sampled second trained by rank 1. Round 0: its update is -3e38; it is
     skipped, and the one- and two-process global models both equal FedAvg over the other three clients (float64
-    reference from the one-process run's updates). Round 1: it raises; both processes stop (no collective is left
-    waiting) and rank 0's error names the client rank 1 trained."""
+    reference from the one-process run's updates), and rank 1 (not rank 0) warns naming it. Round 1: it raises; both
+    processes stop (no collective is left waiting) and rank 0's error names the client rank 1 trained."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ddp_client_faults", DDP_SCRIPT)
@@ -435,6 +435,11 @@ def test_two_processes_skip_the_overflowing_client_and_stop_on_an_exception(tmp_
     two = torch.load(out)
     assert two["results"] == [(client_ids, 3, 1)]  # round 0 only
     _assert_close_to(two["weights"].double(), expected, tol)
+    warned = [(tmp_path / f"two.pt.rank{r}").read_text().splitlines() for r in (0, 1)]
+    victim_delta = next(d for _, position, d, _ in one.updates if position == script.VICTIM_POSITION)
+    assert warned[0] == [] and len(warned[1]) == 1
+    assert warned[1][0].startswith(f"round 0: client {client_ids[1]} skipped (update norm "
+                                   f"{float(victim_delta.norm()):.4g}: its weighted update")
     dm = DigitsDataModule(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
     dm.setup("fit")
     dm.configure_rounds(4, 3, seed=1)

@@ -233,8 +233,8 @@ def test_non_finite_loss_skips_the_client_and_keeps_the_model(make):
     before = [p.detach().clone() for p in model.parameters()]
     loop = FederatedLoop(model, client_optimizer=make, local_steps=3, clients_per_round=2)
     rec = UpdateRecorder()
-    with pytest.warns(UserWarning, match="skipped"):
-        make_trainer(1, callbacks=[rec]).fit(loop, datamodule=digits(num_clients=3))
+    with pytest.warns(UserWarning, match="skipped"), pytest.raises(FloatingPointError, match="no round of this run"):
+        make_trainer(1, callbacks=[rec]).fit(loop, datamodule=digits(num_clients=3))  # its only round had none healthy
     assert [u.failed for _, u in rec.updates] == [True, True]
     assert all(u.num_steps == 1 and math.isnan(u.step_sizes[0]) for _, u in rec.updates)  # stopped at once
     for p, q in zip(model.parameters(), before):

@@ -3,7 +3,7 @@
     python tests/scripts/ddp_client_faults.py --devices 2 --rounds 2 --out result.pt
 
 Round 0: that client's update is replaced by -3e38 (the aggregation checks skip it); rank 0 saves the global weights
-and the round's counts after the round. Round 1: its training_step raises IndexError (the run stops on every
+and the round's counts after the round, and every rank writes the "skipped" warnings it gave to ``<out>.rank<r>``. Round 1: its training_step raises IndexError (the run stops on every
 process). With two processes the client sampled second is trained by rank 1. Used by tests/test_client_faults.py,
 which also imports :func:`fit` for the one-process reference.
 """
@@ -11,6 +11,7 @@ which also imports :func:`fit` for the one-process reference.
 import argparse
 import os
 import sys
+import warnings
 
 import torch
 
@@ -76,7 +77,16 @@ def fit(devices: int, rounds: int, out=None):
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[FedAvg(), faults],
     )
-    trainer.fit(loop, datamodule=DigitsDataModule(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0))
+    dm = DigitsDataModule(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(loop, datamodule=dm)
+        finally:
+            if out:
+                skipped = [str(w.message) for w in caught if " skipped (" in str(w.message)]
+                with open(f"{out}.rank{trainer.global_rank}", "w") as f:
+                    f.write("\n".join(skipped))
     return loop, faults
 
 
