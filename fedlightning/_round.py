@@ -54,6 +54,7 @@ class _RoundEnd:
     """Methods of :class:`~fedlightning.loop.FederatedLoop` that turn the round's client updates into the new
     global model and the round's metrics (mixed into the loop; ``self`` is the loop)."""
 
+    @torch.no_grad()
     def _screen_update(self, update: ClientUpdate, weight: float, num_sampled: int) -> Optional[Tensor]:
         """The aggregation checks of one healthy client (the rule: :class:`~fedlightning.loop.FederatedLoop`'s
         ``max_update_norm``): ``‖Δ_i‖²`` (float64, the value the round's sums add) when the client passes; else
@@ -78,7 +79,9 @@ class _RoundEnd:
         elif len(values) > 1:
             buffer_norm = math.sqrt(values[1])
             buffer_limit = _largest(update.buffers.dtype) / n
-            if not math.isfinite(buffer_norm) or w * buffer_norm >= buffer_limit:
+            if not math.isfinite(buffer_norm):
+                reason = f"update norm {norm:.4g}: non-finite float buffers (e.g. BatchNorm running statistics)"
+            elif w * buffer_norm >= buffer_limit:
                 reason = (f"update norm {norm:.4g}, float buffers norm {buffer_norm:.4g}: its weighted buffers "
                           f"could overflow the {_dtype_name(update.buffers.dtype)} sum of the round's {num_sampled} "
                           "clients")

@@ -180,6 +180,61 @@ def test_the_rule_is_the_same_in_both_client_modes(mode):
     _assert_close_to(_flat(model), expected, tol)
 
 
+class BatchNormMLP(MLP):
+    def __init__(self):
+        super().__init__(input_dim=64, hidden=[8])
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                       torch.nn.Linear(8, 10))
+
+
+class BufferFault(Record):
+    """Record that also replaces the float buffers of the client sampled second by ``value`` and records every
+    client's buffers."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value, self.buffers = value, {}
+
+    def on_client_end(self, loop, plan, update):
+        if plan.client_ids.index(update.client_id) == 1:
+            update.buffers.fill_(self.value)
+        self.buffers[update.client_id] = update.buffers.double().clone()
+        super().on_client_end(loop, plan, update)
+
+
+@pytest.mark.parametrize("value,reason", [(math.nan, "non-finite float buffers (e.g. BatchNorm running statistics)"),
+                                          (BIG, "float buffers norm {bnorm:.4g}: its weighted buffers could overflow "
+                                                "the float32 sum of the round's 4 clients")], ids=["nan", "3e38"])
+def test_a_client_with_non_finite_or_overflowing_buffers_is_skipped(value, reason):
+    """BatchNorm running statistics are averaged like the updates: a client whose buffers are NaN or 3e38 is left
+    out, and the global buffers are the weighted mean of the other clients' (float64 reference)."""
+    torch.manual_seed(0)
+    model = BatchNormMLP()
+    rec = BufferFault(value)
+    loop = FederatedLoop(model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
+                         clients_per_round=4, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(1, callbacks=[FedAvg(), rec]).fit(loop, datamodule=_data())
+    plan = rec.results[0].plan
+    victim = plan.client_ids[1]
+    norm, bnorm = float(by_id(rec, victim)[0].norm()), float(rec.buffers[victim].norm())
+    skipped = [str(w.message) for w in caught if " skipped (" in str(w.message)]
+    assert skipped == [f"round 0: client {victim} skipped (update norm {norm:.4g}, {reason.format(bnorm=bnorm)})"
+                       if value == BIG else f"round 0: client {victim} skipped (update norm {norm:.4g}: {reason})"]
+    others = [c for c in plan.client_ids if c != victim]
+    weights = torch.tensor([float(by_id(rec, c)[1]) for c in others], dtype=torch.float64)
+    stacked = torch.stack([rec.buffers[c] for c in others])
+    expected = (weights[:, None] * stacked).sum(0) / weights.sum()
+    tol = 4 * (len(others) + 2) * U32 * (weights[:, None] * stacked.abs()).sum(0) / weights.sum()
+    float_buffers = torch.cat([b.reshape(-1).double() for b in model.buffers() if b.is_floating_point()])
+    _assert_close_to(float_buffers, expected, tol)
+
+
+def by_id(rec, client_id):
+    return next((d, n) for _, c, d, n in rec.updates if c == client_id)
+
+
 def test_max_update_norm_skips_a_client_with_a_big_norm():
     """max_update_norm between the largest and the second-largest update norm of a round leaves exactly the
     largest-norm client out, with its norm in the warning."""
