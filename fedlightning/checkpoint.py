@@ -30,7 +30,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "RoundCheckpoint", "check_checkpoint", "read_checkpoint",
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "RoundCheckpoint", "check_checkpoint", "check_fits_model",
+           "read_checkpoint",
            "checkpoint_round", "remove_interrupted_writes", "safe_types", "StoreConfigCallback",
            "config_differences", "CONFIG_KEY", "FEDLIGHTNING_FORMAT", "TEMP_PREFIX", "STALE_TEMP_SECONDS"]
 
@@ -467,7 +468,7 @@ def check_checkpoint(path, model: Optional[torch.nn.Module] = None, weights_only
     * it is a Lightning checkpoint of another LightningModule (no ``fedlightning`` section, which
       :meth:`~fedlightning.FederatedLoop.on_save_checkpoint` writes) or of an unknown ``fedlightning`` format;
     * with ``model=``: its ``state_dict`` does not fit the model (missing / unexpected keys, different shapes: another
-      architecture), listing up to 5 of each (ours).
+      architecture), listing up to 5 of each (ours), or holds a NaN / infinity (:func:`check_fits_model`).
 
     The file is read by :func:`read_checkpoint` with ``weights_only`` (``None`` / ``True``: safely; ``False``: the
     warned opt-in), exactly as :class:`AtomicCheckpointIO` (and so the Trainer) reads it afterwards. Remote paths
@@ -493,8 +494,30 @@ def check_checkpoint(path, model: Optional[torch.nn.Module] = None, weights_only
         raise CheckpointError(path, f"unsupported fedlightning checkpoint format {fed.get('format')!r} (this version "
                                     f"reads format {FEDLIGHTNING_FORMAT})")
     if model is not None:
-        _check_state_dict(path, ckpt["state_dict"], model.state_dict())
+        check_fits_model(path, ckpt, model)
     return ckpt
+
+
+def check_fits_model(path, ckpt: Mapping[str, Any], model: torch.nn.Module) -> None:
+    """Raise :class:`CheckpointError` unless the checkpoint's ``state_dict`` has exactly ``model``'s keys and shapes
+    and every floating-point tensor in it is finite.
+
+    **Non-finite weights are refused** (ours): a global model holding NaN or ±inf cannot be trained on (every client
+    would diverge and be skipped) nor evaluated (every metric NaN), so resuming or evaluating it would end in a run
+    that reports nothing useful; the error names the first such tensor (in ``state_dict`` order) and one of its
+    non-finite values. The check reads every tensor once (a fraction of a round for any model that fits in memory).
+    """
+    path = os.fspath(path)
+    saved = ckpt["state_dict"]
+    _check_state_dict(path, saved, model.state_dict())
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            bad = ~torch.isfinite(value)
+            if bool(bad.any()):
+                first = float(value.reshape(-1)[bad.reshape(-1)][0])
+                raise CheckpointError(path, f"its weights are non-finite: {key} holds {first} ({int(bad.sum())} of "
+                                            f"{value.numel()} values); a diverged model cannot be resumed or "
+                                            "evaluated: resume an earlier checkpoint")
 
 
 def _check_state_dict(path: str, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:

@@ -308,9 +308,9 @@ class FederatedCLI(LightningCLI):
         path = os.fspath(path)
         if self._checked is not None and self._checked[0] == path:
             ckpt = self._checked[1]
-            from fedlightning.checkpoint import _check_state_dict
+            from fedlightning.checkpoint import check_fits_model
 
-            _check_state_dict(path, ckpt["state_dict"], self.model.state_dict())
+            check_fits_model(path, ckpt, self.model)
         else:
             ckpt = check_checkpoint(path, model=self.model, weights_only=weights_only)
         self._checked = None  # the trainer loads it again; do not keep a second copy in memory

@@ -282,7 +282,7 @@ def test_bad_input(femnist_dir, tmp_path):
         _dm(str(empty), tmp_path, name="femnist").setup()
     lab = tmp_path / "label"
     _write_leaf(str(lab / "train" / "y.json"), {"a": (np.zeros((2, 784)).tolist(), [3, 62])})
-    with pytest.raises(ValueError, match="y.json: label 62 is outside the class range"):
+    with pytest.raises(ValueError, match="y.json: user 'a', sample 1: label 62 is outside the class range"):
         _dm(str(lab), tmp_path, name="femnist").setup()
     shape = tmp_path / "shape"
     _write_leaf(str(shape / "train" / "s.json"), {"a": (np.zeros((2, 10)).tolist(), [3, 4])})

@@ -375,7 +375,8 @@ class LeafDataModule(FederatedDataModule):
             codes = np.array([users.setdefault(user_col[r], len(users)) for r in rows], dtype=np.int64)
             self._note_files(split, codes, [file_col[r] for r in rows])
             x = self._decode_json_x(sub, counts, [file_col[r] for r in rows])
-            y = self._decode_labels(sub.column("y").combine_chunks().flatten(), np.repeat(rows, counts), file_col)
+            y = self._decode_labels(sub.column("y").combine_chunks().flatten(), np.repeat(rows, counts), file_col,
+                                    user_col)
             out[split] = _Part(x=x, y=y, user=np.repeat(codes, counts))
         return out
 
@@ -408,8 +409,10 @@ class LeafDataModule(FederatedDataModule):
             )
         return encode_text("".join(strings.to_pylist())).reshape(-1, self.seq_length)
 
-    def _decode_labels(self, values, sample_rows: np.ndarray, row_file: List[str]) -> np.ndarray:
-        """Labels as int64 in [0, num_classes), or a ValueError naming the file and the value."""
+    def _decode_labels(self, values, sample_rows: np.ndarray, row_file: List[str],
+                       row_user: Optional[List[str]] = None) -> np.ndarray:
+        """Labels as int64 in [0, num_classes), or a ValueError naming the file, the user (``row_user``: the user of
+        each table row, when the rows are users) and the value."""
         if self.name == "shakespeare":
             chars = values.to_pylist()
             bad = [i for i, c in enumerate(chars) if len(c) != 1]
@@ -422,8 +425,13 @@ class LeafDataModule(FederatedDataModule):
         y = values.to_numpy(zero_copy_only=False).astype(np.int64)
         bad = np.flatnonzero((y < 0) | (y >= self.num_classes))
         if len(bad):
+            row = int(sample_rows[bad[0]])
+            who = ""
+            if row_user is not None:
+                first = int(np.flatnonzero(sample_rows == row)[0])
+                who = f" user {row_user[row]!r}, sample {int(bad[0]) - first}:"
             raise ValueError(
-                f"{row_file[int(sample_rows[bad[0]])]}: label {int(y[bad[0]])} is outside the class range "
+                f"{row_file[row]}:{who} label {int(y[bad[0]])} is outside the class range "
                 f"[0, {self.num_classes}) of {self.name}"
             )
         return y
