@@ -25,7 +25,7 @@ from fedlightning.datamodules import (
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.datamodules import checks
-from fedlightning.datamodules.generic import PairView
+from fedlightning.datamodules.generic import SampleView
 from fedlightning.models import MLP
 
 N, DIM, CLASSES = 40, 3, 4
@@ -130,7 +130,7 @@ def test_per_sample_data_sets_are_not_scanned():
     bad = X.clone()
     bad[5, 0] = float("nan")
     dm = _setup(DatasetDataModule(TensorDataset(bad, Y), in_memory=False, **KW))  # documented: lazily read, not scanned
-    assert isinstance(dm.train_dataset, PairView)
+    assert isinstance(dm.train_dataset, SampleView)
     assert torch.isnan(dm.train_dataset[5][0][0])
 
 
@@ -307,7 +307,7 @@ def test_string_labels_are_refused_with_the_fix():
     dm = _setup(DatasetDataModule(encoded, **KW))
     assert dm.num_classes == 3
     ids = torch.tensor([sorted(set(strings)).index(s) for s in strings])  # class_encode_column sorts the names
-    assert torch.equal(dm.train_dataset.y, ids)
+    assert torch.equal(torch.stack([dm.train_dataset[i]["label"] for i in range(len(ids))]), ids)
 
 
 def test_class_label_gives_num_classes_and_must_match_the_test_set():

@@ -98,20 +98,30 @@ class ArrayDataset(Dataset):
 
 
 class ClientBatchSampler(Sampler[List[int]]):
-    """Yields the index lists of one shuffled epoch over ``indices`` (last partial batch kept).
+    """Yields the index lists of one shuffled epoch over ``indices`` (last partial batch kept unless ``drop_last``).
 
     Each ``iter()`` draws a fresh permutation from ``generator``, so re-iterating cycles through new epochs in a
     reproducible order. ``shuffle=False`` gives sequential batches (evaluation).
+
+    ``drop_last`` (decision, ours): every epoch drops its last partial batch, as ``DataLoader(drop_last=True)``,
+    except that a client with fewer than ``batch_size`` samples serves all of them as one batch per epoch: dropping
+    it would leave the client without a batch, and a client sampled for a round must take its local steps
+    (``DataLoader`` would yield nothing and the client would fail).
     """
 
-    def __init__(self, indices: np.ndarray, batch_size: int, generator: Optional[torch.Generator], shuffle=True):
+    def __init__(self, indices: np.ndarray, batch_size: int, generator: Optional[torch.Generator], shuffle=True,
+                 drop_last: bool = False):
         self.indices = torch.as_tensor(np.asarray(indices), dtype=torch.long)
         self.batch_size = int(batch_size)
         self.generator = generator
         self.shuffle = shuffle
+        self.drop_last = bool(drop_last)
 
     def __len__(self) -> int:
-        return math.ceil(len(self.indices) / self.batch_size)
+        n = len(self.indices)
+        if self.drop_last and n >= self.batch_size:
+            return n // self.batch_size
+        return math.ceil(n / self.batch_size)
 
     def __iter__(self) -> Iterator[Tensor]:
         yield from self._split()
@@ -125,6 +135,8 @@ class ClientBatchSampler(Sampler[List[int]]):
             order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
         else:
             order = self.indices
+        if self.drop_last and len(order) >= self.batch_size:
+            order = order[: len(order) - len(order) % self.batch_size]
         return torch.split(order, self.batch_size)
 
 
@@ -310,16 +322,27 @@ class FederatedDataModule(pl.LightningDataModule):
     @classmethod
     def from_datasets(cls, train: Any, test: Any = None, **kwargs: Any) -> "FederatedDataModule":
         """A federated data set over your own ``train`` (and optional ``test``) data set: a map-style torch
-        ``Dataset`` with ``(x, y)`` or dict samples, or a Hugging Face ``datasets.Dataset``. Returns a
+        ``Dataset`` with samples of any structure, or a Hugging Face ``datasets.Dataset``. Returns a
         :class:`~fedlightning.datamodules.DatasetDataModule` (whichever class it is called on); ``kwargs`` are its
         arguments (``partition``, ``num_clients``, ``batch_size``, ``seed``, ``val_fraction``, ``labels``,
-        ``input_key``, ``label_key``, ``in_memory``, ...), and its docstring gives the rules.
+        ``label_key``, ``collate_fn``, ``drop_last``, ``in_memory``, ...), and its docstring gives the rules.
 
         This replaces Lightning's ``LightningDataModule.from_datasets(train_dataset=..., ...)`` (ours): its plain
         DataLoaders have no clients, so they could not feed a FederatedLoop."""
         from fedlightning.datamodules.generic import DatasetDataModule
 
         return DatasetDataModule(train, test, **kwargs)
+
+    @classmethod
+    def from_datamodule(cls, datamodule: pl.LightningDataModule, **kwargs: Any) -> "FederatedDataModule":
+        """Your existing ``LightningDataModule`` federated in one call: a
+        :class:`~fedlightning.datamodules.DatasetDataModule` over the data set, ``collate_fn`` and DataLoader
+        options of its ``train_dataloader()``, evaluated on the data sets of its ``val_dataloader()`` /
+        ``test_dataloader()``. ``kwargs`` (``partition``, ``num_clients``, ``batch_size``, ``seed``, ...) override
+        what is taken from the loaders. Rules: :func:`fedlightning.datamodules.generic.from_datamodule`."""
+        from fedlightning.datamodules.generic import from_datamodule
+
+        return from_datamodule(datamodule, **kwargs)
 
     # ------------------------------------------------------------------ to implement
     def load(self) -> Tuple[Dataset, Optional[Dataset], np.ndarray]:
@@ -539,25 +562,48 @@ class FederatedDataModule(pl.LightningDataModule):
         self._require_setup()
         return Subset(self.train_dataset, self.client_indices[client_id].tolist())
 
+    #: DataLoader options of the per-sample loaders (set by :class:`~fedlightning.datamodules.DatasetDataModule`;
+    #: the bundled modules keep these defaults): the user's ``collate_fn`` (None: torch's default collate), and
+    #: ``pin_memory``, ``persistent_workers``, ``prefetch_factor``, ``worker_init_fn`` as ``DataLoader`` takes them.
+    #: ``drop_last`` applies to client loaders only (:class:`ClientBatchSampler`); evaluation reads every sample.
+    collate_fn: Optional[Any] = None
+    drop_last: bool = False
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: Optional[int] = None
+    worker_init_fn: Optional[Any] = None
+
     def client_dataloader(self, client_id: int, round: int = 0, seed: Optional[int] = None) -> DataLoader:
-        """Shuffled epochs over client ``client_id``'s samples (last partial batch kept).
+        """Shuffled epochs over client ``client_id``'s samples (last partial batch kept unless ``drop_last``).
 
         The data order is seeded by ``(seed, "data", round, client_id)`` (``seed`` defaults to the sampling seed
-        the FederatedLoop configured), so it does not depend on which other clients ran before.
+        the FederatedLoop configured), so it does not depend on which other clients ran before. With
+        ``num_workers > 0`` the workers' base seed comes from a generator seeded by ``(seed, "workers", round,
+        client_id)`` (ours), so random transforms in workers are reproducible too.
         """
         self._require_setup()
         if not 0 <= client_id < self.num_clients:
             raise IndexError(f"client_id {client_id} out of range [0, {self.num_clients})")
         seed = self.sampling_seed if seed is None else seed
         gen = torch.Generator().manual_seed(derive_seed(seed, "data", round, client_id))
-        sampler = ClientBatchSampler(self.client_indices[client_id], self.batch_size, gen)
-        return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers)
+        sampler = ClientBatchSampler(self.client_indices[client_id], self.batch_size, gen, drop_last=self.drop_last)
+        workers = torch.Generator().manual_seed(derive_seed(seed, "workers", round, client_id))
+        return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers, generator=workers)
 
-    def _loader_from_batches(self, dataset: Dataset, batch_sampler: Sampler, workers: int = 0):
-        if isinstance(dataset, ArrayDataset) and not reference_mode():
+    def _loader_options(self, workers: int) -> dict:
+        """The user's DataLoader options (class attributes above) for a per-sample loader with ``workers``."""
+        options = dict(num_workers=workers, collate_fn=self.collate_fn, pin_memory=self.pin_memory,
+                       worker_init_fn=self.worker_init_fn)
+        if workers > 0:
+            options.update(persistent_workers=self.persistent_workers, prefetch_factor=self.prefetch_factor)
+        return options
+
+    def _loader_from_batches(self, dataset: Dataset, batch_sampler: Sampler, workers: int = 0,
+                             generator: Optional[torch.Generator] = None):
+        if isinstance(dataset, ArrayDataset) and self.collate_fn is None and not reference_mode():
             # batched fast path: one tensor indexing per batch, no per-sample fetch/collate, no DataLoader machinery
             return ArrayBatchLoader(dataset, batch_sampler)
-        return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers)
+        return DataLoader(dataset, batch_sampler=batch_sampler, generator=generator, **self._loader_options(workers))
 
     # ------------------------------------------------------------------ rounds
     def configure_rounds(self, clients_per_round: int, local_steps: int, seed: int) -> None:
@@ -600,13 +646,14 @@ class FederatedDataModule(pl.LightningDataModule):
         :class:`ArrayDataset` is read a whole batch per tensor indexing (the in-memory fast path)."""
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__} has no evaluation data set")
-        if isinstance(dataset, ArrayDataset) and not reference_mode():
+        if isinstance(dataset, ArrayDataset) and self.collate_fn is None and not reference_mode():
             rows = np.arange(len(dataset)) if indices is None else indices
             sampler = ClientBatchSampler(rows, self.eval_batch_size, None, shuffle=False)
             return DataLoader(dataset, sampler=sampler, batch_size=None)  # a real DataLoader for Lightning
         if indices is not None:
             dataset = Subset(dataset, np.asarray(indices).tolist())
-        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers)
+        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False,
+                          **self._loader_options(self.num_workers))
 
     def _val_monitors(self) -> List[str]:
         trainer = self._trainer_ref()

@@ -1,10 +1,11 @@
 """Your own data as a federated data set: :class:`DatasetDataModule` (``FederatedDataModule.from_datasets``).
 
 ``DatasetDataModule(train, test=None, partition=..., num_clients=..., ...)`` wraps any map-style torch ``Dataset``
-(samples ``(x, y)`` or dicts) or Hugging Face ``datasets.Dataset`` (dict samples) in the machinery of the bundled
-modules: the validation split, the partitioner, per-client loaders and, when the data fit in memory, the batched
-:class:`~fedlightning.datamodules.ArrayDataset` fast path. Every batch it serves is an ``(x, y)`` pair, whatever
-the samples look like, so a module written for the bundled data sets (``x, y = batch``) trains on it unchanged.
+(samples of any structure: ``(x, y)``, longer tuples, dicts, nested) or Hugging Face ``datasets.Dataset`` (dict
+samples) in the machinery of the bundled modules: the validation split, the partitioner, per-client loaders and,
+when ``(x, y)`` samples fit in memory, the batched :class:`~fedlightning.datamodules.ArrayDataset` fast path. Every
+batch it serves is what the user's own DataLoader (their ``collate_fn``) would build from the client's samples.
+:func:`from_datamodule` federates an existing ``LightningDataModule``.
 
 The rules (all decisions ours unless a source is named) are in the docstring of :class:`DatasetDataModule`.
 """
@@ -28,14 +29,11 @@ from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, Fe
 from fedlightning.datamodules.checks import as_label_array
 from fedlightning.datamodules.partition import IID, Partitioner
 
-__all__ = ["DatasetDataModule", "PairView", "LABEL_KEYS", "INPUT_KEYS", "DEFAULT_MAX_IN_MEMORY_BYTES"]
+__all__ = ["DatasetDataModule", "SampleView", "from_datamodule", "LABEL_KEYS", "DEFAULT_MAX_IN_MEMORY_BYTES"]
 
 #: Dict keys tried, in order, for the label when ``label_key`` is not given (after a Hugging Face ``ClassLabel``
 #: column). Ours: the names torchvision, Hugging Face and scikit-learn-style code use most.
 LABEL_KEYS = ("label", "labels", "y", "target", "targets")
-#: Dict keys tried, in order, for the input when ``input_key`` is not given and the samples have more than one key
-#: besides the label (ours: common names in torchvision / Hugging Face data sets).
-INPUT_KEYS = ("x", "input", "inputs", "image", "img", "pixel_values", "features", "input_ids")
 #: ``in_memory="auto"`` materialises a data set only below this size (ours: 1 GiB holds CIFAR-10's 50,000 float32
 #: training images, 614 MB, and stays well inside the memory of a laptop).
 DEFAULT_MAX_IN_MEMORY_BYTES = 1 << 30
@@ -64,50 +62,59 @@ def _describe(value: Any) -> str:
 
 
 class _Reader:
-    """Turns one sample into its ``(x, y)`` pair: ``kind`` is ``"tuple"`` (positions 0 and 1) or ``"dict"``
-    (``input_key`` / ``label_key``)."""
+    """Reads the label of one sample, for label partitions and label checks only (batches are the samples as they
+    are): ``kind`` is ``"tuple"`` (position ``label_key``), ``"dict"`` (key ``label_key``) or ``"none"`` (no label
+    found in the samples). ``pair``: the samples are ``(x, y)`` pairs (the in-memory fast path can hold them)."""
 
-    def __init__(self, kind: str, input_key: Optional[str] = None, label_key: Optional[str] = None):
-        self.kind, self.input_key, self.label_key = kind, input_key, label_key
+    def __init__(self, kind: str, label_key: Any = None, pair: bool = False):
+        self.kind, self.label_key, self.pair = kind, label_key, pair
         #: the label of sample 0 (read once, at construction)
         self.label0: Any = None
 
-    def __call__(self, sample: Any) -> Tuple[Any, Any]:
-        if self.kind == "tuple":
-            return sample[0], sample[1]
-        return sample[self.input_key], sample[self.label_key]
+    def __call__(self, sample: Any) -> Any:
+        return None if self.kind == "none" else sample[self.label_key]
 
     def describe(self) -> str:
         if self.kind == "tuple":
-            return "position 1 of the (x, y) samples"
-        return f"key {self.label_key!r} of the dict samples"
+            return "position 1 of the (x, y) samples" if self.pair else f"position {self.label_key} of the samples"
+        if self.kind == "dict":
+            return f"key {self.label_key!r} of the dict samples"
+        return "a label in the samples (none found; pass label_key=)"
 
     def where(self, name: str, i: int) -> str:
         """Python syntax for sample ``i``'s label in data set ``name``: ``train[0][1]`` / ``train[0]['label']``."""
-        return f"{name}[{i}][1]" if self.kind == "tuple" else f"{name}[{i}][{self.label_key!r}]"
+        return f"{name}[{i}][{self.label_key!r}]"
 
 
-class PairView(Dataset):
-    """``dataset[i]`` as the ``(x, y)`` pair ``reader`` reads from it (the per-sample path of
-    :class:`DatasetDataModule`; the DataLoader's default collate stacks the pairs into an ``(x, y)`` batch).
+class SampleView(Dataset):
+    """``dataset[i]`` exactly as the data set returns it (the per-sample path of :class:`DatasetDataModule`; the
+    DataLoader's ``collate_fn`` batches the samples).
 
-    ``cast_labels`` (set by :class:`DatasetDataModule` for class labels stored as floats) serves each label as an
-    ``int64`` class id; a label that is not a whole number then raises a ValueError naming the sample (``name`` is
-    the data set's name in that message)."""
+    ``cast_labels`` (set by :class:`DatasetDataModule` for class labels stored as floats) serves the label that
+    ``reader`` finds as an ``int64`` class id (in a copy of the tuple / dict; every other element untouched); a label
+    that is not a whole number then raises a ValueError naming the sample (``name`` is the data set's name in that
+    message)."""
 
-    def __init__(self, dataset: Any, reader: Callable[[Any], Tuple[Any, Any]], cast_labels: bool = False,
-                 name: str = "train"):
+    def __init__(self, dataset: Any, reader: _Reader, cast_labels: bool = False, name: str = "train"):
         self.dataset, self.reader = dataset, reader
         self.cast_labels, self.name = bool(cast_labels), name
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, i: int) -> Tuple[Any, Any]:
-        x, y = self.reader(self.dataset[int(i)])
-        if self.cast_labels:
-            y = _class_id(y, f"{self.name}[{int(i)}]")
-        return x, y
+    def __getitem__(self, i: int) -> Any:
+        sample = self.dataset[int(i)]
+        if not self.cast_labels or self.reader.kind == "none":
+            return sample
+        key = self.reader.label_key
+        y = _class_id(sample[key], f"{self.name}[{int(i)}]")
+        if isinstance(sample, Mapping):
+            return {**sample, key: y}
+        out = list(sample)
+        out[key] = y
+        if isinstance(sample, list):
+            return out
+        return tuple(out) if type(sample) is tuple else type(sample)(*out)  # a namedtuple keeps its type
 
 
 class DatasetDataModule(FederatedDataModule):
@@ -127,8 +134,16 @@ class DatasetDataModule(FederatedDataModule):
             ``ClassLabel`` label feature, else unknown. See "Label checks".
         check_labels: check the served labels as class ids and serve whole-number float labels as int64 (default
             True); False serves the labels exactly as the data set returns them, unchecked. See "Label checks".
-        input_key, label_key: the input and label keys of dict samples (Hugging Face columns); default: see
-            "Sample structure". Refused for tuple samples.
+        label_key: where the label of a sample is: a dict key (Hugging Face column) or a tuple position (int);
+            default: see "Labels". Used to find labels, never to reshape the batches.
+        val: a separate validation set (e.g. a LightningDataModule's validation data): it is served by
+            :meth:`val_dataloader` and nothing is held out of ``train`` (``val_fraction`` then defaults to 0; a
+            positive ``val_fraction`` with ``val`` is a ValueError).
+        collate_fn: your DataLoader's ``collate_fn``; it builds every client, validation and test batch (None:
+            torch's ``default_collate``).
+        drop_last: drop every client epoch's last partial batch (see "DataLoader options").
+        pin_memory, persistent_workers, prefetch_factor, worker_init_fn: passed to every per-sample DataLoader
+            (see "DataLoader options").
         in_memory: ``"auto"`` (default), ``True`` or ``False``; see "In memory".
         max_in_memory_bytes: the size limit of ``in_memory="auto"``; default ``DEFAULT_MAX_IN_MEMORY_BYTES``
             (1 GiB, ours).
@@ -136,21 +151,35 @@ class DatasetDataModule(FederatedDataModule):
             as :class:`~fedlightning.datamodules.FederatedDataModule` (partition default IID, val_fraction
             default 0.1).
 
-    Sample structure. Every batch served is an ``(x, y)`` pair. A sample that is a tuple or list of exactly two
-    elements is ``(x, y)``. A dict sample (every Hugging Face sample) gives ``y = sample[label_key]`` and
-    ``x = sample[input_key]``. Without ``label_key``, the label is the first ``ClassLabel`` column of a Hugging
-    Face data set, else the first of :data:`LABEL_KEYS` (``label``, ``labels``, ``y``, ``target``, ``targets``)
-    present. Without ``input_key``, the input is the only other key when the sample has exactly two keys, else the
-    first of :data:`INPUT_KEYS` present. Hugging Face data sets are read with ``with_format("torch")`` (their
-    numbers arrive as tensors). Sample 0 of each data set is read at construction, so an empty data set, a sample
-    of another structure (a bare tensor, a tuple of three) or a missing key fails there, with a ValueError that
-    names the argument and says what to pass.
+    Batches. A client's batch is ``collate_fn([dataset[i] for i in batch_indices])``: exactly what your DataLoader
+    would hand ``training_step`` (tuples, 3-tuples, dicts, nested structures, padded sequences from a pad collate).
+    The framework only chooses which samples each client owns (partition) and in what order (seeded by ``(seed,
+    round, client)``). Two exceptions, both documented policies: the in-memory fast path (below) serves ``(x, y)``
+    pair samples as a tuple ``(x, y)`` of stacked tensors where ``default_collate`` gives a list ``[x, y]`` of the
+    same tensors; and with ``check_labels`` a float class label is served as ``int64`` (see "Label checks"). Hugging
+    Face data sets are read with ``with_format("torch")`` (their numbers arrive as tensors). Sample 0 of each data
+    set is read at construction, so an empty data set or a ``label_key`` that is not in the samples fails there.
+
+    DataLoader options (decisions, ours). ``collate_fn`` builds client and evaluation batches. ``num_workers``,
+    ``pin_memory``, ``worker_init_fn``, ``persistent_workers`` and ``prefetch_factor`` go to every per-sample
+    DataLoader (a client's loader is built per round, so ``persistent_workers`` keeps workers across that client's
+    epochs within a round); the last two need ``num_workers > 0`` (else a ValueError). The workers' base seed is
+    drawn from a generator seeded by ``(seed, "workers", round, client)``, so random transforms in workers are
+    reproducible. ``drop_last=True`` drops every client epoch's last partial batch, as ``DataLoader`` does, except
+    that a client smaller than one batch serves all its samples as one batch (so a sampled client always has a batch
+    for its local steps); local steps cycle through epochs as before, each epoch of ``floor(n_i / b)`` batches.
+    Evaluation loaders never drop samples. The in-memory fast path has no workers and no pinning (its batches are
+    views of tensors already in memory).
 
     Labels. Label-based partitions (every partitioner except :class:`~fedlightning.datamodules.IID`) need one
     class label per training sample; the first source that gives one is used, in this order: ``labels=``; the
     second tensor of a two-tensor ``TensorDataset``; the label column of a Hugging Face data set; a ``targets``
     attribute of the training set's length (torchvision's convention); the labels of the in-memory copy; and, for a
-    label-based partition only, one pass reading the label of every sample. A label must be an integer, a bool, a
+    label-based partition only, one pass reading the label of every sample. The label of a sample is at
+    ``label_key`` (a dict key or a tuple position); without it: position 1 of a two-element tuple / list, else for a
+    dict the first ``ClassLabel`` column of a Hugging Face data set, else the first of :data:`LABEL_KEYS`
+    (``label``, ``labels``, ``y``, ``target``, ``targets``) present; other samples (3-tuples, bare tensors) have
+    no label unless ``label_key`` or ``labels=`` says where. A label must be an integer, a bool, a
     string or an integer-valued float (a 0-d tensor / array of those counts); anything else (a vector, a
     continuous regression target) cannot drive a label partition, and a label-based partition without labels is a
     ValueError naming every source tried and how to pass ``labels=``. The validation split is stratified by these
@@ -158,13 +187,15 @@ class DatasetDataModule(FederatedDataModule):
     seeded uniform draw, the stratified split of a single class.
 
     In memory. The bundled modules' fast path (one tensor indexing per batch, no per-sample fetch or collate)
-    needs the whole set as two tensors. ``in_memory=True`` materialises every data set: ``x`` and ``y`` are the
+    needs the whole set as two tensors: it applies only to ``(x, y)`` pair samples without a ``collate_fn``
+    (``in_memory=True`` with other samples, or with a ``collate_fn``, is a ValueError). ``in_memory=True``
+    materialises every pair data set: ``x`` and ``y`` are the
     default collate of all samples (the tensors a DataLoader batch of them would hold, so both paths serve equal
     batches); samples whose ``x`` or ``y`` differ in shape or dtype, or are not numbers / arrays / tensors, are a
-    ValueError. ``in_memory=False`` keeps per-sample loading (a DataLoader over :class:`PairView`, with
+    ValueError. ``in_memory=False`` keeps per-sample loading (a DataLoader over :class:`SampleView`, with
     ``num_workers`` workers). ``in_memory="auto"`` materialises when it is free or safe: an
     :class:`~fedlightning.datamodules.ArrayDataset` or a two-tensor ``TensorDataset`` is used as it is (no copy);
-    a Hugging Face data set whose columns are tensors of one shape is read column-wise; any other data set is
+    any other pair data set is
     read sample by sample, but only when it has no ``transform`` / ``transforms`` attribute set (torchvision's
     convention: a random augmentation would be frozen into one draw; pass ``in_memory=True`` for a deterministic
     transform such as ``ToTensor``), and only when ``len × (bytes of sample 0's x and y)`` is at most
@@ -199,8 +230,14 @@ class DatasetDataModule(FederatedDataModule):
         labels: Optional[Sequence[Any]] = None,
         num_classes: Optional[int] = None,
         check_labels: bool = True,
-        input_key: Optional[str] = None,
-        label_key: Optional[str] = None,
+        label_key: Optional[Union[str, int]] = None,
+        val: Optional[Dataset] = None,
+        collate_fn: Optional[Callable[[List[Any]], Any]] = None,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        prefetch_factor: Optional[int] = None,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
         in_memory: Union[bool, str] = "auto",
         max_in_memory_bytes: int = DEFAULT_MAX_IN_MEMORY_BYTES,
         num_clients: int = 100,
@@ -210,8 +247,15 @@ class DatasetDataModule(FederatedDataModule):
         eval_batch_size: int = 1024,
         num_workers: int = 0,
         rounds_per_epoch: int = 1000,
-        val_fraction: float = DEFAULT_VAL_FRACTION,
+        val_fraction: Optional[float] = None,
     ):
+        if val is not None and val_fraction:
+            raise ValueError(
+                f"val_fraction={val_fraction} holds out validation samples of train, but val= gives a validation set; "
+                f"pass one of them (val_fraction=0 with val=)"
+            )
+        if val_fraction is None:
+            val_fraction = 0.0 if val is not None else DEFAULT_VAL_FRACTION
         super().__init__(
             num_clients=num_clients,
             batch_size=batch_size,
@@ -226,9 +270,14 @@ class DatasetDataModule(FederatedDataModule):
         self.max_in_memory_bytes = integer("max_in_memory_bytes", max_in_memory_bytes, 0, show_name=True)
         self.check_labels = flag("check_labels", check_labels)
         num_classes = integer("num_classes", num_classes, 1, allow_none=True, show_name=True)
-        self.input_key, self.label_key = input_key, label_key
+        self.label_key = label_key
+        self._set_loader_options(collate_fn, drop_last, pin_memory, persistent_workers, prefetch_factor,
+                                 worker_init_fn)
         self._train_source = self._check_source(train, "train")
         self._test_source = None if test is None else self._check_source(test, "test")
+        self._val_source = None if val is None else self._check_source(val, "val")
+        #: the separate validation set (``val=``) as served (set by setup)
+        self.val_dataset: Optional[Dataset] = None
         n = len(self._train_source)
         if self._num_clients > n:
             raise ValueError(
@@ -237,6 +286,7 @@ class DatasetDataModule(FederatedDataModule):
             )
         self._train_reader = self._reader(self._train_source, "train")
         self._test_reader = None if test is None else self._reader(self._test_source, "test")
+        self._val_reader = None if val is None else self._reader(self._val_source, "val")
         self._given_labels = None if labels is None else self._given_label_ids(labels, n)
         #: whether the training set took the in-memory ArrayDataset path (set by setup)
         self.in_memory: Optional[bool] = None
@@ -257,6 +307,25 @@ class DatasetDataModule(FederatedDataModule):
         return bool(getattr(self.partition, "needs_labels", not isinstance(self.partition, IID)))
 
     # ------------------------------------------------------------------ construction checks
+    def _set_loader_options(self, collate_fn, drop_last, pin_memory, persistent_workers, prefetch_factor,
+                            worker_init_fn) -> None:
+        """The DataLoader options (rules: class docstring, "DataLoader options"), checked."""
+        for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name} must be a function, got {fn!r}")
+        self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
+        self.drop_last = flag("drop_last", drop_last)
+        self.pin_memory = flag("pin_memory", pin_memory)
+        self.persistent_workers = flag("persistent_workers", persistent_workers)
+        self.prefetch_factor = integer("prefetch_factor", prefetch_factor, 1, allow_none=True, show_name=True)
+        if self.num_workers == 0:
+            for name in ("persistent_workers", "prefetch_factor"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} needs worker processes, but num_workers=0; set num_workers > 0 "
+                        f"or remove {name}"
+                    )
+
     @staticmethod
     def _check_source(dataset: Any, name: str) -> Any:
         if _is_hf_iterable(dataset):
@@ -279,7 +348,7 @@ class DatasetDataModule(FederatedDataModule):
     def _reader(self, dataset: Any, name: str) -> _Reader:
         sample = dataset[0]
         reader = self._structure(dataset, name, sample)
-        reader.label0 = reader(sample)[1]
+        reader.label0 = reader(sample)
         if self.check_labels and isinstance(reader.label0, (str, bytes)):
             if _is_hf(dataset):
                 fix = (f"cast the column with {name} = {name}.class_encode_column({reader.label_key!r}) (a Hugging "
@@ -294,48 +363,33 @@ class DatasetDataModule(FederatedDataModule):
         return reader
 
     def _structure(self, dataset: Any, name: str, sample: Any) -> _Reader:
-        """How to read ``(x, y)`` from samples shaped like ``sample`` (rules: class docstring, "Sample structure")."""
+        """Where the label of samples shaped like ``sample`` is (rules: class docstring, "Labels")."""
+        label_key = self.label_key
         if isinstance(sample, Mapping):
             keys = list(sample)
-            label_key = self.label_key
             if label_key is None:
                 found = [k for k in self._class_label_columns(dataset) if k in sample]
                 found += [k for k in LABEL_KEYS if k in sample]
-                if not found:
-                    raise ValueError(
-                        f"{name} sample 0 is a dict with keys {keys} and none is a label: tried a Hugging Face "
-                        f"ClassLabel column and the keys {list(LABEL_KEYS)}; pass label_key='<the label key>'"
-                    )
-                label_key = found[0]
-            elif label_key not in sample:
+                return _Reader("dict", found[0]) if found else _Reader("none")
+            if label_key not in sample:
                 raise ValueError(f"label_key={label_key!r} is not a key of {name} sample 0 (keys {keys})")
-            input_key = self.input_key
-            if input_key is None:
-                rest = [k for k in keys if k != label_key]
-                found = rest if len(rest) == 1 else [k for k in INPUT_KEYS if k in rest]
-                if not found:
-                    raise ValueError(
-                        f"{name} sample 0 is a dict with keys {keys}: cannot tell the input from them (tried the only "
-                        f"key besides the label {label_key!r}, then the keys {list(INPUT_KEYS)}); pass "
-                        f"input_key='<the input key>'"
-                    )
-                input_key = found[0]
-            elif input_key not in sample:
-                raise ValueError(f"input_key={input_key!r} is not a key of {name} sample 0 (keys {keys})")
-            return _Reader("dict", input_key, label_key)
-        if isinstance(sample, (tuple, list)) and len(sample) == 2:
-            for arg in ("input_key", "label_key"):
-                if getattr(self, arg) is not None:
-                    raise ValueError(
-                        f"{arg}={getattr(self, arg)!r} applies to dict samples, but {name} sample 0 is a "
-                        f"{type(sample).__name__} (x, y); remove {arg}"
-                    )
-            return _Reader("tuple")
-        raise ValueError(
-            f"{name} sample 0 is {_describe(sample)}; DatasetDataModule needs (x, y) pairs: samples that are a tuple "
-            f"(x, y) or a dict with an input and a label key (input_key / label_key); wrap the data set so that "
-            f"dataset[i] returns one of these"
-        )
+            return _Reader("dict", label_key)
+        if isinstance(sample, (tuple, list)):
+            n = len(sample)
+            if label_key is None:
+                return _Reader("tuple", 1, pair=True) if n == 2 else _Reader("none")
+            if isinstance(label_key, bool) or not isinstance(label_key, int) or not -n <= label_key < n:
+                raise ValueError(
+                    f"label_key={label_key!r} is not a position of {name} sample 0 ({_describe(sample)}); pass an "
+                    f"integer position from 0 to {n - 1}"
+                )
+            return _Reader("tuple", label_key % n, pair=n == 2 and label_key % n == 1)
+        if label_key is not None:
+            raise ValueError(
+                f"label_key={label_key!r} names a key or position, but {name} sample 0 is {_describe(sample)}; pass "
+                f"labels=[one class per training sample] instead"
+            )
+        return _Reader("none")
 
     @staticmethod
     def _class_label_columns(dataset: Any) -> List[str]:
@@ -391,6 +445,8 @@ class DatasetDataModule(FederatedDataModule):
         test = None
         if self._test_source is not None:
             test = self._materialise(self._test_source, self._test_reader, "test")
+        if self._val_source is not None:
+            self.val_dataset = self._materialise(self._val_source, self._val_reader, "val")
         labels = self._labels(train)
         #: whether the training labels were found (False: an IID split without labels)
         self.has_labels = labels is not None
@@ -406,34 +462,31 @@ class DatasetDataModule(FederatedDataModule):
         return train, test, labels if labels is not None else np.zeros(n, dtype=np.int64)
 
     def _materialise(self, dataset: Any, reader: _Reader, name: str) -> Dataset:
-        """The data set as an :class:`ArrayDataset` or a :class:`PairView` (rules: class docstring, "In memory")."""
+        """The data set as an :class:`ArrayDataset` or a :class:`SampleView` (rules: class docstring, "In memory")."""
         option = self.in_memory_option
         if option is False or (option == "auto" and reference_mode()):
-            return PairView(dataset, reader, name=name)
+            return SampleView(dataset, reader, name=name)
+        if not reader.pair or self.collate_fn is not None:
+            if option is True:
+                why = ("collate_fn is given (it builds the batches)" if self.collate_fn is not None
+                       else f"{name} sample 0 is {_describe(dataset[0])}")
+                raise ValueError(
+                    f"in_memory=True holds (x, y) pair samples batched by the default collate, but {why}; use "
+                    f"in_memory=False or 'auto'"
+                )
+            return SampleView(dataset, reader, name=name)
         if isinstance(dataset, ArrayDataset):
             return dataset
         if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
             return ArrayDataset(dataset.tensors[0], dataset.tensors[1])
-        x0, y0 = reader(dataset[0])
+        x0, y0 = _pair(dataset[0])
         x_bytes, y_bytes = _nbytes(x0), _nbytes(y0)
         size = None if x_bytes is None or y_bytes is None else x_bytes + y_bytes
         if option == "auto":
             if size is None or size * len(dataset) > self.max_in_memory_bytes:
-                return PairView(dataset, reader, name=name)
-            if not _is_hf(dataset) and any(getattr(dataset, a, None) is not None for a in ("transform", "transforms")):
-                return PairView(dataset, reader, name=name)
-        if _is_hf(dataset):
-            cols = dataset.with_format("torch", columns=[reader.input_key, reader.label_key])[:]
-            x, y = cols[reader.input_key], cols[reader.label_key]
-            if isinstance(x, Tensor) and isinstance(y, Tensor):
-                return ArrayDataset(x, y)
-            if option == "auto":
-                return PairView(dataset, reader, name=name)
-            raise ValueError(
-                f"in_memory=True needs every {name} sample's input and label as tensors of one shape, but the "
-                f"Hugging Face columns {reader.input_key!r} / {reader.label_key!r} do not stack (samples of "
-                f"different lengths?); use in_memory=False, or pad the samples to one length"
-            )
+                return SampleView(dataset, reader, name=name)
+            if any(getattr(dataset, a, None) is not None for a in ("transform", "transforms")):
+                return SampleView(dataset, reader, name=name)
         return self._stack(dataset, reader, name, x0, y0)
 
     def _stack(self, dataset: Any, reader: _Reader, name: str, x0: Any, y0: Any) -> Dataset:
@@ -447,11 +500,11 @@ class DatasetDataModule(FederatedDataModule):
                 f"tensor; use in_memory=False"
             )
         for i in range(1, len(dataset)):
-            x, y = reader(dataset[i])
+            x, y = _pair(dataset[i])
             got = (_signature(x), _signature(y))
             if got != sig:
                 if not strict:
-                    return PairView(dataset, reader, name=name)
+                    return SampleView(dataset, reader, name=name)
                 raise ValueError(
                     f"in_memory=True needs every {name} sample to have sample 0's shapes and types {sig}, but sample "
                     f"{i} has {got}; use in_memory=False, or make the samples one shape"
@@ -469,7 +522,7 @@ class DatasetDataModule(FederatedDataModule):
         candidates: List[Tuple[str, Callable[[], Any]]] = []
         if isinstance(source, TensorDataset) and len(source.tensors) == 2:
             candidates.append(("the second tensor of the TensorDataset", lambda: source.tensors[1]))
-        if _is_hf(source):
+        if _is_hf(source) and reader.kind == "dict":
             candidates.append((f"the Hugging Face column {reader.label_key!r}",
                                lambda: source.with_format("numpy", columns=[reader.label_key])[:][reader.label_key]))
         targets = getattr(source, "targets", None)
@@ -479,6 +532,8 @@ class DatasetDataModule(FederatedDataModule):
             tried.append("a train.targets attribute (none)")
         if isinstance(train, ArrayDataset):
             candidates.append((f"{reader.describe()}, in-memory copy", lambda: train.y))
+        elif reader.kind == "none":
+            tried.append(f"{reader.describe()}")
         elif self.needs_labels:
             candidates.append((f"{reader.describe()}, every sample read",
                                lambda: self._remember(_read_labels(source, reader))))
@@ -574,6 +629,14 @@ class DatasetDataModule(FederatedDataModule):
         return "; pass check_labels=False if the labels are targets of your own loss, not class ids"
 
     # ------------------------------------------------------------------ evaluation
+    def val_dataloader(self):
+        """The separate validation set (``val=``), sequential; without one, the ``val_fraction`` hold-out of the
+        training set (:meth:`FederatedDataModule.val_dataloader`)."""
+        self._require_setup()
+        if self.val_dataset is None:
+            return super().val_dataloader()
+        return self._eval_loader(self.val_dataset)
+
     def test_dataloader(self):
         """The test set, sequential; with ``test=None`` a RuntimeError (``python train.py fit`` skips its test
         after fit with a warning instead)."""
@@ -632,7 +695,7 @@ def _with_class_ids(data: Dataset) -> Dataset:
     if isinstance(data, ArrayDataset):
         y = data.y
         return ArrayDataset(data.x, y.long() if isinstance(y, Tensor) else np.asarray(y).astype(np.int64))
-    return PairView(data.dataset, data.reader, cast_labels=True, name=data.name)
+    return SampleView(data.dataset, data.reader, cast_labels=True, name=data.name)
 
 
 def _is_whole(value: float) -> bool:
@@ -654,7 +717,7 @@ def _read_labels(dataset: Any, reader: _Reader) -> np.ndarray:
     """The label of every sample (one pass); a sample whose label is not a scalar raises :class:`_NotALabel`."""
     out = []
     for i in range(len(dataset)):
-        y = reader(dataset[i])[1]
+        y = reader(dataset[i])
         if isinstance(y, (Tensor, np.ndarray)):
             if y.ndim != 0:
                 raise _NotALabel(f"sample {i}'s label is {_describe(y)}, not a scalar")
@@ -682,6 +745,11 @@ def _class_ids(arr: np.ndarray) -> Tuple[Optional[np.ndarray], str]:
     return None, f"values of dtype {arr.dtype}"
 
 
+def _pair(sample: Any) -> Tuple[Any, Any]:
+    """``(x, y)`` of a two-element tuple / list sample (the in-memory path only)."""
+    return sample[0], sample[1]
+
+
 def _nbytes(value: Any) -> Optional[int]:
     """Bytes ``value`` takes in a tensor (None when it cannot be stored in one)."""
     if isinstance(value, Tensor):
@@ -704,3 +772,76 @@ def _signature(value: Any) -> Optional[Tuple[Any, ...]]:
     if isinstance(value, (int, float, np.number)):
         return (type(value).__name__,)
     return None
+
+
+def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
+    """A :class:`DatasetDataModule` over an existing ``LightningDataModule`` (``FederatedDataModule.from_datamodule``).
+
+    Decisions (ours):
+
+    * ``datamodule.prepare_data()`` and ``datamodule.setup("fit")`` are called (and ``setup("test")`` when it defines
+      ``test_dataloader``), as a Trainer would before fitting and testing.
+    * ``train_dataloader()`` must return one torch ``DataLoader``: its ``dataset`` is the training set the clients
+      split, and its ``collate_fn`` (unless it is torch's ``default_collate``), ``batch_size`` (or its batch
+      sampler's), ``drop_last``, ``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor`` and
+      ``worker_init_fn`` become the client loaders' options. Its sampler and shuffling are not used: each client's
+      order is the seeded ``(seed, round, client)`` order. Every argument given in ``kwargs`` wins.
+    * Validation: when the module defines ``val_dataloader`` and it returns a DataLoader, its data set is the global
+      validation set and nothing is held out of the training set (``val=``; ``val_fraction`` defaults to 0). When it
+      defines none (or returns an empty list), the ``val_fraction`` hold-out of the training set validates
+      (default 0.1), as for ``from_datasets``.
+    * Test: the data set of ``test_dataloader()`` when defined, else no test set (``test_dataloader`` then raises
+      and ``python train.py fit`` skips its test after fit with a warning).
+    * Evaluation batches are built with the training loader's ``collate_fn`` and ``eval_batch_size``.
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+    from torch.utils.data import DataLoader
+
+    if not isinstance(datamodule, pl.LightningDataModule):
+        raise TypeError(f"from_datamodule needs a LightningDataModule, got {type(datamodule).__name__}")
+    name = type(datamodule).__name__
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    if not isinstance(loader, DataLoader):
+        raise ValueError(
+            f"{name}.train_dataloader() returned {_describe(loader)}, not one torch DataLoader; from_datamodule takes "
+            f"its dataset and collate_fn. Use FederatedDataModule.from_datasets(train, test, collate_fn=...) instead"
+        )
+    options: dict = {}
+    if loader.collate_fn is not default_collate:
+        options["collate_fn"] = loader.collate_fn
+    batch_size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size",
+                                                                                   None)
+    if batch_size is not None:
+        options["batch_size"] = int(batch_size)
+    options["drop_last"] = bool(loader.drop_last or getattr(loader.batch_sampler, "drop_last", False))
+    options.update(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                   worker_init_fn=loader.worker_init_fn)
+    if loader.num_workers > 0:
+        options.update(persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor)
+    val = None
+    if is_overridden("val_dataloader", datamodule, pl.LightningDataModule):
+        val_loader = datamodule.val_dataloader()
+        if isinstance(val_loader, DataLoader):
+            val = val_loader.dataset
+        elif val_loader not in (None, []):
+            raise ValueError(
+                f"{name}.val_dataloader() returned {_describe(val_loader)}; from_datamodule takes the dataset of one "
+                f"DataLoader (or none: the val_fraction hold-out of the training set validates)"
+            )
+    test = None
+    if is_overridden("test_dataloader", datamodule, pl.LightningDataModule):
+        datamodule.setup("test")
+        test_loader = datamodule.test_dataloader()
+        if not isinstance(test_loader, DataLoader):
+            raise ValueError(
+                f"{name}.test_dataloader() returned {_describe(test_loader)}; from_datamodule takes the dataset of "
+                f"one DataLoader"
+            )
+        test = test_loader.dataset
+    if val is not None and "val" not in kwargs and not kwargs.get("val_fraction"):
+        options["val"] = val
+    options.update(kwargs)
+    return DatasetDataModule(loader.dataset, test, **options)

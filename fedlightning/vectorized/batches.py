@@ -177,7 +177,8 @@ def _round_index(samplers, num: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray
     if fast:
         n = np.array([len(s.indices) for s in samplers], dtype=np.int64)
         bs = np.array([s.batch_size for s in samplers], dtype=np.int64)
-        per_epoch = -(-n // bs)  # batches per epoch
+        drop = np.array([s.drop_last for s in samplers]) & (n >= bs)
+        per_epoch = np.where(drop, n // bs, -(-n // bs))  # batches per epoch (drop_last: full batches only)
         epochs = -(-num // per_epoch)  # epochs needed for ``num`` batches
         perms = [torch.randperm(int(n_i), generator=s.generator)
                  for s, n_i, e_i in zip(samplers, n.tolist(), epochs.tolist()) for _ in range(e_i)]
