@@ -442,7 +442,7 @@ def test_one_failing_client_is_still_skipped():
 
 def test_consecutive_diverged_rounds_stop_after_max_failed_rounds():
     torch.manual_seed(0)
-    model = UserNet(lr=float("inf"))
+    model = UserNet(lr=1e37)  # finite (an infinite lr is refused at setup); every client diverges
     before = [p.detach().clone() for p in model.parameters()]
     loop = FederatedLoop(model, local_steps=2, clients_per_round=3, max_failed_rounds=3)
     trainer = make_trainer(10)
@@ -450,7 +450,7 @@ def test_consecutive_diverged_rounds_stop_after_max_failed_rounds():
         trainer.fit(loop, datamodule=_dm())
     for p, q in zip(model.parameters(), before):
         torch.testing.assert_close(p.detach(), q, atol=0, rtol=0)  # the global model was never corrupted
-    tolerant = FederatedLoop(UserNet(lr=float("inf")), local_steps=2, clients_per_round=3, max_failed_rounds=None)
+    tolerant = FederatedLoop(UserNet(lr=1e37), local_steps=2, clients_per_round=3, max_failed_rounds=None)
     with pytest.warns(UserWarning, match="no healthy client"):
         make_trainer(4).fit(tolerant, datamodule=_dm())
 
