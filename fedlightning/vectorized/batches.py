@@ -93,6 +93,8 @@ class _RoundBatches:
                         b = next(it)
                     per_step[k].append(b)
         self.per_step = per_step
+        for k in range(K):  # refused before the round computes anything (auto then falls back cleanly)
+            _check_stackable(per_step[k], k)
 
     def step(self, k: int) -> Tuple[List[Tensor], Any, List[int]]:
         """Leaves ``[C, n_max, ...]`` of step ``k``'s batches (each client's rows, padded by repeating its own rows
@@ -131,6 +133,34 @@ class _RoundBatches:
         leaves = [torch.cat([f[j] for f in flats])[position] for j in range(len(flats[0]))]
         leaves = tree_flatten(self.to_device(tree_unflatten(leaves, spec)))[0]
         return leaves, spec, sizes
+
+
+def _check_stackable(batches: Sequence[Any], step: int) -> None:
+    """Raise :class:`VectorizationUnsupportedError` naming the leaf whose non-batch shape or dtype differs between
+    the clients' batches of local step ``step`` (e.g. sequences padded per batch by a pad ``collate_fn``).
+
+    Decision (ours): the engine pads only the batch dimension (by repeating a client's own samples, masked out of
+    its loss). It never pads another dimension: whether a longer padding leaves ``training_step``'s loss unchanged
+    depends on the user's pad value and masking, which the engine cannot prove, so such batches are refused by name
+    (``client_execution="auto"`` then trains sequentially, saying why). A collate that pads to a fixed length
+    stacks."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    first = [(keystr(path), leaf) for path, leaf in tree_flatten_with_path(batches[0])[0]]
+    for i, batch in enumerate(batches[1:], start=1):
+        leaves = tree_flatten_with_path(batch)[0]
+        if len(leaves) != len(first):
+            return  # a structure mismatch: step() names it
+        for (path, a), (_, b) in zip(first, leaves):
+            if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() >= 1 and b.dim() >= 1 and (
+                    a.shape[1:] != b.shape[1:] or a.dtype != b.dtype):
+                raise VectorizationUnsupportedError(
+                    f"client_execution='vectorized' cannot stack the clients' batches of local step {step}: leaf "
+                    f"batch{path} has shape {tuple(a.shape)} ({a.dtype}) in one client's batch and {tuple(b.shape)} "
+                    f"({b.dtype}) in another's; only the batch dimension is padded (padding another dimension could "
+                    "change the loss). Pad to a fixed length in your collate_fn, or use client_execution='sequential' "
+                    "(or 'auto')"
+                )
 
 
 def _take(data: Any, index: Tensor) -> Tensor:
