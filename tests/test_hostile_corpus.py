@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedlightning.cli import FederatedCLI, main
+from fedlightning.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -36,13 +36,6 @@ class _Evil:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
-
-
-@pytest.fixture(autouse=True)
-def _fit_only(monkeypatch):
-    """Build only the subcommand's parser that a case uses (most of a parsing error's cost); the path is unchanged."""
-    full = FederatedCLI.subcommands()
-    monkeypatch.setattr(FederatedCLI, "subcommands", staticmethod(lambda: full))
 
 
 def _run(args, capsys):
