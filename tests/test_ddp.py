@@ -32,7 +32,6 @@ def _run(tmp_path, devices, setup, rounds=3, extra=()):
     return torch.load(out)
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("setup", ["fedavg", "fedexp_sls", "decsps", "scaffold", "usermodule"])
 def test_two_processes_equal_one(tmp_path, setup):
     one = _run(tmp_path, 1, setup, extra=("--float64",))
@@ -51,7 +50,6 @@ def test_two_processes_equal_one(tmp_path, setup):
                                                                                              rel=rtol32(1))
 
 
-@pytest.mark.numerics
 def test_two_process_resume_equals_uninterrupted_run(tmp_path):
     """2 processes for 2 rounds, checkpoint, 2 processes resumed to 4 rounds == 1 process for 4 rounds (float64,
     numerics.RTOL64), with per-client optimizer state (DecSPS counters) that must survive the checkpoint on every

@@ -48,6 +48,7 @@ def reference_fedavg(model, dm, rounds, clients_per_round, local_steps, lr, seed
     return glob
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "model_fn,weighting,server_lr",
     [

@@ -153,6 +153,7 @@ def test_feddane_gradient_phase_leaves_the_run_untouched_when_the_correction_van
     assert all(m["feddane/gradient_norm"] > 0 for m in rec.metrics)  # the gradient phase did run
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["independent", "same"])
 def test_feddane_matches_reference_loop(mode):
     rec = Recorder()
@@ -242,6 +243,7 @@ def test_scaffold_first_round_with_zero_variates_equals_fedavg_exactly():
     assert not torch.equal(weights(c), weights(d))  # from round 2 on the control variates act
 
 
+@pytest.mark.numerics
 def test_scaffold_matches_reference_loop():
     s = Scaffold()
     loop, _ = run([s])
@@ -255,6 +257,7 @@ def test_scaffold_matches_reference_loop():
 
 
 # ============================================================================ vectorised clients, |S_t| option
+@pytest.mark.numerics
 @pytest.mark.parametrize("make", params(STRATEGIES, "scaffold", "feddane"))
 def test_objective_terms_work_with_vectorised_clients(make):
     """The correction terms are called on slices of the batched weights in vectorised mode: same result."""

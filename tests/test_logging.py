@@ -101,6 +101,7 @@ def test_round_timer_measures_real_time_when_not_faked():
 
 
 # ---------------------------------------------------------------------------------------------- GlobalEvaluation
+@pytest.mark.numerics
 def test_global_train_evaluation_matches_a_direct_computation():
     evaluation = GlobalEvaluation(every_n_rounds=2)
     loop, dm, logger = _small_run([evaluation], rounds=4)

@@ -122,6 +122,7 @@ def test_char_rnn_predicts_the_next_character_from_the_last_step():
     assert CharLSTM(hidden_size=8)(x).shape == (4, 80)
 
 
+@pytest.mark.numerics
 def test_bag_of_words_equals_linear_on_l1_normalised_counts():
     torch.manual_seed(0)
     m = BagOfWordsLinear(vocab_size=6, num_classes=2).double()  # float64: the bag sums in another order

@@ -287,6 +287,7 @@ def fit(optimizer, mode, rounds=3, **loop_kwargs):
     return flat(model), loop, rec.updates
 
 
+@pytest.mark.numerics
 def test_user_optimizer_with_a_batched_form_trains_vectorized_as_sequential():
     w_seq, loop_seq, ups_seq = fit(lambda p: NormalizedGD(p, lr=0.05), "sequential")
     w_vec, loop_vec, ups_vec = fit(lambda p: NormalizedGD(p, lr=0.05), "vectorized")

@@ -98,6 +98,7 @@ def fit(config, reference, rounds=3):
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), loop, dm
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_reference_run_equals_the_fast_run(name, monkeypatch):
     config = CONFIGS[name]

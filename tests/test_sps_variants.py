@@ -185,6 +185,7 @@ def run_loop(model, strategy, client_optimizer):
     return loop, trainer, steps
 
 
+@pytest.mark.numerics
 def test_fedsps_global_matches_reference_loop(tmp_path):
     torch.manual_seed(0)
     model = to_float64(MLP(input_dim=64, hidden=[16]))
@@ -203,6 +204,7 @@ def test_fedsps_global_matches_reference_loop(tmp_path):
     assert saved["step_size"] == strategy.step_size
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("reading", ["weighted_models", "fednova"])
 def test_fedsps_normalized_matches_reference_loop(reading):
     torch.manual_seed(1)

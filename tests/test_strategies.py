@@ -194,6 +194,7 @@ def test_fedexp_forced_to_one_equals_fedavg_exactly():
     assert not torch.equal(weights(a), weights(c))  # the extrapolation does change the run
 
 
+@pytest.mark.numerics
 def test_fedexp_loop_applies_the_rule_every_round():
     rec = Recorder()
     fit([FedExP(eps=1e-3), rec], rounds=3)
@@ -380,6 +381,7 @@ def test_fedavgm_by_hand():
     assert_vec(loop.w, [0.5 - 0.5 * 0.9, 0.5 - 0.5 * 2.9])
 
 
+@pytest.mark.numerics
 def test_fedadam_loop_matches_independent_recomputation():
     rec = Recorder()
     fit([FedAdam(server_lr=0.05, betas=(0.8, 0.9), tau=1e-2), rec], rounds=3)
@@ -447,6 +449,7 @@ def test_fedlilu_first_loss_option():
     assert m["server/pseudo_objective"] == 1.0 and m["server/dfw_gamma"] == pytest.approx(0.25)
 
 
+@pytest.mark.numerics
 def test_fedli_loop_matches_independent_recomputation():
     rec = Recorder()
     fit([FedLiLU(lr=1.0, momentum=0.5, weight_decay=1e-2, dfw_eps=1e-5), rec], rounds=3)

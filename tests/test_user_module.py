@@ -121,6 +121,7 @@ class _Record(pl.Callback):
 
 
 # ====================================================================== 1. attached to the Trainer
+@pytest.mark.numerics
 def test_user_module_sees_the_trainer_and_trains_like_the_reference_loop():
     torch.manual_seed(0)
     model = to_float64(UserNet(lr=0.2))

@@ -134,6 +134,7 @@ def test_the_test_data_exercises_padding():
 
 
 # ---------------------------------------------------------------------------------------------- equality
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "name,clip",
     [("sgd", None), ("sgd+wd", 0.5), ("armijo", None), ("armijo-grow-carry", None), ("armijo-exhausted", None),
@@ -275,6 +276,7 @@ class CharWindows(FederatedDataModule):
         return [np.arange(e - n, e) for e, n in zip(ends, sizes)]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("model_cls", [CharLSTM, CharGRU])
 @pytest.mark.parametrize("optimizer", params(CLIENT_OPTIMIZERS, "sgd-lr0.5", "armijo-default"))
 def test_recurrent_models_equal_sequential(model_cls, optimizer):
@@ -286,6 +288,7 @@ def test_recurrent_models_equal_sequential(model_cls, optimizer):
     assert_same_run(seq, vec)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
 @pytest.mark.parametrize("batch_first,bidirectional", [(True, False), (False, True)])
 def test_rnn_forward_equals_the_fused_kernels(cls, batch_first, bidirectional):
@@ -513,6 +516,7 @@ def test_auto_falls_back_to_sequential_with_one_warning(model_fn, optimizer):
     torch.testing.assert_close(auto[0], seq[0], atol=0, rtol=0)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("optimizer,clip", [
     (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), None),
     (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.3, weight_decay=5e-3), 1.0),
@@ -566,6 +570,7 @@ def test_engine_rejects_bad_arguments():
 
 
 # ---------------------------------------------------------------------------------------------- float32
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["sgd", "armijo", "sps"])
 def test_float32_vectorized_is_as_close_to_the_float64_run_as_sequential(name):
     """The float32 runs of both modes are float32 images of one exact computation: the vectorised run is within

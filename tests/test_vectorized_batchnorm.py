@@ -41,6 +41,7 @@ def _torch_layer(layer, x, n):
     return out, ref.running_mean, ref.running_var, ref.num_batches_tracked
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("layer,shape", [
     (nn.BatchNorm1d(5), (7, 5)),
     (nn.BatchNorm1d(5, momentum=None), (7, 5, 3)),
@@ -192,6 +193,7 @@ def test_the_split_is_ragged():
     assert min(sizes) < BATCH and len(set(sizes)) > CPR
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("kind,bn", [
     ("mlp", {}),

@@ -146,6 +146,7 @@ def test_the_split_is_ragged_and_armijo_backtracks():
     assert sum(u.backtracks for u in rec.updates) > 0
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("variant,names", [
     ("object", ["acc", "mean_loss"]),

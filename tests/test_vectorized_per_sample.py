@@ -48,6 +48,7 @@ def engine_of(run):
     return run[1].vectorized_engine
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["sgd", "armijo", "sps"])
 def test_protocol_and_generic_paths_equal_sequential(name):
     optimizer = CLIENT_OPTIMIZERS[name]
@@ -248,6 +249,7 @@ def fit_bf16(model, mode):
     return flat(model), loop
 
 
+@pytest.mark.numerics
 def test_bf16_mixed_uses_the_protocol_and_stays_close_to_sequential():
     """The once-per-engine check runs without autocast, so bf16 rounding (the same product on batches of different
     shapes) does not reject a correct protocol; a wrong one is still refused. Both modes' bf16 runs are roundings
@@ -265,6 +267,7 @@ def test_bf16_mixed_uses_the_protocol_and_stays_close_to_sequential():
 
 
 # ---------------------------------------------------------------------------------------------- padded gradients
+@pytest.mark.numerics
 @pytest.mark.parametrize("protocol", [True, False], ids=["protocol", "generic"])
 def test_padded_step_losses_and_gradients_equal_per_client_autograd(protocol):
     """One padded step of the engine (clients of 3, 7, 1 and 5 samples) against plain autograd on each client's

@@ -121,6 +121,7 @@ def _train(engine, batches, W, steps, lr=0.3):
     return torch.stack(record.losses)
 
 
+@pytest.mark.numerics
 def test_learned_storage_order_gives_the_same_training():
     """In float64: another storage order of the weights sums in another order."""
     torch.manual_seed(1)
@@ -292,6 +293,7 @@ def _linear_cases():
     ]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("case", _linear_cases(), ids=lambda c: c[0])
 def test_batched_linear_equals_vmap_of_linear(case):
     """A linear layer with the clients' weights, as the engine computes it (one baddbmm on the tensors under vmap's
@@ -380,6 +382,7 @@ def _gathered_nll(logits: bool):
     return f
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("classes", [10, 20, 2])
 @pytest.mark.parametrize("logits", [True, False], ids=["cross_entropy", "nll_loss"])
 @pytest.mark.parametrize("layout", ["rows in front", "shared targets", "batch dimension not in front", "float64"])
@@ -441,6 +444,7 @@ def test_batched_nll_declines_what_it_does_not_cover():
     assert seen == [True, True, True, True]
 
 
+@pytest.mark.numerics
 def test_interception_takes_the_batched_nll_only_without_ignored_targets(monkeypatch):
     """F.cross_entropy intercepted on padded rows: the batched nll path for plain class targets, the general formula
     (validity mask and weight sums) when a target equals ignore_index, with class weights or label smoothing; every

@@ -59,6 +59,7 @@ CASES = {
 }
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", list(CASES))
 def test_intercepted_loss_is_torchs_loss_on_the_real_samples(name):
     f = CASES[name]
@@ -220,6 +221,7 @@ def test_none_equal_answers_for_the_whole_round_tensor_while_it_is_unchanged(mon
     assert losses._none_equal(fresh[:15], -100) and checked[-1] == 60  # another tensor: checked anew
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("classes", [2, 3, 10, 15, 16, 40])
 def test_float32_cross_entropy_on_cpu_through_the_transposed_log_softmax(classes):
     """On CPU, float32 logits with 3 to 15 classes take the log-softmax over the transposed class dimension (torch's
@@ -332,6 +334,7 @@ def engine_of(run):
     return run[1].vectorized_engine
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("model_fn,opt", [
     (UserMLP, "sgd"), (UserMLP, "armijo"), (UserCNN, "sgd"), (UserCNN, "armijo"), (UserRegression, "sgd"),
     (UserTokens, "sgd"),
