@@ -112,7 +112,7 @@ class _RoundEnd:
         if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             from fedlightning.distributed import all_gather_objects
 
-            everything = all_gather_objects(mine)
+            everything = all_gather_objects(mine, round=plan.round, what="the client that stops the run")
         _, cid, what, raised = min(d for d in everything if d is not None)
         cause = stop[1] if stop is not None and stop[0] == cid and isinstance(stop[1], BaseException) else None
         if raised:
