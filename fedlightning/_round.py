@@ -167,8 +167,11 @@ class _RoundEnd:
 
     @staticmethod
     def _accumulate_telemetry(stats: RoundStatistics, u: ClientUpdate, device) -> None:
-        stats.add("loss_sum", u.mean_loss, device)
-        stats.add("first_loss_sum", u.first_loss, device)
+        # a healthy client without a loss (every local step skipped: training_step returned None) adds no loss
+        has_loss = math.isfinite(u.mean_loss)
+        stats.add("loss_sum", u.mean_loss if has_loss else 0.0, device)
+        stats.add("first_loss_sum", u.first_loss if has_loss else 0.0, device)
+        stats.add("loss_clients", 1.0 if has_loss else 0.0, device)
         steps = max(u.num_steps, 1)
         stats.add("backtracks_per_step_sum", u.backtracks / steps, device)
         stats.add("forwards", float(u.forwards), device)
@@ -267,8 +270,10 @@ class _RoundEnd:
                 b.copy_(avg[off : off + b.numel()].view_as(b))
                 off += b.numel()
         metrics.update(extra)
-        metrics["train/loss"] = float(stats["loss_sum"].item()) / n_clients
-        metrics["train/first_loss"] = float(stats["first_loss_sum"].item()) / n_clients
+        n_loss = float(stats["loss_clients"].item())  # the clients with a loss (n_clients unless steps were skipped)
+        if n_loss > 0:
+            metrics["train/loss"] = float(stats["loss_sum"].item()) / n_loss
+            metrics["train/first_loss"] = float(stats["first_loss_sum"].item()) / n_loss
         metrics["server/lr"] = float(lr if lr is not None else opt.optimizer.param_groups[0].get("lr", float("nan")))
         # η_g of every strategy under one name: strategies that compute it (FedExP, FedExProx, FedLi) report it and
         # its unclipped value; for the others it is the server optimizer's learning rate, which nothing clips.

@@ -12,6 +12,21 @@ corrections). Two optimizer conventions are supported:
 Trial evaluations (any closure call made with gradients disabled) must not change the model: every buffer
 (BatchNorm running statistics, ``num_batches_tracked``) is saved before and restored after such a call. The
 optimizers themselves restore the RNG state so each trial sees the gradient evaluation's dropout masks.
+
+**Skipped steps** (Lightning's rule for automatic optimisation, ``training_step`` returning ``None``: no backward,
+no parameter update for that batch; ``batch_idx`` still advances). A local step whose ``training_step`` returns
+``None`` is one of the client's ``K`` local steps (``ClientUpdate.num_steps`` counts it, the next step gets
+``batch_idx = k + 1`` and the next batch, as Lightning's ``batch_idx`` and ``global_step`` advance), but it has no
+loss: no objective terms, no ``backward``, no ``optimizer.step()`` (a ``torch.optim`` optimizer stepped without
+gradients, as Lightning does, changes neither the parameters nor its state, so skipping the call is the same), no
+loss in ``first_loss`` / ``mean_loss`` and no step size. ``on_before_optimizer_step`` and
+``on_train_batch_end(outputs={}, ...)`` still run, as in Lightning. A closure-based optimizer (``requires_closure``:
+SgdArmijo, SPS, DecSPS) sees it as a skip too: its first closure call (the gradient evaluation) ends the step before
+the optimizer has changed anything (:class:`_StepSkipped`), so its step counters and step size are untouched.
+``None`` at a line search's *trial* point (the same batch, other weights) is an error: the batch was not skipped.
+A client whose every step was skipped is healthy: its update is exactly 0 (its weights are the global ones, which
+is what FedAvg's model average reads from it, ours) and its losses are NaN, which the round's ``train/loss`` leaves
+out (it averages the clients that had a loss). Nothing of this counts as a failure.
 """
 
 from __future__ import annotations
@@ -27,11 +42,21 @@ from fedlightning.state import ClientUpdate, derive_seed, flat_params
 
 __all__ = ["extract_loss", "LocalTrainer"]
 
+
+class _StepSkipped(Exception):
+    """Raised by the client objective's closure when ``training_step`` returned ``None`` at a gradient evaluation:
+    ends a closure-based optimizer's step before it changed anything (caught around ``optimizer.step``)."""
+
 ObjectiveTerm = Callable[[Sequence[Tensor]], Tensor]
 
 
 def extract_loss(output: Any, model_name: str = "model") -> Tensor:
     """The loss from a ``training_step`` output: a scalar tensor, or a dict with key ``"loss"``."""
+    if output is None:
+        raise TypeError(
+            f"{model_name}.training_step returned None here; None skips a local step (Lightning's rule) only where the "
+            "step's loss is taken at the client's weights, not at a line search's trial point on the same batch"
+        )
     if isinstance(output, Tensor):
         if output.dim() == 0:  # the common case: no reshape (a view would add an autograd node to every step)
             return output
@@ -152,6 +177,8 @@ class LocalTrainer:
             saved = [b.clone() for b in buffers] if (trial and buffers) else None
             saved_metrics = metrics.save() if (trial and metrics is not None) else None
             output = model.training_step(batch, step)
+            if output is None and not trial:  # Lightning's skipped step (module docstring): nothing to restore
+                raise _StepSkipped
             loss = extract_loss(output, self.model_name)
             if hooks is not None and not trial:
                 closure.output = output  # for on_train_batch_end
@@ -197,7 +224,7 @@ class LocalTrainer:
         adaptive = getattr(optimizer, "requires_closure", False)
         losses: List[Tensor] = []
         step_sizes: List[float] = []
-        backtracks = forwards = backwards = 0
+        backtracks = forwards = backwards = steps_run = 0
         devices = [self.params[0].device] if self.params and self.params[0].device.type == "cuda" else []
         # Per-step path kept lean for small models: without extra objective terms the loss is the model's own
         # training_step (no closure object per step); gradients are cleared by dropping them (what
@@ -232,39 +259,54 @@ class LocalTrainer:
                         p.grad = None
                 else:
                     optimizer.zero_grad(set_to_none=True)
+                steps_run += 1
                 if adaptive:
                     closure = self._objective(batch, k, terms)
-                    loss = optimizer.step(closure)
-                    output = closure.output
-                    info = getattr(optimizer, "last_step", None) or {}
-                    step_sizes.append(float(info.get("step_size", float("nan"))))
-                    backtracks += int(info.get("backtracks", 0))
-                    forwards += int(info.get("forwards", 1))
-                    backwards += int(info.get("backwards", 1))
+                    try:
+                        loss = optimizer.step(closure)
+                    except _StepSkipped:  # training_step returned None: the optimizer changed nothing
+                        loss = None
+                        forwards += 1
+                    else:
+                        output = closure.output
+                        info = getattr(optimizer, "last_step", None) or {}
+                        step_sizes.append(float(info.get("step_size", float("nan"))))
+                        backtracks += int(info.get("backtracks", 0))
+                        forwards += int(info.get("forwards", 1))
+                        backwards += int(info.get("backwards", 1))
                 else:
                     if terms or not lean:
                         closure = self._objective(batch, k, terms)
-                        loss = closure()
-                        output = closure.output
+                        try:
+                            loss = closure()
+                            output = closure.output
+                        except _StepSkipped:
+                            loss = None
                     else:
                         output = model.training_step(batch, k)
-                        loss = extract_loss(output, model_name)
-                    if h is not None and h.before_backward:
-                        model.on_before_backward(loss)
-                    loss.backward()
-                    if h is not None and h.after_backward:
-                        model.on_after_backward()
+                        loss = None if output is None else extract_loss(output, model_name)
+                    forwards += 1
+                    if loss is not None:
+                        if h is not None and h.before_backward:
+                            model.on_before_backward(loss)
+                        loss.backward()
+                        if h is not None and h.after_backward:
+                            model.on_after_backward()
                     if h is not None and h.before_step:
                         model.on_before_optimizer_step(optimizer)
-                    if self.grad_clip is not None:
-                        torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-                    if sgd_lrs is not None:
-                        _plain_sgd_step(optimizer, sgd_lrs)
-                    else:
-                        optimizer.step()
-                    step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
-                    forwards += 1
-                    backwards += 1
+                    if loss is not None:
+                        if self.grad_clip is not None:
+                            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+                        if sgd_lrs is not None:
+                            _plain_sgd_step(optimizer, sgd_lrs)
+                        else:
+                            optimizer.step()
+                        step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
+                        backwards += 1
+                if loss is None:  # a skipped step: Lightning's on_train_batch_end outputs are {}
+                    if h is not None and h.batch_end:
+                        model.on_train_batch_end({}, batch, k)
+                    continue
                 losses.append(loss.detach())  # a scalar already (extract_loss); cast once after the loop
                 if h is not None and h.batch_end:
                     model.on_train_batch_end(_step_outputs(output, losses[-1]), batch, k)
@@ -278,14 +320,14 @@ class LocalTrainer:
                 loss_vec[0], loss_vec.mean(), torch.isfinite(loss_vec).all().float(),
                 torch.isfinite(delta).all().float(),
             ]).tolist()
-        else:
+        else:  # every step skipped (healthy, update 0), or none run (on_train_batch_start -1 at k = 0: failed)
             first = mean = float("nan")
-            loss_ok, delta_ok = 0.0, float(bool(torch.isfinite(delta).all()))
+            loss_ok, delta_ok = float(steps_run > 0), float(bool(torch.isfinite(delta).all()))
         update = ClientUpdate(
             client_id=client_id,
             delta=delta,
             num_samples=num_samples,
-            num_steps=len(losses),
+            num_steps=steps_run,
             first_loss=first,
             mean_loss=mean,
             step_sizes=step_sizes,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning._logging_route import routed_logging
-from fedlightning.client import extract_loss
+from fedlightning.client import extract_loss as _extract_loss
 
 from .losses import LossInterception
 from .metrics import _MetricCalls, _MetricStep, _metric_modules, _metric_types, _Pending
@@ -38,6 +38,18 @@ from .torch_internals import (
     tree_flatten,
     tree_unflatten,
 )
+
+
+def extract_loss(output: Any, model_name: str) -> Tensor:
+    """The loss of a ``training_step`` output (:func:`fedlightning.client.extract_loss`); ``None`` (Lightning's
+    skipped step, which sequential training supports) is refused by name: a step that some clients skip and others
+    take cannot be one batched computation, so ``"auto"`` trains such a module sequentially."""
+    if output is None:
+        raise VectorizationUnsupportedError(
+            f"{model_name}.training_step returned None (Lightning's skipped step), which "
+            "client_execution='vectorized' cannot run per client; use client_execution='sequential' (or 'auto')"
+        )
+    return _extract_loss(output, model_name)
 
 
 class _LogCollector:

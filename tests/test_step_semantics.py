@@ -1,0 +1,184 @@
+"""Lightning's step semantics inside client training, each checked against an independent computation.
+
+* ``training_step`` returning ``None`` skips that local step's update (Lightning's automatic-optimisation rule) and
+  is no failure; a client whose every step was skipped is healthy with update 0.
+* The Trainer's precision plugin converts client batches (``64-true``).
+* Round metrics reach the loggers every round unless the user set ``log_every_n_steps``.
+* Inside client training, ``self.trainer.optimizers`` / ``self.optimizers()`` are the client's optimizer, and
+  ``LearningRateMonitor`` reports the client and server learning rates under distinct names.
+"""
+
+import copy
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FedAvg
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
+from fedlightning.optim import SgdArmijo
+from numerics import Digits64, assert_close64, flat, to_float64
+
+CPR, K, SEED = 4, 5, 3
+
+
+class SkipNet(pl.LightningModule):
+    """Skips (returns None from) every batch without a sample of class 0 (a user's "nothing to learn here" rule),
+    or every batch at all with ``skip_all``; records the ``batch_idx`` of every call with gradients."""
+
+    def __init__(self, lr: float = 0.3, skip_all: bool = False):
+        super().__init__()
+        self.lr, self.skip_all = lr, skip_all
+        self.net = nn.Sequential(nn.Linear(64, 12), nn.Tanh(), nn.Linear(12, 10))
+        self.calls = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if torch.is_grad_enabled():
+            self.calls.append(batch_idx)
+        if self.skip_all or not bool((y == 0).any()):
+            return None
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _dm():
+    return Digits64(num_clients=6, batch_size=8, partition=Dirichlet(0.1), seed=1)
+
+
+def _batches(dm, cid, r):
+    """The ``K`` batches client ``cid`` trains on in round ``r`` (its loader, restarted when it runs out)."""
+    loader = dm.client_dataloader(cid, r, seed=SEED)
+    it, out = iter(loader), []
+    while len(out) < K:
+        try:
+            out.append(next(it))
+        except StopIteration:
+            it = iter(loader)
+    return out
+
+
+def _skip_reference(net, dm, rounds, lr, make_opt=None):
+    """FedAvg (sample-weighted) of plain-PyTorch clients that take no step on a batch without class 0; with
+    ``make_opt`` a closure-based optimizer steps only the batches with class 0. Returns the global weights and the
+    number of batches skipped in total."""
+    dm.setup("fit")
+    dm.configure_rounds(CPR, K, SEED)
+    glob = copy.deepcopy(net)
+    skipped = 0
+    for r in range(rounds):
+        sums = [torch.zeros_like(p) for p in glob.parameters()]
+        total = 0.0
+        for cid in dm.sample_clients(r):
+            local = copy.deepcopy(glob)
+            opt = make_opt(local.parameters()) if make_opt else None
+            if opt is not None and hasattr(opt, "set_client_data"):
+                opt.set_client_data(num_samples=dm.client_num_samples(cid), batch_size=dm.batch_size)
+            for x, y in _batches(dm, cid, r):
+                if not bool((y == 0).any()):
+                    skipped += 1
+                    continue
+                if opt is None:
+                    loss = F.cross_entropy(local(x), y)
+                    grads = torch.autograd.grad(loss, list(local.parameters()))
+                    with torch.no_grad():
+                        for p, g in zip(local.parameters(), grads):
+                            p -= lr * g
+                else:
+                    opt.zero_grad()
+                    opt.step(lambda: F.cross_entropy(local(x), y))
+            n = float(dm.client_num_samples(cid))
+            total += n
+            for s, g, w in zip(sums, glob.parameters(), local.parameters()):
+                s += n * (g.detach() - w.detach())
+        with torch.no_grad():
+            for g, s in zip(glob.parameters(), sums):
+                g -= s / total
+    return torch.cat([p.detach().reshape(-1) for p in glob.parameters()]), skipped
+
+
+class _Metrics(pl.Callback):
+    def __init__(self):
+        self.rounds = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rounds.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def _fit(model, rounds=2, callbacks=(), **loop_kw):
+    loop = FederatedLoop(model, local_steps=K, clients_per_round=CPR, seed=SEED, **loop_kw)
+    rec = _Metrics()
+    make_trainer(rounds, callbacks=[FedAvg(), rec, *callbacks]).fit(loop, datamodule=_dm())
+    return loop, rec
+
+
+# ====================================================================== 3a: None skips a step
+def test_none_from_training_step_skips_the_update_like_lightning():
+    torch.manual_seed(0)
+    model = to_float64(SkipNet())
+    expected, skipped = _skip_reference(model.net, _dm(), rounds=2, lr=0.3)
+    assert 0 < skipped < 2 * CPR * K  # the split makes some batches skip and others train
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no client is reported skipped / failed
+        loop, rec = _fit(model, rounds=2)
+    assert_close64(flat(loop.model.net), expected)
+    assert [m["round/failed_clients"] for m in rec.rounds] == [0.0, 0.0]
+    assert [m["round/clients"] for m in rec.rounds] == [CPR, CPR]
+    # every skipped step is one of the K local steps: batch_idx runs 0..K-1 for every client
+    calls = loop._runtime.worker.model.calls
+    assert calls == list(range(K)) * (2 * CPR)
+    # forwards count every step, backwards only the steps that were not skipped
+    assert sum(m["client/forwards"] for m in rec.rounds) == 2 * CPR * K
+    assert sum(m["client/backwards"] for m in rec.rounds) == 2 * CPR * K - skipped
+
+
+def test_a_client_that_skips_every_step_is_healthy_and_leaves_the_model_unchanged():
+    torch.manual_seed(0)
+    model = to_float64(SkipNet(skip_all=True))
+    before = flat(model.net).clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's own notes (no validation, ...)
+        loop, rec = _fit(model, rounds=4)  # more rounds than max_failed_rounds=3: no failure is counted
+    assert torch.equal(flat(loop.model.net), before)
+    assert [m["round/clients"] for m in rec.rounds] == [CPR] * 4
+    assert [m["round/failed_clients"] for m in rec.rounds] == [0.0] * 4
+    assert all("train/loss" not in m for m in rec.rounds)  # no client had a loss to average
+    assert loop.failed_clients_total == 0
+
+
+def test_a_line_search_client_optimizer_sees_none_as_a_skipped_step():
+    torch.manual_seed(0)
+    model = to_float64(SkipNet())
+    make = lambda params: SgdArmijo(params, eta_max=2.0, c=0.1)  # noqa: E731
+    expected, skipped = _skip_reference(model.net, _dm(), rounds=1, lr=None, make_opt=make)
+    assert skipped > 0
+    loop, rec = _fit(model, rounds=1, client_optimizer=make, persist_client_state=False)
+    assert_close64(flat(loop.model.net), expected)
+    assert rec.rounds[0]["round/failed_clients"] == 0.0
+    assert rec.rounds[0]["client/forwards"] >= CPR * K  # each step at least its gradient evaluation
+
+
+def test_vectorized_refuses_a_skipped_step_by_name_and_auto_trains_sequentially():
+    class StaticSkip(SkipNet):  # a skip that does not depend on the data: traceable under vmap up to the None
+        def training_step(self, batch, batch_idx):
+            if batch_idx % 2 == 1:
+                return None
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+    torch.manual_seed(0)
+    model = to_float64(StaticSkip())
+    with pytest.raises(ValueError, match=r"StaticSkip\.training_step returned None .*client_execution='sequential'"):
+        _fit(copy.deepcopy(model), rounds=1, client_execution="vectorized")
+    seq, _ = _fit(copy.deepcopy(model), rounds=2, client_execution="sequential")
+    with pytest.warns(UserWarning, match="training clients sequentially .*returned None"):
+        auto, _ = _fit(copy.deepcopy(model), rounds=2, client_execution="auto")
+    assert torch.equal(flat(auto.model.net), flat(seq.model.net))
