@@ -212,6 +212,7 @@ def test_drop_last_round_index_equals_iterating_the_samplers():
         assert offset == index.size
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("in_memory", ["auto", False])
 def test_drop_last_vectorized_and_auto_equal_sequential(in_memory):
     seq = _fit(_sized(True, in_memory=in_memory), "pair", local_steps=5)
@@ -232,6 +233,7 @@ def scaled_reference():
     return _weights(_fit(dm, "pair"))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arity", [2, 3])
 def test_tuples_and_triples_in_every_mode(arity, scaled_reference):
     def dm():
