@@ -219,6 +219,7 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
                     "and define the optimizer in configure_optimizers() or model.client_optimizer"
                 )
             check_fit_settings(trainer, self)  # max_steps, val_check_interval, seed: refused before round 0
+            self._log_every_round(trainer)
             dm = self._datamodule()
             dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed)
             self._check_client_optimizer()
@@ -227,6 +228,21 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
                 rank_zero_warn(
                     "precision='16-mixed' has no loss scaling inside client training; use 'bf16-mixed' or 32",
                 )
+
+    #: Lightning's ``Trainer(log_every_n_steps=...)`` default, which counts rounds here (a round is one step).
+    _LIGHTNING_LOG_EVERY_N_STEPS = 50
+
+    @staticmethod
+    def _log_every_round(trainer: "pl.Trainer") -> None:
+        """Make the Trainer write the round metrics to its loggers every round unless the user chose a cadence.
+
+        Lightning's default ``log_every_n_steps=50`` counts optimizer steps, and one step is one round here, so a
+        60-round run would log one training point. The Trainer does not record whether the value was passed, so
+        its default value 50 is read as "not set" and replaced by 1 (ours: a round is the unit a user plots); any
+        other value, ``0`` (never) included, is kept; an explicit 50 cannot be told from the default and also logs
+        every round. The Trainer keeps the value 1 after the fit."""
+        if trainer.log_every_n_steps == FederatedLoop._LIGHTNING_LOG_EVERY_N_STEPS:
+            trainer.log_every_n_steps = 1
 
     def _check_client_optimizer(self) -> None:
         """Build the client optimizer once before round 0, so that an impossible hyper-parameter (SgdArmijo

@@ -182,3 +182,44 @@ def test_vectorized_refuses_a_skipped_step_by_name_and_auto_trains_sequentially(
     with pytest.warns(UserWarning, match="training clients sequentially .*returned None"):
         auto, _ = _fit(copy.deepcopy(model), rounds=2, client_execution="auto")
     assert torch.equal(flat(auto.model.net), flat(seq.model.net))
+
+
+# ====================================================================== 5: a curve every round
+def _readme_python_example(tmp_path, rounds, **trainer_kw):
+    """The README's Python example (its MyModule and FederatedLoop/Trainer block), with fewer local steps and
+    rounds (still fewer than Lightning's default log_every_n_steps=50) and a CSVLogger; returns the logged rows."""
+    import csv
+    import re
+
+    from lightning.pytorch.loggers import CSVLogger
+    from test_readme_examples import README
+
+    blocks = re.findall(r"```python\n(.*?)```", open(README, encoding="utf-8").read(), flags=re.S)
+    module = next(b for b in blocks if "class MyModule" in b)
+    run = next(b for b in blocks if "pl.Trainer(max_steps=60" in b)
+    extra = "".join(f", {k}={v!r}" for k, v in trainer_kw.items())
+    run = (run.replace("local_steps=20, clients_per_round=20", "local_steps=2, clients_per_round=4")
+              .replace("max_steps=60", f"max_steps={rounds}")
+              .replace("callbacks=[FedAvg()]", "callbacks=[FedAvg()], logger=LOGGER, enable_progress_bar=False, "
+                       "enable_model_summary=False, enable_checkpointing=False" + extra))
+    assert run.count("LOGGER") == 1 and "local_steps=2" in run
+    logger = CSVLogger(str(tmp_path), name="readme")
+    namespace = {"LOGGER": logger}
+    exec(compile(module + run, README, "exec"), namespace)  # noqa: S102 - the repository's own README
+    with open(f"{logger.log_dir}/metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_readme_python_example_logs_train_loss_every_round(tmp_path):
+    torch.manual_seed(0)
+    rows = _readme_python_example(tmp_path, rounds=7)
+    steps = [int(r["step"]) for r in rows if r.get("train/loss")]
+    assert steps == list(range(7))  # one train/loss row per round, at the round's step
+    assert sorted({int(r["step"]) for r in rows if r.get("server/lr")}) == list(range(7))
+
+
+def test_a_log_every_n_steps_the_user_set_is_kept(tmp_path):
+    torch.manual_seed(0)
+    rows = _readme_python_example(tmp_path, rounds=7, log_every_n_steps=3)
+    # Lightning's rule: rounds r with (r + 1) % 3 == 0 (reaching max_steps does not set trainer.should_stop)
+    assert [int(r["step"]) for r in rows if r.get("train/loss")] == [2, 5]
