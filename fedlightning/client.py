@@ -154,12 +154,17 @@ class LocalTrainer:
             (:class:`~fedlightning.user_module.ClientHooks`); None when it overrides none (the lean path).
         metrics: the model's torchmetrics states, saved and restored around trial evaluations
             (:class:`~fedlightning.user_module.MetricStates`).
+        convert_input: the Trainer's precision plugin's ``convert_input`` (``"64-true"``: floating tensors to
+            float64; ``"16-true"`` / ``"bf16-true"``: to half / bfloat16), applied to every client batch before the
+            batch-transfer hooks, where Lightning's training loop applies it; None when the plugin leaves batches
+            as they are (32-bit and mixed precision: autocast is the Trainer's around the whole round).
     """
 
     def __init__(self, model: nn.Module, to_device: Callable[[Any], Any] = lambda b: b, grad_clip: Optional[float] = None,
-                 hooks: Any = None, metrics: Any = None):
+                 hooks: Any = None, metrics: Any = None, convert_input: Optional[Callable[[Any], Any]] = None):
         self.model = model
         self.to_device = to_device
+        self.convert_input = convert_input
         self.grad_clip = grad_clip
         self.hooks = hooks
         self.metrics = metrics if metrics else None
@@ -238,6 +243,7 @@ class LocalTrainer:
         sgd_lrs = None if (adaptive or not lean) else _plain_sgd_lrs(optimizer)
         model, model_name, to_device = self.model, self.model_name, self.to_device
         on_cpu = not devices
+        convert = self.convert_input
         h = self.hooks  # None unless the model's class overrides a per-step hook (user_module.ClientHooks)
         with torch.random.fork_rng(devices=devices):
             model_seed = derive_seed(seed, "model", round, client_id)
@@ -246,6 +252,8 @@ class LocalTrainer:
             for dev in devices:
                 torch.cuda.default_generators[dev.index if dev.index is not None else 0].manual_seed(model_seed)
             for k, batch in enumerate(_cycle(loader, local_steps)):
+                if convert is not None:  # Lightning: precision conversion, then on_train_batch_start and transfer
+                    batch = convert(batch)
                 if h is not None and h.batch_start and model.on_train_batch_start(batch, k) == -1:
                     break  # Lightning's "skip the rest of the epoch": this client's local steps end here
                 if h is not None and h.transfer:

@@ -375,6 +375,7 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             w = LocalTrainer(
                 work, to_device=to_device, grad_clip=self.client_grad_clip,
                 hooks=hooks if hooks.any else None, metrics=MetricStates(work),
+                convert_input=self._input_conversion(trainer_ref),
             )
             w.router = router  # type: ignore[attr-defined]
             w.client_hooks = hooks  # type: ignore[attr-defined]  # incl. the per-round epoch hooks
@@ -382,6 +383,19 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
                 self._runtime.module_optimizer.register(work)
             self._runtime.worker = w
         return w
+
+    @staticmethod
+    def _input_conversion(trainer: Optional["pl.Trainer"]) -> Optional[Callable[[Any], Any]]:
+        """The Trainer's ``precision_plugin.convert_input`` when it changes batches (``"64-true"``, ``"16-true"``,
+        ``"bf16-true"``: floating tensors to the run's dtype, as Lightning's training loop converts every batch),
+        else None (32-bit and mixed precision, whose autocast is the Trainer's ``train_step_context`` around the
+        round, so client forwards run under it already)."""
+        from lightning.pytorch.plugins.precision import Precision
+
+        plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
+        if plugin is None or type(plugin).convert_input is Precision.convert_input:
+            return None
+        return plugin.convert_input
 
     # ================================================================== one round
     def _callbacks_with(self, hook: str) -> list:

@@ -223,3 +223,79 @@ def test_a_log_every_n_steps_the_user_set_is_kept(tmp_path):
     rows = _readme_python_example(tmp_path, rounds=7, log_every_n_steps=3)
     # Lightning's rule: rounds r with (r + 1) % 3 == 0 (reaching max_steps does not set trainer.should_stop)
     assert [int(r["step"]) for r in rows if r.get("train/loss")] == [2, 5]
+
+
+# ====================================================================== 3c: the precision plugin converts client batches
+def _dm32():
+    return DigitsDataModule(num_clients=6, batch_size=8, partition=Dirichlet(0.1), seed=1)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_64_true_converts_client_batches_and_equals_a_float64_hand_run(mode):
+    class Net(SkipNet):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            assert x.dtype == torch.float64  # converted by the precision plugin, as Lightning converts batches
+            return super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    model = Net() if mode == "sequential" else _NoSkip()
+    ref_net = to_float64(copy.deepcopy(model.net))
+    loop = FederatedLoop(model, local_steps=K, clients_per_round=CPR, seed=SEED, client_execution=mode)
+    make_trainer(2, callbacks=[FedAvg()], precision="64-true").fit(loop, datamodule=_dm32())
+    if mode == "sequential":
+        expected, _ = _skip_reference(ref_net, _dm(), rounds=2, lr=0.3)
+    else:
+        expected = _plain_reference(ref_net, _dm(), rounds=2, lr=0.3)
+    got = flat(loop.model.net)
+    assert got.dtype == torch.float64
+    assert_close64(got, expected, rtol=1e-12)
+
+
+class _NoSkip(SkipNet):  # vectorizable: no skipped step
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+def _plain_reference(net, dm, rounds, lr):
+    """FedAvg of plain-SGD clients on every batch (the ``_skip_reference`` loop without the skip rule)."""
+    dm.setup("fit")
+    dm.configure_rounds(CPR, K, SEED)
+    glob = copy.deepcopy(net)
+    for r in range(rounds):
+        sums, total = [torch.zeros_like(p) for p in glob.parameters()], 0.0
+        for cid in dm.sample_clients(r):
+            local = copy.deepcopy(glob)
+            for x, y in _batches(dm, cid, r):
+                grads = torch.autograd.grad(F.cross_entropy(local(x), y), list(local.parameters()))
+                with torch.no_grad():
+                    for p, g in zip(local.parameters(), grads):
+                        p -= lr * g
+            n = float(dm.client_num_samples(cid))
+            total += n
+            for s, g, w in zip(sums, glob.parameters(), local.parameters()):
+                s += n * (g.detach() - w.detach())
+        with torch.no_grad():
+            for g, s in zip(glob.parameters(), sums):
+                g -= s / total
+    return torch.cat([p.detach().reshape(-1) for p in glob.parameters()])
+
+
+def test_bf16_true_converts_client_batches_on_cpu():
+    seen = []
+
+    class Net(_NoSkip):
+        def training_step(self, batch, batch_idx):
+            seen.append((batch[0].dtype, next(self.parameters()).dtype))
+            return super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    model = Net()
+    before = flat(model.net).double()
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=2, seed=SEED)
+    make_trainer(1, callbacks=[FedAvg()], precision="bf16-true").fit(loop, datamodule=_dm32())
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    after = flat(loop.model.net)
+    assert after.dtype == torch.bfloat16 and bool(torch.isfinite(after).all())
+    assert not torch.equal(after.double(), before.to(torch.bfloat16).double())  # it trained

@@ -228,7 +228,9 @@ def _engine(loop) -> VectorizedClientTrainer:
         )
     engine: Optional[VectorizedClientTrainer] = loop._runtime.vectorized_engine
     if engine is None or engine.model is not worker.model:
-        engine = VectorizedClientTrainer(worker.model, to_device=worker.to_device)
+        convert = getattr(worker, "convert_input", None)  # the precision plugin's, before the transfer (Lightning's order)
+        to_device = worker.to_device if convert is None else (lambda b: worker.to_device(convert(b)))
+        engine = VectorizedClientTrainer(worker.model, to_device=to_device)
         loop._runtime.vectorized_engine = engine
     return engine
 
