@@ -100,12 +100,13 @@ def assert_rounding_close(actual: torch.Tensor, expected: torch.Tensor, exact: t
     The claim is that both are the lower-precision image of one exact computation. ``expected`` measures how far
     that precision's rounding, amplified by the computation, takes a result on this machine: ``err =
     max|expected − exact|``. ``actual``'s rounding differs in order but not in kind, so ``max|actual − exact| ≤
-    k · err``. ``k = 16`` (ours): on the suite's float32 training runs the vectorised run's error was 0.3–4 times
-    the sequential run's (SPS and Armijo steps amplify whichever rounding they get), so 16 leaves a factor of four
-    for another machine's summation orders. Such a bound (3e-5 on SPS's weights) is looser than float64's, so the
-    equality itself is checked in float64; a float32 check covers what only float32 runs exercise.
-    A floor of ``floor_ulps`` units of the precision at the result's scale keeps the bound meaningful when
-    ``expected`` happens to be almost exact.
+    k · err``. ``k = 16`` (ours): on the suite's float32 training runs the vectorised run's error was 0.3–6 times
+    the sequential run's (SPS and Armijo steps amplify whichever rounding they get; AVX2 and the generic
+    ``ATEN_CPU_CAPABILITY=default`` kernels), so 16 leaves room for another machine's summation orders. A floor of
+    ``floor_ulps`` units of the precision at the result's scale keeps the bound meaningful when ``expected`` happens
+    to be almost exact; with it, the suite's checks used at most 9 % of their bound. Such a bound (about 1e-4 on
+    SPS's weights) is looser than float64's, so the equality itself is checked in float64; a float32 check covers
+    what only float32 (or bf16) runs exercise.
     """
     assert exact.dtype == torch.float64, f"the exact reference must be float64, got {exact.dtype}"
     assert actual.dtype == expected.dtype, f"{actual.dtype} vs {expected.dtype}"
