@@ -126,9 +126,21 @@ class _RoundEnd:
     def _check_round_failures(self, plan: RoundPlan, stats: RoundStatistics, first_error: Optional[tuple]) -> None:
         """The failure policy's stops (the ``"skip"`` policies; identical on every process, from the reduced
         counts): every client raised → the round's first exception, chained; ``max_failed_rounds`` consecutive
-        rounds without a healthy client → ``FloatingPointError``."""
+        rounds without a healthy client → ``FloatingPointError``.
+
+        **A round in which no local step returned a loss** stops the run too (ours): ``None`` from ``training_step``
+        skips that step, as in Lightning, but when every step of every healthy client of a round was skipped the module
+        almost certainly forgot to return its loss, and the run would otherwise train nothing without a word. A
+        round in which some step of some client returned a loss goes on as usual."""
         n_healthy = float(stats["clients"].item()) if "clients" in stats else 0.0
         if n_healthy > 0:
+            if "loss_clients" in stats and float(stats["loss_clients"].item()) == 0:
+                name = type(self.model).__qualname__
+                raise RuntimeError(
+                    f"round {plan.round}: {name}.training_step returned None for every local step of every client "
+                    f"(None skips a step, as in Lightning), so nothing was trained: {name}.training_step must return "
+                    "the loss (a tensor, or a dict with the key 'loss')"
+                )
             self.rounds_without_healthy_client = 0
             return
         raised = int(stats["raised"].item())

@@ -1,11 +1,10 @@
 """Lightning's step semantics inside client training, each checked against an independent computation.
 
 * ``training_step`` returning ``None`` skips that local step's update (Lightning's automatic-optimisation rule) and
-  is no failure; a client whose every step was skipped is healthy with update 0.
+  is no failure; a client whose every step was skipped is healthy with update 0; a round in which every step of every
+  client was skipped stops the run (a module that forgot to return its loss).
 * The Trainer's precision plugin converts client batches (``64-true``).
 * Round metrics reach the loggers every round unless the user set ``log_every_n_steps``.
-* Inside client training, ``self.trainer.optimizers`` / ``self.optimizers()`` are the client's optimizer, and
-  ``LearningRateMonitor`` reports the client and server learning rates under distinct names.
 """
 
 import copy
@@ -140,18 +139,22 @@ def test_none_from_training_step_skips_the_update_like_lightning():
     assert sum(m["client/backwards"] for m in rec.rounds) == 2 * CPR * K - skipped
 
 
-def test_a_client_that_skips_every_step_is_healthy_and_leaves_the_model_unchanged():
+def test_a_round_in_which_every_step_was_skipped_stops_the_run_naming_the_module():
+    """None everywhere is a module that forgot to return its loss: the first such round stops the run, naming
+    ``training_step``, before the server step (the global model is unchanged)."""
     torch.manual_seed(0)
     model = to_float64(SkipNet(skip_all=True))
     before = flat(model.net).clone()
+    loop = FederatedLoop(model, local_steps=K, clients_per_round=CPR, seed=SEED)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's own notes (no validation, ...)
-        loop, rec = _fit(model, rounds=4)  # more rounds than max_failed_rounds=3: no failure is counted
+        with pytest.raises(RuntimeError) as info:
+            make_trainer(4, callbacks=[FedAvg()]).fit(loop, datamodule=_dm())
+    assert str(info.value) == (
+        "round 0: SkipNet.training_step returned None for every local step of every client (None skips a step, as "
+        "in Lightning), so nothing was trained: SkipNet.training_step must return the loss (a tensor, or a dict with "
+        "the key 'loss')")
     assert torch.equal(flat(loop.model.net), before)
-    assert [m["round/clients"] for m in rec.rounds] == [CPR] * 4
-    assert [m["round/failed_clients"] for m in rec.rounds] == [0.0] * 4
-    assert all("train/loss" not in m for m in rec.rounds)  # no client had a loss to average
-    assert loop.failed_clients_total == 0
 
 
 def test_a_line_search_client_optimizer_sees_none_as_a_skipped_step():
