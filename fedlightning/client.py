@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning._reference import reference_mode
-from fedlightning.state import ClientUpdate, derive_seed, flat_params
+from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed, flat_params
 
 __all__ = ["extract_loss", "LocalTrainer"]
 
@@ -344,9 +344,9 @@ class LocalTrainer:
             backwards=backwards,
         )
         if float_buffer_mask is not None and any(float_buffer_mask):
-            update.buffers = torch.cat(
-                [b.detach().reshape(-1).float() for b, m in zip(self.buffers, float_buffer_mask) if m]
-            )
+            kept = [b for b, m in zip(self.buffers, float_buffer_mask) if m]
+            dtype = buffer_report_dtype(kept)
+            update.buffers = torch.cat([b.detach().reshape(-1).to(dtype) for b in kept])
         if not loss_ok:
             update.failed, update.failure = True, "non-finite training loss"
         elif not delta_ok:

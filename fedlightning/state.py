@@ -28,6 +28,7 @@ __all__ = [
     "flat_grads",
     "assign_flat_",
     "float_buffers",
+    "buffer_report_dtype",
 ]
 
 
@@ -150,6 +151,13 @@ def assign_flat_(params: Iterable[Tensor], vector: Tensor) -> None:
         offset += n
     if offset != vector.numel():
         raise ValueError(f"vector has {vector.numel()} elements but the parameters hold {offset}")
+
+
+def buffer_report_dtype(buffers: Iterable[Tensor]) -> torch.dtype:
+    """The dtype in which a client reports its float buffers (``ClientUpdate.buffers``): float64 when any of them is
+    float64 (a float64 model's BatchNorm statistics keep their precision through the average), else float32 (half
+    and bfloat16 statistics are averaged in float32, ours)."""
+    return torch.float64 if any(b.dtype == torch.float64 for b in buffers) else torch.float32
 
 
 def float_buffers(module: nn.Module) -> List[Tensor]:

@@ -26,7 +26,7 @@ from fedlightning.optim import SgdArmijo
 from fedlightning.vectorized import VectorizationUnsupportedError, VectorizedClientTrainer
 from fedlightning.vectorized.norms import _NormLayers
 from fedlightning.vectorized.torch_internals import _vmap0
-from numerics import Float64Inputs, assert_close32, assert_close64, rtol32, to_float64, tol64
+from numerics import Float64Inputs, assert_close64, rtol32, to_float64
 from test_vectorized_speed_paths import Sized
 
 ROUNDS, CPR, K, BATCH = 3, 6, 4, 16
@@ -90,15 +90,12 @@ def test_masked_layer_equals_torch_on_each_clients_real_samples(layer, shape):
     assert int(norms.stats[2][0]) == (2 if isinstance(layer, nn.modules.batchnorm._BatchNorm) else 0)
 
 
-def assert_buffer_close(got, want, float32_terms=0):
-    """Float buffers to numerics.RTOL64, integer ones (num_batches_tracked) exactly. ``float32_terms``: the
-    float64 buffers are a float32 weighted mean of that many float32 values (the global model's buffers: the loop
-    averages the clients' float32 buffers), so they agree to numerics.rtol32(float32_terms)."""
+def assert_buffer_close(got, want):
+    """Float buffers to numerics.RTOL64 (a float64 model's clients report and average them in float64), integer ones
+    (num_batches_tracked) exactly."""
     assert got.dtype == want.dtype
     if not want.is_floating_point():
         assert torch.equal(got, want)
-    elif float32_terms:
-        torch.testing.assert_close(got, want, atol=tol64(want, rtol32(float32_terms)), rtol=0)
     else:
         assert_close64(got, want)
 
@@ -171,18 +168,19 @@ def fit(model, optimizer, mode, rounds=ROUNDS, dm=digits):
 
 
 def assert_same(seq, vec):
-    """Weights, buffers and every client's reported buffers of two float64 runs agree: the weights to
-    numerics.RTOL64; the clients report their float buffers in float32 (one rounding, numerics.assert_close32) and
-    the global buffers are their float32 weighted mean (CPR terms, a division, a rounding)."""
+    """Weights, buffers and every client's reported buffers of two float64 runs agree to numerics.RTOL64: a float64
+    model's clients report their float buffers in float64 (state.buffer_report_dtype), so the global buffers are a
+    float64 weighted mean."""
     assert_close64(vec[0], seq[0])
     assert len(vec[1]) == len(seq[1])
     for a, b in zip(seq[1], vec[1]):
-        assert_buffer_close(b, a, float32_terms=CPR + 2)
+        assert_buffer_close(b, a)
     assert [u.client_id for u in vec[2]] == [u.client_id for u in seq[2]]
     for a, b in zip(seq[2], vec[2]):
         assert (a.buffers is None) == (b.buffers is None)
         if a.buffers is not None:
-            assert_close32(b.buffers, a.buffers)
+            assert a.buffers.dtype == b.buffers.dtype == torch.float64
+            assert_close64(b.buffers, a.buffers)
 
 
 def test_the_split_is_ragged():
@@ -308,7 +306,7 @@ def test_a_client_batch_of_one_sample_fails_that_client_as_sequentially(opt):
     assert {u.client_id for u in seq[2] if u.failed} == {0, 1, 2}
     assert_close64(vec[0], seq[0])
     for a, b in zip(seq[1], vec[1]):
-        assert_buffer_close(b, a, float32_terms=len(sizes) + 2)
+        assert_buffer_close(b, a)
     assert [r["round/failed_clients"] for r in vec[3]] == [r["round/failed_clients"] for r in seq[3]] == [3.0, 3.0]
     logged_per_round = len(sizes) * 3  # one value per client and local step (K = 3)
     for a, b in zip(seq[3], vec[3]):
@@ -395,7 +393,7 @@ def test_torchvision_resnet18_equals_sequential_with_one_sample_batches():
     assert len(seq[2]) == 2 and seq[2] == vec[2]  # the 1- and 9-sample clients (steps 0 and 1)
     assert "got input size torch.Size([1, 256, 1, 1])" in seq[2][0]  # layer3's first BatchNorm
     for (name, a), b in zip(seq[0].state_dict().items(), vec[0].state_dict().values()):
-        assert_buffer_close(b, a, float32_terms=0 if name in dict(seq[0].named_parameters()) else 4 + 2)
+        assert_buffer_close(b, a)
     moved = TorchvisionResNet().state_dict()
     assert max(float((a.double() - moved[k].double()).abs().max()) for k, a in seq[0].state_dict().items()) > 1e-3
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from fedlightning.state import ClientUpdate, derive_seed
+from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed
 
 from .batches import _RoundBatches
 from .call import _ModelCall
@@ -254,8 +254,9 @@ class VectorizedClientTrainer:
             if norms.stats:
                 buffers = norms.client_buffers(global_buffers, float_buffer_mask, len(client_ids)).unbind(0)
             else:
-                shared = torch.cat([b.detach().reshape(-1).float()
-                                    for b, m in zip(global_buffers, float_buffer_mask) if m])
+                kept = [b for b, m in zip(global_buffers, float_buffer_mask) if m]
+                dtype = buffer_report_dtype(kept)
+                shared = torch.cat([b.detach().reshape(-1).to(dtype) for b in kept])
                 buffers = [shared] * len(client_ids)
         # clients that ran all K steps (the usual case): first loss, mean loss and finiteness of all at once
         by_client = losses.t().contiguous()  # [C, K]

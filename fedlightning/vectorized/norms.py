@@ -14,6 +14,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from fedlightning.state import buffer_report_dtype
+
 from .support import VectorizationUnsupportedError, _norm_layers
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -120,14 +122,15 @@ class _NormLayers:
         """``[C, B]``: every client's float buffers flattened and concatenated in ``model.buffers()`` order, as
         ``LocalTrainer.run`` reports them (its running statistics; the global value of other buffers)."""
         own = {i: s for i, s in zip(self.buffer_index, self.stats) if i >= 0}
+        dtype = buffer_report_dtype([b for b, is_float in zip(global_buffers, float_mask) if is_float])
         parts = []
         for i, (b, is_float) in enumerate(zip(global_buffers, float_mask)):
             if not is_float:
                 continue
             if i in own:
-                parts.append(own[i].reshape(num_clients, -1).float())
+                parts.append(own[i].reshape(num_clients, -1).to(dtype))
             else:
-                parts.append(b.detach().reshape(1, -1).float().expand(num_clients, -1))
+                parts.append(b.detach().reshape(1, -1).to(dtype).expand(num_clients, -1))
         return torch.cat(parts, dim=1)
 
     # ------------------------------------------------------------------ one batched call
