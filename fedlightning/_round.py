@@ -235,6 +235,11 @@ class _RoundEnd:
         n_clients = float(stats["clients"].item()) if "clients" in stats else 0.0
         metrics: Dict[str, float] = {"round/clients": n_clients, "round/failed_clients": float(stats["failed"].item())}
         metrics["round/local_steps"] = float(plan.local_steps)
+        # client/lr: the learning rate the round's clients trained with (their optimizer's first parameter group,
+        # after the client scheduler's steps and the round's client_lr_scale); absent for optimizers without "lr"
+        client_lr = self._runtime.client_lr
+        if client_lr is not None and client_lr[0] == plan.round and client_lr[1] is not None:
+            metrics["client/lr"] = client_lr[1]
         if n_clients == 0:
             rank_zero_warn(f"round {plan.round}: no healthy client; the global model is left unchanged")
             for p in params:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import copy
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -65,6 +66,9 @@ class _Runtime:
     reusable_client_opt: Optional[Tuple[Any, torch.optim.Optimizer, List[Dict[str, Any]], Any]] = None
     #: ``(round, params, buffers, float-buffer mask)`` of the global model (:meth:`FederatedLoop._round_tensors`)
     round_tensors: Optional[Tuple[int, List[Tensor], List[Tensor], List[bool]]] = None
+    #: ``(round, lr)``: the first parameter group's learning rate of the last client optimizer built
+    #: (:meth:`FederatedLoop.prepare_client`), logged as ``client/lr``; lr None when that group has no ``lr``
+    client_lr: Optional[Tuple[int, Optional[float]]] = None
     #: client_execution "vectorized" / "auto": the engine of the working copy
     #: (:class:`fedlightning.vectorized.VectorizedClientTrainer`)
     vectorized_engine: Optional[Any] = None
@@ -444,6 +448,8 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         client's epoch length ``b/n_i`` (``set_client_data``: SgdArmijo ``reset="grow"``, smoothed SPS), and the
         ``client_objective`` terms of the callbacks."""
         opt = self._make_client_optimizer(params, client_id, plan.client_lr_scale, reuse=reuse)
+        lr = opt.param_groups[0].get("lr") if opt.param_groups else None
+        self._runtime.client_lr = (plan.round, float(lr) if isinstance(lr, (int, float, Tensor)) else None)
         if hasattr(opt, "set_client_data"):
             dm = self._datamodule()
             opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
@@ -469,22 +475,47 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             worker.model.train()
         opt, terms = self.prepare_client(plan, client_id, worker.params, reuse=True)
         gparams, gbuffers, float_mask = self._round_tensors(plan.round)
-        update = worker.run(
-            client_id=client_id,
-            round=plan.round,
-            seed=self.seed,
-            global_params=gparams,
-            global_buffers=gbuffers,
-            global_flat=global_flat,
-            loader=dm.client_dataloader(client_id, plan.round, seed=self.seed),
-            optimizer=opt,
-            local_steps=plan.local_steps,
-            num_samples=dm.client_num_samples(client_id),
-            terms=terms,
-            float_buffer_mask=float_mask,
-        )
+        with self._client_optimizer_view(opt):
+            update = worker.run(
+                client_id=client_id,
+                round=plan.round,
+                seed=self.seed,
+                global_params=gparams,
+                global_buffers=gbuffers,
+                global_flat=global_flat,
+                loader=dm.client_dataloader(client_id, plan.round, seed=self.seed),
+                optimizer=opt,
+                local_steps=plan.local_steps,
+                num_samples=dm.client_num_samples(client_id),
+                terms=terms,
+                float_buffer_mask=float_mask,
+            )
         self.finish_client(update, opt)
         return update
+
+    @contextmanager
+    def _client_optimizer_view(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """While one client trains sequentially, ``trainer.optimizers`` is ``[optimizer]`` (the client's own) and
+        ``trainer.lr_scheduler_configs`` the client schedulers of the module's ``configure_optimizers()`` (their
+        ``scheduler.optimizer`` is the round's template, whose learning rate the client's is built from; ``[]`` with
+        ``client_optimizer``); both are the server's again afterwards, also when the client raises, so callbacks
+        (``LearningRateMonitor``: ``lr-<ServerOptimizer>``) and checkpoints see the server optimizer. Decisions
+        (ours): the swap is two attribute assignments per client on the strategy (``_optimizers`` directly, not the
+        ``optimizers`` setter, which wraps each optimizer in a new ``LightningOptimizer``: the server's wrapper,
+        which the loop's own ``self.optimizers()`` returns, stays); vectorised clients leave both unchanged (the
+        server's), as their ``training_step`` runs once for all the round's clients."""
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        if strategy is None:
+            yield
+            return
+        saved = strategy._optimizers, strategy.lr_scheduler_configs
+        mo = self._runtime.module_optimizer
+        strategy._optimizers = [optimizer]
+        strategy.lr_scheduler_configs = list(mo.schedulers) if (mo is not None and self.client_optimizer is None) else []
+        try:
+            yield
+        finally:
+            strategy._optimizers, strategy.lr_scheduler_configs = saved
 
     def _round_tensors(self, round: int):
         """The global model's trainable parameters, buffers and float-buffer mask, listed once per round (walking

@@ -4,6 +4,9 @@
   is no failure; a client whose every step was skipped is healthy with update 0; a round in which every step of every
   client was skipped stops the run (a module that forgot to return its loss).
 * The Trainer's precision plugin converts client batches (``64-true``).
+* Inside sequential client training ``trainer.optimizers`` / ``lr_scheduler_configs`` are the client's (an Adam +
+  cosine client follows the closed-form schedule), the server's everywhere else; ``client/lr`` and
+  ``LearningRateMonitor``'s ``lr-SGD`` log the two learning rates under distinct names.
 * Round metrics reach the loggers every round unless the user set ``log_every_n_steps``.
 """
 
@@ -302,3 +305,83 @@ def test_bf16_true_converts_client_batches_on_cpu():
     after = flat(loop.model.net)
     assert after.dtype == torch.bfloat16 and bool(torch.isfinite(after).all())
     assert not torch.equal(after.double(), before.to(torch.bfloat16).double())  # it trained
+
+
+# ====================================================================== 3b: the trainer shows the client's optimizer
+LR0, ETA_MIN, T_MAX = 0.05, 0.005, 4
+
+
+def _cosine(r):
+    """CosineAnnealingLR's closed form (float64): the learning rate after ``r`` scheduler steps."""
+    return ETA_MIN + (LR0 - ETA_MIN) * (1 + math.cos(math.pi * r / T_MAX)) / 2
+
+
+class AdamCosineNet(_NoSkip):
+    """Adam + CosineAnnealingLR client (configure_optimizers); records what ``self.trainer`` shows in training_step;
+    with ``raise_once`` the first client of round 0 raises."""
+
+    def __init__(self, raise_once: bool = False):
+        super().__init__()
+        self.seen, self.raise_once = [], raise_once
+
+    def training_step(self, batch, batch_idx):
+        if torch.is_grad_enabled():
+            opt = self.trainer.optimizers[0]
+            steps = {int(s["step"]) for s in opt.state.values()} if opt.state else {0}
+            configs = self.trainer.lr_scheduler_configs
+            self.seen.append((self.global_step, batch_idx, type(opt).__name__, opt.param_groups[0]["lr"], steps,
+                              [type(c.scheduler).__name__ for c in configs]))
+            if self.raise_once:
+                self.raise_once = False
+                raise RuntimeError("a client bug")
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=LR0)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_MAX, ETA_MIN)}
+
+
+class _ServerView(pl.Callback):
+    """What callbacks (and checkpoints) see after every round: the server optimizer and schedulers."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((type(trainer.optimizers[0]).__name__, trainer.optimizers[0].param_groups[0]["lr"],
+                          list(trainer.lr_scheduler_configs)))
+
+
+def test_inside_client_training_the_trainer_shows_the_client_optimizer_and_logs_client_lr(tmp_path):
+    import csv
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    rounds = 5
+    model = AdamCosineNet(raise_once=True)
+    loop = FederatedLoop(model, local_steps=K, clients_per_round=CPR, seed=SEED, on_client_error="skip",
+                         client_execution="sequential")
+    server, logger = _ServerView(), CSVLogger(str(tmp_path), name="lr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skipped client's warning
+        make_trainer(rounds, callbacks=[FedAvg(), server, LearningRateMonitor()], logger=logger,
+                     log_every_n_steps=1).fit(loop, datamodule=_dm32())
+    seen = loop._runtime.worker.model.seen
+    assert len(seen) == rounds * CPR * K - (K - 1)  # the client that raised took one step
+    for r, k, name, lr, steps, scheds in seen:
+        assert name == "Adam" and scheds == ["CosineAnnealingLR"]
+        assert lr == pytest.approx(_cosine(r), rel=1e-12, abs=0)
+        assert steps == {k}  # the client's own fresh optimizer: k steps taken before local step k
+    # after every round (and after the client that raised): the server's SGD (FedAvg, lr 1.0), no server scheduler
+    assert server.seen == [("SGD", 1.0, [])] * rounds
+    assert type(loop.trainer.optimizers[0]) is torch.optim.SGD
+    with open(f"{logger.log_dir}/metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    client_lr = {int(r["step"]): float(r["client/lr"]) for r in rows if r.get("client/lr")}
+    assert sorted(client_lr) == list(range(rounds))
+    for r, lr in client_lr.items():
+        assert lr == pytest.approx(_cosine(r), rel=1e-12, abs=0)
+    server_lr = [(int(r["step"]), float(r["lr-SGD"])) for r in rows if r.get("lr-SGD")]
+    assert {s for s, _ in server_lr} == set(range(rounds)) and {lr for _, lr in server_lr} == {1.0}
+    assert not any(k.startswith("lr-Adam") for k in rows[0])
