@@ -15,6 +15,7 @@ user's code expects from Lightning (docs/your_model.md lists it for users):
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
@@ -265,7 +266,11 @@ class ModuleOptimizer:
                     continue
                 cfg.scheduler.step(float(value))
             else:
-                cfg.scheduler.step()
+                with warnings.catch_warnings():
+                    # the template optimizer never steps (each client's own optimizer does), so torch's "scheduler
+                    # stepped before optimizer.step()" warning would be spurious for every module with a scheduler
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                    cfg.scheduler.step()
             stepped = True
         return stepped
 
