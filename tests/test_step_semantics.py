@@ -68,6 +68,13 @@ def _batches(dm, cid, r):
     return out
 
 
+def _add_weighted_delta(sums, glob, local, n):
+    """Add ``n · (w_t − w_i)`` of one client to the reference loops' FedAvg sums; returns its weight ``n``."""
+    for s, g, w in zip(sums, glob.parameters(), local.parameters()):
+        s += n * (g.detach() - w.detach())
+    return n
+
+
 def _skip_reference(net, dm, rounds, lr, make_opt=None):
     """FedAvg (sample-weighted) of plain-PyTorch clients that take no step on a batch without class 0; with
     ``make_opt`` a closure-based optimizer steps only the batches with class 0. Returns the global weights and the
@@ -97,10 +104,7 @@ def _skip_reference(net, dm, rounds, lr, make_opt=None):
                 else:
                     opt.zero_grad()
                     opt.step(lambda: F.cross_entropy(local(x), y))
-            n = float(dm.client_num_samples(cid))
-            total += n
-            for s, g, w in zip(sums, glob.parameters(), local.parameters()):
-                s += n * (g.detach() - w.detach())
+            total += _add_weighted_delta(sums, glob, local, float(dm.client_num_samples(cid)))
         with torch.no_grad():
             for g, s in zip(glob.parameters(), sums):
                 g -= s / total
@@ -278,10 +282,7 @@ def _plain_reference(net, dm, rounds, lr):
                 with torch.no_grad():
                     for p, g in zip(local.parameters(), grads):
                         p -= lr * g
-            n = float(dm.client_num_samples(cid))
-            total += n
-            for s, g, w in zip(sums, glob.parameters(), local.parameters()):
-                s += n * (g.detach() - w.detach())
+            total += _add_weighted_delta(sums, glob, local, float(dm.client_num_samples(cid)))
         with torch.no_grad():
             for g, s in zip(glob.parameters(), sums):
                 g -= s / total
