@@ -11,6 +11,7 @@ Sign convention (FedOpt view, Reddi et al. 2021): a client's *delta* is the pseu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional
@@ -40,9 +41,12 @@ class RoundPlan:
         round: 0-based round index (equals ``trainer.global_step`` when the round starts).
         client_ids: the sampled clients, in sampling order.
         local_steps: number of local optimisation steps ``K`` every client runs this round
-            (schedules such as :class:`~fedlightning.callbacks.KDecay` may change it in ``on_round_start``).
+            (schedules such as :class:`~fedlightning.callbacks.KDecay` may change it in ``on_round_start``); with
+            ``client_steps`` the largest of them.
         client_lr_scale: multiplier applied to the client optimizer's learning rate this round (η-decay schedules).
         extras: free-form per-round information for callbacks (e.g. FedDANE's gradient-phase clients).
+        client_steps: each sampled client's own number of local steps, or None when every client runs
+            ``local_steps`` (``FederatedLoop(local_epochs=E)`` sets it: ``⌈E · batches per epoch⌉`` per client).
     """
 
     round: int
@@ -50,6 +54,17 @@ class RoundPlan:
     local_steps: int
     client_lr_scale: float = 1.0
     extras: Dict[str, Any] = field(default_factory=dict)
+    client_steps: Optional[Dict[int, int]] = None
+
+    def steps_for(self, client_id: int) -> int:
+        """The number of local steps client ``client_id`` runs this round."""
+        if self.client_steps is None:
+            return self.local_steps
+        return self.client_steps[client_id]
+
+    def with_steps(self, steps: int) -> "RoundPlan":
+        """A copy of this plan in which every client runs ``steps`` local steps (``client_steps`` dropped)."""
+        return dataclasses.replace(self, local_steps=int(steps), client_steps=None)
 
 
 @dataclass

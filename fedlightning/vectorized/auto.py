@@ -8,7 +8,6 @@ applies to its one-time measurement (:func:`_auto_decide`).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from contextlib import contextmanager
 from typing import List, Optional, Sequence, Union
@@ -143,8 +142,8 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
             "mode runs one time step at a time, slower than sequential training on a CPU; set "
             "client_execution='vectorized' to use it anyway")
     else:
-        warm = dataclasses.replace(plan, local_steps=1)
-        timed = dataclasses.replace(plan, local_steps=min(plan.local_steps, AUTO_MEASURE_STEPS))
+        warm = plan.with_steps(1)
+        timed = plan.with_steps(min(plan.local_steps, AUTO_MEASURE_STEPS))
         _run(loop, warm, client_ids[:2], global_flat, throwaway=True)  # warm-up: probes, first calls
         with _throwaway_sequential(loop):
             _train_or_fail(loop, warm, client_ids[0], global_flat)  # warm-up
@@ -262,7 +261,7 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
             global_flat=global_flat,
             datamodule=loop._datamodule(),
             optimizers=optimizers,
-            local_steps=plan.local_steps,
+            local_steps=[plan.steps_for(c) for c in client_ids],
             grad_clip=loop.client_grad_clip,
             terms=[terms for _, terms in prepared],
             router=None if throwaway else getattr(worker, "router", None),

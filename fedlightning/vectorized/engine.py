@@ -153,20 +153,29 @@ class VectorizedClientTrainer:
         global_flat: Tensor,
         datamodule,
         optimizers: Sequence[torch.optim.Optimizer],
-        local_steps: int,
+        local_steps: Union[int, Sequence[int]],
         grad_clip: Optional[float] = None,
         terms: Optional[Sequence[Sequence[Callable[[Sequence[Tensor]], Tensor]]]] = None,
         router=None,
         float_buffer_mask: Optional[Sequence[bool]] = None,
         stop: Optional[Callable[[], bool]] = None,
     ) -> Optional[List[Union[ClientUpdate, Exception]]]:
-        """Train ``client_ids`` for ``local_steps`` steps from the global weights; one :class:`ClientUpdate` per
-        client, in order, with the same fields as ``LocalTrainer.run``, or, for a client whose training raised (see
+        """Train ``client_ids`` for ``local_steps`` steps from the global weights (one count for every client, or
+        one per client: ragged counts, see below); one :class:`ClientUpdate` per client, in order, with the same fields as ``LocalTrainer.run``, or, for a client whose training raised (see
         *Failures* above), the exception sequential training raises for it.
 
         ``stop``: asked after every local step but the last; when it answers True the round ends there and ``run``
         returns None (``auto``'s timed throw-away round, which stops once vectorized can no longer win; the
         optimizers' per-client state and the model's metrics are then left as the steps made them).
+
+        **Ragged step counts** (``local_steps`` a sequence, e.g. ``FederatedLoop(local_epochs=...)``): the round runs
+        ``K = max_i K_i`` lockstep steps; at step ``k`` the clients with ``K_i <= k`` are masked as a client that
+        stopped is (the rule's ``alive`` mask: closure optimizers leave their weights and state unchanged; their
+        losses, logged values, metric calls and running statistics are not recorded), and every client's weights
+        are taken as they were after its own last step ``K_i - 1`` (a copy of its row at that step; rules that
+        update every row, SGD and Adam, may move a finished row afterwards, which the copy undoes). Each client's
+        result is then the one of ``K_i`` steps, as sequentially; the masked steps still cost their share of the
+        batched computation (ours: a round costs what ``K`` steps of every client cost).
 
         ``optimizers`` are the clients' optimizer instances as the loop builds them (client state already set);
         after the round their per-client state holds what sequential training would have left in them, so
@@ -177,8 +186,14 @@ class VectorizedClientTrainer:
         C = len(client_ids)
         if C == 0:
             return []
-        if isinstance(local_steps, bool) or int(local_steps) < 1:
-            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+        per_client = [local_steps] * C if not isinstance(local_steps, (list, tuple)) else list(local_steps)
+        if len(per_client) != C:
+            raise ValueError(f"got {len(per_client)} local step counts for {C} clients")
+        for n in per_client:
+            if isinstance(n, bool) or int(n) != n or int(n) < 1:
+                raise ValueError(f"local_steps must be an integer >= 1, got {n!r}")
+        per_client = [int(n) for n in per_client]
+        K = max(per_client)
         if len(optimizers) != C:
             raise ValueError(f"got {len(optimizers)} optimizers for {C} clients")
         device = global_flat.device
@@ -199,7 +214,8 @@ class VectorizedClientTrainer:
         record = StepRecord(C, device)
         alive = torch.ones(C, dtype=torch.bool, device=device)
         num_steps = torch.zeros(C, dtype=torch.long, device=device)
-        batches = _RoundBatches(datamodule, client_ids, round, seed, int(local_steps), self.to_device)
+        batches = _RoundBatches(datamodule, client_ids, round, seed, K, self.to_device)
+        ragged = _RaggedSteps(per_client, device)
         rng_devices = [device] if device.type == "cuda" else []
         log_sink: Optional[list] = [] if router is not None else None
         metric_sink: Optional[list] = [] if self.call.metric_calls else None
@@ -211,20 +227,23 @@ class VectorizedClientTrainer:
             W = self.weights.stored(start).unsqueeze(0).repeat(C, 1)  # [C, D]: client c's weights in row c
             model_seed = derive_seed(seed, "model-vectorized", round, *client_ids)
             _seed_default_generators(model_seed, rng_devices)  # the generators this round uses, and only them
-            for k in range(int(local_steps)):
+            for k in range(K):
                 layout = _Layout(*batches.step(k), cache=layouts)
                 ev = _StepEvaluator(self, layout, k, term_lists, rng_devices, log_sink, trials=rule.uses_trials,
                                     metric_sink=metric_sink)
-                ev.track_alive = rule.stops_on_nonfinite  # else every client trains every step
-                rule.step(W, ev, record, alive)
-                num_steps += alive.long()
+                training = ragged.training(k, alive)  # alive, less the clients whose own steps are done
+                ev.track_alive = rule.stops_on_nonfinite or training is not alive  # else every client trains
+                rule.step(W, ev, record, training)
+                num_steps += training.long()
+                ragged.keep_finished(k, W)
                 if rule.stops_on_nonfinite:
                     alive = alive & torch.isfinite(record.losses[-1])
                 if self.failed is not None:
                     alive = alive & ~self.failed
-                if stop is not None and k + 1 < int(local_steps) and stop():
+                if stop is not None and k + 1 < K and stop():
                     norms.stats = []
                     return None
+            ragged.restore(W)
         rule.finalize(optimizers)
         if log_sink:
             _feed_router(router, log_sink)
@@ -241,7 +260,9 @@ class VectorizedClientTrainer:
         K = len(record.losses)
         losses = torch.stack(record.losses).float().cpu()  # [K, C]
         step_sizes = torch.stack(record.step_sizes).double().cpu().t().tolist()  # [C][K]
-        u = record.uniform_evaluations
+        # rules without per-client counts (SGD, Adam) evaluate every client at every step; a client is counted for
+        # the steps it trained (fewer with ragged step counts, or when it raised)
+        u = num_steps.clamp(max=record.uniform_evaluations)
         counts = torch.stack([num_steps, record.backtracks, record.forwards + u, record.backwards + u]).cpu().tolist()
         delta = global_flat.unsqueeze(0) - self.weights.logical(W).to(global_flat.dtype)
         finite_delta = _rows_finite(delta).cpu().tolist()
@@ -295,6 +316,40 @@ class VectorizedClientTrainer:
                 update.failed, update.failure = True, "non-finite model update"
             updates.append(update)
         return updates
+
+
+class _RaggedSteps:
+    """The masking of a round whose clients run different numbers of local steps ``K_i`` (see
+    :meth:`VectorizedClientTrainer.run`); with one count for all clients every method is a no-op."""
+
+    def __init__(self, steps: Sequence[int], device: torch.device):
+        self.steps = list(steps)
+        self.uniform = len(set(self.steps)) <= 1
+        self.K = max(self.steps) if self.steps else 0
+        self.kept: List[Tuple[Tensor, Tensor]] = []  # (rows, their weights after their last step)
+        self._steps_t = None if self.uniform else torch.tensor(self.steps, device=device)
+        self._device = device
+
+    def training(self, k: int, alive: Tensor) -> Tensor:
+        """``alive`` itself while every client still has steps (``k < min K_i``), else ``alive & (K_i > k)``."""
+        if self.uniform or k < min(self.steps):
+            return alive
+        return alive & (self._steps_t > k)
+
+    def keep_finished(self, k: int, W: Tensor) -> None:
+        """Copy the rows of the clients whose last step was ``k`` (before the round's last step)."""
+        if self.uniform or k + 1 >= self.K:
+            return
+        rows = [c for c, n in enumerate(self.steps) if n == k + 1]
+        if rows:
+            index = torch.tensor(rows, device=self._device)
+            self.kept.append((index, W.index_select(0, index)))
+
+    def restore(self, W: Tensor) -> None:
+        """Put every finished client's kept row back into ``W``."""
+        for index, rows in self.kept:
+            W.index_copy_(0, index, rows)
+        self.kept = []
 
 
 def _rows_finite(x: Tensor) -> Tensor:
