@@ -95,7 +95,19 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             clients, which gives the same state), so momentum buffers never leak across clients;
             optimizers that define ``get_client_state`` / ``set_client_state`` (SgdArmijo's step size, DecSPS's
             counters) carry their per-client state across that client's rounds when ``persist_client_state``.
-        local_steps: local steps ``K`` per client per round (seed 000: 20).
+        local_steps: local steps ``K`` per client per round (default 20, seed 000's); not together with
+            ``local_epochs``.
+        local_epochs: local epochs ``E`` per client per round instead of a fixed ``K`` (a float > 0, fractions
+            allowed): client ``i`` takes ``⌈E · B_i⌉`` steps, ``B_i`` the mini-batches of one epoch of its loader
+            (``⌈n_i/b⌉``; ``⌊n_i/b⌋`` with ``drop_last``), so a whole ``E`` is seed 002's ``K = E·⌈n_i/B⌉``: every
+            sample seen ``E`` times (rounding: :func:`fedlightning.datamodules.base.epoch_steps`). Each round's
+            ``plan.client_steps`` holds the sampled clients' counts and ``plan.local_steps`` the largest; a callback
+            changes ``plan.client_steps``, not ``plan.local_steps`` (a change of the latter is refused by name).
+            Per-epoch rules follow the client's own epoch (SgdArmijo ``reset="grow"``, smoothed SPS:
+            ``set_client_data``). Vectorised clients run the largest count in lockstep, each masked after its own
+            last step (:meth:`fedlightning.vectorized.VectorizedClientTrainer.run`). ``KDecay`` schedules steps,
+            so only its ``decay="client_lr"`` form combines with ``local_epochs`` (the other is refused at fit
+            start). Default None: ``local_steps``.
         clients_per_round: clients sampled per round ``|S|`` (seed 000: 20).
         seed: seed (an integer ``>= 0``) of client sampling, client data order and in-model randomness (dropout);
             every stream is derived from ``(seed, purpose, round, client_id)``. Model initialisation is seeded by the
@@ -151,7 +163,7 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         self,
         model: pl.LightningModule,
         client_optimizer: Optional[OptimizerFactory] = None,
-        local_steps: int = 20,
+        local_steps: Optional[int] = None,
         clients_per_round: int = 20,
         seed: int = 0,
         client_grad_clip: Optional[float] = None,
@@ -161,11 +173,20 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         max_failed_rounds: Optional[int] = 3,
         on_client_error: str = "raise",
         max_update_norm: Optional[float] = None,
+        local_epochs: Optional[float] = None,
     ):
         super().__init__()
         if not isinstance(model, pl.LightningModule):
             raise TypeError(f"model must be a LightningModule, got {type(model).__name__}")
-        local_steps = integer("local_steps", local_steps)
+        local_steps = integer("local_steps", local_steps, allow_none=True)
+        local_epochs = positive("local_epochs", local_epochs, allow_none=True)
+        if local_steps is not None and local_epochs is not None:
+            raise ValueError(
+                f"local_steps={local_steps} and local_epochs={local_epochs} are both set; set one of them and the other "
+                "to null (model.local_steps: a fixed number of steps per client; model.local_epochs: passes over each "
+                "client's data)")
+        if local_steps is None and local_epochs is None:
+            local_steps = self.DEFAULT_LOCAL_STEPS
         clients_per_round = integer("clients_per_round", clients_per_round)
         client_grad_clip = positive("client_grad_clip", client_grad_clip, allow_none=True)
         seed = integer("seed", seed, minimum=0)
@@ -181,7 +202,8 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         self.max_failed_rounds = max_failed_rounds
         self._runtime = _Runtime()
         self.rounds_without_healthy_client = 0
-        self.local_steps = local_steps
+        self.local_steps: Optional[int] = local_steps  # None with local_epochs
+        self.local_epochs: Optional[float] = local_epochs
         self.clients_per_round = clients_per_round
         self.seed = int(seed)
         self.client_grad_clip = client_grad_clip
@@ -225,13 +247,16 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             check_fit_settings(trainer, self)  # max_steps, val_check_interval, seed: refused before round 0
             self._log_every_round(trainer)
             dm = self._datamodule()
-            dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed)
+            dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed, local_epochs=self.local_epochs)
             self._check_client_optimizer()
             precision = str(trainer.precision)
             if precision.startswith("16"):
                 rank_zero_warn(
                     "precision='16-mixed' has no loss scaling inside client training; use 'bf16-mixed' or 32",
                 )
+
+    #: local steps per client and round when neither ``local_steps`` nor ``local_epochs`` is given (seed 000's K = 20)
+    DEFAULT_LOCAL_STEPS = 20
 
     #: Lightning's ``Trainer(log_every_n_steps=...)`` default, which counts rounds here (a round is one step).
     _LIGHTNING_LOG_EVERY_N_STEPS = 50
@@ -485,7 +510,7 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
                 global_flat=global_flat,
                 loader=dm.client_dataloader(client_id, plan.round, seed=self.seed),
                 optimizer=opt,
-                local_steps=plan.local_steps,
+                local_steps=plan.steps_for(client_id),
                 num_samples=dm.client_num_samples(client_id),
                 terms=terms,
                 float_buffer_mask=float_mask,
@@ -537,14 +562,34 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
 
         return run_vectorized_round(self, plan, client_ids, global_flat)
 
+    def _start_round(self, plan: RoundPlan) -> None:
+        """The callbacks' ``on_round_start``, then the plan's step counts checked: ``plan.local_steps`` an integer
+        >= 1; with per-client counts (``local_epochs``) each of them, and ``plan.local_steps`` their largest (a
+        callback that changed ``plan.local_steps`` alone is refused, naming it: the clients' own counts decide)."""
+        for cb in self._callbacks_with("on_round_start"):
+            before = plan.local_steps
+            cb.on_round_start(self.trainer, self, plan)
+            if plan.client_steps is not None and plan.local_steps != before:
+                raise ValueError(
+                    f"round {plan.round}: {type(cb).__name__}.on_round_start set plan.local_steps={plan.local_steps!r}"
+                    f", but with model.local_epochs={self.local_epochs} each client's steps are plan.client_steps; "
+                    "change those, or set model.local_steps instead of model.local_epochs")
+        label = f"round {plan.round}: local_steps"
+        if plan.client_steps is not None:
+            plan.client_steps = {int(c): integer("local_steps", n, label=f"{label} of client {c}")
+                                 for c, n in plan.client_steps.items()}
+            missing = [c for c in plan.client_ids if c not in plan.client_steps]
+            if missing:
+                raise ValueError(f"{label}: plan.client_steps has no entry for client(s) {missing}")
+            plan.local_steps = max(plan.client_steps[c] for c in plan.client_ids)
+        plan.local_steps = integer("local_steps", plan.local_steps, label=label)
+
     def training_step(self, plan: RoundPlan, batch_idx: int) -> None:
         trainer = self.trainer
         if not isinstance(plan, RoundPlan) or plan.round != self.global_step:
             # e.g. resumed mid-epoch with a restarted loader: the round is defined by the global step
             plan = self._datamodule().round_plan(self.global_step)
-        for cb in self._callbacks_with("on_round_start"):
-            cb.on_round_start(trainer, self, plan)
-        plan.local_steps = integer("local_steps", plan.local_steps, label=f"round {plan.round}: local_steps")
+        self._start_round(plan)
 
         strategy = self.strategy
         self._runtime.round_tensors = None  # the parameter list is re-read every round

@@ -36,7 +36,7 @@ TINY = ["--config", QUICK, "--trainer.max_steps", "1", "--trainer.logger", "fals
 COMMAND_LINES = [
     ("type float", ["--data.init_args.partition.init_args.alpha", "high"],
      "data.init_args.partition.init_args.alpha", ["expected a float, got 'high'"]),
-    ("type int", ["--model.local_steps", "abc"], "model.local_steps", ["expected an int, got 'abc'"]),
+    ("type int", ["--model.local_steps", "abc"], "model.local_steps", ["expected an int or null, got 'abc'"]),
     ("type int of a class", ["--data.init_args.batch_size", "1.5"], "data.init_args.batch_size",
      ["expected an int, got 1.5"]),
     ("type list item", ["--model.model.init_args.hidden", "[8, x]"], "model.model.init_args.hidden",
@@ -104,7 +104,7 @@ YAML_SNIPPETS = [
     ("yaml misspelled key", "model:\n  lcoal_steps: 5\n", "model.lcoal_steps", ["did you mean local_steps?"]),
     ("yaml misspelled section", "trainr:\n  max_steps: 3\n", "trainr.max_steps",
      ["unknown option 'trainr.max_steps' (did you mean trainer.max_steps?)"]),
-    ("yaml type", "model:\n  local_steps: five\n", "model.local_steps", ["expected an int, got 'five'"]),
+    ("yaml type", "model:\n  local_steps: five\n", "model.local_steps", ["expected an int or null, got 'five'"]),
     ("yaml renamed SPS c",
      "model:\n  client_optimizer:\n    class_path: fedlightning.optim.SPS\n    init_args:\n      c: 0.2\n",
      "model.client_optimizer.init_args.c", ["SPS's c is now polyak_c"]),

@@ -272,16 +272,27 @@ class KDecay(FederatedCallback):
     # ------------------------------------------------------------------ federated hooks
     def on_fit_start(self, trainer, pl_module) -> None:
         """``decay="client_lr"``: refuse, before any client trains, a client optimizer whose step size the scale
-        cannot reach (:func:`fedlightning.optim.check_client_step_scalable`, a ValueError naming it)."""
+        cannot reach (:func:`fedlightning.optim.check_client_step_scalable`, a ValueError naming it).
+        ``decay="local_steps"`` with the loop's ``local_epochs``: refused (the schedules decay a step count ``K_r``
+        from ``K_0``, and epochs give every client its own count; ``decay="client_lr"`` keeps the epochs and decays
+        the client step size, the paper's η-decay counterpart)."""
+        epochs = getattr(pl_module, "local_epochs", None)
+        if self.decay == "local_steps" and epochs is not None:
+            raise ValueError(
+                f"KDecay(decay='local_steps') schedules a number of local steps K_r from K_0, but the loop trains "
+                f"model.local_epochs={epochs} (each client's own step count); set KDecay(decay='client_lr') to decay "
+                "the client step size with the epochs kept, or model.local_steps instead of model.local_epochs")
         if self.decay == "client_lr":
             from fedlightning.optim import check_client_step_scalable
 
             check_client_step_scalable(pl_module.client_optimizer(list(pl_module._global_params())))
 
     def on_round_start(self, trainer, loop, plan) -> None:
-        k0 = self.k0 if self.k0 is not None else int(loop.local_steps)
+        epochs = plan.client_steps is not None  # local_epochs: decay="client_lr" only (on_fit_start), K untouched
+        k0 = self.k0 if self.k0 is not None else (plan.local_steps if epochs else int(loop.local_steps))
         k, scale = self.value(plan.round + 1, k0)
-        plan.local_steps = k
+        if not epochs:
+            plan.local_steps = k
         plan.client_lr_scale = plan.client_lr_scale * scale
         est = self.loss_estimate()
         self._last = {"schedule/local_steps": float(k), "schedule/client_lr_scale": float(scale)}

@@ -74,7 +74,7 @@ class RoundTimer(FederatedCallback):
 
     def on_round_end(self, trainer, loop, result) -> None:
         clients = float(result.metrics.get("round/clients", result.num_clients))
-        self._client_steps = clients * float(result.plan.local_steps)
+        self._client_steps = clients * float(result.metrics.get("round/local_steps", result.plan.local_steps))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._start is None:

@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_VAL_FRACTION",
     "check_val_fraction",
     "chronological_holdout",
+    "epoch_steps",
 ]
 
 #: Default fraction of the training data held out for validation (ours: a common 90/10 choice that keeps 90 % of
@@ -95,6 +96,20 @@ class ArrayDataset(Dataset):
         if isinstance(idx, (list, np.ndarray)):
             idx = torch.as_tensor(idx, dtype=torch.long)
         return self.x[idx], self.y[idx]
+
+
+def epoch_steps(epochs: float, batches_per_epoch: int) -> int:
+    """Local steps for ``epochs`` local epochs of ``batches_per_epoch`` mini-batches: ``⌈E · B⌉``, at least 1.
+
+    Decisions: for a whole number of epochs this is ``E · ⌈n_i/b⌉``, seed 002's ``K = E·⌈n_i/B⌉`` (its reference
+    code's epoch loop; FedAvg's ``E·n_k/B`` when ``b`` divides ``n_i``): every sample is seen ``E`` times, each epoch
+    a new shuffle, its last batch partial (dropped with ``drop_last``). A fractional ``E`` (ours) rounds up, so
+    ``E = 0.5`` of a 7-batch client is 4 steps. ``E`` is read as the decimal the user wrote (``Fraction(repr(E))``),
+    so ``0.1 · 30`` is 3 steps, not the 4 that binary rounding of ``0.1`` would give."""
+    from fractions import Fraction
+
+    exact = Fraction(repr(float(epochs))) * int(batches_per_epoch)
+    return max(1, -((-exact.numerator) // exact.denominator))
 
 
 class ClientBatchSampler(Sampler[List[int]]):
@@ -317,6 +332,7 @@ class FederatedDataModule(pl.LightningDataModule):
         # Set by the FederatedLoop (see configure_rounds).
         self.clients_per_round: Optional[int] = None
         self.local_steps: int = 1
+        self.local_epochs: Optional[float] = None
         self.sampling_seed: int = 0
 
     @classmethod
@@ -606,8 +622,24 @@ class FederatedDataModule(pl.LightningDataModule):
         return DataLoader(dataset, batch_sampler=batch_sampler, generator=generator, **self._loader_options(workers))
 
     # ------------------------------------------------------------------ rounds
-    def configure_rounds(self, clients_per_round: int, local_steps: int, seed: int) -> None:
-        """Called by the FederatedLoop at setup: how many clients a round samples and with which seed."""
+    def client_batches_per_epoch(self, client_id: int) -> int:
+        """Mini-batches in one epoch of ``client_dataloader(client_id)``: ``⌈n_i/b⌉``, or ``⌊n_i/b⌋`` with
+        ``drop_last`` (a client with fewer than ``b`` samples: one batch, :class:`ClientBatchSampler`)."""
+        self._require_setup()
+        n, b = self.client_num_samples(client_id), int(self.batch_size)
+        if self.drop_last and n >= b:
+            return n // b
+        return max(1, math.ceil(n / b))
+
+    def client_epoch_steps(self, client_id: int, epochs: float) -> int:
+        """Local steps of client ``client_id`` for ``epochs`` local epochs: ``⌈E · B_i⌉`` with ``B_i``
+        :meth:`client_batches_per_epoch`, at least 1 (:func:`epoch_steps`)."""
+        return epoch_steps(epochs, self.client_batches_per_epoch(client_id))
+
+    def configure_rounds(self, clients_per_round: int, local_steps: Optional[int], seed: int,
+                         local_epochs: Optional[float] = None) -> None:
+        """Called by the FederatedLoop at setup: how many clients a round samples, with which seed, and how many
+        local steps each runs (``local_steps`` for all, or ``local_epochs``: :meth:`client_epoch_steps` each)."""
         self._require_setup()
         eligible = len(self._eligible)
         clients_per_round = integer("clients_per_round", clients_per_round)
@@ -617,7 +649,8 @@ class FederatedDataModule(pl.LightningDataModule):
                 f"{self.num_clients}); lower clients_per_round or use more clients"
             )
         self.clients_per_round = int(clients_per_round)
-        self.local_steps = int(local_steps)
+        self.local_epochs = None if local_epochs is None else float(local_epochs)
+        self.local_steps = int(local_steps) if local_steps is not None else 1
         self.sampling_seed = int(seed)
 
     def sample_clients(self, round: int) -> List[int]:
@@ -628,7 +661,13 @@ class FederatedDataModule(pl.LightningDataModule):
         return [int(self._eligible[i]) for i in pick.tolist()]
 
     def round_plan(self, round: int) -> RoundPlan:
-        return RoundPlan(round=round, client_ids=self.sample_clients(round), local_steps=self.local_steps)
+        """Round ``round``'s clients and local steps (with ``local_epochs``: each client's own, in
+        ``plan.client_steps``, and ``plan.local_steps`` the largest)."""
+        clients = self.sample_clients(round)
+        if self.local_epochs is None:
+            return RoundPlan(round=round, client_ids=clients, local_steps=self.local_steps)
+        steps = {cid: self.client_epoch_steps(cid, self.local_epochs) for cid in clients}
+        return RoundPlan(round=round, client_ids=clients, local_steps=max(steps.values()), client_steps=steps)
 
     def _trainer_ref(self):
         return getattr(self, "trainer", None)

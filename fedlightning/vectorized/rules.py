@@ -88,7 +88,9 @@ class BatchedRule:
     **step(W, ev, record, alive)**, once per local step. ``W`` ([C, D]): row ``c`` holds client ``c``'s weights,
     the columns in the engine's storage order; update it in place. ``alive`` ([C] bool): the clients still
     training (with ``stops_on_nonfinite``, a client stops after its first non-finite loss, as sequential training
-    stops a closure optimizer); leave the other rows unchanged (:meth:`move`). ``ev`` evaluates this step's batches:
+    stops a closure optimizer; with ragged per-client step counts, a client whose own steps are done); leave the
+    other rows and their per-client state unchanged (:meth:`move`; the engine restores a finished client's row
+    itself, but not state that ``finalize`` writes back). ``ev`` evaluates this step's batches:
 
     * ``ev.gradient(W, alive, flat=True)`` -> ``(loss [C], g)``: one forward and backward of every client; ``g``
       is ``[C, D]`` in ``W``'s column order, or (``flat=False``) the per-parameter ``[C, *shape]`` gradients;
