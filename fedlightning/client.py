@@ -9,6 +9,11 @@ corrections). Two optimizer conventions are supported:
   only returns the loss, the optimizer runs ``backward`` itself and re-evaluates the closure under ``no_grad`` at
   trial points (the convention of the reference Sls code).
 
+:meth:`LocalTrainer.run` resolves once per client how its steps are taken (:class:`_StepPlan`) and runs one of two
+step loops with one signature: :func:`_lean_steps` (no objective terms, per-step hooks or closure-based optimizer:
+``training_step``'s loss straight) or :func:`_general_steps` (the client objective's closure, the model's per-step
+hooks, closure-based optimizers, reference mode). Both compute the same arithmetic.
+
 Trial evaluations (any closure call made with gradients disabled) must not change the model: every buffer
 (BatchNorm running statistics, ``num_batches_tracked``) is saved before and restored after such a call. The
 optimizers themselves restore the RNG state so each trial sees the gradient evaluation's dropout masks.
@@ -32,6 +37,8 @@ out (it averages the clients that had a loss). Nothing of this counts as a failu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
@@ -74,14 +81,16 @@ def extract_loss(output: Any, model_name: str = "model") -> Tensor:
     return loss.reshape(())
 
 
-def _cycle(loader: Iterable, steps: int) -> Iterator[Any]:
+def _cycle(loader: Iterable, steps: int, reference: Optional[bool] = None) -> Iterator[Any]:
     """Exactly ``steps`` batches from ``loader``, starting a new pass (a new shuffled epoch) whenever it runs out.
 
     Loaders that know how to do this themselves (``iter_steps``, e.g. the in-memory
-    :class:`~fedlightning.datamodules.base.ArrayBatchLoader`) are asked to, except in reference mode; they must give
-    the same batches."""
+    :class:`~fedlightning.datamodules.base.ArrayBatchLoader`) are asked to, except in reference mode (``reference``;
+    None: :func:`~fedlightning._reference.reference_mode`); they must give the same batches."""
     iter_steps = getattr(loader, "iter_steps", None)
-    if iter_steps is not None and not reference_mode():
+    if reference is None:
+        reference = reference_mode()
+    if iter_steps is not None and not reference:
         yield from iter_steps(steps)
         return
     yield from reiterate(loader, steps)
@@ -142,6 +151,216 @@ def _step_outputs(output: Any, loss: Tensor) -> Dict[str, Any]:
     return {"loss": loss, **extras}
 
 
+class _NoHooks:
+    """The per-step hook flags of a model whose class overrides none of them: the attributes of
+    :class:`~fedlightning.user_module.ClientHooks` that :func:`_general_steps` reads, all False."""
+
+    batch_start = transfer = zero_grad = before_backward = after_backward = before_step = batch_end = False
+
+
+_NO_HOOKS = _NoHooks()
+
+
+def _drop_grads(params: Sequence[Tensor]) -> None:
+    """What ``optimizer.zero_grad(set_to_none=True)`` does to ``params``, without its per-call profiling wrapper."""
+    for p in params:
+        p.grad = None
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """How one client takes its local steps: resolved once per :meth:`LocalTrainer.run` (the optimizer and the
+    objective terms are the client's), then read by the step loop chosen for it (``lean``).
+
+    Decisions (ours), each a fast path that reference mode (:func:`~fedlightning._reference.reference_mode`, read
+    once per run into ``reference``) turns off, with the same arithmetic either way (tests/test_lean_path.py,
+    tests/test_reference_mode.py):
+
+    * ``zero_grad``: gradients are cleared by dropping them (:func:`_drop_grads`) unless the optimizer overrides
+      ``zero_grad``, which is then called with ``set_to_none=True``;
+    * ``optimizer_step``: a plain SGD step is one ``_foreach_add_`` per group (:func:`_plain_sgd_lrs`), any other
+      optimizer's is its own ``step()``;
+    * ``lean``: a client without objective terms, per-step hooks or a closure-based optimizer runs
+      :func:`_lean_steps` (``training_step``'s loss straight, no closure object per step, no hook test); any other
+      client, and every client in reference mode, :func:`_general_steps`.
+
+    ``to_device`` is None when batches stay where the loader puts them (the model is not on a CUDA device);
+    ``devices`` are the CUDA devices whose RNG the client's model seed forks.
+    """
+
+    model: nn.Module
+    model_name: str
+    params: List[nn.Parameter]
+    buffers: List[Tensor]
+    metrics: Any
+    optimizer: torch.optim.Optimizer
+    terms: Sequence[ObjectiveTerm]
+    hooks: Any
+    convert: Optional[Callable[[Any], Any]]
+    to_device: Optional[Callable[[Any], Any]]
+    devices: List[torch.device]
+    zero_grad: Callable[[], None]
+    optimizer_step: Callable[[], Any]
+    grad_clip: Optional[float]
+    adaptive: bool
+    reference: bool
+    lean: bool
+
+
+@dataclass
+class _Tally:
+    """What a client's step loop counted: its losses (detached scalars of the steps that had one), step sizes, steps
+    run (skipped ones included), forward and backward passes and line-search backtracks."""
+
+    losses: List[Tensor]
+    step_sizes: List[float]
+    steps_run: int
+    forwards: int
+    backwards: int
+    backtracks: int = 0
+
+
+def _objective(plan: _StepPlan, batch: Any, step: int) -> Callable[[], Tensor]:
+    """The client objective on ``batch`` as a closure: ``training_step``'s loss plus the plan's terms. A call with
+    gradients disabled (a line search's trial point) restores every buffer and metric state afterwards; a gradient
+    evaluation whose ``training_step`` returns None raises :class:`_StepSkipped` and keeps ``training_step``'s
+    output in ``closure.output`` when the model's ``on_train_batch_end`` needs it."""
+    model, params, buffers, metrics, terms = plan.model, plan.params, plan.buffers, plan.metrics, plan.terms
+    model_name, keep_output = plan.model_name, plan.hooks.batch_end
+
+    def closure() -> Tensor:
+        trial = not torch.is_grad_enabled()
+        saved = [b.clone() for b in buffers] if (trial and buffers) else None
+        saved_metrics = metrics.save() if (trial and metrics is not None) else None
+        output = model.training_step(batch, step)
+        if output is None and not trial:  # Lightning's skipped step (module docstring): nothing to restore
+            raise _StepSkipped
+        loss = extract_loss(output, model_name)
+        if keep_output and not trial:
+            closure.output = output  # for on_train_batch_end
+        for term in terms:
+            loss = loss + term(params)
+        if saved is not None:
+            with torch.no_grad():
+                for b, s in zip(buffers, saved):
+                    b.copy_(s)
+        if saved_metrics is not None:
+            metrics.restore(saved_metrics)
+        return loss
+
+    closure.output = None
+    return closure
+
+
+def _lean_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
+    """The local steps of a client without objective terms, per-step hooks or a closure-based optimizer, outside
+    reference mode: ``zero_grad; loss = training_step; backward; [clip]; step`` with nothing else per step. A step
+    whose ``training_step`` returns None is skipped (module docstring)."""
+    model, model_name, params, param_groups = plan.model, plan.model_name, plan.params, plan.optimizer.param_groups
+    convert, to_device, zero_grad, optimizer_step = plan.convert, plan.to_device, plan.zero_grad, plan.optimizer_step
+    grad_clip = plan.grad_clip
+    losses: List[Tensor] = []
+    step_sizes: List[float] = []
+    steps_run = forwards = backwards = 0
+    for k, batch in enumerate(batches):
+        if convert is not None:
+            batch = convert(batch)
+        if to_device is not None:
+            batch = to_device(batch)
+        zero_grad()
+        steps_run += 1
+        output = model.training_step(batch, k)
+        forwards += 1
+        if output is None:  # a skipped step: no backward, no optimizer step, no loss
+            continue
+        loss = extract_loss(output, model_name)
+        loss.backward()
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer_step()
+        step_sizes.append(float(param_groups[0].get("lr", float("nan"))))
+        backwards += 1
+        losses.append(loss.detach())  # a scalar already (extract_loss); cast once after the loop
+    return _Tally(losses, step_sizes, steps_run, forwards, backwards)
+
+
+def _general_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
+    """The local steps of any client: the loss through the client objective's closure (:func:`_objective`), the
+    model's per-step hooks in Lightning's order (:class:`~fedlightning.user_module.ClientHooks`), closure-based
+    optimizers (``optimizer.step(closure)``, their step size and counts from ``optimizer.last_step``; a non-finite
+    loss ends the client's steps), skipped steps (module docstring)."""
+    model, optimizer, h = plan.model, plan.optimizer, plan.hooks
+    convert, to_device, zero_grad, optimizer_step = plan.convert, plan.to_device, plan.zero_grad, plan.optimizer_step
+    adaptive, grad_clip, params = plan.adaptive, plan.grad_clip, plan.params
+    losses: List[Tensor] = []
+    step_sizes: List[float] = []
+    steps_run = forwards = backwards = backtracks = 0
+    for k, batch in enumerate(batches):
+        if convert is not None:  # Lightning: precision conversion, then on_train_batch_start and transfer
+            batch = convert(batch)
+        if h.batch_start and model.on_train_batch_start(batch, k) == -1:
+            break  # Lightning's "skip the rest of the epoch": this client's local steps end here
+        if h.transfer:
+            batch = h.transfer_batch(model, batch)
+        elif to_device is not None:
+            batch = to_device(batch)
+        if h.zero_grad:
+            model.on_before_zero_grad(optimizer)
+        zero_grad()
+        steps_run += 1
+        closure = _objective(plan, batch, k)
+        if adaptive:
+            try:
+                loss = optimizer.step(closure)
+            except _StepSkipped:  # training_step returned None: the optimizer changed nothing
+                loss = None
+                forwards += 1
+            else:
+                info = getattr(optimizer, "last_step", None) or {}
+                step_sizes.append(float(info.get("step_size", float("nan"))))
+                backtracks += int(info.get("backtracks", 0))
+                forwards += int(info.get("forwards", 1))
+                backwards += int(info.get("backwards", 1))
+        else:
+            try:
+                loss = closure()
+            except _StepSkipped:
+                loss = None
+            forwards += 1
+            if loss is not None:
+                if h.before_backward:
+                    model.on_before_backward(loss)
+                loss.backward()
+                if h.after_backward:
+                    model.on_after_backward()
+            if h.before_step:
+                model.on_before_optimizer_step(optimizer)
+            if loss is not None:
+                if grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                optimizer_step()
+                step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
+                backwards += 1
+        if loss is None:  # a skipped step: Lightning's on_train_batch_end outputs are {}
+            if h.batch_end:
+                model.on_train_batch_end({}, batch, k)
+            continue
+        losses.append(loss.detach())  # a scalar already (extract_loss); cast once after the loop
+        if h.batch_end:
+            model.on_train_batch_end(_step_outputs(closure.output, losses[-1]), batch, k)
+        if adaptive and not math.isfinite(float(losses[-1])):
+            break  # adaptive optimizers refuse non-finite losses; stop early, the update is discarded
+    return _Tally(losses, step_sizes, steps_run, forwards, backwards, backtracks)
+
+
+def _seed_model_rng(seed: int, devices: Sequence[torch.device]) -> None:
+    """Seed the CPU generator and those of ``devices`` (CUDA) with ``seed``; not ``torch.manual_seed``, which also
+    queues a lazy CUDA seeding (with a stack trace) on every call."""
+    torch.default_generator.manual_seed(seed)
+    for dev in devices:
+        torch.cuda.default_generators[dev.index if dev.index is not None else 0].manual_seed(seed)
+
+
 class LocalTrainer:
     """Runs the local steps of one client on a working copy of the model.
 
@@ -172,34 +391,25 @@ class LocalTrainer:
         self.buffers: List[Tensor] = list(model.buffers())
         self.model_name = type(model).__name__
 
-    # ------------------------------------------------------------------
-    def _objective(self, batch: Any, step: int, terms: Sequence[ObjectiveTerm]) -> Callable[[], Tensor]:
-        model, params, buffers, metrics = self.model, self.params, self.buffers, self.metrics
-        hooks = self.hooks if (self.hooks is not None and self.hooks.batch_end) else None
-
-        def closure() -> Tensor:
-            trial = not torch.is_grad_enabled()
-            saved = [b.clone() for b in buffers] if (trial and buffers) else None
-            saved_metrics = metrics.save() if (trial and metrics is not None) else None
-            output = model.training_step(batch, step)
-            if output is None and not trial:  # Lightning's skipped step (module docstring): nothing to restore
-                raise _StepSkipped
-            loss = extract_loss(output, self.model_name)
-            if hooks is not None and not trial:
-                closure.output = output  # for on_train_batch_end
-            for term in terms:
-                loss = loss + term(params)
-            if saved is not None:
-                with torch.no_grad():
-                    for b, s in zip(buffers, saved):
-                        b.copy_(s)
-            if saved_metrics is not None:
-                metrics.restore(saved_metrics)
-            return loss
-
-        closure.output = None
-
-        return closure
+    def _plan(self, optimizer: torch.optim.Optimizer, terms: Sequence[ObjectiveTerm]) -> _StepPlan:
+        """This client's :class:`_StepPlan` (its decisions are documented there)."""
+        reference = reference_mode()
+        adaptive = bool(getattr(optimizer, "requires_closure", False))
+        hooks = self.hooks if (self.hooks is not None and self.hooks.any) else _NO_HOOKS
+        if not reference and type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad:
+            zero_grad = partial(_drop_grads, [p for g in optimizer.param_groups for p in g["params"]])
+        else:
+            zero_grad = partial(optimizer.zero_grad, set_to_none=True)
+        sgd_lrs = None if (adaptive or reference) else _plain_sgd_lrs(optimizer)
+        optimizer_step = optimizer.step if sgd_lrs is None else partial(_plain_sgd_step, optimizer, sgd_lrs)
+        devices = [self.params[0].device] if self.params and self.params[0].device.type == "cuda" else []
+        return _StepPlan(
+            model=self.model, model_name=self.model_name, params=self.params, buffers=self.buffers,
+            metrics=self.metrics, optimizer=optimizer, terms=terms, hooks=hooks, convert=self.convert_input,
+            to_device=self.to_device if devices else None, devices=devices, zero_grad=zero_grad,
+            optimizer_step=optimizer_step, grad_clip=self.grad_clip, adaptive=adaptive, reference=reference,
+            lean=not (reference or adaptive or terms or hooks is not _NO_HOOKS),
+        )
 
     def run(
         self,
@@ -220,109 +430,27 @@ class LocalTrainer:
 
         Dropout and any other ``torch`` randomness inside the model is seeded by ``(seed, "model", round,
         client_id)`` in a forked RNG, so it does not depend on the other clients of the round and leaves the
-        global RNG untouched.
+        global RNG untouched. The step loop (:func:`_lean_steps` or :func:`_general_steps`) is chosen once, by the
+        client's :class:`_StepPlan`.
         """
+        plan = self._plan(optimizer, terms)
+        steps = _lean_steps if plan.lean else _general_steps
         with torch.no_grad():
             torch._foreach_copy_(self.params, list(global_params))
             if self.buffers:
                 torch._foreach_copy_(self.buffers, list(global_buffers))
-        adaptive = getattr(optimizer, "requires_closure", False)
-        losses: List[Tensor] = []
-        step_sizes: List[float] = []
-        backtracks = forwards = backwards = steps_run = 0
-        devices = [self.params[0].device] if self.params and self.params[0].device.type == "cuda" else []
-        # Per-step path kept lean for small models: without extra objective terms the loss is the model's own
-        # training_step (no closure object per step); gradients are cleared by dropping them (what
-        # ``zero_grad(set_to_none=True)`` does, without its per-call profiling wrapper) unless the optimizer
-        # overrides ``zero_grad``; a plain SGD step is one ``_foreach_add_`` per group (``_plain_sgd_lrs``).
-        # Same arithmetic as the closure and ``optimizer.step()`` (tests/test_lean_path.py); reference mode
-        # (fedlightning._reference) takes the general path.
-        lean = not reference_mode()
-        plain_zero = lean and type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad
-        opt_params = [p for g in optimizer.param_groups for p in g["params"]] if plain_zero else []
-        sgd_lrs = None if (adaptive or not lean) else _plain_sgd_lrs(optimizer)
-        model, model_name, to_device = self.model, self.model_name, self.to_device
-        on_cpu = not devices
-        convert = self.convert_input
-        h = self.hooks  # None unless the model's class overrides a per-step hook (user_module.ClientHooks)
-        with torch.random.fork_rng(devices=devices):
-            model_seed = derive_seed(seed, "model", round, client_id)
-            # not torch.manual_seed: that also queues a lazy CUDA seeding (with a stack trace) on every call
-            torch.default_generator.manual_seed(model_seed)
-            for dev in devices:
-                torch.cuda.default_generators[dev.index if dev.index is not None else 0].manual_seed(model_seed)
-            for k, batch in enumerate(_cycle(loader, local_steps)):
-                if convert is not None:  # Lightning: precision conversion, then on_train_batch_start and transfer
-                    batch = convert(batch)
-                if h is not None and h.batch_start and model.on_train_batch_start(batch, k) == -1:
-                    break  # Lightning's "skip the rest of the epoch": this client's local steps end here
-                if h is not None and h.transfer:
-                    batch = h.transfer_batch(model, batch)
-                elif not on_cpu:
-                    batch = to_device(batch)
-                if h is not None and h.zero_grad:
-                    model.on_before_zero_grad(optimizer)
-                if plain_zero:
-                    for p in opt_params:
-                        p.grad = None
-                else:
-                    optimizer.zero_grad(set_to_none=True)
-                steps_run += 1
-                if adaptive:
-                    closure = self._objective(batch, k, terms)
-                    try:
-                        loss = optimizer.step(closure)
-                    except _StepSkipped:  # training_step returned None: the optimizer changed nothing
-                        loss = None
-                        forwards += 1
-                    else:
-                        output = closure.output
-                        info = getattr(optimizer, "last_step", None) or {}
-                        step_sizes.append(float(info.get("step_size", float("nan"))))
-                        backtracks += int(info.get("backtracks", 0))
-                        forwards += int(info.get("forwards", 1))
-                        backwards += int(info.get("backwards", 1))
-                else:
-                    if terms or not lean:
-                        closure = self._objective(batch, k, terms)
-                        try:
-                            loss = closure()
-                            output = closure.output
-                        except _StepSkipped:
-                            loss = None
-                    else:
-                        output = model.training_step(batch, k)
-                        loss = None if output is None else extract_loss(output, model_name)
-                    forwards += 1
-                    if loss is not None:
-                        if h is not None and h.before_backward:
-                            model.on_before_backward(loss)
-                        loss.backward()
-                        if h is not None and h.after_backward:
-                            model.on_after_backward()
-                    if h is not None and h.before_step:
-                        model.on_before_optimizer_step(optimizer)
-                    if loss is not None:
-                        if self.grad_clip is not None:
-                            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-                        if sgd_lrs is not None:
-                            _plain_sgd_step(optimizer, sgd_lrs)
-                        else:
-                            optimizer.step()
-                        step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
-                        backwards += 1
-                if loss is None:  # a skipped step: Lightning's on_train_batch_end outputs are {}
-                    if h is not None and h.batch_end:
-                        model.on_train_batch_end({}, batch, k)
-                    continue
-                losses.append(loss.detach())  # a scalar already (extract_loss); cast once after the loop
-                if h is not None and h.batch_end:
-                    model.on_train_batch_end(_step_outputs(output, losses[-1]), batch, k)
-                if adaptive and not math.isfinite(float(losses[-1])):
-                    break  # adaptive optimizers refuse non-finite losses; stop early, the update is discarded
+        with torch.random.fork_rng(devices=plan.devices):
+            _seed_model_rng(derive_seed(seed, "model", round, client_id), plan.devices)
+            tally = steps(plan, _cycle(loader, local_steps, plan.reference))
+        return self._update(client_id, global_flat, num_samples, tally, float_buffer_mask)
+
+    def _update(self, client_id: int, global_flat: Tensor, num_samples: int, tally: _Tally,
+                float_buffer_mask: Optional[Sequence[bool]]) -> ClientUpdate:
+        """The :class:`ClientUpdate` of the client whose steps ``tally`` counted: its delta from the global weights,
+        losses, counts, float buffers (``float_buffer_mask``) and failure (a non-finite loss or update)."""
         delta = global_flat - flat_params(self.params).to(global_flat.dtype)
-        if losses:
-            loss_vec = torch.stack(losses).float()
+        if tally.losses:
+            loss_vec = torch.stack(tally.losses).float()
             # one host transfer for the four per-client scalars (one sync on an accelerator instead of four)
             first, mean, loss_ok, delta_ok = torch.stack([
                 loss_vec[0], loss_vec.mean(), torch.isfinite(loss_vec).all().float(),
@@ -330,18 +458,18 @@ class LocalTrainer:
             ]).tolist()
         else:  # every step skipped (healthy, update 0), or none run (on_train_batch_start -1 at k = 0: failed)
             first = mean = float("nan")
-            loss_ok, delta_ok = float(steps_run > 0), float(bool(torch.isfinite(delta).all()))
+            loss_ok, delta_ok = float(tally.steps_run > 0), float(bool(torch.isfinite(delta).all()))
         update = ClientUpdate(
             client_id=client_id,
             delta=delta,
             num_samples=num_samples,
-            num_steps=steps_run,
+            num_steps=tally.steps_run,
             first_loss=first,
             mean_loss=mean,
-            step_sizes=step_sizes,
-            backtracks=backtracks,
-            forwards=forwards,
-            backwards=backwards,
+            step_sizes=tally.step_sizes,
+            backtracks=tally.backtracks,
+            forwards=tally.forwards,
+            backwards=tally.backwards,
         )
         if float_buffer_mask is not None and any(float_buffer_mask):
             kept = [b for b, m in zip(self.buffers, float_buffer_mask) if m]
