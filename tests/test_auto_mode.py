@@ -1,12 +1,16 @@
 """``client_execution="auto"``: vectorised only where it is faster for this model, round shape and device.
 
-The decision is tested deterministically: the clock that times the throw-away rounds is replaced by one that
-returns chosen durations. Checked: the rule itself, that auto's run is bit-identical to a run in the chosen mode
-(the measurement leaves no trace: no logged values, no client state, no random draws), that it measures once per
-run and logs one line naming both timings, and that models with random layers train sequentially unmeasured.
+The decision is tested deterministically: the clock that times the throw-away rounds is replaced by a virtual one
+that advances only when the measurement trains (chosen times per client-step in each mode). Checked: the rule
+itself, that auto's run is bit-identical to a run in the chosen mode (the measurement leaves no trace: no logged
+values, no client state, no random draws), that it measures once per run and logs one plain-words line with its
+choice and the measured speed ratio, that the measurement costs about one round where rounds are short (K of 1
+or 2), that recurrent models are measured like any other, and that models with dropout train sequentially
+unmeasured.
 """
 
 import logging
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -30,28 +34,55 @@ def test_auto_choice_rule(seq, vec, want):
     assert auto_choice(seq, vec, margin=1.0) == ("vectorized" if vec < seq else "sequential")
 
 
-def fake_clock(monkeypatch, seq_ms, vec_ms):
-    """_auto_decide's readings: 0 before the timed sequential round, ``seq_ms`` after it (the start of the timed
-    vectorised round), and ``seq_ms + vec_ms`` at every later reading (after each vectorised step and at its end):
-    the vectorised round takes ``vec_ms``, all of it in its first step."""
-    calls = []
+def virtual_clock(monkeypatch, seq, vec):
+    """Replace auto's clock by one that advances only while auto's measurement trains: ``seq`` per local step of a
+    client trained sequentially, ``vec`` per client per lockstep step of a vectorised throw-away round (the
+    warm-up's two clients included), so vectorised is ``seq / vec`` times as fast. Returns the counters: the
+    ``"sequential"`` and ``"vectorized"`` client-steps the measurement ran and ``"now"``, the clock (after the
+    run: what the measurement cost). Binary fractions keep the arithmetic exact. The budget's floor in seconds,
+    ``AUTO_MIN_BUDGET_SECONDS``, is set to 0: the clock's units are client-steps, not seconds."""
+    from fedlightning import FederatedLoop
 
-    def clock():
-        calls.append(1)
-        return {1: 0.0, 2: seq_ms / 1e3}.get(len(calls), (seq_ms + vec_ms) / 1e3)
+    seen = {"now": 0.0, "sequential": 0, "vectorized": 0}
+    train_client, run = FederatedLoop.train_client, auto._run
 
-    monkeypatch.setattr(auto, "_clock", clock)
-    return calls
+    def measuring(loop):
+        return loop.client_execution == "auto" and loop._runtime.auto_choice is None
+
+    def spy_client(self, plan, client_id, global_flat):
+        if measuring(self):
+            seen["sequential"] += plan.steps_for(client_id)
+            seen["now"] += seq * plan.steps_for(client_id)
+        return train_client(self, plan, client_id, global_flat)
+
+    def spy_run(loop, plan, client_ids, global_flat, throwaway=False, stop=None):
+        if not measuring(loop):
+            return run(loop, plan, client_ids, global_flat, throwaway=throwaway, stop=stop)
+
+        def step():
+            seen["vectorized"] += len(client_ids)
+            seen["now"] += vec * len(client_ids)
+
+        def timed_stop():  # asked after each lockstep step but the last
+            step()
+            return stop()
+
+        out = run(loop, plan, client_ids, global_flat, throwaway=throwaway,
+                  stop=None if stop is None else timed_stop)
+        if out is not None:
+            for _ in range(plan.local_steps if stop is None else 1):  # the steps no stop question followed
+                step()
+        return out
+
+    monkeypatch.setattr(FederatedLoop, "train_client", spy_client)
+    monkeypatch.setattr(auto, "_run", spy_run)
+    monkeypatch.setattr(auto, "_clock", lambda: seen["now"])
+    monkeypatch.setattr(auto, "AUTO_MIN_BUDGET_SECONDS", 0.0)
+    return seen
 
 
-def readings(vectorized_steps: int) -> int:
-    """Clock readings of one measurement whose timed vectorised round ran ``vectorized_steps`` local steps: two
-    around the sequential round, one after each vectorised step but the last of the timed round, one at its end."""
-    from test_vectorized import K
-
-    return 2 + min(vectorized_steps, min(K, auto.AUTO_MEASURE_STEPS) - 1) + 1
-
-
+def auto_lines(caplog):
+    return [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
 
 
 def assert_identical(a, b):
@@ -65,133 +96,217 @@ def assert_identical(a, b):
     assert [float(ma[k]) for k in logged] == [float(mb[k]) for k in logged]
 
 
+# The round: 6 clients, K = 5 (test_vectorized's CPR and K), so m = 5 timed steps and a sequential round of 30
+# client-steps. Times in units of the clock, worked by hand from _auto_decide's docstring:
+#  * seq 4, vec 1: warm-ups 2 x 1 + 4 = 6; sequential clients end at 26, 46, 66 (each time the next client's 5 steps
+#    and a vectorised step of 6 clients at sequential speed, 44, still fit in the budget 120); the vectorised
+#    round's steps take 6 each, all five fit (66 + 30 <= 120): 4.00x.
+#  * seq 1, vec 4: warm-ups 2 x 4 + 1 = 9; clients end at 14, 19, 24 (19 + 11 <= 30); one vectorised step takes
+#    24, a second would exceed the budget 30: estimated 24 x 5 = 120 against 30, 0.25x.
+WORDS = {
+    "vectorized": "training clients vectorized (4.00x faster than one at a time, measured on 5 local steps of 6 "
+                  "clients, 3 of them one at a time)",
+    "sequential": "training clients one at a time (sequential): vectorized measured 0.25x as fast on 1 local step of "
+                  "6 clients vectorized and 5 steps of 3 clients one at a time",
+}
+
+
 @pytest.mark.parametrize("opt", ["sgd", "armijo"])
-@pytest.mark.parametrize("seq_ms,vec_ms,chosen", [(40.0, 10.0, "vectorized"), (10.0, 40.0, "sequential")])
-def test_auto_equals_the_chosen_mode_and_logs_both_timings(monkeypatch, caplog, opt, seq_ms, vec_ms, chosen):
-    from test_vectorized import K
-
-    calls = fake_clock(monkeypatch, seq_ms, vec_ms)
+@pytest.mark.parametrize("seq,vec,chosen", [(4.0, 1.0, "vectorized"), (1.0, 4.0, "sequential")])
+def test_auto_equals_the_chosen_mode_and_says_why(monkeypatch, caplog, opt, seq, vec, chosen):
+    seen = virtual_clock(monkeypatch, seq, vec)
     with caplog.at_level(logging.INFO):
-        auto = fit(UserMLP(), CLIENT_OPTIMIZERS[opt], "auto")
-    # measured once, at the first round; a vectorised round that has lost after its first step stops there
-    assert len(calls) == readings(K if chosen == "vectorized" else 1)
-    assert auto[1].client_execution_choice == chosen
-    lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
-    assert len(lines) == 1
-    assert f"training clients {chosen}" in lines[0]
-    if chosen == "vectorized":
-        assert f"{seq_ms:.1f} ms sequential, {vec_ms:.1f} ms vectorized" in lines[0]
-    else:
-        assert f"{seq_ms:.1f} ms sequential, 1 took {vec_ms:.1f} ms vectorized, measurement stopped" in lines[0]
+        got = fit(UserMLP(), CLIENT_OPTIMIZERS[opt], "auto")
+    assert got[1].client_execution_choice == chosen
+    lines = auto_lines(caplog)
+    assert lines == [f"client_execution='auto': {WORDS[chosen]}"]  # measured once, at the first round
+    reason = got[1]._runtime.auto_reason
+    assert reason and reason in lines[0]
+    assert seen["sequential"] == 1 + 3 * 5
+    assert seen["vectorized"] == 2 + 6 * (5 if chosen == "vectorized" else 1)
     reference = fit(UserMLP(), CLIENT_OPTIMIZERS[opt], chosen)
-    assert_identical(auto, reference)
+    assert_identical(got, reference)
 
 
-def test_models_with_random_layers_train_sequentially_without_measuring(monkeypatch, caplog):
-    calls = fake_clock(monkeypatch, 40.0, 10.0)
+def test_models_with_dropout_train_sequentially_without_measuring(monkeypatch, caplog):
+    seen = virtual_clock(monkeypatch, 4.0, 1.0)  # a measurement would choose vectorized
     with caplog.at_level(logging.INFO):
-        auto = fit(UserMLP(dropout=0.2), CLIENT_OPTIMIZERS["sgd"], "auto")
-    assert calls == []
-    lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
-    assert len(lines) == 1 and "training clients sequential" in lines[0] and "random layers" in lines[0]
-    assert_identical(auto, fit(UserMLP(dropout=0.2), CLIENT_OPTIMIZERS["sgd"], "sequential"))
+        got = fit(UserMLP(dropout=0.2), CLIENT_OPTIMIZERS["sgd"], "auto")
+    assert seen == {"now": 0.0, "sequential": 0, "vectorized": 0}
+    assert auto_lines(caplog) == [
+        "client_execution='auto': training clients one at a time (sequential): the model has dropout, and vectorized "
+        "training would draw different dropout masks, so results would depend on this machine's speed; set "
+        "client_execution='vectorized' to use it anyway"]
+    assert_identical(got, fit(UserMLP(dropout=0.2), CLIENT_OPTIMIZERS["sgd"], "sequential"))
 
 
-def test_recurrent_models_train_sequentially_on_cpu_without_measuring(monkeypatch, caplog):
-    """The fused LSTM/GRU kernels have no batching rule; on a CPU the step-by-step gate equations are slower than
-    sequential training (docs/benchmarks.md §3), so auto does not spend a measurement on them."""
-    from fedlightning.models import CharLSTM
+@pytest.mark.parametrize("seq,vec,chosen", [(4.0, 1.0, "vectorized"), (1.0, 4.0, "sequential")])
+def test_recurrent_models_are_measured_on_cpu(monkeypatch, caplog, seq, vec, chosen):
+    """A GRU text classifier trains faster vectorised on a CPU, an LSTM slower (docs/benchmarks.md §3): recurrent
+    layers are measured like any model, and the measurement decides."""
+    from fedlightning.models import CharGRU
     from test_vectorized import CharWindows
 
-    calls = fake_clock(monkeypatch, 40.0, 10.0)  # a measurement would choose vectorized
+    seen = virtual_clock(monkeypatch, seq, vec)
     torch.manual_seed(6)
-    model = CharLSTM(vocab_size=10, embedding_dim=4, hidden_size=8, num_layers=1)
+    model = CharGRU(vocab_size=10, embedding_dim=4, hidden_size=8, num_layers=1)
     with caplog.at_level(logging.INFO):
         got = fit(model, CLIENT_OPTIMIZERS["sgd"], "auto", dm_fn=CharWindows, rounds=2)
-    assert calls == []
-    assert got[1].client_execution_choice == "sequential"
-    lines = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()]
-    assert len(lines) == 1 and "recurrent layers (LSTM)" in lines[0]
-    assert_identical(got, fit(model, CLIENT_OPTIMIZERS["sgd"], "sequential", dm_fn=CharWindows, rounds=2))
+    assert seen["sequential"] > 0 and seen["vectorized"] > 0
+    assert got[1].client_execution_choice == chosen
+    assert auto_lines(caplog) == [f"client_execution='auto': {WORDS[chosen]}"]
+    assert_identical(got, fit(model, CLIENT_OPTIMIZERS["sgd"], chosen, dm_fn=CharWindows, rounds=2))
 
 
-def test_measurement_times_a_few_local_steps_after_a_one_step_warm_up(monkeypatch):
-    """Warm-up: 1 step of one client sequentially and of two clients vectorized; timed: every client,
-    min(K, AUTO_MEASURE_STEPS) steps, each way."""
+def test_measurement_times_typical_clients_after_a_one_step_warm_up(monkeypatch):
+    """Warm-up: one step of the round's first client sequentially and of its first two clients vectorized; timed:
+    three clients sequentially (AUTO_SEQUENTIAL_CLIENTS; the clock's units are far above AUTO_SEQUENTIAL_SECONDS),
+    the clients ranked by batch size (min(samples, batch size)) at 1/2, 1/4 and 3/4 of the 6, m = min(K,
+    AUTO_MEASURE_STEPS) steps each, and every client vectorized."""
     from fedlightning import FederatedLoop
-    from test_vectorized import K
+    from test_vectorized import BATCH, K
 
-    fake_clock(monkeypatch, 40.0, 10.0)
+    virtual_clock(monkeypatch, 4.0, 1.0)
     monkeypatch.setattr(auto, "AUTO_MEASURE_STEPS", 2)
     assert K > 2
     seen = {"sequential": [], "vectorized": []}
     train_client, run = FederatedLoop.train_client, auto._run
 
     def spy_client(self, plan, client_id, global_flat):
-        seen["sequential"].append(plan.local_steps)
+        seen["sequential"].append((client_id, plan.local_steps))
         return train_client(self, plan, client_id, global_flat)
 
     def spy_run(loop, plan, client_ids, global_flat, throwaway=False, stop=None):
-        seen["vectorized"].append((len(client_ids), plan.local_steps, throwaway))
+        seen["vectorized"].append((list(client_ids), plan.local_steps, throwaway))
         return run(loop, plan, client_ids, global_flat, throwaway=throwaway, stop=stop)
 
     monkeypatch.setattr(FederatedLoop, "train_client", spy_client)
     monkeypatch.setattr(auto, "_run", spy_run)
     got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=2)
-    clients = len(got[2]) // 2  # updates of the two real rounds
-    assert seen["sequential"] == [1] + [2] * clients  # nothing sequential after choosing vectorized
-    assert seen["vectorized"] == [(2, 1, True), (clients, 2, True), (clients, K, False), (clients, K, False)]
+    clients = [u.client_id for u in got[2]]
+    first, second = clients[:len(clients) // 2], clients[len(clients) // 2:]  # the two real rounds' clients
+    assert len(first) == 6
+    assert [steps for _, steps in seen["sequential"]] == [1, 2, 2, 2]  # nothing sequential after choosing vectorized
+    assert seen["sequential"][0][0] == first[0]
+    dm = got[3].datamodule
+    size = {c: min(dm.client_num_samples(c), BATCH) for c in first}
+    ranked = sorted(size.values())
+    assert [size[c] for c, _ in seen["sequential"][1:]] == [ranked[3], ranked[1], ranked[4]]
+    assert seen["vectorized"] == [(first[:2], 1, True), (first, 2, True), (first, K, False), (second, K, False)]
     assert all(u.num_steps == K for u in got[2])
 
 
-@pytest.mark.parametrize("per_step_ms,steps_run,chosen", [(30.0, 2, "sequential"), (6.0, 5, "vectorized")])
-def test_vectorized_measurement_stops_once_it_cannot_win(monkeypatch, caplog, per_step_ms, steps_run, chosen):
-    """The timed vectorised round is asked after each step whether its time so far already rules it out (more than
-    sequential's time / AUTO_MARGIN): 40 ms sequential for 5 steps, vectorised at 30 ms per step has lost after 2
-    steps (60 ms > 36.4 ms) and stops there; at 6 ms per step it runs all 5 (30 ms) and is chosen. A stopped
-    measurement leaves no trace: the run equals a sequential run."""
-    from fedlightning import FederatedLoop
+@pytest.mark.parametrize("vec,chosen,words", [
+    (2.0, "sequential", "training clients one at a time (sequential): vectorized measured 0.50x as fast on 1 local "
+                        "step of 6 clients vectorized and 2 steps of 3 clients one at a time; its measurement stopped "
+                        "after 1 of 2 steps, as it could no longer be faster"),
+    (0.5, "vectorized", "training clients vectorized (2.00x faster than one at a time, measured on 2 local steps of "
+                        "6 clients, 3 of them one at a time)"),
+])
+def test_vectorized_measurement_stops_once_it_cannot_win(monkeypatch, caplog, vec, chosen, words):
+    """The timed vectorised round is asked after each step whether its time so far already rules it out, even if
+    its remaining timed steps took no time. m = 2 timed steps of K = 5; sequential 1 per client-step, a round of
+    30. At 2 per client-step (12 per lockstep step) the first step's 12 already means a round of at least
+    12 / 2 x 5 = 30, not 1.1x faster than 30: it stops there (the budget, 30 - 11 spent, would allow the second
+    step). At 0.5 both steps run and vectorized is chosen. A stopped measurement leaves no trace: the run equals
+    a sequential run."""
     from test_vectorized import K
 
-    monkeypatch.setattr(auto, "AUTO_MEASURE_STEPS", 5)
-    assert K == 5  # the timed rounds run K steps, which real rounds run too
-    clock = {"now": 0.0}
-    monkeypatch.setattr(auto, "_clock", lambda: clock["now"])
-    train_client, run = FederatedLoop.train_client, auto._run
-    asked = []
-
-    def spy_client(self, plan, client_id, global_flat):
-        if plan.local_steps == 5 and clock["now"] < 0.040:
-            clock["now"] = 0.040  # the timed sequential round (its first client onwards): 40 ms
-        return train_client(self, plan, client_id, global_flat)
-
-    def spy_run(loop, plan, client_ids, global_flat, throwaway=False, stop=None):
-        if stop is None:
-            return run(loop, plan, client_ids, global_flat, throwaway=throwaway)
-
-        def timed_stop():  # asked after each step but the last: that step took per_step_ms
-            asked.append(1)
-            clock["now"] += per_step_ms / 1e3
-            return stop()
-
-        out = run(loop, plan, client_ids, global_flat, throwaway=throwaway, stop=timed_stop)
-        if out is not None:
-            clock["now"] += per_step_ms / 1e3  # the last step
-        return out
-
-    monkeypatch.setattr(FederatedLoop, "train_client", spy_client)
-    monkeypatch.setattr(auto, "_run", spy_run)
+    monkeypatch.setattr(auto, "AUTO_MEASURE_STEPS", 2)
+    assert K == 5
+    seen = virtual_clock(monkeypatch, 1.0, vec)
     with caplog.at_level(logging.INFO):
         got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto")
     assert got[1].client_execution_choice == chosen
-    assert len(asked) == min(steps_run, 4)
-    line = [r.getMessage() for r in caplog.records if "client_execution='auto'" in r.getMessage()][0]
-    if chosen == "sequential":
-        assert "40.0 ms sequential, 2 took 60.0 ms vectorized, measurement stopped" in line
-    else:
-        assert "40.0 ms sequential, 30.0 ms vectorized (1.33x" in line
+    assert auto_lines(caplog) == [f"client_execution='auto': {words}"]
+    assert seen["vectorized"] == 2 + 6 * (1 if chosen == "sequential" else 2)
     monkeypatch.undo()
     assert_identical(got, fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], chosen))
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("vec", [1.0, 0.25])
+def test_measurement_costs_about_one_round_when_rounds_are_short(monkeypatch, caplog, steps, vec):
+    """K = 1 or 2, 6 clients: a round of 6 or 12 sequential client-steps (time 1 each). The whole measurement
+    (warm-ups included) costs at most that round, or, where even that is too little, its floor: the warm-ups (two
+    vectorised client-steps, one sequential), one client's K steps sequentially and one vectorised step of the 6
+    clients. Timing every client both ways (min(K, 5) steps each) would cost more than a round in every case."""
+    import test_vectorized
+
+    monkeypatch.setattr(test_vectorized, "K", steps)
+    seen = virtual_clock(monkeypatch, 1.0, vec)
+    with caplog.at_level(logging.INFO):
+        got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=1)
+    C = 6
+    round_ = C * steps
+    floor = (2 * vec + 1) + steps + C * vec
+    every_client_both_ways = (2 * vec + 1) + round_ + round_ * vec
+    assert every_client_both_ways > round_
+    assert 0 < seen["now"] <= max(round_, floor)
+    assert seen["now"] == seen["sequential"] + seen["vectorized"] * vec
+    chosen = "vectorized" if vec == 0.25 else "sequential"  # 4x faster; as fast (not by the 1.1 margin)
+    assert got[1].client_execution_choice == chosen
+    line = auto_lines(caplog)[0]
+    assert ("4.00x faster than one at a time" if chosen == "vectorized" else
+            "vectorized measured 1.00x as fast") in line
+    if chosen == "sequential":
+        assert line.endswith("; it is used only when at least 1.1x faster")
+
+
+@pytest.mark.parametrize("seconds,clients", [(0.05, 3), (1000.0, 6)])
+def test_a_cheap_round_is_measured_in_full_within_the_minimum_budget(monkeypatch, seconds, clients):
+    """Where one round costs less than AUTO_MIN_BUDGET_SECONDS, the budget does not cut the measurement short:
+    the K = 2, 6-client round that the one-round budget measures at its floor (previous test: one client, one
+    vectorised step) is measured on both steps vectorised and, sequentially, on AUTO_SEQUENTIAL_CLIENTS clients
+    once they have taken AUTO_SEQUENTIAL_SECONDS (here at once: 2 units per client), else on more, up to all 6,
+    each once."""
+    import test_vectorized
+
+    monkeypatch.setattr(test_vectorized, "K", 2)
+    seen = virtual_clock(monkeypatch, 1.0, 1.0)
+    monkeypatch.setattr(auto, "AUTO_MIN_BUDGET_SECONDS", 1000.0)  # the round costs 12
+    monkeypatch.setattr(auto, "AUTO_SEQUENTIAL_SECONDS", seconds)
+    timed = []
+    train_client = auto._throwaway_sequential
+
+    @contextmanager
+    def spy(loop):
+        with train_client(loop):
+            from fedlightning import FederatedLoop
+            inner = FederatedLoop.train_client
+            monkeypatch.setattr(FederatedLoop, "train_client",
+                                lambda self, plan, cid, flat: (timed.append(cid), inner(self, plan, cid, flat))[1])
+            yield
+            monkeypatch.setattr(FederatedLoop, "train_client", inner)
+
+    monkeypatch.setattr(auto, "_throwaway_sequential", spy)
+    got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=1)
+    assert (seen["sequential"], seen["vectorized"]) == (1 + clients * 2, 2 + 6 * 2)
+    first = sorted(u.client_id for u in got[2])
+    assert len(timed) == 1 + clients and len(set(timed[1:])) == clients and set(timed) <= set(first)
+    assert got[1].client_execution_choice == "sequential"  # as fast, not by the margin
+
+
+def test_ragged_step_counts_are_estimated_from_each_clients_steps(monkeypatch, caplog):
+    """With local_epochs, each client runs its own number of steps K_c: sequential training costs the sum of them,
+    a vectorised round K = max K_c lockstep steps of all C clients (finished clients are masked, not skipped), so
+    at equal cost per client-step vectorised is sum(K_c) / (C K) as fast."""
+    import re
+
+    import test_vectorized
+
+    monkeypatch.setattr(test_vectorized, "K", None)
+    vec = 0.125
+    virtual_clock(monkeypatch, 1.0, vec)
+    with caplog.at_level(logging.INFO):
+        got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=1, local_epochs=1.0)
+    steps = [u.num_steps for u in got[2]]
+    assert len(steps) == 6 and len(set(steps)) > 1
+    want = sum(steps) / (len(steps) * max(steps) * vec)
+    line = auto_lines(caplog)[0]
+    ratio = float(re.search(r"([0-9.]+)x (faster|as fast)", line).group(1))
+    assert ratio == pytest.approx(want, abs=0.005)
+    assert got[1].client_execution_choice == auto_choice(sum(steps), max(steps) * len(steps) * vec)
 
 
 def oom_on_call(monkeypatch, which):
@@ -220,9 +335,9 @@ def test_auto_trains_sequentially_when_vectorized_runs_out_of_memory(monkeypatch
     mode's from the round that ran out on (bit for bit when that is the measurement)."""
     if when == "measurement":
         oom_on_call(monkeypatch, 1)  # auto's warm-up throw-away round
-        fake_clock(monkeypatch, 40.0, 10.0)
+        virtual_clock(monkeypatch, 4.0, 1.0)
     else:
-        fake_clock(monkeypatch, 40.0, 10.0)  # vectorized is chosen ...
+        virtual_clock(monkeypatch, 4.0, 1.0)  # vectorized is chosen ...
         calls = oom_on_call(monkeypatch, 4)  # ... warm-up, timed and real round 0 run; round 1 runs out
     with pytest.warns(UserWarning, match=r"client_execution='auto': training clients sequentially \(vectorized "
                                          r"clients ran out of accelerator memory: CUDA out of memory\. Tried to "
