@@ -1,11 +1,13 @@
 r"""The model's ``training_step`` run under vmap over client rows: one loss per row and the values it logged.
 
 :class:`_ModelCall` puts each row's weights in the modules' parameter slots and calls ``training_step`` on the row's
-batch; on padded steps (clients' batches of different sizes) each row's loss is the mean over its real samples,
-from the model's ``training_step_per_sample``, from per-sample loss interception
-(:mod:`fedlightning.vectorized.losses`) or from one ``training_step`` call per sample, the first that applies.
-Normalisation layers run per client (:mod:`fedlightning.vectorized.norms`) and torchmetrics calls are recorded
-(:mod:`fedlightning.vectorized.metrics`); a gradient evaluation's :class:`_Effects` carry both out of the call.
+batch through one of the paths of :mod:`fedlightning.vectorized.rows`: whole rows take ``training_step``'s loss; on
+padded steps (clients' batches of different sizes) each row's loss is the mean over its real samples, from the
+model's ``training_step_per_sample``, from per-sample loss interception (:mod:`fedlightning.vectorized.losses`) or
+from one ``training_step`` call per sample, the first that applies, chosen once per engine
+(:func:`~fedlightning.vectorized.rows.choose_padded_rows`). Normalisation layers run per client
+(:mod:`fedlightning.vectorized.norms`) and torchmetrics calls are recorded (:mod:`fedlightning.vectorized.metrics`);
+a gradient evaluation's :class:`_Effects` carry both out of the call.
 """
 
 from __future__ import annotations
@@ -18,38 +20,35 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning._logging_route import routed_logging
-from fedlightning.client import extract_loss as _extract_loss
 
 from .losses import LossInterception
 from .metrics import _MetricCalls, _MetricStep, _metric_modules, _metric_types, _Pending
 from .norms import _NormLayers
-from .support import VectorizationUnsupportedError, _has_random_layers, _per_sample_protocol, _vmappable_rnns
+from .rows import (
+    InterceptionFailed,
+    _InterceptedRows,
+    _info,  # noqa: F401 - the package's rank-zero info line (vectorized.auto imports it from here)
+    _ProtocolRows,
+    _SampleRows,
+    _unrecognised,
+    _WholeRows,
+    choose_padded_rows,
+    extract_loss,
+    per_sample_fallback,
+)
+from .support import _has_random_layers, _per_sample_protocol, _vmappable_rnns
 from .torch_internals import (
-    _is_batched,
     _linear_forward,
     _parameter_slots,
     _plain_linears,
     _rnn_forward,
-    _rng_state,
-    _set_rng_state,
     _shadowed_forwards,
     _tensors_in_slots,
-    _vmap0,
     tree_flatten,
     tree_unflatten,
 )
 
-
-def extract_loss(output: Any, model_name: str) -> Tensor:
-    """The loss of a ``training_step`` output (:func:`fedlightning.client.extract_loss`); ``None`` (Lightning's
-    skipped step, which sequential training supports) is refused by name: a step that some clients skip and others
-    take cannot be one batched computation, so ``"auto"`` trains such a module sequentially."""
-    if output is None:
-        raise VectorizationUnsupportedError(
-            f"{model_name}.training_step returned None (Lightning's skipped step), which "
-            "client_execution='vectorized' cannot run per client; use client_execution='sequential' (or 'auto')"
-        )
-    return _extract_loss(output, model_name)
+__all__ = ["extract_loss", "_Effects", "_LogCollector", "_ModelCall", "_info", "_tf32", "_tolerance"]
 
 
 class _LogCollector:
@@ -105,43 +104,6 @@ class _LogCollector:
             self.log(k, v)
 
 
-def _logged_value(value: Tensor, batch_dims: int) -> Tensor:
-    """A logged one-element value as it left vmap (``[R, *shape]`` or ``[R, n_max, *shape]``), detached, with its
-    one element per row / cell, as float32: what ``value.detach().reshape(()).float()`` gives inside vmap."""
-    return value.detach().reshape(value.shape[:batch_dims]).float()
-
-
-class _ModuleTracker:
-    """Remembers which module was executing when a batched call failed (to name the layer in the error)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.stack: List[str] = []
-        self.failed_in: Optional[str] = None
-        self.handles: list = []
-
-    def __enter__(self) -> "_ModuleTracker":
-        for name, module in self.model.named_modules():
-            label = f"'{name}' ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
-
-            def pre(mod, args, label=label):
-                self.stack.append(label)
-
-            def post(mod, args, out, label=label):
-                if self.stack:
-                    self.stack.pop()
-
-            self.handles.append(module.register_forward_pre_hook(pre))
-            self.handles.append(module.register_forward_hook(post))
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and self.stack:
-            self.failed_in = self.stack[-1]
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
 
 class _Effects:
     """What a gradient evaluation's batched ``training_step`` call leaves besides losses and logged values: the
@@ -182,22 +144,23 @@ def _tf32(device: torch.device) -> bool:
     return legacy or torch.get_float32_matmul_precision() != "highest"
 
 
+
 class _ModelCall:
     """The wrapped model's ``training_step`` on rows of client weights and batches, as one vmapped call.
 
     Each row's parameter tensors go straight into the modules' parameter slots (what ``functional_call`` does,
     without its per-call name resolution). While the model runs under vmap (:meth:`_vmap_context`) ``self.log``
     goes to a :class:`_LogCollector`, RNN layers run in plain tensor ops, normalisation layers run per client with
-    the rows' running statistics and torchmetrics calls are recorded. :meth:`row_values` gives one loss per row; the
-    first call of each path runs under a :class:`_ModuleTracker`, so a layer ``vmap`` cannot run is reported by name.
+    the rows' running statistics and torchmetrics calls are recorded. :meth:`row_values` gives one loss per row
+    through a path of :mod:`fedlightning.vectorized.rows`: ``whole_rows`` for whole rows, ``padded_rows`` for
+    padded ones, chosen on the first padded step (None until then).
 
-    Decisions (ours): work stays outside vmap where it can. On padded steps the vmapped function returns every
-    cell's value and the masked per-client sums are taken after vmap (the same ops without batching rules); the
-    per-sample ``unsqueeze`` is a view taken before vmap; logged values leave vmap as they are and are detached,
-    reshaped and cast outside. The per-sample protocol is not used for models with BatchNorm (a sample's loss
-    depends on the client's batch) nor for modules whose ``training_step`` calls a torchmetrics metric (the metric
-    calls are ``training_step``'s; found by one call on a sample, once per engine): their padded steps go through
-    loss interception, which calls ``training_step`` itself.
+    Decisions (ours): the per-sample protocol is not used for models with BatchNorm (a sample's loss depends on the
+    client's batch) nor for modules whose ``training_step`` calls a torchmetrics metric (the metric calls are
+    ``training_step``'s; found by one call on a sample, once per engine): their padded steps go through loss
+    interception, which calls ``training_step`` itself. The padded path is chosen once; the only change after that
+    is loss interception giving way to the per-sample path on a call it cannot run
+    (:class:`~fedlightning.vectorized.rows.InterceptionFailed`), for good.
     """
 
     def __init__(self, model: nn.Module, named: Sequence[Tuple[str, Tensor]], dtype: torch.dtype):
@@ -209,30 +172,54 @@ class _ModelCall:
         self.metric_calls = _MetricCalls(_metric_modules(model))
         self.collector = _LogCollector(self.metric_calls)
         self.norms = _NormLayers(model)
-        self.per_sample_step = None if self.norms else _per_sample_protocol(model)
-        # padded steps of a model without the protocol: per-sample loss interception (losses.py) while it is
-        # recognised; None = not tried yet, True = in use, False = generic path (reason in padded_path_reason)
-        self.intercept: Optional[bool] = None
-        self.padded_path_reason = ""
+        #: the model's ``training_step_per_sample`` if padded steps may use it (never with normalisation layers)
+        self.protocol = None if self.norms else _per_sample_protocol(model)
         # layers computed another way under vmap: recurrent layers in plain tensor ops, linear layers batched
         self.forwards = [(m, _rnn_forward) for m in _vmappable_rnns(model)] + \
             [(m, _linear_forward) for m in _plain_linears(model)]
         self.deterministic = not _has_random_layers(model)
-        self.probed: set = set()
-        self._mask_terms: Optional[Tuple[Tensor, int, Tuple[Tensor, Tensor, Tensor]]] = None
+        self.whole_rows = _WholeRows(self)
+        self.padded_rows: Optional[Any] = None  # chosen on the first padded step (choose_padded_rows)
+        self._may_intercept = True  # False: padded steps without the protocol take the per-sample path (intercept)
 
-    def _row_terms(self, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """``(m, counts, weights)`` of a ``[R, n_max]`` mask of real cells: the mask in the parameters' dtype, the
-        rows' counts and ``m / counts``; reused while the same mask tensor comes back unchanged (the steps of a
-        round with the same sizes share their layout's mask; an in-place write bumps its version)."""
-        hit = self._mask_terms
-        if hit is not None and hit[0] is mask and hit[1] == mask._version:
-            return hit[2]
-        m = mask.to(self.dtype)
-        counts = m.sum(1)
-        terms = (m, counts, m / counts[:, None])
-        self._mask_terms = (mask, mask._version, terms)
-        return terms
+    # ------------------------------------------------------------------ the chosen paths, as tests read them
+    @property
+    def per_sample_step(self) -> Optional[Callable[[Any, int], Tensor]]:
+        """The model's ``training_step_per_sample`` while padded steps use it or have not been chosen yet, else
+        None."""
+        if self.padded_rows is None or isinstance(self.padded_rows, _ProtocolRows):
+            return self.protocol
+        return None
+
+    @property
+    def intercept(self) -> Optional[bool]:
+        """Whether padded steps use loss interception: True, False (the per-sample path), None (not chosen yet, or
+        the per-sample protocol). Setting it to False pins padded steps without the protocol to the per-sample path
+        (tests compare the two paths this way)."""
+        if isinstance(self.padded_rows, _InterceptedRows):
+            return True
+        if isinstance(self.padded_rows, _SampleRows):
+            return False
+        return None
+
+    @intercept.setter
+    def intercept(self, value: bool) -> None:
+        if value is not False:
+            raise ValueError(f"intercept can only be set to False (the per-sample path), got {value!r}")
+        self._may_intercept = False
+        if isinstance(self.padded_rows, _InterceptedRows):
+            self.padded_rows = _SampleRows(self, "")
+
+    @property
+    def padded_path_reason(self) -> str:
+        """Why padded steps take their path ("" before the first padded step)."""
+        return self.padded_rows.reason if self.padded_rows is not None else ""
+
+    @property
+    def probed(self) -> set:
+        """The names of the paths whose first call ran (under the layer tracker) and succeeded."""
+        return {rows.name for rows in (self.whole_rows, self.padded_rows) if getattr(rows, "probed", False)}
+
 
     @property
     def metric_modules(self) -> List[Tuple[str, nn.Module]]:
@@ -269,135 +256,22 @@ class _ModelCall:
         evaluation, whose effects are dropped); ``min_count``: the smallest real batch of the rows (read from
         ``mask`` when not given).
 
-        Cell rows take the first path that applies: the model's per-sample protocol (one
-        ``training_step_per_sample`` call per row, :func:`~fedlightning.vectorized.support._per_sample_protocol`);
-        per-sample loss interception (:meth:`_intercepted_row_values`); the generic path (one ``training_step``
-        call per sample, an inner vmap)."""
+        Whole rows take ``whole_rows``; cell rows take ``padded_rows``, chosen on the first of them by
+        :func:`~fedlightning.vectorized.rows.choose_padded_rows` (the model's per-sample protocol, per-sample loss
+        interception or one ``training_step`` call per sample, the first that applies)."""
         stats = self.norms.rows(clients) if self.norms.stats else []
         if mask is None:
-            mode = "whole"
             min_count = tree_flatten(batch)[0][0].shape[1]
-        else:
-            if min_count is None:
-                min_count = int(mask.sum(1).min()) if self.norms else 2
-            if self.per_sample_step is not None:
-                mode = "per-sample protocol"
-            elif self.intercept is not False:
-                return self._intercepted_row_values(views, batch, mask, step, cells, clients, stats, effects,
-                                                   min_count)
-            else:
-                mode = "per-sample"
-                mixing = self.norms.batch_dependent()
-                if mixing:
-                    raise VectorizationUnsupportedError(
-                        f"client_execution='vectorized': {', '.join(mixing)} computes statistics over a client's "
-                        "batch, which padded steps (clients' batches of unequal size) can only restrict to the "
-                        "client's real samples through loss interception, and it does not apply to "
-                        f"{type(self.model).__name__} ({self.padded_path_reason}); return a standard mean loss "
-                        "(e.g. F.cross_entropy) from training_step, or use client_execution='sequential' (or 'auto')"
-                    )
-        with self._vmap_context():
-            if mode == "per-sample protocol" and mode not in self.probed and \
-                    not self._check_per_sample_protocol(views, batch, mask, step):
-                self.per_sample_step = None  # training_step calls a metric: padded steps call training_step
-                mode = ""
-            elif mode in self.probed:
-                return self._row_values_vmapped(views, batch, mask, step, cells, stats, effects, min_count)
-            else:
-                tracker = _ModuleTracker(self.model)  # first call of each mode: name the layer if vmap fails
-                try:
-                    with tracker:
-                        out = self._row_values_vmapped(views, batch, mask, step, cells, stats, effects, min_count)
-                except VectorizationUnsupportedError:
-                    raise
-                except Exception as err:  # noqa: BLE001 - re-raised with the layer that failed
-                    where = tracker.failed_in or f"the model ({type(self.model).__name__})"
-                    raise VectorizationUnsupportedError(
-                        f"client_execution='vectorized' failed in {where} while running the clients under "
-                        f"torch.func.vmap: {type(err).__name__}: {err}. Use client_execution='sequential' (or "
-                        "'auto' to fall back automatically)"
-                    ) from err
-                self.probed.add(mode)
-                return out
-        return self._intercepted_row_values(views, batch, mask, step, cells, clients, stats, effects, min_count)
-
-    def _row_values_vmapped(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int,
-                            want_cells: bool, stats: List[Tensor], effects: Optional[_Effects], min_count: int):
-        model, collector, metric_calls, norms = self.model, self.collector, self.metric_calls, self.norms
-        model_name = type(model).__name__
-        leaves, spec = tree_flatten(batch)
-        nv, ns = len(views), len(stats)
-        record = effects is not None
-        sizes = [0, 0]  # values logged, metric tensors: the outputs that follow the loss
-
-        def one_call(vs: Sequence[Tensor], st: Sequence[Tensor], b: Any, rows: str, n: int = 0,
-                     row_mask: Optional[Tensor] = None, count: Optional[Tensor] = None):
-            """``training_step(b, step)`` with the parameter slots holding ``vs`` (as ``functional_call``) and the
-            normalisation layers the running statistics ``st``."""
-            collector.reset(per_sample=rows == "padded")
-            metric_calls.begin(record, rows, n)
-            norms.begin(st, row_mask, count, min_count)
-            if rows == "padded":
-                loss = self._per_sample_losses(vs, b, step, n)
-            else:
-                with self._weights_in_slots(vs):
-                    loss = extract_loss(model.training_step(b, step), model_name)
-            outs = metric_calls.outputs()
-            sizes[:] = [len(collector.values), len(outs)]
-            return loss, list(collector.values), outs, norms.end()
-
-        # flat positional arguments and outputs: vmap's argument handling is a pytree walk per call
-        if mask is None:
-            def per_row(*args):
-                loss, logged, outs, new = one_call(args[:nv], args[nv:nv + ns],
-                                                   tree_unflatten(list(args[nv + ns:]), spec), "whole")
-                return (loss, *logged, *outs, *new)
-
-            out = _vmap0(per_row, [*views, *stats, *leaves])
-            nl, nm = sizes
-            self._keep_effects(effects, out[1 + nl:1 + nl + nm], out[1 + nl + nm:], None)
-            return out[0], list(zip(list(collector.names), [_logged_value(v, 1) for v in out[1:1 + nl]]))
-        if self.per_sample_step is not None:
-            n_max = mask.shape[1]
-            as_loss: List[str] = []  # names logged with the loss tensor itself (Classifier's train/batch_loss)
-            names: List[str] = []
-
-            def per_row_samples(*args):
-                """``training_step_per_sample`` on the row's whole (padded) batch: ``[n_max]`` losses."""
-                losses, logged, outs, new = one_call(args[:nv], args[nv:nv + ns],
-                                                     tree_unflatten(list(args[nv + ns:]), spec), "padded", n_max)
-                own = [(n, v) for n, v in zip(collector.names, logged) if v is not losses]
-                as_loss[:] = [n for n, v in zip(collector.names, logged) if v is losses]
-                names[:] = [n for n, _ in own]
-                sizes[0] = len(own)
-                return (losses, *[v for _, v in own], *outs, *new)
-
-            out = _vmap0(per_row_samples, [*views, *stats, *leaves])
-            collector.reset()
-            nl, nm = sizes
-            self._keep_effects(effects, out[1 + nl:1 + nl + nm], out[1 + nl + nm:], mask)
-            # values logged with another length than the batch have no per-sample meaning: dropped
-            kept = [(name, v.detach().float()) for name, v in zip(names, out[1:1 + nl])
-                    if tuple(v.shape) == tuple(mask.shape)]
-            return self._padded_result(out[0], mask, as_loss, kept, want_cells)
-
-        def per_row_cells(*args):
-            vs, st = args[:nv], args[nv:nv + ns]
-
-            def per_sample(*sample_leaves):  # a batch of one sample: [1, ...] each
-                loss, logged, outs, _ = one_call(vs, st, tree_unflatten(list(sample_leaves), spec), "cell")
-                return (loss, *logged, *outs)
-
-            return _vmap0(per_sample, args[nv + ns:])
-
-        # [R, n_max, 1, ...]: every cell a batch of one (the unsqueeze outside vmap is a plain view)
-        cells = _vmap0(per_row_cells, [*views, *stats, *(x.unsqueeze(2) for x in leaves)])
-        nl, nm = sizes
-        self._keep_effects(effects, cells[1 + nl:1 + nl + nm], None, mask)
-        # [R, n_max] values of every cell; padded cells (repeated samples) count zero. The masked sums run
-        # outside vmap (the same ops on the same [R, n_max] tensors, without their batching rules)
-        kept = list(zip(list(collector.names), [_logged_value(v, 2) for v in cells[1:1 + nl]]))
-        return self._padded_result(cells[0], mask, [], kept, want_cells)
+            return self.whole_rows.values(views, batch, None, step, cells, stats, effects, min_count)
+        if min_count is None:
+            min_count = int(mask.sum(1).min()) if self.norms else 2
+        if self.padded_rows is None:
+            self.padded_rows = choose_padded_rows(self, views, batch, mask, step, stats, self._may_intercept)
+        try:
+            return self.padded_rows.values(views, batch, mask, step, cells, stats, effects, min_count)
+        except InterceptionFailed as failed:  # loss interception cannot run this call: the per-sample path, for good
+            self.padded_rows = per_sample_fallback(self, failed.reason)
+            return self.padded_rows.values(views, batch, mask, step, cells, stats, effects, min_count)
 
     def _keep_effects(self, effects: Optional[_Effects], metric_outs: Sequence[Tensor],
                       stats: Optional[Sequence[Tensor]], mask: Optional[Tensor]) -> None:
@@ -411,105 +285,23 @@ class _ModelCall:
         if step is not None and step.calls:
             effects.metrics = step
 
-    def _intercepted_row_values(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
-                                clients: Optional[Tensor], stats: List[Tensor], effects: Optional[_Effects],
-                                min_count: int):
-        """:meth:`row_values` of padded rows through per-sample loss interception
-        (:mod:`fedlightning.vectorized.losses`): one ``training_step`` call per row on its whole padded batch, the
-        standard losses computed per sample and averaged over the row's real samples.
+    def _weights_in_slots(self, vs: Sequence[Tensor]):
+        """The modules' parameter slots hold ``vs`` (one tensor per trainable parameter, a row's weights) inside
+        the block, their Parameters again afterwards."""
+        return _tensors_in_slots(self.param_slots, vs)
 
-        Decisions (ours): it is used while it is recognised: ``training_step`` must return the output of an intercepted
-        loss, and every value it logs must be one too or not depend on the client (a constant). On the first padded call
-        of the engine, for models without random layers, the intercepted loss of the most padded row is checked against
-        ``training_step`` on that row's real samples alone (a loss that is not a mean over samples, or a forward that
-        mixes samples, fails it). If any of this fails, or the batched call raises, the engine uses the generic path
-        (one ``training_step`` per sample) from then on, after restoring the random state the attempt started from, so
-        the generic path computes exactly what it computes without this attempt. The path taken is logged once
-        (rank-zero info line). A :class:`VectorizationUnsupportedError` (a metric or layer the engine cannot run per
-        client) is raised as it is: the generic path would refuse it too.
-        """
-        devices = [views[0].device] if views[0].device.type == "cuda" else []
-        rng = None if self.deterministic else _rng_state(devices)
-        first = self.intercept is None
-        try:
-            with self._vmap_context():
-                if first:
-                    reason = self._check_interception(views, batch, mask, step, stats)
-                    if reason is not None:
-                        raise _NotIntercepted(reason)
-                out = self._interception_vmapped(views, batch, mask, step, want_cells, stats, effects, min_count)
-        except VectorizationUnsupportedError:
-            self.collector.reset()
-            raise
-        except Exception as err:  # noqa: BLE001 - any failure of the fast path: the generic path decides
-            self.collector.reset()
-            if rng is not None:
-                _set_rng_state(rng, devices)
-            self.intercept = False
-            self.padded_path_reason = str(err) if isinstance(err, _NotIntercepted) else f"{type(err).__name__}: {err}"
-            _info(f"client_execution='vectorized': padded steps of {type(self.model).__name__} call training_step "
-                  f"once per sample ({self.padded_path_reason})")
-            if effects is not None:
-                effects.stats = effects.metrics = None
-            return self.row_values(views, batch, mask, step, want_cells, clients, effects, min_count)
-        if first:
-            self.intercept = True
-            self.padded_path_reason = "per-sample loss interception"
-            _info(f"client_execution='vectorized': padded steps of {type(self.model).__name__} compute its loss per "
-                  "sample by loss interception (one training_step call per client)")
-        return out
-
-    def _interception_vmapped(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
-                              stats: List[Tensor], effects: Optional[_Effects], min_count: int):
-        model, collector, metric_calls, norms = self.model, self.collector, self.metric_calls, self.norms
-        model_name = type(model).__name__
-        leaves, spec = tree_flatten(batch)
-        nv, ns = len(views), len(stats)
-        n_max = mask.shape[1]
-        m, counts, weights = self._row_terms(mask)
-        record = effects is not None
-        as_loss: List[str] = []  # names logged with the loss tensor itself
-        names: List[str] = []  # other logged values, returned as [n_max] cells
-        sizes = [0, 0]
-
-        def per_row(*args):
-            vs, row_mask, count, row_weights = args[:nv], args[nv], args[nv + 1], args[nv + 2]
-            st = args[nv + 3:nv + 3 + ns]
-            collector.reset()
-            interception = LossInterception(n_max, row_mask, count, row_weights)
-            metric_calls.begin(record, "padded", n_max, interception)
-            norms.begin(st, row_mask, count, min_count)
-            with self._weights_in_slots(vs), interception:
-                loss = extract_loss(model.training_step(tree_unflatten(list(args[nv + 3 + ns:]), spec), step),
-                                    model_name)
-            new = norms.end()
-            cells = interception.cells_of(loss)
-            if cells is None:
-                raise _NotIntercepted(_unrecognised("the loss training_step returns", interception))
-            as_loss.clear()
-            names.clear()
-            logged = []
-            for name, value in zip(collector.names, collector.values):
-                own = interception.cells_of(value)
-                if own is cells:
-                    as_loss.append(name)
-                    continue
-                if own is None:
-                    if _is_batched(value):
-                        raise _NotIntercepted(_unrecognised(f"the value logged as {name!r}", interception))
-                    own = row_mask * 0 + value.detach().reshape(())  # a constant: the same value in every cell
-                names.append(name)
-                logged.append(own)
-            outs = metric_calls.outputs()
-            sizes[:] = [len(logged), len(outs)]
-            return (cells, *logged, *outs, *new)
-
-        out = _vmap0(per_row, [*views, m, counts, weights, *stats, *leaves])
-        collector.reset()
-        nl, nm = sizes
-        self._keep_effects(effects, out[1 + nl:1 + nl + nm], out[1 + nl + nm:], mask)
-        kept = [(name, v.detach().float()) for name, v in zip(names, out[1:1 + nl])]
-        return self._padded_result(out[0], mask, list(as_loss), kept, want_cells)
+    def _per_sample_losses(self, vs: Sequence[Tensor], batch: Any, step: int, n: int) -> Tensor:
+        """``model.training_step_per_sample(batch, step)`` with the parameter slots holding ``vs``; checked to be a
+        tensor of ``n`` losses."""
+        with self._weights_in_slots(vs):
+            losses = self.protocol(batch, step)
+        if not isinstance(losses, Tensor) or tuple(losses.shape) != (n,):
+            got = f"shape {tuple(losses.shape)}" if isinstance(losses, Tensor) else type(losses).__name__
+            raise ValueError(
+                f"{type(self.model).__name__}.training_step_per_sample must return one loss per sample (a tensor of "
+                f"shape ({n},) for a batch of {n}), got {got}"
+            )
+        return losses
 
     def _check_interception(self, views: List[Tensor], batch: Any, mask: Tensor, step: int,
                             stats: List[Tensor]) -> Optional[str]:
@@ -556,36 +348,6 @@ class _ModelCall:
                     f"on the padded batch of {n_max} gives {float(padded):.6g}: the loss is not a mean of per-sample "
                     "losses, or the forward pass mixes samples")
         return None
-
-    @staticmethod
-    def _padded_result(cells: Tensor, mask: Tensor, as_loss: List[str], kept: List[Tuple[str, Tensor]],
-                       want_cells: bool):
-        """What :meth:`row_values` returns for padded rows, from the ``[R, n_max]`` per-sample losses ``cells``:
-        ``(sums, logged)``, or ``(cells, sums, logged)`` with ``want_cells`` (``sums`` then computed from the
-        detached cells). ``as_loss`` names values logged as the loss tensor itself (their sums are the loss sums,
-        not computed twice); ``kept`` are the other logged ``[R, n_max]`` values."""
-        sums = _masked_sum(cells.detach() if want_cells else cells, mask)
-        logged = [(name, sums.detach().float()) for name in as_loss] + [(n, _masked_sum(v, mask)) for n, v in kept]
-        return (cells, sums, logged) if want_cells else (sums, logged)
-
-
-    def _weights_in_slots(self, vs: Sequence[Tensor]):
-        """The modules' parameter slots hold ``vs`` (one tensor per trainable parameter, a row's weights) inside
-        the block, their Parameters again afterwards."""
-        return _tensors_in_slots(self.param_slots, vs)
-
-    def _per_sample_losses(self, vs: Sequence[Tensor], batch: Any, step: int, n: int) -> Tensor:
-        """``model.training_step_per_sample(batch, step)`` with the parameter slots holding ``vs``; checked to be a
-        tensor of ``n`` losses."""
-        with self._weights_in_slots(vs):
-            losses = self.per_sample_step(batch, step)
-        if not isinstance(losses, Tensor) or tuple(losses.shape) != (n,):
-            got = f"shape {tuple(losses.shape)}" if isinstance(losses, Tensor) else type(losses).__name__
-            raise ValueError(
-                f"{type(self.model).__name__}.training_step_per_sample must return one loss per sample (a tensor of "
-                f"shape ({n},) for a batch of {n}), got {got}"
-            )
-        return losses
 
     def _check_per_sample_protocol(self, views: List[Tensor], batch: Any, mask: Tensor, step: int) -> bool:
         """Once per engine, before the protocol is first used. False if ``training_step`` calls a torchmetrics
@@ -652,27 +414,3 @@ class _ModelCall:
                 total = total + term(own).reshape(())
             values.append(total)
         return torch.stack(values)
-
-
-class _NotIntercepted(Exception):
-    """Per-sample loss interception does not apply to this call (the message says why)."""
-
-
-def _unrecognised(what: str, interception: LossInterception) -> str:
-    if interception.unrecognised:
-        calls = ", ".join(sorted(set(interception.unrecognised)))
-        return f"{what} is not a recognised mean loss (calls with other arguments or shapes: {calls})"
-    return (f"{what} is not the output of a standard loss with reduction='mean' (F.cross_entropy, F.nll_loss, "
-            "F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy[_with_logits] or their "
-            "nn modules)")
-
-
-def _info(message: str) -> None:
-    from lightning.pytorch.utilities import rank_zero_info
-
-    rank_zero_info(message)
-
-
-def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
-    """Per-row sums of ``values`` ([R, n_max]) over the cells ``mask`` marks real (padded cells count zero)."""
-    return torch.where(mask, values, values.new_zeros(())).sum(1)
