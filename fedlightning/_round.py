@@ -1,7 +1,17 @@
-"""The end of a :class:`~fedlightning.loop.FederatedLoop` round (a mixin of the loop): the aggregation checks of a
-client, the failure policy's stops, the telemetry sums, the exchange and reduction of round statistics across
-processes, the server step (Δ into the global parameters' ``.grad``, then the strategy's server optimizer, its result
-checked before it is committed) and round logging.
+"""The parts of a :class:`~fedlightning.loop.FederatedLoop` round after its plan, each taking its inputs as arguments.
+
+``FederatedLoop.training_step`` is the round's template; its phases use these parts::
+
+    plan   = loop._plan_round(plan)                 # the data module's sample; on_round_start; step counts checked
+    tally  = loop._train_clients(plan)              # this process's clients: trained, on_client_end,
+                                                    #   screen_update (aggregation checks), summed (RoundTally)
+    stats  = loop._close_clients(plan, tally)       # reduce_statistics across processes; FailurePolicy's stops
+    result = loop._step_server(plan, stats, tally)  # share_round_state; server_step (Δ -> server optimizer, checked)
+    loop._end_round(result)                         # on_round_end; client metrics; log_round; client schedulers
+
+:class:`RoundTally` admits each client's update into the round's sums (or leaves it out), :class:`FailurePolicy`
+holds the failure settings and decides when the run stops, :func:`server_step` turns the reduced statistics into the
+server optimizer's step and checks its result before it is committed, :func:`log_round` writes the round's metrics.
 """
 
 from __future__ import annotations
@@ -9,15 +19,21 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import Dict, List, Optional
+import warnings
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from fedlightning.callbacks.base import RoundStatistics
-from fedlightning.state import ClientUpdate, RoundPlan, RoundResult
+from fedlightning._lightning_compat import batches_that_stepped, should_write_step_logs
+from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core
+from fedlightning.distributed import all_gather_objects, all_reduce_statistics
+from fedlightning.state import ClientUpdate, RoundPlan
+
+__all__ = ["FailurePolicy", "RoundTally", "accumulate_telemetry", "log_round", "reduce_statistics", "screen_update",
+           "server_step", "share_round_state"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -50,47 +66,148 @@ class _ServerState:
             group.update(values)
 
 
-class _RoundEnd:
-    """Methods of :class:`~fedlightning.loop.FederatedLoop` that turn the round's client updates into the new
-    global model and the round's metrics (mixed into the loop; ``self`` is the loop)."""
+@torch.no_grad()
+def screen_update(update: ClientUpdate, weight: float, num_sampled: int,
+                  max_update_norm: Optional[float]) -> Optional[Tensor]:
+    """The aggregation checks of one healthy client (the rule: :class:`~fedlightning.loop.FederatedLoop`'s
+    ``max_update_norm``): ``‖Δ_i‖²`` (float64, the value the round's sums add) when the client passes; else
+    ``update`` is marked failed with the reason and its update norm, and None is returned."""
+    sq_norm = update.delta.double().pow(2).sum()
+    figures = [sq_norm] if update.buffers is None else [sq_norm, update.buffers.double().pow(2).sum()]
+    values = torch.stack(figures).tolist() if len(figures) > 1 else [float(sq_norm.item())]  # one host read
+    norm, w, n = math.sqrt(values[0]), abs(weight), 2 * num_sampled
+    f64 = _largest(torch.float64)
+    limit = _largest(update.delta.dtype) / n
+    reason = None
+    if not math.isfinite(weight):
+        reason = f"non-finite aggregation weight {weight!r}"
+    elif max_update_norm is not None and norm > max_update_norm:
+        reason = f"update norm {norm:.4g} > max_update_norm={max_update_norm:g}"
+    elif w * norm >= limit:
+        reason = (f"update norm {norm:.4g}: its weighted update (weight {weight:g}) could overflow the "
+                  f"{_dtype_name(update.delta.dtype)} sum of the round's {num_sampled} clients (limit "
+                  f"|w|·‖Δ‖ < {limit:.4g})")
+    elif values[0] * max(w, 1.0) >= f64 / n:
+        reason = f"update norm {norm:.4g}: its squared norm could overflow the float64 sums of the round"
+    elif len(values) > 1:
+        buffer_norm = math.sqrt(values[1])
+        buffer_limit = _largest(update.buffers.dtype) / n
+        if not math.isfinite(buffer_norm):
+            reason = f"update norm {norm:.4g}: non-finite float buffers (e.g. BatchNorm running statistics)"
+        elif w * buffer_norm >= buffer_limit:
+            reason = (f"update norm {norm:.4g}, float buffers norm {buffer_norm:.4g}: its weighted buffers "
+                      f"could overflow the {_dtype_name(update.buffers.dtype)} sum of the round's {num_sampled} "
+                      "clients")
+    if reason is None:
+        return sq_norm
+    update.failed, update.failure = True, reason
+    return None
 
-    @torch.no_grad()
-    def _screen_update(self, update: ClientUpdate, weight: float, num_sampled: int) -> Optional[Tensor]:
-        """The aggregation checks of one healthy client (the rule: :class:`~fedlightning.loop.FederatedLoop`'s
-        ``max_update_norm``): ``‖Δ_i‖²`` (float64, the value the round's sums add) when the client passes; else
-        ``update`` is marked failed with the reason and its update norm, and None is returned."""
-        sq_norm = update.delta.double().pow(2).sum()
-        figures = [sq_norm] if update.buffers is None else [sq_norm, update.buffers.double().pow(2).sum()]
-        values = torch.stack(figures).tolist() if len(figures) > 1 else [float(sq_norm.item())]  # one host read
-        norm, w, n = math.sqrt(values[0]), abs(weight), 2 * num_sampled
-        f64 = _largest(torch.float64)
-        limit = _largest(update.delta.dtype) / n
-        reason = None
-        if not math.isfinite(weight):
-            reason = f"non-finite aggregation weight {weight!r}"
-        elif self.max_update_norm is not None and norm > self.max_update_norm:
-            reason = f"update norm {norm:.4g} > max_update_norm={self.max_update_norm:g}"
-        elif w * norm >= limit:
-            reason = (f"update norm {norm:.4g}: its weighted update (weight {weight:g}) could overflow the "
-                      f"{_dtype_name(update.delta.dtype)} sum of the round's {num_sampled} clients (limit "
-                      f"|w|·‖Δ‖ < {limit:.4g})")
-        elif values[0] * max(w, 1.0) >= f64 / n:
-            reason = f"update norm {norm:.4g}: its squared norm could overflow the float64 sums of the round"
-        elif len(values) > 1:
-            buffer_norm = math.sqrt(values[1])
-            buffer_limit = _largest(update.buffers.dtype) / n
-            if not math.isfinite(buffer_norm):
-                reason = f"update norm {norm:.4g}: non-finite float buffers (e.g. BatchNorm running statistics)"
-            elif w * buffer_norm >= buffer_limit:
-                reason = (f"update norm {norm:.4g}, float buffers norm {buffer_norm:.4g}: its weighted buffers "
-                          f"could overflow the {_dtype_name(update.buffers.dtype)} sum of the round's {num_sampled} "
-                          "clients")
-        if reason is None:
-            return sq_norm
-        update.failed, update.failure = True, reason
-        return None
+def accumulate_telemetry(stats: RoundStatistics, u: ClientUpdate, device) -> None:
+    """Add one healthy client's telemetry (losses, step sizes, passes, steps) to the round's statistics."""
+    # a healthy client without a loss (every local step skipped: training_step returned None) adds no loss
+    has_loss = math.isfinite(u.mean_loss)
+    stats.add("loss_sum", u.mean_loss if has_loss else 0.0, device)
+    stats.add("first_loss_sum", u.first_loss if has_loss else 0.0, device)
+    stats.add("loss_clients", 1.0 if has_loss else 0.0, device)
+    steps = max(u.num_steps, 1)
+    stats.add("backtracks_per_step_sum", u.backtracks / steps, device)
+    stats.add("forwards", float(u.forwards), device)
+    stats.add("backwards", float(u.backwards), device)
+    stats.add("local_steps_sum", float(u.num_steps), device)
+    finite = [s for s in u.step_sizes if math.isfinite(s)]
+    if finite:
+        stats.add("step_size_sum", float(sum(finite)), device)
+        stats.add("step_size_count", float(len(finite)), device)
+        stats.maximum("step_size_max", max(finite), device)
+        stats.maximum("neg_step_size_min", -min(finite), device)
 
-    def _stop_by_policy(self, plan: RoundPlan, stats: RoundStatistics, stop: Optional[tuple]) -> None:
+
+class RoundTally:
+    """This process's share of a round, client by client: each update admitted into the round's sums or left out.
+
+    ``admit`` applies, in order, the aggregation checks (:func:`screen_update`), the strategy's extra statistics
+    (checked with :meth:`~fedlightning.callbacks.RoundStatistics.unsafe_entry`) and the failure policy; ``raised``
+    records a client whose training raised (``on_client_error``). ``close`` adds the counts the failure policy reads
+    after the reduction. ``stop`` is ``(client, exception or failure)`` when the policy stops the run after the
+    reduction (every process reaches it first)."""
+
+    def __init__(self, strategy: ServerStrategy, num_sampled: int, device: torch.device, policy: "FailurePolicy",
+                 max_update_norm: Optional[float]) -> None:
+        self.strategy, self.num_sampled, self.device = strategy, num_sampled, device
+        self.policy, self.max_update_norm = policy, max_update_norm
+        self.stats = RoundStatistics()
+        self.healthy: List[ClientUpdate] = []
+        self.failed = 0
+        self.first_error: Optional[tuple] = None  # (client, exception) of the first client that raised, under "skip"
+        self.stop: Optional[tuple] = None
+        self._raised: set = set()
+        self._has_extras = type(strategy).accumulate is not ServerStrategy.accumulate  # else nothing to check or merge
+
+    def raised(self, client_id: int, err: Exception) -> Optional[ClientUpdate]:
+        """A client whose training raised ``err``: None when the policy stops the run (``on_client_error="raise"``),
+        else its failed update (left out of the round, counted)."""
+        if self.policy.on_client_error == "raise":
+            self.stop = (client_id, err)
+            return None
+        self._raised.add(client_id)
+        self.stats.add("raised", 1.0, self.device)
+        if self.first_error is None:
+            self.first_error = (client_id, err)
+        return ClientUpdate(client_id=client_id, delta=None, num_samples=0, failed=True, failure=repr(err))
+
+    def admit(self, plan: RoundPlan, update: ClientUpdate) -> bool:
+        """Screen ``update`` and add it to the round's sums, or leave it out with a warning; False when the policy
+        stops the run (``on_client_failure="raise"``): no further client of this process is trained."""
+        strategy = self.strategy
+        if not update.failed:
+            weight = strategy.client_weight(update)
+            sq_norm = screen_update(update, weight, self.num_sampled, self.max_update_norm)
+        extras = None
+        if not update.failed and self._has_extras:
+            with torch.no_grad():
+                extras = RoundStatistics()
+                strategy.accumulate(extras, update)
+            unsafe = extras.unsafe_entry(self.num_sampled)
+            if unsafe is not None:
+                update.failed, update.failure = True, f"{type(strategy).__name__} statistic {unsafe}"
+        if update.failed:
+            if self.policy.on_client_failure == "raise" and update.client_id not in self._raised:
+                self.stop = (update.client_id, update.failure)
+                return False
+            self.failed += 1
+            # every process names its own clients (rank_zero_warn would drop the other processes' ones)
+            warnings.warn(f"round {plan.round}: client {update.client_id} skipped ({update.failure})", UserWarning,
+                          stacklevel=3)
+            return True
+        with torch.no_grad():
+            accumulate_core(strategy, self.stats, update, weight=weight, sq_norm=sq_norm)
+        if extras is not None:
+            self.stats.merge(extras)
+        accumulate_telemetry(self.stats, update, self.device)
+        self.healthy.append(update)
+        return True
+
+    def close(self) -> RoundStatistics:
+        """The round's statistics on this process, with the counts ``failed``, ``raised`` and ``stopped``."""
+        self.stats.add("failed", float(self.failed), self.device)
+        self.stats.add("raised", 0.0, self.device)
+        self.stats.add("stopped", 1.0 if self.stop is not None else 0.0, self.device)
+        return self.stats
+
+
+class FailurePolicy:
+    """The failure settings of a :class:`~fedlightning.loop.FederatedLoop` (``on_client_failure``,
+    ``on_client_error``, ``max_failed_rounds``; their rules are documented there) and the count of consecutive rounds
+    without a healthy client (checkpointed by the loop); decides when the run stops."""
+
+    def __init__(self, on_client_failure: str, on_client_error: str, max_failed_rounds: Optional[int]) -> None:
+        self.on_client_failure = on_client_failure
+        self.on_client_error = on_client_error
+        self.max_failed_rounds = max_failed_rounds
+        self.rounds_without_healthy_client = 0
+
+    def stop_run(self, plan: RoundPlan, stats: RoundStatistics, stop: Optional[tuple], trainer: Any) -> None:
         """Stop the run when a client of this round raised under ``on_client_error="raise"`` or failed under
         ``on_client_failure="raise"`` (``stop``: ``(client, exception or failure text)`` on this process). Every
         process decides from the reduced count; with several processes the stop of the client first in sampling
@@ -109,9 +226,7 @@ class _RoundEnd:
 
         mine = describe(stop)
         everything = [mine]
-        if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            from fedlightning.distributed import all_gather_objects
-
+        if _distributed(trainer):
             everything = all_gather_objects(mine, round=plan.round, what="the client that stops the run")
         _, cid, what, raised = min(d for d in everything if d is not None)
         cause = stop[1] if stop is not None and stop[0] == cid and isinstance(stop[1], BaseException) else None
@@ -122,8 +237,8 @@ class _RoundEnd:
                 "clients out of their round)"
             ) from cause
         raise FloatingPointError(f"client {cid} failed in round {plan.round}: {what}")
-
-    def _check_round_failures(self, plan: RoundPlan, stats: RoundStatistics, first_error: Optional[tuple]) -> None:
+    def check_round(self, plan: RoundPlan, stats: RoundStatistics, first_error: Optional[tuple],
+                    model_name: str) -> None:
         """The failure policy's stops (the ``"skip"`` policies; identical on every process, from the reduced
         counts): every client raised → the round's first exception, chained; ``max_failed_rounds`` consecutive
         rounds without a healthy client → ``FloatingPointError``.
@@ -135,7 +250,7 @@ class _RoundEnd:
         n_healthy = float(stats["clients"].item()) if "clients" in stats else 0.0
         if n_healthy > 0:
             if "loss_clients" in stats and float(stats["loss_clients"].item()) == 0:
-                name = type(self.model).__qualname__
+                name = model_name
                 raise RuntimeError(
                     f"round {plan.round}: {name}.training_step returned None for every local step of every client "
                     f"(None skips a step, as in Lightning), so nothing was trained: {name}.training_step must return "
@@ -162,13 +277,11 @@ class _RoundEnd:
                 f"(max_failed_rounds={limit}); every client's loss or update was NaN/inf or it failed. Lower the "
                 "client learning rate, clip client gradients (client_grad_clip) or raise max_failed_rounds"
             )
-
-    def _check_run_trained(self) -> None:
+    def check_run(self, rounds: int) -> None:
         """At the end of training: a run in which no round had a healthy client (the global model never changed)
         stops with a ``FloatingPointError``, unless ``max_failed_rounds`` is None. Resumed runs count their rounds
         before the checkpoint: ``rounds_without_healthy_client`` is checkpointed and consecutive, so it equals the
         number of rounds trained exactly when none had a healthy client."""
-        rounds = int(self.global_step)
         if self.max_failed_rounds is None or rounds == 0 or self.rounds_without_healthy_client < rounds:
             return
         raise FloatingPointError(
@@ -177,204 +290,190 @@ class _RoundEnd:
             "client learning rate or clip client gradients (client_grad_clip)"
         )
 
-    @staticmethod
-    def _accumulate_telemetry(stats: RoundStatistics, u: ClientUpdate, device) -> None:
-        # a healthy client without a loss (every local step skipped: training_step returned None) adds no loss
-        has_loss = math.isfinite(u.mean_loss)
-        stats.add("loss_sum", u.mean_loss if has_loss else 0.0, device)
-        stats.add("first_loss_sum", u.first_loss if has_loss else 0.0, device)
-        stats.add("loss_clients", 1.0 if has_loss else 0.0, device)
-        steps = max(u.num_steps, 1)
-        stats.add("backtracks_per_step_sum", u.backtracks / steps, device)
-        stats.add("forwards", float(u.forwards), device)
-        stats.add("backwards", float(u.backwards), device)
-        stats.add("local_steps_sum", float(u.num_steps), device)
-        finite = [s for s in u.step_sizes if math.isfinite(s)]
-        if finite:
-            stats.add("step_size_sum", float(sum(finite)), device)
-            stats.add("step_size_count", float(len(finite)), device)
-            stats.maximum("step_size_max", max(finite), device)
-            stats.maximum("neg_step_size_min", -min(finite), device)
 
-    def _share_round_state(self, plan: RoundPlan, healthy: List[ClientUpdate]) -> List[tuple]:
-        """Per-client scalars of the round's healthy clients, from every process, in sampling order; and, with
-        several processes, the client-state entries written this round are exchanged so every process holds the
-        whole ClientStateStore."""
-        pos = {cid: i for i, cid in enumerate(plan.client_ids)}
-        mine = [(pos.get(u.client_id, -1), u.client_id, u.first_loss, u.mean_loss) for u in healthy]
-        if self.trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            self.client_state.pop_dirty()
-            return mine
-        from fedlightning.distributed import all_gather_objects
+def _distributed(trainer: Any) -> bool:
+    """Whether the round's clients are spread over several processes of an initialised process group."""
+    return trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
 
-        dirty = self.client_state.pop_dirty()
-        dirty_cpu = {k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()} for k, d in dirty.items()}
-        router = self._worker_trainer().router
-        everything = all_gather_objects((mine, dirty_cpu, dict(router.metric_paths)), round=plan.round,
-                                        what="client summaries and client state of the round")
-        summaries: List[tuple] = []
-        for rank, (theirs, entries, metric_paths) in enumerate(everything):
-            summaries.extend(theirs)
-            if rank != self.trainer.global_rank:
-                self.client_state.update_from(entries)
-                router.adopt_metrics(metric_paths)  # every process computes (a collective) the same metrics
-        return sorted(summaries)
 
-    def _reduce(self, stats: RoundStatistics) -> None:
-        """Combine the statistics of all processes (no-op on one process)."""
-        if self.trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        from fedlightning.distributed import all_reduce_statistics
+def reduce_statistics(stats: RoundStatistics, trainer: Any, round: int) -> None:
+    """Combine the round's statistics of all processes (no-op on one process)."""
+    if _distributed(trainer):
+        all_reduce_statistics(stats, round=round)
 
-        all_reduce_statistics(stats, round=self.global_step)  # global_step is the round being trained
 
-    @torch.no_grad()
-    def _server_step(self, stats: RoundStatistics, plan: RoundPlan) -> Dict[str, float]:
-        opt = self.optimizers()
-        params = self._global_params()
-        n_clients = float(stats["clients"].item()) if "clients" in stats else 0.0
-        metrics: Dict[str, float] = {"round/clients": n_clients, "round/failed_clients": float(stats["failed"].item())}
-        # the planned local steps of the round's clients (their mean with per-client counts, local_epochs)
-        metrics["round/local_steps"] = (float(plan.local_steps) if plan.client_steps is None else
-                                        sum(plan.steps_for(c) for c in plan.client_ids) / max(len(plan.client_ids), 1))
-        # client/lr: the learning rate the round's clients trained with (their optimizer's first parameter group,
-        # after the client scheduler's steps and the round's client_lr_scale); absent for optimizers without "lr"
-        client_lr = self._runtime.client_lr
-        if client_lr is not None and client_lr[0] == plan.round and client_lr[1] is not None:
-            metrics["client/lr"] = client_lr[1]
-        if n_clients == 0:
-            rank_zero_warn(f"round {plan.round}: no healthy client; the global model is left unchanged")
-            for p in params:
-                p.grad = None  # optimizers skip parameters without a gradient: no state change
-            opt.step()
-            return metrics
-        pseudo_grad, lr, extra = self.strategy.server_update(self, stats, plan)
-        offset = 0
+def share_round_state(plan: RoundPlan, healthy: List[ClientUpdate], trainer: Any, client_state: Any,
+                      router: Any) -> List[tuple]:
+    """Per-client scalars of the round's healthy clients, from every process, in sampling order; and, with
+    several processes, the client-state entries written this round are exchanged so every process holds the
+    whole ClientStateStore."""
+    pos = {cid: i for i, cid in enumerate(plan.client_ids)}
+    mine = [(pos.get(u.client_id, -1), u.client_id, u.first_loss, u.mean_loss) for u in healthy]
+    if not _distributed(trainer):
+        client_state.pop_dirty()
+        return mine
+    dirty = client_state.pop_dirty()
+    dirty_cpu = {k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()} for k, d in dirty.items()}
+    everything = all_gather_objects((mine, dirty_cpu, dict(router.metric_paths)), round=plan.round,
+                                    what="client summaries and client state of the round")
+    summaries: List[tuple] = []
+    for rank, (theirs, entries, metric_paths) in enumerate(everything):
+        summaries.extend(theirs)
+        if rank != trainer.global_rank:
+            client_state.update_from(entries)
+            router.adopt_metrics(metric_paths)  # every process computes (a collective) the same metrics
+    return sorted(summaries)
+
+@torch.no_grad()
+def server_step(pl_module: Any, strategy: ServerStrategy, optimizer: Any, params: List[Tensor],
+                stats: RoundStatistics, plan: RoundPlan, client_lr: Optional[tuple]) -> Dict[str, float]:
+    """The server step of the round: ``Δ, η = strategy.server_update(pl_module, stats, plan)``; ``Δ`` written into
+    the global ``params``' ``.grad`` and ``optimizer`` (the loop's ``LightningOptimizer``, so Lightning counts the
+    round) stepped with ``η``; the result checked before it is committed (:func:`_check_candidate`); the float
+    buffers set to the weighted mean of the clients'. Returns the round's metrics. ``client_lr``: ``(round, lr)`` of
+    the last client optimizer built."""
+    opt = optimizer
+    n_clients = float(stats["clients"].item()) if "clients" in stats else 0.0
+    metrics: Dict[str, float] = {"round/clients": n_clients, "round/failed_clients": float(stats["failed"].item())}
+    # the planned local steps of the round's clients (their mean with per-client counts, local_epochs)
+    metrics["round/local_steps"] = (float(plan.local_steps) if plan.client_steps is None else
+                                    sum(plan.steps_for(c) for c in plan.client_ids) / max(len(plan.client_ids), 1))
+    # client/lr: the learning rate the round's clients trained with (their optimizer's first parameter group,
+    # after the client scheduler's steps and the round's client_lr_scale); absent for optimizers without "lr"
+    if client_lr is not None and client_lr[0] == plan.round and client_lr[1] is not None:
+        metrics["client/lr"] = client_lr[1]
+    if n_clients == 0:
+        rank_zero_warn(f"round {plan.round}: no healthy client; the global model is left unchanged")
         for p in params:
-            n = p.numel()
-            p.grad = pseudo_grad[offset : offset + n].view_as(p).to(p.dtype).clone()
-            offset += n
-        server_opt = opt.optimizer
-        saved = _ServerState(params, server_opt)
-        if lr is not None:
-            for g in server_opt.param_groups:
-                g["lr"] = lr
-
-        checked = []
-
-        def check(*_):  # after the step, before Lightning counts it (a post hook runs inside optimizer.step)
-            checked.append(True)
-            self._check_candidate(plan, params, server_opt, saved, pseudo_grad, lr, extra)
-
-        handle = server_opt.register_step_post_hook(check)
-        try:
-            opt.step()
-        except Exception:
-            if not checked:  # an optimizer that raised half-way (e.g. an lr beyond float32) changes nothing either
-                saved.restore()
-                for p in params:
-                    p.grad = None
-            raise
-        finally:
-            handle.remove()
-        if not checked:  # a step that does not run torch's step hooks: checked now, after Lightning counted it
-            self._check_candidate(plan, params, server_opt, saved, pseudo_grad, lr, extra)
-        for p in params:
-            p.grad = None
-        if "buffers" in stats:
-            fbufs = [b for b in self.model.buffers() if b.is_floating_point()]
-            avg = stats["buffers"] / stats["weight"].to(stats["buffers"].dtype)
-            off = 0
-            for b in fbufs:
-                b.copy_(avg[off : off + b.numel()].view_as(b))
-                off += b.numel()
-        metrics.update(extra)
-        n_loss = float(stats["loss_clients"].item())  # the clients with a loss (n_clients unless steps were skipped)
-        if n_loss > 0:
-            metrics["train/loss"] = float(stats["loss_sum"].item()) / n_loss
-            metrics["train/first_loss"] = float(stats["first_loss_sum"].item()) / n_loss
-        metrics["server/lr"] = float(lr if lr is not None else opt.optimizer.param_groups[0].get("lr", float("nan")))
-        # η_g of every strategy under one name: strategies that compute it (FedExP, FedExProx, FedLi) report it and
-        # its unclipped value; for the others it is the server optimizer's learning rate, which nothing clips.
-        metrics.setdefault("server/eta_g", metrics["server/lr"])
-        metrics.setdefault("server/eta_g_raw", metrics["server/eta_g"])
-        metrics["server/delta_norm"] = float(pseudo_grad.double().norm().item())
-        metrics["server/mean_client_delta_sq_norm"] = float(stats["sq_norm_sum"].item()) / n_clients
-        metrics["client/backtracks_per_step"] = float(stats["backtracks_per_step_sum"].item()) / n_clients
-        metrics["client/forwards"] = float(stats["forwards"].item())
-        metrics["client/backwards"] = float(stats["backwards"].item())
-        if "step_size_sum" in stats:
-            metrics["client/step_size_mean"] = float(stats["step_size_sum"].item() / stats["step_size_count"].item())
-            metrics["client/step_size_max"] = float(stats["step_size_max"].item())
-            metrics["client/step_size_min"] = -float(stats["neg_step_size_min"].item())
+            p.grad = None  # optimizers skip parameters without a gradient: no state change
+        opt.step()
         return metrics
+    pseudo_grad, lr, extra = strategy.server_update(pl_module, stats, plan)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = pseudo_grad[offset : offset + n].view_as(p).to(p.dtype).clone()
+        offset += n
+    server_opt = opt.optimizer
+    saved = _ServerState(params, server_opt)
+    if lr is not None:
+        for g in server_opt.param_groups:
+            g["lr"] = lr
 
-    def _check_candidate(self, plan: RoundPlan, params: List[Tensor], server_opt, saved: "_ServerState",
-                         pseudo_grad: Tensor, lr: Optional[float], extra: Dict[str, float]) -> None:
-        """The server step check (rule: :class:`~fedlightning.loop.FederatedLoop`'s ``max_update_norm``): if a
-        global parameter or a floating tensor of the server optimizer's state is non-finite after the step, both are
-        restored from ``saved`` and a ``FloatingPointError`` names the round, the strategy and the statistic."""
-        state_tensors = [v for st in server_opt.state.values() for v in st.values()
-                         if isinstance(v, Tensor) and v.is_floating_point()]
-        peak = torch.nn.utils.get_total_norm(list(params) + state_tensors, norm_type=math.inf)
-        if math.isfinite(float(peak.item())):
-            return
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        where = next((f"parameter {n}" for n, p in zip(names, params) if not bool(torch.isfinite(p).all())), None)
-        if where is None:
-            by_param = {id(p): n for n, p in zip(names, params)}
-            where = next(f"server optimizer state {k!r} of {by_param.get(id(p), 'a parameter')}"
-                         for p, st in server_opt.state.items() for k, v in st.items()
-                         if isinstance(v, Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()))
-        saved.restore()
-        for p in params:
-            p.grad = None
-        step_lr = lr if lr is not None else server_opt.param_groups[0].get("lr", float("nan"))
-        delta_norm = float(pseudo_grad.double().norm().item())
-        if not bool(torch.isfinite(pseudo_grad).all()):
-            statistic = "the pseudo-gradient Δ from server_update is non-finite"
-        elif not math.isfinite(float(step_lr)):
-            statistic = f"the server learning rate server/lr = {step_lr!r} is non-finite"
-        else:
-            shown = ", ".join(f"{k} = {v:.4g}" for k, v in extra.items() if isinstance(v, (int, float)))
-            statistic = (f"the step server/lr·Δ overflows: server/lr = {float(step_lr):.4g}, server/delta_norm = "
-                         f"{delta_norm:.4g}" + (f" ({shown})" if shown else ""))
-        raise FloatingPointError(
-            f"round {plan.round}: the server step of {type(self.strategy).__name__} would make the global model "
-            f"non-finite ({where}): {statistic}. The global model and the server optimizer state are left as they "
-            "were before this round and the run stops; every client update passed the aggregation checks, so the "
-            "strategy or its hyper-parameters are at fault, not a client"
-        )
+    checked = []
 
-    def _log_round(self, result: RoundResult) -> None:
-        """Log the round's metrics.
+    def check(*_):  # after the step, before Lightning counts it (a post hook runs inside optimizer.step)
+        checked.append(True)
+        _check_candidate(pl_module.model, strategy, plan, params, server_opt, saved, pseudo_grad, lr, extra)
 
-        ``train/loss`` (the progress bar) goes through ``self.log``. The other round metrics bypass Lightning's
-        result collection (its per-call cost:
-        docs/benchmarks.md §1): they are put into ``trainer.callback_metrics`` every round (for
-        ``ModelCheckpoint(monitor=...)``, ``EarlyStopping``, schedules) and written to the loggers, at the same
-        step as ``train/loss``, on the rounds Lightning writes step metrics (every ``log_every_n_steps`` rounds, or
-        when the trainer is stopping). A CSV logger therefore has two rows for such a step (ours, then
-        Lightning's with ``train/loss``); ``trainer.logged_metrics`` holds only ``train/loss`` of them.
-        """
-        m = result.metrics
-        trainer = self.trainer
-        if "train/loss" in m:
-            self.log("train/loss", m["train/loss"], prog_bar=True, batch_size=1)
-        rest = {k: float(v) for k, v in m.items() if k != "train/loss"}
-        if not rest:
-            return
-        callback_metrics = trainer.callback_metrics
-        for k, v in rest.items():
-            callback_metrics[k] = torch.tensor(v)
-        if self._step_logs_written():
-            step = int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
-            for logger in trainer.loggers:
-                logger.log_metrics(rest, step=step)
+    handle = server_opt.register_step_post_hook(check)
+    try:
+        opt.step()
+    except Exception:
+        if not checked:  # an optimizer that raised half-way (e.g. an lr beyond float32) changes nothing either
+            saved.restore()
+            for p in params:
+                p.grad = None
+        raise
+    finally:
+        handle.remove()
+    if not checked:  # a step that does not run torch's step hooks: checked now, after Lightning counted it
+        _check_candidate(pl_module.model, strategy, plan, params, server_opt, saved, pseudo_grad, lr, extra)
+    for p in params:
+        p.grad = None
+    if "buffers" in stats:
+        fbufs = [b for b in pl_module.model.buffers() if b.is_floating_point()]
+        avg = stats["buffers"] / stats["weight"].to(stats["buffers"].dtype)
+        off = 0
+        for b in fbufs:
+            b.copy_(avg[off : off + b.numel()].view_as(b))
+            off += b.numel()
+    metrics.update(extra)
+    n_loss = float(stats["loss_clients"].item())  # the clients with a loss (n_clients unless steps were skipped)
+    if n_loss > 0:
+        metrics["train/loss"] = float(stats["loss_sum"].item()) / n_loss
+        metrics["train/first_loss"] = float(stats["first_loss_sum"].item()) / n_loss
+    metrics["server/lr"] = float(lr if lr is not None else opt.optimizer.param_groups[0].get("lr", float("nan")))
+    # η_g of every strategy under one name: strategies that compute it (FedExP, FedExProx, FedLi) report it and
+    # its unclipped value; for the others it is the server optimizer's learning rate, which nothing clips.
+    metrics.setdefault("server/eta_g", metrics["server/lr"])
+    metrics.setdefault("server/eta_g_raw", metrics["server/eta_g"])
+    metrics["server/delta_norm"] = float(pseudo_grad.double().norm().item())
+    metrics["server/mean_client_delta_sq_norm"] = float(stats["sq_norm_sum"].item()) / n_clients
+    metrics["client/backtracks_per_step"] = float(stats["backtracks_per_step_sum"].item()) / n_clients
+    metrics["client/forwards"] = float(stats["forwards"].item())
+    metrics["client/backwards"] = float(stats["backwards"].item())
+    if "step_size_sum" in stats:
+        metrics["client/step_size_mean"] = float(stats["step_size_sum"].item() / stats["step_size_count"].item())
+        metrics["client/step_size_max"] = float(stats["step_size_max"].item())
+        metrics["client/step_size_min"] = -float(stats["neg_step_size_min"].item())
+    return metrics
 
-    def _step_logs_written(self) -> bool:
-        """Whether Lightning writes this round's step metrics to the loggers: its own rule, as its training loop
-        applies it (``update_train_step_metrics``: ``should_update_logs``, i.e. every ``log_every_n_steps`` rounds
-        or when the trainer is stopping, unless ``log_every_n_steps=0``; or ``fast_dev_run``)."""
-        trainer = self.trainer
-        return bool(trainer.loggers) and bool(trainer.fast_dev_run or trainer._logger_connector.should_update_logs)
+def _check_candidate(model: torch.nn.Module, strategy: ServerStrategy, plan: RoundPlan, params: List[Tensor], server_opt,
+                     saved: _ServerState, pseudo_grad: Tensor, lr: Optional[float], extra: Dict[str, float]) -> None:
+    """The server step check (rule: :class:`~fedlightning.loop.FederatedLoop`'s ``max_update_norm``): if a
+    global parameter or a floating tensor of the server optimizer's state is non-finite after the step, both are
+    restored from ``saved`` and a ``FloatingPointError`` names the round, the strategy and the statistic."""
+    state_tensors = [v for st in server_opt.state.values() for v in st.values()
+                     if isinstance(v, Tensor) and v.is_floating_point()]
+    peak = torch.nn.utils.get_total_norm(list(params) + state_tensors, norm_type=math.inf)
+    if math.isfinite(float(peak.item())):
+        return
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    where = next((f"parameter {n}" for n, p in zip(names, params) if not bool(torch.isfinite(p).all())), None)
+    if where is None:
+        by_param = {id(p): n for n, p in zip(names, params)}
+        where = next(f"server optimizer state {k!r} of {by_param.get(id(p), 'a parameter')}"
+                     for p, st in server_opt.state.items() for k, v in st.items()
+                     if isinstance(v, Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    saved.restore()
+    for p in params:
+        p.grad = None
+    step_lr = lr if lr is not None else server_opt.param_groups[0].get("lr", float("nan"))
+    delta_norm = float(pseudo_grad.double().norm().item())
+    if not bool(torch.isfinite(pseudo_grad).all()):
+        statistic = "the pseudo-gradient Δ from server_update is non-finite"
+    elif not math.isfinite(float(step_lr)):
+        statistic = f"the server learning rate server/lr = {step_lr!r} is non-finite"
+    else:
+        shown = ", ".join(f"{k} = {v:.4g}" for k, v in extra.items() if isinstance(v, (int, float)))
+        statistic = (f"the step server/lr·Δ overflows: server/lr = {float(step_lr):.4g}, server/delta_norm = "
+                     f"{delta_norm:.4g}" + (f" ({shown})" if shown else ""))
+    raise FloatingPointError(
+        f"round {plan.round}: the server step of {type(strategy).__name__} would make the global model "
+        f"non-finite ({where}): {statistic}. The global model and the server optimizer state are left as they "
+        "were before this round and the run stops; every client update passed the aggregation checks, so the "
+        "strategy or its hyper-parameters are at fault, not a client"
+    )
+
+
+def log_round(pl_module: Any, trainer: Any, metrics: Dict[str, float]) -> None:
+    """Log the round's metrics.
+
+    ``train/loss`` (the progress bar) goes through ``pl_module.log``. The other round metrics bypass Lightning's
+    result collection (its per-call cost:
+    docs/benchmarks.md §1): they are put into ``trainer.callback_metrics`` every round (for
+    ``ModelCheckpoint(monitor=...)``, ``EarlyStopping``, schedules) and written to the loggers, at the same
+    step as ``train/loss``, on the rounds Lightning writes step metrics (every ``log_every_n_steps`` rounds, or
+    when the trainer is stopping). A CSV logger therefore has two rows for such a step (ours, then
+    Lightning's with ``train/loss``); ``trainer.logged_metrics`` holds only ``train/loss`` of them.
+    """
+    m = metrics
+    if "train/loss" in m:
+        pl_module.log("train/loss", m["train/loss"], prog_bar=True, batch_size=1)
+    rest = {k: float(v) for k, v in m.items() if k != "train/loss"}
+    if not rest:
+        return
+    callback_metrics = trainer.callback_metrics
+    for k, v in rest.items():
+        callback_metrics[k] = torch.tensor(v)
+    if _step_logs_written(trainer):
+        step = batches_that_stepped(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(rest, step=step)
+
+def _step_logs_written(trainer: Any) -> bool:
+    """Whether Lightning writes this round's step metrics to the loggers: its own rule, as its training loop
+    applies it (``update_train_step_metrics``: ``should_update_logs``, i.e. every ``log_every_n_steps`` rounds
+    or when the trainer is stopping, unless ``log_every_n_steps=0``; or ``fast_dev_run``)."""
+    return bool(trainer.loggers) and bool(trainer.fast_dev_run or should_write_step_logs(trainer))

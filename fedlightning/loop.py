@@ -1,20 +1,17 @@
-"""FederatedLoop: the LightningModule that trains any user LightningModule federatedly (the end of a round:
-:mod:`fedlightning._round`).
+"""FederatedLoop: the LightningModule that trains any user LightningModule federatedly.
 
-One ``training_step`` is one communication round (``trainer.max_steps`` = number of rounds)::
+One ``training_step`` is one communication round (``trainer.max_steps`` = number of rounds), a template of five
+phases (the parts they use: :mod:`fedlightning._round`)::
 
-    plan = RoundPlan from the data module's seeded round sampler
-    callbacks.on_round_start(trainer, loop, plan)                 # e.g. KDecay sets plan.local_steps
-    for client in this process's share of plan.client_ids:
-        update = K local steps from w_t on the client's loader    # manual optimisation, client optimizer
-        callbacks.on_client_end(loop, plan, update)
-        aggregation checks (norm, overflow)                        # else the client is skipped (or the run stops)
-        core sums + strategy.accumulate(stats, update)             # summable statistics
-    all_reduce(stats) across processes                            # identical on every rank
-    Δ, η = strategy.server_update(loop, stats, plan)
-    global .grad <- Δ ; server_optimizer.step()                   # FedOpt view; Lightning counts the round
-    (a non-finite result is undone and stops the run)
-    callbacks.on_round_end(trainer, loop, result)
+    _plan_round      plan = RoundPlan from the data module's seeded sampler; on_round_start (KDecay sets K here)
+    _train_clients   for client in this process's share of plan.client_ids:
+                         update = K local steps from w_t on the client's loader   # sequential or vectorised
+                         on_client_end(trainer, loop, plan, update)
+                         RoundTally.admit: aggregation checks, core sums + strategy.accumulate (or left out)
+    _close_clients   all_reduce(stats) across processes; the failure policy's stops
+    _step_server     Δ, η = strategy.server_update(loop, stats, plan); .grad <- Δ; server_optimizer.step()
+                     (FedOpt view; Lightning counts the round; a non-finite result is undone and stops the run)
+    _end_round       on_round_end(trainer, loop, result); client metrics; logging; client schedulers
 """
 
 from __future__ import annotations
@@ -32,11 +29,25 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from fedlightning._hooks import _FORWARDED_HOOKS, _LogRouter, _forward_to_model
+from fedlightning._lightning_compat import attached_trainer, detached_trainer, progress_bar_leave, strategy_optimizers
 from fedlightning._logging_route import route_logging, routed_logging
 from fedlightning._reference import reference_mode
-from fedlightning._round import _RoundEnd
+from fedlightning._round import (
+    FailurePolicy,
+    RoundTally,
+    log_round,
+    reduce_statistics,
+    server_step,
+    share_round_state,
+)
 from fedlightning._validation import check_fit_settings, check_learning_rates, integer, one_of, positive
-from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, check_hook_names
+from fedlightning.callbacks.base import (
+    FederatedCallback,
+    RoundStatistics,
+    ServerStrategy,
+    call_federated_hook,
+    check_hook_names,
+)
 from fedlightning.client import LocalTrainer
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, flat_params
 
@@ -79,7 +90,7 @@ class _Runtime:
     vectorized_fallback: bool = False
 
 
-class FederatedLoop(_RoundEnd, pl.LightningModule):
+class FederatedLoop(pl.LightningModule):
     """Federated training of ``model``.
 
     Args:
@@ -199,17 +210,14 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         self.automatic_optimization = False
         self.model = model
         self.client_optimizer = client_optimizer  # None: the module's configure_optimizers() (resolved at setup)
-        self.max_failed_rounds = max_failed_rounds
+        self._policy = FailurePolicy(on_client_failure, on_client_error, max_failed_rounds)
         self._runtime = _Runtime()
-        self.rounds_without_healthy_client = 0
         self.local_steps: Optional[int] = local_steps  # None with local_epochs
         self.local_epochs: Optional[float] = local_epochs
         self.clients_per_round = clients_per_round
         self.seed = int(seed)
         self.client_grad_clip = client_grad_clip
         self.persist_client_state = persist_client_state
-        self.on_client_failure = on_client_failure
-        self.on_client_error = on_client_error
         self.max_update_norm = max_update_norm
         self.client_execution = client_execution
         self.client_state = ClientStateStore()
@@ -340,6 +348,39 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         vectorised round built it)."""
         return self._runtime.vectorized_engine
 
+    # the failure settings and counter live in the round's FailurePolicy (fedlightning._round)
+    on_client_failure = property(lambda self: self._policy.on_client_failure,
+                                 lambda self, v: setattr(self._policy, "on_client_failure", v),
+                                 doc="What happens to a client whose result is unusable (see the class docstring).")
+    on_client_error = property(lambda self: self._policy.on_client_error,
+                               lambda self, v: setattr(self._policy, "on_client_error", v),
+                               doc="What happens when a client's training raises (see the class docstring).")
+    max_failed_rounds = property(lambda self: self._policy.max_failed_rounds,
+                                 lambda self, v: setattr(self._policy, "max_failed_rounds", v),
+                                 doc="Consecutive rounds without a healthy client tolerated (class docstring).")
+    rounds_without_healthy_client = property(
+        lambda self: self._policy.rounds_without_healthy_client,
+        lambda self, v: setattr(self._policy, "rounds_without_healthy_client", int(v)),
+        doc="Consecutive rounds, up to now, in which no client was healthy (checkpointed).")
+
+    @property
+    def client_worker(self) -> LocalTrainer:
+        """The :class:`~fedlightning.client.LocalTrainer` of the client working copy (a deep copy of the global
+        model, built on first use on the loop's device), which sequential client training runs on; its ``model``
+        is the copy, its ``params`` the copy's trainable parameters."""
+        return self._worker_trainer()
+
+    @property
+    def client_optimizer_factory(self) -> OptimizerFactory:
+        """``params -> Optimizer`` building the client optimizer: ``client_optimizer``, or the module's
+        ``configure_optimizers()`` when that is None (available from ``setup``)."""
+        return self._client_factory()
+
+    def process_share(self, client_ids: List[int]) -> List[int]:
+        """The clients of ``client_ids`` this process trains (all of them on one process; round-robin by position
+        over the DDP processes)."""
+        return self._my_clients(client_ids)
+
     def global_parameters(self) -> List[torch.nn.Parameter]:
         """The global model's trainable parameters, in ``model.parameters()`` order (the order of every flat
         vector the loop and the strategies use: ``Δ``, ``update.delta``, ``flat_params``)."""
@@ -385,13 +426,9 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
     def _worker_trainer(self) -> LocalTrainer:
         w = self._runtime.worker
         if w is None or w.params[0].device != self.device:
-            trainer_ref = self.model._trainer
-            self.model.trainer = None  # do not deep-copy the Trainer (nor the loop through the log router)
-            try:
-                with routed_logging(self.model, None, None):
-                    work = copy.deepcopy(self.model)
-            finally:
-                self.model.trainer = trainer_ref
+            # do not deep-copy the Trainer (nor the loop through the log router)
+            with detached_trainer(self.model) as trainer_ref, routed_logging(self.model, None, None):
+                work = copy.deepcopy(self.model)
             work.to(self.device)
             from fedlightning.user_module import ClientHooks, MetricStates, make_client_copy
 
@@ -427,9 +464,6 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         return plugin.convert_input
 
     # ================================================================== one round
-    def _callbacks_with(self, hook: str) -> list:
-        return [cb for cb in self.trainer.callbacks if callable(getattr(cb, hook, None))]
-
     def _my_clients(self, client_ids: List[int]) -> List[int]:
         """Deterministic share of the round's clients for this process (round-robin by position)."""
         world, rank = self.trainer.world_size, self.trainer.global_rank
@@ -479,8 +513,8 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             dm = self._datamodule()
             opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
         terms = []
-        for cb in self._callbacks_with("client_objective"):
-            terms.extend(cb.client_objective(self, plan, client_id) or [])
+        for extra in call_federated_hook(self.trainer, self, "client_objective", plan, client_id):
+            terms.extend(extra or [])
         return opt, terms
 
     def finish_client(self, update: ClientUpdate, optimizer: torch.optim.Optimizer, persist: bool = True) -> None:
@@ -529,18 +563,15 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         ``optimizers`` setter, which wraps each optimizer in a new ``LightningOptimizer``: the server's wrapper,
         which the loop's own ``self.optimizers()`` returns, stays); vectorised clients leave both unchanged (the
         server's), as their ``training_step`` runs once for all the round's clients."""
-        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        trainer = attached_trainer(self)
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
         if strategy is None:
             yield
             return
-        saved = strategy._optimizers, strategy.lr_scheduler_configs
         mo = self._runtime.module_optimizer
-        strategy._optimizers = [optimizer]
-        strategy.lr_scheduler_configs = list(mo.schedulers) if (mo is not None and self.client_optimizer is None) else []
-        try:
+        schedulers = list(mo.schedulers) if (mo is not None and self.client_optimizer is None) else []
+        with strategy_optimizers(strategy, [optimizer], schedulers):
             yield
-        finally:
-            strategy._optimizers, strategy.lr_scheduler_configs = saved
 
     def _round_tensors(self, round: int):
         """The global model's trainable parameters, buffers and float-buffer mask, listed once per round (walking
@@ -566,14 +597,16 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         """The callbacks' ``on_round_start``, then the plan's step counts checked: ``plan.local_steps`` an integer
         >= 1; with per-client counts (``local_epochs``) each of them, and ``plan.local_steps`` their largest (a
         callback that changed ``plan.local_steps`` alone is refused, naming it: the clients' own counts decide)."""
-        for cb in self._callbacks_with("on_round_start"):
-            before = plan.local_steps
-            cb.on_round_start(self.trainer, self, plan)
-            if plan.client_steps is not None and plan.local_steps != before:
-                raise ValueError(
-                    f"round {plan.round}: {type(cb).__name__}.on_round_start set plan.local_steps={plan.local_steps!r}"
-                    f", but with model.local_epochs={self.local_epochs} each client's steps are plan.client_steps; "
-                    "change those, or set model.local_steps instead of model.local_epochs")
+        before = plan.local_steps
+        call_federated_hook(self.trainer, self, "on_round_start", plan)
+        if plan.client_steps is not None and plan.local_steps != before:
+            owners = ", ".join(type(cb).__name__ for cb in self.trainer.callbacks
+                               if callable(getattr(cb, "on_round_start", None))
+                               and type(cb).on_round_start is not FederatedCallback.on_round_start)
+            raise ValueError(
+                f"round {plan.round}: on_round_start ({owners}) set plan.local_steps={plan.local_steps!r}, but with "
+                f"model.local_epochs={self.local_epochs} each client's steps are plan.client_steps; change those, or "
+                "set model.local_steps instead of model.local_epochs")
         label = f"round {plan.round}: local_steps"
         if plan.client_steps is not None:
             plan.client_steps = {int(c): integer("local_steps", n, label=f"{label} of client {c}")
@@ -585,13 +618,49 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         plan.local_steps = integer("local_steps", plan.local_steps, label=label)
 
     def training_step(self, plan: RoundPlan, batch_idx: int) -> None:
-        trainer = self.trainer
+        """One communication round, as the template of its phases (:mod:`fedlightning._round` lists them)."""
+        plan = self._plan_round(plan)
+        tally = self._train_clients(plan)
+        stats = self._close_clients(plan, tally)
+        result = self._step_server(plan, stats, tally)
+        self._end_round(result)
+        return None
+
+    # ------------------------------------------------------------------ the round's phases
+    def _plan_round(self, plan: Any) -> RoundPlan:
+        """The round's plan (the data module's, for round ``global_step``), after the callbacks' ``on_round_start``
+        with its step counts checked (:meth:`_start_round`)."""
         if not isinstance(plan, RoundPlan) or plan.round != self.global_step:
             # e.g. resumed mid-epoch with a restarted loader: the round is defined by the global step
             plan = self._datamodule().round_plan(self.global_step)
         self._start_round(plan)
+        return plan
 
-        strategy = self.strategy
+    def _train_clients(self, plan: RoundPlan) -> RoundTally:
+        """This process's share of the round's clients, trained from the global weights (sequentially or
+        vectorised), each handed to ``on_client_end`` and then admitted into the round's sums or left out
+        (:class:`~fedlightning._round.RoundTally`); stops early when the failure policy stops the run."""
+        global_flat = self._begin_client_training(plan)
+        tally = RoundTally(self.strategy, len(plan.client_ids), global_flat.device, self._policy, self.max_update_norm)
+        my_clients = self._my_clients(plan.client_ids)
+        vectorized = self._vectorized_updates(plan, my_clients, global_flat)
+        for i, cid in enumerate(my_clients):
+            try:
+                update = vectorized[i] if vectorized is not None else self.train_client(plan, cid, global_flat)
+                if isinstance(update, Exception):  # the vectorised engine's client that raised, as sequentially
+                    raise update
+            except Exception as err:  # noqa: BLE001 - the failure policy decides
+                update = tally.raised(cid, err)
+                if update is None:
+                    break  # every process reaches the reduction before the run stops
+            call_federated_hook(self.trainer, self, "on_client_end", plan, update)
+            if not tally.admit(plan, update):
+                break
+        return tally
+
+    def _begin_client_training(self, plan: RoundPlan) -> Tensor:
+        """The round's global weights as one flat vector; the client working copy set to the round (its
+        ``global_step``) and its ``on_train_epoch_start`` called."""
         self._runtime.round_tensors = None  # the parameter list is re-read every round
         gparams = self._round_tensors(plan.round)[0]
         with torch.no_grad():
@@ -600,78 +669,42 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         worker.model._fl_round = plan.round  # the client copy's global_step / current_epoch
         if worker.client_hooks.epoch_start:
             worker.model.on_train_epoch_start()
-        stats = RoundStatistics()
-        healthy: List[ClientUpdate] = []
-        failed = 0
-        first_error: Optional[tuple] = None  # (client, exception) of the first client that raised, under "skip"
-        stop: Optional[tuple] = None  # (client, exception or failure): the policy stops the run after the reduction
-        device = global_flat.device
-        has_extras = type(strategy).accumulate is not ServerStrategy.accumulate  # else nothing to check or merge
-        my_clients = self._my_clients(plan.client_ids)
-        vectorized = self._vectorized_updates(plan, my_clients, global_flat)
-        for i, cid in enumerate(my_clients):
-            raised = False
-            try:
-                update = vectorized[i] if vectorized is not None else self.train_client(plan, cid, global_flat)
-                if isinstance(update, Exception):  # the vectorised engine's client that raised, as sequentially
-                    raise update
-            except Exception as err:  # noqa: BLE001 - the failure policy decides
-                if self.on_client_error == "raise":
-                    stop = (cid, err)  # every process reaches the reduction below before the run stops
-                    break
-                update = ClientUpdate(client_id=cid, delta=None, num_samples=0, failed=True, failure=repr(err))
-                raised = True
-                stats.add("raised", 1.0, device)
-                if first_error is None:
-                    first_error = (cid, err)
-            for cb in self._callbacks_with("on_client_end"):
-                cb.on_client_end(self, plan, update)
-            if not update.failed:
-                weight = strategy.client_weight(update)
-                sq_norm = self._screen_update(update, weight, len(plan.client_ids))
-            extras = None
-            if not update.failed and has_extras:
-                with torch.no_grad():
-                    extras = RoundStatistics()
-                    strategy.accumulate(extras, update)
-                unsafe = extras.unsafe_entry(len(plan.client_ids))
-                if unsafe is not None:
-                    update.failed, update.failure = True, f"{type(strategy).__name__} statistic {unsafe}"
-            if update.failed:
-                if self.on_client_failure == "raise" and not raised:
-                    stop = (cid, update.failure)
-                    break
-                failed += 1
-                # every process names its own clients (rank_zero_warn would drop the other processes' ones)
-                warnings.warn(f"round {plan.round}: client {cid} skipped ({update.failure})", UserWarning, stacklevel=2)
-                continue
-            with torch.no_grad():
-                accumulate_core(strategy, stats, update, weight=weight, sq_norm=sq_norm)
-            if extras is not None:
-                stats.merge(extras)
-            self._accumulate_telemetry(stats, update, device)
-            healthy.append(update)
-        stats.add("failed", float(failed), device)
-        stats.add("raised", 0.0, device)
-        stats.add("stopped", 1.0 if stop is not None else 0.0, device)
-        self._reduce(stats)
-        self._stop_by_policy(plan, stats, stop)
-        self._check_round_failures(plan, stats, first_error)
-        healthy_summaries = self._share_round_state(plan, healthy)
+        return global_flat
 
-        metrics = self._server_step(stats, plan)
+    def _close_clients(self, plan: RoundPlan, tally: RoundTally) -> RoundStatistics:
+        """The round's statistics summed over all processes; then the failure policy's stops (identical on every
+        process, from the reduced counts)."""
+        stats = tally.close()
+        reduce_statistics(stats, self.trainer, self.global_step)  # global_step is the round being trained
+        self._policy.stop_run(plan, stats, tally.stop, self.trainer)
+        self._policy.check_round(plan, stats, tally.first_error, type(self.model).__qualname__)
+        return stats
+
+    def _step_server(self, plan: RoundPlan, stats: RoundStatistics, tally: RoundTally) -> RoundResult:
+        """The server step on the reduced statistics (:func:`~fedlightning._round.server_step`), and the round's
+        :class:`~fedlightning.state.RoundResult` (its metrics, and every process's healthy clients' losses)."""
+        summaries = share_round_state(plan, tally.healthy, self.trainer, self.client_state,
+                                      self._worker_trainer().router)
+        metrics = server_step(self, self.strategy, self.optimizers(), self._global_params(), stats, plan,
+                              self._runtime.client_lr)
         n_failed = int(stats["failed"].item())
         self.failed_clients_total += n_failed
-        result = RoundResult(
+        return RoundResult(
             plan=plan,
             num_clients=int(stats["clients"].item()) if "clients" in stats else 0,
             num_failed=n_failed,
             metrics=metrics,
-            first_losses=[u[2] for u in healthy_summaries],
-            mean_losses=[u[3] for u in healthy_summaries],
+            first_losses=[u[2] for u in summaries],
+            mean_losses=[u[3] for u in summaries],
         )
-        for cb in self._callbacks_with("on_round_end"):
-            cb.on_round_end(trainer, self, result)
+
+    def _end_round(self, result: RoundResult) -> None:
+        """``on_round_end``; the values the client training logged (torchmetrics computed and reset, means) join the
+        round's metrics; the client copy's ``on_train_epoch_end``; the metrics logged; the client schedulers of the
+        module's ``configure_optimizers()`` stepped once."""
+        trainer = self.trainer
+        call_federated_hook(trainer, self, "on_round_end", result)
+        worker = self._worker_trainer()
         router = worker.router
         if router.metrics:
             result.metrics.update(router.compute_metrics())
@@ -679,13 +712,12 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
             worker.model.on_train_epoch_end()
         router.reset_metrics()
         result.metrics.update(router.pop_means())
-        self._log_round(result)
+        log_round(self, trainer, result.metrics)
         mo = self._runtime.module_optimizer
         if mo is not None and mo.schedulers:  # only built when client_optimizer is None
             metrics = {**trainer.callback_metrics, **result.metrics}
-            if mo.step_schedulers(plan.round, metrics):
+            if mo.step_schedulers(result.plan.round, metrics):
                 self._runtime.reusable_client_opt = None  # its snapshot holds the previous round's lr
-        return None
 
     # ================================================================== evaluation on the global model
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):
@@ -714,10 +746,11 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
 
         callbacks = self.model.configure_callbacks() or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        bar = self._trainer.progress_bar_callback if self._trainer is not None else None
+        trainer = attached_trainer(self)
+        bar = trainer.progress_bar_callback if trainer is not None else None
         if type(bar) is TQDMProgressBar:  # replaced: Lightning drops a trainer callback a subclass overrides
             callbacks.append(RoundTQDMProgressBar(refresh_rate=bar.refresh_rate, process_position=bar.process_position,
-                                                  leave=bar._leave))
+                                                  leave=progress_bar_leave(bar)))
         return callbacks
 
     def on_train_end(self) -> None:
@@ -725,7 +758,7 @@ class FederatedLoop(_RoundEnd, pl.LightningModule):
         round had a healthy client fails: ``max_failed_rounds``). Lightning calls the callbacks' ``on_train_end``
         (checkpoints) before this hook."""
         self.model.on_train_end()
-        self._check_run_trained()
+        self._policy.check_run(int(self.global_step))
 
     # ================================================================== checkpoint
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:

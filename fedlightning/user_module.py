@@ -23,6 +23,8 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
+from fedlightning._lightning_compat import metric_state, parse_configure_optimizers
+
 __all__ = [
     "ClientHooks",
     "FederatedContractError",
@@ -193,8 +195,6 @@ class ModuleOptimizer:
 
     # ------------------------------------------------------------------ parsing
     def _parse(self, model: pl.LightningModule):
-        from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
-
         conf = model.configure_optimizers()
         if conf is None:
             raise ValueError(
@@ -202,8 +202,7 @@ class ModuleOptimizer:
                 "there is no client optimizer; return one from configure_optimizers() or set model.client_optimizer"
             )
         try:
-            optimizers, schedulers, monitor = _configure_optimizers(conf)
-            configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+            optimizers, configs = parse_configure_optimizers(conf)
         except Exception as err:  # Lightning's MisconfigurationException: name the method
             raise ValueError(f"{self.model_name}.configure_optimizers(): {err}") from err
         if len(optimizers) != 1:
@@ -313,24 +312,10 @@ class MetricStates:
         return bool(self.metrics)
 
     def save(self) -> List[Tuple[Any, Dict[str, Any]]]:
-        out = []
-        for m in self.metrics:
-            state = {k: _clone(getattr(m, k)) for k in m._defaults}
-            state["_update_count"] = m._update_count
-            state["_computed"] = m._computed
-            out.append((m, state))
-        return out
+        return [(m, metric_state(m)) for m in self.metrics]
 
     @staticmethod
     def restore(saved: List[Tuple[Any, Dict[str, Any]]]) -> None:
         for m, state in saved:
             for k, v in state.items():
                 setattr(m, k, v)
-
-
-def _clone(v: Any) -> Any:
-    if isinstance(v, Tensor):
-        return v.clone()
-    if isinstance(v, list):
-        return [t.clone() if isinstance(t, Tensor) else t for t in v]
-    return v

@@ -32,14 +32,14 @@ class Recorder(Callback):
         self.before, self.after, self.updates, self.metrics = [], [], [], []
 
     def on_round_start(self, trainer, loop, plan):
-        self.before.append(flat_params(loop._global_params()).double())
+        self.before.append(flat_params(loop.global_parameters()).double())
         self.updates.append([])
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         self.updates[-1].append(update)
 
     def on_round_end(self, trainer, loop, result):
-        self.after.append(flat_params(loop._global_params()).double())
+        self.after.append(flat_params(loop.global_parameters()).double())
         self.metrics.append(dict(result.metrics))
 
 

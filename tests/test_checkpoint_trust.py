@@ -309,7 +309,7 @@ class RaiseInRound(FederatedCallback):
     def __init__(self, round: int):
         self.round, self.seen = round, 0
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         if plan.round == self.round:
             self.seen += 1
             if self.seen == 2:

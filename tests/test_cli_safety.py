@@ -435,7 +435,7 @@ def test_traceback_env_reraises_the_original_error(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_TRACEBACK", "1")
     with pytest.raises(ValueError) as info:
         main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "1", "--model.local_steps", "0")])
-    assert "local_steps must be an integer >= 1, got 0" in str(info.value)
+    assert "local_steps must be an integer >= 1 or None, got 0" in str(info.value)
 
 
 def test_errors_not_from_fedlightning_or_the_config_keep_their_traceback():

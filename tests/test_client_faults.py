@@ -41,7 +41,7 @@ class Record(FederatedCallback):
     def on_round_start(self, trainer, loop, plan):
         self.start.append(_flat(loop.model))
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         if update.failed:
             return
         position = plan.client_ids.index(update.client_id)
@@ -77,7 +77,7 @@ class BlowUpSGD(torch.optim.SGD):
 class ChooseVictim(FederatedCallback):
     """Makes the second client sampled in each round the BlowUpSGD victim (sequential clients)."""
 
-    def client_objective(self, loop, plan, client_id):
+    def client_objective(self, trainer, loop, plan, client_id):
         BlowUpSGD.victim_now = client_id == plan.client_ids[1]
         return []
 
@@ -195,11 +195,11 @@ class BufferFault(Record):
         super().__init__()
         self.value, self.buffers = value, {}
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         if plan.client_ids.index(update.client_id) == 1:
             update.buffers.fill_(self.value)
         self.buffers[update.client_id] = update.buffers.double().clone()
-        super().on_client_end(loop, plan, update)
+        super().on_client_end(trainer, loop, plan, update)
 
 
 @pytest.mark.parametrize("value,reason", [(math.nan, "non-finite float buffers (e.g. BatchNorm running statistics)"),
@@ -361,8 +361,8 @@ class RaisesFor(MLP):
 
 
 class Current(FederatedCallback):
-    def client_objective(self, loop, plan, client_id):
-        loop._worker_trainer().model.current = (plan, client_id)
+    def client_objective(self, trainer, loop, plan, client_id):
+        loop.client_worker.model.current = (plan, client_id)
         return []
 
 
@@ -375,7 +375,7 @@ def test_an_exception_stops_the_run_at_its_first_occurrence():
     rec = Record()
     with pytest.raises(RuntimeError) as info:
         make_trainer(2, callbacks=[FedAvg(), rec, Current()]).fit(loop, datamodule=_data())
-    worker = loop._worker_trainer().model
+    worker = loop.client_worker.model
     plan = worker.current[0]
     victim = plan.client_ids[1]
     assert str(info.value) == (
@@ -409,7 +409,7 @@ def test_on_client_failure_raise_still_covers_non_finite_results_only():
                          clients_per_round=4, seed=0, on_client_failure="raise", on_client_error="skip")
     with pytest.warns(UserWarning, match="IndexError"), pytest.raises(FloatingPointError) as info:
         make_trainer(1, callbacks=[FedAvg(), rec, Current()]).fit(loop, datamodule=_data())
-    victim = loop._worker_trainer().model.current[0].client_ids[2]
+    victim = loop.client_worker.model.current[0].client_ids[2]
     assert str(info.value).startswith(f"client {victim} failed in round 0: update norm ")
     assert "could overflow the float32 sum of the round's 4 clients" in str(info.value)
 

@@ -39,8 +39,8 @@ class Tracker(Callback):
     def __init__(self):
         self.seen = []
 
-    def client_objective(self, loop, plan, client_id):
-        loop._worker_trainer().model.current = (plan.round, client_id)
+    def client_objective(self, trainer, loop, plan, client_id):
+        loop.client_worker.model.current = (plan.round, client_id)
         self.seen.append((plan.round, client_id))
         return []
 
@@ -112,7 +112,7 @@ def test_skipping_equals_training_without_the_bad_clients():
     for cid in plan.client_ids:
         if cid == 3:
             continue
-        loop2._worker_trainer().model.current = (0, cid)
+        loop2.client_worker.model.current = (0, cid)
         u = loop2.train_client(plan, cid, g)
         acc += u.num_samples * u.delta.double()
         acc_abs += u.num_samples * u.delta.double().abs()

@@ -206,12 +206,12 @@ def test_scaffold_control_variates_by_hand():
     loop.num_clients = 4
     plan = RoundPlan(0, [0], 1)
     # round 0, c = c_0 = 0: the correction term is zero
-    (term,) = s.client_objective(loop, plan, 0)
+    (term,) = s.client_objective(None, loop, plan, 0)
     p = torch.tensor([3.0, -1.0], dtype=torch.float64, requires_grad=True)
     term([p]).backward()
     assert_vec(p.grad, [0.0, 0.0])
     u = upd(0, [0.2, 0.4], step_sizes=[0.1, 0.1])
-    s.on_client_end(loop, plan, u)
+    s.on_client_end(None, loop, plan, u)
     # c_0+ = c_0 − c + Δ/(Kη) = [0.2, 0.4]/0.2 = [1, 2]
     assert_vec(loop.client_state.get("scaffold", 0)["control"], [1.0, 2.0])
     assert_vec(u.payload["scaffold_control_delta"], [1.0, 2.0])
@@ -219,18 +219,18 @@ def test_scaffold_control_variates_by_hand():
     assert_vec(s.server_control, [0.25, 0.5])  # c += Σ Δc_i / N, N = 4
     assert_vec(loop.w, [0.8, 0.6])  # w − η_g Δ
     # round 1, client 0 again: the term's gradient is c − c_0 = [−0.75, −1.5], and it is zero at w_t
-    (term,) = s.client_objective(loop, RoundPlan(1, [0], 1), 0)
+    (term,) = s.client_objective(None, loop, RoundPlan(1, [0], 1), 0)
     p = loop.w.detach().clone().requires_grad_(True)
     value = term([p])
     assert float(value.detach()) == 0.0
     value.backward()
     assert_vec(p.grad, [-0.75, -1.5])
     u = upd(0, [0.1, 0.0], step_sizes=[0.05, 0.05])
-    s.on_client_end(loop, RoundPlan(1, [0], 1), u)
+    s.on_client_end(None, loop, RoundPlan(1, [0], 1), u)
     assert_vec(loop.client_state.get("scaffold", 0)["control"], [1.0 - 0.25 + 1.0, 2.0 - 0.5 + 0.0])
     # a client without positive step sizes cannot form option II: it is marked failed, its variate untouched
     bad = upd(1, [0.1, 0.0], step_sizes=[0.0])
-    s.on_client_end(loop, RoundPlan(1, [1], 1), bad)
+    s.on_client_end(None, loop, RoundPlan(1, [1], 1), bad)
     assert bad.failed and "step sizes" in bad.failure and loop.client_state.get("scaffold", 1) is None
 
 

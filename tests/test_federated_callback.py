@@ -62,7 +62,7 @@ def test_declared_hooks_run_and_accessors_are_public():
         def on_round_start(self, trainer, loop, plan):
             calls.append(("start", plan.round, loop.datamodule is trainer.datamodule))
 
-        def on_client_end(self, loop, plan, update):
+        def on_client_end(self, trainer, loop, plan, update):
             calls.append(("client", plan.round))
 
         def on_round_end(self, trainer, loop, result):
@@ -75,4 +75,68 @@ def test_declared_hooks_run_and_accessors_are_public():
                      ("start", 1, True), ("client", 1), ("client", 1), ("client", 1), ("end", 1, True)]
     # the base declares every hook as a no-op with the documented signature
     cb = FederatedCallback()
-    assert cb.client_objective(None, None, 0) == [] and cb.on_round_start(None, None, None) is None
+    assert cb.client_objective(None, None, None, 0) == [] and cb.on_round_start(None, None, None) is None
+
+
+class _Order(FederatedCallback):
+    """Records every federated hook call: its name, the Trainer and module it got, and the module's current hook
+    name during the call; logs a value from on_round_end."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _seen(self, name, trainer, pl_module):
+        self.calls.append((name, trainer, pl_module, pl_module._current_fx_name))
+
+    def on_round_start(self, trainer, pl_module, plan):
+        self._seen("on_round_start", trainer, pl_module)
+
+    def client_objective(self, trainer, pl_module, plan, client_id):
+        self._seen("client_objective", trainer, pl_module)
+        return []
+
+    def on_client_end(self, trainer, pl_module, plan, update):
+        self._seen("on_client_end", trainer, pl_module)
+
+    def on_round_end(self, trainer, pl_module, result):
+        self._seen("on_round_end", trainer, pl_module)
+        pl_module.log("custom/round_plus_one", float(result.plan.round + 1), batch_size=1)
+
+
+def test_every_federated_hook_gets_trainer_and_module_with_its_name_set_and_may_log():
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    cb = _Order()
+    torch.manual_seed(0)
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
+                         clients_per_round=3, seed=1)
+    profiler = SimpleProfiler()
+    trainer = make_trainer(2, callbacks=[FedAvg(), cb], profiler=profiler)
+    trainer.fit(loop, datamodule=DigitsDataModule(num_clients=8, batch_size=16, partition=Dirichlet(0.5), seed=0))
+    per_round = ["on_round_start"] + ["client_objective", "on_client_end"] * 3 + ["on_round_end"]
+    assert [c[0] for c in cb.calls] == per_round * 2
+    assert all(t is trainer and m is loop and fx == name for name, t, m, fx in cb.calls)
+    assert float(trainer.callback_metrics["custom/round_plus_one"]) == 2.0
+    assert loop._current_fx_name != "on_round_end"  # restored after the call
+    profiled = {k for k in profiler.recorded_durations if "_Order" in k and k.rsplit(".", 1)[1] in per_round}
+    assert profiled == {f"[Callback]_Order.{n}" for n in set(per_round)}
+
+
+def test_old_hook_signatures_still_work_with_one_warning_naming_the_new_one():
+    class Old(FederatedCallback):
+        def __init__(self):
+            self.ends, self.objectives = [], []
+
+        def client_objective(self, loop, plan, client_id):  # the previous signature (no trainer)
+            self.objectives.append((loop, client_id))
+            return []
+
+        def on_client_end(self, loop, plan, update):
+            self.ends.append((loop, update.client_id))
+
+    old = Old()
+    with pytest.warns(FutureWarning, match=r"Old.on_client_end\(loop, plan, update\) uses the old signature.*"
+                                           r"on_client_end\(self, trainer, pl_module, \.\.\.\)") as record:
+        _, loop, _ = _fit(FedAvg(), extra=[old])
+    assert len(old.ends) == len(old.objectives) == 6 and all(m is loop for m, _ in old.ends + old.objectives)
+    assert sum("uses the old signature" in str(w.message) for w in record) == 2  # once per hook and class

@@ -198,7 +198,7 @@ def test_round_times_from_the_paper_constants():
     # Table I sizes, Table II β, D = 20 and U = 5 Mbps: Sent140 0.080 s comm + 60·5.2e-3 s; FEMNIST 1.6775 + 80·0.017
     assert simulated_round_seconds(0.32, 60, 5.2e-3) == pytest.approx(0.392, rel=1e-12)
     assert simulated_round_seconds(6.71, 80, 0.017) == pytest.approx(3.0375, rel=1e-12)
-    fake = lambda model: SimpleNamespace(_global_params=lambda: [p for p in model.parameters()])  # noqa: E731
+    fake = lambda model: SimpleNamespace(global_parameters=lambda: [p for p in model.parameters()])  # noqa: E731
     # Table I model sizes from the architectures (float32): linear 5000->2 is 0.32 Mb, FC-200-200 on FEMNIST 6.71 Mb
     assert RuntimeModel.megabits_of(fake(LogisticRegression(input_dim=5000, num_classes=2))) == pytest.approx(0.32, abs=5e-4)
     assert RuntimeModel.megabits_of(fake(MLP(input_dim=784, hidden=[200, 200], num_classes=62))) == pytest.approx(6.71, abs=5e-3)

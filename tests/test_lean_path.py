@@ -81,7 +81,7 @@ def _fit(model, dm, rounds, callbacks, **loop_kwargs):
 class _ZeroTerm(Callback):
     """A client-objective term that adds exactly 0: forces the general (closure) path without changing the loss."""
 
-    def client_objective(self, loop, plan, client_id):
+    def client_objective(self, trainer, loop, plan, client_id):
         return [lambda params: params[0].sum() * 0.0]
 
 

@@ -204,5 +204,5 @@ def test_a_callback_sets_each_clients_steps_through_client_steps(mode):
 
 
 def test_a_callback_that_sets_local_steps_under_local_epochs_is_refused_by_name():
-    with pytest.raises(ValueError, match="_EditSteps.on_round_start set plan.local_steps=2.*local_epochs=1.5"):
+    with pytest.raises(ValueError, match=r"on_round_start \(_EditSteps\) set plan.local_steps=2.*local_epochs=1.5"):
         _fit(callbacks=[_EditSteps("local_steps")], rounds=1)

@@ -29,7 +29,7 @@ class UpdateRecorder(Callback):
         super().__init__()
         self.updates = []
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         self.updates.append((plan.round, update))
 
 

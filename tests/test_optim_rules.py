@@ -271,7 +271,7 @@ class Recorder(pl.Callback):
     def __init__(self):
         self.updates = []
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         self.updates.append(update)
 
 

@@ -185,7 +185,7 @@ class StepSizes(pl.Callback):
         self.by_round = {}
         self.metrics = {}
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         self.by_round.setdefault(plan.round, []).extend(update.step_sizes)
 
     def on_round_end(self, trainer, loop, result):
@@ -312,7 +312,7 @@ def test_fedlils_round_with_armijo_clients_uses_the_reported_accepted_steps():
     seen = []
 
     class Seen(pl.Callback):
-        def on_client_end(self, loop, plan, update):
+        def on_client_end(self, trainer, loop, plan, update):
             seen.append(update.payload["armijo_accepted_step_size"])
 
         def on_round_end(self, trainer, loop, result):

@@ -41,7 +41,7 @@ def test_normalized_aggregation_hand_computed(reading, expected):
     strategy = FedSPSNormalized(reading=reading)
     stats = RoundStatistics()
     for u in (update(0, [1.0, 0.0], [0.5, 0.5]), update(1, [0.0, 3.0], [1.0, 2.0])):
-        strategy.on_client_end(None, PLAN, u)
+        strategy.on_client_end(None, None, PLAN, u)
         assert not u.failed
         accumulate_core(strategy, stats, u)
         strategy.accumulate(stats, u)
@@ -53,7 +53,7 @@ def test_normalized_aggregation_hand_computed(reading, expected):
 
 def test_normalized_rejects_a_client_that_did_not_move():
     u = update(0, [0.0, 0.0], [0.0, 0.0, float("nan")])
-    FedSPSNormalized().on_client_end(None, PLAN, u)
+    FedSPSNormalized().on_client_end(None, None, PLAN, u)
     assert u.failed and "positive sum" in u.failure
 
 
@@ -68,7 +68,7 @@ def test_global_aggregations_hand_computed():
         stats = RoundStatistics()
         for u in (update(0, [1.0, 0.0], [0.3], {"sps_last_loss": 2.0, "sps_last_grad_sq": 8.0}),
                   update(1, [0.0, 3.0], [0.3], {"sps_last_loss": 1.0, "sps_last_grad_sq": 1.0})):
-            strategy.on_client_end(None, plan, u)
+            strategy.on_client_end(None, None, plan, u)
             accumulate_core(strategy, stats, u)
             strategy.accumulate(stats, u)
         delta, lr, metrics = strategy.server_update(None, stats, plan)
@@ -177,7 +177,7 @@ def run_loop(model, strategy, client_optimizer):
     steps = []
 
     class Recorder(Callback):
-        def on_client_end(self, loop, plan, u):
+        def on_client_end(self, trainer, loop, plan, u):
             steps.append((plan.round, list(u.step_sizes)))
 
     trainer = make_trainer(ROUNDS, callbacks=[strategy, Recorder()])

@@ -51,10 +51,11 @@ class FakeLoop:
         self.num_clients = num_clients
         self.seed = 0
 
-    def _global_params(self):
+    def global_parameters(self):
         return [self.w]
 
-    def _datamodule(self):
+    @property
+    def datamodule(self):
         return SimpleNamespace(num_clients=self.num_clients)
 
 
@@ -95,10 +96,10 @@ class Recorder(Callback):
         self.before, self.after, self.updates, self.metrics, self.plans = [], [], [], [], []
 
     def on_round_start(self, trainer, loop, plan):
-        self.before.append(flat_params(loop._global_params()).double().clone())
+        self.before.append(flat_params(loop.global_parameters()).double().clone())
         self.updates.append([])
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         if not update.failed:
             u = copy.copy(update)
             u.delta = update.delta.detach().double().clone()
@@ -106,7 +107,7 @@ class Recorder(Callback):
             self.updates[-1].append(u)
 
     def on_round_end(self, trainer, loop, result):
-        self.after.append(flat_params(loop._global_params()).double().clone())
+        self.after.append(flat_params(loop.global_parameters()).double().clone())
         self.metrics.append(dict(result.metrics))
         self.plans.append(copy.copy(result.plan))
 
@@ -138,7 +139,7 @@ def fit(callbacks, rounds=3, dm=None, loop=None, **trainer_kw):
 
 
 def weights(loop):
-    return flat_params(loop._global_params())
+    return flat_params(loop.global_parameters())
 
 
 # ============================================================================ FedExP
@@ -283,13 +284,13 @@ def test_fedexprox_grads_and_constant_rules():
 def test_proximal_term_value_and_gradient(make):
     cb = make()
     loop = FakeLoop([1.0, -2.0])
-    (term,) = cb.client_objective(loop, RoundPlan(0, [0], 1), 0)
+    (term,) = cb.client_objective(None, loop, RoundPlan(0, [0], 1), 0)
     p = torch.tensor([2.0, 0.0], dtype=torch.float64, requires_grad=True)
     value = term([p])
     assert float(value.detach()) == pytest.approx(0.25 * (1.0 + 4.0))  # μ/2 ‖p − w_t‖²
     value.backward()
     assert_vec(p.grad, [0.5 * 1.0, 0.5 * 2.0])  # μ (p − w_t)
-    assert ProximalTerm(0.0).client_objective(loop, RoundPlan(0, [0], 1), 0) == []
+    assert ProximalTerm(0.0).client_objective(None, loop, RoundPlan(0, [0], 1), 0) == []
 
 
 def test_fedexprox_loop_matches_independent_recomputation():

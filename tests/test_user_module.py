@@ -129,7 +129,7 @@ def test_user_module_sees_the_trainer_and_trains_like_the_reference_loop():
     loop = FederatedLoop(model, local_steps=3, clients_per_round=4, seed=5)  # client_optimizer omitted
     trainer = make_trainer(3, callbacks=[FedAvg()])
     trainer.fit(loop, datamodule=_dm64())
-    worker = loop._worker_trainer().model
+    worker = loop.client_worker.model
     # global_step and current_epoch are the round inside training_step; the loss's warm-up scale read them
     assert sorted({(g, e) for g, e, *_ in worker.seen}) == [(0, 0), (1, 1), (2, 2)]
     assert len(worker.seen) == 3 * 4 * 3
@@ -219,7 +219,7 @@ def test_hooks_run_once_per_fit_per_round_and_per_local_step():
     assert glob == [("setup", "fit"), ("on_fit_start",), ("on_train_start",), ("on_train_end",)]
     # Lightning's sanity check, then after rounds 1 and 2
     assert [c for c in model.calls if c[0] == "val_epoch_start"] == [("val_epoch_start", s) for s in (0, 1, 2)]
-    client = loop._worker_trainer().model.calls
+    client = loop.client_worker.model.calls
     # the working copy was copied after setup: its record starts with the global model's first calls
     client = [c for c in client if c[0] not in ("setup", "on_fit_start", "on_train_start", "val_epoch_start")]
     per_step = ["batch_start", "zero_grad", "before_backward", "after_backward", "before_step", "batch_end"]
@@ -403,7 +403,7 @@ def test_torchmetrics_metric_in_training_step_is_a_round_metric(optimizer):
     rec = _Record()
     loop = FederatedLoop(model, factory, local_steps=3, clients_per_round=4, seed=2)
     make_trainer(3, callbacks=[rec]).fit(loop, datamodule=_dm())
-    seen = loop._worker_trainer().model.seen  # only gradient evaluations (a line search's trials excluded)
+    seen = loop.client_worker.model.seen  # only gradient evaluations (a line search's trials excluded)
     for r in range(3):
         steps = [s for s in seen if s[0] == r]
         assert len(steps) == 4 * 3

@@ -43,7 +43,7 @@ class Recorder(pl.Callback):
     def __init__(self):
         self.updates = []
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         self.updates.append(update)
 
 
@@ -200,7 +200,7 @@ class ProxAndShift(pl.Callback):
     def __init__(self, mu=0.5):
         self.mu = mu
 
-    def client_objective(self, loop, plan, client_id):
+    def client_objective(self, trainer, loop, plan, client_id):
         anchor = [p.detach().clone() for p in loop.model.parameters() if p.requires_grad]
         scale = client_id / 100.0
 
@@ -374,7 +374,7 @@ class PoisonClient(pl.Callback):
     def __init__(self, client_id):
         self.client_id = client_id
 
-    def client_objective(self, loop, plan, client_id):
+    def client_objective(self, trainer, loop, plan, client_id):
         if client_id != self.client_id:
             return []
         return [lambda params: params[0].sum() * float("nan")]

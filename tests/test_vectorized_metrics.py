@@ -49,7 +49,7 @@ class RoundMetrics(pl.Callback):
     def __init__(self):
         self.rounds, self.updates = [], []
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         self.updates.append(update)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -288,7 +288,7 @@ def test_a_statistic_of_whole_batches_is_replayed():
         loop = FederatedLoop(model, client_optimizer=OPTIMIZERS["sgd"], local_steps=K, clients_per_round=CPR, seed=3,
                              client_execution=mode)
         make_trainer(2).fit(loop, datamodule=dm())
-        runs.append(loop._worker_trainer().model.mean_acc)
+        runs.append(loop.client_worker.model.mean_acc)
     # the module never resets it: both hold the mean of the 2 rounds x CPR clients x K batch accuracies
     assert float(runs[0].weight) == float(runs[1].weight) == 2 * CPR * K
     # float32 means of 2·CPR·K float32 batch accuracies (numerics.rtol32)

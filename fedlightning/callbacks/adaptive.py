@@ -144,7 +144,7 @@ class _AdaptiveStrategy(ServerStrategy):
         self._optimizer = AdaptiveServerOptimizer(params, lr=self.server_lr, rule=self.rule, betas=self.betas, eps=self.eps)
         return self._optimizer
 
-    def on_round_end(self, trainer, loop, result) -> None:
+    def on_round_end(self, trainer, pl_module, result) -> None:
         result.metrics.update(_moment_statistics(self._optimizer, "max_exp_avg_sq" if self.rule == "ams" else "exp_avg_sq", "exp_avg"))
 
     def __repr__(self) -> str:
@@ -236,7 +236,7 @@ class FedAvgM(ServerStrategy):
         self._optimizer = torch.optim.SGD(params, lr=self.server_lr, momentum=self.momentum, nesterov=self.nesterov)
         return self._optimizer
 
-    def on_round_end(self, trainer, loop, result) -> None:
+    def on_round_end(self, trainer, pl_module, result) -> None:
         result.metrics.update(_moment_statistics(self._optimizer, None, "momentum_buffer"))
 
     def __repr__(self) -> str:

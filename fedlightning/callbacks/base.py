@@ -5,24 +5,28 @@ A strategy decides how client updates become the next global model; following th
 ``accumulate``, ``server_update``, ``configure_server_optimizer``; a round's three steps in its docstring),
 :class:`RoundStatistics` (summable statistics: one ``all_reduce`` across processes), :func:`accumulate_core` (the
 sums the loop adds for every strategy), :class:`FederatedCallback` (the federated hooks with their signatures) and
-:func:`check_hook_names` (near misses of hook names refused at setup).
+:func:`call_federated_hook` (the one dispatcher of the federated hooks) and :func:`check_hook_names` (near misses of
+hook names refused at setup).
 """
 
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
+import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from fedlightning._lightning_compat import allow_logging_from, current_hook
 from fedlightning._validation import one_of, positive
 from fedlightning.state import ClientUpdate, RoundPlan
 
 __all__ = ["FEDERATED_HOOKS", "FederatedCallback", "RoundStatistics", "ServerStep", "ServerStrategy",
-           "accumulate_core", "check_hook_names"]
+           "accumulate_core", "call_federated_hook", "check_hook_names"]
 
 
 class RoundStatistics:
@@ -137,25 +141,79 @@ class FederatedCallback(Callback):
     and refuses at setup a callback method whose name is a near miss of a hook name (a misspelled hook never runs).
     """
 
-    def on_round_start(self, trainer, loop, plan: RoundPlan) -> None:
-        """Before the round's clients train; may change ``plan`` (e.g. ``plan.local_steps``, ``plan.client_lr_scale``)."""
+    def on_round_start(self, trainer, pl_module, plan: RoundPlan) -> None:
+        """Before the round's clients train; may change ``plan`` (e.g. ``plan.local_steps``, ``plan.client_lr_scale``,
+        with ``local_epochs`` ``plan.client_steps``)."""
 
-    def client_objective(self, loop, plan: RoundPlan, client_id: int) -> List[Any]:
+    def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int) -> List[Any]:
         """Extra loss terms ``f(params) -> Tensor`` added to client ``client_id``'s ``training_step`` loss this round
         (``params``: the client's trainable parameters in ``model.parameters()`` order). Default: none."""
         return []
 
-    def on_client_end(self, loop, plan: RoundPlan, update: ClientUpdate) -> None:
+    def on_client_end(self, trainer, pl_module, plan: RoundPlan, update: ClientUpdate) -> None:
         """After a client trained (healthy or failed, see ``update.failed``); may add entries to ``update.payload``
         or mark the update failed. The loop's aggregation checks (update norm, overflow; ``FederatedLoop``'s
         ``max_update_norm``) come after this hook and may still leave a client it saw healthy out of the round."""
 
-    def on_round_end(self, trainer, loop, result) -> None:
+    def on_round_end(self, trainer, pl_module, result) -> None:
         """After the server step, with the round's :class:`~fedlightning.state.RoundResult` (metrics, clients)."""
 
 
 #: The federated hooks, by name (the methods of :class:`FederatedCallback` above).
 FEDERATED_HOOKS = ("on_round_start", "client_objective", "on_client_end", "on_round_end")
+
+#: Hooks whose previous signature lacked ``trainer``: ``client_objective(loop, plan, client_id)`` and
+#: ``on_client_end(loop, plan, update)`` (still called, with a FutureWarning, until the next release).
+_LEGACY_SIGNATURES = {"client_objective": "(loop, plan, client_id)", "on_client_end": "(loop, plan, update)"}
+_legacy_cache: Dict[Tuple[type, str], bool] = {}
+
+allow_logging_from(FEDERATED_HOOKS)  # ``pl_module.log`` inside a federated hook logs as in ``training_step``
+
+
+def _uses_legacy_signature(callback: Any, name: str, method: Any, num_args: int) -> bool:
+    """Whether the bound ``method`` (``callback.<name>``) takes the hook's old ``num_args`` positional arguments
+    (``loop`` and the hook's own, no ``trainer``); decided and warned once per class."""
+    key = (type(callback), name)
+    legacy = _legacy_cache.get(key)
+    if legacy is None:
+        legacy = False
+        if name in _LEGACY_SIGNATURES:
+            try:
+                params = list(inspect.signature(method).parameters.values())
+            except (TypeError, ValueError):  # no signature (a C callable): the current one
+                params = []
+            positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            variadic = any(p.kind is p.VAR_POSITIONAL for p in params)
+            legacy = not variadic and len(positional) == num_args  # (loop, *args): no trainer
+        if legacy:
+            warnings.warn(
+                f"{type(callback).__name__}.{name}{_LEGACY_SIGNATURES[name]} uses the old signature of this federated "
+                f"hook; define {name}(self, trainer, pl_module, ...) instead (every federated hook takes the trainer "
+                "and the FederatedLoop first, as Lightning's hooks do). The old signature stops working in the next "
+                "release.", FutureWarning, stacklevel=4)
+        _legacy_cache[key] = legacy
+    return legacy
+
+
+def call_federated_hook(trainer: Any, pl_module: Any, name: str, *args: Any) -> List[Any]:
+    """Call the federated hook ``name`` of every callback in ``trainer.callbacks`` that defines it, in their order,
+    as ``hook(trainer, pl_module, *args)``; return their results in that order.
+
+    As Lightning's own dispatcher (``trainer/call.py``), each call runs with ``pl_module``'s current hook name set to
+    ``name`` (so ``pl_module.log`` inside it logs with ``training_step``'s options, the step being the round) and is
+    profiled under the Trainer's profiler as ``[Callback]<state_key>.<name>``. A hook with its previous signature
+    (no ``trainer``; ``_LEGACY_SIGNATURES``) is called the old way with a one-time ``FutureWarning`` naming the new
+    one."""
+    results = []
+    profiler = trainer.profiler
+    for callback in trainer.callbacks:
+        method = getattr(callback, name, None)
+        if not callable(method):
+            continue
+        legacy = _uses_legacy_signature(callback, name, method, len(args) + 1)
+        with profiler.profile(f"[Callback]{callback.state_key}.{name}"), current_hook(pl_module, name):
+            results.append(method(pl_module, *args) if legacy else method(trainer, pl_module, *args))
+    return results
 
 
 def check_hook_names(callback: Any) -> None:

@@ -41,10 +41,10 @@ def client_full_gradient(loop, client_id: int, round: int, batch_size: Optional[
     first; each client's local training resets them again) and leaves the loop's global model, the global RNG
     and the round's captured client metrics untouched.
     """
-    dm = loop._datamodule()
-    worker = loop._worker_trainer()
+    dm = loop.datamodule
+    worker = loop.client_worker
     model, params, buffers = worker.model, worker.params, worker.buffers
-    gparams = loop._global_params()
+    gparams = loop.global_parameters()
     with torch.no_grad():
         torch._foreach_copy_(params, list(gparams))
         if buffers:
@@ -160,7 +160,7 @@ class FedDANE(FedAvg):
         """``S_t``: the round's clients (``"same"``) or an independent seeded sample of the clients with data."""
         if self.gradient_clients == "same":
             return list(plan.client_ids)
-        dm = loop._datamodule()
+        dm = loop.datamodule
         eligible = [k for k in range(dm.num_clients) if dm.client_num_samples(k) > 0]
         m = self.gradient_clients_per_round or len(plan.client_ids)
         if m > len(eligible):
@@ -169,37 +169,37 @@ class FedDANE(FedAvg):
         pick = torch.randperm(len(eligible), generator=gen)[:m]
         return [eligible[i] for i in pick.tolist()]
 
-    def on_round_start(self, trainer, loop, plan: RoundPlan) -> None:
+    def on_round_start(self, trainer, pl_module, plan: RoundPlan) -> None:
         self._round = plan.round
         self._global_gradient = None
         if not self.correction:
             self._gradient_client_ids = []
             return
-        ids = self.sample_gradient_clients(loop, plan)
+        ids = self.sample_gradient_clients(pl_module, plan)
         self._gradient_client_ids = ids
         plan.extras["feddane_gradient_clients"] = list(ids)
-        dm = loop._datamodule()
+        dm = pl_module.datamodule
         weights = {k: (float(dm.client_num_samples(k)) if self.weighting == "samples" else 1.0) for k in ids}
         total_weight = sum(weights.values())
-        like = flat_params(loop._global_params())
+        like = flat_params(pl_module.global_parameters())
         acc = torch.zeros_like(like, dtype=torch.float64)
-        for k in loop._my_clients(ids):
-            acc += weights[k] * client_full_gradient(loop, k, plan.round, self.gradient_batch_size).double()
+        for k in pl_module.process_share(ids):
+            acc += weights[k] * client_full_gradient(pl_module, k, plan.round, self.gradient_batch_size).double()
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(acc)
         self._global_gradient = (acc / total_weight).to(like.dtype)
 
     # ------------------------------------------------------------------ local phase
-    def client_objective(self, loop, plan: RoundPlan, client_id: int):
+    def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int):
         if not self.correction and self.mu == 0.0:
             return []
-        anchors = global_anchors(loop)
+        anchors = global_anchors(pl_module)
         mu = self.mu
         directions = None
         if self.correction:
             if self._global_gradient is None or self._round != plan.round:
                 raise RuntimeError("FedDANE's gradient phase did not run for this round (on_round_start was not called)")
-            own = client_full_gradient(loop, client_id, plan.round, self.gradient_batch_size)
+            own = client_full_gradient(pl_module, client_id, plan.round, self.gradient_batch_size)
             directions = split_like(self._global_gradient - own, anchors)
 
         def term(params):
@@ -222,7 +222,7 @@ class FedDANE(FedAvg):
             metrics["feddane/gradient_clients"] = float(len(self._gradient_client_ids))
         return delta, lr, metrics
 
-    def on_round_end(self, trainer, loop, result) -> None:
+    def on_round_end(self, trainer, pl_module, result) -> None:
         self._global_gradient = None  # free the model-sized vector between rounds
 
     def __repr__(self) -> str:

@@ -102,14 +102,14 @@ class FedExP(ServerStrategy):
         eta, raw, eps = self.extrapolation(stats, delta)
         if self.evaluate_iterate_average:
             # w_t, before the loop applies the step; after round 0 the reference code evaluates w_1 alone
-            self._previous_iterate = flat_params(loop._global_params()).clone() if plan.round >= 1 else None
+            self._previous_iterate = flat_params(loop.global_parameters()).clone() if plan.round >= 1 else None
         return delta, eta, {"server/eta_g": eta, "server/eta_g_raw": raw, "server/eps": eps}
 
     # ------------------------------------------------------------------ averaged-iterate evaluation
     def _swap_in_average(self, pl_module) -> None:
         if not self.evaluate_iterate_average or self._previous_iterate is None or self._swapped_out is not None:
             return
-        params = pl_module._global_params()
+        params = pl_module.global_parameters()
         current = flat_params(params)
         previous = self._previous_iterate.to(device=current.device, dtype=current.dtype)
         self._swapped_out = current.clone()
@@ -118,7 +118,7 @@ class FedExP(ServerStrategy):
     def _restore(self, pl_module) -> None:
         if self._swapped_out is None:
             return
-        assign_flat_(pl_module._global_params(), self._swapped_out)
+        assign_flat_(pl_module.global_parameters(), self._swapped_out)
         self._swapped_out = None
 
     def on_validation_start(self, trainer, pl_module) -> None:

@@ -84,10 +84,10 @@ class FedExProx(ServerStrategy):
                 "FedExProx(mu > 0) already adds the proximal term; remove the ProximalTerm callback or set mu=0"
             )
 
-    def client_objective(self, loop, plan: RoundPlan, client_id: int):
+    def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int):
         if self.mu == 0.0:
             return []
-        anchors = global_anchors(loop)
+        anchors = global_anchors(pl_module)
         mu = self.mu
 
         def term(params):

@@ -206,7 +206,7 @@ class FedLiLU(ServerStrategy):
     def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan):
         delta = self.mean_delta(stats)
         f_hat = float(stats["weighted_client_loss"].item()) / float(stats["weight"].item())
-        weights = flat_params(loop._global_params())
+        weights = flat_params(loop.global_parameters())
         gamma, raw = dfw_gamma(f_hat, delta, weights, self.server_lr, self.weight_decay, self.eps)
         if self._optimizer is None:
             raise RuntimeError("FedLiLU's server optimizer was not configured (fit the loop with a Trainer)")

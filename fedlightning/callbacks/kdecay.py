@@ -285,11 +285,11 @@ class KDecay(FederatedCallback):
         if self.decay == "client_lr":
             from fedlightning.optim import check_client_step_scalable
 
-            check_client_step_scalable(pl_module.client_optimizer(list(pl_module._global_params())))
+            check_client_step_scalable(pl_module.client_optimizer_factory(list(pl_module.global_parameters())))
 
-    def on_round_start(self, trainer, loop, plan) -> None:
+    def on_round_start(self, trainer, pl_module, plan) -> None:
         epochs = plan.client_steps is not None  # local_epochs: decay="client_lr" only (on_fit_start), K untouched
-        k0 = self.k0 if self.k0 is not None else (plan.local_steps if epochs else int(loop.local_steps))
+        k0 = self.k0 if self.k0 is not None else (plan.local_steps if epochs else int(pl_module.local_steps))
         k, scale = self.value(plan.round + 1, k0)
         if not epochs:
             plan.local_steps = k
@@ -321,7 +321,7 @@ class KDecay(FederatedCallback):
             if est is not None and self._detector.update(est):
                 self._decay_round = round_number + 1
 
-    def on_round_end(self, trainer, loop, result) -> None:
+    def on_round_end(self, trainer, pl_module, result) -> None:
         m = result.metrics
         if "round/clients" in m and "train/first_loss" in m:
             count = float(m["round/clients"])
@@ -404,10 +404,10 @@ class RuntimeModel(FederatedCallback):
     @staticmethod
     def megabits_of(loop) -> float:
         """Size of the global model's trainable parameters in megabits."""
-        return sum(p.numel() * p.element_size() * 8 for p in loop._global_params()) / 1e6
+        return sum(p.numel() * p.element_size() * 8 for p in loop.global_parameters()) / 1e6
 
-    def on_round_end(self, trainer, loop, result) -> None:
-        megabits = self.model_megabits if self.model_megabits is not None else self.megabits_of(loop)
+    def on_round_end(self, trainer, pl_module, result) -> None:
+        megabits = self.model_megabits if self.model_megabits is not None else self.megabits_of(pl_module)
         k = int(result.plan.local_steps)
         w = simulated_round_seconds(megabits, k, self.seconds_per_batch, self.download_mbps, self.upload_mbps)
         self.wall_clock_seconds += w

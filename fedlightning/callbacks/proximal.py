@@ -55,7 +55,7 @@ def global_anchors(loop) -> List[Tensor]:
     The global parameters are not modified while clients train (the server step comes after every client of the
     round), so views are enough: no copy.
     """
-    return [p.detach() for p in loop._global_params()]
+    return [p.detach() for p in loop.global_parameters()]
 
 
 class ProximalTerm(FederatedCallback):
@@ -81,10 +81,10 @@ class ProximalTerm(FederatedCallback):
     def __init__(self, mu: float):
         self.mu = non_negative("mu", mu)
 
-    def client_objective(self, loop, plan, client_id: int) -> List[Callable[[Sequence[Tensor]], Tensor]]:
+    def client_objective(self, trainer, pl_module, plan, client_id: int) -> List[Callable[[Sequence[Tensor]], Tensor]]:
         if self.mu == 0.0:
             return []
-        anchors = global_anchors(loop)
+        anchors = global_anchors(pl_module)
         mu = self.mu
 
         def term(params: Sequence[Tensor]) -> Tensor:

@@ -82,10 +82,10 @@ class Scaffold(ServerStrategy):
         return stored["control"].to(device=like.device, dtype=like.dtype)
 
     # ------------------------------------------------------------------ client side
-    def client_objective(self, loop, plan: RoundPlan, client_id: int):
-        anchors = global_anchors(loop)
+    def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int):
+        anchors = global_anchors(pl_module)
         like = torch.cat([a.reshape(-1) for a in anchors])
-        correction = self._server_control(like) - self.client_control(loop, client_id, like)
+        correction = self._server_control(like) - self.client_control(pl_module, client_id, like)
         directions = split_like(correction, anchors)
 
         def term(params):
@@ -93,7 +93,7 @@ class Scaffold(ServerStrategy):
 
         return [term]
 
-    def on_client_end(self, loop, plan: RoundPlan, update: ClientUpdate) -> None:
+    def on_client_end(self, trainer, pl_module, plan: RoundPlan, update: ClientUpdate) -> None:
         if update.failed or update.delta is None:
             return
         steps = [s for s in update.step_sizes if math.isfinite(s)]
@@ -103,10 +103,10 @@ class Scaffold(ServerStrategy):
             update.failure = f"SCAFFOLD needs positive local step sizes, got {update.step_sizes!r}"
             return
         delta = update.delta
-        old = self.client_control(loop, update.client_id, delta)
+        old = self.client_control(pl_module, update.client_id, delta)
         new = old - self._server_control(delta) + delta / total
         update.payload["scaffold_control_delta"] = new - old
-        loop.client_state.set(NAMESPACE, update.client_id, {"control": new.detach()})
+        pl_module.client_state.set(NAMESPACE, update.client_id, {"control": new.detach()})
 
     # ------------------------------------------------------------------ server side
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
@@ -115,7 +115,7 @@ class Scaffold(ServerStrategy):
 
     def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan):
         delta = self.mean_delta(stats)
-        num_clients = int(loop._datamodule().num_clients)
+        num_clients = int(loop.datamodule.num_clients)
         control_step = stats["scaffold_control_delta"] / num_clients
         c = self._server_control(control_step)
         c.add_(control_step)

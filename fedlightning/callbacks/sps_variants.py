@@ -64,7 +64,7 @@ class FedSPSNormalized(ServerStrategy):
         super().__init__(server_lr=1.0, weighting="uniform")  # seed 001: no server learning rate
         self.reading = one_of("reading", reading, READINGS)
 
-    def on_client_end(self, loop, plan: RoundPlan, update: ClientUpdate) -> None:
+    def on_client_end(self, trainer, pl_module, plan: RoundPlan, update: ClientUpdate) -> None:
         if update.failed:
             return
         nu = normalization_factor(update)
@@ -188,7 +188,7 @@ class FedSPSGlobal(ServerStrategy):
         (adaptive SPS: ``γ × γ_i``) or be refused later by :func:`~fedlightning.optim.scale_client_step`."""
         from fedlightning.optim import SPS
 
-        opt = loop.client_optimizer(list(loop._global_params()))
+        opt = loop.client_optimizer_factory(list(loop.global_parameters()))
         if not (isinstance(opt, SPS) and opt.hyper.get("fixed_step_size") is not None):
             raise TypeError(
                 "FedSPSGlobal needs client_optimizer fedlightning.optim.SPS with fixed_step_size=1.0 (fixed-step "
@@ -199,9 +199,9 @@ class FedSPSGlobal(ServerStrategy):
     def on_fit_start(self, trainer, pl_module) -> None:
         self._check_client_optimizer(pl_module)
 
-    def on_round_start(self, trainer, loop, plan: RoundPlan) -> None:
+    def on_round_start(self, trainer, pl_module, plan: RoundPlan) -> None:
         if self.step_size is None:
-            self.step_size = self._probe_first_client(trainer, loop, plan)
+            self.step_size = self._probe_first_client(trainer, pl_module, plan)
             if not self.step_size > 0:
                 raise ValueError(
                     f"FedSPS-Global: the initial SPS step of client {plan.client_ids[0]} is {self.step_size} (zero "
@@ -210,7 +210,7 @@ class FedSPSGlobal(ServerStrategy):
         plan.client_lr_scale = plan.client_lr_scale * self.step_size
         plan.extras["sps_global_step_size"] = self.step_size
 
-    def on_client_end(self, loop, plan: RoundPlan, update: ClientUpdate) -> None:
+    def on_client_end(self, trainer, pl_module, plan: RoundPlan, update: ClientUpdate) -> None:
         if update.failed:
             return
         if "sps_last_loss" not in update.payload or "sps_last_grad_sq" not in update.payload:

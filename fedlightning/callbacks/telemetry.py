@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from fedlightning._lightning_compat import batches_that_stepped
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import integer, one_of
 from fedlightning.callbacks.base import FederatedCallback
@@ -72,7 +73,7 @@ class RoundTimer(FederatedCallback):
         self._start = self.clock()
         self._client_steps = 0.0
 
-    def on_round_end(self, trainer, loop, result) -> None:
+    def on_round_end(self, trainer, pl_module, result) -> None:
         clients = float(result.metrics.get("round/clients", result.num_clients))
         self._client_steps = clients * float(result.metrics.get("round/local_steps", result.plan.local_steps))
 
@@ -166,15 +167,15 @@ class GlobalEvaluation(FederatedCallback):
         """True when the evaluation runs after 0-based round ``round_index``."""
         return (int(round_index) + 1) % self.every_n_rounds == 0
 
-    def on_round_end(self, trainer, loop, result) -> None:
+    def on_round_end(self, trainer, pl_module, result) -> None:
         if not self.due(result.plan.round):
             return
-        metrics = self.evaluate(loop.model, loop._datamodule(), loop.device)
+        metrics = self.evaluate(pl_module.model, pl_module.datamodule, pl_module.device)
         if not metrics:
             return
         # Straight to the loggers, not through ``self.log``: Lightning re-sends the last value of an on-step metric
         # at every later step, which would turn a sparse schedule into a stale value every round.
-        step = int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
+        step = batches_that_stepped(trainer)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         for key, value in metrics.items():  # visible to ModelCheckpoint(monitor=...) / EarlyStopping

@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from fedlightning._lightning_compat import metric_reductions
+
 from .support import VectorizationUnsupportedError
 from .torch_internals import _is_batched
 
@@ -310,7 +312,7 @@ def _forward_as_update(metric: nn.Module) -> bool:
         return False
     if metric.full_state_update or metric.full_state_update is None:
         return True
-    return all(fn in (dim_zero_sum, dim_zero_cat, dim_zero_min, dim_zero_max) for fn in metric._reductions.values())
+    return all(fn in (dim_zero_sum, dim_zero_cat, dim_zero_min, dim_zero_max) for fn in metric_reductions(metric).values())
 
 
 def _resolve(spec: Tuple[str, Any], tensors: List[Tensor], results: List[Any]) -> Any:

@@ -39,11 +39,11 @@ class Faults(FederatedCallback):
     def on_round_start(self, trainer, loop, plan):
         self.start.append(torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach().double().clone())
 
-    def client_objective(self, loop, plan, client_id):
-        loop._worker_trainer().model.raising = plan.round == 1 and plan.client_ids.index(client_id) == VICTIM_POSITION
+    def client_objective(self, trainer, loop, plan, client_id):
+        loop.client_worker.model.raising = plan.round == 1 and plan.client_ids.index(client_id) == VICTIM_POSITION
         return []
 
-    def on_client_end(self, loop, plan, update):
+    def on_client_end(self, trainer, loop, plan, update):
         position = plan.client_ids.index(update.client_id)
         if plan.round == 0 and position == VICTIM_POSITION:
             update.delta.fill_(-3e38)

@@ -1,0 +1,133 @@
+"""Every access fedlightning makes to private state of Lightning and torchmetrics, in one place.
+
+Federated training runs inside Lightning's fit loop but does some of its work itself (client training, logging the
+round's metrics, a progress bar over rounds), and for that it reads or sets a few attributes that Lightning and
+torchmetrics do not publish. Each such access is one function here, named for what it does, and
+``tests/test_lightning_compat.py`` checks each against the installed versions (the attribute exists, has the
+meaning relied on), so an upgrade that changes one fails that test by name instead of silently changing behaviour.
+No other module of fedlightning touches these attributes.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import lightning.pytorch as pl
+
+__all__ = [
+    "allow_logging_from",
+    "attached_trainer",
+    "batches_that_stepped",
+    "current_hook",
+    "detached_trainer",
+    "metric_reductions",
+    "metric_state",
+    "parse_configure_optimizers",
+    "progress_bar_leave",
+    "should_write_step_logs",
+    "strategy_optimizers",
+]
+
+
+def attached_trainer(module: pl.LightningModule) -> Optional["pl.Trainer"]:
+    """The Trainer ``module`` is attached to, or None (``module.trainer`` raises when there is none)."""
+    return module._trainer
+
+
+@contextmanager
+def detached_trainer(module: pl.LightningModule) -> Iterator[Optional["pl.Trainer"]]:
+    """``module`` without its Trainer inside the block (e.g. to deep-copy it without copying the Trainer), attached
+    again afterwards; yields the Trainer."""
+    trainer = module._trainer
+    module.trainer = None
+    try:
+        yield trainer
+    finally:
+        module.trainer = trainer
+
+
+@contextmanager
+def strategy_optimizers(strategy: Any, optimizers: List[Any], schedulers: List[Any]) -> Iterator[None]:
+    """``trainer.optimizers`` is ``optimizers`` and ``trainer.lr_scheduler_configs`` is ``schedulers`` inside the
+    block, both as before afterwards (also on an exception). Sets the strategy's ``_optimizers`` directly: the public
+    ``optimizers`` setter wraps each optimizer in a new ``LightningOptimizer``, which would replace the wrapper
+    ``LightningModule.optimizers()`` returns."""
+    saved = strategy._optimizers, strategy.lr_scheduler_configs
+    strategy._optimizers, strategy.lr_scheduler_configs = optimizers, schedulers
+    try:
+        yield
+    finally:
+        strategy._optimizers, strategy.lr_scheduler_configs = saved
+
+
+def progress_bar_leave(bar: Any) -> bool:
+    """The ``leave`` argument a ``TQDMProgressBar`` was built with."""
+    return bool(bar._leave)
+
+
+def batches_that_stepped(trainer: "pl.Trainer") -> int:
+    """The step Lightning's logger connector passes to ``logger.log_metrics`` for training metrics (the fit loop's
+    count of batches that stepped an optimizer; the round number here)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def should_write_step_logs(trainer: "pl.Trainer") -> bool:
+    """Whether Lightning writes this training step's metrics to the loggers (its ``should_update_logs`` rule: every
+    ``log_every_n_steps`` steps or when the trainer is stopping, never with ``log_every_n_steps=0``)."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
+@contextmanager
+def current_hook(module: pl.LightningModule, name: str) -> Iterator[None]:
+    """``module``'s current hook name is ``name`` inside the block (what ``self.log`` checks to decide where a value
+    may be logged from), as Lightning's own hook dispatcher sets it; restored afterwards."""
+    previous = getattr(module, "_current_fx_name", None)
+    module._current_fx_name = name
+    try:
+        yield
+    finally:
+        module._current_fx_name = previous
+
+
+def allow_logging_from(names: Tuple[str, ...], like: str = "training_step") -> None:
+    """Let ``self.log`` be called from the hooks ``names`` (e.g. the federated hooks, which run inside the round's
+    ``training_step``) with the options and defaults Lightning gives hook ``like``: Lightning's logging validator
+    refuses a hook name it does not know, and its dispatcher-style ``current_hook`` sets such names."""
+    from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
+
+    for name in names:
+        _FxValidator.functions.setdefault(name, _FxValidator.functions[like])
+
+
+def parse_configure_optimizers(conf: Any) -> Tuple[List[Any], List[Any]]:
+    """``(optimizers, scheduler configs)`` from what a ``configure_optimizers()`` returned, parsed by Lightning's own
+    rules (every return form it accepts; a malformed one raises its ``MisconfigurationException``)."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
+
+    optimizers, schedulers, monitor = _configure_optimizers(conf)
+    return optimizers, _configure_schedulers_automatic_opt(schedulers, monitor)
+
+
+def metric_state(metric: Any) -> Dict[str, Any]:
+    """A torchmetrics ``Metric``'s accumulated state, by attribute name: its registered states (``add_state``), its
+    update count and its cached ``compute()`` result; ``setattr`` of each entry restores it (tensors are cloned)."""
+    state = {k: _clone(getattr(metric, k)) for k in metric._defaults}
+    state["_update_count"] = metric._update_count
+    state["_computed"] = metric._computed
+    return state
+
+
+def metric_reductions(metric: Any) -> Dict[str, Any]:
+    """A torchmetrics ``Metric``'s reduction function of each registered state (``add_state(dist_reduce_fx=...)``)."""
+    return dict(metric._reductions)
+
+
+def _clone(v: Any) -> Any:
+    from torch import Tensor
+
+    if isinstance(v, Tensor):
+        return v.clone()
+    if isinstance(v, list):
+        return [t.clone() if isinstance(t, Tensor) else t for t in v]
+    return v

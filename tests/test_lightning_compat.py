@@ -1,0 +1,149 @@
+"""Each private attribute of Lightning and torchmetrics that fedlightning relies on (all of them are read or set in
+``fedlightning/_lightning_compat.py`` and nowhere else) still exists and means what the project assumes, on the
+installed versions: an upgrade that changes one fails here, by name."""
+
+import pathlib
+import re
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torchmetrics
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from fedlightning import _lightning_compat as compat
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.seen_optimizers = []
+        self.logged_steps = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen_optimizers.append(list(self.trainer.optimizers))
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1)]
+
+    def train_dataloader(self):
+        x = torch.randn(8, 2)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=2)
+
+
+def _trainer(tmp_path, **kw):
+    return pl.Trainer(max_steps=3, logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kw)
+
+
+def test_attached_and_detached_trainer(tmp_path):
+    model, trainer = _Tiny(), _trainer(tmp_path)
+    assert compat.attached_trainer(model) is None
+    trainer.fit(model)
+    assert compat.attached_trainer(model) is trainer
+    with compat.detached_trainer(model) as t:
+        assert t is trainer and compat.attached_trainer(model) is None
+        with pytest.raises(RuntimeError):
+            model.trainer  # noqa: B018 - the property raises without a trainer
+    assert model.trainer is trainer
+
+
+def test_strategy_optimizers_are_what_trainer_optimizers_shows(tmp_path):
+    model, trainer = _Tiny(), _trainer(tmp_path)
+    trainer.fit(model)
+    server = trainer.optimizers[0]
+    wrapper = model.optimizers()
+    client = torch.optim.Adam(model.parameters())
+    with compat.strategy_optimizers(trainer.strategy, [client], []):
+        assert trainer.optimizers == [client] and trainer.lr_scheduler_configs == []
+    assert trainer.optimizers == [server] and len(trainer.lr_scheduler_configs) == 1
+    assert model.optimizers() is wrapper  # the LightningOptimizer wrapper is kept
+    with pytest.raises(KeyError):
+        with compat.strategy_optimizers(trainer.strategy, [client], []):
+            raise KeyError("restored on an exception too")
+    assert trainer.optimizers == [server]
+
+
+@pytest.mark.parametrize("leave", [False, True])
+def test_progress_bar_leave(leave):
+    assert compat.progress_bar_leave(TQDMProgressBar(leave=leave)) is leave
+
+
+@pytest.mark.parametrize("every,written", [(1, [0, 1, 2]), (2, [1]), (0, [])])
+def test_batches_that_stepped_and_the_step_log_rule(tmp_path, every, written):
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # Lightning's logger connector updates the count after this hook: the step being logged
+            seen.append((compat.batches_that_stepped(trainer), compat.should_write_step_logs(trainer)))
+
+    trainer = _trainer(tmp_path, callbacks=[Probe()], log_every_n_steps=every)
+    trainer.fit(_Tiny())
+    assert [s for s, _ in seen] == [0, 1, 2]
+    # written at every log_every_n_steps-th step, never with 0
+    assert [s for s, w in seen if w] == written
+
+
+def test_current_hook_is_the_name_lightning_sets_for_the_running_hook(tmp_path):
+    names = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            names.append(pl_module._current_fx_name)
+
+    model = _Tiny()
+    _trainer(tmp_path, callbacks=[Probe()]).fit(model)
+    assert names == ["on_train_batch_end"] * 3  # Lightning's dispatcher sets it for every callback hook
+    before = model._current_fx_name
+    with compat.current_hook(model, "on_round_end"):
+        assert model._current_fx_name == "on_round_end"
+    assert model._current_fx_name == before
+
+
+def test_parse_configure_optimizers_follows_lightnings_rules():
+    model = _Tiny()
+    optimizers, configs = compat.parse_configure_optimizers(model.configure_optimizers())
+    assert len(optimizers) == 1 and isinstance(optimizers[0], torch.optim.SGD)
+    assert len(configs) == 1 and configs[0].scheduler.optimizer is optimizers[0] and configs[0].interval == "epoch"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, configs = compat.parse_configure_optimizers(
+        {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1), "interval": "step"}})
+    assert configs[0].interval == "step"
+    with pytest.raises(Exception):
+        compat.parse_configure_optimizers("not an optimizer")
+
+
+def test_metric_state_round_trips_and_reductions_are_the_state_reductions():
+    metric = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+    metric.update(torch.tensor([0, 1, 2]), torch.tensor([0, 1, 1]))
+    saved = compat.metric_state(metric)
+    before = float(metric.compute())
+    metric.update(torch.tensor([0, 0, 0]), torch.tensor([1, 1, 1]))
+    assert float(metric.compute()) != before
+    for k, v in saved.items():
+        setattr(metric, k, v)
+    assert float(metric.compute()) == pytest.approx(before)
+    assert set(compat.metric_reductions(metric)) == {k for k in saved if not k.startswith("_")}
+
+
+def test_no_other_module_touches_the_private_attributes():
+    pattern = re.compile(r"\._(trainer|optimizers|leave|batches_that_stepped|logger_connector|current_fx_name|"
+                         r"defaults|update_count|computed|reductions)\b|\b_configure_optimizers\b|"
+                         r"\b_configure_schedulers_automatic_opt")
+    offenders = []
+    for path in (ROOT / "fedlightning").rglob("*.py"):
+        if path.name == "_lightning_compat.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if pattern.search(code) and "self._trainer" not in code:
+                offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
