@@ -24,7 +24,7 @@ __all__ = [
     "metric_reductions",
     "metric_state",
     "parse_configure_optimizers",
-    "progress_bar_leave",
+    "progress_bar_options",
     "should_write_step_logs",
     "strategy_optimizers",
 ]
@@ -61,9 +61,14 @@ def strategy_optimizers(strategy: Any, optimizers: List[Any], schedulers: List[A
         strategy._optimizers, strategy.lr_scheduler_configs = saved
 
 
-def progress_bar_leave(bar: Any) -> bool:
-    """The ``leave`` argument a ``TQDMProgressBar`` was built with."""
-    return bool(bar._leave)
+def progress_bar_options(bar: Any) -> Dict[str, Any]:
+    """The constructor arguments that rebuild ``bar`` (Lightning's ``TQDMProgressBar`` or ``RichProgressBar``) with
+    the options it was built with."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    if isinstance(bar, TQDMProgressBar):
+        return dict(refresh_rate=bar.refresh_rate, process_position=bar.process_position, leave=bar._leave)
+    return dict(refresh_rate=bar.refresh_rate, leave=bar._leave, theme=bar.theme, console_kwargs=bar._console_kwargs)
 
 
 def batches_that_stepped(trainer: "pl.Trainer") -> int:

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from fedlightning._hooks import _FORWARDED_HOOKS, _LogRouter, _forward_to_model
-from fedlightning._lightning_compat import attached_trainer, detached_trainer, progress_bar_leave, strategy_optimizers
+from fedlightning._lightning_compat import attached_trainer, detached_trainer, strategy_optimizers
 from fedlightning._logging_route import route_logging, routed_logging
 from fedlightning._reference import reference_mode
 from fedlightning._round import (
@@ -738,19 +738,17 @@ class FederatedLoop(pl.LightningModule):
     # on_train_epoch_start/_end once per round on the client working copy), so the loop's own train batch/epoch
     # hooks are not forwarded.
     def configure_callbacks(self):
-        """The user module's callbacks; and, when the Trainer has Lightning's default tqdm bar ("Epoch 0"), the
-        round-counting bar in its place (the CLI adds that bar itself; this gives it to Python users too)."""
-        from lightning.pytorch.callbacks import TQDMProgressBar
-
-        from fedlightning.callbacks.progress import RoundTQDMProgressBar
+        """The user module's callbacks; and, when the Trainer has Lightning's default progress bar ("Epoch 0": tqdm,
+        or rich when the ``rich`` package is installed), the round-counting bar of the same kind and options in its
+        place (the CLI adds that bar itself; this gives it to Python users too)."""
+        from fedlightning.callbacks.progress import round_bar_for
 
         callbacks = self.model.configure_callbacks() or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         trainer = attached_trainer(self)
-        bar = trainer.progress_bar_callback if trainer is not None else None
-        if type(bar) is TQDMProgressBar:  # replaced: Lightning drops a trainer callback a subclass overrides
-            callbacks.append(RoundTQDMProgressBar(refresh_rate=bar.refresh_rate, process_position=bar.process_position,
-                                                  leave=progress_bar_leave(bar)))
+        bar = round_bar_for(trainer.progress_bar_callback) if trainer is not None else None
+        if bar is not None:  # replaced: Lightning drops a trainer callback that a configure_callbacks one subclasses
+            callbacks.append(bar)
         return callbacks
 
     def on_train_end(self) -> None:

@@ -71,9 +71,23 @@ def test_strategy_optimizers_are_what_trainer_optimizers_shows(tmp_path):
     assert trainer.optimizers == [server]
 
 
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
 @pytest.mark.parametrize("leave", [False, True])
-def test_progress_bar_leave(leave):
-    assert compat.progress_bar_leave(TQDMProgressBar(leave=leave)) is leave
+def test_progress_bar_options_rebuild_the_same_bar(kind, leave):
+    if kind == "tqdm":
+        bar = TQDMProgressBar(refresh_rate=3, process_position=1, leave=leave)
+    else:
+        pytest.importorskip("rich")
+        from lightning.pytorch.callbacks import RichProgressBar
+        from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
+
+        bar = RichProgressBar(refresh_rate=3, leave=leave, theme=RichProgressBarTheme(description="red"),
+                              console_kwargs={"width": 80})
+    again = type(bar)(**compat.progress_bar_options(bar))
+    assert compat.progress_bar_options(again) == compat.progress_bar_options(bar)
+    assert again.refresh_rate == 3 and again._leave is leave
+    if kind == "rich":
+        assert again.theme.description == "red" and again._console_kwargs == {"width": 80}
 
 
 @pytest.mark.parametrize("every,written", [(1, [0, 1, 2]), (2, [1]), (0, [])])

@@ -526,15 +526,21 @@ def test_vectorized_runs_a_trainer_reading_module_and_refuses_what_it_cannot_bat
 
 def test_python_trainer_gets_the_round_progress_bar():
     from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.callbacks.progress import ProgressBar
 
-    from fedlightning.callbacks.progress import RoundTQDMProgressBar
+    from fedlightning.callbacks.progress import ROUND_DESCRIPTION, RoundProgressBar, RoundTQDMProgressBar
 
     trainer = make_trainer(2, enable_progress_bar=True)
-    assert type(trainer.progress_bar_callback) is TQDMProgressBar  # Lightning's default ("Epoch 0")
+    default = type(trainer.progress_bar_callback)  # Lightning's default ("Epoch 0"): rich when installed, else tqdm
+    assert default.__module__.startswith("lightning.")
     trainer.fit(FederatedLoop(UserNet(), local_steps=1, clients_per_round=2), datamodule=_dm())
-    bars = [cb for cb in trainer.callbacks if isinstance(cb, TQDMProgressBar)]
-    assert len(bars) == 1 and isinstance(bars[0], RoundTQDMProgressBar)
-    assert bars[0].train_progress_bar.desc.startswith("Round")
+    bars = [cb for cb in trainer.callbacks if isinstance(cb, ProgressBar)]
+    assert len(bars) == 1 and isinstance(bars[0], default) and type(bars[0]) is not default
+    assert isinstance(bars[0], RoundProgressBar) or isinstance(bars[0], RoundTQDMProgressBar)
+    if isinstance(bars[0], TQDMProgressBar):
+        assert bars[0].train_progress_bar.desc.startswith(ROUND_DESCRIPTION)
+    else:
+        assert bars[0]._get_train_description(0).startswith(ROUND_DESCRIPTION)
     custom = RoundTQDMProgressBar(refresh_rate=5)  # a bar the user chose is kept
     trainer = make_trainer(1, enable_progress_bar=True, callbacks=[custom])
     trainer.fit(FederatedLoop(UserNet(), local_steps=1, clients_per_round=2), datamodule=_dm())

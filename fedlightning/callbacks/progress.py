@@ -9,13 +9,19 @@ enables the progress bar and lists no progress bar of its own.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from lightning.pytorch.callbacks import TQDMProgressBar
+
+from fedlightning._lightning_compat import progress_bar_options
 
 try:  # rich is optional (Lightning's extras); tqdm is always there
     from lightning.pytorch.callbacks import RichProgressBar
     from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 except ImportError:  # pragma: no cover
     RichProgressBar, _RICH_AVAILABLE = None, False
+
+__all__ = ["ROUND_DESCRIPTION", "RoundProgressBar", "RoundTQDMProgressBar", "round_bar_for"]
 
 ROUND_DESCRIPTION = "Round"
 
@@ -53,3 +59,14 @@ if _RICH_AVAILABLE:
     RoundProgressBar = RoundRichProgressBar
 else:
     RoundProgressBar = RoundTQDMProgressBar
+
+
+def round_bar_for(bar: Any) -> Optional[Any]:
+    """The round-counting bar that replaces ``bar`` when ``bar`` is Lightning's own default (exactly
+    ``TQDMProgressBar`` or ``RichProgressBar``), built with the same options; None for any other bar (a bar the user
+    chose is kept) or no bar."""
+    if type(bar) is TQDMProgressBar:
+        return RoundTQDMProgressBar(**progress_bar_options(bar))
+    if _RICH_AVAILABLE and type(bar) is RichProgressBar:
+        return RoundRichProgressBar(**progress_bar_options(bar))
+    return None
