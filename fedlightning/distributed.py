@@ -38,7 +38,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from fedlightning.callbacks.base import RoundStatistics
+from fedlightning.state import RoundStatistics
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",

@@ -3,17 +3,17 @@
 A strategy decides how client updates become the next global model; following the FedOpt view (Reddi et al.
 2021), the server step is an optimizer step on the pseudo-gradient ``Δ``. :class:`ServerStrategy` (weights,
 ``accumulate``, ``server_update``, ``configure_server_optimizer``; a round's three steps in its docstring),
-:class:`RoundStatistics` (summable statistics: one ``all_reduce`` across processes), :func:`accumulate_core` (the
-sums the loop adds for every strategy), :class:`FederatedCallback` (the federated hooks with their signatures) and
-:func:`call_federated_hook` (the one dispatcher of the federated hooks) and :func:`check_hook_names` (near misses of
-hook names refused at setup).
+:func:`accumulate_core` (the sums the loop adds for every strategy), :class:`FederatedCallback` (the federated hooks
+with their signatures), :func:`call_federated_hook` (the one dispatcher of the federated hooks) and
+:func:`check_hook_names` (near misses of hook names refused at setup). :class:`~fedlightning.state.RoundStatistics`
+(summable statistics: one ``all_reduce`` across processes) is re-exported here; it is defined in
+:mod:`fedlightning.state` so that :mod:`fedlightning.distributed`, which reduces it, sits below the strategies.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-import math
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -23,110 +23,10 @@ from torch import Tensor
 
 from fedlightning._lightning_compat import allow_logging_from, current_hook
 from fedlightning._validation import one_of, positive
-from fedlightning.state import ClientUpdate, RoundPlan
+from fedlightning.state import ClientUpdate, RoundPlan, RoundStatistics
 
 __all__ = ["FEDERATED_HOOKS", "FederatedCallback", "RoundStatistics", "ServerStep", "ServerStrategy",
            "accumulate_core", "call_federated_hook", "check_hook_names"]
-
-
-class RoundStatistics:
-    """Named tensors accumulated over a round's clients; each is reduced across processes by sum or max.
-
-    Scalars given as Python numbers are summed (or maxed) as Python floats, i.e. in float64 like the float64
-    tensors they become when first read (``stats[key]``, ``values``), so a client's ten telemetry scalars cost no
-    tensor operations. Tensor values are accumulated in place into the statistic's own copy.
-    """
-
-    def __init__(self) -> None:
-        self._values: Dict[str, Tensor] = {}
-        self._scalars: Dict[str, Tuple[float, object]] = {}  # key -> (python float, device)
-        self.ops: Dict[str, str] = {}
-
-    def _scalar(self, key: str, value: float, device, op: str) -> None:
-        value = float(value)
-        if key in self._values:  # already a tensor (e.g. read, then added to)
-            self._tensor(key, torch.tensor(value, dtype=torch.float64, device=device), op)
-        elif key in self._scalars:
-            old = self._scalars[key][0]
-            self._scalars[key] = (old + value if op == "sum" else max(old, value), self._scalars[key][1])
-        else:
-            self._scalars[key], self.ops[key] = (value, device), op
-
-    def _tensor(self, key: str, value: Tensor, op: str) -> None:
-        if key in self._scalars:
-            self._materialize(key)
-        if key not in self._values:
-            self._values[key], self.ops[key] = value.clone(), op
-            return
-        cur = self._values[key]
-        if op == "sum":
-            if cur.dtype == value.dtype and cur.shape == value.shape and cur.device == value.device:
-                cur.add_(value)
-            else:
-                self._values[key] = cur + value
-        else:
-            self._values[key] = torch.maximum(cur, value)
-
-    def _materialize(self, key: str) -> None:
-        value, device = self._scalars.pop(key)
-        self._values[key] = torch.tensor(value, dtype=torch.float64, device=device)
-
-    def add(self, key: str, value: Tensor | float, device=None) -> None:
-        if isinstance(value, Tensor):
-            self._tensor(key, value, "sum")
-        else:
-            self._scalar(key, value, device, "sum")
-
-    def maximum(self, key: str, value: Tensor | float, device=None) -> None:
-        if isinstance(value, Tensor):
-            self._tensor(key, value, "max")
-        else:
-            self._scalar(key, value, device, "max")
-
-    @property
-    def values(self) -> Dict[str, Tensor]:
-        """Every statistic as a tensor (scalars become float64 tensors on the device they were added with)."""
-        for key in list(self._scalars):
-            self._materialize(key)
-        return self._values
-
-    def __getitem__(self, key: str) -> Tensor:
-        if key in self._scalars:
-            self._materialize(key)
-        return self._values[key]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._values or key in self._scalars
-
-    def get(self, key: str, default=None):
-        return self[key] if key in self else default
-
-    def merge(self, other: "RoundStatistics") -> None:
-        """Add (or max) every statistic of ``other`` into this one, as if each had been added here; a tensor this
-        object does not hold yet is adopted without a copy (``other`` is not used afterwards)."""
-        for key, (value, device) in other._scalars.items():
-            self._scalar(key, value, device, other.ops[key])
-        for key, value in other._values.items():
-            if key in self._values or key in self._scalars:
-                self._tensor(key, value, other.ops[key])
-            else:
-                self._values[key], self.ops[key] = value, other.ops[key]
-
-    def unsafe_entry(self, num_terms: int) -> Optional[str]:
-        """``"<key> = <value>"`` for the first statistic that is non-finite, or whose sum over ``num_terms`` values of
-        its size could overflow its dtype (a summed entry of magnitude ``≥ finfo.max / (2·num_terms)``; Python
-        numbers are float64); None when every one is safe. Tensors are measured by their float64 2-norm (one
-        reduction each), which bounds every entry."""
-        for key, (value, _) in self._scalars.items():
-            limit = torch.finfo(torch.float64).max / (2 * num_terms)
-            if not math.isfinite(value) or (self.ops[key] == "sum" and abs(value) >= limit):
-                return f"{key} = {value!r}"
-        for key, value in self._values.items():
-            size = float(value.double().pow(2).sum().sqrt().item()) if value.numel() else 0.0
-            limit = torch.finfo(value.dtype).max / (2 * num_terms) if value.is_floating_point() else math.inf
-            if not math.isfinite(size) or (self.ops[key] == "sum" and size >= limit):
-                return f"{key} (norm {size:.4g})"
-        return None
 
 
 class FederatedCallback(Callback):
