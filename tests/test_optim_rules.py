@@ -332,3 +332,25 @@ def test_batched_rule_must_be_a_batched_rule():
 
     with pytest.raises(TypeError, match="Wrong.batched_rule must be a subclass of"):
         fit(lambda p: Wrong(p, lr=0.05), "vectorized", rounds=1)
+
+
+def test_built_in_optimizers_and_their_subclasses_have_their_batched_form_unless_step_is_overridden():
+    from fedlightning.optim import SPS, DecSPS, SgdArmijo
+    from fedlightning.vectorized.rules import BUILT_IN_FORMS, _batched_form
+
+    class QuietArmijo(SgdArmijo):  # same step: keeps the batched form
+        pass
+
+    class OwnStep(SPS):  # a new step: its parent's batched form no longer describes it
+        def step(self, closure=None):
+            return super().step(closure)
+
+    class OwnStepWithForm(OwnStep):
+        batched_rule = BUILT_IN_FORMS[DecSPS]
+
+    assert [_batched_form(k) for k in (SgdArmijo, SPS, DecSPS)] == [BUILT_IN_FORMS[k] for k in (SgdArmijo, SPS, DecSPS)]
+    assert len(set(BUILT_IN_FORMS.values())) == 3
+    assert _batched_form(QuietArmijo) is BUILT_IN_FORMS[SgdArmijo]
+    assert _batched_form(OwnStep) is None
+    assert _batched_form(OwnStepWithForm) is BUILT_IN_FORMS[DecSPS]
+    assert _batched_form(torch.optim.RMSprop) is None

@@ -6,9 +6,10 @@
 
 All three use the closure convention of the reference Sls code: ``opt.zero_grad(); loss = opt.step(closure)`` (the
 closure only returns the mini-batch loss), work in any PyTorch loop and in the :class:`~fedlightning.FederatedLoop`,
-report ``last_step`` after each step, keep per-client state through ``get_client_state`` / ``set_client_state``, and
-name their batched form (``batched_rule``) for ``client_execution="vectorized"``; the step-size rules of both forms
-are written once, in :mod:`fedlightning.optim.rules`.
+report ``last_step`` after each step and keep per-client state through ``get_client_state`` / ``set_client_state``.
+Their batched forms for ``client_execution="vectorized"`` live in :mod:`fedlightning.vectorized.rules`, which maps
+these classes to them (this package never imports the engine, which sits above it); the step-size rules of both
+forms are written once, in :mod:`fedlightning.optim.rules`.
 
 :func:`scale_client_step` multiplies a client optimizer's step size by the round's ``client_lr_scale`` (η-decay
 schedules, FedSPS-Global): ``scale_step`` of these three optimizers (each applies ``scale`` times its rule's step),

@@ -28,7 +28,6 @@ from fedlightning.optim import rules
 
 __all__ = [
     "ClosureOptimizer",
-    "batched_form",
     "RngSnapshot",
     "epoch_exponent",
     "scale_client_step",
@@ -110,19 +109,6 @@ def scale_client_step(optimizer: torch.optim.Optimizer, scale: float) -> None:
         return
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * scale
-
-
-def batched_form(name: str) -> classmethod:
-    """A ``batched_rule`` classmethod returning ``fedlightning.vectorized.rules.<name>``, the optimizer's batched
-    form (:class:`fedlightning.vectorized.BatchedRule`), imported when first asked for."""
-
-    def batched_rule(cls):
-        from fedlightning.vectorized import rules as batched
-
-        return getattr(batched, name)
-
-    batched_rule.__doc__ = f"The batched form for client_execution='vectorized': fedlightning.vectorized.rules.{name}."
-    return classmethod(batched_rule)
 
 
 class ClosureOptimizer(torch.optim.Optimizer):

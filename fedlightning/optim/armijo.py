@@ -22,7 +22,7 @@ from torch import Tensor
 
 from fedlightning._validation import flag, in_range, integer, non_negative, one_of, positive
 from fedlightning.optim import rules
-from fedlightning.optim._common import ClosureOptimizer, RngSnapshot, batched_form, epoch_exponent
+from fedlightning.optim._common import ClosureOptimizer, RngSnapshot, epoch_exponent
 
 __all__ = ["SgdArmijo"]
 
@@ -129,7 +129,6 @@ class SgdArmijo(ClosureOptimizer):
             False (seed 000 Alg. 3 restarts at ``eta_max``).
     """
 
-    batched_rule = batched_form("_BatchedArmijo")
     growth_setting = ("delta", 'reset="grow"')
 
     def __init__(

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from fedlightning._validation import flag, in_range, integer, non_negative, number, positive
 from fedlightning.optim import rules
-from fedlightning.optim._common import ClosureOptimizer, batched_form, epoch_exponent
+from fedlightning.optim._common import ClosureOptimizer, epoch_exponent
 
 __all__ = ["SPS", "DecSPS"]
 
@@ -109,7 +109,6 @@ class SPS(ClosureOptimizer):
             SPS).
     """
 
-    batched_rule = batched_form("_BatchedSPS")
     growth_setting = ("smooth_factor", "smooth=True")
 
     def __init__(
@@ -211,8 +210,6 @@ class DecSPS(ClosureOptimizer):
         f_star: lower bound :math:`\ell^*` of the loss. Default 0.0 (seed 001).
         grad_tol: below this gradient norm no step is taken. Default 1e-8 (reference SPS).
     """
-
-    batched_rule = batched_form("_BatchedDecSPS")
 
     def __init__(self, params, c0: float = 0.5, gamma_max: float = 1.0, f_star: float = 0.0, grad_tol: float = 1e-8):
         c0 = positive("c0", c0)

@@ -2,9 +2,11 @@ r"""Batched client optimizers: one local step of every client at once, on the cl
 
 :class:`BatchedRule` is the public extension point: a client optimizer class opts in to vectorised execution with a
 ``batched_rule`` attribute naming its batched form, which :func:`make_batched_rule` reads. ``torch.optim.SGD``
-maps to :class:`_BatchedSGD`, ``torch.optim.Adam`` / ``AdamW`` to :class:`_BatchedAdam`; :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`
-and :class:`~fedlightning.optim.DecSPS` name :class:`_BatchedArmijo`, :class:`_BatchedSPS`, :class:`_BatchedDecSPS`,
-which evaluate the step-size rules of :mod:`fedlightning.optim.rules` on ``[C]`` tensors (no Python loop over
+maps to :class:`_BatchedSGD`, ``torch.optim.Adam`` / ``AdamW`` to :class:`_BatchedAdam`, and
+:data:`BUILT_IN_FORMS` maps :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS` and
+:class:`~fedlightning.optim.DecSPS` to :class:`_BatchedArmijo`, :class:`_BatchedSPS`, :class:`_BatchedDecSPS`
+(the map lives here, not as ``batched_rule`` attributes of those classes, because :mod:`fedlightning.optim` sits
+below the engine and never imports it), which evaluate the step-size rules of :mod:`fedlightning.optim.rules` on ``[C]`` tensors (no Python loop over
 clients inside a step). Each rule reads the clients' optimizer instances (built by the loop, client state set) and
 writes the final per-client state back through their public methods, so ``get_client_state()`` /
 ``client_report()`` answer exactly as after sequential training.
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 from torch import Tensor
 
-from fedlightning.optim import rules
+from fedlightning.optim import SPS, DecSPS, SgdArmijo, rules
 
 from .support import VectorizationUnsupportedError
 from .torch_internals import _foreach_add_
@@ -545,13 +547,22 @@ def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: S
     return first or {}
 
 
+#: The batched forms of fedlightning's own client optimizers (a ``batched_rule`` attribute of theirs would have to
+#: import this module from :mod:`fedlightning.optim`, which sits below the engine). A class found here counts as
+#: defining ``batched_rule``: its subclasses inherit the form unless they override ``step`` or name their own.
+BUILT_IN_FORMS: Dict[type, type] = {SgdArmijo: _BatchedArmijo, SPS: _BatchedSPS, DecSPS: _BatchedDecSPS}
+
+
 def _batched_form(kind: type) -> Optional[type]:
     """The :class:`BatchedRule` subclass ``kind`` names in ``batched_rule`` (a class, or a classmethod returning
-    one), or None: none, or one inherited from above the class that defines ``step`` (a subclass that overrides
-    ``step`` does not run its parent's batched form)."""
-    owner = next((k for k in kind.__mro__ if "batched_rule" in vars(k)), None)
+    one) or inherits from a class of :data:`BUILT_IN_FORMS`, whichever comes first in its MRO; or None: none, or one
+    from above the class that defines ``step`` (a subclass that overrides ``step`` does not run its parent's batched
+    form)."""
+    owner = next((k for k in kind.__mro__ if "batched_rule" in vars(k) or k in BUILT_IN_FORMS), None)
     if owner is None or not issubclass(owner, next(k for k in kind.__mro__ if "step" in vars(k))):
         return None
+    if "batched_rule" not in vars(owner):
+        return BUILT_IN_FORMS[owner]
     form = kind.batched_rule
     if not isinstance(form, type):
         form = form()
