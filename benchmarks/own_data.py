@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from fedlightning.client import reiterate
+from fedlightning.datamodules.base import reiterate
 from fedlightning.datamodules import Dirichlet, FederatedDataModule
 
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning._reference import reference_mode
+from fedlightning.datamodules.base import reiterate
 from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed, flat_params
 
 __all__ = ["extract_loss", "LocalTrainer"]
@@ -94,21 +95,6 @@ def _cycle(loader: Iterable, steps: int, reference: Optional[bool] = None) -> It
         yield from iter_steps(steps)
         return
     yield from reiterate(loader, steps)
-
-
-def reiterate(loader: Iterable, steps: int) -> Iterator[Any]:
-    """Exactly ``steps`` batches of ``loader``, calling ``iter(loader)`` again whenever it runs out."""
-    it = iter(loader)
-    for _ in range(steps):
-        try:
-            batch = next(it)
-        except StopIteration:  # cycle: a new shuffled epoch over the client's data
-            it = iter(loader)
-            try:
-                batch = next(it)
-            except StopIteration:
-                raise RuntimeError("the client's data loader yielded no batch (a client without samples?)") from None
-        yield batch
 
 
 def _plain_sgd_lrs(optimizer: torch.optim.Optimizer) -> Optional[List[float]]:

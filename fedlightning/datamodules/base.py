@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import numpy as np
@@ -43,6 +43,7 @@ __all__ = [
     "check_val_fraction",
     "chronological_holdout",
     "epoch_steps",
+    "reiterate",
 ]
 
 #: Default fraction of the training data held out for validation (ours: a common 90/10 choice that keeps 90 % of
@@ -174,12 +175,10 @@ class ArrayBatchLoader:
 
     def iter_steps(self, steps: int) -> Iterator[Tuple[Any, Any]]:
         """Exactly ``steps`` batches, a new epoch (new permutation) whenever one runs out: the batches that
-        re-iterating this loader gives (``fedlightning.client._cycle``), with one permutation and one split per
-        epoch and no nested generators (the per-step cost matters for small models)."""
+        re-iterating this loader gives (:func:`reiterate`), with one permutation and one split per epoch and no
+        nested generators (the per-step cost matters for small models)."""
         epoch = getattr(self.batch_sampler, "epoch", None)
         if epoch is None:
-            from fedlightning.client import reiterate
-
             yield from reiterate(self, steps)
             return
         take = _row_taker(self.dataset)
@@ -191,6 +190,24 @@ class ArrayBatchLoader:
             for idx in batches[: steps - done]:
                 yield take(idx)
             done += len(batches)
+
+
+def reiterate(loader: Iterable, steps: int) -> Iterator[Any]:
+    """Exactly ``steps`` batches of ``loader``, calling ``iter(loader)`` again whenever it runs out (a new shuffled
+    epoch over a client's data): the batches a client takes from any loader, and the ones ``iter_steps`` of
+    :class:`ArrayBatchLoader` must give. It lives with the loaders so that they and the client trainer
+    (:mod:`fedlightning.client`, one layer up) share it."""
+    it = iter(loader)
+    for _ in range(steps):
+        try:
+            batch = next(it)
+        except StopIteration:  # cycle: a new shuffled epoch over the client's data
+            it = iter(loader)
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise RuntimeError("the client's data loader yielded no batch (a client without samples?)") from None
+        yield batch
 
 
 def _row_taker(dataset: "ArrayDataset"):
@@ -252,6 +269,13 @@ class FederatedDataModule(pl.LightningDataModule):
         rounds_per_epoch: length of one Lightning "epoch" of rounds when ``trainer.max_steps`` is not set.
         val_fraction: fraction of the training data held out as the validation split, in ``[0, 1)``; default
             ``DEFAULT_VAL_FRACTION`` = 0.1 (ours). ``0`` disables validation.
+
+    Your own data sets: ``FederatedDataModule.from_datasets(train, test, ...)`` and
+    ``FederatedDataModule.from_datamodule(lightning_datamodule, ...)`` build a
+    :class:`~fedlightning.datamodules.DatasetDataModule`. Both are defined in
+    :mod:`fedlightning.datamodules.generic` next to that subclass and attached to this class there (this module
+    cannot import its own subclass without an import cycle); the package's ``__init__`` imports that module, so
+    they are in place whenever this class can be imported.
 
     Validation split (decisions, ours). The split is drawn once in :meth:`setup`, before the clients are formed,
     with generators seeded by ``(seed, "val")`` (independent of the partition's stream). Validation rows stay in
@@ -334,31 +358,6 @@ class FederatedDataModule(pl.LightningDataModule):
         self.local_steps: int = 1
         self.local_epochs: Optional[float] = None
         self.sampling_seed: int = 0
-
-    @classmethod
-    def from_datasets(cls, train: Any, test: Any = None, **kwargs: Any) -> "FederatedDataModule":
-        """A federated data set over your own ``train`` (and optional ``test``) data set: a map-style torch
-        ``Dataset`` with samples of any structure, or a Hugging Face ``datasets.Dataset``. Returns a
-        :class:`~fedlightning.datamodules.DatasetDataModule` (whichever class it is called on); ``kwargs`` are its
-        arguments (``partition``, ``num_clients``, ``batch_size``, ``seed``, ``val_fraction``, ``labels``,
-        ``label_key``, ``collate_fn``, ``drop_last``, ``in_memory``, ...), and its docstring gives the rules.
-
-        This replaces Lightning's ``LightningDataModule.from_datasets(train_dataset=..., ...)`` (ours): its plain
-        DataLoaders have no clients, so they could not feed a FederatedLoop."""
-        from fedlightning.datamodules.generic import DatasetDataModule
-
-        return DatasetDataModule(train, test, **kwargs)
-
-    @classmethod
-    def from_datamodule(cls, datamodule: pl.LightningDataModule, **kwargs: Any) -> "FederatedDataModule":
-        """Your existing ``LightningDataModule`` federated in one call: a
-        :class:`~fedlightning.datamodules.DatasetDataModule` over the data set, ``collate_fn`` and DataLoader
-        options of its ``train_dataloader()``, evaluated on the data sets of its ``val_dataloader()`` /
-        ``test_dataloader()``. ``kwargs`` (``partition``, ``num_clients``, ``batch_size``, ``seed``, ...) override
-        what is taken from the loaders. Rules: :func:`fedlightning.datamodules.generic.from_datamodule`."""
-        from fedlightning.datamodules.generic import from_datamodule
-
-        return from_datamodule(datamodule, **kwargs)
 
     # ------------------------------------------------------------------ to implement
     def load(self) -> Tuple[Dataset, Optional[Dataset], np.ndarray]:

@@ -845,3 +845,32 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
         options["val"] = val
     options.update(kwargs)
     return DatasetDataModule(loader.dataset, test, **options)
+
+
+def _from_datasets(cls, train: Any, test: Any = None, **kwargs: Any) -> DatasetDataModule:
+    """A federated data set over your own ``train`` (and optional ``test``) data set: a map-style torch
+    ``Dataset`` with samples of any structure, or a Hugging Face ``datasets.Dataset``. Returns a
+    :class:`~fedlightning.datamodules.DatasetDataModule` (whichever class it is called on); ``kwargs`` are its
+    arguments (``partition``, ``num_clients``, ``batch_size``, ``seed``, ``val_fraction``, ``labels``,
+    ``label_key``, ``collate_fn``, ``drop_last``, ``in_memory``, ...), and its docstring gives the rules.
+
+    This replaces Lightning's ``LightningDataModule.from_datasets(train_dataset=..., ...)`` (ours): its plain
+    DataLoaders have no clients, so they could not feed a FederatedLoop."""
+    return DatasetDataModule(train, test, **kwargs)
+
+
+def _from_datamodule(cls, datamodule: Any, **kwargs: Any) -> DatasetDataModule:
+    """Your existing ``LightningDataModule`` federated in one call: a
+    :class:`~fedlightning.datamodules.DatasetDataModule` over the data set, ``collate_fn`` and DataLoader
+    options of its ``train_dataloader()``, evaluated on the data sets of its ``val_dataloader()`` /
+    ``test_dataloader()``. ``kwargs`` (``partition``, ``num_clients``, ``batch_size``, ``seed``, ...) override
+    what is taken from the loaders. Rules: :func:`fedlightning.datamodules.generic.from_datamodule`."""
+    return from_datamodule(datamodule, **kwargs)
+
+
+# The base class's factories build this module's subclass, so they are defined here and attached to it (base.py
+# importing this module would close an import cycle); see FederatedDataModule's docstring.
+_from_datasets.__name__, _from_datasets.__qualname__ = "from_datasets", "FederatedDataModule.from_datasets"
+_from_datamodule.__name__, _from_datamodule.__qualname__ = "from_datamodule", "FederatedDataModule.from_datamodule"
+FederatedDataModule.from_datasets = classmethod(_from_datasets)
+FederatedDataModule.from_datamodule = classmethod(_from_datamodule)
