@@ -3,6 +3,7 @@
 from fedlightning.callbacks.base import FederatedCallback, RoundStatistics, ServerStep, ServerStrategy
 from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.adaptive import FedAdagrad, FedAdam, FedAMS, FedAvgM, FedYogi
+from fedlightning.callbacks.dp import DPFedAvg
 from fedlightning.callbacks.feddane import FedDANE
 from fedlightning.callbacks.fedexp import FedExP
 from fedlightning.callbacks.fedexprox import FedExProx
@@ -26,6 +27,7 @@ __all__ = [
     "FedAdagrad",
     "FedAMS",
     "FedAvgM",
+    "DPFedAvg",
     "FedLiLS",
     "FedLiLU",
     "Scaffold",
