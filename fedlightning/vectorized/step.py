@@ -4,17 +4,31 @@ trial losses, and the values the model logged, handed to the loop's log router o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from .call import _Effects
-from .layout import _Layout
+from .call import _Effects, _ModelCall
+from .layout import _Layout, _WeightsLayout
 from .torch_internals import _rng_state, _set_rng_state
 
-if TYPE_CHECKING:
-    from .engine import VectorizedClientTrainer
+
+class _Engine(Protocol):
+    """What a step evaluator uses of the round's engine
+    (:class:`~fedlightning.vectorized.engine.VectorizedClientTrainer`, which builds the evaluators): a Protocol, so
+    that this module, which the engine imports, does not import it."""
+
+    weights: _WeightsLayout
+    call: _ModelCall
+    failed: Optional[Tensor]
+
+    @property
+    def deterministic(self) -> bool: ...
+
+    def fail_clients(self, rows: Tensor, singular: Tuple[str, torch.Size]) -> None: ...
+
+    def scratch(self, key: Any, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor: ...
 
 
 class _StepEvaluator:
@@ -33,7 +47,7 @@ class _StepEvaluator:
     training), replayed at the end of the round; trial evaluations change neither.
     """
 
-    def __init__(self, engine: VectorizedClientTrainer, layout: _Layout, step: int,
+    def __init__(self, engine: _Engine, layout: _Layout, step: int,
                  terms: Optional[List[List[Callable]]], rng_devices: list, log_sink: Optional[list],
                  trials: bool = True, metric_sink: Optional[list] = None):
         self.engine, self.layout, self.step = engine, layout, step

@@ -17,11 +17,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from torch import Tensor, nn
 
+from .errors import VectorizationUnsupportedError
 from .torch_internals import BATCH_NORM_TYPES, DROPOUT_TYPES, INSTANCE_NORM_TYPES, SYNC_BATCH_NORM_TYPES
-
-
-class VectorizationUnsupportedError(ValueError):
-    """The model, optimizer or data cannot be trained with ``client_execution="vectorized"``."""
 
 
 def check_model_vectorizable(model: nn.Module) -> None:

@@ -30,6 +30,8 @@ from torch.func import vmap
 from torch.overrides import TorchFunctionMode  # noqa: F401 - the base of losses.LossInterception
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401 - the engine's pytree helpers
 
+from .errors import VectorizationUnsupportedError
+
 try:  # functorch's own primitives, which torch.func.vmap drives (see _vmap0)
     from torch._C._functorch import _add_batch_dim, _remove_batch_dim, _vmap_decrement_nesting, _vmap_increment_nesting
 except ImportError:  # pragma: no cover - a torch without them: the public vmap is used
@@ -256,8 +258,6 @@ def _rnn_forward(module: nn.RNNBase, input: Tensor, hx: Optional[Any] = None):
     this per-time-step loop is slower than the fused kernels sequential training uses (docs/benchmarks.md §3).
     """
     if not isinstance(input, Tensor):
-        from .support import VectorizationUnsupportedError
-
         raise VectorizationUnsupportedError(f"{type(module).__name__}: packed sequences cannot be vectorised")
     mode = module.mode
     unbatched = input.dim() == 2
