@@ -1,17 +1,20 @@
 """How the user's module talks to :class:`~fedlightning.loop.FederatedLoop`: its ``self.log`` calls
 (:class:`_LogRouter`: forwarded to the loop on the global model, captured per round during client training) and
 the fit-level / evaluation hooks the loop forwards to the global model (``_FORWARDED_HOOKS``).
+
+The loop is seen here as the ``LightningModule`` it is (its ``log`` and its ``model``), without importing
+:mod:`fedlightning.loop`, which imports this module.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
+from lightning.pytorch import LightningModule
 from torch import Tensor
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fedlightning.loop import FederatedLoop
+__all__ = ["_FORWARDED_HOOKS", "_LogRouter", "_forward_to_model"]
 
 
 class _LogRouter:
@@ -27,7 +30,7 @@ class _LogRouter:
     the states (torchmetrics' own distributed reduction).
     """
 
-    def __init__(self, loop: "FederatedLoop", mode: str):
+    def __init__(self, loop: LightningModule, mode: str):
         self.loop_ref = loop
         self.mode = mode
         self.captured: Dict[str, List[Tensor]] = {}  # name -> values in logging order: scalars, or 1-d runs of them
@@ -106,7 +109,7 @@ _FORWARDED_HOOKS = (
 
 
 def _forward_to_model(name: str):
-    def hook(self: "FederatedLoop", *args: Any, **kwargs: Any) -> Any:
+    def hook(self: LightningModule, *args: Any, **kwargs: Any) -> Any:  # self: the FederatedLoop
         return getattr(self.model, name)(*args, **kwargs)
 
     hook.__name__ = hook.__qualname__ = name

@@ -32,6 +32,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
 from fedlightning._validation import SettingError, check_val_check_interval
+from fedlightning.callbacks.progress import RoundProgressBar
+from fedlightning.checkpoint import AtomicCheckpointIO, CONFIG_KEY, CheckpointError, RoundCheckpoint, StoreConfigCallback, TEMP_PREFIX, check_checkpoint, check_fits_model, checkpoint_round, config_differences, remove_interrupted_writes
+from fedlightning.logging import LogConfigCallback, default_wandb_offline, resolved_config
 from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.loop import FederatedLoop
 
@@ -142,8 +145,6 @@ class FederatedCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)
         if "save_config_callback" not in kwargs:
-            from fedlightning.logging import LogConfigCallback
-
             kwargs["save_config_callback"] = LogConfigCallback
         self._rounds_run = _RoundsRun()
         self._checked: Optional[Tuple[str, Dict[str, Any]]] = None
@@ -226,8 +227,6 @@ class FederatedCLI(LightningCLI):
             return
         path = self.config[sub].get("ckpt_path")
         if _is_local_file(path):
-            from fedlightning.checkpoint import check_checkpoint
-
             self._checked = (os.fspath(path), check_checkpoint(path, weights_only=self._weights_only(sub)))
 
     def _weights_only(self, sub: str) -> Optional[bool]:
@@ -239,8 +238,6 @@ class FederatedCLI(LightningCLI):
     def _instantiate_trainer(self, config, callbacks):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        from fedlightning.checkpoint import AtomicCheckpointIO, RoundCheckpoint, StoreConfigCallback
-
         if not config.get("plugins"):
             config["plugins"] = [AtomicCheckpointIO()]
         listed = list(config.get("callbacks") or []) + list(callbacks)
@@ -249,8 +246,6 @@ class FederatedCLI(LightningCLI):
         if config.get("enable_progress_bar", True) is not False and not any(
             isinstance(cb, ProgressBar) for cb in listed
         ):
-            from fedlightning.callbacks.progress import RoundProgressBar
-
             config["callbacks"] = list(config.get("callbacks") or []) + [RoundProgressBar()]
         added = None
         if config.get("enable_checkpointing", True) is not False and not any(
@@ -272,8 +267,6 @@ class FederatedCLI(LightningCLI):
         config = getattr(self, "config", None)
         if config is None:
             return {}
-        from fedlightning.logging import resolved_config
-
         sub = config.get("subcommand")
         try:
             return resolved_config(self._parser(sub), config[sub] if sub else config)
@@ -294,8 +287,6 @@ class FederatedCLI(LightningCLI):
         self._prepare_checkpoint("predict")
 
     def _prepare_checkpoint(self, sub: str) -> None:
-        from fedlightning.checkpoint import CheckpointError, check_checkpoint, config_differences, CONFIG_KEY
-
         sub_config = self.config_init[sub]
         given = sub_config.get("ckpt_path")
         weights_only = self._weights_only(sub)
@@ -308,8 +299,6 @@ class FederatedCLI(LightningCLI):
         path = os.fspath(path)
         if self._checked is not None and self._checked[0] == path:
             ckpt = self._checked[1]
-            from fedlightning.checkpoint import check_fits_model
-
             check_fits_model(path, ckpt, self.model)
         else:
             ckpt = check_checkpoint(path, model=self.model, weights_only=weights_only)
@@ -359,8 +348,6 @@ class FederatedCLI(LightningCLI):
 
     def _last_candidates(self) -> List[str]:
         """Every ``*.ckpt`` file in the searched folders (temporary ``.tmp-*`` files excluded)."""
-        from fedlightning.checkpoint import TEMP_PREFIX
-
         directories, _ = self._run_directories()
         files = {os.path.join(d, f) for d in directories for f in os.listdir(d)
                  if f.endswith(".ckpt") and not f.startswith(TEMP_PREFIX) and os.path.isfile(os.path.join(d, f))}
@@ -368,9 +355,6 @@ class FederatedCLI(LightningCLI):
 
     def _resolve_keyword(self, keyword: str, weights_only: Optional[bool] = None) -> Optional[str]:
         """``last`` / ``best`` -> a file (see the class docstring): the newest complete checkpoint by round."""
-        from fedlightning.checkpoint import (CheckpointError, check_checkpoint, checkpoint_round,
-                                             remove_interrupted_writes)
-
         directories, _ = self._run_directories()
         where = self._runs_description()
         removed = remove_interrupted_writes(directories)
@@ -536,8 +520,6 @@ def _config_error_line(err: BaseException, config: Dict[str, Any]) -> Optional[s
     ``MisconfigurationException``) in the exception chain raised by fedlightning's code or by a class the config
     names; None for any other error. The message is that error's; the key is found on it or, when it is a wrapper
     (``client_optimizer cannot be built: ...``), on the errors it chains (:func:`_config_key`)."""
-    from fedlightning.checkpoint import CheckpointError
-
     chain = [e for e in _chain(err) if isinstance(e, (ValueError, TypeError, MisconfigurationException))]
     for i, e in enumerate(chain):
         if isinstance(e, CheckpointError):
@@ -964,9 +946,7 @@ def main(args: Optional[List[str]] = None, run: bool = True) -> FederatedCLI:
     An error after the first round of the process trained keeps its traceback (it is rarely a configuration error,
     and re-running to see it is expensive); so do errors of any other type or origin.
     """
-    import fedlightning
-
-    fedlightning._default_wandb_offline()
+    default_wandb_offline()
     try:
         return FederatedCLI(args=args, run=run)
     except (ValueError, TypeError, MisconfigurationException, argparse.ArgumentError) as err:

@@ -1,7 +1,8 @@
 """Experiment logging helpers: the resolved config with every logger, W&B offline runs, W&B sweep files.
 
 * :class:`LogConfigCallback`: the full resolved configuration handed to every logger (and ``config.yaml``).
-* :func:`wandb_mode`: W&B runs offline unless the user configured it; :func:`read_offline_run` /
+* :func:`wandb_mode`: W&B runs offline unless the user configured it (:func:`default_wandb_offline` sets it, on
+  importing ``fedlightning`` and in the CLI); :func:`read_offline_run` /
   :func:`find_offline_runs` read an offline run back without network or account.
 * Sweeps: :func:`validate_sweep` / :func:`load_sweep` check a W&B sweep file, :func:`sweep_grid` lists a grid's
   parameter sets and :func:`agent_command` builds the exact command line the W&B agent runs;
@@ -30,6 +31,7 @@ __all__ = [
     "LogConfigCallback",
     "resolved_config",
     "wandb_mode",
+    "default_wandb_offline",
     "OfflineRun",
     "read_offline_run",
     "find_offline_runs",
@@ -113,6 +115,17 @@ def wandb_mode(environ: Optional[Mapping[str, str]] = None, netrc_path: Optional
     except OSError:
         pass
     return {"mode": "offline", "reason": "no W&B account configured (runs are kept locally; upload with wandb sync)"}
+
+
+def default_wandb_offline(environ: Optional[Dict[str, str]] = None, netrc_path: Optional[str] = None) -> bool:
+    """Set ``WANDB_MODE=offline`` in ``environ`` (default ``os.environ``) when nothing is configured
+    (:func:`wandb_mode` says "offline"); True if it set it. Importing ``fedlightning`` and
+    :func:`fedlightning.cli.main` call it (the package docstring gives the policy)."""
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_MODE") or wandb_mode(env, netrc_path=netrc_path)["mode"] != "offline":
+        return False
+    env["WANDB_MODE"] = "offline"
+    return True
 
 
 # ====================================================================== offline run reader

@@ -340,15 +340,17 @@ def test_config_differences_compares_what_decides_the_trajectory():
 
 # ====================================================================== 4. W&B offline from Python
 def test_import_sets_offline_only_when_nothing_is_configured(tmp_path):
+    from fedlightning.logging import default_wandb_offline
+
     no_netrc = str(tmp_path / "netrc")
     env = {}
-    assert fedlightning._default_wandb_offline(env, netrc_path=no_netrc) is True and env == {"WANDB_MODE": "offline"}
+    assert default_wandb_offline(env, netrc_path=no_netrc) is True and env == {"WANDB_MODE": "offline"}
     for configured in ({"WANDB_MODE": "online"}, {"WANDB_MODE": "disabled"}, {"WANDB_API_KEY": "k"}):
         env = dict(configured)
-        assert fedlightning._default_wandb_offline(env, netrc_path=no_netrc) is False and env == configured
+        assert default_wandb_offline(env, netrc_path=no_netrc) is False and env == configured
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password secret\n")
     env = {}
-    assert fedlightning._default_wandb_offline(env, netrc_path=no_netrc) is False and env == {}
+    assert default_wandb_offline(env, netrc_path=no_netrc) is False and env == {}
 
 
 def test_wandb_logger_from_python_runs_offline_without_configuration(tmp_path):
