@@ -13,7 +13,7 @@ from typing import Dict
 
 from fedlightning._validation import non_negative, one_of
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
-from fedlightning.callbacks.proximal import global_anchors, proximal_penalty
+from fedlightning.callbacks.proximal import ProximalTerm, global_anchors, proximal_penalty
 from fedlightning.state import RoundPlan
 
 __all__ = ["FedExProx", "grads_extrapolation"]
@@ -77,8 +77,6 @@ class FedExProx(ServerStrategy):
         self.eps = non_negative("eps", eps)
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        from fedlightning.callbacks.proximal import ProximalTerm
-
         if self.mu > 0 and any(isinstance(cb, ProximalTerm) and cb.mu > 0 for cb in trainer.callbacks):
             raise ValueError(
                 "FedExProx(mu > 0) already adds the proximal term; remove the ProximalTerm callback or set mu=0"

@@ -18,6 +18,7 @@ from typing import Any, Deque, Dict, Optional, Tuple
 
 from fedlightning._validation import in_range, integer, non_negative, one_of, positive
 from fedlightning.callbacks.base import FederatedCallback
+from fedlightning.optim import check_client_step_scalable
 
 __all__ = [
     "KDecay",
@@ -283,8 +284,6 @@ class KDecay(FederatedCallback):
                 f"model.local_epochs={epochs} (each client's own step count); set KDecay(decay='client_lr') to decay "
                 "the client step size with the epochs kept, or model.local_steps instead of model.local_epochs")
         if self.decay == "client_lr":
-            from fedlightning.optim import check_client_step_scalable
-
             check_client_step_scalable(pl_module.client_optimizer_factory(list(pl_module.global_parameters())))
 
     def on_round_start(self, trainer, pl_module, plan) -> None:

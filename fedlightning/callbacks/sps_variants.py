@@ -20,6 +20,7 @@ from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import number, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.client import extract_loss
+from fedlightning.optim import SPS
 from fedlightning.state import ClientUpdate, RoundPlan, derive_seed
 
 __all__ = ["FedSPSNormalized", "FedSPSGlobal"]
@@ -186,8 +187,6 @@ class FedSPSGlobal(ServerStrategy):
         """At fit start (before any client trains), refuse a client optimizer other than SPS in fixed-step mode: the shared step
         reaches the clients as ``client_lr_scale``, which would otherwise multiply an adaptive rule's own steps
         (adaptive SPS: ``γ × γ_i``) or be refused later by :func:`~fedlightning.optim.scale_client_step`."""
-        from fedlightning.optim import SPS
-
         opt = loop.client_optimizer_factory(list(loop.global_parameters()))
         if not (isinstance(opt, SPS) and opt.hyper.get("fixed_step_size") is not None):
             raise TypeError(

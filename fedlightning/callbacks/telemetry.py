@@ -24,6 +24,9 @@ from fedlightning._lightning_compat import batches_that_stepped
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import integer, one_of
 from fedlightning.callbacks.base import FederatedCallback
+from fedlightning.client import extract_loss
+from fedlightning.datamodules.base import ArrayDataset
+from fedlightning.models.base import Classifier
 
 __all__ = ["RoundTimer", "GlobalEvaluation"]
 
@@ -194,8 +197,6 @@ class GlobalEvaluation(FederatedCallback):
         return self._indices
 
     def _batches(self, dm):
-        from fedlightning.datamodules.base import ArrayDataset
-
         if dm.train_dataset is None:
             dm.setup("fit")
         dataset = dm.test_dataset if self.split == "test" else dm.train_dataset
@@ -225,9 +226,6 @@ class GlobalEvaluation(FederatedCallback):
     def evaluate(self, model: torch.nn.Module, dm, device: torch.device) -> Dict[str, float]:
         """``{"<split>_eval/loss": ..., ["<split>_eval/acc": ...]}`` of ``model`` on ``dm``'s data of the split."""
         from lightning.fabric.utilities.apply_func import move_data_to_device
-
-        from fedlightning.client import extract_loss
-        from fedlightning.models.base import Classifier
 
         was_training = model.training
         model.eval()

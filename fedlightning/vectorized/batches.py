@@ -11,6 +11,8 @@ from typing import Any, Callable, List, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from fedlightning.datamodules.base import ArrayBatchLoader, ArrayDataset, ClientBatchSampler
 from torch import Tensor
 
 from .support import VectorizationUnsupportedError
@@ -49,8 +51,6 @@ class _RoundBatches:
     @staticmethod
     def _array_sampler(loader):
         """The batch sampler of an in-memory fast-path loader (``ArrayBatchLoader`` over an ArrayDataset), else None."""
-        from fedlightning.datamodules.base import ArrayBatchLoader, ArrayDataset
-
         if type(loader) is ArrayBatchLoader and isinstance(loader.dataset, ArrayDataset):
             return loader.batch_sampler
         return None
@@ -199,8 +199,6 @@ def _round_index(samplers, num: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray
     reduced to the ``randperm`` call and everything else done for all clients and steps at once (the host work of a
     round is then a few numpy ops besides one ``randperm`` per client and epoch). Other samplers are iterated.
     """
-    from fedlightning.datamodules.base import ClientBatchSampler
-
     C = len(samplers)
     fast = all(type(s) is ClientBatchSampler and s.shuffle and len(s.indices) > 0 for s in samplers)
     k = np.arange(num, dtype=np.int64)[:, None]
