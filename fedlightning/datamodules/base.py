@@ -605,6 +605,105 @@ class FederatedDataModule(pl.LightningDataModule):
         workers = torch.Generator().manual_seed(derive_seed(seed, "workers", round, client_id))
         return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers, generator=workers)
 
+    def client_eval_indices(self, split: str = "test", assignment: str = "labels",
+                            seed: Optional[int] = None) -> List[np.ndarray]:
+        """Each client's own evaluation rows: one sorted ``int64`` array per client, rows of :attr:`test_dataset`
+        (``split="test"``) or of the training set (``split="val"``; read through :meth:`evaluation_view`).
+
+        * Data sets with per-client evaluation rows (natural splits: LEAF users, Synthetic devices, Shakespeare
+          roles): :attr:`client_test_indices` (``"test"``) or :attr:`client_val_indices` (``"val"``), the user's own
+          samples; ``assignment`` and ``seed`` are not used.
+        * Partitioned data (decisions, ours): the split's rows are dealt to the clients. ``assignment="labels"``
+          (default) matches labels, so that every client's evaluation labels follow its training label
+          distribution: for each class ``c`` with ``m_c`` rows in the split, client ``i`` with ``n_ic`` of the
+          ``N_c = Σ_i n_ic`` client training samples of class ``c`` gets ``⌊m_c·n_ic / N_c⌋`` rows, and the rows
+          left over go one each to the clients with the largest remainders ``m_c·n_ic mod N_c`` (ties: lower client
+          id; the largest-remainder rule, in exact integers). The class's rows are shuffled by one generator seeded
+          with ``derive_seed(seed, "client-eval", split)`` (classes in sorted order) and dealt in client order. Every
+          row of a class that some client trains on goes to exactly one client; rows of a class no client trains on
+          go to none (a warning counts them). ``assignment="size"`` applies the same rule to all the split's rows
+          as one class (``n_i``: the client's training samples), for data without class labels. The labels are
+          those the data checks read (an in-memory data set's ``y``; the label sources of
+          :class:`~fedlightning.datamodules.DatasetDataModule`), else the data set's 1-D ``targets`` or ``labels``
+          attribute (torchvision's convention; CIFAR's images); without whole-number labels for both sets
+          ``assignment="labels"`` is a ValueError naming ``assignment="size"``.
+
+        Args:
+            split: ``"test"`` or ``"val"``.
+            assignment: ``"labels"`` or ``"size"`` (partitioned data only).
+            seed: the shuffle's seed (default: the data module's ``seed``).
+        """
+        if split not in ("test", "val") or assignment not in ("labels", "size"):
+            raise ValueError(f"client_eval_indices: split must be 'test' or 'val' and assignment 'labels' or 'size', "
+                             f"got split={split!r}, assignment={assignment!r}")
+        self._require_setup()
+        own = self.client_test_indices if split == "test" else self.client_val_indices
+        if own is not None:
+            return [np.sort(np.asarray(ix, dtype=np.int64)) for ix in own]
+        if split == "test" and self.test_dataset is None:
+            raise RuntimeError(f"{type(self).__name__} has no test set")
+        rows = np.arange(len(self.test_dataset), dtype=np.int64) if split == "test" else np.asarray(self.val_indices)
+        num_clients = len(self.client_indices)
+        if not len(rows):
+            return [np.empty(0, dtype=np.int64) for _ in range(num_clients)]
+        owner = np.full(len(self.train_dataset), -1, dtype=np.int64)
+        for i, ix in enumerate(self.client_indices):
+            owner[ix] = i
+        if assignment == "size":
+            groups = [(rows, self._num_samples.astype(np.int64))]
+        else:
+            def labels_of(set_name: str) -> Optional[np.ndarray]:
+                known = self._label_array(set_name)
+                if known is None:
+                    dataset = self.train_dataset if set_name == "train" else self.test_dataset
+                    for attr in ("targets", "labels"):
+                        known = as_label_array(getattr(dataset, attr, None))
+                        if known is not None and len(known) == len(dataset):
+                            break
+                        known = None
+                if known is not None and known.dtype.kind == "f":
+                    with np.errstate(invalid="ignore"):
+                        known = known if bool(np.all(known == np.round(known))) else None  # NaN, inf: not classes
+                return known
+
+            train_labels = labels_of("train")
+            eval_labels = train_labels if split == "val" else labels_of("test")
+            if train_labels is None or eval_labels is None:
+                raise ValueError(
+                    f"{type(self).__name__}: per-client {split} data with assignment='labels' deals the {split} "
+                    f"samples to the clients by class label, but the {'training' if train_labels is None else 'test'} "
+                    f"set has no known class labels (one whole number per sample); use assignment='size' to deal them "
+                    f"in proportion to the clients' training sizes"
+                )
+            eval_labels = eval_labels[rows]
+            classes, inverse = np.unique(eval_labels, return_inverse=True)
+            held = owner >= 0
+            pos = np.minimum(np.searchsorted(classes, train_labels[held]), len(classes) - 1)
+            match = classes[pos] == train_labels[held]  # client training samples of a class the split holds
+            counts = np.zeros((len(classes), num_clients), dtype=np.int64)
+            np.add.at(counts, (pos[match], owner[held][match]), 1)
+            groups = [(rows[inverse.reshape(-1) == c], counts[c]) for c in range(len(classes))]
+        rng = np.random.default_rng(derive_seed(self.seed if seed is None else int(seed), "client-eval", split))
+        parts: List[List[np.ndarray]] = [[] for _ in range(num_clients)]
+        unassigned = 0
+        for group, weights in groups:
+            total, m = int(weights.sum()), len(group)
+            if total == 0:
+                unassigned += m
+                continue
+            quota, remainder = np.divmod(m * weights, total)
+            order = np.lexsort((np.arange(num_clients), -remainder))  # largest remainder first, then lower id
+            quota[order[: m - int(quota.sum())]] += 1
+            dealt = group[rng.permutation(m)]
+            bounds = np.concatenate([[0], np.cumsum(quota)])
+            for i in np.flatnonzero(quota):
+                parts[i].append(dealt[bounds[i]: bounds[i + 1]])
+        if unassigned:
+            warnings.warn(
+                f"{type(self).__name__}: {unassigned} {split} sample(s) have a class that no client trains on and "
+                f"belong to no client's {split} data", stacklevel=2)
+        return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.empty(0, dtype=np.int64) for p in parts]
+
     def _loader_options(self, workers: int) -> dict:
         """The user's DataLoader options (class attributes above) for a per-sample loader with ``workers``."""
         options = dict(num_workers=workers, collate_fn=self.collate_fn, pin_memory=self.pin_memory,
