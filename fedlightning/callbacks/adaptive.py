@@ -19,7 +19,8 @@ import torch
 from fedlightning._validation import in_range, one_of, positive
 from fedlightning.callbacks.base import ServerStrategy
 
-__all__ = ["AdaptiveServerOptimizer", "FedAdagrad", "FedAdam", "FedYogi", "FedAMS", "FedAvgM"]
+__all__ = ["AdaptiveServerOptimizer", "FedAdagrad", "FedAdam", "FedYogi", "FedAMS", "FedAvgM",
+           "_check_betas", "_moment_statistics"]  # the last two: shared with callbacks.dp
 
 _RULES = ("adagrad", "adam", "yogi", "ams")
 

@@ -4,4 +4,6 @@ import sys
 
 from fedlightning.sweep.runner import main
 
+__all__ = []
+
 sys.exit(main())

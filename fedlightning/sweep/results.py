@@ -13,7 +13,9 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 from fedlightning.sweep.space import Param
 
-def _short_names(keys: Sequence[str]) -> Dict[str, str]:
+__all__ = ["RunFailed", "RunResult", "read_final_metrics", "run_slug", "DryRun", "cell_text", "short_names"]
+
+def short_names(keys: Sequence[str]) -> Dict[str, str]:
     """Shortest dotted suffix of each key that no other key ends with."""
     parts = {k: k.split(".") for k in keys}
     out = {}
@@ -44,7 +46,7 @@ def run_slug(number: int, params: Mapping[str, Any], space: Mapping[str, Param])
     file's name.
     """
     swept = [k for k in params if k in space and space[k].kind != "constant"]
-    short = _short_names(list(space))
+    short = short_names(list(space))
     body = "_".join(f"{short[k]}={_fmt(params[k], space[k].kind == 'float')}" for k in swept)
     slug = re.sub(r"[^A-Za-z0-9._=+-]", "-", f"{number:03d}-{body}" if body else f"{number:03d}")
     return slug[:150]
@@ -90,11 +92,11 @@ class RunFailed(Exception):
     """A run exited with a non-zero code or did not log the sweep's metric (the trial is recorded as failed)."""
 
 
-class _DryRun(Exception):
+class DryRun(Exception):
     pass
 
 
-def _cell(value: Any) -> str:
+def cell_text(value: Any) -> str:
     if value is None:
         return ""
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)

@@ -17,8 +17,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from fedlightning._validation import integer
 from fedlightning.logging import agent_command, load_sweep
-from fedlightning.sweep.results import RunFailed, RunResult, _cell, _DryRun, _short_names, read_final_metrics, run_slug
+from fedlightning.sweep.results import RunFailed, RunResult, cell_text, DryRun, short_names, read_final_metrics, run_slug
 from fedlightning.sweep.space import make_sampler, search_space
+
+__all__ = ["LocalSweep", "main", "DEFAULT_SEED", "JOURNAL", "LOCK", "RESULTS_CSV", "RESULTS_MD", "LOCAL_LOGGER"]
 
 DEFAULT_SEED = 0  # ours: W&B sweep files have no seed
 JOURNAL = "optuna.journal"
@@ -286,11 +288,11 @@ class LocalSweep:
             trial.set_user_attr("status", "planned")
             planned.append(RunResult(trial.number, slug, params, "planned"))
             log(shlex.join(self.command(params, slug)))
-            raise _DryRun
+            raise DryRun
 
         while done < total:
             study.sampler = make_sampler(self.method, self.space, self.seed, len(study.get_trials(deepcopy=False)))
-            study.optimize(show, n_trials=1, catch=(_DryRun,))
+            study.optimize(show, n_trials=1, catch=(DryRun,))
             done += 1
         return planned
 
@@ -349,11 +351,11 @@ class LocalSweep:
             for i, r in enumerate(results, 1):
                 w.writerow([i, r.slug, r.status, "" if r.exit_code is None else r.exit_code,
                             "" if r.seconds is None else r.seconds]
-                           + [_cell(r.params.get(k)) for k in keys]
+                           + [cell_text(r.params.get(k)) for k in keys]
                            + ["" if m not in r.metrics else repr(r.metrics[m]) for m in metric_cols])
         prefix = self.metric.split("/", 1)[0] + "/" if "/" in self.metric else None
         md_metrics = [self.metric] + [m for m in metric_names if prefix and m.startswith(prefix)]
-        short = _short_names(keys)
+        short = short_names(keys)
         swept = [k for k in keys if self.space[k].kind != "constant"]
         lines = [f"# Sweep {self.study_name}: {self.metric} ({self.goal})", ""]
         best = self.best(results)
@@ -363,7 +365,7 @@ class LocalSweep:
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for i, r in enumerate(results, 1):
             cells = [str(i), r.slug, r.status, "" if r.exit_code is None else str(r.exit_code)]
-            cells += [_cell(r.params.get(k)) for k in swept]
+            cells += [cell_text(r.params.get(k)) for k in swept]
             cells += [f"{r.metrics[m]:.4g}" if m in r.metrics else "" for m in md_metrics]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         with open(os.path.join(self.out, RESULTS_MD), "w") as f:

@@ -9,6 +9,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from fedlightning.logging import validate_sweep
 
+__all__ = ["Param", "search_space", "make_sampler"]
+
 _SPEC_KEYS = {"value", "values", "distribution", "min", "max", "q", "mu", "sigma", "a", "b", "probabilities",
               "parameters"}
 _RANGE_DISTRIBUTIONS = {"uniform", "int_uniform", "q_uniform", "log_uniform", "log_uniform_values",

@@ -14,7 +14,9 @@ docs/benchmarks.md §3 has the speed-ups and their commands; the engine's decisi
 :mod:`~fedlightning.vectorized.engine` and the modules beside it.
 """
 
-# Relative imports inside this package let benchmarks/engine_ab.py load another version of it beside this one.
+# Relative imports inside this package let benchmarks/engine_ab.py load another version of it beside this one. Each
+# module's __all__ lists the names the engine's other modules import from it; underscored names are the engine's
+# internals, not fedlightning's API (the public names are the ones below).
 from .auto import AUTO_MARGIN, CLIENT_EXECUTION_MODES, auto_choice, run_vectorized_round
 from .engine import VectorizedClientTrainer
 from .rules import BatchedRule, StepRecord, make_batched_rule

@@ -18,6 +18,8 @@ from torch import Tensor
 from .support import VectorizationUnsupportedError
 from .torch_internals import tree_flatten, tree_unflatten
 
+__all__ = ["_RoundBatches"]
+
 
 class _RoundBatches:
     """The round's mini-batches of every client, step by step, in the order sequential training draws them.

@@ -27,7 +27,7 @@ from .norms import _NormLayers
 from .rows import (
     InterceptionFailed,
     _InterceptedRows,
-    _info,  # noqa: F401 - the package's rank-zero info line (vectorized.auto imports it from here)
+    _info,  # the package's rank-zero info line (vectorized.auto imports it from here)
     _ProtocolRows,
     _SampleRows,
     _unrecognised,

@@ -21,6 +21,8 @@ from .step import _feed_router, _StepEvaluator
 from .support import VectorizationUnsupportedError, check_model_vectorizable
 from .torch_internals import _seed_default_generators
 
+__all__ = ["VectorizedClientTrainer"]
+
 
 class VectorizedClientTrainer:
     r"""Trains a list of clients in lockstep on the loop's working copy of the model.

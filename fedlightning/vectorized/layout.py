@@ -11,6 +11,8 @@ from torch import Tensor
 
 from .torch_internals import tree_unflatten
 
+__all__ = ["_Layout", "_WeightsLayout"]
+
 
 class _Layout:
     """How one step's batches are laid out for the batched model call (row ``i`` = client ``i``).

@@ -21,6 +21,8 @@ from fedlightning._lightning_compat import metric_reductions
 from .support import VectorizationUnsupportedError
 from .torch_internals import _is_batched
 
+__all__ = ["_MetricCalls", "_MetricStep", "_Pending", "_metric_modules", "_metric_types", "_replay"]
+
 #: The metric methods recorded under vmap.
 _METHODS = ("update", "forward", "compute", "reset")
 

@@ -18,6 +18,8 @@ from fedlightning.state import buffer_report_dtype
 
 from .support import VectorizationUnsupportedError, _norm_layers
 
+__all__ = ["_NormLayers"]
+
 _HALF = (torch.float16, torch.bfloat16)
 
 

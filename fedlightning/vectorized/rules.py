@@ -28,6 +28,8 @@ from .torch_internals import _foreach_add_
 if TYPE_CHECKING:
     from .step import _StepEvaluator
 
+__all__ = ["BatchedRule", "StepRecord", "make_batched_rule", "BUILT_IN_FORMS", "TRIAL_POINT_BYTES"]
+
 #: Bytes of trial points (``[P, D]``, and as many gathered gradient rows on accelerators) one trial call of the
 #: batched Armijo search may hold before its (client, grid point) pairs are split over several calls of at least
 #: ``C`` rows each (ours: 512 MiB; a trial call of ``C`` rows then holds no more than the step's gradient

@@ -13,6 +13,8 @@ from .call import _Effects, _ModelCall
 from .layout import _Layout, _WeightsLayout
 from .torch_internals import _rng_state, _set_rng_state
 
+__all__ = ["_StepEvaluator", "_feed_router"]
+
 
 class _Engine(Protocol):
     """What a step evaluator uses of the round's engine

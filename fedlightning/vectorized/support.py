@@ -20,6 +20,15 @@ from torch import Tensor, nn
 from .errors import VectorizationUnsupportedError
 from .torch_internals import BATCH_NORM_TYPES, DROPOUT_TYPES, INSTANCE_NORM_TYPES, SYNC_BATCH_NORM_TYPES
 
+__all__ = [
+    "VectorizationUnsupportedError",
+    "check_model_vectorizable",
+    "_has_random_layers",
+    "_norm_layers",
+    "_per_sample_protocol",
+    "_vmappable_rnns",
+]
+
 
 def check_model_vectorizable(model: nn.Module) -> None:
     """Raise :class:`VectorizationUnsupportedError` naming the first normalisation layer the engine cannot run per

@@ -27,8 +27,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 from torch.func import vmap
-from torch.overrides import TorchFunctionMode  # noqa: F401 - the base of losses.LossInterception
-from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401 - the engine's pytree helpers
+from torch.overrides import TorchFunctionMode  # the base of losses.LossInterception
+from torch.utils._pytree import tree_flatten, tree_unflatten  # the engine's pytree helpers
 
 from .errors import VectorizationUnsupportedError
 
@@ -44,6 +44,30 @@ try:
     from torch._C._functorch import get_unwrapped as _get_unwrapped
 except ImportError:  # pragma: no cover - _physical then knows no tensor
     _get_unwrapped = None
+
+__all__ = [
+    "BATCH_NORM_TYPES",
+    "DROPOUT_TYPES",
+    "INSTANCE_NORM_TYPES",
+    "SYNC_BATCH_NORM_TYPES",
+    "TorchFunctionMode",
+    "tree_flatten",
+    "tree_unflatten",
+    "_batched_nll",
+    "_foreach_add_",
+    "_is_batched",
+    "_linear_forward",
+    "_parameter_slots",
+    "_physical",
+    "_plain_linears",
+    "_rng_state",
+    "_rnn_forward",
+    "_seed_default_generators",
+    "_set_rng_state",
+    "_shadowed_forwards",
+    "_tensors_in_slots",
+    "_vmap0",
+]
 _no_torch_function = getattr(torch._C, "DisableTorchFunction", contextlib.nullcontext)
 try:  # the batch level and dimension of a batched tensor (the batched linear layer, _batched_linear)
     from torch._C._functorch import maybe_current_level as _maybe_current_level
