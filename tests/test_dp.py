@@ -241,3 +241,29 @@ def test_resume_gives_the_same_epsilon_clip_norm_and_weights(tmp_path):
     assert [m["privacy/epsilon"] for m in rec.metrics] == [m["privacy/epsilon"] for m in full_rec.metrics[cut:]]
     assert [m["privacy/clip_norm"] for m in rec.metrics] == [m["privacy/clip_norm"] for m in full_rec.metrics[cut:]]
     assert len({m["privacy/clip_norm"] for m in full_rec.metrics}) > 1  # the clip norm adapted
+
+
+def test_config_runs_through_the_cli_and_logs_epsilon(tmp_path):
+    """configs/dpfedavg.yaml (3 rounds, 2 local steps): DPFedAvg with adaptive clipping, ε logged every round as the
+    accountant computes it for q = 50/N."""
+    import os
+
+    from opacus.accountants import RDPAccountant
+
+    from fedlightning.cli import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cli = main(["fit", "--config", os.path.join(root, "configs", "dpfedavg.yaml"), "--trainer.max_steps", "3",
+                "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+                "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+                "--trainer.default_root_dir", str(tmp_path), "--model.local_steps", "2"])
+    strategy = cli.model.strategy
+    assert isinstance(strategy, DPFedAvg) and strategy.adaptive
+    dm = cli.datamodule
+    population = sum(1 for idx in dm.client_indices if len(idx) > 0)
+    accountant = RDPAccountant()
+    for _ in range(3):
+        accountant.step(noise_multiplier=strategy.noise_multiplier, sample_rate=50 / population)
+    metrics = cli.trainer.callback_metrics
+    assert float(metrics["privacy/epsilon"]) == pytest.approx(accountant.get_epsilon(strategy.delta), rel=1e-6)
+    assert float(metrics["privacy/clip_norm"]) != strategy.clip_norm  # adapted after rounds 0 and 1
