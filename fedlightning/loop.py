@@ -49,6 +49,7 @@ from fedlightning.callbacks.base import (
     check_hook_names,
 )
 from fedlightning.client import LocalTrainer
+from fedlightning.execution import CLIENT_EXECUTION_MODES, make_executor
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, flat_params
 
 __all__ = ["FederatedLoop"]
@@ -205,7 +206,7 @@ class FederatedLoop(pl.LightningModule):
         one_of("on_client_error", on_client_error, ("raise", "skip"))
         max_update_norm = positive("max_update_norm", max_update_norm, allow_none=True)
         max_failed_rounds = integer("max_failed_rounds", max_failed_rounds, allow_none=True)
-        one_of("client_execution", client_execution, ("sequential", "vectorized", "auto"))
+        one_of("client_execution", client_execution, CLIENT_EXECUTION_MODES)
         reference_mode()  # a bad FEDLIGHTNING_REFERENCE value fails here, before any training
         self.automatic_optimization = False
         self.model = model
@@ -219,7 +220,7 @@ class FederatedLoop(pl.LightningModule):
         self.client_grad_clip = client_grad_clip
         self.persist_client_state = persist_client_state
         self.max_update_norm = max_update_norm
-        self.client_execution = client_execution
+        self.client_execution = client_execution  # its executor (fedlightning.execution) is chosen here, once
         self.client_state = ClientStateStore()
         self.strategy: Optional[ServerStrategy] = None
         self._eval_router = _LogRouter(self, "forward")
@@ -362,6 +363,18 @@ class FederatedLoop(pl.LightningModule):
         lambda self: self._policy.rounds_without_healthy_client,
         lambda self, v: setattr(self._policy, "rounds_without_healthy_client", int(v)),
         doc="Consecutive rounds, up to now, in which no client was healthy (checkpointed).")
+
+    @property
+    def client_execution(self) -> str:
+        """``"sequential"``, ``"vectorized"`` or ``"auto"`` (see the class docstring); setting it chooses the
+        executor of the round's clients (:func:`fedlightning.execution.make_executor`)."""
+        return self._client_execution
+
+    @client_execution.setter
+    def client_execution(self, value: str) -> None:
+        one_of("client_execution", value, CLIENT_EXECUTION_MODES)
+        self._client_execution = value
+        self._executor = make_executor(value)
 
     @property
     def client_worker(self) -> LocalTrainer:
@@ -584,15 +597,6 @@ class FederatedLoop(pl.LightningModule):
             self._runtime.round_tensors = cached
         return cached[1], cached[2], cached[3]
 
-    def _vectorized_updates(self, plan: RoundPlan, client_ids: List[int], global_flat: Tensor):
-        """All of ``client_ids``' updates from the vectorised engine, or None to train them one by one (always in
-        reference mode)."""
-        if self.client_execution == "sequential" or reference_mode():
-            return None
-        from fedlightning.vectorized import run_vectorized_round
-
-        return run_vectorized_round(self, plan, client_ids, global_flat)
-
     def _start_round(self, plan: RoundPlan) -> None:
         """The callbacks' ``on_round_start``, then the plan's step counts checked: ``plan.local_steps`` an integer
         >= 1; with per-client counts (``local_epochs``) each of them, and ``plan.local_steps`` their largest (a
@@ -642,17 +646,11 @@ class FederatedLoop(pl.LightningModule):
         (:class:`~fedlightning._round.RoundTally`); stops early when the failure policy stops the run."""
         global_flat = self._begin_client_training(plan)
         tally = RoundTally(self.strategy, len(plan.client_ids), global_flat.device, self._policy, self.max_update_norm)
-        my_clients = self._my_clients(plan.client_ids)
-        vectorized = self._vectorized_updates(plan, my_clients, global_flat)
-        for i, cid in enumerate(my_clients):
-            try:
-                update = vectorized[i] if vectorized is not None else self.train_client(plan, cid, global_flat)
-                if isinstance(update, Exception):  # the vectorised engine's client that raised, as sequentially
-                    raise update
-            except Exception as err:  # noqa: BLE001 - the failure policy decides
-                update = tally.raised(cid, err)
-                if update is None:
-                    break  # every process reaches the reduction before the run stops
+        executor = self._executor  # chosen once per run (fedlightning.execution)
+        for cid, outcome in executor.updates(self, plan, self._my_clients(plan.client_ids), global_flat):
+            update = tally.raised(cid, outcome) if isinstance(outcome, Exception) else outcome
+            if update is None:
+                break  # the policy stops the run; every process reaches the reduction first
             call_federated_hook(self.trainer, self, "on_client_end", plan, update)
             if not tally.admit(plan, update):
                 break

@@ -1,0 +1,73 @@
+"""How a round's clients are trained: one executor per run, chosen once from ``FederatedLoop(client_execution=...)``.
+
+Every executor implements :class:`ClientExecutor`: ``updates(loop, plan, client_ids, global_flat)`` yields
+``(client_id, outcome)`` for this process's clients in order, ``outcome`` the client's
+:class:`~fedlightning.state.ClientUpdate` or the exception its training raised (the loop's failure policy decides what
+happens to it). The loop stops iterating when the policy stops the run, so a sequential executor trains no further
+client. :class:`SequentialExecutor` trains one client after the other (``loop.train_client``);
+:class:`VectorizedExecutor` trains them in lockstep (:func:`fedlightning.vectorized.run_vectorized_round`, which for
+``"auto"`` decides at the first round, once, whether vectorising pays, and falls back for good when the model cannot
+be vectorised) and hands over to sequential training for a round it declines. Reference mode
+(:mod:`fedlightning._reference`) trains sequentially whatever the executor.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, List, Protocol, Tuple, Union
+
+from torch import Tensor
+
+from fedlightning._reference import reference_mode
+from fedlightning.state import ClientUpdate, RoundPlan
+from fedlightning.vectorized import run_vectorized_round
+
+__all__ = ["CLIENT_EXECUTION_MODES", "ClientExecutor", "SequentialExecutor", "VectorizedExecutor", "make_executor"]
+
+#: Values of ``FederatedLoop(client_execution=...)``.
+CLIENT_EXECUTION_MODES = ("sequential", "vectorized", "auto")
+
+Outcome = Tuple[int, Union[ClientUpdate, Exception]]
+
+
+class ClientExecutor(Protocol):
+    """Trains a round's clients from the global weights ``global_flat`` (see the module docstring)."""
+
+    def updates(self, loop, plan: RoundPlan, client_ids: List[int], global_flat: Tensor) -> Iterator[Outcome]:
+        ...
+
+
+class SequentialExecutor:
+    """One client after the other on the loop's working copy (``loop.train_client``)."""
+
+    def updates(self, loop, plan: RoundPlan, client_ids: List[int], global_flat: Tensor) -> Iterator[Outcome]:
+        for cid in client_ids:
+            try:
+                outcome: Union[ClientUpdate, Exception] = loop.train_client(plan, cid, global_flat)
+            except Exception as err:  # noqa: BLE001 - the loop's failure policy decides
+                outcome = err
+            yield cid, outcome
+
+
+class VectorizedExecutor:
+    """All of the round's clients in lockstep (``client_execution`` ``"vectorized"`` or ``"auto"``); a round the
+    vectorised entry declines (``"auto"`` chose sequential or fell back, or reference mode) is trained by
+    :class:`SequentialExecutor`. An exception of the batched computation that concerns every client is raised."""
+
+    def __init__(self) -> None:
+        self.sequential = SequentialExecutor()
+
+    def updates(self, loop, plan: RoundPlan, client_ids: List[int], global_flat: Tensor) -> Iterator[Outcome]:
+        outcomes = None if reference_mode() else run_vectorized_round(loop, plan, client_ids, global_flat)
+        if outcomes is None:
+            yield from self.sequential.updates(loop, plan, client_ids, global_flat)
+            return
+        yield from zip(client_ids, outcomes)
+
+
+def make_executor(client_execution: str) -> ClientExecutor:
+    """The executor of ``client_execution`` (one of :data:`CLIENT_EXECUTION_MODES`)."""
+    if client_execution == "sequential":
+        return SequentialExecutor()
+    if client_execution in ("vectorized", "auto"):
+        return VectorizedExecutor()
+    raise ValueError(f"client_execution must be one of {CLIENT_EXECUTION_MODES}, got {client_execution!r}")
