@@ -1,6 +1,7 @@
 """Server-side callbacks: strategies (aggregation + server step), schedules and telemetry."""
 
 from fedlightning.callbacks.base import FederatedCallback, RoundStatistics, ServerStep, ServerStrategy
+from fedlightning.callbacks.client_eval import ClientEvaluation
 from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.adaptive import FedAdagrad, FedAdam, FedAMS, FedAvgM, FedYogi
 from fedlightning.callbacks.dp import DPFedAvg
@@ -39,4 +40,5 @@ __all__ = [
     "FedSPSNormalized",
     "RoundTimer",
     "GlobalEvaluation",
+    "ClientEvaluation",
 ]
