@@ -15,7 +15,7 @@ from fedlightning import FederatedLoop
 from fedlightning.callbacks import DPFedAvg, FedAvg, FederatedCallback
 from fedlightning.callbacks.base import RoundStatistics, accumulate_core
 from fedlightning.checkpoint import AtomicCheckpointIO
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.models import MLP
 from fedlightning.state import ClientUpdate, RoundPlan, derive_seed
 

@@ -14,11 +14,11 @@ with ``m = |S_t|`` the round's cohort size. :class:`DPFedAvg` (its docstring: ev
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 
 from fedlightning._validation import in_range, integer, non_negative, one_of, positive
 from fedlightning.callbacks.adaptive import AdaptiveServerOptimizer, _check_betas, _moment_statistics
@@ -161,12 +161,12 @@ class DPFedAvg(ServerStrategy):
         server_lr: float = 1.0,
         server_optimizer: str = "sgd",
         server_momentum: float = 0.0,
-        betas: Tuple[float, float] = (0.9, 0.99),
+        betas: tuple[float, float] = (0.9, 0.99),
         tau: float = 1e-2,
-        target_quantile: Optional[float] = None,
+        target_quantile: float | None = None,
         clip_learning_rate: float = 0.2,
-        clipped_count_stddev: Optional[float] = None,
-        population_size: Optional[int] = None,
+        clipped_count_stddev: float | None = None,
+        population_size: int | None = None,
         weighting: str = "uniform",
     ):
         if weighting == "samples":
@@ -203,16 +203,16 @@ class DPFedAvg(ServerStrategy):
             adaptive_noise_multiplier(self.noise_multiplier, self.clipped_count_stddev)  # refused now if undefined
         self.population_size = integer("population_size", population_size, allow_none=True)
         self.current_clip_norm = self.clip_norm  # C of the next round (checkpointed)
-        self.history: List[Tuple[float, float, int]] = []  # Opacus RDPAccountant history (checkpointed)
-        self._population: Optional[int] = self.population_size
-        self._optimizer: Optional[torch.optim.Optimizer] = None
+        self.history: list[tuple[float, float, int]] = []  # Opacus RDPAccountant history (checkpointed)
+        self._population: int | None = self.population_size
+        self._optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ settings of a round
     @property
     def adaptive(self) -> bool:
         return self.target_quantile is not None
 
-    def noise_parameters(self, cohort: int) -> Tuple[float, float]:
+    def noise_parameters(self, cohort: int) -> tuple[float, float]:
         """``(σ_Δ, σ_b)`` for a cohort of ``cohort`` clients (``σ_b = 0`` without adaptive clipping)."""
         if not self.adaptive:
             return self.noise_multiplier, 0.0
@@ -291,7 +291,7 @@ class DPFedAvg(ServerStrategy):
         # the divisor as FedAvg's mean_delta forms it (a float64 count cast to the sum's dtype): bit-identical to
         # FedAvg(weighting="uniform") without noise and clipping
         pseudo = total / torch.tensor(float(cohort), dtype=torch.float64, device=total.device).to(total.dtype)
-        metrics: Dict[str, float] = {
+        metrics: dict[str, float] = {
             "privacy/clip_norm": clip,
             "privacy/noise_multiplier": sigma,
             "privacy/noise_std": sigma * clip / cohort if sigma > 0 else 0.0,
@@ -324,7 +324,7 @@ class DPFedAvg(ServerStrategy):
         else:
             result.metrics.update(_moment_statistics(self._optimizer, "exp_avg_sq", "exp_avg"))
 
-    def epsilon(self, delta: Optional[float] = None) -> float:
+    def epsilon(self, delta: float | None = None) -> float:
         """ε spent so far at ``delta`` (default: the configured δ), from Opacus's RDP accountant."""
         return rdp_epsilon(self.history, self.delta if delta is None else delta)
 
@@ -338,10 +338,10 @@ class DPFedAvg(ServerStrategy):
         return self._optimizer
 
     # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"clip_norm": self.current_clip_norm, "history": [list(h) for h in self.history]}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.current_clip_norm = float(state_dict["clip_norm"])
         self.history = [(float(z), float(q), int(n)) for z, q, n in state_dict["history"]]
 
