@@ -4,13 +4,13 @@
 
 One FedAvg round (SGD lr 0.01, the CIFAR configs' client rate, K = 2, all 4 clients) of torchvision's
 ``resnet18(num_classes=10)`` in a plain ``LightningModule`` on random 3x16x16 images (1x1 feature maps from
-``layer3`` on), for two splits: clients of 1, 3, 5 and 6 samples with batch 4 (last batches of 1-3 samples) and of 1, 9, 17 and 25 samples with batch 8 (real
-batches of 8; the one-sample clients fail in both modes). Printed per split, as the largest difference of the global
-weights after the round: sequential float32 vs sequential float64 (rounding of a whole run), sequential float64 vs
-the same run from initial weights scaled by 1 + 1e-15 (how much the training amplifies a last-bit change), and
-sequential vs vectorized in float64 (the modes' arithmetic). docs/benchmarks.md §8 reads these numbers: the
-vectorized-vs-sequential difference of such a run in float32 says nothing about the modes when the first two rows
-are of its size.
+``layer3`` on), for two splits: clients of 1, 3, 5 and 6 samples with batch 4 (last batches of 1-3 samples) and of 1, 9,
+17 and 25 samples with batch 8 (real batches of 8; the one-sample clients fail in both modes). Printed per split, as the
+largest difference of the global weights after the round: sequential float32 vs sequential float64 (rounding of a whole
+run), sequential float64 vs the same run from initial weights scaled by 1 + 1e-15 (how much the training amplifies a
+last-bit change), and sequential vs vectorized in float64 (the modes' arithmetic). docs/benchmarks.md §8 reads these
+numbers: the vectorized-vs-sequential difference of such a run in float32 says nothing about the modes when the first
+two rows are of its size.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from __future__ import annotations
 import logging
 import warnings
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
-
-import lightning.pytorch as pl
 
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg

@@ -18,7 +18,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELECT = ("bad or malformed or corrupt or invalid or hostile or reject or error or truncat or missing or unknown or "
-          "fault or impossible or wrong or mismatch or raise or clear or fail or refuse or checkpoint or zero or parquet")
+          "fault or impossible or wrong or mismatch or raise or clear or fail or refuse or checkpoint or zero or "
+          "parquet")
 
 
 class RaisesCounter:

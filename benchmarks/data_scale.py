@@ -56,7 +56,8 @@ def _index_bytes(arrays) -> int:
 
 def bench_dirichlet(num_samples: int, num_clients: int, max_retries: int, seed: int = 0) -> dict:
     labels = np.random.default_rng(seed).integers(0, 10, num_samples).astype(np.int64)
-    dm = _LabelsOnly(labels, num_clients=num_clients, partition=Dirichlet(alpha=0.3, max_retries=max_retries), seed=seed)
+    partition = Dirichlet(alpha=0.3, max_retries=max_retries)
+    dm = _LabelsOnly(labels, num_clients=num_clients, partition=partition, seed=seed)
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
@@ -137,12 +138,14 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
+    cpu = platform.processor() or platform.machine()
+    results = {"machine": f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
     results["dirichlet"] = [bench_dirichlet(args.samples, args.clients, r) for r in (10, 0)]
     results["leaf"] = bench_leaf(args.leaf_users, args.leaf_samples)
     print(f"machine: {results['machine']}")
     print("\nDirichlet(alpha=0.3) split, FederatedDataModule.setup()")
-    print("| clients | samples | max_retries | time (s) | peak traced (MB) | index arrays (MB) | retained B/client beyond index |")
+    print("| clients | samples | max_retries | time (s) | peak traced (MB) | index arrays (MB) "
+          "| retained B/client beyond index |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in results["dirichlet"]:
         print(f"| {r['clients']:,} | {r['samples']:,} | {r['max_retries']} | {r['seconds']:.2f} | {r['peak_MB']:.1f} | "

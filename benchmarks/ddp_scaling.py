@@ -49,7 +49,7 @@ def worker(args) -> None:
 
     from fedlightning import FederatedLoop
     from fedlightning.callbacks import FedAvg
-    from fedlightning.datamodules import Dirichlet, DigitsDataModule
+    from fedlightning.datamodules import DigitsDataModule, Dirichlet
     from fedlightning.models import MLP
 
     class Clock(pl.Callback):
@@ -123,7 +123,8 @@ def main():
     print(f"{os.cpu_count()} CPUs, load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
           f"MLP 64-{args.hidden.replace(',', '-')}-10 ({params:,} parameters), {args.clients_per_round} clients/round, "
           f"K=20, batch 50; {args.rounds} timed rounds (+{args.warmup} warm-up) x {args.repeats} repeats")
-    print(f"{'configuration':38s} {'s/round median':>15s} {'min of run means':>17s} {'speed-up':>9s} {'efficiency':>11s}")
+    print(f"{'configuration':38s} {'s/round median':>15s} {'min of run means':>17s} {'speed-up':>9s} "
+          f"{'efficiency':>11s}")
     t1 = statistics.median(times[configs[0][0]])
     for name, devices, threads in configs:
         med = statistics.median(times[name])

@@ -26,9 +26,8 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import vectorized_speedup as vs  # noqa: E402
-
 import fedlightning.vectorized as new_engine  # noqa: E402
+import vectorized_speedup as vs  # noqa: E402
 
 
 def main():

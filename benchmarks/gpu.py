@@ -72,14 +72,14 @@ import tempfile
 import traceback
 import warnings
 
+import lightning
+import lightning.pytorch as pl
 import numpy as np
 import torch
 
-import lightning
-import lightning.pytorch as pl
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
-from fedlightning.datamodules import ArrayDataset, Cifar10DataModule, Dirichlet, DigitsDataModule, FederatedDataModule
+from fedlightning.datamodules import ArrayDataset, Cifar10DataModule, DigitsDataModule, Dirichlet, FederatedDataModule
 from fedlightning.datamodules.shakespeare import NUM_LETTERS, SlidingWindows
 from fedlightning.models import MLP, CharLSTM, ResNet18
 from fedlightning.optim import SgdArmijo
@@ -167,11 +167,21 @@ def build_workloads(cfg, cifar_dir, char_data):
         n = cfg["char_clients"]
         return RandomCharWindows(num_users=n, batch_size=B), f"random 20-char windows, {n} lognormal clients{note}"
 
-    resnet = lambda: ResNet18(num_classes=10, norm="group", width=cfg["resnet_width"])
-    mlp = lambda: MLP(input_dim=64, hidden=[128], num_classes=10)
-    lstm = lambda: CharLSTM(embedding_dim=8, hidden_size=64, num_layers=1)
-    sgd = lambda lr: (lambda params: torch.optim.SGD(params, lr=lr))
-    armijo = lambda params: SgdArmijo(params, eta_max=1.0, c=0.1, beta=0.9, reset="max")
+    def resnet():
+        return ResNet18(num_classes=10, norm="group", width=cfg["resnet_width"])
+
+    def mlp():
+        return MLP(input_dim=64, hidden=[128], num_classes=10)
+
+    def lstm():
+        return CharLSTM(embedding_dim=8, hidden_size=64, num_layers=1)
+
+    def sgd(lr):
+        return lambda params: torch.optim.SGD(params, lr=lr)
+
+    def armijo(params):
+        return SgdArmijo(params, eta_max=1.0, c=0.1, beta=0.9, reset="max")
+
     r, n = cfg["rounds"], cfg["repeats"]
     return {  # priority order (see the module docstring)
         "cifar-resnet18-sgd": (resnet, sgd(0.01), cifar, ALL_MODES, r["cifar"], n["cifar"], True),

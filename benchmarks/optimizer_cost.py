@@ -11,8 +11,8 @@ than wall time; one intra-op thread by default).
 
 Models: the quickstart MLP (64-128-10) and a small CNN on the 8x8 digit images (defined below). Targets
 (docs/benchmarks.md): SgdArmijo <= 1.5x SGD when it averages <= 1 backtrack per step (one extra forward: 2 trial
-forwards at most on average), SPS <= 1.05x SGD. The average number of backtracks (rejected trial points) per step is printed; it depends
-on ``eta_max`` and the reset policy, so several settings are shown.
+forwards at most on average), SPS <= 1.05x SGD. The average number of backtracks (rejected trial points) per step is
+printed; it depends on ``eta_max`` and the reset policy, so several settings are shown.
 """
 
 from __future__ import annotations

@@ -47,14 +47,13 @@ import statistics
 import time
 import warnings
 
-import numpy as np
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
-import lightning.pytorch as pl
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
-from fedlightning.datamodules import Dirichlet, DigitsDataModule, SyntheticDataModule
+from fedlightning.datamodules import DigitsDataModule, Dirichlet, SyntheticDataModule
 from fedlightning.models import MLP, CharLSTM, LogisticRegression
 from fedlightning.state import derive_seed
 from user_models import UserMLP  # benchmarks/ is on sys.path when a script runs
@@ -179,7 +178,7 @@ def bench(name, rounds, warmup, repeats, modes):
     per_round = {m: [] for m in modes}  # per mode: one list of round times per run
     startups = {m: [] for m in modes}
     weights = {}
-    for rep in range(repeats):
+    for _ in range(repeats):
         for mode in modes:
             if mode == "plain":
                 t, st, w = run_plain(model_fn, lr, dm, init_state, rounds, warmup, schedule)
@@ -215,21 +214,24 @@ def bench(name, rounds, warmup, repeats, modes):
     if base_med and "sequential" in times:
         r = statistics.median(times["sequential"]) / base_med
         rp = paired["sequential"] / paired["plain"]
+        verdict = "met" if max(r, rp) <= 1.10 else ("met on the paired minimum" if rp <= 1.10 else "NOT met")
         print(f"  sequential / plain = {r:.3f} (median of run means), {rp:.3f} (paired per-round minimum) "
-              f"-> target <= 1.10 {'met' if max(r, rp) <= 1.10 else ('met on the paired minimum' if rp <= 1.10 else 'NOT met')}")
+              f"-> target <= 1.10 {verdict}")
     return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="comma-separated subset of " + ", ".join(WORKLOADS))
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per run (default: per workload, 25/25/3)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds at the start of every run")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per mode")
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch.set_num_threads (default 1: on a shared 2-core machine two intra-op threads per process "
-                         "oversubscribe the cores and make every mode several times slower and noisier; 0 = torch's choice)")
+                    help="torch.set_num_threads (default 1: on a shared 2-core machine two intra-op threads per "
+                         "process oversubscribe the cores and make every mode several times slower and noisier; "
+                         "0 = torch's choice)")
     args = ap.parse_args()
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

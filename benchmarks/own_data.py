@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from fedlightning.datamodules.base import reiterate
 from fedlightning.datamodules import Dirichlet, FederatedDataModule
+from fedlightning.datamodules.base import reiterate
 
 
 class Rows(Dataset):
@@ -39,7 +39,7 @@ def steps(dm, clients, n_steps: int) -> float:
     for c in clients:
         loader = dm.client_dataloader(c, round=0, seed=0)
         it = loader.iter_steps(n_steps) if hasattr(loader, "iter_steps") else reiterate(loader, n_steps)
-        for x, y in it:
+        for _batch in it:
             pass
     return time.perf_counter() - t0
 

@@ -21,7 +21,7 @@ import argparse
 import math
 import os
 import sys
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
@@ -35,13 +35,13 @@ from reproduction.runner import DEFAULT_RESULTS, all_specs, execute, quiet, sele
 from reproduction.studies import run_studies  # noqa: E402
 
 
-def _long_options(parser: argparse.ArgumentParser) -> List[str]:
+def _long_options(parser: argparse.ArgumentParser) -> list[str]:
     return [o for o in parser._option_string_actions if o.startswith("--")]
 
 
-def _parse_setup_scales(items: Optional[Sequence[str]]) -> Dict[str, float]:
+def _parse_setup_scales(items: Sequence[str] | None) -> dict[str, float]:
     """``--setup-rounds`` values ``PATTERN=SCALE`` as ``{pattern: scale}``; a clear error for any other form."""
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for item in items or []:
         pattern, sep, value = item.partition("=")
         try:
@@ -54,10 +54,12 @@ def _parse_setup_scales(items: Optional[Sequence[str]]) -> Dict[str, float]:
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", metavar="PATTERN", help="run ids to run (fnmatch; a prefix selects all below)")
-    p.add_argument("--rounds", type=float, default=1.0, metavar="SCALE", help="multiply every setup's rounds (default 1)")
+    p.add_argument("--rounds", type=float, default=1.0, metavar="SCALE",
+                   help="multiply every setup's rounds (default 1)")
     p.add_argument("--setup-rounds", nargs="+", metavar="PATTERN=SCALE",
                    help="round scale for the setups matching PATTERN (fnmatch over <paper>/<setup>, e.g. "
                         "'000/shakespeare-lstm=0.25'); overrides --rounds for them")
@@ -95,7 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for s in specs:
         if s.missing:
             print(f"{s.run_id}: not run (missing {s.missing})")
-    counts: Dict[str, int] = {}
+    counts: dict[str, int] = {}
     if not ns.report_only:
         counts = execute(specs, ns.results)
         print(f"runs: {counts}")

@@ -32,7 +32,6 @@ import logging
 import os
 import sys
 import warnings
-from typing import Dict, List
 
 import numpy as np
 
@@ -65,7 +64,7 @@ def _client_grad(i: int, w: np.ndarray) -> np.ndarray:
     return 2.0 * (A[i] @ w - B[i]) * A[i]
 
 
-def reference_run(algorithm: str, rounds: int) -> Dict[str, List]:
+def reference_run(algorithm: str, rounds: int) -> dict[str, list]:
     """Seed 000 Alg. 2–5 on the toy, in float64 NumPy."""
     w = W0.copy()
     traj, etas, backtracks = [w.copy()], [], []
@@ -104,7 +103,7 @@ def reference_run(algorithm: str, rounds: int) -> Dict[str, List]:
 
 
 # ====================================================================== the framework
-def framework_run(algorithm: str, rounds: int) -> Dict[str, List]:
+def framework_run(algorithm: str, rounds: int) -> dict[str, list]:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback
@@ -154,7 +153,8 @@ def framework_run(algorithm: str, rounds: int) -> Dict[str, List]:
     else:
         client_optimizer = lambda p: torch.optim.SGD(p, lr=CLIENT_LR)  # noqa: E731
     strategy = FedExP(eps=EPS) if algorithm in ("FedExP", "FedExpSLS") else FedAvg(server_lr=1.0, weighting="uniform")
-    loop = FederatedLoop(SquaredResidual(), client_optimizer=client_optimizer, local_steps=LOCAL_STEPS, clients_per_round=2)
+    loop = FederatedLoop(SquaredResidual(), client_optimizer=client_optimizer, local_steps=LOCAL_STEPS,
+                         clients_per_round=2)
     record = Record()
     for name in ("lightning.pytorch", "lightning.fabric"):  # no per-run banners
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -169,14 +169,14 @@ def framework_run(algorithm: str, rounds: int) -> Dict[str, List]:
 
 
 # ====================================================================== summary and plot
-def rounds_to(losses: List[float], target: float):
+def rounds_to(losses: list[float], target: float):
     for r, f in enumerate(losses):
         if f <= target:
             return r
     return None
 
 
-def summarize(runs: Dict[str, Dict[str, List]], refs: Dict[str, Dict[str, List]], rounds: int) -> Dict[str, Dict]:
+def summarize(runs: dict[str, dict[str, list]], refs: dict[str, dict[str, list]], rounds: int) -> dict[str, dict]:
     out = {}
     for name, run in runs.items():
         traj = np.array(run["trajectory"])
@@ -196,7 +196,7 @@ def summarize(runs: Dict[str, Dict[str, List]], refs: Dict[str, Dict[str, List]]
     return out
 
 
-def plot(summary: Dict[str, Dict], path: str) -> None:
+def plot(summary: dict[str, dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,7 +229,7 @@ def plot(summary: Dict[str, Dict], path: str) -> None:
     plt.close(fig)
 
 
-def run(rounds: int = 50, out_dir: str = os.path.join(ROOT, "docs", "figures")) -> Dict[str, Dict]:
+def run(rounds: int = 50, out_dir: str = os.path.join(ROOT, "docs", "figures")) -> dict[str, dict]:
     if isinstance(rounds, bool) or int(rounds) != rounds or rounds < 1:
         raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
     runs = {name: framework_run(name, int(rounds)) for name in ALGORITHMS}
@@ -242,9 +242,10 @@ def run(rounds: int = 50, out_dir: str = os.path.join(ROOT, "docs", "figures")) 
     return summary
 
 
-def format_table(summary: Dict[str, Dict]) -> str:
+def format_table(summary: dict[str, dict]) -> str:
     lines = [
-        "| algorithm | F(w_R) | ‖w_R − w*‖ | rounds to F ≤ 1e-4 | rounds to F ≤ 1e-8 | mean η_g | backtracks/step | max dev. from NumPy |",
+        "| algorithm | F(w_R) | ‖w_R − w*‖ | rounds to F ≤ 1e-4 | rounds to F ≤ 1e-8 | mean η_g | backtracks/step "
+        "| max dev. from NumPy |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():

@@ -56,7 +56,7 @@ RESULT: dict = {}
 
 
 def make_dm():
-    from fedlightning.datamodules import Dirichlet, DigitsDataModule
+    from fedlightning.datamodules import DigitsDataModule, Dirichlet
 
     dm = DigitsDataModule(num_clients=NUM_CLIENTS, batch_size=B, partition=Dirichlet(0.3), seed=0)
     dm.setup("fit")
@@ -83,6 +83,7 @@ def test_accuracy(model, dm) -> float:
 # ---------------------------------------------------------------------------------------------- fedlightning
 def run_fedlightning(rounds: int, warmup: int, execution: str) -> dict:
     import lightning.pytorch as pl
+
     from fedlightning import FederatedLoop
     from fedlightning.callbacks import FedAvg
 

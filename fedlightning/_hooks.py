@@ -8,7 +8,7 @@ The loop is seen here as the ``LightningModule`` it is (its ``log`` and its ``mo
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -33,10 +33,10 @@ class _LogRouter:
     def __init__(self, loop: LightningModule, mode: str):
         self.loop_ref = loop
         self.mode = mode
-        self.captured: Dict[str, List[Tensor]] = {}  # name -> values in logging order: scalars, or 1-d runs of them
-        self.metrics: Dict[str, Any] = {}  # name -> torchmetrics Metric logged in training_step
-        self.metric_paths: Dict[str, str] = {}  # name -> the metric's module path in the working copy
-        self.module: Optional[torch.nn.Module] = None  # the working copy (capture mode)
+        self.captured: dict[str, list[Tensor]] = {}  # name -> values in logging order: scalars, or 1-d runs of them
+        self.metrics: dict[str, Any] = {}  # name -> torchmetrics Metric logged in training_step
+        self.metric_paths: dict[str, str] = {}  # name -> the metric's module path in the working copy
+        self.module: torch.nn.Module | None = None  # the working copy (capture mode)
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self.mode == "forward":
@@ -56,16 +56,16 @@ class _LogRouter:
             value = value.detach()
             self.captured.setdefault(name, []).append(value if value.dim() == 0 else value.reshape(()))
 
-    def log_dict(self, dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    def log_dict(self, dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         for k, v in dictionary.items():
             self.log(k, v, *args, **kwargs)
 
-    def pop_means(self) -> Dict[str, float]:
+    def pop_means(self) -> dict[str, float]:
         out = {f"client/{k}": float(_concat(v).float().mean()) for k, v in self.captured.items() if v}
         self.captured = {}
         return out
 
-    def compute_metrics(self) -> Dict[str, float]:
+    def compute_metrics(self) -> dict[str, float]:
         """``client/<name>`` for every torchmetrics metric logged in ``training_step`` (in name order, so that every
         process calls ``compute`` — a collective under DDP — in the same order)."""
         out = {}
@@ -79,7 +79,7 @@ class _LogRouter:
             out[f"client/{name}"] = float(value)
         return out
 
-    def adopt_metrics(self, paths: Dict[str, str]) -> None:
+    def adopt_metrics(self, paths: dict[str, str]) -> None:
         """Metrics another process logged (a process whose clients have not logged them yet must still compute)."""
         for name, path in paths.items():
             if name not in self.metrics and path and self.module is not None:
@@ -117,7 +117,7 @@ def _forward_to_model(name: str):
     return hook
 
 
-def _concat(values: List[Tensor]) -> Tensor:
+def _concat(values: list[Tensor]) -> Tensor:
     """The captured values of one name as one 1-d tensor, in order (0-d values from sequential clients, 1-d runs of
     values from the vectorised engine, which hands over a round's values at once)."""
     if all(v.dim() == 0 for v in values):

@@ -10,8 +10,9 @@ No other module of fedlightning touches these attributes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 
 import lightning.pytorch as pl
 
@@ -30,13 +31,13 @@ __all__ = [
 ]
 
 
-def attached_trainer(module: pl.LightningModule) -> Optional["pl.Trainer"]:
+def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
     """The Trainer ``module`` is attached to, or None (``module.trainer`` raises when there is none)."""
     return module._trainer
 
 
 @contextmanager
-def detached_trainer(module: pl.LightningModule) -> Iterator[Optional["pl.Trainer"]]:
+def detached_trainer(module: pl.LightningModule) -> Iterator[pl.Trainer | None]:
     """``module`` without its Trainer inside the block (e.g. to deep-copy it without copying the Trainer), attached
     again afterwards; yields the Trainer."""
     trainer = module._trainer
@@ -48,7 +49,7 @@ def detached_trainer(module: pl.LightningModule) -> Iterator[Optional["pl.Traine
 
 
 @contextmanager
-def strategy_optimizers(strategy: Any, optimizers: List[Any], schedulers: List[Any]) -> Iterator[None]:
+def strategy_optimizers(strategy: Any, optimizers: list[Any], schedulers: list[Any]) -> Iterator[None]:
     """``trainer.optimizers`` is ``optimizers`` and ``trainer.lr_scheduler_configs`` is ``schedulers`` inside the
     block, both as before afterwards (also on an exception). Sets the strategy's ``_optimizers`` directly: the public
     ``optimizers`` setter wraps each optimizer in a new ``LightningOptimizer``, which would replace the wrapper
@@ -61,7 +62,7 @@ def strategy_optimizers(strategy: Any, optimizers: List[Any], schedulers: List[A
         strategy._optimizers, strategy.lr_scheduler_configs = saved
 
 
-def progress_bar_options(bar: Any) -> Dict[str, Any]:
+def progress_bar_options(bar: Any) -> dict[str, Any]:
     """The constructor arguments that rebuild ``bar`` (Lightning's ``TQDMProgressBar`` or ``RichProgressBar``) with
     the options it was built with."""
     from lightning.pytorch.callbacks import TQDMProgressBar
@@ -71,13 +72,13 @@ def progress_bar_options(bar: Any) -> Dict[str, Any]:
     return dict(refresh_rate=bar.refresh_rate, leave=bar._leave, theme=bar.theme, console_kwargs=bar._console_kwargs)
 
 
-def batches_that_stepped(trainer: "pl.Trainer") -> int:
+def batches_that_stepped(trainer: pl.Trainer) -> int:
     """The step Lightning's logger connector passes to ``logger.log_metrics`` for training metrics (the fit loop's
     count of batches that stepped an optimizer; the round number here)."""
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
-def should_write_step_logs(trainer: "pl.Trainer") -> bool:
+def should_write_step_logs(trainer: pl.Trainer) -> bool:
     """Whether Lightning writes this training step's metrics to the loggers (its ``should_update_logs`` rule: every
     ``log_every_n_steps`` steps or when the trainer is stopping, never with ``log_every_n_steps=0``)."""
     return bool(trainer._logger_connector.should_update_logs)
@@ -95,7 +96,7 @@ def current_hook(module: pl.LightningModule, name: str) -> Iterator[None]:
         module._current_fx_name = previous
 
 
-def allow_logging_from(names: Tuple[str, ...], like: str = "training_step") -> None:
+def allow_logging_from(names: tuple[str, ...], like: str = "training_step") -> None:
     """Let ``self.log`` be called from the hooks ``names`` (e.g. the federated hooks, which run inside the round's
     ``training_step``) with the options and defaults Lightning gives hook ``like``: Lightning's logging validator
     refuses a hook name it does not know, and its dispatcher-style ``current_hook`` sets such names."""
@@ -105,7 +106,7 @@ def allow_logging_from(names: Tuple[str, ...], like: str = "training_step") -> N
         _FxValidator.functions.setdefault(name, _FxValidator.functions[like])
 
 
-def parse_configure_optimizers(conf: Any) -> Tuple[List[Any], List[Any]]:
+def parse_configure_optimizers(conf: Any) -> tuple[list[Any], list[Any]]:
     """``(optimizers, scheduler configs)`` from what a ``configure_optimizers()`` returned, parsed by Lightning's own
     rules (every return form it accepts; a malformed one raises its ``MisconfigurationException``)."""
     from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
@@ -114,7 +115,7 @@ def parse_configure_optimizers(conf: Any) -> Tuple[List[Any], List[Any]]:
     return optimizers, _configure_schedulers_automatic_opt(schedulers, monitor)
 
 
-def metric_state(metric: Any) -> Dict[str, Any]:
+def metric_state(metric: Any) -> dict[str, Any]:
     """A torchmetrics ``Metric``'s accumulated state, by attribute name: its registered states (``add_state``), its
     update count and its cached ``compute()`` result; ``setattr`` of each entry restores it (tensors are cloned)."""
     state = {k: _clone(getattr(metric, k)) for k in metric._defaults}
@@ -123,7 +124,7 @@ def metric_state(metric: Any) -> Dict[str, Any]:
     return state
 
 
-def metric_reductions(metric: Any) -> Dict[str, Any]:
+def metric_reductions(metric: Any) -> dict[str, Any]:
     """A torchmetrics ``Metric``'s reduction function of each registered state (``add_state(dist_reduce_fx=...)``)."""
     return dict(metric._reductions)
 

@@ -12,8 +12,9 @@ through again)::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from torch import nn
 
@@ -26,7 +27,7 @@ def discard(*args: Any, **kwargs: Any) -> None:
     """A ``log`` / ``log_dict`` that drops every value."""
 
 
-def route_logging(model: nn.Module, log: Optional[Callable[..., None]], log_dict: Optional[Callable[..., None]]) -> None:
+def route_logging(model: nn.Module, log: Callable[..., None] | None, log_dict: Callable[..., None] | None) -> None:
     """Make ``model.log`` ``log`` and ``model.log_dict`` ``log_dict`` until changed again; None removes the instance's
     routing of that method (the class's own method is used)."""
     for name, target in zip(_NAMES, (log, log_dict)):
@@ -37,8 +38,8 @@ def route_logging(model: nn.Module, log: Optional[Callable[..., None]], log_dict
 
 
 @contextmanager
-def routed_logging(model: nn.Module, log: Optional[Callable[..., None]],
-                   log_dict: Optional[Callable[..., None]]) -> Iterator[nn.Module]:
+def routed_logging(model: nn.Module, log: Callable[..., None] | None,
+                   log_dict: Callable[..., None] | None) -> Iterator[nn.Module]:
     """:func:`route_logging` for the ``with`` block; on exit the instance's previous routing (or its absence) is
     restored, also when the block raises."""
     saved = {name: model.__dict__[name] for name in _NAMES if name in model.__dict__}

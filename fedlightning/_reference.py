@@ -10,17 +10,16 @@ listed in :func:`reference_mode`'s docstring.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 __all__ = ["ENV", "reference_mode", "set_reference_mode"]
 
 #: the environment variable that turns reference mode on
 ENV = "FEDLIGHTNING_REFERENCE"
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-_override: Optional[bool] = None
+_override: bool | None = None
 
 
-def set_reference_mode(enabled: Optional[bool]) -> None:
+def set_reference_mode(enabled: bool | None) -> None:
     """Turn reference mode on (True) or off (False) in this process, whatever ``FEDLIGHTNING_REFERENCE`` says;
     None: the environment variable decides again."""
     global _override
@@ -40,8 +39,8 @@ def reference_mode() -> bool:
     * the global model's parameter and buffer lists cached per round: listed at every use;
     * one-``_foreach_add_`` plain-SGD steps and ``p.grad = None`` gradient clearing: ``optimizer.step()`` and
       ``optimizer.zero_grad(set_to_none=True)``; a client's loss without objective terms goes through the closure too;
-    * in-memory batches (:class:`~fedlightning.datamodules.base.ArrayBatchLoader`, whole-batch indexing in evaluation and
-      FedDANE's gradient phase, ``in_memory="auto"`` of :class:`~fedlightning.datamodules.DatasetDataModule`):
+    * in-memory batches (:class:`~fedlightning.datamodules.base.ArrayBatchLoader`, whole-batch indexing in evaluation
+      and FedDANE's gradient phase, ``in_memory="auto"`` of :class:`~fedlightning.datamodules.DatasetDataModule`):
       ``DataLoader`` over per-sample ``__getitem__`` and ``default_collate``.
 
     The optimizers of :mod:`fedlightning.optim` keep their ``torch._foreach_*`` kernels: those are their arithmetic,

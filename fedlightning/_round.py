@@ -20,7 +20,7 @@ import copy
 import functools
 import math
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _largest(dtype: torch.dtype) -> float:
     """``torch.finfo(dtype).max`` (cached: the aggregation checks ask for it for every client)."""
     return float(torch.finfo(dtype).max)
@@ -50,7 +50,7 @@ class _ServerState:
     """A copy of the global parameters and of the server optimizer's state and hyper-parameters, taken before the
     server step, to put back when the step's result is refused (:meth:`_RoundEnd._check_candidate`)."""
 
-    def __init__(self, params: List[Tensor], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         self.params, self.optimizer = params, optimizer
         self.values = [p.detach().clone() for p in params]
         self.state = {p: {k: (v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)) for k, v in st.items()}
@@ -68,7 +68,7 @@ class _ServerState:
 
 @torch.no_grad()
 def screen_update(update: ClientUpdate, weight: float, num_sampled: int,
-                  max_update_norm: Optional[float]) -> Optional[Tensor]:
+                  max_update_norm: float | None) -> Tensor | None:
     """The aggregation checks of one healthy client (the rule: :class:`~fedlightning.loop.FederatedLoop`'s
     ``max_update_norm``): ``‖Δ_i‖²`` (float64, the value the round's sums add) when the client passes; else
     ``update`` is marked failed with the reason and its update norm, and None is returned."""
@@ -132,19 +132,19 @@ class RoundTally:
     after the reduction. ``stop`` is ``(client, exception or failure)`` when the policy stops the run after the
     reduction (every process reaches it first)."""
 
-    def __init__(self, strategy: ServerStrategy, num_sampled: int, device: torch.device, policy: "FailurePolicy",
-                 max_update_norm: Optional[float]) -> None:
+    def __init__(self, strategy: ServerStrategy, num_sampled: int, device: torch.device, policy: FailurePolicy,
+                 max_update_norm: float | None) -> None:
         self.strategy, self.num_sampled, self.device = strategy, num_sampled, device
         self.policy, self.max_update_norm = policy, max_update_norm
         self.stats = RoundStatistics()
-        self.healthy: List[ClientUpdate] = []
+        self.healthy: list[ClientUpdate] = []
         self.failed = 0
-        self.first_error: Optional[tuple] = None  # (client, exception) of the first client that raised, under "skip"
-        self.stop: Optional[tuple] = None
+        self.first_error: tuple | None = None  # (client, exception) of the first client that raised, under "skip"
+        self.stop: tuple | None = None
         self._raised: set = set()
         self._has_extras = type(strategy).accumulate is not ServerStrategy.accumulate  # else nothing to check or merge
 
-    def raised(self, client_id: int, err: Exception) -> Optional[ClientUpdate]:
+    def raised(self, client_id: int, err: Exception) -> ClientUpdate | None:
         """A client whose training raised ``err``: None when the policy stops the run (``on_client_error="raise"``),
         else its failed update (left out of the round, counted)."""
         if self.policy.on_client_error == "raise":
@@ -201,13 +201,13 @@ class FailurePolicy:
     ``on_client_error``, ``max_failed_rounds``; their rules are documented there) and the count of consecutive rounds
     without a healthy client (checkpointed by the loop); decides when the run stops."""
 
-    def __init__(self, on_client_failure: str, on_client_error: str, max_failed_rounds: Optional[int]) -> None:
+    def __init__(self, on_client_failure: str, on_client_error: str, max_failed_rounds: int | None) -> None:
         self.on_client_failure = on_client_failure
         self.on_client_error = on_client_error
         self.max_failed_rounds = max_failed_rounds
         self.rounds_without_healthy_client = 0
 
-    def stop_run(self, plan: RoundPlan, stats: RoundStatistics, stop: Optional[tuple], trainer: Any) -> None:
+    def stop_run(self, plan: RoundPlan, stats: RoundStatistics, stop: tuple | None, trainer: Any) -> None:
         """Stop the run when a client of this round raised under ``on_client_error="raise"`` or failed under
         ``on_client_failure="raise"`` (``stop``: ``(client, exception or failure text)`` on this process). Every
         process decides from the reduced count; with several processes the stop of the client first in sampling
@@ -237,7 +237,7 @@ class FailurePolicy:
                 "clients out of their round)"
             ) from cause
         raise FloatingPointError(f"client {cid} failed in round {plan.round}: {what}")
-    def check_round(self, plan: RoundPlan, stats: RoundStatistics, first_error: Optional[tuple],
+    def check_round(self, plan: RoundPlan, stats: RoundStatistics, first_error: tuple | None,
                     model_name: str) -> None:
         """The failure policy's stops (the ``"skip"`` policies; identical on every process, from the reduced
         counts): every client raised → the round's first exception, chained; ``max_failed_rounds`` consecutive
@@ -302,8 +302,8 @@ def reduce_statistics(stats: RoundStatistics, trainer: Any, round: int) -> None:
         all_reduce_statistics(stats, round=round)
 
 
-def share_round_state(plan: RoundPlan, healthy: List[ClientUpdate], trainer: Any, client_state: Any,
-                      router: Any) -> List[tuple]:
+def share_round_state(plan: RoundPlan, healthy: list[ClientUpdate], trainer: Any, client_state: Any,
+                      router: Any) -> list[tuple]:
     """Per-client scalars of the round's healthy clients, from every process, in sampling order; and, with
     several processes, the client-state entries written this round are exchanged so every process holds the
     whole ClientStateStore."""
@@ -313,10 +313,11 @@ def share_round_state(plan: RoundPlan, healthy: List[ClientUpdate], trainer: Any
         client_state.pop_dirty()
         return mine
     dirty = client_state.pop_dirty()
-    dirty_cpu = {k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()} for k, d in dirty.items()}
+    dirty_cpu = {k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()}
+                 for k, d in dirty.items()}
     everything = all_gather_objects((mine, dirty_cpu, dict(router.metric_paths)), round=plan.round,
                                     what="client summaries and client state of the round")
-    summaries: List[tuple] = []
+    summaries: list[tuple] = []
     for rank, (theirs, entries, metric_paths) in enumerate(everything):
         summaries.extend(theirs)
         if rank != trainer.global_rank:
@@ -325,8 +326,8 @@ def share_round_state(plan: RoundPlan, healthy: List[ClientUpdate], trainer: Any
     return sorted(summaries)
 
 @torch.no_grad()
-def server_step(pl_module: Any, strategy: ServerStrategy, optimizer: Any, params: List[Tensor],
-                stats: RoundStatistics, plan: RoundPlan, client_lr: Optional[tuple]) -> Dict[str, float]:
+def server_step(pl_module: Any, strategy: ServerStrategy, optimizer: Any, params: list[Tensor],
+                stats: RoundStatistics, plan: RoundPlan, client_lr: tuple | None) -> dict[str, float]:
     """The server step of the round: ``Δ, η = strategy.server_update(pl_module, stats, plan)``; ``Δ`` written into
     the global ``params``' ``.grad`` and ``optimizer`` (the loop's ``LightningOptimizer``, so Lightning counts the
     round) stepped with ``η``; the result checked before it is committed (:func:`_check_candidate`); the float
@@ -334,7 +335,7 @@ def server_step(pl_module: Any, strategy: ServerStrategy, optimizer: Any, params
     the last client optimizer built."""
     opt = optimizer
     n_clients = float(stats["clients"].item()) if "clients" in stats else 0.0
-    metrics: Dict[str, float] = {"round/clients": n_clients, "round/failed_clients": float(stats["failed"].item())}
+    metrics: dict[str, float] = {"round/clients": n_clients, "round/failed_clients": float(stats["failed"].item())}
     # the planned local steps of the round's clients (their mean with per-client counts, local_epochs)
     metrics["round/local_steps"] = (float(plan.local_steps) if plan.client_steps is None else
                                     sum(plan.steps_for(c) for c in plan.client_ids) / max(len(plan.client_ids), 1))
@@ -409,8 +410,9 @@ def server_step(pl_module: Any, strategy: ServerStrategy, optimizer: Any, params
         metrics["client/step_size_min"] = -float(stats["neg_step_size_min"].item())
     return metrics
 
-def _check_candidate(model: torch.nn.Module, strategy: ServerStrategy, plan: RoundPlan, params: List[Tensor], server_opt,
-                     saved: _ServerState, pseudo_grad: Tensor, lr: Optional[float], extra: Dict[str, float]) -> None:
+def _check_candidate(model: torch.nn.Module, strategy: ServerStrategy, plan: RoundPlan, params: list[Tensor],
+                     server_opt, saved: _ServerState, pseudo_grad: Tensor, lr: float | None,
+                     extra: dict[str, float]) -> None:
     """The server step check (rule: :class:`~fedlightning.loop.FederatedLoop`'s ``max_update_norm``): if a
     global parameter or a floating tensor of the server optimizer's state is non-finite after the step, both are
     restored from ``saved`` and a ``FloatingPointError`` names the round, the strategy and the statistic."""
@@ -447,7 +449,7 @@ def _check_candidate(model: torch.nn.Module, strategy: ServerStrategy, plan: Rou
     )
 
 
-def log_round(pl_module: Any, trainer: Any, metrics: Dict[str, float]) -> None:
+def log_round(pl_module: Any, trainer: Any, metrics: dict[str, float]) -> None:
     """Log the round's metrics.
 
     ``train/loss`` (the progress bar) goes through ``pl_module.log``. The other round metrics bypass Lightning's

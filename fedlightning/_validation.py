@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class SettingError(ValueError):
         self.config_key = config_key
 
 
-def _fail(name: str, rule: str, value: Any, *, label: Optional[str], show_name: bool, allow_none: bool,
+def _fail(name: str, rule: str, value: Any, *, label: str | None, show_name: bool, allow_none: bool,
           error: type = ValueError, hint: str = "") -> None:
     shown = f"{name}={value!r}" if show_name else repr(value)
     rule = rule + (" or None" if allow_none else "") + (f" ({hint})" if hint else "")
@@ -68,7 +69,7 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-def _bound(low: Optional[float], high: Optional[float], low_closed: bool, high_closed: bool) -> str:
+def _bound(low: float | None, high: float | None, low_closed: bool, high_closed: bool) -> str:
     if low is not None and high is not None:
         return f"in {'[' if low_closed else '('}{low:g}, {high:g}{']' if high_closed else ')'}"
     if low is not None:
@@ -78,9 +79,9 @@ def _bound(low: Optional[float], high: Optional[float], low_closed: bool, high_c
     return ""
 
 
-def in_range(name: str, value: Any, low: Optional[float] = None, high: Optional[float] = None, *,
+def in_range(name: str, value: Any, low: float | None = None, high: float | None = None, *,
              low_closed: bool = True, high_closed: bool = False, finite: bool = True, allow_none: bool = False,
-             label: Optional[str] = None, show_name: bool = False, hint: str = "") -> Optional[float]:
+             label: str | None = None, show_name: bool = False, hint: str = "") -> float | None:
     """``float(value)`` for a real number in the interval (``low`` / ``high`` None: unbounded on that side;
     ``low_closed`` / ``high_closed``: whether the end belongs to it); NaN never does, ±inf only with
     ``finite=False``."""
@@ -105,23 +106,23 @@ def in_range(name: str, value: Any, low: Optional[float] = None, high: Optional[
     return v
 
 
-def number(name: str, value: Any, **options: Any) -> Optional[float]:
+def number(name: str, value: Any, **options: Any) -> float | None:
     """A finite real number."""
     return in_range(name, value, **options)
 
 
-def positive(name: str, value: Any, **options: Any) -> Optional[float]:
+def positive(name: str, value: Any, **options: Any) -> float | None:
     """A finite real number > 0."""
     return in_range(name, value, 0.0, low_closed=False, **options)
 
 
-def non_negative(name: str, value: Any, **options: Any) -> Optional[float]:
+def non_negative(name: str, value: Any, **options: Any) -> float | None:
     """A finite real number >= 0."""
     return in_range(name, value, 0.0, **options)
 
 
-def integer(name: str, value: Any, minimum: Optional[int] = 1, *, allow_none: bool = False,
-            label: Optional[str] = None, show_name: bool = False, hint: str = "") -> Optional[int]:
+def integer(name: str, value: Any, minimum: int | None = 1, *, allow_none: bool = False,
+            label: str | None = None, show_name: bool = False, hint: str = "") -> int | None:
     """``int(value)`` for an integer (or integral float) >= ``minimum`` (None: no lower bound)."""
     if value is None and allow_none:
         return None
@@ -141,7 +142,7 @@ def integer(name: str, value: Any, minimum: Optional[int] = 1, *, allow_none: bo
     return v
 
 
-def one_of(name: str, value: Any, choices: Sequence[Any], *, label: Optional[str] = None,
+def one_of(name: str, value: Any, choices: Sequence[Any], *, label: str | None = None,
            show_name: bool = False) -> Any:
     """``value`` when it equals one of ``choices`` and has its type (``1`` is not ``True``)."""
     for choice in choices:

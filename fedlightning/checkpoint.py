@@ -23,7 +23,8 @@ import socket
 import tempfile
 import time
 import zipfile
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -48,7 +49,7 @@ class CheckpointError(ValueError):
 
     ``unsafe_type`` is the name of the type a refused file needs (``None`` for every other problem)."""
 
-    def __init__(self, path, problem: str, details: Optional[List[str]] = None, unsafe_type: Optional[str] = None):
+    def __init__(self, path, problem: str, details: list[str] | None = None, unsafe_type: str | None = None):
         self.path = os.fspath(path)
         self.problem = problem
         self.details = list(details or [])
@@ -61,7 +62,7 @@ class CheckpointError(ValueError):
 
 
 # ====================================================================== reading: no code from files
-def safe_types() -> List[Any]:
+def safe_types() -> list[Any]:
     """The types and constructors, beyond torch's own ``weights_only`` set, that a checkpoint may need.
 
     **What ``weights_only`` admits.** Every checkpoint read of fedlightning (the CLI's checks, ``--ckpt_path last`` /
@@ -89,7 +90,7 @@ def safe_types() -> List[Any]:
 
     import numpy as np
 
-    out: List[Any] = []
+    out: list[Any] = []
     for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
         out += [cls, (cls, f"pathlib.{cls.__name__}")]
     core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
@@ -134,7 +135,7 @@ def _readable_name(name: str) -> str:
     return name
 
 
-def _pickle_globals(path: str) -> List[str]:
+def _pickle_globals(path: str) -> list[str]:
     """The globals a pickle names (``GLOBAL`` and protocol-4 ``STACK_GLOBAL``), read statically with pickletools
     (nothing is executed): ``data.pkl`` of a torch zip checkpoint, or the file itself."""
     try:
@@ -147,10 +148,10 @@ def _pickle_globals(path: str) -> List[str]:
                 data = f.read(64 << 20)
     except (OSError, zipfile.BadZipFile, KeyError):
         return []
-    found: List[str] = []
+    found: list[str] = []
     stream = io.BytesIO(data)
-    recent: List[Any] = []
-    memo: Dict[int, Any] = {}
+    recent: list[Any] = []
+    memo: dict[int, Any] = {}
     try:
         while stream.tell() < len(data):
             for op, arg, _ in pickletools.genops(stream):
@@ -173,7 +174,7 @@ def _pickle_globals(path: str) -> List[str]:
     return found
 
 
-def _unsafe_type(path: str, err: BaseException) -> Optional[str]:
+def _unsafe_type(path: str, err: BaseException) -> str | None:
     """The type that ``weights_only`` refused, from torch's message, else from a static read of the pickle."""
     message = str(err)
     if "Weights only load failed" not in message and "WeightsUnpickler" not in message:
@@ -224,7 +225,7 @@ def _warn_untrusted(path: str) -> None:
                        "in the file runs now; only do this for a checkpoint you trust")
 
 
-def read_checkpoint(path, weights_only: Optional[bool] = None, map_location: Any = "cpu",
+def read_checkpoint(path, weights_only: bool | None = None, map_location: Any = "cpu",
                     mmap: bool = False) -> Any:
     """``torch.load(path)`` under fedlightning's policy; every failure is one :class:`CheckpointError`.
 
@@ -311,7 +312,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ``True`` load safely, ``False`` is the warned opt-in.
     """
 
-    def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         path = os.fspath(path)
         if "://" in path:  # remote file systems: fall back to Lightning's writer
             return super().save_checkpoint(checkpoint, path, storage_options)
@@ -331,8 +332,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.unlink(tmp)
             raise
 
-    def load_checkpoint(self, path, map_location: Optional[Callable] = lambda storage, loc: storage,
-                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+    def load_checkpoint(self, path, map_location: Callable | None = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
         path = os.fspath(path)
         if "://" in path:  # remote: Lightning's reader (fsspec) under the same policy
             if weights_only is False:
@@ -345,7 +346,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return read_checkpoint(path, weights_only=weights_only, map_location=map_location)
 
 
-def remove_interrupted_writes(directories: Sequence[str]) -> List[str]:
+def remove_interrupted_writes(directories: Sequence[str]) -> list[str]:
     """Delete the temporary files of interrupted :class:`AtomicCheckpointIO` writes in ``directories``; return them.
 
     **Which temporary files are leftovers** (ours): ``.tmp-<host>-<pid>-*.ckpt`` written on this host by a process
@@ -409,7 +410,7 @@ class RoundCheckpoint(ModelCheckpoint):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._round_started_at: Optional[int] = None
+        self._round_started_at: int | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._round_started_at = trainer.global_step
@@ -446,13 +447,13 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {first}"
 
 
-def _listed(items: List[str]) -> str:
+def _listed(items: list[str]) -> str:
     more = len(items) - _LIST_AT_MOST
     return ", ".join(items[:_LIST_AT_MOST]) + (f" (and {more} more)" if more > 0 else "")
 
 
-def check_checkpoint(path, model: Optional[torch.nn.Module] = None, weights_only: Optional[bool] = None,
-                     mmap: bool = False) -> Dict[str, Any]:
+def check_checkpoint(path, model: torch.nn.Module | None = None, weights_only: bool | None = None,
+                     mmap: bool = False) -> dict[str, Any]:
     """Load ``path`` on the CPU and return the checkpoint, or raise :class:`CheckpointError` naming the problem
     (listed below). With ``model`` (the :class:`~fedlightning.FederatedLoop` the run will load it into),
     the checkpoint's ``state_dict`` must have exactly the model's keys and shapes.
@@ -549,14 +550,14 @@ class StoreConfigCallback(Callback):
     A top-level key rather than callback state (``state_dict``): resuming must not overwrite the new run's config.
     """
 
-    def __init__(self, config: Dict[str, Any]):
+    def __init__(self, config: dict[str, Any]):
         self.config = config
 
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         checkpoint[CONFIG_KEY] = self.config
 
 
-def _flatten(value: Any, prefix: str, out: Dict[str, Any]) -> None:
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
     if isinstance(value, Mapping):  # an empty mapping adds no key: ``init_args: {}`` equals no init_args
         for k, v in value.items():
             _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
@@ -567,21 +568,21 @@ def _flatten(value: Any, prefix: str, out: Dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def _compared(config: Mapping[str, Any]) -> Dict[str, Any]:
+def _compared(config: Mapping[str, Any]) -> dict[str, Any]:
     trainer = config.get("trainer") or {}
     callbacks = trainer.get("callbacks") if isinstance(trainer, Mapping) else None
     if isinstance(callbacks, Mapping):
         callbacks = [callbacks]
     callbacks = [cb for cb in (callbacks or [])
                  if not (isinstance(cb, Mapping) and str(cb.get("class_path", "")).startswith("lightning."))]
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for key in ("model", "data", "seed_everything"):
         _flatten(config.get(key), key, out)
     _flatten(callbacks, "trainer.callbacks", out)
     return out
 
 
-def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
+def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """``"key: checkpoint <a> -> now <b>"`` for every compared setting that differs.
 
     **Stored configuration.** :class:`StoreConfigCallback` adds the run's resolved CLI configuration to every checkpoint

@@ -23,7 +23,7 @@ import importlib
 import os
 import re
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
@@ -33,9 +33,21 @@ from torch.optim import Optimizer
 
 from fedlightning._validation import SettingError, check_val_check_interval
 from fedlightning.callbacks.progress import RoundProgressBar
-from fedlightning.checkpoint import AtomicCheckpointIO, CONFIG_KEY, CheckpointError, RoundCheckpoint, StoreConfigCallback, TEMP_PREFIX, check_checkpoint, check_fits_model, checkpoint_round, config_differences, remove_interrupted_writes
-from fedlightning.logging import LogConfigCallback, default_wandb_offline, resolved_config
+from fedlightning.checkpoint import (
+    CONFIG_KEY,
+    TEMP_PREFIX,
+    AtomicCheckpointIO,
+    CheckpointError,
+    RoundCheckpoint,
+    StoreConfigCallback,
+    check_checkpoint,
+    check_fits_model,
+    checkpoint_round,
+    config_differences,
+    remove_interrupted_writes,
+)
 from fedlightning.datamodules.base import FederatedDataModule
+from fedlightning.logging import LogConfigCallback, default_wandb_offline, resolved_config
 from fedlightning.loop import FederatedLoop
 
 __all__ = ["FederatedCLI", "main", "TRACEBACK_ENV"]
@@ -147,7 +159,7 @@ class FederatedCLI(LightningCLI):
         if "save_config_callback" not in kwargs:
             kwargs["save_config_callback"] = LogConfigCallback
         self._rounds_run = _RoundsRun()
-        self._checked: Optional[Tuple[str, Dict[str, Any]]] = None
+        self._checked: tuple[str, dict[str, Any]] | None = None
         try:
             super().__init__(FederatedLoop, FederatedDataModule, *args, **kwargs)
         except argparse.ArgumentError as err:
@@ -229,7 +241,7 @@ class FederatedCLI(LightningCLI):
         if _is_local_file(path):
             self._checked = (os.fspath(path), check_checkpoint(path, weights_only=self._weights_only(sub)))
 
-    def _weights_only(self, sub: str) -> Optional[bool]:
+    def _weights_only(self, sub: str) -> bool | None:
         """The subcommand's ``--weights_only`` (Lightning's argument of fit / validate / test / predict; None if the
         subcommand has none)."""
         return self.config[sub].get("weights_only")
@@ -262,7 +274,7 @@ class FederatedCLI(LightningCLI):
         # with a logger: dirpath None = Lightning's default, the logger's version directory
         return trainer
 
-    def _config_dict(self) -> Dict[str, Any]:
+    def _config_dict(self) -> dict[str, Any]:
         """The resolved config of this run's subcommand as plain data ({} before parsing finished)."""
         config = getattr(self, "config", None)
         if config is None:
@@ -324,7 +336,7 @@ class FederatedCLI(LightningCLI):
             details=diffs,
         )
 
-    def _run_directories(self) -> Tuple[List[str], str]:
+    def _run_directories(self) -> tuple[list[str], str]:
         """The folders ``--ckpt_path last`` / ``best`` search (existing ones) and the base folder of this config's
         runs."""
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -346,14 +358,14 @@ class FederatedCLI(LightningCLI):
                 found.append(os.fspath(cb.dirpath))
         return list(dict.fromkeys(os.path.abspath(d) for d in found)), base
 
-    def _last_candidates(self) -> List[str]:
+    def _last_candidates(self) -> list[str]:
         """Every ``*.ckpt`` file in the searched folders (temporary ``.tmp-*`` files excluded)."""
         directories, _ = self._run_directories()
         files = {os.path.join(d, f) for d in directories for f in os.listdir(d)
                  if f.endswith(".ckpt") and not f.startswith(TEMP_PREFIX) and os.path.isfile(os.path.join(d, f))}
         return sorted(files)
 
-    def _resolve_keyword(self, keyword: str, weights_only: Optional[bool] = None) -> Optional[str]:
+    def _resolve_keyword(self, keyword: str, weights_only: bool | None = None) -> str | None:
         """``last`` / ``best`` -> a file (see the class docstring): the newest complete checkpoint by round."""
         directories, _ = self._run_directories()
         where = self._runs_description()
@@ -362,7 +374,7 @@ class FederatedCLI(LightningCLI):
             rank_zero_info(f"--ckpt_path {keyword}: removed {len(removed)} temporary file(s) of interrupted checkpoint "
                            f"writes: {', '.join(removed)}")
         candidates = self._last_candidates()
-        newest: Optional[Tuple[Tuple[int, float, str], Dict[str, Any]]] = None
+        newest: tuple[tuple[int, float, str], dict[str, Any]] | None = None
         for path in candidates:
             try:
                 ckpt = check_checkpoint(path, weights_only=weights_only, mmap=True)
@@ -439,16 +451,16 @@ def _next_version_dir(base: str) -> str:
     return os.path.join(base, f"version_{max(versions) + 1 if versions else 0}")
 
 
-def _chain(err: BaseException) -> List[BaseException]:
-    out: List[BaseException] = []
-    e: Optional[BaseException] = err
+def _chain(err: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    e: BaseException | None = err
     while e is not None and e not in out and len(out) < 50:
         out.append(e)
         e = e.__cause__ if e.__cause__ is not None else (None if e.__suppress_context__ else e.__context__)
     return out
 
 
-def _frames(err: BaseException) -> List[Any]:
+def _frames(err: BaseException) -> list[Any]:
     frames, tb = [], err.__traceback__
     while tb is not None:
         frames.append(tb.tb_frame)
@@ -469,10 +481,10 @@ def _import(class_path: str) -> Any:
         return None
 
 
-def _class_nodes(config: Any, path: str = "") -> List[Tuple[str, Any, Dict[str, Any]]]:
+def _class_nodes(config: Any, path: str = "") -> list[tuple[str, Any, dict[str, Any]]]:
     """(config key, class, its arguments) for every ``class_path`` node of ``config``, plus ``model``
     (the FederatedLoop) and ``trainer``."""
-    nodes: List[Tuple[str, Any, Dict[str, Any]]] = []
+    nodes: list[tuple[str, Any, dict[str, Any]]] = []
     if not path and isinstance(config, dict):
         from lightning.pytorch import Trainer
 
@@ -493,7 +505,7 @@ def _class_nodes(config: Any, path: str = "") -> List[Tuple[str, Any, Dict[str, 
     return nodes
 
 
-def _config_key(err: BaseException, config: Dict[str, Any]) -> Optional[str]:
+def _config_key(err: BaseException, config: dict[str, Any]) -> str | None:
     """The config key of the argument the error is about, from the innermost frame of a method of an object the
     config names (its constructor, or a later method such as a data module's ``setup`` or the loop's): that class's
     key plus the one argument of it the message names. Frames that name no single argument are passed over, except
@@ -515,7 +527,7 @@ def _config_key(err: BaseException, config: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _config_error_line(err: BaseException, config: Dict[str, Any]) -> Optional[str]:
+def _config_error_line(err: BaseException, config: dict[str, Any]) -> str | None:
     """``<config key>: <message>`` for the first ValueError / TypeError (or Lightning's
     ``MisconfigurationException``) in the exception chain raised by fedlightning's code or by a class the config
     names; None for any other error. The message is that error's; the key is found on it or, when it is a wrapper
@@ -543,7 +555,7 @@ def _config_error_line(err: BaseException, config: Dict[str, Any]) -> Optional[s
 # ====================================================================== parser errors in one line
 #: Parameters renamed in this project's history (a name that meant different things in different classes was
 #: split): (class path, old name) -> the message. jsonargparse only says "Option 'c' is not accepted".
-_RENAMED: Dict[Tuple[str, str], str] = {
+_RENAMED: dict[tuple[str, str], str] = {
     ("fedlightning.optim.SPS", "c"): "SPS's c is now polyak_c",
     ("fedlightning.optim.SPS", "lr"): "SPS takes no lr: its step is the Polyak step (a fixed step for FedSPS-Global "
                                       "clients is fixed_step_size)",
@@ -569,16 +581,16 @@ class _Node:
 
     def __init__(self, text: str) -> None:
         self.text = text
-        self.children: List["_Node"] = []
+        self.children: list[_Node] = []
 
     def all_text(self) -> str:
         return "\n".join([self.text] + [c.all_text() for c in self.children])
 
 
-def _message_tree(message: str) -> List[_Node]:
+def _message_tree(message: str) -> list[_Node]:
     """jsonargparse's nested message as a tree by indentation (a ``- `` bullet's text without the dash)."""
-    roots: List[_Node] = []
-    stack: List[Tuple[int, _Node]] = []
+    roots: list[_Node] = []
+    stack: list[tuple[int, _Node]] = []
     for raw in message.splitlines():
         text = raw.strip()
         if not text:
@@ -607,7 +619,7 @@ def _type_phrase(spec: str) -> str:
     return f"a {name.rsplit('.', 1)[-1]}"
 
 
-def _join_or(items: List[str]) -> str:
+def _join_or(items: list[str]) -> str:
     items = list(dict.fromkeys(items))
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
@@ -626,7 +638,7 @@ def _value_text(raw: str) -> str:
     return repr(value) if isinstance(value, (str, int, float, bool)) or value is None else raw
 
 
-def _closest(word: str, choices: List[str]) -> Optional[str]:
+def _closest(word: str, choices: list[str]) -> str | None:
     """The valid name ``word`` most likely stands for: one it abbreviates, else difflib's closest (cutoff 0.6)."""
     choices = sorted(set(c for c in choices if c))
     prefixed = [c for c in choices if c.startswith(word) and c != word]
@@ -635,14 +647,14 @@ def _closest(word: str, choices: List[str]) -> Optional[str]:
     close = difflib.get_close_matches(word, choices, n=1)
     if close:
         return close[0]
-    lower: Dict[str, str] = {}
+    lower: dict[str, str] = {}
     for c in choices:  # case apart (Sgd -> SGD)
         lower.setdefault(c.lower(), c)
     close = difflib.get_close_matches(word.lower(), list(lower), n=1)
     return lower[close[0]] if close else None
 
 
-def _parameters(class_path: Optional[str]) -> Tuple[str, List[str]]:
+def _parameters(class_path: str | None) -> tuple[str, list[str]]:
     """(class name, accepted init argument names) of a class the config names."""
     cls = _import(class_path) if class_path else None
     if cls is None:
@@ -660,13 +672,13 @@ def _parameters(class_path: Optional[str]) -> Tuple[str, List[str]]:
 class _ParserError:
     """The config key and one-line message of a jsonargparse parsing error (see :func:`_parser_error_line`)."""
 
-    def __init__(self, known_keys: List[str]) -> None:
+    def __init__(self, known_keys: list[str]) -> None:
         self.known_keys = known_keys
-        self.path: List[str] = []
-        self.class_path: Optional[str] = None
+        self.path: list[str] = []
+        self.class_path: str | None = None
         self.in_class = False
-        self.given: Optional[str] = None
-        self.message: Optional[str] = None
+        self.given: str | None = None
+        self.message: str | None = None
 
     # ---------------------------------------------------------------- the key
     def add_key(self, key: str) -> None:
@@ -675,7 +687,7 @@ class _ParserError:
             self.in_class = False
         self.path.append(key)
 
-    def enter_class(self, class_path: Optional[str]) -> None:
+    def enter_class(self, class_path: str | None) -> None:
         self.class_path = class_path
         self.in_class = True
         given = self.given or ""
@@ -688,7 +700,7 @@ class _ParserError:
         return ".".join(self.path) or "config"
 
     # ---------------------------------------------------------------- leaves
-    def expected(self, types: List[str], value: Optional[str]) -> None:
+    def expected(self, types: list[str], value: str | None) -> None:
         literals = [v.strip() for t in types for m in [re.fullmatch(r"typing\.Literal\[(.*)\]", t.strip())] if m
                     for v in m.group(1).split(",")]
         phrases = [_type_phrase(t) for t in types if "NoneType" not in t and "Literal[" not in t]
@@ -732,7 +744,7 @@ class _ParserError:
         self.message = " ".join(text.split())
 
     # ---------------------------------------------------------------- walking the message
-    def walk_list(self, nodes: List[_Node]) -> bool:
+    def walk_list(self, nodes: list[_Node]) -> bool:
         for n in nodes:
             if n.text.startswith("Given value: "):
                 self.given = n.text[len("Given value: "):]
@@ -772,7 +784,7 @@ class _ParserError:
             return 0
         return 2
 
-    def walk(self, text: str, children: List[_Node]) -> bool:
+    def walk(self, text: str, children: list[_Node]) -> bool:
         m = re.match(r'Parser key "([^"]+)":\s*(.*)$', text)
         if m:
             self.add_key(m.group(1))
@@ -832,7 +844,7 @@ class _ParserError:
         return False
 
 
-def _unknown_key_message(key: str, known_keys: List[str]) -> str:
+def _unknown_key_message(key: str, known_keys: list[str]) -> str:
     """``unknown option ...; did you mean ...?`` for a key no parser knows (the closest sibling key, else the
     closest key)."""
     prefix, _, last = key.rpartition(".")
@@ -847,14 +859,14 @@ def _unknown_key_message(key: str, known_keys: List[str]) -> str:
     return f"unknown option {last!r}" + (f" (did you mean {close}?)" if close else "")
 
 
-def _known_keys(cli: Any) -> List[str]:
+def _known_keys(cli: Any) -> list[str]:
     """Every option key of the CLI's parsers (``model.local_steps``, ``trainer.max_steps``, ``data``, ...)."""
     parsers = [getattr(cli, "parser", None)] + list(getattr(cli, "_subcommand_parsers", {}).values())
     keys = {a.dest for p in parsers if p is not None for a in p._actions}
     return sorted(k for k in keys if k and k not in ("help", argparse.SUPPRESS))
 
 
-def _yaml_problem(args: Optional[List[str]]) -> Optional[str]:
+def _yaml_problem(args: list[str] | None) -> str | None:
     """``<file>: <YAML problem> (line L, column C)`` for the first ``--config`` file that is not valid YAML."""
     import yaml
 
@@ -878,7 +890,7 @@ def _yaml_problem(args: Optional[List[str]]) -> Optional[str]:
     return None
 
 
-def _parser_error_line(err: argparse.ArgumentError, cli: Any, args: Optional[List[str]] = None) -> str:
+def _parser_error_line(err: argparse.ArgumentError, cli: Any, args: list[str] | None = None) -> str:
     """``<config key>: <message naming the value>``: a jsonargparse parsing error in one line (ours).
 
     jsonargparse nests its message by config level and lists every alternative of each ``Union``; the line keeps
@@ -924,7 +936,7 @@ def _parser_error_line(err: argparse.ArgumentError, cli: Any, args: Optional[Lis
     return f"{state.key()}: {state.message}"
 
 
-def main(args: Optional[List[str]] = None, run: bool = True) -> FederatedCLI:
+def main(args: list[str] | None = None, run: bool = True) -> FederatedCLI:
     """Run the CLI (``train.py``). A configuration error (see below) prints its details and a last
     line ``error: <config key>: <message>`` to stderr and raises ``SystemExit(1)`` (its ``__cause__`` is the original
     exception), unless the environment variable ``FEDLIGHTNING_TRACEBACK`` is set to a non-empty value other than

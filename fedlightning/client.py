@@ -37,9 +37,10 @@ out (it averages the clients that had a loss). Nothing of this counts as a failu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -82,7 +83,7 @@ def extract_loss(output: Any, model_name: str = "model") -> Tensor:
     return loss.reshape(())
 
 
-def _cycle(loader: Iterable, steps: int, reference: Optional[bool] = None) -> Iterator[Any]:
+def _cycle(loader: Iterable, steps: int, reference: bool | None = None) -> Iterator[Any]:
     """Exactly ``steps`` batches from ``loader``, starting a new pass (a new shuffled epoch) whenever it runs out.
 
     Loaders that know how to do this themselves (``iter_steps``, e.g. the in-memory
@@ -97,7 +98,7 @@ def _cycle(loader: Iterable, steps: int, reference: Optional[bool] = None) -> It
     yield from reiterate(loader, steps)
 
 
-def _plain_sgd_lrs(optimizer: torch.optim.Optimizer) -> Optional[List[float]]:
+def _plain_sgd_lrs(optimizer: torch.optim.Optimizer) -> list[float] | None:
     """The groups' learning rates when ``optimizer.step()`` is exactly ``p -= lr * p.grad`` for every parameter with a
     gradient (a ``torch.optim.SGD`` without momentum, weight decay, Nesterov, ``maximize`` or step hooks), else None.
 
@@ -110,7 +111,8 @@ def _plain_sgd_lrs(optimizer: torch.optim.Optimizer) -> Optional[List[float]]:
         return None
     from torch.optim import optimizer as _opt_module
 
-    if getattr(_opt_module, "_global_optimizer_pre_hooks", None) or getattr(_opt_module, "_global_optimizer_post_hooks", None):
+    if (getattr(_opt_module, "_global_optimizer_pre_hooks", None)
+            or getattr(_opt_module, "_global_optimizer_post_hooks", None)):
         return None
     lrs = []
     for g in optimizer.param_groups:
@@ -129,7 +131,7 @@ def _plain_sgd_step(optimizer: torch.optim.Optimizer, lrs: Sequence[float]) -> N
             torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
 
 
-def _step_outputs(output: Any, loss: Tensor) -> Dict[str, Any]:
+def _step_outputs(output: Any, loss: Tensor) -> dict[str, Any]:
     """``on_train_batch_end``'s ``outputs``, as Lightning builds them: ``{"loss": <detached loss>, **extras}``."""
     extras = {}
     if isinstance(output, dict):
@@ -176,18 +178,18 @@ class _StepPlan:
 
     model: nn.Module
     model_name: str
-    params: List[nn.Parameter]
-    buffers: List[Tensor]
+    params: list[nn.Parameter]
+    buffers: list[Tensor]
     metrics: Any
     optimizer: torch.optim.Optimizer
     terms: Sequence[ObjectiveTerm]
     hooks: Any
-    convert: Optional[Callable[[Any], Any]]
-    to_device: Optional[Callable[[Any], Any]]
-    devices: List[torch.device]
+    convert: Callable[[Any], Any] | None
+    to_device: Callable[[Any], Any] | None
+    devices: list[torch.device]
     zero_grad: Callable[[], None]
     optimizer_step: Callable[[], Any]
-    grad_clip: Optional[float]
+    grad_clip: float | None
     adaptive: bool
     reference: bool
     lean: bool
@@ -198,8 +200,8 @@ class _Tally:
     """What a client's step loop counted: its losses (detached scalars of the steps that had one), step sizes, steps
     run (skipped ones included), forward and backward passes and line-search backtracks."""
 
-    losses: List[Tensor]
-    step_sizes: List[float]
+    losses: list[Tensor]
+    step_sizes: list[float]
     steps_run: int
     forwards: int
     backwards: int
@@ -245,8 +247,8 @@ def _lean_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
     model, model_name, params, param_groups = plan.model, plan.model_name, plan.params, plan.optimizer.param_groups
     convert, to_device, zero_grad, optimizer_step = plan.convert, plan.to_device, plan.zero_grad, plan.optimizer_step
     grad_clip = plan.grad_clip
-    losses: List[Tensor] = []
-    step_sizes: List[float] = []
+    losses: list[Tensor] = []
+    step_sizes: list[float] = []
     steps_run = forwards = backwards = 0
     for k, batch in enumerate(batches):
         if convert is not None:
@@ -278,8 +280,8 @@ def _general_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
     model, optimizer, h = plan.model, plan.optimizer, plan.hooks
     convert, to_device, zero_grad, optimizer_step = plan.convert, plan.to_device, plan.zero_grad, plan.optimizer_step
     adaptive, grad_clip, params = plan.adaptive, plan.grad_clip, plan.params
-    losses: List[Tensor] = []
-    step_sizes: List[float] = []
+    losses: list[Tensor] = []
+    step_sizes: list[float] = []
     steps_run = forwards = backwards = backtracks = 0
     for k, batch in enumerate(batches):
         if convert is not None:  # Lightning: precision conversion, then on_train_batch_start and transfer
@@ -365,16 +367,16 @@ class LocalTrainer:
             as they are (32-bit and mixed precision: autocast is the Trainer's around the whole round).
     """
 
-    def __init__(self, model: nn.Module, to_device: Callable[[Any], Any] = lambda b: b, grad_clip: Optional[float] = None,
-                 hooks: Any = None, metrics: Any = None, convert_input: Optional[Callable[[Any], Any]] = None):
+    def __init__(self, model: nn.Module, to_device: Callable[[Any], Any] = lambda b: b, grad_clip: float | None = None,
+                 hooks: Any = None, metrics: Any = None, convert_input: Callable[[Any], Any] | None = None):
         self.model = model
         self.to_device = to_device
         self.convert_input = convert_input
         self.grad_clip = grad_clip
         self.hooks = hooks
         self.metrics = metrics if metrics else None
-        self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
-        self.buffers: List[Tensor] = list(model.buffers())
+        self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        self.buffers: list[Tensor] = list(model.buffers())
         self.model_name = type(model).__name__
 
     def _plan(self, optimizer: torch.optim.Optimizer, terms: Sequence[ObjectiveTerm]) -> _StepPlan:
@@ -410,7 +412,7 @@ class LocalTrainer:
         local_steps: int,
         num_samples: int,
         terms: Sequence[ObjectiveTerm] = (),
-        float_buffer_mask: Optional[Sequence[bool]] = None,
+        float_buffer_mask: Sequence[bool] | None = None,
     ) -> ClientUpdate:
         """Train client ``client_id`` for ``local_steps`` steps from the global weights; return its update.
 
@@ -431,7 +433,7 @@ class LocalTrainer:
         return self._update(client_id, global_flat, num_samples, tally, float_buffer_mask)
 
     def _update(self, client_id: int, global_flat: Tensor, num_samples: int, tally: _Tally,
-                float_buffer_mask: Optional[Sequence[bool]]) -> ClientUpdate:
+                float_buffer_mask: Sequence[bool] | None) -> ClientUpdate:
         """The :class:`ClientUpdate` of the client whose steps ``tally`` counted: its delta from the global weights,
         losses, counts, float buffers (``float_buffer_mask``) and failure (a non-finite loss or update)."""
         delta = global_flat - flat_params(self.params).to(global_flat.dtype)

@@ -32,8 +32,8 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ COLLECTIVE_TIMEOUT_ENV = "FEDLIGHTNING_COLLECTIVE_TIMEOUT"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 
 # the default process group the timeout was last set on (a new group, e.g. a second Trainer.fit, gets it again)
-_timeout_group: Optional[object] = None
+_timeout_group: object | None = None
 
 
 class CollectiveError(RuntimeError):
@@ -95,7 +95,7 @@ def apply_collective_timeout() -> timedelta:
 
 
 @contextlib.contextmanager
-def _named(collective: str, round: Optional[int], timeout: timedelta) -> Iterator[None]:
+def _named(collective: str, round: int | None, timeout: timedelta) -> Iterator[None]:
     """Re-raise a collective's ``RuntimeError`` (torch's ``DistError`` family and gloo's errors are RuntimeErrors)
     as :class:`CollectiveError` naming the collective, the round, this rank and the timeout."""
     start = time.monotonic()
@@ -115,7 +115,7 @@ def _named(collective: str, round: Optional[int], timeout: timedelta) -> Iterato
         raise CollectiveError(f"{where}: collective {collective} {why}; torch: {err}") from err
 
 
-def all_reduce_statistics(stats: RoundStatistics, round: Optional[int] = None) -> None:
+def all_reduce_statistics(stats: RoundStatistics, round: int | None = None) -> None:
     """Sum (or max) every statistic over all processes, in place; ``round`` names the round in errors.
 
     Ranks may hold different keys (a rank whose clients all failed has no ``delta``), so the key set, each key's
@@ -139,14 +139,15 @@ def all_reduce_statistics(stats: RoundStatistics, round: Optional[int] = None) -
         else:
             dt = getattr(torch, dtype.split(".")[-1])
             dev = next(iter(stats.values.values())).device if stats.values else torch.device("cpu")
-            t = torch.zeros(shape, dtype=dt, device=dev) if op == "sum" else torch.full(shape, -float("inf"), dtype=dt, device=dev)
+            t = (torch.zeros(shape, dtype=dt, device=dev) if op == "sum"
+                 else torch.full(shape, -float("inf"), dtype=dt, device=dev))
         t = t.contiguous()
         with _named(f"all_reduce (round statistic {k!r}, {op})", round, timeout):
             dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         stats.values[k], stats.ops[k] = t, op
 
 
-def all_gather_objects(obj, round: Optional[int] = None, what: str = "objects"):
+def all_gather_objects(obj, round: int | None = None, what: str = "objects"):
     """``[obj_from_rank_0, obj_from_rank_1, ...]`` (picklable objects; tensors should be on the CPU).
 
     Runs under the collective timeout; a failure raises :class:`CollectiveError` naming ``what``, ``round`` and

@@ -19,8 +19,9 @@ import re
 import struct
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any
 
 import yaml
 from lightning.pytorch.cli import SaveConfigCallback
@@ -46,7 +47,7 @@ WANDB_CONFIG_FILENAME = "cli_config.yaml"
 
 
 # ====================================================================== config logging
-def resolved_config(parser, config) -> Dict[str, Any]:
+def resolved_config(parser, config) -> dict[str, Any]:
     """The full resolved configuration as plain nested Python data (what ``parser.dump`` writes as YAML)."""
     return yaml.safe_load(parser.dump(config, skip_none=False)) or {}
 
@@ -88,7 +89,7 @@ class LogConfigCallback(SaveConfigCallback):
 
 
 # ====================================================================== W&B mode policy
-def wandb_mode(environ: Optional[Mapping[str, str]] = None, netrc_path: Optional[str] = None) -> Dict[str, str]:
+def wandb_mode(environ: Mapping[str, str] | None = None, netrc_path: str | None = None) -> dict[str, str]:
     """The W&B mode a run of the CLI gets, and why: ``{"mode": ..., "reason": ...}``.
 
     ``WANDB_MODE`` wins when set (``online``, ``offline``, ``disabled``, ...). Otherwise a configured account
@@ -96,10 +97,11 @@ def wandb_mode(environ: Optional[Mapping[str, str]] = None, netrc_path: Optional
     ``WANDB_MODE=offline``.
 
     **W&B policy** (the CLI, :func:`fedlightning.cli.main`): W&B runs offline unless the user configured it
-    (``WANDB_MODE``, ``WANDB_API_KEY`` or a ``wandb login`` entry in ``~/.netrc``), so a run never waits for the network;
-    an offline run is uploaded later with ``wandb sync <run dir>``. :func:`wandb_mode` reports which mode a run will
-    use and why. :func:`read_offline_run` reads an offline run's ``.wandb`` file back (history rows, config, summary)
-    without network or account — for tests and for post-processing (its docstring says why it is our own reader).
+    (``WANDB_MODE``, ``WANDB_API_KEY`` or a ``wandb login`` entry in ``~/.netrc``), so a run never waits for the
+    network; an offline run is uploaded later with ``wandb sync <run dir>``. :func:`wandb_mode` reports which mode a run
+    will use and why. :func:`read_offline_run` reads an offline run's ``.wandb`` file back (history rows, config,
+    summary) without network or account — for tests and for post-processing (its docstring says why it is our own
+    reader).
     """
     env = os.environ if environ is None else environ
     mode = env.get("WANDB_MODE")
@@ -117,7 +119,7 @@ def wandb_mode(environ: Optional[Mapping[str, str]] = None, netrc_path: Optional
     return {"mode": "offline", "reason": "no W&B account configured (runs are kept locally; upload with wandb sync)"}
 
 
-def default_wandb_offline(environ: Optional[Dict[str, str]] = None, netrc_path: Optional[str] = None) -> bool:
+def default_wandb_offline(environ: dict[str, str] | None = None, netrc_path: str | None = None) -> bool:
     """Set ``WANDB_MODE=offline`` in ``environ`` (default ``os.environ``) when nothing is configured
     (:func:`wandb_mode` says "offline"); True if it set it. Importing ``fedlightning`` and
     :func:`fedlightning.cli.main` call it (the package docstring gives the policy)."""
@@ -136,12 +138,12 @@ class OfflineRun:
 
     path: str
     finished: bool = False  #: the file holds the run's exit record (``wandb.finish`` completed writing)
-    exit_code: Optional[int] = None
-    history: List[Dict[str, Any]] = field(default_factory=list)
-    config: Dict[str, Any] = field(default_factory=dict)
-    summary: Dict[str, Any] = field(default_factory=dict)
+    exit_code: int | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
 
-    def series(self, key: str) -> List[Any]:
+    def series(self, key: str) -> list[Any]:
         """The values of ``key`` in history order (rows without it are skipped)."""
         return [row[key] for row in self.history if key in row]
 
@@ -162,7 +164,7 @@ def _decode(value_json: str) -> Any:
         return value_json
 
 
-def _set_nested(target: Dict[str, Any], keys: Sequence[str], value: Any) -> None:
+def _set_nested(target: dict[str, Any], keys: Sequence[str], value: Any) -> None:
     for k in keys[:-1]:
         target = target.setdefault(k, {})
     target[keys[-1]] = value
@@ -214,7 +216,7 @@ def _read_offline_run(path: str) -> OfflineRun:
         raise ValueError(f"{path} is not a W&B run file (bad header {data[:7]!r})")
     from wandb.proto import wandb_internal_pb2 as pb
 
-    records: List[bytes] = []
+    records: list[bytes] = []
     pos, pending = _HEADER, b""
     while pos + _HEADER <= len(data):
         left = _BLOCK - pos % _BLOCK
@@ -261,7 +263,7 @@ def _read_offline_run(path: str) -> OfflineRun:
     return run
 
 
-def find_offline_runs(wandb_dir: str) -> List[str]:
+def find_offline_runs(wandb_dir: str) -> list[str]:
     """The ``offline-run-*`` directories under ``wandb_dir`` (or ``wandb_dir/wandb``), oldest first."""
     base = os.path.join(wandb_dir, "wandb") if os.path.isdir(os.path.join(wandb_dir, "wandb")) else wandb_dir
     if not os.path.isdir(base):
@@ -282,8 +284,8 @@ def validate_sweep(sweep: Mapping[str, Any], name: str = "sweep") -> None:
     Checked: ``method`` in grid/random/bayes; ``metric`` with ``name`` and ``goal`` minimize/maximize (required by
     bayes, and used by every sweep here); a non-empty ``parameters`` mapping whose entries each give ``value``,
     a non-empty list ``values`` or a distribution (``min``/``max``/``distribution``, or nested ``parameters``),
-    grid sweeps only the first two; ``program``; and, when present, a ``command`` list containing ``${args}`` (else the parameters never
-    reach the program).
+    grid sweeps only the first two; ``program``; and, when present, a ``command`` list containing ``${args}`` (else the
+    parameters never reach the program).
     """
     if not isinstance(sweep, Mapping):
         raise ValueError(f"{name}: a sweep must be a mapping, got {type(sweep).__name__}")
@@ -320,7 +322,7 @@ def validate_sweep(sweep: Mapping[str, Any], name: str = "sweep") -> None:
             raise ValueError(f"{name}: command must contain ${{args}} so the sweep parameters reach the program")
 
 
-def load_sweep(path: str) -> Dict[str, Any]:
+def load_sweep(path: str) -> dict[str, Any]:
     """Parse and validate a W&B sweep YAML file (see :func:`validate_sweep`).
 
     ``FileNotFoundError`` for a missing file; ``ValueError`` naming the file for invalid YAML or a bad sweep.
@@ -337,7 +339,7 @@ def load_sweep(path: str) -> Dict[str, Any]:
     return sweep
 
 
-def sweep_grid(sweep: Mapping[str, Any]) -> List[Dict[str, Any]]:
+def sweep_grid(sweep: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every parameter set of a sweep's grid (``itertools.product`` order: the last parameter varies fastest; the
     W&B controller may visit the same set in another order).
 
@@ -362,7 +364,7 @@ def agent_command(
     params: Mapping[str, Any],
     interpreter: str = "python",
     env: str = "/usr/bin/env",
-) -> List[str]:
+) -> list[str]:
     """The command line the W&B agent runs for one parameter set (``wandb_agent.Agent._command_run``).
 
     Macros: ``${env}`` → ``env``, ``${interpreter}`` → ``interpreter``, ``${program}`` → ``sweep["program"]``,
@@ -405,7 +407,7 @@ def agent_command(
         "args_append_hydra": ["+" + f for f in no_hyphens],
         "args_override_hydra": ["++" + f for f in no_hyphens],
     }
-    out: List[str] = []
+    out: list[str] = []
     for chunk in command:
         chunk = _ENVVAR.sub(lambda m: os.environ.get(m.group(1), m.group(1)), str(chunk))
         if chunk.startswith("${") and chunk.endswith("}"):
@@ -417,7 +419,7 @@ def agent_command(
     return out
 
 
-def _main(argv: Optional[List[str]] = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     """``python -m fedlightning.logging SWEEP.yaml [--interpreter PYTHON]``: print the grid's commands."""
     import argparse
     import shlex

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -53,11 +54,11 @@ class RoundPlan:
     """
 
     round: int
-    client_ids: List[int]
+    client_ids: list[int]
     local_steps: int
     client_lr_scale: float = 1.0
-    extras: Dict[str, Any] = field(default_factory=dict)
-    client_steps: Optional[Dict[int, int]] = None
+    extras: dict[str, Any] = field(default_factory=dict)
+    client_steps: dict[int, int] | None = None
 
     def steps_for(self, client_id: int) -> int:
         """The number of local steps client ``client_id`` runs this round."""
@@ -65,7 +66,7 @@ class RoundPlan:
             return self.local_steps
         return self.client_steps[client_id]
 
-    def with_steps(self, steps: int) -> "RoundPlan":
+    def with_steps(self, steps: int) -> RoundPlan:
         """A copy of this plan in which every client runs ``steps`` local steps (``client_steps`` dropped)."""
         return dataclasses.replace(self, local_steps=int(steps), client_steps=None)
 
@@ -92,17 +93,17 @@ class ClientUpdate:
     """
 
     client_id: int
-    delta: Optional[Tensor]
+    delta: Tensor | None
     num_samples: int
     num_steps: int = 0
     first_loss: float = float("nan")
     mean_loss: float = float("nan")
-    step_sizes: List[float] = field(default_factory=list)
+    step_sizes: list[float] = field(default_factory=list)
     backtracks: int = 0
     forwards: int = 0
     backwards: int = 0
-    buffers: Optional[Tensor] = None
-    payload: Dict[str, Any] = field(default_factory=dict)
+    buffers: Tensor | None = None
+    payload: dict[str, Any] = field(default_factory=dict)
     failed: bool = False
     failure: str = ""
 
@@ -127,10 +128,10 @@ class RoundResult:
     plan: RoundPlan
     num_clients: int
     num_failed: int
-    metrics: Dict[str, float] = field(default_factory=dict)
-    first_losses: List[float] = field(default_factory=list)
-    mean_losses: List[float] = field(default_factory=list)
-    pseudo_gradient: Optional[Tensor] = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    first_losses: list[float] = field(default_factory=list)
+    mean_losses: list[float] = field(default_factory=list)
+    pseudo_gradient: Tensor | None = None
 
 
 class RoundStatistics:
@@ -142,9 +143,9 @@ class RoundStatistics:
     """
 
     def __init__(self) -> None:
-        self._values: Dict[str, Tensor] = {}
-        self._scalars: Dict[str, Tuple[float, object]] = {}  # key -> (python float, device)
-        self.ops: Dict[str, str] = {}
+        self._values: dict[str, Tensor] = {}
+        self._scalars: dict[str, tuple[float, object]] = {}  # key -> (python float, device)
+        self.ops: dict[str, str] = {}
 
     def _scalar(self, key: str, value: float, device, op: str) -> None:
         value = float(value)
@@ -188,7 +189,7 @@ class RoundStatistics:
             self._scalar(key, value, device, "max")
 
     @property
-    def values(self) -> Dict[str, Tensor]:
+    def values(self) -> dict[str, Tensor]:
         """Every statistic as a tensor (scalars become float64 tensors on the device they were added with)."""
         for key in list(self._scalars):
             self._materialize(key)
@@ -205,7 +206,7 @@ class RoundStatistics:
     def get(self, key: str, default=None):
         return self[key] if key in self else default
 
-    def merge(self, other: "RoundStatistics") -> None:
+    def merge(self, other: RoundStatistics) -> None:
         """Add (or max) every statistic of ``other`` into this one, as if each had been added here; a tensor this
         object does not hold yet is adopted without a copy (``other`` is not used afterwards)."""
         for key, (value, device) in other._scalars.items():
@@ -216,7 +217,7 @@ class RoundStatistics:
             else:
                 self._values[key], self.ops[key] = value, other.ops[key]
 
-    def unsafe_entry(self, num_terms: int) -> Optional[str]:
+    def unsafe_entry(self, num_terms: int) -> str | None:
         """``"<key> = <value>"`` for the first statistic that is non-finite, or whose sum over ``num_terms`` values of
         its size could overflow its dtype (a summed entry of magnitude ``≥ finfo.max / (2·num_terms)``; Python
         numbers are float64); None when every one is safe. Tensors are measured by their float64 2-norm (one
@@ -245,7 +246,7 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
-def _trainable(params: Iterable[nn.Parameter]) -> List[Tensor]:
+def _trainable(params: Iterable[nn.Parameter]) -> list[Tensor]:
     return [p for p in params if p.requires_grad]
 
 
@@ -278,7 +279,7 @@ def buffer_report_dtype(buffers: Iterable[Tensor]) -> torch.dtype:
     return torch.float64 if any(b.dtype == torch.float64 for b in buffers) else torch.float32
 
 
-def float_buffers(module: nn.Module) -> List[Tensor]:
+def float_buffers(module: nn.Module) -> list[Tensor]:
     """The floating-point buffers of a module (BatchNorm running mean/var), which FedAvg averages.
 
     Integer buffers such as ``num_batches_tracked`` are not averaged: the global model keeps its own.
@@ -298,13 +299,13 @@ class ClientStateStore:
     """
 
     def __init__(self) -> None:
-        self._data: Dict[str, Dict[int, Dict[str, Any]]] = {}
+        self._data: dict[str, dict[int, dict[str, Any]]] = {}
         self._dirty: set = set()
 
-    def get(self, namespace: str, client_id: int) -> Optional[Dict[str, Any]]:
+    def get(self, namespace: str, client_id: int) -> dict[str, Any] | None:
         return self._data.get(namespace, {}).get(int(client_id))
 
-    def set(self, namespace: str, client_id: int, value: Dict[str, Any]) -> None:
+    def set(self, namespace: str, client_id: int, value: dict[str, Any]) -> None:
         self._data.setdefault(namespace, {})[int(client_id)] = value
         self._dirty.add((namespace, int(client_id)))
 
@@ -313,24 +314,24 @@ class ClientStateStore:
         """Whether entries were written since the last :meth:`pop_dirty` (during a round: its clients wrote state)."""
         return bool(self._dirty)
 
-    def pop_dirty(self) -> Dict[tuple, Dict[str, Any]]:
+    def pop_dirty(self) -> dict[tuple, dict[str, Any]]:
         """Entries written since the last call (what a process must share with the others after a round)."""
         out = {key: self._data[key[0]][key[1]] for key in sorted(self._dirty)}
         self._dirty = set()
         return out
 
-    def update_from(self, entries: Dict[tuple, Dict[str, Any]]) -> None:
+    def update_from(self, entries: dict[tuple, dict[str, Any]]) -> None:
         """Write entries received from other processes (without marking them dirty)."""
         for (ns, cid), value in entries.items():
             self._data.setdefault(ns, {})[int(cid)] = value
 
-    def clients(self, namespace: str) -> List[int]:
+    def clients(self, namespace: str) -> list[int]:
         return sorted(self._data.get(namespace, {}))
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._data.values())
 
-    def state_dict(self) -> Dict[str, Dict[int, Dict[str, Any]]]:
+    def state_dict(self) -> dict[str, dict[int, dict[str, Any]]]:
         def cpu(v: Any) -> Any:
             if isinstance(v, Tensor):
                 return v.detach().cpu().clone()
@@ -340,6 +341,6 @@ class ClientStateStore:
 
         return {ns: {cid: cpu(val) for cid, val in d.items()} for ns, d in self._data.items()}
 
-    def load_state_dict(self, state: Dict[str, Dict[int, Dict[str, Any]]]) -> None:
+    def load_state_dict(self, state: dict[str, dict[int, dict[str, Any]]]) -> None:
         self._data = {ns: {int(cid): val for cid, val in d.items()} for ns, d in state.items()}
         self._dirty = set()

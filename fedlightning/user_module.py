@@ -16,7 +16,8 @@ user's code expects from Lightning (docs/your_model.md lists it for users):
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -58,7 +59,7 @@ def _round_property(doc: str):
     return property(lambda self: self._fl_round, doc=doc)
 
 
-_CLIENT_CLASSES: Dict[type, type] = {}
+_CLIENT_CLASSES: dict[type, type] = {}
 
 
 def _client_class(cls: type) -> type:
@@ -86,7 +87,7 @@ def _client_class(cls: type) -> type:
     return sub
 
 
-def make_client_copy(work: pl.LightningModule, trainer: Optional["pl.Trainer"]) -> pl.LightningModule:
+def make_client_copy(work: pl.LightningModule, trainer: pl.Trainer | None) -> pl.LightningModule:
     """Give the client working copy (a deep copy of the global model) the view of the Trainer that client training
     provides: attached to ``trainer`` (``self.trainer``, ``self.logger``, ``self.device``, ``self.hparams`` work as
     in Lightning), ``global_step`` and ``current_epoch`` equal to the round (set by the loop as ``_fl_round``), and
@@ -191,7 +192,7 @@ class ModuleOptimizer:
         self.model_name = type(model).__qualname__
         optimizer, self.schedulers = self._parse(model)
         self.template = optimizer
-        self._modules: List[Tuple[Tensor, pl.LightningModule]] = [(self._first_param(model), model)]
+        self._modules: list[tuple[Tensor, pl.LightningModule]] = [(self._first_param(model), model)]
 
     # ------------------------------------------------------------------ parsing
     def _parse(self, model: pl.LightningModule):
@@ -212,11 +213,12 @@ class ModuleOptimizer:
             )
         for cfg in configs:
             if cfg.scheduler.optimizer is not optimizers[0]:
-                raise ValueError(f"{self.model_name}.configure_optimizers(): a scheduler is not attached to its optimizer")
+                raise ValueError(
+                    f"{self.model_name}.configure_optimizers(): a scheduler is not attached to its optimizer")
         return optimizers[0], configs
 
     @staticmethod
-    def _first_param(model: nn.Module) -> Optional[Tensor]:
+    def _first_param(model: nn.Module) -> Tensor | None:
         return next((p for p in model.parameters() if p.requires_grad), None)
 
     def register(self, model: pl.LightningModule) -> None:
@@ -247,7 +249,7 @@ class ModuleOptimizer:
         return opt
 
     # ------------------------------------------------------------------ schedule
-    def step_schedulers(self, round: int, metrics: Dict[str, Any]) -> bool:
+    def step_schedulers(self, round: int, metrics: dict[str, Any]) -> bool:
         """Step the schedulers after round ``round`` (0-based); True if any learning rate may have changed."""
         stepped = False
         for cfg in self.schedulers:
@@ -273,17 +275,18 @@ class ModuleOptimizer:
             stepped = True
         return stepped
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.template.param_groups]
         return {"param_groups": groups, "schedulers": [c.scheduler.state_dict() for c in self.schedulers]}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         groups = state.get("param_groups", [])
         if len(groups) != len(self.template.param_groups) or len(state.get("schedulers", [])) != len(self.schedulers):
             raise ValueError(
-                f"the checkpoint's client optimizer ({len(groups)} parameter groups, {len(state.get('schedulers', []))} "
-                f"schedulers) does not match {self.model_name}.configure_optimizers() "
-                f"({len(self.template.param_groups)} groups, {len(self.schedulers)} schedulers)"
+                f"the checkpoint's client optimizer ({len(groups)} parameter groups, "
+                f"{len(state.get('schedulers', []))} schedulers) does not match "
+                f"{self.model_name}.configure_optimizers() ({len(self.template.param_groups)} groups, "
+                f"{len(self.schedulers)} schedulers)"
             )
         for g, saved in zip(self.template.param_groups, groups):
             g.update(saved)
@@ -304,18 +307,18 @@ class MetricStates:
         try:
             from torchmetrics import Metric
         except ImportError:  # pragma: no cover - torchmetrics is a dependency
-            self.metrics: List[Any] = []
+            self.metrics: list[Any] = []
             return
         self.metrics = [m for m in model.modules() if isinstance(m, Metric)]
 
     def __bool__(self) -> bool:
         return bool(self.metrics)
 
-    def save(self) -> List[Tuple[Any, Dict[str, Any]]]:
+    def save(self) -> list[tuple[Any, dict[str, Any]]]:
         return [(m, metric_state(m)) for m in self.metrics]
 
     @staticmethod
-    def restore(saved: List[Tuple[Any, Dict[str, Any]]]) -> None:
+    def restore(saved: list[tuple[Any, dict[str, Any]]]) -> None:
         for m, state in saved:
             for k, v in state.items():
                 setattr(m, k, v)

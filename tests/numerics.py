@@ -27,7 +27,6 @@ only for one CPU's kernels fails before it lands.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -81,7 +80,7 @@ def tol64(expected, rtol: float = RTOL64) -> float:
     return rtol * max(1.0, scale)
 
 
-def assert_close64(actual, expected, rtol: float = RTOL64, msg: Optional[str] = None) -> None:
+def assert_close64(actual, expected, rtol: float = RTOL64, msg: str | None = None) -> None:
     """``actual`` and ``expected`` (float64 tensors or numbers) agree to ``rtol · max(1, max|expected|)``.
 
     Both must be float64: a float32 value here would pass or fail by its own rounding, not by the claim.

@@ -10,8 +10,9 @@ of them by one entry, and one name always means the same settings.
 * ``params(registry, *names)``: one ``pytest.param`` per name, with the name as its id.
 """
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ class Case:
         return f"{getattr(self.factory, '__name__', self.factory)}({args})"
 
 
-CLIENT_OPTIMIZERS: Dict[str, Case] = {
+CLIENT_OPTIMIZERS: dict[str, Case] = {
     "sgd": Case(torch.optim.SGD, {"lr": 0.3}),
     "sgd-lr0.5": Case(torch.optim.SGD, {"lr": 0.5}),
     "sgd+wd": Case(torch.optim.SGD, {"lr": 0.3, "weight_decay": 0.01}),
@@ -75,7 +76,7 @@ CLIENT_OPTIMIZERS: Dict[str, Case] = {
     "decsps-default": Case(DecSPS),
 }
 
-STRATEGIES: Dict[str, Case] = {
+STRATEGIES: dict[str, Case] = {
     "fedavg": Case(FedAvg),
     "fedexp": Case(FedExP, {"eps": 1e-3}),
     "fedexp-average": Case(FedExP, {"evaluate_iterate_average": True}),

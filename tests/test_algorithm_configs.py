@@ -13,11 +13,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from conftest import make_trainer
 from fedlightning.callbacks import FedAvg, FedLiLU
 from fedlightning.cli import main
 from fedlightning.state import flat_params
-
-from conftest import make_trainer
 from numerics import RTOL64, assert_close64, float64_data, to_float64
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,7 +145,7 @@ def test_fedsps_config_smoothed_cap_and_persistent_state(tmp_path):
 def test_feddecsps_config_recursion_and_persistent_state(tmp_path):
     cli, rec = run("feddecsps", tmp_path)
     assert_fedavg_uniform(rec)
-    c0, gamma_b = 0.5, 1.0
+    gamma_b = 1.0  # DecSPS's default gamma_max
     history, last = client_history(rec)
     for cid, steps in history.items():
         assert all(s > 0 for s in steps)
@@ -161,7 +160,7 @@ def test_feddecsps_config_recursion_and_persistent_state(tmp_path):
     assert all(m["server/eta_g"] == 1.0 for m in rec.metrics)
 
 
-# ----------------------------------------------------------------------------------------- FedAdagrad and the FedSPS variants
+# ------------------------------------------------------------------------------ FedAdagrad and the FedSPS variants
 def test_fedadagrad_config_matches_reddi_recursion(tmp_path):
     cli, rec = run("fedadagrad", tmp_path)
     assert type(cli.model.strategy).__name__ == "FedAdagrad"

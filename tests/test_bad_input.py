@@ -6,7 +6,7 @@ import torch
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.models import MLP, Classifier
 
 
@@ -67,7 +67,8 @@ def test_training_step_without_loss_is_a_clear_error():
 def test_two_strategies_is_a_clear_error():
     loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), clients_per_round=2, local_steps=1)
     with pytest.raises(ValueError, match="only one server strategy"):
-        make_trainer(1, callbacks=[FedAvg(), FedAvg(server_lr=0.5)]).fit(loop, datamodule=DigitsDataModule(num_clients=5))
+        make_trainer(1, callbacks=[FedAvg(), FedAvg(server_lr=0.5)]).fit(
+            loop, datamodule=DigitsDataModule(num_clients=5))
 
 
 def test_default_strategy_is_fedavg():

@@ -33,9 +33,17 @@ import fedlightning.cli as cli_module
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FederatedCallback
-from fedlightning.checkpoint import (STALE_TEMP_SECONDS, AtomicCheckpointIO, CheckpointError, RoundCheckpoint,
-                                     check_checkpoint, read_checkpoint, remove_interrupted_writes, safe_types)
-from fedlightning.cli import FederatedCLI, main
+from fedlightning.checkpoint import (
+    STALE_TEMP_SECONDS,
+    AtomicCheckpointIO,
+    CheckpointError,
+    RoundCheckpoint,
+    check_checkpoint,
+    read_checkpoint,
+    remove_interrupted_writes,
+    safe_types,
+)
+from fedlightning.cli import main
 from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.models import MLP
 from fedlightning.optim import SgdArmijo

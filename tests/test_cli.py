@@ -4,8 +4,6 @@ import csv
 import glob
 import os
 
-import pytest
-
 from fedlightning.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

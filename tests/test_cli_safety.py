@@ -18,11 +18,10 @@ import textwrap
 import pytest
 import torch
 
-import fedlightning
 import fedlightning.cli as cli_module
 from fedlightning import FederatedLoop
 from fedlightning.checkpoint import CONFIG_KEY, CheckpointError, check_checkpoint, config_differences
-from fedlightning.cli import FederatedCLI, main
+from fedlightning.cli import main
 from fedlightning.models import MLP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -427,3 +427,35 @@ def test_wandb_logger_receives_histograms_and_the_table():
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ClientEvaluation(**kwargs)
+
+
+class _Tagger(MLP):
+    """A Classifier with sequence outputs (N, T, C): one target per time step (Classifier flattens them)."""
+
+    def forward(self, x):
+        return self.net(x.reshape(-1, x.shape[-1])).reshape(x.shape[0], x.shape[1], -1)
+
+
+@pytest.mark.numerics
+def test_one_pass_of_sequence_outputs_gives_each_clients_mean_over_its_targets():
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    model = to_float64(_Tagger(input_dim=6, hidden=[5], num_classes=4))
+    x, y = torch.randn(23, 3, 6, dtype=torch.float64), torch.randint(0, 4, (23, 3))
+    data, dm = ArrayDataset(x, y), SimpleNamespace(eval_batch_size=4, collate_fn=None)
+    rows = [np.array([0, 5, 6, 7, 20]), np.array([1, 2, 3]), np.arange(8, 20)]
+    ids = np.arange(3)
+    fast, generic = ClientEvaluation(), ClientEvaluation(vectorize=False)
+    assert fast.vectorizable(model)
+    one_pass = fast._evaluate_clients(model, dm, data, rows, ids, torch.device("cpu"))
+    by_client = generic._evaluate_clients(model, dm, data, rows, ids, torch.device("cpu"))
+    for c, r in enumerate(rows):
+        with torch.no_grad():
+            logits = model(x[r]).reshape(-1, 4)
+        loss = F.cross_entropy(logits, y[r].reshape(-1))
+        acc = (logits.argmax(-1) == y[r].reshape(-1)).double().mean()
+        _close64(one_pass[c]["test/loss"], loss)
+        _close64(by_client[c]["test/loss"], loss)
+        _close64(one_pass[c]["test/acc"], acc)
+        assert by_client[c]["test/acc"] == pytest.approx(float(acc), rel=rtol32(1), abs=0)

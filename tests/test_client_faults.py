@@ -17,8 +17,8 @@ import torch
 
 from conftest import make_trainer
 from fedlightning import FederatedLoop
-from fedlightning.callbacks import FedAvg, FedAvgM, FedExP, FederatedCallback
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.callbacks import FedAvg, FedAvgM, FederatedCallback, FedExP
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.models import MLP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,7 +124,8 @@ def _aggregate(g0, updates, strategy):
 
 def _assert_close_to(got, expected, tol):
     err = (got - expected).abs()
-    assert bool((err <= tol).all()), f"max error {float(err.max()):.3g}, tolerance at that entry {float(tol[err.argmax()]):.3g}"
+    assert bool((err <= tol).all()), (
+        f"max error {float(err.max()):.3g}, tolerance at that entry {float(tol[err.argmax()]):.3g}")
 
 
 # ============================================================================ item 3: no client blows up the model
@@ -445,7 +446,8 @@ def test_a_run_without_a_healthy_round_exits_non_zero_through_train_py(tmp_path)
     loss becomes non-finite, and train.py exits 1 with the end-of-run FloatingPointError as its last line."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), "fit", "--config", os.path.join(ROOT, "configs", "quickstart.yaml"),
+        [sys.executable, os.path.join(ROOT, "train.py"), "fit",
+         "--config", os.path.join(ROOT, "configs", "quickstart.yaml"),
          "--trainer.max_steps", "2", "--model.client_optimizer.init_args.lr", "1e37",
          "--model.clients_per_round", "5", "--model.local_steps", "5", "--test_after_fit", "false",
          "--trainer.num_sanity_val_steps", "0", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from conftest import make_trainer
+from fedlightning import FederatedLoop
 from fedlightning.datamodules import (
     IID,
     ArrayDataset,
@@ -21,10 +23,8 @@ from fedlightning.datamodules import (
     Dirichlet,
     FederatedDataModule,
     LeafDataModule,
+    checks,
 )
-from conftest import make_trainer
-from fedlightning import FederatedLoop
-from fedlightning.datamodules import checks
 from fedlightning.datamodules.generic import SampleView
 from fedlightning.models import MLP
 
@@ -215,9 +215,9 @@ class Floats(Dataset):
 
 
 def test_whole_float_labels_are_served_as_int64_with_a_warning():
-    message = ("DatasetDataModule: the train labels are whole-number floats (train[0][1] is {}); they are served as "
-               "int64 class ids. Pass check_labels=False to serve them unchanged (e.g. float targets of "
-               "BCEWithLogitsLoss)").format(float(Y[0]))
+    message = (f"DatasetDataModule: the train labels are whole-number floats (train[0][1] is {float(Y[0])}); they are "
+               "served as int64 class ids. Pass check_labels=False to serve them unchanged (e.g. float targets of "
+               "BCEWithLogitsLoss)")
     for dm in (
         DatasetDataModule(TensorDataset(X, Y.float()), TensorDataset(XT, YT.double()), **KW),  # in memory
         # per sample: the Dirichlet partition reads every training label once, and the checks reuse that pass
@@ -293,9 +293,9 @@ def test_string_labels_are_refused_with_the_fix():
     strings = [names[int(v) % 3] for v in Y]
     hf = datasets.Dataset.from_dict({"features": X.tolist(), "label": strings})
     _raises(
-        "train labels are strings (train[0]['label'] is {!r}), but a model needs integer class ids: cast the column "
-        "with train = train.class_encode_column('label') (a Hugging Face ClassLabel maps each string to a class "
-        "id); or pass check_labels=False to serve the strings as they are".format(strings[0]),
+        f"train labels are strings (train[0]['label'] is {strings[0]!r}), but a model needs integer class ids: cast "
+        "the column with train = train.class_encode_column('label') (a Hugging Face ClassLabel maps each string to a "
+        "class id); or pass check_labels=False to serve the strings as they are",
         lambda: DatasetDataModule(hf, **KW),
     )
     # served as they are on request (no crash on their size: strings stay per sample)

@@ -172,7 +172,8 @@ def test_bad_input(tmp_path):
         CifarImages(torch.zeros(2, 3, 32, 32), torch.zeros(2), (0, 0, 0), (1, 1, 1), True)
 
 
-@pytest.mark.parametrize("cls,folder", [(Cifar10DataModule, "cifar-10-batches-py"), (Cifar100DataModule, "cifar-100-python")])
+@pytest.mark.parametrize("cls,folder", [(Cifar10DataModule, "cifar-10-batches-py"),
+                                        (Cifar100DataModule, "cifar-100-python")])
 def test_failed_download_says_where_to_put_the_files(tmp_path, monkeypatch, cls, folder):
     """download=True without network: a FileNotFoundError naming the download error, the URL and the folder."""
     import urllib.error

@@ -273,4 +273,5 @@ def test_resumed_dict_collate_run_equals_the_uninterrupted_run(tmp_path):
     assert trainer.global_step == 3
     resumed = _weights(loop)
     assert torch.equal(resumed, full)
-    assert not torch.equal(resumed, torch.nn.utils.parameters_to_vector(Net("dict").parameters()))  # training moved the weights
+    # training moved the weights
+    assert not torch.equal(resumed, torch.nn.utils.parameters_to_vector(Net("dict").parameters()))

@@ -125,8 +125,10 @@ def test_shakespeare_json(tmp_path):
     t2 = "Now is the winter of our discontent Made glorious summer by this sun of York; And all the clouds"
     x1, y1 = _windows(t1)
     x2, y2 = _windows(t2)
-    _write_leaf(str(tmp_path / "sh" / "train" / "a.json"), {"HAMLET": (x1[:400], y1[:400]), "RICHARD": (x2[:10], y2[:10])})
-    _write_leaf(str(tmp_path / "sh" / "test" / "a.json"), {"HAMLET": (x1[400:], y1[400:]), "RICHARD": (x2[10:], y2[10:])})
+    _write_leaf(str(tmp_path / "sh" / "train" / "a.json"),
+                {"HAMLET": (x1[:400], y1[:400]), "RICHARD": (x2[:10], y2[:10])})
+    _write_leaf(str(tmp_path / "sh" / "test" / "a.json"),
+                {"HAMLET": (x1[400:], y1[400:]), "RICHARD": (x2[10:], y2[10:])})
     dm = _dm(str(tmp_path / "sh"), tmp_path, name="shakespeare", val_fraction=0)  # LEAF's split itself
     dm.setup()
     assert dm.client_names == ["HAMLET", "RICHARD"]
@@ -314,8 +316,8 @@ def test_bad_input(femnist_dir, tmp_path):
 
 
 def test_bad_parquet_files_are_named(tmp_path):
-    """Hostile parquet inputs (the hostile-input corpus): a truncated file, a file that is not parquet, a table without the
-    client column, and labels outside the class range each fail with an error naming the file or the value."""
+    """Hostile parquet inputs (the hostile-input corpus): a truncated file, a file that is not parquet, a table without
+    the client column, and labels outside the class range each fail with an error naming the file or the value."""
     import pandas as pd
 
     text = ("O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name; Or if thou wilt not, " * 2)

@@ -24,8 +24,8 @@ def _run(tmp_path, devices, setup, rounds=3, extra=()):
     out = tmp_path / f"{setup}_{devices}_{rounds}.pt"
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--devices", str(devices), "--setup", setup, "--rounds", str(rounds), "--out", str(out),
-         *extra],
+        [sys.executable, SCRIPT, "--devices", str(devices), "--setup", setup, "--rounds", str(rounds),
+         "--out", str(out), *extra],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -130,15 +130,16 @@ class _Recorder(FederatedCallback):
         self.metrics.append(dict(result.metrics))
 
 
-def _setup(model_seed=0):
+def _setup(model_seed=0, client_execution="sequential"):
     pl.seed_everything(model_seed, verbose=False)
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[16], dropout=0.3), local_steps=3, clients_per_round=4, seed=2)
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[16], dropout=0.3), local_steps=3, clients_per_round=4, seed=2,
+                         client_execution=client_execution)
     dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
     return loop, dm
 
 
-def _fit(strategy, rounds=3, **trainer_kw):
-    loop, dm = _setup()
+def _fit(strategy, rounds=3, client_execution="sequential", **trainer_kw):
+    loop, dm = _setup(client_execution=client_execution)
     rec = _Recorder()
     make_trainer(rounds, callbacks=[strategy, rec] + trainer_kw.pop("callbacks", []), **trainer_kw).fit(
         loop, datamodule=dm)
@@ -149,9 +150,11 @@ def _weights(loop):
     return torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach().clone()
 
 
-def test_no_noise_unbounded_clip_equals_uniform_fedavg_bit_for_bit():
-    fedavg, _, _ = _fit(FedAvg(weighting="uniform"), rounds=4)
-    dp, _, rec = _fit(DPFedAvg(clip_norm=math.inf, noise_multiplier=0.0, delta=1e-5), rounds=4)
+@pytest.mark.parametrize("client_execution", ["sequential", "vectorized"])
+def test_no_noise_unbounded_clip_equals_uniform_fedavg_bit_for_bit(client_execution):
+    fedavg, _, _ = _fit(FedAvg(weighting="uniform"), rounds=4, client_execution=client_execution)
+    dp, _, rec = _fit(DPFedAvg(clip_norm=math.inf, noise_multiplier=0.0, delta=1e-5), rounds=4,
+                      client_execution=client_execution)
     assert torch.equal(_weights(fedavg), _weights(dp))
     assert all(m["round/clients"] == 4 for m in rec.metrics)  # every sampled client healthy: m = survivors
     assert rec.metrics[-1]["privacy/epsilon"] == math.inf

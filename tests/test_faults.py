@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
-from fedlightning.datamodules import Dirichlet, DigitsDataModule, FederatedDataModule, ArrayDataset
+from fedlightning.datamodules import ArrayDataset, DigitsDataModule, Dirichlet, FederatedDataModule
 from fedlightning.models import MLP
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.models import MLP, LogisticRegression
 from numerics import Digits64, assert_close64, to_float64
 

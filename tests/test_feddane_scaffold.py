@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_trainer
-from registry import STRATEGIES, params
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg, FedDANE, ProximalTerm, Scaffold
 from fedlightning.callbacks.feddane import client_full_gradient
@@ -16,6 +15,7 @@ from fedlightning.datamodules import Dirichlet
 from fedlightning.models import MLP, LogisticRegression
 from fedlightning.state import RoundPlan, derive_seed
 from numerics import Digits64, assert_close64, to_float64
+from registry import STRATEGIES, params
 from test_strategies import Recorder, assert_vec, server_round, setup_rule, upd, weights
 
 LR, K, CPR, SEED, ROUNDS = 0.2, 3, 4, 3, 3
@@ -104,7 +104,8 @@ def reference_feddane(mu, mode, rounds=ROUNDS):
         for k in clients:
             corr = [g[j] - grads[k][j] for j in range(len(glob))]
             loader = dm.client_dataloader(k, r, seed=SEED)
-            new.append(_local_sgd(f, glob, loader, K, LR, lambda w: [c + mu * (wi - gi) for c, wi, gi in zip(corr, w, glob)]))
+            new.append(_local_sgd(f, glob, loader, K, LR, lambda w, corr=corr, glob=glob: [
+                c + mu * (wi - gi) for c, wi, gi in zip(corr, w, glob)]))
         glob = [sum(w[j] for w in new) / len(new) for j in range(len(glob))]
     return glob, grad_sets
 
@@ -119,7 +120,7 @@ def reference_scaffold(rounds=ROUNDS):
         for k in dm.sample_clients(r):
             cik = ci.get(k, zeros())
             loader = dm.client_dataloader(k, r, seed=SEED)
-            w = _local_sgd(f, glob, loader, K, LR, lambda w: [cj - cij for cj, cij in zip(c, cik)])
+            w = _local_sgd(f, glob, loader, K, LR, lambda w, c=c, cik=cik: [cj - cij for cj, cij in zip(c, cik)])
             delta = [g - wi for g, wi in zip(glob, w)]
             cnew = [cij - cj + d / (K * LR) for cij, cj, d in zip(cik, c, delta)]  # option II
             dcs.append([a - b for a, b in zip(cnew, cik)])
@@ -149,7 +150,8 @@ def test_feddane_gradient_phase_leaves_the_run_untouched_when_the_correction_van
     a, ta = run([FedDANE(mu=0.3, gradient_clients="same"), rec], kind="mlp", cpr=1)
     b, tb = run([FedAvg(weighting="uniform"), ProximalTerm(0.3)], kind="mlp", cpr=1)
     assert torch.equal(weights(a), weights(b))
-    assert float(ta.callback_metrics["client/train/batch_loss"]) == float(tb.callback_metrics["client/train/batch_loss"])
+    key = "client/train/batch_loss"
+    assert float(ta.callback_metrics[key]) == float(tb.callback_metrics[key])
     assert all(m["feddane/gradient_norm"] > 0 for m in rec.metrics)  # the gradient phase did run
 
 

@@ -1,4 +1,5 @@
-"""Hostile configurations: every impossible value fails early with a message naming the value (the hostile-input corpus of docs/reliability.md)."""
+"""Hostile configurations: every impossible value fails early with a message naming the value (the hostile-input corpus
+of docs/reliability.md)."""
 
 import os
 import re

@@ -80,7 +80,8 @@ def _nan_weights(good):
 
 def _other_architecture(good):
     ckpt = dict(good)
-    ckpt["state_dict"] = {k: (torch.zeros(3, *v.shape[1:]) if v.dim() == 2 else v) for k, v in good["state_dict"].items()}
+    ckpt["state_dict"] = {k: (torch.zeros(3, *v.shape[1:]) if v.dim() == 2 else v)
+                          for k, v in good["state_dict"].items()}
     return ckpt
 
 

@@ -20,7 +20,7 @@ from fedlightning.callbacks.kdecay import (
     simulated_round_seconds,
     step_local_steps,
 )
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.models import MLP, LogisticRegression
 from test_strategies import Recorder
 
@@ -200,8 +200,10 @@ def test_round_times_from_the_paper_constants():
     assert simulated_round_seconds(6.71, 80, 0.017) == pytest.approx(3.0375, rel=1e-12)
     fake = lambda model: SimpleNamespace(global_parameters=lambda: [p for p in model.parameters()])  # noqa: E731
     # Table I model sizes from the architectures (float32): linear 5000->2 is 0.32 Mb, FC-200-200 on FEMNIST 6.71 Mb
-    assert RuntimeModel.megabits_of(fake(LogisticRegression(input_dim=5000, num_classes=2))) == pytest.approx(0.32, abs=5e-4)
-    assert RuntimeModel.megabits_of(fake(MLP(input_dim=784, hidden=[200, 200], num_classes=62))) == pytest.approx(6.71, abs=5e-3)
+    linear = fake(LogisticRegression(input_dim=5000, num_classes=2))
+    fc200 = fake(MLP(input_dim=784, hidden=[200, 200], num_classes=62))
+    assert RuntimeModel.megabits_of(linear) == pytest.approx(0.32, abs=5e-4)
+    assert RuntimeModel.megabits_of(fc200) == pytest.approx(6.71, abs=5e-3)
 
 
 @pytest.mark.parametrize("k0,megabits,beta,paper", [(60, 0.32, 5.2e-3, 0.21), (80, 6.71, 0.017, 0.11)])

@@ -19,15 +19,15 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import make_trainer
-from numerics import rtol32
-from registry import CLIENT_OPTIMIZERS, params
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
 from fedlightning.callbacks.base import RoundStatistics
 from fedlightning.client import _cycle
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.datamodules.base import ArrayBatchLoader, ArrayDataset, ClientBatchSampler
 from fedlightning.models import MLP
+from numerics import rtol32
+from registry import CLIENT_OPTIMIZERS, params
 
 
 def _manual_cycle(x, y, indices, batch, seed, steps):
@@ -66,7 +66,8 @@ def test_cycle_of_an_empty_loader_is_a_clear_error():
     empty = DataLoader(TensorDataset(torch.zeros(0, 1)), batch_size=2)
     with pytest.raises(RuntimeError, match="yielded no batch"):
         list(_cycle(empty, 2))
-    loader = ArrayBatchLoader(ArrayDataset(torch.zeros(3, 1), torch.zeros(3)), ClientBatchSampler(np.array([], np.int64), 2, None))
+    loader = ArrayBatchLoader(ArrayDataset(torch.zeros(3, 1), torch.zeros(3)),
+                              ClientBatchSampler(np.array([], np.int64), 2, None))
     with pytest.raises(RuntimeError, match="yielded no batch"):
         list(_cycle(loader, 2))
 
@@ -91,7 +92,8 @@ def test_lean_step_equals_general_step():
 
     torch.manual_seed(0)
     init = MLP(input_dim=64, hidden=[8], num_classes=10).state_dict()
-    lean_model, general_model = MLP(input_dim=64, hidden=[8], num_classes=10), MLP(input_dim=64, hidden=[8], num_classes=10)
+    lean_model = MLP(input_dim=64, hidden=[8], num_classes=10)
+    general_model = MLP(input_dim=64, hidden=[8], num_classes=10)
     lean_model.load_state_dict(init)
     general_model.load_state_dict(init)
     lean = _fit(lean_model, dm(), 3, [FedAvg()])
@@ -236,6 +238,7 @@ def test_iter_steps_with_a_batch_sampler_without_epochs():
     from torch.utils.data import BatchSampler, SequentialSampler
 
     x, y = torch.arange(10.0).unsqueeze(1), torch.arange(10)
-    loader = ArrayBatchLoader(ArrayDataset(x, y), BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False))
+    loader = ArrayBatchLoader(ArrayDataset(x, y),
+                              BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False))
     got = [b[1].tolist() for b in loader.iter_steps(5)]
     assert got == [[0, 1], [2, 3], [4], [0, 1], [2, 3]]

@@ -11,6 +11,7 @@ import torch
 import torchmetrics
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from fedlightning import _lightning_compat as compat
@@ -131,7 +132,7 @@ def test_parse_configure_optimizers_follows_lightnings_rules():
     _, configs = compat.parse_configure_optimizers(
         {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1), "interval": "step"}})
     assert configs[0].interval == "step"
-    with pytest.raises(Exception):
+    with pytest.raises(MisconfigurationException):  # Lightning's own error for a malformed return value
         compat.parse_configure_optimizers("not an optimizer")
 
 

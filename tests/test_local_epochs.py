@@ -11,12 +11,12 @@ DecSPS); bad values, ``KDecay``'s step schedules and a callback that edits the w
 import copy
 import math
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-import lightning.pytorch as pl
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg, KDecay

@@ -334,7 +334,8 @@ def test_cli_sets_offline_when_nothing_is_configured(monkeypatch, tmp_path):
 
 def test_cli_installs_log_config_callback():
     """cli.py passes save_config_callback=LogConfigCallback (the one-line wiring this module needs)."""
-    cli = cli_module.main(["--config", QUICKSTART, "--trainer.logger=false", "--trainer.enable_checkpointing=false"], run=False)
+    cli = cli_module.main(["--config", QUICKSTART, "--trainer.logger=false", "--trainer.enable_checkpointing=false"],
+                          run=False)
     if not any(isinstance(cb, LogConfigCallback) for cb in cli.trainer.callbacks):
         pytest.skip("fedlightning/cli.py does not install LogConfigCallback yet "
                     "(FederatedCLI.__init__: kwargs.setdefault('save_config_callback', LogConfigCallback))")

@@ -37,7 +37,9 @@ def test_seed004_model_sizes_match_table_1():
     assert count(cnn) == (3 * 9 * 32 + 32) + (32 * 9 * 64 + 64) + (2304 * 512 + 512) + (512 * 100 + 100) == 1_250_852
     assert round(megabits(cnn), 1) == 40.0
     gru = CharGRU(vocab_size=79)
-    gru_layer = lambda i, h: 3 * (h * i + h * h + 2 * h)  # PyTorch GRU: 3 gates, two bias vectors each
+    def gru_layer(i, h):  # PyTorch GRU: 3 gates, two bias vectors each
+        return 3 * (h * i + h * h + 2 * h)
+
     assert count(gru) == 79 * 8 + gru_layer(8, 128) + gru_layer(128, 128) + 128 * 79 + 79 == 162_887
     assert round(megabits(gru), 2) == 5.21
     bow = BagOfWordsLinear(vocab_size=5000, num_classes=2)
@@ -46,12 +48,15 @@ def test_seed004_model_sizes_match_table_1():
 
 # ------------------------------------------------------------------ other sizes, from the architectures
 def test_other_parameter_counts():
-    assert count(LeNet5()) == (1 * 25 * 6 + 6) + (6 * 25 * 16 + 16) + (400 * 120 + 120) + (120 * 84 + 84) + (84 * 10 + 10)
+    assert count(LeNet5()) == ((1 * 25 * 6 + 6) + (6 * 25 * 16 + 16) + (400 * 120 + 120) + (120 * 84 + 84)
+                               + (84 * 10 + 10))
     reddi = (1 * 9 * 32 + 32) + (32 * 9 * 64 + 64) + (12 * 12 * 64 * 128 + 128) + (128 * 62 + 62)
     assert count(FemnistCNN()) == reddi == 1_206_590
     leaf = (25 * 32 + 32) + (25 * 32 * 64 + 64) + (7 * 7 * 64 * 2048 + 2048) + (2048 * 62 + 62)
     assert count(FemnistCNN(variant="leaf")) == leaf
-    lstm_layer = lambda i, h: 4 * (h * i + h * h + 2 * h)
+    def lstm_layer(i, h):  # PyTorch LSTM: 4 gates, two bias vectors each
+        return 4 * (h * i + h * h + 2 * h)
+
     assert count(CharLSTM()) == 80 * 8 + lstm_layer(8, 256) + lstm_layer(256, 256) + 256 * 80 + 80
     # the widely quoted size of the CIFAR ResNet-18 (10 classes); GroupNorm has the same affine parameters as BN
     assert count(ResNet18(num_classes=10)) == count(ResNet18(num_classes=10, norm="batch")) == 11_173_962

@@ -158,7 +158,7 @@ def test_armijo_condition_and_largest_grid_point_on_logistic_regression(reset):
         gw, gb = torch.autograd.grad(f0, (wr, br))
         gsq = float(gw.pow(2).sum() + gb.pow(2).sum())
         opt.zero_grad()
-        opt.step(lambda: _logreg_loss(w, b, x[batch], y[batch]))
+        opt.step(lambda batch=batch: _logreg_loss(w, b, x[batch], y[batch]))
         eta, m = opt.last_step["step_size"], opt.last_step["backtracks"]
         assert eta > 0
         torch.testing.assert_close(w.detach(), w0 - eta * gw, rtol=1e-12, atol=1e-14)

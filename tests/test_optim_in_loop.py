@@ -9,13 +9,13 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from conftest import make_trainer
-from numerics import rtol32
-from registry import CLIENT_OPTIMIZERS, params
 from fedlightning import FederatedLoop
 from fedlightning.datamodules import IID, DigitsDataModule
 from fedlightning.models import MLP
 from fedlightning.models.base import Classifier
 from fedlightning.optim import SPS, DecSPS, SgdArmijo
+from numerics import rtol32
+from registry import CLIENT_OPTIMIZERS, params
 
 
 def digits(num_clients=6, batch_size=16):
@@ -50,7 +50,8 @@ class ProbeNet(Classifier):
         return self.fc2(h * self._mask * 2.0)
 
     def training_step(self, batch, batch_idx):
-        entry = (torch.is_grad_enabled(), batch_idx, self.bn.running_mean.detach().clone(), int(self.bn.num_batches_tracked))
+        entry = (torch.is_grad_enabled(), batch_idx, self.bn.running_mean.detach().clone(),
+                 int(self.bn.num_batches_tracked))
         loss = super().training_step(batch, batch_idx)
         ProbeNet.records.append(entry + (self._mask.detach().clone(),))
         return loss
@@ -210,7 +211,7 @@ def test_smoothed_sps_in_loop_uses_client_epoch_length():
     make_trainer(1, callbacks=[rec]).fit(loop, datamodule=dm)
     built = [o for o in built if o.total_steps > 0]  # without the never-stepped one built at setup to validate it
     assert len(built) == len(rec.updates)
-    for opt, (_, u) in zip(built, rec.updates):
+    for _, u in rec.updates:
         growth = 2.0 ** (25 / dm.client_num_samples(u.client_id))
         for prev, nxt in zip(u.step_sizes, u.step_sizes[1:]):
             assert nxt <= growth * prev * (1 + 1e-9)  # the smoothed cap with this client's b/n_i

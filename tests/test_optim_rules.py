@@ -8,10 +8,10 @@ one without a batched form is refused with an error naming it.
 
 import math
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
-import lightning.pytorch as pl
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from conftest import make_trainer
-from registry import CLIENT_OPTIMIZERS, params
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg, FedLiLS, FedSPSGlobal, KDecay
 from fedlightning.callbacks.base import RoundStatistics, accumulate_core
 from fedlightning.cli import main as cli_main
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.models import MLP
 from fedlightning.optim import SPS, DecSPS, SgdArmijo, check_client_step_scalable, scale_client_step
 from fedlightning.state import ClientUpdate, RoundPlan
+from registry import CLIENT_OPTIMIZERS, params
 from test_vectorized import assert_same_run, fit, mlp
 
 DT = torch.float64
@@ -62,7 +62,8 @@ def test_cli_switch_from_sgd_to_sps_gives_adaptive_sps(tmp_path):
 
 def test_cli_switch_from_armijo_to_sps_keeps_the_polyak_constant():
     """configs/fedsls.yaml sets SgdArmijo's c: 0.1 (Armijo constant); SPS's constant is polyak_c, default 0.5."""
-    _, opt = cli_client_optimizer(["--config", "configs/fedsls.yaml", "--model.client_optimizer=fedlightning.optim.SPS"])
+    _, opt = cli_client_optimizer(["--config", "configs/fedsls.yaml",
+                                   "--model.client_optimizer=fedlightning.optim.SPS"])
     assert isinstance(opt, SPS) and opt.hyper["polyak_c"] == 0.5 and "c" not in opt.hyper
 
 
@@ -233,7 +234,8 @@ def test_kdecay_client_lr_refuses_an_optimizer_without_step_size_at_fit_start():
 
     loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), client_optimizer=NoStepSize, local_steps=2, clients_per_round=2)
     with pytest.raises(ValueError, match="client optimizer NoStepSize has no step size"):
-        make_trainer(2, callbacks=[FedAvg(), KDecay(schedule="rounds", decay="client_lr")]).fit(loop, datamodule=digits())
+        make_trainer(2, callbacks=[FedAvg(), KDecay(schedule="rounds", decay="client_lr")]).fit(
+            loop, datamodule=digits())
 
 
 def test_fedsps_global_refuses_adaptive_sps_clients():

@@ -49,7 +49,8 @@ def test_sps_hand_computed():
                              "sps_step_size": pytest.approx(0.52)}
     torch.testing.assert_close(w.detach(), torch.tensor([1.44, 1.08], dtype=DT))
     assert run(opt, closure, 2) == [pytest.approx(0.325), pytest.approx(0.52)]
-    torch.testing.assert_close(w.detach(), torch.tensor([0.972, -0.324], dtype=DT) * (1 - 0.52 * torch.tensor([1.0, 4.0], dtype=DT)))
+    expected = torch.tensor([0.972, -0.324], dtype=DT) * (1 - 0.52 * torch.tensor([1.0, 4.0], dtype=DT))
+    torch.testing.assert_close(w.detach(), expected)
 
 
 def test_sps_constant_cap_binds():
@@ -201,11 +202,12 @@ def test_decsps_recursion_over_several_steps_with_split_parameters():
     """Ratios measured independently at every iterate; both branches of the min are exercised."""
     torch.manual_seed(3)
     curv = [torch.tensor([0.3, 2.0], dtype=DT), torch.tensor([[5.0], [0.7]], dtype=DT)]
-    params = [torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=DT)), torch.nn.Parameter(torch.tensor([[0.5], [3.0]], dtype=DT))]
+    params = [torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=DT)),
+              torch.nn.Parameter(torch.tensor([[0.5], [3.0]], dtype=DT))]
     closure = quadratic(params, curv)
     opt = DecSPS(params, c0=0.5, gamma_max=0.8)
     ratios, steps = [], []
-    for t in range(10):
+    for _ in range(10):
         ws = [p.detach().clone() for p in params]
         f = sum(float((0.5 * a * w * w).sum()) for w, a in zip(ws, curv))
         gsq = sum(float((a * a * w * w).sum()) for w, a in zip(ws, curv))
@@ -257,7 +259,6 @@ def test_decsps_degenerate_step_keeps_state():
     opt = DecSPS([w])
     run(opt, closure, 1)
     state = opt.get_client_state()
-    saved = w.detach().clone()
     with torch.no_grad():
         w.zero_()
     assert run(opt, closure, 1) == [0.0]
@@ -291,7 +292,8 @@ def test_non_finite_loss_or_gradient_leaves_model_and_state_unchanged(make, bad)
     [
         ({"polyak_c": 0.0}, "polyak_c must"), ({"polyak_c": -1.0}, "polyak_c must"),
         ({"polyak_c": float("nan")}, "polyak_c must"),
-        ({"gamma_max": 0.0}, "gamma_max"), ({"gamma_max": -2.0}, "gamma_max"), ({"gamma_max": float("inf")}, "gamma_max"),
+        ({"gamma_max": 0.0}, "gamma_max"), ({"gamma_max": -2.0}, "gamma_max"),
+        ({"gamma_max": float("inf")}, "gamma_max"),
         ({"f_star": float("nan")}, "f_star"), ({"smooth_factor": 0.5}, "smooth_factor"),
         ({"n_batches_per_epoch": 0.0}, "n_batches_per_epoch"), ({"fixed_step_size": 0.0}, "fixed_step_size"),
         ({"n_batches_per_epoch": 0.5}, "n_batches_per_epoch must be >= 1"), ({"grad_tol": -1e-3}, "grad_tol"),
@@ -304,7 +306,8 @@ def test_sps_bad_arguments(kwargs, match):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"c0": 0.0}, "c0"), ({"c0": -0.5}, "c0"), ({"gamma_max": 0.0}, "gamma_max"), ({"f_star": float("inf")}, "f_star")],
+    [({"c0": 0.0}, "c0"), ({"c0": -0.5}, "c0"), ({"gamma_max": 0.0}, "gamma_max"),
+     ({"f_star": float("inf")}, "f_star")],
 )
 def test_decsps_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -34,7 +34,8 @@ class Spies:
 
     def __init__(self, monkeypatch):
         self.counts = {"plain_sgd_step": 0, "iter_steps": 0, "array_batch_loader": 0, "feddane_whole_batches": 0}
-        plain_step, iter_steps, loader_init = client_module._plain_sgd_step, ArrayBatchLoader.iter_steps, ArrayBatchLoader.__init__
+        plain_step = client_module._plain_sgd_step
+        iter_steps, loader_init = ArrayBatchLoader.iter_steps, ArrayBatchLoader.__init__
 
         def count(key, fn):
             def wrapped(*args, **kwargs):

@@ -80,7 +80,7 @@ def test_report_written_by_main_names_no_absolute_path(reproduce, tmp_path):
     assert reproduce.main(["--report-only", "--no-toy", "--seeds", "1", "--only", "001/*",
                            "--results", str(results), f"--docs={docs}"]) == 0
     text = (docs / "results.md").read_text()
-    line = next(l for l in text.splitlines() if l.startswith("Written by"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("Written by"))
     command = line.split("Command: `", 1)[1].rsplit("`", 1)[0]
     assert command == ("python benchmarks/reproduce.py --report-only --no-toy --seeds 1 --only '001/*' "
                        "--results RESULTS_DIR --docs=DOCS_DIR")
@@ -92,7 +92,7 @@ def test_report_written_by_main_names_no_absolute_path(reproduce, tmp_path):
 def test_committed_report_command_is_repository_relative():
     """docs/results.md as committed: its command line names no path of the machine that wrote it."""
     with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
-        line = next(l for l in f if l.startswith("Written by"))
+        line = next(ln for ln in f if ln.startswith("Written by"))
     command = line.split("Command: `", 1)[1].rsplit("`", 1)[0]
     assert command.startswith("python benchmarks/reproduce.py ")
     _no_absolute_path(command)

@@ -13,7 +13,8 @@ from reproduction import studies  # noqa: E402
 
 def _write(results, name, rows):
     os.makedirs(os.path.join(results, "studies", name), exist_ok=True)
-    keys = ["rank", "run", "status", "exit_code", "seconds", *rows[0]["params"], "val/acc", "test/acc", "train_eval/loss"]
+    keys = ["rank", "run", "status", "exit_code", "seconds", *rows[0]["params"],
+            "val/acc", "test/acc", "train_eval/loss"]
     with open(os.path.join(results, "studies", name, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
@@ -38,9 +39,10 @@ def results(tmp_path):
     _write(r, "s001_fedams", [{"params": _p("lr", 0.1), "val": 0.85, "test": 0.86, "loss": 0.3}])
     # seed 002 (train loss, lower is better): selected FedExP (best val) has loss 0.30 > FedAdam's 0.20, but FedExP's
     # best grid loss 0.10 < 0.20 -> does not hold when selected on validation, appears at the best grid setting
-    _write(r, "s002_fedexp", [{"params": {"trainer.callbacks.init_args.eps": 0.001}, "val": 0.95, "test": 0.94, "loss": 0.30},
-                              {"params": {"trainer.callbacks.init_args.eps": 0.1}, "val": 0.90, "test": 0.89, "loss": 0.10}])
-    _write(r, "s002_fedadam", [{"params": {"trainer.callbacks.init_args.tau": 0.01}, "val": 0.93, "test": 0.92, "loss": 0.20}])
+    eps, tau = "trainer.callbacks.init_args.eps", "trainer.callbacks.init_args.tau"
+    _write(r, "s002_fedexp", [{"params": {eps: 0.001}, "val": 0.95, "test": 0.94, "loss": 0.30},
+                              {"params": {eps: 0.1}, "val": 0.90, "test": 0.89, "loss": 0.10}])
+    _write(r, "s002_fedadam", [{"params": {tau: 0.01}, "val": 0.93, "test": 0.92, "loss": 0.20}])
     return r
 
 
@@ -55,7 +57,8 @@ def test_findings_follow_the_tables(results):
     assert seconds == pytest.approx(10.0 * 7)  # every finished run's seconds
     assert findings["001"].startswith("the ordering FedDecSPS ≥ FedSPS ≥ FedAMS (validation accuracy) does not hold")
     assert "does not appear with each method at its best grid setting" in findings["001"]
-    assert "does not hold with the settings selected on validation, and appears with each method at its best" in findings["002"]
+    assert ("does not hold with the settings selected on validation, and appears with each method at its best"
+            in findings["002"])
     text = "\n".join(lines)
     assert "| 1.0 | 90.00 **(selected)** | 91.00 | 0.3 |" in text  # DecSPS: c0 = 1.0 is selected on validation
     assert "| 0.5 | 88.00 | 87.00 | 0.4 |" in text

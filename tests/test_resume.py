@@ -10,12 +10,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from conftest import make_trainer
-from registry import CLIENT_OPTIMIZERS, STRATEGIES
 from fedlightning import FederatedLoop
 from fedlightning.checkpoint import AtomicCheckpointIO
 from fedlightning.cli import main
-from fedlightning.datamodules import Dirichlet, DigitsDataModule
+from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.models import MLP
+from registry import CLIENT_OPTIMIZERS, STRATEGIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +47,8 @@ def run_resume_equivalence(tmp_path, strategy_fn=None, opt=None, total=6, cut=3,
     path = str(ckdir / f"step={cut}.ckpt")
     assert os.path.exists(path), os.listdir(ckdir)
 
-    loop, dm, cbs = _setup(strategy_fn, opt, client_execution)  # fresh process state: new model init is overwritten by the checkpoint
+    # fresh process state: the new model's initial weights are overwritten by the checkpoint
+    loop, dm, cbs = _setup(strategy_fn, opt, client_execution)
     trainer = make_trainer(total, callbacks=cbs, plugins=[AtomicCheckpointIO()])
     trainer.fit(loop, datamodule=dm, ckpt_path=path, weights_only=True)  # the safe reader: no pickled code
     assert trainer.global_step == total

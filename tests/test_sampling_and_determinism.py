@@ -4,8 +4,7 @@ import torch
 
 from conftest import make_trainer
 from fedlightning import FederatedLoop, RoundPlan
-from fedlightning.callbacks import FedAvg
-from fedlightning.datamodules import ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
+from fedlightning.datamodules import ArrayDataset, DigitsDataModule, Dirichlet, FederatedDataModule
 from fedlightning.models import MLP
 
 

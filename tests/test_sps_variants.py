@@ -191,7 +191,8 @@ def test_fedsps_global_matches_reference_loop(tmp_path):
     model = to_float64(MLP(input_dim=64, hidden=[16]))
     init = copy.deepcopy(model)
     strategy = FedSPSGlobal(c=C, gamma_max=GAMMA_B)
-    loop, trainer, steps = run_loop(model, strategy, lambda p: SPS(p, polyak_c=C, gamma_max=GAMMA_B, fixed_step_size=1.0))
+    loop, trainer, steps = run_loop(model, strategy,
+                                    lambda p: SPS(p, polyak_c=C, gamma_max=GAMMA_B, fixed_step_size=1.0))
     ref, used = reference_run(init, "global")
     assert used[1] != used[0] and used[2] != used[1]  # the shared step really changes between rounds
     for r, sizes in steps:  # every client step of round r used the round's shared step
@@ -212,7 +213,8 @@ def test_fedsps_normalized_matches_reference_loop(reading):
     init = copy.deepcopy(model)
     loop, _, _ = run_loop(model, FedSPSNormalized(reading=reading), lambda p: SPS(p, polyak_c=C, gamma_max=GAMMA_B))
     ref, _ = reference_run(init, "normalized", reading)
-    moved = sum(float((g.detach() - p.detach()).abs().sum()) for g, p in zip(loop.model.net.parameters(), init.net.parameters()))
+    moved = sum(float((g.detach() - p.detach()).abs().sum())
+                for g, p in zip(loop.model.net.parameters(), init.net.parameters()))
     assert moved > 1e-2
     for got, want in zip(loop.model.net.parameters(), ref):
         assert_close64(got.detach(), want)

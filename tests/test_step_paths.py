@@ -9,13 +9,13 @@
   trains what sequential training trains.
 """
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import fedlightning.client as client_module
-import lightning.pytorch as pl
 from fedlightning import set_reference_mode
 from fedlightning.client import LocalTrainer, _general_steps, _lean_steps
 from fedlightning.optim import SgdArmijo

@@ -103,7 +103,7 @@ def _skip_reference(net, dm, rounds, lr, make_opt=None):
                             p -= lr * g
                 else:
                     opt.zero_grad()
-                    opt.step(lambda: F.cross_entropy(local(x), y))
+                    opt.step(lambda local=local, x=x, y=y: F.cross_entropy(local(x), y))
             total += _add_weighted_delta(sums, glob, local, float(dm.client_num_samples(cid)))
         with torch.no_grad():
             for g, s in zip(glob.parameters(), sums):
@@ -202,6 +202,7 @@ def _readme_python_example(tmp_path, rounds, **trainer_kw):
     import re
 
     from lightning.pytorch.loggers import CSVLogger
+
     from test_readme_examples import README
 
     blocks = re.findall(r"```python\n(.*?)```", open(README, encoding="utf-8").read(), flags=re.S)
@@ -235,7 +236,7 @@ def test_a_log_every_n_steps_the_user_set_is_kept(tmp_path):
     assert [int(r["step"]) for r in rows if r.get("train/loss")] == [2, 5]
 
 
-# ====================================================================== 3c: the precision plugin converts client batches
+# ============================================================ 3c: the precision plugin converts client batches
 def _dm32():
     return DigitsDataModule(num_clients=6, batch_size=8, partition=Dirichlet(0.1), seed=1)
 

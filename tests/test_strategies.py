@@ -14,8 +14,6 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from conftest import make_trainer
-from numerics import RTOL64, Digits64, assert_close64, rtol32, to_float64
-from registry import STRATEGIES
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import (
     FedAdagrad,
@@ -37,6 +35,8 @@ from fedlightning.callbacks.base import RoundStatistics, accumulate_core
 from fedlightning.datamodules import Dirichlet
 from fedlightning.models import LogisticRegression
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, assign_flat_, flat_params
+from numerics import RTOL64, Digits64, assert_close64, rtol32, to_float64
+from registry import STRATEGIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -174,7 +174,8 @@ def test_fedexp_identical_clients_clip_to_one():
 
 
 def test_fedexp_sample_weighting_and_zero_eps():
-    # n = [1, 2, 1]: Δ = (1·[1,0] + 2·[0,1] + 1·[-1,0])/4 = [0, 1/2]; mean‖Δ_i‖² = (1+2+1)/4 = 1; ε=0 -> η = 1/(2·1/4) = 2
+    # n = [1, 2, 1]: Δ = (1·[1,0] + 2·[0,1] + 1·[-1,0])/4 = [0, 1/2]; mean‖Δ_i‖² = (1+2+1)/4 = 1;
+    # ε=0 -> η = 1/(2·1/4) = 2
     s = FedExP(eps=0.0, weighting="samples")
     loop, opt = setup_rule(s, [0.0, 0.0])
     m = server_round(s, loop, opt, [upd(0, [1, 0], n=1), upd(1, [0, 1], n=2), upd(2, [-1, 0], n=1)])
@@ -487,7 +488,8 @@ def _state_equal(a, b):
 ROUND_TRIP = {
     **{name: (lambda case=STRATEGIES[name]: [case()])
        for name in ("fedadam", "fedyogi", "fedadagrad", "fedams", "fedavgm", "fedlilu", "scaffold", "fedexp-average")},
-    "kdecay_runtime": lambda: [KDecay(schedule="error", window=2, reference_loss="first_round"), RuntimeModel(seconds_per_batch=0.01)],
+    "kdecay_runtime": lambda: [KDecay(schedule="error", window=2, reference_loss="first_round"),
+                               RuntimeModel(seconds_per_batch=0.01)],
 }
 
 

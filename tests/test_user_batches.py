@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import make_trainer
-from fedlightning import FederatedLoop, VectorizationUnsupportedError
-from fedlightning.datamodules import FederatedDataModule, IID
+from fedlightning import FederatedLoop
+from fedlightning.datamodules import IID, FederatedDataModule
 
 N = 24
 

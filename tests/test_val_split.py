@@ -139,10 +139,9 @@ def test_val_fraction_zero_skips_validation_in_fit_and_never_evaluates_the_test_
 
 
 def test_cifar_validation_reads_the_images_without_augmentation(tmp_path):
-    from test_data_cifar import write_cifar10
-
     from fedlightning.datamodules import Cifar10DataModule
     from fedlightning.datamodules.cifar import _CIFAR
+    from test_data_cifar import write_cifar10
 
     data = write_cifar10(str(tmp_path))
     dm = Cifar10DataModule(data_dir=str(tmp_path), num_clients=5, augment=True, eval_batch_size=4)

@@ -31,7 +31,8 @@ def test_accepted_values_are_converted(check, value, want):
     (integer, 2.5, "lr must be an integer >= 1, got 2.5"),
     (integer, 0, "lr must be an integer >= 1, got 0"),
     (lambda n, v: integer(n, v, allow_none=True), -1, "lr must be an integer >= 1 or None, got -1"),
-    (lambda n, v: positive(n, v, show_name=True, label="Dirichlet lr"), -0.5, "Dirichlet lr must be a finite number > 0, got lr=-0.5"),
+    (lambda n, v: positive(n, v, show_name=True, label="Dirichlet lr"), -0.5,
+     "Dirichlet lr must be a finite number > 0, got lr=-0.5"),
     (lambda n, v: in_range(n, v, 0.0, 1.0, hint="0 disables it"), 2, "lr must be in [0, 1) (0 disables it), got 2"),
     (lambda n, v: one_of(n, v, ("a", "b", "c")), "d", "lr must be 'a', 'b' or 'c', got 'd'"),
 ])

@@ -13,17 +13,17 @@ float32 results against a tolerance derived from a float64 reference.
 import copy
 import warnings
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-import lightning.pytorch as pl
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
-from fedlightning.datamodules import IID, ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
+from fedlightning.datamodules import IID, ArrayDataset, DigitsDataModule, Dirichlet, FederatedDataModule
 from fedlightning.models import MLP, CharGRU, CharLSTM, Classifier, LogisticRegression
 from fedlightning.optim import SgdArmijo
 from fedlightning.vectorized import VectorizationUnsupportedError, VectorizedClientTrainer, check_model_vectorizable
@@ -380,7 +380,8 @@ class PoisonClient(pl.Callback):
         return [lambda params: params[0].sum() * float("nan")]
 
 
-@pytest.mark.parametrize("optimizer,steps_of_failed", [(CLIENT_OPTIMIZERS["sgd"], K), (CLIENT_OPTIMIZERS["armijo-eta4"], 1)],
+@pytest.mark.parametrize("optimizer,steps_of_failed",
+                         [(CLIENT_OPTIMIZERS["sgd"], K), (CLIENT_OPTIMIZERS["armijo-eta4"], 1)],
                          ids=["sgd", "armijo-eta4"])
 def test_a_failing_client_is_skipped_and_others_are_unaffected(optimizer, steps_of_failed):
     dm = digits()

@@ -392,7 +392,7 @@ def test_torchvision_resnet18_equals_sequential_with_one_sample_batches():
     seq, vec = run("sequential"), run("vectorized")
     assert len(seq[2]) == 2 and seq[2] == vec[2]  # the 1- and 9-sample clients (steps 0 and 1)
     assert "got input size torch.Size([1, 256, 1, 1])" in seq[2][0]  # layer3's first BatchNorm
-    for (name, a), b in zip(seq[0].state_dict().items(), vec[0].state_dict().values()):
+    for a, b in zip(seq[0].state_dict().values(), vec[0].state_dict().values()):
         assert_buffer_close(b, a)
     moved = TorchvisionResNet().state_dict()
     assert max(float((a.double() - moved[k].double()).abs().max()) for k, a in seq[0].state_dict().items()) > 1e-3

@@ -17,7 +17,6 @@ Different computations of the same numbers are compared in float64 (tests/numeri
 import copy
 
 import numpy as np
-
 import pytest
 import torch
 from torch import nn
@@ -237,9 +236,9 @@ def test_token_losses_follow_cross_entropy_under_autocast():
 
 
 def fit_bf16(model, mode):
+    from conftest import make_trainer
     from fedlightning import FederatedLoop
     from fedlightning.callbacks import FedAvg
-    from conftest import make_trainer
     from test_vectorized import digits
 
     model = copy.deepcopy(model)

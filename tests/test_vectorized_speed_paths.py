@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fedlightning._hooks import _concat
-from fedlightning.datamodules import ArrayDataset, Dirichlet, DigitsDataModule, FederatedDataModule
+from fedlightning.datamodules import ArrayDataset, DigitsDataModule, Dirichlet, FederatedDataModule
 from fedlightning.models import MLP, LogisticRegression
 from fedlightning.vectorized import VectorizedClientTrainer
 from fedlightning.vectorized.batches import _padded_positions, _round_index, _RoundBatches, _sampler_batches
@@ -466,7 +466,7 @@ def test_interception_takes_the_batched_nll_only_without_ignored_targets(monkeyp
     for kwargs, targets, batched in cases:
         calls.clear()
 
-        def row(xi, yi, mi):
+        def row(xi, yi, mi, kwargs=kwargs):
             with losses.LossInterception(6, mi, mi.sum()):
                 return torch.nn.functional.cross_entropy(xi, yi, **kwargs)
 

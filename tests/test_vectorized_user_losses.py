@@ -14,13 +14,13 @@ Checked here:
   (dropout masks included: the attempt's random draws are undone).
 """
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vmap
 
-import lightning.pytorch as pl
 from fedlightning.vectorized import VectorizedClientTrainer
 from fedlightning.vectorized.losses import LossInterception
 from numerics import assert_rounding_close, rtol32
@@ -166,8 +166,11 @@ def test_class_losses_without_ignored_targets_skip_the_validity_mask_to_the_same
     none_equal = losses._none_equal
 
     def run(general: bool):
-        monkeypatch.setattr(losses, "_none_equal",
-                            (lambda t, v: False) if general else (lambda t, v: taken.append(none_equal(t, v)) or taken[-1]))
+        def recorded(t, v):
+            taken.append(none_equal(t, v))
+            return taken[-1]
+
+        monkeypatch.setattr(losses, "_none_equal", (lambda t, v: False) if general else recorded)
 
         def row(x, y, m):
             interception = LossInterception(N, m, m.sum())

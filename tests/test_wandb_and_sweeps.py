@@ -179,7 +179,8 @@ def test_sweep_file_schema(path):
 
 def test_sweeps_cover_the_papers_grids():
     keys = {os.path.basename(p): set(load_sweep(p)["parameters"]) for p in SWEEPS}
-    assert {"model.client_optimizer.init_args.c", "model.client_optimizer.init_args.eta_max"} <= keys["fedexpsls_c_eta_max.yaml"]
+    assert ({"model.client_optimizer.init_args.c", "model.client_optimizer.init_args.eta_max"}
+            <= keys["fedexpsls_c_eta_max.yaml"])
     assert keys["fedexp_eps.yaml"] == {"trainer.callbacks.init_args.eps"}
     assert keys["fedavg_client_lr.yaml"] == {"model.client_optimizer.init_args.lr"}
     assert keys["fedprox_mu.yaml"] == keys["feddane_mu.yaml"] == {"trainer.callbacks.init_args.mu"}
@@ -217,7 +218,8 @@ def test_agent_command_macros():
     sweep = {
         "method": "grid", "metric": {"name": "m", "goal": "minimize"}, "program": "p.py",
         "parameters": {"a": {"values": [1]}, "flag": {"values": [False, True]}},
-        "command": ["${env}", "${interpreter}", "${program}", "${args_no_boolean_flags}", "x${envvar:FEDL_TEST_VAR}", "${args}"],
+        "command": ["${env}", "${interpreter}", "${program}", "${args_no_boolean_flags}", "x${envvar:FEDL_TEST_VAR}",
+                    "${args}"],
     }
     os.environ["FEDL_TEST_VAR"] = "42"
     try:
@@ -365,7 +367,8 @@ def test_sweep_grid_order_and_cli_listing(capsys):
     assert _main([os.path.join(ROOT, "configs", "sweeps", "fedexpsls_c_eta_max.yaml")]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 15 and lines[0].startswith("/usr/bin/env python train.py fit --config configs/fedexpsls.yaml")
-    assert lines[-1].endswith("--model.client_optimizer.init_args.c=0.5 --model.client_optimizer.init_args.eta_max=10.0")
+    assert lines[-1].endswith("--model.client_optimizer.init_args.c=0.5 "
+                              "--model.client_optimizer.init_args.eta_max=10.0")
     random_sweep = dict(sweep, method="random", parameters={"a": {"min": 0.0, "max": 1.0}})
     with pytest.raises(ValueError, match="no finite grid"):
         sweep_grid(random_sweep)

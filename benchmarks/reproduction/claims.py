@@ -12,16 +12,17 @@ Decision (ours): "A beats B" is a *tie* when the means differ by less than the s
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
-Verdict = Tuple[str, str]
-Check = Callable[[Dict[str, Dict[str, Any]], Dict[str, str]], Verdict]
+Verdict = tuple[str, str]
+Check = Callable[[dict[str, dict[str, Any]], dict[str, str]], Verdict]
 
 # the metrics of one run (benchmarks/reproduction/report.py: final_metrics), averaged over seeds
 LOSS, GLOSS, ACC = "train_loss", "train_eval_loss", "test_acc"
 
 
-def stat(agg, algo: str, metric: str) -> Optional[Dict[str, float]]:
+def stat(agg, algo: str, metric: str) -> dict[str, float] | None:
     """``agg[algo][metric]`` when it has a finite mean, else None."""
     a = agg.get(algo, {}).get(metric)
     if a is None or a["n"] == 0 or not math.isfinite(a["mean"]):
@@ -65,7 +66,7 @@ def at_least(check: Check) -> Check:
     return wrapped
 
 
-def best(a: str, metric: str, higher_better: bool, among: Optional[Sequence[str]] = None) -> Check:
+def best(a: str, metric: str, higher_better: bool, among: Sequence[str] | None = None) -> Check:
     """"``a`` is the best of the algorithms run" (of ``among`` if given): ``a`` against the best other one."""
 
     def check(agg, labels):

@@ -14,8 +14,9 @@ so the clients keep the whole training set, as in the papers); the K-decay windo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from .claims import ACC, GLOSS, LOSS, Check, all_of, at_least, at_most, beats, best, lowest, no_worse_for_less
 
@@ -36,13 +37,13 @@ class Setup:
     key: str
     title: str
     analog: str  # the paper's setting it stands in for
-    model: Dict[str, Any]
-    data: Callable[[int, int], Dict[str, Any]]
+    model: dict[str, Any]
+    data: Callable[[int, int], dict[str, Any]]
     rounds: int
     eval_every: int
-    protocol: Dict[str, int] = field(default_factory=dict)
-    sgd_lr: Optional[float] = None
-    eval_samples: Optional[int] = None
+    protocol: dict[str, int] = field(default_factory=dict)
+    sgd_lr: float | None = None
+    eval_samples: int | None = None
 
     def __post_init__(self):
         for name in ("rounds", "eval_every"):
@@ -64,9 +65,9 @@ class Algorithm:
     key: str
     label: str
     config: str
-    args: List[str] = field(default_factory=list)
-    callback_args: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-    extra_callbacks: List[Tuple[str, str]] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)
+    callback_args: dict[str, dict[str, Any]] = field(default_factory=dict)
+    extra_callbacks: list[tuple[str, str]] = field(default_factory=list)
     local_steps: bool = True
     kind: str = "standard"
 
@@ -85,7 +86,7 @@ class Claim:
 
     text: str
     check: Check
-    setups: Optional[List[str]] = None
+    setups: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class Curve:
     metric: str
     title: str
     x: str = "round"
-    x_scale: Optional[float] = None
+    x_scale: float | None = None
     xlabel: str = "round"
 
 
@@ -129,16 +130,16 @@ class Experiment:
 
     paper: str
     title: str
-    setups: List[Setup]
-    algorithms: List[Algorithm]
-    protocol: Dict[str, int]
+    setups: list[Setup]
+    algorithms: list[Algorithm]
+    protocol: dict[str, int]
     protocol_note: str
-    claims: List[Claim] = field(default_factory=list)
+    claims: list[Claim] = field(default_factory=list)
     key: str = ""
     loss_metric: str = LOSS
     table: str = "methods"
-    curves: Tuple[Curve, ...] = ROUND_CURVES
-    callbacks: Optional[Callable[[List[Dict[str, Any]], Algorithm, int], List[Dict[str, Any]]]] = None
+    curves: tuple[Curve, ...] = ROUND_CURVES
+    callbacks: Callable[[list[dict[str, Any]], Algorithm, int], list[dict[str, Any]]] | None = None
     runtime: bool = False
     budget_cap: int = 20
 
@@ -170,16 +171,16 @@ class Experiment:
             raise ValueError(f"{where}: budget runs need exactly one reference algorithm, got {refs}")
 
     @property
-    def reference(self) -> Optional[str]:
+    def reference(self) -> str | None:
         """The key of the ``"reference"`` algorithm, if any."""
         return next((a.key for a in self.algorithms if a.kind == "reference"), None)
 
     @property
-    def labels(self) -> Dict[str, str]:
+    def labels(self) -> dict[str, str]:
         return {a.key: a.label for a in self.algorithms}
 
 
-def vary(base: Algorithm, option: str, values: Sequence[Any], name: Optional[str] = None) -> List[Algorithm]:
+def vary(base: Algorithm, option: str, values: Sequence[Any], name: str | None = None) -> list[Algorithm]:
     """A sensitivity study's algorithms: ``base`` once per value of the CLI override ``option`` (e.g.
     ``"model.client_optimizer.init_args.c"``), keyed ``<base.key>-<name><value>`` and labelled
     ``<base.label> <name> = <value>`` (``name``: the option's last component by default)."""
@@ -190,7 +191,7 @@ def vary(base: Algorithm, option: str, values: Sequence[Any], name: Optional[str
 
 # ====================================================================== setups
 def _digits():
-    def build(seed: int, batch_size: int) -> Dict[str, Any]:
+    def build(seed: int, batch_size: int) -> dict[str, Any]:
         return {
             "class_path": "fedlightning.datamodules.DigitsDataModule",
             "init_args": {
@@ -206,7 +207,7 @@ def _digits():
 
 
 def _synthetic(alpha: float, beta: float, iid: bool = False):
-    def build(seed: int, batch_size: int) -> Dict[str, Any]:
+    def build(seed: int, batch_size: int) -> dict[str, Any]:
         return {
             "class_path": "fedlightning.datamodules.SyntheticDataModule",
             "init_args": {"alpha": alpha, "beta": beta, "iid": iid, "num_clients": 30, "batch_size": batch_size,
@@ -216,7 +217,7 @@ def _synthetic(alpha: float, beta: float, iid: bool = False):
     return build
 
 
-def _shakespeare(seed: int, batch_size: int) -> Dict[str, Any]:
+def _shakespeare(seed: int, batch_size: int) -> dict[str, Any]:
     return {"class_path": "fedlightning.datamodules.ShakespeareDataModule",
             "init_args": {"batch_size": batch_size, "seed": seed, "val_fraction": 0.0, "seq_length": 20}}
 
@@ -265,7 +266,7 @@ FEDADAM = A("fedadam", "FedAdam", "configs/fedadam.yaml")
 
 
 # ====================================================================== claims
-def _claims_000() -> List[Claim]:
+def _claims_000() -> list[Claim]:
     return [
         Claim("FedExpSLS reaches the lowest final training loss (Table 1: best on Cifar-10/100 and Shakespeare; "
               "FedExProx is marginally lower on FEMNIST)", best("fedexpsls", LOSS, False)),
@@ -281,7 +282,7 @@ def _claims_000() -> List[Claim]:
     ]
 
 
-def _claims_001() -> List[Claim]:
+def _claims_001() -> list[Claim]:
     return [
         Claim("FedDecSPS has the best test accuracy in the non-i.i.d. settings (Table 1, α = 0.1 and 0.01)",
               best("feddecsps", ACC, True)),
@@ -294,7 +295,7 @@ def _claims_001() -> List[Claim]:
     ]
 
 
-def _claims_002() -> List[Claim]:
+def _claims_002() -> list[Claim]:
     return [
         Claim("FedLi-LU has the best test accuracy (Table 1: CIFAR-10/100, FEMNIST; not Shakespeare)",
               best("fedlilu", ACC, True)),
@@ -307,7 +308,7 @@ def _claims_002() -> List[Claim]:
     ]
 
 
-def _claims_003() -> List[Claim]:
+def _claims_003() -> list[Claim]:
     het = ["synthetic-0-0", "synthetic-0.5-0.5", "synthetic-1-1"]
     return [
         Claim("on Synthetic-IID FedDANE is not worse than FedAvg and FedProx (training loss, Fig. 1)",
@@ -325,7 +326,7 @@ def _claims_003() -> List[Claim]:
 KR_SCHEDULES = ["kr-rounds", "kr-error", "kr-step"]
 
 
-def _claims_004() -> List[Claim]:
+def _claims_004() -> list[Claim]:
     return [
         Claim("every K-decay schedule matches or beats Kη-fixed's accuracy at equal simulated runtime with fewer "
               "SGD steps (§7, Fig. 2)",
@@ -339,7 +340,7 @@ def _claims_004() -> List[Claim]:
 
 
 # ====================================================================== the K-decay protocol
-def _kdecay_windows(callbacks: List[Dict[str, Any]], algorithm: Algorithm, rounds: int) -> List[Dict[str, Any]]:
+def _kdecay_windows(callbacks: list[dict[str, Any]], algorithm: Algorithm, rounds: int) -> list[dict[str, Any]]:
     """Mills et al. (2023) use a loss window s = 100 of ≥ 10k rounds and switch the step schedule at a plateau;
     here (ours) the window is 5% of the rounds and the step schedule switches at half of them."""
     for cb in callbacks:
@@ -351,7 +352,7 @@ def _kdecay_windows(callbacks: List[Dict[str, Any]], algorithm: Algorithm, round
     return callbacks
 
 
-def _kdecay_algorithms() -> List[Algorithm]:
+def _kdecay_algorithms() -> list[Algorithm]:
     # Kη-fixed runs the quickstart's FedAvg with the simulated runtime of configs/dsgd.yaml (its RuntimeModel)
     algos = [
         A("fixed", "Kη-fixed", "configs/quickstart.yaml", kind="reference",
@@ -367,7 +368,7 @@ def _kdecay_algorithms() -> List[Algorithm]:
 
 
 # ====================================================================== the experiments
-EXPERIMENTS: List[Experiment] = [
+EXPERIMENTS: list[Experiment] = [
     Experiment(
         "000", "Painless Federated Learning (FedSLS / FedExpSLS)",
         [DIGITS_LOGREG, DIGITS_MLP, SHAKESPEARE],

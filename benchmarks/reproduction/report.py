@@ -16,7 +16,8 @@ import platform
 import re
 import shlex
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ VERDICT = {"agrees": "agrees", "agrees_tie": "agrees (no worse beyond the seed s
 
 
 # ====================================================================== aggregation
-def final_metrics(data: Dict[str, Any]) -> Dict[str, float]:
+def final_metrics(data: dict[str, Any]) -> dict[str, float]:
     """One run's results.
 
     Decisions (ours unless a paper is named): the final train loss (``train_loss``) is the papers' definition for
@@ -61,7 +62,7 @@ def final_metrics(data: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
-def mean_std(values: List[float]) -> Dict[str, float]:
+def mean_std(values: list[float]) -> dict[str, float]:
     """Mean and sample std (``ddof=1``; 0 with one value); any non-finite value (a diverged seed) makes both NaN
     and is counted in ``diverged``."""
     vals = [v for v in values if v is not None]
@@ -74,16 +75,16 @@ def mean_std(values: List[float]) -> Dict[str, float]:
             "n": len(finite), "diverged": 0}
 
 
-def aggregate(specs: List[RunSpec], results_dir: str):
+def aggregate(specs: list[RunSpec], results_dir: str):
     """``agg[experiment][setup][algorithm] = {metric: {mean, std, n, diverged}}``, the cached runs by
     ``(experiment, setup, algorithm)`` for the curves, and what is missing for the runs that could not run.
 
     In an experiment with a reference algorithm, ``relative_sgd_steps`` is a run's SGD steps over those of the
     reference run of the same seed (Mills et al., 2023, Table IV)."""
-    agg: Dict[str, Dict[str, Dict[str, Dict[str, Any]]]] = {}
-    runs: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = {}
-    missing: Dict[Tuple[str, str, str], str] = {}
-    references: Dict[str, Optional[str]] = {}
+    agg: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    missing: dict[tuple[str, str, str], str] = {}
+    references: dict[str, str | None] = {}
     for s in specs:
         k = (s.experiment.key, s.setup.key, s.algorithm.key)
         references[s.experiment.key] = s.experiment.reference
@@ -113,7 +114,7 @@ def aggregate(specs: List[RunSpec], results_dir: str):
 
 
 # ====================================================================== figures
-def _curve(datas: List[Dict[str, Any]], source: str, key: str, x: str = "round"):
+def _curve(datas: list[dict[str, Any]], source: str, key: str, x: str = "round"):
     """Mean and std over seeds of ``key`` against ``x`` (rows of ``history`` or ``evals``)."""
     series = []
     for d in datas:
@@ -148,7 +149,7 @@ def _plot_band(ax, curve, label):
         ax.fill_between(xs, mean - std, mean + std, color=line.get_color(), alpha=0.18, lw=0)
 
 
-def make_figures(exp: Experiment, runs, figures_dir: str) -> Dict[str, List[str]]:
+def make_figures(exp: Experiment, runs, figures_dir: str) -> dict[str, list[str]]:
     """Per setup: ``<experiment>_<setup>.png`` (the experiment's curves, first panel log-scaled) and, when an
     algorithm backtracked, ``<experiment>_<setup>_linesearch.png``. Returns the file names by setup."""
     import matplotlib
@@ -158,7 +159,7 @@ def make_figures(exp: Experiment, runs, figures_dir: str) -> Dict[str, List[str]
 
     os.makedirs(figures_dir, exist_ok=True)
     labels = exp.labels
-    made: Dict[str, List[str]] = {}
+    made: dict[str, list[str]] = {}
     for setup in exp.setups:
         datas = {a.key: runs.get((exp.key, setup.key, a.key)) for a in exp.algorithms}
         datas = {k: v for k, v in datas.items() if v}
@@ -231,7 +232,7 @@ def _table(exp, agg_p, missing, metric, percent=False, title=""):
     return "\n".join(lines)
 
 
-def _methods_tables(exp, agg_p, missing) -> List[str]:
+def _methods_tables(exp, agg_p, missing) -> list[str]:
     """The final train loss, the global-model train loss, the test accuracy, and the line-search retries of the
     algorithms that backtracked."""
     out = [_table(exp, agg_p, missing, LOSS, title="**Final train loss** (clients' reported loss)"), "",
@@ -252,7 +253,7 @@ def _rel(rel) -> str:
     return "n/a" if not rel else f"{rel['mean']:.3f} ± {rel['std']:.2g}"
 
 
-def _runtime_table(exp, agg_p, missing) -> List[str]:
+def _runtime_table(exp, agg_p, missing) -> list[str]:
     """One row per algorithm and setup, in the format of Mills et al. (2023), Table IV."""
     lines = ["| Schedule | rounds run | relative SGD steps (Table IV) | test acc. at budget (%) | "
              "max test acc. (%) | global train loss | simulated minutes |", "|---|---|---|---|---|---|---|"]
@@ -300,7 +301,7 @@ def _paragraph(exp, agg_p) -> str:
                 continue
             verdict, detail = c.check(agg_s, labels)
             lines.append(f"  * {c.text}: {VERDICT[verdict]} ({detail}).")
-    tally: Dict[str, int] = {}
+    tally: dict[str, int] = {}
     for s in exp.setups:
         for c in exp.claims:
             if (c.setups is None or s.key in c.setups) and agg_p.get(s.key):
@@ -356,9 +357,9 @@ def _version(module: str) -> str:
         return "?"
 
 
-def _claim_outcomes(exp, agg_p) -> Dict[str, List[str]]:
+def _claim_outcomes(exp, agg_p) -> dict[str, list[str]]:
     """Each claim's verdicts over the setups it was checked on: ``{claim text: [verdict, ...]}``."""
-    out: Dict[str, List[str]] = {}
+    out: dict[str, list[str]] = {}
     for s in exp.setups:
         if not agg_p.get(s.key):
             continue
@@ -376,7 +377,7 @@ OFFLINE_GAPS = (
 )
 
 
-def _summary(experiments, tallies: Dict[str, Dict[str, List[str]]], findings: Dict[str, str]) -> List[str]:
+def _summary(experiments, tallies: dict[str, dict[str, list[str]]], findings: dict[str, str]) -> list[str]:
     """The page's opening: per paper, which claims hold on every setup checked, which fail on one, which are ties."""
     lines = ["## Summary", ""]
     for exp in EXPERIMENTS if experiments is None else experiments:
@@ -406,7 +407,7 @@ def _short(text: str) -> str:
 
 
 def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, toy: bool, toy_rounds: int,
-                 experiments: Optional[Sequence[Experiment]] = None) -> str:
+                 experiments: Sequence[Experiment] | None = None) -> str:
     """Write ``<docs_dir>/results.md`` and ``<docs_dir>/figures/`` for ``experiments`` (default: all) from the
     cached results of ``specs``; ``args_text`` is the command line it prints. Returns the page's path."""
     agg, runs, missing = aggregate(specs, results_dir)
@@ -440,8 +441,8 @@ def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, 
         "",
     ]
     setup_rounds = {(sp.experiment.key, sp.setup.key): sp.rounds for sp in specs}  # the rounds requested per setup
-    body: List[str] = []
-    tallies: Dict[str, Dict[str, List[str]]] = {}
+    body: list[str] = []
+    tallies: dict[str, dict[str, list[str]]] = {}
     for exp in EXPERIMENTS if experiments is None else experiments:
         agg_p = agg.get(exp.key, {})
         body += [f"## Seed {exp.paper}: {exp.title}", "", f"Protocol: {exp.protocol_note}.", ""]
@@ -449,7 +450,7 @@ def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, 
         body += ["Setups: " + "; ".join(_setup_text(s, rounds[s.key]) for s in exp.setups) + ".", ""]
         body += TABLES[exp.table](exp, agg_p, missing)
         figs = make_figures(exp, runs, figures_dir)
-        for setup_key, files in figs.items():
+        for files in figs.values():
             body += [f"![{f}](figures/{f})" for f in files]
         body += ["", "**Comparison with the paper.** " + _paragraph(exp, agg_p), ""]
         tallies[exp.paper] = _claim_outcomes(exp, agg_p)
@@ -495,14 +496,14 @@ def portable_command(argv: Sequence[str], long_options: Sequence[str] = PATH_OPT
     from a clone anywhere.
     """
 
-    def path_option(token: str) -> Optional[str]:
+    def path_option(token: str) -> str | None:
         if token in PATH_OPTIONS:
             return token
         matches = [o for o in long_options if o.startswith(token)]
         return matches[0] if len(matches) == 1 and matches[0] in PATH_OPTIONS else None
 
-    out: List[str] = []
-    pending: Optional[str] = None
+    out: list[str] = []
+    pending: str | None = None
     for token in argv:
         if pending is not None:
             out.append(_portable_path(token, pending, root))

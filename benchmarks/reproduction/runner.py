@@ -27,8 +27,9 @@ import os
 import time
 import traceback
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 import yaml
 
@@ -55,11 +56,11 @@ class RunSpec:
     seed: int
     rounds: int
     eval_every: int
-    args: List[str]
-    missing: Optional[str]  # what is missing (the run is not run), None when runnable
+    args: list[str]
+    missing: str | None  # what is missing (the run is not run), None when runnable
     run_id: str
     key: str  # the cache key
-    max_rounds: Optional[int] = None  # budget runs: the cap on rounds
+    max_rounds: int | None = None  # budget runs: the cap on rounds
 
 
 def _read(path: str) -> str:
@@ -77,7 +78,7 @@ def _importable(class_path: str) -> bool:
         return False
 
 
-def _class_paths(node) -> List[str]:
+def _class_paths(node) -> list[str]:
     out = []
     if isinstance(node, dict):
         if isinstance(node.get("class_path"), str):
@@ -90,11 +91,11 @@ def _class_paths(node) -> List[str]:
     return out
 
 
-def _class_name(entry: Dict[str, Any]) -> str:
+def _class_name(entry: dict[str, Any]) -> str:
     return str(entry.get("class_path", "")).rpartition(".")[2]
 
 
-def config_callback(config: str, name: str) -> Dict[str, Any]:
+def config_callback(config: str, name: str) -> dict[str, Any]:
     """A copy of the entry of class ``name`` in the ``trainer.callbacks`` of ``config`` (relative to the root)."""
     path = os.path.join(ROOT, config)
     if os.path.isfile(path):
@@ -105,7 +106,7 @@ def config_callback(config: str, name: str) -> Dict[str, Any]:
     raise MissingPart(f"{config} (its {name} entry)")
 
 
-def run_callbacks(exp: Experiment, algo: Algorithm, config: Dict[str, Any], rounds: int) -> List[Dict[str, Any]]:
+def run_callbacks(exp: Experiment, algo: Algorithm, config: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
     """The run's ``trainer.callbacks``: the config's, rewritten by ``exp.callbacks``, with ``algo.callback_args``
     merged into the named callbacks and ``algo.extra_callbacks`` appended."""
     callbacks = copy.deepcopy((config.get("trainer") or {}).get("callbacks") or [])
@@ -131,7 +132,7 @@ def build_spec(exp: Experiment, setup: Setup, algo: Algorithm, seed: int, scale:
     run_id = f"{exp.key}/{setup.key}/{algo.key}/seed{seed}"
     config_path = os.path.join(ROOT, algo.config)
     missing = None
-    config: Dict[str, Any] = {}
+    config: dict[str, Any] = {}
     if not os.path.isfile(config_path):
         missing = algo.config
     else:
@@ -171,15 +172,16 @@ def build_spec(exp: Experiment, setup: Setup, algo: Algorithm, seed: int, scale:
             max_rounds = exp.budget_cap * rounds
             args[args.index(f"--trainer.max_steps={rounds}")] = f"--trainer.max_steps={max_rounds}"
     args += [f"--{a}" for a in algo.args]
-    key_src = json.dumps({"v": SCHEMA_VERSION, "args": portable_args(args), "config": _read(config_path) if not missing else None,
+    key_src = json.dumps({"v": SCHEMA_VERSION, "args": portable_args(args),
+                          "config": _read(config_path) if not missing else None,
                           "eval_every": eval_every, "eval_samples": setup.eval_samples, "rounds": rounds},
                          sort_keys=True)
     key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
     return RunSpec(exp, setup, algo, seed, rounds, eval_every, args, missing, run_id, key, max_rounds)
 
 
-def all_specs(seeds: int, scale: float, setup_scales: Optional[Dict[str, float]] = None,
-              experiments: Optional[Sequence[Experiment]] = None) -> List[RunSpec]:
+def all_specs(seeds: int, scale: float, setup_scales: dict[str, float] | None = None,
+              experiments: Sequence[Experiment] | None = None) -> list[RunSpec]:
     """Every run of ``experiments`` (default: all); ``setup_scales`` maps fnmatch patterns over
     ``<experiment>/<setup>`` to a round scale that replaces ``scale`` for the matching setups (the first matching
     pattern wins)."""
@@ -199,7 +201,7 @@ def all_specs(seeds: int, scale: float, setup_scales: Optional[Dict[str, float]]
     return specs
 
 
-def selected(run_id: str, patterns: Optional[Sequence[str]]) -> bool:
+def selected(run_id: str, patterns: Sequence[str] | None) -> bool:
     """``run_id`` matches one of ``patterns`` (fnmatch; a prefix selects everything below it); no patterns: all."""
     if not patterns:
         return True
@@ -207,7 +209,7 @@ def selected(run_id: str, patterns: Optional[Sequence[str]]) -> bool:
 
 
 # ====================================================================== one run
-def _recorder(spec: RunSpec, budget: Optional[float]):
+def _recorder(spec: RunSpec, budget: float | None):
     from lightning.pytorch.callbacks import Callback
 
     from fedlightning.callbacks.telemetry import GlobalEvaluation
@@ -219,14 +221,14 @@ def _recorder(spec: RunSpec, budget: Optional[float]):
         budget run at the budget's simulated seconds."""
 
         def __init__(self):
-            self.rounds: List[Dict[str, float]] = []
-            self.evals: List[Dict[str, float]] = []
+            self.rounds: list[dict[str, float]] = []
+            self.evals: list[dict[str, float]] = []
             self.started = time.time()
             n = spec.setup.eval_samples
             self.train_eval = GlobalEvaluation("train", spec.eval_every, max_samples=n, seed=spec.seed)
             self.test_eval = GlobalEvaluation("test", spec.eval_every, max_samples=n, seed=spec.seed)
 
-        def evaluate(self, loop, round_number: int, wall: Optional[float]) -> None:
+        def evaluate(self, loop, round_number: int, wall: float | None) -> None:
             dm = loop._datamodule()
             row = {"round": round_number}
             row.update(self.train_eval.evaluate(loop.model, dm, loop.device))
@@ -253,7 +255,7 @@ def _recorder(spec: RunSpec, budget: Optional[float]):
     return Recorder()
 
 
-def run_one(spec: RunSpec, budget: Optional[float] = None) -> Dict[str, Any]:
+def run_one(spec: RunSpec, budget: float | None = None) -> dict[str, Any]:
     """One run in this process; ``budget``: stop at this many simulated seconds. Returns the cache entry."""
     from fedlightning.cli import main
 
@@ -286,7 +288,7 @@ def run_one(spec: RunSpec, budget: Optional[float] = None) -> Dict[str, Any]:
 
 
 # ====================================================================== the cache
-def portable_args(args: Sequence[str]) -> List[str]:
+def portable_args(args: Sequence[str]) -> list[str]:
     """``args`` with the repository's own absolute path removed (config files become ``configs/...``), so the cache
     keys and the stored arguments are the same in every checkout and name no path of one machine."""
     prefix = ROOT.rstrip(os.sep) + os.sep
@@ -297,7 +299,7 @@ def result_path(results_dir: str, spec: RunSpec) -> str:
     return os.path.join(results_dir, spec.experiment.key, spec.setup.key, spec.algorithm.key, f"seed{spec.seed}.json")
 
 
-def load_cached(results_dir: str, spec: RunSpec) -> Optional[Dict[str, Any]]:
+def load_cached(results_dir: str, spec: RunSpec) -> dict[str, Any] | None:
     """The cached result of ``spec`` if it finished with the same key, else None."""
     path = result_path(results_dir, spec)
     if not os.path.isfile(path):
@@ -310,7 +312,7 @@ def load_cached(results_dir: str, spec: RunSpec) -> Optional[Dict[str, Any]]:
     return data if data.get("key") == spec.key and data.get("status") == "ok" else None
 
 
-def save_result(results_dir: str, spec: RunSpec, data: Dict[str, Any]) -> None:
+def save_result(results_dir: str, spec: RunSpec, data: dict[str, Any]) -> None:
     path = result_path(results_dir, spec)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
@@ -319,7 +321,7 @@ def save_result(results_dir: str, spec: RunSpec, data: Dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _budget_for(results_dir: str, spec: RunSpec, specs: List[RunSpec]) -> Optional[float]:
+def _budget_for(results_dir: str, spec: RunSpec, specs: list[RunSpec]) -> float | None:
     """The simulated seconds the reference run of the same experiment, setup and seed used."""
     for s in specs:
         if (s.experiment.key == spec.experiment.key and s.setup.key == spec.setup.key and s.seed == spec.seed
@@ -339,7 +341,7 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def execute(specs: List[RunSpec], results_dir: str, log=print) -> Dict[str, int]:
+def execute(specs: list[RunSpec], results_dir: str, log=print) -> dict[str, int]:
     """Run every spec that is not cached (references before the budget runs that need their runtime)."""
     from tqdm import tqdm
 

@@ -20,8 +20,8 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import ROOT
 
@@ -37,12 +37,12 @@ class Question:
 
     paper: str
     claim: str
-    methods: Tuple[Tuple[str, str], ...]
-    claimed: Tuple[str, ...]
+    methods: tuple[tuple[str, str], ...]
+    claimed: tuple[str, ...]
     metric: str = VAL  # VAL (higher is better) or GLOBAL_LOSS (lower is better)
 
 
-QUESTIONS: Tuple[Question, ...] = (
+QUESTIONS: tuple[Question, ...] = (
     Question("001", "FedDecSPS ≥ FedSPS under heterogeneity, and both beat FedAMS (Table 1, α ≤ 0.1)",
              (("FedDecSPS", "s001_feddecsps"), ("FedSPS", "s001_fedsps"), ("FedAMS", "s001_fedams")),
              ("FedDecSPS", "FedSPS", "FedAMS")),
@@ -51,11 +51,11 @@ QUESTIONS: Tuple[Question, ...] = (
 )
 
 
-def study_files() -> List[str]:
+def study_files() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(STUDIES_DIR) if f.endswith(".yaml")) if os.path.isdir(STUDIES_DIR) else []
 
 
-def run_studies(results_dir: str, names: Optional[Sequence[str]] = None) -> Dict[str, int]:
+def run_studies(results_dir: str, names: Sequence[str] | None = None) -> dict[str, int]:
     """Run (or resume) every study's sweep; returns each study's exit code."""
     codes = {}
     for name in names or study_files():
@@ -65,7 +65,7 @@ def run_studies(results_dir: str, names: Optional[Sequence[str]] = None) -> Dict
     return codes
 
 
-def read_study(results_dir: str, name: str) -> List[Dict[str, object]]:
+def read_study(results_dir: str, name: str) -> list[dict[str, object]]:
     """The finished runs of a study: ``{"params": {short name: value}, metric: float, ...}`` per run."""
     path = os.path.join(results_dir, "studies", name, "results.csv")
     if not os.path.isfile(path):
@@ -77,7 +77,7 @@ def read_study(results_dir: str, name: str) -> List[Dict[str, object]]:
                 continue
             fixed = {"rank", "run", "status", "exit_code", "seconds"}
             params = {k.rsplit(".", 1)[-1]: r[k] for k in r if "." in k and "/" not in k and k not in fixed}
-            row: Dict[str, object] = {"params": params, "seconds": _float(r.get("seconds"))}
+            row: dict[str, object] = {"params": params, "seconds": _float(r.get("seconds"))}
             for m in (VAL, TEST, GLOBAL_LOSS, "train/loss"):
                 row[m] = _float(r.get(m))
             rows.append(row)
@@ -111,12 +111,12 @@ def _fmt(metric, v) -> str:
     return "—" if not math.isfinite(v) else (f"{100 * v:.2f}" if metric in (VAL, TEST) else f"{v:.4g}")
 
 
-def _order_holds(values: Dict[str, float], claimed: Sequence[str], metric: str) -> bool:
+def _order_holds(values: dict[str, float], claimed: Sequence[str], metric: str) -> bool:
     better = (lambda a, b: a >= b) if metric != GLOBAL_LOSS else (lambda a, b: a <= b)
     return all(better(values[a], values[b]) for a, b in zip(claimed, claimed[1:]))
 
 
-def studies_section(results_dir: str) -> Tuple[List[str], float, Dict[str, str]]:
+def studies_section(results_dir: str) -> tuple[list[str], float, dict[str, str]]:
     """The markdown lines of the studies, their total compute (s) and a one-line finding per paper."""
     out = ["## Sensitivity studies", "",
            "Each grid is one method's sweep on the validation split (`python -m fedlightning.sweep "
@@ -144,7 +144,8 @@ def studies_section(results_dir: str) -> Tuple[List[str], float, Dict[str, str]]
             for r in rows:
                 mark = " **(selected)**" if r is sel else ""
                 out.append("| " + " | ".join(str(r["params"][k]) for k in keys)
-                           + f" | {_fmt(VAL, r[VAL])}{mark} | {_fmt(TEST, r[TEST])} | {_fmt(GLOBAL_LOSS, r[GLOBAL_LOSS])} |")
+                           + f" | {_fmt(VAL, r[VAL])}{mark} | {_fmt(TEST, r[TEST])}"
+                           + f" | {_fmt(GLOBAL_LOSS, r[GLOBAL_LOSS])} |")
             out.append("")
         selected = {label: _selected(rows) for label, rows in data.items()}
         best = {label: _best(rows, q.metric) for label, rows in data.items()}
@@ -153,8 +154,10 @@ def studies_section(results_dir: str) -> Tuple[List[str], float, Dict[str, str]]
         best_vals = {label: r[q.metric] for label, r in best.items()}
         rel = " ≥ " if q.metric != GLOBAL_LOSS else " ≤ "
         claimed = rel.join(q.claimed)
-        observed_sel = ", ".join(f"{label} {_fmt(q.metric, v)} ({_setting(selected[label])})" for label, v in sel_vals.items())
-        observed_best = ", ".join(f"{label} {_fmt(q.metric, v)} ({_setting(best[label])})" for label, v in best_vals.items())
+        observed_sel = ", ".join(f"{label} {_fmt(q.metric, v)} ({_setting(selected[label])})"
+                                 for label, v in sel_vals.items())
+        observed_best = ", ".join(f"{label} {_fmt(q.metric, v)} ({_setting(best[label])})"
+                                  for label, v in best_vals.items())
         holds_sel = _order_holds(sel_vals, q.claimed, q.metric)
         holds_any = _order_holds(best_vals, q.claimed, q.metric)
         tests = ", ".join(f"{label} {_fmt(TEST, r[TEST])}" for label, r in selected.items())

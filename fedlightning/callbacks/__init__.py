@@ -1,10 +1,10 @@
 """Server-side callbacks: strategies (aggregation + server step), schedules and telemetry."""
 
+from fedlightning.callbacks.adaptive import FedAdagrad, FedAdam, FedAMS, FedAvgM, FedYogi
 from fedlightning.callbacks.base import FederatedCallback, RoundStatistics, ServerStep, ServerStrategy
 from fedlightning.callbacks.client_eval import ClientEvaluation
-from fedlightning.callbacks.fedavg import FedAvg
-from fedlightning.callbacks.adaptive import FedAdagrad, FedAdam, FedAMS, FedAvgM, FedYogi
 from fedlightning.callbacks.dp import DPFedAvg
+from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.feddane import FedDANE
 from fedlightning.callbacks.fedexp import FedExP
 from fedlightning.callbacks.fedexprox import FedExProx

@@ -12,7 +12,7 @@ checkpoints it.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ __all__ = ["AdaptiveServerOptimizer", "FedAdagrad", "FedAdam", "FedYogi", "FedAM
 _RULES = ("adagrad", "adam", "yogi", "ams")
 
 
-def _check_betas(betas: Sequence[float], rule: str) -> Tuple[float, float]:
+def _check_betas(betas: Sequence[float], rule: str) -> tuple[float, float]:
     try:
         b1, b2 = (float(b) for b in betas)
     except (TypeError, ValueError):
@@ -139,21 +139,24 @@ class _AdaptiveStrategy(ServerStrategy):
         super().__init__(server_lr=positive("server_lr", server_lr), weighting=weighting)
         self.betas = _check_betas(betas, self.rule)
         self.eps = positive("ams_eps" if self.rule == "ams" else "tau", eps)
-        self._optimizer: Optional[torch.optim.Optimizer] = None
+        self._optimizer: torch.optim.Optimizer | None = None
 
     def configure_server_optimizer(self, params):
-        self._optimizer = AdaptiveServerOptimizer(params, lr=self.server_lr, rule=self.rule, betas=self.betas, eps=self.eps)
+        self._optimizer = AdaptiveServerOptimizer(params, lr=self.server_lr, rule=self.rule, betas=self.betas,
+                                                  eps=self.eps)
         return self._optimizer
 
     def on_round_end(self, trainer, pl_module, result) -> None:
-        result.metrics.update(_moment_statistics(self._optimizer, "max_exp_avg_sq" if self.rule == "ams" else "exp_avg_sq", "exp_avg"))
+        second = "max_exp_avg_sq" if self.rule == "ams" else "exp_avg_sq"
+        result.metrics.update(_moment_statistics(self._optimizer, second, "exp_avg"))
 
     def __repr__(self) -> str:
         name = "ams_eps" if self.rule == "ams" else "tau"
-        return f"{type(self).__name__}(server_lr={self.server_lr}, betas={self.betas}, {name}={self.eps}, weighting={self.weighting!r})"
+        return (f"{type(self).__name__}(server_lr={self.server_lr}, betas={self.betas}, {name}={self.eps}, "
+                f"weighting={self.weighting!r})")
 
 
-def _moment_statistics(opt: Optional[torch.optim.Optimizer], second: Optional[str], first: str) -> Dict[str, float]:
+def _moment_statistics(opt: torch.optim.Optimizer | None, second: str | None, first: str) -> dict[str, float]:
     if opt is None:
         return {}
     firsts, seconds = [], []
@@ -164,7 +167,7 @@ def _moment_statistics(opt: Optional[torch.optim.Optimizer], second: Optional[st
                 firsts.append(st[first].reshape(-1))
             if second is not None and second in st:
                 seconds.append(st[second].reshape(-1))
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     if firsts:
         out["server/first_moment_norm"] = float(torch.cat(firsts).double().norm().item())
     if seconds:
@@ -180,7 +183,8 @@ class FedAdagrad(_AdaptiveStrategy):
 
     rule = "adagrad"
 
-    def __init__(self, server_lr: float = 0.1, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-2, weighting: str = "uniform"):
+    def __init__(self, server_lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.99), tau: float = 1e-2,
+                 weighting: str = "uniform"):
         super().__init__(server_lr, betas, tau, weighting)
 
 
@@ -190,7 +194,8 @@ class FedAdam(_AdaptiveStrategy):
 
     rule = "adam"
 
-    def __init__(self, server_lr: float = 0.1, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-2, weighting: str = "uniform"):
+    def __init__(self, server_lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.99), tau: float = 1e-2,
+                 weighting: str = "uniform"):
         super().__init__(server_lr, betas, tau, weighting)
 
 
@@ -200,7 +205,8 @@ class FedYogi(_AdaptiveStrategy):
 
     rule = "yogi"
 
-    def __init__(self, server_lr: float = 0.1, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-2, weighting: str = "uniform"):
+    def __init__(self, server_lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.99), tau: float = 1e-2,
+                 weighting: str = "uniform"):
         super().__init__(server_lr, betas, tau, weighting)
 
 
@@ -210,7 +216,8 @@ class FedAMS(_AdaptiveStrategy):
 
     rule = "ams"
 
-    def __init__(self, server_lr: float = 1.0, betas: Tuple[float, float] = (0.9, 0.99), ams_eps: float = 1e-3, weighting: str = "uniform"):
+    def __init__(self, server_lr: float = 1.0, betas: tuple[float, float] = (0.9, 0.99), ams_eps: float = 1e-3,
+                 weighting: str = "uniform"):
         super().__init__(server_lr, betas, ams_eps, weighting)
 
 
@@ -224,14 +231,15 @@ class FedAvgM(ServerStrategy):
         weighting: default ``"samples"`` (Hsu et al. weight by client samples).
     """
 
-    def __init__(self, server_lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False, weighting: str = "samples"):
+    def __init__(self, server_lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False,
+                 weighting: str = "samples"):
         super().__init__(server_lr=positive("server_lr", server_lr), weighting=weighting)
         momentum = in_range("momentum", momentum, 0.0, 1.0)
         if nesterov and momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0")
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
-        self._optimizer: Optional[torch.optim.Optimizer] = None
+        self._optimizer: torch.optim.Optimizer | None = None
 
     def configure_server_optimizer(self, params):
         self._optimizer = torch.optim.SGD(params, lr=self.server_lr, momentum=self.momentum, nesterov=self.nesterov)
@@ -241,5 +249,6 @@ class FedAvgM(ServerStrategy):
         result.metrics.update(_moment_statistics(self._optimizer, None, "momentum_buffer"))
 
     def __repr__(self) -> str:
-        return f"FedAvgM(server_lr={self.server_lr}, momentum={self.momentum}, nesterov={self.nesterov}, weighting={self.weighting!r})"
+        return (f"FedAvgM(server_lr={self.server_lr}, momentum={self.momentum}, nesterov={self.nesterov}, "
+                f"weighting={self.weighting!r})")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import warnings
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -45,7 +45,7 @@ class FederatedCallback(Callback):
         """Before the round's clients train; may change ``plan`` (e.g. ``plan.local_steps``, ``plan.client_lr_scale``,
         with ``local_epochs`` ``plan.client_steps``)."""
 
-    def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int) -> List[Any]:
+    def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int) -> list[Any]:
         """Extra loss terms ``f(params) -> Tensor`` added to client ``client_id``'s ``training_step`` loss this round
         (``params``: the client's trainable parameters in ``model.parameters()`` order). Default: none."""
         return []
@@ -65,7 +65,7 @@ FEDERATED_HOOKS = ("on_round_start", "client_objective", "on_client_end", "on_ro
 #: Hooks whose previous signature lacked ``trainer``: ``client_objective(loop, plan, client_id)`` and
 #: ``on_client_end(loop, plan, update)`` (still called, with a FutureWarning, until the next release).
 _LEGACY_SIGNATURES = {"client_objective": "(loop, plan, client_id)", "on_client_end": "(loop, plan, update)"}
-_legacy_cache: Dict[Tuple[type, str], bool] = {}
+_legacy_cache: dict[tuple[type, str], bool] = {}
 
 allow_logging_from(FEDERATED_HOOKS)  # ``pl_module.log`` inside a federated hook logs as in ``training_step``
 
@@ -95,7 +95,7 @@ def _uses_legacy_signature(callback: Any, name: str, method: Any, num_args: int)
     return legacy
 
 
-def call_federated_hook(trainer: Any, pl_module: Any, name: str, *args: Any) -> List[Any]:
+def call_federated_hook(trainer: Any, pl_module: Any, name: str, *args: Any) -> list[Any]:
     """Call the federated hook ``name`` of every callback in ``trainer.callbacks`` that defines it, in their order,
     as ``hook(trainer, pl_module, *args)``; return their results in that order.
 
@@ -142,12 +142,12 @@ class ServerStep(NamedTuple):
     may also return ``(pseudo_gradient, lr, metrics)``."""
 
     pseudo_gradient: Tensor
-    lr: Optional[float] = None
-    metrics: Dict[str, float] = {}
+    lr: float | None = None
+    metrics: dict[str, float] = {}
 
 
-def accumulate_core(strategy: "ServerStrategy", stats: RoundStatistics, update: ClientUpdate,
-                    weight: Optional[float] = None, sq_norm: Optional[Tensor] = None) -> None:
+def accumulate_core(strategy: ServerStrategy, stats: RoundStatistics, update: ClientUpdate,
+                    weight: float | None = None, sq_norm: Tensor | None = None) -> None:
     """The round sums every strategy relies on, added by the loop for each healthy client: ``delta`` (Σ w_i Δ_i with
     ``w_i = strategy.client_weight(update)``), ``weight`` (Σ w_i), ``clients``, ``sq_norm_sum`` (Σ‖Δ_i‖²),
     ``weighted_sq_norm_sum`` and, for models with float buffers, ``buffers`` (Σ w_i b_i). ``weight`` and ``sq_norm``
@@ -198,7 +198,7 @@ class ServerStrategy(FederatedCallback):
         self.weighting = one_of("weighting", weighting, ("samples", "uniform"))
 
     # -------------------------------------------------------------- server optimizer
-    def configure_server_optimizer(self, params: List[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def configure_server_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.server_lr)
 
     # -------------------------------------------------------------- aggregation
@@ -215,7 +215,8 @@ class ServerStrategy(FederatedCallback):
     def mean_delta(self, stats: RoundStatistics) -> Tensor:
         return stats["delta"] / stats["weight"].to(stats["delta"].dtype)
 
-    def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan) -> Tuple[Tensor, Optional[float], Dict[str, float]]:
+    def server_update(self, loop, stats: RoundStatistics,
+                      plan: RoundPlan) -> tuple[Tensor, float | None, dict[str, float]]:
         """Return the round's :class:`ServerStep` ``(pseudo_gradient, lr_or_None, metrics)``; ``lr=None`` keeps the
         optimizer's own lr. Default: the weighted mean delta (FedAvg)."""
         return ServerStep(self.mean_delta(stats), None, {})

@@ -14,8 +14,6 @@ is :func:`client_full_gradient`.
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -34,7 +32,7 @@ __all__ = ["FedDANE", "client_full_gradient"]
 
 
 @torch.enable_grad()
-def client_full_gradient(loop, client_id: int, round: int, batch_size: Optional[int] = None) -> Tensor:
+def client_full_gradient(loop, client_id: int, round: int, batch_size: int | None = None) -> Tensor:
     """Flat gradient of client ``client_id``'s mean training loss over all its samples at the global weights.
 
     Uses the FederatedLoop's working copy of the model (its weights and buffers are reset to the global ones
@@ -139,8 +137,8 @@ class FedDANE(FedAvg):
         self,
         mu: float = 0.0,
         gradient_clients: str = "independent",
-        gradient_clients_per_round: Optional[int] = None,
-        gradient_batch_size: Optional[int] = None,
+        gradient_clients_per_round: int | None = None,
+        gradient_batch_size: int | None = None,
         correction: bool = True,
         weighting: str = "uniform",
     ):
@@ -151,12 +149,12 @@ class FedDANE(FedAvg):
                                                   allow_none=True)
         self.gradient_batch_size = integer("gradient_batch_size", gradient_batch_size, allow_none=True)
         self.correction = bool(correction)
-        self._round: Optional[int] = None
-        self._global_gradient: Optional[Tensor] = None  # g_t of the current round
-        self._gradient_client_ids: List[int] = []
+        self._round: int | None = None
+        self._global_gradient: Tensor | None = None  # g_t of the current round
+        self._gradient_client_ids: list[int] = []
 
     # ------------------------------------------------------------------ gradient phase
-    def sample_gradient_clients(self, loop, plan: RoundPlan) -> List[int]:
+    def sample_gradient_clients(self, loop, plan: RoundPlan) -> list[int]:
         """``S_t``: the round's clients (``"same"``) or an independent seeded sample of the clients with data."""
         if self.gradient_clients == "same":
             return list(plan.client_ids)
@@ -198,7 +196,8 @@ class FedDANE(FedAvg):
         directions = None
         if self.correction:
             if self._global_gradient is None or self._round != plan.round:
-                raise RuntimeError("FedDANE's gradient phase did not run for this round (on_round_start was not called)")
+                raise RuntimeError(
+                    "FedDANE's gradient phase did not run for this round (on_round_start was not called)")
             own = client_full_gradient(pl_module, client_id, plan.round, self.gradient_batch_size)
             directions = split_like(self._global_gradient - own, anchors)
 

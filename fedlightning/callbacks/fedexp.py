@@ -14,7 +14,7 @@ clients (``configs/fedexpsls.yaml``).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 from torch import Tensor
 
@@ -25,7 +25,7 @@ from fedlightning.state import RoundPlan, assign_flat_, flat_params
 __all__ = ["FedExP", "fedexp_server_lr"]
 
 
-def fedexp_server_lr(mean_client_sq_norm: float, delta_sq_norm: float, eps: float) -> Tuple[float, float]:
+def fedexp_server_lr(mean_client_sq_norm: float, delta_sq_norm: float, eps: float) -> tuple[float, float]:
     r"""``(η_g, raw)`` with ``raw = mean‖Δ_i‖² / (2(‖Δ‖² + ε))`` and ``η_g = max{1, raw}``.
 
     ``mean_client_sq_norm`` is ``Σ p_i‖Δ_i‖²/Σ p_i`` (``Σ‖Δ_i‖²/|S|`` for uniform weights). A zero denominator
@@ -85,11 +85,11 @@ class FedExP(ServerStrategy):
         self.eps = non_negative("eps", eps)
         self.scale_eps_by_clients = bool(scale_eps_by_clients)
         self.evaluate_iterate_average = bool(evaluate_iterate_average)
-        self._previous_iterate: Optional[Tensor] = None  # w_t of the last round (for the averaged evaluation)
-        self._swapped_out: Optional[Tensor] = None  # w_{t+1} while the average is swapped in
+        self._previous_iterate: Tensor | None = None  # w_t of the last round (for the averaged evaluation)
+        self._swapped_out: Tensor | None = None  # w_{t+1} while the average is swapped in
 
     # ------------------------------------------------------------------ server step
-    def extrapolation(self, stats: RoundStatistics, delta: Tensor) -> Tuple[float, float, float]:
+    def extrapolation(self, stats: RoundStatistics, delta: Tensor) -> tuple[float, float, float]:
         """``(η_g, raw η_g, ε used)`` for the round's statistics and mean delta."""
         mean_sq = float(stats["weighted_sq_norm_sum"].item()) / float(stats["weight"].item())
         delta_sq = float(delta.double().pow(2).sum().item())
@@ -97,7 +97,8 @@ class FedExP(ServerStrategy):
         eta, raw = fedexp_server_lr(mean_sq, delta_sq, eps)
         return eta, raw, eps
 
-    def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan) -> Tuple[Tensor, Optional[float], Dict[str, float]]:
+    def server_update(self, loop, stats: RoundStatistics,
+                      plan: RoundPlan) -> tuple[Tensor, float | None, dict[str, float]]:
         delta = self.mean_delta(stats)
         eta, raw, eps = self.extrapolation(stats, delta)
         if self.evaluate_iterate_average:
@@ -137,11 +138,11 @@ class FedExP(ServerStrategy):
         self._restore(pl_module)
 
     # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         prev = self._previous_iterate
         return {"previous_iterate": None if prev is None else prev.detach().cpu().clone()}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._previous_iterate = state_dict.get("previous_iterate")
 
     def __repr__(self) -> str:

@@ -9,8 +9,6 @@ the decisions are in :class:`FedExProx`'s docstring.
 
 from __future__ import annotations
 
-from typing import Dict
-
 from fedlightning._validation import non_negative, one_of
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.callbacks.proximal import ProximalTerm, global_anchors, proximal_penalty
@@ -40,7 +38,9 @@ class FedExProx(ServerStrategy):
     .. math::
         w_{t+1} = w_t - \alpha_t \Delta ,\qquad
         \alpha_t = \begin{cases}
-            \alpha & \text{rule "constant" (} \alpha = \texttt{server\_lr}\text{; the paper's } 1/(\gamma L_\gamma)\text{)}\\
+            \alpha
+                & \text{rule "constant" (} \alpha = \texttt{server\_lr}
+                  \text{; the paper's } 1/(\gamma L_\gamma)\text{)}\\
             \dfrac{\sum_i p_i\lVert\Delta_i\rVert^2 / \sum_i p_i}{\lVert\Delta\rVert^2 + \epsilon}
                 & \text{rule "grads" (gradient diversity, GraDS)}
         \end{cases}
@@ -70,7 +70,8 @@ class FedExProx(ServerStrategy):
         weighting: ``"uniform"`` (default, the paper) or ``"samples"``.
     """
 
-    def __init__(self, mu: float, rule: str = "grads", server_lr: float = 1.0, eps: float = 0.0, weighting: str = "uniform"):
+    def __init__(self, mu: float, rule: str = "grads", server_lr: float = 1.0, eps: float = 0.0,
+                 weighting: str = "uniform"):
         super().__init__(server_lr=server_lr, weighting=weighting)
         self.mu = non_negative("mu", mu)
         self.rule = one_of("rule", rule, _RULES)
@@ -100,8 +101,9 @@ class FedExProx(ServerStrategy):
         else:
             mean_sq = float(stats["weighted_sq_norm_sum"].item()) / float(stats["weight"].item())
             alpha = grads_extrapolation(mean_sq, float(delta.double().pow(2).sum().item()), self.eps)
-        metrics: Dict[str, float] = {"server/eta_g": alpha, "server/eta_g_raw": alpha}
+        metrics: dict[str, float] = {"server/eta_g": alpha, "server/eta_g_raw": alpha}
         return delta, alpha, metrics
 
     def __repr__(self) -> str:
-        return f"FedExProx(mu={self.mu}, rule={self.rule!r}, server_lr={self.server_lr}, eps={self.eps}, weighting={self.weighting!r})"
+        return (f"FedExProx(mu={self.mu}, rule={self.rule!r}, server_lr={self.server_lr}, eps={self.eps}, "
+                f"weighting={self.weighting!r})")

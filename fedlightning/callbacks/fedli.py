@@ -13,7 +13,7 @@ The formulas, defaults and the decisions the paper leaves open are in the two cl
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, Optional, Tuple
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -25,7 +25,8 @@ from fedlightning.state import ClientUpdate, RoundPlan, flat_params
 __all__ = ["FedLiLS", "FedLiLU", "DFWServerOptimizer", "dfw_gamma"]
 
 
-def dfw_gamma(pseudo_objective: float, delta: Tensor, weights: Tensor, lr: float, weight_decay: float, eps: float) -> Tuple[float, float]:
+def dfw_gamma(pseudo_objective: float, delta: Tensor, weights: Tensor, lr: float, weight_decay: float,
+              eps: float) -> tuple[float, float]:
     """``(γ_t, raw)``: DFW's optimal step ``raw = (F̂ − η⟨λw, Δ⟩)/(η‖Δ‖² + ε)`` and its clip to ``[0, 1]``."""
     d = delta.double()
     r = weights.double() * weight_decay
@@ -192,10 +193,11 @@ class FedLiLU(ServerStrategy):
         self.weight_decay = non_negative("weight_decay", weight_decay)
         self.eps = non_negative("dfw_eps", dfw_eps)
         self.client_loss = one_of("client_loss", client_loss, ("mean", "first"))
-        self._optimizer: Optional[DFWServerOptimizer] = None
+        self._optimizer: DFWServerOptimizer | None = None
 
     def configure_server_optimizer(self, params):
-        self._optimizer = DFWServerOptimizer(params, lr=self.server_lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        self._optimizer = DFWServerOptimizer(params, lr=self.server_lr, momentum=self.momentum,
+                                             weight_decay=self.weight_decay)
         return self._optimizer
 
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
@@ -212,7 +214,7 @@ class FedLiLU(ServerStrategy):
             raise RuntimeError("FedLiLU's server optimizer was not configured (fit the loop with a Trainer)")
         for group in self._optimizer.param_groups:
             group["gamma"] = gamma
-        metrics: Dict[str, float] = {
+        metrics: dict[str, float] = {
             "server/dfw_gamma": gamma,
             "server/dfw_gamma_raw": raw,
             "server/pseudo_objective": f_hat,
@@ -223,6 +225,6 @@ class FedLiLU(ServerStrategy):
 
     def __repr__(self) -> str:
         return (
-            f"FedLiLU(lr={self.server_lr}, momentum={self.momentum}, weight_decay={self.weight_decay}, dfw_eps={self.eps}, "
-            f"client_loss={self.client_loss!r}, weighting={self.weighting!r})"
+            f"FedLiLU(lr={self.server_lr}, momentum={self.momentum}, weight_decay={self.weight_decay}, "
+            f"dfw_eps={self.eps}, client_loss={self.client_loss!r}, weighting={self.weighting!r})"
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from fractions import Fraction
-from typing import Any, Deque, Dict, Optional, Tuple
+from typing import Any
 
 from fedlightning._validation import in_range, integer, non_negative, one_of, positive
 from fedlightning.callbacks.base import FederatedCallback
@@ -110,7 +110,8 @@ def error_lr_scale(loss: float, reference_loss: float) -> float:
 
 
 def simulated_round_seconds(
-    model_megabits: float, local_steps: int, seconds_per_batch: float, download_mbps: float = 20.0, upload_mbps: float = 5.0
+    model_megabits: float, local_steps: int, seconds_per_batch: float, download_mbps: float = 20.0,
+    upload_mbps: float = 5.0,
 ) -> float:
     """Seed 004 Eq. 4 for one (homogeneous) round: ``|x|/D + K·β + |x|/U`` seconds."""
     return model_megabits / download_mbps + local_steps * seconds_per_batch + model_megabits / upload_mbps
@@ -136,10 +137,10 @@ class PlateauDetector:
             self.wait += 1
         return self.wait >= self.patience
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "wait": self.wait}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.wait = float(state["best"]), int(state["wait"])
 
 
@@ -210,12 +211,12 @@ class KDecay(FederatedCallback):
         self,
         schedule: str = "rounds",
         decay: str = "local_steps",
-        k0: Optional[int] = None,
+        k0: int | None = None,
         window: int = 100,
         reference_loss: str = "first_window",
-        step_round: Optional[int] = None,
+        step_round: int | None = None,
         step_factor: float = 10.0,
-        monitor: Optional[str] = None,
+        monitor: str | None = None,
         patience: int = 100,
         plateau_tolerance: float = 0.01,
     ):
@@ -230,14 +231,14 @@ class KDecay(FederatedCallback):
         self.plateau_tolerance = in_range("plateau_tolerance", plateau_tolerance, 0.0, 1.0)
         self.monitor = monitor
         # state (checkpointed)
-        self._history: Deque[Tuple[float, float]] = deque(maxlen=self.window)  # (sum, count) of first losses
-        self._reference: Optional[float] = None  # F_0
-        self._decay_round: Optional[int] = step_round  # 1-based round from which the step decay applies
+        self._history: deque[tuple[float, float]] = deque(maxlen=self.window)  # (sum, count) of first losses
+        self._reference: float | None = None  # F_0
+        self._decay_round: int | None = step_round  # 1-based round from which the step decay applies
         self._detector = PlateauDetector(self.patience, self.plateau_tolerance)
-        self._last: Dict[str, float] = {}
+        self._last: dict[str, float] = {}
 
     # ------------------------------------------------------------------ statistics
-    def loss_estimate(self) -> Optional[float]:
+    def loss_estimate(self) -> float | None:
         """``F_r``: mean first-batch loss over the last ``window`` rounds (None during the warm-up)."""
         if len(self._history) < self.window:
             return None
@@ -246,7 +247,7 @@ class KDecay(FederatedCallback):
         return total / count if count > 0 else None
 
     @property
-    def reference(self) -> Optional[float]:
+    def reference(self) -> float | None:
         """``F_0`` (None until defined)."""
         return self._reference
 
@@ -254,7 +255,7 @@ class KDecay(FederatedCallback):
         """Step schedule: is the decay in force in 1-based round ``round_number``?"""
         return self._decay_round is not None and round_number >= self._decay_round
 
-    def value(self, round_number: int, k0: int) -> Tuple[int, float]:
+    def value(self, round_number: int, k0: int) -> tuple[int, float]:
         """``(K_r, lr scale)`` for 1-based round ``round_number`` given the current statistics."""
         r = _check_round(round_number)
         k, scale = k0, 1.0
@@ -341,7 +342,7 @@ class KDecay(FederatedCallback):
             self._decay_round = int(trainer.global_step) + 1  # rounds done = global_step; the next is +1 (1-based)
 
     # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "history": list(self._history),
             "reference": self._reference,
@@ -349,7 +350,7 @@ class KDecay(FederatedCallback):
             "detector": self._detector.state_dict(),
         }
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._history = deque((tuple(x) for x in state_dict["history"]), maxlen=self.window)
         self._reference = state_dict["reference"]
         self._decay_round = state_dict["decay_round"]
@@ -388,7 +389,7 @@ class RuntimeModel(FederatedCallback):
     def __init__(
         self,
         seconds_per_batch: float,
-        model_megabits: Optional[float] = None,
+        model_megabits: float | None = None,
         download_mbps: float = 20.0,
         upload_mbps: float = 5.0,
     ):
@@ -423,14 +424,14 @@ class RuntimeModel(FederatedCallback):
             }
         )
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "wall_clock_seconds": self.wall_clock_seconds,
             "sgd_steps": self.sgd_steps,
             "client_sgd_steps": self.client_sgd_steps,
         }
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wall_clock_seconds = float(state_dict["wall_clock_seconds"])
         self.sgd_steps = int(state_dict["sgd_steps"])
         self.client_sgd_steps = float(state_dict["client_sgd_steps"])

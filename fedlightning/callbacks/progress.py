@@ -9,7 +9,7 @@ enables the progress bar and lists no progress bar of its own.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.callbacks import TQDMProgressBar
 
@@ -61,7 +61,7 @@ else:
     RoundProgressBar = RoundTQDMProgressBar
 
 
-def round_bar_for(bar: Any) -> Optional[Any]:
+def round_bar_for(bar: Any) -> Any | None:
     """The round-counting bar that replaces ``bar`` when ``bar`` is Lightning's own default (exactly
     ``TQDMProgressBar`` or ``RichProgressBar``), built with the same options; None for any other bar (a bar the user
     chose is kept) or no bar."""

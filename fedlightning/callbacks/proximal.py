@@ -11,7 +11,7 @@ to every client's objective. Also the helpers other strategies use for their cli
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
@@ -37,7 +37,7 @@ def linear_correction(params: Sequence[Tensor], anchors: Sequence[Tensor], direc
     return sum((c * (p - a)).sum() for p, a, c in zip(params, anchors, directions))
 
 
-def split_like(vector: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
+def split_like(vector: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     """Views of consecutive slices of a flat ``vector`` shaped like the tensors of ``like``."""
     out, offset = [], 0
     for t in like:
@@ -49,7 +49,7 @@ def split_like(vector: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
     return out
 
 
-def global_anchors(loop) -> List[Tensor]:
+def global_anchors(loop) -> list[Tensor]:
     """The round's global weights ``w_t`` (detached views of the FederatedLoop's trainable parameters).
 
     The global parameters are not modified while clients train (the server step comes after every client of the
@@ -81,7 +81,7 @@ class ProximalTerm(FederatedCallback):
     def __init__(self, mu: float):
         self.mu = non_negative("mu", mu)
 
-    def client_objective(self, trainer, pl_module, plan, client_id: int) -> List[Callable[[Sequence[Tensor]], Tensor]]:
+    def client_objective(self, trainer, pl_module, plan, client_id: int) -> list[Callable[[Sequence[Tensor]], Tensor]]:
         if self.mu == 0.0:
             return []
         anchors = global_anchors(pl_module)

@@ -9,7 +9,7 @@ Client ``i`` runs its local steps on ``f_i(y) + ⟨c − c_i, y − w_t⟩`` and
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -63,7 +63,7 @@ class Scaffold(ServerStrategy):
 
     def __init__(self, server_lr: float = 1.0, weighting: str = "uniform"):
         super().__init__(server_lr=server_lr, weighting=weighting)
-        self.server_control: Optional[Tensor] = None
+        self.server_control: Tensor | None = None
 
     # ------------------------------------------------------------------ helpers
     def _server_control(self, like: Tensor) -> Tensor:
@@ -126,9 +126,9 @@ class Scaffold(ServerStrategy):
         return delta, None, metrics
 
     # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         c = self.server_control
         return {"server_control": None if c is None else c.detach().cpu().clone()}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.server_control = state_dict.get("server_control")

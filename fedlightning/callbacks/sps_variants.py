@@ -11,7 +11,7 @@ formulas and decisions are in the two classes' docstrings.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -48,11 +48,12 @@ class FedSPSNormalized(ServerStrategy):
                 \iff \Delta = \frac{\sum_j \Delta_j/\nu^j}{\sum_j 1/\nu^j} \quad (\Delta_j = x_t - x^j);
 
     * ``"fednova"`` (the prose: "pseudo-gradients normalized by the client and server normalization factors", the
-      FedNova form of Wang et al. 2020): :math:`\Delta = \big(\tfrac1n\sum_j \nu^j\big)\cdot\tfrac1n\sum_j \Delta_j/\nu^j`.
+      FedNova form of Wang et al. 2020): :math:`\Delta = \big(\tfrac1n\sum_j \nu^j\big)\cdot\tfrac1n\sum_j
+      \Delta_j/\nu^j`.
 
     Decisions (ours): :math:`\nu^j` includes the step size of the round's last local step (Algorithm 2 as typeset
-    adds :math:`\gamma_t^j` only on non-communication steps, which would make :math:`\nu^j = 0` for :math:`\tau = 1`) and
-    starts at 0 each round; it is the sum of the finite ``ClientUpdate.step_sizes``. A client whose factor is not
+    adds :math:`\gamma_t^j` only on non-communication steps, which would make :math:`\nu^j = 0` for :math:`\tau = 1`)
+    and starts at 0 each round; it is the sum of the finite ``ClientUpdate.step_sizes``. A client whose factor is not
     positive (it did not move in the whole round) has no direction to normalize: it is marked failed (the loop leaves it
     out with a warning). Float buffers (BatchNorm statistics) are averaged with the same weights :math:`1/\nu^j`. The
     paper finds no practical advantage over FedSPS (Fig. 6).
@@ -111,12 +112,13 @@ class FedSPSGlobal(ServerStrategy):
     iteration 0: the first client of the first round's sample, evaluated at the global model on its first mini-batch
     (the same batch and dropout seed its first local step uses), unless ``initial_step_size`` is given. Clients must use
     ``SPS(fixed_step_size=1.0)``: SPS in fixed-step mode applies ``fixed_step_size × client_lr_scale``
-    (:meth:`~fedlightning.optim.SPS.scale_step`) and measures the SPS quantities of every step; this strategy multiplies the round's ``plan.client_lr_scale`` by :math:`\gamma` in ``on_round_start`` and reads
-    the last step's loss and :math:`\|g\|^2` from ``update.payload`` (``SPS.client_report``). :math:`c`,
-    :math:`\gamma_b`, :math:`\ell^*` are this strategy's arguments (the client optimizer's own values only affect its
-    telemetry). :math:`\gamma` is checkpointed with the strategy. Clients weigh uniformly and the server has no learning
-    rate (Algorithm 3). Degenerate client values: :math:`\max(F_j-\ell^*, 0)` in the numerator, and a zero gradient
-    counts as :math:`\gamma_b` in (a) (the limit of the min).
+    (:meth:`~fedlightning.optim.SPS.scale_step`) and measures the SPS quantities of every step; this strategy multiplies
+    the round's ``plan.client_lr_scale`` by :math:`\gamma` in ``on_round_start`` and reads the last step's loss and
+    :math:`\|g\|^2` from ``update.payload`` (``SPS.client_report``). :math:`c`, :math:`\gamma_b`, :math:`\ell^*` are
+    this strategy's arguments (the client optimizer's own values only affect its telemetry). :math:`\gamma` is
+    checkpointed with the strategy. Clients weigh uniformly and the server has no learning rate (Algorithm 3).
+    Degenerate client values: :math:`\max(F_j-\ell^*, 0)` in the numerator, and a zero gradient counts as
+    :math:`\gamma_b` in (a) (the limit of the min).
 
     Args:
         c: SPS constant :math:`c`. Default 0.5 (seed 001).
@@ -132,7 +134,7 @@ class FedSPSGlobal(ServerStrategy):
         gamma_max: float = 1.0,
         f_star: float = 0.0,
         aggregation: str = "mean_of_steps",
-        initial_step_size: Optional[float] = None,
+        initial_step_size: float | None = None,
     ):
         super().__init__(server_lr=1.0, weighting="uniform")  # seed 001: uniform average, no server learning rate
         self.c = positive("c", c)
@@ -140,11 +142,11 @@ class FedSPSGlobal(ServerStrategy):
         self.f_star = number("f_star", f_star)
         self.aggregation = one_of("aggregation", aggregation, AGGREGATIONS)
         self.initial_step_size = positive("initial_step_size", initial_step_size, allow_none=True)
-        self.step_size: Optional[float] = self.initial_step_size  # γ of the next round
+        self.step_size: float | None = self.initial_step_size  # γ of the next round
 
     # ------------------------------------------------------------------ the SPS value of one (loss, ‖g‖²)
     def sps_value(self, loss: float, grad_sq: float) -> float:
-        """:math:`\\min\\{\\max(F-\ell^*, 0)/(c\\|g\\|^2), \gamma_b\\}` (0/0 := 0, x/0 := ∞ for x > 0)."""
+        """:math:`\\min\\{\\max(F-\\ell^*, 0)/(c\\|g\\|^2), \\gamma_b\\}` (0/0 := 0, x/0 := ∞ for x > 0)."""
         return self._capped_ratio(max(loss - self.f_star, 0.0), grad_sq)
 
     def _capped_ratio(self, gap: float, grad_sq: float) -> float:
@@ -184,9 +186,9 @@ class FedSPSGlobal(ServerStrategy):
 
     # ------------------------------------------------------------------ hooks
     def _check_client_optimizer(self, loop) -> None:
-        """At fit start (before any client trains), refuse a client optimizer other than SPS in fixed-step mode: the shared step
-        reaches the clients as ``client_lr_scale``, which would otherwise multiply an adaptive rule's own steps
-        (adaptive SPS: ``γ × γ_i``) or be refused later by :func:`~fedlightning.optim.scale_client_step`."""
+        """At fit start (before any client trains), refuse a client optimizer other than SPS in fixed-step mode: the
+        shared step reaches the clients as ``client_lr_scale``, which would otherwise multiply an adaptive rule's own
+        steps (adaptive SPS: ``γ × γ_i``) or be refused later by :func:`~fedlightning.optim.scale_client_step`."""
         opt = loop.client_optimizer_factory(list(loop.global_parameters()))
         if not (isinstance(opt, SPS) and opt.hyper.get("fixed_step_size") is not None):
             raise TypeError(
@@ -214,9 +216,9 @@ class FedSPSGlobal(ServerStrategy):
             return
         if "sps_last_loss" not in update.payload or "sps_last_grad_sq" not in update.payload:
             raise TypeError(
-                "FedSPSGlobal needs client_optimizer fedlightning.optim.SPS with fixed_step_size=1.0 (fixed-step mode), whose "
-                f"client_report gives the last step's loss and gradient norm; client {update.client_id} sent "
-                f"{sorted(update.payload)}"
+                "FedSPSGlobal needs client_optimizer fedlightning.optim.SPS with fixed_step_size=1.0 (fixed-step "
+                f"mode), whose client_report gives the last step's loss and gradient norm; client {update.client_id} "
+                f"sent {sorted(update.payload)}"
             )
 
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
@@ -236,14 +238,15 @@ class FedSPSGlobal(ServerStrategy):
             new = self._capped_ratio(float(stats["sps_gap_sum"]) / n, float(stats["sps_grad_sq_sum"]) / n)
         if new > 0 and math.isfinite(new):  # a round of all-degenerate clients keeps the previous step
             self.step_size = new
-        metrics = {"server/sps_global_step_size": float(used), "server/sps_global_next_step_size": float(self.step_size)}
+        metrics = {"server/sps_global_step_size": float(used),
+                   "server/sps_global_next_step_size": float(self.step_size)}
         return self.mean_delta(stats), None, metrics
 
     # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"step_size": self.step_size}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step_size = state_dict.get("step_size")
 
     def __repr__(self) -> str:

@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,8 +67,8 @@ class RoundTimer(FederatedCallback):
         self.window = integer("window", window)
         self.train_seconds = 0.0
         self.rounds = 0
-        self._recent: Deque[float] = deque(maxlen=self.window)
-        self._start: Optional[float] = None
+        self._recent: deque[float] = deque(maxlen=self.window)
+        self._start: float | None = None
         self._client_steps = 0.0
 
     # ------------------------------------------------------------------ hooks
@@ -98,10 +98,10 @@ class RoundTimer(FederatedCallback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"train_seconds": self.train_seconds, "rounds": self.rounds}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.train_seconds = float(state_dict["train_seconds"])
         self.rounds = int(state_dict["rounds"])
 
@@ -154,16 +154,16 @@ class GlobalEvaluation(FederatedCallback):
         self,
         split: str = "train",
         every_n_rounds: int = 10,
-        max_samples: Optional[int] = None,
+        max_samples: int | None = None,
         seed: int = 0,
-        batch_size: Optional[int] = None,
+        batch_size: int | None = None,
     ):
         self.split = one_of("split", split, ("train", "val", "test"))
         self.every_n_rounds = integer("every_n_rounds", every_n_rounds)
         self.max_samples = integer("max_samples", max_samples, allow_none=True)
         self.seed = integer("seed", seed, 0)
         self.batch_size = integer("batch_size", batch_size, allow_none=True)
-        self._indices: Optional[np.ndarray] = None
+        self._indices: np.ndarray | None = None
         self._size = -1
 
     def due(self, round_index: int) -> bool:
@@ -223,7 +223,7 @@ class GlobalEvaluation(FederatedCallback):
             yield from DataLoader(Subset(dataset, indices.tolist()), batch_size=bs, shuffle=False)
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, dm, device: torch.device) -> Dict[str, float]:
+    def evaluate(self, model: torch.nn.Module, dm, device: torch.device) -> dict[str, float]:
         """``{"<split>_eval/loss": ..., ["<split>_eval/acc": ...]}`` of ``model`` on ``dm``'s data of the split."""
         from lightning.fabric.utilities.apply_func import move_data_to_device
 
@@ -239,7 +239,10 @@ class GlobalEvaluation(FederatedCallback):
                     batch = move_data_to_device(batch, device)
                     if classifier:
                         logits, y = model._logits_targets(batch)
-                        valid = y != model.ignore_index if model.ignore_index is not None else torch.ones_like(y, dtype=torch.bool)
+                        if model.ignore_index is not None:
+                            valid = y != model.ignore_index
+                        else:
+                            valid = torch.ones_like(y, dtype=torch.bool)
                         n = float(valid.sum().item())
                         if n == 0:
                             continue
@@ -262,4 +265,5 @@ class GlobalEvaluation(FederatedCallback):
         return out
 
     def __repr__(self) -> str:
-        return f"GlobalEvaluation(split={self.split!r}, every_n_rounds={self.every_n_rounds}, max_samples={self.max_samples})"
+        return (f"GlobalEvaluation(split={self.split!r}, every_n_rounds={self.every_n_rounds}, "
+                f"max_samples={self.max_samples})")

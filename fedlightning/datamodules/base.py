@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterable, Iterator, List, Optional, Tuple
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -62,7 +63,7 @@ def check_val_fraction(value: Any) -> float:
     return in_range("val_fraction", value, 0.0, 1.0, hint="0 disables validation", show_name=True)
 
 
-def chronological_holdout(n: int, fraction: float, gap: int) -> Tuple[np.ndarray, np.ndarray]:
+def chronological_holdout(n: int, fraction: float, gap: int) -> tuple[np.ndarray, np.ndarray]:
     """``(train_positions, val_positions)`` of one user's ``n`` time-ordered samples: the last
     ``k = floor(fraction · n)`` samples validate, the ``gap`` samples before them are dropped, the rest train.
 
@@ -113,7 +114,7 @@ def epoch_steps(epochs: float, batches_per_epoch: int) -> int:
     return max(1, -((-exact.numerator) // exact.denominator))
 
 
-class ClientBatchSampler(Sampler[List[int]]):
+class ClientBatchSampler(Sampler[list[int]]):
     """Yields the index lists of one shuffled epoch over ``indices`` (last partial batch kept unless ``drop_last``).
 
     Each ``iter()`` draws a fresh permutation from ``generator``, so re-iterating cycles through new epochs in a
@@ -125,7 +126,7 @@ class ClientBatchSampler(Sampler[List[int]]):
     (``DataLoader`` would yield nothing and the client would fail).
     """
 
-    def __init__(self, indices: np.ndarray, batch_size: int, generator: Optional[torch.Generator], shuffle=True,
+    def __init__(self, indices: np.ndarray, batch_size: int, generator: torch.Generator | None, shuffle=True,
                  drop_last: bool = False):
         self.indices = torch.as_tensor(np.asarray(indices), dtype=torch.long)
         self.batch_size = int(batch_size)
@@ -142,11 +143,11 @@ class ClientBatchSampler(Sampler[List[int]]):
     def __iter__(self) -> Iterator[Tensor]:
         yield from self._split()
 
-    def epoch(self) -> Tuple[Tensor, ...]:
+    def epoch(self) -> tuple[Tensor, ...]:
         """The index batches of one epoch at once (the same draw as one ``iter()``; none for an empty client)."""
         return self._split() if len(self.indices) else ()
 
-    def _split(self) -> Tuple[Tensor, ...]:
+    def _split(self) -> tuple[Tensor, ...]:
         if self.shuffle:
             order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
         else:
@@ -173,7 +174,7 @@ class ArrayBatchLoader:
         for idx in self.batch_sampler:
             yield take(idx)
 
-    def iter_steps(self, steps: int) -> Iterator[Tuple[Any, Any]]:
+    def iter_steps(self, steps: int) -> Iterator[tuple[Any, Any]]:
         """Exactly ``steps`` batches, a new epoch (new permutation) whenever one runs out: the batches that
         re-iterating this loader gives (:func:`reiterate`), with one permutation and one split per epoch and no
         nested generators (the per-step cost matters for small models)."""
@@ -210,7 +211,7 @@ def reiterate(loader: Iterable, steps: int) -> Iterator[Any]:
         yield batch
 
 
-def _row_taker(dataset: "ArrayDataset"):
+def _row_taker(dataset: ArrayDataset):
     """``idx -> (x[idx], y[idx])`` with ``index_select`` (same rows as advanced indexing, less dispatch work)."""
     x, y = dataset.x, dataset.y
     if isinstance(x, Tensor) and isinstance(y, Tensor):
@@ -231,7 +232,7 @@ class RoundPlanLoader:
     ``(seed, r)``).
     """
 
-    def __init__(self, datamodule: "FederatedDataModule", length: int):
+    def __init__(self, datamodule: FederatedDataModule, length: int):
         self.datamodule = datamodule
         self.length = int(length)
 
@@ -320,7 +321,7 @@ class FederatedDataModule(pl.LightningDataModule):
     #: Number of classes of the labels when the data set knows it (the bundled data sets;
     #: :class:`~fedlightning.datamodules.DatasetDataModule`'s ``num_classes`` or ``ClassLabel``); None: unknown, so
     #: labels are only checked for being finite and, when integers, non-negative.
-    num_classes: Optional[int] = None
+    num_classes: int | None = None
     #: Whether :meth:`setup` checks the labels as class ids (the class docstring, "Data checks").
     check_labels: bool = True
 
@@ -328,7 +329,7 @@ class FederatedDataModule(pl.LightningDataModule):
         self,
         num_clients: int = 100,
         batch_size: int = 50,
-        partition: Optional[Partitioner] = None,
+        partition: Partitioner | None = None,
         seed: int = 0,
         eval_batch_size: int = 1024,
         num_workers: int = 0,
@@ -345,30 +346,30 @@ class FederatedDataModule(pl.LightningDataModule):
         self.seed = int(seed)
         self.rounds_per_epoch = int(rounds_per_epoch)
         self.val_fraction = check_val_fraction(val_fraction)
-        self.train_dataset: Optional[Dataset] = None
-        self.test_dataset: Optional[Dataset] = None
-        self.client_indices: List[np.ndarray] = []
-        self.client_test_indices: Optional[List[np.ndarray]] = None
+        self.train_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
+        self.client_indices: list[np.ndarray] = []
+        self.client_test_indices: list[np.ndarray] | None = None
         #: sorted rows of the training set held out for validation (set by setup)
         self.val_indices: np.ndarray = np.empty(0, dtype=np.int64)
         #: natural splits: every user's validation rows (None for partitioned data)
-        self.client_val_indices: Optional[List[np.ndarray]] = None
+        self.client_val_indices: list[np.ndarray] | None = None
         # Set by the FederatedLoop (see configure_rounds).
-        self.clients_per_round: Optional[int] = None
+        self.clients_per_round: int | None = None
         self.local_steps: int = 1
-        self.local_epochs: Optional[float] = None
+        self.local_epochs: float | None = None
         self.sampling_seed: int = 0
 
     # ------------------------------------------------------------------ to implement
-    def load(self) -> Tuple[Dataset, Optional[Dataset], np.ndarray]:
+    def load(self) -> tuple[Dataset, Dataset | None, np.ndarray]:
         """Return ``(train_dataset, test_dataset, train_labels)``. ``train_labels`` drives the partitioner."""
         raise NotImplementedError
 
-    def natural_clients(self) -> Optional[List[np.ndarray]]:
+    def natural_clients(self) -> list[np.ndarray] | None:
         """Override to return a natural split (one index array per user); None means use ``partition``."""
         return None
 
-    def user_validation_split(self, n: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+    def user_validation_split(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """``(train_positions, val_positions)`` into one user's index array of ``n`` training samples (natural
         splits). Default: ``floor(val_fraction · n)`` positions drawn uniformly without replacement from ``rng``
         (none, and no draw, when that is 0). Override for data whose samples are not exchangeable (Shakespeare's
@@ -385,7 +386,7 @@ class FederatedDataModule(pl.LightningDataModule):
         return self.train_dataset
 
     # ------------------------------------------------------------------ setup
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
         self.train_dataset, self.test_dataset, labels = self.load()
@@ -407,8 +408,8 @@ class FederatedDataModule(pl.LightningDataModule):
             if self.val_fraction > 0 and not len(self.val_indices):
                 warnings.warn(
                     f"{type(self).__name__}: val_fraction={self.val_fraction} holds out no validation sample (no "
-                    f"user has enough training samples to give one), so validation is skipped; raise val_fraction, or set "
-                    f"val_fraction=0 to disable validation explicitly",
+                    f"user has enough training samples to give one), so validation is skipped; raise val_fraction, or "
+                    f"set val_fraction=0 to disable validation explicitly",
                     stacklevel=3,
                 )
         else:
@@ -455,7 +456,7 @@ class FederatedDataModule(pl.LightningDataModule):
                     f"{self._label_problem_text(problem)}{self._label_hint() if problem != 'not finite' else ''}"
                 )
 
-    def _label_array(self, set_name: str) -> Optional[np.ndarray]:
+    def _label_array(self, set_name: str) -> np.ndarray | None:
         """The 1-D labels that ``set_name`` ("train" / "test") serves, when known without reading samples (an
         :class:`ArrayDataset`'s ``y``); None: not checked."""
         dataset = self.train_dataset if set_name == "train" else self.test_dataset
@@ -485,7 +486,7 @@ class FederatedDataModule(pl.LightningDataModule):
         used = [self.val_indices] + [ix for ix in self.client_indices if len(ix)]
         return rows[np.isin(rows, np.concatenate(used))]
 
-    def _row_owner(self, set_name: str, row: int) -> Tuple[str, str]:
+    def _row_owner(self, set_name: str, row: int) -> tuple[str, str]:
         """``(split, " (client c ...)")`` of a row of the training (``"train"``) or test set, for error messages."""
         if set_name == "test":
             for c, ix in enumerate(self.client_test_indices or []):
@@ -507,7 +508,7 @@ class FederatedDataModule(pl.LightningDataModule):
             return f"client {client_id}, user {names[client_id]!r}"
         return f"client {client_id}"
 
-    def _stratified_holdout(self, labels: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def _stratified_holdout(self, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(train_rows, val_rows)`` (sorted) of a partitioned data set (rules: class docstring)."""
         n = len(labels)
         if self.val_fraction == 0.0:
@@ -546,7 +547,7 @@ class FederatedDataModule(pl.LightningDataModule):
             )
         return train, val
 
-    def _natural_holdout(self, users: List[np.ndarray]) -> Tuple[List[np.ndarray], List[np.ndarray]]:
+    def _natural_holdout(self, users: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per-user ``(train, val)`` index arrays of a natural split (rules: class docstring)."""
         if self.val_fraction == 0.0:
             return users, [np.empty(0, dtype=np.int64) for _ in users]
@@ -581,14 +582,14 @@ class FederatedDataModule(pl.LightningDataModule):
     #: the bundled modules keep these defaults): the user's ``collate_fn`` (None: torch's default collate), and
     #: ``pin_memory``, ``persistent_workers``, ``prefetch_factor``, ``worker_init_fn`` as ``DataLoader`` takes them.
     #: ``drop_last`` applies to client loaders only (:class:`ClientBatchSampler`); evaluation reads every sample.
-    collate_fn: Optional[Any] = None
+    collate_fn: Any | None = None
     drop_last: bool = False
     pin_memory: bool = False
     persistent_workers: bool = False
-    prefetch_factor: Optional[int] = None
-    worker_init_fn: Optional[Any] = None
+    prefetch_factor: int | None = None
+    worker_init_fn: Any | None = None
 
-    def client_dataloader(self, client_id: int, round: int = 0, seed: Optional[int] = None) -> DataLoader:
+    def client_dataloader(self, client_id: int, round: int = 0, seed: int | None = None) -> DataLoader:
         """Shuffled epochs over client ``client_id``'s samples (last partial batch kept unless ``drop_last``).
 
         The data order is seeded by ``(seed, "data", round, client_id)`` (``seed`` defaults to the sampling seed
@@ -606,7 +607,7 @@ class FederatedDataModule(pl.LightningDataModule):
         return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers, generator=workers)
 
     def client_eval_indices(self, split: str = "test", assignment: str = "labels",
-                            seed: Optional[int] = None) -> List[np.ndarray]:
+                            seed: int | None = None) -> list[np.ndarray]:
         """Each client's own evaluation rows: one sorted ``int64`` array per client, rows of :attr:`test_dataset`
         (``split="test"``) or of the training set (``split="val"``; read through :meth:`evaluation_view`).
 
@@ -652,7 +653,7 @@ class FederatedDataModule(pl.LightningDataModule):
         if assignment == "size":
             groups = [(rows, self._num_samples.astype(np.int64))]
         else:
-            def labels_of(set_name: str) -> Optional[np.ndarray]:
+            def labels_of(set_name: str) -> np.ndarray | None:
                 known = self._label_array(set_name)
                 if known is None:
                     dataset = self.train_dataset if set_name == "train" else self.test_dataset
@@ -684,7 +685,7 @@ class FederatedDataModule(pl.LightningDataModule):
             np.add.at(counts, (pos[match], owner[held][match]), 1)
             groups = [(rows[inverse.reshape(-1) == c], counts[c]) for c in range(len(classes))]
         rng = np.random.default_rng(derive_seed(self.seed if seed is None else int(seed), "client-eval", split))
-        parts: List[List[np.ndarray]] = [[] for _ in range(num_clients)]
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         unassigned = 0
         for group, weights in groups:
             total, m = int(weights.sum()), len(group)
@@ -713,7 +714,7 @@ class FederatedDataModule(pl.LightningDataModule):
         return options
 
     def _loader_from_batches(self, dataset: Dataset, batch_sampler: Sampler, workers: int = 0,
-                             generator: Optional[torch.Generator] = None):
+                             generator: torch.Generator | None = None):
         if isinstance(dataset, ArrayDataset) and self.collate_fn is None and not reference_mode():
             # batched fast path: one tensor indexing per batch, no per-sample fetch/collate, no DataLoader machinery
             return ArrayBatchLoader(dataset, batch_sampler)
@@ -734,8 +735,8 @@ class FederatedDataModule(pl.LightningDataModule):
         :meth:`client_batches_per_epoch`, at least 1 (:func:`epoch_steps`)."""
         return epoch_steps(epochs, self.client_batches_per_epoch(client_id))
 
-    def configure_rounds(self, clients_per_round: int, local_steps: Optional[int], seed: int,
-                         local_epochs: Optional[float] = None) -> None:
+    def configure_rounds(self, clients_per_round: int, local_steps: int | None, seed: int,
+                         local_epochs: float | None = None) -> None:
         """Called by the FederatedLoop at setup: how many clients a round samples, with which seed, and how many
         local steps each runs (``local_steps`` for all, or ``local_epochs``: :meth:`client_epoch_steps` each)."""
         self._require_setup()
@@ -751,7 +752,7 @@ class FederatedDataModule(pl.LightningDataModule):
         self.local_steps = int(local_steps) if local_steps is not None else 1
         self.sampling_seed = int(seed)
 
-    def sample_clients(self, round: int) -> List[int]:
+    def sample_clients(self, round: int) -> list[int]:
         if self.clients_per_round is None:
             raise RuntimeError("configure_rounds() has not been called; use the data module with a FederatedLoop")
         gen = torch.Generator().manual_seed(derive_seed(self.sampling_seed, "sample", round))
@@ -778,7 +779,7 @@ class FederatedDataModule(pl.LightningDataModule):
         return RoundPlanLoader(self, length)
 
     # ------------------------------------------------------------------ global evaluation
-    def _eval_loader(self, dataset: Optional[Dataset], indices: Optional[np.ndarray] = None) -> DataLoader:
+    def _eval_loader(self, dataset: Dataset | None, indices: np.ndarray | None = None) -> DataLoader:
         """Sequential batches of ``eval_batch_size`` over ``dataset`` (or its rows ``indices``). An
         :class:`ArrayDataset` is read a whole batch per tensor indexing (the in-memory fast path)."""
         if dataset is None:
@@ -792,7 +793,7 @@ class FederatedDataModule(pl.LightningDataModule):
         return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False,
                           **self._loader_options(self.num_workers))
 
-    def _val_monitors(self) -> List[str]:
+    def _val_monitors(self) -> list[str]:
         trainer = self._trainer_ref()
         found = []
         for cb in getattr(trainer, "callbacks", None) or []:

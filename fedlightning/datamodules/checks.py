@@ -13,7 +13,7 @@ client or user and the sample (the rules and the messages: docs/datasets.md, "Da
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,7 +88,7 @@ def first_nonfinite_value(row: Any) -> float:
     return float(flat[np.flatnonzero(~np.isfinite(flat))[0]])
 
 
-def as_label_array(labels: Any) -> Optional[np.ndarray]:
+def as_label_array(labels: Any) -> np.ndarray | None:
     """``labels`` as a 1-D NumPy array, or None when they are not one number per sample (a tensor of targets with more
     than one dimension, a sequence target, strings): such targets are not class labels and are not checked."""
     if isinstance(labels, Tensor):
@@ -102,7 +102,7 @@ def as_label_array(labels: Any) -> Optional[np.ndarray]:
     return labels
 
 
-def bad_label_rows(labels: np.ndarray, num_classes: Optional[int]) -> np.ndarray:
+def bad_label_rows(labels: np.ndarray, num_classes: int | None) -> np.ndarray:
     """Sorted rows (``int64``) of the 1-D ``labels`` that are not class ids (:func:`label_problem` says why).
 
     Integer labels are bad when negative, or ``>= num_classes`` when that is known. Float labels are bad when not
@@ -124,7 +124,7 @@ def bad_label_rows(labels: np.ndarray, num_classes: Optional[int]) -> np.ndarray
     return np.flatnonzero(bad).astype(np.int64)
 
 
-def label_problem(value: Any, num_classes: Optional[int]) -> str:
+def label_problem(value: Any, num_classes: int | None) -> str:
     """What is wrong with one label that :func:`bad_label_rows` flagged: ``"not finite"``, ``"not a whole number"``,
     ``"negative"`` or ``"outside"`` (``>= num_classes``), checked in this order; ``""`` for a good label."""
     v = float(value)

@@ -16,7 +16,8 @@ import codecs
 import hashlib
 import os
 import pickle
-from typing import Any, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -158,7 +159,7 @@ def _get(d: dict, key: str):
     raise KeyError(key)
 
 
-def read_cifar(data_dir: str, num_classes: int, split: str) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+def read_cifar(data_dir: str, num_classes: int, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``(images uint8 (N, 3, 32, 32), labels int64, coarse labels or None)`` of one split from the python pickles.
 
     Files: the "python version" archives, extracted under ``data_dir``: ``cifar-10-batches-py/{data_batch_1..5,
@@ -218,9 +219,9 @@ class CifarImages(Dataset):
     horizontal flip with probability 1/2 (the standard CIFAR recipe; seed 000 follows FedExP's code, which applies this
     crop + flip, and seed 004 asks for crop + flip). Unlike the FedExP reference code, which transforms a whole batch
     tensor at once (one crop for the batch), every sample gets its own crop and flip. Padding happens before
-    normalisation (as torchvision's ``RandomCrop`` on the raw image), so padded pixels are black. Normalisation: per-channel
-    mean/std of the training images (CIFAR-10: (0.4914, 0.4822, 0.4465) / (0.2470, 0.2435, 0.2616); CIFAR-100:
-    (0.5071, 0.4865, 0.4409) / (0.2673, 0.2564, 0.2762)). Randomness: torch's global generator (seeded by
+    normalisation (as torchvision's ``RandomCrop`` on the raw image), so padded pixels are black. Normalisation:
+    per-channel mean/std of the training images (CIFAR-10: (0.4914, 0.4822, 0.4465) / (0.2470, 0.2435, 0.2616);
+    CIFAR-100: (0.5071, 0.4865, 0.4409) / (0.2673, 0.2564, 0.2762)). Randomness: torch's global generator (seeded by
     ``seed_everything`` and, in loader workers, by PyTorch's per-worker seeding), so a fresh run is reproducible; a run
     resumed from a checkpoint draws different crops than the uninterrupted run would have.
 
@@ -259,7 +260,7 @@ class CifarImages(Dataset):
     def __getitem__(self, idx: int):
         return self._transform(self.images[idx : idx + 1])[0], self.labels[idx]
 
-    def __getitems__(self, indices: List[int]):
+    def __getitems__(self, indices: list[int]):
         idx = torch.as_tensor(indices, dtype=torch.long)
         x = self._transform(self.images[idx])
         return list(zip(x.unbind(0), self.labels[idx].unbind(0)))
@@ -269,13 +270,13 @@ class PachinkoPartition(Partitioner):
     """Reddi et al.'s two-level (coarse → fine) Dirichlet split of CIFAR-100.
 
     CIFAR-100 Pachinko split (:class:`PachinkoPartition`, Reddi et al. 2021, "Adaptive Federated Optimization", App. C;
-    the TFF ``cifar100`` federated split, seed 004 uses its 500 clients of 100 images): every client draws a distribution
-    over the 20 coarse labels from ``Dir(α)`` (α = 0.1) and, for each coarse label, a distribution over its 5 fine labels
-    from ``Dir(β)`` (β = 10). Each of its samples then draws a coarse label, a fine label within it, and the next unused
-    image of that fine label. When a fine label runs out of images it is removed for all later draws (the client's
-    distributions are renormalised over the labels that remain), and likewise a coarse label whose fine labels are all
-    used up. Clients receive ``len(train) // num_clients`` images (the first ``len % num_clients`` one more), so the split
-    covers the training set (500 clients → 100 images each).
+    the TFF ``cifar100`` federated split, seed 004 uses its 500 clients of 100 images): every client draws a
+    distribution over the 20 coarse labels from ``Dir(α)`` (α = 0.1) and, for each coarse label, a distribution over its
+    5 fine labels from ``Dir(β)`` (β = 10). Each of its samples then draws a coarse label, a fine label within it, and
+    the next unused image of that fine label. When a fine label runs out of images it is removed for all later draws
+    (the client's distributions are renormalised over the labels that remain), and likewise a coarse label whose fine
+    labels are all used up. Clients receive ``len(train) // num_clients`` images (the first ``len % num_clients`` one
+    more), so the split covers the training set (500 clients → 100 images each).
 
     Args:
         alpha: concentration of the per-client distribution over coarse labels (Reddi et al.: 0.1).
@@ -283,7 +284,7 @@ class PachinkoPartition(Partitioner):
         coarse_of_fine: coarse label of every fine label; :class:`Cifar100DataModule` fills it from the data.
     """
 
-    def __init__(self, alpha: float = 0.1, beta: float = 10.0, coarse_of_fine: Optional[Sequence[int]] = None):
+    def __init__(self, alpha: float = 0.1, beta: float = 10.0, coarse_of_fine: Sequence[int] | None = None):
         self.alpha = positive("alpha", alpha, label="Pachinko alpha")
         self.beta = positive("beta", beta, label="Pachinko beta")
         self.coarse_of_fine = None if coarse_of_fine is None else np.asarray(coarse_of_fine, dtype=np.int64)
@@ -301,7 +302,7 @@ class PachinkoPartition(Partitioner):
         n, N = len(labels), num_clients
         sizes = np.full(N, n // N, dtype=np.int64)
         sizes[: n % N] += 1
-        parts: List[np.ndarray] = []
+        parts: list[np.ndarray] = []
         for c in range(N):
             p_coarse = rng.dirichlet(np.full(len(coarse_ids), self.alpha))
             p_fine = {int(k): rng.dirichlet(np.full(len(fine_of[int(k)]), self.beta)) for k in coarse_ids}
@@ -347,7 +348,7 @@ class Cifar10DataModule(FederatedDataModule):
         augment: bool = True,
         num_clients: int = 100,
         batch_size: int = 50,
-        partition: Optional[Partitioner] = None,
+        partition: Partitioner | None = None,
         seed: int = 0,
         eval_batch_size: int = 1024,
         num_workers: int = 0,
@@ -367,7 +368,7 @@ class Cifar10DataModule(FederatedDataModule):
         self.data_dir = data_dir
         self.download = bool(download)
         self.augment = bool(augment)
-        self.coarse_labels: Optional[np.ndarray] = None
+        self.coarse_labels: np.ndarray | None = None
 
     def prepare_data(self) -> None:
         if not self.download:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import torch
 
@@ -28,7 +26,7 @@ class DigitsDataModule(FederatedDataModule):
         self,
         num_clients: int = 100,
         batch_size: int = 50,
-        partition: Optional[Partitioner] = None,
+        partition: Partitioner | None = None,
         seed: int = 0,
         test_fraction: float = 0.2,
         eval_batch_size: int = 1024,

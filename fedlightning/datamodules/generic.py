@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Mapping
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from torch import Tensor
@@ -225,29 +225,29 @@ class DatasetDataModule(FederatedDataModule):
     def __init__(
         self,
         train: Dataset,
-        test: Optional[Dataset] = None,
+        test: Dataset | None = None,
         *,
-        labels: Optional[Sequence[Any]] = None,
-        num_classes: Optional[int] = None,
+        labels: Sequence[Any] | None = None,
+        num_classes: int | None = None,
         check_labels: bool = True,
-        label_key: Optional[Union[str, int]] = None,
-        val: Optional[Dataset] = None,
-        collate_fn: Optional[Callable[[List[Any]], Any]] = None,
+        label_key: str | int | None = None,
+        val: Dataset | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         drop_last: bool = False,
         pin_memory: bool = False,
         persistent_workers: bool = False,
-        prefetch_factor: Optional[int] = None,
-        worker_init_fn: Optional[Callable[[int], None]] = None,
-        in_memory: Union[bool, str] = "auto",
+        prefetch_factor: int | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        in_memory: bool | str = "auto",
         max_in_memory_bytes: int = DEFAULT_MAX_IN_MEMORY_BYTES,
         num_clients: int = 100,
         batch_size: int = 50,
-        partition: Optional[Partitioner] = None,
+        partition: Partitioner | None = None,
         seed: int = 0,
         eval_batch_size: int = 1024,
         num_workers: int = 0,
         rounds_per_epoch: int = 1000,
-        val_fraction: Optional[float] = None,
+        val_fraction: float | None = None,
     ):
         if val is not None and val_fraction:
             raise ValueError(
@@ -277,7 +277,7 @@ class DatasetDataModule(FederatedDataModule):
         self._test_source = None if test is None else self._check_source(test, "test")
         self._val_source = None if val is None else self._check_source(val, "val")
         #: the separate validation set (``val=``) as served (set by setup)
-        self.val_dataset: Optional[Dataset] = None
+        self.val_dataset: Dataset | None = None
         n = len(self._train_source)
         if self._num_clients > n:
             raise ValueError(
@@ -289,7 +289,7 @@ class DatasetDataModule(FederatedDataModule):
         self._val_reader = None if val is None else self._reader(self._val_source, "val")
         self._given_labels = None if labels is None else self._given_label_ids(labels, n)
         #: whether the training set took the in-memory ArrayDataset path (set by setup)
-        self.in_memory: Optional[bool] = None
+        self.in_memory: bool | None = None
         names = self._class_names()
         #: number of classes: ``num_classes=``, else the size of the training set's ``ClassLabel``, else None
         self.num_classes = num_classes if num_classes is not None else (len(names) if names is not None else None)
@@ -298,7 +298,7 @@ class DatasetDataModule(FederatedDataModule):
             else f"the ClassLabel feature {self._train_reader.label_key!r} of train" if names is not None else None
         )
         self._label_arrays: dict = {}
-        self._read_pass: Optional[np.ndarray] = None
+        self._read_pass: np.ndarray | None = None
 
     @property
     def needs_labels(self) -> bool:
@@ -322,8 +322,8 @@ class DatasetDataModule(FederatedDataModule):
             for name in ("persistent_workers", "prefetch_factor"):
                 if getattr(self, name) not in (None, False):
                     raise ValueError(
-                        f"{name}={getattr(self, name)!r} needs worker processes, but num_workers=0; set num_workers > 0 "
-                        f"or remove {name}"
+                        f"{name}={getattr(self, name)!r} needs worker processes, but num_workers=0; set "
+                        f"num_workers > 0 or remove {name}"
                     )
 
     @staticmethod
@@ -392,14 +392,14 @@ class DatasetDataModule(FederatedDataModule):
         return _Reader("none")
 
     @staticmethod
-    def _class_label_columns(dataset: Any) -> List[str]:
+    def _class_label_columns(dataset: Any) -> list[str]:
         features = getattr(dataset, "features", None) if _is_hf(dataset) else None
         if not features:
             return []
         mod = sys.modules["datasets"]
         return [k for k, f in features.items() if isinstance(f, mod.ClassLabel)]
 
-    def _class_names(self) -> Optional[List[str]]:
+    def _class_names(self) -> list[str] | None:
         """The names of the training set's ``ClassLabel`` label feature (None when it is not one). A test set whose
         label is a ``ClassLabel`` of other names is a ValueError: one class id would mean two classes."""
         train = _label_feature(self._train_source, self._train_reader)
@@ -436,7 +436,7 @@ class DatasetDataModule(FederatedDataModule):
         return ids
 
     # ------------------------------------------------------------------ load
-    def load(self) -> Tuple[Dataset, Optional[Dataset], np.ndarray]:
+    def load(self) -> tuple[Dataset, Dataset | None, np.ndarray]:
         """The training and test sets (in memory or per sample) and the training labels; an unlabelled IID split
         gets one class for every sample (its validation split is then a seeded uniform draw). Also checks that
         ``num_clients`` training samples remain after the validation hold-out (the base class's rounding)."""
@@ -513,13 +513,13 @@ class DatasetDataModule(FederatedDataModule):
         x, y = default_collate(pairs)
         return ArrayDataset(x, y)
 
-    def _labels(self, train: Dataset) -> Optional[np.ndarray]:
+    def _labels(self, train: Dataset) -> np.ndarray | None:
         """The training labels (rules: class docstring, "Labels"); None when IID has no cheap source."""
         if self._given_labels is not None:
             return self._given_labels
         source, reader, n = self._train_source, self._train_reader, len(self._train_source)
-        tried: List[str] = ["labels= (not given)"]
-        candidates: List[Tuple[str, Callable[[], Any]]] = []
+        tried: list[str] = ["labels= (not given)"]
+        candidates: list[tuple[str, Callable[[], Any]]] = []
         if isinstance(source, TensorDataset) and len(source.tensors) == 2:
             candidates.append(("the second tensor of the TensorDataset", lambda: source.tensors[1]))
         if _is_hf(source) and reader.kind == "dict":
@@ -568,14 +568,14 @@ class DatasetDataModule(FederatedDataModule):
         return labels
 
     # ------------------------------------------------------------------ label checks
-    def _settle_labels(self, train: Dataset, test: Optional[Dataset]) -> Tuple[Dataset, Optional[Dataset]]:
+    def _settle_labels(self, train: Dataset, test: Dataset | None) -> tuple[Dataset, Dataset | None]:
         """Serves class labels stored as floats as int64 class ids and records the labels that the base class checks
         (rules: class docstring, "Label checks")."""
         self._label_arrays = {}
         if not self.check_labels:
             return train, test
         y = _served_labels(train, self._train_source, self._train_reader, self._read_pass)
-        classes: Optional[bool] = True if self.num_classes is not None else None
+        classes: bool | None = True if self.num_classes is not None else None
         if y is not None:
             if y.dtype.kind == "f":
                 whole = bool(_whole(y).all())
@@ -619,7 +619,7 @@ class DatasetDataModule(FederatedDataModule):
             stacklevel=5,
         )
 
-    def _label_array(self, set_name: str) -> Optional[np.ndarray]:
+    def _label_array(self, set_name: str) -> np.ndarray | None:
         return self._label_arrays.get(set_name)
 
     def _num_classes_source(self) -> str:
@@ -679,7 +679,7 @@ def _is_float_label(y: Any) -> bool:
 
 
 def _served_labels(data: Dataset, source: Any, reader: _Reader,
-                   read_pass: Optional[np.ndarray]) -> Optional[np.ndarray]:
+                   read_pass: np.ndarray | None) -> np.ndarray | None:
     """The 1-D labels ``data`` serves, when known without another pass over the samples: the in-memory ``y``, a
     Hugging Face label column, or the labels of the pass made for a label partition; None: not scanned."""
     if isinstance(data, ArrayDataset):
@@ -728,7 +728,7 @@ def _read_labels(dataset: Any, reader: _Reader) -> np.ndarray:
     return np.asarray(out)
 
 
-def _class_ids(arr: np.ndarray) -> Tuple[Optional[np.ndarray], str]:
+def _class_ids(arr: np.ndarray) -> tuple[np.ndarray | None, str]:
     """``(labels, "")`` when ``arr`` holds class labels (integers, bools, strings or integer-valued floats; floats
     become int64), else ``(None, why)``."""
     kind = arr.dtype.kind
@@ -745,12 +745,12 @@ def _class_ids(arr: np.ndarray) -> Tuple[Optional[np.ndarray], str]:
     return None, f"values of dtype {arr.dtype}"
 
 
-def _pair(sample: Any) -> Tuple[Any, Any]:
+def _pair(sample: Any) -> tuple[Any, Any]:
     """``(x, y)`` of a two-element tuple / list sample (the in-memory path only)."""
     return sample[0], sample[1]
 
 
-def _nbytes(value: Any) -> Optional[int]:
+def _nbytes(value: Any) -> int | None:
     """Bytes ``value`` takes in a tensor (None when it cannot be stored in one)."""
     if isinstance(value, Tensor):
         return value.element_size() * value.numel()
@@ -761,7 +761,7 @@ def _nbytes(value: Any) -> Optional[int]:
     return None
 
 
-def _signature(value: Any) -> Optional[Tuple[Any, ...]]:
+def _signature(value: Any) -> tuple[Any, ...] | None:
     """``(type, shape, dtype)`` of a value the default collate stacks into a tensor, else None."""
     if isinstance(value, Tensor):
         return ("tensor", tuple(value.shape), value.dtype)

@@ -18,8 +18,8 @@ import os
 import re
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -31,14 +31,14 @@ from fedlightning.datamodules.shakespeare import NUM_LETTERS, encode_text
 __all__ = ["LeafDataModule", "LEAF_TASKS", "file_digest", "tokenize_tweet"]
 
 #: number of classes of each LEAF task (FEMNIST: 10 digits + 26 + 26 letters; Shakespeare: LEAF's 80 characters)
-LEAF_TASKS: Dict[str, int] = {"femnist": 62, "shakespeare": NUM_LETTERS, "sent140": 2}
+LEAF_TASKS: dict[str, int] = {"femnist": 62, "shakespeare": NUM_LETTERS, "sent140": 2}
 _DEFAULT_USER_COLUMN = {"femnist": "writer_id", "shakespeare": "character_id", "sent140": "user"}
 _TOKEN = re.compile(r"[\w']+|[.,!?;]")
 _CACHE_VERSION = "leaf-v2"  # bump when the parsed representation or the cache key changes
 _DIGEST_CHUNK = 1 << 20  # bytes read at a time when hashing a data file
 
 
-def tokenize_tweet(text: str) -> List[str]:
+def tokenize_tweet(text: str) -> list[str]:
     """LEAF's Sent140 tokeniser (``split_line``: words with apostrophes and the punctuation ``.,!?;``), lower-cased."""
     return _TOKEN.findall(text.lower())
 
@@ -74,7 +74,7 @@ def file_digest(path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- JSON -> Arrow
-def _leaf_json_rows(files: List[str], splits: List[str], name: str, stamps: List[str]) -> Iterator[dict]:
+def _leaf_json_rows(files: list[str], splits: list[str], name: str, stamps: list[str]) -> Iterator[dict]:
     """One row per (file, user): ``{"file", "split", "user", "x", "y"}`` (``stamps`` only key the cache)."""
     for path, split in zip(files, splits):
         try:
@@ -114,10 +114,10 @@ def _leaf_json_rows(files: List[str], splits: List[str], name: str, stamps: List
             yield {"file": path, "split": split, "user": str(user), "x": xs, "y": ys}
 
 
-def _check_unique_users(split: str, users: List[str], files: List[str]) -> None:
+def _check_unique_users(split: str, users: list[str], files: list[str]) -> None:
     """A ValueError when a user has two rows (file, user) in one split: listed twice in a file's ``users``, or in two
     files of the split (its samples would be trained on twice, and a copy could land in validation)."""
-    first: Dict[str, str] = {}
+    first: dict[str, str] = {}
     for user, path in zip(users, files):
         if user in first:
             where = (f"{path}: user {user!r} is listed twice in 'users'" if first[user] == path
@@ -165,7 +165,7 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def _concat(parts: List[object]):
+def _concat(parts: list[object]):
     if isinstance(parts[0], list):
         return [s for p in parts for s in p]
     return np.concatenate(parts)
@@ -200,7 +200,8 @@ class LeafDataModule(FederatedDataModule):
       character's code in [0, 80).
     * ``sent140``: tweet text (LEAF's ``x[4]``) as token ids of the ``vocab_size`` most frequent training tokens
       (int32, padded with -1, tokens outside the vocabulary dropped; tokeniser: LEAF's ``[\w']+|[.,!?;]`` on lower-cased
-      text), label in {0, 1}. Use :class:`~fedlightning.models.BagOfWordsLinear` (seed 004's normalised BoW linear model).
+      text), label in {0, 1}. Use :class:`~fedlightning.models.BagOfWordsLinear` (seed 004's normalised BoW linear
+      model).
 
     LEAF's sampling options, applied in LEAF's order (``sample.py`` → ``remove_users.py`` → ``split_data.py``):
 
@@ -212,10 +213,11 @@ class LeafDataModule(FederatedDataModule):
     2. ``min_samples``: users with fewer samples (train + test) are removed (LEAF ``-k``).
     3. Per-user train/test split. ``train_fraction=None`` keeps the split on disk when there is one; a number (or data
        without a test part, where LEAF's default 0.9 is used) re-splits every user's pooled samples with LEAF's
-       ``-t sample`` rule: ``n_train = max(1, int(f · n))`` (1 when ``n = 2``), users with ``n < 2`` dropped; FEMNIST and
-       Sent140 draw the train samples at random (one seeded generator, users in order); Shakespeare keeps the order and
-       leaves a gap of 79 windows (train = first ``n_train``, test from ``n_train + 79``) so test targets never appear in
-       a train window. Users left without a train or a test sample are dropped (LEAF keeps only users with both).
+       ``-t sample`` rule: ``n_train = max(1, int(f · n))`` (1 when ``n = 2``), users with ``n < 2`` dropped; FEMNIST
+       and Sent140 draw the train samples at random (one seeded generator, users in order); Shakespeare keeps the order
+       and leaves a gap of 79 windows (train = first ``n_train``, test from ``n_train + 79``) so test targets never
+       appear in a train window. Users left without a train or a test sample are dropped (LEAF keeps only users with
+       both).
 
     Checks of the JSON layout (ValueErrors name the file and the user): a user listed twice in a file's ``users``,
     or in two files of one split (train or test); ``num_samples[i]`` different from the length of that user's
@@ -265,11 +267,11 @@ class LeafDataModule(FederatedDataModule):
         data_dir: str = "data/leaf/femnist",
         user_fraction: float = 1.0,
         min_samples: int = 0,
-        train_fraction: Optional[float] = None,
-        num_users: Optional[int] = None,
-        user_column: Optional[str] = None,
+        train_fraction: float | None = None,
+        num_users: int | None = None,
+        user_column: str | None = None,
         vocab_size: int = 5000,
-        cache_dir: Optional[str] = None,
+        cache_dir: str | None = None,
         batch_size: int = 50,
         seed: int = 0,
         eval_batch_size: int = 1024,
@@ -299,17 +301,17 @@ class LeafDataModule(FederatedDataModule):
         self.cache_dir = cache_dir
         self.num_classes = LEAF_TASKS[name]
         self.seq_length = 80
-        self.client_names: List[str] = []
+        self.client_names: list[str] = []
         self.num_dropped_users = 0
-        self.vocabulary: Optional[List[str]] = None
-        self._natural: List[np.ndarray] = []
-        self._files: List[str] = []  # the data files (their index names a client's file in error messages)
-        self._pending_files: Dict[str, Tuple[np.ndarray, np.ndarray]] = {}
-        self._client_files: Dict[str, np.ndarray] = {}  # split -> index into _files of every client's file
+        self.vocabulary: list[str] | None = None
+        self._natural: list[np.ndarray] = []
+        self._files: list[str] = []  # the data files (their index names a client's file in error messages)
+        self._pending_files: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._client_files: dict[str, np.ndarray] = {}  # split -> index into _files of every client's file
         self._resplit = False
 
     # ------------------------------------------------------------------ discovery
-    def _discover(self) -> Tuple[str, Dict[str, List[str]]]:
+    def _discover(self) -> tuple[str, dict[str, list[str]]]:
         root = self.data_dir
         if not os.path.isdir(root):
             raise FileNotFoundError(
@@ -338,7 +340,7 @@ class LeafDataModule(FederatedDataModule):
         )
 
     # ------------------------------------------------------------------ reading
-    def _read_json(self, files: Dict[str, List[str]], users: Dict[str, int]) -> Dict[str, Optional[_Part]]:
+    def _read_json(self, files: dict[str, list[str]], users: dict[str, int]) -> dict[str, _Part | None]:
         import datasets
 
         paths = files["train"] + files["test"]
@@ -360,7 +362,7 @@ class LeafDataModule(FederatedDataModule):
                     raise cause from None
                 raise
         table = ds.data.table
-        out: Dict[str, Optional[_Part]] = {"train": None, "test": None}
+        out: dict[str, _Part | None] = {"train": None, "test": None}
         split_col = np.asarray(table.column("split").to_pylist())
         user_col = table.column("user").to_pylist()
         file_col = table.column("file").to_pylist()
@@ -380,7 +382,7 @@ class LeafDataModule(FederatedDataModule):
             out[split] = _Part(x=x, y=y, user=np.repeat(codes, counts))
         return out
 
-    def _decode_json_x(self, sub, counts: np.ndarray, row_files: List[str]):
+    def _decode_json_x(self, sub, counts: np.ndarray, row_files: list[str]):
         import pyarrow.compute as pc
 
         samples = sub.column("x").combine_chunks().flatten()  # one entry per sample
@@ -394,7 +396,8 @@ class LeafDataModule(FederatedDataModule):
                 )
             return samples.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, 784)
         if self.name == "shakespeare":
-            return self._encode_windows(samples, lambda i: row_files[int(np.searchsorted(np.cumsum(counts), i, side="right"))])
+            ends = np.cumsum(counts)
+            return self._encode_windows(samples, lambda i: row_files[int(np.searchsorted(ends, i, side="right"))])
         return samples.to_pylist()  # sent140 texts
 
     def _encode_windows(self, strings, where) -> np.ndarray:
@@ -409,8 +412,8 @@ class LeafDataModule(FederatedDataModule):
             )
         return encode_text("".join(strings.to_pylist())).reshape(-1, self.seq_length)
 
-    def _decode_labels(self, values, sample_rows: np.ndarray, row_file: List[str],
-                       row_user: Optional[List[str]] = None) -> np.ndarray:
+    def _decode_labels(self, values, sample_rows: np.ndarray, row_file: list[str],
+                       row_user: list[str] | None = None) -> np.ndarray:
         """Labels as int64 in [0, num_classes), or a ValueError naming the file, the user (``row_user``: the user of
         each table row, when the rows are users) and the value."""
         if self.name == "shakespeare":
@@ -436,7 +439,7 @@ class LeafDataModule(FederatedDataModule):
             )
         return y
 
-    def _read_table(self, fmt: str, files: Dict[str, List[str]], users: Dict[str, int]) -> Dict[str, Optional[_Part]]:
+    def _read_table(self, fmt: str, files: dict[str, list[str]], users: dict[str, int]) -> dict[str, _Part | None]:
         import datasets
 
         data_files = {k: v for k, v in files.items() if v}
@@ -452,7 +455,7 @@ class LeafDataModule(FederatedDataModule):
                 f"cannot read the {fmt} files of the Flower-hub layout ({listed}): the file is truncated, corrupt or "
                 f"not {fmt} ({type(err).__name__}: {err})"
             ) from err
-        out: Dict[str, Optional[_Part]] = {"train": None, "test": None}
+        out: dict[str, _Part | None] = {"train": None, "test": None}
         for split, ds in dsd.items():
             where = ", ".join(os.path.basename(f) for f in data_files[split])
             cols = ds.column_names
@@ -467,7 +470,7 @@ class LeafDataModule(FederatedDataModule):
                     if c not in cols:
                         raise ValueError(f"{where}: Shakespeare table needs columns 'x' and 'y' (columns: {cols})")
                 table = ds.data.table
-                x = self._encode_windows(table.column("x").combine_chunks(), lambda i: where)
+                x = self._encode_windows(table.column("x").combine_chunks(), lambda i, where=where: where)
                 y = self._decode_labels(table.column("y").combine_chunks(), np.zeros(len(ds), dtype=np.int64), [where])
             else:
                 raise ValueError("the parquet/csv layout is supported for femnist and shakespeare (Flower hub)")
@@ -477,7 +480,7 @@ class LeafDataModule(FederatedDataModule):
             out[split] = _Part(x=x, y=y, user=codes)
         return out
 
-    def _femnist_table(self, ds, where: str) -> Tuple[np.ndarray, np.ndarray]:
+    def _femnist_table(self, ds, where: str) -> tuple[np.ndarray, np.ndarray]:
         import datasets
 
         cols = ds.column_names
@@ -516,7 +519,7 @@ class LeafDataModule(FederatedDataModule):
         return x, y
 
     # ------------------------------------------------------------------ sampling and splitting
-    def _group(self, part: _Part, num_users: int) -> Tuple[np.ndarray, np.ndarray]:
+    def _group(self, part: _Part, num_users: int) -> tuple[np.ndarray, np.ndarray]:
         """``(order, bounds)``: sample order grouping users contiguously (stable), user ``u`` at
         ``order[bounds[u]:bounds[u+1]]``."""
         order = np.argsort(part.user, kind="stable")
@@ -525,7 +528,7 @@ class LeafDataModule(FederatedDataModule):
 
     def load(self):
         fmt, files = self._discover()
-        users: Dict[str, int] = {}
+        users: dict[str, int] = {}
         self._files, self._pending_files, self._client_files = [], {}, {}
         parts = self._read_json(files, users) if fmt == "json" else self._read_table(fmt, files, users)
         train, test = parts["train"], parts["test"]
@@ -556,10 +559,10 @@ class LeafDataModule(FederatedDataModule):
         keep = keep[totals[keep] >= self.min_samples]  # 2. LEAF remove_users.py (-k)
 
         fraction = self.train_fraction if self.train_fraction is not None else 0.9  # LEAF split_data.py default
-        train_sel: List[np.ndarray] = []
-        test_sel: List[np.ndarray] = []
-        kept_names: List[str] = []
-        kept_codes: List[int] = []
+        train_sel: list[np.ndarray] = []
+        test_sel: list[np.ndarray] = []
+        kept_names: list[str] = []
+        kept_codes: list[int] = []
         for u in keep.tolist():
             tr_u = tr_order[tr_bounds[u] : tr_bounds[u + 1]]
             if resplit:  # 3. LEAF split_data.py -t sample, on the pooled samples of the user
@@ -594,7 +597,8 @@ class LeafDataModule(FederatedDataModule):
                     f"num_users={self.num_users} but only {len(kept_names)} users remain in {self.data_dir} after "
                     f"the filters"
                 )
-            chosen = np.sort(np.random.default_rng([self.seed, 1]).choice(len(kept_names), self.num_users, replace=False))
+            rng = np.random.default_rng([self.seed, 1])
+            chosen = np.sort(rng.choice(len(kept_names), self.num_users, replace=False))
             kept_names = [kept_names[i] for i in chosen.tolist()]
             kept_codes = [kept_codes[i] for i in chosen.tolist()]
             train_sel = [train_sel[i] for i in chosen.tolist()]
@@ -620,7 +624,7 @@ class LeafDataModule(FederatedDataModule):
         test_ds = ArrayDataset(_tensor(x_te), _tensor(y_te.astype(np.int64))) if len(y_te) else None
         return train_ds, test_ds, y_tr
 
-    def _warn_test_only_users(self, names: List[str], n_train: np.ndarray, n_test: np.ndarray) -> None:
+    def _warn_test_only_users(self, names: list[str], n_train: np.ndarray, n_test: np.ndarray) -> None:
         """Warns when test users have no training sample: they are left out with their test samples (LeafDataModule
         docstring)."""
         orphans = np.flatnonzero((n_train == 0) & (n_test > 0))
@@ -634,10 +638,10 @@ class LeafDataModule(FederatedDataModule):
             stacklevel=4,
         )
 
-    def _note_files(self, split: str, codes: np.ndarray, paths: Union[str, List[str]]) -> None:
+    def _note_files(self, split: str, codes: np.ndarray, paths: str | list[str]) -> None:
         """Records which file holds each row (user ``codes[i]`` of ``split`` is in ``paths[i]``, or in ``paths`` for
         all rows) until :meth:`_keep_client_files` keeps it for the kept users."""
-        ids: Dict[str, int] = {p: i for i, p in enumerate(self._files)}
+        ids: dict[str, int] = {p: i for i, p in enumerate(self._files)}
         if isinstance(paths, str):
             index = np.full(len(codes), ids.setdefault(paths, len(ids)), dtype=np.int32)
         else:
@@ -645,7 +649,7 @@ class LeafDataModule(FederatedDataModule):
         self._files = list(ids)
         self._pending_files[split] = (codes, index)
 
-    def _keep_client_files(self, num_users: int, kept_codes: List[int]) -> None:
+    def _keep_client_files(self, num_users: int, kept_codes: list[int]) -> None:
         """Per split, the index into ``_files`` of every kept client's file (−1: none); 4 bytes per client and split,
         for error messages (:meth:`_client_label`)."""
         for split, (codes, index) in self._pending_files.items():
@@ -662,7 +666,7 @@ class LeafDataModule(FederatedDataModule):
                  if split in self._client_files and self._client_files[split][client_id] >= 0]
         return label + (f", in {', '.join(files)}" if files else "")
 
-    def _bag_of_words(self, texts_tr: List[str], texts_te: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+    def _bag_of_words(self, texts_tr: list[str], texts_te: list[str]) -> tuple[np.ndarray, np.ndarray]:
         tok_tr = [tokenize_tweet(t) for t in texts_tr]
         tok_te = [tokenize_tweet(t) for t in texts_te]
         counts = Counter(t for toks in tok_tr for t in toks)
@@ -671,7 +675,7 @@ class LeafDataModule(FederatedDataModule):
         self.vocabulary = vocab
         index = {w: i for i, w in enumerate(vocab)}
 
-        def encode(tokens: List[List[str]]) -> np.ndarray:
+        def encode(tokens: list[list[str]]) -> np.ndarray:
             ids = [[index[t] for t in toks if t in index] for toks in tokens]
             width = max([1] + [len(r) for r in ids])
             out = np.full((len(ids), width), -1, dtype=np.int32)
@@ -681,10 +685,10 @@ class LeafDataModule(FederatedDataModule):
 
         return encode(tok_tr), encode(tok_te)
 
-    def natural_clients(self) -> List[np.ndarray]:
+    def natural_clients(self) -> list[np.ndarray]:
         return self._natural
 
-    def user_validation_split(self, n: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+    def user_validation_split(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Shakespeare: the user's last train windows after a gap of ``seq_length − 1``; otherwise a seeded random
         ``floor(val_fraction · n)`` (LeafDataModule docstring)."""
         if self.name == "shakespeare":

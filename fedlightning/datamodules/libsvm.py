@@ -16,7 +16,6 @@ regression with two logits), i.i.d. split over 100 clients, 10 sampled per round
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -28,7 +27,7 @@ from fedlightning.datamodules.partition import IID, Partitioner
 __all__ = ["LibsvmDataModule", "LIBSVM_DATASETS"]
 
 #: name -> (number of features, label pair mapped to (0, 1), train file, test file or None)
-LIBSVM_DATASETS: Dict[str, Tuple[int, Tuple[int, int], str, Optional[str]]] = {
+LIBSVM_DATASETS: dict[str, tuple[int, tuple[int, int], str, str | None]] = {
     "w8a": (300, (-1, 1), "w8a", "w8a.t"),
     "a9a": (123, (-1, 1), "a9a", "a9a.t"),
     "mushrooms": (112, (1, 2), "mushrooms", None),
@@ -37,7 +36,7 @@ LIBSVM_DATASETS: Dict[str, Tuple[int, Tuple[int, int], str, Optional[str]]] = {
 }
 
 
-def _locate(data_dir: str, name: str) -> Optional[str]:
+def _locate(data_dir: str, name: str) -> str | None:
     for suffix in ("", ".bz2", ".gz"):
         p = os.path.join(data_dir, name + suffix)
         if os.path.isfile(p):
@@ -65,7 +64,7 @@ class LibsvmDataModule(FederatedDataModule):
         test_fraction: float = 0.2,
         num_clients: int = 100,
         batch_size: int = 20,
-        partition: Optional[Partitioner] = None,
+        partition: Partitioner | None = None,
         seed: int = 0,
         eval_batch_size: int = 4096,
         num_workers: int = 0,
@@ -90,7 +89,7 @@ class LibsvmDataModule(FederatedDataModule):
         self.num_features, self.label_pair, self.train_file, self.test_file = LIBSVM_DATASETS[name]
         self.num_classes = 2  # the label pair, mapped to 0 and 1
 
-    def _read(self, path: str) -> Tuple[np.ndarray, np.ndarray]:
+    def _read(self, path: str) -> tuple[np.ndarray, np.ndarray]:
         from sklearn.datasets import load_svmlight_file
 
         try:

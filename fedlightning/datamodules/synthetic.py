@@ -8,8 +8,6 @@ decisions: its docstring); :class:`SyntheticDataModule` is the data module (the 
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import numpy as np
 import torch
 
@@ -68,9 +66,9 @@ def generate_synthetic(
     ``v_k = 0``, so every user samples ``x ~ N(0, Σ)`` and labels it with the same model.
 
     Draw order (the FedProx/FedDANE reference ``generate_synthetic.py``), all from ONE seeded
-    generator: the N sample counts; the N ``u_k``; the N ``B_k``; for each user its ``v_k`` (d draws); then for each user
-    ``W_k`` (d×C), ``b_k`` (C) and its ``n_k`` inputs. IID draws the N counts, then the shared ``W``, ``b``, then each
-    user's inputs (this order is ours: the reference IID script was not available).
+    generator: the N sample counts; the N ``u_k``; the N ``B_k``; for each user its ``v_k`` (d draws); then for each
+    user ``W_k`` (d×C), ``b_k`` (C) and its ``n_k`` inputs. IID draws the N counts, then the shared ``W``, ``b``, then
+    each user's inputs (this order is ours: the reference IID script was not available).
 
     RNG API (decision): the reference scripts call numpy's legacy global ``np.random`` functions unseeded. Here
     ``rng="generator"`` (default) uses ``np.random.default_rng(seed)`` (numpy's recommended Generator; same calls, same
@@ -83,10 +81,10 @@ def generate_synthetic(
     """
     n = rng.lognormal(4, 2, num_clients).astype(int) + 50
     cov = np.diag(synthetic_covariance_diagonal(dim))
-    xs: List[np.ndarray] = []
-    ys: List[np.ndarray] = []
-    Ws: List[np.ndarray] = []
-    bs: List[np.ndarray] = []
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    Ws: list[np.ndarray] = []
+    bs: list[np.ndarray] = []
     if iid:
         W = rng.normal(0, 1, (dim, classes))
         b = rng.normal(0, 1, classes)
@@ -172,8 +170,8 @@ class SyntheticDataModule(FederatedDataModule):
         self.num_classes = self.classes
         self.train_fraction = in_range("train_fraction", train_fraction, 0.0, 1.0, low_closed=False)
         self.rng = one_of("rng", rng, ("generator", "legacy"))
-        self.params: Optional[dict] = None
-        self._natural: List[np.ndarray] = []
+        self.params: dict | None = None
+        self._natural: list[np.ndarray] = []
 
     def _generator(self):
         return np.random.default_rng(self.seed) if self.rng == "generator" else np.random.RandomState(self.seed)
@@ -206,5 +204,5 @@ class SyntheticDataModule(FederatedDataModule):
         )
         return train, test, ytr
 
-    def natural_clients(self) -> List[np.ndarray]:
+    def natural_clients(self) -> list[np.ndarray]:
         return self._natural

@@ -7,7 +7,7 @@ aggregated over the whole evaluation set by Lightning and torchmetrics.
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -51,7 +51,7 @@ class Classifier(pl.LightningModule):
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
-    def _logits_targets(self, batch: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+    def _logits_targets(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, y = batch[0], batch[1]
         logits = self(x)
         if logits.dim() > 2:  # sequence outputs (N, T, C) -> (N*T, C)

@@ -7,7 +7,7 @@ LEAF JSON / Flower FEMNIST rows of 784 values work unchanged) and return class l
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +26,7 @@ class _ImageClassifier(Classifier):
         shape = tuple(int(s) for s in image_shape)
         if len(shape) != 3 or any(s < 1 for s in shape):
             raise ValueError(f"image_shape must be (channels, height, width) with positive sizes, got {image_shape}")
-        self.image_shape: Tuple[int, int, int] = shape  # type: ignore[assignment]
+        self.image_shape: tuple[int, int, int] = shape  # type: ignore[assignment]
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 2:
@@ -36,7 +36,7 @@ class _ImageClassifier(Classifier):
         return self.net(x.float())
 
 
-def _flat_size(features: nn.Module, image_shape: Tuple[int, int, int]) -> int:
+def _flat_size(features: nn.Module, image_shape: tuple[int, int, int]) -> int:
     with torch.no_grad():
         return int(features(torch.zeros(1, *image_shape)).numel())
 
@@ -81,8 +81,8 @@ class FemnistCNN(_ImageClassifier):
     * ``variant="leaf"``: the LEAF reference CNN (Caldas et al. 2018): conv 5×5 (32, same) → ReLU → max-pool 2 →
       conv 5×5 (64, same) → ReLU → max-pool 2 → FC 2048 → ReLU → FC 62. 6,603,710 parameters.
 
-    Inputs: 28×28 greyscale images (LEAF stores them as 784 values in [0, 1]; flat rows are reshaped). ``lr`` (standalone
-    training only) defaults to 0.1, as :class:`~fedlightning.models.Classifier` (ours).
+    Inputs: 28×28 greyscale images (LEAF stores them as 784 values in [0, 1]; flat rows are reshaped). ``lr``
+    (standalone training only) defaults to 0.1, as :class:`~fedlightning.models.Classifier` (ours).
     """
 
     def __init__(self, num_classes: int = 62, variant: str = "reddi", lr: float = 0.1):

@@ -1,4 +1,4 @@
-"""FC-200 DNN of seed 004 (Mills, Hu, Min, "Faster Federated Learning with Decaying Number of Local SGD Steps").
+r"""FC-200 DNN of seed 004 (Mills, Hu, Min, "Faster Federated Learning with Decaying Number of Local SGD Steps").
 
 .. math::
     f(x) = W_3\,\mathrm{ReLU}(W_2\,\mathrm{ReLU}(W_1 x + b_1) + b_2) + b_3,

@@ -8,7 +8,7 @@ docstring.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Type
+from collections.abc import Sequence
 
 from torch import Tensor, nn
 
@@ -76,9 +76,9 @@ class ResNet(Classifier):
     """A CIFAR-style ResNet.
 
     CIFAR form of the network (the standard adaptation for 32×32 images): a 3×3 stride-1 stem convolution with no
-    max-pool, four stages of residual blocks with 64/128/256/512 base widths and strides 1/2/2/2, global average pooling,
-    one linear layer. ResNet-18 uses basic blocks ``[2, 2, 2, 2]``, ResNet-50 bottleneck blocks ``[3, 4, 6, 3]`` with
-    expansion 4.
+    max-pool, four stages of residual blocks with 64/128/256/512 base widths and strides 1/2/2/2, global average
+    pooling, one linear layer. ResNet-18 uses basic blocks ``[2, 2, 2, 2]``, ResNet-50 bottleneck blocks
+    ``[3, 4, 6, 3]`` with expansion 4.
 
     Normalisation (decision, documented): ``norm="group"`` (default) uses ``GroupNorm(num_groups, C)`` everywhere a
     BatchNorm would be. Default ``num_groups=2``, the FedExP reference code's ``GroupNorm(2, C)`` (seed 000 follows that
@@ -119,8 +119,8 @@ class ResNet(Classifier):
         width, num_groups = integer("width", width), integer("num_groups", num_groups)
         if norm == "group" and width % num_groups != 0:
             raise ValueError(f"num_groups={num_groups} must divide the base width {width}")
-        cls: Type[nn.Module] = _BasicBlock if block == "basic" else _Bottleneck
-        layers: List[nn.Module] = [
+        cls: type[nn.Module] = _BasicBlock if block == "basic" else _Bottleneck
+        layers: list[nn.Module] = [
             nn.Conv2d(int(in_channels), width, 3, stride=1, padding=1, bias=False),
             _norm(norm, width, num_groups),
             nn.ReLU(),
@@ -142,7 +142,8 @@ class ResNet(Classifier):
 class ResNet18(ResNet):
     """ResNet-18 for 32×32 images (basic blocks [2, 2, 2, 2]); 11,173,962 parameters for 10 classes."""
 
-    def __init__(self, num_classes: int = 10, norm: str = "group", num_groups: int = 2, width: int = 64, lr: float = 0.1):
+    def __init__(self, num_classes: int = 10, norm: str = "group", num_groups: int = 2, width: int = 64,
+                 lr: float = 0.1):
         super().__init__("basic", (2, 2, 2, 2), num_classes, norm, num_groups, width, 3, lr)
 
 

@@ -46,8 +46,9 @@ class CharLSTM(_CharRNN):
     """LEAF's Shakespeare LSTM: embedding 8, 2×LSTM(256), linear head (819,920 parameters for 80 symbols).
 
     ``lr`` (used only when a model is trained on its own) defaults to FedProx's tuned Shakespeare rate 0.8 for the LSTM
-    and seed 004's η₀ = 0.1 for the GRU. ``vocab_size`` defaults to 80, LEAF's ``ALL_LETTERS`` (see :mod:`fedlightning.datamodules.shakespeare`); seed 004's
-    79 is one symbol fewer (its vocabulary is not listed), so ``CharGRU(vocab_size=79)`` reproduces its size exactly.
+    and seed 004's η₀ = 0.1 for the GRU. ``vocab_size`` defaults to 80, LEAF's ``ALL_LETTERS`` (see
+    :mod:`fedlightning.datamodules.shakespeare`); seed 004's 79 is one symbol fewer (its vocabulary is not listed), so
+    ``CharGRU(vocab_size=79)`` reproduces its size exactly.
     """
 
     cell = nn.LSTM
@@ -62,8 +63,9 @@ class CharGRU(_CharRNN):
     """Seed 004's Shakespeare GRU: embedding 8, 2×GRU(128), linear head (162,887 parameters for 79 symbols).
 
     ``lr`` (used only when a model is trained on its own) defaults to FedProx's tuned Shakespeare rate 0.8 for the LSTM
-    and seed 004's η₀ = 0.1 for the GRU. ``vocab_size`` defaults to 80, LEAF's ``ALL_LETTERS`` (see :mod:`fedlightning.datamodules.shakespeare`); seed 004's
-    79 is one symbol fewer (its vocabulary is not listed), so ``CharGRU(vocab_size=79)`` reproduces its size exactly.
+    and seed 004's η₀ = 0.1 for the GRU. ``vocab_size`` defaults to 80, LEAF's ``ALL_LETTERS`` (see
+    :mod:`fedlightning.datamodules.shakespeare`); seed 004's 79 is one symbol fewer (its vocabulary is not listed), so
+    ``CharGRU(vocab_size=79)`` reproduces its size exactly.
     """
 
     cell = nn.GRU

@@ -1,7 +1,8 @@
 """Client optimizers (torch.optim.Optimizer subclasses) with per-step telemetry.
 
 * :class:`SgdArmijo` — SGD with stochastic Armijo line search (Vaswani et al. 2019; FedSLS/FedExpSLS, seed 000).
-* :class:`SPS` — stochastic Polyak step SPS_max, optionally with the smoothed cap (Loizou et al. 2021; FedSPS, seed 001).
+* :class:`SPS` — stochastic Polyak step SPS_max, optionally with the smoothed cap (Loizou et al. 2021; FedSPS,
+  seed 001).
 * :class:`DecSPS` — decreasing SPS (Orvieto et al. 2022; FedDecSPS, seed 001).
 
 All three use the closure convention of the reference Sls code: ``opt.zero_grad(); loss = opt.step(closure)`` (the

@@ -18,7 +18,8 @@ Numerical policy shared by the three optimizers (ours; see each optimizer's docs
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,8 +37,8 @@ __all__ = [
 
 
 def epoch_exponent(
-    n_batches_per_epoch: Optional[float], batch_size: Optional[int], num_samples: Optional[int]
-) -> Optional[float]:
+    n_batches_per_epoch: float | None, batch_size: int | None, num_samples: int | None
+) -> float | None:
     """Validate the epoch-length arguments and return the per-step exponent ``1/n_batches_per_epoch`` (None when
     not given), so that a growth factor ``δ`` per local epoch is ``δ**exponent`` per step.
 
@@ -65,7 +66,8 @@ def epoch_exponent(
         return 1.0 / steps
     if (batch_size is None) != (num_samples is None):
         raise ValueError(
-            f"batch_size and num_samples must be given together, got batch_size={batch_size!r}, num_samples={num_samples!r}"
+            f"batch_size and num_samples must be given together, got batch_size={batch_size!r}, "
+            f"num_samples={num_samples!r}"
         )
     if batch_size is None:
         return None
@@ -122,9 +124,9 @@ class ClosureOptimizer(torch.optim.Optimizer):
     #: The FederatedLoop's LocalTrainer passes a loss-only closure to ``step`` for optimizers that set this.
     requires_closure = True
     #: ``(hyper-parameter, setting)`` of a growth factor per local epoch (:meth:`per_step_growth`), or None.
-    growth_setting: Optional[Tuple[str, str]] = None
+    growth_setting: tuple[str, str] | None = None
 
-    def __init__(self, params, defaults: Dict[str, Any]):
+    def __init__(self, params, defaults: dict[str, Any]):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for key, value in defaults.items():
@@ -133,20 +135,20 @@ class ClosureOptimizer(torch.optim.Optimizer):
                         f"{type(self).__name__} uses one step size for all parameters (global gradient norm), so param "
                         f"groups cannot override {key!r} (constructor value {value!r}, group value {group.get(key)!r})"
                     )
-        self.last_step: Dict[str, Any] = {}
+        self.last_step: dict[str, Any] = {}
         self.total_steps = 0
         self.total_backtracks = 0
         self.total_forwards = 0
         self.total_backwards = 0
         # 1/steps-per-epoch for per-epoch growth factors; set by the constructor or by the FederatedLoop.
-        self._explicit_exponent: Optional[float] = None
-        self._client_exponent: Optional[float] = None
+        self._explicit_exponent: float | None = None
+        self._client_exponent: float | None = None
         #: multiplier of every step this optimizer applies (the round's client_lr_scale; see scale_step)
         self.step_scale = 1.0
 
     # ------------------------------------------------------------------ hyperparameters
     @property
-    def hyper(self) -> Dict[str, Any]:
+    def hyper(self) -> dict[str, Any]:
         """The hyperparameters (shared by all param groups, checked at construction)."""
         return self.param_groups[0]
 
@@ -180,13 +182,14 @@ class ClosureOptimizer(torch.optim.Optimizer):
         exponent = self._explicit_exponent if self._explicit_exponent is not None else self._client_exponent
         if exponent is None:
             raise ValueError(
-                f"{type(self).__name__}: {what} needs the epoch length (steps per epoch): pass n_batches_per_epoch (or batch_size "
-                "and num_samples) to the constructor, or run inside a FederatedLoop, which sets it per client"
+                f"{type(self).__name__}: {what} needs the epoch length (steps per epoch): pass n_batches_per_epoch (or "
+                "batch_size and num_samples) to the constructor, or run inside a FederatedLoop, which sets it per "
+                "client"
             )
         return exponent
 
     # ------------------------------------------------------------------ parameters and gradients
-    def _params_with_grad(self) -> Tuple[List[Tensor], List[Tensor]]:
+    def _params_with_grad(self) -> tuple[list[Tensor], list[Tensor]]:
         params, grads = [], []
         for group in self.param_groups:
             for p in group["params"]:
@@ -198,7 +201,7 @@ class ClosureOptimizer(torch.optim.Optimizer):
         return params, grads
 
     @staticmethod
-    def _loss_and_squared_norm(loss: Tensor, grads: List[Tensor]) -> Tuple[float, float]:
+    def _loss_and_squared_norm(loss: Tensor, grads: list[Tensor]) -> tuple[float, float]:
         """``(f, Σ_tensors Σ g²)`` as Python floats from one fused norm kernel (per device/dtype group). On an
         accelerator the per-tensor norms and the loss are stacked and read with a single host synchronisation; on the
         CPU (no synchronisation cost) reading each 0-d result directly avoids the extra stacking op, which is what
@@ -213,7 +216,7 @@ class ClosureOptimizer(torch.optim.Optimizer):
             host = [float(v) for v in norms] + [float(loss)]
         return host[-1], math.fsum(v * v for v in host[:-1])
 
-    def _loss_and_grad(self, closure: Optional[Callable[[], Tensor]]) -> Tensor:
+    def _loss_and_grad(self, closure: Callable[[], Tensor] | None) -> Tensor:
         """First closure call (with gradients) and ``backward``; returns the detached scalar loss."""
         if closure is None or not callable(closure):
             raise TypeError(
@@ -236,7 +239,7 @@ class ClosureOptimizer(torch.optim.Optimizer):
         loss = loss.detach()
         return loss if loss.dim() == 0 else loss.reshape(())
 
-    def _polyak_inputs(self, closure: Optional[Callable[[], Tensor]]):
+    def _polyak_inputs(self, closure: Callable[[], Tensor] | None):
         """The inputs of a Polyak-type step: ``(loss, params, grads, f - f*, ||g||^2)``.
 
         ``params`` is None when no step can be taken, and the step is already recorded: no parameter has a gradient
@@ -263,28 +266,28 @@ class ClosureOptimizer(torch.optim.Optimizer):
         self.total_backwards += int(backwards)
 
     # ------------------------------------------------------------------ persistence (subclasses define the fields)
-    def get_client_state(self) -> Dict[str, Any]:
+    def get_client_state(self) -> dict[str, Any]:
         return {}
 
-    def set_client_state(self, state: Dict[str, Any]) -> None:
+    def set_client_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict):
             raise TypeError(f"client state must be a dict, got {type(state).__name__}")
 
     @staticmethod
-    def _state_step(state: Dict[str, Any], key: str, default: Optional[float] = None) -> Optional[float]:
+    def _state_step(state: dict[str, Any], key: str, default: float | None = None) -> float | None:
         """``state[key]`` as a finite step size > 0 (``default`` when absent; None stays None)."""
         value = state.get(key, default)
         if value is None:
             return None
         return positive(key, float(value), label=f"client state {key}")
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state plus the per-client state, so a plain PyTorch checkpoint resumes the rule."""
         sd = super().state_dict()
         sd["client_state"] = self.get_client_state()
         return sd
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         client_state = state_dict.pop("client_state", None)
         super().load_state_dict(state_dict)
@@ -302,7 +305,7 @@ class RngSnapshot:
 
     __slots__ = ("cpu", "cuda", "device")
 
-    def __init__(self, device: Optional[torch.device]):
+    def __init__(self, device: torch.device | None):
         self.cpu = torch.get_rng_state()
         self.device = device if (device is not None and device.type == "cuda") else None
         self.cuda = torch.cuda.get_rng_state(self.device) if self.device is not None else None

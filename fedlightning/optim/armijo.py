@@ -15,7 +15,8 @@ rounds, client step-size scale) are in :class:`SgdArmijo`'s docstring.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,12 +58,12 @@ class SgdArmijo(ClosureOptimizer):
     Decisions the papers leave open ("Painless Federated Learning", Alg. 2 and 3; the reference Sls code of Vaswani
     et al.), all ours unless a source is named:
 
-    * **Cap of ``"grow"``**: the grown step is capped at ``eta_max`` (Vaswani et al.'s paper and seed 000's theory assume
-      :math:`\eta \in (0, \eta_{l,\max}]`; the current reference Sls code has no cap).
+    * **Cap of ``"grow"``**: the grown step is capped at ``eta_max`` (Vaswani et al.'s paper and seed 000's theory
+      assume :math:`\eta \in (0, \eta_{l,\max}]`; the current reference Sls code has no cap).
     * **Growth of ``"grow"``: at most** :math:`\delta` **per local epoch.** Seed 000 and Vaswani et al. write
-      :math:`\delta^{b/n}` per step so that one epoch (:math:`n/b` steps) grows the step by :math:`\delta`; the reference
-      Sls code passes ``n_batches_per_epoch = n/b`` for the same intent. We use the steps one epoch of the client's
-      loader really takes, :math:`\lceil n/b\rceil` (last partial batch kept): the per-step factor is
+      :math:`\delta^{b/n}` per step so that one epoch (:math:`n/b` steps) grows the step by :math:`\delta`; the
+      reference Sls code passes ``n_batches_per_epoch = n/b`` for the same intent. We use the steps one epoch of the
+      client's loader really takes, :math:`\lceil n/b\rceil` (last partial batch kept): the per-step factor is
       :math:`\delta^{1/\lceil n/b\rceil}`, which equals :math:`\delta^{b/n}` whenever :math:`b` divides :math:`n` and is
       :math:`\delta` per step when :math:`n \le b` (there every step is a whole epoch; :math:`\delta^{b/n}` would be
       ×14.4 per step for 13 samples, batch 50, :math:`\delta = 2`). The epoch length comes from
@@ -73,11 +74,12 @@ class SgdArmijo(ClosureOptimizer):
     * **Zero gradient** (``‖g‖ < grad_tol``, default 1e-8 as the reference Sls): no trial, no parameter change,
       recorded step size ``0.0``; :math:`\eta_{k-1}` is left as it was (the current Sls code does the same to the
       parameters but stores the reset step).
-    * **Exhausted backtracking**: the grid is :math:`\eta_0\beta^m` for ``m = 0..max_backtracks`` (``max_backtracks + 1``
-      trial points; default 100 as the reference Sls). If none satisfies the condition the parameters are left
-      unchanged (recorded step size ``0.0``, ``max_backtracks + 1`` backtracks) — not the reference's
-      :math:`w - 10^{-6} g`, which is not an Armijo step. For ``"last"``/``"grow"``, :math:`\eta_{k-1}` becomes the next
-      grid point :math:`\eta_0\beta^{\text{max\_backtracks}+1}`, so the next search continues below the rejected grid.
+    * **Exhausted backtracking**: the grid is :math:`\eta_0\beta^m` for ``m = 0..max_backtracks``
+      (``max_backtracks + 1`` trial points; default 100 as the reference Sls). If none satisfies the condition the
+      parameters are left unchanged (recorded step size ``0.0``, ``max_backtracks + 1`` backtracks) — not the
+      reference's :math:`w - 10^{-6} g`, which is not an Armijo step. For ``"last"``/``"grow"``, :math:`\eta_{k-1}`
+      becomes the next grid point :math:`\eta_0\beta^{\text{max\_backtracks}+1}`, so the next search continues below the
+      rejected grid.
     * **Trial evaluations** call the closure under ``torch.no_grad()`` after restoring the CPU RNG state (and the CUDA
       RNG state of the parameters' device) saved before the gradient evaluation, so dropout draws the same masks as in
       the gradient evaluation (the reference reseeds from wall-clock time; we never reseed). After the step the RNG is
@@ -139,9 +141,9 @@ class SgdArmijo(ClosureOptimizer):
         beta: float = 0.9,
         reset: str = "max",
         delta: float = 2.0,
-        n_batches_per_epoch: Optional[float] = None,
-        batch_size: Optional[int] = None,
-        num_samples: Optional[int] = None,
+        n_batches_per_epoch: float | None = None,
+        batch_size: int | None = None,
+        num_samples: int | None = None,
         max_backtracks: int = 100,
         grad_tol: float = 1e-8,
         carry_step_size: bool = False,
@@ -150,7 +152,8 @@ class SgdArmijo(ClosureOptimizer):
         c = in_range("c", c, 0.0, 1.0, low_closed=False)
         beta = in_range("beta", beta, 0.0, 1.0, low_closed=False)
         reset = one_of("reset", reset, RESETS)
-        delta = in_range("delta", delta, 1.0, low_closed=False)  # a growth factor ("Painless Federated Learning", Alg. 3)
+        # a growth factor ("Painless Federated Learning", Alg. 3)
+        delta = in_range("delta", delta, 1.0, low_closed=False)
         max_backtracks = integer("max_backtracks", max_backtracks, 0)
         grad_tol = non_negative("grad_tol", grad_tol)
         carry_step_size = flag("carry_step_size", carry_step_size)
@@ -160,10 +163,10 @@ class SgdArmijo(ClosureOptimizer):
         super().__init__(params, defaults)
         self._explicit_exponent = exponent
         self.carry_step_size = carry_step_size
-        self._prev_step: Optional[float] = None  # η_{k-1}: step accepted at the previous step (None before the first)
-        self._carried_step: Optional[float] = None  # last accepted step of the client's previous round
-        self._accepted_step: Optional[float] = None  # the last step the line search accepted (across rounds)
-        self._start: Optional[list] = None  # reusable copy of w_{k-1}
+        self._prev_step: float | None = None  # η_{k-1}: step accepted at the previous step (None before the first)
+        self._carried_step: float | None = None  # last accepted step of the client's previous round
+        self._accepted_step: float | None = None  # the last step the line search accepted (across rounds)
+        self._start: list | None = None  # reusable copy of w_{k-1}
 
     # ------------------------------------------------------------------ reset policy (seed 000 Alg. 3)
     def initial_step_size(self) -> float:
@@ -176,7 +179,7 @@ class SgdArmijo(ClosureOptimizer):
         return rules.armijo_initial_step(h["reset"], h["eta_max"], math.nan if prev is None else prev, growth)
 
     # ------------------------------------------------------------------ step
-    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:  # type: ignore[override]
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:  # type: ignore[override]
         """One SGD-Armijo step on the closure's mini-batch; returns the loss at the original point."""
         h = self.hyper
         if h["reset"] == "grow":
@@ -243,18 +246,18 @@ class SgdArmijo(ClosureOptimizer):
         return buffers
 
     # ------------------------------------------------------------------ per-client state
-    def get_client_state(self) -> Dict[str, Any]:
+    def get_client_state(self) -> dict[str, Any]:
         """``{"step_size": η_{k-1}, "accepted_step_size": last accepted step}`` (SgdArmijo docstring; None where this
         client has none yet)."""
         prev = self._prev_step if self._prev_step is not None else self._carried_step
         return {"step_size": prev, "accepted_step_size": self._accepted_step}
 
-    def set_client_state(self, state: Dict[str, Any]) -> None:
+    def set_client_state(self, state: dict[str, Any]) -> None:
         super().set_client_state(state)
         self._carried_step = self._state_step(state, "step_size")
         self._accepted_step = self._state_step(state, "accepted_step_size")
 
-    def client_report(self) -> Dict[str, float]:
+    def client_report(self) -> dict[str, float]:
         """``{"armijo_accepted_step_size": η}``: the last step the line search accepted, in this round or an earlier
         one of this client (NaN if none); a zero-gradient or exhausted step does not replace it. Before any
         client-step scale (FedLi-LS's ``η_i``, :class:`~fedlightning.callbacks.FedLiLS`)."""

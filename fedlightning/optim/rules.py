@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -117,7 +117,7 @@ def sgd_direction(g: Tensor, w: Tensor, weight_decay: float) -> Tensor:
 
 # ---------------------------------------------------------------------------------------- SGD-Armijo
 @functools.lru_cache(maxsize=64)
-def armijo_powers(beta: float, max_backtracks: int) -> Tuple[float, ...]:
+def armijo_powers(beta: float, max_backtracks: int) -> tuple[float, ...]:
     """:math:`\\beta^m` for ``m = 0 .. max_backtracks + 1`` (Python float powers): the grid :math:`\\eta_0\\beta^m`
     of a search (``m <= max_backtracks``) and the next grid point after an exhausted one."""
     return tuple(beta**m for m in range(max_backtracks + 2))
@@ -139,7 +139,7 @@ def armijo_accepts(trial_loss: Value, loss: Value, grad_sq: Value, c: float, eta
 
 
 def armijo_after_search(eta0: Value, accepted_eta: Value, accepted: Value, exhausted: Value, prev: Value,
-                        accepted_step: Value, next_power: float) -> Tuple[Value, Value]:
+                        accepted_step: Value, next_power: float) -> tuple[Value, Value]:
     """``(η_{k-1}, last accepted step)`` after a step: the accepted step; after an exhausted search the next grid
     point :math:`\\eta_0\\beta^{\\text{max\\_backtracks}+1}` (``next_power``) and the last accepted step kept;
     both unchanged otherwise (no search: zero gradient or non-finite values)."""
@@ -148,7 +148,7 @@ def armijo_after_search(eta0: Value, accepted_eta: Value, accepted: Value, exhau
 
 
 # ---------------------------------------------------------------------------------------- Polyak steps
-def sps_cap(gamma_max: float, prev: Value, growth: Optional[float | Value] = None) -> Value:
+def sps_cap(gamma_max: float, prev: Value, growth: float | Value | None = None) -> Value:
     """The cap :math:`\\gamma_{b,t}`: ``gamma_max`` (``growth`` None: constant cap), or smoothed:
     :math:`\\delta^{1/\\lceil n/b\\rceil}\\gamma_{t-1}` (``gamma_max`` while :math:`\\gamma_{t-1}` is NaN)."""
     if growth is None:
@@ -160,7 +160,7 @@ def _polyak_degenerate(gap: Value, grad_sq: Value, grad_tol: float) -> Value:
     return flat_gradient(grad_sq, grad_tol) | (gap <= 0.0)
 
 
-def sps_step(gap: Value, grad_sq: Value, c: float, cap: Value, grad_tol: float) -> Tuple[Value, Value]:
+def sps_step(gap: Value, grad_sq: Value, c: float, cap: Value, grad_tol: float) -> tuple[Value, Value]:
     """``(γ, degenerate)``: SPS_max :math:`\\gamma = \\min\\{(f - \\ell^*)/(c\\|g\\|^2), \\gamma_{b,t}\\}` with
     ``gap`` :math:`= f - \\ell^*`. Degenerate (flat gradient or ``gap <= 0``): ``γ`` is the rule's limit, 0 for
     ``gap <= 0`` (ratio 0) and the cap for a zero gradient (ratio :math:`+\\infty`); the step is not taken."""
@@ -170,7 +170,7 @@ def sps_step(gap: Value, grad_sq: Value, c: float, cap: Value, grad_tol: float) 
 
 
 def sps_after_step(gamma: Value, degenerate: Value, scale: Value, prev: Value,
-                   fixed_step_size: Optional[float] = None) -> Tuple[Value, Value, Value]:
+                   fixed_step_size: float | None = None) -> tuple[Value, Value, Value]:
     """``(applied step, moved, next γ_{t-1})`` of SPS (:func:`polyak_after_step`); with ``fixed_step_size``
     (FedSPS-Global clients) the step ``fixed_step_size · s`` is applied on every step, degenerate ones included,
     and the state is not advanced (SPS is only measured)."""
@@ -199,7 +199,7 @@ class CountRoots:
         return self.table[counts.long()]
 
 
-def decsps_bound(c0: float, t: Value, gamma_prev: Value, sqrt=math.sqrt) -> Tuple[Value, Value]:
+def decsps_bound(c0: float, t: Value, gamma_prev: Value, sqrt=math.sqrt) -> tuple[Value, Value]:
     """``(c_{t-1} γ_{t-1}, c_t)`` of DecSPS: :math:`c_t = c_0\\sqrt{t+1}`, :math:`c_{-1} = c_0`, with ``sqrt``
     the correctly rounded square root of step counts (``math.sqrt``; for tensors a :class:`CountRoots`)."""
     c_prev = _where(t >= 1, c0 * sqrt(t), c0)
@@ -207,7 +207,7 @@ def decsps_bound(c0: float, t: Value, gamma_prev: Value, sqrt=math.sqrt) -> Tupl
 
 
 def decsps_step(gap: Value, grad_sq: Value, t: Value, gamma_prev: Value, c0: float, grad_tol: float,
-                sqrt=math.sqrt) -> Tuple[Value, Value]:
+                sqrt=math.sqrt) -> tuple[Value, Value]:
     """``(γ_t, degenerate)``: DecSPS :math:`\\gamma_t = \\min\\{(f - \\ell^*)/\\|g\\|^2,
     c_{t-1}\\gamma_{t-1}\\}/c_t` (:func:`decsps_bound`); degenerate as :func:`sps_step` (no step)."""
     degenerate = _polyak_degenerate(gap, grad_sq, grad_tol)
@@ -216,7 +216,7 @@ def decsps_step(gap: Value, grad_sq: Value, t: Value, gamma_prev: Value, c0: flo
 
 
 def polyak_after_step(gamma: Value, degenerate: Value, scale: Value, old: Value,
-                      new: Value) -> Tuple[Value, Value, Value]:
+                      new: Value) -> tuple[Value, Value, Value]:
     """``(applied step, moved, state)`` of a Polyak step: the applied step :math:`s\\gamma` (0 on a degenerate
     step), whether it moved, and the rule's state: ``new`` (its value after a real step) where the step moved, else
     ``old`` (a degenerate step does not advance it). ``old`` / ``new``: one value, or a tuple of values."""

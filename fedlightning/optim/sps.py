@@ -13,7 +13,8 @@ are in :class:`SPS`'s docstring; DecSPS's recursion in :class:`DecSPS`'s.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,20 +42,20 @@ class SPS(ClosureOptimizer):
     .. math::
         \gamma_{b,0} = \gamma_b, \qquad \gamma_{b,t} = \delta^{\,1/\lceil n/b\rceil}\,\gamma_{t-1}\quad (t \ge 1)
 
-    **Reading of the smoothed cap (a documented choice):** seed 001 ("Locally Adaptive Federated Learning", Sec. 6) writes
-    :math:`\gamma_{b,t} = 2^{|B|/m_i}\gamma_{b,t-1}`, i.e. the multiplier applied to the previous *cap*, which would grow
-    exponentially and never look at the step sizes; we implement the reading of the SPS paper it cites and of the
-    reference SPS code (``smooth_iter``): the multiplier applies to the previous *step size* :math:`\gamma_{t-1}`.
+    **Reading of the smoothed cap (a documented choice):** seed 001 ("Locally Adaptive Federated Learning", Sec. 6)
+    writes :math:`\gamma_{b,t} = 2^{|B|/m_i}\gamma_{b,t-1}`, i.e. the multiplier applied to the previous *cap*, which
+    would grow exponentially and never look at the step sizes; we implement the reading of the SPS paper it cites and of
+    the reference SPS code (``smooth_iter``): the multiplier applies to the previous *step size* :math:`\gamma_{t-1}`.
     ``smooth_factor`` is :math:`\delta = 2` (seed 001; reference ``gamma = 2``), applied as
-    :math:`\delta^{1/\lceil n/b\rceil}` per step with :math:`\lceil n/b\rceil` the steps of one local epoch of the client's
-    loader (``n_batches_per_epoch`` >= 1, or ``batch_size`` + ``num_samples``, or set per client by the FederatedLoop),
-    so the cap can at most double per local epoch. Seed 001 and the reference code write :math:`\delta^{b/n}` (the
-    reference passes ``n/b``) with the same intent, growth :math:`\delta` per epoch; the two agree whenever :math:`b`
-    divides :math:`n`. With fewer samples than the batch size (every step a whole epoch) :math:`\delta^{b/n}` would
-    multiply the cap by :math:`\delta^{b/n} > \delta` per step (×2.9 for 13 samples, batch 20), which is why we count
-    whole steps (ours; :func:`fedlightning.optim._common.epoch_exponent`). The first cap is :math:`\gamma_{b,0} = \gamma_b`
-    (seed 001: :math:`\gamma_{b,0} = 1`; the reference code also multiplies the first one). In smooth mode ``gamma_max``
-    is only this initial value, as in the reference code (no constant cap).
+    :math:`\delta^{1/\lceil n/b\rceil}` per step with :math:`\lceil n/b\rceil` the steps of one local epoch of the
+    client's loader (``n_batches_per_epoch`` >= 1, or ``batch_size`` + ``num_samples``, or set per client by the
+    FederatedLoop), so the cap can at most double per local epoch. Seed 001 and the reference code write
+    :math:`\delta^{b/n}` (the reference passes ``n/b``) with the same intent, growth :math:`\delta` per epoch; the two
+    agree whenever :math:`b` divides :math:`n`. With fewer samples than the batch size (every step a whole epoch)
+    :math:`\delta^{b/n}` would multiply the cap by :math:`\delta^{b/n} > \delta` per step (×2.9 for 13 samples, batch
+    20), which is why we count whole steps (ours; :func:`fedlightning.optim._common.epoch_exponent`). The first cap is
+    :math:`\gamma_{b,0} = \gamma_b` (seed 001: :math:`\gamma_{b,0} = 1`; the reference code also multiplies the first
+    one). In smooth mode ``gamma_max`` is only this initial value, as in the reference code (no constant cap).
 
     Decisions (ours unless a source is named; "Locally Adaptive Federated Learning", Sec. 5 and 6, leaves them open):
 
@@ -69,12 +70,12 @@ class SPS(ClosureOptimizer):
     * **Non-finite loss or gradient**: parameters and state unchanged, step size ``nan``, the loss is returned (the
       FederatedLoop skips a client whose loss is non-finite).
     * **Persistent per-client state** (``get_client_state`` / ``set_client_state``, stored by the FederatedLoop per
-      client, checkpointed, nothing for clients that never trained): DecSPS keeps :math:`(t, \gamma_{t-1})`, smoothed SPS
-      keeps :math:`\gamma_{t-1}`, across that client's rounds. Seed 001's :math:`t` is the global iteration
+      client, checkpointed, nothing for clients that never trained): DecSPS keeps :math:`(t, \gamma_{t-1})`, smoothed
+      SPS keeps :math:`\gamma_{t-1}`, across that client's rounds. Seed 001's :math:`t` is the global iteration
       index; here :math:`t` counts the (non-degenerate) steps this client has taken, which is the same thing under full
       participation and the natural per-client reading under client sampling. Plain SPS is stateless.
-    * ``fixed_step_size`` (SPS only, default None): when set, SPS applies that *fixed* step (plain SGD) and only measures
-      the SPS step it would have taken (``last_step["sps_step_size"]``, ``client_report()``): the clients of
+    * ``fixed_step_size`` (SPS only, default None): when set, SPS applies that *fixed* step (plain SGD) and only
+      measures the SPS step it would have taken (``last_step["sps_step_size"]``, ``client_report()``): the clients of
       FedSPS-Global (seed 001 App. D.2), whose server strategy sets the round's shared step through the loop's
       ``client_lr_scale``. It is deliberately not called ``lr``: a configuration that switches the client optimizer
       from ``torch.optim.SGD`` to SPS would otherwise carry SGD's ``lr`` into it and silently turn adaptive SPS into
@@ -103,7 +104,8 @@ class SPS(ClosureOptimizer):
         smooth: use the smoothed cap (seed 001's non-convex experiments). Default False.
         smooth_factor: :math:`\delta \ge 1`, growth of the smoothed cap per local epoch (per step
             :math:`\delta^{1/\lceil n/b\rceil}`). Default 2.0 (seed 001 §6).
-        n_batches_per_epoch, batch_size, num_samples: the epoch length for ``smooth=True`` (see above); inside the FederatedLoop it is set per client when not given.
+        n_batches_per_epoch, batch_size, num_samples: the epoch length for ``smooth=True`` (see above); inside the
+            FederatedLoop it is set per client when not given.
         grad_tol: below this gradient norm no step is taken. Default 1e-8 (reference SPS).
         fixed_step_size: fixed step for FedSPS-Global clients (see above). Default None (adaptive
             SPS).
@@ -119,11 +121,11 @@ class SPS(ClosureOptimizer):
         f_star: float = 0.0,
         smooth: bool = False,
         smooth_factor: float = 2.0,
-        n_batches_per_epoch: Optional[float] = None,
-        batch_size: Optional[int] = None,
-        num_samples: Optional[int] = None,
+        n_batches_per_epoch: float | None = None,
+        batch_size: int | None = None,
+        num_samples: int | None = None,
         grad_tol: float = 1e-8,
-        fixed_step_size: Optional[float] = None,
+        fixed_step_size: float | None = None,
     ):
         c = positive("polyak_c", polyak_c)
         gamma_max = positive("gamma_max", gamma_max)
@@ -132,14 +134,14 @@ class SPS(ClosureOptimizer):
         smooth_factor = in_range("smooth_factor", smooth_factor, 1.0)
         grad_tol = non_negative("grad_tol", grad_tol)
         exponent = epoch_exponent(n_batches_per_epoch, batch_size, num_samples)
-        defaults: Dict[str, Any] = dict(polyak_c=c, gamma_max=gamma_max, f_star=f_star, smooth=smooth,
+        defaults: dict[str, Any] = dict(polyak_c=c, gamma_max=gamma_max, f_star=f_star, smooth=smooth,
                                         smooth_factor=smooth_factor, grad_tol=grad_tol)
         if fixed_step_size is not None:
             defaults["fixed_step_size"] = positive("fixed_step_size", fixed_step_size)
         super().__init__(params, defaults)
         self._explicit_exponent = exponent
-        self._prev_step: Optional[float] = None  # γ_{t-1} of the smoothed cap (None: no step taken yet)
-        self._report: Dict[str, float] = {}
+        self._prev_step: float | None = None  # γ_{t-1} of the smoothed cap (None: no step taken yet)
+        self._report: dict[str, float] = {}
 
     def cap(self) -> float:
         """The cap :math:`\\gamma_{b,t}` of the next step (:func:`fedlightning.optim.rules.sps_cap`)."""
@@ -147,7 +149,7 @@ class SPS(ClosureOptimizer):
         growth = self.per_step_growth() if (h["smooth"] and prev is not None) else None
         return rules.sps_cap(h["gamma_max"], math.nan if prev is None else prev, growth)
 
-    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:  # type: ignore[override]
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:  # type: ignore[override]
         """One SPS step on the closure's mini-batch; returns the loss."""
         h = self.hyper
         if h["smooth"]:
@@ -165,24 +167,24 @@ class SPS(ClosureOptimizer):
         self._record(applied, sps_step_size=sps_step)
         return loss
 
-    def client_report(self) -> Dict[str, float]:
+    def client_report(self) -> dict[str, float]:
         """Scalars of the last step a server strategy may use (FedSPS-Global): the SPS step
         :math:`\\min\\{(f-\\ell^*)/(c\\|g\\|^2), \\gamma_b\\}`, the loss :math:`f` and :math:`\\|g\\|^2`, all
         measured at the point where the last step was taken."""
         return dict(self._report)
 
-    def set_client_report(self, report: Dict[str, float]) -> None:
+    def set_client_report(self, report: dict[str, float]) -> None:
         """Set what :meth:`client_report` returns (the batched form of SPS writes what each client's last step
         measured)."""
         self._report = {key: float(report[key]) for key in ("sps_last_step_size", "sps_last_loss", "sps_last_grad_sq")}
 
-    def get_client_state(self) -> Dict[str, Any]:
+    def get_client_state(self) -> dict[str, Any]:
         """Smoothed SPS: ``{"prev_step": γ_{t-1}}``; plain SPS is stateless (``{}``)."""
         if self.hyper["smooth"] and self.hyper.get("fixed_step_size") is None:
             return {"prev_step": self._prev_step}
         return {}
 
-    def set_client_state(self, state: Dict[str, Any]) -> None:
+    def set_client_state(self, state: dict[str, Any]) -> None:
         super().set_client_state(state)
         self._prev_step = self._state_step(state, "prev_step")
 
@@ -225,7 +227,7 @@ class DecSPS(ClosureOptimizer):
         bound, c_t = rules.decsps_bound(self.hyper["c0"], self.t, self.gamma_prev)
         return bound / c_t
 
-    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:  # type: ignore[override]
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:  # type: ignore[override]
         """One DecSPS step on the closure's mini-batch; returns the loss."""
         h = self.hyper
         loss, params, grads, gap, grad_sq = self._polyak_inputs(closure)
@@ -242,11 +244,11 @@ class DecSPS(ClosureOptimizer):
         self._record(applied)
         return loss
 
-    def get_client_state(self) -> Dict[str, Any]:
+    def get_client_state(self) -> dict[str, Any]:
         """``{"t": steps taken, "gamma_prev": γ_{t-1}}``."""
         return {"t": self.t, "gamma_prev": self.gamma_prev}
 
-    def set_client_state(self, state: Dict[str, Any]) -> None:
+    def set_client_state(self, state: dict[str, Any]) -> None:
         super().set_client_state(state)
         t = integer("t", int(state.get("t", 0)), 0, label="client state t")
         gamma_prev = self._state_step(state, "gamma_prev", self.hyper["gamma_max"])

@@ -8,14 +8,15 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any
 
 from fedlightning.sweep.space import Param
 
 __all__ = ["RunFailed", "RunResult", "read_final_metrics", "run_slug", "DryRun", "cell_text", "short_names"]
 
-def short_names(keys: Sequence[str]) -> Dict[str, str]:
+def short_names(keys: Sequence[str]) -> dict[str, str]:
     """Shortest dotted suffix of each key that no other key ends with."""
     parts = {k: k.split(".") for k in keys}
     out = {}
@@ -58,24 +59,24 @@ class RunResult:
 
     number: int
     slug: str
-    params: Dict[str, Any]
+    params: dict[str, Any]
     status: str
-    exit_code: Optional[int] = None
-    metrics: Dict[str, float] = field(default_factory=dict)
-    seconds: Optional[float] = None
+    exit_code: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: float | None = None
 
-    def value(self, metric: str) -> Optional[float]:
+    def value(self, metric: str) -> float | None:
         v = self.metrics.get(metric)
         return v if v is not None and math.isfinite(v) else None
 
 
-def read_final_metrics(path: str) -> Dict[str, float]:
+def read_final_metrics(path: str) -> dict[str, float]:
     """The last non-empty value of every column of a CSVLogger ``metrics.csv`` (``step``/``epoch`` excluded);
     an empty dict when the file does not exist. The same rule as a W&B run's summary (the last logged value by
     default)."""
     if not os.path.isfile(path):
         return {}
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             for key, text in row.items():

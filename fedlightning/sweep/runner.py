@@ -13,11 +13,20 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from fedlightning._validation import integer
 from fedlightning.logging import agent_command, load_sweep
-from fedlightning.sweep.results import RunFailed, RunResult, cell_text, DryRun, short_names, read_final_metrics, run_slug
+from fedlightning.sweep.results import (
+    DryRun,
+    RunFailed,
+    RunResult,
+    cell_text,
+    read_final_metrics,
+    run_slug,
+    short_names,
+)
 from fedlightning.sweep.space import make_sampler, search_space
 
 __all__ = ["LocalSweep", "main", "DEFAULT_SEED", "JOURNAL", "LOCK", "RESULTS_CSV", "RESULTS_MD", "LOCAL_LOGGER"]
@@ -57,8 +66,8 @@ class LocalSweep:
         name: used in error messages and as the study name when the sweep has no ``name``.
     """
 
-    def __init__(self, sweep: Mapping[str, Any], out: str, seed: Optional[int] = None,
-                 interpreter: Optional[str] = None, name: str = "sweep"):
+    def __init__(self, sweep: Mapping[str, Any], out: str, seed: int | None = None,
+                 interpreter: str | None = None, name: str = "sweep"):
         self.sweep = dict(sweep)
         self.file_name = name
         self.space = search_space(self.sweep, name=name)
@@ -81,7 +90,7 @@ class LocalSweep:
     def journal(self) -> str:
         return os.path.join(self.out, JOURNAL)
 
-    def _fingerprint(self) -> Dict[str, Any]:
+    def _fingerprint(self) -> dict[str, Any]:
         return {k: self.sweep.get(k) for k in ("method", "metric", "parameters", "program", "command")}
 
     def _open_study(self, storage):
@@ -139,7 +148,7 @@ class LocalSweep:
             study.sampler = sampler
 
     # ------------------------------------------------------------------ running
-    def target(self, runs: Optional[int]) -> int:
+    def target(self, runs: int | None) -> int:
         """Total number of runs the sweep should have: ``runs`` (``--runs N``) is the sweep's *total* (as W&B's
         ``run_cap``); default the grid size for grid sweeps (capped by ``run_cap``) and ``run_cap`` for
         random/bayes, which need one of the two."""
@@ -153,8 +162,8 @@ class LocalSweep:
                              "or run_cap in the sweep file")
         return runs if runs is not None else self.run_cap
 
-    def command(self, params: Mapping[str, Any], slug: Optional[str] = None,
-                interpreter: Optional[str] = None) -> List[str]:
+    def command(self, params: Mapping[str, Any], slug: str | None = None,
+                interpreter: str | None = None) -> list[str]:
         """The run's command: the sweep's own command line, built by :func:`fedlightning.logging.agent_command`
         exactly as the W&B agent builds it (``${interpreter}`` is this Python, ``sys.executable``), plus, when
         ``slug`` is given, the local logger: ``--trainer.logger=lightning.pytorch.loggers.CSVLogger`` with
@@ -180,7 +189,7 @@ class LocalSweep:
         cmd = agent_command(self.sweep, params, interpreter="python", env=sentinel)
         return shlex.join(c for c in cmd if c != sentinel)
 
-    def _suggest(self, trial) -> Dict[str, Any]:
+    def _suggest(self, trial) -> dict[str, Any]:
         return {k: p.suggest(trial) for k, p in self.space.items()}
 
     def _execute(self, trial, log: Callable[[str], None], total: int) -> float:
@@ -228,8 +237,8 @@ class LocalSweep:
         log(f"    {self.metric} = {value:.6g} ({seconds:.1f} s)")
         return value
 
-    def run(self, runs: Optional[int] = None, dry_run: bool = False,
-            log: Callable[[str], None] = print) -> List[RunResult]:
+    def run(self, runs: int | None = None, dry_run: bool = False,
+            log: Callable[[str], None] = print) -> list[RunResult]:
         """Run the sweep up to ``runs`` total runs (see :meth:`target`); write the tables; return the sorted results.
 
         ``dry_run``: print the commands of the runs that would start next and change nothing on disk (the draws
@@ -268,7 +277,7 @@ class LocalSweep:
             log(f"no run logged a finite {self.metric}")
         return results
 
-    def _dry_run(self, total: int, log: Callable[[str], None]) -> List[RunResult]:
+    def _dry_run(self, total: int, log: Callable[[str], None]) -> list[RunResult]:
         import optuna
 
         memory = optuna.storages.InMemoryStorage()
@@ -280,7 +289,7 @@ class LocalSweep:
             study = self._open_study(memory)
         self._retry_interrupted(study)
         done = self._count(study)
-        planned: List[RunResult] = []
+        planned: list[RunResult] = []
 
         def show(trial):
             params = self._suggest(trial)
@@ -304,7 +313,7 @@ class LocalSweep:
                    if t.state in (TrialState.COMPLETE, TrialState.FAIL) and t.user_attrs.get("status") != "interrupted")
 
     # ------------------------------------------------------------------ results
-    def results(self, study=None) -> List[RunResult]:
+    def results(self, study=None) -> list[RunResult]:
         """Every recorded run (interrupted attempts left out), sorted by the metric (:meth:`sort`); a run's final
         metrics are :func:`~fedlightning.sweep.results.read_final_metrics` of its ``metrics.csv``."""
         if study is None:
@@ -324,7 +333,7 @@ class LocalSweep:
                                   t.user_attrs.get("seconds")))
         return self.sort(rows)
 
-    def sort(self, rows: Sequence[RunResult]) -> List[RunResult]:
+    def sort(self, rows: Sequence[RunResult]) -> list[RunResult]:
         """By the sweep's metric (``goal`` maximize: largest first); runs without a finite value (failed,
         diverged, metric never logged) last, in run order."""
         sign = -1.0 if self.goal == "maximize" else 1.0
@@ -333,7 +342,7 @@ class LocalSweep:
         return (sorted(good, key=lambda r: (sign * r.value(self.metric), r.number))
                 + sorted(rest, key=lambda r: r.number))
 
-    def best(self, results: Sequence[RunResult]) -> Optional[RunResult]:
+    def best(self, results: Sequence[RunResult]) -> RunResult | None:
         for r in results:
             if r.status == "finished" and r.value(self.metric) is not None:
                 return r
@@ -398,7 +407,7 @@ class _sigterm_interrupts:
 
 
 # ====================================================================== command line
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m fedlightning.sweep SWEEP.yaml [--out DIR] [--runs N] [--seed S] [--dry-run]``.
 
     Exit codes (ours): ``0`` when at least one of the sweep's recorded runs finished with a finite metric (the sweep

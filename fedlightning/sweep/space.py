@@ -4,8 +4,9 @@ of a W&B ``method`` (:func:`make_sampler`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any
 
 from fedlightning.logging import validate_sweep
 
@@ -51,7 +52,7 @@ class Param:
     kind: str
     distribution: Any = None
     value: Any = None  # constant
-    choices: Optional[List[Any]] = None  # categorical, the values as written in the file
+    choices: list[Any] | None = None  # categorical, the values as written in the file
     by_index: bool = False
 
     def suggest(self, trial) -> Any:
@@ -70,7 +71,7 @@ class Param:
     def decode(self, optuna_value: Any) -> Any:
         return self.choices[optuna_value] if self.by_index else optuna_value
 
-    def grid(self) -> List[Any]:
+    def grid(self) -> list[Any]:
         """The Optuna values of a grid over this parameter (categorical only)."""
         return list(range(len(self.choices))) if self.by_index else list(self.choices)
 
@@ -166,7 +167,7 @@ def _only(spec: Mapping[str, Any], allowed: set, key: str, name: str, dist: str)
         raise _spec_error(name, key, f"key(s) {sorted(extra)} do not apply to distribution {dist}")
 
 
-def search_space(sweep: Mapping[str, Any], name: str = "sweep") -> Dict[str, Param]:
+def search_space(sweep: Mapping[str, Any], name: str = "sweep") -> dict[str, Param]:
     """The sweep's parameters as :class:`Param` objects, in file order.
 
     The W&B specs map to Optuna distributions: ``value`` → a constant (never handed to Optuna), ``values`` /

@@ -4,11 +4,11 @@ The clients' weights are one ``[C, D]`` tensor and their losses one ``torch.func
 ``training_step``, on the same batches as sequential training, giving the same updates, BatchNorm running statistics
 and torchmetrics values (float rounding apart; dropout masks differ, reproducibly). It applies to models without
 per-step hook overrides or ``SyncBatchNorm``, with ``torch.optim.SGD`` (momentum included), ``Adam`` or ``AdamW``
-clients, or clients whose optimizer class names a batched form (:class:`BatchedRule`: SgdArmijo, SPS, DecSPS, and user optimizers that opt in);
-anything else raises :class:`VectorizationUnsupportedError` naming the layer, metric, optimizer or setting.
-``client_execution="auto"`` times one round both ways and trains vectorised only when that is :data:`AUTO_MARGIN`
-times faster, falling back to sequential on anything unsupported. Modules on padded steps (clients' batches of
-unequal size) are fastest with ``training_step_per_sample`` or a standard mean loss
+clients, or clients whose optimizer class names a batched form (:class:`BatchedRule`: SgdArmijo, SPS, DecSPS, and user
+optimizers that opt in); anything else raises :class:`VectorizationUnsupportedError` naming the layer, metric, optimizer
+or setting. ``client_execution="auto"`` times one round both ways and trains vectorised only when that is
+:data:`AUTO_MARGIN` times faster, falling back to sequential on anything unsupported. Modules on padded steps (clients'
+batches of unequal size) are fastest with ``training_step_per_sample`` or a standard mean loss
 (:mod:`fedlightning.vectorized.losses`). The README's "Vectorised clients" paragraph is the user guide;
 docs/benchmarks.md §3 has the speed-ups and their commands; the engine's decisions are in the docstrings of
 :mod:`~fedlightning.vectorized.engine` and the modules beside it.

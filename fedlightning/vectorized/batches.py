@@ -7,13 +7,14 @@ batch in row ``i``, padded to the step's largest batch by repeating its own samp
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from fedlightning.datamodules.base import ArrayBatchLoader, ArrayDataset, ClientBatchSampler
-from torch import Tensor
 
 from .support import VectorizationUnsupportedError
 from .torch_internals import tree_flatten, tree_unflatten
@@ -83,7 +84,7 @@ class _RoundBatches:
     def _init_generic(self, loaders) -> None:
         self.fast = False
         K = self.local_steps
-        per_step: List[List[Any]] = [[] for _ in range(K)]
+        per_step: list[list[Any]] = [[] for _ in range(K)]
         with torch.random.fork_rng(devices=[]):  # DataLoader iterators draw a base seed from the global RNG
             for ld in loaders:
                 it = iter(ld)
@@ -98,7 +99,7 @@ class _RoundBatches:
         for k in range(K):  # refused before the round computes anything (auto then falls back cleanly)
             _check_stackable(per_step[k], k)
 
-    def step(self, k: int) -> Tuple[List[Tensor], Any, List[int]]:
+    def step(self, k: int) -> tuple[list[Tensor], Any, list[int]]:
         """Leaves ``[C, n_max, ...]`` of step ``k``'s batches (each client's rows, padded by repeating its own rows
         up to the largest batch of the step), the batch's pytree spec, and the real sizes ``n_i``."""
         if self.fast:
@@ -149,7 +150,7 @@ def _check_stackable(batches: Sequence[Any], step: int) -> None:
     from torch.utils._pytree import keystr, tree_flatten_with_path
 
     first = [(keystr(path), leaf) for path, leaf in tree_flatten_with_path(batches[0])[0]]
-    for i, batch in enumerate(batches[1:], start=1):
+    for batch in batches[1:]:
         leaves = tree_flatten_with_path(batch)[0]
         if len(leaves) != len(first):
             return  # a structure mismatch: step() names it
@@ -173,10 +174,10 @@ def _take(data: Any, index: Tensor) -> Tensor:
     return data[index]
 
 
-def _sampler_batches(sampler, num: int) -> List[np.ndarray]:
+def _sampler_batches(sampler, num: int) -> list[np.ndarray]:
     """The first ``num`` index batches a client's loader yields, cycling to a new epoch (a new ``iter()``) when the
     sampler runs out, exactly as ``LocalTrainer.run`` re-iterates its loader (any batch sampler)."""
-    out: List[np.ndarray] = []
+    out: list[np.ndarray] = []
     it = iter(sampler)
     while len(out) < num:
         try:
@@ -188,7 +189,7 @@ def _sampler_batches(sampler, num: int) -> List[np.ndarray]:
     return out
 
 
-def _round_index(samplers, num: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _round_index(samplers, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The first ``num`` index batches of every client's batch sampler (as :func:`_sampler_batches`), laid out for
     the round: returns ``(index, sizes, widths)`` with ``sizes[k, i]`` the size of client ``i``'s batch ``k``,
     ``widths[k] = max_i sizes[k, i]`` and ``index`` the concatenation over ``k`` of the ``[C, widths[k]]`` matrices
@@ -236,7 +237,7 @@ def _round_index(samplers, num: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray
     return order[pos], sizes, widths
 
 
-def _padded_positions(sizes: List[int]) -> np.ndarray:
+def _padded_positions(sizes: list[int]) -> np.ndarray:
     """``[C, n_max]`` positions into the clients' concatenated rows; client ``i``'s cell ``j`` holds its own row
     ``j mod n_i``, so padding cells repeat real samples (finite losses, masked out)."""
     n = np.asarray(sizes, dtype=np.int64)

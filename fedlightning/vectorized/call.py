@@ -13,8 +13,9 @@ a gradient evaluation's :class:`_Effects` carry both out of the call.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -22,12 +23,12 @@ from torch import Tensor, nn
 from fedlightning._logging_route import routed_logging
 
 from .losses import LossInterception
-from .metrics import _MetricCalls, _MetricStep, _metric_modules, _metric_types, _Pending
+from .metrics import _metric_modules, _metric_types, _MetricCalls, _MetricStep, _Pending
 from .norms import _NormLayers
 from .rows import (
     InterceptionFailed,
-    _InterceptedRows,
     _info,  # the package's rank-zero info line (vectorized.auto imports it from here)
+    _InterceptedRows,
     _ProtocolRows,
     _SampleRows,
     _unrecognised,
@@ -60,9 +61,9 @@ class _LogCollector:
     metric recorder (:class:`~fedlightning.vectorized.metrics._MetricCalls`).
     """
 
-    def __init__(self, metrics: Optional[_MetricCalls] = None) -> None:
-        self.names: List[str] = []
-        self.values: List[Tensor] = []
+    def __init__(self, metrics: _MetricCalls | None = None) -> None:
+        self.names: list[str] = []
+        self.values: list[Tensor] = []
         self.per_sample = False  # True while ``training_step_per_sample`` runs: only ``[n]`` values are kept
         self.metrics = metrics
         self.metric_types = _metric_types()
@@ -99,7 +100,7 @@ class _LogCollector:
             self.names.append(name)
             self.values.append(value)
 
-    def log_dict(self, dictionary: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    def log_dict(self, dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         for k, v in dictionary.items():
             self.log(k, v)
 
@@ -112,11 +113,11 @@ class _Effects:
     :class:`~fedlightning.vectorized.metrics._MetricStep`; None without metrics)."""
 
     def __init__(self) -> None:
-        self.stats: Optional[List[Tensor]] = None
-        self.metrics: Optional[_MetricStep] = None
+        self.stats: list[Tensor] | None = None
+        self.metrics: _MetricStep | None = None
 
 
-def _tolerance(dtype: torch.dtype, device: torch.device) -> Tuple[float, float]:
+def _tolerance(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     """``(rtol, atol)`` within which two computations of one loss on batches of different sizes must agree in the
     engine's checks (:meth:`_ModelCall._check_interception`, :meth:`_ModelCall._check_per_sample_protocol`; ours):
     half-precision parameters ("16-true", "bf16-true") 2e-2 / 2e-2; float32 where TF32 kernels may run
@@ -163,7 +164,7 @@ class _ModelCall:
     (:class:`~fedlightning.vectorized.rows.InterceptionFailed`), for good.
     """
 
-    def __init__(self, model: nn.Module, named: Sequence[Tuple[str, Tensor]], dtype: torch.dtype):
+    def __init__(self, model: nn.Module, named: Sequence[tuple[str, Tensor]], dtype: torch.dtype):
         """``named``: the model's trainable parameters (name, Parameter), in the order of the rows' tensors;
         ``dtype``: theirs (one for all)."""
         self.model = model
@@ -179,12 +180,12 @@ class _ModelCall:
             [(m, _linear_forward) for m in _plain_linears(model)]
         self.deterministic = not _has_random_layers(model)
         self.whole_rows = _WholeRows(self)
-        self.padded_rows: Optional[Any] = None  # chosen on the first padded step (choose_padded_rows)
+        self.padded_rows: Any | None = None  # chosen on the first padded step (choose_padded_rows)
         self._may_intercept = True  # False: padded steps without the protocol take the per-sample path (intercept)
 
     # ------------------------------------------------------------------ the chosen paths, as tests read them
     @property
-    def per_sample_step(self) -> Optional[Callable[[Any, int], Tensor]]:
+    def per_sample_step(self) -> Callable[[Any, int], Tensor] | None:
         """The model's ``training_step_per_sample`` while padded steps use it or have not been chosen yet, else
         None."""
         if self.padded_rows is None or isinstance(self.padded_rows, _ProtocolRows):
@@ -192,7 +193,7 @@ class _ModelCall:
         return None
 
     @property
-    def intercept(self) -> Optional[bool]:
+    def intercept(self) -> bool | None:
         """Whether padded steps use loss interception: True, False (the per-sample path), None (not chosen yet, or
         the per-sample protocol). Setting it to False pins padded steps without the protocol to the per-sample path
         (tests compare the two paths this way)."""
@@ -222,7 +223,7 @@ class _ModelCall:
 
 
     @property
-    def metric_modules(self) -> List[Tuple[str, nn.Module]]:
+    def metric_modules(self) -> list[tuple[str, nn.Module]]:
         return self.metric_calls.modules
 
     @contextmanager
@@ -242,9 +243,9 @@ class _ModelCall:
             self.norms.uninstall()
             self.metric_calls.begin(False)
 
-    def row_values(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int, cells: bool = False,
-                   clients: Optional[Tensor] = None, effects: Optional[_Effects] = None,
-                   min_count: Optional[int] = None):
+    def row_values(self, views: list[Tensor], batch: Any, mask: Tensor | None, step: int, cells: bool = False,
+                   clients: Tensor | None = None, effects: _Effects | None = None,
+                   min_count: int | None = None):
         """One value per row of a :class:`~fedlightning.vectorized.layout._Layout` batch at the row weights
         ``views`` ([R, ...] each), and the values the model logged (list of ``(name, [R] tensor)``): whole rows give
         ``training_step``'s loss of the row; cell rows (``mask`` given) give the sum of the per-sample losses of the
@@ -273,8 +274,8 @@ class _ModelCall:
             self.padded_rows = per_sample_fallback(self, failed.reason)
             return self.padded_rows.values(views, batch, mask, step, cells, stats, effects, min_count)
 
-    def _keep_effects(self, effects: Optional[_Effects], metric_outs: Sequence[Tensor],
-                      stats: Optional[Sequence[Tensor]], mask: Optional[Tensor]) -> None:
+    def _keep_effects(self, effects: _Effects | None, metric_outs: Sequence[Tensor],
+                      stats: Sequence[Tensor] | None, mask: Tensor | None) -> None:
         """Fill ``effects`` (if any) from a batched call's outputs: the rows' new running statistics (None: the
         path changes none) and the recorded metric calls (their real sample counts are the layout's)."""
         if effects is None:
@@ -303,8 +304,8 @@ class _ModelCall:
             )
         return losses
 
-    def _check_interception(self, views: List[Tensor], batch: Any, mask: Tensor, step: int,
-                            stats: List[Tensor]) -> Optional[str]:
+    def _check_interception(self, views: list[Tensor], batch: Any, mask: Tensor, step: int,
+                            stats: list[Tensor]) -> str | None:
         """None if the intercepted loss of a padded row (see below) equals ``training_step`` on its real samples alone
         (at the row's weights and running statistics, without gradients, in full precision), else the reason it does
         not. Skipped (None) for models with random layers, whose two calls draw different random numbers."""
@@ -349,7 +350,7 @@ class _ModelCall:
                     "losses, or the forward pass mixes samples")
         return None
 
-    def _check_per_sample_protocol(self, views: List[Tensor], batch: Any, mask: Tensor, step: int) -> bool:
+    def _check_per_sample_protocol(self, views: list[Tensor], batch: Any, mask: Tensor, step: int) -> bool:
         """Once per engine, before the protocol is first used. False if ``training_step`` calls a torchmetrics
         metric (one call on the first client's first sample, without gradients, random state restored): padded
         steps must then call ``training_step`` itself. Else ``training_step_per_sample(b)[j]`` must equal
@@ -400,7 +401,7 @@ class _ModelCall:
         return True
 
     @staticmethod
-    def term_values(views: List[Tensor], terms: List[List[Callable]]) -> Tensor:
+    def term_values(views: list[Tensor], terms: list[list[Callable]]) -> Tensor:
         """Σ of each client's objective terms, called on that client's parameter tensors (rows of the batch).
 
         Client objective terms (``client_objective`` hooks, e.g. FedProx's proximal term) are called on the list of

@@ -5,7 +5,8 @@ computation, with the same batches and results as sequential training (:mod:`fed
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -95,13 +96,13 @@ class VectorizedClientTrainer:
         self.dtype = dtypes.pop()
         self.weights = _WeightsLayout([p for _, p in named])
         self.call = _ModelCall(model, named, self.dtype)
-        self._scratch: Dict[Any, Tensor] = {}
+        self._scratch: dict[Any, Tensor] = {}
         self.layout_learned = False
         #: during a round: ``[C]`` bool of the clients that raised (None while none has), and their exceptions
-        self.failed: Optional[Tensor] = None
-        self.raised: Dict[int, Exception] = {}
+        self.failed: Tensor | None = None
+        self.raised: dict[int, Exception] = {}
 
-    def fail_clients(self, rows: Tensor, singular: Tuple[str, torch.Size]) -> None:
+    def fail_clients(self, rows: Tensor, singular: tuple[str, torch.Size]) -> None:
         """The clients ``rows`` ([C] bool) raise, at the current local step, what ``nn.BatchNorm*`` raises for their
         batch of one sample (``singular``: the layer and the input size it would get,
         :attr:`~fedlightning.vectorized.norms._NormLayers.singular`)."""
@@ -155,16 +156,17 @@ class VectorizedClientTrainer:
         global_flat: Tensor,
         datamodule,
         optimizers: Sequence[torch.optim.Optimizer],
-        local_steps: Union[int, Sequence[int]],
-        grad_clip: Optional[float] = None,
-        terms: Optional[Sequence[Sequence[Callable[[Sequence[Tensor]], Tensor]]]] = None,
+        local_steps: int | Sequence[int],
+        grad_clip: float | None = None,
+        terms: Sequence[Sequence[Callable[[Sequence[Tensor]], Tensor]]] | None = None,
         router=None,
-        float_buffer_mask: Optional[Sequence[bool]] = None,
-        stop: Optional[Callable[[], bool]] = None,
-    ) -> Optional[List[Union[ClientUpdate, Exception]]]:
+        float_buffer_mask: Sequence[bool] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> list[ClientUpdate | Exception] | None:
         """Train ``client_ids`` for ``local_steps`` steps from the global weights (one count for every client, or
-        one per client: ragged counts, see below); one :class:`ClientUpdate` per client, in order, with the same fields as ``LocalTrainer.run``, or, for a client whose training raised (see
-        *Failures* above), the exception sequential training raises for it.
+        one per client: ragged counts, see below); one :class:`ClientUpdate` per client, in order, with the same fields
+        as ``LocalTrainer.run``, or, for a client whose training raised (see *Failures* above), the exception sequential
+        training raises for it.
 
         ``stop``: asked after every local step but the last; when it answers True the round ends there and ``run``
         returns None (``auto``'s timed throw-away round, which stops once vectorized can no longer win; the
@@ -219,8 +221,8 @@ class VectorizedClientTrainer:
         batches = _RoundBatches(datamodule, client_ids, round, seed, K, self.to_device)
         ragged = _RaggedSteps(per_client, device)
         rng_devices = [device] if device.type == "cuda" else []
-        log_sink: Optional[list] = [] if router is not None else None
-        metric_sink: Optional[list] = [] if self.call.metric_calls else None
+        log_sink: list | None = [] if router is not None else None
+        metric_sink: list | None = [] if self.call.metric_calls else None
 
         layouts: dict = {}
         with torch.random.fork_rng(devices=rng_devices):
@@ -258,7 +260,7 @@ class VectorizedClientTrainer:
             norms.stats = []
 
     def _updates(self, client_ids, W, global_flat, datamodule, record: StepRecord, num_steps: Tensor,
-                 global_buffers, float_buffer_mask) -> List[Union[ClientUpdate, Exception]]:
+                 global_buffers, float_buffer_mask) -> list[ClientUpdate | Exception]:
         K = len(record.losses)
         losses = torch.stack(record.losses).float().cpu()  # [K, C]
         step_sizes = torch.stack(record.step_sizes).double().cpu().t().tolist()  # [C][K]
@@ -328,7 +330,7 @@ class _RaggedSteps:
         self.steps = list(steps)
         self.uniform = len(set(self.steps)) <= 1
         self.K = max(self.steps) if self.steps else 0
-        self.kept: List[Tuple[Tensor, Tensor]] = []  # (rows, their weights after their last step)
+        self.kept: list[tuple[Tensor, Tensor]] = []  # (rows, their weights after their last step)
         self._steps_t = None if self.uniform else torch.tensor(self.steps, device=device)
         self._device = device
 

@@ -1,10 +1,12 @@
 """How the clients' rows are laid out: a step's batches (:class:`_Layout`) and the weights ``W``
-(:class:`_WeightsLayout`). Row ``i`` of every batched tensor is client ``i`` (or, for a line search's trial points, one (client, point) pair).
+(:class:`_WeightsLayout`). Row ``i`` of every batched tensor is client ``i`` (or, for a line search's trial points, one
+(client, point) pair).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,7 +34,7 @@ class _Layout:
     weight gathers cost more than the padded cells they save.
     """
 
-    def __init__(self, leaves: List[Tensor], spec: Any, sizes: List[int], cache: Optional[dict] = None):
+    def __init__(self, leaves: list[Tensor], spec: Any, sizes: list[int], cache: dict | None = None):
         """``leaves``: the step's batch leaves ``[C, n_max, ...]`` (see
         :meth:`~fedlightning.vectorized.batches._RoundBatches.step`); ``cache``: a dict kept over the steps of a round,
         so that steps with the same sizes share their mask and counts."""
@@ -52,7 +54,7 @@ class _Layout:
             n = torch.tensor(sizes, dtype=torch.long)
             self.mask = (torch.arange(n_max)[None, :] < n[:, None]).to(device)
             self.counts = n.to(device)
-        self._counts_as: Dict[Any, Tensor] = {}  # by dtype; cell weights by ("weights", dtype)
+        self._counts_as: dict[Any, Tensor] = {}  # by dtype; cell weights by ("weights", dtype)
         if cache is not None:
             cache[key] = (self.mask, self.counts, self._counts_as)
 
@@ -72,7 +74,7 @@ class _Layout:
             out = self._counts_as[key] = self.mask.to(dtype) / self.counts_as(dtype)[:, None]
         return out
 
-    def rows(self, clients: Tensor, scratch: Callable[..., Tensor]) -> Tuple[Any, Optional[Tensor], Optional[Tensor]]:
+    def rows(self, clients: Tensor, scratch: Callable[..., Tensor]) -> tuple[Any, Tensor | None, Tensor | None]:
         """Batch, mask and sample counts of the rows ``clients`` (indices; repeats allowed), gathered into the
         engine's reusable ``scratch`` buffers (these rows only live during one trial evaluation)."""
         P = len(clients)
@@ -102,11 +104,11 @@ class _WeightsLayout:
         self.shapes = [tuple(p.shape) for p in params]
         self.numels = [p.numel() for p in params]
         self.num_params = sum(self.numels)
-        self._views_of: Optional[Tuple[Tensor, List[Tensor]]] = None
+        self._views_of: tuple[Tensor, list[Tensor]] | None = None
         # storage order of each parameter's block of W (None: the parameter's own), see learn
-        self.orders: List[Optional[Tuple[int, ...]]] = [None] * len(self.shapes)
+        self.orders: list[tuple[int, ...] | None] = [None] * len(self.shapes)
 
-    def views(self, W: Tensor) -> List[Tensor]:
+    def views(self, W: Tensor) -> list[Tensor]:
         """The per-parameter views ``[R, *shape]`` of ``W`` ([R, D], each parameter's block in its storage order,
         see :meth:`learn`); the views of the round's weights are cached (``W`` keeps its storage for the
         whole round: every update is in place)."""
@@ -147,7 +149,7 @@ class _WeightsLayout:
         the class docstring): a gradient that is a permuted view of a contiguous tensor (``linear``'s weight
         gradient ``[C, out, in]`` with the strides of ``[C, in, out]``) gives its permutation, any other keeps the
         parameter's own order. Called on the first gradient evaluation of the engine."""
-        orders: List[Optional[Tuple[int, ...]]] = []
+        orders: list[tuple[int, ...] | None] = []
         for g, shape in zip(grads, self.shapes):
             order = None
             if g.dim() > 2 and g.shape[1:] == torch.Size(shape):

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ __all__ = ["LossInterception", "INTERCEPTED_LOSSES"]
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _autocast_upcast(*tensors: Optional[Tensor]):
+def _autocast_upcast(*tensors: Tensor | None):
     """Half-precision floating tensors as float32 when autocast is on for their device (autocast runs these losses
     in float32); others unchanged."""
     out = []
@@ -75,11 +76,11 @@ def _none_equal(target: Tensor, value: int) -> bool:
 #: (id of a tensor, value) -> (weak reference to the tensor, its version, whether none of its elements equals the
 #: value): the tensors :func:`_none_equal` checked whole (the round's targets, a line search's gathered trial rows),
 #: at most 16 at a time; an entry counts only while its tensor is that same tensor, unchanged
-_NONE_EQUAL_SEEN: Dict[Tuple[int, int], Tuple[Any, int, bool]] = {}
+_NONE_EQUAL_SEEN: dict[tuple[int, int], tuple[Any, int, bool]] = {}
 
 
-def _class_loss(logp: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
-                smoothing: float, n: int) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+def _class_loss(logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
+                smoothing: float, n: int) -> tuple[Tensor, Tensor | None] | None:
     """``(a, d)`` for cross-entropy / NLL on log-probabilities ``logp`` ([n, C, ...]); None if not recognised."""
     if logp.dim() < 2 or logp.shape[0] != n:
         return None
@@ -134,8 +135,8 @@ def _log_softmax_classes(input: Tensor) -> Tensor:
     return F.log_softmax(input, 1)
 
 
-def _plain_nll(n: int, input: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
-               smoothing: float, log_softmax: bool) -> Optional[Tuple[Tensor, None]]:
+def _plain_nll(n: int, input: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
+               smoothing: float, log_softmax: bool) -> tuple[Tensor, None] | None:
     """``(a, None)`` with ``a = −log p_y`` per sample through :func:`_batched_nll` (two kernels on the tensors under
     vmap's batch dimension) for the common case, ``[n, K]`` input and ``[n]`` int64 class targets without class
     weights, label smoothing or targets equal to ``ignore_index``: the values of :func:`_class_loss` bit for bit.
@@ -167,7 +168,7 @@ def _nll_loss(n, input, target, weight=None, ignore_index=-100, **_):
     return _class_loss(input, target, weight, ignore_index, 0.0, n)
 
 
-def _elementwise(formula: Callable[..., Tensor], weighted: bool = False) -> Callable[..., Optional[tuple]]:
+def _elementwise(formula: Callable[..., Tensor], weighted: bool = False) -> Callable[..., tuple | None]:
     """A handler for an elementwise loss ``formula(input, target, **options)``; ``weighted``: its ``weight`` /
     ``pos_weight`` arguments are part of the formula (else a given ``weight`` is not recognised)."""
 
@@ -226,7 +227,7 @@ def _bce_logits(x, y, weight=None, pos_weight=None, **_):
 
 
 #: The functions :class:`LossInterception` recognises, with their handlers.
-INTERCEPTED_LOSSES: Dict[Callable, Callable[..., Optional[tuple]]] = {
+INTERCEPTED_LOSSES: dict[Callable, Callable[..., tuple | None]] = {
     F.cross_entropy: _cross_entropy,
     F.nll_loss: _nll_loss,
     F.mse_loss: _elementwise(_mse),
@@ -239,7 +240,7 @@ INTERCEPTED_LOSSES: Dict[Callable, Callable[..., Optional[tuple]]] = {
 _SIGNATURES = {f: inspect.signature(f) for f in INTERCEPTED_LOSSES}
 
 
-def _two_argument_defaults(sig: inspect.Signature) -> Optional[Dict[str, Any]]:
+def _two_argument_defaults(sig: inspect.Signature) -> dict[str, Any] | None:
     """The defaults of every parameter after ``input`` and ``target`` when the signature starts with those two and
     all the others have defaults; None otherwise."""
     params = list(sig.parameters.values())
@@ -253,7 +254,8 @@ def _two_argument_defaults(sig: inspect.Signature) -> Optional[Dict[str, Any]]:
 #: Defaults of the losses' optional parameters: a call ``f(input, target, **options)`` (how ``torch.nn.functional``
 #: hands its losses to a function mode: the two tensors positional, every option by keyword) is bound by a dict
 #: merge instead of ``inspect.Signature.bind`` on every step.
-_TWO_ARGUMENT_CALLS = {f: d for f, d in ((f, _two_argument_defaults(s)) for f, s in _SIGNATURES.items()) if d is not None}
+_TWO_ARGUMENT_CALLS = {f: d for f, d in ((f, _two_argument_defaults(s)) for f, s in _SIGNATURES.items())
+                       if d is not None}
 _ALIASES = (Tensor.detach, Tensor.clone, torch.clone)
 
 
@@ -264,13 +266,15 @@ class LossInterception(TorchFunctionMode):
     ===================================================  ===============================================================
     function (and the ``nn`` module that calls it)        per-element loss ``a`` and weight ``d`` (``L = Σa / Σd``)
     ===================================================  ===============================================================
-    ``F.cross_entropy`` (``nn.CrossEntropyLoss``),        class targets: ``a = v·[(1−ε)·w_y·(−log p_y) + ε/C·Σ_c w_c(−log
-    ``F.nll_loss`` (``nn.NLLLoss``; ``ε = 0``, input     p_c)]``, ``d = v·w_y`` (``v``: target ≠ ``ignore_index``; ``w``:
-    are the log-probabilities)                            class ``weight``, 1 without); probability targets: ``a = −Σ_c
-                                                          w_c·t'_c·log p_c`` with ``t' = (1−ε)t + ε/C``, ``d = 1``
+    ``F.cross_entropy`` (``nn.CrossEntropyLoss``),        class targets: ``a = v·[(1−ε)·w_y·(−log p_y) +
+    ``F.nll_loss`` (``nn.NLLLoss``; ``ε = 0``, input      ε/C·Σ_c w_c(−log p_c)]``, ``d = v·w_y`` (``v``: target ≠
+    are the log-probabilities)                            ``ignore_index``; ``w``: class ``weight``, 1 without);
+                                                          probability targets: ``a = −Σ_c w_c·t'_c·log p_c`` with
+                                                          ``t' = (1−ε)t + ε/C``, ``d = 1``
     ``F.mse_loss`` / ``F.l1_loss``                        ``(x−y)²`` / ``|x−y|``, ``d = 1``
     ``F.smooth_l1_loss(beta)`` / ``F.huber_loss(delta)``  torch's piecewise formulas, ``d = 1``
-    ``F.binary_cross_entropy``                            ``−w·(y·max(log p, −100) + (1−y)·max(log(1−p), −100))``, ``d = 1``
+    ``F.binary_cross_entropy``                            ``−w·(y·max(log p, −100) + (1−y)·max(log(1−p), −100))``,
+                                                          ``d = 1``
     ``F.binary_cross_entropy_with_logits``                ``w·((1−y)·x − (1 + (pw−1)·y)·logσ(x))``, ``d = 1``
     ===================================================  ===============================================================
 
@@ -313,14 +317,14 @@ class LossInterception(TorchFunctionMode):
     other tensor), and ``unrecognised`` names the loss calls that ran unchanged.
     """
 
-    def __init__(self, n: int, mask: Tensor, count: Tensor, weights: Optional[Tensor] = None):
+    def __init__(self, n: int, mask: Tensor, count: Tensor, weights: Tensor | None = None):
         super().__init__()
         self.n, self.mask, self.count = n, mask, count
         self.weights = mask / count if weights is None else weights  # m_j / n_i
-        self._outputs: Dict[int, Tuple[Tensor, Tensor]] = {}  # id(output) -> (output, cells); output kept alive
+        self._outputs: dict[int, tuple[Tensor, Tensor]] = {}  # id(output) -> (output, cells); output kept alive
         self.unrecognised: list = []
 
-    def cells_of(self, value: Any) -> Optional[Tensor]:
+    def cells_of(self, value: Any) -> Tensor | None:
         hit = self._outputs.get(id(value))
         return hit[1] if hit is not None and hit[0] is value else None
 
@@ -339,7 +343,7 @@ class LossInterception(TorchFunctionMode):
                 self._outputs[id(out)] = (out, cells.detach() if func is Tensor.detach else cells)
         return out
 
-    def _intercept(self, func, handler, args, kwargs) -> Optional[Tensor]:
+    def _intercept(self, func, handler, args, kwargs) -> Tensor | None:
         defaults = _TWO_ARGUMENT_CALLS.get(func) if len(args) == 2 else None
         if defaults is not None and kwargs.keys() <= defaults.keys():
             options = {**defaults, **kwargs, "input": args[0], "target": args[1]}

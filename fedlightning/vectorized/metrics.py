@@ -11,7 +11,8 @@ its state and values read from them in ``training_step`` (``self.log("acc", metr
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +28,7 @@ __all__ = ["_MetricCalls", "_MetricStep", "_Pending", "_metric_modules", "_metri
 _METHODS = ("update", "forward", "compute", "reset")
 
 
-def _metric_types() -> Tuple[type, ...]:
+def _metric_types() -> tuple[type, ...]:
     try:
         from torchmetrics import Metric, MetricCollection
     except ImportError:  # pragma: no cover - torchmetrics is a dependency
@@ -35,7 +36,7 @@ def _metric_types() -> Tuple[type, ...]:
     return (Metric, MetricCollection)
 
 
-def _metric_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+def _metric_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's torchmetrics ``Metric`` and ``MetricCollection`` modules, with their names."""
     types = _metric_types()
     return [(n, m) for n, m in model.named_modules() if types and isinstance(m, types)]
@@ -47,7 +48,7 @@ class _Pending:
 
     __slots__ = ("owner", "generation", "index", "name")
 
-    def __init__(self, owner: "_MetricCalls", generation: int, index: int, name: str):
+    def __init__(self, owner: _MetricCalls, generation: int, index: int, name: str):
         self.owner, self.generation, self.index, self.name = owner, generation, index, name
 
     def _refuse(self, what: str = "used"):
@@ -91,17 +92,17 @@ class _MetricStep:
     (``t[c]``), ``"cut"`` (``t[c, :n_c]``: its real samples) or ``"cells"`` (``t[c, :n_c]`` with the one-sample
     dimension merged: real cells of one-sample calls)."""
 
-    def __init__(self, calls: List[_Call], tensors: List[Tensor], kinds: List[str], logged: List[Tuple[str, int]],
-                 metric_logs: Dict[str, int]):
+    def __init__(self, calls: list[_Call], tensors: list[Tensor], kinds: list[str], logged: list[tuple[str, int]],
+                 metric_logs: dict[str, int]):
         self.calls, self.tensors, self.kinds = calls, tensors, kinds
         self.logged, self.metric_logs = logged, metric_logs
         # the calls whose return value is read (logged, or an argument of a later call)
         self.read = {i for _, i in logged} | {v for call in calls for k, v in (*call.args, *call.kwargs.values())
                                               if k == "result"}
-        self.counts: Optional[List[int]] = None  # real samples per row on padded steps
-        self.alive: Optional[Tensor] = None  # [C] bool: the clients that took this step (None: all)
+        self.counts: list[int] | None = None  # real samples per row on padded steps
+        self.alive: Tensor | None = None  # [C] bool: the clients that took this step (None: all)
 
-    def client_tensors(self, c: int) -> List[Tensor]:
+    def client_tensors(self, c: int) -> list[Tensor]:
         n = self.counts[c] if self.counts is not None else None
         out = []
         for t, kind in zip(self.tensors, self.kinds):
@@ -138,7 +139,7 @@ class _MetricCalls:
       its end.
     """
 
-    def __init__(self, modules: Sequence[Tuple[str, nn.Module]]):
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]]):
         self.modules = list(modules)
         self.generation = 0
         self.begin(False)
@@ -149,7 +150,7 @@ class _MetricCalls:
     def install(self) -> list:
         """Replace the methods on every metric module (instance attributes); returns what :meth:`uninstall` needs."""
         saved = []
-        for i, (name, m) in enumerate(self.modules):
+        for i, (_name, m) in enumerate(self.modules):
             for method in _METHODS:
                 saved.append((m, method, m.__dict__.get(method)))
                 m.__dict__[method] = _Recorder(self, i, method)
@@ -170,23 +171,23 @@ class _MetricCalls:
         sample); ``interception``: the active :class:`~fedlightning.vectorized.losses.LossInterception`, if any."""
         self.generation += 1
         self.record, self.rows, self.n, self.interception = record, rows, n, interception
-        self.calls: List[_Call] = []
-        self.tensors: List[Tensor] = []
-        self.kinds: List[str] = []
-        self.logged: List[Tuple[str, int]] = []
-        self.metric_logs: Dict[str, int] = {}
+        self.calls: list[_Call] = []
+        self.tensors: list[Tensor] = []
+        self.kinds: list[str] = []
+        self.logged: list[tuple[str, int]] = []
+        self.metric_logs: dict[str, int] = {}
 
-    def outputs(self) -> List[Tensor]:
+    def outputs(self) -> list[Tensor]:
         return list(self.tensors) if self.record else []
 
-    def finish(self, outs: Sequence[Tensor]) -> Optional[_MetricStep]:
+    def finish(self, outs: Sequence[Tensor]) -> _MetricStep | None:
         if not self.record:
             return None
         return _MetricStep(self.calls, [t.detach() for t in outs], list(self.kinds), list(self.logged),
                            dict(self.metric_logs))
 
     # ------------------------------------------------------------------ what the model does
-    def call(self, index: int, method: str, *args: Any, **kwargs: Any) -> Optional[_Pending]:
+    def call(self, index: int, method: str, *args: Any, **kwargs: Any) -> _Pending | None:
         name = self.modules[index][0]
         if self.record:
             spec_args = tuple(self._argument(a, name) for a in args)
@@ -214,7 +215,7 @@ class _MetricCalls:
         if value.owner is not self or value.generation != self.generation:
             value._refuse("kept from an earlier training_step call")
 
-    def _argument(self, value: Any, name: str) -> Tuple[str, Any]:
+    def _argument(self, value: Any, name: str) -> tuple[str, Any]:
         if isinstance(value, _Pending):
             self._check(value)
             return ("result", value.index)
@@ -267,7 +268,7 @@ class _Recorder:
         return self.calls.call(self.index, self.method, *args, **kwargs)
 
 
-def _replay(modules: Sequence[Tuple[str, nn.Module]], steps: Sequence[_MetricStep], num_clients: int,
+def _replay(modules: Sequence[tuple[str, nn.Module]], steps: Sequence[_MetricStep], num_clients: int,
             router: Any = None) -> None:
     """Make the recorded metric calls of a round outside vmap, client after client, each client's steps in order
     (sequential training's order); values logged from them and metrics logged as objects go to ``router``."""
@@ -281,7 +282,7 @@ def _replay(modules: Sequence[Tuple[str, nn.Module]], steps: Sequence[_MetricSte
                 if took is not None and not took[c]:
                     continue
                 tensors = step.client_tensors(c) if step.tensors else []
-                results: List[Any] = []
+                results: list[Any] = []
                 for i, call in enumerate(step.calls):
                     args = [_resolve(s, tensors, results) for s in call.args]
                     kwargs = {k: _resolve(s, tensors, results) for k, s in call.kwargs.items()}
@@ -314,10 +315,11 @@ def _forward_as_update(metric: nn.Module) -> bool:
         return False
     if metric.full_state_update or metric.full_state_update is None:
         return True
-    return all(fn in (dim_zero_sum, dim_zero_cat, dim_zero_min, dim_zero_max) for fn in metric_reductions(metric).values())
+    mergeable = (dim_zero_sum, dim_zero_cat, dim_zero_min, dim_zero_max)
+    return all(fn in mergeable for fn in metric_reductions(metric).values())
 
 
-def _resolve(spec: Tuple[str, Any], tensors: List[Tensor], results: List[Any]) -> Any:
+def _resolve(spec: tuple[str, Any], tensors: list[Tensor], results: list[Any]) -> Any:
     kind, value = spec
     if kind == "tensor":
         return tensors[value]

@@ -9,7 +9,8 @@ them), and each client's output and statistics are what the layer gives on the c
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -56,8 +57,8 @@ class _NormLayers:
     """
 
     def __init__(self, model: nn.Module):
-        self.layers: List[Tuple[str, nn.Module, bool, Optional[int]]] = []  # (label, module, is_instance, slot)
-        self.buffer_index: List[int] = []  # index in model.buffers() of each entry of ``stats``
+        self.layers: list[tuple[str, nn.Module, bool, int | None]] = []  # (label, module, is_instance, slot)
+        self.buffer_index: list[int] = []  # index in model.buffers() of each entry of ``stats``
         index = {id(b): i for i, b in enumerate(model.buffers())}
         for label, module, instance in _norm_layers(model):
             slot = None
@@ -68,19 +69,19 @@ class _NormLayers:
                                       index[id(nbt)] if nbt is not None else -1]
             self.layers.append((label, module, instance, slot))
         self.num_buffers = len(index)
-        self.stats: List[Tensor] = []
-        self.current: List[Tensor] = []
-        self.mask: Optional[Tensor] = None
-        self.count: Optional[Tensor] = None
+        self.stats: list[Tensor] = []
+        self.current: list[Tensor] = []
+        self.mask: Tensor | None = None
+        self.count: Tensor | None = None
         self.min_count = 0
         #: ``(layer label, input size of a one-sample client batch)`` of the first layer since the last reset that
         #: normalised one value per channel in training mode; None if none did (reset by the step evaluator).
-        self.singular: Optional[Tuple[str, torch.Size]] = None
+        self.singular: tuple[str, torch.Size] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.layers)
 
-    def batch_dependent(self) -> List[str]:
+    def batch_dependent(self) -> list[str]:
         """The layers whose output or running statistics depend on the client's whole batch in their current mode:
         BatchNorm in training mode or without running statistics, tracking InstanceNorm in training mode."""
         out = []
@@ -105,13 +106,13 @@ class _NormLayers:
                 b = global_buffers[i].detach()
                 self.stats.append(b.unsqueeze(0).repeat(num_clients, *([1] * b.dim())))
 
-    def rows(self, clients: Optional[Tensor] = None) -> List[Tensor]:
+    def rows(self, clients: Tensor | None = None) -> list[Tensor]:
         """The statistics of every client (``clients=None``) or of the rows ``clients`` (indices)."""
         if clients is None:
             return self.stats
         return [s.index_select(0, clients.to(s.device)) for s in self.stats]
 
-    def write(self, new: Sequence[Tensor], where: Optional[Tensor]) -> None:
+    def write(self, new: Sequence[Tensor], where: Tensor | None) -> None:
         """Store ``new`` ([C, ...] each) for the clients ``where`` marks (all with None)."""
         for i, (old, t) in enumerate(zip(self.stats, new)):
             if where is None:
@@ -136,7 +137,7 @@ class _NormLayers:
         return torch.cat(parts, dim=1)
 
     # ------------------------------------------------------------------ one batched call
-    def begin(self, stats: Sequence[Tensor], mask: Optional[Tensor] = None, count: Optional[Tensor] = None,
+    def begin(self, stats: Sequence[Tensor], mask: Tensor | None = None, count: Tensor | None = None,
               min_count: int = 2) -> None:
         """Start a call: ``stats`` the rows' running statistics (batched under vmap), ``mask`` / ``count`` the row's
         real samples on a padded step (None: the whole batch is real), ``min_count`` the smallest real batch of the
@@ -144,7 +145,7 @@ class _NormLayers:
         self.current = list(stats)
         self.mask, self.count, self.min_count = mask, count, min_count
 
-    def end(self) -> List[Tensor]:
+    def end(self) -> list[Tensor]:
         """The rows' running statistics after the call."""
         out, self.current = self.current, []
         return out
@@ -167,7 +168,7 @@ class _NormLayers:
             return self._instance(label, module, slot, input)
         return self._batch(label, module, slot, input)
 
-    def _real(self, label: str, x: Tensor) -> Tuple[Optional[Tensor], Any]:
+    def _real(self, label: str, x: Tensor) -> tuple[Tensor | None, Any]:
         """The mask ``[n, 1, ...]`` of real samples (None: all) and their number."""
         if self.mask is None:
             return None, x.shape[0]
@@ -179,7 +180,7 @@ class _NormLayers:
             )
         return self.mask.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1))), self.count.to(x.dtype)
 
-    def _batch(self, label: str, module: nn.Module, slot: Optional[int], input: Tensor) -> Tensor:
+    def _batch(self, label: str, module: nn.Module, slot: int | None, input: Tensor) -> Tensor:
         rm = rv = nbt = None
         if slot is not None:
             rm, rv, nbt = self.current[slot:slot + 3]
@@ -225,7 +226,7 @@ class _NormLayers:
             out = centered * scale.reshape(shape)
         return out.to(input.dtype)
 
-    def _instance(self, label: str, module: nn.Module, slot: Optional[int], input: Tensor,
+    def _instance(self, label: str, module: nn.Module, slot: int | None, input: Tensor,
                   unbatched: bool = False) -> Tensor:
         x = input.float() if input.dtype in _HALF else input
         tracked = slot is not None

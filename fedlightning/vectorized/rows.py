@@ -26,7 +26,8 @@ values leave vmap as they are and are detached, reshaped and cast outside.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -74,11 +75,11 @@ class _ModuleTracker:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.stack: List[str] = []
-        self.failed_in: Optional[str] = None
+        self.stack: list[str] = []
+        self.failed_in: str | None = None
         self.handles: list = []
 
-    def __enter__(self) -> "_ModuleTracker":
+    def __enter__(self) -> _ModuleTracker:
         for name, module in self.model.named_modules():
             label = f"'{name}' ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
 
@@ -112,7 +113,7 @@ def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, values.new_zeros(())).sum(1)
 
 
-def _padded_result(cells: Tensor, mask: Tensor, as_loss: List[str], kept: List[Tuple[str, Tensor]], want_cells: bool):
+def _padded_result(cells: Tensor, mask: Tensor, as_loss: list[str], kept: list[tuple[str, Tensor]], want_cells: bool):
     """What a padded path returns, from the ``[R, n_max]`` per-sample losses ``cells``: ``(sums, logged)``, or
     ``(cells, sums, logged)`` with ``want_cells`` (``sums`` then computed from the detached cells). ``as_loss`` names
     values logged as the loss tensor itself (their sums are the loss sums, not computed twice); ``kept`` are the
@@ -145,7 +146,7 @@ def _unrecognised(what: str, interception: LossInterception) -> str:
             "nn modules)")
 
 
-def _caller(call: Any, step: int, record: bool, min_count: int, sizes: List[int]) -> Callable:
+def _caller(call: Any, step: int, record: bool, min_count: int, sizes: list[int]) -> Callable:
     """``one_call(vs, st, b, rows, n=0)``: ``training_step(b, step)`` (``rows="padded"``: the model's
     ``training_step_per_sample`` on a padded batch of ``n``) with the parameter slots holding ``vs`` (as
     ``functional_call``) and the normalisation layers the running statistics ``st``; returns the loss, the logged
@@ -181,8 +182,8 @@ class _TracedRows:
         self.call = call  # the _ModelCall whose model runs
         self.probed = False
 
-    def values(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int, want_cells: bool,
-               stats: List[Tensor], effects: Any, min_count: int):
+    def values(self, views: list[Tensor], batch: Any, mask: Tensor | None, step: int, want_cells: bool,
+               stats: list[Tensor], effects: Any, min_count: int):
         call = self.call
         with call._vmap_context():
             if self.probed:
@@ -212,8 +213,8 @@ class _WholeRows(_TracedRows):
 
     name = "whole"
 
-    def _vmapped(self, views: List[Tensor], batch: Any, mask: None, step: int, want_cells: bool,
-                 stats: List[Tensor], effects: Any, min_count: int):
+    def _vmapped(self, views: list[Tensor], batch: Any, mask: None, step: int, want_cells: bool,
+                 stats: list[Tensor], effects: Any, min_count: int):
         call = self.call
         leaves, spec = tree_flatten(batch)
         nv, ns = len(views), len(stats)
@@ -240,16 +241,16 @@ class _ProtocolRows(_TracedRows):
     name = "per-sample protocol"
     reason = "the model's training_step_per_sample"
 
-    def _vmapped(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
-                 stats: List[Tensor], effects: Any, min_count: int):
+    def _vmapped(self, views: list[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
+                 stats: list[Tensor], effects: Any, min_count: int):
         call = self.call
         leaves, spec = tree_flatten(batch)
         nv, ns = len(views), len(stats)
         n_max = mask.shape[1]
         sizes = [0, 0]
         one_call = _caller(call, step, effects is not None, min_count, sizes)
-        as_loss: List[str] = []  # names logged with the loss tensor itself (Classifier's train/batch_loss)
-        names: List[str] = []
+        as_loss: list[str] = []  # names logged with the loss tensor itself (Classifier's train/batch_loss)
+        names: list[str] = []
         collector = call.collector
 
         def per_row_samples(*args):
@@ -283,8 +284,8 @@ class _SampleRows(_TracedRows):
         super().__init__(call)
         self.reason = reason
 
-    def values(self, views: List[Tensor], batch: Any, mask: Optional[Tensor], step: int, want_cells: bool,
-               stats: List[Tensor], effects: Any, min_count: int):
+    def values(self, views: list[Tensor], batch: Any, mask: Tensor | None, step: int, want_cells: bool,
+               stats: list[Tensor], effects: Any, min_count: int):
         mixing = self.call.norms.batch_dependent()
         if mixing:
             raise VectorizationUnsupportedError(
@@ -296,8 +297,8 @@ class _SampleRows(_TracedRows):
             )
         return super().values(views, batch, mask, step, want_cells, stats, effects, min_count)
 
-    def _vmapped(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
-                 stats: List[Tensor], effects: Any, min_count: int):
+    def _vmapped(self, views: list[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
+                 stats: list[Tensor], effects: Any, min_count: int):
         call = self.call
         leaves, spec = tree_flatten(batch)
         nv, ns = len(views), len(stats)
@@ -342,9 +343,9 @@ class _InterceptedRows:
     def __init__(self, call: Any):
         self.call = call  # the _ModelCall whose model runs
         self.announced = False
-        self._mask_terms: Optional[Tuple[Tensor, int, Tuple[Tensor, Tensor, Tensor]]] = None
+        self._mask_terms: tuple[Tensor, int, tuple[Tensor, Tensor, Tensor]] | None = None
 
-    def _row_terms(self, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def _row_terms(self, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(m, counts, weights)`` of a ``[R, n_max]`` mask of real cells: the mask in the parameters' dtype, the
         rows' counts and ``m / counts``; reused while the same mask tensor comes back unchanged (the steps of a
         round with the same sizes share their layout's mask; an in-place write bumps its version)."""
@@ -357,8 +358,8 @@ class _InterceptedRows:
         self._mask_terms = (mask, mask._version, terms)
         return terms
 
-    def values(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
-               stats: List[Tensor], effects: Any, min_count: int):
+    def values(self, views: list[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
+               stats: list[Tensor], effects: Any, min_count: int):
         call = self.call
         devices = [views[0].device] if views[0].device.type == "cuda" else []
         rng = None if call.deterministic else _rng_state(devices)
@@ -374,15 +375,16 @@ class _InterceptedRows:
                 _set_rng_state(rng, devices)
             if effects is not None:
                 effects.stats = effects.metrics = None
-            raise InterceptionFailed(str(err) if isinstance(err, _NotIntercepted) else f"{type(err).__name__}: {err}")
+            raise InterceptionFailed(
+                str(err) if isinstance(err, _NotIntercepted) else f"{type(err).__name__}: {err}") from err
         if not self.announced:
             self.announced = True
             _info(f"client_execution='vectorized': padded steps of {type(call.model).__name__} compute its loss per "
                   "sample by loss interception (one training_step call per client)")
         return out
 
-    def _vmapped(self, views: List[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
-                 stats: List[Tensor], effects: Any, min_count: int):
+    def _vmapped(self, views: list[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
+                 stats: list[Tensor], effects: Any, min_count: int):
         call = self.call
         model, collector, metric_calls, norms = call.model, call.collector, call.metric_calls, call.norms
         model_name = type(model).__name__
@@ -391,8 +393,8 @@ class _InterceptedRows:
         n_max = mask.shape[1]
         m, counts, weights = self._row_terms(mask)
         record = effects is not None
-        as_loss: List[str] = []  # names logged with the loss tensor itself
-        names: List[str] = []  # other logged values, returned as [n_max] cells
+        as_loss: list[str] = []  # names logged with the loss tensor itself
+        names: list[str] = []  # other logged values, returned as [n_max] cells
         sizes = [0, 0]
 
         def per_row(*args):
@@ -443,8 +445,8 @@ def per_sample_fallback(call: Any, reason: str) -> _SampleRows:
     return _SampleRows(call, reason)
 
 
-def _interception_refusal(call: Any, views: List[Tensor], batch: Any, mask: Tensor, step: int,
-                          stats: List[Tensor]) -> Optional[str]:
+def _interception_refusal(call: Any, views: list[Tensor], batch: Any, mask: Tensor, step: int,
+                          stats: list[Tensor]) -> str | None:
     """None if loss interception passes its check on this padded step
     (:meth:`~fedlightning.vectorized.call._ModelCall._check_interception`, run in the model's vmap context), else
     why not; a check that raises is a refusal with the error as its reason, except a
@@ -460,7 +462,7 @@ def _interception_refusal(call: Any, views: List[Tensor], batch: Any, mask: Tens
         return f"{type(err).__name__}: {err}"
 
 
-def choose_padded_rows(call: Any, views: List[Tensor], batch: Any, mask: Tensor, step: int, stats: List[Tensor],
+def choose_padded_rows(call: Any, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor],
                        intercept: bool = True):
     """The path of the engine's padded steps, chosen on its first padded step (``views``, ``batch``, ``mask``,
     ``step``, ``stats`` are that step's), the first that applies:

@@ -6,16 +6,17 @@ maps to :class:`_BatchedSGD`, ``torch.optim.Adam`` / ``AdamW`` to :class:`_Batch
 :data:`BUILT_IN_FORMS` maps :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS` and
 :class:`~fedlightning.optim.DecSPS` to :class:`_BatchedArmijo`, :class:`_BatchedSPS`, :class:`_BatchedDecSPS`
 (the map lives here, not as ``batched_rule`` attributes of those classes, because :mod:`fedlightning.optim` sits
-below the engine and never imports it), which evaluate the step-size rules of :mod:`fedlightning.optim.rules` on ``[C]`` tensors (no Python loop over
-clients inside a step). Each rule reads the clients' optimizer instances (built by the loop, client state set) and
-writes the final per-client state back through their public methods, so ``get_client_state()`` /
-``client_report()`` answer exactly as after sequential training.
+below the engine and never imports it), which evaluate the step-size rules of :mod:`fedlightning.optim.rules` on ``[C]``
+tensors (no Python loop over clients inside a step). Each rule reads the clients' optimizer instances (built by the
+loop, client state set) and writes the final per-client state back through their public methods, so
+``get_client_state()`` / ``client_report()`` answer exactly as after sequential training.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -38,11 +39,11 @@ __all__ = ["BatchedRule", "StepRecord", "make_batched_rule", "BUILT_IN_FORMS", "
 TRIAL_POINT_BYTES = 1 << 29
 
 
-def _nan_for_none(values) -> List[float]:
+def _nan_for_none(values) -> list[float]:
     return [float("nan") if v is None else float(v) for v in values]
 
 
-def _none_for_nan(value: float) -> Optional[float]:
+def _none_for_nan(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
@@ -52,15 +53,15 @@ class StepRecord:
     points (``backtracks``), forward and backward passes."""
 
     def __init__(self, num_clients: int, device: torch.device):
-        self.losses: List[Tensor] = []
-        self.step_sizes: List[Tensor] = []
+        self.losses: list[Tensor] = []
+        self.step_sizes: list[Tensor] = []
         self.backtracks = torch.zeros(num_clients, dtype=torch.long, device=device)
         self.forwards = torch.zeros(num_clients, dtype=torch.long, device=device)
         self.backwards = torch.zeros(num_clients, dtype=torch.long, device=device)
         self.uniform_evaluations = 0  # one forward and one backward of every client (SGD steps), added at the end
 
-    def add(self, loss: Tensor, step_sizes: Tensor, alive: Tensor, forwards: Optional[Tensor] = None,
-            backtracks: Optional[Tensor] = None) -> None:
+    def add(self, loss: Tensor, step_sizes: Tensor, alive: Tensor, forwards: Tensor | None = None,
+            backtracks: Tensor | None = None) -> None:
         """One step: the clients' losses and applied step sizes (NaN where the step was not finite), and for the
         clients in ``alive`` one backward pass, ``forwards`` forward passes (default 1) and ``backtracks``."""
         self.losses.append(loss)
@@ -115,7 +116,7 @@ class BatchedRule:
     applies_grad_clip = False  # clips the gradient with the loop's client_grad_clip (clip())
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor], device: torch.device,
-                 grad_clip: Optional[float] = None):
+                 grad_clip: float | None = None):
         self.grad_clip = grad_clip
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
@@ -134,7 +135,7 @@ class BatchedRule:
         return g * coef[:, None]
 
     @staticmethod
-    def loss_and_grad_sq(loss: Tensor, g: Any, ev: _StepEvaluator) -> Tuple[Tensor, Tensor, Tensor]:
+    def loss_and_grad_sq(loss: Tensor, g: Any, ev: _StepEvaluator) -> tuple[Tensor, Tensor, Tensor]:
         """float64 loss and ‖g‖² per client, and the mask of clients whose step is finite
         (:func:`fedlightning.optim.rules.finite_step`).
 
@@ -148,7 +149,7 @@ class BatchedRule:
         return loss64, grad_sq, rules.finite_step(loss64, grad_sq)
 
     @staticmethod
-    def move(W: Tensor, g: Any, step: Tensor, where: Tensor, views: Optional[Callable] = None) -> None:
+    def move(W: Tensor, g: Any, step: Tensor, where: Tensor, views: Callable | None = None) -> None:
         """``w ← w − step · g`` for the clients in ``where`` (same rounding as ``torch._foreach_add_(alpha=-step)``);
         the other rows are left bit-for-bit unchanged (their gradient may be non-finite). ``g`` is ``[C, D]``, or
         the per-parameter gradients, applied to the parameters' views of ``W`` (``views(W)``, e.g. ``ev.views``)."""
@@ -176,14 +177,14 @@ class _BatchedSGD(BatchedRule):
 
     applies_grad_clip = True
 
-    def __init__(self, lr: float, weight_decay: float, grad_clip: Optional[float], num_clients: int, device,
+    def __init__(self, lr: float, weight_decay: float, grad_clip: float | None, num_clients: int, device,
                  momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False):
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
         self.grad_clip = grad_clip
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.nesterov, self.maximize = bool(nesterov), bool(maximize)
-        self.buffer: Optional[Tensor] = None
+        self.buffer: Tensor | None = None
         self.lr_vector = torch.full((num_clients,), self.lr, dtype=torch.float64, device=device)
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
@@ -222,16 +223,16 @@ class _BatchedAdam(BatchedRule):
 
     applies_grad_clip = True
 
-    def __init__(self, hp: Dict[str, Any], decoupled: bool, grad_clip: Optional[float], num_clients: int, device):
+    def __init__(self, hp: dict[str, Any], decoupled: bool, grad_clip: float | None, num_clients: int, device):
         self.lr, self.eps, self.weight_decay = float(hp["lr"]), float(hp["eps"]), float(hp.get("weight_decay", 0.0))
         self.beta1, self.beta2 = (float(b) for b in hp["betas"])
         self.amsgrad, self.maximize = bool(hp.get("amsgrad", False)), bool(hp.get("maximize", False))
         self.decoupled = decoupled
         self.grad_clip = grad_clip
         self.t = 0
-        self.m: Optional[Tensor] = None
-        self.v: Optional[Tensor] = None
-        self.v_max: Optional[Tensor] = None
+        self.m: Tensor | None = None
+        self.v: Tensor | None = None
+        self.v_max: Tensor | None = None
         self.lr_vector = torch.full((num_clients,), self.lr, dtype=torch.float64, device=device)
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
@@ -368,7 +369,7 @@ class _BatchedArmijo(BatchedRule):
         return first_m, trials
 
     def _trial_losses(self, ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor,
-                      widths: List[int]) -> Tensor:
+                      widths: list[int]) -> Tensor:
         """The losses at the trial points of the (client, grid point) pairs, in one trial call, or in calls of at most
         ``max(C, TRIAL_POINT_BYTES / (D · itemsize))`` pairs each (:data:`TRIAL_POINT_BYTES`); each pair's loss is
         the same either way (a row's loss does not depend on the other rows of its call)."""
@@ -390,7 +391,7 @@ class _BatchedArmijo(BatchedRule):
 
     @staticmethod
     def _points(ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor,
-                widths: Optional[List[int]] = None) -> Tensor:
+                widths: list[int] | None = None) -> Tensor:
         """Trial points ``w_c − η g_c`` of the (client, grid point) pairs, written into the engine's scratch
         buffers (same rounding as ``torch.addcmul``, hence as SgdArmijo's ``_foreach_add_(alpha=-η)``).
 
@@ -488,7 +489,8 @@ class _BatchedSPS(BatchedRule):
 
 class _BatchedDecSPS(BatchedRule):
     """:class:`fedlightning.optim.DecSPS` for every client at once:
-    ``γ_t = min{(f − ℓ*)/‖g‖², c_{t−1} γ_{t−1}} / c_t``, ``c_t = c_0 √(t+1)``, with each client's own ``(t, γ_{t−1})``."""
+    ``γ_t = min{(f − ℓ*)/‖g‖², c_{t−1} γ_{t−1}} / c_t``, ``c_t = c_0 √(t+1)``, with each client's own ``(t,
+    γ_{t−1})``."""
 
     stops_on_nonfinite = True
 
@@ -526,7 +528,7 @@ class _BatchedDecSPS(BatchedRule):
             o.set_client_state({"t": int(t), "gamma_prev": gp})
 
 
-def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor]) -> Dict[str, Any]:
+def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor]) -> dict[str, Any]:
     """The hyper-parameters shared by every param group of every client optimizer (else unsupported)."""
     ids = {id(p) for p in params}
     first = None
@@ -552,10 +554,10 @@ def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: S
 #: The batched forms of fedlightning's own client optimizers (a ``batched_rule`` attribute of theirs would have to
 #: import this module from :mod:`fedlightning.optim`, which sits below the engine). A class found here counts as
 #: defining ``batched_rule``: its subclasses inherit the form unless they override ``step`` or name their own.
-BUILT_IN_FORMS: Dict[type, type] = {SgdArmijo: _BatchedArmijo, SPS: _BatchedSPS, DecSPS: _BatchedDecSPS}
+BUILT_IN_FORMS: dict[type, type] = {SgdArmijo: _BatchedArmijo, SPS: _BatchedSPS, DecSPS: _BatchedDecSPS}
 
 
-def _batched_form(kind: type) -> Optional[type]:
+def _batched_form(kind: type) -> type | None:
     """The :class:`BatchedRule` subclass ``kind`` names in ``batched_rule`` (a class, or a classmethod returning
     one) or inherits from a class of :data:`BUILT_IN_FORMS`, whichever comes first in its MRO; or None: none, or one
     from above the class that defines ``step`` (a subclass that overrides ``step`` does not run its parent's batched
@@ -575,7 +577,7 @@ def _batched_form(kind: type) -> Optional[type]:
 
 
 def make_batched_rule(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor],
-                      grad_clip: Optional[float], device: torch.device) -> BatchedRule:
+                      grad_clip: float | None, device: torch.device) -> BatchedRule:
     """The batched form of the round's client optimizers (one instance per client, built by the loop).
 
     Supported: ``torch.optim.SGD`` (momentum, dampening, Nesterov, ``maximize``, ``weight_decay``),

@@ -4,7 +4,8 @@ trial losses, and the values the model logged, handed to the loop's log router o
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -23,12 +24,12 @@ class _Engine(Protocol):
 
     weights: _WeightsLayout
     call: _ModelCall
-    failed: Optional[Tensor]
+    failed: Tensor | None
 
     @property
     def deterministic(self) -> bool: ...
 
-    def fail_clients(self, rows: Tensor, singular: Tuple[str, torch.Size]) -> None: ...
+    def fail_clients(self, rows: Tensor, singular: tuple[str, torch.Size]) -> None: ...
 
     def scratch(self, key: Any, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor: ...
 
@@ -50,8 +51,8 @@ class _StepEvaluator:
     """
 
     def __init__(self, engine: _Engine, layout: _Layout, step: int,
-                 terms: Optional[List[List[Callable]]], rng_devices: list, log_sink: Optional[list],
-                 trials: bool = True, metric_sink: Optional[list] = None):
+                 terms: list[list[Callable]] | None, rng_devices: list, log_sink: list | None,
+                 trials: bool = True, metric_sink: list | None = None):
         self.engine, self.layout, self.step = engine, layout, step
         self.terms = terms
         self.rng_devices = rng_devices
@@ -65,7 +66,7 @@ class _StepEvaluator:
         self.learn_layout = False  # set by the engine's layout probe
         self.track_alive = True  # False: every client trains every step (logged values need no mask)
 
-    def gradient(self, W: Tensor, alive: Tensor, flat: bool = True) -> Tuple[Tensor, Any]:
+    def gradient(self, W: Tensor, alive: Tensor, flat: bool = True) -> tuple[Tensor, Any]:
         """Losses ``[C]`` and gradients at ``W``: one ``[C, D]`` tensor (``flat``), or the list of per-parameter
         ``[C, *shape]`` gradients (no concatenation; a parameter the loss does not depend on gets zeros)."""
         if self.replay:
@@ -125,7 +126,7 @@ class _StepEvaluator:
         one = torch.tensor([n == 1 for n in self.layout.sizes], dtype=torch.bool, device=alive.device)
         return one & alive
 
-    def views(self, W: Tensor) -> List[Tensor]:
+    def views(self, W: Tensor) -> list[Tensor]:
         """The per-parameter views ``[R, *shape]`` of ``W`` ([R, D])."""
         return self.engine.weights.views(W)
 
@@ -134,7 +135,7 @@ class _StepEvaluator:
         """The model has no random layers (dropout)."""
         return self.engine.deterministic
 
-    def trial(self, points: Tensor, clients: Optional[Tensor] = None) -> Tensor:
+    def trial(self, points: Tensor, clients: Tensor | None = None) -> Tensor:
         """Losses at ``points`` ([P, D]) of the clients ``clients`` ([P] indices, repeats allowed), or of every
         client in order (``clients=None``, ``P = C``)."""
         if self.rng_before is None:
@@ -166,7 +167,7 @@ class _StepEvaluator:
             _set_rng_state(self.rng_after, self.rng_devices)
 
 
-def _feed_router(router, log_sink: List[Tuple[List[Tuple[str, Tensor]], Optional[Tensor], Optional[Tensor]]]) -> None:
+def _feed_router(router, log_sink: list[tuple[list[tuple[str, Tensor]], Tensor | None, Tensor | None]]) -> None:
     """Give the loop's log router one value per gradient evaluation of every client still training, as sequential
     training does (the router ignores a line search's trial evaluations, which run without gradients).
 
@@ -177,7 +178,7 @@ def _feed_router(router, log_sink: List[Tuple[List[Tuple[str, Tensor]], Optional
     ``log_sink`` holds, per gradient evaluation, the logged ``[C]`` values (sums over real samples on padded steps),
     the sample counts to divide them by (None: whole batches) and the mask of clients still training (None: all);
     the values of all evaluations are divided and masked at once, in evaluation order."""
-    by_name: Dict[str, List[Tuple[Tensor, Optional[Tensor], Optional[Tensor]]]] = {}
+    by_name: dict[str, list[tuple[Tensor, Tensor | None, Tensor | None]]] = {}
     for logged, counts, evaluated in log_sink:
         for name, values in logged:
             by_name.setdefault(name, []).append((values, counts, evaluated))

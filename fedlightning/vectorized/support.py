@@ -13,7 +13,8 @@ With ``client_execution="auto"`` any of them makes the run fall back to sequenti
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -38,7 +39,7 @@ def check_model_vectorizable(model: nn.Module) -> None:
     _norm_layers(model)
 
 
-def _norm_layers(model: nn.Module) -> List[Tuple[str, nn.Module, bool]]:
+def _norm_layers(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     """``(label, module, is_instance_norm)`` of the BatchNorm layers and of the InstanceNorm layers that track running
     statistics (the layers :class:`~fedlightning.vectorized.norms._NormLayers` runs); refuses the others (see
     :func:`check_model_vectorizable`)."""
@@ -66,7 +67,7 @@ def _norm_layers(model: nn.Module) -> List[Tuple[str, nn.Module, bool]]:
     return found
 
 
-def _per_sample_protocol(model: nn.Module) -> Optional[Callable[[Any, int], Tensor]]:
+def _per_sample_protocol(model: nn.Module) -> Callable[[Any, int], Tensor] | None:
     """The model's bound ``training_step_per_sample``, if it may stand in for ``training_step``, else None.
 
     Decisions (ours): the protocol is optional. A model may define ``training_step_per_sample(batch, batch_idx)``
@@ -85,7 +86,7 @@ def _per_sample_protocol(model: nn.Module) -> Optional[Callable[[Any, int], Tens
         return None
     mro = type(model).__mro__
 
-    def owner(name: str) -> Optional[type]:
+    def owner(name: str) -> type | None:
         return next((cls for cls in mro if name in cls.__dict__), None)
 
     step_owner, sample_owner = owner("training_step"), owner("training_step_per_sample")
@@ -104,7 +105,7 @@ def _has_random_layers(model: nn.Module) -> bool:
     return False
 
 
-def _vmappable_rnns(model: nn.Module) -> List[nn.RNNBase]:
+def _vmappable_rnns(model: nn.Module) -> list[nn.RNNBase]:
     """The model's ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` layers, checked for what
     :func:`~fedlightning.vectorized.torch_internals._rnn_forward` supports."""
     found = []

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -80,20 +81,20 @@ try:  # the private bases of the layers the engine runs per client or replays (b
     from torch.nn.modules.dropout import _DropoutNd
     from torch.nn.modules.instancenorm import _InstanceNorm
 
-    BATCH_NORM_TYPES: Tuple[type, ...] = (_BatchNorm,)
-    INSTANCE_NORM_TYPES: Tuple[type, ...] = (_InstanceNorm,)
-    DROPOUT_TYPES: Tuple[type, ...] = (_DropoutNd,)
+    BATCH_NORM_TYPES: tuple[type, ...] = (_BatchNorm,)
+    INSTANCE_NORM_TYPES: tuple[type, ...] = (_InstanceNorm,)
+    DROPOUT_TYPES: tuple[type, ...] = (_DropoutNd,)
 except ImportError:  # pragma: no cover - their public subclasses
     BATCH_NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
                         nn.LazyBatchNorm3d, nn.SyncBatchNorm)
     INSTANCE_NORM_TYPES = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d,
                            nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
     DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-SYNC_BATCH_NORM_TYPES: Tuple[type, ...] = (nn.SyncBatchNorm,)
+SYNC_BATCH_NORM_TYPES: tuple[type, ...] = (nn.SyncBatchNorm,)
 
 
 # ====================================================================== vmap
-def _vmap0(fn: Callable[..., Tuple[Tensor, ...]], args: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+def _vmap0(fn: Callable[..., tuple[Tensor, ...]], args: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """``torch.func.vmap(fn, randomness="different")(*args)`` for the engine's calls: flat tensor arguments all
     batched along dimension 0 (same size), ``fn`` returning a tuple of tensors, outputs batched along dimension 0.
 
@@ -119,7 +120,7 @@ def _is_batched(value: Tensor) -> bool:
     return _is_batchedtensor is None or _is_batchedtensor(value)
 
 
-def _physical(value: Tensor) -> Optional[Tensor]:
+def _physical(value: Tensor) -> Tensor | None:
     """The plain tensor holding every row's values of ``value``: the tensor under its vmap batch dimension when it
     carries one level of it, ``value`` itself when it carries none; None when it is batched more than once or
     functorch's accessor is missing. For checks on data that hold for all rows at once (read, never written)."""
@@ -131,7 +132,7 @@ def _physical(value: Tensor) -> Optional[Tensor]:
     return None if _is_batchedtensor(inner) else inner
 
 
-def _one_level(value: Tensor, level: int) -> Tuple[Optional[Tensor], bool]:
+def _one_level(value: Tensor, level: int) -> tuple[Tensor | None, bool]:
     """``(physical, batched)``: for a tensor batched once, at ``level``, the plain tensor under it with the batch
     dimension moved to the front (a view) and True; for a plain tensor ``(None, False)``; for any other tensor
     (batched at another level or more than once) ``(None, True)``."""
@@ -144,7 +145,7 @@ def _one_level(value: Tensor, level: int) -> Tuple[Optional[Tensor], bool]:
     return (inner if bdim == 0 else inner.movedim(bdim, 0)), True
 
 
-def _current_level(*values: Any) -> Optional[int]:
+def _current_level(*values: Any) -> int | None:
     """The innermost vmap level when every one of ``values`` is a tensor (None outside vmap, without functorch's
     accessor, or for a non-tensor)."""
     if _maybe_current_level is None or not all(isinstance(v, Tensor) for v in values):  # pragma: no cover
@@ -152,7 +153,7 @@ def _current_level(*values: Any) -> Optional[int]:
     return _maybe_current_level()
 
 
-def _rows_of(value: Tensor, level: int, rows: int) -> Optional[Tensor]:
+def _rows_of(value: Tensor, level: int, rows: int) -> Tensor | None:
     """``value``'s rows at ``level`` as a plain tensor with them in front: the tensor under the batch dimension when
     it is batched once at ``level``, ``value`` expanded over ``rows`` when it is not batched (shared by the rows),
     None when it is batched otherwise."""
@@ -162,7 +163,7 @@ def _rows_of(value: Tensor, level: int, rows: int) -> Optional[Tensor]:
     return None if batched else value.expand(rows, *value.shape)
 
 
-def _batched_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Optional[Tensor]:
+def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:
     r"""``F.linear(input, weight, bias)`` inside the engine's vmap as one ``baddbmm`` on the plain tensors:
     ``y_c = b_c + x_c W_c^\top`` for every row ``c`` (``bmm`` without a bias), returned batched at the current level;
     None where it does not apply, and the caller runs ``F.linear`` itself.
@@ -204,7 +205,7 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     return _add_batch_dim(y.reshape(*x.shape[:-1], y.shape[-1]), 0, level)
 
 
-def _batched_nll(input: Tensor, target: Tensor, log_softmax: bool) -> Optional[Tensor]:
+def _batched_nll(input: Tensor, target: Tensor, log_softmax: bool) -> Tensor | None:
     r"""``-log p_y`` of every sample (``[n]``, batched at the current level) for logits (``log_softmax``) or
     log-probabilities ``input`` ``[n, K]`` and class indices ``target`` ``[n]`` (int64) inside the engine's vmap,
     computed on the tensors under the batch dimension: ``log_softmax`` over the classes and one ``nll_loss`` with
@@ -241,7 +242,7 @@ def _batched_nll(input: Tensor, target: Tensor, log_softmax: bool) -> Optional[T
         return _add_batch_dim(cells, 0, level)
 
 
-def _linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def _linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(input, weight, bias)``, through :func:`_batched_linear` where it applies. Its operations bypass
     ``__torch_function__`` handling (``torch._C.DisableTorchFunction``): the engine's loss interception, a function
     mode, would otherwise take a Python call for each of them."""
@@ -254,7 +255,7 @@ def _linear_forward(module: nn.Linear, input: Tensor) -> Tensor:
     return _linear(input, module.weight, module.bias)
 
 
-def _plain_linears(model: nn.Module) -> List[nn.Linear]:
+def _plain_linears(model: nn.Module) -> list[nn.Linear]:
     """The model's ``nn.Linear`` layers (and subclasses) that run ``nn.Linear``'s own ``forward``: while the model runs
     under vmap, the engine has them compute through :func:`_linear_forward` (:func:`_shadowed_forwards`).
 
@@ -266,7 +267,7 @@ def _plain_linears(model: nn.Module) -> List[nn.Linear]:
 
 
 # ====================================================================== recurrent layers
-def _rnn_forward(module: nn.RNNBase, input: Tensor, hx: Optional[Any] = None):
+def _rnn_forward(module: nn.RNNBase, input: Tensor, hx: Any | None = None):
     r"""``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` forward written with plain tensor ops, which ``vmap`` can batch
     (the fused ``aten::lstm`` / ``gru`` / ``rnn`` kernels have no batching rule).
 
@@ -347,7 +348,7 @@ def _rnn_forward(module: nn.RNNBase, input: Tensor, hx: Optional[Any] = None):
 
 
 @contextmanager
-def _shadowed_forwards(forwards: Sequence[Tuple[nn.Module, Callable[..., Any]]]):
+def _shadowed_forwards(forwards: Sequence[tuple[nn.Module, Callable[..., Any]]]):
     """Inside the block, each module of ``forwards`` (``(module, fn)`` pairs) runs ``fn(module, *args)`` (an instance
     ``forward`` that shadows the class's; hooks still run, as ``nn.Module.__call__`` calls it); the class's own
     ``forward`` again afterwards. The engine pairs recurrent layers with :func:`_rnn_forward` and linear layers
@@ -362,7 +363,7 @@ def _shadowed_forwards(forwards: Sequence[Tuple[nn.Module, Callable[..., Any]]])
 
 
 # ====================================================================== parameter slots
-def _parameter_slots(model: nn.Module, named: Sequence[Tuple[str, Tensor]]) -> List[Tuple[Dict[str, Any], str, int]]:
+def _parameter_slots(model: nn.Module, named: Sequence[tuple[str, Tensor]]) -> list[tuple[dict[str, Any], str, int]]:
     """``(module._parameters, attribute, index into named)`` for every (module, attribute) slot that holds one of
     the trainable parameters ``named``.
 
@@ -371,7 +372,7 @@ def _parameter_slots(model: nn.Module, named: Sequence[Tuple[str, Tensor]]) -> L
     paths is one slot.
     """
     index = {id(p): i for i, (_, p) in enumerate(named)}
-    slots: Dict[Tuple[int, str], str] = {}
+    slots: dict[tuple[int, str], str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         if id(p) in index:
             owner, _, attr = n.rpartition(".")
@@ -384,7 +385,7 @@ def _parameter_slots(model: nn.Module, named: Sequence[Tuple[str, Tensor]]) -> L
 
 
 @contextmanager
-def _tensors_in_slots(slots: Sequence[Tuple[Dict[str, Any], str, int]], vs: Sequence[Tensor]):
+def _tensors_in_slots(slots: Sequence[tuple[dict[str, Any], str, int]], vs: Sequence[Tensor]):
     """The parameter ``slots`` (:func:`_parameter_slots`) hold ``vs`` (one tensor per trainable parameter, a
     client's or a row's weights) inside the block, their Parameters again afterwards: what ``functional_call``
     does, without its per-call name resolution."""
@@ -399,7 +400,7 @@ def _tensors_in_slots(slots: Sequence[Tuple[Dict[str, Any], str, int]], vs: Sequ
 
 
 # ====================================================================== random state
-def _rng_state(cuda_devices) -> Tuple[Tensor, List[Tensor]]:
+def _rng_state(cuda_devices) -> tuple[Tensor, list[Tensor]]:
     return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda_devices]
 
 
@@ -425,7 +426,7 @@ def _seed_default_generators(seed: int, cuda_devices: Sequence[torch.device]) ->
 
 
 # ====================================================================== foreach
-def _foreach_add_(tensors: List[Tensor], others: Sequence[Tensor], alpha: float) -> None:
+def _foreach_add_(tensors: list[Tensor], others: Sequence[Tensor], alpha: float) -> None:
     """``t += alpha * o`` for every pair: ``torch._foreach_add_`` (one fused call), else one ``add_`` per tensor."""
     if hasattr(torch, "_foreach_add_"):
         torch._foreach_add_(tensors, others, alpha=alpha)

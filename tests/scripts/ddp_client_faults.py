@@ -3,9 +3,10 @@
     python tests/scripts/ddp_client_faults.py --devices 2 --rounds 2 --out result.pt
 
 Round 0: that client's update is replaced by -3e38 (the aggregation checks skip it); rank 0 saves the global weights
-and the round's counts after the round, and every rank writes the "skipped" warnings it gave to ``<out>.rank<r>``. Round 1: its training_step raises IndexError (the run stops on every
-process). With two processes the client sampled second is trained by rank 1. Used by tests/test_client_faults.py,
-which also imports :func:`fit` for the one-process reference.
+and the round's counts after the round, and every rank writes the "skipped" warnings it gave to ``<out>.rank<r>``.
+Round 1: its training_step raises IndexError (the run stops on every process). With two processes the client sampled
+second is trained by rank 1. Used by tests/test_client_faults.py, which also imports :func:`fit` for the one-process
+reference.
 """
 
 import argparse
@@ -21,7 +22,7 @@ import lightning.pytorch as pl  # noqa: E402
 
 from fedlightning import FederatedLoop  # noqa: E402
 from fedlightning.callbacks import FedAvg, FederatedCallback  # noqa: E402
-from fedlightning.datamodules import Dirichlet, DigitsDataModule  # noqa: E402
+from fedlightning.datamodules import DigitsDataModule, Dirichlet  # noqa: E402
 from fedlightning.models import MLP  # noqa: E402
 
 VICTIM_POSITION = 1

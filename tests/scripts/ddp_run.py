@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning.pytorch as pl  # noqa: E402
 
 from fedlightning import FederatedLoop  # noqa: E402
-from fedlightning.datamodules import ArrayDataset, Dirichlet, DigitsDataModule  # noqa: E402
+from fedlightning.datamodules import ArrayDataset, DigitsDataModule, Dirichlet  # noqa: E402
 from fedlightning.models import MLP  # noqa: E402
 
 
