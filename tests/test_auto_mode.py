@@ -34,17 +34,25 @@ def test_auto_choice_rule(seq, vec, want):
     assert auto_choice(seq, vec, margin=1.0) == ("vectorized" if vec < seq else "sequential")
 
 
-def virtual_clock(monkeypatch, seq, vec):
+def virtual_clock(monkeypatch, seq, vec, spikes=None):
     """Replace auto's clock by one that advances only while auto's measurement trains: ``seq`` per local step of a
     client trained sequentially, ``vec`` per client per lockstep step of a vectorised throw-away round (the
     warm-up's two clients included), so vectorised is ``seq / vec`` times as fast. Returns the counters: the
     ``"sequential"`` and ``"vectorized"`` client-steps the measurement ran and ``"now"``, the clock (after the
     run: what the measurement cost). Binary fractions keep the arithmetic exact. The budget's floor in seconds,
-    ``AUTO_MIN_BUDGET_SECONDS``, is set to 0: the clock's units are client-steps, not seconds."""
+    ``AUTO_MIN_BUDGET_SECONDS``, is set to 0: the clock's units are client-steps, not seconds. ``spikes``: extra
+    time (another process taking the CPU) added to the i-th sequential client the measurement trains
+    (``("sequential", i)``, 0 = the warm-up) or to its i-th vectorised lockstep step (``("vectorized", i)``, 0 =
+    the warm-up's step)."""
     from fedlightning import FederatedLoop
 
     seen = {"now": 0.0, "sequential": 0, "vectorized": 0}
+    spikes, calls = spikes or {}, {"sequential": 0, "vectorized": 0}
     train_client, run = FederatedLoop.train_client, auto._run
+
+    def spike(mode):
+        seen["now"] += spikes.get((mode, calls[mode]), 0.0)
+        calls[mode] += 1
 
     def measuring(loop):
         return loop.client_execution == "auto" and loop._runtime.auto_choice is None
@@ -53,6 +61,7 @@ def virtual_clock(monkeypatch, seq, vec):
         if measuring(self):
             seen["sequential"] += plan.steps_for(client_id)
             seen["now"] += seq * plan.steps_for(client_id)
+            spike("sequential")
         return train_client(self, plan, client_id, global_flat)
 
     def spy_run(loop, plan, client_ids, global_flat, throwaway=False, stop=None):
@@ -62,6 +71,7 @@ def virtual_clock(monkeypatch, seq, vec):
         def step():
             seen["vectorized"] += len(client_ids)
             seen["now"] += vec * len(client_ids)
+            spike("vectorized")
 
         def timed_stop():  # asked after each lockstep step but the last
             step()
@@ -96,18 +106,19 @@ def assert_identical(a, b):
     assert [float(ma[k]) for k in logged] == [float(mb[k]) for k in logged]
 
 
-# The round: 6 clients, K = 5 (test_vectorized's CPR and K), so m = 5 timed steps and a sequential round of 30
-# client-steps. Times in units of the clock, worked by hand from _auto_decide's docstring:
-#  * seq 4, vec 1: warm-ups 2 x 1 + 4 = 6; sequential clients end at 26, 46, 66 (each time the next client's 5 steps
-#    and a vectorised step of 6 clients at sequential speed, 44, still fit in the budget 120); the vectorised
-#    round's steps take 6 each, all five fit (66 + 30 <= 120): 4.00x.
-#  * seq 1, vec 4: warm-ups 2 x 4 + 1 = 9; clients end at 14, 19, 24 (19 + 11 <= 30); one vectorised step takes
+# The round: 6 clients, K = 5 (test_vectorized's CPR and K), so a sequential round of 30 client-steps and at least
+# 5 timed vectorised steps. Times in units of the clock (far above AUTO_MEASURE_SECONDS, so the minimums of 3
+# clients and 5 steps are what is timed when the budget allows), worked by hand from _auto_decide's docstring:
+#  * seq 4, vec 1: warm-ups 2 x 1 + 4 = 6; sequential clients end at 26, 46, 66 (each time the next client's 20
+#    and a vectorised step of 6 clients at sequential speed, 24, still fit in the budget 120); the vectorised
+#    round's steps take 6 each, all five fit (66 + 30 <= 120): 6 + 4 x 6 = 30 against 120, 4.00x.
+#  * seq 1, vec 4: warm-ups 2 x 4 + 1 = 9; clients end at 14, 19, 24 (19 + 5 + 6 <= 30); one vectorised step takes
 #    24, a second would exceed the budget 30: estimated 24 x 5 = 120 against 30, 0.25x.
 WORDS = {
-    "vectorized": "training clients vectorized (4.00x faster than one at a time, measured on 5 local steps of 6 "
-                  "clients, 3 of them one at a time)",
-    "sequential": "training clients one at a time (sequential): vectorized measured 0.25x as fast on 1 local step of "
-                  "6 clients vectorized and 5 steps of 3 clients one at a time",
+    "vectorized": "training clients vectorized (4.00x faster than one at a time; timed: 5 local steps of all 6 "
+                  "clients vectorized, 3 of the 6 clients one at a time)",
+    "sequential": "training clients one at a time (sequential): vectorized measured 0.25x as fast (timed: 1 local "
+                  "step of all 6 clients vectorized, 3 of the 6 clients one at a time)",
 }
 
 
@@ -124,8 +135,24 @@ def test_auto_equals_the_chosen_mode_and_says_why(monkeypatch, caplog, opt, seq,
     assert reason and reason in lines[0]
     assert seen["sequential"] == 1 + 3 * 5
     assert seen["vectorized"] == 2 + 6 * (5 if chosen == "vectorized" else 1)
+    if chosen == "sequential":  # no vectorised round follows: the engine's buffers are not kept
+        assert got[1]._runtime.vectorized_engine._scratch == {}
     reference = fit(UserMLP(), CLIENT_OPTIMIZERS[opt], chosen)
     assert_identical(got, reference)
+
+
+@pytest.mark.parametrize("where", [("sequential", 0), ("sequential", 1), ("sequential", 3), ("vectorized", 0),
+                                   ("vectorized", 2), ("vectorized", 5)])
+def test_an_interrupted_client_or_step_does_not_move_the_estimate(monkeypatch, caplog, where):
+    """Another process stretching one sample by 100 (most of a sequential round of 120): the medians pass over one
+    timed sequential client of three or one vectorised step after the first, and the warm-ups are not timed. With
+    the budget out of the way, the first case of WORDS then measures its 4.00x, on the same samples."""
+    seen = virtual_clock(monkeypatch, 4.0, 1.0, spikes={where: 100.0})
+    monkeypatch.setattr(auto, "AUTO_MIN_BUDGET_SECONDS", 1e6)
+    with caplog.at_level(logging.INFO):
+        fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=1)
+    assert auto_lines(caplog) == [f"client_execution='auto': {WORDS['vectorized']}"]
+    assert seen["vectorized"] == 2 + 6 * 5 and seen["sequential"] == 1 + 3 * 5
 
 
 def test_models_with_dropout_train_sequentially_without_measuring(monkeypatch, caplog):
@@ -160,13 +187,13 @@ def test_recurrent_models_are_measured_on_cpu(monkeypatch, caplog, seq, vec, cho
 
 def test_measurement_times_typical_clients_after_a_one_step_warm_up(monkeypatch):
     """Warm-up: one step of the round's first client sequentially and of its first two clients vectorized; timed:
-    three clients sequentially (AUTO_SEQUENTIAL_CLIENTS; the clock's units are far above AUTO_SEQUENTIAL_SECONDS),
-    the clients ranked by batch size (min(samples, batch size)) at 1/2, 1/4 and 3/4 of the 6, m = min(K,
-    AUTO_MEASURE_STEPS) steps each, and every client vectorized."""
+    three clients sequentially (AUTO_SEQUENTIAL_CLIENTS; the clock's units are far above AUTO_MEASURE_SECONDS),
+    the clients ranked by batch size (min(samples, batch size)) at 1/2, 1/4 and 3/4 of the 6, with all their K
+    steps, and every client vectorized, in a round of K steps that stops after AUTO_MEASURE_STEPS."""
     from fedlightning import FederatedLoop
     from test_vectorized import BATCH, K
 
-    virtual_clock(monkeypatch, 4.0, 1.0)
+    virtual = virtual_clock(monkeypatch, 4.0, 1.0)
     monkeypatch.setattr(auto, "AUTO_MEASURE_STEPS", 2)
     assert K > 2
     seen = {"sequential": [], "vectorized": []}
@@ -186,42 +213,44 @@ def test_measurement_times_typical_clients_after_a_one_step_warm_up(monkeypatch)
     clients = [u.client_id for u in got[2]]
     first, second = clients[:len(clients) // 2], clients[len(clients) // 2:]  # the two real rounds' clients
     assert len(first) == 6
-    assert [steps for _, steps in seen["sequential"]] == [1, 2, 2, 2]  # nothing sequential after choosing vectorized
+    assert [steps for _, steps in seen["sequential"]] == [1, K, K, K]  # nothing sequential after choosing vectorized
     assert seen["sequential"][0][0] == first[0]
     dm = got[3].datamodule
     size = {c: min(dm.client_num_samples(c), BATCH) for c in first}
     ranked = sorted(size.values())
     assert [size[c] for c, _ in seen["sequential"][1:]] == [ranked[3], ranked[1], ranked[4]]
-    assert seen["vectorized"] == [(first[:2], 1, True), (first, 2, True), (first, K, False), (second, K, False)]
+    assert seen["vectorized"] == [(first[:2], 1, True), (first, K, True), (first, K, False), (second, K, False)]
+    assert virtual["vectorized"] == 2 + 6 * 2  # the timed round stopped after 2 steps
     assert all(u.num_steps == K for u in got[2])
 
 
 @pytest.mark.parametrize("vec,chosen,words", [
-    (2.0, "sequential", "training clients one at a time (sequential): vectorized measured 0.50x as fast on 1 local "
-                        "step of 6 clients vectorized and 2 steps of 3 clients one at a time; its measurement stopped "
-                        "after 1 of 2 steps, as it could no longer be faster"),
-    (0.5, "vectorized", "training clients vectorized (2.00x faster than one at a time, measured on 2 local steps of "
-                        "6 clients, 3 of them one at a time)"),
+    (1.0, "sequential", "training clients one at a time (sequential): vectorized measured 1.00x as fast (timed: 3 "
+                        "local steps of all 6 clients vectorized, 3 of the 6 clients one at a time); its measurement "
+                        "stopped after 3 steps, as it could no longer be faster"),
+    (0.5, "vectorized", "training clients vectorized (2.00x faster than one at a time; timed: 5 local steps of all 6 "
+                        "clients vectorized, 3 of the 6 clients one at a time)"),
 ])
 def test_vectorized_measurement_stops_once_it_cannot_win(monkeypatch, caplog, vec, chosen, words):
-    """The timed vectorised round is asked after each step whether its time so far already rules it out, even if
-    its remaining timed steps took no time. m = 2 timed steps of K = 5; sequential 1 per client-step, a round of
-    30. At 2 per client-step (12 per lockstep step) the first step's 12 already means a round of at least
-    12 / 2 x 5 = 30, not 1.1x faster than 30: it stops there (the budget, 30 - 11 spent, would allow the second
-    step). At 0.5 both steps run and vectorized is chosen. A stopped measurement leaves no trace: the run equals
-    a sequential run."""
-    from test_vectorized import K
+    """The timed vectorised round is asked after each step whether its time so far, with all its remaining steps
+    at its fastest step's time after the first (from the third step on), already rules it out. K = 20, 6 clients,
+    sequential 1 per client-step: a round of 120; three clients take 60 after warm-ups of 2 vec + 1. At 1 per
+    client-step (6 per lockstep step) three steps mean a round of at least 18 + 17 x 6 = 120, not 1.1x faster
+    than 120: it stops there, although the budget (120 - 63) would allow more steps. At 0.5 it runs its 5 steps
+    (3 each; then it has timed enough) and is chosen: 3 + 19 x 3 = 60, 2.00x. A stopped measurement leaves no
+    trace: the run equals a sequential run."""
+    import test_vectorized
 
-    monkeypatch.setattr(auto, "AUTO_MEASURE_STEPS", 2)
-    assert K == 5
+    monkeypatch.setattr(test_vectorized, "K", 20)
     seen = virtual_clock(monkeypatch, 1.0, vec)
     with caplog.at_level(logging.INFO):
-        got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto")
+        got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=1)
     assert got[1].client_execution_choice == chosen
     assert auto_lines(caplog) == [f"client_execution='auto': {words}"]
-    assert seen["vectorized"] == 2 + 6 * (1 if chosen == "sequential" else 2)
+    assert seen["vectorized"] == 2 + 6 * (3 if chosen == "sequential" else 5)
     monkeypatch.undo()
-    assert_identical(got, fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], chosen))
+    monkeypatch.setattr(test_vectorized, "K", 20)
+    assert_identical(got, fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], chosen, rounds=1))
 
 
 @pytest.mark.parametrize("steps", [1, 2])
@@ -258,14 +287,14 @@ def test_a_cheap_round_is_measured_in_full_within_the_minimum_budget(monkeypatch
     """Where one round costs less than AUTO_MIN_BUDGET_SECONDS, the budget does not cut the measurement short:
     the K = 2, 6-client round that the one-round budget measures at its floor (previous test: one client, one
     vectorised step) is measured on both steps vectorised and, sequentially, on AUTO_SEQUENTIAL_CLIENTS clients
-    once they have taken AUTO_SEQUENTIAL_SECONDS (here at once: 2 units per client), else on more, up to all 6,
+    once they have taken AUTO_MEASURE_SECONDS (here at once: 2 units per client), else on more, up to all 6,
     each once."""
     import test_vectorized
 
     monkeypatch.setattr(test_vectorized, "K", 2)
     seen = virtual_clock(monkeypatch, 1.0, 1.0)
     monkeypatch.setattr(auto, "AUTO_MIN_BUDGET_SECONDS", 1000.0)  # the round costs 12
-    monkeypatch.setattr(auto, "AUTO_SEQUENTIAL_SECONDS", seconds)
+    monkeypatch.setattr(auto, "AUTO_MEASURE_SECONDS", seconds)
     timed = []
     train_client = auto._throwaway_sequential
 

@@ -8,8 +8,9 @@ applies to its one-time measurement (:func:`_auto_decide`).
 
 from __future__ import annotations
 
+import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import List, Optional, Sequence, Union
 
 import torch
@@ -90,27 +91,25 @@ _clock = time.perf_counter
 #: one round on a shared machine vary by several percent, and sequential is the reference path).
 AUTO_MARGIN = 1.1
 
-#: Most local steps per client that ``auto`` times in each mode (at most the round's ``K``; ours: enough steps to
-#: average out one step's noise on a cheap model; on an expensive round :data:`AUTO_BUDGET_ROUNDS` may allow fewer).
+#: Lockstep steps ``auto`` times vectorised at least (at most the round's ``K``; the budget permitting) ...
 AUTO_MEASURE_STEPS = 5
 
-#: Clients ``auto`` times sequentially at least, the budget permitting (ours: a sequential client-step costs about the
-#: same for every client, so a few clients of typical batch sizes stand for the round's; three average out one
-#: client's size) ...
+#: ... and clients it times sequentially at least, each with all its local steps (the budget permitting) ...
 AUTO_SEQUENTIAL_CLIENTS = 3
 
-#: ... and then more clients, up to all of the round's, until the timed ones have taken this many seconds (ours: a
-#: cheap model's client takes 2-3 ms for 5 steps on a CPU, where a scheduler's interruption of a few milliseconds
-#: would move an estimate from three clients by tens of percent; 50 ms of timing makes it a few percent).
-AUTO_SEQUENTIAL_SECONDS = 0.05
+#: ... and then more of each, up to a whole round, until that mode's timed part has taken this many seconds (ours:
+#: on a CPU a cheap model's client takes ~10 ms for 20 steps and its vectorised step ~3 ms, and another process on
+#: the machine can stretch any one of them several times over; 50 ms gives the medians of
+#: :func:`_auto_decide` enough samples to pass over a few such interruptions).
+AUTO_MEASURE_SECONDS = 0.05
 
 #: What ``auto``'s whole measurement may cost, warm-ups included, in estimated sequential rounds of the run's first
-#: round (ours: about one round; its floor is one local step of each mode, see :func:`_auto_decide`).
+#: round (ours: about one round; its floor is one client and one lockstep step, see :func:`_auto_decide`) ...
 AUTO_BUDGET_ROUNDS = 1.0
 
 #: ... but never less than this many seconds (ours: half a second once per run costs nobody anything, and on a
-#: cheap round, where the warm-ups' one-time costs can exceed the round, it lets the measurement time its
-#: sequential clients and ``min(K, AUTO_MEASURE_STEPS)`` vectorised steps instead of its one-step floor).
+#: cheap round, where the warm-ups' one-time costs can exceed the round, it lets the measurement reach its minimums
+#: above instead of its floor).
 AUTO_MIN_BUDGET_SECONDS = 0.5
 
 
@@ -121,8 +120,8 @@ def auto_choice(seconds_sequential: float, seconds_vectorized: float, margin: fl
 
 def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> str:
     """``client_execution="auto"``: choose the mode of this run, once, at its first round; logged once, in plain
-    words (``training clients vectorized (3.10x faster than one at a time, measured on 5 local steps of 20
-    clients, 3 of them one at a time)``); ``loop._runtime.auto_reason`` is the line's reason part.
+    words (``training clients vectorized (3.10x faster than one at a time; timed: 5 local steps of all 20 clients
+    vectorized, 4 of the 20 clients one at a time)``); ``loop._runtime.auto_reason`` is the line's reason part.
 
     Decisions (ours; the measurements behind them: ``python benchmarks/auto_zoo.py``, docs/benchmarks.md §3):
 
@@ -134,33 +133,44 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
       unused (a GRU text classifier trains faster vectorised on a CPU, an LSTM slower).
     * **What is timed.** On throw-away copies, from the round's global weights, on the round's batches: one untimed
       local step of two clients vectorised and of one client sequentially (one-time costs: the engine's probes,
-      first calls); then sequentially :data:`AUTO_SEQUENTIAL_CLIENTS` clients, and more until the timed ones have
-      taken :data:`AUTO_SEQUENTIAL_SECONDS`, in an order whose every prefix spans the round's batch sizes
-      (:func:`_typical_clients`), ``m = min(K, AUTO_MEASURE_STEPS)`` local steps each, one client at a time; then
-      vectorised all the round's ``C`` clients, up to ``m`` lockstep steps. A sequential client-step costs about
-      the same for every client, so a few clients give its cost ``s``, and the sequential round is estimated as
-      ``R = s × Σ_c K_c`` (each client's own step count, ``plan.steps_for``). A vectorised step's cost depends on
-      how many clients share it, so it is timed on all ``C``; the vectorised round is estimated as
-      ``K × (its time per lockstep step)`` (``K`` = the largest client's steps: ragged clients are masked, not
-      skipped). Per-step costs do not depend on how many steps follow, so a few steps decide as well as a whole
-      round; per-round fixed costs (the engine's weight layout, per-client set-up) weigh more in a few steps than
-      in ``K``, in both modes.
+      first calls); then sequentially, one client at a time and each with all its local steps, at least
+      :data:`AUTO_SEQUENTIAL_CLIENTS` of the round's clients and more until the timed ones have taken
+      :data:`AUTO_MEASURE_SECONDS`, in an order whose every prefix spans the round's batch sizes
+      (:func:`_typical_clients`); then vectorised, all the round's ``C`` clients in lockstep for at least
+      ``min(K, AUTO_MEASURE_STEPS)`` steps and more until they have taken :data:`AUTO_MEASURE_SECONDS` (at most
+      ``K``).
+    * **Estimates, from medians.** Another process on the machine only ever adds time, to a minority of the
+      samples when the timing is long enough, so the per-sample medians pass over it. A sequential client-step
+      costs about the same for every client: the sequential round is estimated as ``R`` = the median over the timed
+      clients of (client's time / its steps) × ``Σ_c K_c`` (each client's own step count, ``plan.steps_for``).
+      Whole clients are timed because a client's set-up (optimizer, data loader, hooks) timed with a few of its
+      steps and scaled to ``K`` would be counted ``K / m`` times over (the zoo's BatchNorm CNN,
+      ``benchmarks/auto_zoo.py``: 1.6 ms per step when a client runs 5 steps, 1.0 ms when it runs its 20). A vectorised step's cost depends on how many clients share it, so it is
+      timed on all ``C``; the vectorised round is estimated as its first step (which also carries the round's
+      start-up, paid once a round) plus ``K - 1`` times the median of the later timed steps; after a single step,
+      as that step's time times ``K`` (which can only tip a close call towards sequential). ``K`` is the largest
+      client's steps: ragged clients are masked, not skipped, in a vectorised round. The end of a vectorised round
+      (every client's update) is in its last timed step only.
     * **Bounded cost: about one sequential round** (:data:`AUTO_BUDGET_ROUNDS` × ``R``, warm-ups included, ``R``
       re-estimated after each timed client; at least :data:`AUTO_MIN_BUDGET_SECONDS`), also where a round is
       expensive (few clients, ``K`` of 1 or 2, a large model). One more client is timed sequentially only while
-      the time spent, that client's ``m`` steps and one vectorised step costing what ``C`` sequential client-steps
-      cost (the even case; room for the one step vectorised must have) fit in the budget; the vectorised round
-      stops after a step when the next one would not fit, and after the step at which its time so far already
-      rules it out even if its remaining steps took no time (a much slower vectorised mode costs few of its slow
-      steps). At least one client is timed sequentially and one lockstep step vectorised, so the cost's floor is
-      the warm-ups, one client's ``m`` steps and one vectorised step of the ``C`` clients: with ``K = 1`` that
-      step is a whole vectorised round (about 1.4 rounds in all for 10 clients at even speeds; more where
-      vectorised is much slower), which no measurement of a full-size vectorised step avoids.
+      the time spent, that client (at the timed clients' mean) and one vectorised step costing what ``C``
+      sequential client-steps cost (the even case; room for the one step vectorised must have) fit in the budget;
+      the vectorised round stops after a step when the next one (at its fastest step so far) would not fit, and
+      after the step at which a lower bound of its estimate already rules it out: its first step plus ``K - 1``
+      times its fastest later step (from the third step on, so that no single interrupted step decides; before,
+      the first step alone). A much slower vectorised mode thus costs few of its slow steps, and a stop for a loss
+      always agrees with the estimate from the steps timed. At least one client is timed sequentially and one
+      lockstep step vectorised, so the cost's floor is the warm-ups, one client's steps and one vectorised step of
+      the ``C`` clients: with ``K = 1`` that step is a whole vectorised round (about 1.4 rounds in all for 10
+      clients at even speeds; more where vectorised is much slower), which no measurement of a full-size
+      vectorised step avoids.
     * **The choice**: vectorised when its estimated round is faster by :data:`AUTO_MARGIN` (:func:`auto_choice`).
-    * **Throw-away**: no logged values reach the loop, no client state is written, the updates are dropped; random
-      streams are forked in both modes, so the real round that follows computes exactly what it computes without
-      the measurement (torchmetrics states are restored after each throw-away round; both modes make the metric
-      calls a real round makes, so their cost is timed).
+      After choosing sequential the engine's buffers are released: no vectorised round follows.
+    * **Throw-away**: both modes log and make the metric calls a real round makes, so their cost is timed, and
+      then no logged value reaches the loop, torchmetrics states are restored (:func:`_throwaway_logs`), no client
+      state is written and the updates are dropped; random streams are forked in both modes, so the real round that
+      follows computes exactly what it computes without the measurement.
     * A model or optimizer the engine cannot train raises :class:`VectorizationUnsupportedError` from the first
       throw-away round (the vectorised warm-up, before any sequential time is spent): the caller falls back to
       sequential with its warning. What only a later step meets (a ``training_step`` that returns
@@ -175,6 +185,8 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
             "depend on this machine's speed; set client_execution='vectorized' to use it anyway")
     else:
         choice, reason = _measure(loop, plan, client_ids, global_flat)
+        if choice == "sequential":
+            _free(loop)  # the run trains no vectorised round: its buffers ([C, D] and larger) are not kept
     loop._runtime.auto_choice, loop._runtime.auto_reason = choice, reason
     if choice == "vectorized":
         _info(f"client_execution='auto': training clients vectorized ({reason})")
@@ -188,56 +200,65 @@ def _measure(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tens
     device = global_flat.device
     C, K = len(client_ids), plan.local_steps
     client_steps = sum(plan.steps_for(c) for c in client_ids)
-    m = min(K, AUTO_MEASURE_STEPS)
-    warm, timed = plan.with_steps(1), plan.with_steps(m)
+    warm = plan.with_steps(1)
     _sync(device)
     t_start = _clock()
     _run(loop, warm, client_ids[:2], global_flat, throwaway=True)  # warm-up: probes, first calls
+    rates = []  # seconds per local step of each timed client
     with _throwaway_sequential(loop):
         _train_or_fail(loop, warm, client_ids[0], global_flat)  # warm-up
         _sync(device)
         t0 = t1 = _clock()
-        n = 0
         for cid in _typical_clients(loop, client_ids):
-            _train_or_fail(loop, timed, cid, global_flat)
-            n += 1
+            _train_or_fail(loop, plan, cid, global_flat)  # all of the client's steps, as in the round
             _sync(device)
-            t1 = _clock()
-            step = (t1 - t0) / (n * m)  # one client's local step, sequentially
-            if t1 - t_start + (m + C) * step > _budget(step * client_steps):
+            t, t1 = t1, _clock()
+            rates.append((t1 - t) / plan.steps_for(cid))
+            seq = statistics.median(rates) * client_steps  # the estimated sequential round
+            if t1 - t_start + (t1 - t0) / len(rates) + seq * C / client_steps > _budget(seq):
                 break  # one more client and one vectorised step at sequential speed would not fit in the budget
-            if n >= AUTO_SEQUENTIAL_CLIENTS and t1 - t0 >= AUTO_SEQUENTIAL_SECONDS:
+            if len(rates) >= AUTO_SEQUENTIAL_CLIENTS and t1 - t0 >= AUTO_MEASURE_SECONDS:
                 break  # timed long enough
-    seq = (t1 - t0) / (n * m) * client_steps  # the estimated sequential round
+    n, m = len(rates), min(K, AUTO_MEASURE_STEPS)
     budget = _budget(seq) - (t1 - t_start)  # what the vectorised round may still cost
-    done, lost = [0], [False]
+    readings, lost = [t1], [False]
 
     def stop() -> bool:  # after each lockstep step but the last
-        done[0] += 1
         _sync(device)
-        spent = _clock() - t1
-        lost[0] = auto_choice(seq, spent / m * K) == "sequential"  # even if its remaining steps took no time
-        return lost[0] or spent * (done[0] + 1) / done[0] > budget
+        readings.append(_clock())
+        spent, steps = readings[-1] - t1, _diffs(readings)
+        later = steps[1:]  # the first step also carries the round's start-up
+        fastest = min(later) if len(later) >= 2 else 0.0  # one later step alone may have been interrupted
+        lost[0] = auto_choice(seq, steps[0] + (K - 1) * fastest) == "sequential"  # a bound of its estimate below
+        enough = len(steps) >= m and spent >= AUTO_MEASURE_SECONDS
+        return lost[0] or enough or spent + min(steps) > budget
 
-    finished = _run(loop, timed, client_ids, global_flat, throwaway=True, stop=stop) is not None
-    _sync(device)
-    steps = m if finished else done[0]
-    vec = (_clock() - t1) / steps * K  # the estimated vectorised round
+    finished = _run(loop, plan.with_steps(K), client_ids, global_flat, throwaway=True, stop=stop) is not None
+    if finished:
+        _sync(device)
+        readings.append(_clock())
+    steps = _diffs(readings)
+    if len(steps) == 1:
+        vec = steps[0] * K  # the start-up counted K times: a close call tips towards sequential
+    else:
+        vec = steps[0] + (K - 1) * statistics.median(steps[1:])  # the estimated vectorised round
     choice = auto_choice(seq, vec)  # sequential after a loss: its estimate only grew since it had lost
     ratio = seq / max(vec, 1e-12)
-    on = f"on {_count(steps, 'local step')} of {_count(C, 'client')}"
-    if steps != m:
-        on += f" vectorized and {_count(m, 'step')} of {_count(n, 'client')} one at a time"
-    elif n < C:
-        on += f", {n} of them one at a time"
+    everyone = f"all {C} clients" if C > 1 else "the 1 client"
+    timed = (f"timed: {_count(len(steps), 'local step')} of {everyone} vectorized, "
+             f"{'all' if n == C else n} of the {_count(C, 'client')} one at a time")
     if choice == "vectorized":
-        return choice, f"{ratio:.2f}x faster than one at a time, measured {on}"
-    reason = f"vectorized measured {ratio:.2f}x as fast {on}"
-    if lost[0] and not finished:
-        reason += f"; its measurement stopped after {steps} of {m} steps, as it could no longer be faster"
+        return choice, f"{ratio:.2f}x faster than one at a time; {timed}"
+    reason = f"vectorized measured {ratio:.2f}x as fast ({timed})"
+    if lost[0]:
+        reason += f"; its measurement stopped after {_count(len(steps), 'step')}, as it could no longer be faster"
     elif ratio >= 1:
         reason += f"; it is used only when at least {AUTO_MARGIN}x faster"
     return choice, reason
+
+
+def _diffs(readings: List[float]) -> List[float]:
+    return [b - a for a, b in zip(readings, readings[1:])]
 
 
 def _budget(sequential_round: float) -> float:
@@ -288,25 +309,33 @@ def _train_or_fail(loop, plan: RoundPlan, client_id: int, global_flat: Tensor) -
 def _throwaway_sequential(loop):
     """``loop.train_client`` calls inside leave no trace: logged values are discarded, torchmetrics states restored
     and no client state is written (``persist_client_state`` off for the block)."""
-    worker = loop._worker_trainer()
+    persist = loop.persist_client_state
+    loop.persist_client_state = False
+    try:
+        with _throwaway_logs(loop._worker_trainer()):
+            yield
+    finally:
+        loop.persist_client_state = persist
+
+
+@contextmanager
+def _throwaway_logs(worker):
+    """Training inside logs and updates metrics as a real round does (so that their cost is timed), and none of it
+    stays: the worker's log router (captured values, torchmetrics metrics logged as objects) and its torchmetrics
+    states are given back as they were."""
     router = getattr(worker, "router", None)
     metrics = getattr(worker, "metrics", None)
     saved_metrics = metrics.save() if metrics else None
-    captured = router.captured if router is not None else None
-    logged = (dict(router.metrics), dict(router.metric_paths)) if router is not None else None
-    persist = loop.persist_client_state
-    loop.persist_client_state = False
+    saved_router = (router.captured, dict(router.metrics), dict(router.metric_paths)) if router is not None else None
     if router is not None:
         router.captured = {}
     try:
         yield
     finally:
-        loop.persist_client_state = persist
         if saved_metrics is not None:
             metrics.restore(saved_metrics)
         if router is not None:
-            router.captured = captured
-            router.metrics, router.metric_paths = logged
+            router.captured, router.metrics, router.metric_paths = saved_router
 
 
 def _sync(device: torch.device) -> None:
@@ -335,9 +364,10 @@ def _engine(loop) -> VectorizedClientTrainer:
 def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
          throwaway: bool = False, stop=None) -> Optional[List[Union[ClientUpdate, Exception]]]:
     """``FederatedLoop.train_client`` for all of ``client_ids`` at once (the loop's ``prepare_client`` and
-    ``finish_client`` around the engine's round); ``throwaway``: nothing is logged, no client state written and
-    torchmetrics states restored (``auto``'s measurement); ``stop`` (throw-away rounds only): the engine's early
-    stop, after which the round returns None."""
+    ``finish_client`` around the engine's round); ``throwaway`` (``auto``'s measurement): the round logs and
+    updates metrics as a real one does, and then nothing logged stays, no client state is written and torchmetrics
+    states are restored (:func:`_throwaway_logs`); ``stop`` (throw-away rounds only): the engine's early stop, after
+    which the round returns None."""
     if stop is not None and not throwaway:
         raise ValueError("only a throw-away round can stop early")
     worker = loop._worker_trainer()
@@ -346,10 +376,8 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
     prepared = [loop.prepare_client(plan, cid, worker.params) for cid in client_ids]
     optimizers = [opt for opt, _ in prepared]
     gbuffers = list(loop.model.buffers())
-    # a throw-away round replays the metric calls as a real round does (its time counts) and then restores them
-    metrics = getattr(worker, "metrics", None)
-    saved_metrics = metrics.save() if throwaway and metrics else None
-    try:
+    # a throw-away round logs and replays the metric calls as a real round does (their time counts), then undoes them
+    with _throwaway_logs(worker) if throwaway else nullcontext():
         updates = engine.run(
             client_ids=client_ids,
             round=plan.round,
@@ -362,13 +390,10 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
             local_steps=[plan.steps_for(c) for c in client_ids],
             grad_clip=loop.client_grad_clip,
             terms=[terms for _, terms in prepared],
-            router=None if throwaway else getattr(worker, "router", None),
+            router=getattr(worker, "router", None),
             float_buffer_mask=[b.is_floating_point() for b in gbuffers],
             stop=stop,
         )
-    finally:
-        if saved_metrics is not None:
-            metrics.restore(saved_metrics)
     if updates is None:
         return None
     for update, opt in zip(updates, optimizers):
