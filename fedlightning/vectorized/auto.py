@@ -145,11 +145,12 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
       clients of (client's time / its steps) × ``Σ_c K_c`` (each client's own step count, ``plan.steps_for``).
       Whole clients are timed because a client's set-up (optimizer, data loader, hooks) timed with a few of its
       steps and scaled to ``K`` would be counted ``K / m`` times over (the zoo's BatchNorm CNN,
-      ``benchmarks/auto_zoo.py``: 1.6 ms per step when a client runs 5 steps, 1.0 ms when it runs its 20). A vectorised step's cost depends on how many clients share it, so it is
-      timed on all ``C``; the vectorised round is estimated as its first step (which also carries the round's
-      start-up, paid once a round) plus ``K - 1`` times the median of the later timed steps; after a single step,
-      as that step's time times ``K`` (which can only tip a close call towards sequential). ``K`` is the largest
-      client's steps: ragged clients are masked, not skipped, in a vectorised round. The end of a vectorised round
+      ``benchmarks/auto_zoo.py``: 1.6 ms per step when a client runs 5 steps, 1.0 ms when it runs its 20). A
+      vectorised step's cost depends on how many clients share it, so it is timed on all ``C``; the vectorised
+      round is estimated as its first step (which also carries the round's start-up, paid once a round) plus
+      ``K - 1`` times the median of the later timed steps; after a single step, as that step's time times ``K``
+      (which can only tip a close call towards sequential). ``K`` is the largest client's steps: ragged clients
+      are masked, not skipped, in a vectorised round. The end of a vectorised round
       (every client's update) is in its last timed step only.
     * **Bounded cost: about one sequential round** (:data:`AUTO_BUDGET_ROUNDS` × ``R``, warm-ups included, ``R``
       re-estimated after each timed client; at least :data:`AUTO_MIN_BUDGET_SECONDS`), also where a round is
