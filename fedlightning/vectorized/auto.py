@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
-from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ CLIENT_EXECUTION_MODES = ("sequential", "vectorized", "auto")
 
 
 def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int],
-                         global_flat: Tensor) -> Optional[List[Union[ClientUpdate, Exception]]]:
+                         global_flat: Tensor) -> list[ClientUpdate | Exception] | None:
     """The ClientUpdates of ``client_ids`` for ``plan``, trained in lockstep (the exception sequential training
     raises in place of a client's update, for a client whose training raised); None means "train them
     sequentially".
@@ -258,7 +258,7 @@ def _measure(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tens
     return choice, reason
 
 
-def _diffs(readings: List[float]) -> List[float]:
+def _diffs(readings: list[float]) -> list[float]:
     return [b - a for a, b in zip(readings, readings[1:])]
 
 
@@ -271,7 +271,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def _typical_clients(loop, client_ids: Sequence[int]) -> List[int]:
+def _typical_clients(loop, client_ids: Sequence[int]) -> list[int]:
     """``client_ids`` in the order ``auto`` times them sequentially: every prefix spans the round's batch sizes.
 
     The clients are sorted by batch size (``min(samples, batch_size)``, what a sequential step's cost grows with)
@@ -353,9 +353,10 @@ def _engine(loop) -> VectorizedClientTrainer:
             f"{worker.model_name} overrides the per-step hook(s) {', '.join(hooks.overridden)}, which "
             "client_execution='vectorized' cannot call per client; use client_execution='sequential' (or 'auto')"
         )
-    engine: Optional[VectorizedClientTrainer] = loop._runtime.vectorized_engine
+    engine: VectorizedClientTrainer | None = loop._runtime.vectorized_engine
     if engine is None or engine.model is not worker.model:
-        convert = getattr(worker, "convert_input", None)  # the precision plugin's, before the transfer (Lightning's order)
+        # the precision plugin's conversion, before the transfer (Lightning's order)
+        convert = getattr(worker, "convert_input", None)
         to_device = worker.to_device if convert is None else (lambda b: worker.to_device(convert(b)))
         engine = VectorizedClientTrainer(worker.model, to_device=to_device)
         loop._runtime.vectorized_engine = engine
@@ -363,7 +364,7 @@ def _engine(loop) -> VectorizedClientTrainer:
 
 
 def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
-         throwaway: bool = False, stop=None) -> Optional[List[Union[ClientUpdate, Exception]]]:
+         throwaway: bool = False, stop=None) -> list[ClientUpdate | Exception] | None:
     """``FederatedLoop.train_client`` for all of ``client_ids`` at once (the loop's ``prepare_client`` and
     ``finish_client`` around the engine's round); ``throwaway`` (``auto``'s measurement): the round logs and
     updates metrics as a real one does, and then nothing logged stays, no client state is written and torchmetrics
