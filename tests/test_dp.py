@@ -87,10 +87,10 @@ def test_noise_std_over_many_rounds_is_sigma_clip_over_m():
 
 
 def test_adaptive_clipping_update_against_formula():
-    norms = [0.5, 1.0, 2.0, 4.0]
-    deltas = [torch.tensor([n * 0.6, n * 0.8], dtype=torch.float64) for n in norms]
+    norms = [0.5, 1.5, 2.0, 4.0]
+    deltas = [torch.tensor([n, 0.0], dtype=torch.float64) for n in norms]  # norms exactly n
     c0, gamma, eta = 1.5, 0.2, 0.3
-    # noise-free count: b̄ = 2/4 unclipped
+    # noise-free count: b̄ = 2/4 unclipped (‖Δ‖ = C counts as unclipped)
     dp = DPFedAvg(clip_norm=c0, noise_multiplier=0.0, delta=1e-5, target_quantile=gamma, clip_learning_rate=eta,
                   clipped_count_stddev=0.0)
     loop = SimpleNamespace(seed=1)
