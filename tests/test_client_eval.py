@@ -18,12 +18,15 @@ from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import ClientEvaluation
 from fedlightning.callbacks.client_eval import STATISTICS, ClientResults, client_statistics, wandb_payload
+from fedlightning.cli import main
 from fedlightning.datamodules import ArrayDataset, DigitsDataModule, Dirichlet, LeafDataModule
 from fedlightning.datamodules.base import reiterate
 from fedlightning.models import MLP
 from fedlightning.optim import SgdArmijo
 from fedlightning.state import derive_seed
 from numerics import RTOL64, Digits64, assert_close64, float64_data, rtol32, to_float64
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class RecordingLogger(Logger):
@@ -459,3 +462,17 @@ def test_one_pass_of_sequence_outputs_gives_each_clients_mean_over_its_targets()
         _close64(by_client[c]["test/loss"], loss)
         _close64(one_pass[c]["test/acc"], acc)
         assert by_client[c]["test/acc"] == pytest.approx(float(acc), rel=rtol32(1), abs=0)
+
+
+# ---------------------------------------------------------------------------------------------- the example config
+def test_example_config_runs_both_evaluations_through_the_cli(tmp_path):
+    cli = main(["fit", "--config", os.path.join(ROOT, "configs", "examples", "client_eval.yaml"),
+                "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.logger", "false",
+                "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+                "--trainer.default_root_dir", str(tmp_path), "--model.local_steps", "2"], run=True)
+    evaluations = [cb for cb in cli.trainer.callbacks if isinstance(cb, ClientEvaluation)]
+    assert [(e.every_n_rounds, e.local_steps, e.prefix) for e in evaluations] == [
+        (20, 0, "clients"), (None, 5, "clients_adapted")]
+    metrics = cli.trainer.callback_metrics
+    assert "clients/test_acc_p10" in metrics and "clients_adapted/test_loss_max" in metrics  # both after fit
+    assert int(metrics["clients/num_clients"]) == len(evaluations[0].last_results.client_ids) > 0
