@@ -13,7 +13,8 @@ be vectorised) and hands over to sequential training for a round it declines. Re
 
 from __future__ import annotations
 
-from typing import Iterator, List, Protocol, Tuple, Union
+from collections.abc import Iterator
+from typing import Protocol
 
 from torch import Tensor
 
@@ -26,23 +27,23 @@ __all__ = ["CLIENT_EXECUTION_MODES", "ClientExecutor", "SequentialExecutor", "Ve
 #: Values of ``FederatedLoop(client_execution=...)``.
 CLIENT_EXECUTION_MODES = ("sequential", "vectorized", "auto")
 
-Outcome = Tuple[int, Union[ClientUpdate, Exception]]
+Outcome = tuple[int, ClientUpdate | Exception]
 
 
 class ClientExecutor(Protocol):
     """Trains a round's clients from the global weights ``global_flat`` (see the module docstring)."""
 
-    def updates(self, loop, plan: RoundPlan, client_ids: List[int], global_flat: Tensor) -> Iterator[Outcome]:
+    def updates(self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor) -> Iterator[Outcome]:
         ...
 
 
 class SequentialExecutor:
     """One client after the other on the loop's working copy (``loop.train_client``)."""
 
-    def updates(self, loop, plan: RoundPlan, client_ids: List[int], global_flat: Tensor) -> Iterator[Outcome]:
+    def updates(self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor) -> Iterator[Outcome]:
         for cid in client_ids:
             try:
-                outcome: Union[ClientUpdate, Exception] = loop.train_client(plan, cid, global_flat)
+                outcome: ClientUpdate | Exception = loop.train_client(plan, cid, global_flat)
             except Exception as err:  # noqa: BLE001 - the loop's failure policy decides
                 outcome = err
             yield cid, outcome
@@ -56,7 +57,7 @@ class VectorizedExecutor:
     def __init__(self) -> None:
         self.sequential = SequentialExecutor()
 
-    def updates(self, loop, plan: RoundPlan, client_ids: List[int], global_flat: Tensor) -> Iterator[Outcome]:
+    def updates(self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor) -> Iterator[Outcome]:
         outcomes = None if reference_mode() else run_vectorized_round(loop, plan, client_ids, global_flat)
         if outcomes is None:
             yield from self.sequential.updates(loop, plan, client_ids, global_flat)

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
-from fedlightning._hooks import _FORWARDED_HOOKS, _LogRouter, _forward_to_model
+from fedlightning._hooks import _FORWARDED_HOOKS, _forward_to_model, _LogRouter
 from fedlightning._lightning_compat import attached_trainer, detached_trainer, strategy_optimizers
 from fedlightning._logging_route import route_logging, routed_logging
 from fedlightning._reference import reference_mode
@@ -48,9 +51,14 @@ from fedlightning.callbacks.base import (
     call_federated_hook,
     check_hook_names,
 )
+from fedlightning.callbacks.fedavg import FedAvg
+from fedlightning.callbacks.progress import round_bar_for
 from fedlightning.client import LocalTrainer
+from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.execution import CLIENT_EXECUTION_MODES, make_executor
+from fedlightning.optim import scale_client_step
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, flat_params
+from fedlightning.user_module import ClientHooks, MetricStates, ModuleOptimizer, make_client_copy
 
 __all__ = ["FederatedLoop"]
 
@@ -68,25 +76,25 @@ class _Runtime:
     """
 
     #: the client working copy (a deep copy of the global model) and its LocalTrainer
-    worker: Optional[LocalTrainer] = None
+    worker: LocalTrainer | None = None
     #: the client optimizer factory built from the module's configure_optimizers() (client_optimizer None)
-    module_optimizer: Optional[Any] = None
+    module_optimizer: Any | None = None
     #: its checkpointed state, when a checkpoint was loaded before the factory existed
-    pending_module_optimizer_state: Optional[Dict[str, Any]] = None
+    pending_module_optimizer_state: dict[str, Any] | None = None
     #: ``(params, optimizer, param-group snapshot, factory)`` of the torch.optim optimizer reset between
     #: sequential clients (:meth:`FederatedLoop._make_client_optimizer`)
-    reusable_client_opt: Optional[Tuple[Any, torch.optim.Optimizer, List[Dict[str, Any]], Any]] = None
+    reusable_client_opt: tuple[Any, torch.optim.Optimizer, list[dict[str, Any]], Any] | None = None
     #: ``(round, params, buffers, float-buffer mask)`` of the global model (:meth:`FederatedLoop._round_tensors`)
-    round_tensors: Optional[Tuple[int, List[Tensor], List[Tensor], List[bool]]] = None
+    round_tensors: tuple[int, list[Tensor], list[Tensor], list[bool]] | None = None
     #: ``(round, lr)``: the first parameter group's learning rate of the last client optimizer built
     #: (:meth:`FederatedLoop.prepare_client`), logged as ``client/lr``; lr None when that group has no ``lr``
-    client_lr: Optional[Tuple[int, Optional[float]]] = None
+    client_lr: tuple[int, float | None] | None = None
     #: client_execution "vectorized" / "auto": the engine of the working copy
     #: (:class:`fedlightning.vectorized.VectorizedClientTrainer`)
-    vectorized_engine: Optional[Any] = None
+    vectorized_engine: Any | None = None
     #: client_execution="auto": "vectorized" or "sequential" once the first round decided, and why
-    auto_choice: Optional[str] = None
-    auto_reason: Optional[str] = None
+    auto_choice: str | None = None
+    auto_reason: str | None = None
     #: client_execution="auto": the clients train sequentially for the rest of the run
     vectorized_fallback: bool = False
 
@@ -103,8 +111,9 @@ class FederatedLoop(pl.LightningModule):
             (every return form Lightning accepts; a returned LR scheduler is stepped once per round and
             checkpointed: :class:`~fedlightning.user_module.ModuleOptimizer`); an explicit ``client_optimizer``
             wins over it. A module without ``configure_optimizers`` needs ``client_optimizer`` (clear error at
-            setup). Every client starts each round with a fresh optimizer (``torch.optim`` classes are built once and reset between sequential
-            clients, which gives the same state), so momentum buffers never leak across clients;
+            setup). Every client starts each round with a fresh optimizer (``torch.optim`` classes are built once
+            and reset between sequential clients, which gives the same state), so momentum buffers never leak across
+            clients;
             optimizers that define ``get_client_state`` / ``set_client_state`` (SgdArmijo's step size, DecSPS's
             counters) carry their per-client state across that client's rounds when ``persist_client_state``.
         local_steps: local steps ``K`` per client per round (default 20, seed 000's); not together with
@@ -167,25 +176,26 @@ class FederatedLoop(pl.LightningModule):
         client_execution: ``"sequential"`` (default) trains the round's clients one after the other;
             ``"vectorized"`` trains them in lockstep as one batched computation (torch.func, see
             :mod:`fedlightning.vectorized`; models without SyncBatchNorm, ``torch.optim`` SGD, Adam and AdamW
-            and the optimizers of :mod:`fedlightning.optim`), raising a clear error otherwise; ``"auto"`` vectorises when
-            possible and otherwise falls back to sequential with a one-time warning.
+            and the optimizers of :mod:`fedlightning.optim`), raising a clear error otherwise; ``"auto"`` measures the
+            first round both ways and keeps the faster (:func:`fedlightning.vectorized.run_vectorized_round`), falling
+            back to sequential with a one-time warning where the model cannot be vectorised.
     """
 
     def __init__(
         self,
         model: pl.LightningModule,
-        client_optimizer: Optional[OptimizerFactory] = None,
-        local_steps: Optional[int] = None,
+        client_optimizer: OptimizerFactory | None = None,
+        local_steps: int | None = None,
         clients_per_round: int = 20,
         seed: int = 0,
-        client_grad_clip: Optional[float] = None,
+        client_grad_clip: float | None = None,
         persist_client_state: bool = True,
         on_client_failure: str = "skip",
         client_execution: str = "sequential",
-        max_failed_rounds: Optional[int] = 3,
+        max_failed_rounds: int | None = 3,
         on_client_error: str = "raise",
-        max_update_norm: Optional[float] = None,
-        local_epochs: Optional[float] = None,
+        max_update_norm: float | None = None,
+        local_epochs: float | None = None,
     ):
         super().__init__()
         if not isinstance(model, pl.LightningModule):
@@ -194,9 +204,9 @@ class FederatedLoop(pl.LightningModule):
         local_epochs = positive("local_epochs", local_epochs, allow_none=True)
         if local_steps is not None and local_epochs is not None:
             raise ValueError(
-                f"local_steps={local_steps} and local_epochs={local_epochs} are both set; set one of them and the other "
-                "to null (model.local_steps: a fixed number of steps per client; model.local_epochs: passes over each "
-                "client's data)")
+                f"local_steps={local_steps} and local_epochs={local_epochs} are both set; set one of them and the "
+                "other to null (model.local_steps: a fixed number of steps per client; model.local_epochs: passes "
+                "over each client's data)")
         if local_steps is None and local_epochs is None:
             local_steps = self.DEFAULT_LOCAL_STEPS
         clients_per_round = integer("clients_per_round", clients_per_round)
@@ -213,8 +223,8 @@ class FederatedLoop(pl.LightningModule):
         self.client_optimizer = client_optimizer  # None: the module's configure_optimizers() (resolved at setup)
         self._policy = FailurePolicy(on_client_failure, on_client_error, max_failed_rounds)
         self._runtime = _Runtime()
-        self.local_steps: Optional[int] = local_steps  # None with local_epochs
-        self.local_epochs: Optional[float] = local_epochs
+        self.local_steps: int | None = local_steps  # None with local_epochs
+        self.local_epochs: float | None = local_epochs
         self.clients_per_round = clients_per_round
         self.seed = int(seed)
         self.client_grad_clip = client_grad_clip
@@ -222,7 +232,7 @@ class FederatedLoop(pl.LightningModule):
         self.max_update_norm = max_update_norm
         self.client_execution = client_execution  # its executor (fedlightning.execution) is chosen here, once
         self.client_state = ClientStateStore()
-        self.strategy: Optional[ServerStrategy] = None
+        self.strategy: ServerStrategy | None = None
         self._eval_router = _LogRouter(self, "forward")
         route_logging(self.model, self._eval_router.log, self._eval_router.log_dict)
         self._forward_batch_transfer_hooks()
@@ -239,8 +249,6 @@ class FederatedLoop(pl.LightningModule):
                 + ", ".join(type(s).__name__ for s in strategies)
             )
         if not strategies:
-            from fedlightning.callbacks.fedavg import FedAvg
-
             strategies = [FedAvg()]
             trainer.callbacks.append(strategies[0])
         self.strategy = strategies[0]
@@ -271,7 +279,7 @@ class FederatedLoop(pl.LightningModule):
     _LIGHTNING_LOG_EVERY_N_STEPS = 50
 
     @staticmethod
-    def _log_every_round(trainer: "pl.Trainer") -> None:
+    def _log_every_round(trainer: pl.Trainer) -> None:
         """Make the Trainer write the round metrics to its loggers every round unless the user chose a cadence.
 
         Lightning's default ``log_every_n_steps=50`` counts optimizer steps, and one step is one round here, so a
@@ -296,8 +304,6 @@ class FederatedLoop(pl.LightningModule):
             check_learning_rates(opt, "model.client_optimizer.init_args.lr", f"client_optimizer {type(opt).__name__}")
         else:
             check_learning_rates(opt, "model.model", f"{type(self.model).__qualname__}.configure_optimizers()")
-        from fedlightning.user_module import ClientHooks
-
         ClientHooks(self.model).check_optimizer(opt, type(self.model).__qualname__)
 
     def _client_factory(self) -> OptimizerFactory:
@@ -307,10 +313,6 @@ class FederatedLoop(pl.LightningModule):
         runtime = self._runtime
         mo = runtime.module_optimizer
         if mo is None:
-            from lightning.pytorch.utilities.model_helpers import is_overridden
-
-            from fedlightning.user_module import ModuleOptimizer
-
             if not is_overridden("configure_optimizers", self.model, pl.LightningModule):
                 raise ValueError(
                     f"no client optimizer: model.client_optimizer is not set and {type(self.model).__qualname__} does "
@@ -333,7 +335,7 @@ class FederatedLoop(pl.LightningModule):
         return self._datamodule()
 
     @property
-    def client_execution_choice(self) -> Optional[str]:
+    def client_execution_choice(self) -> str | None:
         """How this run trains its clients, ``"sequential"`` or ``"vectorized"``: ``client_execution`` itself, or
         for ``"auto"`` the mode chosen at the first round (None before it); ``"sequential"`` in reference mode
         (:mod:`fedlightning._reference`)."""
@@ -389,19 +391,17 @@ class FederatedLoop(pl.LightningModule):
         ``configure_optimizers()`` when that is None (available from ``setup``)."""
         return self._client_factory()
 
-    def process_share(self, client_ids: List[int]) -> List[int]:
+    def process_share(self, client_ids: list[int]) -> list[int]:
         """The clients of ``client_ids`` this process trains (all of them on one process; round-robin by position
         over the DDP processes)."""
         return self._my_clients(client_ids)
 
-    def global_parameters(self) -> List[torch.nn.Parameter]:
+    def global_parameters(self) -> list[torch.nn.Parameter]:
         """The global model's trainable parameters, in ``model.parameters()`` order (the order of every flat
         vector the loop and the strategies use: ``Δ``, ``update.delta``, ``flat_params``)."""
         return self._global_params()
 
     def _datamodule(self):
-        from fedlightning.datamodules.base import FederatedDataModule
-
         dm = getattr(self.trainer, "datamodule", None)
         if not isinstance(dm, FederatedDataModule):
             raise TypeError(
@@ -414,8 +414,6 @@ class FederatedLoop(pl.LightningModule):
         """Evaluation batches go through the user's batch-transfer hooks, the round's RoundPlan does not (client
         batches go through them in client training). Installed only for the hooks the user's class overrides:
         Lightning warns about every overridden transfer hook of a module trained with a data module."""
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
         model = self.model
 
         def forward(name: str):
@@ -433,7 +431,7 @@ class FederatedLoop(pl.LightningModule):
             raise RuntimeError("the server strategy is resolved in setup(); fit the loop with a Trainer")
         return self.strategy.configure_server_optimizer(self._global_params())
 
-    def _global_params(self) -> List[torch.nn.Parameter]:
+    def _global_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _worker_trainer(self) -> LocalTrainer:
@@ -443,8 +441,6 @@ class FederatedLoop(pl.LightningModule):
             with detached_trainer(self.model) as trainer_ref, routed_logging(self.model, None, None):
                 work = copy.deepcopy(self.model)
             work.to(self.device)
-            from fedlightning.user_module import ClientHooks, MetricStates, make_client_copy
-
             make_client_copy(work, trainer_ref)
             router = _LogRouter(self, "capture")
             router.module = work
@@ -464,25 +460,25 @@ class FederatedLoop(pl.LightningModule):
         return w
 
     @staticmethod
-    def _input_conversion(trainer: Optional["pl.Trainer"]) -> Optional[Callable[[Any], Any]]:
+    def _input_conversion(trainer: pl.Trainer | None) -> Callable[[Any], Any] | None:
         """The Trainer's ``precision_plugin.convert_input`` when it changes batches (``"64-true"``, ``"16-true"``,
         ``"bf16-true"``: floating tensors to the run's dtype, as Lightning's training loop converts every batch),
         else None (32-bit and mixed precision, whose autocast is the Trainer's ``train_step_context`` around the
         round, so client forwards run under it already)."""
-        from lightning.pytorch.plugins.precision import Precision
-
         plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
         if plugin is None or type(plugin).convert_input is Precision.convert_input:
             return None
         return plugin.convert_input
 
     # ================================================================== one round
-    def _my_clients(self, client_ids: List[int]) -> List[int]:
+    def _my_clients(self, client_ids: list[int]) -> list[int]:
         """Deterministic share of the round's clients for this process (round-robin by position)."""
         world, rank = self.trainer.world_size, self.trainer.global_rank
         return client_ids[rank::world] if world > 1 else list(client_ids)
 
-    def _make_client_optimizer(self, params, client_id: int, lr_scale: float, reuse: bool = False) -> torch.optim.Optimizer:
+    def _make_client_optimizer(
+        self, params, client_id: int, lr_scale: float, reuse: bool = False
+    ) -> torch.optim.Optimizer:
         """The client optimizer of ``client_id`` for this round: as fresh as a new ``client_optimizer(params)``.
 
         With ``reuse`` (sequential clients, one at a time on the same working copy), an optimizer of a class from
@@ -505,8 +501,6 @@ class FederatedLoop(pl.LightningModule):
                 defaults = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
                 self._runtime.reusable_client_opt = (params, opt, defaults, factory)
         if lr_scale != 1.0:
-            from fedlightning.optim import scale_client_step  # every step-size rule, or a clear error
-
             scale_client_step(opt, lr_scale)
         if self.persist_client_state and hasattr(opt, "set_client_state"):
             state = self.client_state.get("optimizer", client_id)
@@ -730,7 +724,7 @@ class FederatedLoop(pl.LightningModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
 
-    # ================================================================== the user's hooks (README: "What your module sees")
+    # ============================================================= the user's hooks (README: "What your module sees")
     # Fit-level and evaluation hooks are forwarded to the global model (_FORWARDED_HOOKS, installed below the
     # class). Training hooks are mapped by client training instead (fedlightning.user_module.ClientHooks;
     # on_train_epoch_start/_end once per round on the client working copy), so the loop's own train batch/epoch
@@ -739,8 +733,6 @@ class FederatedLoop(pl.LightningModule):
         """The user module's callbacks; and, when the Trainer has Lightning's default progress bar ("Epoch 0": tqdm,
         or rich when the ``rich`` package is installed), the round-counting bar of the same kind and options in its
         place (the CLI adds that bar itself; this gives it to Python users too)."""
-        from fedlightning.callbacks.progress import round_bar_for
-
         callbacks = self.model.configure_callbacks() or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         trainer = attached_trainer(self)
@@ -757,7 +749,7 @@ class FederatedLoop(pl.LightningModule):
         self._policy.check_run(int(self.global_step))
 
     # ================================================================== checkpoint
-    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         mo = self._runtime.module_optimizer
         checkpoint["fedlightning"] = {
             "format": 1,
@@ -768,7 +760,7 @@ class FederatedLoop(pl.LightningModule):
         }
         self.model.on_save_checkpoint(checkpoint)
 
-    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         fed = checkpoint.get("fedlightning")
         if fed is None:
             raise ValueError("this checkpoint was not written by a FederatedLoop (no 'fedlightning' section)")
