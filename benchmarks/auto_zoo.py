@@ -177,7 +177,7 @@ def main():
                 rounds[mode] = times if rounds[mode] is None else [min(a, b) for a, b in zip(rounds[mode], times)]
                 if mode == "auto":
                     choices.append(loop.client_execution_choice)
-                    reason = loop._runtime.auto_reason
+                    reason = loop.client_execution_reason
                     if decided is not None:
                         decisions.append(decided)
         best = {m: sum(t) for m, t in rounds.items()}

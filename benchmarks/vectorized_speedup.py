@@ -278,7 +278,7 @@ def main():
 
         if args.auto:
             loop = run(model_fn, optimizer, datamodule, "auto", 3, init_state)[2]
-            print(f"{'  auto':26s} chose {loop.client_execution_choice}: {loop._runtime.auto_reason}", flush=True)
+            print(f"{'  auto':26s} chose {loop.client_execution_choice}: {loop.client_execution_reason}", flush=True)
 
 if __name__ == "__main__":
     main()

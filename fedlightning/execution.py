@@ -20,7 +20,7 @@ from torch import Tensor
 
 from fedlightning._reference import reference_mode
 from fedlightning.state import ClientUpdate, RoundPlan
-from fedlightning.vectorized import run_vectorized_round
+from fedlightning.vectorized import VectorizedClientTrainer, VectorizedRun, run_vectorized_round
 
 __all__ = ["CLIENT_EXECUTION_MODES", "ClientExecutor", "SequentialExecutor", "VectorizedExecutor", "make_executor"]
 
@@ -31,7 +31,13 @@ Outcome = tuple[int, ClientUpdate | Exception]
 
 
 class ClientExecutor(Protocol):
-    """Trains a round's clients from the global weights ``global_flat`` (see the module docstring)."""
+    """Trains a round's clients from the global weights ``global_flat`` (see the module docstring); ``choice`` is
+    how it trains them (``"sequential"`` or ``"vectorized"``; None while ``"auto"`` has not decided), ``reason`` why
+    (``"auto"``), ``engine`` its vectorised engine (None for none)."""
+
+    choice: str | None
+    reason: str | None
+    engine: VectorizedClientTrainer | None
 
     def updates(self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor) -> Iterator[Outcome]:
         ...
@@ -39,6 +45,10 @@ class ClientExecutor(Protocol):
 
 class SequentialExecutor:
     """One client after the other on the loop's working copy (``loop.train_client``)."""
+
+    choice = "sequential"
+    reason = None
+    engine = None
 
     def updates(self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor) -> Iterator[Outcome]:
         for cid in client_ids:
@@ -52,13 +62,32 @@ class SequentialExecutor:
 class VectorizedExecutor:
     """All of the round's clients in lockstep (``client_execution`` ``"vectorized"`` or ``"auto"``); a round the
     vectorised entry declines (``"auto"`` chose sequential or fell back, or reference mode) is trained by
-    :class:`SequentialExecutor`. An exception of the batched computation that concerns every client is raised."""
+    :class:`SequentialExecutor`. An exception of the batched computation that concerns every client is raised. The
+    run's vectorised state (engine, ``"auto"``'s choice and reason) is :attr:`run`."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str) -> None:
+        self.run = VectorizedRun(mode)
         self.sequential = SequentialExecutor()
 
+    @property
+    def choice(self) -> str | None:
+        """``"vectorized"`` or ``"sequential"``; for ``"auto"`` None until its first round decided."""
+        if self.run.mode != "auto":
+            return self.run.mode
+        return "sequential" if self.run.fallback else self.run.choice
+
+    @property
+    def reason(self) -> str | None:
+        """Why ``"auto"`` chose its mode (None otherwise, and before it chose)."""
+        return self.run.reason
+
+    @property
+    def engine(self) -> VectorizedClientTrainer | None:
+        """The vectorised engine of the loop's working copy (None until a vectorised round built it)."""
+        return self.run.engine
+
     def updates(self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor) -> Iterator[Outcome]:
-        outcomes = None if reference_mode() else run_vectorized_round(loop, plan, client_ids, global_flat)
+        outcomes = None if reference_mode() else run_vectorized_round(loop, plan, client_ids, global_flat, self.run)
         if outcomes is None:
             yield from self.sequential.updates(loop, plan, client_ids, global_flat)
             return
@@ -70,5 +99,5 @@ def make_executor(client_execution: str) -> ClientExecutor:
     if client_execution == "sequential":
         return SequentialExecutor()
     if client_execution in ("vectorized", "auto"):
-        return VectorizedExecutor()
+        return VectorizedExecutor(client_execution)
     raise ValueError(f"client_execution must be one of {CLIENT_EXECUTION_MODES}, got {client_execution!r}")

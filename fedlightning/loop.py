@@ -89,14 +89,6 @@ class _Runtime:
     #: ``(round, lr)``: the first parameter group's learning rate of the last client optimizer built
     #: (:meth:`FederatedLoop.prepare_client`), logged as ``client/lr``; lr None when that group has no ``lr``
     client_lr: tuple[int, float | None] | None = None
-    #: client_execution "vectorized" / "auto": the engine of the working copy
-    #: (:class:`fedlightning.vectorized.VectorizedClientTrainer`)
-    vectorized_engine: Any | None = None
-    #: client_execution="auto": "vectorized" or "sequential" once the first round decided, and why
-    auto_choice: str | None = None
-    auto_reason: str | None = None
-    #: client_execution="auto": the clients train sequentially for the rest of the run
-    vectorized_fallback: bool = False
 
 
 class FederatedLoop(pl.LightningModule):
@@ -341,15 +333,19 @@ class FederatedLoop(pl.LightningModule):
         (:mod:`fedlightning._reference`)."""
         if reference_mode():
             return "sequential"
-        if self.client_execution != "auto":
-            return self.client_execution
-        return "sequential" if self._runtime.vectorized_fallback else self._runtime.auto_choice
+        return self._executor.choice
+
+    @property
+    def client_execution_reason(self) -> str | None:
+        """Why ``client_execution="auto"`` chose its mode, in the words of its log line (None otherwise, and before
+        its first round)."""
+        return self._executor.reason
 
     @property
     def vectorized_engine(self):
         """The :class:`~fedlightning.vectorized.VectorizedClientTrainer` of the client working copy (None until a
         vectorised round built it)."""
-        return self._runtime.vectorized_engine
+        return self._executor.engine
 
     # the failure settings and counter live in the round's FailurePolicy (fedlightning._round)
     on_client_failure = property(lambda self: self._policy.on_client_failure,

@@ -55,7 +55,7 @@ def virtual_clock(monkeypatch, seq, vec, spikes=None):
         calls[mode] += 1
 
     def measuring(loop):
-        return loop.client_execution == "auto" and loop._runtime.auto_choice is None
+        return loop.client_execution == "auto" and loop.client_execution_choice is None
 
     def spy_client(self, plan, client_id, global_flat):
         if measuring(self):
@@ -64,9 +64,9 @@ def virtual_clock(monkeypatch, seq, vec, spikes=None):
             spike("sequential")
         return train_client(self, plan, client_id, global_flat)
 
-    def spy_run(loop, plan, client_ids, global_flat, throwaway=False, stop=None):
+    def spy_run(loop, state, plan, client_ids, global_flat, throwaway=False, stop=None):
         if not measuring(loop):
-            return run(loop, plan, client_ids, global_flat, throwaway=throwaway, stop=stop)
+            return run(loop, state, plan, client_ids, global_flat, throwaway=throwaway, stop=stop)
 
         def step():
             seen["vectorized"] += len(client_ids)
@@ -77,7 +77,7 @@ def virtual_clock(monkeypatch, seq, vec, spikes=None):
             step()
             return stop()
 
-        out = run(loop, plan, client_ids, global_flat, throwaway=throwaway,
+        out = run(loop, state, plan, client_ids, global_flat, throwaway=throwaway,
                   stop=None if stop is None else timed_stop)
         if out is not None:
             for _ in range(plan.local_steps if stop is None else 1):  # the steps no stop question followed
@@ -131,12 +131,12 @@ def test_auto_equals_the_chosen_mode_and_says_why(monkeypatch, caplog, opt, seq,
     assert got[1].client_execution_choice == chosen
     lines = auto_lines(caplog)
     assert lines == [f"client_execution='auto': {WORDS[chosen]}"]  # measured once, at the first round
-    reason = got[1]._runtime.auto_reason
+    reason = got[1].client_execution_reason
     assert reason and reason in lines[0]
     assert seen["sequential"] == 1 + 3 * 5
     assert seen["vectorized"] == 2 + 6 * (5 if chosen == "vectorized" else 1)
     if chosen == "sequential":  # no vectorised round follows: the engine's buffers are not kept
-        assert got[1]._runtime.vectorized_engine._scratch == {}
+        assert got[1].vectorized_engine._scratch == {}
     reference = fit(UserMLP(), CLIENT_OPTIMIZERS[opt], chosen)
     assert_identical(got, reference)
 
@@ -203,9 +203,9 @@ def test_measurement_times_typical_clients_after_a_one_step_warm_up(monkeypatch)
         seen["sequential"].append((client_id, plan.local_steps))
         return train_client(self, plan, client_id, global_flat)
 
-    def spy_run(loop, plan, client_ids, global_flat, throwaway=False, stop=None):
+    def spy_run(loop, state, plan, client_ids, global_flat, throwaway=False, stop=None):
         seen["vectorized"].append((list(client_ids), plan.local_steps, throwaway))
-        return run(loop, plan, client_ids, global_flat, throwaway=throwaway, stop=stop)
+        return run(loop, state, plan, client_ids, global_flat, throwaway=throwaway, stop=stop)
 
     monkeypatch.setattr(FederatedLoop, "train_client", spy_client)
     monkeypatch.setattr(auto, "_run", spy_run)
@@ -227,7 +227,7 @@ def test_measurement_times_typical_clients_after_a_one_step_warm_up(monkeypatch)
 @pytest.mark.parametrize("vec,chosen,words", [
     (1.0, "sequential", "training clients one at a time (sequential): vectorized measured 1.00x as fast (timed: 3 "
                         "local steps of all 6 clients vectorized, 3 of the 6 clients one at a time); its measurement "
-                        "stopped after 3 steps, as it could no longer be faster"),
+                        "stopped after 3 steps, as it could no longer be 1.1x faster"),
     (0.5, "vectorized", "training clients vectorized (2.00x faster than one at a time; timed: 5 local steps of all 6 "
                         "clients vectorized, 3 of the 6 clients one at a time)"),
 ])
@@ -373,8 +373,8 @@ def test_auto_trains_sequentially_when_vectorized_runs_out_of_memory(monkeypatch
                                          r"allocate 26\.64 GiB\.\)"):
         run = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto")
     loop = run[1]
-    assert loop.client_execution_choice == "sequential" and loop._runtime.vectorized_fallback
-    assert loop._runtime.vectorized_engine._scratch == {}
+    assert loop.client_execution_choice == "sequential"
+    assert loop.vectorized_engine._scratch == {}
     sequential = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "sequential")
     if when == "measurement":
         assert_identical(run, sequential)

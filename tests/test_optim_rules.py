@@ -315,7 +315,7 @@ def test_user_optimizer_without_a_batched_form_is_refused_by_name(optimizer):
 def test_auto_falls_back_to_sequential_for_an_optimizer_without_a_batched_form():
     with pytest.warns(UserWarning, match="training clients sequentially .*client optimizer PlainNGD"):
         w_auto, loop, _ = fit(lambda p: PlainNGD(p, lr=0.05), "auto", rounds=2)
-    assert loop._runtime.auto_choice == "sequential"
+    assert loop.client_execution_choice == "sequential"
     w_seq, _, _ = fit(lambda p: PlainNGD(p, lr=0.05), "sequential", rounds=2)
     assert torch.equal(w_auto, w_seq)
 

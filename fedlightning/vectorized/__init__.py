@@ -17,7 +17,7 @@ docs/benchmarks.md §3 has the speed-ups and their commands; the engine's decisi
 # Relative imports inside this package let benchmarks/engine_ab.py load another version of it beside this one. Each
 # module's __all__ lists the names the engine's other modules import from it; underscored names are the engine's
 # internals, not fedlightning's API (the public names are the ones below).
-from .auto import AUTO_MARGIN, CLIENT_EXECUTION_MODES, auto_choice, run_vectorized_round
+from .auto import AUTO_MARGIN, VectorizedRun, auto_choice, run_vectorized_round
 from .engine import VectorizedClientTrainer
 from .rules import BatchedRule, StepRecord, make_batched_rule
 from .support import VectorizationUnsupportedError, check_model_vectorizable
@@ -25,9 +25,9 @@ from .support import VectorizationUnsupportedError, check_model_vectorizable
 __all__ = [
     "AUTO_MARGIN",
     "BatchedRule",
-    "CLIENT_EXECUTION_MODES",
     "VectorizationUnsupportedError",
     "VectorizedClientTrainer",
+    "VectorizedRun",
     "auto_choice",
     "check_model_vectorizable",
     "make_batched_rule",

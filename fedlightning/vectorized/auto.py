@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -22,12 +23,25 @@ from .call import _info
 from .engine import VectorizedClientTrainer
 from .support import VectorizationUnsupportedError
 
-#: Values of ``FederatedLoop(client_execution=...)``.
-CLIENT_EXECUTION_MODES = ("sequential", "vectorized", "auto")
+__all__ = ["AUTO_MARGIN", "VectorizedRun", "auto_choice", "run_vectorized_round"]
 
 
-def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int],
-                         global_flat: Tensor) -> list[ClientUpdate | Exception] | None:
+@dataclass
+class VectorizedRun:
+    """The state of vectorised client execution over one run, held by the loop's executor
+    (:class:`fedlightning.execution.VectorizedExecutor`): the mode, the engine of the working copy, and for
+    ``"auto"`` its choice and the reason (None before the first round), and whether the run fell back to sequential
+    training for good."""
+
+    mode: str
+    engine: VectorizedClientTrainer | None = None
+    choice: str | None = None
+    reason: str | None = None
+    fallback: bool = False
+
+
+def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
+                         run: VectorizedRun) -> list[ClientUpdate | Exception] | None:
     """The ClientUpdates of ``client_ids`` for ``plan``, trained in lockstep (the exception sequential training
     raises in place of a client's update, for a client whose training raised); None means "train them
     sequentially".
@@ -45,21 +59,21 @@ def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int],
     sequentially, and so is the rest of the run, with a one-time warning. With ``"vectorized"`` the
     ``OutOfMemoryError`` is raised again with the setting named.
     """
-    mode, runtime = loop.client_execution, loop._runtime
-    if mode == "sequential" or not client_ids or runtime.vectorized_fallback:
+    mode = run.mode
+    if mode == "sequential" or not client_ids or run.fallback:
         return None
     try:
-        if mode == "auto" and runtime.auto_choice is None:
-            if _auto_decide(loop, plan, client_ids, global_flat) == "sequential":
-                runtime.vectorized_fallback = True
+        if mode == "auto" and run.choice is None:
+            if _auto_decide(loop, run, plan, client_ids, global_flat) == "sequential":
+                run.fallback = True
                 return None
-        return _run(loop, plan, client_ids, global_flat)
+        return _run(loop, run, plan, client_ids, global_flat)
     except VectorizationUnsupportedError as err:
         if mode != "auto":
             raise
         reason = str(err)
     except torch.cuda.OutOfMemoryError as err:
-        _free(loop)
+        _free(run)
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         if mode != "auto":
             raise torch.cuda.OutOfMemoryError(
@@ -69,15 +83,15 @@ def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int],
         reason = f"vectorized clients ran out of accelerator memory: {first}"
     from lightning.pytorch.utilities import rank_zero_warn
 
-    runtime.vectorized_fallback = True
-    runtime.auto_choice, runtime.auto_reason = "sequential", reason
+    run.fallback = True
+    run.choice, run.reason = "sequential", reason
     rank_zero_warn(f"client_execution='auto': training clients sequentially ({reason})")
     return None
 
 
-def _free(loop) -> None:
+def _free(run: VectorizedRun) -> None:
     """Drop the vectorised engine's reusable buffers and the allocator's cached blocks after running out of memory."""
-    engine = loop._runtime.vectorized_engine
+    engine = run.engine
     if engine is not None:
         engine.release()
     if torch.cuda.is_available():
@@ -118,10 +132,11 @@ def auto_choice(seconds_sequential: float, seconds_vectorized: float, margin: fl
     return "vectorized" if seconds_vectorized * margin < seconds_sequential else "sequential"
 
 
-def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> str:
+def _auto_decide(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> str:
     """``client_execution="auto"``: choose the mode of this run, once, at its first round; logged once, in plain
     words (``training clients vectorized (3.10x faster than one at a time; timed: 5 local steps of all 20 clients
-    vectorized, 4 of the 20 clients one at a time)``); ``loop._runtime.auto_reason`` is the line's reason part.
+    vectorized, 4 of the 20 clients one at a time)``); ``run.reason`` (``loop.client_execution_reason``) is the
+    line's reason part.
 
     Decisions (ours; the measurements behind them: ``python benchmarks/auto_zoo.py``, docs/benchmarks.md §3):
 
@@ -179,16 +194,16 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
       by a real round if vectorised is chosen (the same fallback and warning; that round is then trained
       sequentially), and not at all if the timing chooses sequential.
     """
-    engine = _engine(loop)
+    engine = _engine(loop, run)
     if not engine.deterministic:
         choice, reason = "sequential", (
             "the model has dropout, and vectorized training would draw different dropout masks, so results would "
             "depend on this machine's speed; set client_execution='vectorized' to use it anyway")
     else:
-        choice, reason = _measure(loop, plan, client_ids, global_flat)
+        choice, reason = _measure(loop, run, plan, client_ids, global_flat)
         if choice == "sequential":
-            _free(loop)  # the run trains no vectorised round: its buffers ([C, D] and larger) are not kept
-    loop._runtime.auto_choice, loop._runtime.auto_reason = choice, reason
+            _free(run)  # the run trains no vectorised round: its buffers ([C, D] and larger) are not kept
+    run.choice, run.reason = choice, reason
     if choice == "vectorized":
         _info(f"client_execution='auto': training clients vectorized ({reason})")
     else:
@@ -196,7 +211,7 @@ def _auto_decide(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: 
     return choice
 
 
-def _measure(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor):
+def _measure(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor):
     """``auto``'s timed throw-away rounds (:func:`_auto_decide` says what and why): ``(choice, reason)``."""
     device = global_flat.device
     C, K = len(client_ids), plan.local_steps
@@ -204,7 +219,7 @@ def _measure(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tens
     warm = plan.with_steps(1)
     _sync(device)
     t_start = _clock()
-    _run(loop, warm, client_ids[:2], global_flat, throwaway=True)  # warm-up: probes, first calls
+    _run(loop, run, warm, client_ids[:2], global_flat, throwaway=True)  # warm-up: probes, first calls
     rates = []  # seconds per local step of each timed client
     with _throwaway_sequential(loop):
         _train_or_fail(loop, warm, client_ids[0], global_flat)  # warm-up
@@ -234,7 +249,7 @@ def _measure(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tens
         enough = len(steps) >= m and spent >= AUTO_MEASURE_SECONDS
         return lost[0] or enough or spent + min(steps) > budget
 
-    finished = _run(loop, plan.with_steps(K), client_ids, global_flat, throwaway=True, stop=stop) is not None
+    finished = _run(loop, run, plan.with_steps(K), client_ids, global_flat, throwaway=True, stop=stop) is not None
     if finished:
         _sync(device)
         readings.append(_clock())
@@ -252,7 +267,8 @@ def _measure(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tens
         return choice, f"{ratio:.2f}x faster than one at a time; {timed}"
     reason = f"vectorized measured {ratio:.2f}x as fast ({timed})"
     if lost[0]:
-        reason += f"; its measurement stopped after {_count(len(steps), 'step')}, as it could no longer be faster"
+        reason += (f"; its measurement stopped after {_count(len(steps), 'step')}, as it could no longer be "
+                   f"{AUTO_MARGIN}x faster")
     elif ratio >= 1:
         reason += f"; it is used only when at least {AUTO_MARGIN}x faster"
     return choice, reason
@@ -280,7 +296,7 @@ def _typical_clients(loop, client_ids: Sequence[int]) -> list[int]:
     prefix (its budget, its time), and a prefix spread over the sizes estimates the round's mean cost per
     client-step with less spread than the same number of clients in sampled order.
     """
-    dm = loop._datamodule()
+    dm = loop.datamodule
     size = [min(dm.client_num_samples(int(c)), int(dm.batch_size)) for c in client_ids]
     ranked = sorted(range(len(client_ids)), key=lambda i: (size[i], i))
     order, taken, i = [], set(), 1
@@ -313,7 +329,7 @@ def _throwaway_sequential(loop):
     persist = loop.persist_client_state
     loop.persist_client_state = False
     try:
-        with _throwaway_logs(loop._worker_trainer()):
+        with _throwaway_logs(loop.client_worker):
             yield
     finally:
         loop.persist_client_state = persist
@@ -344,26 +360,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _engine(loop) -> VectorizedClientTrainer:
+def _engine(loop, run: VectorizedRun) -> VectorizedClientTrainer:
     """The loop's engine for its working copy (built on first use; raises what the model cannot do)."""
-    worker = loop._worker_trainer()
+    worker = loop.client_worker
     hooks = getattr(worker, "hooks", None)
     if hooks is not None:
         raise VectorizationUnsupportedError(
             f"{worker.model_name} overrides the per-step hook(s) {', '.join(hooks.overridden)}, which "
             "client_execution='vectorized' cannot call per client; use client_execution='sequential' (or 'auto')"
         )
-    engine: VectorizedClientTrainer | None = loop._runtime.vectorized_engine
+    engine: VectorizedClientTrainer | None = run.engine
     if engine is None or engine.model is not worker.model:
         # the precision plugin's conversion, before the transfer (Lightning's order)
         convert = getattr(worker, "convert_input", None)
         to_device = worker.to_device if convert is None else (lambda b: worker.to_device(convert(b)))
         engine = VectorizedClientTrainer(worker.model, to_device=to_device)
-        loop._runtime.vectorized_engine = engine
+        run.engine = engine
     return engine
 
 
-def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
+def _run(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
          throwaway: bool = False, stop=None) -> list[ClientUpdate | Exception] | None:
     """``FederatedLoop.train_client`` for all of ``client_ids`` at once (the loop's ``prepare_client`` and
     ``finish_client`` around the engine's round); ``throwaway`` (``auto``'s measurement): the round logs and
@@ -372,8 +388,8 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
     which the round returns None."""
     if stop is not None and not throwaway:
         raise ValueError("only a throw-away round can stop early")
-    worker = loop._worker_trainer()
-    engine = _engine(loop)
+    worker = loop.client_worker
+    engine = _engine(loop, run)
     client_ids = [int(c) for c in client_ids]
     prepared = [loop.prepare_client(plan, cid, worker.params) for cid in client_ids]
     optimizers = [opt for opt, _ in prepared]
@@ -384,10 +400,10 @@ def _run(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
             client_ids=client_ids,
             round=plan.round,
             seed=loop.seed,
-            global_params=loop._global_params(),
+            global_params=loop.global_parameters(),
             global_buffers=gbuffers,
             global_flat=global_flat,
-            datamodule=loop._datamodule(),
+            datamodule=loop.datamodule,
             optimizers=optimizers,
             local_steps=[plan.steps_for(c) for c in client_ids],
             grad_clip=loop.client_grad_clip,
