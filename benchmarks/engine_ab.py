@@ -7,8 +7,9 @@
 Loads the package folder given by ``--old`` as a second package beside the installed ``fedlightning.vectorized``
 (the package's modules import each other relatively, so the old version's modules come from that folder) and runs
 the same vectorized workload of ``vectorized_speedup.py`` with each, alternating (old, new, old, new, ...), in one
-process, so that both see the same machine conditions. The loop imports ``run_vectorized_round`` from
-``sys.modules["fedlightning.vectorized"]`` at every round, which is swapped for each run. Prints the median and
+process, so that both see the same machine conditions. The loop's vectorized executor (``fedlightning.execution``)
+calls the ``run_vectorized_round`` and builds the ``VectorizedRun`` of that module, which are swapped for each run
+(both versions must have them: versions before the executor protocol cannot be loaded). Prints the median and
 minimum round time (first 2 rounds of each run dropped), the paired per-round minimum sum of each version, and the
 largest difference between the two versions' global weights (0.0 for a change that keeps every value).
 """
@@ -26,9 +27,16 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fedlightning.execution as execution  # noqa: E402
 import fedlightning.vectorized as new_engine  # noqa: E402
 import vectorized_speedup as vs  # noqa: E402
 
+
+def _use_engine(module) -> None:
+    """Make the loop's vectorized executor run ``module``'s engine (its entry and its per-run state)."""
+    sys.modules["fedlightning.vectorized"] = module
+    execution.run_vectorized_round = module.run_vectorized_round
+    execution.VectorizedRun = module.VectorizedRun
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -65,12 +73,12 @@ def main():
     try:
         for _ in range(args.repeats):
             for tag, module in (("old", old_engine), ("new", new_engine)):
-                sys.modules["fedlightning.vectorized"] = module
+                _use_engine(module)
                 times, w, _ = vs.run(model_fn, optimizer, datamodule, "vectorized", args.rounds, init_state)
                 runs[tag].append(times)
                 weights[tag] = w
     finally:
-        sys.modules["fedlightning.vectorized"] = new_engine
+        _use_engine(new_engine)
     print(f"{args.workload}: {args.rounds} rounds x {args.repeats} alternating runs per version, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     for tag, r in runs.items():
