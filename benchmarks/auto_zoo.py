@@ -134,9 +134,18 @@ def run(model_cls, datamodule, mode, rounds, init_state, shape):
     clients, steps = shape
     loop = FederatedLoop(model, local_steps=steps, clients_per_round=clients, seed=0, client_execution=mode)
     timer = RoundTimer()
-    trainer = pl.Trainer(max_steps=rounds, accelerator=vectorized_speedup.ACCELERATOR, devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[FedAvg(), timer])
+    trainer = pl.Trainer(
+        max_steps=rounds,
+        accelerator=vectorized_speedup.ACCELERATOR,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[FedAvg(), timer],
+    )
     with DecisionTimer() as decision:
         trainer.fit(loop, datamodule=datamodule)
     return timer.times, loop, (decision.seconds[0] if decision.seconds else None)
@@ -147,8 +156,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=20, help="rounds per run (all timed)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per mode")
     ap.add_argument("--models", default=",".join(ZOO), help="comma-separated subset of " + ", ".join(ZOO))
-    ap.add_argument("--clock", choices=("wall", "process"), default="wall",
-                    help="wall time (default) or the process's CPU time, for rounds and auto's measurement (CPU only)")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="wall time (default) or the process's CPU time, for rounds and auto's measurement (CPU only)",
+    )
     add_common_arguments(ap)
     args = ap.parse_args()
     if args.clock == "process":
@@ -159,8 +172,10 @@ def main():
     names = start(args, args.models, ZOO, "models", min_rounds=2)
     print(f"clock: {args.clock} time")
     logging.getLogger("fedlightning").setLevel(logging.WARNING)  # auto's choice is printed in the table
-    print(f"{'model':12s} {'C,K':>5s} {'sequential s':>12s} {'vectorized s':>12s} {'auto s':>8s} {'faster':>10s} "
-          f"{'auto chose':>10s} {'auto vs seq':>11s} {'measure/round':>13s}  reason")
+    print(
+        f"{'model':12s} {'C,K':>5s} {'sequential s':>12s} {'vectorized s':>12s} {'auto s':>8s} {'faster':>10s} "
+        f"{'auto chose':>10s} {'auto vs seq':>11s} {'measure/round':>13s}  reason"
+    )
     rows = []
     for name in names:
         model_cls, dm_fn, shape = ZOO[name]
@@ -189,13 +204,18 @@ def main():
         later = rounds["sequential"][1:]
         cost = min(decisions) / (sum(later) / len(later)) if decisions else float("nan")
         rows.append((name, faster, choice, ratio, cost))
-        print(f"{name:12s} {f'{shape[0]},{shape[1]}':>5s} {best['sequential']:12.2f} {best['vectorized']:12.2f} "
-              f"{best['auto']:8.2f} {faster:>10s} {choice:>10s} {ratio:10.2f}x {cost:12.2f}x  {reason}", flush=True)
+        print(
+            f"{name:12s} {f'{shape[0]},{shape[1]}':>5s} {best['sequential']:12.2f} {best['vectorized']:12.2f} "
+            f"{best['auto']:8.2f} {faster:>10s} {choice:>10s} {ratio:10.2f}x {cost:12.2f}x  {reason}",
+            flush=True,
+        )
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     for name, faster, choice, ratio, cost in rows:
         verdict = "picked the faster mode" if faster == choice else "did NOT pick the faster mode"
-        print(f"{name}: auto {verdict}; auto is {ratio:.2f}x sequential ({'meets' if ratio >= 0.9 else 'misses'} "
-              f">= 0.9x); its measurement cost {cost:.2f} sequential rounds")
+        print(
+            f"{name}: auto {verdict}; auto is {ratio:.2f}x sequential ({'meets' if ratio >= 0.9 else 'misses'} "
+            f">= 0.9x); its measurement cost {cost:.2f} sequential rounds"
+        )
 
 
 if __name__ == "__main__":

@@ -63,12 +63,25 @@ class ResNet(pl.LightningModule):
 
 def run(sizes, batch, mode="sequential", dtype=torch.float64, scale=1.0):
     model = ResNet(dtype, scale)
-    loop = FederatedLoop(model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.01), local_steps=2,
-                         clients_per_round=len(sizes), seed=0, client_execution=mode,
-                         on_client_error="skip")  # the one-sample clients raise (BatchNorm) and are left out
-    pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False, limit_val_batches=0, callbacks=[FedAvg()]).fit(
-        loop, datamodule=Images(sizes, batch))
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+        local_steps=2,
+        clients_per_round=len(sizes),
+        seed=0,
+        client_execution=mode,
+        on_client_error="skip",
+    )  # the one-sample clients raise (BatchNorm) and are left out
+    pl.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[FedAvg()],
+    ).fit(loop, datamodule=Images(sizes, batch))
     return torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
 
 
@@ -79,11 +92,13 @@ def main():
     print(f"{'split':34s} {'seq f32 vs f64':>15s} {'f64 vs f64*(1+1e-15)':>21s} {'seq vs vec f64':>15s}")
     for sizes, batch in (([1, 3, 5, 6], 4), ([1, 9, 17, 25], 8)):
         ref = run(sizes, batch)
-        rows = [run(sizes, batch, dtype=torch.float32), run(sizes, batch, scale=1 + 1e-15),
-                run(sizes, batch, mode="vectorized")]
+        rows = [
+            run(sizes, batch, dtype=torch.float32),
+            run(sizes, batch, scale=1 + 1e-15),
+            run(sizes, batch, mode="vectorized"),
+        ]
         diffs = [float((ref - r).abs().max()) for r in rows]
-        print(f"{f'clients {sizes}, batch {batch}':34s} {diffs[0]:15.1e} {diffs[1]:21.1e} {diffs[2]:15.1e}",
-              flush=True)
+        print(f"{f'clients {sizes}, batch {batch}':34s} {diffs[0]:15.1e} {diffs[1]:21.1e} {diffs[2]:15.1e}", flush=True)
 
 
 if __name__ == "__main__":

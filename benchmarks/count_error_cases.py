@@ -17,9 +17,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SELECT = ("bad or malformed or corrupt or invalid or hostile or reject or error or truncat or missing or unknown or "
-          "fault or impossible or wrong or mismatch or raise or clear or fail or refuse or checkpoint or zero or "
-          "parquet")
+SELECT = (
+    "bad or malformed or corrupt or invalid or hostile or reject or error or truncat or missing or unknown or "
+    "fault or impossible or wrong or mismatch or raise or clear or fail or refuse or checkpoint or zero or "
+    "parquet"
+)
 
 
 class RaisesCounter:
@@ -42,8 +44,19 @@ class RaisesCounter:
 
 def main() -> int:
     counter = RaisesCounter()
-    args = [os.path.join(ROOT, "tests"), "-q", "-p", "no:warnings", "-o", "addopts=",
-            "--deselect", os.path.join(ROOT, "tests", "test_ddp.py"), "-k", SELECT, *sys.argv[1:]]
+    args = [
+        os.path.join(ROOT, "tests"),
+        "-q",
+        "-p",
+        "no:warnings",
+        "-o",
+        "addopts=",
+        "--deselect",
+        os.path.join(ROOT, "tests", "test_ddp.py"),
+        "-k",
+        SELECT,
+        *sys.argv[1:],
+    ]
     rc = pytest.main(args, plugins=[counter])
     for name, n in sorted(counter.counts.items()):
         print(f"{n:4d}  {name}")

@@ -144,19 +144,25 @@ def main() -> None:
     results["leaf"] = bench_leaf(args.leaf_users, args.leaf_samples)
     print(f"machine: {results['machine']}")
     print("\nDirichlet(alpha=0.3) split, FederatedDataModule.setup()")
-    print("| clients | samples | max_retries | time (s) | peak traced (MB) | index arrays (MB) "
-          "| retained B/client beyond index |")
+    print(
+        "| clients | samples | max_retries | time (s) | peak traced (MB) | index arrays (MB) "
+        "| retained B/client beyond index |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in results["dirichlet"]:
-        print(f"| {r['clients']:,} | {r['samples']:,} | {r['max_retries']} | {r['seconds']:.2f} | {r['peak_MB']:.1f} | "
-              f"{r['index_MB']:.1f} | {r['retained_bytes_per_client_beyond_index']:.0f} |")
+        print(
+            f"| {r['clients']:,} | {r['samples']:,} | {r['max_retries']} | {r['seconds']:.2f} | {r['peak_MB']:.1f} | "
+            f"{r['index_MB']:.1f} | {r['retained_bytes_per_client_beyond_index']:.0f} |"
+        )
     r = results["leaf"]
     print("\nLEAF FEMNIST-layout index, LeafDataModule.setup()")
     print("| users | samples/user | load | time (s) | peak traced (MB) | retained B/user beyond index + data |")
     print("|---:|---:|---|---:|---:|---:|")
     for run in ("first", "cached"):
-        print(f"| {r['clients']:,} | {r['samples_per_user']} | {run} | {r[f'{run}_load_seconds']:.2f} | "
-              f"{r[f'{run}_peak_MB']:.1f} | {r[f'{run}_retained_bytes_per_user_beyond_index']:.0f} |")
+        print(
+            f"| {r['clients']:,} | {r['samples_per_user']} | {run} | {r[f'{run}_load_seconds']:.2f} | "
+            f"{r[f'{run}_peak_MB']:.1f} | {r[f'{run}_retained_bytes_per_user_beyond_index']:.0f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

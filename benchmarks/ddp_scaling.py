@@ -61,14 +61,27 @@ def worker(args) -> None:
 
     pl.seed_everything(0, verbose=False)
     hidden = [int(h) for h in args.hidden.split(",")]
-    loop = FederatedLoop(MLP(input_dim=64, hidden=hidden), client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                         local_steps=20, clients_per_round=args.clients_per_round, seed=0)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=hidden),
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        local_steps=20,
+        clients_per_round=args.clients_per_round,
+        seed=0,
+    )
     dm = DigitsDataModule(num_clients=100, batch_size=50, partition=Dirichlet(0.3), seed=0)
     clock = Clock()
-    trainer = pl.Trainer(max_steps=args.warmup + args.rounds, accelerator="cpu", devices=args.devices,
-                         strategy="ddp" if args.devices > 1 else "auto", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[FedAvg(), clock])
+    trainer = pl.Trainer(
+        max_steps=args.warmup + args.rounds,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[FedAvg(), clock],
+    )
     trainer.fit(loop, datamodule=dm)
     if trainer.global_rank == 0:
         s = clock.stamps
@@ -80,9 +93,25 @@ def worker(args) -> None:
 def run_config(args, devices: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--devices", str(devices), "--threads",
-               str(threads), "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--hidden", args.hidden,
-               "--clients-per-round", str(args.clients_per_round), "--out", out]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--devices",
+            str(devices),
+            "--threads",
+            str(threads),
+            "--rounds",
+            str(args.rounds),
+            "--warmup",
+            str(args.warmup),
+            "--hidden",
+            args.hidden,
+            "--clients-per-round",
+            str(args.clients_per_round),
+            "--out",
+            out,
+        ]
         env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(threads))
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
@@ -108,8 +137,11 @@ def main():
         return
     if args.rounds < 1 or args.warmup < 1 or args.repeats < 1:
         raise SystemExit("need --rounds, --warmup and --repeats >= 1")
-    configs = [("1 process x 1 thread", 1, 1), ("2 processes x 1 thread (DDP, gloo)", 2, 1),
-               ("1 process x 2 threads", 1, 2)]
+    configs = [
+        ("1 process x 1 thread", 1, 1),
+        ("2 processes x 1 thread (DDP, gloo)", 2, 1),
+        ("1 process x 2 threads", 1, 2),
+    ]
     load0 = os.getloadavg()[0]
     times = {c[0]: [] for c in configs}
     means = {c[0]: [] for c in configs}
@@ -120,11 +152,14 @@ def main():
             times[name] += res["times"]
             means[name].append(statistics.mean(res["times"]))
             params = res["params"]
-    print(f"{os.cpu_count()} CPUs, load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
-          f"MLP 64-{args.hidden.replace(',', '-')}-10 ({params:,} parameters), {args.clients_per_round} clients/round, "
-          f"K=20, batch 50; {args.rounds} timed rounds (+{args.warmup} warm-up) x {args.repeats} repeats")
-    print(f"{'configuration':38s} {'s/round median':>15s} {'min of run means':>17s} {'speed-up':>9s} "
-          f"{'efficiency':>11s}")
+    print(
+        f"{os.cpu_count()} CPUs, load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
+        f"MLP 64-{args.hidden.replace(',', '-')}-10 ({params:,} parameters), {args.clients_per_round} clients/round, "
+        f"K=20, batch 50; {args.rounds} timed rounds (+{args.warmup} warm-up) x {args.repeats} repeats"
+    )
+    print(
+        f"{'configuration':38s} {'s/round median':>15s} {'min of run means':>17s} {'speed-up':>9s} {'efficiency':>11s}"
+    )
     t1 = statistics.median(times[configs[0][0]])
     for name, devices, threads in configs:
         med = statistics.median(times[name])

@@ -38,6 +38,7 @@ def _use_engine(module) -> None:
     execution.run_vectorized_round = module.run_vectorized_round
     execution.VectorizedRun = module.VectorizedRun
 
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", required=True, help="folder of the other version of the fedlightning.vectorized package")
@@ -79,13 +80,17 @@ def main():
                 weights[tag] = w
     finally:
         _use_engine(new_engine)
-    print(f"{args.workload}: {args.rounds} rounds x {args.repeats} alternating runs per version, "
-          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"{args.workload}: {args.rounds} rounds x {args.repeats} alternating runs per version, "
+        f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}"
+    )
     for tag, r in runs.items():
         flat = [x for t in r for x in t]
         paired = sum(min(t[i] for t in r) for i in range(len(r[0])))
-        print(f"  {tag}: median {statistics.median(flat) * 1e3:.2f} ms/round, min {min(flat) * 1e3:.2f}, "
-              f"paired per-round minimum sum {paired * 1e3:.1f} ms")
+        print(
+            f"  {tag}: median {statistics.median(flat) * 1e3:.2f} ms/round, min {min(flat) * 1e3:.2f}, "
+            f"paired per-round minimum sum {paired * 1e3:.1f} ms"
+        )
     print(f"  max |w_old - w_new| = {float((weights['old'] - weights['new']).abs().max()):.1e}")
 
 

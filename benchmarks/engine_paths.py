@@ -83,9 +83,13 @@ def main():
     eta = torch.rand(len(pair_client), dtype=torch.float64)
     for dim in (D, 100_000):
         W, g = torch.randn(C, dim), torch.randn(C, dim)
-        rows.append((f"Armijo trial points, D = {dim:,}",
-                     lambda W=W, g=g: _BatchedArmijo._points(ev, W, g, pair_client, eta),
-                     lambda W=W, g=g: _BatchedArmijo._points(ev, W, g, pair_client, eta, widths)))
+        rows.append(
+            (
+                f"Armijo trial points, D = {dim:,}",
+                lambda W=W, g=g: _BatchedArmijo._points(ev, W, g, pair_client, eta),
+                lambda W=W, g=g: _BatchedArmijo._points(ev, W, g, pair_client, eta, widths),
+            )
+        )
 
     logits = torch.randn(C, 31, 10)
     seed = torch.randn(C, 31, 10)
@@ -94,8 +98,13 @@ def main():
         z = logits.clone().requires_grad_(True)
         return torch.autograd.grad(vmap(f)(z), z, seed)
 
-    rows.append(("log-softmax of [C, 31, 10], fwd+bwd", lambda: log_softmax_step(lambda r: F.log_softmax(r, 1)),
-                 lambda: log_softmax_step(_log_softmax_classes)))
+    rows.append(
+        (
+            "log-softmax of [C, 31, 10], fwd+bwd",
+            lambda: log_softmax_step(lambda r: F.log_softmax(r, 1)),
+            lambda: log_softmax_step(_log_softmax_classes),
+        )
+    )
 
     def mlp_loss(W1, b1, W2, b2, x, y, w):
         logp = _log_softmax_classes(F.linear(F.relu(F.linear(x, W1, b1)), W2, b2))

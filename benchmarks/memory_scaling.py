@@ -82,23 +82,43 @@ def worker(args) -> None:
     setup_s = time.perf_counter() - t0
     rss_setup = _status_kb("VmRSS")
     torch.manual_seed(0)
-    loop = FederatedLoop(LogisticRegression(input_dim=60, num_classes=10),
-                         client_optimizer=lambda p: SgdArmijo(p, eta_max=1.0, reset="last"), local_steps=5,
-                         clients_per_round=20, seed=0)
-    trainer = pl.Trainer(max_steps=args.rounds, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[FedAvg()])
+    loop = FederatedLoop(
+        LogisticRegression(input_dim=60, num_classes=10),
+        client_optimizer=lambda p: SgdArmijo(p, eta_max=1.0, reset="last"),
+        local_steps=5,
+        clients_per_round=20,
+        seed=0,
+    )
+    trainer = pl.Trainer(
+        max_steps=args.rounds,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[FedAvg()],
+    )
     t0 = time.perf_counter()
     trainer.fit(loop, datamodule=dm)
     fit_s = time.perf_counter() - t0
     store = loop.client_state.state_dict()
     with open(args.out, "w") as f:
-        json.dump({
-            "rss_import_kb": rss_import, "rss_setup_kb": rss_setup, "rss_end_kb": _status_kb("VmRSS"),
-            "peak_kb": _status_kb("VmHWM"), "setup_s": setup_s, "fit_s": fit_s,
-            "index_bytes": int(sum(ix.nbytes for ix in dm.client_indices)),
-            "state_entries": int(sum(len(d) for d in store.values())), "rounds": trainer.global_step,
-        }, f)
+        json.dump(
+            {
+                "rss_import_kb": rss_import,
+                "rss_setup_kb": rss_setup,
+                "rss_end_kb": _status_kb("VmRSS"),
+                "peak_kb": _status_kb("VmHWM"),
+                "setup_s": setup_s,
+                "fit_s": fit_s,
+                "index_bytes": int(sum(ix.nbytes for ix in dm.client_indices)),
+                "state_entries": int(sum(len(d) for d in store.values())),
+                "rounds": trainer.global_step,
+            },
+            f,
+        )
 
 
 def main():
@@ -116,23 +136,39 @@ def main():
     counts = [int(c) for c in args.clients.split(",")]
     if any(c > args.samples for c in counts) or any(c < 20 for c in counts):
         raise SystemExit("every client count must be in [20, --samples]")
-    print(f"load average {os.getloadavg()[0]:.2f}; {args.samples:,} samples x 60 features shared by every run, "
-          f"{args.rounds} rounds, 20 clients/round, K=5, SgdArmijo (per-client state)")
+    print(
+        f"load average {os.getloadavg()[0]:.2f}; {args.samples:,} samples x 60 features shared by every run, "
+        f"{args.rounds} rounds, 20 clients/round, K=5, SgdArmijo (per-client state)"
+    )
     rows = []
     for n in counts:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "mem.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--clients", str(n), "--samples",
-                   str(args.samples), "--rounds", str(args.rounds), "--out", out]
-            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=900,
-                                  env=dict(os.environ, PYTHONWARNINGS="ignore"))
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                "--clients",
+                str(n),
+                "--samples",
+                str(args.samples),
+                "--rounds",
+                str(args.rounds),
+                "--out",
+                out,
+            ]
+            proc = subprocess.run(
+                cmd, cwd=tmp, capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore")
+            )
             if proc.returncode != 0:
                 raise RuntimeError(f"worker for {n} clients failed:\n{proc.stderr[-3000:]}")
             with open(out) as f:
                 rows.append((n, json.load(f)))
     base_n, base = rows[0]
-    print(f"{'clients':>8s} {'setup s':>8s} {'RSS after setup MB':>19s} {'peak RSS MB':>12s} {'index MB':>9s} "
-          f"{'state entries':>14s} {'peak growth B/client':>21s} {'same, beyond index':>19s}")
+    print(
+        f"{'clients':>8s} {'setup s':>8s} {'RSS after setup MB':>19s} {'peak RSS MB':>12s} {'index MB':>9s} "
+        f"{'state entries':>14s} {'peak growth B/client':>21s} {'same, beyond index':>19s}"
+    )
     for n, r in rows:
         if n == base_n:
             per, per_ix = "(baseline)", ""
@@ -140,10 +176,14 @@ def main():
             grow = (r["peak_kb"] - base["peak_kb"]) * 1024 / (n - base_n)
             grow_ix = grow - (r["index_bytes"] - base["index_bytes"]) / (n - base_n)
             per, per_ix = f"{grow:.0f}", f"{grow_ix:.0f}"
-        print(f"{n:8,d} {r['setup_s']:8.2f} {r['rss_setup_kb'] / 1024:19.1f} {r['peak_kb'] / 1024:12.1f} "
-              f"{r['index_bytes'] / 2**20:9.2f} {r['state_entries']:14d} {per:>21s} {per_ix:>19s}")
-    print("RSS after imports (same code in every run): "
-          + ", ".join(f"{n:,}: {r['rss_import_kb'] / 1024:.0f} MB" for n, r in rows))
+        print(
+            f"{n:8,d} {r['setup_s']:8.2f} {r['rss_setup_kb'] / 1024:19.1f} {r['peak_kb'] / 1024:12.1f} "
+            f"{r['index_bytes'] / 2**20:9.2f} {r['state_entries']:14d} {per:>21s} {per_ix:>19s}"
+        )
+    print(
+        "RSS after imports (same code in every run): "
+        + ", ".join(f"{n:,}: {r['rss_import_kb'] / 1024:.0f} MB" for n, r in rows)
+    )
 
 
 if __name__ == "__main__":

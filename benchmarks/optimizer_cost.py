@@ -39,9 +39,13 @@ class SmallCNN(Classifier):
         super().__init__(num_classes=num_classes)
         self.net = nn.Sequential(
             nn.Unflatten(1, (1, 8, 8)),
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, num_classes),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 4 * 4, num_classes),
         )
 
 
@@ -92,8 +96,15 @@ def bench_model(name, make_model, dm, client_id, local_steps, repeats):
     rows = []
     for key in grid:
         ratios = [t / b for t, b in zip(times[key], base)]  # SGD ran in the same repeat, right before
-        rows.append((name, key, statistics.median(times[key]) * 1e6, statistics.median(ratios),
-                     statistics.mean(backtracks[key])))
+        rows.append(
+            (
+                name,
+                key,
+                statistics.median(times[key]) * 1e6,
+                statistics.median(ratios),
+                statistics.mean(backtracks[key]),
+            )
+        )
     return rows
 
 
@@ -108,11 +119,14 @@ def main() -> None:
     dm.setup("fit")
     client_id = max(range(dm.num_clients), key=dm.client_num_samples)
     rows = []
-    rows += bench_model("MLP 64-128-10", lambda: MLP(input_dim=64, hidden=[128]), dm, client_id, args.local_steps,
-                        args.repeats)
+    rows += bench_model(
+        "MLP 64-128-10", lambda: MLP(input_dim=64, hidden=[128]), dm, client_id, args.local_steps, args.repeats
+    )
     rows += bench_model("SmallCNN", SmallCNN, dm, client_id, args.local_steps, args.repeats)
-    print(f"torch {torch.__version__}, threads={args.threads}, K={args.local_steps}, repeats={args.repeats}, "
-          f"client {client_id} ({dm.client_num_samples(client_id)} samples, batch {dm.batch_size})")
+    print(
+        f"torch {torch.__version__}, threads={args.threads}, K={args.local_steps}, repeats={args.repeats}, "
+        f"client {client_id} ({dm.client_num_samples(client_id)} samples, batch {dm.batch_size})"
+    )
     print("| model | optimizer | CPU us / step | x SGD | backtracks / step |")
     print("|---|---|---:|---:|---:|")
     for model, opt, us, ratio, bt in rows:

@@ -99,18 +99,32 @@ def run_framework(model_fn, lr, dm, init_state, rounds, warmup, execution):
     model = model_fn()
     model.load_state_dict(init_state)
     own = getattr(model, "uses_own_optimizer", False)  # the module's configure_optimizers is the client optimizer
-    loop = FederatedLoop(model, client_optimizer=None if own else (lambda p: torch.optim.SGD(p, lr=lr)), local_steps=K,
-                         clients_per_round=CPR, seed=SEED, client_execution=execution)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=None if own else (lambda p: torch.optim.SGD(p, lr=lr)),
+        local_steps=K,
+        clients_per_round=CPR,
+        seed=SEED,
+        client_execution=execution,
+    )
     clock = _RoundClock()
-    trainer = pl.Trainer(max_steps=warmup + rounds, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, callbacks=[FedAvg(), clock])
+    trainer = pl.Trainer(
+        max_steps=warmup + rounds,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[FedAvg(), clock],
+    )
     t0 = time.perf_counter()
     trainer.fit(loop, datamodule=dm)
     s = clock.stamps
     startup = s[0] - t0
     per_round = (s[-1] - s[warmup - 1]) / rounds
-    run_framework.round_times = [b - a for a, b in zip(s[warmup - 1:-1], s[warmup:])]
+    run_framework.round_times = [b - a for a, b in zip(s[warmup - 1 : -1], s[warmup:])]
     return per_round, startup, torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
@@ -188,10 +202,14 @@ def bench(name, rounds, warmup, repeats, modes):
             per_round[mode].append((run_plain if mode == "plain" else run_framework).round_times)
             startups[mode].append(st)
             weights[mode] = w
-    print(f"\n{name}: {len(dm.client_indices)} clients, {CPR}/round, K={K}, batch {B}, lr {lr}; "
-          f"{rounds} timed rounds (+{warmup} warm-up) x {repeats} repeats; load average {os.getloadavg()[0]:.2f}")
-    print(f"  {'mode':12s} {'ms/round median':>16s} {'min':>9s} {'x plain (median)':>17s} {'(min)':>7s} "
-          f"{'start-up s':>11s} {'max |w - w_plain|':>18s}")
+    print(
+        f"\n{name}: {len(dm.client_indices)} clients, {CPR}/round, K={K}, batch {B}, lr {lr}; "
+        f"{rounds} timed rounds (+{warmup} warm-up) x {repeats} repeats; load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"  {'mode':12s} {'ms/round median':>16s} {'min':>9s} {'x plain (median)':>17s} {'(min)':>7s} "
+        f"{'start-up s':>11s} {'max |w - w_plain|':>18s}"
+    )
     base_med = statistics.median(times["plain"]) if "plain" in times else None
     base_min = min(times["plain"]) if "plain" in times else None
     out = {}
@@ -209,29 +227,38 @@ def bench(name, rounds, warmup, repeats, modes):
     for mode in modes:
         out[mode]["paired_min_sum"] = paired[mode]
     if "plain" in paired:
-        print("  paired per-round minimum, x plain: "
-              + ", ".join(f"{m} {paired[m] / paired['plain']:.3f}" for m in modes if m != "plain"))
+        print(
+            "  paired per-round minimum, x plain: "
+            + ", ".join(f"{m} {paired[m] / paired['plain']:.3f}" for m in modes if m != "plain")
+        )
     if base_med and "sequential" in times:
         r = statistics.median(times["sequential"]) / base_med
         rp = paired["sequential"] / paired["plain"]
         verdict = "met" if max(r, rp) <= 1.10 else ("met on the paired minimum" if rp <= 1.10 else "NOT met")
-        print(f"  sequential / plain = {r:.3f} (median of run means), {rp:.3f} (paired per-round minimum) "
-              f"-> target <= 1.10 {verdict}")
+        print(
+            f"  sequential / plain = {r:.3f} (median of run means), {rp:.3f} (paired per-round minimum) "
+            f"-> target <= 1.10 {verdict}"
+        )
     return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", default=",".join(WORKLOADS),
-                    help="comma-separated subset of " + ", ".join(WORKLOADS))
+    ap.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS)
+    )
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per run (default: per workload, 25/25/3)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds at the start of every run")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per mode")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch.set_num_threads (default 1: on a shared 2-core machine two intra-op threads per "
-                         "process oversubscribe the cores and make every mode several times slower and noisier; "
-                         "0 = torch's choice)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: on a shared 2-core machine two intra-op threads per "
+        "process oversubscribe the cores and make every mode several times slower and noisier; "
+        "0 = torch's choice)",
+    )
     args = ap.parse_args()
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -242,8 +269,10 @@ def main():
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f} at start")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.2f} at start"
+    )
     for name in names:
         bench(name, args.rounds, args.warmup, args.repeats, modes)
 

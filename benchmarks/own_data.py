@@ -57,11 +57,17 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.samples, args.dim, generator=g)
     y = torch.randint(0, 10, (args.samples,), generator=g)
-    out = {"samples": args.samples, "dim": args.dim, "batch": args.batch, "steps_per_client": args.steps,
-           "clients_timed": args.clients}
+    out = {
+        "samples": args.samples,
+        "dim": args.dim,
+        "batch": args.batch,
+        "steps_per_client": args.steps,
+        "clients_timed": args.clients,
+    }
     for name, in_memory in (("per_sample", False), ("in_memory", "auto")):
-        dm = FederatedDataModule.from_datasets(Rows(x, y), num_clients=100, batch_size=args.batch,
-                                               partition=Dirichlet(alpha=0.3), in_memory=in_memory)
+        dm = FederatedDataModule.from_datasets(
+            Rows(x, y), num_clients=100, batch_size=args.batch, partition=Dirichlet(alpha=0.3), in_memory=in_memory
+        )
         t0 = time.perf_counter()
         dm.setup()
         out[f"{name}_setup_s"] = time.perf_counter() - t0

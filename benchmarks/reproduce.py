@@ -55,14 +55,20 @@ def _parse_setup_scales(items: Sequence[str] | None) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--only", nargs="+", metavar="PATTERN", help="run ids to run (fnmatch; a prefix selects all below)")
-    p.add_argument("--rounds", type=float, default=1.0, metavar="SCALE",
-                   help="multiply every setup's rounds (default 1)")
-    p.add_argument("--setup-rounds", nargs="+", metavar="PATTERN=SCALE",
-                   help="round scale for the setups matching PATTERN (fnmatch over <paper>/<setup>, e.g. "
-                        "'000/shakespeare-lstm=0.25'); overrides --rounds for them")
+    p.add_argument(
+        "--rounds", type=float, default=1.0, metavar="SCALE", help="multiply every setup's rounds (default 1)"
+    )
+    p.add_argument(
+        "--setup-rounds",
+        nargs="+",
+        metavar="PATTERN=SCALE",
+        help="round scale for the setups matching PATTERN (fnmatch over <paper>/<setup>, e.g. "
+        "'000/shakespeare-lstm=0.25'); overrides --rounds for them",
+    )
     p.add_argument("--seeds", type=int, default=3, help="seeds per run (default 3)")
     p.add_argument("--results", default=DEFAULT_RESULTS, help="cache of finished runs (JSON)")
     p.add_argument("--docs", default=os.path.join(ROOT, "docs"), help="where results.md and figures/ are written")
@@ -71,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true", help="write the report from cached runs, run nothing")
     p.add_argument("--no-toy", action="store_true", help="skip the Fig. 1 toy (seed 000)")
     p.add_argument("--toy-rounds", type=int, default=50)
-    p.add_argument("--studies", action="store_true",
-                   help="also run (or resume) the sensitivity studies of benchmarks/studies/ with the sweep runner")
+    p.add_argument(
+        "--studies",
+        action="store_true",
+        help="also run (or resume) the sensitivity studies of benchmarks/studies/ with the sweep runner",
+    )
     ns = p.parse_args(argv)
     if not (ns.rounds > 0 and math.isfinite(ns.rounds)):
         p.error(f"--rounds must be a positive scale, got {ns.rounds}")

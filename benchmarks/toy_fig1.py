@@ -153,16 +153,24 @@ def framework_run(algorithm: str, rounds: int) -> dict[str, list]:
     else:
         client_optimizer = lambda p: torch.optim.SGD(p, lr=CLIENT_LR)  # noqa: E731
     strategy = FedExP(eps=EPS) if algorithm in ("FedExP", "FedExpSLS") else FedAvg(server_lr=1.0, weighting="uniform")
-    loop = FederatedLoop(SquaredResidual(), client_optimizer=client_optimizer, local_steps=LOCAL_STEPS,
-                         clients_per_round=2)
+    loop = FederatedLoop(
+        SquaredResidual(), client_optimizer=client_optimizer, local_steps=LOCAL_STEPS, clients_per_round=2
+    )
     record = Record()
     for name in ("lightning.pytorch", "lightning.fabric"):  # no per-run banners
         logging.getLogger(name).setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = pl.Trainer(
-            max_steps=rounds, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[strategy, record],
+            max_steps=rounds,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=[strategy, record],
         )
         trainer.fit(loop, datamodule=TwoQuadratics())
     return {"trajectory": record.trajectory, "eta_g": record.eta_g, "backtracks_per_step": record.backtracks}
@@ -237,8 +245,19 @@ def run(rounds: int = 50, out_dir: str = os.path.join(ROOT, "docs", "figures")) 
     summary = summarize(runs, refs, int(rounds))
     plot(summary, os.path.join(out_dir, "toy_fig1.png"))
     with open(os.path.join(out_dir, "toy_fig1.json"), "w") as f:
-        json.dump({"rounds": rounds, "w0": W0.tolist(), "local_steps": LOCAL_STEPS, "client_lr": CLIENT_LR,
-                   "armijo": ARMIJO, "eps": EPS, "results": summary}, f, indent=1)
+        json.dump(
+            {
+                "rounds": rounds,
+                "w0": W0.tolist(),
+                "local_steps": LOCAL_STEPS,
+                "client_lr": CLIENT_LR,
+                "armijo": ARMIJO,
+                "eps": EPS,
+                "results": summary,
+            },
+            f,
+            indent=1,
+        )
     return summary
 
 

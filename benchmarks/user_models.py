@@ -75,8 +75,14 @@ class UserCNN(UserMLP):
 
     def __init__(self, lr: float = 0.1):
         super().__init__(lr)
-        self.net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(),
-                                 nn.MaxPool2d(2), nn.Flatten(), nn.Linear(128, 10))
+        self.net = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(128, 10),
+        )
 
 
 class BatchNormCNN(UserMLP):
@@ -84,8 +90,15 @@ class BatchNormCNN(UserMLP):
 
     def __init__(self, lr: float = 0.1):
         super().__init__(lr)
-        self.net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8),
-                                 nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(128, 10))
+        self.net = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(128, 10),
+        )
 
 
 class UserCharLSTM(UserMLP):

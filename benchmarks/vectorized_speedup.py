@@ -91,8 +91,9 @@ class SyntheticLike(FederatedDataModule):
             xs.append(x)
             ys.append(np.argmax(x @ w + b, axis=1))
         self._sizes = sizes
-        data = ArrayDataset(torch.tensor(np.concatenate(xs), dtype=torch.float32),
-                            torch.tensor(np.concatenate(ys), dtype=torch.long))
+        data = ArrayDataset(
+            torch.tensor(np.concatenate(xs), dtype=torch.float32), torch.tensor(np.concatenate(ys), dtype=torch.long)
+        )
         return data, data, data.y.numpy()
 
     def natural_clients(self):
@@ -160,13 +161,26 @@ def run(model_fn, optimizer, datamodule, mode, rounds, init_state):
     model = model_fn()
     model.load_state_dict(init_state)
     generic = mode == "vectorized-generic"
-    loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=LOCAL_STEPS,
-                         clients_per_round=CLIENTS_PER_ROUND, seed=0,
-                         client_execution="vectorized" if generic else mode)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=optimizer,
+        local_steps=LOCAL_STEPS,
+        clients_per_round=CLIENTS_PER_ROUND,
+        seed=0,
+        client_execution="vectorized" if generic else mode,
+    )
     timer = RoundTimer()
-    trainer = pl.Trainer(max_steps=rounds, accelerator=ACCELERATOR, devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, callbacks=[FedAvg(), timer])
+    trainer = pl.Trainer(
+        max_steps=rounds,
+        accelerator=ACCELERATOR,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[FedAvg(), timer],
+    )
     protocol, check = call._per_sample_protocol, call._ModelCall._check_interception
     if generic:
         call._per_sample_protocol = lambda m: None
@@ -183,8 +197,12 @@ def run(model_fn, optimizer, datamodule, mode, rounds, init_state):
 def add_common_arguments(ap: argparse.ArgumentParser) -> None:
     """``--threads`` and ``--accelerator``, shared with ``auto_zoo.py``."""
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    ap.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu",
-                    help="where the runs train (default cpu); cuda times rounds after torch.cuda.synchronize()")
+    ap.add_argument(
+        "--accelerator",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the runs train (default cpu); cuda times rounds after torch.cuda.synchronize()",
+    )
 
 
 def start(args, selection: str, table: dict, what: str, min_rounds: int) -> list:
@@ -206,9 +224,11 @@ def start(args, selection: str, table: dict, what: str, min_rounds: int) -> list
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     device = torch.cuda.get_device_name() if ACCELERATOR == "cuda" else "CPU"
-    print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds x {args.repeats} repeats per mode; "
-          f"{CLIENTS_PER_ROUND} clients/round, K={LOCAL_STEPS}, batch {BATCH}")
+    print(
+        f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds x {args.repeats} repeats per mode; "
+        f"{CLIENTS_PER_ROUND} clients/round, K={LOCAL_STEPS}, batch {BATCH}"
+    )
     return names
 
 
@@ -227,19 +247,28 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=12, help="rounds per run (the first 2 are warm-up)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per mode")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS),
-                    help="comma-separated subset of " + ", ".join(WORKLOADS))
+    ap.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS)
+    )
     add_common_arguments(ap)
-    ap.add_argument("--compare-generic", action="store_true",
-                    help="also run vectorized with the per-sample protocol and loss interception turned off "
-                         "(alternating with the others) and print its time and the fast path's gain")
-    ap.add_argument("--auto", action="store_true",
-                    help="after each workload, one run with client_execution='auto' (3 rounds): print the mode it "
-                         "chose and its one-round measurement")
+    ap.add_argument(
+        "--compare-generic",
+        action="store_true",
+        help="also run vectorized with the per-sample protocol and loss interception turned off "
+        "(alternating with the others) and print its time and the fast path's gain",
+    )
+    ap.add_argument(
+        "--auto",
+        action="store_true",
+        help="after each workload, one run with client_execution='auto' (3 rounds): print the mode it "
+        "chose and its one-round measurement",
+    )
     args = ap.parse_args()
     names = start(args, args.workloads, WORKLOADS, "workloads", min_rounds=3)
-    print(f"{'workload':26s} {'sequential ms/round':>22s} {'vectorized ms/round':>22s} {'ratio':>13s} "
-          f"{'paired':>7s} {'max |dw|':>9s}")
+    print(
+        f"{'workload':26s} {'sequential ms/round':>22s} {'vectorized ms/round':>22s} {'ratio':>13s} "
+        f"{'paired':>7s} {'max |dw|':>9s}"
+    )
     print(f"{'':26s} {'median (min)':>22s} {'median (min)':>22s} {'median (min)':>13s} {'min':>7s}")
     for name in names:
         model_fn, optimizer, dm_fn = WORKLOADS[name]
@@ -259,26 +288,33 @@ def main():
         flat = {m: [x for t in runs for x in t] for m, runs in per_run.items()}
         seq, vec = flat["sequential"], flat["vectorized"]
         med_s, med_v, min_s, min_v = statistics.median(seq), statistics.median(vec), min(seq), min(vec)
-        paired = {m: sum(min(run_times[i] for run_times in runs) for i in range(len(runs[0])))
-                  for m, runs in per_run.items()}
+        paired = {
+            m: sum(min(run_times[i] for run_times in runs) for i in range(len(runs[0]))) for m, runs in per_run.items()
+        }
         diff = float((weights["sequential"] - weights["vectorized"]).abs().max())
-        print(f"{name:26s} {med_s * 1e3:12.1f} ({min_s * 1e3:7.1f}) {med_v * 1e3:12.1f} ({min_v * 1e3:7.1f}) "
-              f"{med_s / med_v:5.2f}x ({min_s / min_v:4.2f}x) {paired['sequential'] / paired['vectorized']:6.2f}x "
-              f"{diff:9.1e}", flush=True)
+        print(
+            f"{name:26s} {med_s * 1e3:12.1f} ({min_s * 1e3:7.1f}) {med_v * 1e3:12.1f} ({min_v * 1e3:7.1f}) "
+            f"{med_s / med_v:5.2f}x ({min_s / min_v:4.2f}x) {paired['sequential'] / paired['vectorized']:6.2f}x "
+            f"{diff:9.1e}",
+            flush=True,
+        )
         if args.compare_generic:
             gen = flat["vectorized-generic"]
             med_g, min_g = statistics.median(gen), min(gen)
             diff_g = float((weights["vectorized-generic"] - weights["vectorized"]).abs().max())
             paired_gen = paired["sequential"] / paired["vectorized-generic"]
             paired_fast = paired["vectorized-generic"] / paired["vectorized"]
-            print(f"{'  generic padded path':26s} {'':22s} {med_g * 1e3:12.1f} ({min_g * 1e3:7.1f}) "
-                  f"{med_s / med_g:5.2f}x ({min_s / min_g:4.2f}x) {paired_gen:6.2f}x "
-                  f"{diff_g:9.1e}  (fast path: {med_g / med_v:.2f}x faster, paired {paired_fast:.2f}x)",
-                  flush=True)
+            print(
+                f"{'  generic padded path':26s} {'':22s} {med_g * 1e3:12.1f} ({min_g * 1e3:7.1f}) "
+                f"{med_s / med_g:5.2f}x ({min_s / min_g:4.2f}x) {paired_gen:6.2f}x "
+                f"{diff_g:9.1e}  (fast path: {med_g / med_v:.2f}x faster, paired {paired_fast:.2f}x)",
+                flush=True,
+            )
 
         if args.auto:
             loop = run(model_fn, optimizer, datamodule, "auto", 3, init_state)[2]
             print(f"{'  auto':26s} chose {loop.client_execution_choice}: {loop.client_execution_reason}", flush=True)
+
 
 if __name__ == "__main__":
     main()

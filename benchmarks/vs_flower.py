@@ -97,12 +97,26 @@ def run_fedlightning(rounds: int, warmup: int, execution: str) -> dict:
     model = make_model()
     model.load_state_dict(init_state())
     dm = make_dm()
-    loop = FederatedLoop(model, client_optimizer=lambda p: torch.optim.SGD(p, lr=LR), local_steps=K,
-                         clients_per_round=CPR, seed=SEED, client_execution=execution)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+        local_steps=K,
+        clients_per_round=CPR,
+        seed=SEED,
+        client_execution=execution,
+    )
     clock = Clock()
-    trainer = pl.Trainer(max_steps=rounds, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[FedAvg(), clock])
+    trainer = pl.Trainer(
+        max_steps=rounds,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[FedAvg(), clock],
+    )
     t0 = time.perf_counter()
     trainer.fit(loop, datamodule=dm)
     wall = time.perf_counter() - t0
@@ -119,9 +133,12 @@ def _client_side():
     if not _CLIENT_CACHE:
         torch.set_num_threads(1)
         dm = make_dm()
-        _CLIENT_CACHE.update(x=dm.train_dataset.x, y=dm.train_dataset.y,
-                            clients=[torch.as_tensor(ix, dtype=torch.long) for ix in dm.client_indices],
-                            net=make_model())
+        _CLIENT_CACHE.update(
+            x=dm.train_dataset.x,
+            y=dm.train_dataset.y,
+            clients=[torch.as_tensor(ix, dtype=torch.long) for ix in dm.client_indices],
+            net=make_model(),
+        )
     return _CLIENT_CACHE
 
 
@@ -156,10 +173,12 @@ def build_flower_apps():
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        content = RecordDict({
-            "arrays": ArrayRecord(net.state_dict()),
-            "metrics": MetricRecord({"train_loss": float(np.mean(losses)), "num-examples": len(idx)}),
-        })
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord(net.state_dict()),
+                "metrics": MetricRecord({"train_loss": float(np.mean(losses)), "num-examples": len(idx)}),
+            }
+        )
         return Message(content=content, reply_to=msg)
 
     server_app = ServerApp()
@@ -178,10 +197,13 @@ def build_flower_apps():
                 return MetricRecord({"accuracy": RESULT["acc"]})
             return None
 
-        strategy = FedAvg(fraction_train=CPR / NUM_CLIENTS, fraction_evaluate=0.0, min_train_nodes=CPR,
-                          min_available_nodes=NUM_CLIENTS)
-        strategy.start(grid=grid, initial_arrays=ArrayRecord(init_state()), num_rounds=rounds,
-                       evaluate_fn=evaluate_fn)
+        strategy = FedAvg(
+            fraction_train=CPR / NUM_CLIENTS,
+            fraction_evaluate=0.0,
+            min_train_nodes=CPR,
+            min_available_nodes=NUM_CLIENTS,
+        )
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(init_state()), num_rounds=rounds, evaluate_fn=evaluate_fn)
 
     return server_app, client_app
 
@@ -193,12 +215,20 @@ def run_flower(rounds: int, warmup: int, cpus: int) -> dict:
     STAMPS.clear()
     RESULT.clear()
     server_app, client_app = build_flower_apps()
-    backend_config = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                      "init_args": {"num_cpus": cpus, "num_gpus": 0, "include_dashboard": False,
-                                    "log_to_driver": False, "logging_level": logging.ERROR}}
+    backend_config = {
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+        "init_args": {
+            "num_cpus": cpus,
+            "num_gpus": 0,
+            "include_dashboard": False,
+            "log_to_driver": False,
+            "logging_level": logging.ERROR,
+        },
+    }
     t0 = time.perf_counter()
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=NUM_CLIENTS,
-                   backend_config=backend_config)
+    run_simulation(
+        server_app=server_app, client_app=client_app, num_supernodes=NUM_CLIENTS, backend_config=backend_config
+    )
     wall = time.perf_counter() - t0
     # STAMPS[0] is the evaluation before round 1, STAMPS[r] the end of round r
     if len(STAMPS) != rounds + 1 or "acc" not in RESULT:
@@ -217,8 +247,10 @@ def main():
         import flwr  # noqa: F401
         import ray  # noqa: F401
     except ImportError as err:
-        print(f"Flower is not installed ({err}); this benchmark is optional: pip install 'flwr[simulation]' "
-              "(or the project's [bench] extra) to run it. Nothing measured.")
+        print(
+            f"Flower is not installed ({err}); this benchmark is optional: pip install 'flwr[simulation]' "
+            "(or the project's [bench] extra) to run it. Nothing measured."
+        )
         return 0
     if args.rounds <= args.warmup or args.warmup < 1:
         raise SystemExit("need --rounds > --warmup >= 1")
@@ -226,9 +258,12 @@ def main():
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     torch.set_num_threads(1)
-    print(f"flwr {flwr.__version__}, ray {ray.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f} at start; {args.rounds} rounds ({args.warmup} warm-up), "
-          f"{NUM_CLIENTS} clients, {CPR}/round, K={K}, batch {B}", flush=True)
+    print(
+        f"flwr {flwr.__version__}, ray {ray.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.2f} at start; {args.rounds} rounds ({args.warmup} warm-up), "
+        f"{NUM_CLIENTS} clients, {CPR}/round, K={K}, batch {B}",
+        flush=True,
+    )
     results = {}
     for mode in [m.strip() for m in args.fl_modes.split(",") if m.strip()]:
         results[f"fedlightning ({mode}, 1 process, 1 thread)"] = run_fedlightning(args.rounds, args.warmup, mode)
@@ -242,8 +277,10 @@ def main():
         print(f"{name:52s} {r['rps']:9.2f} {r['rps'] / flower['rps']:9.2f} {r['wall']:24.1f} {r['acc']:9.3f}")
     best = max(r["rps"] for n, r in results.items() if n != flower_name)
     ratio = best / flower["rps"]
-    print(f"fastest fedlightning / Flower = {ratio:.1f}x (steady-state rounds/s) -> target >= 5x "
-          f"{'met' if ratio >= 5 else 'NOT met'}")
+    print(
+        f"fastest fedlightning / Flower = {ratio:.1f}x (steady-state rounds/s) -> target >= 5x "
+        f"{'met' if ratio >= 5 else 'NOT met'}"
+    )
     return 0
 
 

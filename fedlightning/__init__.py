@@ -15,8 +15,17 @@ from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundR
 from fedlightning.vectorized import VectorizationUnsupportedError
 
 __version__ = "0.1.0"
-__all__ = ["FederatedLoop", "RoundPlan", "ClientUpdate", "RoundResult", "ClientStateStore",
-           "VectorizationUnsupportedError", "reference_mode", "set_reference_mode", "__version__"]
+__all__ = [
+    "FederatedLoop",
+    "RoundPlan",
+    "ClientUpdate",
+    "RoundResult",
+    "ClientStateStore",
+    "VectorizationUnsupportedError",
+    "reference_mode",
+    "set_reference_mode",
+    "__version__",
+]
 
 
 default_wandb_offline()

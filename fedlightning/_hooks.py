@@ -102,9 +102,17 @@ def _is_metric(value: Any) -> bool:
 #: Hooks of the user's module that run on the global model whenever Lightning calls them on the loop (fit-level and
 #: evaluation hooks); training hooks are mapped by client training instead (fedlightning.user_module.ClientHooks).
 _FORWARDED_HOOKS = (
-    "teardown", "configure_model", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
-    *(f"on_{stage}_{when}" for stage in ("validation", "test", "predict")
-      for when in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end")),
+    "teardown",
+    "configure_model",
+    "on_fit_start",
+    "on_fit_end",
+    "on_train_start",
+    "on_train_end",
+    *(
+        f"on_{stage}_{when}"
+        for stage in ("validation", "test", "predict")
+        for when in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end")
+    ),
 )
 
 

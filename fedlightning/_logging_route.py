@@ -38,8 +38,9 @@ def route_logging(model: nn.Module, log: Callable[..., None] | None, log_dict: C
 
 
 @contextmanager
-def routed_logging(model: nn.Module, log: Callable[..., None] | None,
-                   log_dict: Callable[..., None] | None) -> Iterator[nn.Module]:
+def routed_logging(
+    model: nn.Module, log: Callable[..., None] | None, log_dict: Callable[..., None] | None
+) -> Iterator[nn.Module]:
     """:func:`route_logging` for the ``with`` block; on exit the instance's previous routing (or its absence) is
     restored, also when the block raises."""
     saved = {name: model.__dict__[name] for name in _NAMES if name in model.__dict__}

@@ -32,8 +32,16 @@ from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumul
 from fedlightning.distributed import all_gather_objects, all_reduce_statistics
 from fedlightning.state import ClientUpdate, RoundPlan
 
-__all__ = ["FailurePolicy", "RoundTally", "accumulate_telemetry", "log_round", "reduce_statistics", "screen_update",
-           "server_step", "share_round_state"]
+__all__ = [
+    "FailurePolicy",
+    "RoundTally",
+    "accumulate_telemetry",
+    "log_round",
+    "reduce_statistics",
+    "screen_update",
+    "server_step",
+    "share_round_state",
+]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -53,8 +61,10 @@ class _ServerState:
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         self.params, self.optimizer = params, optimizer
         self.values = [p.detach().clone() for p in params]
-        self.state = {p: {k: (v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)) for k, v in st.items()}
-                      for p, st in optimizer.state.items()}
+        self.state = {
+            p: {k: (v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)) for k, v in st.items()}
+            for p, st in optimizer.state.items()
+        }
         self.groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
 
     @torch.no_grad()
@@ -67,8 +77,9 @@ class _ServerState:
 
 
 @torch.no_grad()
-def screen_update(update: ClientUpdate, weight: float, num_sampled: int,
-                  max_update_norm: float | None) -> Tensor | None:
+def screen_update(
+    update: ClientUpdate, weight: float, num_sampled: int, max_update_norm: float | None
+) -> Tensor | None:
     """The aggregation checks of one healthy client (the rule: :class:`~fedlightning.loop.FederatedLoop`'s
     ``max_update_norm``): ``‖Δ_i‖²`` (float64, the value the round's sums add) when the client passes; else
     ``update`` is marked failed with the reason and its update norm, and None is returned."""
@@ -84,9 +95,11 @@ def screen_update(update: ClientUpdate, weight: float, num_sampled: int,
     elif max_update_norm is not None and norm > max_update_norm:
         reason = f"update norm {norm:.4g} > max_update_norm={max_update_norm:g}"
     elif w * norm >= limit:
-        reason = (f"update norm {norm:.4g}: its weighted update (weight {weight:g}) could overflow the "
-                  f"{_dtype_name(update.delta.dtype)} sum of the round's {num_sampled} clients (limit "
-                  f"|w|·‖Δ‖ < {limit:.4g})")
+        reason = (
+            f"update norm {norm:.4g}: its weighted update (weight {weight:g}) could overflow the "
+            f"{_dtype_name(update.delta.dtype)} sum of the round's {num_sampled} clients (limit "
+            f"|w|·‖Δ‖ < {limit:.4g})"
+        )
     elif values[0] * max(w, 1.0) >= f64 / n:
         reason = f"update norm {norm:.4g}: its squared norm could overflow the float64 sums of the round"
     elif len(values) > 1:
@@ -95,13 +108,16 @@ def screen_update(update: ClientUpdate, weight: float, num_sampled: int,
         if not math.isfinite(buffer_norm):
             reason = f"update norm {norm:.4g}: non-finite float buffers (e.g. BatchNorm running statistics)"
         elif w * buffer_norm >= buffer_limit:
-            reason = (f"update norm {norm:.4g}, float buffers norm {buffer_norm:.4g}: its weighted buffers "
-                      f"could overflow the {_dtype_name(update.buffers.dtype)} sum of the round's {num_sampled} "
-                      "clients")
+            reason = (
+                f"update norm {norm:.4g}, float buffers norm {buffer_norm:.4g}: its weighted buffers "
+                f"could overflow the {_dtype_name(update.buffers.dtype)} sum of the round's {num_sampled} "
+                "clients"
+            )
     if reason is None:
         return sq_norm
     update.failed, update.failure = True, reason
     return None
+
 
 def accumulate_telemetry(stats: RoundStatistics, u: ClientUpdate, device) -> None:
     """Add one healthy client's telemetry (losses, step sizes, passes, steps) to the round's statistics."""
@@ -132,8 +148,14 @@ class RoundTally:
     after the reduction. ``stop`` is ``(client, exception or failure)`` when the policy stops the run after the
     reduction (every process reaches it first)."""
 
-    def __init__(self, strategy: ServerStrategy, num_sampled: int, device: torch.device, policy: FailurePolicy,
-                 max_update_norm: float | None) -> None:
+    def __init__(
+        self,
+        strategy: ServerStrategy,
+        num_sampled: int,
+        device: torch.device,
+        policy: FailurePolicy,
+        max_update_norm: float | None,
+    ) -> None:
         self.strategy, self.num_sampled, self.device = strategy, num_sampled, device
         self.policy, self.max_update_norm = policy, max_update_norm
         self.stats = RoundStatistics()
@@ -177,8 +199,9 @@ class RoundTally:
                 return False
             self.failed += 1
             # every process names its own clients (rank_zero_warn would drop the other processes' ones)
-            warnings.warn(f"round {plan.round}: client {update.client_id} skipped ({update.failure})", UserWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f"round {plan.round}: client {update.client_id} skipped ({update.failure})", UserWarning, stacklevel=3
+            )
             return True
         with torch.no_grad():
             accumulate_core(strategy, self.stats, update, weight=weight, sq_norm=sq_norm)
@@ -237,8 +260,8 @@ class FailurePolicy:
                 "clients out of their round)"
             ) from cause
         raise FloatingPointError(f"client {cid} failed in round {plan.round}: {what}")
-    def check_round(self, plan: RoundPlan, stats: RoundStatistics, first_error: tuple | None,
-                    model_name: str) -> None:
+
+    def check_round(self, plan: RoundPlan, stats: RoundStatistics, first_error: tuple | None, model_name: str) -> None:
         """The failure policy's stops (the ``"skip"`` policies; identical on every process, from the reduced
         counts): every client raised → the round's first exception, chained; ``max_failed_rounds`` consecutive
         rounds without a healthy client → ``FloatingPointError``.
@@ -277,6 +300,7 @@ class FailurePolicy:
                 f"(max_failed_rounds={limit}); every client's loss or update was NaN/inf or it failed. Lower the "
                 "client learning rate, clip client gradients (client_grad_clip) or raise max_failed_rounds"
             )
+
     def check_run(self, rounds: int) -> None:
         """At the end of training: a run in which no round had a healthy client (the global model never changed)
         stops with a ``FloatingPointError``, unless ``max_failed_rounds`` is None. Resumed runs count their rounds
@@ -302,8 +326,9 @@ def reduce_statistics(stats: RoundStatistics, trainer: Any, round: int) -> None:
         all_reduce_statistics(stats, round=round)
 
 
-def share_round_state(plan: RoundPlan, healthy: list[ClientUpdate], trainer: Any, client_state: Any,
-                      router: Any) -> list[tuple]:
+def share_round_state(
+    plan: RoundPlan, healthy: list[ClientUpdate], trainer: Any, client_state: Any, router: Any
+) -> list[tuple]:
     """Per-client scalars of the round's healthy clients, from every process, in sampling order; and, with
     several processes, the client-state entries written this round are exchanged so every process holds the
     whole ClientStateStore."""
@@ -313,10 +338,14 @@ def share_round_state(plan: RoundPlan, healthy: list[ClientUpdate], trainer: Any
         client_state.pop_dirty()
         return mine
     dirty = client_state.pop_dirty()
-    dirty_cpu = {k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()}
-                 for k, d in dirty.items()}
-    everything = all_gather_objects((mine, dirty_cpu, dict(router.metric_paths)), round=plan.round,
-                                    what="client summaries and client state of the round")
+    dirty_cpu = {
+        k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()} for k, d in dirty.items()
+    }
+    everything = all_gather_objects(
+        (mine, dirty_cpu, dict(router.metric_paths)),
+        round=plan.round,
+        what="client summaries and client state of the round",
+    )
     summaries: list[tuple] = []
     for rank, (theirs, entries, metric_paths) in enumerate(everything):
         summaries.extend(theirs)
@@ -325,9 +354,17 @@ def share_round_state(plan: RoundPlan, healthy: list[ClientUpdate], trainer: Any
             router.adopt_metrics(metric_paths)  # every process computes (a collective) the same metrics
     return sorted(summaries)
 
+
 @torch.no_grad()
-def server_step(pl_module: Any, strategy: ServerStrategy, optimizer: Any, params: list[Tensor],
-                stats: RoundStatistics, plan: RoundPlan, client_lr: tuple | None) -> dict[str, float]:
+def server_step(
+    pl_module: Any,
+    strategy: ServerStrategy,
+    optimizer: Any,
+    params: list[Tensor],
+    stats: RoundStatistics,
+    plan: RoundPlan,
+    client_lr: tuple | None,
+) -> dict[str, float]:
     """The server step of the round: ``Δ, η = strategy.server_update(pl_module, stats, plan)``; ``Δ`` written into
     the global ``params``' ``.grad`` and ``optimizer`` (the loop's ``LightningOptimizer``, so Lightning counts the
     round) stepped with ``η``; the result checked before it is committed (:func:`_check_candidate`); the float
@@ -337,8 +374,11 @@ def server_step(pl_module: Any, strategy: ServerStrategy, optimizer: Any, params
     n_clients = float(stats["clients"].item()) if "clients" in stats else 0.0
     metrics: dict[str, float] = {"round/clients": n_clients, "round/failed_clients": float(stats["failed"].item())}
     # the planned local steps of the round's clients (their mean with per-client counts, local_epochs)
-    metrics["round/local_steps"] = (float(plan.local_steps) if plan.client_steps is None else
-                                    sum(plan.steps_for(c) for c in plan.client_ids) / max(len(plan.client_ids), 1))
+    metrics["round/local_steps"] = (
+        float(plan.local_steps)
+        if plan.client_steps is None
+        else sum(plan.steps_for(c) for c in plan.client_ids) / max(len(plan.client_ids), 1)
+    )
     # client/lr: the learning rate the round's clients trained with (their optimizer's first parameter group,
     # after the client scheduler's steps and the round's client_lr_scale); absent for optimizers without "lr"
     if client_lr is not None and client_lr[0] == plan.round and client_lr[1] is not None:
@@ -410,14 +450,24 @@ def server_step(pl_module: Any, strategy: ServerStrategy, optimizer: Any, params
         metrics["client/step_size_min"] = -float(stats["neg_step_size_min"].item())
     return metrics
 
-def _check_candidate(model: torch.nn.Module, strategy: ServerStrategy, plan: RoundPlan, params: list[Tensor],
-                     server_opt, saved: _ServerState, pseudo_grad: Tensor, lr: float | None,
-                     extra: dict[str, float]) -> None:
+
+def _check_candidate(
+    model: torch.nn.Module,
+    strategy: ServerStrategy,
+    plan: RoundPlan,
+    params: list[Tensor],
+    server_opt,
+    saved: _ServerState,
+    pseudo_grad: Tensor,
+    lr: float | None,
+    extra: dict[str, float],
+) -> None:
     """The server step check (rule: :class:`~fedlightning.loop.FederatedLoop`'s ``max_update_norm``): if a
     global parameter or a floating tensor of the server optimizer's state is non-finite after the step, both are
     restored from ``saved`` and a ``FloatingPointError`` names the round, the strategy and the statistic."""
-    state_tensors = [v for st in server_opt.state.values() for v in st.values()
-                     if isinstance(v, Tensor) and v.is_floating_point()]
+    state_tensors = [
+        v for st in server_opt.state.values() for v in st.values() if isinstance(v, Tensor) and v.is_floating_point()
+    ]
     peak = torch.nn.utils.get_total_norm(list(params) + state_tensors, norm_type=math.inf)
     if math.isfinite(float(peak.item())):
         return
@@ -425,9 +475,12 @@ def _check_candidate(model: torch.nn.Module, strategy: ServerStrategy, plan: Rou
     where = next((f"parameter {n}" for n, p in zip(names, params) if not bool(torch.isfinite(p).all())), None)
     if where is None:
         by_param = {id(p): n for n, p in zip(names, params)}
-        where = next(f"server optimizer state {k!r} of {by_param.get(id(p), 'a parameter')}"
-                     for p, st in server_opt.state.items() for k, v in st.items()
-                     if isinstance(v, Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()))
+        where = next(
+            f"server optimizer state {k!r} of {by_param.get(id(p), 'a parameter')}"
+            for p, st in server_opt.state.items()
+            for k, v in st.items()
+            if isinstance(v, Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+        )
     saved.restore()
     for p in params:
         p.grad = None
@@ -439,8 +492,10 @@ def _check_candidate(model: torch.nn.Module, strategy: ServerStrategy, plan: Rou
         statistic = f"the server learning rate server/lr = {step_lr!r} is non-finite"
     else:
         shown = ", ".join(f"{k} = {v:.4g}" for k, v in extra.items() if isinstance(v, (int, float)))
-        statistic = (f"the step server/lr·Δ overflows: server/lr = {float(step_lr):.4g}, server/delta_norm = "
-                     f"{delta_norm:.4g}" + (f" ({shown})" if shown else ""))
+        statistic = (
+            f"the step server/lr·Δ overflows: server/lr = {float(step_lr):.4g}, server/delta_norm = "
+            f"{delta_norm:.4g}" + (f" ({shown})" if shown else "")
+        )
     raise FloatingPointError(
         f"round {plan.round}: the server step of {type(strategy).__name__} would make the global model "
         f"non-finite ({where}): {statistic}. The global model and the server optimizer state are left as they "
@@ -473,6 +528,7 @@ def log_round(pl_module: Any, trainer: Any, metrics: dict[str, float]) -> None:
         step = batches_that_stepped(trainer)
         for logger in trainer.loggers:
             logger.log_metrics(rest, step=step)
+
 
 def _step_logs_written(trainer: Any) -> bool:
     """Whether Lightning writes this round's step metrics to the loggers: its own rule, as its training loop

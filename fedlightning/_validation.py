@@ -58,8 +58,17 @@ class SettingError(ValueError):
         self.config_key = config_key
 
 
-def _fail(name: str, rule: str, value: Any, *, label: str | None, show_name: bool, allow_none: bool,
-          error: type = ValueError, hint: str = "") -> None:
+def _fail(
+    name: str,
+    rule: str,
+    value: Any,
+    *,
+    label: str | None,
+    show_name: bool,
+    allow_none: bool,
+    error: type = ValueError,
+    hint: str = "",
+) -> None:
     shown = f"{name}={value!r}" if show_name else repr(value)
     rule = rule + (" or None" if allow_none else "") + (f" ({hint})" if hint else "")
     raise error(f"{label or name} must be {rule}, got {shown}")
@@ -79,9 +88,20 @@ def _bound(low: float | None, high: float | None, low_closed: bool, high_closed:
     return ""
 
 
-def in_range(name: str, value: Any, low: float | None = None, high: float | None = None, *,
-             low_closed: bool = True, high_closed: bool = False, finite: bool = True, allow_none: bool = False,
-             label: str | None = None, show_name: bool = False, hint: str = "") -> float | None:
+def in_range(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_closed: bool = True,
+    high_closed: bool = False,
+    finite: bool = True,
+    allow_none: bool = False,
+    label: str | None = None,
+    show_name: bool = False,
+    hint: str = "",
+) -> float | None:
     """``float(value)`` for a real number in the interval (``low`` / ``high`` None: unbounded on that side;
     ``low_closed`` / ``high_closed``: whether the end belongs to it); NaN never does, ±inf only with
     ``finite=False``."""
@@ -121,8 +141,16 @@ def non_negative(name: str, value: Any, **options: Any) -> float | None:
     return in_range(name, value, 0.0, **options)
 
 
-def integer(name: str, value: Any, minimum: int | None = 1, *, allow_none: bool = False,
-            label: str | None = None, show_name: bool = False, hint: str = "") -> int | None:
+def integer(
+    name: str,
+    value: Any,
+    minimum: int | None = 1,
+    *,
+    allow_none: bool = False,
+    label: str | None = None,
+    show_name: bool = False,
+    hint: str = "",
+) -> int | None:
     """``int(value)`` for an integer (or integral float) >= ``minimum`` (None: no lower bound)."""
     if value is None and allow_none:
         return None
@@ -142,8 +170,7 @@ def integer(name: str, value: Any, minimum: int | None = 1, *, allow_none: bool 
     return v
 
 
-def one_of(name: str, value: Any, choices: Sequence[Any], *, label: str | None = None,
-           show_name: bool = False) -> Any:
+def one_of(name: str, value: Any, choices: Sequence[Any], *, label: str | None = None, show_name: bool = False) -> Any:
     """``value`` when it equals one of ``choices`` and has its type (``1`` is not ``True``)."""
     for choice in choices:
         if isinstance(value, type(choice)) and value == choice:
@@ -188,8 +215,10 @@ def check_fit_settings(trainer: Any, loop: Any) -> None:
     max_epochs = getattr(trainer, "max_epochs", None)
     if isinstance(max_steps, int) and not isinstance(max_steps, bool):
         if max_steps == 0:
-            raise SettingError("trainer.max_steps", "max_steps is the number of federated rounds and must be >= 1 "
-                                                    "(or -1 with max_epochs), got 0")
+            raise SettingError(
+                "trainer.max_steps",
+                "max_steps is the number of federated rounds and must be >= 1 (or -1 with max_epochs), got 0",
+            )
         timed = any(isinstance(cb, Timer) for cb in getattr(trainer, "callbacks", []))
         if max_steps == -1 and max_epochs == LIGHTNING_DEFAULT_MAX_EPOCHS and not timed:
             raise SettingError(
@@ -218,9 +247,11 @@ def check_val_check_interval(interval: Any) -> None:
     if _is_real(interval):
         v = float(interval)
         if not (math.isfinite(v) and v > 0):
-            raise SettingError("trainer.val_check_interval",
-                               "val_check_interval must be > 0 (validate every N rounds, or a fraction of an "
-                               f"epoch of rounds), got {interval!r}")
+            raise SettingError(
+                "trainer.val_check_interval",
+                "val_check_interval must be > 0 (validate every N rounds, or a fraction of an "
+                f"epoch of rounds), got {interval!r}",
+            )
 
 
 def check_learning_rates(optimizer: Any, config_key: str, owner: str) -> None:

@@ -31,10 +31,23 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_warn
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "RoundCheckpoint", "check_checkpoint", "check_fits_model",
-           "read_checkpoint",
-           "checkpoint_round", "remove_interrupted_writes", "safe_types", "StoreConfigCallback",
-           "config_differences", "CONFIG_KEY", "FEDLIGHTNING_FORMAT", "TEMP_PREFIX", "STALE_TEMP_SECONDS"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "CheckpointError",
+    "RoundCheckpoint",
+    "check_checkpoint",
+    "check_fits_model",
+    "read_checkpoint",
+    "checkpoint_round",
+    "remove_interrupted_writes",
+    "safe_types",
+    "StoreConfigCallback",
+    "config_differences",
+    "CONFIG_KEY",
+    "FEDLIGHTNING_FORMAT",
+    "TEMP_PREFIX",
+    "STALE_TEMP_SECONDS",
+]
 
 CONFIG_KEY = "fedlightning_config"
 FEDLIGHTNING_FORMAT = 1  #: the ``format`` number FederatedLoop writes into the checkpoint's ``fedlightning`` section
@@ -221,12 +234,13 @@ _warned_untrusted: set = set()
 def _warn_untrusted(path: str) -> None:
     if path not in _warned_untrusted:
         _warned_untrusted.add(path)
-        rank_zero_warn(f"checkpoint {path}: loading with weights_only=False (--weights_only false): any code pickled "
-                       "in the file runs now; only do this for a checkpoint you trust")
+        rank_zero_warn(
+            f"checkpoint {path}: loading with weights_only=False (--weights_only false): any code pickled "
+            "in the file runs now; only do this for a checkpoint you trust"
+        )
 
 
-def read_checkpoint(path, weights_only: bool | None = None, map_location: Any = "cpu",
-                    mmap: bool = False) -> Any:
+def read_checkpoint(path, weights_only: bool | None = None, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load(path)`` under fedlightning's policy; every failure is one :class:`CheckpointError`.
 
     **No code from files** (ours; torch's and Lightning's ``weights_only`` argument). ``weights_only`` ``None``
@@ -258,8 +272,11 @@ def _safe_load(path: str, load: Callable[[], Any]) -> Any:
         unsafe = _unsafe_type(path, err)
         if unsafe is not None:
             raise CheckpointError(
-                path, f"refuses to load: it needs the type {unsafe}, which is not an allow-listed data type and "
-                      f"could run code; {_TRUST_HINT}", unsafe_type=unsafe) from err
+                path,
+                f"refuses to load: it needs the type {unsafe}, which is not an allow-listed data type and "
+                f"could run code; {_TRUST_HINT}",
+                unsafe_type=unsafe,
+            ) from err
         raise CheckpointError(path, f"corrupt, truncated or not a checkpoint ({_reader_detail(err)})") from err
 
 
@@ -332,15 +349,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.unlink(tmp)
             raise
 
-    def load_checkpoint(self, path, map_location: Callable | None = lambda storage, loc: storage,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path, map_location: Callable | None = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         path = os.fspath(path)
         if "://" in path:  # remote: Lightning's reader (fsspec) under the same policy
             if weights_only is False:
                 _warn_untrusted(path)
                 return super().load_checkpoint(path, map_location=map_location, weights_only=False)
-            return _safe_load(path, lambda: super(AtomicCheckpointIO, self).load_checkpoint(
-                path, map_location=map_location, weights_only=True))
+            return _safe_load(
+                path,
+                lambda: super(AtomicCheckpointIO, self).load_checkpoint(
+                    path, map_location=map_location, weights_only=True
+                ),
+            )
         if not os.path.isfile(path):
             raise CheckpointError(path, "file not found")
         return read_checkpoint(path, weights_only=weights_only, map_location=map_location)
@@ -435,8 +457,10 @@ class RoundCheckpoint(ModelCheckpoint):
         try:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         except Exception as err:  # noqa: BLE001 - never hide the exception that stopped the run
-            rank_zero_warn(f"the last completed round (round {trainer.global_step}) could not be saved after the run "
-                           f"stopped: {type(err).__name__}: {err}")
+            rank_zero_warn(
+                f"the last completed round (round {trainer.global_step}) could not be saved after the run "
+                f"stopped: {type(err).__name__}: {err}"
+            )
 
 
 def _first_line(err: BaseException) -> str:
@@ -452,8 +476,9 @@ def _listed(items: list[str]) -> str:
     return ", ".join(items[:_LIST_AT_MOST]) + (f" (and {more} more)" if more > 0 else "")
 
 
-def check_checkpoint(path, model: torch.nn.Module | None = None, weights_only: bool | None = None,
-                     mmap: bool = False) -> dict[str, Any]:
+def check_checkpoint(
+    path, model: torch.nn.Module | None = None, weights_only: bool | None = None, mmap: bool = False
+) -> dict[str, Any]:
     """Load ``path`` on the CPU and return the checkpoint, or raise :class:`CheckpointError` naming the problem
     (listed below). With ``model`` (the :class:`~fedlightning.FederatedLoop` the run will load it into),
     the checkpoint's ``state_dict`` must have exactly the model's keys and shapes.
@@ -485,15 +510,22 @@ def check_checkpoint(path, model: torch.nn.Module | None = None, weights_only: b
         raise CheckpointError(path, "the file is empty (0 bytes): corrupt, truncated or not a checkpoint")
     ckpt = read_checkpoint(path, weights_only=weights_only, mmap=mmap)
     if not isinstance(ckpt, Mapping) or not isinstance(ckpt.get("state_dict"), Mapping):
-        raise CheckpointError(path, "not a Lightning checkpoint (no 'state_dict'); pass a .ckpt file a fedlightning "
-                                    "run wrote")
+        raise CheckpointError(
+            path, "not a Lightning checkpoint (no 'state_dict'); pass a .ckpt file a fedlightning run wrote"
+        )
     fed = ckpt.get("fedlightning")
     if not isinstance(fed, Mapping):
-        raise CheckpointError(path, "a Lightning checkpoint of another LightningModule, not of a FederatedLoop (no "
-                                    "'fedlightning' section): it cannot resume a federated run")
+        raise CheckpointError(
+            path,
+            "a Lightning checkpoint of another LightningModule, not of a FederatedLoop (no "
+            "'fedlightning' section): it cannot resume a federated run",
+        )
     if fed.get("format") != FEDLIGHTNING_FORMAT:
-        raise CheckpointError(path, f"unsupported fedlightning checkpoint format {fed.get('format')!r} (this version "
-                                    f"reads format {FEDLIGHTNING_FORMAT})")
+        raise CheckpointError(
+            path,
+            f"unsupported fedlightning checkpoint format {fed.get('format')!r} (this version "
+            f"reads format {FEDLIGHTNING_FORMAT})",
+        )
     if model is not None:
         check_fits_model(path, ckpt, model)
     return ckpt
@@ -516,9 +548,12 @@ def check_fits_model(path, ckpt: Mapping[str, Any], model: torch.nn.Module) -> N
             bad = ~torch.isfinite(value)
             if bool(bad.any()):
                 first = float(value.reshape(-1)[bad.reshape(-1)][0])
-                raise CheckpointError(path, f"its weights are non-finite: {key} holds {first} ({int(bad.sum())} of "
-                                            f"{value.numel()} values); a diverged model cannot be resumed or "
-                                            "evaluated: resume an earlier checkpoint")
+                raise CheckpointError(
+                    path,
+                    f"its weights are non-finite: {key} holds {first} ({int(bad.sum())} of "
+                    f"{value.numel()} values); a diverged model cannot be resumed or "
+                    "evaluated: resume an earlier checkpoint",
+                )
 
 
 def _check_state_dict(path: str, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
@@ -527,7 +562,9 @@ def _check_state_dict(path: str, saved: Mapping[str, Any], expected: Mapping[str
     shapes = [
         f"{k} {tuple(saved[k].shape)} vs {tuple(expected[k].shape)}"
         for k in expected
-        if k in saved and hasattr(saved[k], "shape") and hasattr(expected[k], "shape")
+        if k in saved
+        and hasattr(saved[k], "shape")
+        and hasattr(expected[k], "shape")
         and tuple(saved[k].shape) != tuple(expected[k].shape)
     ]
     if not (missing or unexpected or shapes):
@@ -539,8 +576,9 @@ def _check_state_dict(path: str, saved: Mapping[str, Any], expected: Mapping[str
         parts.append(f"missing in the checkpoint: {_listed(missing)}")
     if unexpected:
         parts.append(f"not in the model: {_listed(unexpected)}")
-    raise CheckpointError(path, "its weights do not fit the configured model (another architecture?): "
-                                + "; ".join(parts))
+    raise CheckpointError(
+        path, "its weights do not fit the configured model (another architecture?): " + "; ".join(parts)
+    )
 
 
 # ====================================================================== the configuration stored in checkpoints
@@ -573,8 +611,11 @@ def _compared(config: Mapping[str, Any]) -> dict[str, Any]:
     callbacks = trainer.get("callbacks") if isinstance(trainer, Mapping) else None
     if isinstance(callbacks, Mapping):
         callbacks = [callbacks]
-    callbacks = [cb for cb in (callbacks or [])
-                 if not (isinstance(cb, Mapping) and str(cb.get("class_path", "")).startswith("lightning."))]
+    callbacks = [
+        cb
+        for cb in (callbacks or [])
+        if not (isinstance(cb, Mapping) and str(cb.get("class_path", "")).startswith("lightning."))
+    ]
     out: dict[str, Any] = {}
     for key in ("model", "data", "seed_everything"):
         _flatten(config.get(key), key, out)

@@ -189,17 +189,29 @@ class FederatedCLI(LightningCLI):
     # ------------------------------------------------------------------ parser
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_subclass_arguments(
-            Optimizer, "optimizer", instantiate=False, fail_untyped=False, skip={"params"}, required=False,
+            Optimizer,
+            "optimizer",
+            instantiate=False,
+            fail_untyped=False,
+            skip={"params"},
+            required=False,
             help=SERVER_OPTIMIZER_HELP.format(key="--optimizer"),
         )
         parser.add_subclass_arguments(
-            LRSchedulerTypeTuple, "lr_scheduler", instantiate=False, fail_untyped=False, skip={"optimizer"},
-            required=False, help=SERVER_OPTIMIZER_HELP.format(key="--lr_scheduler"),
+            LRSchedulerTypeTuple,
+            "lr_scheduler",
+            instantiate=False,
+            fail_untyped=False,
+            skip={"optimizer"},
+            required=False,
+            help=SERVER_OPTIMIZER_HELP.format(key="--lr_scheduler"),
         )
         parser.add_argument(
-            "--resume_mismatch", choices=["refuse", "allow"], default="refuse",
+            "--resume_mismatch",
+            choices=["refuse", "allow"],
+            default="refuse",
             help="fit --ckpt_path: when the checkpoint's run used other model / data / seed / strategy settings, "
-                 "'refuse' (default) lists the differences and stops; 'allow' lists them and resumes.",
+            "'refuse' (default) lists the differences and stops; 'allow' lists them and resumes.",
         )
         parser.add_argument(
             "--test_after_fit",
@@ -228,8 +240,11 @@ class FederatedCLI(LightningCLI):
             check_val_check_interval(trainer.get("val_check_interval"))
         seed = config.get("seed_everything")
         if seed is not None and not isinstance(seed, bool) and not 0 <= seed <= _MAX_SEED:
-            raise SettingError("seed_everything", f"seed_everything must be an integer in [0, {_MAX_SEED}] (numpy's "
-                                                  f"seed range) or true/false, got {seed!r}")
+            raise SettingError(
+                "seed_everything",
+                f"seed_everything must be an integer in [0, {_MAX_SEED}] (numpy's "
+                f"seed range) or true/false, got {seed!r}",
+            )
 
     def _parse_ckpt_path(self) -> None:
         """Check an explicit ``--ckpt_path`` file before anything else reads it (replaces LightningCLI's reading of
@@ -266,7 +281,8 @@ class FederatedCLI(LightningCLI):
             added = RoundCheckpoint(save_last=True, every_n_train_steps=self.checkpoint_every_n_rounds)
             config["callbacks"] = list(config.get("callbacks") or []) + [added]
         config["callbacks"] = list(config.get("callbacks") or []) + [
-            StoreConfigCallback(self._config_dict()), self._rounds_run
+            StoreConfigCallback(self._config_dict()),
+            self._rounds_run,
         ]
         trainer = super()._instantiate_trainer(config, callbacks)
         if added is not None and trainer.logger is None:
@@ -319,15 +335,17 @@ class FederatedCLI(LightningCLI):
             return
         saved = ckpt.get(CONFIG_KEY)
         if not isinstance(saved, dict):
-            rank_zero_warn(f"checkpoint {path} stores no run configuration: its settings cannot be compared with "
-                           "this run's")
+            rank_zero_warn(
+                f"checkpoint {path} stores no run configuration: its settings cannot be compared with this run's"
+            )
             return
         diffs = config_differences(saved, self._config_dict())
         if not diffs:
             return
         if self.config[sub].get("resume_mismatch", "refuse") == "allow":
-            rank_zero_warn(f"resuming from {path}, written with other settings (--resume_mismatch=allow):\n  "
-                           + "\n  ".join(diffs))
+            rank_zero_warn(
+                f"resuming from {path}, written with other settings (--resume_mismatch=allow):\n  " + "\n  ".join(diffs)
+            )
             return
         raise CheckpointError(
             path,
@@ -346,23 +364,33 @@ class FederatedCLI(LightningCLI):
             logger = trainer.loggers[0]
             save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
             base = os.path.join(save_dir, str(logger.name))
-            patterns = [os.path.join(glob.escape(base), "*", "checkpoints"),
-                        os.path.join(glob.escape(base), "checkpoints")]
+            patterns = [
+                os.path.join(glob.escape(base), "*", "checkpoints"),
+                os.path.join(glob.escape(base), "checkpoints"),
+            ]
         else:
             base = os.path.join(trainer.default_root_dir, "checkpoints")
             patterns = [os.path.join(glob.escape(base), "*"), glob.escape(base)]
         found = [d for p in patterns for d in sorted(glob.glob(p)) if os.path.isdir(d)]
         for cb in trainer.callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None and not _is_version_dir_of(cb.dirpath, base) \
-                    and os.path.isdir(cb.dirpath):
+            if (
+                isinstance(cb, ModelCheckpoint)
+                and cb.dirpath is not None
+                and not _is_version_dir_of(cb.dirpath, base)
+                and os.path.isdir(cb.dirpath)
+            ):
                 found.append(os.fspath(cb.dirpath))
         return list(dict.fromkeys(os.path.abspath(d) for d in found)), base
 
     def _last_candidates(self) -> list[str]:
         """Every ``*.ckpt`` file in the searched folders (temporary ``.tmp-*`` files excluded)."""
         directories, _ = self._run_directories()
-        files = {os.path.join(d, f) for d in directories for f in os.listdir(d)
-                 if f.endswith(".ckpt") and not f.startswith(TEMP_PREFIX) and os.path.isfile(os.path.join(d, f))}
+        files = {
+            os.path.join(d, f)
+            for d in directories
+            for f in os.listdir(d)
+            if f.endswith(".ckpt") and not f.startswith(TEMP_PREFIX) and os.path.isfile(os.path.join(d, f))
+        }
         return sorted(files)
 
     def _resolve_keyword(self, keyword: str, weights_only: bool | None = None) -> str | None:
@@ -371,8 +399,10 @@ class FederatedCLI(LightningCLI):
         where = self._runs_description()
         removed = remove_interrupted_writes(directories)
         if removed:
-            rank_zero_info(f"--ckpt_path {keyword}: removed {len(removed)} temporary file(s) of interrupted checkpoint "
-                           f"writes: {', '.join(removed)}")
+            rank_zero_info(
+                f"--ckpt_path {keyword}: removed {len(removed)} temporary file(s) of interrupted checkpoint "
+                f"writes: {', '.join(removed)}"
+            )
         candidates = self._last_candidates()
         newest: tuple[tuple[int, float, str], dict[str, Any]] | None = None
         for path in candidates:
@@ -394,22 +424,31 @@ class FederatedCLI(LightningCLI):
                 rank_zero_warn(f"--ckpt_path last: no complete checkpoint found in {where}; starting from round 0")
                 return None
             (round_, _, path), ckpt = newest
-            rank_zero_info(f"--ckpt_path last: resuming from {path} (round {round_}, the newest complete of "
-                           f"{len(candidates)} checkpoint file(s) in {where})")
+            rank_zero_info(
+                f"--ckpt_path last: resuming from {path} (round {round_}, the newest complete of "
+                f"{len(candidates)} checkpoint file(s) in {where})"
+            )
             self._checked = (path, ckpt)
             return path
         if newest is None:
             raise CheckpointError(f"best ({where})", "no complete checkpoint of this config's runs found; pass a file")
         (_, _, path), ckpt = newest
         for key, state in (ckpt.get("callbacks") or {}).items():
-            if str(key).startswith("ModelCheckpoint") and isinstance(state, dict) and state.get("monitor") \
-                    and state.get("best_model_path"):
+            if (
+                str(key).startswith("ModelCheckpoint")
+                and isinstance(state, dict)
+                and state.get("monitor")
+                and state.get("best_model_path")
+            ):
                 best = state["best_model_path"]
                 rank_zero_info(f"--ckpt_path best: using {best} (best {state['monitor']}, recorded in {path})")
                 return best
-        raise CheckpointError(path, "--ckpt_path best: this newest checkpoint of the config's runs records no "
-                                    "best model (the CLI's default checkpoint monitors no metric; add a "
-                                    "ModelCheckpoint with a monitor to trainer.callbacks, or pass a file)")
+        raise CheckpointError(
+            path,
+            "--ckpt_path best: this newest checkpoint of the config's runs records no "
+            "best model (the CLI's default checkpoint monitors no metric; add a "
+            "ModelCheckpoint with a monitor to trainer.callbacks, or pass a file)",
+        )
 
     def _runs_description(self) -> str:
         trainer = self.trainer
@@ -542,7 +581,7 @@ def _config_error_line(err: BaseException, config: dict[str, Any]) -> str | None
         key = _config_key(e, config) if config else None
         if not (_raised_in_package(e) or key is not None):
             continue
-        for inner in chain[i + 1:]:  # a chained error may name the argument more precisely
+        for inner in chain[i + 1 :]:  # a chained error may name the argument more precisely
             found = getattr(inner, "config_key", None) or (_config_key(inner, config) if config else None)
             if found is not None and (key is None or found.startswith(key + ".")):
                 key = found
@@ -558,7 +597,7 @@ def _config_error_line(err: BaseException, config: dict[str, Any]) -> str | None
 _RENAMED: dict[tuple[str, str], str] = {
     ("fedlightning.optim.SPS", "c"): "SPS's c is now polyak_c",
     ("fedlightning.optim.SPS", "lr"): "SPS takes no lr: its step is the Polyak step (a fixed step for FedSPS-Global "
-                                      "clients is fixed_step_size)",
+    "clients is fixed_step_size)",
     ("fedlightning.callbacks.FedAdagrad", "eps"): "FedAdagrad's eps is now tau",
     ("fedlightning.callbacks.FedAdam", "eps"): "FedAdam's eps is now tau",
     ("fedlightning.callbacks.FedYogi", "eps"): "FedYogi's eps is now tau",
@@ -568,8 +607,12 @@ _RENAMED: dict[tuple[str, str], str] = {
 
 #: Union alternatives that never explain a failure: the "path to a config file" reading of any value, the generic
 #: subclass hint and ``None``.
-_UNINFORMATIVE = ("Expected a path but", "Not a valid subclass of", "Expected a <class 'NoneType'>",
-                  "Expected a dot import path string")
+_UNINFORMATIVE = (
+    "Expected a path but",
+    "Not a valid subclass of",
+    "Expected a <class 'NoneType'>",
+    "Expected a dot import path string",
+)
 #: jsonargparse's list of the forms a subclass argument may take (a hint, not a reason).
 _HINTS = ("Subclass types expect", "a class path (str)", "a dict with", "a dict without")
 
@@ -612,8 +655,16 @@ def _type_phrase(spec: str) -> str:
         return f"one of {lit.group(1)}"
     cls = re.fullmatch(r"<class '([\w.]+)'>", spec)
     name = cls.group(1) if cls else spec
-    short = {"NoneType": "null", "bool": "a bool (true/false)", "int": "an int", "float": "a float",
-             "str": "a string", "list": "a list", "dict": "a mapping", "collections.abc.Sequence": "a list"}
+    short = {
+        "NoneType": "null",
+        "bool": "a bool (true/false)",
+        "int": "an int",
+        "float": "a float",
+        "str": "a string",
+        "list": "a list",
+        "dict": "a mapping",
+        "collections.abc.Sequence": "a list",
+    }
     if name in short:
         return short[name]
     return f"a {name.rsplit('.', 1)[-1]}"
@@ -665,8 +716,9 @@ def _parameters(class_path: str | None) -> tuple[str, list[str]]:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
         return cls.__name__, []
-    return cls.__name__, [n for n, p in params.items()
-                          if n not in ("self", "params") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return cls.__name__, [
+        n for n, p in params.items() if n not in ("self", "params") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
 
 
 class _ParserError:
@@ -701,8 +753,13 @@ class _ParserError:
 
     # ---------------------------------------------------------------- leaves
     def expected(self, types: list[str], value: str | None) -> None:
-        literals = [v.strip() for t in types for m in [re.fullmatch(r"typing\.Literal\[(.*)\]", t.strip())] if m
-                    for v in m.group(1).split(",")]
+        literals = [
+            v.strip()
+            for t in types
+            for m in [re.fullmatch(r"typing\.Literal\[(.*)\]", t.strip())]
+            if m
+            for v in m.group(1).split(",")
+        ]
         phrases = [_type_phrase(t) for t in types if "NoneType" not in t and "Literal[" not in t]
         if literals:
             phrases.insert(0, f"one of {', '.join(dict.fromkeys(literals))}")
@@ -721,9 +778,9 @@ class _ParserError:
                     return
             cls_name, accepted = _parameters(owner)
             close = _closest(name, accepted)
-            self.message = (f"{cls_name} has no argument {name!r}"
-                            + (f" (did you mean {close}?)" if close else f"; it accepts {', '.join(accepted)}"
-                               if accepted else ""))
+            self.message = f"{cls_name} has no argument {name!r}" + (
+                f" (did you mean {close}?)" if close else f"; it accepts {', '.join(accepted)}" if accepted else ""
+            )
             return
         self.path.extend(name.split("."))
         self.message = _unknown_key_message(".".join(self.path), self.known_keys)
@@ -737,8 +794,9 @@ class _ParserError:
         except Exception:  # noqa: BLE001
             names = []
         close = _closest(name, names)
-        self.message = (f"{module}.{name} does not exist (module {module} has no {name!r}"
-                        + (f"; did you mean {module}.{close}?)" if close else ")"))
+        self.message = f"{module}.{name} does not exist (module {module} has no {name!r}" + (
+            f"; did you mean {module}.{close}?)" if close else ")"
+        )
 
     def other(self, text: str) -> None:
         self.message = " ".join(text.split())
@@ -747,22 +805,27 @@ class _ParserError:
     def walk_list(self, nodes: list[_Node]) -> bool:
         for n in nodes:
             if n.text.startswith("Given value: "):
-                self.given = n.text[len("Given value: "):]
+                self.given = n.text[len("Given value: ") :]
         errors = next((n for n in nodes if n.text == "Errors:"), None)
         if errors is not None and any(n.text.startswith("Does not validate against any") for n in nodes):
             scored = [(self._score(b), i, b) for i, b in enumerate(errors.children)]
             best = max(scored, key=lambda s: (s[0], -s[1]))
             if best[0] > 0:
                 return self.walk(best[2].text, best[2].children)
-            types = [m.group(1) for b in errors.children
-                     for m in [re.fullmatch(r"Expected a (.+?)(?:\. Got value: .*)?", b.text)] if m
-                     and not b.text.startswith(_UNINFORMATIVE[-1])]
+            types = [
+                m.group(1)
+                for b in errors.children
+                for m in [re.fullmatch(r"Expected a (.+?)(?:\. Got value: .*)?", b.text)]
+                if m and not b.text.startswith(_UNINFORMATIVE[-1])
+            ]
             self.expected(types, self.given)
             return True
         ranked = sorted(enumerate(nodes), key=lambda t: (-self._score(t[1]), t[0]))
         for _, n in ranked:
-            if n.text.startswith(("Given value", "Subtypes:", "Errors:", "Expected a path but",
-                                  "Expected a dot import path string") + _HINTS):
+            if n.text.startswith(
+                ("Given value", "Subtypes:", "Errors:", "Expected a path but", "Expected a dot import path string")
+                + _HINTS
+            ):
                 continue
             if self.walk(n.text, n.children):
                 return True
@@ -777,8 +840,11 @@ class _ParserError:
             return 0
         if re.search(r"class_path '(lightning\.|lightning\.pytorch\.)?Callback'", text):
             return 1  # the base class's reading of a subclass argument
-        if re.search(r'Parser key "|Problem with given class_path|callable class:|is not accepted|'
-                     r"has no attribute|No module named|are required", text):
+        if re.search(
+            r'Parser key "|Problem with given class_path|callable class:|is not accepted|'
+            r"has no attribute|No module named|are required",
+            text,
+        ):
             return 3
         if node.text.startswith("Expected a "):
             return 0
@@ -832,8 +898,11 @@ class _ParserError:
             names = [n.strip() for n in m.group(1).split(",")]
             self.add_key(names[0])
             owner = (self.class_path or "").rsplit(".", 1)[-1]
-            self.message = (f"{owner} needs {', '.join(names)} (not given)" if owner
-                            else f"required, not given ({', '.join(names)})")
+            self.message = (
+                f"{owner} needs {', '.join(names)} (not given)"
+                if owner
+                else f"required, not given ({', '.join(names)})"
+            )
             return True
         if children:
             if self.walk_list(children):
@@ -848,7 +917,7 @@ def _unknown_key_message(key: str, known_keys: list[str]) -> str:
     """``unknown option ...; did you mean ...?`` for a key no parser knows (the closest sibling key, else the
     closest key)."""
     prefix, _, last = key.rpartition(".")
-    siblings = [k[len(prefix) + 1:].split(".")[0] for k in known_keys if prefix and k.startswith(prefix + ".")]
+    siblings = [k[len(prefix) + 1 :].split(".")[0] for k in known_keys if prefix and k.startswith(prefix + ".")]
     close = _closest(last, siblings) if siblings else None
     if not siblings:  # the prefix itself is unknown (trainr.max_steps): name the whole key
         last = key

@@ -56,6 +56,7 @@ class _StepSkipped(Exception):
     """Raised by the client objective's closure when ``training_step`` returned ``None`` at a gradient evaluation:
     ends a closure-based optimizer's step before it changed anything (caught around ``optimizer.step``)."""
 
+
 ObjectiveTerm = Callable[[Sequence[Tensor]], Tensor]
 
 
@@ -111,13 +112,21 @@ def _plain_sgd_lrs(optimizer: torch.optim.Optimizer) -> list[float] | None:
         return None
     from torch.optim import optimizer as _opt_module
 
-    if (getattr(_opt_module, "_global_optimizer_pre_hooks", None)
-            or getattr(_opt_module, "_global_optimizer_post_hooks", None)):
+    if getattr(_opt_module, "_global_optimizer_pre_hooks", None) or getattr(
+        _opt_module, "_global_optimizer_post_hooks", None
+    ):
         return None
     lrs = []
     for g in optimizer.param_groups:
-        if (g.get("momentum", 0) != 0 or g.get("weight_decay", 0) != 0 or g.get("nesterov") or g.get("maximize")
-                or g.get("differentiable") or g.get("fused") or isinstance(g.get("lr"), Tensor)):
+        if (
+            g.get("momentum", 0) != 0
+            or g.get("weight_decay", 0) != 0
+            or g.get("nesterov")
+            or g.get("maximize")
+            or g.get("differentiable")
+            or g.get("fused")
+            or isinstance(g.get("lr"), Tensor)
+        ):
             return None
         lrs.append(float(g["lr"]))
     return lrs
@@ -367,8 +376,15 @@ class LocalTrainer:
             as they are (32-bit and mixed precision: autocast is the Trainer's around the whole round).
     """
 
-    def __init__(self, model: nn.Module, to_device: Callable[[Any], Any] = lambda b: b, grad_clip: float | None = None,
-                 hooks: Any = None, metrics: Any = None, convert_input: Callable[[Any], Any] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        to_device: Callable[[Any], Any] = lambda b: b,
+        grad_clip: float | None = None,
+        hooks: Any = None,
+        metrics: Any = None,
+        convert_input: Callable[[Any], Any] | None = None,
+    ):
         self.model = model
         self.to_device = to_device
         self.convert_input = convert_input
@@ -392,10 +408,22 @@ class LocalTrainer:
         optimizer_step = optimizer.step if sgd_lrs is None else partial(_plain_sgd_step, optimizer, sgd_lrs)
         devices = [self.params[0].device] if self.params and self.params[0].device.type == "cuda" else []
         return _StepPlan(
-            model=self.model, model_name=self.model_name, params=self.params, buffers=self.buffers,
-            metrics=self.metrics, optimizer=optimizer, terms=terms, hooks=hooks, convert=self.convert_input,
-            to_device=self.to_device if devices else None, devices=devices, zero_grad=zero_grad,
-            optimizer_step=optimizer_step, grad_clip=self.grad_clip, adaptive=adaptive, reference=reference,
+            model=self.model,
+            model_name=self.model_name,
+            params=self.params,
+            buffers=self.buffers,
+            metrics=self.metrics,
+            optimizer=optimizer,
+            terms=terms,
+            hooks=hooks,
+            convert=self.convert_input,
+            to_device=self.to_device if devices else None,
+            devices=devices,
+            zero_grad=zero_grad,
+            optimizer_step=optimizer_step,
+            grad_clip=self.grad_clip,
+            adaptive=adaptive,
+            reference=reference,
             lean=not (reference or adaptive or terms or hooks is not _NO_HOOKS),
         )
 
@@ -432,18 +460,28 @@ class LocalTrainer:
             tally = steps(plan, _cycle(loader, local_steps, plan.reference))
         return self._update(client_id, global_flat, num_samples, tally, float_buffer_mask)
 
-    def _update(self, client_id: int, global_flat: Tensor, num_samples: int, tally: _Tally,
-                float_buffer_mask: Sequence[bool] | None) -> ClientUpdate:
+    def _update(
+        self,
+        client_id: int,
+        global_flat: Tensor,
+        num_samples: int,
+        tally: _Tally,
+        float_buffer_mask: Sequence[bool] | None,
+    ) -> ClientUpdate:
         """The :class:`ClientUpdate` of the client whose steps ``tally`` counted: its delta from the global weights,
         losses, counts, float buffers (``float_buffer_mask``) and failure (a non-finite loss or update)."""
         delta = global_flat - flat_params(self.params).to(global_flat.dtype)
         if tally.losses:
             loss_vec = torch.stack(tally.losses).float()
             # one host transfer for the four per-client scalars (one sync on an accelerator instead of four)
-            first, mean, loss_ok, delta_ok = torch.stack([
-                loss_vec[0], loss_vec.mean(), torch.isfinite(loss_vec).all().float(),
-                torch.isfinite(delta).all().float(),
-            ]).tolist()
+            first, mean, loss_ok, delta_ok = torch.stack(
+                [
+                    loss_vec[0],
+                    loss_vec.mean(),
+                    torch.isfinite(loss_vec).all().float(),
+                    torch.isfinite(delta).all().float(),
+                ]
+            ).tolist()
         else:  # every step skipped (healthy, update 0), or none run (on_train_batch_start -1 at k = 0: failed)
             first = mean = float("nan")
             loss_ok, delta_ok = float(tally.steps_run > 0), float(bool(torch.isfinite(delta).all()))

@@ -139,8 +139,11 @@ def all_reduce_statistics(stats: RoundStatistics, round: int | None = None) -> N
         else:
             dt = getattr(torch, dtype.split(".")[-1])
             dev = next(iter(stats.values.values())).device if stats.values else torch.device("cpu")
-            t = (torch.zeros(shape, dtype=dt, device=dev) if op == "sum"
-                 else torch.full(shape, -float("inf"), dtype=dt, device=dev))
+            t = (
+                torch.zeros(shape, dtype=dt, device=dev)
+                if op == "sum"
+                else torch.full(shape, -float("inf"), dtype=dt, device=dev)
+            )
         t = t.contiguous()
         with _named(f"all_reduce (round statistic {k!r}, {op})", round, timeout):
             dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)

@@ -39,8 +39,7 @@ class ClientExecutor(Protocol):
     reason: str | None
     engine: VectorizedClientTrainer | None
 
-    def updates(self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor) -> Iterator[Outcome]:
-        ...
+    def updates(self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor) -> Iterator[Outcome]: ...
 
 
 class SequentialExecutor:

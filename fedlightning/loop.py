@@ -198,7 +198,8 @@ class FederatedLoop(pl.LightningModule):
             raise ValueError(
                 f"local_steps={local_steps} and local_epochs={local_epochs} are both set; set one of them and the "
                 "other to null (model.local_steps: a fixed number of steps per client; model.local_epochs: passes "
-                "over each client's data)")
+                "over each client's data)"
+            )
         if local_steps is None and local_epochs is None:
             local_steps = self.DEFAULT_LOCAL_STEPS
         clients_per_round = integer("clients_per_round", clients_per_round)
@@ -348,19 +349,26 @@ class FederatedLoop(pl.LightningModule):
         return self._executor.engine
 
     # the failure settings and counter live in the round's FailurePolicy (fedlightning._round)
-    on_client_failure = property(lambda self: self._policy.on_client_failure,
-                                 lambda self, v: setattr(self._policy, "on_client_failure", v),
-                                 doc="What happens to a client whose result is unusable (see the class docstring).")
-    on_client_error = property(lambda self: self._policy.on_client_error,
-                               lambda self, v: setattr(self._policy, "on_client_error", v),
-                               doc="What happens when a client's training raises (see the class docstring).")
-    max_failed_rounds = property(lambda self: self._policy.max_failed_rounds,
-                                 lambda self, v: setattr(self._policy, "max_failed_rounds", v),
-                                 doc="Consecutive rounds without a healthy client tolerated (class docstring).")
+    on_client_failure = property(
+        lambda self: self._policy.on_client_failure,
+        lambda self, v: setattr(self._policy, "on_client_failure", v),
+        doc="What happens to a client whose result is unusable (see the class docstring).",
+    )
+    on_client_error = property(
+        lambda self: self._policy.on_client_error,
+        lambda self, v: setattr(self._policy, "on_client_error", v),
+        doc="What happens when a client's training raises (see the class docstring).",
+    )
+    max_failed_rounds = property(
+        lambda self: self._policy.max_failed_rounds,
+        lambda self, v: setattr(self._policy, "max_failed_rounds", v),
+        doc="Consecutive rounds without a healthy client tolerated (class docstring).",
+    )
     rounds_without_healthy_client = property(
         lambda self: self._policy.rounds_without_healthy_client,
         lambda self, v: setattr(self._policy, "rounds_without_healthy_client", int(v)),
-        doc="Consecutive rounds, up to now, in which no client was healthy (checkpointed).")
+        doc="Consecutive rounds, up to now, in which no client was healthy (checkpointed).",
+    )
 
     @property
     def client_execution(self) -> str:
@@ -444,8 +452,11 @@ class FederatedLoop(pl.LightningModule):
             to_device = (lambda b: b) if self.device.type == "cpu" else (lambda b: move_data_to_device(b, self.device))
             hooks = ClientHooks(work)
             w = LocalTrainer(
-                work, to_device=to_device, grad_clip=self.client_grad_clip,
-                hooks=hooks if hooks.any else None, metrics=MetricStates(work),
+                work,
+                to_device=to_device,
+                grad_clip=self.client_grad_clip,
+                hooks=hooks if hooks.any else None,
+                metrics=MetricStates(work),
                 convert_input=self._input_conversion(trainer_ref),
             )
             w.router = router  # type: ignore[attr-defined]
@@ -594,17 +605,22 @@ class FederatedLoop(pl.LightningModule):
         before = plan.local_steps
         call_federated_hook(self.trainer, self, "on_round_start", plan)
         if plan.client_steps is not None and plan.local_steps != before:
-            owners = ", ".join(type(cb).__name__ for cb in self.trainer.callbacks
-                               if callable(getattr(cb, "on_round_start", None))
-                               and type(cb).on_round_start is not FederatedCallback.on_round_start)
+            owners = ", ".join(
+                type(cb).__name__
+                for cb in self.trainer.callbacks
+                if callable(getattr(cb, "on_round_start", None))
+                and type(cb).on_round_start is not FederatedCallback.on_round_start
+            )
             raise ValueError(
                 f"round {plan.round}: on_round_start ({owners}) set plan.local_steps={plan.local_steps!r}, but with "
                 f"model.local_epochs={self.local_epochs} each client's steps are plan.client_steps; change those, or "
-                "set model.local_steps instead of model.local_epochs")
+                "set model.local_steps instead of model.local_epochs"
+            )
         label = f"round {plan.round}: local_steps"
         if plan.client_steps is not None:
-            plan.client_steps = {int(c): integer("local_steps", n, label=f"{label} of client {c}")
-                                 for c, n in plan.client_steps.items()}
+            plan.client_steps = {
+                int(c): integer("local_steps", n, label=f"{label} of client {c}") for c, n in plan.client_steps.items()
+            }
             missing = [c for c in plan.client_ids if c not in plan.client_steps]
             if missing:
                 raise ValueError(f"{label}: plan.client_steps has no entry for client(s) {missing}")
@@ -671,10 +687,12 @@ class FederatedLoop(pl.LightningModule):
     def _step_server(self, plan: RoundPlan, stats: RoundStatistics, tally: RoundTally) -> RoundResult:
         """The server step on the reduced statistics (:func:`~fedlightning._round.server_step`), and the round's
         :class:`~fedlightning.state.RoundResult` (its metrics, and every process's healthy clients' losses)."""
-        summaries = share_round_state(plan, tally.healthy, self.trainer, self.client_state,
-                                      self._worker_trainer().router)
-        metrics = server_step(self, self.strategy, self.optimizers(), self._global_params(), stats, plan,
-                              self._runtime.client_lr)
+        summaries = share_round_state(
+            plan, tally.healthy, self.trainer, self.client_state, self._worker_trainer().router
+        )
+        metrics = server_step(
+            self, self.strategy, self.optimizers(), self._global_params(), stats, plan, self._runtime.client_lr
+        )
         n_failed = int(stats["failed"].item())
         self.failed_clients_total += n_failed
         return RoundResult(

@@ -214,7 +214,8 @@ class ModuleOptimizer:
         for cfg in configs:
             if cfg.scheduler.optimizer is not optimizers[0]:
                 raise ValueError(
-                    f"{self.model_name}.configure_optimizers(): a scheduler is not attached to its optimizer")
+                    f"{self.model_name}.configure_optimizers(): a scheduler is not attached to its optimizer"
+                )
         return optimizers[0], configs
 
     @staticmethod

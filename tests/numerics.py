@@ -32,8 +32,21 @@ import torch
 
 from fedlightning.datamodules import ArrayDataset, DigitsDataModule
 
-__all__ = ["EPS32", "EPS64", "RTOL64", "rtol32", "tol64", "assert_close64", "assert_close32", "assert_rounding_close",
-           "Float64Inputs", "Digits64", "float64_data", "to_float64", "flat"]
+__all__ = [
+    "EPS32",
+    "EPS64",
+    "RTOL64",
+    "rtol32",
+    "tol64",
+    "assert_close64",
+    "assert_close32",
+    "assert_rounding_close",
+    "Float64Inputs",
+    "Digits64",
+    "float64_data",
+    "to_float64",
+    "flat",
+]
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
 EPS64 = torch.finfo(torch.float64).eps  # 2.22e-16
@@ -91,8 +104,9 @@ def assert_close64(actual, expected, rtol: float = RTOL64, msg: str | None = Non
     torch.testing.assert_close(a, e, atol=tol64(e, rtol), rtol=0, equal_nan=True, **kw)
 
 
-def assert_rounding_close(actual: torch.Tensor, expected: torch.Tensor, exact: torch.Tensor, k: float = 16.0,
-                          floor_ulps: float = 64.0) -> None:
+def assert_rounding_close(
+    actual: torch.Tensor, expected: torch.Tensor, exact: torch.Tensor, k: float = 16.0, floor_ulps: float = 64.0
+) -> None:
     """Two computations ``actual`` and ``expected`` in a lower precision agree to within ``k`` times the rounding
     error of ``expected``, measured against ``exact`` (the same computation as ``expected`` in float64).
 

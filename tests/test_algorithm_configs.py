@@ -45,18 +45,30 @@ class Recorder(Callback):
 def run(name, tmp_path, *extra):
     """Build the run of configs/<name>.yaml with the CLI (small round shape), add a Recorder, fit."""
     args = [
-        "--config", os.path.join(ROOT, "configs", f"{name}.yaml"),
-        "--trainer.max_steps", str(ROUNDS),
-        "--trainer.logger", "false",
-        "--trainer.enable_checkpointing", "false",
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.limit_val_batches", "0",
-        "--trainer.default_root_dir", str(tmp_path),
-        "--model.clients_per_round", str(PER_ROUND),
-        "--model.local_steps", str(STEPS),
-        "--data.init_args.num_clients", str(CLIENTS),  # 4 of 5 clients per round: most take part in both rounds
-        "--data.init_args.batch_size", str(BATCH),
+        "--config",
+        os.path.join(ROOT, "configs", f"{name}.yaml"),
+        "--trainer.max_steps",
+        str(ROUNDS),
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--model.clients_per_round",
+        str(PER_ROUND),
+        "--model.local_steps",
+        str(STEPS),
+        "--data.init_args.num_clients",
+        str(CLIENTS),  # 4 of 5 clients per round: most take part in both rounds
+        "--data.init_args.batch_size",
+        str(BATCH),
         *extra,
     ]
     cli = main(args, run=False)
@@ -93,8 +105,9 @@ def assert_logged_client_telemetry(rec):
         assert m["client/forwards"] == sum(u.forwards for u in ups)
         assert m["client/backwards"] == sum(u.backwards for u in ups) == PER_ROUND * STEPS
         assert m["round/local_steps"] == STEPS  # K_r
-        assert m["server/delta_norm"] == pytest.approx(float((rec.before[r] - rec.after[r]).norm()) / m["server/eta_g"],
-                                                       rel=RTOL64)
+        assert m["server/delta_norm"] == pytest.approx(
+            float((rec.before[r] - rec.after[r]).norm()) / m["server/eta_g"], rel=RTOL64
+        )
 
 
 def client_history(rec):
@@ -216,9 +229,13 @@ def test_every_strategy_logs_eta_g_and_its_raw_value():
 
     for strategy, check in (
         (FedAvg(server_lr=0.7), lambda m: m["server/eta_g"] == m["server/eta_g_raw"] == pytest.approx(0.7)),
-        (FedLiLU(lr=0.5, momentum=0.0, weight_decay=0.0, dfw_eps=0.0),
-         lambda m: m["server/eta_g"] == pytest.approx(0.5 * m["server/dfw_gamma"])
-         and m["server/eta_g_raw"] == pytest.approx(0.5 * m["server/dfw_gamma_raw"])),
+        (
+            FedLiLU(lr=0.5, momentum=0.0, weight_decay=0.0, dfw_eps=0.0),
+            lambda m: (
+                m["server/eta_g"] == pytest.approx(0.5 * m["server/dfw_gamma"])
+                and m["server/eta_g_raw"] == pytest.approx(0.5 * m["server/dfw_gamma_raw"])
+            ),
+        ),
     ):
         rec = Recorder()
         torch.manual_seed(0)

@@ -22,13 +22,16 @@ from test_vectorized import fit
 from test_vectorized_user_losses import UserMLP
 
 
-@pytest.mark.parametrize("seq,vec,want", [
-    (100.0, 50.0, "vectorized"),
-    (100.0, 100.0 / AUTO_MARGIN - 1e-6, "vectorized"),
-    (100.0, 100.0 / AUTO_MARGIN + 1e-6, "sequential"),  # faster, but not by the margin
-    (100.0, 100.0, "sequential"),
-    (100.0, 250.0, "sequential"),
-])
+@pytest.mark.parametrize(
+    "seq,vec,want",
+    [
+        (100.0, 50.0, "vectorized"),
+        (100.0, 100.0 / AUTO_MARGIN - 1e-6, "vectorized"),
+        (100.0, 100.0 / AUTO_MARGIN + 1e-6, "sequential"),  # faster, but not by the margin
+        (100.0, 100.0, "sequential"),
+        (100.0, 250.0, "sequential"),
+    ],
+)
 def test_auto_choice_rule(seq, vec, want):
     assert auto_choice(seq, vec) == want
     assert auto_choice(seq, vec, margin=1.0) == ("vectorized" if vec < seq else "sequential")
@@ -77,8 +80,9 @@ def virtual_clock(monkeypatch, seq, vec, spikes=None):
             step()
             return stop()
 
-        out = run(loop, state, plan, client_ids, global_flat, throwaway=throwaway,
-                  stop=None if stop is None else timed_stop)
+        out = run(
+            loop, state, plan, client_ids, global_flat, throwaway=throwaway, stop=None if stop is None else timed_stop
+        )
         if out is not None:
             for _ in range(plan.local_steps if stop is None else 1):  # the steps no stop question followed
                 step()
@@ -97,8 +101,9 @@ def auto_lines(caplog):
 
 def assert_identical(a, b):
     torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
-    assert [(u.client_id, u.first_loss, u.mean_loss, u.step_sizes, u.backtracks) for u in a[2]] == \
-        [(u.client_id, u.first_loss, u.mean_loss, u.step_sizes, u.backtracks) for u in b[2]]
+    assert [(u.client_id, u.first_loss, u.mean_loss, u.step_sizes, u.backtracks) for u in a[2]] == [
+        (u.client_id, u.first_loss, u.mean_loss, u.step_sizes, u.backtracks) for u in b[2]
+    ]
     assert a[1].client_state.state_dict() == b[1].client_state.state_dict()
     ma, mb = a[3].callback_metrics, b[3].callback_metrics
     logged = sorted(k for k in ma if k.startswith("client/"))
@@ -116,9 +121,9 @@ def assert_identical(a, b):
 #    24, a second would exceed the budget 30: estimated 24 x 5 = 120 against 30, 0.25x.
 WORDS = {
     "vectorized": "training clients vectorized (4.00x faster than one at a time; timed: 5 local steps of all 6 "
-                  "clients vectorized, 3 of the 6 clients one at a time)",
+    "clients vectorized, 3 of the 6 clients one at a time)",
     "sequential": "training clients one at a time (sequential): vectorized measured 0.25x as fast (timed: 1 local "
-                  "step of all 6 clients vectorized, 3 of the 6 clients one at a time)",
+    "step of all 6 clients vectorized, 3 of the 6 clients one at a time)",
 }
 
 
@@ -141,8 +146,10 @@ def test_auto_equals_the_chosen_mode_and_says_why(monkeypatch, caplog, opt, seq,
     assert_identical(got, reference)
 
 
-@pytest.mark.parametrize("where", [("sequential", 0), ("sequential", 1), ("sequential", 3), ("vectorized", 0),
-                                   ("vectorized", 2), ("vectorized", 5)])
+@pytest.mark.parametrize(
+    "where",
+    [("sequential", 0), ("sequential", 1), ("sequential", 3), ("vectorized", 0), ("vectorized", 2), ("vectorized", 5)],
+)
 def test_an_interrupted_client_or_step_does_not_move_the_estimate(monkeypatch, caplog, where):
     """Another process stretching one sample by 100 (most of a sequential round of 120): the medians pass over one
     timed sequential client of three or one vectorised step after the first, and the warm-ups are not timed. With
@@ -163,7 +170,8 @@ def test_models_with_dropout_train_sequentially_without_measuring(monkeypatch, c
     assert auto_lines(caplog) == [
         "client_execution='auto': training clients one at a time (sequential): the model has dropout, and vectorized "
         "training would draw different dropout masks, so results would depend on this machine's speed; set "
-        "client_execution='vectorized' to use it anyway"]
+        "client_execution='vectorized' to use it anyway"
+    ]
     assert_identical(got, fit(UserMLP(dropout=0.2), CLIENT_OPTIMIZERS["sgd"], "sequential"))
 
 
@@ -211,7 +219,7 @@ def test_measurement_times_typical_clients_after_a_one_step_warm_up(monkeypatch)
     monkeypatch.setattr(auto, "_run", spy_run)
     got = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=2)
     clients = [u.client_id for u in got[2]]
-    first, second = clients[:len(clients) // 2], clients[len(clients) // 2:]  # the two real rounds' clients
+    first, second = clients[: len(clients) // 2], clients[len(clients) // 2 :]  # the two real rounds' clients
     assert len(first) == 6
     assert [steps for _, steps in seen["sequential"]] == [1, K, K, K]  # nothing sequential after choosing vectorized
     assert seen["sequential"][0][0] == first[0]
@@ -224,13 +232,24 @@ def test_measurement_times_typical_clients_after_a_one_step_warm_up(monkeypatch)
     assert all(u.num_steps == K for u in got[2])
 
 
-@pytest.mark.parametrize("vec,chosen,words", [
-    (1.0, "sequential", "training clients one at a time (sequential): vectorized measured 1.00x as fast (timed: 3 "
-                        "local steps of all 6 clients vectorized, 3 of the 6 clients one at a time); its measurement "
-                        "stopped after 3 steps, as it could no longer be 1.1x faster"),
-    (0.5, "vectorized", "training clients vectorized (2.00x faster than one at a time; timed: 5 local steps of all 6 "
-                        "clients vectorized, 3 of the 6 clients one at a time)"),
-])
+@pytest.mark.parametrize(
+    "vec,chosen,words",
+    [
+        (
+            1.0,
+            "sequential",
+            "training clients one at a time (sequential): vectorized measured 1.00x as fast (timed: 3 "
+            "local steps of all 6 clients vectorized, 3 of the 6 clients one at a time); its measurement "
+            "stopped after 3 steps, as it could no longer be 1.1x faster",
+        ),
+        (
+            0.5,
+            "vectorized",
+            "training clients vectorized (2.00x faster than one at a time; timed: 5 local steps of all 6 "
+            "clients vectorized, 3 of the 6 clients one at a time)",
+        ),
+    ],
+)
 def test_vectorized_measurement_stops_once_it_cannot_win(monkeypatch, caplog, vec, chosen, words):
     """The timed vectorised round is asked after each step whether its time so far, with all its remaining steps
     at its fastest step's time after the first (from the third step on), already rules it out. K = 20, 6 clients,
@@ -276,8 +295,9 @@ def test_measurement_costs_about_one_round_when_rounds_are_short(monkeypatch, ca
     chosen = "vectorized" if vec == 0.25 else "sequential"  # 4x faster; as fast (not by the 1.1 margin)
     assert got[1].client_execution_choice == chosen
     line = auto_lines(caplog)[0]
-    assert ("4.00x faster than one at a time" if chosen == "vectorized" else
-            "vectorized measured 1.00x as fast") in line
+    assert (
+        "4.00x faster than one at a time" if chosen == "vectorized" else "vectorized measured 1.00x as fast"
+    ) in line
     if chosen == "sequential":
         assert line.endswith("; it is used only when at least 1.1x faster")
 
@@ -302,9 +322,13 @@ def test_a_cheap_round_is_measured_in_full_within_the_minimum_budget(monkeypatch
     def spy(loop):
         with train_client(loop):
             from fedlightning import FederatedLoop
+
             inner = FederatedLoop.train_client
-            monkeypatch.setattr(FederatedLoop, "train_client",
-                                lambda self, plan, cid, flat: (timed.append(cid), inner(self, plan, cid, flat))[1])
+            monkeypatch.setattr(
+                FederatedLoop,
+                "train_client",
+                lambda self, plan, cid, flat: (timed.append(cid), inner(self, plan, cid, flat))[1],
+            )
             yield
             monkeypatch.setattr(FederatedLoop, "train_client", inner)
 
@@ -368,9 +392,12 @@ def test_auto_trains_sequentially_when_vectorized_runs_out_of_memory(monkeypatch
     else:
         virtual_clock(monkeypatch, 4.0, 1.0)  # vectorized is chosen ...
         calls = oom_on_call(monkeypatch, 4)  # ... warm-up, timed and real round 0 run; round 1 runs out
-    with pytest.warns(UserWarning, match=r"client_execution='auto': training clients sequentially \(vectorized "
-                                         r"clients ran out of accelerator memory: CUDA out of memory\. Tried to "
-                                         r"allocate 26\.64 GiB\.\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"client_execution='auto': training clients sequentially \(vectorized "
+        r"clients ran out of accelerator memory: CUDA out of memory\. Tried to "
+        r"allocate 26\.64 GiB\.\)",
+    ):
         run = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto")
     loop = run[1]
     assert loop.client_execution_choice == "sequential"
@@ -387,9 +414,12 @@ def test_auto_trains_sequentially_when_vectorized_runs_out_of_memory(monkeypatch
 
 def test_vectorized_out_of_memory_names_the_setting(monkeypatch):
     oom_on_call(monkeypatch, 1)
-    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"client_execution='vectorized': the round's \d+ clients in "
-                                                          r"lockstep did not fit in accelerator memory \(CUDA out of "
-                                                          r"memory\. Tried to allocate 26\.64 GiB\.\); use "
-                                                          r"client_execution='sequential' or 'auto', or fewer "
-                                                          r"clients_per_round"):
+    with pytest.raises(
+        torch.cuda.OutOfMemoryError,
+        match=r"client_execution='vectorized': the round's \d+ clients in "
+        r"lockstep did not fit in accelerator memory \(CUDA out of "
+        r"memory\. Tried to allocate 26\.64 GiB\.\); use "
+        r"client_execution='sequential' or 'auto', or fewer "
+        r"clients_per_round",
+    ):
         fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "vectorized")

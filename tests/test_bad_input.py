@@ -29,9 +29,14 @@ def test_bad_clients_per_round(c):
         FederatedLoop(MLP(input_dim=64, hidden=[8]), clients_per_round=c)
 
 
-@pytest.mark.parametrize("kw,match", [
-    ({"num_clients": 0}, "num_clients"), ({"batch_size": 0}, "batch_size"), ({"test_fraction": 1.5}, "test_fraction"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"num_clients": 0}, "num_clients"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"test_fraction": 1.5}, "test_fraction"),
+    ],
+)
 def test_bad_datamodule_sizes(kw, match):
     with pytest.raises(ValueError, match=match):
         DigitsDataModule(**kw)
@@ -68,7 +73,8 @@ def test_two_strategies_is_a_clear_error():
     loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), clients_per_round=2, local_steps=1)
     with pytest.raises(ValueError, match="only one server strategy"):
         make_trainer(1, callbacks=[FedAvg(), FedAvg(server_lr=0.5)]).fit(
-            loop, datamodule=DigitsDataModule(num_clients=5))
+            loop, datamodule=DigitsDataModule(num_clients=5)
+        )
 
 
 def test_default_strategy_is_fedavg():

@@ -50,16 +50,39 @@ from fedlightning.optim import SgdArmijo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-TINY = ["--config", QUICK, "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
-        "--trainer.enable_model_summary", "false", "--data.init_args.num_clients", "10",
-        "--model.clients_per_round", "2", "--model.local_steps", "2", "--test_after_fit", "false"]
-REFUSED = ("refuses to load: it needs the type os.system, which is not an allow-listed data type and could run code; "
-           "pass --weights_only false (Python: weights_only=False) to load a checkpoint you trust")
+TINY = [
+    "--config",
+    QUICK,
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.limit_val_batches",
+    "0",
+    "--trainer.enable_model_summary",
+    "false",
+    "--data.init_args.num_clients",
+    "10",
+    "--model.clients_per_round",
+    "2",
+    "--model.local_steps",
+    "2",
+    "--test_after_fit",
+    "false",
+]
+REFUSED = (
+    "refuses to load: it needs the type os.system, which is not an allow-listed data type and could run code; "
+    "pass --weights_only false (Python: weights_only=False) to load a checkpoint you trust"
+)
 
 
 def _tiny(save_dir, *extra):
-    return [*TINY, "--trainer.logger.init_args.save_dir", str(save_dir), "--trainer.default_root_dir",
-            str(save_dir), *extra]
+    return [
+        *TINY,
+        "--trainer.logger.init_args.save_dir",
+        str(save_dir),
+        "--trainer.default_root_dir",
+        str(save_dir),
+        *extra,
+    ]
 
 
 def _exit_with_error(capsys, args):
@@ -104,9 +127,11 @@ def _write_evil(trained, path, marker):
 
 
 # ====================================================================== 1. no code from checkpoints
-@pytest.mark.parametrize("subcommand,extra", [("fit", []), ("fit", ["--weights_only", "true"]), ("validate", []),
-                                              ("test", []), ("predict", [])],
-                         ids=["fit", "fit-weights_only-true", "validate", "test", "predict"])
+@pytest.mark.parametrize(
+    "subcommand,extra",
+    [("fit", []), ("fit", ["--weights_only", "true"]), ("validate", []), ("test", []), ("predict", [])],
+    ids=["fit", "fit-weights_only-true", "validate", "test", "predict"],
+)
 def test_evil_checkpoint_is_refused_by_every_subcommand(trained, tmp_path, capsys, subcommand, extra):
     marker = tmp_path / "MARKER"
     evil = _write_evil(trained, str(tmp_path / "evil.ckpt"), marker)
@@ -138,8 +163,11 @@ def test_the_trainers_own_read_is_safe(trained, tmp_path, fn):
     evil = _write_evil(trained, str(tmp_path / "evil.ckpt"), marker)
     loop = FederatedLoop(MLP(input_dim=64, num_classes=10, hidden=[128]), local_steps=1, clients_per_round=2)
     trainer = make_trainer(2, plugins=[AtomicCheckpointIO()])
-    kwargs = {"dataloaders": DataLoader(TensorDataset(torch.zeros(2, 64)))} if fn == "predict" else \
-        {"datamodule": DigitsDataModule(num_clients=10, batch_size=16, seed=0)}
+    kwargs = (
+        {"dataloaders": DataLoader(TensorDataset(torch.zeros(2, 64)))}
+        if fn == "predict"
+        else {"datamodule": DigitsDataModule(num_clients=10, batch_size=16, seed=0)}
+    )
     with pytest.raises(CheckpointError) as info:
         getattr(trainer, fn)(loop, ckpt_path=evil, **kwargs)
     assert str(info.value) == f"checkpoint {evil}: {REFUSED}" and info.value.unsafe_type == "os.system"
@@ -150,10 +178,21 @@ def test_weights_only_false_is_the_warned_opt_in(trained, tmp_path):
     """The same file loads with ``--weights_only false``: its code runs (the marker appears) after a warning."""
     marker = tmp_path / "MARKER"
     evil = _write_evil(trained, str(tmp_path / "evil.ckpt"), marker)
-    with pytest.warns(UserWarning, match=rf"checkpoint {evil}: loading with weights_only=False \(--weights_only "
-                                         r"false\): any code pickled in the file runs now"):
-        cli = main(["fit", *_tiny(tmp_path / "run", "--trainer.max_steps", "2"), "--ckpt_path", evil,
-                    "--weights_only", "false"])
+    with pytest.warns(
+        UserWarning,
+        match=rf"checkpoint {evil}: loading with weights_only=False \(--weights_only "
+        r"false\): any code pickled in the file runs now",
+    ):
+        cli = main(
+            [
+                "fit",
+                *_tiny(tmp_path / "run", "--trainer.max_steps", "2"),
+                "--ckpt_path",
+                evil,
+                "--weights_only",
+                "false",
+            ]
+        )
     assert marker.exists()
     assert cli.trainer.global_step == 2
 
@@ -179,8 +218,15 @@ def test_refused_types_are_named_whatever_the_pickle(trained, tmp_path):
 def test_allow_listed_data_types_load_and_nothing_else_is_allowed_afterwards(trained, tmp_path):
     """Paths and numpy scalars / arrays load under weights_only (torch alone refuses them); the allow-list is scoped
     to fedlightning's reads."""
-    extra = {"path": Path("/data/run"), "pure": PurePosixPath("a/b"), "f64": np.float64(0.1), "i64": np.int64(-3),
-             "flag": np.bool_(True), "name": np.str_("x"), "array": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    extra = {
+        "path": Path("/data/run"),
+        "pure": PurePosixPath("a/b"),
+        "f64": np.float64(0.1),
+        "i64": np.int64(-3),
+        "flag": np.bool_(True),
+        "name": np.str_("x"),
+        "array": np.arange(6, dtype=np.float32).reshape(2, 3),
+    }
     path = tmp_path / "typed.ckpt"
     torch.save({**trained[1], "extra": extra}, path)
     before = torch.serialization.get_safe_globals()
@@ -246,8 +292,17 @@ def test_user_module_checkpoint_resumes_bit_exactly_under_weights_only(tmp_path)
     user = ["--model.model", f"{__name__}.HParamNet", "--model.client_optimizer", "null"]
     full = main(["fit", *_tiny(tmp_path / "full", "--trainer.max_steps", "4"), *user])
     main(["fit", *_tiny(tmp_path / "cut", "--trainer.max_steps", "2"), *user])
-    resumed = main(["fit", *_tiny(tmp_path / "cut", "--trainer.max_steps", "4"), *user, "--ckpt_path", "last",
-                    "--weights_only", "true"])
+    resumed = main(
+        [
+            "fit",
+            *_tiny(tmp_path / "cut", "--trainer.max_steps", "4"),
+            *user,
+            "--ckpt_path",
+            "last",
+            "--weights_only",
+            "true",
+        ]
+    )
     assert resumed.trainer.global_step == 4
     assert torch.equal(_weights(resumed.model), _weights(full.model))
     extra = resumed.model.model.loaded_extra
@@ -268,17 +323,32 @@ def test_a_finished_run_checkpoints_its_final_round(tmp_path):
     cli = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "13")])
     folder = os.path.join(cli.trainer.log_dir, "checkpoints")
     assert _last_holds_the_model(os.path.join(folder, "last.ckpt"), cli.model) == 13
-    assert {f: read_checkpoint(os.path.join(folder, f))["global_step"] for f in os.listdir(folder)} == \
-        {"last.ckpt": 13, "epoch=0-step=10.ckpt": 10}
+    assert {f: read_checkpoint(os.path.join(folder, f))["global_step"] for f in os.listdir(folder)} == {
+        "last.ckpt": 13,
+        "epoch=0-step=10.ckpt": 10,
+    }
 
 
 def test_early_stopping_keeps_the_round_it_stopped_at(tmp_path):
     """EarlyStopping stops at the validation of round 12 (threshold reached); the default checkpoint saved round 10,
     and the final round 12 too."""
-    cli = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "40", "--trainer.limit_val_batches", "1.0",
-                              "--trainer.val_check_interval", "12"),
-                "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
-                "--trainer.callbacks.monitor=val/loss", "--trainer.callbacks.stopping_threshold=1e9"])
+    cli = main(
+        [
+            "fit",
+            *_tiny(
+                tmp_path,
+                "--trainer.max_steps",
+                "40",
+                "--trainer.limit_val_batches",
+                "1.0",
+                "--trainer.val_check_interval",
+                "12",
+            ),
+            "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
+            "--trainer.callbacks.monitor=val/loss",
+            "--trainer.callbacks.stopping_threshold=1e9",
+        ]
+    )
     assert cli.trainer.global_step == 12
     assert _last_holds_the_model(os.path.join(cli.trainer.log_dir, "checkpoints", "last.ckpt"), cli.model) == 12
 
@@ -329,8 +399,9 @@ def test_an_error_mid_round_saves_only_a_round_boundary(tmp_path, client_state):
     """SGD clients keep no state: the round in progress changed nothing, so round 12 (its start) is saved. SgdArmijo
     clients carrying their step: the first client already wrote its state, so nothing is saved (round 10 stays)."""
     opt = (lambda p: SgdArmijo(p, eta_max=4.0, reset="last", carry_step_size=True)) if client_state else None
-    loop = FederatedLoop(MLP(input_dim=64, num_classes=10, hidden=[8]), client_optimizer=opt, local_steps=2,
-                         clients_per_round=3, seed=0)
+    loop = FederatedLoop(
+        MLP(input_dim=64, num_classes=10, hidden=[8]), client_optimizer=opt, local_steps=2, clients_per_round=3, seed=0
+    )
     trainer, dm, last = _fit_until_error(tmp_path, [RaiseInRound(12)])
     with pytest.raises(RuntimeError, match="stop in the middle of the round"):
         trainer.fit(loop, datamodule=dm)
@@ -394,7 +465,8 @@ def test_last_is_the_newest_complete_round_of_any_file_name(trained, tmp_path, m
     assert cli.config_init["validate"]["ckpt_path"] == newest
     assert [str(w.message) for w in caught if "skipped" in str(w.message)] == [
         f"--ckpt_path last: skipped checkpoint {truncated}: corrupt, truncated or not a checkpoint (RuntimeError: "
-        "PytorchStreamReader failed reading zip archive: failed finding central directory)"]
+        "PytorchStreamReader failed reading zip archive: failed finding central directory)"
+    ]
     assert not leftover.exists() and writing.exists()
 
 
@@ -449,14 +521,22 @@ def test_kill_9_mid_write_resumes_the_newest_complete_round_bit_exactly(tmp_path
     resumes round 3, removes the temporary file, and 4 rounds equal the uninterrupted run bit for bit."""
     cut = tmp_path / "cut"
     env = {**os.environ, "PYTHONPATH": ROOT, "WANDB_MODE": "offline"}
-    proc = subprocess.run([sys.executable, "-c", KILLED_RUN, "6", "fit", *_tiny(cut, "--trainer.max_steps", "4")],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, "6", "fit", *_tiny(cut, "--trainer.max_steps", "4")],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     folder = cut / "quickstart" / "version_0" / "checkpoints"
     temps = [p for p in folder.iterdir() if p.name.startswith(".tmp-")]
     assert len(temps) == 1
-    assert {p.name: read_checkpoint(str(p))["global_step"] for p in folder.iterdir() if not p.name.startswith(".")} \
-        == {"last.ckpt": 2, "epoch=0-step=3.ckpt": 3}
+    assert {p.name: read_checkpoint(str(p))["global_step"] for p in folder.iterdir() if not p.name.startswith(".")} == {
+        "last.ckpt": 2,
+        "epoch=0-step=3.ckpt": 3,
+    }
     infos = []
     monkeypatch.setattr(cli_module, "rank_zero_info", infos.append)
     resumed = main(["fit", *_tiny(cut, "--trainer.max_steps", "4"), "--ckpt_path", "last"])
@@ -499,9 +579,11 @@ def test_cifar_pickle_naming_a_callable_is_refused(tmp_path):
     path = _cifar_file(str(folder), "test_batch", {"data": Evil(marker), "labels": [0]})
     with pytest.raises(ValueError) as info:
         read_cifar(str(tmp_path), 10, "test")
-    assert str(info.value) == (f"{path}: refuses to unpickle the global posix.system: a CIFAR data file holds only "
-                               "arrays, lists, dicts, strings and numbers, and unpickling another global could run "
-                               "code")
+    assert str(info.value) == (
+        f"{path}: refuses to unpickle the global posix.system: a CIFAR data file holds only "
+        "arrays, lists, dicts, strings and numbers, and unpickling another global could run "
+        "code"
+    )
     assert not marker.exists()
 
 
@@ -510,8 +592,10 @@ def test_cifar_official_checksums_are_torchvision_s():
 
     from fedlightning.datamodules.cifar import OFFICIAL_MD5
 
-    for cls, folder in ((torchvision.datasets.CIFAR10, "cifar-10-batches-py"),
-                        (torchvision.datasets.CIFAR100, "cifar-100-python")):
+    for cls, folder in (
+        (torchvision.datasets.CIFAR10, "cifar-10-batches-py"),
+        (torchvision.datasets.CIFAR100, "cifar-100-python"),
+    ):
         assert {n: md5 for n, (md5, _) in OFFICIAL_MD5[folder].items()} == dict(cls.train_list + cls.test_list)
 
 
@@ -526,10 +610,12 @@ def test_cifar_official_size_file_must_match_its_checksum(tmp_path, monkeypatch)
     actual = hashlib.md5(open(path, "rb").read()).hexdigest()
     with pytest.raises(ValueError) as info:
         cifar.read_cifar(str(tmp_path), 10, "test")
-    assert str(info.value) == (f"{path}: MD5 checksum {actual} differs from the official "
-                               "40351d587109b95175f43aff81a1287e of cifar-10-batches-py/test_batch (a file of the "
-                               "official size under the official name must be the official file): download the "
-                               "archive again")
+    assert str(info.value) == (
+        f"{path}: MD5 checksum {actual} differs from the official "
+        "40351d587109b95175f43aff81a1287e of cifar-10-batches-py/test_batch (a file of the "
+        "official size under the official name must be the official file): download the "
+        "archive again"
+    )
     official = {**cifar.OFFICIAL_MD5["cifar-10-batches-py"], "test_batch": (actual, 10000)}
     monkeypatch.setitem(cifar.OFFICIAL_MD5, "cifar-10-batches-py", official)
     x, y, _ = cifar.read_cifar(str(tmp_path), 10, "test")

@@ -19,12 +19,18 @@ def _read_metrics(save_dir):
 def test_quickstart_cli_end_to_end(tmp_path):
     args = [
         "fit",
-        "--config", os.path.join(ROOT, "configs", "quickstart.yaml"),
-        "--trainer.max_steps", "6",
-        "--trainer.val_check_interval", "3",
-        "--trainer.logger.init_args.save_dir", str(tmp_path),
-        "--trainer.default_root_dir", str(tmp_path),
-        "--trainer.enable_progress_bar", "false",
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.yaml"),
+        "--trainer.max_steps",
+        "6",
+        "--trainer.val_check_interval",
+        "3",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path),
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.enable_progress_bar",
+        "false",
     ]
     cli = main(args)
     assert cli.trainer.global_step == 6
@@ -42,11 +48,16 @@ def test_quickstart_cli_end_to_end(tmp_path):
 def test_cli_validate_subcommand(tmp_path):
     args = [
         "validate",
-        "--config", os.path.join(ROOT, "configs", "quickstart.yaml"),
-        "--trainer.logger", "false",
-        "--trainer.enable_checkpointing", "false",
-        "--trainer.default_root_dir", str(tmp_path),
-        "--trainer.enable_progress_bar", "false",
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.yaml"),
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.enable_progress_bar",
+        "false",
     ]
     cli = main(args)
     acc = float(cli.trainer.callback_metrics["val/acc"])  # untrained global model: near chance
@@ -57,11 +68,21 @@ def test_progress_bar_counts_rounds(tmp_path):
     """The CLI's default progress bar is over rounds: described as 'Round', without v_num (rich or tqdm variant)."""
     from fedlightning.callbacks.progress import RoundProgressBar, RoundTQDMProgressBar
 
-    cli = main([
-        "fit", "--config", os.path.join(ROOT, "configs", "quickstart.yaml"), "--trainer.max_steps", "3",
-        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.default_root_dir", str(tmp_path),
-        "--trainer.limit_val_batches", "0",
-    ])
+    cli = main(
+        [
+            "fit",
+            "--config",
+            os.path.join(ROOT, "configs", "quickstart.yaml"),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.limit_val_batches",
+            "0",
+        ]
+    )
     bars = [cb for cb in cli.trainer.callbacks if isinstance(cb, RoundProgressBar)]
     assert len(bars) == 1 and cli.trainer.progress_bar_callback is bars[0]
     assert "v_num" not in bars[0].get_metrics(cli.trainer, cli.model)
@@ -95,16 +116,25 @@ def test_vectorized_quickstart_equals_the_sequential_one(tmp_path):
     import torch
 
     def run(name):
-        cli = main([
-            "fit",
-            "--config", os.path.join(ROOT, "configs", name),
-            "--trainer.max_steps", "3",
-            "--trainer.logger", "false",
-            "--trainer.enable_checkpointing", "false",
-            "--trainer.limit_val_batches", "0",
-            "--trainer.default_root_dir", str(tmp_path / name),
-            "--trainer.enable_progress_bar", "false",
-        ])
+        cli = main(
+            [
+                "fit",
+                "--config",
+                os.path.join(ROOT, "configs", name),
+                "--trainer.max_steps",
+                "3",
+                "--trainer.logger",
+                "false",
+                "--trainer.enable_checkpointing",
+                "false",
+                "--trainer.limit_val_batches",
+                "0",
+                "--trainer.default_root_dir",
+                str(tmp_path / name),
+                "--trainer.enable_progress_bar",
+                "false",
+            ]
+        )
         assert cli.trainer.global_step == 3
         return cli.model, torch.cat([p.detach().reshape(-1) for p in cli.model.model.parameters()])
 

@@ -26,14 +26,33 @@ from fedlightning.models import MLP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-TINY = ["--config", QUICK, "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
-        "--trainer.enable_model_summary", "false", "--data.init_args.num_clients", "10",
-        "--model.clients_per_round", "2", "--model.local_steps", "2"]
+TINY = [
+    "--config",
+    QUICK,
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.limit_val_batches",
+    "0",
+    "--trainer.enable_model_summary",
+    "false",
+    "--data.init_args.num_clients",
+    "10",
+    "--model.clients_per_round",
+    "2",
+    "--model.local_steps",
+    "2",
+]
 
 
 def _tiny(save_dir, *extra):
-    return [*TINY, "--trainer.logger.init_args.save_dir", str(save_dir), "--trainer.default_root_dir",
-            str(save_dir), *extra]
+    return [
+        *TINY,
+        "--trainer.logger.init_args.save_dir",
+        str(save_dir),
+        "--trainer.default_root_dir",
+        str(save_dir),
+        *extra,
+    ]
 
 
 def _last_error_line(capsys):
@@ -62,8 +81,11 @@ def trained(tmp_path_factory):
 # ====================================================================== 1. no LightningCLI server optimizer
 REFUSED = [
     (["--optimizer=torch.optim.Adam", "--optimizer.lr=0.01"], "optimizer", "torch.optim.Adam"),
-    (["--lr_scheduler=torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size=1"], "lr_scheduler",
-     "torch.optim.lr_scheduler.StepLR"),
+    (
+        ["--lr_scheduler=torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size=1"],
+        "lr_scheduler",
+        "torch.optim.lr_scheduler.StepLR",
+    ),
 ]
 
 
@@ -116,8 +138,14 @@ def _foreign(trained, tmp_path):
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    t = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, limit_val_batches=0)
+    t = pl.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     t.fit(BoringModel())
     p = tmp_path / "boring.ckpt"
     t.save_checkpoint(str(p))
@@ -144,10 +172,17 @@ BAD_FILES = [
     ("empty", _empty, "the file is empty (0 bytes): corrupt, truncated or not a checkpoint"),
     ("truncated", _truncated, "corrupt, truncated or not a checkpoint ("),  # the reader's error depends on the cut
     ("random", _random, "corrupt, truncated or not a checkpoint (UnpicklingError: "),
-    ("not_lightning", _not_lightning, "not a Lightning checkpoint (no 'state_dict'); pass a .ckpt file a "
-                                      "fedlightning run wrote"),
-    ("foreign", _foreign, "a Lightning checkpoint of another LightningModule, not of a FederatedLoop (no "
-                          "'fedlightning' section): it cannot resume a federated run"),
+    (
+        "not_lightning",
+        _not_lightning,
+        "not a Lightning checkpoint (no 'state_dict'); pass a .ckpt file a fedlightning run wrote",
+    ),
+    (
+        "foreign",
+        _foreign,
+        "a Lightning checkpoint of another LightningModule, not of a FederatedLoop (no "
+        "'fedlightning' section): it cannot resume a federated run",
+    ),
     ("future_format", _future_format, "unsupported fedlightning checkpoint format 99 (this version reads format 1)"),
 ]
 
@@ -156,8 +191,9 @@ BAD_FILES = [
 def test_bad_checkpoint_file_is_one_clear_line(trained, tmp_path, capsys, name, make, problem):
     path = make(trained, tmp_path)
     run_dir = tmp_path / "run"
-    line, lines = _exit_with_error(capsys, ["fit", *_tiny(run_dir, "--trainer.max_steps", "2"), "--ckpt_path",
-                                            str(path)])
+    line, lines = _exit_with_error(
+        capsys, ["fit", *_tiny(run_dir, "--trainer.max_steps", "2"), "--ckpt_path", str(path)]
+    )
     assert line.startswith(f"error: checkpoint {path}: {problem}"), line
     assert "Traceback" not in "\n".join(lines)
     assert not run_dir.exists()  # checked right after parsing: nothing was built or written
@@ -177,18 +213,23 @@ def test_checkpoint_of_another_architecture(trained, tmp_path, capsys, subcomman
     if subcommand == "fit":
         args += ["--trainer.max_steps", "2"]
     line, _ = _exit_with_error(capsys, args)
-    assert line == (f"error: checkpoint {trained}: its weights do not fit the configured model (another "
-                    "architecture?): different shapes (checkpoint vs model): model.net.1.weight (128, 64) vs "
-                    "(32, 64), model.net.1.bias (128,) vs (32,), model.net.3.weight (10, 128) vs (10, 32)")
+    assert line == (
+        f"error: checkpoint {trained}: its weights do not fit the configured model (another "
+        "architecture?): different shapes (checkpoint vs model): model.net.1.weight (128, 64) vs "
+        "(32, 64), model.net.1.bias (128,) vs (32,), model.net.3.weight (10, 128) vs (10, 32)"
+    )
 
 
 def test_checkpoint_with_other_layers_lists_missing_and_unexpected_keys(trained, tmp_path, capsys):
-    line, _ = _exit_with_error(capsys, ["validate", *_tiny(tmp_path, "--model.model.init_args.hidden", "[128, 16]"),
-                                        "--ckpt_path", trained])
-    assert line == (f"error: checkpoint {trained}: its weights do not fit the configured model (another "
-                    "architecture?): different shapes (checkpoint vs model): model.net.3.weight (10, 128) vs "
-                    "(16, 128), model.net.3.bias (10,) vs (16,); missing in the checkpoint: model.net.5.weight, "
-                    "model.net.5.bias")
+    line, _ = _exit_with_error(
+        capsys, ["validate", *_tiny(tmp_path, "--model.model.init_args.hidden", "[128, 16]"), "--ckpt_path", trained]
+    )
+    assert line == (
+        f"error: checkpoint {trained}: its weights do not fit the configured model (another "
+        "architecture?): different shapes (checkpoint vs model): model.net.3.weight (10, 128) vs "
+        "(16, 128), model.net.3.bias (10,) vs (16,); missing in the checkpoint: model.net.5.weight, "
+        "model.net.5.bias"
+    )
 
 
 def test_check_checkpoint_accepts_a_good_file_and_its_model(trained):
@@ -216,9 +257,11 @@ def test_last_skips_a_corrupt_newer_file_naming_it(trained, tmp_path, monkeypatc
     with pytest.warns(UserWarning) as caught:
         cli = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "2"), "--ckpt_path", "last"])
     skipped = [str(w.message) for w in caught if "skipped" in str(w.message)]
-    assert skipped == [f"--ckpt_path last: skipped checkpoint {bad / 'last.ckpt'}: corrupt, truncated or not a "
-                       "checkpoint (RuntimeError: PytorchStreamReader failed reading zip archive: failed finding "
-                       "central directory)"]
+    assert skipped == [
+        f"--ckpt_path last: skipped checkpoint {bad / 'last.ckpt'}: corrupt, truncated or not a "
+        "checkpoint (RuntimeError: PytorchStreamReader failed reading zip archive: failed finding "
+        "central directory)"
+    ]
     assert infos[-1].startswith(f"--ckpt_path last: resuming from {good / 'last.ckpt'} (round 1, ")
     assert cli.trainer.global_step == 2
 
@@ -228,17 +271,26 @@ def test_best_without_a_monitored_checkpoint_is_an_error(trained, tmp_path, caps
     run.mkdir(parents=True)
     (run / "last.ckpt").write_bytes(open(trained, "rb").read())
     line, _ = _exit_with_error(capsys, ["validate", *_tiny(tmp_path), "--ckpt_path", "best"])
-    assert line == (f"error: checkpoint {run / 'last.ckpt'}: --ckpt_path best: this newest checkpoint of the "
-                    "config's runs records no best model (the CLI's default checkpoint monitors no metric; add a "
-                    "ModelCheckpoint with a monitor to trainer.callbacks, or pass a file)")
+    assert line == (
+        f"error: checkpoint {run / 'last.ckpt'}: --ckpt_path best: this newest checkpoint of the "
+        "config's runs records no best model (the CLI's default checkpoint monitors no metric; add a "
+        "ModelCheckpoint with a monitor to trainer.callbacks, or pass a file)"
+    )
 
 
 def test_best_with_a_monitored_checkpoint_evaluates_that_file(tmp_path, monkeypatch):
     """A ModelCheckpoint(monitor='val/acc') records its best file in last.ckpt; validate --ckpt_path best uses it."""
-    args = _tiny(tmp_path, "--trainer.limit_val_batches", "1.0", "--trainer.val_check_interval", "1",
-                 "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-                 "--trainer.callbacks.monitor=val/acc", "--trainer.callbacks.mode=max",
-                 "--trainer.callbacks.save_last=true")
+    args = _tiny(
+        tmp_path,
+        "--trainer.limit_val_batches",
+        "1.0",
+        "--trainer.val_check_interval",
+        "1",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.monitor=val/acc",
+        "--trainer.callbacks.mode=max",
+        "--trainer.callbacks.save_last=true",
+    )
     fit = main(["fit", *args, "--trainer.max_steps", "2"])
     best = fit.trainer.checkpoint_callback.best_model_path
     assert best and os.path.isfile(best)
@@ -246,14 +298,14 @@ def test_best_with_a_monitored_checkpoint_evaluates_that_file(tmp_path, monkeypa
     monkeypatch.setattr(cli_module, "rank_zero_info", infos.append)
     val = main(["validate", *args, "--ckpt_path", "best"])
     assert val.config_init["validate"]["ckpt_path"] == best
-    assert infos == [f"--ckpt_path best: using {best} (best val/acc, recorded in "
-                     f"{os.path.join(os.path.dirname(best), 'last.ckpt')})"]
+    assert infos == [
+        f"--ckpt_path best: using {best} (best val/acc, recorded in {os.path.join(os.path.dirname(best), 'last.ckpt')})"
+    ]
 
 
 # ====================================================================== 3. version directories, last, mismatches
 def test_runs_get_own_version_dirs_last_is_the_newest_and_a_mismatch_is_refused(tmp_path, monkeypatch, capsys):
-    first = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "1", "--model.client_optimizer.init_args.lr",
-                                "0.05")])
+    first = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "1", "--model.client_optimizer.init_args.lr", "0.05")])
     second = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "1")])
     paths = [os.path.join(tmp_path, "quickstart", f"version_{v}", "checkpoints", "last.ckpt") for v in (0, 1)]
     assert [os.path.join(c.trainer.log_dir, "checkpoints", "last.ckpt") for c in (first, second)] == paths
@@ -266,18 +318,22 @@ def test_runs_get_own_version_dirs_last_is_the_newest_and_a_mismatch_is_refused(
     infos = []
     monkeypatch.setattr(cli_module, "rank_zero_info", infos.append)
     capsys.readouterr()
-    line, lines = _exit_with_error(capsys, ["fit", *_tiny(tmp_path, "--trainer.max_steps", "2"), "--ckpt_path",
-                                            "last"])
-    assert infos == [f"--ckpt_path last: resuming from {paths[0]} (round 1, the newest complete of 2 checkpoint "
-                     f"file(s) in {os.path.join(tmp_path, 'quickstart', '*', 'checkpoints')})"]
-    assert line == (f"error: checkpoint {paths[0]}: written by a run with other settings (1 listed above); pass "
-                    "--resume_mismatch=allow to resume with this run's settings, or drop --ckpt_path to start a "
-                    "new run")
+    line, lines = _exit_with_error(capsys, ["fit", *_tiny(tmp_path, "--trainer.max_steps", "2"), "--ckpt_path", "last"])
+    assert infos == [
+        f"--ckpt_path last: resuming from {paths[0]} (round 1, the newest complete of 2 checkpoint "
+        f"file(s) in {os.path.join(tmp_path, 'quickstart', '*', 'checkpoints')})"
+    ]
+    assert line == (
+        f"error: checkpoint {paths[0]}: written by a run with other settings (1 listed above); pass "
+        "--resume_mismatch=allow to resume with this run's settings, or drop --ckpt_path to start a "
+        "new run"
+    )
     assert lines[-3].strip() == "model.client_optimizer.init_args.lr: checkpoint 0.05 -> now 0.1"
     # with the override it resumes from that checkpoint (round 1 -> 2) into a new version directory
     with pytest.warns(UserWarning, match=r"model.client_optimizer.init_args.lr: checkpoint 0.05 -> now 0.1"):
-        resumed = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "2"), "--ckpt_path", "last",
-                        "--resume_mismatch", "allow"])
+        resumed = main(
+            ["fit", *_tiny(tmp_path, "--trainer.max_steps", "2"), "--ckpt_path", "last", "--resume_mismatch", "allow"]
+        )
     assert resumed.trainer.global_step == 2
     assert resumed.trainer.log_dir == os.path.join(tmp_path, "quickstart", "version_2")
 
@@ -289,19 +345,34 @@ def test_resume_with_the_same_settings_and_more_rounds_needs_no_flag(tmp_path):
 
 
 def test_last_with_no_checkpoint_starts_from_round_0_with_a_warning(tmp_path):
-    with pytest.warns(UserWarning, match=r"--ckpt_path last: no complete checkpoint found in .*; starting from "
-                                         r"round 0"):
+    with pytest.warns(
+        UserWarning,
+        match=r"--ckpt_path last: no complete checkpoint found in .*; starting from "
+        r"round 0",
+    ):
         cli = main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "1"), "--ckpt_path", "last"])
     assert cli.trainer.global_step == 1
 
 
 def test_without_a_logger_each_run_gets_a_version_directory(tmp_path):
-    args = ["fit", *TINY, "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path),
-            "--trainer.max_steps", "1"]
+    args = [
+        "fit",
+        *TINY,
+        "--trainer.logger",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.max_steps",
+        "1",
+    ]
     main(args)
     main(args)
-    found = sorted(os.path.relpath(os.path.join(d, f), tmp_path)
-                   for d, _, files in os.walk(tmp_path) for f in files if f.endswith(".ckpt"))
+    found = sorted(
+        os.path.relpath(os.path.join(d, f), tmp_path)
+        for d, _, files in os.walk(tmp_path)
+        for f in files
+        if f.endswith(".ckpt")
+    )
     assert found == [os.path.join("checkpoints", f"version_{v}", "last.ckpt") for v in (0, 1)]
     resumed = main(args[:-1] + ["2", "--ckpt_path", "last"])
     assert resumed.trainer.global_step == 2
@@ -310,9 +381,14 @@ def test_without_a_logger_each_run_gets_a_version_directory(tmp_path):
 def test_config_differences_compares_what_decides_the_trajectory():
     base = {
         "seed_everything": 0,
-        "trainer": {"max_steps": 10, "devices": 1, "callbacks": [
-            {"class_path": "fedlightning.callbacks.FedAvg", "init_args": {"server_lr": 1.0}},
-            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"monitor": None}}]},
+        "trainer": {
+            "max_steps": 10,
+            "devices": 1,
+            "callbacks": [
+                {"class_path": "fedlightning.callbacks.FedAvg", "init_args": {"server_lr": 1.0}},
+                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"monitor": None}},
+            ],
+        },
         "model": {"local_steps": 5, "client_optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1}}},
         "data": {"class_path": "D", "init_args": {"seed": 0}},
     }
@@ -375,8 +451,9 @@ def test_wandb_logger_from_python_runs_offline_without_configuration(tmp_path):
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path), WANDB_SILENT="true", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     from fedlightning.logging import find_offline_runs, read_offline_run
 
@@ -388,8 +465,14 @@ def test_wandb_logger_from_python_runs_offline_without_configuration(tmp_path):
 
 # ====================================================================== 5. one clear last line for config errors
 def _run_train_py(*args, env=None):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=240, env=env)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
 
 
 def test_negative_alpha_is_one_last_line_from_train_py():
@@ -412,8 +495,12 @@ def test_negative_server_lr_is_one_last_line_and_the_traceback_is_on_request(tmp
 
     with pytest.raises(ValueError) as original:
         FedAvg(server_lr=-1.0)
-    args = ["fit", *_tiny(tmp_path, "--trainer.max_steps", "1"), "--trainer.callbacks+=fedlightning.callbacks.FedAvg",
-            "--trainer.callbacks.server_lr=-1"]
+    args = [
+        "fit",
+        *_tiny(tmp_path, "--trainer.max_steps", "1"),
+        "--trainer.callbacks+=fedlightning.callbacks.FedAvg",
+        "--trainer.callbacks.server_lr=-1",
+    ]
     line, lines = _exit_with_error(capsys, args)
     assert line == f"error: trainer.callbacks[0].init_args.server_lr: {original.value}"
     assert "Does not validate against any of the Union subtypes" not in "\n".join(lines)
@@ -427,8 +514,9 @@ def test_negative_server_lr_is_one_last_line_and_the_traceback_is_on_request(tmp
 def test_loop_argument_error_names_the_model_key(tmp_path, capsys):
     with pytest.raises(ValueError) as original:
         FederatedLoop(MLP(input_dim=64, hidden=[4]), local_steps=0)
-    line, _ = _exit_with_error(capsys, ["fit", *_tiny(tmp_path, "--trainer.max_steps", "1", "--model.local_steps",
-                                                      "0")])
+    line, _ = _exit_with_error(
+        capsys, ["fit", *_tiny(tmp_path, "--trainer.max_steps", "1", "--model.local_steps", "0")]
+    )
     assert line == f"error: model.local_steps: {original.value}"
 
 
@@ -457,5 +545,17 @@ def test_an_error_after_a_round_trained_keeps_its_traceback(tmp_path, monkeypatc
 
     monkeypatch.setattr(FederatedLoop, "training_step", failing)
     with pytest.raises(CheckpointError, match="file not found"):
-        main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "3", "--trainer.logger", "false",
-                            "--trainer.enable_checkpointing", "false")])
+        main(
+            [
+                "fit",
+                *_tiny(
+                    tmp_path,
+                    "--trainer.max_steps",
+                    "3",
+                    "--trainer.logger",
+                    "false",
+                    "--trainer.enable_checkpointing",
+                    "false",
+                ),
+            ]
+        )

@@ -59,8 +59,14 @@ def _fit(callbacks, rounds=3, model=None, dm=None, optimizer=None, logger=None, 
     torch.manual_seed(0)
     model = model or to_float64(MLP(input_dim=64, hidden=[8], num_classes=10))
     dm = dm or Digits64(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1)
-    loop = FederatedLoop(model, client_optimizer=optimizer or (lambda p: torch.optim.SGD(p, lr=0.1)), local_steps=2,
-                         clients_per_round=clients, seed=2, **loop_kw)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=optimizer or (lambda p: torch.optim.SGD(p, lr=0.1)),
+        local_steps=2,
+        clients_per_round=clients,
+        seed=2,
+        **loop_kw,
+    )
     trainer = make_trainer(rounds, callbacks=callbacks, logger=logger or False, log_every_n_steps=1)
     trainer.fit(loop, datamodule=dm)
     return loop, dm, trainer
@@ -111,8 +117,15 @@ def test_statistics_equal_numpy_and_are_logged():
     assert set(values) == {"test/loss", "test/acc"}
     for name in values:
         v = values[name]
-        expected = {"mean": np.mean(v), "std": np.std(v), "min": np.min(v), "p10": np.percentile(v, 10),
-                    "p50": np.median(v), "p90": np.percentile(v, 90), "max": np.max(v)}
+        expected = {
+            "mean": np.mean(v),
+            "std": np.std(v),
+            "min": np.min(v),
+            "p10": np.percentile(v, 10),
+            "p50": np.median(v),
+            "p90": np.percentile(v, 90),
+            "max": np.max(v),
+        }
         key = name.replace("/", "_")
         for stat in STATISTICS:
             assert logger.series(f"clients/{key}_{stat}")[-1] == pytest.approx(expected[stat], rel=1e-12, abs=0)
@@ -247,8 +260,14 @@ def test_data_without_labels_is_refused_naming_the_option():
 def _write_leaf(path, users):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"users": list(users), "num_samples": [len(y) for _, y in users.values()],
-                   "user_data": {u: {"x": x, "y": y} for u, (x, y) in users.items()}}, f)
+        json.dump(
+            {
+                "users": list(users),
+                "num_samples": [len(y) for _, y in users.values()],
+                "user_data": {u: {"x": x, "y": y} for u, (x, y) in users.items()},
+            },
+            f,
+        )
 
 
 @pytest.mark.numerics
@@ -256,14 +275,18 @@ def test_natural_split_evaluates_each_user_on_its_own_test_samples(tmp_path):
     rng = np.random.default_rng(0)
 
     def users(sizes):
-        return {u: (np.round(rng.random((n, 784)), 3).tolist(), rng.integers(0, 62, n).tolist())
-                for u, n in sizes.items()}
+        return {
+            u: (np.round(rng.random((n, 784)), 3).tolist(), rng.integers(0, 62, n).tolist()) for u, n in sizes.items()
+        }
 
     root = tmp_path / "femnist"
     _write_leaf(str(root / "train" / "a_train.json"), users({"u0": 12, "u1": 6, "u2": 9}))
     _write_leaf(str(root / "test" / "a_test.json"), users({"u0": 3, "u1": 5, "u2": 2}))
-    dm = float64_data(LeafDataModule(name="femnist", data_dir=str(root), cache_dir=str(tmp_path / "cache"),
-                                     batch_size=4, val_fraction=0))
+    dm = float64_data(
+        LeafDataModule(
+            name="femnist", data_dir=str(root), cache_dir=str(tmp_path / "cache"), batch_size=4, val_fraction=0
+        )
+    )
     model = to_float64(MLP(input_dim=784, hidden=[4], num_classes=62))
     ev = ClientEvaluation(clients=None, vectorize=False)
     loop, dm, _ = _fit([ev], rounds=2, model=model, dm=dm, clients=2)
@@ -295,8 +318,10 @@ def test_sampled_clients_are_the_same_every_time_and_reproducible_from_the_seed(
     expected = np.sort(np.random.default_rng(derive_seed(7, "client-eval-sample")).choice(eligible, 4, replace=False))
     assert seen[0] == expected.tolist()
     assert ClientEvaluation(clients=4, seed=7).selected_clients(dm).tolist() == seen[0]
-    assert ClientEvaluation(clients=4).selected_clients(dm, loop.seed).tolist() == \
-        ClientEvaluation(clients=4, seed=loop.seed).selected_clients(dm).tolist()  # default: the loop's seed
+    assert (
+        ClientEvaluation(clients=4).selected_clients(dm, loop.seed).tolist()
+        == ClientEvaluation(clients=4, seed=loop.seed).selected_clients(dm).tolist()
+    )  # default: the loop's seed
     others = {tuple(ClientEvaluation(clients=4, seed=s).selected_clients(dm).tolist()) for s in range(8, 12)}
     assert others - {tuple(seen[0])}
     assert len(ClientEvaluation(clients=99).selected_clients(dm)) == len(eligible)  # all of them
@@ -375,9 +400,12 @@ def test_the_callback_does_not_change_training():
 
 # ---------------------------------------------------------------------------------------------- W&B
 def _results():
-    return ClientResults(client_ids=np.array([0, 3, 5]), num_samples=np.array([10, 4, 7]),
-                         values={"test/acc": np.array([0.5, 0.25, np.nan]), "test/loss": np.array([1.0, 2.0, 3.0])},
-                         names=["a", "b", "c"])
+    return ClientResults(
+        client_ids=np.array([0, 3, 5]),
+        num_samples=np.array([10, 4, 7]),
+        values={"test/acc": np.array([0.5, 0.25, np.nan]), "test/loss": np.array([1.0, 2.0, 3.0])},
+        names=["a", "b", "c"],
+    )
 
 
 def test_wandb_payload_holds_a_histogram_per_metric_and_a_client_table():
@@ -423,10 +451,17 @@ def test_wandb_logger_receives_histograms_and_the_table():
 
 
 # ---------------------------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(split="train"), "split"), (dict(local_steps=-1), "local_steps"), (dict(clients=0), "clients"),
-    (dict(every_n_rounds=0), "every_n_rounds"), (dict(assignment="random"), "assignment"), (dict(prefix=""), "prefix"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(split="train"), "split"),
+        (dict(local_steps=-1), "local_steps"),
+        (dict(clients=0), "clients"),
+        (dict(every_n_rounds=0), "every_n_rounds"),
+        (dict(assignment="random"), "assignment"),
+        (dict(prefix=""), "prefix"),
+    ],
+)
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ClientEvaluation(**kwargs)
@@ -466,13 +501,33 @@ def test_one_pass_of_sequence_outputs_gives_each_clients_mean_over_its_targets()
 
 # ---------------------------------------------------------------------------------------------- the example config
 def test_example_config_runs_both_evaluations_through_the_cli(tmp_path):
-    cli = main(["fit", "--config", os.path.join(ROOT, "configs", "examples", "client_eval.yaml"),
-                "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.logger", "false",
-                "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-                "--trainer.default_root_dir", str(tmp_path), "--model.local_steps", "2"], run=True)
+    cli = main(
+        [
+            "fit",
+            "--config",
+            os.path.join(ROOT, "configs", "examples", "client_eval.yaml"),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--model.local_steps",
+            "2",
+        ],
+        run=True,
+    )
     evaluations = [cb for cb in cli.trainer.callbacks if isinstance(cb, ClientEvaluation)]
     assert [(e.every_n_rounds, e.local_steps, e.prefix) for e in evaluations] == [
-        (20, 0, "clients"), (None, 5, "clients_adapted")]
+        (20, 0, "clients"),
+        (None, 5, "clients_adapted"),
+    ]
     metrics = cli.trainer.callback_metrics
     assert "clients/test_acc_p10" in metrics and "clients_adapted/test_loss_max" in metrics  # both after fit
     assert int(metrics["clients/num_clients"]) == len(evaluations[0].last_results.client_ids) > 0

@@ -125,7 +125,8 @@ def _aggregate(g0, updates, strategy):
 def _assert_close_to(got, expected, tol):
     err = (got - expected).abs()
     assert bool((err <= tol).all()), (
-        f"max error {float(err.max()):.3g}, tolerance at that entry {float(tol[err.argmax()]):.3g}")
+        f"max error {float(err.max()):.3g}, tolerance at that entry {float(tol[err.argmax()]):.3g}"
+    )
 
 
 # ============================================================================ item 3: no client blows up the model
@@ -135,8 +136,9 @@ def test_a_client_whose_weights_end_at_3e38_is_skipped_and_named(strategy):
     samples-weighted sum would be inf, FedExP's uniform mean 3e38/4. It is left out and named with its update norm;
     the global model is the aggregate of the other three clients."""
     strategy = strategy()
-    loop, rec, skipped = _fit(strategy, callbacks=[ChooseVictim()],
-                              client_optimizer=lambda p: BlowUpSGD(p, lr=0.1, local_steps=2))
+    loop, rec, skipped = _fit(
+        strategy, callbacks=[ChooseVictim()], client_optimizer=lambda p: BlowUpSGD(p, lr=0.1, local_steps=2)
+    )
     BlowUpSGD.victim_now = False
     plan = rec.results[0].plan
     victim = plan.client_ids[1]
@@ -145,9 +147,11 @@ def test_a_client_whose_weights_end_at_3e38_is_skipped_and_named(strategy):
     assert bool(torch.isfinite(victim_delta).all()) and float(victim_delta.abs().max()) > 1e38
     norm = float(victim_delta.norm())
     assert len(skipped) == 1
-    assert skipped[0].startswith(f"round 0: client {victim} skipped (update norm {norm:.4g}: its weighted update "
-                                 f"(weight {1 if isinstance(strategy, FedExP) else by_client[victim][1]}) could "
-                                 f"overflow the float32 sum of the round's 4 clients")
+    assert skipped[0].startswith(
+        f"round 0: client {victim} skipped (update norm {norm:.4g}: its weighted update "
+        f"(weight {1 if isinstance(strategy, FedExP) else by_client[victim][1]}) could "
+        f"overflow the float32 sum of the round's 4 clients"
+    )
     result = rec.results[0]
     assert (result.num_clients, result.num_failed, result.metrics["round/failed_clients"]) == (3, 1, 1.0)
     others = [by_client[c] for c in plan.client_ids if c != victim]
@@ -164,17 +168,25 @@ def test_the_rule_is_the_same_in_both_client_modes(mode):
     rec = Record(inject={2: -BIG})
     torch.manual_seed(0)
     model = MLP(input_dim=64, hidden=[8])
-    loop = FederatedLoop(model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
-                         clients_per_round=4, seed=0, client_execution=mode)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        local_steps=2,
+        clients_per_round=4,
+        seed=0,
+        client_execution=mode,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(1, callbacks=[FedAvg(), rec]).fit(loop, datamodule=_data())
     plan = rec.results[0].plan
     victim, victim_delta, weight = next((c, d, n) for _, c, d, n in rec.updates if c == plan.client_ids[2])
     skipped = [str(w.message) for w in caught if " skipped (" in str(w.message)]
-    assert skipped == [f"round 0: client {victim} skipped (update norm {float(victim_delta.norm()):.4g}: its weighted "
-                       f"update (weight {weight}) could overflow the float32 sum of the round's 4 clients (limit "
-                       f"|w|·‖Δ‖ < {3.4028234663852886e38 / 8:.4g}))"]
+    assert skipped == [
+        f"round 0: client {victim} skipped (update norm {float(victim_delta.norm()):.4g}: its weighted "
+        f"update (weight {weight}) could overflow the float32 sum of the round's 4 clients (limit "
+        f"|w|·‖Δ‖ < {3.4028234663852886e38 / 8:.4g}))"
+    ]
     others = [(d, n) for _, c, d, n in rec.updates if c != victim]
     assert len(others) == 3 and rec.results[0].num_failed == 1
     expected, tol = _aggregate(rec.start[0], others, FedAvg())
@@ -184,8 +196,9 @@ def test_the_rule_is_the_same_in_both_client_modes(mode):
 class BatchNormMLP(MLP):
     def __init__(self):
         super().__init__(input_dim=64, hidden=[8])
-        self.net = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
-                                       torch.nn.Linear(8, 10))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(64, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 10)
+        )
 
 
 class BufferFault(Record):
@@ -203,17 +216,27 @@ class BufferFault(Record):
         super().on_client_end(trainer, loop, plan, update)
 
 
-@pytest.mark.parametrize("value,reason", [(math.nan, "non-finite float buffers (e.g. BatchNorm running statistics)"),
-                                          (BIG, "float buffers norm {bnorm:.4g}: its weighted buffers could overflow "
-                                                "the float32 sum of the round's 4 clients")], ids=["nan", "3e38"])
+@pytest.mark.parametrize(
+    "value,reason",
+    [
+        (math.nan, "non-finite float buffers (e.g. BatchNorm running statistics)"),
+        (
+            BIG,
+            "float buffers norm {bnorm:.4g}: its weighted buffers could overflow "
+            "the float32 sum of the round's 4 clients",
+        ),
+    ],
+    ids=["nan", "3e38"],
+)
 def test_a_client_with_non_finite_or_overflowing_buffers_is_skipped(value, reason):
     """BatchNorm running statistics are averaged like the updates: a client whose buffers are NaN or 3e38 is left
     out, and the global buffers are the weighted mean of the other clients' (float64 reference)."""
     torch.manual_seed(0)
     model = BatchNormMLP()
     rec = BufferFault(value)
-    loop = FederatedLoop(model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
-                         clients_per_round=4, seed=0)
+    loop = FederatedLoop(
+        model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2, clients_per_round=4, seed=0
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(1, callbacks=[FedAvg(), rec]).fit(loop, datamodule=_data())
@@ -221,8 +244,11 @@ def test_a_client_with_non_finite_or_overflowing_buffers_is_skipped(value, reaso
     victim = plan.client_ids[1]
     norm, bnorm = float(by_id(rec, victim)[0].norm()), float(rec.buffers[victim].norm())
     skipped = [str(w.message) for w in caught if " skipped (" in str(w.message)]
-    assert skipped == [f"round 0: client {victim} skipped (update norm {norm:.4g}, {reason.format(bnorm=bnorm)})"
-                       if value == BIG else f"round 0: client {victim} skipped (update norm {norm:.4g}: {reason})"]
+    assert skipped == [
+        f"round 0: client {victim} skipped (update norm {norm:.4g}, {reason.format(bnorm=bnorm)})"
+        if value == BIG
+        else f"round 0: client {victim} skipped (update norm {norm:.4g}: {reason})"
+    ]
     others = [c for c in plan.client_ids if c != victim]
     weights = torch.tensor([float(by_id(rec, c)[1]) for c in others], dtype=torch.float64)
     stacked = torch.stack([rec.buffers[c] for c in others])
@@ -244,8 +270,9 @@ def test_max_update_norm_skips_a_client_with_a_big_norm():
     norms = sorted((float(d.norm()), cid) for _, cid, d, _ in free.updates)
     bound = (norms[-1][0] + norms[-2][0]) / 2
     loop, rec, skipped = _fit(FedAvg(), max_update_norm=bound)
-    assert skipped == [f"round 0: client {norms[-1][1]} skipped (update norm {norms[-1][0]:.4g} > "
-                       f"max_update_norm={bound:g})"]
+    assert skipped == [
+        f"round 0: client {norms[-1][1]} skipped (update norm {norms[-1][0]:.4g} > max_update_norm={bound:g})"
+    ]
     others = [(d, n) for _, c, d, n in rec.updates if c != norms[-1][1]]
     expected, tol = _aggregate(rec.start[0], others, FedAvg())
     _assert_close_to(_flat(loop.model), expected, tol)
@@ -269,9 +296,11 @@ class ExtraStatistic(FedAvg):
             stats.add("extra", self.bad if bad else 1.0, update.delta.device)
 
 
-@pytest.mark.parametrize("bad,shown", [(math.inf, "extra = inf"), (math.nan, "extra = nan"),
-                                       (torch.full((3,), 1e38), "extra_vector (norm 1.732e+38)")],
-                         ids=["inf", "nan", "vector-overflow"])
+@pytest.mark.parametrize(
+    "bad,shown",
+    [(math.inf, "extra = inf"), (math.nan, "extra = nan"), (torch.full((3,), 1e38), "extra_vector (norm 1.732e+38)")],
+    ids=["inf", "nan", "vector-overflow"],
+)
 def test_a_non_finite_or_overflowing_strategy_statistic_skips_the_client(bad, shown):
     strategy = ExtraStatistic(bad)
     loop, rec, skipped = _fit(strategy)
@@ -306,8 +335,14 @@ class ServerState(FederatedCallback):
 
     def on_round_end(self, trainer, loop, result):
         opt = loop.optimizers().optimizer
-        self.after.append((_flat(loop.model), [s["momentum_buffer"].clone() for s in opt.state.values()],
-                           [g["lr"] for g in opt.param_groups], trainer.global_step))
+        self.after.append(
+            (
+                _flat(loop.model),
+                [s["momentum_buffer"].clone() for s in opt.state.values()],
+                [g["lr"] for g in opt.param_groups],
+                trainer.global_step,
+            )
+        )
 
 
 @pytest.mark.parametrize("lr", [1e38, 1e39])
@@ -317,8 +352,9 @@ def test_a_non_finite_server_step_keeps_model_and_optimizer_state_and_stops(lr):
     round 0 and round 1 is not counted; the FloatingPointError names the round, the strategy and the statistic."""
     torch.manual_seed(0)
     model = MLP(input_dim=64, hidden=[8])
-    loop = FederatedLoop(model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
-                         clients_per_round=4, seed=0)
+    loop = FederatedLoop(
+        model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2, clients_per_round=4, seed=0
+    )
     state = ServerState()
     trainer = make_trainer(3, callbacks=[ExplodesInRound1(lr), state])
     with pytest.raises((FloatingPointError, RuntimeError)) as info:
@@ -329,9 +365,10 @@ def test_a_non_finite_server_step_keeps_model_and_optimizer_state_and_stops(lr):
         assert message == (
             "round 1: the server step of ExplodesInRound1 would make the global model non-finite (parameter "
             f"net.1.weight): the step server/lr·Δ overflows: server/lr = 1e+38, server/delta_norm = "
-            f"{10 * 610 ** 0.5:.4g}. The global model and the server optimizer state are left as they were before "
+            f"{10 * 610**0.5:.4g}. The global model and the server optimizer state are left as they were before "
             "this round and the run stops; every client update passed the aggregation checks, so the strategy or its "
-            "hyper-parameters are at fault, not a client")
+            "hyper-parameters are at fault, not a client"
+        )
     else:
         assert "overflow" in message  # torch's own error, raised by the server optimizer
     assert len(state.after) == 1 and trainer.global_step == 1  # round 1 was not counted
@@ -371,8 +408,13 @@ def test_an_exception_stops_the_run_at_its_first_occurrence():
     """The second sampled client raises: the run stops with a RuntimeError naming round, client and exception
     (chained), and the clients after it in the round never train."""
     torch.manual_seed(0)
-    loop = FederatedLoop(RaisesFor({1}), client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
-                         clients_per_round=4, seed=0)
+    loop = FederatedLoop(
+        RaisesFor({1}),
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        local_steps=2,
+        clients_per_round=4,
+        seed=0,
+    )
     rec = Record()
     with pytest.raises(RuntimeError) as info:
         make_trainer(2, callbacks=[FedAvg(), rec, Current()]).fit(loop, datamodule=_data())
@@ -382,7 +424,8 @@ def test_an_exception_stops_the_run_at_its_first_occurrence():
     assert str(info.value) == (
         f"round 0: client {victim} raised IndexError: Target 12 is out of bounds (client {victim}). An exception in "
         "client training is a bug in the model or the data, not a faulty client, so the run stops "
-        "(on_client_error='skip' would leave such clients out of their round)")
+        "(on_client_error='skip' would leave such clients out of their round)"
+    )
     assert isinstance(info.value.__cause__, IndexError)
     assert worker.trained == plan.client_ids[:2] and rec.results == []
 
@@ -391,8 +434,14 @@ def test_skipping_clients_that_raise_is_an_explicit_opt_in():
     """on_client_error='skip': the raising client is left out with a warning, the others are aggregated."""
     torch.manual_seed(0)
     model = RaisesFor({1})
-    loop = FederatedLoop(model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
-                         clients_per_round=4, seed=0, on_client_error="skip")
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        local_steps=2,
+        clients_per_round=4,
+        seed=0,
+        on_client_error="skip",
+    )
     rec = Record()
     with pytest.warns(UserWarning, match=r"round 0: client \d+ skipped \(IndexError\('Target 12 is out of bounds"):
         make_trainer(1, callbacks=[FedAvg(), rec, Current()]).fit(loop, datamodule=_data())
@@ -406,8 +455,15 @@ def test_on_client_failure_raise_still_covers_non_finite_results_only():
     would overflow stops the run with a FloatingPointError naming it."""
     torch.manual_seed(0)
     rec = Record(inject={2: -BIG})
-    loop = FederatedLoop(RaisesFor({1}), client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
-                         clients_per_round=4, seed=0, on_client_failure="raise", on_client_error="skip")
+    loop = FederatedLoop(
+        RaisesFor({1}),
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        local_steps=2,
+        clients_per_round=4,
+        seed=0,
+        on_client_failure="raise",
+        on_client_error="skip",
+    )
     with pytest.warns(UserWarning, match="IndexError"), pytest.raises(FloatingPointError) as info:
         make_trainer(1, callbacks=[FedAvg(), rec, Current()]).fit(loop, datamodule=_data())
     victim = loop.client_worker.model.current[0].client_ids[2]
@@ -415,28 +471,45 @@ def test_on_client_failure_raise_still_covers_non_finite_results_only():
     assert "could overflow the float32 sum of the round's 4 clients" in str(info.value)
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("seed", -1, "seed must be an integer >= 0, got -1"),
-    ("on_client_error", "ignore", "on_client_error must be 'raise' or 'skip', got 'ignore'"),
-    ("max_update_norm", 0, "max_update_norm must be a finite number > 0 or None, got 0"),
-    ("max_update_norm", math.inf, "max_update_norm must be a finite number > 0 or None, got inf"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("seed", -1, "seed must be an integer >= 0, got -1"),
+        ("on_client_error", "ignore", "on_client_error must be 'raise' or 'skip', got 'ignore'"),
+        ("max_update_norm", 0, "max_update_norm must be a finite number > 0 or None, got 0"),
+        ("max_update_norm", math.inf, "max_update_norm must be a finite number > 0 or None, got inf"),
+    ],
+)
 def test_bad_policy_arguments_are_refused_by_name(key, value, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         FederatedLoop(MLP(input_dim=64, hidden=[8]), **{key: value})
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("seed", "-1", "seed must be an integer >= 0, got -1"),
-    ("on_client_error", "ignore", "on_client_error must be 'raise' or 'skip', got 'ignore'"),
-    ("max_update_norm", "-3", "max_update_norm must be a finite number > 0 or None, got -3.0"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("seed", "-1", "seed must be an integer >= 0, got -1"),
+        ("on_client_error", "ignore", "on_client_error must be 'raise' or 'skip', got 'ignore'"),
+        ("max_update_norm", "-3", "max_update_norm must be a finite number > 0 or None, got -3.0"),
+    ],
+)
 def test_bad_policy_arguments_are_one_line_config_errors(tmp_path, capsys, key, value, message):
     from fedlightning.cli import main
 
     with pytest.raises(SystemExit) as info:
-        main(["fit", "--config", os.path.join(ROOT, "configs", "quickstart.yaml"), "--trainer.logger", "false",
-              "--trainer.default_root_dir", str(tmp_path), f"--model.{key}", value])
+        main(
+            [
+                "fit",
+                "--config",
+                os.path.join(ROOT, "configs", "quickstart.yaml"),
+                "--trainer.logger",
+                "false",
+                "--trainer.default_root_dir",
+                str(tmp_path),
+                f"--model.{key}",
+                value,
+            ]
+        )
     assert info.value.code == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: model.{key}: {message}"
 
@@ -446,19 +519,43 @@ def test_a_run_without_a_healthy_round_exits_non_zero_through_train_py(tmp_path)
     loss becomes non-finite, and train.py exits 1 with the end-of-run FloatingPointError as its last line."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), "fit",
-         "--config", os.path.join(ROOT, "configs", "quickstart.yaml"),
-         "--trainer.max_steps", "2", "--model.client_optimizer.init_args.lr", "1e37",
-         "--model.clients_per_round", "5", "--model.local_steps", "5", "--test_after_fit", "false",
-         "--trainer.num_sanity_val_steps", "0", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-         "--trainer.default_root_dir", str(tmp_path)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "fit",
+            "--config",
+            os.path.join(ROOT, "configs", "quickstart.yaml"),
+            "--trainer.max_steps",
+            "2",
+            "--model.client_optimizer.init_args.lr",
+            "1e37",
+            "--model.clients_per_round",
+            "5",
+            "--model.local_steps",
+            "5",
+            "--test_after_fit",
+            "false",
+            "--trainer.num_sanity_val_steps",
+            "0",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         "FloatingPointError: no round of this run had a healthy client (2 rounds; every client's loss or update was "
         "NaN/inf, too large, or it failed), so the global model was never updated. Lower the client learning rate or "
-        "clip client gradients (client_grad_clip)")
+        "clip client gradients (client_grad_clip)"
+    )
 
 
 # ============================================================================ DDP: the rules hold per process
@@ -478,16 +575,21 @@ def test_two_processes_skip_the_overflowing_client_and_stop_on_an_exception(tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         one_loop, one = script.fit(1, rounds=1)
-    (client_ids, healthy, failed), = one.results
+    ((client_ids, healthy, failed),) = one.results
     assert (healthy, failed) == (3, 1)
     others = [(d, n) for _, position, d, n in one.updates if position != script.VICTIM_POSITION]
     expected, tol = _aggregate(one.start[0], others, FedAvg())
     _assert_close_to(_flat(one_loop.model), expected, tol)
 
     out = tmp_path / "two.pt"
-    proc = subprocess.run([sys.executable, DDP_SCRIPT, "--devices", "2", "--rounds", "2", "--out", str(out)],
-                          cwd=str(tmp_path), env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, DDP_SCRIPT, "--devices", "2", "--rounds", "2", "--out", str(out)],
+        cwd=str(tmp_path),
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     two = torch.load(out)
     assert two["results"] == [(client_ids, 3, 1)]  # round 0 only
@@ -495,13 +597,16 @@ def test_two_processes_skip_the_overflowing_client_and_stop_on_an_exception(tmp_
     warned = [(tmp_path / f"two.pt.rank{r}").read_text().splitlines() for r in (0, 1)]
     victim_delta = next(d for _, position, d, _ in one.updates if position == script.VICTIM_POSITION)
     assert warned[0] == [] and len(warned[1]) == 1
-    assert warned[1][0].startswith(f"round 0: client {client_ids[1]} skipped (update norm "
-                                   f"{float(victim_delta.norm()):.4g}: its weighted update")
+    assert warned[1][0].startswith(
+        f"round 0: client {client_ids[1]} skipped (update norm {float(victim_delta.norm()):.4g}: its weighted update"
+    )
     dm = DigitsDataModule(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
     dm.setup("fit")
     dm.configure_rounds(4, 3, seed=1)
     victim = dm.round_plan(1).client_ids[script.VICTIM_POSITION]
-    line = (f"RuntimeError: round 1: client {victim} raised IndexError: Target 12 is out of bounds. An exception in "
-            "client training is a bug in the model or the data, not a faulty client, so the run stops "
-            "(on_client_error='skip' would leave such clients out of their round)")
+    line = (
+        f"RuntimeError: round 1: client {victim} raised IndexError: Target 12 is out of bounds. An exception in "
+        "client training is a bug in the model or the data, not a faulty client, so the run stops "
+        "(on_client_error='skip' would leave such clients out of their round)"
+    )
     assert f"[rank0]: {line}" in proc.stderr and f"[rank1]: {line}" in proc.stderr, proc.stderr[-3000:]

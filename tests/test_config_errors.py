@@ -27,94 +27,217 @@ from fedlightning.models import MLP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-TINY = ["--config", QUICK, "--trainer.max_steps", "1", "--trainer.logger", "false",
-        "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "0", "--test_after_fit", "false",
-        "--data.init_args.num_clients", "10", "--model.clients_per_round", "2", "--model.local_steps", "1"]
+TINY = [
+    "--config",
+    QUICK,
+    "--trainer.max_steps",
+    "1",
+    "--trainer.logger",
+    "false",
+    "--trainer.enable_checkpointing",
+    "false",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+    "--trainer.limit_val_batches",
+    "0",
+    "--test_after_fit",
+    "false",
+    "--data.init_args.num_clients",
+    "10",
+    "--model.clients_per_round",
+    "2",
+    "--model.local_steps",
+    "1",
+]
 
 # (id, extra command line arguments, the key the last line names, texts the line must contain)
 COMMAND_LINES = [
-    ("type float", ["--data.init_args.partition.init_args.alpha", "high"],
-     "data.init_args.partition.init_args.alpha", ["expected a float, got 'high'"]),
+    (
+        "type float",
+        ["--data.init_args.partition.init_args.alpha", "high"],
+        "data.init_args.partition.init_args.alpha",
+        ["expected a float, got 'high'"],
+    ),
     ("type int", ["--model.local_steps", "abc"], "model.local_steps", ["expected an int or null, got 'abc'"]),
-    ("type int of a class", ["--data.init_args.batch_size", "1.5"], "data.init_args.batch_size",
-     ["expected an int, got 1.5"]),
-    ("type list item", ["--model.model.init_args.hidden", "[8, x]"], "model.model.init_args.hidden",
-     ["expected an int, got 'x'"]),
-    ("type bool", ["--trainer.enable_checkpointing", "maybe"], "trainer.enable_checkpointing",
-     ["expected a bool", "got 'maybe'"]),
+    (
+        "type int of a class",
+        ["--data.init_args.batch_size", "1.5"],
+        "data.init_args.batch_size",
+        ["expected an int, got 1.5"],
+    ),
+    (
+        "type list item",
+        ["--model.model.init_args.hidden", "[8, x]"],
+        "model.model.init_args.hidden",
+        ["expected an int, got 'x'"],
+    ),
+    (
+        "type bool",
+        ["--trainer.enable_checkpointing", "maybe"],
+        "trainer.enable_checkpointing",
+        ["expected a bool", "got 'maybe'"],
+    ),
     ("type literal", ["--trainer.precision", "65"], "trainer.precision", ["'bf16-mixed'", "got 65"]),
-    ("type client lr", ["--model.client_optimizer.lr", "fast"], "model.client_optimizer.init_args.lr",
-     ["expected a float, got 'fast'"]),
+    (
+        "type client lr",
+        ["--model.client_optimizer.lr", "fast"],
+        "model.client_optimizer.init_args.lr",
+        ["expected a float, got 'fast'"],
+    ),
     ("type trainer", ["--trainer.max_steps", "three"], "trainer.max_steps", ["expected an int, got 'three'"]),
-    ("unknown class", ["--model.model.class_path", "fedlightning.models.MPL"], "model.model.class_path",
-     ["fedlightning.models.MPL does not exist", "did you mean fedlightning.models.MLP?"]),
-    ("unknown data class", ["--data.class_path", "fedlightning.datamodules.NoSuchData"], "data.class_path",
-     ["fedlightning.datamodules.NoSuchData does not exist"]),
-    ("unknown module", ["--model.model.class_path", "nomodule.Net"], "model.model.class_path",
-     ["cannot import 'nomodule.Net'", "No module named 'nomodule'"]),
-    ("unknown optimizer", ["--model.client_optimizer", "torch.optim.Sgd"], "model.client_optimizer.class_path",
-     ["torch.optim.Sgd does not exist", "did you mean torch.optim.SGD?"]),
+    (
+        "unknown class",
+        ["--model.model.class_path", "fedlightning.models.MPL"],
+        "model.model.class_path",
+        ["fedlightning.models.MPL does not exist", "did you mean fedlightning.models.MLP?"],
+    ),
+    (
+        "unknown data class",
+        ["--data.class_path", "fedlightning.datamodules.NoSuchData"],
+        "data.class_path",
+        ["fedlightning.datamodules.NoSuchData does not exist"],
+    ),
+    (
+        "unknown module",
+        ["--model.model.class_path", "nomodule.Net"],
+        "model.model.class_path",
+        ["cannot import 'nomodule.Net'", "No module named 'nomodule'"],
+    ),
+    (
+        "unknown optimizer",
+        ["--model.client_optimizer", "torch.optim.Sgd"],
+        "model.client_optimizer.class_path",
+        ["torch.optim.Sgd does not exist", "did you mean torch.optim.SGD?"],
+    ),
     ("not a class", ["--model.model", "null"], "model.model", ["subclass of LightningModule", "got null"]),
-    ("renamed SPS c", ["--model.client_optimizer", "fedlightning.optim.SPS", "--model.client_optimizer.c", "0.3"],
-     "model.client_optimizer.init_args.c", ["SPS's c is now polyak_c"]),
-    ("renamed SPS lr", ["--model.client_optimizer", "fedlightning.optim.SPS", "--model.client_optimizer.lr", "0.1"],
-     "model.client_optimizer.init_args.lr", ["SPS takes no lr", "fixed_step_size"]),
-    ("renamed FedAdam eps", ["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks.eps", "0.1"],
-     "trainer.callbacks.init_args.eps", ["FedAdam's eps is now tau"]),
-    ("misspelled class argument", ["--model.model.init_args.hiden", "[8]"], "model.model.init_args.hiden",
-     ["MLP has no argument 'hiden' (did you mean hidden?)"]),
-    ("misspelled key", ["--model.lcoal_steps", "5"], "model.lcoal_steps",
-     ["unknown option 'lcoal_steps' (did you mean local_steps?)"]),
-    ("misspelled trainer key", ["--trainer.max_stepz=3"], "trainer.max_stepz",
-     ["unknown option 'max_stepz' (did you mean max_steps?)"]),
-    ("abbreviated key", ["--model.local_step", "5"], "model.local_step",
-     ["'local_step': abbreviated options are not accepted (did you mean local_steps?)"]),
-    ("missing required argument", ["--trainer.callbacks+=fedlightning.callbacks.RuntimeModel"],
-     "trainer.callbacks[0].init_args.seconds_per_batch", ["RuntimeModel needs seconds_per_batch"]),
+    (
+        "renamed SPS c",
+        ["--model.client_optimizer", "fedlightning.optim.SPS", "--model.client_optimizer.c", "0.3"],
+        "model.client_optimizer.init_args.c",
+        ["SPS's c is now polyak_c"],
+    ),
+    (
+        "renamed SPS lr",
+        ["--model.client_optimizer", "fedlightning.optim.SPS", "--model.client_optimizer.lr", "0.1"],
+        "model.client_optimizer.init_args.lr",
+        ["SPS takes no lr", "fixed_step_size"],
+    ),
+    (
+        "renamed FedAdam eps",
+        ["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks.eps", "0.1"],
+        "trainer.callbacks.init_args.eps",
+        ["FedAdam's eps is now tau"],
+    ),
+    (
+        "misspelled class argument",
+        ["--model.model.init_args.hiden", "[8]"],
+        "model.model.init_args.hiden",
+        ["MLP has no argument 'hiden' (did you mean hidden?)"],
+    ),
+    (
+        "misspelled key",
+        ["--model.lcoal_steps", "5"],
+        "model.lcoal_steps",
+        ["unknown option 'lcoal_steps' (did you mean local_steps?)"],
+    ),
+    (
+        "misspelled trainer key",
+        ["--trainer.max_stepz=3"],
+        "trainer.max_stepz",
+        ["unknown option 'max_stepz' (did you mean max_steps?)"],
+    ),
+    (
+        "abbreviated key",
+        ["--model.local_step", "5"],
+        "model.local_step",
+        ["'local_step': abbreviated options are not accepted (did you mean local_steps?)"],
+    ),
+    (
+        "missing required argument",
+        ["--trainer.callbacks+=fedlightning.callbacks.RuntimeModel"],
+        "trainer.callbacks[0].init_args.seconds_per_batch",
+        ["RuntimeModel needs seconds_per_batch"],
+    ),
     ("choice", ["--resume_mismatch", "maybe"], "resume_mismatch", ["invalid choice: 'maybe'"]),
     ("missing config file", ["--config", "no_such_config.yaml"], "config", ["no_such_config.yaml"]),
     ("constructor check", ["--model.client_execution", "vector"], "model.client_execution", ["got 'vector'"]),
     ("Lightning's own check", ["--trainer.max_steps", "-5"], "trainer.max_steps", ["-5"]),
     ("seed_everything", ["--seed_everything", "-1"], "seed_everything", ["got -1"]),
-    ("optimizer constructor check", ["--model.client_optimizer", "fedlightning.optim.SgdArmijo",
-                                     "--model.client_optimizer.c", "1.5"],
-     "model.client_optimizer.init_args.c", ["c must be in (0, 1), got 1.5"]),
-    ("data setup check", ["--model.clients_per_round", "500"], "model.clients_per_round",
-     ["clients_per_round=500 exceeds"]),
+    (
+        "optimizer constructor check",
+        ["--model.client_optimizer", "fedlightning.optim.SgdArmijo", "--model.client_optimizer.c", "1.5"],
+        "model.client_optimizer.init_args.c",
+        ["c must be in (0, 1), got 1.5"],
+    ),
+    (
+        "data setup check",
+        ["--model.clients_per_round", "500"],
+        "model.clients_per_round",
+        ["clients_per_round=500 exceeds"],
+    ),
     # impossible settings refused before round 0 (the FederatedLoop's setup)
     ("no rounds", ["--trainer.max_steps", "0"], "trainer.max_steps", ["number of federated rounds", "got 0"]),
     ("unbounded rounds", ["--trainer.max_steps", "-1"], "trainer.max_steps", ["got -1", "without max_epochs"]),
-    ("validation every 0 rounds", ["--trainer.val_check_interval", "0", "--trainer.limit_val_batches", "1"],
-     "trainer.val_check_interval", ["must be > 0", "got 0"]),
-    ("validation every 0.0 epochs", ["--trainer.val_check_interval", "0.0"], "trainer.val_check_interval",
-     ["got 0.0"]),
-    ("validation every 0 epochs", ["--trainer.check_val_every_n_epoch", "0"], "trainer.check_val_every_n_epoch",
-     ["got 0"]),
+    (
+        "validation every 0 rounds",
+        ["--trainer.val_check_interval", "0", "--trainer.limit_val_batches", "1"],
+        "trainer.val_check_interval",
+        ["must be > 0", "got 0"],
+    ),
+    ("validation every 0.0 epochs", ["--trainer.val_check_interval", "0.0"], "trainer.val_check_interval", ["got 0.0"]),
+    (
+        "validation every 0 epochs",
+        ["--trainer.check_val_every_n_epoch", "0"],
+        "trainer.check_val_every_n_epoch",
+        ["got 0"],
+    ),
     ("negative seed", ["--model.seed", "-1"], "model.seed", ["got -1"]),
-    ("nan lr", ["--model.client_optimizer.lr=.nan"], "model.client_optimizer.init_args.lr",
-     ["client_optimizer SGD lr must be a finite number, got nan"]),
+    (
+        "nan lr",
+        ["--model.client_optimizer.lr=.nan"],
+        "model.client_optimizer.init_args.lr",
+        ["client_optimizer SGD lr must be a finite number, got nan"],
+    ),
     ("inf lr", ["--model.client_optimizer.lr=.inf"], "model.client_optimizer.init_args.lr", ["got inf"]),
-    ("inf Adam lr", ["--model.client_optimizer", "torch.optim.Adam", "--model.client_optimizer.lr=.inf"],
-     "model.client_optimizer.init_args.lr", ["client_optimizer Adam lr", "got inf"]),
+    (
+        "inf Adam lr",
+        ["--model.client_optimizer", "torch.optim.Adam", "--model.client_optimizer.lr=.inf"],
+        "model.client_optimizer.init_args.lr",
+        ["client_optimizer Adam lr", "got inf"],
+    ),
 ]
 
 # (id, YAML given after the quickstart config, the key, texts the line must contain)
 YAML_SNIPPETS = [
     ("yaml misspelled key", "model:\n  lcoal_steps: 5\n", "model.lcoal_steps", ["did you mean local_steps?"]),
-    ("yaml misspelled section", "trainr:\n  max_steps: 3\n", "trainr.max_steps",
-     ["unknown option 'trainr.max_steps' (did you mean trainer.max_steps?)"]),
+    (
+        "yaml misspelled section",
+        "trainr:\n  max_steps: 3\n",
+        "trainr.max_steps",
+        ["unknown option 'trainr.max_steps' (did you mean trainer.max_steps?)"],
+    ),
     ("yaml type", "model:\n  local_steps: five\n", "model.local_steps", ["expected an int or null, got 'five'"]),
-    ("yaml renamed SPS c",
-     "model:\n  client_optimizer:\n    class_path: fedlightning.optim.SPS\n    init_args:\n      c: 0.2\n",
-     "model.client_optimizer.init_args.c", ["SPS's c is now polyak_c"]),
-    ("yaml renamed FedAMS eps",
-     "trainer:\n  callbacks:\n    - class_path: fedlightning.callbacks.FedAMS\n      init_args:\n        eps: 0.1\n",
-     "trainer.callbacks[0].init_args.eps", ["FedAMS's eps is now ams_eps"]),
-    ("yaml misspelled class argument",
-     "data:\n  init_args:\n    partition:\n      class_path: fedlightning.datamodules.Dirichlet\n"
-     "      init_args:\n        alpah: 0.5\n",
-     "data.init_args.partition.init_args.alpah", ["Dirichlet has no argument 'alpah' (did you mean alpha?)"]),
+    (
+        "yaml renamed SPS c",
+        "model:\n  client_optimizer:\n    class_path: fedlightning.optim.SPS\n    init_args:\n      c: 0.2\n",
+        "model.client_optimizer.init_args.c",
+        ["SPS's c is now polyak_c"],
+    ),
+    (
+        "yaml renamed FedAMS eps",
+        "trainer:\n  callbacks:\n    - class_path: fedlightning.callbacks.FedAMS\n      init_args:\n        eps: 0.1\n",
+        "trainer.callbacks[0].init_args.eps",
+        ["FedAMS's eps is now ams_eps"],
+    ),
+    (
+        "yaml misspelled class argument",
+        "data:\n  init_args:\n    partition:\n      class_path: fedlightning.datamodules.Dirichlet\n"
+        "      init_args:\n        alpah: 0.5\n",
+        "data.init_args.partition.init_args.alpah",
+        ["Dirichlet has no argument 'alpah' (did you mean alpha?)"],
+    ),
     ("yaml syntax", "model: [unclosed\n", "config", ["not valid YAML", "(line 2, column 1)"]),
 ]
 
@@ -166,18 +289,25 @@ def test_yaml_error_is_one_line(case, tmp_path, capsys, fit_only):
     _, text, key, needles = case
     path = tmp_path / "override.yaml"
     path.write_text(text)
-    code, err, last = _run(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path / "root"), "--config",
-                            str(path)], capsys)
+    code, err, last = _run(
+        ["fit", *TINY, "--trainer.default_root_dir", str(tmp_path / "root"), "--config", str(path)], capsys
+    )
     if key == "config":
         needles = [str(path)] + needles  # the file is named
     _check(code, err, last, key, needles)
 
 
-@pytest.mark.parametrize("args,line", [
-    (["--config", QUICK], "error: subcommand: not given (one of fit, validate, test, predict)"),
-    (["fitt", *TINY], "error: subcommand: invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', 'predict')"),
-    (["fit", "--trainer.max_steps", "1"], "error: model.model: required, not given (nor data)"),
-])
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--config", QUICK], "error: subcommand: not given (one of fit, validate, test, predict)"),
+        (
+            ["fitt", *TINY],
+            "error: subcommand: invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', 'predict')",
+        ),
+        (["fit", "--trainer.max_steps", "1"], "error: model.model: required, not given (nor data)"),
+    ],
+)
 def test_subcommand_and_required_errors(args, line, capsys):
     code, err, last = _run(args, capsys)
     assert code == 1 and last == line, err[-2000:]
@@ -187,17 +317,36 @@ def test_traceback_variable_raises_jsonargparse_full_error(tmp_path, monkeypatch
     """FEDLIGHTNING_TRACEBACK=1: the parsing error is raised as it is, with jsonargparse's full message."""
     monkeypatch.setenv("FEDLIGHTNING_TRACEBACK", "1")
     with pytest.raises(argparse.ArgumentError) as info:
-        main(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path),
-              "--data.init_args.partition.init_args.alpha", "high"])
+        main(
+            [
+                "fit",
+                *TINY,
+                "--trainer.default_root_dir",
+                str(tmp_path),
+                "--data.init_args.partition.init_args.alpha",
+                "high",
+            ]
+        )
     assert "Does not validate against any of the Union subtypes" in str(info.value)
     assert info.value.fedlightning_error_line == (
-        "data.init_args.partition.init_args.alpha: expected a float, got 'high'")
+        "data.init_args.partition.init_args.alpha: expected a float, got 'high'"
+    )
 
 
 def test_full_option_names_still_parse(tmp_path):
     """allow_abbrev=False refuses abbreviations only: the full names of the same options parse and run."""
-    cli = main(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path), "--model.local_steps", "2",
-                "--trainer.max_steps", "1"])
+    cli = main(
+        [
+            "fit",
+            *TINY,
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--model.local_steps",
+            "2",
+            "--trainer.max_steps",
+            "1",
+        ]
+    )
     assert cli.model.local_steps == 2 and cli.trainer.global_step == 1
 
 
@@ -225,8 +374,15 @@ def _tiny_fit(trainer_kwargs, **loop_kwargs):
             return super().training_step(batch, batch_idx)
 
     loop = FederatedLoop(Net(input_dim=64, hidden=[8]), local_steps=1, clients_per_round=2, seed=0, **loop_kwargs)
-    options = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, limit_val_batches=0)
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     options.update(trainer_kwargs)
     trainer = pl.Trainer(**options)
     with pytest.raises(SettingError) as info:
@@ -235,12 +391,15 @@ def _tiny_fit(trainer_kwargs, **loop_kwargs):
     return info.value
 
 
-@pytest.mark.parametrize("trainer_kwargs,key,text", [
-    (dict(max_steps=0), "trainer.max_steps", "got 0"),
-    (dict(max_steps=-1), "trainer.max_steps", "got -1"),
-    (dict(max_steps=2, val_check_interval=0, limit_val_batches=1), "trainer.val_check_interval", "got 0"),
-    (dict(max_steps=2, check_val_every_n_epoch=0), "trainer.check_val_every_n_epoch", "got 0"),
-])
+@pytest.mark.parametrize(
+    "trainer_kwargs,key,text",
+    [
+        (dict(max_steps=0), "trainer.max_steps", "got 0"),
+        (dict(max_steps=-1), "trainer.max_steps", "got -1"),
+        (dict(max_steps=2, val_check_interval=0, limit_val_batches=1), "trainer.val_check_interval", "got 0"),
+        (dict(max_steps=2, check_val_every_n_epoch=0), "trainer.check_val_every_n_epoch", "got 0"),
+    ],
+)
 def test_python_trainer_settings_are_refused_before_round_0(trainer_kwargs, key, text):
     err = _tiny_fit(trainer_kwargs, client_optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     assert err.config_key == key and text in str(err)
@@ -261,8 +420,15 @@ def test_python_non_finite_lr_of_configure_optimizers_is_refused():
             return torch.optim.SGD(self.parameters(), lr=float("inf"))
 
     loop = FederatedLoop(Net(input_dim=64, hidden=[8]), local_steps=1, clients_per_round=2)
-    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = pl.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     with pytest.raises(SettingError, match=r"Net.configure_optimizers\(\) lr must be a finite number, got inf") as e:
         trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, seed=0))
     assert e.value.config_key == "model.model" and trainer.global_step == 0
@@ -270,6 +436,18 @@ def test_python_non_finite_lr_of_configure_optimizers_is_refused():
 
 def test_explicit_epochs_of_rounds_are_accepted(tmp_path):
     """max_steps=-1 with an explicit max_epochs is a bounded run (max_epochs × rounds_per_epoch rounds)."""
-    cli = main(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "-1",
-                "--trainer.max_epochs", "2", "--data.init_args.rounds_per_epoch", "1"])
+    cli = main(
+        [
+            "fit",
+            *TINY,
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.max_steps",
+            "-1",
+            "--trainer.max_epochs",
+            "2",
+            "--data.init_args.rounds_per_epoch",
+            "1",
+        ]
+    )
     assert cli.trainer.global_step == 2

@@ -215,9 +215,11 @@ class Floats(Dataset):
 
 
 def test_whole_float_labels_are_served_as_int64_with_a_warning():
-    message = (f"DatasetDataModule: the train labels are whole-number floats (train[0][1] is {float(Y[0])}); they are "
-               "served as int64 class ids. Pass check_labels=False to serve them unchanged (e.g. float targets of "
-               "BCEWithLogitsLoss)")
+    message = (
+        f"DatasetDataModule: the train labels are whole-number floats (train[0][1] is {float(Y[0])}); they are "
+        "served as int64 class ids. Pass check_labels=False to serve them unchanged (e.g. float targets of "
+        "BCEWithLogitsLoss)"
+    )
     for dm in (
         DatasetDataModule(TensorDataset(X, Y.float()), TensorDataset(XT, YT.double()), **KW),  # in memory
         # per sample: the Dirichlet partition reads every training label once, and the checks reuse that pass
@@ -239,8 +241,9 @@ def test_whole_float_labels_are_served_as_int64_with_a_warning():
 
 def _fit(dm):
     torch.manual_seed(0)
-    loop = FederatedLoop(MLP(input_dim=DIM, hidden=[8], num_classes=CLASSES), local_steps=3, clients_per_round=2,
-                         seed=0)
+    loop = FederatedLoop(
+        MLP(input_dim=DIM, hidden=[8], num_classes=CLASSES), local_steps=3, clients_per_round=2, seed=0
+    )
     make_trainer(2).fit(loop, datamodule=dm)
     return loop.model.state_dict()
 
@@ -270,8 +273,9 @@ def test_float_labels_of_unscanned_per_sample_data_follow_num_classes():
         f"BCEWithLogitsLoss)"
     ]
     assert dm.train_dataset[0][1] == int(Y[0]) and isinstance(dm.train_dataset[0][1], int)
-    _raises("train[6]: label 2.5 is not a whole number, but the training labels are class ids",
-            lambda: dm.train_dataset[6])
+    _raises(
+        "train[6]: label 2.5 is not a whole number, but the training labels are class ids", lambda: dm.train_dataset[6]
+    )
 
 
 class Strings(Dataset):
@@ -312,8 +316,12 @@ def test_string_labels_are_refused_with_the_fix():
 
 def test_class_label_gives_num_classes_and_must_match_the_test_set():
     datasets.disable_progress_bars()
-    feats = datasets.Features({"features": datasets.Sequence(datasets.Value("float32")),
-                               "label": datasets.ClassLabel(names=["a", "b", "c", "d"])})
+    feats = datasets.Features(
+        {
+            "features": datasets.Sequence(datasets.Value("float32")),
+            "label": datasets.ClassLabel(names=["a", "b", "c", "d"]),
+        }
+    )
     train = datasets.Dataset.from_dict({"features": X.tolist(), "label": Y.tolist()}, features=feats)
     test_labels = YT.clone()
     test_labels[3] = 4
@@ -324,8 +332,12 @@ def test_class_label_gives_num_classes_and_must_match_the_test_set():
         "own loss, not class ids",
         lambda: _setup(DatasetDataModule(train, test, **KW)),
     )
-    other = datasets.Features({"features": datasets.Sequence(datasets.Value("float32")),
-                               "label": datasets.ClassLabel(names=["a", "c", "b", "d"])})
+    other = datasets.Features(
+        {
+            "features": datasets.Sequence(datasets.Value("float32")),
+            "label": datasets.ClassLabel(names=["a", "c", "b", "d"]),
+        }
+    )
     test = datasets.Dataset.from_dict({"features": XT.tolist(), "label": YT.tolist()}, features=other)
     _raises(
         "the ClassLabel names of train and test differ (class 1 is 'b' in train but 'c' in test), so one class id "
@@ -366,8 +378,14 @@ def test_bundled_path_names_the_user():
 def _write_json(path, users, user_data, num_samples=None):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"users": users, "num_samples": num_samples or [len(user_data[u]["y"]) for u in users],
-                   "user_data": user_data}, f)
+        json.dump(
+            {
+                "users": users,
+                "num_samples": num_samples or [len(user_data[u]["y"]) for u in users],
+                "user_data": user_data,
+            },
+            f,
+        )
 
 
 def _femnist(n, label=3, fill=0.5):
@@ -397,18 +415,30 @@ def test_leaf_duplicate_users_and_num_samples(tmp_path):
         lambda: _setup(_leaf(two, tmp_path)),
     )
     count = tmp_path / "count"
-    _write_json(str(count / "train" / "a.json"), ["u1", "u2"], {"u1": _femnist(2), "u2": _femnist(3)},
-                num_samples=[2, 4])
-    _raises(f"{count / 'train' / 'a.json'}: user 'u2' declares num_samples=4 but has 3 samples",
-            lambda: _setup(_leaf(count, tmp_path)))
+    _write_json(
+        str(count / "train" / "a.json"), ["u1", "u2"], {"u1": _femnist(2), "u2": _femnist(3)}, num_samples=[2, 4]
+    )
+    _raises(
+        f"{count / 'train' / 'a.json'}: user 'u2' declares num_samples=4 but has 3 samples",
+        lambda: _setup(_leaf(count, tmp_path)),
+    )
 
 
 def test_leaf_test_users_without_training_data_are_left_out_with_a_warning(tmp_path):
     root = tmp_path / "orphans"
     _write_json(str(root / "train" / "a.json"), ["u1", "u2"], {"u1": _femnist(4, 1), "u2": _femnist(3, 2)})
-    _write_json(str(root / "test" / "a.json"), ["u1", "t1", "u2", "t2", "t3", "t4"],
-                {"u1": _femnist(2, 5), "t1": _femnist(1), "u2": _femnist(1, 6), "t2": _femnist(2), "t3": _femnist(1),
-                 "t4": _femnist(3)})
+    _write_json(
+        str(root / "test" / "a.json"),
+        ["u1", "t1", "u2", "t2", "t3", "t4"],
+        {
+            "u1": _femnist(2, 5),
+            "t1": _femnist(1),
+            "u2": _femnist(1, 6),
+            "t2": _femnist(2),
+            "t3": _femnist(1),
+            "t4": _femnist(3),
+        },
+    )
     dm = _leaf(root, tmp_path, val_fraction=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -471,8 +501,9 @@ def test_parquet_cache_is_keyed_by_content(tmp_path):
     pd.DataFrame({"character_id": ["JULIET"] * 2, "x": xs[6:], "y": list("gh")}).to_parquet(root / "test-0.parquet")
 
     def targets():
-        dm = LeafDataModule(name="shakespeare", data_dir=str(root), cache_dir=str(tmp_path / "hf_cache"),
-                            val_fraction=0)
+        dm = LeafDataModule(
+            name="shakespeare", data_dir=str(root), cache_dir=str(tmp_path / "hf_cache"), val_fraction=0
+        )
         dm.setup()
         return [ALL_LETTERS[i] for i in dm.train_dataset.y.tolist()]
 

@@ -40,8 +40,10 @@ def write_cifar100(root, n_train=400, n_test=50):
     for name, n in (("train", n_train), ("test", n_test)):
         fine = np.concatenate([np.arange(100), RNG.integers(0, 100, n - 100)]) if n >= 100 else RNG.integers(0, 100, n)
         x = RNG.integers(0, 256, (n, 3072)).astype(np.uint8)
-        _pickle(os.path.join(folder, name),
-                {"data": x, "fine_labels": fine.tolist(), "coarse_labels": coarse_of_fine[fine].tolist()})
+        _pickle(
+            os.path.join(folder, name),
+            {"data": x, "fine_labels": fine.tolist(), "coarse_labels": coarse_of_fine[fine].tolist()},
+        )
         out[name] = (x, fine)
     return out, coarse_of_fine
 
@@ -172,8 +174,9 @@ def test_bad_input(tmp_path):
         CifarImages(torch.zeros(2, 3, 32, 32), torch.zeros(2), (0, 0, 0), (1, 1, 1), True)
 
 
-@pytest.mark.parametrize("cls,folder", [(Cifar10DataModule, "cifar-10-batches-py"),
-                                        (Cifar100DataModule, "cifar-100-python")])
+@pytest.mark.parametrize(
+    "cls,folder", [(Cifar10DataModule, "cifar-10-batches-py"), (Cifar100DataModule, "cifar-100-python")]
+)
 def test_failed_download_says_where_to_put_the_files(tmp_path, monkeypatch, cls, folder):
     """download=True without network: a FileNotFoundError naming the download error, the URL and the folder."""
     import urllib.error

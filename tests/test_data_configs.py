@@ -72,8 +72,10 @@ def test_config_parses(path, parser, capsys):
     except SystemExit:  # jsonargparse reports the error on stderr and exits
         pytest.fail(f"{_rel(path)} does not parse:\n{capsys.readouterr().err[-3000:]}")
     # the parsed values are the file's values (not defaults silently taking over)
-    assert (ns.model.local_steps, ns.model.local_epochs) == (cfg["model"].get("local_steps"),
-                                                             cfg["model"].get("local_epochs"))
+    assert (ns.model.local_steps, ns.model.local_epochs) == (
+        cfg["model"].get("local_steps"),
+        cfg["model"].get("local_epochs"),
+    )
     assert (ns.model.local_steps is None) != (ns.model.local_epochs is None)  # one of the two, never both
     assert ns.model.clients_per_round == cfg["model"]["clients_per_round"]
     assert ns.trainer.max_steps == cfg["trainer"]["max_steps"]
@@ -95,17 +97,26 @@ def test_cpu_config_trains_one_round(path, tmp_path):
     from fedlightning.cli import main
 
     args = [
-        "--config", path,
-        "--trainer.max_steps", "1",
-        "--trainer.logger", "false",
-        "--trainer.enable_checkpointing", "false",
-        "--trainer.limit_val_batches", "0",
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.default_root_dir", str(tmp_path),
+        "--config",
+        path,
+        "--trainer.max_steps",
+        "1",
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
         # keeps the test fast (the configured rounds are much larger): 2 local steps, or a tenth of an epoch
         *(["--model.local_steps", "2"] if "local_epochs" not in cfg["model"] else ["--model.local_epochs", "0.1"]),
-        "--model.clients_per_round", "2",
+        "--model.clients_per_round",
+        "2",
     ]
     cli = main(args, run=False)
     loop = cli.model

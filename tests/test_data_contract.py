@@ -46,8 +46,11 @@ class Dicts(Dataset):
 
 def dict_collate(samples):
     """A user's collate: other keys than the samples', so that torch's default collate would give another batch."""
-    return {"x": torch.stack([s["features"] for s in samples]), "y": torch.tensor([s["label"] for s in samples]),
-            "ids": torch.tensor([s["idx"] for s in samples])}
+    return {
+        "x": torch.stack([s["features"] for s in samples]),
+        "y": torch.tensor([s["label"] for s in samples]),
+        "ids": torch.tensor([s["idx"] for s in samples]),
+    }
 
 
 class Tuples(Dataset):
@@ -168,9 +171,16 @@ def test_from_datamodule_serves_the_users_collate_and_its_val_and_test_data():
 # ------------------------------------------------------------------------------------------------ drop_last
 def _sized(drop_last, sizes=(3, 6, 10), **kw):
     n = sum(sizes)
-    return FederatedDataModule.from_datasets(TensorDataset(X[:n], Y[:n]), partition=Sizes(sizes),
-                                             num_clients=len(sizes), batch_size=4, val_fraction=0, seed=0,
-                                             drop_last=drop_last, **kw)
+    return FederatedDataModule.from_datasets(
+        TensorDataset(X[:n], Y[:n]),
+        partition=Sizes(sizes),
+        num_clients=len(sizes),
+        batch_size=4,
+        val_fraction=0,
+        seed=0,
+        drop_last=drop_last,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("in_memory", ["auto", False])
@@ -207,7 +217,7 @@ def test_drop_last_round_index_equals_iterating_the_samplers():
             chunks = [batches[k] for batches in per_client]
             assert sizes[k].tolist() == [len(c) for c in chunks] and widths[k] == 4
             matrix = np.concatenate(chunks)[_padded_positions([len(c) for c in chunks])]
-            np.testing.assert_array_equal(index[offset:offset + matrix.size].reshape(matrix.shape), matrix)
+            np.testing.assert_array_equal(index[offset : offset + matrix.size].reshape(matrix.shape), matrix)
             offset += matrix.size
         assert offset == index.size
 
@@ -228,8 +238,14 @@ def test_drop_last_vectorized_and_auto_equal_sequential(in_memory):
 @pytest.fixture(scope="module")
 def scaled_reference():
     """The bundled in-memory path on pair samples whose inputs are pre-scaled by ``w`` (the reference)."""
-    dm = FederatedDataModule.from_datasets(ArrayDataset(X[:60] * W[:60, None], Y[:60]), partition=IID(),
-                                           num_clients=4, batch_size=4, val_fraction=0, seed=0)
+    dm = FederatedDataModule.from_datasets(
+        ArrayDataset(X[:60] * W[:60, None], Y[:60]),
+        partition=IID(),
+        num_clients=4,
+        batch_size=4,
+        val_fraction=0,
+        seed=0,
+    )
     return _weights(_fit(dm, "pair"))
 
 
@@ -237,8 +253,9 @@ def scaled_reference():
 @pytest.mark.parametrize("arity", [2, 3])
 def test_tuples_and_triples_in_every_mode(arity, scaled_reference):
     def dm():
-        return FederatedDataModule.from_datasets(Tuples(60, arity), partition=IID(), num_clients=4, batch_size=4,
-                                                 val_fraction=0, seed=0, in_memory=False)
+        return FederatedDataModule.from_datasets(
+            Tuples(60, arity), partition=IID(), num_clients=4, batch_size=4, val_fraction=0, seed=0, in_memory=False
+        )
 
     kind = "pair" if arity == 2 else "triple"
     seq = _fit(dm(), kind)
@@ -252,8 +269,9 @@ def test_tuples_and_triples_in_every_mode(arity, scaled_reference):
 
 # ---------------------------------------------------------------------------------------------------- resume
 def _dict_run(callbacks=(), **kw):
-    dm = FederatedDataModule.from_datasets(Dicts(48), partition=IID(), num_clients=6, batch_size=4, val_fraction=0,
-                                           seed=0, collate_fn=dict_collate)
+    dm = FederatedDataModule.from_datasets(
+        Dicts(48), partition=IID(), num_clients=6, batch_size=4, val_fraction=0, seed=0, collate_fn=dict_collate
+    )
     loop = FederatedLoop(Net("dict"), local_steps=3, clients_per_round=3, seed=1)
     trainer = make_trainer(3, callbacks=list(callbacks), plugins=[AtomicCheckpointIO()], **kw)
     return loop, dm, trainer

@@ -31,9 +31,7 @@ def _write_leaf(path, users):
 
 
 def _femnist_users(sizes):
-    return {
-        u: (np.round(RNG.random((n, 784)), 3).tolist(), RNG.integers(0, 62, n).tolist()) for u, n in sizes.items()
-    }
+    return {u: (np.round(RNG.random((n, 784)), 3).tolist(), RNG.integers(0, 62, n).tolist()) for u, n in sizes.items()}
 
 
 @pytest.fixture
@@ -100,8 +98,9 @@ def test_resplit_follows_leaf_rule(femnist_dir, tmp_path):
     assert [len(i) for i in dm.client_test_indices] == [4, 2, 4, 1]
     for c, name in enumerate(dm.client_names):
         pooled = np.asarray(tr[name][0] + te[name][0], dtype=np.float32)
-        got = np.concatenate([dm.train_dataset[dm.client_indices[c]][0].numpy(),
-                              dm.test_dataset[dm.client_test_indices[c]][0].numpy()])
+        got = np.concatenate(
+            [dm.train_dataset[dm.client_indices[c]][0].numpy(), dm.test_dataset[dm.client_test_indices[c]][0].numpy()]
+        )
         # train and test of a user are a disjoint cover of its pooled samples
         assert sorted(map(tuple, got.round(3))) == sorted(map(tuple, pooled.round(3)))
 
@@ -125,10 +124,12 @@ def test_shakespeare_json(tmp_path):
     t2 = "Now is the winter of our discontent Made glorious summer by this sun of York; And all the clouds"
     x1, y1 = _windows(t1)
     x2, y2 = _windows(t2)
-    _write_leaf(str(tmp_path / "sh" / "train" / "a.json"),
-                {"HAMLET": (x1[:400], y1[:400]), "RICHARD": (x2[:10], y2[:10])})
-    _write_leaf(str(tmp_path / "sh" / "test" / "a.json"),
-                {"HAMLET": (x1[400:], y1[400:]), "RICHARD": (x2[10:], y2[10:])})
+    _write_leaf(
+        str(tmp_path / "sh" / "train" / "a.json"), {"HAMLET": (x1[:400], y1[:400]), "RICHARD": (x2[:10], y2[:10])}
+    )
+    _write_leaf(
+        str(tmp_path / "sh" / "test" / "a.json"), {"HAMLET": (x1[400:], y1[400:]), "RICHARD": (x2[10:], y2[10:])}
+    )
     dm = _dm(str(tmp_path / "sh"), tmp_path, name="shakespeare", val_fraction=0)  # LEAF's split itself
     dm.setup()
     assert dm.client_names == ["HAMLET", "RICHARD"]
@@ -218,8 +219,13 @@ def test_femnist_flower_parquet(tmp_path):
     root = tmp_path / "flwr_femnist" / "data"
     root.mkdir(parents=True)
     _hf_femnist_parquet(str(root / "train-00000-of-00001.parquet"), list(zip(imgs, writers, labels)))
-    dm = LeafDataModule(name="femnist", data_dir=str(tmp_path / "flwr_femnist"), train_fraction=0.5,
-                        cache_dir=str(tmp_path / "hf_cache"), seed=0)
+    dm = LeafDataModule(
+        name="femnist",
+        data_dir=str(tmp_path / "flwr_femnist"),
+        train_fraction=0.5,
+        cache_dir=str(tmp_path / "hf_cache"),
+        seed=0,
+    )
     dm.setup()
     assert dm.client_names == ["f0000_14", "f0001_41", "f0002_01"]
     assert [len(i) for i in dm.client_indices] == [2, 1, 1]  # n = 4, 3, 2 -> int(0.5 n) = 2, 1 and 1 (n == 2)
@@ -238,12 +244,13 @@ def test_femnist_flower_parquet(tmp_path):
 def test_shakespeare_flower_parquet_with_test_files(tmp_path):
     import pandas as pd
 
-    text = ("O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name; Or if thou wilt not, " * 2)
+    text = "O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name; Or if thou wilt not, " * 2
     xs, ys = _windows(text)
     root = tmp_path / "flwr_sh"
     root.mkdir()
     pd.DataFrame({"character_id": ["JULIET"] * 15 + ["NURSE"] * 5, "x": xs[:20], "y": ys[:20]}).to_parquet(
-        root / "train-0.parquet")
+        root / "train-0.parquet"
+    )
     pd.DataFrame({"character_id": ["JULIET"] * 3, "x": xs[20:23], "y": ys[20:23]}).to_parquet(root / "test-0.parquet")
     dm = LeafDataModule(name="shakespeare", data_dir=str(root), cache_dir=str(tmp_path / "hf_cache"))
     dm.setup()
@@ -320,7 +327,7 @@ def test_bad_parquet_files_are_named(tmp_path):
     the client column, and labels outside the class range each fail with an error naming the file or the value."""
     import pandas as pd
 
-    text = ("O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name; Or if thou wilt not, " * 2)
+    text = "O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name; Or if thou wilt not, " * 2
     xs, ys = _windows(text)
     good = pd.DataFrame({"character_id": ["JULIET"] * 10, "x": xs[:10], "y": ys[:10]})
 

@@ -164,7 +164,11 @@ def test_mnist_failed_download_says_where_to_put_the_files(tmp_path, monkeypatch
     msg = str(info.value)
     assert len(calls) == len(tv_mnist.MNIST.mirrors) and all(u.endswith("train-images-idx3-ubyte.gz") for u in calls)
     assert "download=True failed (RuntimeError: Error downloading train-images-idx3-ubyte.gz" in msg
-    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                 "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+    for name in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         assert name in msg
     assert repr(root) in msg and repr(os.path.join(root, "MNIST", "raw")) in msg

@@ -85,7 +85,7 @@ def test_labels_are_argmax_of_each_users_model():
 
 
 def test_covariance_diagonal_is_j_to_the_minus_1_2():
-    np.testing.assert_allclose(synthetic_covariance_diagonal(3), [1.0, 2 ** -1.2, 3 ** -1.2])
+    np.testing.assert_allclose(synthetic_covariance_diagonal(3), [1.0, 2**-1.2, 3**-1.2])
     dm = SyntheticDataModule(alpha=0.0, beta=0.0, seed=6)  # seed 6: 12,264 samples, the largest user 2,043
     dm.setup()
     centred = np.concatenate([_user_data(dm, k)[0] - dm.params["v"][k] for k in range(30)])

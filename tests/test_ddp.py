@@ -24,9 +24,24 @@ def _run(tmp_path, devices, setup, rounds=3, extra=()):
     out = tmp_path / f"{setup}_{devices}_{rounds}.pt"
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--devices", str(devices), "--setup", setup, "--rounds", str(rounds),
-         "--out", str(out), *extra],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            SCRIPT,
+            "--devices",
+            str(devices),
+            "--setup",
+            setup,
+            "--rounds",
+            str(rounds),
+            "--out",
+            str(out),
+            *extra,
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
@@ -46,8 +61,9 @@ def test_two_processes_equal_one(tmp_path, setup):
             # ratios of the same integer counts, logged as float32 (one rounding each)
             assert a["client/train_acc"] == pytest.approx(b["client/train_acc"], rel=rtol32(1))
         # the StepLR schedule of configure_optimizers: lr 0.2 * 0.7^r in round r
-        assert [r["client/step_size_mean"] for r in two["round_metrics"]] == pytest.approx([0.2, 0.14, 0.098],
-                                                                                             rel=rtol32(1))
+        assert [r["client/step_size_mean"] for r in two["round_metrics"]] == pytest.approx(
+            [0.2, 0.14, 0.098], rel=rtol32(1)
+        )
 
 
 def test_two_process_resume_equals_uninterrupted_run(tmp_path):
@@ -72,8 +88,22 @@ def test_a_frozen_rank_makes_the_other_exit_within_the_collective_timeout(tmp_pa
     timeout = 10
     freeze, stderr_path = tmp_path / "frozen", tmp_path / "stderr.txt"
     env = dict(os.environ, PYTHONWARNINGS="ignore", FEDLIGHTNING_COLLECTIVE_TIMEOUT=str(timeout))
-    cmd = [sys.executable, SCRIPT, "--devices", "2", "--rounds", "3", "--out", str(tmp_path / "out.pt"),
-           "--freeze-rank", "1", "--freeze-round", "1", "--freeze-file", str(freeze)]
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--devices",
+        "2",
+        "--rounds",
+        "3",
+        "--out",
+        str(tmp_path / "out.pt"),
+        "--freeze-rank",
+        "1",
+        "--freeze-round",
+        "1",
+        "--freeze-file",
+        str(freeze),
+    ]
     # stderr to a file: the stopped rank inherits the launcher's pipes and would hold them open
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.DEVNULL, stderr=err)
@@ -91,8 +121,10 @@ def test_a_frozen_rank_makes_the_other_exit_within_the_collective_timeout(tmp_pa
     frozen_at = float(freeze.read_text().split()[1])
     assert returncode != 0
     last = [line for line in stderr.splitlines() if line.strip()][-1]
-    assert "CollectiveError: round 1, rank 0: collective all_gather_object (the keys of the round statistics) did " \
-           f"not complete within the collective timeout of {timeout} s (FEDLIGHTNING_COLLECTIVE_TIMEOUT)" in last, last
+    assert (
+        "CollectiveError: round 1, rank 0: collective all_gather_object (the keys of the round statistics) did "
+        f"not complete within the collective timeout of {timeout} s (FEDLIGHTNING_COLLECTIVE_TIMEOUT)" in last
+    ), last
     assert "Timed out" in last  # torch's own message is kept
     # rank 0 waited for the timeout, not for torch's 30 minutes (the rest: raising, Lightning's teardown, exit)
     assert timeout - 2 <= exited - frozen_at <= timeout + 60, exited - frozen_at
@@ -109,6 +141,9 @@ def test_the_collective_timeout_setting_is_checked(monkeypatch):
     assert collective_timeout() == timedelta(seconds=2.5)
     for bad in ["0", "-3", "nan", "inf", "ten"]:
         monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, bad)
-        with pytest.raises(ValueError, match=rf"^FEDLIGHTNING_COLLECTIVE_TIMEOUT='{bad}': the collective timeout must "
-                                             r"be a positive number of seconds \(default 300\)$"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^FEDLIGHTNING_COLLECTIVE_TIMEOUT='{bad}': the collective timeout must "
+            r"be a positive number of seconds \(default 300\)$",
+        ):
             collective_timeout()

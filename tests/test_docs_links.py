@@ -1,5 +1,6 @@
 """Every relative link in README.md and docs/*.md points at a file of the repository, and no document names a path
 of one machine (a home directory or a temporary folder)."""
+
 import glob
 import os
 import re

@@ -59,8 +59,9 @@ def test_noise_equals_seeded_draw_times_sigma_clip():
     deltas = [torch.randn(50, dtype=torch.float64) * s for s in (0.1, 1.0, 3.0)]
     clip, sigma, seed, rnd = 0.5, 1.3, 7, 4
     dp = DPFedAvg(clip_norm=clip, noise_multiplier=sigma, delta=1e-5)
-    step = dp.server_update(SimpleNamespace(seed=seed), _round_stats(dp, deltas),
-                            RoundPlan(round=rnd, client_ids=[0, 1, 2], local_steps=1))
+    step = dp.server_update(
+        SimpleNamespace(seed=seed), _round_stats(dp, deltas), RoundPlan(round=rnd, client_ids=[0, 1, 2], local_steps=1)
+    )
     gen = torch.Generator().manual_seed(derive_seed(seed, "dp-noise", rnd))
     draw = torch.randn(50, generator=gen, dtype=torch.float64)
     expected = (sum(_clip(d, clip) for d in deltas) + sigma * clip * draw) / 3
@@ -74,15 +75,21 @@ def test_noise_std_over_many_rounds_is_sigma_clip_over_m():
     clip, sigma, m, dim = 2.0, 1.0, 4, 1000
     dp = DPFedAvg(clip_norm=clip, noise_multiplier=sigma, delta=1e-5)
     zeros = [torch.zeros(dim, dtype=torch.float64) for _ in range(m)]
-    draws = torch.stack([
-        dp.server_update(SimpleNamespace(seed=3), _round_stats(dp, zeros),
-                         RoundPlan(round=r, client_ids=list(range(m)), local_steps=1)).pseudo_gradient
-        for r in range(200)])
+    draws = torch.stack(
+        [
+            dp.server_update(
+                SimpleNamespace(seed=3),
+                _round_stats(dp, zeros),
+                RoundPlan(round=r, client_ids=list(range(m)), local_steps=1),
+            ).pseudo_gradient
+            for r in range(200)
+        ]
+    )
     target = sigma * clip / m
     assert float(draws.std()) == pytest.approx(target, rel=0.015)
     assert abs(float(draws.mean())) < 5 * target / math.sqrt(draws.numel())
     # rounds draw independent noise: neighbouring rounds are uncorrelated
-    corr = float((draws[1:] * draws[:-1]).mean()) / target ** 2
+    corr = float((draws[1:] * draws[:-1]).mean()) / target**2
     assert abs(corr) < 0.02
 
 
@@ -91,8 +98,14 @@ def test_adaptive_clipping_update_against_formula():
     deltas = [torch.tensor([n, 0.0], dtype=torch.float64) for n in norms]  # norms exactly n
     c0, gamma, eta = 1.5, 0.2, 0.3
     # noise-free count: b̄ = 2/4 unclipped (‖Δ‖ = C counts as unclipped)
-    dp = DPFedAvg(clip_norm=c0, noise_multiplier=0.0, delta=1e-5, target_quantile=gamma, clip_learning_rate=eta,
-                  clipped_count_stddev=0.0)
+    dp = DPFedAvg(
+        clip_norm=c0,
+        noise_multiplier=0.0,
+        delta=1e-5,
+        target_quantile=gamma,
+        clip_learning_rate=eta,
+        clipped_count_stddev=0.0,
+    )
     loop = SimpleNamespace(seed=1)
     step = dp.server_update(loop, _round_stats(dp, deltas), RoundPlan(round=0, client_ids=[0, 1, 2, 3], local_steps=1))
     assert step.metrics["privacy/unclipped_fraction"] == 0.5
@@ -104,20 +117,33 @@ def test_adaptive_clipping_update_against_formula():
 
     # noised count and the updates' noise multiplier σ_Δ = (z^-2 - (2σ_b)^-2)^-1/2 (Andrew et al. 2021, Theorem 1)
     z, sb, seed, rnd = 1.0, 2.0, 5, 3
-    dp = DPFedAvg(clip_norm=c0, noise_multiplier=z, delta=1e-5, target_quantile=gamma, clip_learning_rate=eta,
-                  clipped_count_stddev=sb)
-    step = dp.server_update(SimpleNamespace(seed=seed), _round_stats(dp, deltas),
-                            RoundPlan(round=rnd, client_ids=[0, 1, 2, 3], local_steps=1))
-    g = float(torch.randn((), generator=torch.Generator().manual_seed(derive_seed(seed, "dp-clip-count", rnd)),
-                          dtype=torch.float64))
+    dp = DPFedAvg(
+        clip_norm=c0,
+        noise_multiplier=z,
+        delta=1e-5,
+        target_quantile=gamma,
+        clip_learning_rate=eta,
+        clipped_count_stddev=sb,
+    )
+    step = dp.server_update(
+        SimpleNamespace(seed=seed),
+        _round_stats(dp, deltas),
+        RoundPlan(round=rnd, client_ids=[0, 1, 2, 3], local_steps=1),
+    )
+    g = float(
+        torch.randn(
+            (), generator=torch.Generator().manual_seed(derive_seed(seed, "dp-clip-count", rnd)), dtype=torch.float64
+        )
+    )
     centered = sum((1.0 if n <= c0 else 0.0) - 0.5 for n in norms)
     unclipped = min(1.0, max(0.0, (centered + sb * g) / 4 + 0.5))
     assert step.metrics["privacy/unclipped_fraction"] == pytest.approx(unclipped, rel=1e-15, abs=1e-15)
     assert dp.current_clip_norm == pytest.approx(c0 * math.exp(-eta * (unclipped - gamma)), rel=1e-15)
-    sigma_delta = 1.0 / math.sqrt(z ** -2 - (2 * sb) ** -2)
+    sigma_delta = 1.0 / math.sqrt(z**-2 - (2 * sb) ** -2)
     assert step.metrics["privacy/noise_multiplier"] == pytest.approx(sigma_delta, rel=1e-15)
-    draw = torch.randn(2, generator=torch.Generator().manual_seed(derive_seed(seed, "dp-noise", rnd)),
-                       dtype=torch.float64)
+    draw = torch.randn(
+        2, generator=torch.Generator().manual_seed(derive_seed(seed, "dp-noise", rnd)), dtype=torch.float64
+    )
     expected = (sum(_clip(d, c0) for d in deltas) + sigma_delta * c0 * draw) / 4
     torch.testing.assert_close(step.pseudo_gradient, expected)
 
@@ -132,8 +158,13 @@ class _Recorder(FederatedCallback):
 
 def _setup(model_seed=0, client_execution="sequential"):
     pl.seed_everything(model_seed, verbose=False)
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[16], dropout=0.3), local_steps=3, clients_per_round=4, seed=2,
-                         client_execution=client_execution)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[16], dropout=0.3),
+        local_steps=3,
+        clients_per_round=4,
+        seed=2,
+        client_execution=client_execution,
+    )
     dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
     return loop, dm
 
@@ -142,7 +173,8 @@ def _fit(strategy, rounds=3, client_execution="sequential", **trainer_kw):
     loop, dm = _setup(client_execution=client_execution)
     rec = _Recorder()
     make_trainer(rounds, callbacks=[strategy, rec] + trainer_kw.pop("callbacks", []), **trainer_kw).fit(
-        loop, datamodule=dm)
+        loop, datamodule=dm
+    )
     return loop, dm, rec
 
 
@@ -153,8 +185,9 @@ def _weights(loop):
 @pytest.mark.parametrize("client_execution", ["sequential", "vectorized"])
 def test_no_noise_unbounded_clip_equals_uniform_fedavg_bit_for_bit(client_execution):
     fedavg, _, _ = _fit(FedAvg(weighting="uniform"), rounds=4, client_execution=client_execution)
-    dp, _, rec = _fit(DPFedAvg(clip_norm=math.inf, noise_multiplier=0.0, delta=1e-5), rounds=4,
-                      client_execution=client_execution)
+    dp, _, rec = _fit(
+        DPFedAvg(clip_norm=math.inf, noise_multiplier=0.0, delta=1e-5), rounds=4, client_execution=client_execution
+    )
     assert torch.equal(_weights(fedavg), _weights(dp))
     assert all(m["round/clients"] == 4 for m in rec.metrics)  # every sampled client healthy: m = survivors
     assert rec.metrics[-1]["privacy/epsilon"] == math.inf
@@ -184,19 +217,33 @@ def test_epsilon_equals_opacus_accountant_for_the_same_schedule():
     assert rec.metrics[-1]["privacy/epsilon"] == accountant.get_epsilon(delta)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(weighting="samples"), "weighting='samples'"),
-    (dict(clip_norm=0.0), "clip_norm"),
-    (dict(clip_norm=-1.0), "clip_norm"),
-    (dict(noise_multiplier=-0.1), "noise_multiplier"),
-    (dict(delta=0.0), "delta"),
-    (dict(delta=1.0), "delta"),
-    (dict(clip_norm=math.inf), "clip_norm=inf"),
-    (dict(target_quantile=0.5, clipped_count_stddev=0.4), "2·clipped_count_stddev"),
-    (dict(clipped_count_stddev=1.0), "target_quantile"),
-    (dict(server_optimizer="adam", server_momentum=0.9), "server_momentum"),
-], ids=["samples", "clip0", "clip-neg", "noise-neg", "delta0", "delta1", "inf-clip-with-noise", "count-noise-low",
-        "count-noise-no-adaptive", "momentum-adam"])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(weighting="samples"), "weighting='samples'"),
+        (dict(clip_norm=0.0), "clip_norm"),
+        (dict(clip_norm=-1.0), "clip_norm"),
+        (dict(noise_multiplier=-0.1), "noise_multiplier"),
+        (dict(delta=0.0), "delta"),
+        (dict(delta=1.0), "delta"),
+        (dict(clip_norm=math.inf), "clip_norm=inf"),
+        (dict(target_quantile=0.5, clipped_count_stddev=0.4), "2·clipped_count_stddev"),
+        (dict(clipped_count_stddev=1.0), "target_quantile"),
+        (dict(server_optimizer="adam", server_momentum=0.9), "server_momentum"),
+    ],
+    ids=[
+        "samples",
+        "clip0",
+        "clip-neg",
+        "noise-neg",
+        "delta0",
+        "delta1",
+        "inf-clip-with-noise",
+        "count-noise-low",
+        "count-noise-no-adaptive",
+        "momentum-adam",
+    ],
+)
 def test_settings_that_void_the_guarantee_are_refused(kwargs, message):
     settings = dict(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5)
     settings.update(kwargs)
@@ -225,16 +272,29 @@ def test_float_buffers_and_default_count_noise_refused_at_fit_start():
 
 def test_resume_gives_the_same_epsilon_clip_norm_and_weights(tmp_path):
     def strategy():
-        return DPFedAvg(clip_norm=0.3, noise_multiplier=0.8, delta=1e-3, server_optimizer="adam", server_lr=0.05,
-                        target_quantile=0.5, clipped_count_stddev=1.0)
+        return DPFedAvg(
+            clip_norm=0.3,
+            noise_multiplier=0.8,
+            delta=1e-3,
+            server_optimizer="adam",
+            server_lr=0.05,
+            target_quantile=0.5,
+            clipped_count_stddev=1.0,
+        )
 
     total, cut = 6, 3
     full_loop, _, full_rec = _fit(strategy(), rounds=total)
     full = _weights(full_loop)
 
     ck = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    _fit(strategy(), rounds=cut, callbacks=[ck], enable_checkpointing=True, plugins=[AtomicCheckpointIO()],
-         default_root_dir=str(tmp_path))
+    _fit(
+        strategy(),
+        rounds=cut,
+        callbacks=[ck],
+        enable_checkpointing=True,
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=str(tmp_path),
+    )
     loop, dm = _setup(model_seed=99)  # a different initialisation, overwritten by the checkpoint
     resumed_strategy, rec = strategy(), _Recorder()
     trainer = make_trainer(total, callbacks=[resumed_strategy, rec], plugins=[AtomicCheckpointIO()])
@@ -256,10 +316,27 @@ def test_config_runs_through_the_cli_and_logs_epsilon(tmp_path):
     from fedlightning.cli import main
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cli = main(["fit", "--config", os.path.join(root, "configs", "dpfedavg.yaml"), "--trainer.max_steps", "3",
-                "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-                "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-                "--trainer.default_root_dir", str(tmp_path), "--model.local_steps", "2"])
+    cli = main(
+        [
+            "fit",
+            "--config",
+            os.path.join(root, "configs", "dpfedavg.yaml"),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--model.local_steps",
+            "2",
+        ]
+    )
     strategy = cli.model.strategy
     assert isinstance(strategy, DPFedAvg) and strategy.adaptive
     dm = cli.datamodule

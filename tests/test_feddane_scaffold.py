@@ -104,8 +104,16 @@ def reference_feddane(mu, mode, rounds=ROUNDS):
         for k in clients:
             corr = [g[j] - grads[k][j] for j in range(len(glob))]
             loader = dm.client_dataloader(k, r, seed=SEED)
-            new.append(_local_sgd(f, glob, loader, K, LR, lambda w, corr=corr, glob=glob: [
-                c + mu * (wi - gi) for c, wi, gi in zip(corr, w, glob)]))
+            new.append(
+                _local_sgd(
+                    f,
+                    glob,
+                    loader,
+                    K,
+                    LR,
+                    lambda w, corr=corr, glob=glob: [c + mu * (wi - gi) for c, wi, gi in zip(corr, w, glob)],
+                )
+            )
         glob = [sum(w[j] for w in new) / len(new) for j in range(len(glob))]
     return glob, grad_sets
 
@@ -296,4 +304,3 @@ def test_bad_arguments_raise_clear_errors(make, match):
 def test_feddane_gradient_sample_larger_than_population_is_rejected():
     with pytest.raises(ValueError, match="gradient_clients_per_round"):
         run([FedDANE(gradient_clients_per_round=50)], rounds=1)
-

@@ -67,12 +67,29 @@ def test_declared_hooks_run_and_accessors_are_public():
 
         def on_round_end(self, trainer, loop, result):
             n = sum(p.numel() for p in loop.global_parameters())
-            calls.append(("end", result.plan.round, n == loop.model.num_params if hasattr(loop.model, "num_params")
-                          else n == sum(p.numel() for p in loop.model.parameters() if p.requires_grad)))
+            calls.append(
+                (
+                    "end",
+                    result.plan.round,
+                    n == loop.model.num_params
+                    if hasattr(loop.model, "num_params")
+                    else n == sum(p.numel() for p in loop.model.parameters() if p.requires_grad),
+                )
+            )
 
     _fit(FedAvg(), extra=[Probe()])
-    assert calls == [("start", 0, True), ("client", 0), ("client", 0), ("client", 0), ("end", 0, True),
-                     ("start", 1, True), ("client", 1), ("client", 1), ("client", 1), ("end", 1, True)]
+    assert calls == [
+        ("start", 0, True),
+        ("client", 0),
+        ("client", 0),
+        ("client", 0),
+        ("end", 0, True),
+        ("start", 1, True),
+        ("client", 1),
+        ("client", 1),
+        ("client", 1),
+        ("end", 1, True),
+    ]
     # the base declares every hook as a no-op with the documented signature
     cb = FederatedCallback()
     assert cb.client_objective(None, None, None, 0) == [] and cb.on_round_start(None, None, None) is None
@@ -108,8 +125,9 @@ def test_every_federated_hook_gets_trainer_and_module_with_its_name_set_and_may_
 
     cb = _Order()
     torch.manual_seed(0)
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
-                         clients_per_round=3, seed=1)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[8]), lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2, clients_per_round=3, seed=1
+    )
     profiler = SimpleProfiler()
     trainer = make_trainer(2, callbacks=[FedAvg(), cb], profiler=profiler)
     trainer.fit(loop, datamodule=DigitsDataModule(num_clients=8, batch_size=16, partition=Dirichlet(0.5), seed=0))
@@ -135,8 +153,11 @@ def test_old_hook_signatures_still_work_with_one_warning_naming_the_new_one():
             self.ends.append((loop, update.client_id))
 
     old = Old()
-    with pytest.warns(FutureWarning, match=r"Old.on_client_end\(loop, plan, update\) uses the old signature.*"
-                                           r"on_client_end\(self, trainer, pl_module, \.\.\.\)") as record:
+    with pytest.warns(
+        FutureWarning,
+        match=r"Old.on_client_end\(loop, plan, update\) uses the old signature.*"
+        r"on_client_end\(self, trainer, pl_module, \.\.\.\)",
+    ) as record:
         _, loop, _ = _fit(FedAvg(), extra=[old])
     assert len(old.ends) == len(old.objectives) == 6 and all(m is loop for m, _ in old.ends + old.objectives)
     assert sum("uses the old signature" in str(w.message) for w in record) == 2  # once per hook and class

@@ -64,10 +64,12 @@ class Dicts(Dataset):
 
 
 def _hf(x, y):
-    features = datasets.Features({
-        "features": datasets.Sequence(datasets.Value("float32")),
-        "label": datasets.ClassLabel(num_classes=CLASSES),
-    })
+    features = datasets.Features(
+        {
+            "features": datasets.Sequence(datasets.Value("float32")),
+            "label": datasets.ClassLabel(num_classes=CLASSES),
+        }
+    )
     return datasets.Dataset.from_dict({"features": x.tolist(), "label": y.tolist()}, features=features)
 
 
@@ -169,8 +171,9 @@ def test_batches_are_the_clients_rows(kind, in_memory):
 
 def _fit(dm):
     torch.manual_seed(0)
-    loop = FederatedLoop(MLP(input_dim=DIM, hidden=[8], num_classes=CLASSES), local_steps=3, clients_per_round=2,
-                         seed=0)
+    loop = FederatedLoop(
+        MLP(input_dim=DIM, hidden=[8], num_classes=CLASSES), local_steps=3, clients_per_round=2, seed=0
+    )
     make_trainer(2).fit(loop, datamodule=dm)
     return {k: v.clone() for k, v in loop.model.state_dict().items()}
 
@@ -301,12 +304,14 @@ def test_empty_data_sets_are_errors():
 def test_more_clients_than_samples_is_an_error():
     _raises(
         "num_clients=121 exceeds the 120 training samples: every client needs at least one sample; lower num_clients",
-        TensorDataset(X, Y), num_clients=121,
+        TensorDataset(X, Y),
+        num_clients=121,
     )
     _raises(
         "num_clients=110 exceeds the 108 training samples left for the clients (120 in train, 12 held out for "
         "validation by val_fraction=0.1); lower num_clients or val_fraction",
-        TensorDataset(X, Y), num_clients=110,
+        TensorDataset(X, Y),
+        num_clients=110,
     )
 
 
@@ -318,19 +323,23 @@ def test_unreadable_labels_for_a_label_partition_name_what_was_tried():
         "(float values that are not whole numbers (a regression target?)); position 1 of the (x, y) samples, "
         "in-memory copy (float values that are not whole numbers (a regression target?)). Pass labels=[one "
         "integer class per training sample], or use partition=IID()",
-        TensorDataset(X, torch.randn(N)), **_kw(),
+        TensorDataset(X, torch.randn(N)),
+        **_kw(),
     )
     _raises(
         f"partition={part} splits by class label, but no class label could be read for the 120 training samples; "
         "tried: labels= (not given); a train.targets attribute (none); position 1 of the (x, y) samples, every "
         "sample read (sample 0's label is a Tensor of shape (3,) and dtype torch.float32, not a scalar). Pass "
         "labels=[one integer class per training sample], or use partition=IID()",
-        VectorLabels(), in_memory=False, **_kw(),
+        VectorLabels(),
+        in_memory=False,
+        **_kw(),
     )
     _raises(
         "labels must hold one class label per training sample (120), got shape (119,); pass labels=[label of "
         "train[0], label of train[1], ...]",
-        TensorDataset(X, Y), labels=list(range(119)),
+        TensorDataset(X, Y),
+        labels=list(range(119)),
     )
 
 
@@ -348,41 +357,64 @@ def test_unusable_sample_structures_are_errors():
         f"partition={part} splits by class label, but no class label could be read for the 10 training samples; "
         "tried: labels= (not given); a train.targets attribute (none); a label in the samples (none found; pass "
         "label_key=). Pass labels=[one integer class per training sample], or use partition=IID()",
-        Bare((1, 2, 3)), num_clients=2, partition=Dirichlet(alpha=0.5),
+        Bare((1, 2, 3)),
+        num_clients=2,
+        partition=Dirichlet(alpha=0.5),
     )
     _raises(
-        "label_key=3 is not a position of train sample 0 (a tuple of 3 elements); pass an integer position from 0 "
-        "to 2",
-        Bare((1, 2, 3)), num_clients=2, label_key=3,
+        "label_key=3 is not a position of train sample 0 (a tuple of 3 elements); pass an integer position from 0 to 2",
+        Bare((1, 2, 3)),
+        num_clients=2,
+        label_key=3,
     )
     _raises(
         "label_key='a' names a key or position, but train sample 0 is a Tensor of shape (3,) and dtype "
         "torch.float32; pass labels=[one class per training sample] instead",
-        Bare(torch.zeros(3)), num_clients=2, label_key="a",
+        Bare(torch.zeros(3)),
+        num_clients=2,
+        label_key="a",
     )
-    _raises("label_key='cls' is not a key of train sample 0 (keys ['a', 'label'])",
-            Bare({"a": 1, "label": 0}), num_clients=2, label_key="cls")
+    _raises(
+        "label_key='cls' is not a key of train sample 0 (keys ['a', 'label'])",
+        Bare({"a": 1, "label": 0}),
+        num_clients=2,
+        label_key="cls",
+    )
     _raises(
         "in_memory=True needs every train sample to have sample 0's shapes and types (('tensor', (1,), "
         "torch.float32), ('int',)), but sample 1 has (('tensor', (2,), torch.float32), ('int',)); use "
         "in_memory=False, or make the samples one shape",
-        Ragged(), num_clients=2, partition=IID(), in_memory=True,
+        Ragged(),
+        num_clients=2,
+        partition=IID(),
+        in_memory=True,
     )
     _raises(
         "in_memory=True holds (x, y) pair samples batched by the default collate, but collate_fn is given (it builds "
         "the batches); use in_memory=False or 'auto'",
-        TensorDataset(X, Y), in_memory=True, collate_fn=_pairs_collate,
+        TensorDataset(X, Y),
+        in_memory=True,
+        collate_fn=_pairs_collate,
     )
-    _raises("prefetch_factor=2 needs worker processes, but num_workers=0; set num_workers > 0 or remove "
-            "prefetch_factor", TensorDataset(X, Y), prefetch_factor=2)
-    _raises("val_fraction=0.2 holds out validation samples of train, but val= gives a validation set; pass one of "
-            "them (val_fraction=0 with val=)", TensorDataset(X, Y), val=TensorDataset(XT, YT), val_fraction=0.2)
+    _raises(
+        "prefetch_factor=2 needs worker processes, but num_workers=0; set num_workers > 0 or remove prefetch_factor",
+        TensorDataset(X, Y),
+        prefetch_factor=2,
+    )
+    _raises(
+        "val_fraction=0.2 holds out validation samples of train, but val= gives a validation set; pass one of "
+        "them (val_fraction=0 with val=)",
+        TensorDataset(X, Y),
+        val=TensorDataset(XT, YT),
+        val_fraction=0.2,
+    )
     _raises("in_memory must be True, False or 'auto', got in_memory='yes'", TensorDataset(X, Y), in_memory="yes")
     hf_stream = _hf(X[:4], Y[:4]).to_iterable_dataset()
     _raises(
         "train is a Hugging Face IterableDataset (streaming); DatasetDataModule needs a map-style data set with len() "
         "and [i]: load it without streaming=True, or materialise it with datasets.Dataset.from_generator",
-        hf_stream, num_clients=2,
+        hf_stream,
+        num_clients=2,
     )
 
 
@@ -404,23 +436,47 @@ def test_label_key_finds_labels_and_leaves_the_samples_untouched():
 
 # ---------------------------------------------------------------------------------------------- no test set
 def _own_data_cli(*extra, run=False):
-    return main([
-        *(["fit"] if run else []), "--config", os.path.join(ROOT, "configs", "examples", "own_data.yaml"),
-        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false", "--data.init_args.train.init_args.size", "200", *extra,
-    ], run=run)
+    return main(
+        [
+            *(["fit"] if run else []),
+            "--config",
+            os.path.join(ROOT, "configs", "examples", "own_data.yaml"),
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+            "--data.init_args.train.init_args.size",
+            "200",
+            *extra,
+        ],
+        run=run,
+    )
 
 
 def test_no_test_set_raises_on_test_dataloader_and_fit_skips_the_test(tmp_path):
     dm = DatasetDataModule(TensorDataset(X, Y), **_kw())
-    with pytest.raises(RuntimeError, match="^" + re.escape(
-        "DatasetDataModule has no test set (test=None); pass test=<a data set> to FederatedDataModule.from_datasets "
-        "/ DatasetDataModule"
-    ) + "$"):
+    with pytest.raises(
+        RuntimeError,
+        match="^"
+        + re.escape(
+            "DatasetDataModule has no test set (test=None); pass test=<a data set> to "
+            "FederatedDataModule.from_datasets / DatasetDataModule"
+        )
+        + "$",
+    ):
         dm.test_dataloader()
     with pytest.warns(UserWarning, match="DatasetDataModule has no test set: test_after_fit skipped"):
-        cli = _own_data_cli("--data.init_args.test", "null", "--trainer.max_steps", "1",
-                            "--trainer.default_root_dir", str(tmp_path), run=True)
+        cli = _own_data_cli(
+            "--data.init_args.test",
+            "null",
+            "--trainer.max_steps",
+            "1",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            run=True,
+        )
     assert cli.trainer.global_step == 1 and "train/loss" in cli.trainer.callback_metrics
     assert not [k for k in cli.trainer.callback_metrics if k.startswith("test/")]
 
@@ -434,15 +490,21 @@ def test_yaml_builds_the_same_data_module_as_python(tmp_path):
     dm.setup()
 
     def fake(size, offset=0):
-        return torchvision.datasets.FakeData(size=size, image_size=(1, 16, 16), num_classes=10,
-                                             transform=torchvision.transforms.ToTensor(), random_offset=offset)
+        return torchvision.datasets.FakeData(
+            size=size,
+            image_size=(1, 16, 16),
+            num_classes=10,
+            transform=torchvision.transforms.ToTensor(),
+            random_offset=offset,
+        )
 
     train = fake(200)
     xs = torch.stack([train[i][0] for i in range(200)])
     ys = torch.tensor([train[i][1] for i in range(200)])
     assert dm.in_memory and torch.equal(dm.train_dataset.x, xs) and torch.equal(dm.train_dataset.y, ys)
-    py = FederatedDataModule.from_datasets(train, fake(500, 1000000), num_clients=20, batch_size=32,
-                                           partition=Dirichlet(alpha=0.5), seed=0, in_memory=True)
+    py = FederatedDataModule.from_datasets(
+        train, fake(500, 1000000), num_clients=20, batch_size=32, partition=Dirichlet(alpha=0.5), seed=0, in_memory=True
+    )
     py.setup()
     assert np.array_equal(dm.val_indices, py.val_indices)
     assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, py.client_indices))

@@ -28,8 +28,9 @@ def test_fake_cifar_is_read_by_the_data_module(gpu_bench, tmp_path):
         entry = pickle.load(f, encoding="latin1")
     assert entry["data"].dtype == np.uint8 and entry["data"].shape == (21, 3072) and len(entry["labels"]) == 21
 
-    dm = Cifar10DataModule(data_dir=str(tmp_path), download=False, num_clients=5, batch_size=10,
-                           partition=Dirichlet(0.3), augment=False)
+    dm = Cifar10DataModule(
+        data_dir=str(tmp_path), download=False, num_clients=5, batch_size=10, partition=Dirichlet(0.3), augment=False
+    )
     dm.setup("fit")
     assert len(dm.train_dataset) == 103 and len(dm.test_dataset) == 20
     train_labels = dm.train_dataset.labels.numpy()

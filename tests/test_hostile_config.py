@@ -65,9 +65,22 @@ def fit_only(monkeypatch):
 def test_bad_config_value_is_named(tmp_path, capsys, fit_only, override, needle):
     """Exit code 1 and a last stderr line ``error: <key>: ...`` that names the value (or the missing argument);
     no traceback, no jsonargparse usage."""
-    args = ["fit", "--config", QUICK, "--trainer.max_steps", "1", "--trainer.logger", "false",
-            "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
-            "--trainer.default_root_dir", str(tmp_path), *override]
+    args = [
+        "fit",
+        "--config",
+        QUICK,
+        "--trainer.max_steps",
+        "1",
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        *override,
+    ]
     with pytest.raises(SystemExit) as info:
         main(args)
     err = capsys.readouterr().err

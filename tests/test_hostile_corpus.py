@@ -22,10 +22,31 @@ from fedlightning.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-QUIET = ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary",
-         "false", "--test_after_fit", "false", "--trainer.limit_val_batches", "0"]
-TINY = ["--config", QUICK, "--trainer.max_steps", "1", *QUIET, "--data.init_args.num_clients", "10",
-        "--model.clients_per_round", "2", "--model.local_steps", "1"]
+QUIET = [
+    "--trainer.logger",
+    "false",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+    "--test_after_fit",
+    "false",
+    "--trainer.limit_val_batches",
+    "0",
+]
+TINY = [
+    "--config",
+    QUICK,
+    "--trainer.max_steps",
+    "1",
+    *QUIET,
+    "--data.init_args.num_clients",
+    "10",
+    "--model.clients_per_round",
+    "2",
+    "--model.local_steps",
+    "1",
+]
 
 
 class _Evil:
@@ -73,15 +94,17 @@ def _evil_ckpt(good, marker):
 
 def _nan_weights(good):
     ckpt = dict(good)
-    ckpt["state_dict"] = {k: (torch.full_like(v, float("nan")) if v.is_floating_point() else v)
-                          for k, v in good["state_dict"].items()}
+    ckpt["state_dict"] = {
+        k: (torch.full_like(v, float("nan")) if v.is_floating_point() else v) for k, v in good["state_dict"].items()
+    }
     return ckpt
 
 
 def _other_architecture(good):
     ckpt = dict(good)
-    ckpt["state_dict"] = {k: (torch.zeros(3, *v.shape[1:]) if v.dim() == 2 else v)
-                          for k, v in good["state_dict"].items()}
+    ckpt["state_dict"] = {
+        k: (torch.zeros(3, *v.shape[1:]) if v.dim() == 2 else v) for k, v in good["state_dict"].items()
+    }
     return ckpt
 
 
@@ -100,14 +123,20 @@ CHECKPOINTS = [
     ("missing", None, ["file not found"]),
     ("directory", lambda p, g, m: os.makedirs(p), ["is a directory"]),
     ("empty", lambda p, g, m: open(p, "wb").close(), ["empty (0 bytes)"]),
-    ("random bytes", lambda p, g, m: open(p, "wb").write(np.random.default_rng(0).bytes(4096)),
-     ["corrupt, truncated or not a checkpoint"]),
+    (
+        "random bytes",
+        lambda p, g, m: open(p, "wb").write(np.random.default_rng(0).bytes(4096)),
+        ["corrupt, truncated or not a checkpoint"],
+    ),
     ("truncated", lambda p, g, m: (torch.save(g, p), _truncate(p)), ["corrupt, truncated or not a checkpoint"]),
     ("not a Lightning checkpoint", lambda p, g, m: torch.save({"weights": torch.zeros(3)}, p), ["no 'state_dict'"]),
     ("another LightningModule", lambda p, g, m: torch.save(_foreign(g), p), ["not of a FederatedLoop"]),
     ("future format", lambda p, g, m: torch.save(_future_format(g), p), ["format 99"]),
-    ("another architecture", lambda p, g, m: torch.save(_other_architecture(g), p),
-     ["do not fit the configured model", "(3, 64) vs (128, 64)"]),
+    (
+        "another architecture",
+        lambda p, g, m: torch.save(_other_architecture(g), p),
+        ["do not fit the configured model", "(3, 64) vs (128, 64)"],
+    ),
     ("code on load", lambda p, g, m: torch.save(_evil_ckpt(g, m), p), ["os.system", "--weights_only false"]),
     ("non-finite weights", lambda p, g, m: torch.save(_nan_weights(g), p), ["non-finite", "nan"]),
 ]
@@ -130,7 +159,7 @@ def test_hostile_checkpoint(case, subcommand, good_checkpoint, tmp_path, capsys)
     args = [subcommand, *TINY, "--trainer.default_root_dir", str(tmp_path / "root"), "--ckpt_path", path]
     if subcommand != "fit":  # --test_after_fit is an option of fit only
         i = args.index("--test_after_fit")
-        del args[i:i + 2]
+        del args[i : i + 2]
     code, err, last = _run(args, capsys)
     _assert_one_line(code, err, last, [f"checkpoint {path}:"] + needles)
     assert not os.path.exists(marker), "loading the checkpoint ran code"
@@ -144,7 +173,7 @@ def test_planted_last_checkpoint(good_checkpoint, tmp_path, capsys):
     planted = os.path.join(os.path.dirname(ckpts[0]), "last-v1.ckpt")
     marker = str(tmp_path / "code-ran")
     ckpt = _evil_ckpt(good_checkpoint, marker)
-    ckpt["global_step"] = 10 ** 6  # would be the newest round
+    ckpt["global_step"] = 10**6  # would be the newest round
     torch.save(ckpt, planted)
     code, err, last = _run(["fit", *TINY, "--trainer.default_root_dir", str(root), "--ckpt_path", "last"], capsys)
     _assert_one_line(code, err, last, [f"checkpoint {planted}:", "os.system"])
@@ -158,8 +187,7 @@ def _femnist_user(rng, n):
 
 def _leaf_json(users, num_samples=None, names=None):
     names = list(users) if names is None else names
-    return {"users": names, "num_samples": num_samples or [len(users[u]["y"]) for u in names],
-            "user_data": users}
+    return {"users": names, "num_samples": num_samples or [len(users[u]["y"]) for u in names], "user_data": users}
 
 
 def _leaf_dir(tmp_path, train_doc, test_doc=None, raw_train=None):
@@ -189,8 +217,7 @@ def _with(users, user, key, index, value):
 
 def _leaf_case_duplicate():
     users = _good_users()
-    return _leaf_json(users, names=["f_0", "f_1", "f_2", "f_3", "f_1"],
-                      num_samples=[6, 5, 7, 4, 5]), ["f_1"]
+    return _leaf_json(users, names=["f_0", "f_1", "f_2", "f_3", "f_1"], num_samples=[6, 5, 7, 4, 5]), ["f_1"]
 
 
 def _leaf_case_count():
@@ -222,17 +249,47 @@ LEAF_CASES = [
     ("negative label", _leaf_case_negative_label),
 ]
 
-LEAF_ARGS = ["--data", "fedlightning.datamodules.LeafDataModule", "--data.init_args.name", "femnist",
-             "--data.init_args.batch_size", "4", "--data.init_args.val_fraction", "0",
-             "--model.model", "fedlightning.models.LogisticRegression", "--model.model.init_args.input_dim", "784",
-             "--model.model.init_args.num_classes", "62", "--model.clients_per_round", "2", "--model.local_steps", "1",
-             "--trainer.max_steps", "1", *QUIET]
+LEAF_ARGS = [
+    "--data",
+    "fedlightning.datamodules.LeafDataModule",
+    "--data.init_args.name",
+    "femnist",
+    "--data.init_args.batch_size",
+    "4",
+    "--data.init_args.val_fraction",
+    "0",
+    "--model.model",
+    "fedlightning.models.LogisticRegression",
+    "--model.model.init_args.input_dim",
+    "784",
+    "--model.model.init_args.num_classes",
+    "62",
+    "--model.clients_per_round",
+    "2",
+    "--model.local_steps",
+    "1",
+    "--trainer.max_steps",
+    "1",
+    *QUIET,
+]
 
 
 def _leaf_run(tmp_path, capsys, data_dir):
-    return _run(["fit", "--config", QUICK, *LEAF_ARGS, "--trainer.default_root_dir", str(tmp_path / "root"),
-                 "--data.init_args.data_dir", data_dir, "--data.init_args.cache_dir", str(tmp_path / "cache")],
-                capsys)
+    return _run(
+        [
+            "fit",
+            "--config",
+            QUICK,
+            *LEAF_ARGS,
+            "--trainer.default_root_dir",
+            str(tmp_path / "root"),
+            "--data.init_args.data_dir",
+            data_dir,
+            "--data.init_args.cache_dir",
+            str(tmp_path / "cache"),
+        ],
+        capsys,
+    )
 
 
 @pytest.mark.parametrize("case", LEAF_CASES, ids=[c[0] for c in LEAF_CASES])
@@ -244,8 +301,11 @@ def test_hostile_leaf_file(case, tmp_path, capsys):
     _assert_one_line(code, err, last, [os.path.basename(train_file)] + needles)
 
 
-@pytest.mark.parametrize("raw", ['{"users": ["f_0"], "num_samples": [1], "user_da', "[1, 2, 3]", ""],
-                         ids=["truncated JSON", "not an object", "empty file"])
+@pytest.mark.parametrize(
+    "raw",
+    ['{"users": ["f_0"], "num_samples": [1], "user_da', "[1, 2, 3]", ""],
+    ids=["truncated JSON", "not an object", "empty file"],
+)
 def test_malformed_leaf_json(raw, tmp_path, capsys):
     data_dir, train_file = _leaf_dir(tmp_path, None, raw_train=raw)
     code, err, last = _leaf_run(tmp_path, capsys, data_dir)
@@ -255,8 +315,20 @@ def test_malformed_leaf_json(raw, tmp_path, capsys):
 def test_good_leaf_corpus_trains(tmp_path):
     """The corpus's baseline: the same LEAF files without the defect train (so each case fails for its defect)."""
     data_dir, _ = _leaf_dir(tmp_path, _leaf_json(_good_users()))
-    cli = main(["fit", "--config", QUICK, *LEAF_ARGS, "--trainer.default_root_dir", str(tmp_path / "root"),
-                "--data.init_args.data_dir", data_dir, "--data.init_args.cache_dir", str(tmp_path / "cache")])
+    cli = main(
+        [
+            "fit",
+            "--config",
+            QUICK,
+            *LEAF_ARGS,
+            "--trainer.default_root_dir",
+            str(tmp_path / "root"),
+            "--data.init_args.data_dir",
+            data_dir,
+            "--data.init_args.cache_dir",
+            str(tmp_path / "cache"),
+        ]
+    )
     assert cli.trainer.global_step == 1
 
 
@@ -271,11 +343,29 @@ def _cifar_dir(tmp_path, bad_name, bad_bytes):
     return str(tmp_path / "cifar"), str(folder / bad_name)
 
 
-CIFAR_ARGS = ["--data", "fedlightning.datamodules.Cifar10DataModule", "--data.init_args.num_clients", "4",
-              "--data.init_args.batch_size", "4", "--data.init_args.val_fraction", "0",
-              "--model.model", "fedlightning.models.LogisticRegression", "--model.model.init_args.input_dim", "3072",
-              "--model.model.init_args.num_classes", "10", "--model.clients_per_round", "2", "--model.local_steps",
-              "1", "--trainer.max_steps", "1", *QUIET]
+CIFAR_ARGS = [
+    "--data",
+    "fedlightning.datamodules.Cifar10DataModule",
+    "--data.init_args.num_clients",
+    "4",
+    "--data.init_args.batch_size",
+    "4",
+    "--data.init_args.val_fraction",
+    "0",
+    "--model.model",
+    "fedlightning.models.LogisticRegression",
+    "--model.model.init_args.input_dim",
+    "3072",
+    "--model.model.init_args.num_classes",
+    "10",
+    "--model.clients_per_round",
+    "2",
+    "--model.local_steps",
+    "1",
+    "--trainer.max_steps",
+    "1",
+    *QUIET,
+]
 
 
 @pytest.mark.parametrize("bad", ["evil", "truncated", "no labels"])
@@ -288,8 +378,19 @@ def test_hostile_cifar_pickle(bad, tmp_path, capsys):
         "no labels": pickle.dumps({"data": entry["data"]}),
     }[bad]
     data_dir, path = _cifar_dir(tmp_path, "data_batch_3", payload)
-    code, err, last = _run(["fit", "--config", QUICK, *CIFAR_ARGS, "--trainer.default_root_dir",
-                            str(tmp_path / "root"), "--data.init_args.data_dir", data_dir], capsys)
+    code, err, last = _run(
+        [
+            "fit",
+            "--config",
+            QUICK,
+            *CIFAR_ARGS,
+            "--trainer.default_root_dir",
+            str(tmp_path / "root"),
+            "--data.init_args.data_dir",
+            data_dir,
+        ],
+        capsys,
+    )
     needles = [path] + (["system"] if bad == "evil" else [])  # os.system pickles as posix.system
     _assert_one_line(code, err, last, needles)
     assert not os.path.exists(marker), "reading the data file ran code"
@@ -300,21 +401,39 @@ def test_hostile_cifar_pickle(bad, tmp_path, capsys):
 CONFIGS = [
     ("more clients per round than clients", "model:\n  clients_per_round: 500\n", "model.clients_per_round", "500"),
     ("K = 0", "model:\n  local_steps: 0\n", "model.local_steps", "0"),
-    ("negative alpha", "data:\n  init_args:\n    partition:\n      class_path: fedlightning.datamodules.Dirichlet\n"
-                       "      init_args:\n        alpha: -0.5\n", "data.init_args.partition.init_args.alpha", "-0.5"),
-    ("nan alpha", "data:\n  init_args:\n    partition:\n      class_path: fedlightning.datamodules.Dirichlet\n"
-                  "      init_args:\n        alpha: .nan\n", "data.init_args.partition.init_args.alpha", "nan"),
+    (
+        "negative alpha",
+        "data:\n  init_args:\n    partition:\n      class_path: fedlightning.datamodules.Dirichlet\n"
+        "      init_args:\n        alpha: -0.5\n",
+        "data.init_args.partition.init_args.alpha",
+        "-0.5",
+    ),
+    (
+        "nan alpha",
+        "data:\n  init_args:\n    partition:\n      class_path: fedlightning.datamodules.Dirichlet\n"
+        "      init_args:\n        alpha: .nan\n",
+        "data.init_args.partition.init_args.alpha",
+        "nan",
+    ),
     ("string where a number goes", "model:\n  clients_per_round: many\n", "model.clients_per_round", "'many'"),
     ("list where a mapping goes", "model:\n  client_optimizer: [1, 2]\n", "model.client_optimizer", "[1, 2]"),
     ("negative batch size", "data:\n  init_args:\n    batch_size: -3\n", "data.init_args.batch_size", "-3"),
     ("validation fraction 1", "data:\n  init_args:\n    val_fraction: 1.0\n", "data.init_args.val_fraction", "1.0"),
-    ("negative server lr", "trainer:\n  callbacks:\n    - class_path: fedlightning.callbacks.FedAvg\n"
-                           "      init_args:\n        server_lr: -1.0\n", "trainer.callbacks[0].init_args.server_lr",
-     "-1.0"),
+    (
+        "negative server lr",
+        "trainer:\n  callbacks:\n    - class_path: fedlightning.callbacks.FedAvg\n"
+        "      init_args:\n        server_lr: -1.0\n",
+        "trainer.callbacks[0].init_args.server_lr",
+        "-1.0",
+    ),
     ("zero rounds", "trainer:\n  max_steps: 0\n", "trainer.max_steps", "0"),
     ("negative seed", "model:\n  seed: -7\n", "model.seed", "-7"),
-    ("infinite lr", "model:\n  client_optimizer:\n    class_path: torch.optim.SGD\n    init_args:\n      lr: .inf\n",
-     "model.client_optimizer.init_args.lr", "inf"),
+    (
+        "infinite lr",
+        "model:\n  client_optimizer:\n    class_path: torch.optim.SGD\n    init_args:\n      lr: .inf\n",
+        "model.client_optimizer.init_args.lr",
+        "inf",
+    ),
     ("misspelled key", "model:\n  local_stepz: 3\n", "model.local_stepz", "local_steps"),
 ]
 
@@ -324,6 +443,7 @@ def test_hostile_config_file(case, tmp_path, capsys):
     _, text, key, value = case
     path = tmp_path / "hostile.yaml"
     path.write_text(text)
-    code, err, last = _run(["fit", *TINY, "--trainer.default_root_dir", str(tmp_path / "root"), "--config",
-                            str(path)], capsys)
+    code, err, last = _run(
+        ["fit", *TINY, "--trainer.default_root_dir", str(tmp_path / "root"), "--config", str(path)], capsys
+    )
     _assert_one_line(code, err, last, [f"error: {key}: ", value])

@@ -66,15 +66,22 @@ def test_cycle_of_an_empty_loader_is_a_clear_error():
     empty = DataLoader(TensorDataset(torch.zeros(0, 1)), batch_size=2)
     with pytest.raises(RuntimeError, match="yielded no batch"):
         list(_cycle(empty, 2))
-    loader = ArrayBatchLoader(ArrayDataset(torch.zeros(3, 1), torch.zeros(3)),
-                              ClientBatchSampler(np.array([], np.int64), 2, None))
+    loader = ArrayBatchLoader(
+        ArrayDataset(torch.zeros(3, 1), torch.zeros(3)), ClientBatchSampler(np.array([], np.int64), 2, None)
+    )
     with pytest.raises(RuntimeError, match="yielded no batch"):
         list(_cycle(loader, 2))
 
 
 def _fit(model, dm, rounds, callbacks, **loop_kwargs):
-    loop = FederatedLoop(model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=5,
-                         clients_per_round=4, seed=2, **loop_kwargs)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        local_steps=5,
+        clients_per_round=4,
+        seed=2,
+        **loop_kwargs,
+    )
     make_trainer(rounds, callbacks=callbacks).fit(loop, datamodule=dm)
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
@@ -111,8 +118,13 @@ def test_optimizer_with_its_own_zero_grad_is_called_every_step():
             super().zero_grad(set_to_none=set_to_none)
 
     dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), client_optimizer=lambda p: CountingSGD(p, lr=0.1),
-                         local_steps=3, clients_per_round=2, seed=0)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[8]),
+        client_optimizer=lambda p: CountingSGD(p, lr=0.1),
+        local_steps=3,
+        clients_per_round=2,
+        seed=0,
+    )
     make_trainer(2, callbacks=[FedAvg()]).fit(loop, datamodule=dm)
     assert len(calls) == 2 * 2 * 3  # rounds x clients x local steps
 
@@ -159,8 +171,7 @@ def test_round_metrics_follow_log_every_n_steps_and_reach_callback_metrics(tmp_p
     dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
     rec = _RecordMetrics()
     loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), local_steps=2, clients_per_round=3, seed=0)
-    trainer = make_trainer(7, callbacks=[FedAvg(), rec], logger=CSVLogger(str(tmp_path), name="m"),
-                           log_every_n_steps=3)
+    trainer = make_trainer(7, callbacks=[FedAvg(), rec], logger=CSVLogger(str(tmp_path), name="m"), log_every_n_steps=3)
     trainer.fit(loop, datamodule=dm)
     assert len(rec.round_metrics) == 7
     # the round's metrics (Python floats) reach Lightning as float32 tensors: one rounding (numerics.rtol32)
@@ -238,7 +249,8 @@ def test_iter_steps_with_a_batch_sampler_without_epochs():
     from torch.utils.data import BatchSampler, SequentialSampler
 
     x, y = torch.arange(10.0).unsqueeze(1), torch.arange(10)
-    loader = ArrayBatchLoader(ArrayDataset(x, y),
-                              BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False))
+    loader = ArrayBatchLoader(
+        ArrayDataset(x, y), BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False)
+    )
     got = [b[1].tolist() for b in loader.iter_steps(5)]
     assert got == [[0, 1], [2, 3], [4], [0, 1], [2, 3]]

@@ -40,8 +40,14 @@ class _Tiny(pl.LightningModule):
 
 
 def _trainer(tmp_path, **kw):
-    return pl.Trainer(max_steps=3, logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, **kw)
+    return pl.Trainer(
+        max_steps=3,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
 
 
 def test_attached_and_detached_trainer(tmp_path):
@@ -82,8 +88,9 @@ def test_progress_bar_options_rebuild_the_same_bar(kind, leave):
         from lightning.pytorch.callbacks import RichProgressBar
         from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
 
-        bar = RichProgressBar(refresh_rate=3, leave=leave, theme=RichProgressBarTheme(description="red"),
-                              console_kwargs={"width": 80})
+        bar = RichProgressBar(
+            refresh_rate=3, leave=leave, theme=RichProgressBarTheme(description="red"), console_kwargs={"width": 80}
+        )
     again = type(bar)(**compat.progress_bar_options(bar))
     assert compat.progress_bar_options(again) == compat.progress_bar_options(bar)
     assert again.refresh_rate == 3 and again._leave is leave
@@ -130,7 +137,8 @@ def test_parse_configure_optimizers_follows_lightnings_rules():
     assert len(configs) == 1 and configs[0].scheduler.optimizer is optimizers[0] and configs[0].interval == "epoch"
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _, configs = compat.parse_configure_optimizers(
-        {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1), "interval": "step"}})
+        {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1), "interval": "step"}}
+    )
     assert configs[0].interval == "step"
     with pytest.raises(MisconfigurationException):  # Lightning's own error for a malformed return value
         compat.parse_configure_optimizers("not an optimizer")
@@ -150,9 +158,11 @@ def test_metric_state_round_trips_and_reductions_are_the_state_reductions():
 
 
 def test_no_other_module_touches_the_private_attributes():
-    pattern = re.compile(r"\._(trainer|optimizers|leave|batches_that_stepped|logger_connector|current_fx_name|"
-                         r"defaults|update_count|computed|reductions)\b|\b_configure_optimizers\b|"
-                         r"\b_configure_schedulers_automatic_opt")
+    pattern = re.compile(
+        r"\._(trainer|optimizers|leave|batches_that_stepped|logger_connector|current_fx_name|"
+        r"defaults|update_count|computed|reductions)\b|\b_configure_optimizers\b|"
+        r"\b_configure_schedulers_automatic_opt"
+    )
     offenders = []
     for path in (ROOT / "fedlightning").rglob("*.py"):
         if path.name == "_lightning_compat.py":

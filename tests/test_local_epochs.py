@@ -40,18 +40,29 @@ def _fit(mode="sequential", optimizer="sgd", rounds=2, callbacks=(), dm=None, mo
     loop_kw.setdefault("local_epochs", 1.5)
     rec = Recorder()
     optimizer = CLIENT_OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
-    loop = FederatedLoop(model, client_optimizer=optimizer, clients_per_round=CPR, seed=SEED,
-                         client_execution=mode, **loop_kw)
+    loop = FederatedLoop(
+        model, client_optimizer=optimizer, clients_per_round=CPR, seed=SEED, client_execution=mode, **loop_kw
+    )
     trainer = make_trainer(rounds, callbacks=[FedAvg(), rec, *callbacks])
     trainer.fit(loop, datamodule=dm if dm is not None else _dm())
     w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return w, loop, rec.updates, trainer
 
 
-@pytest.mark.parametrize("epochs,batches,steps", [
-    (1, 7, 7), (2, 7, 14), (0.5, 7, 4), (0.5, 8, 4), (1.5, 3, 5), (0.1, 30, 3), (0.3, 10, 3), (0.01, 5, 1),
-    (2.5, 1, 3),
-])
+@pytest.mark.parametrize(
+    "epochs,batches,steps",
+    [
+        (1, 7, 7),
+        (2, 7, 14),
+        (0.5, 7, 4),
+        (0.5, 8, 4),
+        (1.5, 3, 5),
+        (0.1, 30, 3),
+        (0.3, 10, 3),
+        (0.01, 5, 1),
+        (2.5, 1, 3),
+    ],
+)
 def test_epoch_steps_rounds_up_the_decimal_the_user_wrote(epochs, batches, steps):
     assert epoch_steps(epochs, batches) == steps
 
@@ -135,8 +146,9 @@ def test_an_epoch_run_equals_a_hand_written_epoch_loop(mode):
     assert_close64(w, expected)
 
 
-@pytest.mark.parametrize("optimizer", params(CLIENT_OPTIMIZERS, "sgd", "sgd-momentum", "adam", "armijo", "sps",
-                                             "decsps"))
+@pytest.mark.parametrize(
+    "optimizer", params(CLIENT_OPTIMIZERS, "sgd", "sgd-momentum", "adam", "armijo", "sps", "decsps")
+)
 def test_vectorized_ragged_epochs_equal_sequential(optimizer):
     seq = _fit("sequential", optimizer)
     vec = _fit("vectorized", optimizer)
@@ -157,12 +169,15 @@ def test_drop_last_counts_full_batches_only():
     assert float(trainer.callback_metrics["round/local_steps"]) == pytest.approx(mean, rel=1e-6)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"local_epochs": 0}, "local_epochs"),
-    ({"local_epochs": -1.0}, "local_epochs"),
-    ({"local_epochs": float("nan")}, "local_epochs"),
-    ({"local_epochs": 1, "local_steps": 5}, "local_steps=5 and local_epochs=1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"local_epochs": 0}, "local_epochs"),
+        ({"local_epochs": -1.0}, "local_epochs"),
+        ({"local_epochs": float("nan")}, "local_epochs"),
+        ({"local_epochs": 1, "local_steps": 5}, "local_steps=5 and local_epochs=1"),
+    ],
+)
 def test_bad_local_epochs_are_refused_by_name(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         FederatedLoop(mlp(), client_optimizer=CLIENT_OPTIMIZERS["sgd"], **kwargs)
@@ -178,8 +193,9 @@ def test_kdecay_step_schedules_are_refused_and_client_lr_decay_keeps_the_epochs(
         _fit(callbacks=[KDecay(schedule="rounds")], rounds=1)
     _, loop, updates, _ = _fit(callbacks=[KDecay(schedule="rounds", decay="client_lr")], rounds=2)
     dm = loop.datamodule
-    assert [u.num_steps for u in updates] == [epoch_steps(1.5, dm.client_batches_per_epoch(u.client_id))
-                                              for u in updates]
+    assert [u.num_steps for u in updates] == [
+        epoch_steps(1.5, dm.client_batches_per_epoch(u.client_id)) for u in updates
+    ]
     # η-decay: round r+1's client step is lr / sqrt(r+1) (KDecay's rounds_lr_scale)
     lr = CLIENT_OPTIMIZERS["sgd"].settings["lr"]
     assert [u.step_sizes[0] for u in updates[CPR:]] == [pytest.approx(lr / math.sqrt(2), rel=1e-12)] * CPR

@@ -59,8 +59,11 @@ def _small_run(callbacks, rounds=3, clients=4, local_steps=2, logger=None, model
     model = to_float64(model or MLP(input_dim=64, hidden=[8], num_classes=10))
     dm = Digits64(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1, val_fraction=val_fraction)
     loop = FederatedLoop(
-        model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=local_steps,
-        clients_per_round=clients, seed=2,
+        model,
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        local_steps=local_steps,
+        clients_per_round=clients,
+        seed=2,
     )
     logger = logger or RecordingLogger()
     trainer = make_trainer(rounds, callbacks=callbacks, logger=logger, log_every_n_steps=1)
@@ -134,7 +137,6 @@ def test_global_train_evaluation_subset_is_fixed_and_seeded():
     assert not (other._subset(len(dm.training_rows())) == idx).all()
 
 
-
 def test_global_train_evaluation_generic_module_uses_training_step_loss():
     import lightning.pytorch as pl
 
@@ -165,8 +167,9 @@ def test_global_evaluation_on_the_test_split():
     with torch.no_grad():
         logits = loop.model.net(x)
     assert logger.series("test_eval/loss")[-1] == pytest.approx(float(F.cross_entropy(logits, y)), rel=RTOL64)
-    assert logger.series("test_eval/acc")[-1] == pytest.approx(float((logits.argmax(-1) == y).double().mean()),
-                                                               rel=RTOL64)
+    assert logger.series("test_eval/acc")[-1] == pytest.approx(
+        float((logits.argmax(-1) == y).double().mean()), rel=RTOL64
+    )
     assert logger.series("train_eval/loss") == []
 
 
@@ -180,8 +183,9 @@ def test_global_evaluation_on_the_validation_split():
     with torch.no_grad():
         logits = loop.model.net(x)
     assert logger.series("val_eval/loss")[-1] == pytest.approx(float(F.cross_entropy(logits, y)), rel=RTOL64)
-    assert logger.series("val_eval/acc")[-1] == pytest.approx(float((logits.argmax(-1) == y).double().mean()),
-                                                              rel=RTOL64)
+    assert logger.series("val_eval/acc")[-1] == pytest.approx(
+        float((logits.argmax(-1) == y).double().mean()), rel=RTOL64
+    )
 
 
 def test_global_evaluation_on_a_missing_validation_split_names_val_fraction():
@@ -290,7 +294,9 @@ def test_tensorboard_logger_gets_metrics_and_config(tmp_path, monkeypatch, confi
     seen = _record_client_losses(monkeypatch)
     config_logging_cli(
         [
-            "fit", "--config", QUICKSTART,
+            "fit",
+            "--config",
+            QUICKSTART,
             "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
             f"--trainer.logger.init_args.save_dir={tmp_path}",
         ]
@@ -334,9 +340,12 @@ def test_cli_sets_offline_when_nothing_is_configured(monkeypatch, tmp_path):
 
 def test_cli_installs_log_config_callback():
     """cli.py passes save_config_callback=LogConfigCallback (the one-line wiring this module needs)."""
-    cli = cli_module.main(["--config", QUICKSTART, "--trainer.logger=false", "--trainer.enable_checkpointing=false"],
-                          run=False)
+    cli = cli_module.main(
+        ["--config", QUICKSTART, "--trainer.logger=false", "--trainer.enable_checkpointing=false"], run=False
+    )
     if not any(isinstance(cb, LogConfigCallback) for cb in cli.trainer.callbacks):
-        pytest.skip("fedlightning/cli.py does not install LogConfigCallback yet "
-                    "(FederatedCLI.__init__: kwargs.setdefault('save_config_callback', LogConfigCallback))")
+        pytest.skip(
+            "fedlightning/cli.py does not install LogConfigCallback yet "
+            "(FederatedCLI.__init__: kwargs.setdefault('save_config_callback', LogConfigCallback))"
+        )
     assert sum(isinstance(cb, LogConfigCallback) for cb in cli.trainer.callbacks) == 1

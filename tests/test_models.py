@@ -37,6 +37,7 @@ def test_seed004_model_sizes_match_table_1():
     assert count(cnn) == (3 * 9 * 32 + 32) + (32 * 9 * 64 + 64) + (2304 * 512 + 512) + (512 * 100 + 100) == 1_250_852
     assert round(megabits(cnn), 1) == 40.0
     gru = CharGRU(vocab_size=79)
+
     def gru_layer(i, h):  # PyTorch GRU: 3 gates, two bias vectors each
         return 3 * (h * i + h * h + 2 * h)
 
@@ -48,12 +49,14 @@ def test_seed004_model_sizes_match_table_1():
 
 # ------------------------------------------------------------------ other sizes, from the architectures
 def test_other_parameter_counts():
-    assert count(LeNet5()) == ((1 * 25 * 6 + 6) + (6 * 25 * 16 + 16) + (400 * 120 + 120) + (120 * 84 + 84)
-                               + (84 * 10 + 10))
+    assert count(LeNet5()) == (
+        (1 * 25 * 6 + 6) + (6 * 25 * 16 + 16) + (400 * 120 + 120) + (120 * 84 + 84) + (84 * 10 + 10)
+    )
     reddi = (1 * 9 * 32 + 32) + (32 * 9 * 64 + 64) + (12 * 12 * 64 * 128 + 128) + (128 * 62 + 62)
     assert count(FemnistCNN()) == reddi == 1_206_590
     leaf = (25 * 32 + 32) + (25 * 32 * 64 + 64) + (7 * 7 * 64 * 2048 + 2048) + (2048 * 62 + 62)
     assert count(FemnistCNN(variant="leaf")) == leaf
+
     def lstm_layer(i, h):  # PyTorch LSTM: 4 gates, two bias vectors each
         return 4 * (h * i + h * h + 2 * h)
 
@@ -64,6 +67,7 @@ def test_other_parameter_counts():
 
 def _resnet50_count(num_classes: int) -> int:
     """Parameters of the CIFAR bottleneck ResNet-50, summed block by block."""
+
     def conv(i, o, k):
         return i * o * k * k
 

@@ -89,8 +89,11 @@ def test_reset_policies_match_analytic_threshold_on_split_parameters(reset):
     analytic threshold and the reset rule of seed 000 Alg. 3 (grow capped at η_max)."""
     torch.manual_seed(0)
     ws = [torch.randn(3, dtype=DT), torch.randn(2, 2, dtype=DT), torch.randn(1, dtype=DT)]
-    curv = [torch.tensor([0.5, 1.0, 2.0], dtype=DT), torch.tensor([[3.0, 0.2], [1.5, 4.0]], dtype=DT),
-            torch.tensor([6.0], dtype=DT)]
+    curv = [
+        torch.tensor([0.5, 1.0, 2.0], dtype=DT),
+        torch.tensor([[3.0, 0.2], [1.5, 4.0]], dtype=DT),
+        torch.tensor([6.0], dtype=DT),
+    ]
     params = [torch.nn.Parameter(w.clone()) for w in ws]
     c, beta, eta_max, delta, nb = 0.3, 0.7, 2.0, 3.0, 4.0
     opt = SgdArmijo(params, eta_max=eta_max, c=c, beta=beta, reset=reset, delta=delta, n_batches_per_epoch=nb)
@@ -301,15 +304,27 @@ def test_grow_needs_epoch_length():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"c": 0.0}, "c must"), ({"c": -0.1}, "c must"), ({"c": 1.0}, "c must"), ({"c": float("nan")}, "c must"),
-        ({"beta": 0.0}, "beta"), ({"beta": 1.0}, "beta"), ({"beta": 1.5}, "beta"),
-        ({"eta_max": 0.0}, "eta_max"), ({"eta_max": -1.0}, "eta_max"), ({"eta_max": float("inf")}, "eta_max"),
-        ({"reset": "sometimes"}, "reset"), ({"reset": 1}, "reset"),
-        ({"delta": 1.0}, "delta"), ({"delta": 0.5}, "delta"),
-        ({"max_backtracks": -1}, "max_backtracks"), ({"max_backtracks": 2.5}, "max_backtracks"),
+        ({"c": 0.0}, "c must"),
+        ({"c": -0.1}, "c must"),
+        ({"c": 1.0}, "c must"),
+        ({"c": float("nan")}, "c must"),
+        ({"beta": 0.0}, "beta"),
+        ({"beta": 1.0}, "beta"),
+        ({"beta": 1.5}, "beta"),
+        ({"eta_max": 0.0}, "eta_max"),
+        ({"eta_max": -1.0}, "eta_max"),
+        ({"eta_max": float("inf")}, "eta_max"),
+        ({"reset": "sometimes"}, "reset"),
+        ({"reset": 1}, "reset"),
+        ({"delta": 1.0}, "delta"),
+        ({"delta": 0.5}, "delta"),
+        ({"max_backtracks": -1}, "max_backtracks"),
+        ({"max_backtracks": 2.5}, "max_backtracks"),
         ({"max_backtracks": True}, "max_backtracks"),
-        ({"n_batches_per_epoch": 0}, "n_batches_per_epoch"), ({"n_batches_per_epoch": -2.0}, "n_batches_per_epoch"),
-        ({"batch_size": 10}, "together"), ({"batch_size": 0, "num_samples": 5}, "batch_size"),
+        ({"n_batches_per_epoch": 0}, "n_batches_per_epoch"),
+        ({"n_batches_per_epoch": -2.0}, "n_batches_per_epoch"),
+        ({"batch_size": 10}, "together"),
+        ({"batch_size": 0, "num_samples": 5}, "batch_size"),
         ({"n_batches_per_epoch": 2, "batch_size": 10, "num_samples": 20}, "either"),
         ({"grad_tol": -1.0}, "grad_tol"),
     ],

@@ -50,8 +50,12 @@ class ProbeNet(Classifier):
         return self.fc2(h * self._mask * 2.0)
 
     def training_step(self, batch, batch_idx):
-        entry = (torch.is_grad_enabled(), batch_idx, self.bn.running_mean.detach().clone(),
-                 int(self.bn.num_batches_tracked))
+        entry = (
+            torch.is_grad_enabled(),
+            batch_idx,
+            self.bn.running_mean.detach().clone(),
+            int(self.bn.num_batches_tracked),
+        )
         loss = super().training_step(batch, batch_idx)
         ProbeNet.records.append(entry + (self._mask.detach().clone(),))
         return loss
@@ -61,8 +65,13 @@ class ProbeNet(Classifier):
 def probe_run():
     ProbeNet.records = []
     torch.manual_seed(0)
-    loop = FederatedLoop(ProbeNet(), client_optimizer=lambda p: SgdArmijo(p, eta_max=5.0, c=0.1, beta=0.5),
-                         local_steps=4, clients_per_round=2, seed=0)
+    loop = FederatedLoop(
+        ProbeNet(),
+        client_optimizer=lambda p: SgdArmijo(p, eta_max=5.0, c=0.1, beta=0.5),
+        local_steps=4,
+        clients_per_round=2,
+        seed=0,
+    )
     make_trainer(2).fit(loop, datamodule=digits())
     steps = []  # [(gradient record, [trial records])]
     for rec in ProbeNet.records:
@@ -101,8 +110,14 @@ def test_trials_do_not_update_batchnorm_statistics(probe_run):
 # ------------------------------------------------------------------------------------------- per-client state
 def decsps_fit(rounds, ckpt_path=None, persist=True, recorder=None):
     torch.manual_seed(0)
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[16]), client_optimizer=lambda p: DecSPS(p, c0=0.5, gamma_max=1.0),
-                         local_steps=3, clients_per_round=2, seed=1, persist_client_state=persist)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[16]),
+        client_optimizer=lambda p: DecSPS(p, c0=0.5, gamma_max=1.0),
+        local_steps=3,
+        clients_per_round=2,
+        seed=1,
+        persist_client_state=persist,
+    )
     trainer = make_trainer(rounds, callbacks=[recorder] if recorder else None)
     dm = digits(num_clients=4)
     trainer.fit(loop, datamodule=dm, ckpt_path=ckpt_path)
@@ -170,8 +185,9 @@ def test_loop_logs_step_sizes_and_backtracks_and_sets_client_epoch_length():
         return opt
 
     torch.manual_seed(0)
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[16]), client_optimizer=factory, local_steps=5, clients_per_round=3,
-                         seed=2)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[16]), client_optimizer=factory, local_steps=5, clients_per_round=3, seed=2
+    )
     trainer = make_trainer(2, callbacks=[rec])
     dm = digits(num_clients=5, batch_size=20)
     trainer.fit(loop, datamodule=dm)
@@ -185,8 +201,9 @@ def test_loop_logs_step_sizes_and_backtracks_and_sets_client_epoch_length():
         assert u.backwards == u.num_steps
     last = [u for r, u in rec.updates if r == 1]
     m = trainer.callback_metrics  # float32 values: one rounding of the loop's float64 statistics (numerics.rtol32)
-    assert float(m["client/backtracks_per_step"]) == pytest.approx(sum(u.backtracks / u.num_steps for u in last) / 3,
-                                                                   rel=rtol32(1))
+    assert float(m["client/backtracks_per_step"]) == pytest.approx(
+        sum(u.backtracks / u.num_steps for u in last) / 3, rel=rtol32(1)
+    )
     sizes = [s for u in last for s in u.step_sizes]
     assert float(m["client/step_size_mean"]) == pytest.approx(sum(sizes) / len(sizes), rel=rtol32(1))
     assert float(m["client/step_size_max"]) == pytest.approx(max(sizes), rel=rtol32(1))

@@ -74,9 +74,15 @@ def test_armijo_test_and_state_batch_equal_each_client():
     accepted = [True, False, False, True, False, True, False, False]
     exhausted = [False, True, False, False, True, False, False, True]
     last = [0.2, NAN, 0.4, 0.6, 0.8, NAN, 1.0, 0.3]
-    per_client(lambda e0, a_eta, acc, ex, prev, last: rules.armijo_after_search(e0, a_eta, acc, ex, prev, last,
-                                                                               0.9**101),
-               eta, trial, accepted, exhausted, PREV, last)
+    per_client(
+        lambda e0, a_eta, acc, ex, prev, last: rules.armijo_after_search(e0, a_eta, acc, ex, prev, last, 0.9**101),
+        eta,
+        trial,
+        accepted,
+        exhausted,
+        PREV,
+        last,
+    )
 
 
 @pytest.mark.parametrize("smooth", [False, True])
@@ -89,8 +95,13 @@ def test_sps_batch_equals_each_client(smooth, fixed):
         cap = per_client(lambda prev: rules.sps_cap(1.0, prev), PREV)[0]
     steps = per_client(lambda gap, sq, cap: rules.sps_step(gap, sq, 0.5, cap, 1e-8), GAP, GRAD_SQ, cap.tolist())
     scale = [1.0, 0.5, 2.0, 1.0, 0.1, 1.0, 0.7, 1.0]
-    per_client(lambda s, d, sc, prev: rules.sps_after_step(s, d, sc, prev, fixed), steps[0].tolist(),
-               steps[1].tolist(), scale, PREV)
+    per_client(
+        lambda s, d, sc, prev: rules.sps_after_step(s, d, sc, prev, fixed),
+        steps[0].tolist(),
+        steps[1].tolist(),
+        scale,
+        PREV,
+    )
 
 
 def test_decsps_batch_equals_each_client():
@@ -103,11 +114,17 @@ def test_decsps_batch_equals_each_client():
         return roots(x) if isinstance(x, torch.Tensor) else math.sqrt(x)
 
     per_client(lambda t, gp: rules.decsps_bound(0.5, t, gp, sqrt), t, gamma_prev)
-    gamma, degenerate = per_client(lambda gap, sq, t, gp: rules.decsps_step(gap, sq, t, gp, 0.5, 1e-8, sqrt),
-                                   GAP, GRAD_SQ, t, gamma_prev)
-    per_client(lambda g, d, s, t, gp: rules.polyak_after_step(g, d, s, t, t + 1) + rules.polyak_after_step(
-               g, d, s, gp, g)[2:],
-               gamma.tolist(), degenerate.tolist(), [1.0, 0.5, 2.0, 1.0, 1.0, 0.3, 1.0, 1.0], t, gamma_prev)
+    gamma, degenerate = per_client(
+        lambda gap, sq, t, gp: rules.decsps_step(gap, sq, t, gp, 0.5, 1e-8, sqrt), GAP, GRAD_SQ, t, gamma_prev
+    )
+    per_client(
+        lambda g, d, s, t, gp: rules.polyak_after_step(g, d, s, t, t + 1) + rules.polyak_after_step(g, d, s, gp, g)[2:],
+        gamma.tolist(),
+        degenerate.tolist(),
+        [1.0, 0.5, 2.0, 1.0, 1.0, 0.3, 1.0, 1.0],
+        t,
+        gamma_prev,
+    )
 
 
 def test_count_roots_are_math_sqrt():
@@ -135,8 +152,9 @@ def test_armijo_on_a_quadratic_by_hand():
     # grid η_0 β^m from η_0 = 4, β = 0.5: 4 and 2 fail, 1 is the largest accepted point (m = 2)
     powers = rules.armijo_powers(0.5, 5)
     assert powers == (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625)
-    first = next(m for m in range(6) if rules.armijo_accepts(0.5 * (1 - 4 * powers[m]) ** 2 * w_sq, f, w_sq, 0.1,
-                                                            4 * powers[m]))
+    first = next(
+        m for m in range(6) if rules.armijo_accepts(0.5 * (1 - 4 * powers[m]) ** 2 * w_sq, f, w_sq, 0.1, 4 * powers[m])
+    )
     assert 4 * powers[first] == 1.0
     # exhausted search (max_backtracks = 5): η_{k-1} is the next grid point η_0 β^6; the last accepted step is kept
     assert rules.armijo_after_search(4.0, NAN, False, True, 0.3, 0.7, powers[-1]) == (4.0 / 64, 0.7)
@@ -280,10 +298,18 @@ def fit(optimizer, mode, rounds=3, **loop_kwargs):
     torch.manual_seed(1)
     model = to_float64(MLP(input_dim=64, hidden=[16], num_classes=10))
     rec = Recorder()
-    loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=5, clients_per_round=6, seed=3,
-                         client_execution=mode, **loop_kwargs)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=optimizer,
+        local_steps=5,
+        clients_per_round=6,
+        seed=3,
+        client_execution=mode,
+        **loop_kwargs,
+    )
     make_trainer(rounds, callbacks=[FedAvg(), rec]).fit(
-        loop, datamodule=Digits64(num_clients=40, batch_size=16, partition=Dirichlet(0.3), seed=0))
+        loop, datamodule=Digits64(num_clients=40, batch_size=16, partition=Dirichlet(0.3), seed=0)
+    )
     return flat(model), loop, rec.updates
 
 
@@ -299,8 +325,12 @@ def test_user_optimizer_with_a_batched_form_trains_vectorized_as_sequential():
     sizes = {u.num_samples for u in ups_seq}
     assert min(sizes) < 16 and len({n % 16 for n in sizes}) > 1  # ragged: clients below one batch, partial batches
     for a, b in zip(ups_seq, ups_vec):
-        assert (a.num_steps, a.forwards, a.backwards, a.step_sizes) == (b.num_steps, b.forwards, b.backwards,
-                                                                        b.step_sizes)
+        assert (a.num_steps, a.forwards, a.backwards, a.step_sizes) == (
+            b.num_steps,
+            b.forwards,
+            b.backwards,
+            b.step_sizes,
+        )
         assert a.payload == b.payload and a.payload["ngd_steps"] >= 5  # client_report, after its state came back
     state_seq = loop_seq.client_state.state_dict()
     assert state_seq == loop_vec.client_state.state_dict() and state_seq["optimizer"]  # per-client state persisted
@@ -321,8 +351,9 @@ def test_auto_falls_back_to_sequential_for_an_optimizer_without_a_batched_form()
 
 
 def test_a_batched_form_that_does_not_clip_refuses_client_grad_clip():
-    with pytest.raises(VectorizationUnsupportedError, match="_BatchedNGD of NormalizedGD does not apply the loop's "
-                                                            "client_grad_clip"):
+    with pytest.raises(
+        VectorizationUnsupportedError, match="_BatchedNGD of NormalizedGD does not apply the loop's client_grad_clip"
+    ):
         fit(lambda p: NormalizedGD(p, lr=0.05), "vectorized", rounds=1, client_grad_clip=1.0)
 
 

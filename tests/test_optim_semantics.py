@@ -62,23 +62,29 @@ def test_cli_switch_from_sgd_to_sps_gives_adaptive_sps(tmp_path):
 
 def test_cli_switch_from_armijo_to_sps_keeps_the_polyak_constant():
     """configs/fedsls.yaml sets SgdArmijo's c: 0.1 (Armijo constant); SPS's constant is polyak_c, default 0.5."""
-    _, opt = cli_client_optimizer(["--config", "configs/fedsls.yaml",
-                                   "--model.client_optimizer=fedlightning.optim.SPS"])
+    _, opt = cli_client_optimizer(
+        ["--config", "configs/fedsls.yaml", "--model.client_optimizer=fedlightning.optim.SPS"]
+    )
     assert isinstance(opt, SPS) and opt.hyper["polyak_c"] == 0.5 and "c" not in opt.hyper
 
 
 def test_cli_switch_between_strategies_does_not_carry_epsilons(tmp_path):
     """FedAdam's τ (tau) and FedExP's / FedLi-LU's ε have different names, so none is carried into another."""
     adam = tmp_path / "adam.yaml"
-    adam.write_text("trainer:\n  callbacks:\n  - class_path: fedlightning.callbacks.FedAdam\n"
-                    "    init_args:\n      tau: 0.5\n")
-    expected = {"fedlightning.callbacks.FedExP": 1e-3, "fedlightning.callbacks.FedLiLU": 1e-5,
-                "fedlightning.callbacks.FedAMS": 1e-3}
+    adam.write_text(
+        "trainer:\n  callbacks:\n  - class_path: fedlightning.callbacks.FedAdam\n    init_args:\n      tau: 0.5\n"
+    )
+    expected = {
+        "fedlightning.callbacks.FedExP": 1e-3,
+        "fedlightning.callbacks.FedLiLU": 1e-5,
+        "fedlightning.callbacks.FedAMS": 1e-3,
+    }
     for class_path, default_eps in expected.items():
         other = tmp_path / "other.yaml"
         other.write_text(f"trainer:\n  callbacks:\n  - class_path: {class_path}\n")
-        cli = cli_main(["--config", "configs/quickstart.yaml", "--config", str(adam), "--config", str(other)] + QUIET,
-                       run=False)
+        cli = cli_main(
+            ["--config", "configs/quickstart.yaml", "--config", str(adam), "--config", str(other)] + QUIET, run=False
+        )
         strategy = cli.trainer.callbacks[0]
         assert type(strategy).__name__ == class_path.rsplit(".", 1)[1]
         assert strategy.eps == default_eps
@@ -92,8 +98,11 @@ def test_old_parameter_names_are_refused():
         SPS([w], c=0.5)
     from fedlightning.callbacks import FedAdam, FedAMS, FedLiLU
 
-    for make, name in ((lambda: FedAdam(eps=0.1), "'eps'"), (lambda: FedAMS(eps=0.1), "'eps'"),
-                       (lambda: FedLiLU(eps=0.1), "'eps'")):
+    for make, name in (
+        (lambda: FedAdam(eps=0.1), "'eps'"),
+        (lambda: FedAMS(eps=0.1), "'eps'"),
+        (lambda: FedLiLU(eps=0.1), "'eps'"),
+    ):
         with pytest.raises(TypeError, match=name):
             make()
 
@@ -143,7 +152,7 @@ def test_scaled_sps_applies_scale_times_the_polyak_step(smooth):
     scale_client_step(opt, s)
     x, prev = w0, None
     for _ in range(steps):
-        cap = 0.8 if (not smooth or prev is None) else 2.0 ** 0.5 * prev  # the cap grows from the unscaled step
+        cap = 0.8 if (not smooth or prev is None) else 2.0**0.5 * prev  # the cap grows from the unscaled step
         gamma = polyak_step(x, cap=cap, c=0.5)
         x, prev = x - s * gamma * 2.0 * x, gamma
         opt.zero_grad()
@@ -211,8 +220,14 @@ def digits():
 def test_kdecay_client_lr_reaches_adaptive_clients(optimizer, step):
     """KDecay(step schedule from round 2, factor 10): round 1 runs the rule as is, round 2 applies a tenth of it."""
     rec = StepSizes()
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), client_optimizer=optimizer, local_steps=3,
-                         clients_per_round=3, seed=0, persist_client_state=False)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[8]),
+        client_optimizer=optimizer,
+        local_steps=3,
+        clients_per_round=3,
+        seed=0,
+        persist_client_state=False,
+    )
     kdecay = KDecay(schedule="step", decay="client_lr", step_round=2, step_factor=10.0)
     make_trainer(2, callbacks=[FedAvg(), kdecay, rec]).fit(loop, datamodule=digits())
     assert rec.metrics[0]["schedule/client_lr_scale"] == 1.0 and rec.metrics[1]["schedule/client_lr_scale"] == 0.1
@@ -235,12 +250,14 @@ def test_kdecay_client_lr_refuses_an_optimizer_without_step_size_at_fit_start():
     loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), client_optimizer=NoStepSize, local_steps=2, clients_per_round=2)
     with pytest.raises(ValueError, match="client optimizer NoStepSize has no step size"):
         make_trainer(2, callbacks=[FedAvg(), KDecay(schedule="rounds", decay="client_lr")]).fit(
-            loop, datamodule=digits())
+            loop, datamodule=digits()
+        )
 
 
 def test_fedsps_global_refuses_adaptive_sps_clients():
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), client_optimizer=lambda p: SPS(p), local_steps=2,
-                         clients_per_round=2)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[8]), client_optimizer=lambda p: SPS(p), local_steps=2, clients_per_round=2
+    )
     with pytest.raises(TypeError, match=r"without fixed_step_size \(adaptive SPS\)"):
         make_trainer(1, callbacks=[FedSPSGlobal(initial_step_size=0.1)]).fit(loop, datamodule=digits())
 
@@ -285,20 +302,28 @@ def lils_round(updates):
     for u in updates:
         accumulate_core(strategy, stats, u)
         strategy.accumulate(stats, u)
-    return strategy.server_update(None, stats, RoundPlan(round=0, client_ids=[u.client_id for u in updates],
-                                                         local_steps=3))
+    return strategy.server_update(
+        None, stats, RoundPlan(round=0, client_ids=[u.client_id for u in updates], local_steps=3)
+    )
 
 
 def update(cid, steps, payload=None):
-    return ClientUpdate(client_id=cid, delta=torch.ones(3, dtype=DT) * (cid + 1), num_samples=10,
-                        step_sizes=steps, payload=payload or {})
+    return ClientUpdate(
+        client_id=cid,
+        delta=torch.ones(3, dtype=DT) * (cid + 1),
+        num_samples=10,
+        step_sizes=steps,
+        payload=payload or {},
+    )
 
 
 def test_fedlils_uses_the_last_accepted_step_not_a_trailing_zero():
     """Every client's last local step recorded 0 (zero gradient / exhausted search): η_g is still the max of the
     accepted steps they report, not 0."""
-    ups = [update(0, [0.3, 0.2, 0.0], {"armijo_accepted_step_size": 0.2}),
-           update(1, [0.5, 0.0, 0.0], {"armijo_accepted_step_size": 0.5})]
+    ups = [
+        update(0, [0.3, 0.2, 0.0], {"armijo_accepted_step_size": 0.2}),
+        update(1, [0.5, 0.0, 0.0], {"armijo_accepted_step_size": 0.5}),
+    ]
     delta, eta, metrics = lils_round(ups)
     assert eta == 0.5 and metrics["server/eta_g"] == 0.5
     torch.testing.assert_close(delta, torch.full((3,), 1.5, dtype=DT))  # samples weighting: (1 + 2)/2
@@ -320,15 +345,20 @@ def test_fedlils_round_with_armijo_clients_uses_the_reported_accepted_steps():
         def on_round_end(self, trainer, loop, result):
             seen.append(("eta_g", result.metrics["server/eta_g"]))
 
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), client_optimizer=lambda p: SgdArmijo(p, eta_max=4.0),
-                         local_steps=3, clients_per_round=3, seed=0)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[8]),
+        client_optimizer=lambda p: SgdArmijo(p, eta_max=4.0),
+        local_steps=3,
+        clients_per_round=3,
+        seed=0,
+    )
     make_trainer(1, callbacks=[FedLiLS(), Seen()]).fit(loop, datamodule=digits())
     steps, (_, eta_g) = seen[:3], seen[3]
     assert all(s > 0 for s in steps) and eta_g == pytest.approx(max(steps))
 
 
 # ------------------------------------------------------------------------------------------ per-epoch growth
-@pytest.mark.parametrize("n,b,per_step", [(13, 50, 2.0), (130, 50, 2.0 ** (1 / 3)), (100, 50, 2.0 ** 0.5)])
+@pytest.mark.parametrize("n,b,per_step", [(13, 50, 2.0), (130, 50, 2.0 ** (1 / 3)), (100, 50, 2.0**0.5)])
 def test_growth_is_delta_per_local_epoch(n, b, per_step):
     """An epoch of the client's loader takes ⌈n/b⌉ steps; growth δ = 2 per epoch is δ^{1/⌈n/b⌉} per step (13
     samples, batch 50: ×2 per step, not 2^{50/13} = ×14.4)."""
@@ -340,7 +370,8 @@ def test_growth_is_delta_per_local_epoch(n, b, per_step):
     accepted = arm.last_step["step_size"]
     assert arm.initial_step_size() == pytest.approx(accepted * per_step)
     assert SgdArmijo([w], reset="grow", batch_size=b, num_samples=n)._epoch_exponent("x") == pytest.approx(
-        math.log(per_step, 2.0))
+        math.log(per_step, 2.0)
+    )
     v = torch.nn.Parameter(torch.tensor([0.9], dtype=DT))
     sps = SPS([v], smooth=True, smooth_factor=2.0)
     sps.set_client_data(num_samples=n, batch_size=b)
@@ -351,7 +382,9 @@ def test_growth_is_delta_per_local_epoch(n, b, per_step):
 
 def test_epoch_length_below_one_step_is_refused():
     w = torch.nn.Parameter(torch.zeros(1))
-    for make in (lambda: SgdArmijo([w], reset="grow", n_batches_per_epoch=0.26),
-                 lambda: SPS([w], smooth=True, n_batches_per_epoch=0.26)):
+    for make in (
+        lambda: SgdArmijo([w], reset="grow", n_batches_per_epoch=0.26),
+        lambda: SPS([w], smooth=True, n_batches_per_epoch=0.26),
+    ):
         with pytest.raises(ValueError, match="n_batches_per_epoch must be >= 1"):
             make()

@@ -45,8 +45,13 @@ def test_sps_hand_computed():
     opt.zero_grad()
     loss = opt.step(closure)
     assert loss.item() == pytest.approx(6.5)
-    assert opt.last_step == {"step_size": pytest.approx(0.52), "backtracks": 0, "forwards": 1, "backwards": 1,
-                             "sps_step_size": pytest.approx(0.52)}
+    assert opt.last_step == {
+        "step_size": pytest.approx(0.52),
+        "backtracks": 0,
+        "forwards": 1,
+        "backwards": 1,
+        "sps_step_size": pytest.approx(0.52),
+    }
     torch.testing.assert_close(w.detach(), torch.tensor([1.44, 1.08], dtype=DT))
     assert run(opt, closure, 2) == [pytest.approx(0.325), pytest.approx(0.52)]
     expected = torch.tensor([0.972, -0.324], dtype=DT) * (1 - 0.52 * torch.tensor([1.0, 4.0], dtype=DT))
@@ -160,8 +165,11 @@ def test_sps_fixed_step_mode_measures_sps():
     assert opt.last_step["step_size"] == 0.1 and opt.last_step["sps_step_size"] == pytest.approx(0.52)
     torch.testing.assert_close(w.detach(), torch.tensor([2.7, -0.6], dtype=DT))
     report = opt.client_report()
-    assert report == {"sps_last_step_size": pytest.approx(0.52), "sps_last_loss": pytest.approx(6.5),
-                      "sps_last_grad_sq": pytest.approx(25.0)}
+    assert report == {
+        "sps_last_step_size": pytest.approx(0.52),
+        "sps_last_loss": pytest.approx(6.5),
+        "sps_last_grad_sq": pytest.approx(25.0),
+    }
     assert opt.get_client_state() == {}
 
 
@@ -172,7 +180,7 @@ def test_sps_smooth_needs_epoch_length():
     opt = SPS([w], smooth=True)
     opt.set_client_data(num_samples=100, batch_size=25)  # b/n = 1/4
     run(opt, closure, 1)
-    assert opt.cap() == pytest.approx(2 ** 0.25 * 0.52)
+    assert opt.cap() == pytest.approx(2**0.25 * 0.52)
 
 
 # ---------------------------------------------------------------------------------------------------------- DecSPS
@@ -202,8 +210,10 @@ def test_decsps_recursion_over_several_steps_with_split_parameters():
     """Ratios measured independently at every iterate; both branches of the min are exercised."""
     torch.manual_seed(3)
     curv = [torch.tensor([0.3, 2.0], dtype=DT), torch.tensor([[5.0], [0.7]], dtype=DT)]
-    params = [torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=DT)),
-              torch.nn.Parameter(torch.tensor([[0.5], [3.0]], dtype=DT))]
+    params = [
+        torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=DT)),
+        torch.nn.Parameter(torch.tensor([[0.5], [3.0]], dtype=DT)),
+    ]
     closure = quadratic(params, curv)
     opt = DecSPS(params, c0=0.5, gamma_max=0.8)
     ratios, steps = [], []
@@ -266,8 +276,9 @@ def test_decsps_degenerate_step_keeps_state():
 
 
 # ---------------------------------------------------------------------------------------------------------- NaN
-@pytest.mark.parametrize("make", [lambda w: SPS([w]), lambda w: SPS([w], smooth=True, n_batches_per_epoch=2),
-                                  lambda w: DecSPS([w])])
+@pytest.mark.parametrize(
+    "make", [lambda w: SPS([w]), lambda w: SPS([w], smooth=True, n_batches_per_epoch=2), lambda w: DecSPS([w])]
+)
 @pytest.mark.parametrize("bad", ["loss", "grad"])
 def test_non_finite_loss_or_gradient_leaves_model_and_state_unchanged(make, bad):
     w, closure = case_a()
@@ -290,13 +301,18 @@ def test_non_finite_loss_or_gradient_leaves_model_and_state_unchanged(make, bad)
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"polyak_c": 0.0}, "polyak_c must"), ({"polyak_c": -1.0}, "polyak_c must"),
+        ({"polyak_c": 0.0}, "polyak_c must"),
+        ({"polyak_c": -1.0}, "polyak_c must"),
         ({"polyak_c": float("nan")}, "polyak_c must"),
-        ({"gamma_max": 0.0}, "gamma_max"), ({"gamma_max": -2.0}, "gamma_max"),
+        ({"gamma_max": 0.0}, "gamma_max"),
+        ({"gamma_max": -2.0}, "gamma_max"),
         ({"gamma_max": float("inf")}, "gamma_max"),
-        ({"f_star": float("nan")}, "f_star"), ({"smooth_factor": 0.5}, "smooth_factor"),
-        ({"n_batches_per_epoch": 0.0}, "n_batches_per_epoch"), ({"fixed_step_size": 0.0}, "fixed_step_size"),
-        ({"n_batches_per_epoch": 0.5}, "n_batches_per_epoch must be >= 1"), ({"grad_tol": -1e-3}, "grad_tol"),
+        ({"f_star": float("nan")}, "f_star"),
+        ({"smooth_factor": 0.5}, "smooth_factor"),
+        ({"n_batches_per_epoch": 0.0}, "n_batches_per_epoch"),
+        ({"fixed_step_size": 0.0}, "fixed_step_size"),
+        ({"n_batches_per_epoch": 0.5}, "n_batches_per_epoch must be >= 1"),
+        ({"grad_tol": -1e-3}, "grad_tol"),
     ],
 )
 def test_sps_bad_arguments(kwargs, match):
@@ -306,8 +322,12 @@ def test_sps_bad_arguments(kwargs, match):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"c0": 0.0}, "c0"), ({"c0": -0.5}, "c0"), ({"gamma_max": 0.0}, "gamma_max"),
-     ({"f_star": float("inf")}, "f_star")],
+    [
+        ({"c0": 0.0}, "c0"),
+        ({"c0": -0.5}, "c0"),
+        ({"gamma_max": 0.0}, "gamma_max"),
+        ({"f_star": float("inf")}, "f_star"),
+    ],
 )
 def test_decsps_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -52,8 +52,9 @@ def test_readme_extension_examples_match_the_builtins():
 
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     ref, _ = _fit(model(), [FedAvg(weighting="uniform"), ProximalTerm(mu=0.3)], optimizer=sgd)
-    got, trainer = _fit(model(), [ns["TrimmedNormFedAvg"](max_norm=1e9, weighting="uniform"), ns["L2ToGlobal"](mu=0.3)],
-                        optimizer=sgd)
+    got, trainer = _fit(
+        model(), [ns["TrimmedNormFedAvg"](max_norm=1e9, weighting="uniform"), ns["L2ToGlobal"](mu=0.3)], optimizer=sgd
+    )
     assert_close64(got, ref)
     assert float(trainer.callback_metrics["server/max_client_norm"]) > 0
     capped, _ = _fit(model(), [ns["TrimmedNormFedAvg"](max_norm=1e-3)], optimizer=sgd, rounds=1)

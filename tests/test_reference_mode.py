@@ -41,6 +41,7 @@ class Spies:
             def wrapped(*args, **kwargs):
                 self.counts[key] += 1
                 return fn(*args, **kwargs)
+
             return wrapped
 
         monkeypatch.setattr(client_module, "_plain_sgd_step", count("plain_sgd_step", plain_step))
@@ -64,8 +65,9 @@ def generic_digits():
     dm = digits()
     dm.setup("fit")
     x, y = dm.train_dataset.x, dm.train_dataset.y
-    return FederatedDataModule.from_datasets(TensorDataset(x.clone(), y.clone()), num_clients=20, batch_size=16,
-                                             partition=Dirichlet(0.5), seed=0)
+    return FederatedDataModule.from_datasets(
+        TensorDataset(x.clone(), y.clone()), num_clients=20, batch_size=16, partition=Dirichlet(0.5), seed=0
+    )
 
 
 OPT, STRAT = CLIENT_OPTIMIZERS, STRATEGIES
@@ -90,8 +92,14 @@ def fit(config, reference, rounds=3):
     try:
         torch.manual_seed(0)
         model = to_float64(MLP(input_dim=64, hidden=[16]))
-        loop = FederatedLoop(model, client_optimizer=config["optimizer"], local_steps=4, clients_per_round=5, seed=1,
-                             client_execution=config.get("execution", "sequential"))
+        loop = FederatedLoop(
+            model,
+            client_optimizer=config["optimizer"],
+            local_steps=4,
+            clients_per_round=5,
+            seed=1,
+            client_execution=config.get("execution", "sequential"),
+        )
         dm = config.get("dm", digits)()
         make_trainer(rounds, callbacks=[make() for make in config["callbacks"]]).fit(loop, datamodule=dm)
     finally:
@@ -132,8 +140,9 @@ def test_reference_run_equals_the_fast_run(name, monkeypatch):
         assert fast_dm.in_memory is True and ref_dm.in_memory is False
 
 
-@pytest.mark.parametrize("value,want", [("1", True), ("true", True), ("On", True), ("0", False), ("", False),
-                                        ("no", False)])
+@pytest.mark.parametrize(
+    "value,want", [("1", True), ("true", True), ("On", True), ("0", False), ("", False), ("no", False)]
+)
 def test_environment_variable(monkeypatch, value, want):
     monkeypatch.setenv("FEDLIGHTNING_REFERENCE", value)
     assert reference_mode() is want

@@ -77,16 +77,34 @@ def test_report_written_by_main_names_no_absolute_path(reproduce, tmp_path):
     """End to end: main() with absolute --results / --docs (outside the repository) writes results.md whose
     command line has placeholders instead; the same run with the repository's own docs path would print `docs`."""
     docs, results = tmp_path / "docs", tmp_path / "results"
-    assert reproduce.main(["--report-only", "--no-toy", "--seeds", "1", "--only", "001/*",
-                           "--results", str(results), f"--docs={docs}"]) == 0
+    assert (
+        reproduce.main(
+            [
+                "--report-only",
+                "--no-toy",
+                "--seeds",
+                "1",
+                "--only",
+                "001/*",
+                "--results",
+                str(results),
+                f"--docs={docs}",
+            ]
+        )
+        == 0
+    )
     text = (docs / "results.md").read_text()
     line = next(ln for ln in text.splitlines() if ln.startswith("Written by"))
     command = line.split("Command: `", 1)[1].rsplit("`", 1)[0]
-    assert command == ("python benchmarks/reproduce.py --report-only --no-toy --seeds 1 --only '001/*' "
-                       "--results RESULTS_DIR --docs=DOCS_DIR")
+    assert command == (
+        "python benchmarks/reproduce.py --report-only --no-toy --seeds 1 --only '001/*' "
+        "--results RESULTS_DIR --docs=DOCS_DIR"
+    )
     _no_absolute_path(command, str(tmp_path))
-    assert reproduce.portable_command(["--docs", os.path.join(ROOT, "docs")]) == \
-        "python benchmarks/reproduce.py --docs docs"
+    assert (
+        reproduce.portable_command(["--docs", os.path.join(ROOT, "docs")])
+        == "python benchmarks/reproduce.py --docs docs"
+    )
 
 
 def test_committed_report_command_is_repository_relative():

@@ -35,8 +35,16 @@ def test_kdecay_runs_carry_their_configs_callbacks_scaled_to_the_rounds(scale):
     schedule switches at half of them, the η-decay schedules decay the client lr, Kη-fixed gets dSGD's RuntimeModel,
     budget runs may take 20x the rounds and dSGD keeps its own K = 1."""
     specs = [s for s in runner.all_specs(1, scale) if s.run_id.startswith("004/")]
-    assert {s.algorithm.key for s in specs} == {"fixed", "dsgd", "kr-rounds", "kr-error", "kr-step",
-                                                "eta-rounds", "eta-error", "eta-step"}
+    assert {s.algorithm.key for s in specs} == {
+        "fixed",
+        "dsgd",
+        "kr-rounds",
+        "kr-error",
+        "kr-step",
+        "eta-rounds",
+        "eta-error",
+        "eta-step",
+    }
     rounds = max(1, int(round(200 * scale)))
     runtime = next(cb for cb in _config_callbacks("configs/dsgd.yaml") if cb["class_path"].endswith("RuntimeModel"))
     for s in specs:
@@ -86,35 +94,57 @@ def test_claim_verdicts_follow_the_tie_rule():
 
 def test_no_worse_for_less_needs_a_relative_cost_below_one():
     labels = {"ref": "R", "a": "A", "b": "B"}
-    agg = {"ref": {"acc": {"mean": 0.8, "std": 0.01, "n": 3}},
-           "a": {"acc": {"mean": 0.81, "std": 0.01, "n": 3}, "cost": {"mean": 0.5, "std": 0.0, "n": 3}},
-           "b": {"acc": {"mean": 0.9, "std": 0.01, "n": 3}, "cost": {"mean": 1.2, "std": 0.0, "n": 3}}}
+    agg = {
+        "ref": {"acc": {"mean": 0.8, "std": 0.01, "n": 3}},
+        "a": {"acc": {"mean": 0.81, "std": 0.01, "n": 3}, "cost": {"mean": 0.5, "std": 0.0, "n": 3}},
+        "b": {"acc": {"mean": 0.9, "std": 0.01, "n": 3}, "cost": {"mean": 1.2, "std": 0.0, "n": 3}},
+    }
     check = claims.no_worse_for_less(["a"], "ref", "acc", "cost", "relative cost", group="schedule")
     assert check(agg, labels) == ("agrees_tie", "A 81.0 ± 1.0 vs R 80.0 ± 1.0, relative cost 0.50")
     # b is far more accurate but costs more than the reference
     assert claims.no_worse_for_less(["a", "b"], "ref", "acc", "cost", "c", group="g")(agg, labels)[0] == "disagrees"
-    assert claims.no_worse_for_less(["x"], "ref", "acc", "cost", "c", group="schedule")(agg, labels) == \
-        ("n/a", "no schedule run")
+    assert claims.no_worse_for_less(["x"], "ref", "acc", "cost", "c", group="schedule")(agg, labels) == (
+        "n/a",
+        "no schedule run",
+    )
 
 
 def _study():
-    setup = Setup("tiny-synthetic", "Synthetic(1,1), 10 rounds", "a study's stand-in", experiments.LOGREG_60,
-                  experiments._synthetic(1.0, 1.0), rounds=20, eval_every=5, sgd_lr=0.01)
-    algos = experiments.vary(Algorithm("fedprox", "FedProx", "configs/fedprox.yaml"),
-                             "trainer.callbacks.init_args.mu", [0.01, 1.0])
+    setup = Setup(
+        "tiny-synthetic",
+        "Synthetic(1,1), 10 rounds",
+        "a study's stand-in",
+        experiments.LOGREG_60,
+        experiments._synthetic(1.0, 1.0),
+        rounds=20,
+        eval_every=5,
+        sgd_lr=0.01,
+    )
+    algos = experiments.vary(
+        Algorithm("fedprox", "FedProx", "configs/fedprox.yaml"), "trainer.callbacks.init_args.mu", [0.01, 1.0]
+    )
     hi, lo = "fedprox-mu1.0", "fedprox-mu0.01"
     return Experiment(
-        "003", "FedProx's μ", [setup], algos, {"clients_per_round": 5, "local_steps": 3, "batch_size": 10}, "μ varied",
-        [Claim("a larger μ is more accurate", claims.beats(hi, lo, "test_acc", True)),
-         Claim("a larger μ has a lower loss", claims.beats(hi, lo, "train_loss", False))],
-        key="003-mu")
+        "003",
+        "FedProx's μ",
+        [setup],
+        algos,
+        {"clients_per_round": 5, "local_steps": 3, "batch_size": 10},
+        "μ varied",
+        [
+            Claim("a larger μ is more accurate", claims.beats(hi, lo, "test_acc", True)),
+            Claim("a larger μ has a lower loss", claims.beats(hi, lo, "train_loss", False)),
+        ],
+        key="003-mu",
+    )
 
 
 def test_a_study_is_data_and_is_reported_from_its_cached_runs(tmp_path):
     study = _study()
     specs = runner.all_specs(3, 0.5, experiments=[study])
-    assert [s.run_id for s in specs] == [f"003-mu/tiny-synthetic/fedprox-mu{m}/seed{k}" for m in (0.01, 1.0)
-                                         for k in range(3)]
+    assert [s.run_id for s in specs] == [
+        f"003-mu/tiny-synthetic/fedprox-mu{m}/seed{k}" for m in (0.01, 1.0) for k in range(3)
+    ]
     assert len({s.key for s in specs}) == 6 and all(s.rounds == 10 and s.missing is None for s in specs)
     for s in specs:
         mu = s.algorithm.key.rsplit("mu", 1)[1]
@@ -127,12 +157,31 @@ def test_a_study_is_data_and_is_reported_from_its_cached_runs(tmp_path):
         losses = rng.uniform(0.5, 1.0, size=10)
         acc = (0.9 if s.algorithm.key.endswith("1.0") else 0.6) + rng.uniform(0, 0.01)
         finals.setdefault(s.algorithm.key, []).append((losses[-1], acc))  # 5% of 10 rounds: the last one
-        runner.save_result(str(tmp_path / "cache"), s, {
-            "key": s.key, "status": "ok", "seed": s.seed, "rounds_done": 10, "seconds": 1.0,
-            "history": [{"round": r + 1, "train/loss": float(v)} for r, v in enumerate(losses)],
-            "evals": [{"round": 10, "test_eval/acc": acc, "train_eval/loss": 0.1}]})
-    path = report.write_report(specs, str(tmp_path / "cache"), str(tmp_path / "docs"), "python x", {}, 3, 0.5,
-                               toy=False, toy_rounds=0, experiments=[study])
+        runner.save_result(
+            str(tmp_path / "cache"),
+            s,
+            {
+                "key": s.key,
+                "status": "ok",
+                "seed": s.seed,
+                "rounds_done": 10,
+                "seconds": 1.0,
+                "history": [{"round": r + 1, "train/loss": float(v)} for r, v in enumerate(losses)],
+                "evals": [{"round": 10, "test_eval/acc": acc, "train_eval/loss": 0.1}],
+            },
+        )
+    path = report.write_report(
+        specs,
+        str(tmp_path / "cache"),
+        str(tmp_path / "docs"),
+        "python x",
+        {},
+        3,
+        0.5,
+        toy=False,
+        toy_rounds=0,
+        experiments=[study],
+    )
     text = open(path, encoding="utf-8").read()
     assert "## Seed 003: FedProx's μ" in text and "(10 rounds; stands in for a study's stand-in)" in text
     for key, rows in finals.items():
@@ -143,8 +192,13 @@ def test_a_study_is_data_and_is_reported_from_its_cached_runs(tmp_path):
     assert "  * a larger μ is more accurate: agrees (" in text
     loss_lo, loss_hi = (np.array(finals[k])[:, 0] for k in ("fedprox-mu0.01", "fedprox-mu1.0"))
     spread = loss_lo.std(ddof=1) + loss_hi.std(ddof=1)
-    expected = "tie (within seed spread)" if abs(loss_hi.mean() - loss_lo.mean()) < spread else \
-        "agrees" if loss_hi.mean() < loss_lo.mean() else "**disagrees**"
+    expected = (
+        "tie (within seed spread)"
+        if abs(loss_hi.mean() - loss_lo.mean()) < spread
+        else "agrees"
+        if loss_hi.mean() < loss_lo.mean()
+        else "**disagrees**"
+    )
     assert f"  * a larger μ has a lower loss: {expected} (" in text
     assert os.path.isfile(tmp_path / "docs" / "figures" / "003-mu_tiny-synthetic.png")
     assert "![003-mu_tiny-synthetic.png](figures/003-mu_tiny-synthetic.png)" in text
@@ -152,21 +206,30 @@ def test_a_study_is_data_and_is_reported_from_its_cached_runs(tmp_path):
 
 def _exp(**kw):
     setup = experiments.DIGITS_LOGREG
-    args = dict(paper="000", title="t", setups=[setup], algorithms=[experiments.FEDAVG],
-                protocol={"clients_per_round": 2, "local_steps": 1, "batch_size": 8}, protocol_note="n")
+    args = dict(
+        paper="000",
+        title="t",
+        setups=[setup],
+        algorithms=[experiments.FEDAVG],
+        protocol={"clients_per_round": 2, "local_steps": 1, "batch_size": 8},
+        protocol_note="n",
+    )
     args.update(kw)
     return Experiment(**args)
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(algorithms=[experiments.FEDAVG, experiments.FEDAVG]), r"duplicate algorithm keys \['fedavg'\]"),
-    (dict(protocol={"clients_per_round": 2, "local_steps": 1}), r"protocol lacks \['batch_size'\]"),
-    (dict(claims=[Claim("c", claims.beats("a", "b", "m", True), setups=["digits-mlp"])]), r"\['digits-mlp'\]"),
-    (dict(table="wide"), "table must be one of .* got 'wide'"),
-    (dict(loss_metric="loss"), "loss_metric must be .* got 'loss'"),
-    (dict(algorithms=[Algorithm("d", "D", "configs/dsgd.yaml", kind="budget")]), "exactly one reference"),
-    (dict(curves=()), "at least one curve"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(algorithms=[experiments.FEDAVG, experiments.FEDAVG]), r"duplicate algorithm keys \['fedavg'\]"),
+        (dict(protocol={"clients_per_round": 2, "local_steps": 1}), r"protocol lacks \['batch_size'\]"),
+        (dict(claims=[Claim("c", claims.beats("a", "b", "m", True), setups=["digits-mlp"])]), r"\['digits-mlp'\]"),
+        (dict(table="wide"), "table must be one of .* got 'wide'"),
+        (dict(loss_metric="loss"), "loss_metric must be .* got 'loss'"),
+        (dict(algorithms=[Algorithm("d", "D", "configs/dsgd.yaml", kind="budget")]), "exactly one reference"),
+        (dict(curves=()), "at least one curve"),
+    ],
+)
 def test_bad_experiments_are_named(kw, message):
     with pytest.raises(ValueError, match=message):
         _exp(**kw)

@@ -22,8 +22,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _setup(strategy_fn=None, opt=None, client_execution="sequential"):
     pl.seed_everything(0, verbose=False)
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[16], dropout=0.3), client_optimizer=opt, local_steps=3,
-                         clients_per_round=4, seed=2, client_execution=client_execution)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[16], dropout=0.3),
+        client_optimizer=opt,
+        local_steps=3,
+        clients_per_round=4,
+        seed=2,
+        client_execution=client_execution,
+    )
     dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
     return loop, dm, ([strategy_fn()] if strategy_fn else [])
 
@@ -41,8 +47,13 @@ def run_resume_equivalence(tmp_path, strategy_fn=None, opt=None, total=6, cut=3,
     ckdir = tmp_path / "ck"
     loop, dm, cbs = _setup(strategy_fn, opt, client_execution)
     ck = ModelCheckpoint(dirpath=str(ckdir), every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    make_trainer(total, callbacks=cbs + [ck], enable_checkpointing=True, plugins=[AtomicCheckpointIO()],
-                 default_root_dir=str(tmp_path)).fit(loop, datamodule=dm)
+    make_trainer(
+        total,
+        callbacks=cbs + [ck],
+        enable_checkpointing=True,
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=str(tmp_path),
+    ).fit(loop, datamodule=dm)
     torch.testing.assert_close(_weights(loop), full, atol=0, rtol=0)  # checkpointing itself changes nothing
     path = str(ckdir / f"step={cut}.ckpt")
     assert os.path.exists(path), os.listdir(ckdir)
@@ -96,8 +107,11 @@ def _fedadam():
     return STRATEGIES["fedadam"].but(server_lr=0.03), None
 
 
-@pytest.mark.parametrize("make", [_fedexpsls, _feddecsps, _scaffold, _kdecay_error, _fedadam],
-                         ids=["fedexpsls", "feddecsps", "scaffold", "kdecay_error", "fedadam"])
+@pytest.mark.parametrize(
+    "make",
+    [_fedexpsls, _feddecsps, _scaffold, _kdecay_error, _fedadam],
+    ids=["fedexpsls", "feddecsps", "scaffold", "kdecay_error", "fedadam"],
+)
 def test_resume_bit_identical_with_stateful_parts(tmp_path, make):
     """Server state (Adam moments, control variates, the K-decay loss window), per-client optimizer state (DecSPS
     counters, last Armijo step) and every RNG come back from the checkpoint: the resumed run equals the
@@ -108,10 +122,22 @@ def test_resume_bit_identical_with_stateful_parts(tmp_path, make):
 
 
 def test_cli_resume_with_ckpt_path_last(tmp_path):
-    base = ["--config", os.path.join(ROOT, "configs", "quickstart.yaml"),
-            "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-            "--trainer.val_check_interval", "2", "--data.init_args.num_clients", "20",
-            "--model.clients_per_round", "4", "--model.local_steps", "3"]
+    base = [
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.yaml"),
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.val_check_interval",
+        "2",
+        "--data.init_args.num_clients",
+        "20",
+        "--model.clients_per_round",
+        "4",
+        "--model.local_steps",
+        "3",
+    ]
     full = main(["fit", *base, "--trainer.max_steps", "5"])
     w_full = _weights(full.model)
     # "interrupted" run: a separate save_dir, 3 rounds with a checkpoint every round, then resumed with 'last'

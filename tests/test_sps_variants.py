@@ -21,8 +21,14 @@ from numerics import RTOL64, Digits64, assert_close64, to_float64
 
 
 def update(cid, delta, steps, payload=None):
-    return ClientUpdate(client_id=cid, delta=torch.tensor(delta, dtype=torch.float64), num_samples=10,
-                        num_steps=len(steps), step_sizes=list(steps), payload=dict(payload or {}))
+    return ClientUpdate(
+        client_id=cid,
+        delta=torch.tensor(delta, dtype=torch.float64),
+        num_samples=10,
+        num_steps=len(steps),
+        step_sizes=list(steps),
+        payload=dict(payload or {}),
+    )
 
 
 PLAN = RoundPlan(round=0, client_ids=[0, 1], local_steps=2)
@@ -66,8 +72,10 @@ def test_global_aggregations_hand_computed():
         strategy.on_round_start(None, None, plan)
         assert plan.client_lr_scale == pytest.approx(0.6)  # composes with other schedules' scale
         stats = RoundStatistics()
-        for u in (update(0, [1.0, 0.0], [0.3], {"sps_last_loss": 2.0, "sps_last_grad_sq": 8.0}),
-                  update(1, [0.0, 3.0], [0.3], {"sps_last_loss": 1.0, "sps_last_grad_sq": 1.0})):
+        for u in (
+            update(0, [1.0, 0.0], [0.3], {"sps_last_loss": 2.0, "sps_last_grad_sq": 8.0}),
+            update(1, [0.0, 3.0], [0.3], {"sps_last_loss": 1.0, "sps_last_grad_sq": 1.0}),
+        ):
             strategy.on_client_end(None, None, plan, u)
             accumulate_core(strategy, stats, u)
             strategy.accumulate(stats, u)
@@ -191,8 +199,9 @@ def test_fedsps_global_matches_reference_loop(tmp_path):
     model = to_float64(MLP(input_dim=64, hidden=[16]))
     init = copy.deepcopy(model)
     strategy = FedSPSGlobal(c=C, gamma_max=GAMMA_B)
-    loop, trainer, steps = run_loop(model, strategy,
-                                    lambda p: SPS(p, polyak_c=C, gamma_max=GAMMA_B, fixed_step_size=1.0))
+    loop, trainer, steps = run_loop(
+        model, strategy, lambda p: SPS(p, polyak_c=C, gamma_max=GAMMA_B, fixed_step_size=1.0)
+    )
     ref, used = reference_run(init, "global")
     assert used[1] != used[0] and used[2] != used[1]  # the shared step really changes between rounds
     for r, sizes in steps:  # every client step of round r used the round's shared step
@@ -213,15 +222,20 @@ def test_fedsps_normalized_matches_reference_loop(reading):
     init = copy.deepcopy(model)
     loop, _, _ = run_loop(model, FedSPSNormalized(reading=reading), lambda p: SPS(p, polyak_c=C, gamma_max=GAMMA_B))
     ref, _ = reference_run(init, "normalized", reading)
-    moved = sum(float((g.detach() - p.detach()).abs().sum())
-                for g, p in zip(loop.model.net.parameters(), init.net.parameters()))
+    moved = sum(
+        float((g.detach() - p.detach()).abs().sum()) for g, p in zip(loop.model.net.parameters(), init.net.parameters())
+    )
     assert moved > 1e-2
     for got, want in zip(loop.model.net.parameters(), ref):
         assert_close64(got.detach(), want)
 
 
 def test_fedsps_global_needs_fixed_step_sps_clients():
-    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), client_optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
-                         local_steps=2, clients_per_round=2)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[8]),
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        local_steps=2,
+        clients_per_round=2,
+    )
     with pytest.raises(TypeError, match="SPS with fixed_step_size=1.0"):
         make_trainer(1, callbacks=[FedSPSGlobal(initial_step_size=0.1)]).fit(loop, datamodule=data())

@@ -53,7 +53,7 @@ class HookedNet(Net):
 def _batches():
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(STEPS * BATCH, 6, generator=g), torch.randint(0, 3, (STEPS * BATCH,), generator=g)
-    return [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]) for i in range(STEPS)]
+    return [(x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]) for i in range(STEPS)]
 
 
 OPTIMIZERS = {
@@ -63,8 +63,10 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("case,lean", [("sgd", True), ("adam", True), ("terms", False), ("hooks", False),
-                                       ("armijo", False), ("reference", False)])
+@pytest.mark.parametrize(
+    "case,lean",
+    [("sgd", True), ("adam", True), ("terms", False), ("hooks", False), ("armijo", False), ("reference", False)],
+)
 def test_the_plan_takes_the_lean_loop_only_without_terms_hooks_closures_or_reference_mode(case, lean):
     model = HookedNet() if case == "hooks" else Net()
     trainer = LocalTrainer(model, hooks=ClientHooks(model) if case == "hooks" else None)
@@ -131,10 +133,13 @@ def _counting(monkeypatch, name):
     return calls
 
 
-@pytest.mark.parametrize("model_fn,probe,path", [
-    (UserMLP, "_check_interception", _InterceptedRows),
-    (mlp, "_check_per_sample_protocol", _ProtocolRows),
-])
+@pytest.mark.parametrize(
+    "model_fn,probe,path",
+    [
+        (UserMLP, "_check_interception", _InterceptedRows),
+        (mlp, "_check_per_sample_protocol", _ProtocolRows),
+    ],
+)
 def test_the_padded_path_is_chosen_once_per_engine(monkeypatch, model_fn, probe, path):
     calls = _counting(monkeypatch, probe)
     run = fit(model_fn(), CLIENT_OPTIMIZERS["sgd"], "vectorized")

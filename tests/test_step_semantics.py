@@ -160,7 +160,8 @@ def test_a_round_in_which_every_step_was_skipped_stops_the_run_naming_the_module
     assert str(info.value) == (
         "round 0: SkipNet.training_step returned None for every local step of every client (None skips a step, as "
         "in Lightning), so nothing was trained: SkipNet.training_step must return the loss (a tensor, or a dict with "
-        "the key 'loss')")
+        "the key 'loss')"
+    )
     assert torch.equal(flat(loop.model.net), before)
 
 
@@ -209,10 +210,15 @@ def _readme_python_example(tmp_path, rounds, **trainer_kw):
     module = next(b for b in blocks if "class MyModule" in b)
     run = next(b for b in blocks if "pl.Trainer(max_steps=60" in b)
     extra = "".join(f", {k}={v!r}" for k, v in trainer_kw.items())
-    run = (run.replace("local_steps=20, clients_per_round=20", "local_steps=2, clients_per_round=4")
-              .replace("max_steps=60", f"max_steps={rounds}")
-              .replace("callbacks=[FedAvg()]", "callbacks=[FedAvg()], logger=LOGGER, enable_progress_bar=False, "
-                       "enable_model_summary=False, enable_checkpointing=False" + extra))
+    run = (
+        run.replace("local_steps=20, clients_per_round=20", "local_steps=2, clients_per_round=4")
+        .replace("max_steps=60", f"max_steps={rounds}")
+        .replace(
+            "callbacks=[FedAvg()]",
+            "callbacks=[FedAvg()], logger=LOGGER, enable_progress_bar=False, "
+            "enable_model_summary=False, enable_checkpointing=False" + extra,
+        )
+    )
     assert run.count("LOGGER") == 1 and "local_steps=2" in run
     logger = CSVLogger(str(tmp_path), name="readme")
     namespace = {"LOGGER": logger}
@@ -331,8 +337,16 @@ class AdamCosineNet(_NoSkip):
             opt = self.trainer.optimizers[0]
             steps = {int(s["step"]) for s in opt.state.values()} if opt.state else {0}
             configs = self.trainer.lr_scheduler_configs
-            self.seen.append((self.global_step, batch_idx, type(opt).__name__, opt.param_groups[0]["lr"], steps,
-                              [type(c.scheduler).__name__ for c in configs]))
+            self.seen.append(
+                (
+                    self.global_step,
+                    batch_idx,
+                    type(opt).__name__,
+                    opt.param_groups[0]["lr"],
+                    steps,
+                    [type(c.scheduler).__name__ for c in configs],
+                )
+            )
             if self.raise_once:
                 self.raise_once = False
                 raise RuntimeError("a client bug")
@@ -350,8 +364,13 @@ class _ServerView(pl.Callback):
         self.seen = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.seen.append((type(trainer.optimizers[0]).__name__, trainer.optimizers[0].param_groups[0]["lr"],
-                          list(trainer.lr_scheduler_configs)))
+        self.seen.append(
+            (
+                type(trainer.optimizers[0]).__name__,
+                trainer.optimizers[0].param_groups[0]["lr"],
+                list(trainer.lr_scheduler_configs),
+            )
+        )
 
 
 def test_inside_client_training_the_trainer_shows_the_client_optimizer_and_logs_client_lr(tmp_path):
@@ -362,13 +381,15 @@ def test_inside_client_training_the_trainer_shows_the_client_optimizer_and_logs_
 
     rounds = 5
     model = AdamCosineNet(raise_once=True)
-    loop = FederatedLoop(model, local_steps=K, clients_per_round=CPR, seed=SEED, on_client_error="skip",
-                         client_execution="sequential")
+    loop = FederatedLoop(
+        model, local_steps=K, clients_per_round=CPR, seed=SEED, on_client_error="skip", client_execution="sequential"
+    )
     server, logger = _ServerView(), CSVLogger(str(tmp_path), name="lr")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skipped client's warning
-        make_trainer(rounds, callbacks=[FedAvg(), server, LearningRateMonitor()], logger=logger,
-                     log_every_n_steps=1).fit(loop, datamodule=_dm32())
+        make_trainer(
+            rounds, callbacks=[FedAvg(), server, LearningRateMonitor()], logger=logger, log_every_n_steps=1
+        ).fit(loop, datamodule=_dm32())
     seen = loop._runtime.worker.model.seen
     assert len(seen) == rounds * CPR * K - (K - 1)  # the client that raised took one step
     for r, k, name, lr, steps, scheds in seen:

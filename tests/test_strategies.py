@@ -256,8 +256,13 @@ def test_fedexp_evaluates_mean_of_last_two_iterates_and_trains_on(tmp_path):
         assert vals.losses[r] != pytest.approx(_test_loss(loop, dm, rec.after[r]), abs=1e-5)
     # training continued from w_{t+1}: identical to a run without the averaged evaluation
     plain, _ = fit(
-        [FedExP(eps=1e-3)], rounds=3, dm=make_dm(), limit_val_batches=None, val_check_interval=1,
-        check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        [FedExP(eps=1e-3)],
+        rounds=3,
+        dm=make_dm(),
+        limit_val_batches=None,
+        val_check_interval=1,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
     )
     assert torch.equal(weights(loop), weights(plain))
     # the checkpoint written at the last validation holds w_{t+1}, not the average
@@ -486,10 +491,14 @@ def _state_equal(a, b):
 
 
 ROUND_TRIP = {
-    **{name: (lambda case=STRATEGIES[name]: [case()])
-       for name in ("fedadam", "fedyogi", "fedadagrad", "fedams", "fedavgm", "fedlilu", "scaffold", "fedexp-average")},
-    "kdecay_runtime": lambda: [KDecay(schedule="error", window=2, reference_loss="first_round"),
-                               RuntimeModel(seconds_per_batch=0.01)],
+    **{
+        name: (lambda case=STRATEGIES[name]: [case()])
+        for name in ("fedadam", "fedyogi", "fedadagrad", "fedams", "fedavgm", "fedlilu", "scaffold", "fedexp-average")
+    },
+    "kdecay_runtime": lambda: [
+        KDecay(schedule="error", window=2, reference_loss="first_round"),
+        RuntimeModel(seconds_per_batch=0.01),
+    ],
 }
 
 
@@ -602,14 +611,22 @@ def test_config_runs_two_rounds_through_the_cli(tmp_path, name):
         pytest.skip("fedlightning.optim.SgdArmijo is not available yet")
     args = [
         "fit",
-        "--config", os.path.join(ROOT, "configs", f"{name}.yaml"),
-        "--trainer.max_steps", "2",
-        "--trainer.logger", "false",
-        "--trainer.enable_checkpointing", "false",
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.default_root_dir", str(tmp_path),
-        "--model.clients_per_round", "4",
+        "--config",
+        os.path.join(ROOT, "configs", f"{name}.yaml"),
+        "--trainer.max_steps",
+        "2",
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--model.clients_per_round",
+        "4",
     ]
     if name != "dsgd":
         args += ["--model.local_steps", "8"]

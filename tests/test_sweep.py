@@ -30,7 +30,7 @@ REPO_SWEEPS = sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml")
 # The stand-in program: val/loss = (x - 0.3)^2 (+1 per unit of y), every numeric argument echoed as val/arg_<name>;
 # --mode=fail exits 3, --mode=nan logs a nan loss, --mode=missing logs no val/loss; while the file named by
 # FAKE_TERM_ONCE exists, a call deletes it, sends SIGTERM to the sweep process and sleeps.
-FAKE = r'''
+FAKE = r"""
 import math, os, signal, sys, time
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 save, name = args["trainer.logger.init_args.save_dir"], args["trainer.logger.init_args.name"]
@@ -58,15 +58,18 @@ with open(os.path.join(d, "metrics.csv"), "w") as f:
     f.write("0,5.0" + "," * (len(cols) - 2) + "\n")  # an early row: only train/loss
     last = {"step": 1, "train/loss": 1.0, "val/loss": float("nan") if mode == "nan" else loss, **echo}
     f.write(",".join(repr(last[c]) for c in cols) + "\n")
-'''
+"""
 
 
 def _fake_sweep(tmp_path, parameters, method="grid", goal="minimize", **extra):
     program = tmp_path / "objective.py"
     program.write_text(FAKE)
     sweep = {
-        "name": "fake", "program": str(program), "method": method,
-        "metric": {"name": "val/loss", "goal": goal}, "parameters": parameters,
+        "name": "fake",
+        "program": str(program),
+        "method": method,
+        "metric": {"name": "val/loss", "goal": goal},
+        "parameters": parameters,
         "command": ["${env}", "${interpreter}", "${program}", "${args}"],
     }
     sweep.update(extra)
@@ -126,12 +129,15 @@ data:
 
 
 def test_grid_of_real_runs_resumes_sorts_by_metric_and_the_best_command_reproduces_the_best_run(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
     lr_key = "model.client_optimizer.init_args.lr"
     sweep = {
-        "name": "tiny", "program": "train.py", "method": "grid",
+        "name": "tiny",
+        "program": "train.py",
+        "method": "grid",
         "metric": {"name": "val/acc", "goal": "maximize"},
         "parameters": {lr_key: {"values": [0.02, 1.0]}},
         "command": ["${env}", "${interpreter}", "${program}", "fit", "--config", str(config), "${args}"],
@@ -181,7 +187,8 @@ def test_failed_runs_are_recorded_with_exit_code_and_the_sweep_continues(tmp_pat
     assert main([path, "--out", out]) == 0  # some runs finished: the sweep has a best run
     logs = os.path.join(os.path.abspath(out), "logs")
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"warning: 6 of 8 runs failed (2 exited non-zero, 4 logged no finite val/loss); logs: {logs}{os.sep}")
+        f"warning: 6 of 8 runs failed (2 exited non-zero, 4 logged no finite val/loss); logs: {logs}{os.sep}"
+    )
     assert len(_calls(tmp_path)) == 8  # every run was started, after the failures too
     rows = _table(out)
     assert len(rows) == 8
@@ -266,8 +273,9 @@ def test_interrupted_runs_are_retried_with_the_same_parameters(tmp_path, monkeyp
     rows = sweep.results()
     assert len(rows) == 3 and sorted(r.params["x"] for r in rows) == [0.1, 0.2, 0.3]
     assert min(rows, key=lambda r: r.number).params == stale  # retried before any new cell
-    assert all(r.params["y"] == 1 and r.value("val/loss") == pytest.approx((r.params["x"] - 0.3) ** 2 + 1)
-               for r in rows)
+    assert all(
+        r.params["y"] == 1 and r.value("val/loss") == pytest.approx((r.params["x"] - 0.3) ** 2 + 1) for r in rows
+    )
 
 
 RANGES = {
@@ -281,8 +289,9 @@ RANGES = {
 
 
 def _params(out):
-    return [(r["run"], r["x"], r["lr"], r["n"], r["q"], r["c"], r["k"])
-            for r in sorted(_table(out), key=lambda r: r["run"])]
+    return [
+        (r["run"], r["x"], r["lr"], r["n"], r["q"], r["c"], r["k"]) for r in sorted(_table(out), key=lambda r: r["run"])
+    ]
 
 
 @pytest.mark.parametrize("method", ["random", "bayes"])
@@ -339,8 +348,12 @@ def test_dry_run_prints_the_next_commands_and_changes_nothing(tmp_path, capsys):
     assert logs == planned  # the dry run showed exactly the commands that then ran
     parsed = shlex.split(planned[0])
     assert parsed[:3] == ["/usr/bin/env", sys.executable, str(tmp_path / "objective.py")]
-    assert parsed[-4:] == [f"--trainer.logger={LOCAL_LOGGER}", f"--trainer.logger.init_args.save_dir={out / 'runs'}",
-                           f"--trainer.logger.init_args.name={calls[0]}", "--trainer.logger.init_args.version="]
+    assert parsed[-4:] == [
+        f"--trainer.logger={LOCAL_LOGGER}",
+        f"--trainer.logger.init_args.save_dir={out / 'runs'}",
+        f"--trainer.logger.init_args.name={calls[0]}",
+        "--trainer.logger.init_args.version=",
+    ]
 
 
 @pytest.mark.parametrize("path", REPO_SWEEPS, ids=[os.path.basename(p) for p in REPO_SWEEPS])
@@ -357,23 +370,27 @@ def test_repository_sweep_files_run_locally_as_their_grid(path, tmp_path, capsys
 
 # ---------------------------------------------------------------------------------------------- mapping, names
 def test_wandb_specs_map_to_optuna_distributions():
-    space = search_space({
-        "method": "random", "metric": {"name": "m", "goal": "minimize"}, "program": "p.py",
-        "parameters": {
-            "u": {"distribution": "uniform", "min": 0.5, "max": 2},
-            "u_inferred": {"min": 0.5, "max": 2.0},
-            "i": {"distribution": "int_uniform", "min": 1, "max": 9},
-            "i_inferred": {"min": 1, "max": 9},
-            "qf": {"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": 0.1},
-            "qi": {"distribution": "q_uniform", "min": 0, "max": 100, "q": 10},
-            "lv": {"distribution": "log_uniform_values", "min": 1e-5, "max": 1e-1},
-            "le": {"distribution": "log_uniform", "min": -2, "max": 1},
-            "ql": {"distribution": "q_log_uniform_values", "min": 1, "max": 256, "q": 1},
-            "cat": {"distribution": "categorical", "values": [1, "two", None]},
-            "layers": {"values": [[64], [64, 64]]},
-            "const": {"value": 7},
-        },
-    })
+    space = search_space(
+        {
+            "method": "random",
+            "metric": {"name": "m", "goal": "minimize"},
+            "program": "p.py",
+            "parameters": {
+                "u": {"distribution": "uniform", "min": 0.5, "max": 2},
+                "u_inferred": {"min": 0.5, "max": 2.0},
+                "i": {"distribution": "int_uniform", "min": 1, "max": 9},
+                "i_inferred": {"min": 1, "max": 9},
+                "qf": {"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": 0.1},
+                "qi": {"distribution": "q_uniform", "min": 0, "max": 100, "q": 10},
+                "lv": {"distribution": "log_uniform_values", "min": 1e-5, "max": 1e-1},
+                "le": {"distribution": "log_uniform", "min": -2, "max": 1},
+                "ql": {"distribution": "q_log_uniform_values", "min": 1, "max": 256, "q": 1},
+                "cat": {"distribution": "categorical", "values": [1, "two", None]},
+                "layers": {"values": [[64], [64, 64]]},
+                "const": {"value": 7},
+            },
+        }
+    )
     assert space["u"].distribution == FloatDistribution(0.5, 2.0)
     assert space["u_inferred"].distribution == FloatDistribution(0.5, 2.0)
     assert space["i"].distribution == IntDistribution(1, 9) == space["i_inferred"].distribution
@@ -386,50 +403,73 @@ def test_wandb_specs_map_to_optuna_distributions():
     assert space["layers"].distribution == CategoricalDistribution([0, 1])  # by index: Optuna stores primitives
     assert [space["layers"].decode(i) for i in (0, 1)] == [[64], [64, 64]]
     assert space["const"].kind == "constant" and space["const"].value == 7 and space["const"].distribution is None
-    assert list(space) == ["u", "u_inferred", "i", "i_inferred", "qf", "qi", "lv", "le", "ql", "cat", "layers",
-                           "const"]
+    assert list(space) == ["u", "u_inferred", "i", "i_inferred", "qf", "qi", "lv", "le", "ql", "cat", "layers", "const"]
 
 
 def test_run_names():
-    space = search_space({
-        "method": "grid", "metric": {"name": "m", "goal": "minimize"}, "program": "p.py",
-        "parameters": {"model.a.lr": {"values": [0.1]}, "trainer.b.lr": {"values": [1]},
-                       "model.hidden": {"values": [[64, 32]]}, "model.name": {"values": ["a b/c"]},
-                       "seed": {"value": 5}},
-    })
+    space = search_space(
+        {
+            "method": "grid",
+            "metric": {"name": "m", "goal": "minimize"},
+            "program": "p.py",
+            "parameters": {
+                "model.a.lr": {"values": [0.1]},
+                "trainer.b.lr": {"values": [1]},
+                "model.hidden": {"values": [[64, 32]]},
+                "model.name": {"values": ["a b/c"]},
+                "seed": {"value": 5},
+            },
+        }
+    )
     params = {"model.a.lr": 0.1, "trainer.b.lr": 1, "model.hidden": [64, 32], "model.name": "a b/c", "seed": 5}
     assert run_slug(7, params, space) == "007-a.lr=0.1_b.lr=1_hidden=64x32_name=a-b-c"
-    drawn = search_space({"method": "random", "metric": {"name": "m", "goal": "minimize"}, "program": "p.py",
-                          "parameters": {"x": {"min": 0.0, "max": 1.0}}})
+    drawn = search_space(
+        {
+            "method": "random",
+            "metric": {"name": "m", "goal": "minimize"},
+            "program": "p.py",
+            "parameters": {"x": {"min": 0.0, "max": 1.0}},
+        }
+    )
     assert run_slug(12, {"x": 0.123456789}, drawn) == "012-x=0.1235"
 
 
 # ---------------------------------------------------------------------------------------------- errors
-BASE = {"method": "random", "metric": {"name": "val/acc", "goal": "maximize"}, "program": "train.py",
-        "command": ["${env}", "${interpreter}", "${program}", "${args}"]}
+BASE = {
+    "method": "random",
+    "metric": {"name": "val/acc", "goal": "maximize"},
+    "program": "train.py",
+    "command": ["${env}", "${interpreter}", "${program}", "${args}"],
+}
 
 
-@pytest.mark.parametrize("spec,match", [
-    ({"distribution": "normal", "mu": 0, "sigma": 1}, "'normal' is not supported.*unbounded"),
-    ({"distribution": "q_log_normal", "mu": 0, "sigma": 1, "q": 1}, "'q_log_normal' is not supported"),
-    ({"distribution": "beta", "a": 1, "b": 2}, "'beta' is not supported"),
-    ({"distribution": "inv_log_uniform_values", "min": 1, "max": 2}, "'inv_log_uniform_values' is not supported"),
-    ({"distribution": "q_log_uniform", "min": 0, "max": 2, "q": 1}, "'q_log_uniform' is not supported"),
-    ({"values": [1, 2], "probabilities": [0.5, 0.5]}, "'probabilities' is not supported"),
-    ({"parameters": {"a": {"value": 1}}}, "nested 'parameters'"),
-    ({"valeus": [1, 2], "value": 1}, r"unknown key\(s\) \['valeus'\]"),
-    ({"distribution": "unifrom", "min": 0, "max": 1}, "unknown distribution 'unifrom'"),
-    ({"min": 0.0, "max": 1.0, "q": 0.1}, "'q' needs an explicit q_\\* distribution"),
-    ({"distribution": "uniform", "min": 1.0, "max": 1.0}, "min must be < max"),
-    ({"distribution": "uniform", "min": "0", "max": 1.0}, "needs numeric 'min' and 'max'"),
-    ({"distribution": "int_uniform", "min": 0.5, "max": 3}, "int_uniform needs integer min and max"),
-    ({"distribution": "log_uniform_values", "min": 0.0, "max": 1.0}, "needs min > 0"),
-    ({"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": 0}, "q must be a number > 0"),
-    ({"distribution": "q_log_uniform_values", "min": 1, "max": 100, "q": 2}, "only with q: 1"),
-    ({"distribution": "uniform", "min": 0.0, "max": 1.0, "mu": 0}, r"\['mu'\] do not apply to distribution uniform"),
-    ({"distribution": "constant"}, "constant needs 'value'"),
-    ({"distribution": "categorical", "values": []}, "non-empty list"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ({"distribution": "normal", "mu": 0, "sigma": 1}, "'normal' is not supported.*unbounded"),
+        ({"distribution": "q_log_normal", "mu": 0, "sigma": 1, "q": 1}, "'q_log_normal' is not supported"),
+        ({"distribution": "beta", "a": 1, "b": 2}, "'beta' is not supported"),
+        ({"distribution": "inv_log_uniform_values", "min": 1, "max": 2}, "'inv_log_uniform_values' is not supported"),
+        ({"distribution": "q_log_uniform", "min": 0, "max": 2, "q": 1}, "'q_log_uniform' is not supported"),
+        ({"values": [1, 2], "probabilities": [0.5, 0.5]}, "'probabilities' is not supported"),
+        ({"parameters": {"a": {"value": 1}}}, "nested 'parameters'"),
+        ({"valeus": [1, 2], "value": 1}, r"unknown key\(s\) \['valeus'\]"),
+        ({"distribution": "unifrom", "min": 0, "max": 1}, "unknown distribution 'unifrom'"),
+        ({"min": 0.0, "max": 1.0, "q": 0.1}, "'q' needs an explicit q_\\* distribution"),
+        ({"distribution": "uniform", "min": 1.0, "max": 1.0}, "min must be < max"),
+        ({"distribution": "uniform", "min": "0", "max": 1.0}, "needs numeric 'min' and 'max'"),
+        ({"distribution": "int_uniform", "min": 0.5, "max": 3}, "int_uniform needs integer min and max"),
+        ({"distribution": "log_uniform_values", "min": 0.0, "max": 1.0}, "needs min > 0"),
+        ({"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": 0}, "q must be a number > 0"),
+        ({"distribution": "q_log_uniform_values", "min": 1, "max": 100, "q": 2}, "only with q: 1"),
+        (
+            {"distribution": "uniform", "min": 0.0, "max": 1.0, "mu": 0},
+            r"\['mu'\] do not apply to distribution uniform",
+        ),
+        ({"distribution": "constant"}, "constant needs 'value'"),
+        ({"distribution": "categorical", "values": []}, "non-empty list"),
+    ],
+)
 def test_unsupported_or_bad_spec_names_the_parameter(spec, match):
     with pytest.raises(ValueError, match=rf"sweep: parameter 'p': .*{match}"):
         search_space(dict(BASE, parameters={"ok": {"value": 1}, "p": spec}))
@@ -459,7 +499,8 @@ def test_malformed_files_and_bad_arguments_give_clear_errors(tmp_path, capsys):
     unsupported = tmp_path / "normal.yaml"
     unsupported.write_text(yaml.safe_dump(dict(BASE, parameters={"lr": {"distribution": "normal"}})))
     assert "error: normal.yaml: parameter 'lr': distribution 'normal' is not supported" in _error(
-        [str(unsupported), "--runs", "2"], capsys)
+        [str(unsupported), "--runs", "2"], capsys
+    )
 
     path = _fake_sweep(tmp_path, {"x": {"min": 0.0, "max": 1.0}}, method="random")
     out = str(tmp_path / "out")
@@ -470,11 +511,11 @@ def test_malformed_files_and_bad_arguments_give_clear_errors(tmp_path, capsys):
 
     path = _fake_sweep(tmp_path, {"x": {"min": 0.0, "max": 1.0}}, method="random")
     assert main([path, "--out", out, "--runs", "1"]) == 0
-    assert "holds a sweep drawn with --seed 0, got --seed 5" in _error([path, "--out", out, "--runs", "2",
-                                                                        "--seed", "5"], capsys)
+    assert "holds a sweep drawn with --seed 0, got --seed 5" in _error(
+        [path, "--out", out, "--runs", "2", "--seed", "5"], capsys
+    )
     changed = _fake_sweep(tmp_path, {"x": {"min": 0.0, "max": 2.0}}, method="random")
-    assert "with different ['parameters']; use another --out" in _error([changed, "--out", out, "--runs", "2"],
-                                                                          capsys)
+    assert "with different ['parameters']; use another --out" in _error([changed, "--out", out, "--runs", "2"], capsys)
     path = _fake_sweep(tmp_path, {"x": {"min": 0.0, "max": 1.0}}, method="random")
     with open(os.path.join(out, ".sweep.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -33,8 +33,10 @@ class Seqs(Dataset):
 
 def pad_collate(samples):
     seqs = torch.nn.utils.rnn.pad_sequence([s["seq"] for s in samples], batch_first=True)
-    return {"inputs": {"seq": seqs, "length": torch.tensor([len(s["seq"]) for s in samples])},
-            "label": torch.tensor([s["label"] for s in samples])}
+    return {
+        "inputs": {"seq": seqs, "length": torch.tensor([len(s["seq"]) for s in samples])},
+        "label": torch.tensor([s["label"] for s in samples]),
+    }
 
 
 class Net(pl.LightningModule):
@@ -54,11 +56,13 @@ class Net(pl.LightningModule):
 
 
 def _fit(ragged, mode):
-    dm = FederatedDataModule.from_datasets(Seqs(ragged), num_clients=4, batch_size=4, partition=IID(),
-                                           val_fraction=0, collate_fn=pad_collate)
+    dm = FederatedDataModule.from_datasets(
+        Seqs(ragged), num_clients=4, batch_size=4, partition=IID(), val_fraction=0, collate_fn=pad_collate
+    )
     net = Net()
-    make_trainer(2).fit(FederatedLoop(net, local_steps=3, clients_per_round=3, seed=0, client_execution=mode),
-                        datamodule=dm)
+    make_trainer(2).fit(
+        FederatedLoop(net, local_steps=3, clients_per_round=3, seed=0, client_execution=mode), datamodule=dm
+    )
     return net.w.detach().clone()
 
 
@@ -71,8 +75,13 @@ def test_fixed_length_dict_batches_train_the_same_in_every_mode():
 
 def test_ragged_padded_batches_are_refused_by_name_and_auto_falls_back():
     seq = _fit(True, "sequential")
-    with pytest.warns(UserWarning, match=re.escape("training clients sequentially (client_execution='vectorized' "
-                                                   "cannot stack the clients' batches of local step")):
+    with pytest.warns(
+        UserWarning,
+        match=re.escape(
+            "training clients sequentially (client_execution='vectorized' "
+            "cannot stack the clients' batches of local step"
+        ),
+    ):
         torch.testing.assert_close(_fit(True, "auto"), seq, rtol=0, atol=0)
     with pytest.raises(Exception, match=r"leaf batch\['inputs'\]\['seq'\] has shape"):
         _fit(True, "vectorized")

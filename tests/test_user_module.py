@@ -346,8 +346,9 @@ def test_lr_scheduler_is_stepped_once_per_round():
     model = to_float64(Scheduled(lr=0.4))
     init = copy.deepcopy(model.net)
     rec = _Record()
-    make_trainer(3, callbacks=[rec]).fit(FederatedLoop(model, local_steps=2, clients_per_round=3, seed=6),
-                                         datamodule=_dm64())
+    make_trainer(3, callbacks=[rec]).fit(
+        FederatedLoop(model, local_steps=2, clients_per_round=3, seed=6), datamodule=_dm64()
+    )
     # logged as float32: one rounding (numerics.rtol32)
     assert [r["client/step_size_mean"] for r in rec.rounds] == pytest.approx([0.4, 0.2, 0.1], rel=rtol32(1))
     ref = _reference(init, _dm64(), rounds=3, cpr=3, k=2, lr=None, seed=6, lrs=[0.4, 0.2, 0.1])
@@ -365,11 +366,15 @@ def test_lr_scheduler_state_is_resumed(tmp_path):
     make_trainer(4).fit(FederatedLoop(full, local_steps=2, clients_per_round=3, seed=6), datamodule=_dm())
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
     make_trainer(2, callbacks=[ckpt], enable_checkpointing=True).fit(
-        FederatedLoop(part, local_steps=2, clients_per_round=3, seed=6), datamodule=_dm())
+        FederatedLoop(part, local_steps=2, clients_per_round=3, seed=6), datamodule=_dm()
+    )
     resumed = Scheduled(lr=0.4)
     rec = _Record()
-    make_trainer(4, callbacks=[rec]).fit(FederatedLoop(resumed, local_steps=2, clients_per_round=3, seed=6),
-                                         datamodule=_dm(), ckpt_path=str(tmp_path / "last.ckpt"))
+    make_trainer(4, callbacks=[rec]).fit(
+        FederatedLoop(resumed, local_steps=2, clients_per_round=3, seed=6),
+        datamodule=_dm(),
+        ckpt_path=str(tmp_path / "last.ckpt"),
+    )
     assert [r["client/step_size_mean"] for r in rec.rounds] == pytest.approx([0.1, 0.05])
     for p, q in zip(resumed.net.parameters(), full.net.parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0)
@@ -419,8 +424,9 @@ def test_a_bug_in_every_client_stops_the_run_with_the_exception_chained():
             return {"los": super().training_step(batch, batch_idx)}["loss"]
 
     with pytest.raises(RuntimeError, match=r"round 0: every client raised an exception \(client \d+: KeyError") as e:
-        make_trainer(3).fit(FederatedLoop(Buggy(), local_steps=1, clients_per_round=2, on_client_error="skip"),
-                            datamodule=_dm())
+        make_trainer(3).fit(
+            FederatedLoop(Buggy(), local_steps=1, clients_per_round=2, on_client_error="skip"), datamodule=_dm()
+        )
     assert isinstance(e.value.__cause__, KeyError)
 
 
@@ -437,7 +443,8 @@ def test_one_failing_client_is_still_skipped():
     rec = _Record()
     with pytest.warns(UserWarning, match=r"round 0: client \d+ skipped \(KeyError\('client data'\)\)"):
         make_trainer(2, callbacks=[rec]).fit(
-            FederatedLoop(FailsOnce(), local_steps=1, clients_per_round=3, on_client_error="skip"), datamodule=_dm())
+            FederatedLoop(FailsOnce(), local_steps=1, clients_per_round=3, on_client_error="skip"), datamodule=_dm()
+        )
     assert [(r["round/failed_clients"], r["round/clients"]) for r in rec.rounds] == [(1, 2), (0, 3)]
 
 
@@ -476,11 +483,13 @@ def test_vectorized_runs_a_trainer_reading_module_and_refuses_what_it_cannot_bat
     a = to_float64(NoMetric())
     b = to_float64(NoMetric())
     b.load_state_dict(a.state_dict())
-    make_trainer(3).fit(FederatedLoop(a, local_steps=2, clients_per_round=3, seed=1,
-                                      client_execution="vectorized"), datamodule=_dm64())
+    make_trainer(3).fit(
+        FederatedLoop(a, local_steps=2, clients_per_round=3, seed=1, client_execution="vectorized"), datamodule=_dm64()
+    )
     make_trainer(3).fit(FederatedLoop(b, local_steps=2, clients_per_round=3, seed=1), datamodule=_dm64())
     for p, q in zip(a.net.parameters(), b.net.parameters()):
         assert_close64(p, q)
+
     class LabelCount(torchmetrics.Metric):
         """Counts labels given as a list of tensors (an argument vectorised mode cannot record per client)."""
 
@@ -505,20 +514,25 @@ def test_vectorized_runs_a_trainer_reading_module_and_refuses_what_it_cannot_bat
             self.log("labels", self.labels)
             return F.cross_entropy(self(x), y)
 
-    with pytest.raises(VectorizationUnsupportedError, match="'labels' is updated in training_step with an argument "
-                                                            "of type list"):
-        make_trainer(1).fit(FederatedLoop(ListMetric(), local_steps=1, clients_per_round=2,
-                                          client_execution="vectorized"), datamodule=_dm())
+    with pytest.raises(
+        VectorizationUnsupportedError, match="'labels' is updated in training_step with an argument of type list"
+    ):
+        make_trainer(1).fit(
+            FederatedLoop(ListMetric(), local_steps=1, clients_per_round=2, client_execution="vectorized"),
+            datamodule=_dm(),
+        )
     with pytest.raises(VectorizationUnsupportedError, match="per-step hook"):
-        make_trainer(1).fit(FederatedLoop(Hooked(), local_steps=1, clients_per_round=2,
-                                          client_execution="vectorized"), datamodule=_dm())
+        make_trainer(1).fit(
+            FederatedLoop(Hooked(), local_steps=1, clients_per_round=2, client_execution="vectorized"), datamodule=_dm()
+        )
     # auto falls back to sequential and gives the sequential result
     torch.manual_seed(0)
     c, d = ListMetric(), ListMetric()
     d.load_state_dict(c.state_dict())
     with pytest.warns(UserWarning, match="training clients sequentially"):
-        make_trainer(2).fit(FederatedLoop(c, local_steps=2, clients_per_round=3, client_execution="auto"),
-                            datamodule=_dm())
+        make_trainer(2).fit(
+            FederatedLoop(c, local_steps=2, clients_per_round=3, client_execution="auto"), datamodule=_dm()
+        )
     make_trainer(2).fit(FederatedLoop(d, local_steps=2, clients_per_round=3), datamodule=_dm())
     for p, q in zip(c.net.parameters(), d.net.parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0)

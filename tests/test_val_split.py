@@ -303,16 +303,22 @@ def test_bad_val_fraction_in_natural_modules(cls):
 
 def test_val_fraction_that_empties_the_training_set_is_an_error():
     dm = Labelled([0, 1, 2], val_fraction=0.9)  # ceil(0.9 * 3) = 3 of 3 samples
-    with pytest.raises(ValueError, match=r"val_fraction=0\.9 holds out 3 of the 3 training samples and leaves the "
-                                         r"training set empty"):
+    with pytest.raises(
+        ValueError,
+        match=r"val_fraction=0\.9 holds out 3 of the 3 training samples and leaves the "
+        r"training set empty",
+    ):
         dm.setup()
 
 
 def test_val_fraction_that_empties_a_class_is_an_error():
     # class 0 has 2 of 12 samples; 10 validation samples: its stratified share 1.67 rounds up to both
     dm = Labelled([0] * 2 + [1] * 10, val_fraction=0.8)
-    with pytest.raises(ValueError, match=r"val_fraction=0\.8 leaves class 0 \(2 training sample\(s\)\) without a "
-                                         r"training sample"):
+    with pytest.raises(
+        ValueError,
+        match=r"val_fraction=0\.8 leaves class 0 \(2 training sample\(s\)\) without a "
+        r"training sample",
+    ):
         dm.setup()
 
 
@@ -320,15 +326,24 @@ def test_val_fraction_that_empties_a_class_is_an_error():
 def _quickstart(tmp_path, *extra, cli_cls=None):
     args = [
         "fit",
-        "--config", os.path.join(ROOT, "configs", "quickstart.yaml"),
-        "--trainer.max_steps", "2",
-        "--trainer.val_check_interval", "2",
-        "--trainer.logger.init_args.save_dir", str(tmp_path),
-        "--trainer.enable_checkpointing", "false",
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.default_root_dir", str(tmp_path),
-        "--model.local_steps", "3",
+        "--config",
+        os.path.join(ROOT, "configs", "quickstart.yaml"),
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path),
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--model.local_steps",
+        "3",
         *extra,
     ]
     if cli_cls is None:
@@ -364,13 +379,16 @@ def test_fit_validates_on_the_val_rows_and_tests_the_final_model_on_the_test_set
     # accuracies are one rounding of the same ratio of counts; a float32 mean loss over n rows may sum in another
     # order than Lightning's evaluation (then its batch-size weighted mean): numerics.rtol32(n + 4)
     yt = dm.test_dataset.y
-    assert float(metrics["val/acc"]) == pytest.approx(float((val_logits.argmax(-1) == yv).float().mean()),
-                                                      rel=rtol32(1))
+    assert float(metrics["val/acc"]) == pytest.approx(
+        float((val_logits.argmax(-1) == yv).float().mean()), rel=rtol32(1)
+    )
     assert float(metrics["val/loss"]) == pytest.approx(float(F.cross_entropy(val_logits, yv)), rel=rtol32(len(yv) + 4))
-    assert float(metrics["test/acc"]) == pytest.approx(float((test_logits.argmax(-1) == yt).float().mean()),
-                                                       rel=rtol32(1))
-    assert float(metrics["test/loss"]) == pytest.approx(float(F.cross_entropy(test_logits, yt)),
-                                                        rel=rtol32(len(yt) + 4))
+    assert float(metrics["test/acc"]) == pytest.approx(
+        float((test_logits.argmax(-1) == yt).float().mean()), rel=rtol32(1)
+    )
+    assert float(metrics["test/loss"]) == pytest.approx(
+        float(F.cross_entropy(test_logits, yt)), rel=rtol32(len(yt) + 4)
+    )
     assert len(yv) == 144 and len(yt) == 360  # digits: 20 % test, then 10 % of the remaining 1,437 validate
     assert float(metrics["val/loss"]) != float(metrics["test/loss"])  # different rows, different numbers
 

@@ -53,8 +53,12 @@ class Digits64(Float64Inputs, DigitsDataModule):
 
 def digits(partition=None, batch_size=BATCH, num_clients=40, float64=True):
     cls = Digits64 if float64 else DigitsDataModule
-    return cls(num_clients=num_clients, batch_size=batch_size, partition=partition if partition is not None else
-               Dirichlet(0.3), seed=0)
+    return cls(
+        num_clients=num_clients,
+        batch_size=batch_size,
+        partition=partition if partition is not None else Dirichlet(0.3),
+        seed=0,
+    )
 
 
 def fit(model, optimizer, mode, dm_fn=None, rounds=ROUNDS, callbacks=(), float64=True, **loop_kwargs):
@@ -66,8 +70,15 @@ def fit(model, optimizer, mode, dm_fn=None, rounds=ROUNDS, callbacks=(), float64
     if dm_fn is None:
         dm_fn = lambda: digits(float64=float64)  # noqa: E731
     rec = Recorder()
-    loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=K, clients_per_round=CPR, seed=3,
-                         client_execution=mode, **loop_kwargs)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=optimizer,
+        local_steps=K,
+        clients_per_round=CPR,
+        seed=3,
+        client_execution=mode,
+        **loop_kwargs,
+    )
     trainer = make_trainer(rounds, callbacks=[FedAvg(), rec, *[copy.deepcopy(c) for c in callbacks]])
     trainer.fit(loop, datamodule=dm_fn())
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -84,7 +95,13 @@ def assert_same_run(seq, vec, rtol=RTOL64):
     assert [u.client_id for u in ups_vec] == [u.client_id for u in ups_seq]
     for a, b in zip(ups_seq, ups_vec):
         assert (a.num_steps, a.backtracks, a.forwards, a.backwards, a.failed, a.num_samples) == (
-            b.num_steps, b.backtracks, b.forwards, b.backwards, b.failed, b.num_samples), a.client_id
+            b.num_steps,
+            b.backtracks,
+            b.forwards,
+            b.backwards,
+            b.failed,
+            b.num_samples,
+        ), a.client_id
         np.testing.assert_allclose(b.step_sizes, a.step_sizes, rtol=rtol, atol=rtol)
         assert b.first_loss == pytest.approx(a.first_loss, rel=rtol32(1), abs=rtol, nan_ok=True)
         assert b.mean_loss == pytest.approx(a.mean_loss, rel=rtol32(K + 1), abs=rtol, nan_ok=True)
@@ -137,8 +154,17 @@ def test_the_test_data_exercises_padding():
 @pytest.mark.numerics
 @pytest.mark.parametrize(
     "name,clip",
-    [("sgd", None), ("sgd+wd", 0.5), ("armijo", None), ("armijo-grow-carry", None), ("armijo-exhausted", None),
-     ("sps", None), ("sps-smooth", None), ("decsps", None), ("sps-fixed", None)],
+    [
+        ("sgd", None),
+        ("sgd+wd", 0.5),
+        ("armijo", None),
+        ("armijo-grow-carry", None),
+        ("armijo-exhausted", None),
+        ("sps", None),
+        ("sps-smooth", None),
+        ("decsps", None),
+        ("sps-fixed", None),
+    ],
 )
 def test_vectorized_equals_sequential_mlp(name, clip):
     optimizer = CLIENT_OPTIMIZERS[name]
@@ -243,8 +269,17 @@ class TiedMLP(Classifier):
         self.shared = nn.Linear(16, 16)
         twin = nn.Linear(16, 16)
         twin.weight = self.shared.weight
-        self.net = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), self.shared, nn.Tanh(), self.shared, nn.Tanh(),
-                                 twin, nn.Tanh(), nn.Linear(16, 10))
+        self.net = nn.Sequential(
+            nn.Linear(64, 16),
+            nn.Tanh(),
+            self.shared,
+            nn.Tanh(),
+            self.shared,
+            nn.Tanh(),
+            twin,
+            nn.Tanh(),
+            nn.Linear(16, 10),
+        )
 
 
 def test_tied_weights_equal_sequential():
@@ -350,8 +385,14 @@ def test_masked_backtracking_matches_analytic_quadratic(mode):
     model = Quadratic()
     w0 = model.w.detach().clone()
     rec = Recorder()
-    loop = FederatedLoop(model, client_optimizer=lambda p: SgdArmijo(p, eta_max=1.0, beta=0.5, c=0.1),
-                         local_steps=steps, clients_per_round=4, seed=0, client_execution=mode)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: SgdArmijo(p, eta_max=1.0, beta=0.5, c=0.1),
+        local_steps=steps,
+        clients_per_round=4,
+        seed=0,
+        client_execution=mode,
+    )
     trainer = make_trainer(1, callbacks=[FedAvg(weighting="samples"), rec])
     trainer.fit(loop, datamodule=CurvatureClients(curvatures, sizes))
     assert sorted(u.client_id for u in rec.updates) == [0, 1, 2, 3]
@@ -380,9 +421,11 @@ class PoisonClient(pl.Callback):
         return [lambda params: params[0].sum() * float("nan")]
 
 
-@pytest.mark.parametrize("optimizer,steps_of_failed",
-                         [(CLIENT_OPTIMIZERS["sgd"], K), (CLIENT_OPTIMIZERS["armijo-eta4"], 1)],
-                         ids=["sgd", "armijo-eta4"])
+@pytest.mark.parametrize(
+    "optimizer,steps_of_failed",
+    [(CLIENT_OPTIMIZERS["sgd"], K), (CLIENT_OPTIMIZERS["armijo-eta4"], 1)],
+    ids=["sgd", "armijo-eta4"],
+)
 def test_a_failing_client_is_skipped_and_others_are_unaffected(optimizer, steps_of_failed):
     dm = digits()
     dm.setup("fit")
@@ -476,8 +519,15 @@ def test_sync_batchnorm_and_own_forward_are_refused_naming_the_layer():
         fit(SyncBNClassifier(), lambda p: torch.optim.SGD(p, lr=0.1), "vectorized", rounds=1)
     with pytest.raises(VectorizationUnsupportedError, match=r"'net\.1' \(OwnBatchNorm\): it overrides forward"):
         check_model_vectorizable(OwnBNClassifier())
-    check_model_vectorizable(nn.Sequential(nn.Linear(4, 4), nn.GroupNorm(2, 4), nn.LayerNorm(4), nn.BatchNorm1d(4),
-                                           nn.InstanceNorm1d(4, track_running_stats=True)))
+    check_model_vectorizable(
+        nn.Sequential(
+            nn.Linear(4, 4),
+            nn.GroupNorm(2, 4),
+            nn.LayerNorm(4),
+            nn.BatchNorm1d(4),
+            nn.InstanceNorm1d(4, track_running_stats=True),
+        )
+    )
 
 
 def test_layer_vmap_cannot_run_is_named():
@@ -490,10 +540,14 @@ def test_layer_vmap_cannot_run_is_named():
     [
         (lambda p: torch.optim.RMSprop(p, lr=0.01), "RMSprop: it names no batched form"),
         (lambda p: torch.optim.Adagrad(p, lr=0.01), "Adagrad: it names no batched form"),
-        (lambda p: torch.optim.SGD([{"params": list(p)[:1], "lr": 0.1}, {"params": list(p)[1:], "lr": 0.2}]),
-         "same SGD settings"),
-        (lambda p: torch.optim.Adam([{"params": list(p)[:1]}, {"params": list(p)[1:], "betas": (0.5, 0.9)}]),
-         "same Adam settings"),
+        (
+            lambda p: torch.optim.SGD([{"params": list(p)[:1], "lr": 0.1}, {"params": list(p)[1:], "lr": 0.2}]),
+            "same SGD settings",
+        ),
+        (
+            lambda p: torch.optim.Adam([{"params": list(p)[:1]}, {"params": list(p)[1:], "betas": (0.5, 0.9)}]),
+            "same Adam settings",
+        ),
     ],
     ids=["rmsprop", "adagrad", "sgd-groups", "adam-groups"],
 )
@@ -518,17 +572,29 @@ def test_auto_falls_back_to_sequential_with_one_warning(model_fn, optimizer):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("optimizer,clip", [
-    (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), None),
-    (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.3, weight_decay=5e-3), 1.0),
-    (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, nesterov=True, weight_decay=1e-3), None),
-    (lambda p: torch.optim.SGD(p, lr=0.05, maximize=True), None),
-    (lambda p: torch.optim.Adam(p, lr=0.01), None),
-    (lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), weight_decay=1e-2, amsgrad=True), 1.0),
-    (lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1), None),
-    (lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True, maximize=True), None),
-], ids=["momentum", "momentum-dampening-decay-clip", "nesterov", "maximize", "adam", "adam-amsgrad-decay-clip",
-        "adamw", "adamw-amsgrad-maximize"])
+@pytest.mark.parametrize(
+    "optimizer,clip",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), None),
+        (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.3, weight_decay=5e-3), 1.0),
+        (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, nesterov=True, weight_decay=1e-3), None),
+        (lambda p: torch.optim.SGD(p, lr=0.05, maximize=True), None),
+        (lambda p: torch.optim.Adam(p, lr=0.01), None),
+        (lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), weight_decay=1e-2, amsgrad=True), 1.0),
+        (lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1), None),
+        (lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True, maximize=True), None),
+    ],
+    ids=[
+        "momentum",
+        "momentum-dampening-decay-clip",
+        "nesterov",
+        "maximize",
+        "adam",
+        "adam-amsgrad-decay-clip",
+        "adamw",
+        "adamw-amsgrad-maximize",
+    ],
+)
 def test_momentum_sgd_and_adam_equal_sequential(optimizer, clip):
     """torch's SGD with momentum and Adam / AdamW, the optimizers users' ``configure_optimizers`` return most
     often, run vectorised with one moment row per client, fresh every round as the loop's fresh client optimizers

@@ -42,14 +42,18 @@ def _torch_layer(layer, x, n):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("layer,shape", [
-    (nn.BatchNorm1d(5), (7, 5)),
-    (nn.BatchNorm1d(5, momentum=None), (7, 5, 3)),
-    (nn.BatchNorm2d(3, affine=False), (7, 3, 4, 4)),
-    (nn.BatchNorm3d(2, momentum=0.3), (7, 2, 2, 3, 2)),
-    (nn.InstanceNorm1d(4, affine=True, track_running_stats=True), (7, 4, 6)),
-    (nn.InstanceNorm2d(3, track_running_stats=True, momentum=0.5), (7, 3, 3, 3)),
-], ids=["bn1d", "bn1d-cumulative-3d", "bn2d-no-affine", "bn3d", "in1d", "in2d"])
+@pytest.mark.parametrize(
+    "layer,shape",
+    [
+        (nn.BatchNorm1d(5), (7, 5)),
+        (nn.BatchNorm1d(5, momentum=None), (7, 5, 3)),
+        (nn.BatchNorm2d(3, affine=False), (7, 3, 4, 4)),
+        (nn.BatchNorm3d(2, momentum=0.3), (7, 2, 2, 3, 2)),
+        (nn.InstanceNorm1d(4, affine=True, track_running_stats=True), (7, 4, 6)),
+        (nn.InstanceNorm2d(3, track_running_stats=True, momentum=0.5), (7, 3, 3, 3)),
+    ],
+    ids=["bn1d", "bn1d-cumulative-3d", "bn2d-no-affine", "bn3d", "in1d", "in2d"],
+)
 def test_masked_layer_equals_torch_on_each_clients_real_samples(layer, shape):
     """Three clients with 7, 4 and 2 real samples in a batch padded to 7: each row's output on its real samples and
     its running statistics equal torch's layer on those samples alone, in training mode (two steps, so the
@@ -74,6 +78,7 @@ def test_masked_layer_equals_torch_on_each_clients_real_samples(layer, shape):
         xs = torch.randn(3, *shape, dtype=torch.float64) * 3 + 1
         norms.install()
         try:
+
             def per_row(x, m, *stats):
                 norms.begin(stats, m.double(), m.double().sum(), min(sizes))
                 return (layer(x), *norms.end())
@@ -127,11 +132,18 @@ class BNNet(pl.LightningModule):
         if kind == "mlp":
             self.net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16, **bn), nn.ReLU(), nn.Linear(16, 10))
         elif kind == "cnn":
-            self.net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, **bn),
-                                     nn.ReLU(), nn.Flatten(), nn.Linear(256, 10))
+            self.net = nn.Sequential(
+                nn.Unflatten(1, (1, 8, 8)),
+                nn.Conv2d(1, 4, 3, padding=1),
+                nn.BatchNorm2d(4, **bn),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(256, 10),
+            )
         elif kind == "instance":
-            self.net = nn.Sequential(nn.Unflatten(1, (4, 16)), nn.InstanceNorm1d(4, affine=True, **bn), nn.Flatten(),
-                                     nn.Linear(64, 10))
+            self.net = nn.Sequential(
+                nn.Unflatten(1, (4, 16)), nn.InstanceNorm1d(4, affine=True, **bn), nn.Flatten(), nn.Linear(64, 10)
+            )
         elif kind == "tokens":  # BatchNorm over every (sample, position): its first dimension is not the batch
             self.net = nn.Sequential(nn.Unflatten(1, (8, 8)), nn.Linear(8, 8))
             self.bn = nn.BatchNorm1d(8)
@@ -159,8 +171,9 @@ def fit(model, optimizer, mode, rounds=ROUNDS, dm=digits):
     """A float64 copy of ``model`` trained on ``dm()``: (weights, buffers, client updates, loop)."""
     model = to_float64(copy.deepcopy(model))
     rec = Recorder()
-    loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=K, clients_per_round=CPR, seed=3,
-                         client_execution=mode)
+    loop = FederatedLoop(
+        model, client_optimizer=optimizer, local_steps=K, clients_per_round=CPR, seed=3, client_execution=mode
+    )
     make_trainer(rounds, callbacks=[FedAvg(), rec]).fit(loop, datamodule=dm())
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     buffers = [b.detach().clone() for b in model.buffers()]
@@ -193,14 +206,18 @@ def test_the_split_is_ragged():
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("kind,bn", [
-    ("mlp", {}),
-    ("cnn", {}),
-    ("mlp", {"momentum": None}),
-    ("mlp", {"track_running_stats": False}),
-    ("cnn", {"affine": False, "momentum": 0.5}),
-    ("instance", {"track_running_stats": True}),
-], ids=["mlp", "cnn", "cumulative", "no-running-stats", "cnn-no-affine", "instance-norm"])
+@pytest.mark.parametrize(
+    "kind,bn",
+    [
+        ("mlp", {}),
+        ("cnn", {}),
+        ("mlp", {"momentum": None}),
+        ("mlp", {"track_running_stats": False}),
+        ("cnn", {"affine": False, "momentum": 0.5}),
+        ("instance", {"track_running_stats": True}),
+    ],
+    ids=["mlp", "cnn", "cumulative", "no-running-stats", "cnn-no-affine", "instance-norm"],
+)
 def test_batchnorm_equals_sequential(opt, kind, bn):
     seq = fit(BNNet(kind, **bn), OPTIMIZERS[opt], "sequential")
     vec = fit(BNNet(kind, **bn), OPTIMIZERS[opt], "vectorized")
@@ -213,8 +230,11 @@ def test_batchnorm_equals_sequential(opt, kind, bn):
         assert sum(u.backtracks for u in vec[2]) > 0  # trial evaluations ran (and did not move the statistics)
 
 
-@pytest.mark.parametrize("opt,loss", [("sgd", "cross_entropy"), ("armijo", "cross_entropy"), ("sgd", "own")],
-                         ids=["sgd", "armijo", "one-call-per-sample"])
+@pytest.mark.parametrize(
+    "opt,loss",
+    [("sgd", "cross_entropy"), ("armijo", "cross_entropy"), ("sgd", "own")],
+    ids=["sgd", "armijo", "one-call-per-sample"],
+)
 def test_a_batchnorm_the_module_freezes_uses_its_running_statistics(opt, loss):
     """In eval mode a BatchNorm normalises each sample with the running statistics: it mixes no samples, so even
     the path that calls training_step once per sample (a loss the engine does not intercept) runs it."""
@@ -264,8 +284,13 @@ class RoundLog(pl.Callback):
         self.rounds = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.rounds.append({k: float(v) for k, v in trainer.callback_metrics.items()
-                            if k.startswith("client/") or k == "round/failed_clients"})
+        self.rounds.append(
+            {
+                k: float(v)
+                for k, v in trainer.callback_metrics.items()
+                if k.startswith("client/") or k == "round/failed_clients"
+            }
+        )
 
 
 class Sized64(Float64Inputs, Sized):
@@ -278,8 +303,15 @@ def fit_one_sample(mode, opt, sizes, rounds=2, **loop_kwargs):
     ``loop_kwargs`` say otherwise."""
     loop_kwargs.setdefault("on_client_error", "skip")
     model, rec, log = to_float64(OneSampleNet()), Recorder(), RoundLog()
-    loop = FederatedLoop(model, client_optimizer=OPTIMIZERS[opt], local_steps=3, clients_per_round=len(sizes), seed=0,
-                         client_execution=mode, **loop_kwargs)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=OPTIMIZERS[opt],
+        local_steps=3,
+        clients_per_round=len(sizes),
+        seed=0,
+        client_execution=mode,
+        **loop_kwargs,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(rounds, callbacks=[FedAvg(), rec, log]).fit(loop, datamodule=Sized64(sizes, batch_size=4))
@@ -300,8 +332,10 @@ def test_a_client_batch_of_one_sample_fails_that_client_as_sequentially(opt):
     seq = fit_one_sample("sequential", opt, sizes)
     vec = fit_one_sample("vectorized", opt, sizes)
     assert len(seq[4]) == 2 * 3 and seq[4] == vec[4]  # clients 0, 1, 2 in both rounds
-    assert "client 0 skipped (ValueError('Expected more than 1 value per channel when training, got input size " \
-           "torch.Size([1, 6])'))" in seq[4][0]
+    assert (
+        "client 0 skipped (ValueError('Expected more than 1 value per channel when training, got input size "
+        "torch.Size([1, 6])'))" in seq[4][0]
+    )
     assert [(u.client_id, u.failed) for u in vec[2]] == [(u.client_id, u.failed) for u in seq[2]]
     assert {u.client_id for u in seq[2] if u.failed} == {0, 1, 2}
     assert_close64(vec[0], seq[0])
@@ -326,22 +360,35 @@ def test_a_client_batch_of_one_sample_under_on_client_error_raise_and_when_every
     run with the first error."""
     messages = []
     for mode in ("sequential", "vectorized"):
-        with pytest.raises(RuntimeError, match=r"round 0: client 0 raised ValueError: Expected more than 1 value per "
-                                               r"channel when training, got input size torch\.Size\(\[1, 6\]\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"round 0: client 0 raised ValueError: Expected more than 1 value per "
+            r"channel when training, got input size torch\.Size\(\[1, 6\]\)",
+        ):
             fit_one_sample(mode, "sgd", [1, 12], on_client_error="raise")
-        with pytest.raises(RuntimeError, match=r"round 0: every client raised an exception \(client \d: ValueError: "
-                                               r"Expected more than 1 value per channel") as err:
+        with pytest.raises(
+            RuntimeError,
+            match=r"round 0: every client raised an exception \(client \d: ValueError: "
+            r"Expected more than 1 value per channel",
+        ) as err:
             fit_one_sample(mode, "sgd", [1, 1, 5], rounds=1)
         messages.append(str(err.value))
     assert messages[0] == messages[1]
 
 
 # ---------------------------------------------------------------------------------------------- refusals
-@pytest.mark.parametrize("kind,loss,match", [
-    ("mlp", "own", r"'net\.1' \(BatchNorm1d\) computes statistics over a client's batch"),
-    ("tokens", "cross_entropy", r"layer 'bn' \(BatchNorm1d\) got an input whose first dimension \(\d+\) is not the "
-                                r"client's padded batch"),
-])
+@pytest.mark.parametrize(
+    "kind,loss,match",
+    [
+        ("mlp", "own", r"'net\.1' \(BatchNorm1d\) computes statistics over a client's batch"),
+        (
+            "tokens",
+            "cross_entropy",
+            r"layer 'bn' \(BatchNorm1d\) got an input whose first dimension \(\d+\) is not the "
+            r"client's padded batch",
+        ),
+    ],
+)
 def test_what_cannot_be_restricted_to_real_samples_is_refused(kind, loss, match):
     with pytest.raises(VectorizationUnsupportedError, match=match):
         fit(BNNet(kind, loss=loss), OPTIMIZERS["sgd"], "vectorized", rounds=1)
@@ -380,10 +427,18 @@ def test_torchvision_resnet18_equals_sequential_with_one_sample_batches():
     this network's training amplifies rounding (``benchmarks/bn_conditioning.py``: scaling the initial weights by
     1 + 1e-15 moves a float64 run by 1e-3), so the split keeps the real batches at 8 samples, where it moves it by
     1e-14."""
+
     def run(mode):
         model, rec = TorchvisionResNet(), Recorder()
-        loop = FederatedLoop(model, client_optimizer=OPTIMIZERS["sgd"], local_steps=2, clients_per_round=4, seed=0,
-                             client_execution=mode, on_client_error="skip")
+        loop = FederatedLoop(
+            model,
+            client_optimizer=OPTIMIZERS["sgd"],
+            local_steps=2,
+            clients_per_round=4,
+            seed=0,
+            client_execution=mode,
+            on_client_error="skip",
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             make_trainer(1, callbacks=[FedAvg(), rec]).fit(loop, datamodule=Images([1, 9, 17, 25], batch_size=8))

@@ -67,10 +67,13 @@ class MetricNet(pl.LightningModule):
         self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
         self.mean_loss = torchmetrics.MeanMetric()
         self.mean_acc = torchmetrics.MeanMetric()
-        self.coll = torchmetrics.MetricCollection({
-            "f1": torchmetrics.classification.MulticlassF1Score(num_classes=10, average="macro"),
-            "top3": torchmetrics.classification.MulticlassAccuracy(num_classes=10, top_k=3, average="micro"),
-        }, prefix="coll_")
+        self.coll = torchmetrics.MetricCollection(
+            {
+                "f1": torchmetrics.classification.MulticlassF1Score(num_classes=10, average="macro"),
+                "top3": torchmetrics.classification.MulticlassAccuracy(num_classes=10, top_k=3, average="micro"),
+            },
+            prefix="coll_",
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -112,8 +115,9 @@ def fit(model, optimizer, mode, rounds=ROUNDS):
     """A float64 copy of ``model`` trained on the float64 digits: (weights, RoundMetrics, loop)."""
     model = to_float64(copy.deepcopy(model))
     rec = RoundMetrics()
-    loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=K, clients_per_round=CPR, seed=3,
-                         client_execution=mode)
+    loop = FederatedLoop(
+        model, client_optimizer=optimizer, local_steps=K, clients_per_round=CPR, seed=3, client_execution=mode
+    )
     make_trainer(rounds, callbacks=[FedAvg(), rec]).fit(loop, datamodule=digits())
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return weights, rec, loop
@@ -148,12 +152,15 @@ def test_the_split_is_ragged_and_armijo_backtracks():
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("variant,names", [
-    ("object", ["acc", "mean_loss"]),
-    ("compute", ["acc", "mean_loss"]),
-    ("batch_value", ["acc_step", "mean_acc"]),
-    ("collection", ["coll_f1", "coll_top3"]),
-])
+@pytest.mark.parametrize(
+    "variant,names",
+    [
+        ("object", ["acc", "mean_loss"]),
+        ("compute", ["acc", "mean_loss"]),
+        ("batch_value", ["acc_step", "mean_acc"]),
+        ("collection", ["coll_f1", "coll_top3"]),
+    ],
+)
 def test_metrics_equal_sequential(opt, variant, names):
     seq = fit(MetricNet(variant), OPTIMIZERS[opt], "sequential")
     vec = fit(MetricNet(variant), OPTIMIZERS[opt], "vectorized")
@@ -190,12 +197,19 @@ def test_steps_after_a_client_stopped_are_not_replayed():
     def run(mode):
         model = to_float64(copy.deepcopy(MetricNet("object")))
         rec = RoundMetrics()
-        loop = FederatedLoop(model, client_optimizer=OPTIMIZERS["armijo"], local_steps=K, clients_per_round=CPR,
-                             seed=3, client_execution=mode)
+        loop = FederatedLoop(
+            model,
+            client_optimizer=OPTIMIZERS["armijo"],
+            local_steps=K,
+            clients_per_round=CPR,
+            seed=3,
+            client_execution=mode,
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the skipped clients
             make_trainer(ROUNDS, callbacks=[FedAvg(), rec]).fit(
-                loop, datamodule=NaNDigits(num_clients=40, batch_size=BATCH, partition=Dirichlet(0.3), seed=0))
+                loop, datamodule=NaNDigits(num_clients=40, batch_size=BATCH, partition=Dirichlet(0.3), seed=0)
+            )
         return flat(model), rec, loop
 
     seq, vec = run("sequential"), run("vectorized")
@@ -265,11 +279,20 @@ class UsesReturnedValue(MetricNet):
         return loss * (1 + 0 * self.acc(logits, y))  # the batch value in arithmetic
 
 
-@pytest.mark.parametrize("model,match", [
-    (BatchMeanMetric, r"'mean_acc' is updated in training_step with a tensor of shape \(\) computed from a client's "
-                      r"batch padded"),
-    (UsesReturnedValue, r"the value that the torchmetrics metric 'acc' returns in training_step is used in arithmetic"),
-])
+@pytest.mark.parametrize(
+    "model,match",
+    [
+        (
+            BatchMeanMetric,
+            r"'mean_acc' is updated in training_step with a tensor of shape \(\) computed from a client's "
+            r"batch padded",
+        ),
+        (
+            UsesReturnedValue,
+            r"the value that the torchmetrics metric 'acc' returns in training_step is used in arithmetic",
+        ),
+    ],
+)
 def test_what_cannot_be_replayed_is_refused_naming_the_metric(model, match):
     with pytest.raises(VectorizationUnsupportedError, match=match):
         fit(model(), OPTIMIZERS["sgd"], "vectorized", rounds=1)
@@ -285,8 +308,14 @@ def test_a_statistic_of_whole_batches_is_replayed():
     runs = []
     for mode in ("sequential", "vectorized"):
         model = to_float64(BatchMeanMetric())
-        loop = FederatedLoop(model, client_optimizer=OPTIMIZERS["sgd"], local_steps=K, clients_per_round=CPR, seed=3,
-                             client_execution=mode)
+        loop = FederatedLoop(
+            model,
+            client_optimizer=OPTIMIZERS["sgd"],
+            local_steps=K,
+            clients_per_round=CPR,
+            seed=3,
+            client_execution=mode,
+        )
         make_trainer(2).fit(loop, datamodule=dm())
         runs.append(loop.client_worker.model.mean_acc)
     # the module never resets it: both hold the mean of the 2 rounds x CPR clients x K batch accuracies
@@ -311,27 +340,39 @@ class RunningMean(torchmetrics.Metric):
         return self.value
 
 
-@pytest.mark.parametrize("make,args,replayed_as_update", [
-    (lambda: torchmetrics.classification.MulticlassAccuracy(num_classes=4, average="micro"), "logits", True),
-    (lambda: torchmetrics.MeanMetric(), "values", True),
-    (lambda: torchmetrics.MaxMetric(), "values", True),
-    (lambda: torchmetrics.CatMetric(), "values", True),
-    (lambda: torchmetrics.classification.MulticlassF1Score(num_classes=4, average="macro"), "logits", True),
-    (lambda: RunningMean(), "values", False),
-], ids=["accuracy", "mean", "max", "cat", "f1", "mean-reduced"])
+@pytest.mark.parametrize(
+    "make,args,replayed_as_update",
+    [
+        (lambda: torchmetrics.classification.MulticlassAccuracy(num_classes=4, average="micro"), "logits", True),
+        (lambda: torchmetrics.MeanMetric(), "values", True),
+        (lambda: torchmetrics.MaxMetric(), "values", True),
+        (lambda: torchmetrics.CatMetric(), "values", True),
+        (lambda: torchmetrics.classification.MulticlassF1Score(num_classes=4, average="macro"), "logits", True),
+        (lambda: RunningMean(), "values", False),
+    ],
+    ids=["accuracy", "mean", "max", "cat", "f1", "mean-reduced"],
+)
 def test_forward_is_replayed_as_update_only_where_the_state_is_the_same(make, args, replayed_as_update):
     """Against torchmetrics' own forward: where the replay uses update, both leave the same state."""
     from fedlightning.vectorized.metrics import _forward_as_update
 
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 4, (6,), generator=g)) if args == "logits"
-               else (torch.randn(5, generator=g),) for _ in range(3)]
+    batches = [
+        (torch.randn(6, 4, generator=g), torch.randint(0, 4, (6,), generator=g))
+        if args == "logits"
+        else (torch.randn(5, generator=g),)
+        for _ in range(3)
+    ]
     by_forward, by_update = make(), make()
     for b in batches:
         by_forward(*b)
         by_update.update(*b)
     assert _forward_as_update(by_forward) is replayed_as_update
-    same = all(torch.equal(torch.as_tensor(torch.cat(a) if isinstance(a, list) else a),
-                           torch.as_tensor(torch.cat(b) if isinstance(b, list) else b))
-               for a, b in ((getattr(by_forward, k), getattr(by_update, k)) for k in by_forward._defaults))
+    same = all(
+        torch.equal(
+            torch.as_tensor(torch.cat(a) if isinstance(a, list) else a),
+            torch.as_tensor(torch.cat(b) if isinstance(b, list) else b),
+        )
+        for a, b in ((getattr(by_forward, k), getattr(by_update, k)) for k in by_forward._defaults)
+    )
     assert same is replayed_as_update

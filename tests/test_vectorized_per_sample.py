@@ -102,7 +102,7 @@ def test_classifier_per_sample_losses_sequences(ignore_index):
     model.log = lambda *a, **k: None  # outside a Trainer
     with torch.no_grad():
         per = model.training_step_per_sample((x, y), 0)
-        alone = torch.stack([model.training_step((x[j:j + 1], y[j:j + 1]), 0) for j in range(5)])
+        alone = torch.stack([model.training_step((x[j : j + 1], y[j : j + 1]), 0) for j in range(5)])
         ref = reference_losses(model(x), y, ignore_index)
     assert per.shape == (5,)
     assert_close64(per, alone)
@@ -127,7 +127,7 @@ def test_classifier_per_sample_losses_flat_outputs_with_ignored_labels():
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([1, 4, 2, 0])
     with torch.no_grad():
         per = model.training_step_per_sample((x, y), 0)
-        alone = torch.stack([model.training_step((x[j:j + 1], y[j:j + 1]), 0) for j in range(4)])
+        alone = torch.stack([model.training_step((x[j : j + 1], y[j : j + 1]), 0) for j in range(4)])
         ref = reference_losses(model(x).unsqueeze(1), y.unsqueeze(1), 4)
     assert torch.isnan(per[1]) and torch.isnan(alone[1]) and torch.isfinite(per[[0, 2, 3]]).all()
     assert_close64(per, alone)
@@ -183,8 +183,13 @@ class Averaged(MLP):
         return super().training_step_per_sample(batch, batch_idx).mean()
 
 
-@pytest.mark.parametrize("cls,match", [(Doubled, r"disagrees with training_step: per-sample losses \[[0-9.]+"),
-                                       (Averaged, r"one loss per sample \(a tensor of shape \(\d+,\)")])
+@pytest.mark.parametrize(
+    "cls,match",
+    [
+        (Doubled, r"disagrees with training_step: per-sample losses \[[0-9.]+"),
+        (Averaged, r"one loss per sample \(a tensor of shape \(\d+,\)"),
+    ],
+)
 def test_bad_protocols_are_refused_with_the_values(cls, match):
     model = cls(input_dim=64, hidden=[16], num_classes=10)
     model.load_state_dict(mlp().state_dict())
@@ -242,8 +247,14 @@ def fit_bf16(model, mode):
     from test_vectorized import digits
 
     model = copy.deepcopy(model)
-    loop = FederatedLoop(model, client_optimizer=CLIENT_OPTIMIZERS["sgd"], local_steps=5, clients_per_round=6, seed=3,
-                         client_execution=mode)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=CLIENT_OPTIMIZERS["sgd"],
+        local_steps=5,
+        clients_per_round=6,
+        seed=3,
+        client_execution=mode,
+    )
     make_trainer(2, callbacks=[FedAvg()], precision="bf16-mixed").fit(loop, datamodule=digits(float64=False))
     return flat(model), loop
 
@@ -303,12 +314,13 @@ def test_padded_step_losses_and_gradients_equal_per_client_autograd(protocol):
     ends = np.cumsum(sizes)
     for c, (n, end) in enumerate(zip(sizes, ends)):
         torch.nn.utils.vector_to_parameters(W[c], params)
-        loss = reference.training_step((x[end - n:end], y[end - n:end]), 0)
+        loss = reference.training_step((x[end - n : end], y[end - n : end]), 0)
         g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
         assert_close64(losses[c], loss.detach())
-        assert_close64(engine.weights.logical(grads[c:c + 1])[0], g)
-    (name, logged), = sink[0][0]
+        assert_close64(engine.weights.logical(grads[c : c + 1])[0], g)
+    ((name, logged),) = sink[0][0]
     assert name == "train/batch_loss"
     assert logged.dtype == torch.float32
-    torch.testing.assert_close(logged.double() / torch.tensor(sizes, dtype=torch.float64), losses, rtol=rtol32(1),
-                               atol=0)
+    torch.testing.assert_close(
+        logged.double() / torch.tensor(sizes, dtype=torch.float64), losses, rtol=rtol32(1), atol=0
+    )

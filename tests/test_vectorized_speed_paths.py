@@ -71,7 +71,7 @@ def test_round_index_equals_iterating_the_samplers(steps, batch_size):
         for k, (matrix, ref_sizes) in enumerate(expected):
             assert sizes[k].tolist() == ref_sizes
             assert widths[k] == max(ref_sizes)
-            got = index[offset:offset + matrix.size].reshape(matrix.shape)
+            got = index[offset : offset + matrix.size].reshape(matrix.shape)
             np.testing.assert_array_equal(got, matrix)
             offset += matrix.size
         assert offset == index.size
@@ -96,7 +96,7 @@ def test_round_batches_generic_samplers_take_the_iterating_path():
     for k in range(6):
         chunks = [b[k] for b in listed]
         matrix = np.concatenate(chunks)[_padded_positions([len(c) for c in chunks])]
-        np.testing.assert_array_equal(index[offset:offset + matrix.size].reshape(matrix.shape), matrix)
+        np.testing.assert_array_equal(index[offset : offset + matrix.size].reshape(matrix.shape), matrix)
         offset += matrix.size
 
 
@@ -184,8 +184,9 @@ def test_feed_router_divides_and_masks_in_evaluation_order():
     v1, v2, v3 = torch.tensor([2.0, 4.0, 6.0]), torch.tensor([1.0, 2.0, 3.0]), torch.tensor([9.0, 8.0, 7.0])
     counts = torch.tensor([2, 4, 3])
     alive = torch.tensor([True, False, True])
-    _feed_router(router, [([("a", v1)], counts, None), ([("a", v2), ("b", v2)], None, alive),
-                          ([("a", v3)], counts, alive)])
+    _feed_router(
+        router, [([("a", v1)], counts, None), ([("a", v2), ("b", v2)], None, alive), ([("a", v3)], counts, alive)]
+    )
     assert _concat(router.captured["a"]).tolist() == [1.0, 1.0, 2.0, 1.0, 3.0, 4.5, float(torch.tensor(7.0) / 3)]
     assert _concat(router.captured["b"]).tolist() == [1.0, 3.0]
 
@@ -485,8 +486,11 @@ def test_check_tolerance_follows_tf32_switches():
     from fedlightning.vectorized.call import _tf32, _tolerance
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
-             torch.get_float32_matmul_precision())
+    saved = (
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
     try:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = False, False
         torch.set_float32_matmul_precision("highest")

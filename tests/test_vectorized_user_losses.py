@@ -132,12 +132,15 @@ def test_merged_defaults_bind_as_the_signature_does(name, monkeypatch):
     torch.testing.assert_close(cells_a, cells_b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("call", [
-    lambda x: F.cross_entropy(x[:, :, 0], Y[:, 0], reduction="sum"),  # not a mean
-    lambda x: F.mse_loss(x[:, :, :1], x[:, :1, 0].unsqueeze(-1).expand(N, 1, 1)),  # shapes differ
-    lambda x: F.mse_loss(x[0], T[0]),  # first dimension is not the batch
-    lambda x: F.mse_loss(x, T, weight=torch.ones_like(T)),  # mse with weight: not recognised
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: F.cross_entropy(x[:, :, 0], Y[:, 0], reduction="sum"),  # not a mean
+        lambda x: F.mse_loss(x[:, :, :1], x[:, :1, 0].unsqueeze(-1).expand(N, 1, 1)),  # shapes differ
+        lambda x: F.mse_loss(x[0], T[0]),  # first dimension is not the batch
+        lambda x: F.mse_loss(x, T, weight=torch.ones_like(T)),  # mse with weight: not recognised
+    ],
+)
 def test_unrecognised_calls_run_unchanged(call):
     mask = (torch.arange(N) < REAL).double()
     interception = LossInterception(N, mask, mask.sum())
@@ -210,7 +213,7 @@ def test_none_equal_answers_for_the_whole_round_tensor_while_it_is_unchanged(mon
     from fedlightning.vectorized import losses
 
     round_targets = torch.arange(60).remainder(7)  # 4 steps of [3, 5]
-    steps = [round_targets[15 * k:15 * (k + 1)].view(3, 5) for k in range(4)]
+    steps = [round_targets[15 * k : 15 * (k + 1)].view(3, 5) for k in range(4)]
     checked = []
     real_any = Tensor.any
     monkeypatch.setattr(Tensor, "any", lambda t, *a: checked.append(t.numel()) or real_any(t, *a))
@@ -286,8 +289,9 @@ class UserCNN(UserMLP):
     def __init__(self):
         super().__init__()
         torch.manual_seed(2)
-        self.net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(),
-                                 nn.Linear(4 * 6 * 6, 10))
+        self.net = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10)
+        )
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
 
     def training_step(self, batch, batch_idx):
@@ -338,10 +342,17 @@ def engine_of(run):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("model_fn,opt", [
-    (UserMLP, "sgd"), (UserMLP, "armijo"), (UserCNN, "sgd"), (UserCNN, "armijo"), (UserRegression, "sgd"),
-    (UserTokens, "sgd"),
-])
+@pytest.mark.parametrize(
+    "model_fn,opt",
+    [
+        (UserMLP, "sgd"),
+        (UserMLP, "armijo"),
+        (UserCNN, "sgd"),
+        (UserCNN, "armijo"),
+        (UserRegression, "sgd"),
+        (UserTokens, "sgd"),
+    ],
+)
 def test_users_modules_take_the_fast_path_and_equal_sequential(model_fn, opt):
     seq = fit(model_fn(), CLIENT_OPTIMIZERS[opt], "sequential")
     vec = fit(model_fn(), CLIENT_OPTIMIZERS[opt], "vectorized")

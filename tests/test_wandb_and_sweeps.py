@@ -72,7 +72,9 @@ def test_quickstart_wandb_offline_logs_per_round_metrics_and_config(tmp_path, mo
     rounds, k, clients = 5, 3, 4
     cli = cli_module.main(
         [
-            "fit", "--config", os.path.join(ROOT, "configs", "quickstart_wandb.yaml"),
+            "fit",
+            "--config",
+            os.path.join(ROOT, "configs", "quickstart_wandb.yaml"),
             f"--trainer.max_steps={rounds}",
             f"--trainer.logger.init_args.save_dir={tmp_path}",
             f"--trainer.default_root_dir={tmp_path}",
@@ -120,8 +122,9 @@ def test_quickstart_wandb_offline_logs_per_round_metrics_and_config(tmp_path, mo
     with torch.no_grad():
         val_acc = float((net(dm.train_dataset.x[val]).argmax(-1) == dm.train_dataset.y[val]).float().mean())
         train_loss = F.cross_entropy(net(dm.train_dataset.x[rows]), dm.train_dataset.y[rows])
-        exact_loss = F.cross_entropy(copy.deepcopy(net).double()(dm.train_dataset.x[rows].double()),
-                                     dm.train_dataset.y[rows])
+        exact_loss = F.cross_entropy(
+            copy.deepcopy(net).double()(dm.train_dataset.x[rows].double()), dm.train_dataset.y[rows]
+        )
         test_acc = float((net(dm.test_dataset.x).argmax(-1) == dm.test_dataset.y).float().mean())
     assert run.series("val/acc") == pytest.approx([val_acc], rel=rtol32(1))  # one rounding of the same ratio
     assert run.series("test/acc") == pytest.approx([test_acc], rel=rtol32(1))
@@ -179,14 +182,16 @@ def test_sweep_file_schema(path):
 
 def test_sweeps_cover_the_papers_grids():
     keys = {os.path.basename(p): set(load_sweep(p)["parameters"]) for p in SWEEPS}
-    assert ({"model.client_optimizer.init_args.c", "model.client_optimizer.init_args.eta_max"}
-            <= keys["fedexpsls_c_eta_max.yaml"])
+    assert {"model.client_optimizer.init_args.c", "model.client_optimizer.init_args.eta_max"} <= keys[
+        "fedexpsls_c_eta_max.yaml"
+    ]
     assert keys["fedexp_eps.yaml"] == {"trainer.callbacks.init_args.eps"}
     assert keys["fedavg_client_lr.yaml"] == {"model.client_optimizer.init_args.lr"}
     assert keys["fedprox_mu.yaml"] == keys["feddane_mu.yaml"] == {"trainer.callbacks.init_args.mu"}
     assert "model.local_steps" in keys["kdecay_k0.yaml"]
     assert load_sweep(os.path.join(ROOT, "configs", "sweeps", "feddane_mu.yaml"))["parameters"][
-        "trainer.callbacks.init_args.mu"]["values"] == [0.0, 0.001, 0.01, 0.1, 1.0]  # seed 003 §2.6
+        "trainer.callbacks.init_args.mu"
+    ]["values"] == [0.0, 0.001, 0.01, 0.1, 1.0]  # seed 003 §2.6
 
 
 def _wandb_agent_reference(sweep, params):
@@ -216,20 +221,39 @@ def test_agent_command_equals_the_wandb_agent(path):
 
 def test_agent_command_macros():
     sweep = {
-        "method": "grid", "metric": {"name": "m", "goal": "minimize"}, "program": "p.py",
+        "method": "grid",
+        "metric": {"name": "m", "goal": "minimize"},
+        "program": "p.py",
         "parameters": {"a": {"values": [1]}, "flag": {"values": [False, True]}},
-        "command": ["${env}", "${interpreter}", "${program}", "${args_no_boolean_flags}", "x${envvar:FEDL_TEST_VAR}",
-                    "${args}"],
+        "command": [
+            "${env}",
+            "${interpreter}",
+            "${program}",
+            "${args_no_boolean_flags}",
+            "x${envvar:FEDL_TEST_VAR}",
+            "${args}",
+        ],
     }
     os.environ["FEDL_TEST_VAR"] = "42"
     try:
         assert agent_command(sweep, {"a": 1, "flag": False}, interpreter="py") == [
-            "/usr/bin/env", "py", "p.py", "--a=1", "x42", "--a=1", "--flag=False"]
-        assert agent_command(sweep, {"a": 1, "flag": True}) [3:5] == ["--a=1", "--flag"]
+            "/usr/bin/env",
+            "py",
+            "p.py",
+            "--a=1",
+            "x42",
+            "--a=1",
+            "--flag=False",
+        ]
+        assert agent_command(sweep, {"a": 1, "flag": True})[3:5] == ["--a=1", "--flag"]
     finally:
         del os.environ["FEDL_TEST_VAR"]
     assert agent_command({k: v for k, v in sweep.items() if k != "command"}, {"a": 2}) == [
-        "/usr/bin/env", "python", "p.py", "--a=2"]  # the agent's default command
+        "/usr/bin/env",
+        "python",
+        "p.py",
+        "--a=2",
+    ]  # the agent's default command
     with pytest.raises(ValueError, match="args_typo"):
         agent_command(dict(sweep, command=["${program}", "${args_typo}"]), {"a": 1})
 
@@ -367,8 +391,9 @@ def test_sweep_grid_order_and_cli_listing(capsys):
     assert _main([os.path.join(ROOT, "configs", "sweeps", "fedexpsls_c_eta_max.yaml")]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 15 and lines[0].startswith("/usr/bin/env python train.py fit --config configs/fedexpsls.yaml")
-    assert lines[-1].endswith("--model.client_optimizer.init_args.c=0.5 "
-                              "--model.client_optimizer.init_args.eta_max=10.0")
+    assert lines[-1].endswith(
+        "--model.client_optimizer.init_args.c=0.5 --model.client_optimizer.init_args.eta_max=10.0"
+    )
     random_sweep = dict(sweep, method="random", parameters={"a": {"min": 0.0, "max": 1.0}})
     with pytest.raises(ValueError, match="no finite grid"):
         sweep_grid(random_sweep)

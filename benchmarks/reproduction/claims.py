@@ -52,12 +52,12 @@ def compare(agg, labels, a: str, b: str, metric: str, higher_better: bool) -> Ve
 
 
 def beats(a: str, b: str, metric: str, higher_better: bool) -> Check:
-    """"``a`` is better than ``b`` on ``metric``"."""
+    """ "``a`` is better than ``b`` on ``metric``"."""
     return lambda agg, labels: compare(agg, labels, a, b, metric, higher_better)
 
 
 def at_least(check: Check) -> Check:
-    """"A is at least as good as B": a tie is consistent with it, reported as ``agrees_tie``, never as ``agrees``."""
+    """ "A is at least as good as B": a tie is consistent with it, reported as ``agrees_tie``, never as ``agrees``."""
 
     def wrapped(agg, labels):
         verdict, detail = check(agg, labels)
@@ -67,7 +67,7 @@ def at_least(check: Check) -> Check:
 
 
 def best(a: str, metric: str, higher_better: bool, among: Sequence[str] | None = None) -> Check:
-    """"``a`` is the best of the algorithms run" (of ``among`` if given): ``a`` against the best other one."""
+    """ "``a`` is the best of the algorithms run" (of ``among`` if given): ``a`` against the best other one."""
 
     def check(agg, labels):
         sa = stat(agg, a, metric)
@@ -116,8 +116,9 @@ def at_most(algos: Sequence[str], metric: str, limit: float, unit: str) -> Check
     return check
 
 
-def no_worse_for_less(algos: Sequence[str], reference: str, metric: str, cost: str, cost_label: str,
-                      group: str) -> Check:
+def no_worse_for_less(
+    algos: Sequence[str], reference: str, metric: str, cost: str, cost_label: str, group: str
+) -> Check:
     """Each of ``algos`` is at least as good as ``reference`` on ``metric`` (higher is better) with a relative
     ``cost`` below 1; a relative cost ≥ 1 disagrees whatever the metric. ``group`` names ``algos`` when none ran."""
 

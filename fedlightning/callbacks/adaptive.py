@@ -19,8 +19,16 @@ import torch
 from fedlightning._validation import in_range, one_of, positive
 from fedlightning.callbacks.base import ServerStrategy
 
-__all__ = ["AdaptiveServerOptimizer", "FedAdagrad", "FedAdam", "FedYogi", "FedAMS", "FedAvgM",
-           "_check_betas", "_moment_statistics"]  # the last two: shared with callbacks.dp
+__all__ = [
+    "AdaptiveServerOptimizer",
+    "FedAdagrad",
+    "FedAdam",
+    "FedYogi",
+    "FedAMS",
+    "FedAvgM",
+    "_check_betas",
+    "_moment_statistics",
+]  # the last two: shared with callbacks.dp
 
 _RULES = ("adagrad", "adam", "yogi", "ams")
 
@@ -142,8 +150,9 @@ class _AdaptiveStrategy(ServerStrategy):
         self._optimizer: torch.optim.Optimizer | None = None
 
     def configure_server_optimizer(self, params):
-        self._optimizer = AdaptiveServerOptimizer(params, lr=self.server_lr, rule=self.rule, betas=self.betas,
-                                                  eps=self.eps)
+        self._optimizer = AdaptiveServerOptimizer(
+            params, lr=self.server_lr, rule=self.rule, betas=self.betas, eps=self.eps
+        )
         return self._optimizer
 
     def on_round_end(self, trainer, pl_module, result) -> None:
@@ -152,8 +161,10 @@ class _AdaptiveStrategy(ServerStrategy):
 
     def __repr__(self) -> str:
         name = "ams_eps" if self.rule == "ams" else "tau"
-        return (f"{type(self).__name__}(server_lr={self.server_lr}, betas={self.betas}, {name}={self.eps}, "
-                f"weighting={self.weighting!r})")
+        return (
+            f"{type(self).__name__}(server_lr={self.server_lr}, betas={self.betas}, {name}={self.eps}, "
+            f"weighting={self.weighting!r})"
+        )
 
 
 def _moment_statistics(opt: torch.optim.Optimizer | None, second: str | None, first: str) -> dict[str, float]:
@@ -183,8 +194,13 @@ class FedAdagrad(_AdaptiveStrategy):
 
     rule = "adagrad"
 
-    def __init__(self, server_lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.99), tau: float = 1e-2,
-                 weighting: str = "uniform"):
+    def __init__(
+        self,
+        server_lr: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.99),
+        tau: float = 1e-2,
+        weighting: str = "uniform",
+    ):
         super().__init__(server_lr, betas, tau, weighting)
 
 
@@ -194,8 +210,13 @@ class FedAdam(_AdaptiveStrategy):
 
     rule = "adam"
 
-    def __init__(self, server_lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.99), tau: float = 1e-2,
-                 weighting: str = "uniform"):
+    def __init__(
+        self,
+        server_lr: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.99),
+        tau: float = 1e-2,
+        weighting: str = "uniform",
+    ):
         super().__init__(server_lr, betas, tau, weighting)
 
 
@@ -205,8 +226,13 @@ class FedYogi(_AdaptiveStrategy):
 
     rule = "yogi"
 
-    def __init__(self, server_lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.99), tau: float = 1e-2,
-                 weighting: str = "uniform"):
+    def __init__(
+        self,
+        server_lr: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.99),
+        tau: float = 1e-2,
+        weighting: str = "uniform",
+    ):
         super().__init__(server_lr, betas, tau, weighting)
 
 
@@ -216,8 +242,13 @@ class FedAMS(_AdaptiveStrategy):
 
     rule = "ams"
 
-    def __init__(self, server_lr: float = 1.0, betas: tuple[float, float] = (0.9, 0.99), ams_eps: float = 1e-3,
-                 weighting: str = "uniform"):
+    def __init__(
+        self,
+        server_lr: float = 1.0,
+        betas: tuple[float, float] = (0.9, 0.99),
+        ams_eps: float = 1e-3,
+        weighting: str = "uniform",
+    ):
         super().__init__(server_lr, betas, ams_eps, weighting)
 
 
@@ -231,8 +262,9 @@ class FedAvgM(ServerStrategy):
         weighting: default ``"samples"`` (Hsu et al. weight by client samples).
     """
 
-    def __init__(self, server_lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False,
-                 weighting: str = "samples"):
+    def __init__(
+        self, server_lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False, weighting: str = "samples"
+    ):
         super().__init__(server_lr=positive("server_lr", server_lr), weighting=weighting)
         momentum = in_range("momentum", momentum, 0.0, 1.0)
         if nesterov and momentum == 0:
@@ -249,6 +281,7 @@ class FedAvgM(ServerStrategy):
         result.metrics.update(_moment_statistics(self._optimizer, None, "momentum_buffer"))
 
     def __repr__(self) -> str:
-        return (f"FedAvgM(server_lr={self.server_lr}, momentum={self.momentum}, nesterov={self.nesterov}, "
-                f"weighting={self.weighting!r})")
-
+        return (
+            f"FedAvgM(server_lr={self.server_lr}, momentum={self.momentum}, nesterov={self.nesterov}, "
+            f"weighting={self.weighting!r})"
+        )

@@ -25,8 +25,16 @@ from fedlightning._lightning_compat import allow_logging_from, current_hook
 from fedlightning._validation import one_of, positive
 from fedlightning.state import ClientUpdate, RoundPlan, RoundStatistics
 
-__all__ = ["FEDERATED_HOOKS", "FederatedCallback", "RoundStatistics", "ServerStep", "ServerStrategy",
-           "accumulate_core", "call_federated_hook", "check_hook_names"]
+__all__ = [
+    "FEDERATED_HOOKS",
+    "FederatedCallback",
+    "RoundStatistics",
+    "ServerStep",
+    "ServerStrategy",
+    "accumulate_core",
+    "call_federated_hook",
+    "check_hook_names",
+]
 
 
 class FederatedCallback(Callback):
@@ -90,7 +98,10 @@ def _uses_legacy_signature(callback: Any, name: str, method: Any, num_args: int)
                 f"{type(callback).__name__}.{name}{_LEGACY_SIGNATURES[name]} uses the old signature of this federated "
                 f"hook; define {name}(self, trainer, pl_module, ...) instead (every federated hook takes the trainer "
                 "and the FederatedLoop first, as Lightning's hooks do). The old signature stops working in the next "
-                "release.", FutureWarning, stacklevel=4)
+                "release.",
+                FutureWarning,
+                stacklevel=4,
+            )
         _legacy_cache[key] = legacy
     return legacy
 
@@ -146,8 +157,13 @@ class ServerStep(NamedTuple):
     metrics: dict[str, float] = {}
 
 
-def accumulate_core(strategy: ServerStrategy, stats: RoundStatistics, update: ClientUpdate,
-                    weight: float | None = None, sq_norm: Tensor | None = None) -> None:
+def accumulate_core(
+    strategy: ServerStrategy,
+    stats: RoundStatistics,
+    update: ClientUpdate,
+    weight: float | None = None,
+    sq_norm: Tensor | None = None,
+) -> None:
     """The round sums every strategy relies on, added by the loop for each healthy client: ``delta`` (Σ w_i Δ_i with
     ``w_i = strategy.client_weight(update)``), ``weight`` (Σ w_i), ``clients``, ``sq_norm_sum`` (Σ‖Δ_i‖²),
     ``weighted_sq_norm_sum`` and, for models with float buffers, ``buffers`` (Σ w_i b_i). ``weight`` and ``sq_norm``
@@ -215,8 +231,9 @@ class ServerStrategy(FederatedCallback):
     def mean_delta(self, stats: RoundStatistics) -> Tensor:
         return stats["delta"] / stats["weight"].to(stats["delta"].dtype)
 
-    def server_update(self, loop, stats: RoundStatistics,
-                      plan: RoundPlan) -> tuple[Tensor, float | None, dict[str, float]]:
+    def server_update(
+        self, loop, stats: RoundStatistics, plan: RoundPlan
+    ) -> tuple[Tensor, float | None, dict[str, float]]:
         """Return the round's :class:`ServerStep` ``(pseudo_gradient, lr_or_None, metrics)``; ``lr=None`` keeps the
         optimizer's own lr. Default: the weighted mean delta (FedAvg)."""
         return ServerStep(self.mean_delta(stats), None, {})

@@ -58,8 +58,15 @@ def client_statistics(values: Any) -> dict[str, float]:
     if not len(v):
         return {s: math.nan for s in STATISTICS}
     p10, p50, p90 = np.percentile(v, [10, 50, 90])
-    return {"mean": float(v.mean()), "std": float(v.std()), "min": float(v.min()), "p10": float(p10),
-            "p50": float(p50), "p90": float(p90), "max": float(v.max())}
+    return {
+        "mean": float(v.mean()),
+        "std": float(v.std()),
+        "min": float(v.min()),
+        "p10": float(p10),
+        "p50": float(p50),
+        "p90": float(p90),
+        "max": float(v.max()),
+    }
 
 
 @dataclass
@@ -119,24 +126,40 @@ class _Recorder:
         self.metrics: dict[str, Any] = {}
         self.batch: Any = None
 
-    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
-            on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",
-            enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
-            add_dataloader_idx: bool = True, batch_size: int | None = None, metric_attribute: str | None = None,
-            rank_zero_only: bool = False) -> None:
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: Any = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
         if _is_metric(value):
             self.metrics[name] = value
             return
         if isinstance(value, Tensor):
             if value.numel() != 1:
-                raise ValueError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; a scalar is "
-                                 "needed (as Lightning requires)")
+                raise ValueError(
+                    f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; a scalar is "
+                    "needed (as Lightning requires)"
+                )
             v = float(value.detach().double().item())
         elif isinstance(value, (int, float, bool, np.number)):
             v = float(value)
         else:
-            raise TypeError(f"self.log({name!r}, ...) got a {type(value).__name__}; log a number, a scalar tensor or "
-                            "a torchmetrics Metric")
+            raise TypeError(
+                f"self.log({name!r}, ...) got a {type(value).__name__}; log a number, a scalar tensor or "
+                "a torchmetrics Metric"
+            )
         fx = _reduction(name, reduce_fx)
         if self.reduce.setdefault(name, fx) != fx:
             raise ValueError(f"{name!r} is logged with reduce_fx {self.reduce[name]!r} and {fx!r} in one evaluation")
@@ -150,10 +173,21 @@ class _Recorder:
             pick = max if fx == "max" else min
             self.sums[name] = pick(self.sums[name], v) if name in self.sums else v
 
-    def log_dict(self, dictionary: Any, prog_bar: bool = False, logger: bool | None = None,
-                 on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",
-                 enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
-                 add_dataloader_idx: bool = True, batch_size: int | None = None, rank_zero_only: bool = False) -> None:
+    def log_dict(
+        self,
+        dictionary: Any,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: Any = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
         for name, value in dictionary.items():
             self.log(name, value, reduce_fx=reduce_fx, batch_size=batch_size)
 
@@ -167,21 +201,34 @@ class _Recorder:
         for name, metric in self.metrics.items():
             value = metric.compute()
             if isinstance(value, Tensor) and value.numel() != 1:
-                raise ValueError(f"the torchmetrics metric logged as {name!r} computes a tensor of shape "
-                                 f"{tuple(value.shape)}; self.log needs a scalar metric")
+                raise ValueError(
+                    f"the torchmetrics metric logged as {name!r} computes a tensor of shape "
+                    f"{tuple(value.shape)}; self.log needs a scalar metric"
+                )
             out[name] = float(value)
         return out
 
 
 def _reduction(name: str, reduce_fx: Any) -> str:
     """``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for Lightning's ``reduce_fx`` (a name or the torch function)."""
-    known = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min", torch.mean: "mean",
-             torch.sum: "sum", torch.max: "max", torch.min: "min"}
+    known = {
+        "mean": "mean",
+        "avg": "mean",
+        "sum": "sum",
+        "max": "max",
+        "min": "min",
+        torch.mean: "mean",
+        torch.sum: "sum",
+        torch.max: "max",
+        torch.min: "min",
+    }
     try:
         return known[reduce_fx]
     except (KeyError, TypeError):
-        raise ValueError(f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): ClientEvaluation reduces 'mean', 'sum', "
-                         "'max' and 'min' over a client's batches") from None
+        raise ValueError(
+            f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): ClientEvaluation reduces 'mean', 'sum', "
+            "'max' and 'min' over a client's batches"
+        ) from None
 
 
 def _is_metric(value: Any) -> bool:
@@ -392,10 +439,15 @@ class ClientEvaluation(FederatedCallback):
         rows = self.client_rows(dm)
         eligible = [c for c, r in enumerate(rows) if len(r) and (self.local_steps == 0 or dm.client_num_samples(c))]
         if not eligible:
-            hint = ("set data val_fraction > 0" if self.split == "val" else
-                    "the data module's test set is empty or no client holds training samples")
-            raise ValueError(f"ClientEvaluation(split={self.split!r}): no client of {type(dm).__name__} has "
-                             f"{self.split} data to evaluate; {hint}")
+            hint = (
+                "set data val_fraction > 0"
+                if self.split == "val"
+                else "the data module's test set is empty or no client holds training samples"
+            )
+            raise ValueError(
+                f"ClientEvaluation(split={self.split!r}): no client of {type(dm).__name__} has "
+                f"{self.split} data to evaluate; {hint}"
+            )
         eligible_arr = np.asarray(eligible, dtype=np.int64)
         if self.clients is None or self.clients >= len(eligible_arr):
             return eligible_arr
@@ -444,8 +496,10 @@ class ClientEvaluation(FederatedCallback):
         if model.ignore_index is not None:
             return False
         cls = type(model)
-        if any(getattr(cls, n) is not getattr(Classifier, n)
-               for n in ("test_step", "validation_step", "_eval", "_logits_targets", "loss")):
+        if any(
+            getattr(cls, n) is not getattr(Classifier, n)
+            for n in ("test_step", "validation_step", "_eval", "_logits_targets", "loss")
+        ):
             return False
         if any(is_overridden(n, model) for n in _BATCH_TRANSFER_HOOKS):
             return False
@@ -454,8 +508,13 @@ class ClientEvaluation(FederatedCallback):
             from torchmetrics.classification import MulticlassAccuracy
         except ImportError:  # pragma: no cover - torchmetrics is a dependency
             return False
-        return (type(metric) is MulticlassAccuracy and metric.average == "micro" and metric.top_k == 1
-                and metric.multidim_average == "global" and metric.ignore_index is None)
+        return (
+            type(metric) is MulticlassAccuracy
+            and metric.average == "micro"
+            and metric.top_k == 1
+            and metric.multidim_average == "global"
+            and metric.ignore_index is None
+        )
 
     def _batches(self, dm, dataset, rows: np.ndarray) -> Iterator[Any]:
         """``rows`` of ``dataset`` in order, ``batch_size`` at a time: one tensor indexing per batch for an in-memory
@@ -466,8 +525,9 @@ class ClientEvaluation(FederatedCallback):
             for chunk in torch.split(torch.as_tensor(rows, dtype=torch.long), bs):
                 yield dataset[chunk]
         else:
-            yield from DataLoader(Subset(dataset, np.asarray(rows).tolist()), batch_size=bs, shuffle=False,
-                                  collate_fn=dm.collate_fn)
+            yield from DataLoader(
+                Subset(dataset, np.asarray(rows).tolist()), batch_size=bs, shuffle=False, collate_fn=dm.collate_fn
+            )
 
     def _prepare(self, model, batch: Any, device) -> Any:
         """A batch as Lightning's evaluation loop hands it to ``test_step``: the precision plugin's conversion, then
@@ -516,14 +576,16 @@ class ClientEvaluation(FederatedCallback):
                 losses = torch.nn.functional.cross_entropy(logits, y, reduction="none")
             n = len(batch[1])
             per_sample = y.numel() // max(n, 1)  # targets per sample (sequence outputs: time steps)
-            who = owner[start:start + n].repeat_interleave(per_sample)
+            who = owner[start : start + n].repeat_interleave(per_sample)
             start += n
             loss.index_add_(0, who, losses.double())
             correct.index_add_(0, who, (logits.argmax(-1) == y).double())
             count.index_add_(0, who, torch.ones_like(losses, dtype=torch.float64))
         stage = self.split
-        return [{f"{stage}/loss": lv / c if c else math.nan, f"{stage}/acc": cv / c if c else math.nan}
-                for lv, cv, c in zip(loss.tolist(), correct.tolist(), count.tolist())]
+        return [
+            {f"{stage}/loss": lv / c if c else math.nan, f"{stage}/acc": cv / c if c else math.nan}
+            for lv, cv, c in zip(loss.tolist(), correct.tolist(), count.tolist())
+        ]
 
     def _adapted(self, pl_module, dm, dataset, rows, client_id: int, round_index: int) -> dict[str, float]:
         """Client ``client_id``'s values for the global model after ``local_steps`` local steps (class docstring,
@@ -548,10 +610,16 @@ class ClientEvaluation(FederatedCallback):
             work.train()
             with routed_logging(work, discard, discard):  # not the round's client/* values
                 worker.run(
-                    client_id=client_id, round=round_index, seed=seed, global_params=gparams,
-                    global_buffers=gbuffers, global_flat=global_flat,
-                    loader=dm.client_dataloader(client_id, round_index, seed=seed), optimizer=opt,
-                    local_steps=self.local_steps, num_samples=dm.client_num_samples(client_id),
+                    client_id=client_id,
+                    round=round_index,
+                    seed=seed,
+                    global_params=gparams,
+                    global_buffers=gbuffers,
+                    global_flat=global_flat,
+                    loader=dm.client_dataloader(client_id, round_index, seed=seed),
+                    optimizer=opt,
+                    local_steps=self.local_steps,
+                    num_samples=dm.client_num_samples(client_id),
                 )
             return self._evaluate_clients(work, dm, dataset, rows, np.asarray([client_id]), pl_module.device)[0]
         finally:
@@ -561,6 +629,8 @@ class ClientEvaluation(FederatedCallback):
                     setattr(m, k, v)
 
     def __repr__(self) -> str:
-        return (f"ClientEvaluation(every_n_rounds={self.every_n_rounds}, after_fit={self.after_fit}, "
-                f"clients={self.clients}, split={self.split!r}, local_steps={self.local_steps}, "
-                f"prefix={self.prefix!r})")
+        return (
+            f"ClientEvaluation(every_n_rounds={self.every_n_rounds}, after_fit={self.after_fit}, "
+            f"clients={self.clients}, split={self.split!r}, local_steps={self.local_steps}, "
+            f"prefix={self.prefix!r})"
+        )

@@ -43,8 +43,9 @@ def adaptive_noise_multiplier(noise_multiplier: float, clipped_count_stddev: flo
             f"adaptive clipping: noise_multiplier={noise_multiplier:g} >= 2·clipped_count_stddev="
             f"{2 * clipped_count_stddev:g}, so the noised clipped count alone would spend the whole privacy budget and "
             "the noise multiplier of the updates, (z^-2 - (2·σ_b)^-2)^-1/2 (Andrew et al. 2021, Theorem 1), is "
-            "undefined: raise clipped_count_stddev (default 0.05 × clients per round) or lower noise_multiplier")
-    return (noise_multiplier ** -2 - (2.0 * clipped_count_stddev) ** -2) ** -0.5
+            "undefined: raise clipped_count_stddev (default 0.05 × clients per round) or lower noise_multiplier"
+        )
+    return (noise_multiplier**-2 - (2.0 * clipped_count_stddev) ** -2) ** -0.5
 
 
 def rdp_epsilon(history: Sequence[Sequence[float]], delta: float) -> float:
@@ -173,7 +174,8 @@ class DPFedAvg(ServerStrategy):
             raise ValueError(
                 "DPFedAvg refuses weighting='samples': weighting client i by its sample count n_i makes the "
                 "sensitivity of the weighted sum n_i·C, unbounded and data dependent, which voids the privacy "
-                "guarantee; use weighting='uniform'")
+                "guarantee; use weighting='uniform'"
+            )
         super().__init__(server_lr=server_lr, weighting=weighting)
         self.clip_norm = in_range("clip_norm", clip_norm, 0.0, low_closed=False, finite=False)
         self.noise_multiplier = non_negative("noise_multiplier", noise_multiplier)
@@ -182,21 +184,25 @@ class DPFedAvg(ServerStrategy):
             raise ValueError(
                 f"clip_norm=inf with noise_multiplier={self.noise_multiplier:g}: unclipped updates have unbounded "
                 "sensitivity, so no amount of noise gives a guarantee (and the noise σ·C would be infinite); set a "
-                "finite clip_norm, or noise_multiplier=0 for clipping-free FedAvg")
+                "finite clip_norm, or noise_multiplier=0 for clipping-free FedAvg"
+            )
         self.server_optimizer = one_of("server_optimizer", server_optimizer, _SERVER_OPTIMIZERS)
         self.server_momentum = in_range("server_momentum", server_momentum, 0.0, 1.0)
         if self.server_momentum and self.server_optimizer != "sgd":
-            raise ValueError(f"server_momentum={self.server_momentum:g} applies to server_optimizer='sgd' only, "
-                             f"got server_optimizer={self.server_optimizer!r} (it has betas)")
+            raise ValueError(
+                f"server_momentum={self.server_momentum:g} applies to server_optimizer='sgd' only, "
+                f"got server_optimizer={self.server_optimizer!r} (it has betas)"
+            )
         self.betas = _check_betas(betas, self.server_optimizer)
         self.tau = positive("tau", tau)
-        self.target_quantile = in_range("target_quantile", target_quantile, 0.0, 1.0, high_closed=True,
-                                        allow_none=True)
+        self.target_quantile = in_range("target_quantile", target_quantile, 0.0, 1.0, high_closed=True, allow_none=True)
         self.clip_learning_rate = positive("clip_learning_rate", clip_learning_rate)
         self.clipped_count_stddev = non_negative("clipped_count_stddev", clipped_count_stddev, allow_none=True)
         if self.target_quantile is None and self.clipped_count_stddev is not None:
-            raise ValueError("clipped_count_stddev is the noise of adaptive clipping's count; set target_quantile "
-                             "to enable adaptive clipping, or leave clipped_count_stddev unset")
+            raise ValueError(
+                "clipped_count_stddev is the noise of adaptive clipping's count; set target_quantile "
+                "to enable adaptive clipping, or leave clipped_count_stddev unset"
+            )
         if self.target_quantile is not None and math.isinf(self.clip_norm):
             raise ValueError("adaptive clipping (target_quantile) needs a finite initial clip_norm")
         if self.target_quantile is not None and self.noise_multiplier > 0 and self.clipped_count_stddev is not None:
@@ -236,7 +242,8 @@ class DPFedAvg(ServerStrategy):
             raise ValueError(
                 f"round {plan.round}: the plan samples client(s) {repeated} more than once; DPFedAvg bounds each "
                 "client's contribution to the round by clip_norm, which a client counted twice exceeds (2·C), so "
-                "the privacy guarantee would not hold: sample distinct clients")
+                "the privacy guarantee would not hold: sample distinct clients"
+            )
 
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -247,7 +254,8 @@ class DPFedAvg(ServerStrategy):
                 f"DPFedAvg: the model has float buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}"
                 "), e.g. BatchNorm running statistics, which the loop averages over clients without clipping or "
                 "noise, outside the privacy guarantee; use GroupNorm/LayerNorm or BatchNorm(track_running_stats="
-                "False)")
+                "False)"
+            )
         population = self.population(pl_module)
         cohort = getattr(pl_module, "clients_per_round", None)
         if cohort is not None and cohort > population:
@@ -255,8 +263,10 @@ class DPFedAvg(ServerStrategy):
         if cohort is not None:
             self.noise_parameters(int(cohort))  # the adaptive-clipping noise refused before round 0
         if self.delta >= 1.0 / population:
-            rank_zero_warn(f"DPFedAvg: delta={self.delta:g} >= 1/N (N={population} clients): a mechanism that "
-                           "publishes one client's data outright meets such a δ; choose delta < 1/N")
+            rank_zero_warn(
+                f"DPFedAvg: delta={self.delta:g} >= 1/N (N={population} clients): a mechanism that "
+                "publishes one client's data outright meets such a δ; choose delta < 1/N"
+            )
 
     def on_round_start(self, trainer, pl_module, plan: RoundPlan) -> None:
         self._check_distinct(plan)
@@ -278,8 +288,10 @@ class DPFedAvg(ServerStrategy):
     def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan) -> ServerStep:
         self._check_distinct(plan)
         if "dp_clipped_sum" not in stats:
-            raise RuntimeError("DPFedAvg.server_update: no clipped sum in the round's statistics (the loop adds "
-                               "DPFedAvg.accumulate's statistics for every healthy client)")
+            raise RuntimeError(
+                "DPFedAvg.server_update: no clipped sum in the round's statistics (the loop adds "
+                "DPFedAvg.accumulate's statistics for every healthy client)"
+            )
         cohort = len(plan.client_ids)
         sigma, count_stddev = self.noise_parameters(cohort)
         clip = self.current_clip_norm
@@ -333,8 +345,9 @@ class DPFedAvg(ServerStrategy):
         if self.server_optimizer == "sgd":
             self._optimizer = torch.optim.SGD(params, lr=self.server_lr, momentum=self.server_momentum)
         else:
-            self._optimizer = AdaptiveServerOptimizer(params, lr=self.server_lr, rule=self.server_optimizer,
-                                                      betas=self.betas, eps=self.tau)
+            self._optimizer = AdaptiveServerOptimizer(
+                params, lr=self.server_lr, rule=self.server_optimizer, betas=self.betas, eps=self.tau
+            )
         return self._optimizer
 
     # ------------------------------------------------------------------ checkpoint
@@ -348,7 +361,11 @@ class DPFedAvg(ServerStrategy):
     def __repr__(self) -> str:
         extra = ""
         if self.adaptive:
-            extra = (f", target_quantile={self.target_quantile}, clip_learning_rate={self.clip_learning_rate}, "
-                     f"clipped_count_stddev={self.clipped_count_stddev}")
-        return (f"DPFedAvg(clip_norm={self.clip_norm}, noise_multiplier={self.noise_multiplier}, delta={self.delta}, "
-                f"server_lr={self.server_lr}, server_optimizer={self.server_optimizer!r}{extra})")
+            extra = (
+                f", target_quantile={self.target_quantile}, clip_learning_rate={self.clip_learning_rate}, "
+                f"clipped_count_stddev={self.clipped_count_stddev}"
+            )
+        return (
+            f"DPFedAvg(clip_norm={self.clip_norm}, noise_multiplier={self.noise_multiplier}, delta={self.delta}, "
+            f"server_lr={self.server_lr}, server_optimizer={self.server_optimizer!r}{extra})"
+        )

@@ -145,8 +145,9 @@ class FedDANE(FedAvg):
         super().__init__(server_lr=1.0, weighting=weighting)
         self.mu = non_negative("mu", mu)
         self.gradient_clients = one_of("gradient_clients", gradient_clients, ("independent", "same"))
-        self.gradient_clients_per_round = integer("gradient_clients_per_round", gradient_clients_per_round,
-                                                  allow_none=True)
+        self.gradient_clients_per_round = integer(
+            "gradient_clients_per_round", gradient_clients_per_round, allow_none=True
+        )
         self.gradient_batch_size = integer("gradient_batch_size", gradient_batch_size, allow_none=True)
         self.correction = bool(correction)
         self._round: int | None = None
@@ -197,7 +198,8 @@ class FedDANE(FedAvg):
         if self.correction:
             if self._global_gradient is None or self._round != plan.round:
                 raise RuntimeError(
-                    "FedDANE's gradient phase did not run for this round (on_round_start was not called)")
+                    "FedDANE's gradient phase did not run for this round (on_round_start was not called)"
+                )
             own = client_full_gradient(pl_module, client_id, plan.round, self.gradient_batch_size)
             directions = split_like(self._global_gradient - own, anchors)
 
@@ -229,4 +231,3 @@ class FedDANE(FedAvg):
             f"FedDANE(mu={self.mu}, gradient_clients={self.gradient_clients!r}, correction={self.correction}, "
             f"weighting={self.weighting!r})"
         )
-

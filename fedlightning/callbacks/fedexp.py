@@ -97,8 +97,9 @@ class FedExP(ServerStrategy):
         eta, raw = fedexp_server_lr(mean_sq, delta_sq, eps)
         return eta, raw, eps
 
-    def server_update(self, loop, stats: RoundStatistics,
-                      plan: RoundPlan) -> tuple[Tensor, float | None, dict[str, float]]:
+    def server_update(
+        self, loop, stats: RoundStatistics, plan: RoundPlan
+    ) -> tuple[Tensor, float | None, dict[str, float]]:
         delta = self.mean_delta(stats)
         eta, raw, eps = self.extrapolation(stats, delta)
         if self.evaluate_iterate_average:
@@ -150,4 +151,3 @@ class FedExP(ServerStrategy):
             f"FedExP(eps={self.eps}, scale_eps_by_clients={self.scale_eps_by_clients}, "
             f"evaluate_iterate_average={self.evaluate_iterate_average}, weighting={self.weighting!r})"
         )
-

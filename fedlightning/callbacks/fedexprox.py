@@ -70,8 +70,9 @@ class FedExProx(ServerStrategy):
         weighting: ``"uniform"`` (default, the paper) or ``"samples"``.
     """
 
-    def __init__(self, mu: float, rule: str = "grads", server_lr: float = 1.0, eps: float = 0.0,
-                 weighting: str = "uniform"):
+    def __init__(
+        self, mu: float, rule: str = "grads", server_lr: float = 1.0, eps: float = 0.0, weighting: str = "uniform"
+    ):
         super().__init__(server_lr=server_lr, weighting=weighting)
         self.mu = non_negative("mu", mu)
         self.rule = one_of("rule", rule, _RULES)
@@ -105,5 +106,7 @@ class FedExProx(ServerStrategy):
         return delta, alpha, metrics
 
     def __repr__(self) -> str:
-        return (f"FedExProx(mu={self.mu}, rule={self.rule!r}, server_lr={self.server_lr}, eps={self.eps}, "
-                f"weighting={self.weighting!r})")
+        return (
+            f"FedExProx(mu={self.mu}, rule={self.rule!r}, server_lr={self.server_lr}, eps={self.eps}, "
+            f"weighting={self.weighting!r})"
+        )

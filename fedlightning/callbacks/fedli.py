@@ -25,8 +25,9 @@ from fedlightning.state import ClientUpdate, RoundPlan, flat_params
 __all__ = ["FedLiLS", "FedLiLU", "DFWServerOptimizer", "dfw_gamma"]
 
 
-def dfw_gamma(pseudo_objective: float, delta: Tensor, weights: Tensor, lr: float, weight_decay: float,
-              eps: float) -> tuple[float, float]:
+def dfw_gamma(
+    pseudo_objective: float, delta: Tensor, weights: Tensor, lr: float, weight_decay: float, eps: float
+) -> tuple[float, float]:
     """``(γ_t, raw)``: DFW's optimal step ``raw = (F̂ − η⟨λw, Δ⟩)/(η‖Δ‖² + ε)`` and its clip to ``[0, 1]``."""
     d = delta.double()
     r = weights.double() * weight_decay
@@ -196,8 +197,9 @@ class FedLiLU(ServerStrategy):
         self._optimizer: DFWServerOptimizer | None = None
 
     def configure_server_optimizer(self, params):
-        self._optimizer = DFWServerOptimizer(params, lr=self.server_lr, momentum=self.momentum,
-                                             weight_decay=self.weight_decay)
+        self._optimizer = DFWServerOptimizer(
+            params, lr=self.server_lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
         return self._optimizer
 
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:

@@ -110,7 +110,10 @@ def error_lr_scale(loss: float, reference_loss: float) -> float:
 
 
 def simulated_round_seconds(
-    model_megabits: float, local_steps: int, seconds_per_batch: float, download_mbps: float = 20.0,
+    model_megabits: float,
+    local_steps: int,
+    seconds_per_batch: float,
+    download_mbps: float = 20.0,
     upload_mbps: float = 5.0,
 ) -> float:
     """Seed 004 Eq. 4 for one (homogeneous) round: ``|x|/D + K·β + |x|/U`` seconds."""
@@ -283,7 +286,8 @@ class KDecay(FederatedCallback):
             raise ValueError(
                 f"KDecay(decay='local_steps') schedules a number of local steps K_r from K_0, but the loop trains "
                 f"model.local_epochs={epochs} (each client's own step count); set KDecay(decay='client_lr') to decay "
-                "the client step size with the epochs kept, or model.local_steps instead of model.local_epochs")
+                "the client step size with the epochs kept, or model.local_steps instead of model.local_epochs"
+            )
         if self.decay == "client_lr":
             check_client_step_scalable(pl_module.client_optimizer_factory(list(pl_module.global_parameters())))
 

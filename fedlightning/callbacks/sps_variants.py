@@ -238,8 +238,10 @@ class FedSPSGlobal(ServerStrategy):
             new = self._capped_ratio(float(stats["sps_gap_sum"]) / n, float(stats["sps_grad_sq_sum"]) / n)
         if new > 0 and math.isfinite(new):  # a round of all-degenerate clients keeps the previous step
             self.step_size = new
-        metrics = {"server/sps_global_step_size": float(used),
-                   "server/sps_global_next_step_size": float(self.step_size)}
+        metrics = {
+            "server/sps_global_step_size": float(used),
+            "server/sps_global_next_step_size": float(self.step_size),
+        }
         return self.mean_delta(stats), None, metrics
 
     # ------------------------------------------------------------------ checkpoint
@@ -250,5 +252,7 @@ class FedSPSGlobal(ServerStrategy):
         self.step_size = state_dict.get("step_size")
 
     def __repr__(self) -> str:
-        return (f"FedSPSGlobal(c={self.c}, gamma_max={self.gamma_max}, f_star={self.f_star}, "
-                f"aggregation={self.aggregation!r}, initial_step_size={self.initial_step_size})")
+        return (
+            f"FedSPSGlobal(c={self.c}, gamma_max={self.gamma_max}, f_star={self.f_star}, "
+            f"aggregation={self.aggregation!r}, initial_step_size={self.initial_step_size})"
+        )

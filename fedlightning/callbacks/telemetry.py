@@ -265,5 +265,7 @@ class GlobalEvaluation(FederatedCallback):
         return out
 
     def __repr__(self) -> str:
-        return (f"GlobalEvaluation(split={self.split!r}, every_n_rounds={self.every_n_rounds}, "
-                f"max_samples={self.max_samples})")
+        return (
+            f"GlobalEvaluation(split={self.split!r}, every_n_rounds={self.every_n_rounds}, "
+            f"max_samples={self.max_samples})"
+        )

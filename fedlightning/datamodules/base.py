@@ -126,8 +126,14 @@ class ClientBatchSampler(Sampler[list[int]]):
     (``DataLoader`` would yield nothing and the client would fail).
     """
 
-    def __init__(self, indices: np.ndarray, batch_size: int, generator: torch.Generator | None, shuffle=True,
-                 drop_last: bool = False):
+    def __init__(
+        self,
+        indices: np.ndarray,
+        batch_size: int,
+        generator: torch.Generator | None,
+        shuffle=True,
+        drop_last: bool = False,
+    ):
         self.indices = torch.as_tensor(np.asarray(indices), dtype=torch.long)
         self.batch_size = int(batch_size)
         self.generator = generator
@@ -215,6 +221,7 @@ def _row_taker(dataset: ArrayDataset):
     """``idx -> (x[idx], y[idx])`` with ``index_select`` (same rows as advanced indexing, less dispatch work)."""
     x, y = dataset.x, dataset.y
     if isinstance(x, Tensor) and isinstance(y, Tensor):
+
         def take(idx):
             if not isinstance(idx, Tensor):  # index lists from a generic batch sampler
                 idx = torch.as_tensor(idx, dtype=torch.long)
@@ -606,8 +613,9 @@ class FederatedDataModule(pl.LightningDataModule):
         workers = torch.Generator().manual_seed(derive_seed(seed, "workers", round, client_id))
         return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers, generator=workers)
 
-    def client_eval_indices(self, split: str = "test", assignment: str = "labels",
-                            seed: int | None = None) -> list[np.ndarray]:
+    def client_eval_indices(
+        self, split: str = "test", assignment: str = "labels", seed: int | None = None
+    ) -> list[np.ndarray]:
         """Each client's own evaluation rows: one sorted ``int64`` array per client, rows of :attr:`test_dataset`
         (``split="test"``) or of the training set (``split="val"``; read through :meth:`evaluation_view`).
 
@@ -635,8 +643,10 @@ class FederatedDataModule(pl.LightningDataModule):
             seed: the shuffle's seed (default: the data module's ``seed``).
         """
         if split not in ("test", "val") or assignment not in ("labels", "size"):
-            raise ValueError(f"client_eval_indices: split must be 'test' or 'val' and assignment 'labels' or 'size', "
-                             f"got split={split!r}, assignment={assignment!r}")
+            raise ValueError(
+                f"client_eval_indices: split must be 'test' or 'val' and assignment 'labels' or 'size', "
+                f"got split={split!r}, assignment={assignment!r}"
+            )
         self._require_setup()
         own = self.client_test_indices if split == "test" else self.client_val_indices
         if own is not None:
@@ -653,6 +663,7 @@ class FederatedDataModule(pl.LightningDataModule):
         if assignment == "size":
             groups = [(rows, self._num_samples.astype(np.int64))]
         else:
+
             def labels_of(set_name: str) -> np.ndarray | None:
                 known = self._label_array(set_name)
                 if known is None:
@@ -698,23 +709,30 @@ class FederatedDataModule(pl.LightningDataModule):
             dealt = group[rng.permutation(m)]
             bounds = np.concatenate([[0], np.cumsum(quota)])
             for i in np.flatnonzero(quota):
-                parts[i].append(dealt[bounds[i]: bounds[i + 1]])
+                parts[i].append(dealt[bounds[i] : bounds[i + 1]])
         if unassigned:
             warnings.warn(
                 f"{type(self).__name__}: {unassigned} {split} sample(s) have a class that no client trains on and "
-                f"belong to no client's {split} data", stacklevel=2)
+                f"belong to no client's {split} data",
+                stacklevel=2,
+            )
         return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.empty(0, dtype=np.int64) for p in parts]
 
     def _loader_options(self, workers: int) -> dict:
         """The user's DataLoader options (class attributes above) for a per-sample loader with ``workers``."""
-        options = dict(num_workers=workers, collate_fn=self.collate_fn, pin_memory=self.pin_memory,
-                       worker_init_fn=self.worker_init_fn)
+        options = dict(
+            num_workers=workers,
+            collate_fn=self.collate_fn,
+            pin_memory=self.pin_memory,
+            worker_init_fn=self.worker_init_fn,
+        )
         if workers > 0:
             options.update(persistent_workers=self.persistent_workers, prefetch_factor=self.prefetch_factor)
         return options
 
-    def _loader_from_batches(self, dataset: Dataset, batch_sampler: Sampler, workers: int = 0,
-                             generator: torch.Generator | None = None):
+    def _loader_from_batches(
+        self, dataset: Dataset, batch_sampler: Sampler, workers: int = 0, generator: torch.Generator | None = None
+    ):
         if isinstance(dataset, ArrayDataset) and self.collate_fn is None and not reference_mode():
             # batched fast path: one tensor indexing per batch, no per-sample fetch/collate, no DataLoader machinery
             return ArrayBatchLoader(dataset, batch_sampler)
@@ -735,8 +753,9 @@ class FederatedDataModule(pl.LightningDataModule):
         :meth:`client_batches_per_epoch`, at least 1 (:func:`epoch_steps`)."""
         return epoch_steps(epochs, self.client_batches_per_epoch(client_id))
 
-    def configure_rounds(self, clients_per_round: int, local_steps: int | None, seed: int,
-                         local_epochs: float | None = None) -> None:
+    def configure_rounds(
+        self, clients_per_round: int, local_steps: int | None, seed: int, local_epochs: float | None = None
+    ) -> None:
         """Called by the FederatedLoop at setup: how many clients a round samples, with which seed, and how many
         local steps each runs (``local_steps`` for all, or ``local_epochs``: :meth:`client_epoch_steps` each)."""
         self._require_setup()
@@ -790,8 +809,9 @@ class FederatedDataModule(pl.LightningDataModule):
             return DataLoader(dataset, sampler=sampler, batch_size=None)  # a real DataLoader for Lightning
         if indices is not None:
             dataset = Subset(dataset, np.asarray(indices).tolist())
-        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False,
-                          **self._loader_options(self.num_workers))
+        return DataLoader(
+            dataset, batch_size=self.eval_batch_size, shuffle=False, **self._loader_options(self.num_workers)
+        )
 
     def _val_monitors(self) -> list[str]:
         trainer = self._trainer_ref()

@@ -28,8 +28,7 @@ from fedlightning._validation import positive
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, FederatedDataModule
 from fedlightning.datamodules.partition import Dirichlet, Partitioner
 
-__all__ = ["Cifar10DataModule", "Cifar100DataModule", "CifarImages", "PachinkoPartition", "read_cifar",
-           "OFFICIAL_MD5"]
+__all__ = ["Cifar10DataModule", "Cifar100DataModule", "CifarImages", "PachinkoPartition", "read_cifar", "OFFICIAL_MD5"]
 
 _CIFAR = {
     10: {
@@ -79,8 +78,23 @@ _ALLOWED_GLOBALS = {
     ("numpy", "ndarray"): None,
     ("numpy", "dtype"): None,
     ("collections", "OrderedDict"): None,
-    **{("builtins", n): None for n in ("set", "frozenset", "bytearray", "bytes", "complex", "int", "float", "bool",
-                                       "str", "list", "dict", "tuple")},
+    **{
+        ("builtins", n): None
+        for n in (
+            "set",
+            "frozenset",
+            "bytearray",
+            "bytes",
+            "complex",
+            "int",
+            "float",
+            "bool",
+            "str",
+            "list",
+            "dict",
+            "tuple",
+        )
+    },
 }
 
 
@@ -199,8 +213,16 @@ def read_cifar(data_dir: str, num_classes: int, split: str) -> tuple[np.ndarray,
                 coarse.append(np.asarray(_get(entry, "coarse_labels"), dtype=np.int64))
         except _RefusedGlobal as e:
             raise ValueError(str(e)) from None
-        except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, AttributeError, IndexError,
-                LookupError) as e:
+        except (
+            pickle.UnpicklingError,
+            EOFError,
+            KeyError,
+            TypeError,
+            ValueError,
+            AttributeError,
+            IndexError,
+            LookupError,
+        ) as e:
             raise ValueError(f"{p} is not a CIFAR python pickle (dict with data and labels): {e!r}") from None
         if data.ndim != 2 or data.shape[1] != 3072 or len(data) != len(labels):
             raise ValueError(f"{p}: expected data of shape (N, 3072) and N labels, got {data.shape} / {len(labels)}")
@@ -250,7 +272,7 @@ class CifarImages(Dataset):
             top = torch.randint(0, 2 * p + 1, (B,))
             left = torch.randint(0, 2 * p + 1, (B,))
             flip = torch.rand(B) < 0.5
-            rows = (top[:, None] + torch.arange(H)[None, :])  # (B, H)
+            rows = top[:, None] + torch.arange(H)[None, :]  # (B, H)
             cols = left[:, None] + torch.arange(W)[None, :]  # (B, W)
             cols = torch.where(flip[:, None], cols.flip(1), cols)
             b = torch.arange(B)[:, None, None]

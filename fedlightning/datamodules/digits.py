@@ -50,11 +50,9 @@ class DigitsDataModule(FederatedDataModule):
         from sklearn.model_selection import train_test_split
 
         data = load_digits()
-        x = (data.data.astype(np.float32) / 16.0)
+        x = data.data.astype(np.float32) / 16.0
         y = data.target.astype(np.int64)
-        xtr, xte, ytr, yte = train_test_split(
-            x, y, test_size=self.test_fraction, random_state=self.seed, stratify=y
-        )
+        xtr, xte, ytr, yte = train_test_split(x, y, test_size=self.test_fraction, random_state=self.seed, stratify=y)
         train = ArrayDataset(torch.from_numpy(xtr), torch.from_numpy(ytr))
         test = ArrayDataset(torch.from_numpy(xte), torch.from_numpy(yte))
         return train, test, ytr

@@ -57,8 +57,11 @@ def _describe(value: Any) -> str:
         return f"a dict with keys {sorted(map(str, value))}"
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)} elements"
-    return f"a {type(value).__name__} ({value!r})" if isinstance(value, (int, float, str, bool)) else \
-        f"a {type(value).__name__}"
+    return (
+        f"a {type(value).__name__} ({value!r})"
+        if isinstance(value, (int, float, str, bool))
+        else f"a {type(value).__name__}"
+    )
 
 
 class _Reader:
@@ -271,8 +274,7 @@ class DatasetDataModule(FederatedDataModule):
         self.check_labels = flag("check_labels", check_labels)
         num_classes = integer("num_classes", num_classes, 1, allow_none=True, show_name=True)
         self.label_key = label_key
-        self._set_loader_options(collate_fn, drop_last, pin_memory, persistent_workers, prefetch_factor,
-                                 worker_init_fn)
+        self._set_loader_options(collate_fn, drop_last, pin_memory, persistent_workers, prefetch_factor, worker_init_fn)
         self._train_source = self._check_source(train, "train")
         self._test_source = None if test is None else self._check_source(test, "test")
         self._val_source = None if val is None else self._check_source(val, "val")
@@ -294,8 +296,11 @@ class DatasetDataModule(FederatedDataModule):
         #: number of classes: ``num_classes=``, else the size of the training set's ``ClassLabel``, else None
         self.num_classes = num_classes if num_classes is not None else (len(names) if names is not None else None)
         self._classes_from = (
-            f"num_classes={num_classes}" if num_classes is not None
-            else f"the ClassLabel feature {self._train_reader.label_key!r} of train" if names is not None else None
+            f"num_classes={num_classes}"
+            if num_classes is not None
+            else f"the ClassLabel feature {self._train_reader.label_key!r} of train"
+            if names is not None
+            else None
         )
         self._label_arrays: dict = {}
         self._read_pass: np.ndarray | None = None
@@ -307,8 +312,9 @@ class DatasetDataModule(FederatedDataModule):
         return bool(getattr(self.partition, "needs_labels", not isinstance(self.partition, IID)))
 
     # ------------------------------------------------------------------ construction checks
-    def _set_loader_options(self, collate_fn, drop_last, pin_memory, persistent_workers, prefetch_factor,
-                            worker_init_fn) -> None:
+    def _set_loader_options(
+        self, collate_fn, drop_last, pin_memory, persistent_workers, prefetch_factor, worker_init_fn
+    ) -> None:
         """The DataLoader options (rules: class docstring, "DataLoader options"), checked."""
         for name, fn in (("collate_fn", collate_fn), ("worker_init_fn", worker_init_fn)):
             if fn is not None and not callable(fn):
@@ -351,11 +357,15 @@ class DatasetDataModule(FederatedDataModule):
         reader.label0 = reader(sample)
         if self.check_labels and isinstance(reader.label0, (str, bytes)):
             if _is_hf(dataset):
-                fix = (f"cast the column with {name} = {name}.class_encode_column({reader.label_key!r}) (a Hugging "
-                       f"Face ClassLabel maps each string to a class id)")
+                fix = (
+                    f"cast the column with {name} = {name}.class_encode_column({reader.label_key!r}) (a Hugging "
+                    f"Face ClassLabel maps each string to a class id)"
+                )
             else:
-                fix = ("return integer class ids from __getitem__ (e.g. classes.index(label)), or build a Hugging Face "
-                       "data set and cast the column with class_encode_column")
+                fix = (
+                    "return integer class ids from __getitem__ (e.g. classes.index(label)), or build a Hugging Face "
+                    "data set and cast the column with class_encode_column"
+                )
             raise ValueError(
                 f"{name} labels are strings ({reader.where(name, 0)} is {_scalar(reader.label0)!r}), but a model needs "
                 f"integer class ids: {fix}; or pass check_labels=False to serve the strings as they are"
@@ -410,8 +420,11 @@ class DatasetDataModule(FederatedDataModule):
         if test is not None and list(test.names) != names:
             other = list(test.names)
             i = next((i for i, (a, b) in enumerate(zip(names, other)) if a != b), min(len(names), len(other)))
-            differ = (f"class {i} is {names[i]!r} in train but {other[i]!r} in test" if i < min(len(names), len(other))
-                      else f"train has {len(names)} names, test {len(other)}")
+            differ = (
+                f"class {i} is {names[i]!r} in train but {other[i]!r} in test"
+                if i < min(len(names), len(other))
+                else f"train has {len(names)} names, test {len(other)}"
+            )
             key = self._train_reader.label_key
             raise ValueError(
                 f"the ClassLabel names of train and test differ ({differ}), so one class id would mean two classes; "
@@ -468,8 +481,11 @@ class DatasetDataModule(FederatedDataModule):
             return SampleView(dataset, reader, name=name)
         if not reader.pair or self.collate_fn is not None:
             if option is True:
-                why = ("collate_fn is given (it builds the batches)" if self.collate_fn is not None
-                       else f"{name} sample 0 is {_describe(dataset[0])}")
+                why = (
+                    "collate_fn is given (it builds the batches)"
+                    if self.collate_fn is not None
+                    else f"{name} sample 0 is {_describe(dataset[0])}"
+                )
                 raise ValueError(
                     f"in_memory=True holds (x, y) pair samples batched by the default collate, but {why}; use "
                     f"in_memory=False or 'auto'"
@@ -523,8 +539,12 @@ class DatasetDataModule(FederatedDataModule):
         if isinstance(source, TensorDataset) and len(source.tensors) == 2:
             candidates.append(("the second tensor of the TensorDataset", lambda: source.tensors[1]))
         if _is_hf(source) and reader.kind == "dict":
-            candidates.append((f"the Hugging Face column {reader.label_key!r}",
-                               lambda: source.with_format("numpy", columns=[reader.label_key])[:][reader.label_key]))
+            candidates.append(
+                (
+                    f"the Hugging Face column {reader.label_key!r}",
+                    lambda: source.with_format("numpy", columns=[reader.label_key])[:][reader.label_key],
+                )
+            )
         targets = getattr(source, "targets", None)
         if targets is not None:
             candidates.append(("the train.targets attribute", lambda: targets))
@@ -535,8 +555,9 @@ class DatasetDataModule(FederatedDataModule):
         elif reader.kind == "none":
             tried.append(f"{reader.describe()}")
         elif self.needs_labels:
-            candidates.append((f"{reader.describe()}, every sample read",
-                               lambda: self._remember(_read_labels(source, reader))))
+            candidates.append(
+                (f"{reader.describe()}, every sample read", lambda: self._remember(_read_labels(source, reader)))
+            )
         for what, get in candidates:
             try:
                 arr = get()
@@ -678,8 +699,7 @@ def _is_float_label(y: Any) -> bool:
     return isinstance(y, (float, np.floating)) or (isinstance(y, np.ndarray) and y.ndim == 0 and y.dtype.kind == "f")
 
 
-def _served_labels(data: Dataset, source: Any, reader: _Reader,
-                   read_pass: np.ndarray | None) -> np.ndarray | None:
+def _served_labels(data: Dataset, source: Any, reader: _Reader, read_pass: np.ndarray | None) -> np.ndarray | None:
     """The 1-D labels ``data`` serves, when known without another pass over the samples: the in-memory ``y``, a
     Hugging Face label column, or the labels of the pass made for a label partition; None: not scanned."""
     if isinstance(data, ArrayDataset):
@@ -812,13 +832,13 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
     options: dict = {}
     if loader.collate_fn is not default_collate:
         options["collate_fn"] = loader.collate_fn
-    batch_size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size",
-                                                                                   None)
+    batch_size = (
+        loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    )
     if batch_size is not None:
         options["batch_size"] = int(batch_size)
     options["drop_last"] = bool(loader.drop_last or getattr(loader.batch_sampler, "drop_last", False))
-    options.update(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                   worker_init_fn=loader.worker_init_fn)
+    options.update(num_workers=loader.num_workers, pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn)
     if loader.num_workers > 0:
         options.update(persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor)
     val = None

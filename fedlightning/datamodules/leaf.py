@@ -120,8 +120,11 @@ def _check_unique_users(split: str, users: list[str], files: list[str]) -> None:
     first: dict[str, str] = {}
     for user, path in zip(users, files):
         if user in first:
-            where = (f"{path}: user {user!r} is listed twice in 'users'" if first[user] == path
-                     else f"user {user!r} is listed in two {split} files, {first[user]} and {path}")
+            where = (
+                f"{path}: user {user!r} is listed twice in 'users'"
+                if first[user] == path
+                else f"user {user!r} is listed in two {split} files, {first[user]} and {path}"
+            )
             raise ValueError(
                 f"{where}; a LEAF user must appear once per split (its samples would be trained on twice and could "
                 f"leak into the validation split)"
@@ -132,8 +135,11 @@ def _check_unique_users(split: str, users: list[str], files: list[str]) -> None:
 def _json_features(name: str):
     from datasets import Features, Sequence, Value
 
-    x = {"femnist": Sequence(Sequence(Value("float32"))), "shakespeare": Sequence(Value("string")),
-         "sent140": Sequence(Value("string"))}[name]
+    x = {
+        "femnist": Sequence(Sequence(Value("float32"))),
+        "shakespeare": Sequence(Value("string")),
+        "sent140": Sequence(Value("string")),
+    }[name]
     y = Sequence(Value("string")) if name == "shakespeare" else Sequence(Value("int64"))
     return Features({"file": Value("string"), "split": Value("string"), "user": Value("string"), "x": x, "y": y})
 
@@ -169,7 +175,6 @@ def _concat(parts: list[object]):
     if isinstance(parts[0], list):
         return [s for p in parts for s in p]
     return np.concatenate(parts)
-
 
 
 class LeafDataModule(FederatedDataModule):
@@ -377,8 +382,9 @@ class LeafDataModule(FederatedDataModule):
             codes = np.array([users.setdefault(user_col[r], len(users)) for r in rows], dtype=np.int64)
             self._note_files(split, codes, [file_col[r] for r in rows])
             x = self._decode_json_x(sub, counts, [file_col[r] for r in rows])
-            y = self._decode_labels(sub.column("y").combine_chunks().flatten(), np.repeat(rows, counts), file_col,
-                                    user_col)
+            y = self._decode_labels(
+                sub.column("y").combine_chunks().flatten(), np.repeat(rows, counts), file_col, user_col
+            )
             out[split] = _Part(x=x, y=y, user=np.repeat(codes, counts))
         return out
 
@@ -412,8 +418,9 @@ class LeafDataModule(FederatedDataModule):
             )
         return encode_text("".join(strings.to_pylist())).reshape(-1, self.seq_length)
 
-    def _decode_labels(self, values, sample_rows: np.ndarray, row_file: list[str],
-                       row_user: list[str] | None = None) -> np.ndarray:
+    def _decode_labels(
+        self, values, sample_rows: np.ndarray, row_file: list[str], row_user: list[str] | None = None
+    ) -> np.ndarray:
         """Labels as int64 in [0, num_classes), or a ValueError naming the file, the user (``row_user``: the user of
         each table row, when the rows are users) and the value."""
         if self.name == "shakespeare":
@@ -509,12 +516,18 @@ class LeafDataModule(FederatedDataModule):
             return {"pixels": out}
 
         with _quiet_datasets():
-            pix = ds.map(decode, batched=True, batch_size=1000, remove_columns=[c for c in cols if c != label],
-                         features=datasets.Features({label: ds.features[label],
-                                                     "pixels": datasets.Sequence(datasets.Value("uint8"))}))
+            pix = ds.map(
+                decode,
+                batched=True,
+                batch_size=1000,
+                remove_columns=[c for c in cols if c != label],
+                features=datasets.Features(
+                    {label: ds.features[label], "pixels": datasets.Sequence(datasets.Value("uint8"))}
+                ),
+            )
         table = pix.data.table
         x = table.column("pixels").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        x = (x.reshape(-1, 784).astype(np.float32) / 255.0)
+        x = x.reshape(-1, 784).astype(np.float32) / 255.0
         y = self._decode_labels(table.column(label).combine_chunks(), np.zeros(len(pix), dtype=np.int64), [where])
         return x, y
 
@@ -662,8 +675,11 @@ class LeafDataModule(FederatedDataModule):
         """``client 3, user 'f_0003', in <its files>`` (the files of the split the row comes from)."""
         label = super()._client_label(client_id, set_name)
         splits = ("train", "test") if self._resplit else (set_name,)
-        files = [self._files[int(self._client_files[split][client_id])] for split in splits
-                 if split in self._client_files and self._client_files[split][client_id] >= 0]
+        files = [
+            self._files[int(self._client_files[split][client_id])]
+            for split in splits
+            if split in self._client_files and self._client_files[split][client_id] >= 0
+        ]
         return label + (f", in {', '.join(files)}" if files else "")
 
     def _bag_of_words(self, texts_tr: list[str], texts_te: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -95,8 +95,9 @@ class LibsvmDataModule(FederatedDataModule):
         try:
             x, y = load_svmlight_file(path, n_features=self.num_features)
         except ValueError as e:
-            raise ValueError(f"{path} is not a valid svmlight file for {self.name} "
-                             f"({self.num_features} features): {e}") from None
+            raise ValueError(
+                f"{path} is not a valid svmlight file for {self.name} ({self.num_features} features): {e}"
+            ) from None
         neg, pos = self.label_pair
         bad = np.flatnonzero((y != neg) & (y != pos))
         if len(bad):

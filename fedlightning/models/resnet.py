@@ -142,8 +142,9 @@ class ResNet(Classifier):
 class ResNet18(ResNet):
     """ResNet-18 for 32×32 images (basic blocks [2, 2, 2, 2]); 11,173,962 parameters for 10 classes."""
 
-    def __init__(self, num_classes: int = 10, norm: str = "group", num_groups: int = 2, width: int = 64,
-                 lr: float = 0.1):
+    def __init__(
+        self, num_classes: int = 10, norm: str = "group", num_groups: int = 2, width: int = 64, lr: float = 0.1
+    ):
         super().__init__("basic", (2, 2, 2, 2), num_classes, norm, num_groups, width, 3, lr)
 
 

@@ -36,9 +36,7 @@ __all__ = [
 ]
 
 
-def epoch_exponent(
-    n_batches_per_epoch: float | None, batch_size: int | None, num_samples: int | None
-) -> float | None:
+def epoch_exponent(n_batches_per_epoch: float | None, batch_size: int | None, num_samples: int | None) -> float | None:
     """Validate the epoch-length arguments and return the per-step exponent ``1/n_batches_per_epoch`` (None when
     not given), so that a growth factor ``δ`` per local epoch is ``δ**exponent`` per step.
 
@@ -258,8 +256,13 @@ class ClosureOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ telemetry
     def _record(self, step_size: float, backtracks: int = 0, forwards: int = 1, backwards: int = 1, **extra) -> None:
-        self.last_step = {"step_size": float(step_size), "backtracks": int(backtracks), "forwards": int(forwards),
-                          "backwards": int(backwards), **extra}
+        self.last_step = {
+            "step_size": float(step_size),
+            "backtracks": int(backtracks),
+            "forwards": int(forwards),
+            "backwards": int(backwards),
+            **extra,
+        }
         self.total_steps += 1
         self.total_backtracks += int(backtracks)
         self.total_forwards += int(forwards)

@@ -158,8 +158,9 @@ class SgdArmijo(ClosureOptimizer):
         grad_tol = non_negative("grad_tol", grad_tol)
         carry_step_size = flag("carry_step_size", carry_step_size)
         exponent = epoch_exponent(n_batches_per_epoch, batch_size, num_samples)
-        defaults = dict(eta_max=eta_max, c=c, beta=beta, reset=reset, delta=delta, max_backtracks=max_backtracks,
-                        grad_tol=grad_tol)
+        defaults = dict(
+            eta_max=eta_max, c=c, beta=beta, reset=reset, delta=delta, max_backtracks=max_backtracks, grad_tol=grad_tol
+        )
         super().__init__(params, defaults)
         self._explicit_exponent = exponent
         self.carry_step_size = carry_step_size
@@ -231,15 +232,18 @@ class SgdArmijo(ClosureOptimizer):
         rng_after.restore()
         found = accepted is not None
         self._prev_step, self._accepted_step = rules.armijo_after_search(
-            eta0, accepted, found, not found, self._prev_step, self._accepted_step, powers[-1])
+            eta0, accepted, found, not found, self._prev_step, self._accepted_step, powers[-1]
+        )
         self._record(self.step_scale * accepted if found else 0.0, backtracks, forwards, 1)
         return loss
 
     def _start_buffers(self, params):
         """A copy of the current parameters in buffers allocated once per optimizer (reused across steps)."""
         buffers = self._start
-        if buffers is None or len(buffers) != len(params) or any(
-            b.shape != p.shape or b.dtype != p.dtype or b.device != p.device for b, p in zip(buffers, params)
+        if (
+            buffers is None
+            or len(buffers) != len(params)
+            or any(b.shape != p.shape or b.dtype != p.dtype or b.device != p.device for b, p in zip(buffers, params))
         ):
             buffers = self._start = [torch.empty_like(p) for p in params]
         torch._foreach_copy_(buffers, params)

@@ -138,8 +138,15 @@ def armijo_accepts(trial_loss: Value, loss: Value, grad_sq: Value, c: float, eta
     return trial_loss <= loss - (c * eta) * grad_sq
 
 
-def armijo_after_search(eta0: Value, accepted_eta: Value, accepted: Value, exhausted: Value, prev: Value,
-                        accepted_step: Value, next_power: float) -> tuple[Value, Value]:
+def armijo_after_search(
+    eta0: Value,
+    accepted_eta: Value,
+    accepted: Value,
+    exhausted: Value,
+    prev: Value,
+    accepted_step: Value,
+    next_power: float,
+) -> tuple[Value, Value]:
     """``(η_{k-1}, last accepted step)`` after a step: the accepted step; after an exhausted search the next grid
     point :math:`\\eta_0\\beta^{\\text{max\\_backtracks}+1}` (``next_power``) and the last accepted step kept;
     both unchanged otherwise (no search: zero gradient or non-finite values)."""
@@ -169,8 +176,9 @@ def sps_step(gap: Value, grad_sq: Value, c: float, cap: Value, grad_tol: float) 
     return _where(degenerate, _where(gap <= 0.0, 0.0, cap), ratio), degenerate
 
 
-def sps_after_step(gamma: Value, degenerate: Value, scale: Value, prev: Value,
-                   fixed_step_size: float | None = None) -> tuple[Value, Value, Value]:
+def sps_after_step(
+    gamma: Value, degenerate: Value, scale: Value, prev: Value, fixed_step_size: float | None = None
+) -> tuple[Value, Value, Value]:
     """``(applied step, moved, next γ_{t-1})`` of SPS (:func:`polyak_after_step`); with ``fixed_step_size``
     (FedSPS-Global clients) the step ``fixed_step_size · s`` is applied on every step, degenerate ones included,
     and the state is not advanced (SPS is only measured)."""
@@ -192,8 +200,9 @@ class CountRoots:
         """Make counts up to ``largest`` available (the table at least doubles when it grows)."""
         if largest >= len(self.table):
             size = max(largest + 1, 2 * len(self.table))
-            self.table = torch.tensor([math.sqrt(k) for k in range(size)], dtype=torch.float64,
-                                      device=self.table.device)
+            self.table = torch.tensor(
+                [math.sqrt(k) for k in range(size)], dtype=torch.float64, device=self.table.device
+            )
 
     def __call__(self, counts: Tensor) -> Tensor:
         return self.table[counts.long()]
@@ -206,8 +215,9 @@ def decsps_bound(c0: float, t: Value, gamma_prev: Value, sqrt=math.sqrt) -> tupl
     return c_prev * gamma_prev, c0 * sqrt(t + 1)
 
 
-def decsps_step(gap: Value, grad_sq: Value, t: Value, gamma_prev: Value, c0: float, grad_tol: float,
-                sqrt=math.sqrt) -> tuple[Value, Value]:
+def decsps_step(
+    gap: Value, grad_sq: Value, t: Value, gamma_prev: Value, c0: float, grad_tol: float, sqrt=math.sqrt
+) -> tuple[Value, Value]:
     """``(γ_t, degenerate)``: DecSPS :math:`\\gamma_t = \\min\\{(f - \\ell^*)/\\|g\\|^2,
     c_{t-1}\\gamma_{t-1}\\}/c_t` (:func:`decsps_bound`); degenerate as :func:`sps_step` (no step)."""
     degenerate = _polyak_degenerate(gap, grad_sq, grad_tol)
@@ -215,8 +225,9 @@ def decsps_step(gap: Value, grad_sq: Value, t: Value, gamma_prev: Value, c0: flo
     return _minimum(_divide(gap, grad_sq), bound) / c_t, degenerate
 
 
-def polyak_after_step(gamma: Value, degenerate: Value, scale: Value, old: Value,
-                      new: Value) -> tuple[Value, Value, Value]:
+def polyak_after_step(
+    gamma: Value, degenerate: Value, scale: Value, old: Value, new: Value
+) -> tuple[Value, Value, Value]:
     """``(applied step, moved, state)`` of a Polyak step: the applied step :math:`s\\gamma` (0 on a degenerate
     step), whether it moved, and the rule's state: ``new`` (its value after a real step) where the step moved, else
     ``old`` (a degenerate step does not advance it). ``old`` / ``new``: one value, or a tuple of values."""

@@ -134,8 +134,14 @@ class SPS(ClosureOptimizer):
         smooth_factor = in_range("smooth_factor", smooth_factor, 1.0)
         grad_tol = non_negative("grad_tol", grad_tol)
         exponent = epoch_exponent(n_batches_per_epoch, batch_size, num_samples)
-        defaults: dict[str, Any] = dict(polyak_c=c, gamma_max=gamma_max, f_star=f_star, smooth=smooth,
-                                        smooth_factor=smooth_factor, grad_tol=grad_tol)
+        defaults: dict[str, Any] = dict(
+            polyak_c=c,
+            gamma_max=gamma_max,
+            f_star=f_star,
+            smooth=smooth,
+            smooth_factor=smooth_factor,
+            grad_tol=grad_tol,
+        )
         if fixed_step_size is not None:
             defaults["fixed_step_size"] = positive("fixed_step_size", fixed_step_size)
         super().__init__(params, defaults)
@@ -159,8 +165,9 @@ class SPS(ClosureOptimizer):
             return loss
         sps_step, degenerate = rules.sps_step(gap, grad_sq, h["polyak_c"], self.cap(), h["grad_tol"])
         self._report = {"sps_last_step_size": sps_step, "sps_last_loss": gap + h["f_star"], "sps_last_grad_sq": grad_sq}
-        applied, moved, self._prev_step = rules.sps_after_step(sps_step, degenerate, self.step_scale, self._prev_step,
-                                                               h.get("fixed_step_size"))
+        applied, moved, self._prev_step = rules.sps_after_step(
+            sps_step, degenerate, self.step_scale, self._prev_step, h.get("fixed_step_size")
+        )
         if moved:
             with torch.no_grad():
                 torch._foreach_add_(params, grads, alpha=-applied)
@@ -237,7 +244,8 @@ class DecSPS(ClosureOptimizer):
         gamma, degenerate = rules.decsps_step(gap, grad_sq, t, self.gamma_prev, h["c0"], h["grad_tol"])
         # the client scale multiplies the applied step only (SPS docstring)
         applied, moved, (self.t, self.gamma_prev) = rules.polyak_after_step(
-            gamma, degenerate, self.step_scale, (t, self.gamma_prev), (t + 1, gamma))
+            gamma, degenerate, self.step_scale, (t, self.gamma_prev), (t + 1, gamma)
+        )
         if moved:
             with torch.no_grad():
                 torch._foreach_add_(params, grads, alpha=-applied)

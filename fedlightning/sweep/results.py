@@ -16,6 +16,7 @@ from fedlightning.sweep.space import Param
 
 __all__ = ["RunFailed", "RunResult", "read_final_metrics", "run_slug", "DryRun", "cell_text", "short_names"]
 
+
 def short_names(keys: Sequence[str]) -> dict[str, str]:
     """Shortest dotted suffix of each key that no other key ends with."""
     parts = {k: k.split(".") for k in keys}
@@ -51,6 +52,7 @@ def run_slug(number: int, params: Mapping[str, Any], space: Mapping[str, Param])
     body = "_".join(f"{short[k]}={_fmt(params[k], space[k].kind == 'float')}" for k in swept)
     slug = re.sub(r"[^A-Za-z0-9._=+-]", "-", f"{number:03d}-{body}" if body else f"{number:03d}")
     return slug[:150]
+
 
 # ====================================================================== results
 @dataclass

@@ -38,6 +38,7 @@ RESULTS_CSV = "results.csv"
 RESULTS_MD = "results.md"
 LOCAL_LOGGER = "lightning.pytorch.loggers.CSVLogger"
 
+
 # ====================================================================== the sweep
 class LocalSweep:
     """A W&B sweep file run locally into ``out``.
@@ -66,8 +67,14 @@ class LocalSweep:
         name: used in error messages and as the study name when the sweep has no ``name``.
     """
 
-    def __init__(self, sweep: Mapping[str, Any], out: str, seed: int | None = None,
-                 interpreter: str | None = None, name: str = "sweep"):
+    def __init__(
+        self,
+        sweep: Mapping[str, Any],
+        out: str,
+        seed: int | None = None,
+        interpreter: str | None = None,
+        name: str = "sweep",
+    ):
         self.sweep = dict(sweep)
         self.file_name = name
         self.space = search_space(self.sweep, name=name)
@@ -99,8 +106,9 @@ class LocalSweep:
 
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # the runner prints its own progress
         direction = "maximize" if self.goal == "maximize" else "minimize"
-        study = optuna.create_study(study_name=self.study_name, storage=storage, direction=direction,
-                                    load_if_exists=True)
+        study = optuna.create_study(
+            study_name=self.study_name, storage=storage, direction=direction, load_if_exists=True
+        )
         attrs = study.user_attrs
         fingerprint = json.loads(json.dumps(self._fingerprint()))
         if "sweep" not in attrs:
@@ -109,11 +117,15 @@ class LocalSweep:
             return study
         if attrs["sweep"] != fingerprint:
             changed = sorted(k for k in fingerprint if fingerprint[k] != attrs["sweep"].get(k))
-            raise ValueError(f"{self.out} holds a run of sweep {self.study_name!r} with different {changed}; "
-                             "use another --out for a changed sweep file")
+            raise ValueError(
+                f"{self.out} holds a run of sweep {self.study_name!r} with different {changed}; "
+                "use another --out for a changed sweep file"
+            )
         if self._seed_arg is not None and self._seed_arg != attrs["seed"]:
-            raise ValueError(f"{self.out} holds a sweep drawn with --seed {attrs['seed']}, "
-                             f"got --seed {self._seed_arg}; resume with the same seed or use another --out")
+            raise ValueError(
+                f"{self.out} holds a sweep drawn with --seed {attrs['seed']}, "
+                f"got --seed {self._seed_arg}; resume with the same seed or use another --out"
+            )
         self.seed = attrs["seed"]
         return study
 
@@ -141,9 +153,14 @@ class LocalSweep:
                     study._storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
                     study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
                 if t.distributions:
-                    study.add_trial(create_trial(state=TrialState.WAITING, params=t.params,
-                                                 distributions=t.distributions,
-                                                 system_attrs={**t.system_attrs, "retry_of": t.number}))
+                    study.add_trial(
+                        create_trial(
+                            state=TrialState.WAITING,
+                            params=t.params,
+                            distributions=t.distributions,
+                            system_attrs={**t.system_attrs, "retry_of": t.number},
+                        )
+                    )
         finally:
             study.sampler = sampler
 
@@ -158,12 +175,13 @@ class LocalSweep:
             cap = min(self.grid_size, self.run_cap or self.grid_size)
             return cap if runs is None else min(runs, self.grid_size)
         if runs is None and self.run_cap is None:
-            raise ValueError(f"{self.file_name}: a {self.method} sweep has no end; give --runs N (total runs) "
-                             "or run_cap in the sweep file")
+            raise ValueError(
+                f"{self.file_name}: a {self.method} sweep has no end; give --runs N (total runs) "
+                "or run_cap in the sweep file"
+            )
         return runs if runs is not None else self.run_cap
 
-    def command(self, params: Mapping[str, Any], slug: str | None = None,
-                interpreter: str | None = None) -> list[str]:
+    def command(self, params: Mapping[str, Any], slug: str | None = None, interpreter: str | None = None) -> list[str]:
         """The run's command: the sweep's own command line, built by :func:`fedlightning.logging.agent_command`
         exactly as the W&B agent builds it (``${interpreter}`` is this Python, ``sys.executable``), plus, when
         ``slug`` is given, the local logger: ``--trainer.logger=lightning.pytorch.loggers.CSVLogger`` with
@@ -177,10 +195,12 @@ class LocalSweep:
         """
         cmd = agent_command(self.sweep, params, interpreter=interpreter or self.interpreter)
         if slug is not None:
-            cmd += [f"--trainer.logger={LOCAL_LOGGER}",
-                    f"--trainer.logger.init_args.save_dir={os.path.join(self.out, 'runs')}",
-                    f"--trainer.logger.init_args.name={slug}",
-                    "--trainer.logger.init_args.version="]
+            cmd += [
+                f"--trainer.logger={LOCAL_LOGGER}",
+                f"--trainer.logger.init_args.save_dir={os.path.join(self.out, 'runs')}",
+                f"--trainer.logger.init_args.name={slug}",
+                "--trainer.logger.init_args.version=",
+            ]
         return cmd
 
     def best_command(self, params: Mapping[str, Any]) -> str:
@@ -230,15 +250,18 @@ class LocalSweep:
         if value is None or not math.isfinite(value):
             trial.set_user_attr("status", "no metric")
             seen = ", ".join(sorted(metrics)) or "none"
-            log(f"    finished but {self.metric} is {'missing' if value is None else value} "
-                f"(logged: {seen}) after {seconds:.1f} s")
+            log(
+                f"    finished but {self.metric} is {'missing' if value is None else value} "
+                f"(logged: {seen}) after {seconds:.1f} s"
+            )
             raise RunFailed(f"{self.metric} is {value}")
         trial.set_user_attr("status", "finished")
         log(f"    {self.metric} = {value:.6g} ({seconds:.1f} s)")
         return value
 
-    def run(self, runs: int | None = None, dry_run: bool = False,
-            log: Callable[[str], None] = print) -> list[RunResult]:
+    def run(
+        self, runs: int | None = None, dry_run: bool = False, log: Callable[[str], None] = print
+    ) -> list[RunResult]:
         """Run the sweep up to ``runs`` total runs (see :meth:`target`); write the tables; return the sorted results.
 
         ``dry_run``: print the commands of the runs that would start next and change nothing on disk (the draws
@@ -255,8 +278,10 @@ class LocalSweep:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                raise ValueError(f"another sweep process is running in {self.out} (lock {LOCK} held); "
-                                 "wait for it or use another --out") from None
+                raise ValueError(
+                    f"another sweep process is running in {self.out} (lock {LOCK} held); "
+                    "wait for it or use another --out"
+                ) from None
             study = self._open_study(self._storage())
             self._retry_interrupted(study)
             self._done = self._count(study)
@@ -271,8 +296,9 @@ class LocalSweep:
         best = self.best(results)
         log(f"results: {os.path.join(self.out, RESULTS_MD)} and {RESULTS_CSV}")
         if best is not None:
-            log(f"best run {best.slug}: {self.metric} = {best.value(self.metric):.6g}\n"
-                f"{self.best_command(best.params)}")
+            log(
+                f"best run {best.slug}: {self.metric} = {best.value(self.metric):.6g}\n{self.best_command(best.params)}"
+            )
         else:
             log(f"no run logged a finite {self.metric}")
         return results
@@ -309,8 +335,11 @@ class LocalSweep:
     def _count(study) -> int:
         from optuna.trial import TrialState
 
-        return sum(1 for t in study.get_trials(deepcopy=False)
-                   if t.state in (TrialState.COMPLETE, TrialState.FAIL) and t.user_attrs.get("status") != "interrupted")
+        return sum(
+            1
+            for t in study.get_trials(deepcopy=False)
+            if t.state in (TrialState.COMPLETE, TrialState.FAIL) and t.user_attrs.get("status") != "interrupted"
+        )
 
     # ------------------------------------------------------------------ results
     def results(self, study=None) -> list[RunResult]:
@@ -325,12 +354,18 @@ class LocalSweep:
             status = t.user_attrs.get("status", "running")
             if status == "interrupted" or "slug" not in t.user_attrs:
                 continue
-            params = {k: (p.value if p.kind == "constant" else p.decode(t.params[k]))
-                      for k, p in self.space.items() if p.kind == "constant" or k in t.params}
+            params = {
+                k: (p.value if p.kind == "constant" else p.decode(t.params[k]))
+                for k, p in self.space.items()
+                if p.kind == "constant" or k in t.params
+            }
             slug = t.user_attrs["slug"]
             metrics = read_final_metrics(os.path.join(self.out, "runs", slug, "metrics.csv"))
-            rows.append(RunResult(t.number, slug, params, status, t.user_attrs.get("exit_code"), metrics,
-                                  t.user_attrs.get("seconds")))
+            rows.append(
+                RunResult(
+                    t.number, slug, params, status, t.user_attrs.get("exit_code"), metrics, t.user_attrs.get("seconds")
+                )
+            )
         return self.sort(rows)
 
     def sort(self, rows: Sequence[RunResult]) -> list[RunResult]:
@@ -339,8 +374,9 @@ class LocalSweep:
         sign = -1.0 if self.goal == "maximize" else 1.0
         good = [r for r in rows if r.status == "finished" and r.value(self.metric) is not None]
         rest = [r for r in rows if r not in good]
-        return (sorted(good, key=lambda r: (sign * r.value(self.metric), r.number))
-                + sorted(rest, key=lambda r: r.number))
+        return sorted(good, key=lambda r: (sign * r.value(self.metric), r.number)) + sorted(
+            rest, key=lambda r: r.number
+        )
 
     def best(self, results: Sequence[RunResult]) -> RunResult | None:
         for r in results:
@@ -358,10 +394,17 @@ class LocalSweep:
             w = csv.writer(f)
             w.writerow(["rank", "run", "status", "exit_code", "seconds"] + keys + metric_cols)
             for i, r in enumerate(results, 1):
-                w.writerow([i, r.slug, r.status, "" if r.exit_code is None else r.exit_code,
-                            "" if r.seconds is None else r.seconds]
-                           + [cell_text(r.params.get(k)) for k in keys]
-                           + ["" if m not in r.metrics else repr(r.metrics[m]) for m in metric_cols])
+                w.writerow(
+                    [
+                        i,
+                        r.slug,
+                        r.status,
+                        "" if r.exit_code is None else r.exit_code,
+                        "" if r.seconds is None else r.seconds,
+                    ]
+                    + [cell_text(r.params.get(k)) for k in keys]
+                    + ["" if m not in r.metrics else repr(r.metrics[m]) for m in metric_cols]
+                )
         prefix = self.metric.split("/", 1)[0] + "/" if "/" in self.metric else None
         md_metrics = [self.metric] + [m for m in metric_names if prefix and m.startswith(prefix)]
         short = short_names(keys)
@@ -418,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     ``error: ...`` for a bad sweep file or argument. The counts are over every run the output directory records,
     so a resumed sweep with nothing left to run reports the same. ``--dry-run`` exits 0.
     """
-    p = argparse.ArgumentParser(prog="python -m fedlightning.sweep",
-                                description="Run a W&B sweep file locally (Optuna; resumable).")
+    p = argparse.ArgumentParser(
+        prog="python -m fedlightning.sweep", description="Run a W&B sweep file locally (Optuna; resumable)."
+    )
     p.add_argument("sweep", help="a W&B sweep YAML file")
     p.add_argument("--out", help="output directory (default runs/sweeps/<sweep name>)")
     p.add_argument("--runs", type=int, help="total number of runs (default: the grid size or the file's run_cap)")
@@ -447,10 +491,14 @@ def _report_failures(runner: LocalSweep, results: Sequence[RunResult]) -> int:
         return 0
     logs = os.path.join(runner.out, "logs")
     failed = sum(1 for r in bad if r.status == "failed")
-    causes = ", ".join(part for part in (
-        f"{failed} exited non-zero" if failed else "",
-        f"{len(bad) - failed} logged no finite {runner.metric}" if len(bad) > failed else "",
-    ) if part)
+    causes = ", ".join(
+        part
+        for part in (
+            f"{failed} exited non-zero" if failed else "",
+            f"{len(bad) - failed} logged no finite {runner.metric}" if len(bad) > failed else "",
+        )
+        if part
+    )
     every = len(bad) == len(results)
     if every:
         for r in bad:

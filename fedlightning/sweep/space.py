@@ -12,10 +12,28 @@ from fedlightning.logging import validate_sweep
 
 __all__ = ["Param", "search_space", "make_sampler"]
 
-_SPEC_KEYS = {"value", "values", "distribution", "min", "max", "q", "mu", "sigma", "a", "b", "probabilities",
-              "parameters"}
-_RANGE_DISTRIBUTIONS = {"uniform", "int_uniform", "q_uniform", "log_uniform", "log_uniform_values",
-                        "q_log_uniform_values"}
+_SPEC_KEYS = {
+    "value",
+    "values",
+    "distribution",
+    "min",
+    "max",
+    "q",
+    "mu",
+    "sigma",
+    "a",
+    "b",
+    "probabilities",
+    "parameters",
+}
+_RANGE_DISTRIBUTIONS = {
+    "uniform",
+    "int_uniform",
+    "q_uniform",
+    "log_uniform",
+    "log_uniform_values",
+    "q_log_uniform_values",
+}
 _UNSUPPORTED = {
     "normal": "unbounded; Optuna samples bounded ranges only",
     "q_normal": "unbounded; Optuna samples bounded ranges only",
@@ -37,6 +55,7 @@ def _is_number(x: Any) -> bool:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
 
 # ====================================================================== parameter specs → Optuna
 @dataclass
@@ -85,21 +104,32 @@ def _param(key: str, spec: Mapping[str, Any], name: str) -> Param:
 
     unknown = set(spec) - _SPEC_KEYS
     if unknown:
-        raise _spec_error(name, key, f"unknown key(s) {sorted(unknown)}; a W&B parameter takes "
-                                     f"{sorted(_SPEC_KEYS)}")
+        raise _spec_error(name, key, f"unknown key(s) {sorted(unknown)}; a W&B parameter takes {sorted(_SPEC_KEYS)}")
     if "parameters" in spec:
-        raise _spec_error(name, key, "nested 'parameters' are not supported by the local runner; "
-                                     "write each nested key as its own dotted parameter")
+        raise _spec_error(
+            name,
+            key,
+            "nested 'parameters' are not supported by the local runner; "
+            "write each nested key as its own dotted parameter",
+        )
     dist = spec.get("distribution")
     if dist is not None and not isinstance(dist, str):
         raise _spec_error(name, key, f"distribution must be a name, got {dist!r}")
     if dist in _UNSUPPORTED:
-        raise _spec_error(name, key, f"distribution {dist!r} is not supported by the local runner "
-                                     f"({_UNSUPPORTED[dist]}); use values, uniform, int_uniform, q_uniform, "
-                                     "log_uniform_values or log_uniform")
+        raise _spec_error(
+            name,
+            key,
+            f"distribution {dist!r} is not supported by the local runner "
+            f"({_UNSUPPORTED[dist]}); use values, uniform, int_uniform, q_uniform, "
+            "log_uniform_values or log_uniform",
+        )
     if "probabilities" in spec:
-        raise _spec_error(name, key, "'probabilities' is not supported by the local runner "
-                                     "(Optuna has no weighted categorical); drop it for equal weights")
+        raise _spec_error(
+            name,
+            key,
+            "'probabilities' is not supported by the local runner "
+            "(Optuna has no weighted categorical); drop it for equal weights",
+        )
     if dist is None:
         if "values" in spec:
             dist = "categorical"
@@ -156,8 +186,12 @@ def _param(key: str, spec: Mapping[str, Any], name: str) -> Param:
         return Param(key, "float", FloatDistribution(math.exp(lo), math.exp(hi), log=True))
     # q_log_uniform_values
     if not (q == 1 and _is_int(lo) and _is_int(hi) and lo > 0):
-        raise _spec_error(name, key, "q_log_uniform_values is supported only with q: 1 and integer min > 0 "
-                                     "(Optuna cannot combine a log scale with another step)")
+        raise _spec_error(
+            name,
+            key,
+            "q_log_uniform_values is supported only with q: 1 and integer min > 0 "
+            "(Optuna cannot combine a log scale with another step)",
+        )
     return Param(key, "int", IntDistribution(lo, hi, log=True))
 
 
@@ -189,8 +223,12 @@ def search_space(sweep: Mapping[str, Any], name: str = "sweep") -> dict[str, Par
     space = {}
     for key, spec in sweep["parameters"].items():
         if key == "trainer.logger" or key.startswith("trainer.logger."):
-            raise _spec_error(name, key, "the local runner sets the logger itself (CSVLogger into the output "
-                                         "directory); sweep logger settings in the command instead")
+            raise _spec_error(
+                name,
+                key,
+                "the local runner sets the logger itself (CSVLogger into the output "
+                "directory); sweep logger settings in the command instead",
+            )
         space[key] = _param(key, spec, name)
     return space
 
@@ -220,4 +258,3 @@ def make_sampler(method: str, space: Mapping[str, Param], seed: int, number: int
     if method == "bayes":
         return optuna.samplers.TPESampler(seed=run_seed)
     raise ValueError(f"method must be one of grid, random, bayes, got {method!r}")
-

@@ -40,8 +40,9 @@ class VectorizedRun:
     fallback: bool = False
 
 
-def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
-                         run: VectorizedRun) -> list[ClientUpdate | Exception] | None:
+def run_vectorized_round(
+    loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor, run: VectorizedRun
+) -> list[ClientUpdate | Exception] | None:
     """The ClientUpdates of ``client_ids`` for ``plan``, trained in lockstep (the exception sequential training
     raises in place of a client's update, for a client whose training raised); None means "train them
     sequentially".
@@ -79,7 +80,8 @@ def run_vectorized_round(loop, plan: RoundPlan, client_ids: Sequence[int], globa
             raise torch.cuda.OutOfMemoryError(
                 f"client_execution='vectorized': the round's {len(client_ids)} clients in lockstep did not fit in "
                 f"accelerator memory ({first}); use client_execution='sequential' or 'auto', or fewer "
-                "clients_per_round") from err
+                "clients_per_round"
+            ) from err
         reason = f"vectorized clients ran out of accelerator memory: {first}"
     from lightning.pytorch.utilities import rank_zero_warn
 
@@ -196,9 +198,13 @@ def _auto_decide(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence
     """
     engine = _engine(loop, run)
     if not engine.deterministic:
-        choice, reason = "sequential", (
-            "the model has dropout, and vectorized training would draw different dropout masks, so results would "
-            "depend on this machine's speed; set client_execution='vectorized' to use it anyway")
+        choice, reason = (
+            "sequential",
+            (
+                "the model has dropout, and vectorized training would draw different dropout masks, so results would "
+                "depend on this machine's speed; set client_execution='vectorized' to use it anyway"
+            ),
+        )
     else:
         choice, reason = _measure(loop, run, plan, client_ids, global_flat)
         if choice == "sequential":
@@ -261,14 +267,18 @@ def _measure(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int
     choice = auto_choice(seq, vec)  # sequential after a loss: its estimate only grew since it had lost
     ratio = seq / max(vec, 1e-12)
     everyone = f"all {C} clients" if C > 1 else "the 1 client"
-    timed = (f"timed: {_count(len(steps), 'local step')} of {everyone} vectorized, "
-             f"{'all' if n == C else n} of the {_count(C, 'client')} one at a time")
+    timed = (
+        f"timed: {_count(len(steps), 'local step')} of {everyone} vectorized, "
+        f"{'all' if n == C else n} of the {_count(C, 'client')} one at a time"
+    )
     if choice == "vectorized":
         return choice, f"{ratio:.2f}x faster than one at a time; {timed}"
     reason = f"vectorized measured {ratio:.2f}x as fast ({timed})"
     if lost[0]:
-        reason += (f"; its measurement stopped after {_count(len(steps), 'step')}, as it could no longer be "
-                   f"{AUTO_MARGIN}x faster")
+        reason += (
+            f"; its measurement stopped after {_count(len(steps), 'step')}, as it could no longer be "
+            f"{AUTO_MARGIN}x faster"
+        )
     elif ratio >= 1:
         reason += f"; it is used only when at least {AUTO_MARGIN}x faster"
     return choice, reason
@@ -379,8 +389,15 @@ def _engine(loop, run: VectorizedRun) -> VectorizedClientTrainer:
     return engine
 
 
-def _run(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor,
-         throwaway: bool = False, stop=None) -> list[ClientUpdate | Exception] | None:
+def _run(
+    loop,
+    run: VectorizedRun,
+    plan: RoundPlan,
+    client_ids: Sequence[int],
+    global_flat: Tensor,
+    throwaway: bool = False,
+    stop=None,
+) -> list[ClientUpdate | Exception] | None:
     """``FederatedLoop.train_client`` for all of ``client_ids`` at once (the loop's ``prepare_client`` and
     ``finish_client`` around the engine's round); ``throwaway`` (``auto``'s measurement): the round logs and
     updates metrics as a real one does, and then nothing logged stays, no client state is written and torchmetrics

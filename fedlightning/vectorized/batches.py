@@ -40,8 +40,15 @@ class _RoundBatches:
     #: largest round of gathered batch rows (bytes) that is gathered at once rather than step by step
     ROUND_GATHER_BYTES = 32 << 20
 
-    def __init__(self, datamodule, client_ids: Sequence[int], round: int, seed: int, local_steps: int,
-                 to_device: Callable[[Any], Any]):
+    def __init__(
+        self,
+        datamodule,
+        client_ids: Sequence[int],
+        round: int,
+        seed: int,
+        local_steps: int,
+        to_device: Callable[[Any], Any],
+    ):
         self.local_steps = local_steps
         self.to_device = to_device
         loaders = [datamodule.client_dataloader(cid, round, seed=seed) for cid in client_ids]
@@ -70,7 +77,7 @@ class _RoundBatches:
         C = len(samplers)
         offsets = np.concatenate([[0], np.cumsum(widths * C)]).tolist()
         sizes_list = sizes.tolist()
-        self.steps = [(index[offsets[k]:offsets[k + 1]].reshape(C, -1), sizes_list[k]) for k in range(K)]
+        self.steps = [(index[offsets[k] : offsets[k + 1]].reshape(C, -1), sizes_list[k]) for k in range(K)]
         self.offsets = offsets
         self.round_leaves = None
         x, y = dataset.x, dataset.y
@@ -155,8 +162,13 @@ def _check_stackable(batches: Sequence[Any], step: int) -> None:
         if len(leaves) != len(first):
             return  # a structure mismatch: step() names it
         for (path, a), (_, b) in zip(first, leaves):
-            if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() >= 1 and b.dim() >= 1 and (
-                    a.shape[1:] != b.shape[1:] or a.dtype != b.dtype):
+            if (
+                isinstance(a, Tensor)
+                and isinstance(b, Tensor)
+                and a.dim() >= 1
+                and b.dim() >= 1
+                and (a.shape[1:] != b.shape[1:] or a.dtype != b.dtype)
+            ):
                 raise VectorizationUnsupportedError(
                     f"client_execution='vectorized' cannot stack the clients' batches of local step {step}: leaf "
                     f"batch{path} has shape {tuple(a.shape)} ({a.dtype}) in one client's batch and {tuple(b.shape)} "
@@ -211,8 +223,11 @@ def _round_index(samplers, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
         drop = np.array([s.drop_last for s in samplers]) & (n >= bs)
         per_epoch = np.where(drop, n // bs, -(-n // bs))  # batches per epoch (drop_last: full batches only)
         epochs = -(-num // per_epoch)  # epochs needed for ``num`` batches
-        perms = [torch.randperm(int(n_i), generator=s.generator)
-                 for s, n_i, e_i in zip(samplers, n.tolist(), epochs.tolist()) for _ in range(e_i)]
+        perms = [
+            torch.randperm(int(n_i), generator=s.generator)
+            for s, n_i, e_i in zip(samplers, n.tolist(), epochs.tolist())
+            for _ in range(e_i)
+        ]
         segment = epochs * n  # client i's epochs, one after the other, in ``order``
         seg_start = np.cumsum(segment) - segment
         idx_start = np.cumsum(n) - n

@@ -105,7 +105,6 @@ class _LogCollector:
             self.log(k, v)
 
 
-
 class _Effects:
     """What a gradient evaluation's batched ``training_step`` call leaves besides losses and logged values: the
     rows' running statistics after it (``stats``, :class:`~fedlightning.vectorized.norms._NormLayers`; None when
@@ -145,7 +144,6 @@ def _tf32(device: torch.device) -> bool:
     return legacy or torch.get_float32_matmul_precision() != "highest"
 
 
-
 class _ModelCall:
     """The wrapped model's ``training_step`` on rows of client weights and batches, as one vmapped call.
 
@@ -176,8 +174,9 @@ class _ModelCall:
         #: the model's ``training_step_per_sample`` if padded steps may use it (never with normalisation layers)
         self.protocol = None if self.norms else _per_sample_protocol(model)
         # layers computed another way under vmap: recurrent layers in plain tensor ops, linear layers batched
-        self.forwards = [(m, _rnn_forward) for m in _vmappable_rnns(model)] + \
-            [(m, _linear_forward) for m in _plain_linears(model)]
+        self.forwards = [(m, _rnn_forward) for m in _vmappable_rnns(model)] + [
+            (m, _linear_forward) for m in _plain_linears(model)
+        ]
         self.deterministic = not _has_random_layers(model)
         self.whole_rows = _WholeRows(self)
         self.padded_rows: Any | None = None  # chosen on the first padded step (choose_padded_rows)
@@ -221,7 +220,6 @@ class _ModelCall:
         """The names of the paths whose first call ran (under the layer tracker) and succeeded."""
         return {rows.name for rows in (self.whole_rows, self.padded_rows) if getattr(rows, "probed", False)}
 
-
     @property
     def metric_modules(self) -> list[tuple[str, nn.Module]]:
         return self.metric_calls.modules
@@ -235,17 +233,27 @@ class _ModelCall:
         saved_metrics = self.metric_calls.install()
         self.norms.install()
         try:
-            with routed_logging(self.model, self.collector.log, self.collector.log_dict), \
-                    _shadowed_forwards(self.forwards):
+            with (
+                routed_logging(self.model, self.collector.log, self.collector.log_dict),
+                _shadowed_forwards(self.forwards),
+            ):
                 yield
         finally:
             self.metric_calls.uninstall(saved_metrics)
             self.norms.uninstall()
             self.metric_calls.begin(False)
 
-    def row_values(self, views: list[Tensor], batch: Any, mask: Tensor | None, step: int, cells: bool = False,
-                   clients: Tensor | None = None, effects: _Effects | None = None,
-                   min_count: int | None = None):
+    def row_values(
+        self,
+        views: list[Tensor],
+        batch: Any,
+        mask: Tensor | None,
+        step: int,
+        cells: bool = False,
+        clients: Tensor | None = None,
+        effects: _Effects | None = None,
+        min_count: int | None = None,
+    ):
         """One value per row of a :class:`~fedlightning.vectorized.layout._Layout` batch at the row weights
         ``views`` ([R, ...] each), and the values the model logged (list of ``(name, [R] tensor)``): whole rows give
         ``training_step``'s loss of the row; cell rows (``mask`` given) give the sum of the per-sample losses of the
@@ -274,8 +282,13 @@ class _ModelCall:
             self.padded_rows = per_sample_fallback(self, failed.reason)
             return self.padded_rows.values(views, batch, mask, step, cells, stats, effects, min_count)
 
-    def _keep_effects(self, effects: _Effects | None, metric_outs: Sequence[Tensor],
-                      stats: Sequence[Tensor] | None, mask: Tensor | None) -> None:
+    def _keep_effects(
+        self,
+        effects: _Effects | None,
+        metric_outs: Sequence[Tensor],
+        stats: Sequence[Tensor] | None,
+        mask: Tensor | None,
+    ) -> None:
         """Fill ``effects`` (if any) from a batched call's outputs: the rows' new running statistics (None: the
         path changes none) and the recorded metric calls (their real sample counts are the layout's)."""
         if effects is None:
@@ -304,8 +317,9 @@ class _ModelCall:
             )
         return losses
 
-    def _check_interception(self, views: list[Tensor], batch: Any, mask: Tensor, step: int,
-                            stats: list[Tensor]) -> str | None:
+    def _check_interception(
+        self, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor]
+    ) -> str | None:
         """None if the intercepted loss of a padded row (see below) equals ``training_step`` on its real samples alone
         (at the row's weights and running statistics, without gradients, in full precision), else the reason it does
         not. Skipped (None) for models with random layers, whose two calls draw different random numbers."""
@@ -332,22 +346,26 @@ class _ModelCall:
             interception = LossInterception(n_max, row_mask, row_mask.sum())
             self.norms.begin(row_stats, row_mask, row_mask.sum(), k)
             with interception:
-                padded = extract_loss(self.model.training_step(tree_unflatten([x[r] for x in leaves], spec), step),
-                                      model_name)
+                padded = extract_loss(
+                    self.model.training_step(tree_unflatten([x[r] for x in leaves], spec), step), model_name
+                )
             if interception.cells_of(padded) is None:
                 self.collector.reset()
                 self.norms.end()
                 return _unrecognised("the loss training_step returns", interception)
             self.norms.begin(row_stats, None, None, k)
-            real = extract_loss(self.model.training_step(tree_unflatten([x[r, :k] for x in leaves], spec), step),
-                                model_name)
+            real = extract_loss(
+                self.model.training_step(tree_unflatten([x[r, :k] for x in leaves], spec), step), model_name
+            )
             self.norms.end()
         self.collector.reset()
         rtol, atol = _tolerance(self.dtype, row[0].device)
         if not torch.allclose(padded.double(), real.double(), rtol=rtol, atol=atol, equal_nan=True):
-            return (f"its loss on a client's {k} real samples is {float(real):.6g} but the per-sample interception "
-                    f"on the padded batch of {n_max} gives {float(padded):.6g}: the loss is not a mean of per-sample "
-                    "losses, or the forward pass mixes samples")
+            return (
+                f"its loss on a client's {k} real samples is {float(real):.6g} but the per-sample interception "
+                f"on the padded batch of {n_max} gives {float(padded):.6g}: the loss is not a mean of per-sample "
+                "losses, or the forward pass mixes samples"
+            )
         return None
 
     def _check_per_sample_protocol(self, views: list[Tensor], batch: Any, mask: Tensor, step: int) -> bool:
@@ -370,8 +388,7 @@ class _ModelCall:
         if self.metric_calls:
             devices = [row[0].device] if row[0].device.type == "cuda" else []
             self.metric_calls.begin(True)
-            with torch.no_grad(), torch.random.fork_rng(devices=devices), full_precision, \
-                    self._weights_in_slots(row):
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), full_precision, self._weights_in_slots(row):
                 self.model.training_step(tree_unflatten([x[0, :1] for x in leaves], spec), step)
             calls = bool(self.metric_calls.calls)
             self.metric_calls.begin(False)
@@ -384,11 +401,15 @@ class _ModelCall:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision:
             per = self._per_sample_losses(row, tree_unflatten([x[0, :k] for x in leaves], spec), step, k)
             with self._weights_in_slots(row):
-                alone = torch.stack([
-                    extract_loss(self.model.training_step(tree_unflatten([x[0, j:j + 1] for x in leaves], spec), step),
-                                 model_name).reshape(())
-                    for j in range(k)
-                ])
+                alone = torch.stack(
+                    [
+                        extract_loss(
+                            self.model.training_step(tree_unflatten([x[0, j : j + 1] for x in leaves], spec), step),
+                            model_name,
+                        ).reshape(())
+                        for j in range(k)
+                    ]
+                )
         self.collector.reset()
         rtol, atol = _tolerance(self.dtype, row[0].device)
         if not torch.allclose(per.double(), alone.double(), rtol=rtol, atol=atol, equal_nan=True):

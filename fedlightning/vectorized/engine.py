@@ -109,7 +109,8 @@ class VectorizedClientTrainer:
         new = rows if self.failed is None else rows & ~self.failed
         for c in new.nonzero().flatten().tolist():  # a host sync, on the rare steps that have such a client
             self.raised[c] = ValueError(
-                f"Expected more than 1 value per channel when training, got input size {singular[1]}")
+                f"Expected more than 1 value per channel when training, got input size {singular[1]}"
+            )
         self.failed = rows if self.failed is None else self.failed | rows
 
     def release(self) -> None:
@@ -233,8 +234,9 @@ class VectorizedClientTrainer:
             _seed_default_generators(model_seed, rng_devices)  # the generators this round uses, and only them
             for k in range(K):
                 layout = _Layout(*batches.step(k), cache=layouts)
-                ev = _StepEvaluator(self, layout, k, term_lists, rng_devices, log_sink, trials=rule.uses_trials,
-                                    metric_sink=metric_sink)
+                ev = _StepEvaluator(
+                    self, layout, k, term_lists, rng_devices, log_sink, trials=rule.uses_trials, metric_sink=metric_sink
+                )
                 training = ragged.training(k, alive)  # alive, less the clients whose own steps are done
                 ev.track_alive = rule.stops_on_nonfinite or training is not alive  # else every client trains
                 rule.step(W, ev, record, training)
@@ -254,13 +256,23 @@ class VectorizedClientTrainer:
         if metric_sink:
             _replay(self.call.metric_modules, metric_sink, C, router)
         try:
-            return self._updates(client_ids, W, global_flat, datamodule, record, num_steps, global_buffers,
-                                 float_buffer_mask)
+            return self._updates(
+                client_ids, W, global_flat, datamodule, record, num_steps, global_buffers, float_buffer_mask
+            )
         finally:
             norms.stats = []
 
-    def _updates(self, client_ids, W, global_flat, datamodule, record: StepRecord, num_steps: Tensor,
-                 global_buffers, float_buffer_mask) -> list[ClientUpdate | Exception]:
+    def _updates(
+        self,
+        client_ids,
+        W,
+        global_flat,
+        datamodule,
+        record: StepRecord,
+        num_steps: Tensor,
+        global_buffers,
+        float_buffer_mask,
+    ) -> list[ClientUpdate | Exception]:
         K = len(record.losses)
         losses = torch.stack(record.losses).float().cpu()  # [K, C]
         step_sizes = torch.stack(record.step_sizes).double().cpu().t().tolist()  # [C][K]

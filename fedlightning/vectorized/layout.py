@@ -78,12 +78,15 @@ class _Layout:
         """Batch, mask and sample counts of the rows ``clients`` (indices; repeats allowed), gathered into the
         engine's reusable ``scratch`` buffers (these rows only live during one trial evaluation)."""
         P = len(clients)
-        rows = [torch.index_select(x, 0, clients, out=scratch(("rows", j), (P, *x.shape[1:]), x.dtype, x.device))
-                for j, x in enumerate(self.leaves)]
+        rows = [
+            torch.index_select(x, 0, clients, out=scratch(("rows", j), (P, *x.shape[1:]), x.dtype, x.device))
+            for j, x in enumerate(self.leaves)
+        ]
         batch = tree_unflatten(rows, self.spec)
         if self.mask is None:
             return batch, None, None
         return batch, self.mask.index_select(0, clients), self.counts.index_select(0, clients)
+
 
 class _WeightsLayout:
     """Where each trainable parameter lives in a row of ``W`` ([R, D], row ``r`` one client's flat weights or one
@@ -129,8 +132,13 @@ class _WeightsLayout:
     def flat(self, parts: Sequence[Tensor]) -> Tensor:
         """``[R, D]`` in the storage order of ``W`` from per-parameter ``[R, *shape]`` tensors (e.g. gradients)."""
         R = parts[0].shape[0]
-        return torch.cat([(t if order is None else t.permute(0, *(1 + d for d in order))).reshape(R, -1)
-                          for t, order in zip(parts, self.orders)], dim=1)
+        return torch.cat(
+            [
+                (t if order is None else t.permute(0, *(1 + d for d in order))).reshape(R, -1)
+                for t, order in zip(parts, self.orders)
+            ],
+            dim=1,
+        )
 
     def logical(self, W: Tensor) -> Tensor:
         """``W`` ([R, D], storage order) in the parameters' own order (``flat_params``' order)."""

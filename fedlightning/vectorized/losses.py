@@ -79,8 +79,9 @@ def _none_equal(target: Tensor, value: int) -> bool:
 _NONE_EQUAL_SEEN: dict[tuple[int, int], tuple[Any, int, bool]] = {}
 
 
-def _class_loss(logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
-                smoothing: float, n: int) -> tuple[Tensor, Tensor | None] | None:
+def _class_loss(
+    logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, smoothing: float, n: int
+) -> tuple[Tensor, Tensor | None] | None:
     """``(a, d)`` for cross-entropy / NLL on log-probabilities ``logp`` ([n, C, ...]); None if not recognised."""
     if logp.dim() < 2 or logp.shape[0] != n:
         return None
@@ -135,14 +136,20 @@ def _log_softmax_classes(input: Tensor) -> Tensor:
     return F.log_softmax(input, 1)
 
 
-def _plain_nll(n: int, input: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
-               smoothing: float, log_softmax: bool) -> tuple[Tensor, None] | None:
+def _plain_nll(
+    n: int, input: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, smoothing: float, log_softmax: bool
+) -> tuple[Tensor, None] | None:
     """``(a, None)`` with ``a = −log p_y`` per sample through :func:`_batched_nll` (two kernels on the tensors under
     vmap's batch dimension) for the common case, ``[n, K]`` input and ``[n]`` int64 class targets without class
     weights, label smoothing or targets equal to ``ignore_index``: the values of :func:`_class_loss` bit for bit.
     None otherwise, and :func:`_class_loss` runs. (:func:`_batched_nll` checks the shapes and dtypes itself.)"""
-    if weight is not None or smoothing > 0 or input.dim() != 2 or input.shape[0] != n \
-            or not _none_equal(target, ignore_index):
+    if (
+        weight is not None
+        or smoothing > 0
+        or input.dim() != 2
+        or input.shape[0] != n
+        or not _none_equal(target, ignore_index)
+    ):
         return None
     a = _batched_nll(input, target, log_softmax)
     return None if a is None else (a, None)
@@ -185,7 +192,7 @@ def _elementwise(formula: Callable[..., Tensor], weighted: bool = False) -> Call
         if "pos_weight" in options:
             options = {**options, "pos_weight": extra[0]}
         a = formula(input, target.to(input.dtype), weight=weight, **options)
-        return (None if a is None else (a, None))
+        return None if a is None else (a, None)
 
     return handler
 
@@ -254,8 +261,9 @@ def _two_argument_defaults(sig: inspect.Signature) -> dict[str, Any] | None:
 #: Defaults of the losses' optional parameters: a call ``f(input, target, **options)`` (how ``torch.nn.functional``
 #: hands its losses to a function mode: the two tensors positional, every option by keyword) is bound by a dict
 #: merge instead of ``inspect.Signature.bind`` on every step.
-_TWO_ARGUMENT_CALLS = {f: d for f, d in ((f, _two_argument_defaults(s)) for f, s in _SIGNATURES.items())
-                       if d is not None}
+_TWO_ARGUMENT_CALLS = {
+    f: d for f, d in ((f, _two_argument_defaults(s)) for f, s in _SIGNATURES.items()) if d is not None
+}
 _ALIASES = (Tensor.detach, Tensor.clone, torch.clone)
 
 

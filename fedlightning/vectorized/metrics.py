@@ -92,13 +92,20 @@ class _MetricStep:
     (``t[c]``), ``"cut"`` (``t[c, :n_c]``: its real samples) or ``"cells"`` (``t[c, :n_c]`` with the one-sample
     dimension merged: real cells of one-sample calls)."""
 
-    def __init__(self, calls: list[_Call], tensors: list[Tensor], kinds: list[str], logged: list[tuple[str, int]],
-                 metric_logs: dict[str, int]):
+    def __init__(
+        self,
+        calls: list[_Call],
+        tensors: list[Tensor],
+        kinds: list[str],
+        logged: list[tuple[str, int]],
+        metric_logs: dict[str, int],
+    ):
         self.calls, self.tensors, self.kinds = calls, tensors, kinds
         self.logged, self.metric_logs = logged, metric_logs
         # the calls whose return value is read (logged, or an argument of a later call)
-        self.read = {i for _, i in logged} | {v for call in calls for k, v in (*call.args, *call.kwargs.values())
-                                              if k == "result"}
+        self.read = {i for _, i in logged} | {
+            v for call in calls for k, v in (*call.args, *call.kwargs.values()) if k == "result"
+        }
         self.counts: list[int] | None = None  # real samples per row on padded steps
         self.alive: Tensor | None = None  # [C] bool: the clients that took this step (None: all)
 
@@ -183,8 +190,9 @@ class _MetricCalls:
     def finish(self, outs: Sequence[Tensor]) -> _MetricStep | None:
         if not self.record:
             return None
-        return _MetricStep(self.calls, [t.detach() for t in outs], list(self.kinds), list(self.logged),
-                           dict(self.metric_logs))
+        return _MetricStep(
+            self.calls, [t.detach() for t in outs], list(self.kinds), list(self.logged), dict(self.metric_logs)
+        )
 
     # ------------------------------------------------------------------ what the model does
     def call(self, index: int, method: str, *args: Any, **kwargs: Any) -> _Pending | None:
@@ -268,8 +276,9 @@ class _Recorder:
         return self.calls.call(self.index, self.method, *args, **kwargs)
 
 
-def _replay(modules: Sequence[tuple[str, nn.Module]], steps: Sequence[_MetricStep], num_clients: int,
-            router: Any = None) -> None:
+def _replay(
+    modules: Sequence[tuple[str, nn.Module]], steps: Sequence[_MetricStep], num_clients: int, router: Any = None
+) -> None:
     """Make the recorded metric calls of a round outside vmap, client after client, each client's steps in order
     (sequential training's order); values logged from them and metrics logged as objects go to ``router``."""
     if not steps:

@@ -65,8 +65,11 @@ class _NormLayers:
             if module.running_mean is not None and module.running_var is not None:
                 slot = len(self.buffer_index)
                 nbt = module.num_batches_tracked
-                self.buffer_index += [index[id(module.running_mean)], index[id(module.running_var)],
-                                      index[id(nbt)] if nbt is not None else -1]
+                self.buffer_index += [
+                    index[id(module.running_mean)],
+                    index[id(module.running_var)],
+                    index[id(nbt)] if nbt is not None else -1,
+                ]
             self.layers.append((label, module, instance, slot))
         self.num_buffers = len(index)
         self.stats: list[Tensor] = []
@@ -137,8 +140,9 @@ class _NormLayers:
         return torch.cat(parts, dim=1)
 
     # ------------------------------------------------------------------ one batched call
-    def begin(self, stats: Sequence[Tensor], mask: Tensor | None = None, count: Tensor | None = None,
-              min_count: int = 2) -> None:
+    def begin(
+        self, stats: Sequence[Tensor], mask: Tensor | None = None, count: Tensor | None = None, min_count: int = 2
+    ) -> None:
         """Start a call: ``stats`` the rows' running statistics (batched under vmap), ``mask`` / ``count`` the row's
         real samples on a padded step (None: the whole batch is real), ``min_count`` the smallest real batch of the
         call (a batch of one value per channel is refused in training mode)."""
@@ -183,7 +187,7 @@ class _NormLayers:
     def _batch(self, label: str, module: nn.Module, slot: int | None, input: Tensor) -> Tensor:
         rm = rv = nbt = None
         if slot is not None:
-            rm, rv, nbt = self.current[slot:slot + 3]
+            rm, rv, nbt = self.current[slot : slot + 3]
         training, tracked = module.training, slot is not None
         x = input.float() if input.dtype in _HALF else input
         shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
@@ -213,7 +217,7 @@ class _NormLayers:
                 else:
                     correction = size / (size - 1)
                 rv_new = (1 - rho) * rv + rho * (var * correction).to(rv.dtype)
-                self.current[slot:slot + 3] = [rm_new, rv_new, nbt]
+                self.current[slot : slot + 3] = [rm_new, rv_new, nbt]
         else:
             mean, var = rm.to(x.dtype), rv.to(x.dtype)
             centered = x - mean.reshape(shape)
@@ -226,8 +230,9 @@ class _NormLayers:
             out = centered * scale.reshape(shape)
         return out.to(input.dtype)
 
-    def _instance(self, label: str, module: nn.Module, slot: int | None, input: Tensor,
-                  unbatched: bool = False) -> Tensor:
+    def _instance(
+        self, label: str, module: nn.Module, slot: int | None, input: Tensor, unbatched: bool = False
+    ) -> Tensor:
         x = input.float() if input.dtype in _HALF else input
         tracked = slot is not None
         channel = (1, x.shape[1]) + (1,) * (x.dim() - 2)
@@ -237,7 +242,7 @@ class _NormLayers:
             var = (x - mean).square().mean(dims, keepdim=True)
             out = (x - mean) * torch.rsqrt(var + module.eps)
             if module.training and tracked and module.momentum is not None:
-                rm, rv, nbt = self.current[slot:slot + 3]
+                rm, rv, nbt = self.current[slot : slot + 3]
                 per_channel = math.prod(x.shape[2:])
                 unbiased = var * (per_channel / (per_channel - 1))
                 mask, n = (None, x.shape[0]) if unbatched else self._real(label, x)
@@ -248,8 +253,11 @@ class _NormLayers:
                     mask = mask.reshape(-1, 1)
                     mean_s, var_s = (mean_s * mask).sum(0) / n, (var_s * mask).sum(0) / n
                 rho = module.momentum
-                self.current[slot:slot + 3] = [(1 - rho) * rm + rho * mean_s.to(rm.dtype),
-                                               (1 - rho) * rv + rho * var_s.to(rv.dtype), nbt]
+                self.current[slot : slot + 3] = [
+                    (1 - rho) * rm + rho * mean_s.to(rm.dtype),
+                    (1 - rho) * rv + rho * var_s.to(rv.dtype),
+                    nbt,
+                ]
         else:
             rm, rv = self.current[slot], self.current[slot + 1]
             out = (x - rm.to(x.dtype).reshape(channel)) * torch.rsqrt(rv.to(x.dtype).reshape(channel) + module.eps)

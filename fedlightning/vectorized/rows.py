@@ -141,9 +141,11 @@ def _unrecognised(what: str, interception: LossInterception) -> str:
     if interception.unrecognised:
         calls = ", ".join(sorted(set(interception.unrecognised)))
         return f"{what} is not a recognised mean loss (calls with other arguments or shapes: {calls})"
-    return (f"{what} is not the output of a standard loss with reduction='mean' (F.cross_entropy, F.nll_loss, "
-            "F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy[_with_logits] or their "
-            "nn modules)")
+    return (
+        f"{what} is not the output of a standard loss with reduction='mean' (F.cross_entropy, F.nll_loss, "
+        "F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy[_with_logits] or their "
+        "nn modules)"
+    )
 
 
 def _caller(call: Any, step: int, record: bool, min_count: int, sizes: list[int]) -> Callable:
@@ -182,8 +184,17 @@ class _TracedRows:
         self.call = call  # the _ModelCall whose model runs
         self.probed = False
 
-    def values(self, views: list[Tensor], batch: Any, mask: Tensor | None, step: int, want_cells: bool,
-               stats: list[Tensor], effects: Any, min_count: int):
+    def values(
+        self,
+        views: list[Tensor],
+        batch: Any,
+        mask: Tensor | None,
+        step: int,
+        want_cells: bool,
+        stats: list[Tensor],
+        effects: Any,
+        min_count: int,
+    ):
         call = self.call
         with call._vmap_context():
             if self.probed:
@@ -213,8 +224,17 @@ class _WholeRows(_TracedRows):
 
     name = "whole"
 
-    def _vmapped(self, views: list[Tensor], batch: Any, mask: None, step: int, want_cells: bool,
-                 stats: list[Tensor], effects: Any, min_count: int):
+    def _vmapped(
+        self,
+        views: list[Tensor],
+        batch: Any,
+        mask: None,
+        step: int,
+        want_cells: bool,
+        stats: list[Tensor],
+        effects: Any,
+        min_count: int,
+    ):
         call = self.call
         leaves, spec = tree_flatten(batch)
         nv, ns = len(views), len(stats)
@@ -223,14 +243,15 @@ class _WholeRows(_TracedRows):
 
         # flat positional arguments and outputs: vmap's argument handling is a pytree walk per call
         def per_row(*args):
-            loss, logged, outs, new = one_call(args[:nv], args[nv:nv + ns], tree_unflatten(list(args[nv + ns:]), spec),
-                                               "whole")
+            loss, logged, outs, new = one_call(
+                args[:nv], args[nv : nv + ns], tree_unflatten(list(args[nv + ns :]), spec), "whole"
+            )
             return (loss, *logged, *outs, *new)
 
         out = _vmap0(per_row, [*views, *stats, *leaves])
         nl, nm = sizes
-        call._keep_effects(effects, out[1 + nl:1 + nl + nm], out[1 + nl + nm:], None)
-        return out[0], list(zip(list(call.collector.names), [_logged_value(v, 1) for v in out[1:1 + nl]]))
+        call._keep_effects(effects, out[1 + nl : 1 + nl + nm], out[1 + nl + nm :], None)
+        return out[0], list(zip(list(call.collector.names), [_logged_value(v, 1) for v in out[1 : 1 + nl]]))
 
 
 class _ProtocolRows(_TracedRows):
@@ -241,8 +262,17 @@ class _ProtocolRows(_TracedRows):
     name = "per-sample protocol"
     reason = "the model's training_step_per_sample"
 
-    def _vmapped(self, views: list[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
-                 stats: list[Tensor], effects: Any, min_count: int):
+    def _vmapped(
+        self,
+        views: list[Tensor],
+        batch: Any,
+        mask: Tensor,
+        step: int,
+        want_cells: bool,
+        stats: list[Tensor],
+        effects: Any,
+        min_count: int,
+    ):
         call = self.call
         leaves, spec = tree_flatten(batch)
         nv, ns = len(views), len(stats)
@@ -255,8 +285,9 @@ class _ProtocolRows(_TracedRows):
 
         def per_row_samples(*args):
             """``training_step_per_sample`` on the row's whole (padded) batch: ``[n_max]`` losses."""
-            losses, logged, outs, new = one_call(args[:nv], args[nv:nv + ns],
-                                                 tree_unflatten(list(args[nv + ns:]), spec), "padded", n_max)
+            losses, logged, outs, new = one_call(
+                args[:nv], args[nv : nv + ns], tree_unflatten(list(args[nv + ns :]), spec), "padded", n_max
+            )
             own = [(n, v) for n, v in zip(collector.names, logged) if v is not losses]
             as_loss[:] = [n for n, v in zip(collector.names, logged) if v is losses]
             names[:] = [n for n, _ in own]
@@ -266,10 +297,11 @@ class _ProtocolRows(_TracedRows):
         out = _vmap0(per_row_samples, [*views, *stats, *leaves])
         collector.reset()
         nl, nm = sizes
-        call._keep_effects(effects, out[1 + nl:1 + nl + nm], out[1 + nl + nm:], mask)
+        call._keep_effects(effects, out[1 + nl : 1 + nl + nm], out[1 + nl + nm :], mask)
         # values logged with another length than the batch have no per-sample meaning: dropped
-        kept = [(name, v.detach().float()) for name, v in zip(names, out[1:1 + nl])
-                if tuple(v.shape) == tuple(mask.shape)]
+        kept = [
+            (name, v.detach().float()) for name, v in zip(names, out[1 : 1 + nl]) if tuple(v.shape) == tuple(mask.shape)
+        ]
         return _padded_result(out[0], mask, as_loss, kept, want_cells)
 
 
@@ -284,8 +316,17 @@ class _SampleRows(_TracedRows):
         super().__init__(call)
         self.reason = reason
 
-    def values(self, views: list[Tensor], batch: Any, mask: Tensor | None, step: int, want_cells: bool,
-               stats: list[Tensor], effects: Any, min_count: int):
+    def values(
+        self,
+        views: list[Tensor],
+        batch: Any,
+        mask: Tensor | None,
+        step: int,
+        want_cells: bool,
+        stats: list[Tensor],
+        effects: Any,
+        min_count: int,
+    ):
         mixing = self.call.norms.batch_dependent()
         if mixing:
             raise VectorizationUnsupportedError(
@@ -297,8 +338,17 @@ class _SampleRows(_TracedRows):
             )
         return super().values(views, batch, mask, step, want_cells, stats, effects, min_count)
 
-    def _vmapped(self, views: list[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
-                 stats: list[Tensor], effects: Any, min_count: int):
+    def _vmapped(
+        self,
+        views: list[Tensor],
+        batch: Any,
+        mask: Tensor,
+        step: int,
+        want_cells: bool,
+        stats: list[Tensor],
+        effects: Any,
+        min_count: int,
+    ):
         call = self.call
         leaves, spec = tree_flatten(batch)
         nv, ns = len(views), len(stats)
@@ -306,21 +356,21 @@ class _SampleRows(_TracedRows):
         one_call = _caller(call, step, effects is not None, min_count, sizes)
 
         def per_row_cells(*args):
-            vs, st = args[:nv], args[nv:nv + ns]
+            vs, st = args[:nv], args[nv : nv + ns]
 
             def per_sample(*sample_leaves):  # a batch of one sample: [1, ...] each
                 loss, logged, outs, _ = one_call(vs, st, tree_unflatten(list(sample_leaves), spec), "cell")
                 return (loss, *logged, *outs)
 
-            return _vmap0(per_sample, args[nv + ns:])
+            return _vmap0(per_sample, args[nv + ns :])
 
         # [R, n_max, 1, ...]: every cell a batch of one (the unsqueeze outside vmap is a plain view)
         cells = _vmap0(per_row_cells, [*views, *stats, *(x.unsqueeze(2) for x in leaves)])
         nl, nm = sizes
-        call._keep_effects(effects, cells[1 + nl:1 + nl + nm], None, mask)
+        call._keep_effects(effects, cells[1 + nl : 1 + nl + nm], None, mask)
         # [R, n_max] values of every cell; padded cells (repeated samples) count zero. The masked sums run
         # outside vmap (the same ops on the same [R, n_max] tensors, without their batching rules)
-        kept = list(zip(list(call.collector.names), [_logged_value(v, 2) for v in cells[1:1 + nl]]))
+        kept = list(zip(list(call.collector.names), [_logged_value(v, 2) for v in cells[1 : 1 + nl]]))
         return _padded_result(cells[0], mask, [], kept, want_cells)
 
 
@@ -358,8 +408,17 @@ class _InterceptedRows:
         self._mask_terms = (mask, mask._version, terms)
         return terms
 
-    def values(self, views: list[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
-               stats: list[Tensor], effects: Any, min_count: int):
+    def values(
+        self,
+        views: list[Tensor],
+        batch: Any,
+        mask: Tensor,
+        step: int,
+        want_cells: bool,
+        stats: list[Tensor],
+        effects: Any,
+        min_count: int,
+    ):
         call = self.call
         devices = [views[0].device] if views[0].device.type == "cuda" else []
         rng = None if call.deterministic else _rng_state(devices)
@@ -376,15 +435,27 @@ class _InterceptedRows:
             if effects is not None:
                 effects.stats = effects.metrics = None
             raise InterceptionFailed(
-                str(err) if isinstance(err, _NotIntercepted) else f"{type(err).__name__}: {err}") from err
+                str(err) if isinstance(err, _NotIntercepted) else f"{type(err).__name__}: {err}"
+            ) from err
         if not self.announced:
             self.announced = True
-            _info(f"client_execution='vectorized': padded steps of {type(call.model).__name__} compute its loss per "
-                  "sample by loss interception (one training_step call per client)")
+            _info(
+                f"client_execution='vectorized': padded steps of {type(call.model).__name__} compute its loss per "
+                "sample by loss interception (one training_step call per client)"
+            )
         return out
 
-    def _vmapped(self, views: list[Tensor], batch: Any, mask: Tensor, step: int, want_cells: bool,
-                 stats: list[Tensor], effects: Any, min_count: int):
+    def _vmapped(
+        self,
+        views: list[Tensor],
+        batch: Any,
+        mask: Tensor,
+        step: int,
+        want_cells: bool,
+        stats: list[Tensor],
+        effects: Any,
+        min_count: int,
+    ):
         call = self.call
         model, collector, metric_calls, norms = call.model, call.collector, call.metric_calls, call.norms
         model_name = type(model).__name__
@@ -399,14 +470,15 @@ class _InterceptedRows:
 
         def per_row(*args):
             vs, row_mask, count, row_weights = args[:nv], args[nv], args[nv + 1], args[nv + 2]
-            st = args[nv + 3:nv + 3 + ns]
+            st = args[nv + 3 : nv + 3 + ns]
             collector.reset()
             interception = LossInterception(n_max, row_mask, count, row_weights)
             metric_calls.begin(record, "padded", n_max, interception)
             norms.begin(st, row_mask, count, min_count)
             with call._weights_in_slots(vs), interception:
-                loss = extract_loss(model.training_step(tree_unflatten(list(args[nv + 3 + ns:]), spec), step),
-                                    model_name)
+                loss = extract_loss(
+                    model.training_step(tree_unflatten(list(args[nv + 3 + ns :]), spec), step), model_name
+                )
             new = norms.end()
             cells = interception.cells_of(loss)
             if cells is None:
@@ -432,21 +504,24 @@ class _InterceptedRows:
         out = _vmap0(per_row, [*views, m, counts, weights, *stats, *leaves])
         collector.reset()
         nl, nm = sizes
-        call._keep_effects(effects, out[1 + nl:1 + nl + nm], out[1 + nl + nm:], mask)
-        kept = [(name, v.detach().float()) for name, v in zip(names, out[1:1 + nl])]
+        call._keep_effects(effects, out[1 + nl : 1 + nl + nm], out[1 + nl + nm :], mask)
+        kept = [(name, v.detach().float()) for name, v in zip(names, out[1 : 1 + nl])]
         return _padded_result(out[0], mask, list(as_loss), kept, want_cells)
 
 
 def per_sample_fallback(call: Any, reason: str) -> _SampleRows:
     """The per-sample path for padded steps that loss interception cannot run (``reason``), announced once (rank-zero
     info line)."""
-    _info(f"client_execution='vectorized': padded steps of {type(call.model).__name__} call training_step "
-          f"once per sample ({reason})")
+    _info(
+        f"client_execution='vectorized': padded steps of {type(call.model).__name__} call training_step "
+        f"once per sample ({reason})"
+    )
     return _SampleRows(call, reason)
 
 
-def _interception_refusal(call: Any, views: list[Tensor], batch: Any, mask: Tensor, step: int,
-                          stats: list[Tensor]) -> str | None:
+def _interception_refusal(
+    call: Any, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor]
+) -> str | None:
     """None if loss interception passes its check on this padded step
     (:meth:`~fedlightning.vectorized.call._ModelCall._check_interception`, run in the model's vmap context), else
     why not; a check that raises is a refusal with the error as its reason, except a
@@ -462,8 +537,9 @@ def _interception_refusal(call: Any, views: list[Tensor], batch: Any, mask: Tens
         return f"{type(err).__name__}: {err}"
 
 
-def choose_padded_rows(call: Any, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor],
-                       intercept: bool = True):
+def choose_padded_rows(
+    call: Any, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor], intercept: bool = True
+):
     """The path of the engine's padded steps, chosen on its first padded step (``views``, ``batch``, ``mask``,
     ``step``, ``stats`` are that step's), the first that applies:
 

@@ -60,8 +60,14 @@ class StepRecord:
         self.backwards = torch.zeros(num_clients, dtype=torch.long, device=device)
         self.uniform_evaluations = 0  # one forward and one backward of every client (SGD steps), added at the end
 
-    def add(self, loss: Tensor, step_sizes: Tensor, alive: Tensor, forwards: Tensor | None = None,
-            backtracks: Tensor | None = None) -> None:
+    def add(
+        self,
+        loss: Tensor,
+        step_sizes: Tensor,
+        alive: Tensor,
+        forwards: Tensor | None = None,
+        backtracks: Tensor | None = None,
+    ) -> None:
         """One step: the clients' losses and applied step sizes (NaN where the step was not finite), and for the
         clients in ``alive`` one backward pass, ``forwards`` forward passes (default 1) and ``backtracks``."""
         self.losses.append(loss)
@@ -115,8 +121,13 @@ class BatchedRule:
     uses_trials = False  # evaluates trial points (line search): the evaluator keeps the RNG state to replay
     applies_grad_clip = False  # clips the gradient with the loop's client_grad_clip (clip())
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor], device: torch.device,
-                 grad_clip: float | None = None):
+    def __init__(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        params: Sequence[Tensor],
+        device: torch.device,
+        grad_clip: float | None = None,
+    ):
         self.grad_clip = grad_clip
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
@@ -177,8 +188,18 @@ class _BatchedSGD(BatchedRule):
 
     applies_grad_clip = True
 
-    def __init__(self, lr: float, weight_decay: float, grad_clip: float | None, num_clients: int, device,
-                 momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False):
+    def __init__(
+        self,
+        lr: float,
+        weight_decay: float,
+        grad_clip: float | None,
+        num_clients: int,
+        device,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+    ):
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
         self.grad_clip = grad_clip
@@ -251,12 +272,12 @@ class _BatchedAdam(BatchedRule):
                 g = g.add(W, alpha=self.weight_decay)
         self.m.lerp_(g, 1 - self.beta1)
         self.v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
-        bias1, bias2 = 1 - self.beta1 ** self.t, 1 - self.beta2 ** self.t
+        bias1, bias2 = 1 - self.beta1**self.t, 1 - self.beta2**self.t
         second = self.v
         if self.amsgrad:
             torch.maximum(self.v_max, self.v, out=self.v_max)
             second = self.v_max
-        denom = (second.sqrt() / bias2 ** 0.5).add_(self.eps)
+        denom = (second.sqrt() / bias2**0.5).add_(self.eps)
         W.addcdiv_(self.m, denom, value=-(self.lr / bias1))
         record.losses.append(loss)
         record.step_sizes.append(self.lr_vector)
@@ -328,12 +349,18 @@ class _BatchedArmijo(BatchedRule):
         exhausted = searching & ~accepted
         self.move(W, g, accepted_eta * self.scale, accepted)  # SgdArmijo applies s·η_k
         self.prev, self.accepted_step = rules.armijo_after_search(
-            eta0, accepted_eta, accepted, exhausted, self.prev, self.accepted_step, self.powers_list[grid])
+            eta0, accepted_eta, accepted, exhausted, self.prev, self.accepted_step, self.powers_list[grid]
+        )
         self.accepted_any |= accepted | exhausted
         self.last_m = torch.where(accepted, first_m, self.last_m)
         nan = torch.full_like(eta0, float("nan"))
-        record.add(loss, torch.where(finite, accepted_eta * self.scale, nan), alive, forwards=1 + trials,
-                   backtracks=torch.where(accepted, trials - 1, trials))
+        record.add(
+            loss,
+            torch.where(finite, accepted_eta * self.scale, nan),
+            alive,
+            forwards=1 + trials,
+            backtracks=torch.where(accepted, trials - 1, trials),
+        )
 
     def _accepts(self, trial_loss: Tensor, loss64: Tensor, grad_sq: Tensor, eta: Tensor) -> Tensor:
         return rules.armijo_accepts(trial_loss.double(), loss64, grad_sq, self.c, eta)
@@ -368,8 +395,9 @@ class _BatchedArmijo(BatchedRule):
             width = width * 2
         return first_m, trials
 
-    def _trial_losses(self, ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor,
-                      widths: list[int]) -> Tensor:
+    def _trial_losses(
+        self, ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor, widths: list[int]
+    ) -> Tensor:
         """The losses at the trial points of the (client, grid point) pairs, in one trial call, or in calls of at most
         ``max(C, TRIAL_POINT_BYTES / (D · itemsize))`` pairs each (:data:`TRIAL_POINT_BYTES`); each pair's loss is
         the same either way (a row's loss does not depend on the other rows of its call)."""
@@ -390,8 +418,9 @@ class _BatchedArmijo(BatchedRule):
         return torch.cat(out)
 
     @staticmethod
-    def _points(ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor,
-                widths: list[int] | None = None) -> Tensor:
+    def _points(
+        ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor, widths: list[int] | None = None
+    ) -> Tensor:
         """Trial points ``w_c − η g_c`` of the (client, grid point) pairs, written into the engine's scratch
         buffers (same rounding as ``torch.addcmul``, hence as SgdArmijo's ``_foreach_add_(alpha=-η)``).
 
@@ -483,8 +512,13 @@ class _BatchedSPS(BatchedRule):
         for i, o in enumerate(optimizers):
             o.set_client_state({"prev_step": _none_for_nan(prev[i])})
             if reported[i]:
-                o.set_client_report({"sps_last_step_size": reports[0][i], "sps_last_loss": reports[1][i],
-                                     "sps_last_grad_sq": reports[2][i]})
+                o.set_client_report(
+                    {
+                        "sps_last_step_size": reports[0][i],
+                        "sps_last_loss": reports[1][i],
+                        "sps_last_grad_sq": reports[2][i],
+                    }
+                )
 
 
 class _BatchedDecSPS(BatchedRule):
@@ -510,11 +544,13 @@ class _BatchedDecSPS(BatchedRule):
         loss, g = ev.gradient(W, alive, flat=False)
         loss64, grad_sq, finite = self.loss_and_grad_sq(loss, g, ev)
         self.sqrt.cover(self.t_bound + 1)
-        gamma, degenerate = rules.decsps_step(loss64 - self.f_star, grad_sq, self.t, self.gamma_prev, self.c0,
-                                              self.grad_tol, self.sqrt)
+        gamma, degenerate = rules.decsps_step(
+            loss64 - self.f_star, grad_sq, self.t, self.gamma_prev, self.c0, self.grad_tol, self.sqrt
+        )
         self.t_bound += 1
-        step, moved, (t, gamma_prev) = rules.polyak_after_step(gamma, degenerate, self.scale,
-                                                               (self.t, self.gamma_prev), (self.t + 1, gamma))
+        step, moved, (t, gamma_prev) = rules.polyak_after_step(
+            gamma, degenerate, self.scale, (self.t, self.gamma_prev), (self.t + 1, gamma)
+        )
         moves = alive & finite & moved
         step = torch.where(moves, step, torch.zeros_like(step))
         self.move(W, g, step, moves, ev.views)
@@ -571,13 +607,16 @@ def _batched_form(kind: type) -> type | None:
     if not isinstance(form, type):
         form = form()
     if not (isinstance(form, type) and issubclass(form, BatchedRule)):
-        raise TypeError(f"{kind.__name__}.batched_rule must be a subclass of fedlightning.vectorized.BatchedRule "
-                        f"(or a classmethod returning one), got {form!r}")
+        raise TypeError(
+            f"{kind.__name__}.batched_rule must be a subclass of fedlightning.vectorized.BatchedRule "
+            f"(or a classmethod returning one), got {form!r}"
+        )
     return form
 
 
-def make_batched_rule(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor],
-                      grad_clip: float | None, device: torch.device) -> BatchedRule:
+def make_batched_rule(
+    optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor], grad_clip: float | None, device: torch.device
+) -> BatchedRule:
     """The batched form of the round's client optimizers (one instance per client, built by the loop).
 
     Supported: ``torch.optim.SGD`` (momentum, dampening, Nesterov, ``maximize``, ``weight_decay``),
@@ -591,13 +630,22 @@ def make_batched_rule(optimizers: Sequence[torch.optim.Optimizer], params: Seque
     kinds = {type(o) for o in optimizers}
     if len(kinds) != 1:
         raise VectorizationUnsupportedError(
-            f"the clients use different optimizer classes {sorted(k.__name__ for k in kinds)}")
+            f"the clients use different optimizer classes {sorted(k.__name__ for k in kinds)}"
+        )
     kind = kinds.pop()
     hp = _same_hyperparameters(optimizers, params)
     if kind is torch.optim.SGD:
-        return _BatchedSGD(hp["lr"], hp.get("weight_decay", 0.0), grad_clip, len(optimizers), device,
-                           momentum=hp.get("momentum", 0.0), dampening=hp.get("dampening", 0.0),
-                           nesterov=hp.get("nesterov", False), maximize=hp.get("maximize", False))
+        return _BatchedSGD(
+            hp["lr"],
+            hp.get("weight_decay", 0.0),
+            grad_clip,
+            len(optimizers),
+            device,
+            momentum=hp.get("momentum", 0.0),
+            dampening=hp.get("dampening", 0.0),
+            nesterov=hp.get("nesterov", False),
+            maximize=hp.get("maximize", False),
+        )
     if kind in (torch.optim.Adam, torch.optim.AdamW):
         decoupled = kind is torch.optim.AdamW or bool(hp.get("decoupled_weight_decay", False))
         return _BatchedAdam(hp, decoupled, grad_clip, len(optimizers), device)
@@ -612,5 +660,6 @@ def make_batched_rule(optimizers: Sequence[torch.optim.Optimizer], params: Seque
     if grad_clip is not None and not form.applies_grad_clip and not getattr(kind, "requires_closure", False):
         raise VectorizationUnsupportedError(
             f"the batched form {form.__name__} of {kind.__name__} does not apply the loop's client_grad_clip "
-            "(BatchedRule.applies_grad_clip); use client_execution='sequential', or clip in the rule")
+            "(BatchedRule.applies_grad_clip); use client_execution='sequential', or clip in the rule"
+        )
     return form(optimizers, params, device, grad_clip)

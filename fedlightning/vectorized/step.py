@@ -50,9 +50,17 @@ class _StepEvaluator:
     training), replayed at the end of the round; trial evaluations change neither.
     """
 
-    def __init__(self, engine: _Engine, layout: _Layout, step: int,
-                 terms: list[list[Callable]] | None, rng_devices: list, log_sink: list | None,
-                 trials: bool = True, metric_sink: list | None = None):
+    def __init__(
+        self,
+        engine: _Engine,
+        layout: _Layout,
+        step: int,
+        terms: list[list[Callable]] | None,
+        rng_devices: list,
+        log_sink: list | None,
+        trials: bool = True,
+        metric_sink: list | None = None,
+    ):
         self.engine, self.layout, self.step = engine, layout, step
         self.terms = terms
         self.rng_devices = rng_devices
@@ -88,8 +96,9 @@ class _StepEvaluator:
                 # starts at the cells ℓ with the gradient m_ij · fl(1/n_i), the one the masked sum, the division and
                 # the sum over clients give (bit for bit), without building those nodes; the reported losses are
                 # computed from the detached cells
-                cells, values, logged = engine.call.row_values(leaves, layout.batch, layout.mask, self.step, cells=True,
-                                                               effects=effects, min_count=layout.min_size)
+                cells, values, logged = engine.call.row_values(
+                    leaves, layout.batch, layout.mask, self.step, cells=True, effects=effects, min_count=layout.min_size
+                )
                 losses = values / layout.counts_as(values.dtype)
                 roots, seeds = [cells], [layout.cell_weights(cells.dtype)]
             if self.terms is not None:
@@ -152,8 +161,9 @@ class _StepEvaluator:
                 batch, mask, counts = layout.rows(clients, engine.scratch)
                 terms = [self.terms[i] for i in clients.tolist()] if self.terms is not None else None
             views = engine.weights.views(points)
-            values, _ = engine.call.row_values(views, batch, mask, self.step, clients=clients,
-                                               min_count=layout.min_size)
+            values, _ = engine.call.row_values(
+                views, batch, mask, self.step, clients=clients, min_count=layout.min_size
+            )
             if counts is None:
                 losses = values
             else:

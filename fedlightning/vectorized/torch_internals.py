@@ -85,10 +85,23 @@ try:  # the private bases of the layers the engine runs per client or replays (b
     INSTANCE_NORM_TYPES: tuple[type, ...] = (_InstanceNorm,)
     DROPOUT_TYPES: tuple[type, ...] = (_DropoutNd,)
 except ImportError:  # pragma: no cover - their public subclasses
-    BATCH_NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
-                        nn.LazyBatchNorm3d, nn.SyncBatchNorm)
-    INSTANCE_NORM_TYPES = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d,
-                           nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
+    BATCH_NORM_TYPES = (
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+        nn.LazyBatchNorm1d,
+        nn.LazyBatchNorm2d,
+        nn.LazyBatchNorm3d,
+        nn.SyncBatchNorm,
+    )
+    INSTANCE_NORM_TYPES = (
+        nn.InstanceNorm1d,
+        nn.InstanceNorm2d,
+        nn.InstanceNorm3d,
+        nn.LazyInstanceNorm1d,
+        nn.LazyInstanceNorm2d,
+        nn.LazyInstanceNorm3d,
+    )
     DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 SYNC_BATCH_NORM_TYPES: tuple[type, ...] = (nn.SyncBatchNorm,)
 
@@ -262,8 +275,11 @@ def _plain_linears(model: nn.Module) -> list[nn.Linear]:
     Decision (ours, measured): the layers, not ``F.linear`` itself, are redirected. Catching ``F.linear`` with a
     ``TorchFunctionMode`` costs a Python call on every torch function the model calls, which took back the gain on
     the bundled MLP (``benchmarks/engine_ab.py``); a module's own ``F.linear`` calls keep vmap's rule."""
-    return [m for m in model.modules() if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
-            and "forward" not in m.__dict__]
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__
+    ]
 
 
 # ====================================================================== recurrent layers
@@ -296,7 +312,7 @@ def _rnn_forward(module: nn.RNNBase, input: Tensor, hx: Any | None = None):
         h0 = x.new_zeros(L * D, B, H)
         c0 = x.new_zeros(L * D, B, H) if mode == "LSTM" else None
     else:
-        h0, c0 = (hx if mode == "LSTM" else (hx, None))
+        h0, c0 = hx if mode == "LSTM" else (hx, None)
         if unbatched:
             h0 = h0.unsqueeze(1)
             c0 = c0.unsqueeze(1) if c0 is not None else None

@@ -54,8 +54,13 @@ class Faults(FederatedCallback):
     def on_round_end(self, trainer, loop, result):
         self.results.append((result.plan.client_ids, result.num_clients, result.num_failed))
         if self.out and trainer.global_rank == 0:
-            torch.save({"weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
-                        "results": self.results}, self.out)
+            torch.save(
+                {
+                    "weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
+                    "results": self.results,
+                },
+                self.out,
+            )
 
 
 class Net(MLP):
@@ -70,12 +75,24 @@ class Net(MLP):
 def fit(devices: int, rounds: int, out=None):
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    loop = FederatedLoop(Net(input_dim=64, hidden=[16]), client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                         local_steps=3, clients_per_round=4, seed=1)
+    loop = FederatedLoop(
+        Net(input_dim=64, hidden=[16]),
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        local_steps=3,
+        clients_per_round=4,
+        seed=1,
+    )
     faults = Faults(out)
     trainer = pl.Trainer(
-        max_steps=rounds, accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        max_steps=rounds,
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
         callbacks=[FedAvg(), faults],
     )
     dm = DigitsDataModule(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)

@@ -133,18 +133,31 @@ def main():
     data_cls = Digits64 if args.float64 else DigitsDataModule
     dm = data_cls(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
     trainer = pl.Trainer(
-        max_steps=args.rounds, accelerator="cpu", devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
+        max_steps=args.rounds,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
     )
     trainer.fit(loop, datamodule=dm, ckpt_path=args.ckpt_path)
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
     if trainer.global_rank == 0:
         store = loop.client_state.state_dict()
-        torch.save({"weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
-                    "store_clients": {ns: sorted(d) for ns, d in store.items()}, "steps": trainer.global_step,
-                    "round_metrics": recorder.rounds}, args.out)
+        torch.save(
+            {
+                "weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
+                "store_clients": {ns: sorted(d) for ns, d in store.items()},
+                "steps": trainer.global_step,
+                "round_metrics": recorder.rounds,
+            },
+            args.out,
+        )
 
 
 if __name__ == "__main__":
