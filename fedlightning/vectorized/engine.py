@@ -75,7 +75,7 @@ class VectorizedClientTrainer:
       at once; with torchmetrics metrics, the arguments of the round's metric calls.
 
     Args:
-        model: the working copy (``loop._worker_trainer().model``); its parameters are only read for names, shapes
+        model: the working copy (``loop.client_worker.model``); its parameters are only read for names, shapes
             and dtype; the clients' weights live in one ``[C, D]`` tensor during a round.
         to_device: moves a batch to the model's device.
     """
