@@ -171,6 +171,10 @@ class FederatedLoop(pl.LightningModule):
             and the optimizers of :mod:`fedlightning.optim`), raising a clear error otherwise; ``"auto"`` measures the
             first round both ways and keeps the faster (:func:`fedlightning.vectorized.run_vectorized_round`), falling
             back to sequential with a one-time warning where the model cannot be vectorised.
+        max_parallel_clients: with vectorised execution, the most clients trained in lockstep at once: an int
+            ``>= 1``, ``"auto"`` (a group size from the measured per-client footprint and the device's free memory)
+            or None (default: the whole cohort at once). The cohort is trained in groups of at most that many
+            clients (:class:`fedlightning.execution.VectorizedExecutor`); results equal sequential training's.
     """
 
     def __init__(
@@ -188,6 +192,7 @@ class FederatedLoop(pl.LightningModule):
         on_client_error: str = "raise",
         max_update_norm: float | None = None,
         local_epochs: float | None = None,
+        max_parallel_clients: int | str | None = None,
     ):
         super().__init__()
         if not isinstance(model, pl.LightningModule):
@@ -210,6 +215,8 @@ class FederatedLoop(pl.LightningModule):
         max_update_norm = positive("max_update_norm", max_update_norm, allow_none=True)
         max_failed_rounds = integer("max_failed_rounds", max_failed_rounds, allow_none=True)
         one_of("client_execution", client_execution, CLIENT_EXECUTION_MODES)
+        if max_parallel_clients != "auto":
+            max_parallel_clients = integer("max_parallel_clients", max_parallel_clients, allow_none=True)
         reference_mode()  # a bad FEDLIGHTNING_REFERENCE value fails here, before any training
         self.automatic_optimization = False
         self.model = model
@@ -224,6 +231,7 @@ class FederatedLoop(pl.LightningModule):
         self.persist_client_state = persist_client_state
         self.max_update_norm = max_update_norm
         self.client_execution = client_execution  # its executor (fedlightning.execution) is chosen here, once
+        self.max_parallel_clients = max_parallel_clients  # read by the vectorized executor
         self.client_state = ClientStateStore()
         self.strategy: ServerStrategy | None = None
         self._eval_router = _LogRouter(self, "forward")
@@ -526,6 +534,9 @@ class FederatedLoop(pl.LightningModule):
         if hasattr(opt, "set_client_data"):
             dm = self._datamodule()
             opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
+        for configured in call_federated_hook(self.trainer, self, "configure_client_optimizer", plan, client_id, opt):
+            if configured is not None:
+                opt = configured
         terms = []
         for extra in call_federated_hook(self.trainer, self, "client_objective", plan, client_id):
             terms.extend(extra or [])

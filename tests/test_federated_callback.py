@@ -108,6 +108,9 @@ class _Order(FederatedCallback):
     def on_round_start(self, trainer, pl_module, plan):
         self._seen("on_round_start", trainer, pl_module)
 
+    def configure_client_optimizer(self, trainer, pl_module, plan, client_id, optimizer):
+        self._seen("configure_client_optimizer", trainer, pl_module)
+
     def client_objective(self, trainer, pl_module, plan, client_id):
         self._seen("client_objective", trainer, pl_module)
         return []
@@ -131,7 +134,8 @@ def test_every_federated_hook_gets_trainer_and_module_with_its_name_set_and_may_
     profiler = SimpleProfiler()
     trainer = make_trainer(2, callbacks=[FedAvg(), cb], profiler=profiler)
     trainer.fit(loop, datamodule=DigitsDataModule(num_clients=8, batch_size=16, partition=Dirichlet(0.5), seed=0))
-    per_round = ["on_round_start"] + ["client_objective", "on_client_end"] * 3 + ["on_round_end"]
+    per_round = ["on_round_start"] + ["configure_client_optimizer", "client_objective", "on_client_end"] * 3
+    per_round += ["on_round_end"]
     assert [c[0] for c in cb.calls] == per_round * 2
     assert all(t is trainer and m is loop and fx == name for name, t, m, fx in cb.calls)
     assert float(trainer.callback_metrics["custom/round_plus_one"]) == 2.0
@@ -161,3 +165,52 @@ def test_old_hook_signatures_still_work_with_one_warning_naming_the_new_one():
         _, loop, _ = _fit(FedAvg(), extra=[old])
     assert len(old.ends) == len(old.objectives) == 6 and all(m is loop for m, _ in old.ends + old.objectives)
     assert sum("uses the old signature" in str(w.message) for w in record) == 2  # once per hook and class
+
+
+class _HalveLr(FederatedCallback):
+    """Sets server-held state into each client's optimizer (halves its lr) and, for client 3, replaces it."""
+
+    def __init__(self):
+        self.seen = []
+
+    def configure_client_optimizer(self, trainer, pl_module, plan, client_id, optimizer):
+        self.seen.append((plan.round, client_id, type(optimizer).__name__))
+        if client_id == 3:
+            return torch.optim.SGD(optimizer.param_groups[0]["params"], lr=0.0)
+        for group in optimizer.param_groups:
+            group["lr"] *= 0.5
+        return None
+
+
+def test_configure_client_optimizer_sets_state_or_replaces_the_clients_optimizer():
+    """Every client's optimizer passes through the hook before it trains: in-place changes apply (each client
+    trains with lr 0.05: the same computation as a plain loop trained with lr 0.05) and a returned optimizer replaces it
+    (client 3 with lr 0 returns a zero update)."""
+    dm_args = dict(num_clients=6, batch_size=16, partition=Dirichlet(0.5), seed=0)
+
+    def run(callbacks, lr):
+        torch.manual_seed(0)
+        loop = FederatedLoop(
+            MLP(input_dim=64, hidden=[8]),
+            lambda p: torch.optim.SGD(p, lr=lr),
+            local_steps=2,
+            clients_per_round=6,
+            seed=1,
+        )
+        deltas = {}
+
+        class Record(FederatedCallback):
+            def on_client_end(self, trainer, pl_module, plan, update):
+                deltas[update.client_id] = update.delta.clone()
+
+        trainer = make_trainer(1, callbacks=[FedAvg(), *callbacks, Record()])
+        trainer.fit(loop, datamodule=DigitsDataModule(**dm_args))
+        return deltas
+
+    halve = _HalveLr()
+    hooked = run([halve], 0.1)
+    plain = run([], 0.05)
+    assert sorted(c for _, c, _ in halve.seen) == list(range(6))
+    assert torch.count_nonzero(hooked[3]) == 0 and torch.count_nonzero(plain[3]) > 0
+    for cid in (0, 1, 2, 4, 5):
+        assert torch.equal(hooked[cid], plain[cid])  # 0.1 * 0.5 == 0.05 exactly: the same computation

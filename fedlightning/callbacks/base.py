@@ -53,6 +53,15 @@ class FederatedCallback(Callback):
         """Before the round's clients train; may change ``plan`` (e.g. ``plan.local_steps``, ``plan.client_lr_scale``,
         with ``local_epochs`` ``plan.client_steps``)."""
 
+    def configure_client_optimizer(
+        self, trainer, pl_module, plan: RoundPlan, client_id: int, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer | None:
+        """After client ``client_id``'s optimizer was built for ``plan`` (lr scaled, its own client state set), before
+        it trains: a strategy may set server-held state into ``optimizer`` (return None) or return an optimizer that
+        replaces it for this client (a wrapper over the same parameters). Default: None (unchanged). Like Flower's
+        ``configure_fit``: what the server sends each client besides the weights."""
+        return None
+
     def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int) -> list[Any]:
         """Extra loss terms ``f(params) -> Tensor`` added to client ``client_id``'s ``training_step`` loss this round
         (``params``: the client's trainable parameters in ``model.parameters()`` order). Default: none."""
@@ -68,7 +77,7 @@ class FederatedCallback(Callback):
 
 
 #: The federated hooks, by name (the methods of :class:`FederatedCallback` above).
-FEDERATED_HOOKS = ("on_round_start", "client_objective", "on_client_end", "on_round_end")
+FEDERATED_HOOKS = ("on_round_start", "configure_client_optimizer", "client_objective", "on_client_end", "on_round_end")
 
 #: Hooks whose previous signature lacked ``trainer``: ``client_objective(loop, plan, client_id)`` and
 #: ``on_client_end(loop, plan, update)`` (still called, with a FutureWarning, until the next release).
