@@ -5,10 +5,11 @@ Every executor implements :class:`ClientExecutor`: ``updates(loop, plan, client_
 :class:`~fedlightning.state.ClientUpdate` or the exception its training raised (the loop's failure policy decides what
 happens to it). The loop stops iterating when the policy stops the run, so a sequential executor trains no further
 client. :class:`SequentialExecutor` trains one client after the other (``loop.train_client``);
-:class:`VectorizedExecutor` trains them in lockstep (:func:`fedlightning.vectorized.run_vectorized_round`, which for
-``"auto"`` decides at the first round, once, whether vectorising pays, and falls back for good when the model cannot
-be vectorised) and hands over to sequential training for a round it declines. Reference mode
-(:mod:`fedlightning._reference`) trains sequentially whatever the executor.
+:class:`VectorizedExecutor` trains them in lockstep, in groups of at most ``FederatedLoop(max_parallel_clients=...)``
+clients (:func:`fedlightning.vectorized.run_vectorized_round`, which for ``"auto"`` decides at the first round, once,
+whether vectorising pays, falls back for good when the model cannot be vectorised, and halves a group that runs out of
+accelerator memory) and hands over to sequential training for a round, or the rest of a round, it declines. Reference
+mode (:mod:`fedlightning._reference`) trains sequentially whatever the executor.
 """
 
 from __future__ import annotations
@@ -59,10 +60,13 @@ class SequentialExecutor:
 
 
 class VectorizedExecutor:
-    """All of the round's clients in lockstep (``client_execution`` ``"vectorized"`` or ``"auto"``); a round the
-    vectorised entry declines (``"auto"`` chose sequential or fell back, or reference mode) is trained by
-    :class:`SequentialExecutor`. An exception of the batched computation that concerns every client is raised. The
-    run's vectorised state (engine, ``"auto"``'s choice and reason) is :attr:`run`."""
+    """The round's clients in lockstep (``client_execution`` ``"vectorized"`` or ``"auto"``), group after group
+    (``loop.max_parallel_clients``; each group is trained when the loop asks for its first client, so a loop that
+    stops early trains no further group); a round the vectorised entry declines (``"auto"`` chose sequential or fell
+    back, or reference mode) is trained by :class:`SequentialExecutor`, and so are the clients of a round it stopped
+    short of (``"auto"`` fell back after some groups). An exception of the batched computation that concerns every
+    client of a group is raised. The run's vectorised state (engine, ``"auto"``'s choice and reason, the group size
+    in force) is :attr:`run`."""
 
     def __init__(self, mode: str) -> None:
         self.run = VectorizedRun(mode)
@@ -90,7 +94,12 @@ class VectorizedExecutor:
         if outcomes is None:
             yield from self.sequential.updates(loop, plan, client_ids, global_flat)
             return
-        yield from zip(client_ids, outcomes)
+        done = 0
+        for outcome in outcomes:
+            yield client_ids[done], outcome
+            done += 1
+        if done < len(client_ids):  # "auto" fell back in the middle of the round
+            yield from self.sequential.updates(loop, plan, client_ids[done:], global_flat)
 
 
 def make_executor(client_execution: str) -> ClientExecutor:

@@ -363,8 +363,8 @@ def test_ragged_step_counts_are_estimated_from_each_clients_steps(monkeypatch, c
 
 
 def oom_on_call(monkeypatch, which):
-    """The vectorised engine raises CUDA's out-of-memory error at its ``which``-th round (1-based) and runs
-    normally otherwise; returns the list of calls."""
+    """The vectorised engine raises CUDA's out-of-memory error from its ``which``-th call (1-based) on, for groups of
+    any size, and runs normally before; returns the list of calls."""
     from fedlightning.vectorized import VectorizedClientTrainer
 
     calls = []
@@ -372,7 +372,7 @@ def oom_on_call(monkeypatch, which):
 
     def failing(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == which:
+        if len(calls) >= which:
             self.scratch("probe", (4, 4), torch.float32, torch.device("cpu"))  # a buffer the fallback frees
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.64 GiB.\nmore details")
         return run(self, *args, **kwargs)
@@ -383,9 +383,10 @@ def oom_on_call(monkeypatch, which):
 
 @pytest.mark.parametrize("when", ["measurement", "later round"])
 def test_auto_trains_sequentially_when_vectorized_runs_out_of_memory(monkeypatch, when):
-    """Vectorised clients hold C clients' activations at once: where that does not fit, "auto" falls back to
-    sequential training (one warning naming the reason, the engine's buffers freed), and its run equals sequential
-    mode's from the round that ran out on (bit for bit when that is the measurement)."""
+    """Vectorised clients hold C clients' activations at once: a group that does not fit is halved, and where not
+    even one client fits, "auto" falls back to sequential training (one warning naming the reason, the engine's
+    buffers freed), and its run equals sequential mode's from the round that ran out on (bit for bit when that is
+    the measurement). tests/test_client_groups.py has the halving that succeeds."""
     if when == "measurement":
         oom_on_call(monkeypatch, 1)  # auto's warm-up throw-away round
         virtual_clock(monkeypatch, 4.0, 1.0)
@@ -395,7 +396,7 @@ def test_auto_trains_sequentially_when_vectorized_runs_out_of_memory(monkeypatch
     with pytest.warns(
         UserWarning,
         match=r"client_execution='auto': training clients sequentially \(vectorized "
-        r"clients ran out of accelerator memory: CUDA out of memory\. Tried to "
+        r"clients ran out of accelerator memory even one at a time: CUDA out of memory\. Tried to "
         r"allocate 26\.64 GiB\.\)",
     ):
         run = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "auto")
@@ -406,7 +407,7 @@ def test_auto_trains_sequentially_when_vectorized_runs_out_of_memory(monkeypatch
     if when == "measurement":
         assert_identical(run, sequential)
     else:
-        assert len(calls) == 4  # no vectorised round after the fallback
+        assert len(calls) == 3 + 3  # round 1: groups of 6, 3 and 1 ran out; no vectorised call after the fallback
         from test_vectorized import assert_same_run
 
         assert_same_run(sequential, run)
@@ -416,10 +417,8 @@ def test_vectorized_out_of_memory_names_the_setting(monkeypatch):
     oom_on_call(monkeypatch, 1)
     with pytest.raises(
         torch.cuda.OutOfMemoryError,
-        match=r"client_execution='vectorized': the round's \d+ clients in "
-        r"lockstep did not fit in accelerator memory \(CUDA out of "
-        r"memory\. Tried to allocate 26\.64 GiB\.\); use "
-        r"client_execution='sequential' or 'auto', or fewer "
-        r"clients_per_round",
+        match=r"client_execution='vectorized': one client alone did not fit in accelerator memory in lockstep "
+        r"\(max_parallel_clients=None, halved down to 1; CUDA out of memory\. Tried to allocate 26\.64 GiB\.\); use "
+        r"client_execution='sequential' or 'auto'",
     ):
         fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "vectorized")

@@ -90,6 +90,23 @@ class ArrayDataset(Dataset):
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
         self.x, self.y = x, y
+        self._device_copies: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def on_device(self, device: torch.device | str) -> tuple[Any, Any]:
+        """``(x, y)`` on ``device``: the tensors themselves where they are already there (a CPU device for CPU
+        data), else a copy made on first use and kept with the data set (the data set's tensors never change), so
+        that a run copies its training data to the accelerator once. Non-tensor ``x`` or ``y`` (a view object such
+        as Shakespeare's sliding windows) are returned as they are."""
+        device = torch.device(device)
+        if not (isinstance(self.x, Tensor) and isinstance(self.y, Tensor)):
+            return self.x, self.y
+        if self.x.device == device and self.y.device == device:
+            return self.x, self.y
+        copies = self.__dict__.setdefault("_device_copies", {})  # also for subclasses with their own __init__
+        key = str(device)
+        if key not in copies:
+            copies[key] = (self.x.to(device), self.y.to(device))
+        return copies[key]
 
     def __len__(self) -> int:
         return len(self.y)
@@ -596,6 +613,33 @@ class FederatedDataModule(pl.LightningDataModule):
     prefetch_factor: int | None = None
     worker_init_fn: Any | None = None
 
+    def client_batch_sampler(self, client_id: int, round: int = 0, seed: int | None = None) -> ClientBatchSampler:
+        """The index batches of :meth:`client_dataloader` (the same sampler, seeded the same way), without a loader:
+        for a vectorised round that gathers the rows itself (:meth:`in_memory_train_data`)."""
+        self._require_setup()
+        if not 0 <= client_id < self.num_clients:
+            raise IndexError(f"client_id {client_id} out of range [0, {self.num_clients})")
+        seed = self.sampling_seed if seed is None else seed
+        gen = torch.Generator().manual_seed(derive_seed(seed, "data", round, client_id))
+        return ClientBatchSampler(self.client_indices[client_id], self.batch_size, gen, drop_last=self.drop_last)
+
+    def in_memory_train_data(self) -> ArrayDataset | None:
+        """The training :class:`ArrayDataset` when every client loader is an :class:`ArrayBatchLoader` over it with
+        :meth:`client_batch_sampler`'s sampler (in-memory tensors, no ``collate_fn``, reference mode off, and
+        neither :meth:`client_dataloader` nor its loader construction overridden), else None: a caller may then
+        gather ``dataset[sampler batch]`` itself, e.g. on the accelerator, and get the loader's batches."""
+        cls = type(self)
+        if (
+            cls.client_dataloader is not FederatedDataModule.client_dataloader
+            or cls._loader_from_batches is not FederatedDataModule._loader_from_batches
+            or cls.client_batch_sampler is not FederatedDataModule.client_batch_sampler
+            or not isinstance(self.train_dataset, ArrayDataset)
+            or self.collate_fn is not None
+            or reference_mode()
+        ):
+            return None
+        return self.train_dataset
+
     def client_dataloader(self, client_id: int, round: int = 0, seed: int | None = None) -> DataLoader:
         """Shuffled epochs over client ``client_id``'s samples (last partial batch kept unless ``drop_last``).
 
@@ -604,12 +648,8 @@ class FederatedDataModule(pl.LightningDataModule):
         ``num_workers > 0`` the workers' base seed comes from a generator seeded by ``(seed, "workers", round,
         client_id)`` (ours), so random transforms in workers are reproducible too.
         """
-        self._require_setup()
-        if not 0 <= client_id < self.num_clients:
-            raise IndexError(f"client_id {client_id} out of range [0, {self.num_clients})")
+        sampler = self.client_batch_sampler(client_id, round, seed)
         seed = self.sampling_seed if seed is None else seed
-        gen = torch.Generator().manual_seed(derive_seed(seed, "data", round, client_id))
-        sampler = ClientBatchSampler(self.client_indices[client_id], self.batch_size, gen, drop_last=self.drop_last)
         workers = torch.Generator().manual_seed(derive_seed(seed, "workers", round, client_id))
         return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers, generator=workers)
 

@@ -1,29 +1,42 @@
-"""The loop's entry to vectorised client execution, and ``client_execution="auto"``.
+"""The loop's entry to vectorised client execution, ``client_execution="auto"`` and ``max_parallel_clients``.
 
-:func:`run_vectorized_round` is what ``FederatedLoop.training_step`` calls for every round: the round's
-``ClientUpdate`` list from the loop's engine (built once per working copy), or None for sequential training (mode
-``"sequential"``; ``"auto"`` when it chose sequential or fell back). :func:`auto_choice` is the rule ``"auto"``
-applies to its one-time measurement (:func:`_auto_decide`).
+:func:`run_vectorized_round` is what the loop's vectorised executor calls for every round: the round's
+``ClientUpdate`` outcomes from the loop's engine (built once per working copy), group after group, or None for
+sequential training (mode ``"sequential"``; ``"auto"`` when it chose sequential or fell back). :func:`auto_choice` is
+the rule ``"auto"`` applies to its one-time measurement (:func:`_auto_decide`); :func:`group_size_for` the rule of
+``max_parallel_clients="auto"``.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from fedlightning.state import ClientUpdate, RoundPlan
 
+from .batches import _DeviceTransfer
 from .call import _info
 from .engine import VectorizedClientTrainer
 from .support import VectorizationUnsupportedError
 
-__all__ = ["AUTO_MARGIN", "VectorizedRun", "auto_choice", "run_vectorized_round"]
+__all__ = [
+    "AUTO_GROUP_MEMORY_FRACTION",
+    "AUTO_MARGIN",
+    "VectorizedRun",
+    "auto_choice",
+    "group_size_for",
+    "run_vectorized_round",
+]
+
+Outcome = ClientUpdate | Exception
 
 
 @dataclass
@@ -31,64 +44,281 @@ class VectorizedRun:
     """The state of vectorised client execution over one run, held by the loop's executor
     (:class:`fedlightning.execution.VectorizedExecutor`): the mode, the engine of the working copy, and for
     ``"auto"`` its choice and the reason (None before the first round), and whether the run fell back to sequential
-    training for good."""
+    training for good; ``group_size``, the most clients one engine call trains (None: ``loop.max_parallel_clients``
+    as set; an int once ``max_parallel_clients="auto"`` measured it or a group ran out of memory and was halved), and
+    ``footprint``, the bytes per client that ``"auto"`` measured (None before)."""
 
     mode: str
     engine: VectorizedClientTrainer | None = None
     choice: str | None = None
     reason: str | None = None
     fallback: bool = False
+    group_size: int | None = None
+    footprint: float | None = None
 
 
 def run_vectorized_round(
     loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor, run: VectorizedRun
-) -> list[ClientUpdate | Exception] | None:
-    """The ClientUpdates of ``client_ids`` for ``plan``, trained in lockstep (the exception sequential training
-    raises in place of a client's update, for a client whose training raised); None means "train them
-    sequentially".
+) -> Iterator[Outcome] | None:
+    """The outcomes of ``client_ids`` for ``plan``, in their order, trained in lockstep group after group (each a
+    :class:`ClientUpdate`, or the exception sequential training raises in place of a client's update, for a client
+    whose training raised); None means "train them sequentially", and an iterator that ends early means "train the
+    clients it did not reach sequentially" (``"auto"`` fell back in the middle of the round).
 
-    Called by :meth:`FederatedLoop.training_step` when ``client_execution`` is ``"vectorized"`` or ``"auto"``. With
+    Called by the loop's vectorised executor when ``client_execution`` is ``"vectorized"`` or ``"auto"``. With
     ``"auto"``, the first round decides once for the run (:func:`_auto_decide`), and anything
     :class:`VectorizationUnsupportedError` reports makes the loop fall back to sequential training for the rest of
     the run, with a one-time warning. Per-client optimizer state is read from and written to ``loop.client_state``
     (namespace ``"optimizer"``) exactly as sequential training does.
 
-    Accelerator memory (ours): the round's ``C`` clients in lockstep hold ``C`` clients' activations and a ``[C, D]``
-    weight and gradient matrix, so a model that trains sequentially can run out of memory vectorised. With
-    ``"auto"`` that is one more reason to train sequentially: the engine's buffers are freed, the round (its
-    measurement, or a real round, which has then changed no client state, metric or logged value) is trained
-    sequentially, and so is the rest of the run, with a one-time warning. With ``"vectorized"`` the
-    ``OutOfMemoryError`` is raised again with the setting named.
+    **Client groups** (``loop.max_parallel_clients``; decisions ours). The round's clients (this process's share under
+    DDP) are cut, in their order, into consecutive groups of at most ``G`` clients, each trained by one engine call
+    and handed to the loop before the next group trains (so a group's ``[G, D]`` buffers and activations are all a
+    round holds at once, and the loop consumes clients in sequential training's order: logged ``client/*`` values,
+    torchmetrics calls and client state are made client after client, as sequentially). ``G`` is the int set, the
+    whole cohort for None, and for ``"auto"`` :func:`group_size_for` the per-client footprint measured on the run's
+    first group of :data:`AUTO_GROUP_PROBE_CLIENTS` clients (with ``client_execution="auto"``, on its measurement's
+    warm-up). Results do not depend on the grouping for deterministic models. Dropout masks do: each engine call
+    seeds its generator with ``derive_seed(seed, "model-vectorized", round, *group_client_ids)``, so a group equal to
+    the cohort (None, or an int at least the cohort) draws exactly the masks of ungrouped training, and a fixed int
+    reproduces its own masks on any machine; ``"auto"`` and a halved size depend on the machine's memory (set an int
+    where a dropout model must reproduce across machines).
+
+    **Out of memory** (``torch.cuda.OutOfMemoryError``). Vectorised clients hold ``G`` clients' activations and
+    ``[G, D]`` weights and gradients at once. A group that runs out of memory leaves no trace: the engine's buffers
+    are freed, what its call logged or fed to torchmetrics metrics is undone (:func:`_undo_on_failure`), no client
+    state was written (that happens after the call), the random streams were forked, and its clients' optimizers are
+    built again (the loop's ``prepare_client``, ``configure_client_optimizer`` and ``client_objective`` hooks called
+    again for them, as ``"auto"``'s measurement does). The group is halved and retried until it fits, one warning
+    naming the new size, which is kept for the rest of the run (it is not checkpointed: a resumed run starts from the
+    setting again). Only a group of one client that does not fit ends vectorised training: ``"auto"`` trains the
+    round's remaining clients and the rest of the run sequentially (one warning), ``"vectorized"`` raises the error
+    again with the setting named. ``"auto"``'s measurement halves its timed group the same way.
     """
     mode = run.mode
     if mode == "sequential" or not client_ids or run.fallback:
         return None
-    try:
-        if mode == "auto" and run.choice is None:
+    if mode == "auto" and run.choice is None:
+        try:
             if _auto_decide(loop, run, plan, client_ids, global_flat) == "sequential":
                 run.fallback = True
                 return None
-        return _run(loop, run, plan, client_ids, global_flat)
-    except VectorizationUnsupportedError as err:
-        if mode != "auto":
-            raise
-        reason = str(err)
-    except torch.cuda.OutOfMemoryError as err:
-        _free(run)
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        if mode != "auto":
-            raise torch.cuda.OutOfMemoryError(
-                f"client_execution='vectorized': the round's {len(client_ids)} clients in lockstep did not fit in "
-                f"accelerator memory ({first}); use client_execution='sequential' or 'auto', or fewer "
-                "clients_per_round"
-            ) from err
-        reason = f"vectorized clients ran out of accelerator memory: {first}"
+        except VectorizationUnsupportedError as err:
+            _fall_back(run, str(err))
+            return None
+        except torch.cuda.OutOfMemoryError as err:  # a group of one client, in the measurement
+            _fall_back(run, f"vectorized clients ran out of accelerator memory even one at a time: {_first_line(err)}")
+            return None
+    return _groups(loop, run, plan, [int(c) for c in client_ids], global_flat)
+
+
+def _groups(loop, run: VectorizedRun, plan: RoundPlan, client_ids: list[int], global_flat: Tensor):
+    """The generator behind :func:`run_vectorized_round`: one engine call per group (its docstring has the rules)."""
+    done, halved_from = 0, None
+    while done < len(client_ids):
+        rest = client_ids[done:]
+        probing = _wants_auto_size(loop, run)
+        limit = AUTO_GROUP_PROBE_CLIENTS if probing else _group_limit(loop, run)
+        group = rest if limit is None else rest[:limit]
+        try:
+            if probing:
+                outcomes = _probe(loop, run, len(group), lambda g=group: _run(loop, run, plan, g, global_flat))
+            else:
+                outcomes = _run(loop, run, plan, group, global_flat)
+        except VectorizationUnsupportedError as err:
+            if run.mode != "auto":
+                raise
+            _fall_back(run, str(err))
+            return
+        except torch.cuda.OutOfMemoryError as err:
+            _free(run)
+            if len(group) > 1:
+                halved_from = halved_from or len(group)
+                run.group_size = len(group) // 2
+                continue
+            if run.mode != "auto":
+                raise torch.cuda.OutOfMemoryError(
+                    f"client_execution='vectorized': one client alone did not fit in accelerator memory in lockstep "
+                    f"(max_parallel_clients={getattr(loop, 'max_parallel_clients', None)!r}, halved down to 1; "
+                    f"{_first_line(err)}); use client_execution='sequential' or 'auto'"
+                ) from err
+            _fall_back(run, f"vectorized clients ran out of accelerator memory even one at a time: {_first_line(err)}")
+            return
+        if halved_from is not None:
+            _warn_halved(halved_from, run.group_size)
+            halved_from = None
+        done += len(group)
+        yield from outcomes
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def _fall_back(run: VectorizedRun, reason: str) -> None:
+    """``"auto"`` trains sequentially from here on, saying why once."""
     from lightning.pytorch.utilities import rank_zero_warn
 
     run.fallback = True
     run.choice, run.reason = "sequential", reason
     rank_zero_warn(f"client_execution='auto': training clients sequentially ({reason})")
-    return None
+
+
+def _warn_halved(old: int, new: int) -> None:
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(
+        f"max_parallel_clients: a group of {old} vectorized clients ran out of accelerator memory; training in groups "
+        f"of {new} from now on"
+    )
+
+
+# ---------------------------------------------------------------- client groups
+#: Clients in the group ``max_parallel_clients="auto"`` measures its per-client footprint on (ours: two, so that the
+#: measurement's fixed costs, counted in full, weigh half per client and cannot themselves run out of memory where
+#: one client fits twice).
+AUTO_GROUP_PROBE_CLIENTS = 2
+
+#: The fraction of the free memory ``max_parallel_clients="auto"`` plans a group to use (ours: on CUDA the footprint
+#: is measured, and 20 % is kept for the allocator's fragmentation, a larger padded batch than the probe's and what
+#: the loop holds meanwhile; a group that still runs out of memory is halved) ...
+AUTO_GROUP_MEMORY_FRACTION = 0.8
+
+#: ... and on a CPU, where the footprint is an estimate (activations saved for the backward pass plus
+#: :data:`AUTO_GROUP_CPU_ROWS` rows of ``D`` per client) and running out of memory is not recoverable (the
+#: operating system ends the process), this fraction of the available RAM (ours).
+AUTO_GROUP_CPU_MEMORY_FRACTION = 0.5
+
+#: Rows of the model's size ``D`` a client holds in a vectorised CPU round besides its activations (ours: its
+#: weights, gradient and update, up to three optimizer-state rows (Adam with AMSGrad), a line search's trial point
+#: and one spare).
+AUTO_GROUP_CPU_ROWS = 8
+
+
+def group_size_for(per_client_bytes: float, free_bytes: float, fraction: float = AUTO_GROUP_MEMORY_FRACTION) -> int:
+    """``max_parallel_clients="auto"``'s group size: ``⌊fraction · free / per_client⌋``, at least 1."""
+    if per_client_bytes <= 0:
+        raise ValueError(f"per_client_bytes must be > 0, got {per_client_bytes}")
+    return max(1, int(fraction * free_bytes // per_client_bytes))
+
+
+def _wants_auto_size(loop, run: VectorizedRun) -> bool:
+    return getattr(loop, "max_parallel_clients", None) == "auto" and run.group_size is None
+
+
+def _group_limit(loop, run: VectorizedRun) -> int | None:
+    """The most clients one engine call trains now (None: all of them)."""
+    if run.group_size is not None:
+        return run.group_size
+    limit = getattr(loop, "max_parallel_clients", None)
+    return None if limit == "auto" else limit
+
+
+def _probe(loop, run: VectorizedRun, num_clients: int, call: Callable[[], Any]) -> Any:
+    """``call()`` (an engine call of ``num_clients`` clients), measuring its memory for ``max_parallel_clients="auto"``:
+    sets ``run.group_size`` (:func:`group_size_for`) and ``run.footprint`` and logs them in one line.
+
+    The footprint per client (ours): on CUDA, the call's peak allocated memory above what was allocated before it
+    (``torch.cuda.max_memory_allocated``; fixed costs included, so an overestimate) over ``num_clients``, against the
+    driver's free memory plus the allocator's cached free blocks, with :data:`AUTO_GROUP_MEMORY_FRACTION`. On a
+    CPU, which has no allocator statistics, the largest sum of the bytes autograd saves for one backward pass
+    (one gradient evaluation, counted with ``torch.autograd.graph.saved_tensors_hooks``) over ``num_clients``, plus
+    :data:`AUTO_GROUP_CPU_ROWS` rows of the model's ``D`` parameters, against the available RAM
+    (``MemAvailable`` of ``/proc/meminfo``, else ``os.sysconf``), with :data:`AUTO_GROUP_CPU_MEMORY_FRACTION`."""
+    engine = _engine(loop, run)
+    device = next(iter(engine.model.parameters())).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = call()
+        torch.cuda.synchronize(device)
+        per_client = (torch.cuda.max_memory_allocated(device) - before) / num_clients
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+        free -= torch.cuda.memory_allocated(device)
+        fraction = AUTO_GROUP_MEMORY_FRACTION
+    else:
+        saved = _SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            out = call()
+        itemsize = torch.empty((), dtype=engine.dtype).element_size()
+        rows = AUTO_GROUP_CPU_ROWS * sum(p.numel() for p in engine.model.parameters() if p.requires_grad) * itemsize
+        per_client = saved.peak / num_clients + rows
+        free, fraction = _available_ram(), AUTO_GROUP_CPU_MEMORY_FRACTION
+    per_client = max(per_client, 1.0)
+    run.footprint = per_client
+    run.group_size = group_size_for(per_client, free, fraction)
+    _info(
+        f"max_parallel_clients='auto': groups of at most {run.group_size} clients ({per_client / 2**20:.1f} MiB per "
+        f"client measured on {device.type}, {free / 2**30:.1f} GiB free, planned to use {fraction:.0%} of it)"
+    )
+    return out
+
+
+class _SavedBytes:
+    """Counts the bytes of the distinct storages autograd saves during one gradient evaluation; ``peak`` is the
+    largest such count (a backward pass, seen as the first unpack after packs, ends an evaluation)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._current = 0
+        self._seen: set[int] = set()
+        self._in_backward = False
+
+    def pack(self, t: Tensor) -> Tensor:
+        if self._in_backward:
+            self._current, self._in_backward = 0, False
+            self._seen.clear()
+        try:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self._seen:
+                self._seen.add(key)
+                self._current += storage.nbytes()
+                self.peak = max(self.peak, self._current)
+        except Exception:  # noqa: BLE001 - a tensor without a plain storage counts nothing
+            pass
+        return t
+
+    def unpack(self, t: Tensor) -> Tensor:
+        self._in_backward = True
+        return t
+
+
+def _available_ram() -> float:
+    """Bytes of RAM available to a new allocation: ``MemAvailable`` (Linux), else free pages (``os.sysconf``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return float(8 << 30)  # unknown: plan for 8 GiB (ours)
+
+
+@contextmanager
+def _undo_on_failure(worker):
+    """An engine call that raises leaves the worker's log router and torchmetrics states as they were before it:
+    values it logged are dropped (the router's lists cut back to their lengths) and metric states restored."""
+    router = getattr(worker, "router", None)
+    metrics = getattr(worker, "metrics", None)
+    saved_metrics = metrics.save() if metrics else None
+    if router is not None:
+        lengths = {k: len(v) for k, v in router.captured.items()}
+        saved_router = (dict(router.metrics), dict(router.metric_paths))
+    try:
+        yield
+    except BaseException:
+        if saved_metrics is not None:
+            metrics.restore(saved_metrics)
+        if router is not None:
+            router.captured = {k: v[: lengths[k]] for k, v in router.captured.items() if k in lengths}
+            router.metrics, router.metric_paths = saved_router
+        raise
 
 
 def _free(run: VectorizedRun) -> None:
@@ -183,6 +413,11 @@ def _auto_decide(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence
       the ``C`` clients: with ``K = 1`` that step is a whole vectorised round (about 1.4 rounds in all for 10
       clients at even speeds; more where vectorised is much slower), which no measurement of a full-size
       vectorised step avoids.
+    * **Groups** (``max_parallel_clients``, :func:`run_vectorized_round`): where the round trains in groups of
+      ``G < C`` clients, the vectorised timing runs one group (the round's first ``G`` clients) and the vectorised
+      round is estimated as ``⌈C / G⌉`` times that group's round (a smaller last group counted in full: a close call
+      tips towards sequential); the warm-up is ``max_parallel_clients="auto"``'s footprint measurement
+      (:func:`_probe`). A measurement that runs out of memory is repeated with the group halved (one warning).
     * **The choice**: vectorised when its estimated round is faster by :data:`AUTO_MARGIN` (:func:`auto_choice`).
       After choosing sequential the engine's buffers are released: no vectorised round follows.
     * **Throw-away**: both modes log and make the metric calls a real round makes, so their cost is timed, and
@@ -206,7 +441,20 @@ def _auto_decide(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence
             ),
         )
     else:
-        choice, reason = _measure(loop, run, plan, client_ids, global_flat)
+        halved_from = None
+        while True:
+            try:
+                choice, reason = _measure(loop, run, plan, client_ids, global_flat)
+                break
+            except torch.cuda.OutOfMemoryError:
+                _free(run)
+                size = min(_group_limit(loop, run) or len(client_ids), len(client_ids))
+                if size <= 1:
+                    raise
+                halved_from = halved_from or size
+                run.group_size = size // 2
+        if halved_from is not None:
+            _warn_halved(halved_from, run.group_size)
         if choice == "sequential":
             _free(run)  # the run trains no vectorised round: its buffers ([C, D] and larger) are not kept
     run.choice, run.reason = choice, reason
@@ -225,7 +473,13 @@ def _measure(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int
     warm = plan.with_steps(1)
     _sync(device)
     t_start = _clock()
-    _run(loop, run, warm, client_ids[:2], global_flat, throwaway=True)  # warm-up: probes, first calls
+    if _wants_auto_size(loop, run):  # warm-up: probes, first calls; the footprint of max_parallel_clients="auto"
+        warm_ids = client_ids[:AUTO_GROUP_PROBE_CLIENTS]
+        _probe(loop, run, len(warm_ids), lambda: _run(loop, run, warm, warm_ids, global_flat, throwaway=True))
+    else:
+        _run(loop, run, warm, client_ids[: min(2, _group_limit(loop, run) or 2)], global_flat, throwaway=True)
+    G = min(_group_limit(loop, run) or C, C)  # the clients of one vectorised engine call
+    groups = -(-C // G)
     rates = []  # seconds per local step of each timed client
     with _throwaway_sequential(loop):
         _train_or_fail(loop, warm, client_ids[0], global_flat)  # warm-up
@@ -237,7 +491,7 @@ def _measure(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int
             t, t1 = t1, _clock()
             rates.append((t1 - t) / plan.steps_for(cid))
             seq = statistics.median(rates) * client_steps  # the estimated sequential round
-            if t1 - t_start + (t1 - t0) / len(rates) + seq * C / client_steps > _budget(seq):
+            if t1 - t_start + (t1 - t0) / len(rates) + seq * G / client_steps > _budget(seq):
                 break  # one more client and one vectorised step at sequential speed would not fit in the budget
             if len(rates) >= AUTO_SEQUENTIAL_CLIENTS and t1 - t0 >= AUTO_MEASURE_SECONDS:
                 break  # timed long enough
@@ -251,11 +505,12 @@ def _measure(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int
         spent, steps = readings[-1] - t1, _diffs(readings)
         later = steps[1:]  # the first step also carries the round's start-up
         fastest = min(later) if len(later) >= 2 else 0.0  # one later step alone may have been interrupted
-        lost[0] = auto_choice(seq, steps[0] + (K - 1) * fastest) == "sequential"  # a bound of its estimate below
+        lost[0] = auto_choice(seq, groups * (steps[0] + (K - 1) * fastest)) == "sequential"  # its estimate's bound
         enough = len(steps) >= m and spent >= AUTO_MEASURE_SECONDS
         return lost[0] or enough or spent + min(steps) > budget
 
-    finished = _run(loop, run, plan.with_steps(K), client_ids, global_flat, throwaway=True, stop=stop) is not None
+    timed = client_ids[:G]
+    finished = _run(loop, run, plan.with_steps(K), timed, global_flat, throwaway=True, stop=stop) is not None
     if finished:
         _sync(device)
         readings.append(_clock())
@@ -263,10 +518,13 @@ def _measure(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int
     if len(steps) == 1:
         vec = steps[0] * K  # the start-up counted K times: a close call tips towards sequential
     else:
-        vec = steps[0] + (K - 1) * statistics.median(steps[1:])  # the estimated vectorised round
+        vec = steps[0] + (K - 1) * statistics.median(steps[1:])  # the estimated vectorised round of one group
+    vec *= groups
     choice = auto_choice(seq, vec)  # sequential after a loss: its estimate only grew since it had lost
     ratio = seq / max(vec, 1e-12)
     everyone = f"all {C} clients" if C > 1 else "the 1 client"
+    if G < C:
+        everyone = f"a group of {_count(G, 'client')} of {C} ({groups} groups)"
     timed = (
         f"timed: {_count(len(steps), 'local step')} of {everyone} vectorized, "
         f"{'all' if n == C else n} of the {_count(C, 'client')} one at a time"
@@ -384,7 +642,8 @@ def _engine(loop, run: VectorizedRun) -> VectorizedClientTrainer:
         # the precision plugin's conversion, before the transfer (Lightning's order)
         convert = getattr(worker, "convert_input", None)
         to_device = worker.to_device if convert is None else (lambda b: worker.to_device(convert(b)))
-        engine = VectorizedClientTrainer(worker.model, to_device=to_device)
+        device = next(iter(worker.model.parameters()), torch.empty(0)).device
+        engine = VectorizedClientTrainer(worker.model, to_device=_DeviceTransfer(to_device, device))
         run.engine = engine
     return engine
 
@@ -411,8 +670,9 @@ def _run(
     prepared = [loop.prepare_client(plan, cid, worker.params) for cid in client_ids]
     optimizers = [opt for opt, _ in prepared]
     gbuffers = list(loop.model.buffers())
-    # a throw-away round logs and replays the metric calls as a real round does (their time counts), then undoes them
-    with _throwaway_logs(worker) if throwaway else nullcontext():
+    # a throw-away round logs and replays the metric calls as a real round does (their time counts), then undoes them;
+    # a real round that raises (out of memory: its group is retried smaller) undoes what it logged
+    with _throwaway_logs(worker) if throwaway else _undo_on_failure(worker):
         updates = engine.run(
             client_ids=client_ids,
             round=plan.round,

@@ -19,7 +19,38 @@ from fedlightning.datamodules.base import ArrayBatchLoader, ArrayDataset, Client
 from .support import VectorizationUnsupportedError
 from .torch_internals import tree_flatten, tree_unflatten
 
-__all__ = ["_RoundBatches"]
+__all__ = ["_DeviceTransfer", "_RoundBatches"]
+
+
+class _DeviceTransfer:
+    """A batch transfer ``fn`` (the loop's ``to_device``, precision conversion included) that also names the device
+    it moves batches to, so that :class:`_RoundBatches` can keep in-memory training data there."""
+
+    def __init__(self, fn: Callable[[Any], Any], device: torch.device):
+        self.fn, self.device = fn, torch.device(device)
+
+    def __call__(self, batch: Any) -> Any:
+        return self.fn(batch)
+
+
+#: In-memory training data is kept on an accelerator only while it takes at most this fraction of the device's free
+#: memory (ours: the clients' activations need the rest; larger data is gathered on the host, as on a CPU).
+DEVICE_DATA_MAX_FRACTION = 0.25
+
+
+def _gather_source(dataset: ArrayDataset, device: torch.device | None) -> tuple[Any, Any]:
+    """The ``(x, y)`` a round gathers its rows from: the data set's copy on ``device`` (made once per run,
+    :meth:`~fedlightning.datamodules.base.ArrayDataset.on_device`; on a CPU the tensors themselves), or the host
+    tensors where the device is unknown or the data would take more than :data:`DEVICE_DATA_MAX_FRACTION` of a CUDA
+    device's free memory."""
+    x, y = dataset.x, dataset.y
+    if device is None or not (isinstance(x, Tensor) and isinstance(y, Tensor)):
+        return x, y
+    if device.type == "cuda" and str(device) not in dataset.__dict__.get("_device_copies", {}):
+        size = x.numel() * x.element_size() + y.numel() * y.element_size()
+        if size > DEVICE_DATA_MAX_FRACTION * torch.cuda.mem_get_info(device)[0]:
+            return x, y
+    return dataset.on_device(device)
 
 
 class _RoundBatches:
@@ -32,9 +63,14 @@ class _RoundBatches:
 
     Decisions (ours): the same data as sequential training. Client ``i`` draws its batches from
     ``datamodule.client_dataloader(i, round, seed=loop.seed)`` in the same order, cycling to a new shuffled epoch
-    when the loader runs out (as ``LocalTrainer.run``). For the in-memory ``ArrayBatchLoader`` the index lists are
-    read from the loader's own batch sampler and a step's rows of all clients are gathered with one indexing op per
-    tensor; other loaders are iterated as they are.
+    when the loader runs out (as ``LocalTrainer.run``). Other loaders are iterated as they are. For in-memory data
+    (``datamodule.in_memory_train_data()``: an ``ArrayDataset`` served by ``ArrayBatchLoader``) no loader is built:
+    the index lists come from ``datamodule.client_batch_sampler`` (the loader's own sampler), the training tensors
+    are kept on the model's device (``to_device.device``, :class:`_DeviceTransfer`; copied once per run,
+    :func:`_gather_source`) with the round's index matrices moved there once per round, and a step's rows of all
+    clients are gathered there with one indexing op per tensor: no host-to-device copy of batch data per step. The
+    rows are bit for bit the loader's (``index_select`` of the same indices). On a CPU this is the same code with
+    the data where it already is; its payoff is on an accelerator.
     """
 
     #: largest round of gathered batch rows (bytes) that is gathered at once rather than step by step
@@ -51,6 +87,12 @@ class _RoundBatches:
     ):
         self.local_steps = local_steps
         self.to_device = to_device
+        in_memory = getattr(datamodule, "in_memory_train_data", None)
+        dataset = in_memory() if in_memory is not None else None
+        if dataset is not None:
+            samplers = [datamodule.client_batch_sampler(cid, round, seed) for cid in client_ids]
+            self._init_fast(dataset, samplers)
+            return
         loaders = [datamodule.client_dataloader(cid, round, seed=seed) for cid in client_ids]
         samplers = [self._array_sampler(ld) for ld in loaders]
         if all(s is not None for s in samplers) and len({id(ld.dataset) for ld in loaders}) == 1:
@@ -80,12 +122,14 @@ class _RoundBatches:
         self.steps = [(index[offsets[k] : offsets[k + 1]].reshape(C, -1), sizes_list[k]) for k in range(K)]
         self.offsets = offsets
         self.round_leaves = None
-        x, y = dataset.x, dataset.y
-        probe = torch.from_numpy(index[:1])
+        x, y = _gather_source(dataset, getattr(self.to_device, "device", None))
+        self.x, self.y = x, y
+        where = x.device if isinstance(x, Tensor) else torch.device("cpu")
+        self.flat_index = torch.from_numpy(index).to(where)  # the round's indices, moved once
+        probe = self.flat_index[:1]
         row_bytes = sum(t.numel() * t.element_size() for t in (_take(x, probe), _take(y, probe)))
         if index.size * row_bytes <= self.ROUND_GATHER_BYTES:
-            flat = torch.from_numpy(index)
-            gathered = self.to_device((_take(x, flat), _take(y, flat)))
+            gathered = self.to_device((_take(x, self.flat_index), _take(y, self.flat_index)))
             self.round_leaves, self.spec = tree_flatten(gathered)
 
     def _init_generic(self, loaders) -> None:
@@ -116,8 +160,8 @@ class _RoundBatches:
                 start, end = self.offsets[k], self.offsets[k + 1]
                 leaves = [x[start:end].view(*shape, *x.shape[1:]) for x in self.round_leaves]
                 return leaves, self.spec, sizes
-            flat = torch.from_numpy(index.reshape(-1))
-            x, y = _take(self.dataset.x, flat), _take(self.dataset.y, flat)
+            flat = self.flat_index[self.offsets[k] : self.offsets[k + 1]]
+            x, y = _take(self.x, flat), _take(self.y, flat)
             x, y = self.to_device((x.view(*shape, *x.shape[1:]), y.view(*shape, *y.shape[1:])))
             leaves, spec = tree_flatten((x, y))
             return leaves, spec, sizes
