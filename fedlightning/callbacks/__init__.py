@@ -10,6 +10,8 @@ from fedlightning.callbacks.fedexp import FedExP
 from fedlightning.callbacks.fedexprox import FedExProx
 from fedlightning.callbacks.fedli import FedLiLS, FedLiLU
 from fedlightning.callbacks.kdecay import KDecay, RuntimeModel
+from fedlightning.callbacks.local_adaptive import LocalAdaAlter, LocalAMSGrad
+from fedlightning.callbacks.mime import Mime, MimeLite
 from fedlightning.callbacks.proximal import ProximalTerm
 from fedlightning.callbacks.scaffold import Scaffold
 from fedlightning.callbacks.sps_variants import FedSPSGlobal, FedSPSNormalized
@@ -33,6 +35,10 @@ __all__ = [
     "FedLiLU",
     "Scaffold",
     "FedDANE",
+    "Mime",
+    "MimeLite",
+    "LocalAdaAlter",
+    "LocalAMSGrad",
     "ProximalTerm",
     "KDecay",
     "RuntimeModel",
