@@ -52,13 +52,15 @@ from fedlightning.callbacks.base import (
     check_hook_names,
 )
 from fedlightning.callbacks.fedavg import FedAvg
+from fedlightning.callbacks.feddane import client_full_batches, client_full_gradient
 from fedlightning.callbacks.progress import round_bar_for
 from fedlightning.client import LocalTrainer
 from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.execution import CLIENT_EXECUTION_MODES, make_executor
 from fedlightning.optim import scale_client_step
-from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, flat_params
+from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, derive_seed, flat_params
 from fedlightning.user_module import ClientHooks, MetricStates, ModuleOptimizer, make_client_copy
+from fedlightning.vectorized import VectorizationUnsupportedError, VectorizedClientTrainer
 
 __all__ = ["FederatedLoop"]
 
@@ -89,6 +91,10 @@ class _Runtime:
     #: ``(round, lr)``: the first parameter group's learning rate of the last client optimizer built
     #: (:meth:`FederatedLoop.prepare_client`), logged as ``client/lr``; lr None when that group has no ``lr``
     client_lr: tuple[int, float | None] | None = None
+    #: the vectorised engine of :meth:`FederatedLoop.client_full_gradients` while the executor has none
+    full_gradient_engine: Any | None = None
+    #: why :meth:`FederatedLoop.client_full_gradients` computes client by client for this run (None: it need not)
+    full_gradient_fallback: str | None = None
 
 
 class FederatedLoop(pl.LightningModule):
@@ -412,6 +418,64 @@ class FederatedLoop(pl.LightningModule):
         """The global model's trainable parameters, in ``model.parameters()`` order (the order of every flat
         vector the loop and the strategies use: ``Δ``, ``update.delta``, ``flat_params``)."""
         return self._global_params()
+
+    def client_full_gradients(
+        self, client_ids: Iterable[int], round: int, batch_size: int | None = None, tag: str = "feddane-gradient"
+    ) -> Tensor:
+        """``[len(client_ids), D]``: row ``i`` the flat gradient of client ``client_ids[i]``'s mean training loss over
+        all its samples at the global weights (:func:`~fedlightning.callbacks.feddane.client_full_gradient`'s, chunked
+        by ``batch_size``; FedDANE's ``∇F_k(w_t)``).
+
+        When this run trains its clients vectorised (:attr:`client_execution_choice`), all of them are one batched
+        computation (:meth:`~fedlightning.vectorized.VectorizedClientTrainer.full_gradients`: each chunk a row of one
+        vmapped ``training_step``; model randomness from one generator seeded with ``(seed, tag + "-vectorized",
+        round, *client_ids)``); else, or when the model or the batches cannot be vectorised (said once), client by
+        client with ``client_full_gradient`` (randomness seeded with ``(seed, tag, round, client_id)``). The global
+        model, the global generator and the round's logged values are left as they were. Memory: the result
+        (``[len(client_ids), D]``) and, vectorised, the activations of ``len(client_ids)`` chunks at once."""
+        ids = [int(c) for c in client_ids]
+        params = self._global_params()
+        if not ids:
+            return torch.zeros(0, sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        engine = self._full_gradient_engine()
+        if engine is not None:
+            try:
+                with torch.random.fork_rng(devices=[]):  # loading draws from the generator (client_full_batches)
+                    batches = [list(client_full_batches(self, k, batch_size)[1]) for k in ids]
+                return engine.full_gradients(
+                    batches,
+                    params,
+                    list(self.model.buffers()),
+                    derive_seed(self.seed, f"{tag}-vectorized", round, *ids),
+                )
+            except VectorizationUnsupportedError as err:
+                self._runtime.full_gradient_fallback = str(err)
+                rank_zero_warn(f"client full gradients are computed client by client: {err}")
+        return torch.stack([client_full_gradient(self, k, round, batch_size, tag=tag) for k in ids])
+
+    def _full_gradient_engine(self) -> VectorizedClientTrainer | None:
+        """The vectorised engine :meth:`client_full_gradients` uses: the executor's, or one of its own for the
+        working copy until the executor has built one; None when clients train sequentially (or the model cannot
+        be vectorised, or an earlier call fell back)."""
+        if self.client_execution_choice != "vectorized" or self._runtime.full_gradient_fallback is not None:
+            return None
+        worker = self._worker_trainer()
+        engine = self.vectorized_engine
+        if engine is not None and engine.model is worker.model:
+            return engine
+        cached = self._runtime.full_gradient_engine
+        if cached is not None and cached.model is worker.model:
+            return cached
+        convert = getattr(worker, "convert_input", None)
+        to_device = worker.to_device if convert is None else (lambda b: worker.to_device(convert(b)))
+        try:
+            cached = VectorizedClientTrainer(worker.model, to_device=to_device)
+        except VectorizationUnsupportedError as err:
+            self._runtime.full_gradient_fallback = str(err)
+            rank_zero_warn(f"client full gradients are computed client by client: {err}")
+            return None
+        self._runtime.full_gradient_engine = cached
+        return cached
 
     def _datamodule(self):
         dm = getattr(self.trainer, "datamodule", None)

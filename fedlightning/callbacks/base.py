@@ -64,7 +64,11 @@ class FederatedCallback(Callback):
 
     def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int) -> list[Any]:
         """Extra loss terms ``f(params) -> Tensor`` added to client ``client_id``'s ``training_step`` loss this round
-        (``params``: the client's trainable parameters in ``model.parameters()`` order). Default: none."""
+        (``params``: the client's trainable parameters in ``model.parameters()`` order). Default: none.
+
+        A term of the form ``μ/2‖w − a‖² + ⟨c, w − a⟩`` returned as a :class:`~fedlightning.objectives.AnchoredTerm`
+        is evaluated for all vectorised clients at once (stacked, its gradient in closed form); any other callable
+        is called client by client inside every vectorised step (said once in the log)."""
         return []
 
     def on_client_end(self, trainer, pl_module, plan: RoundPlan, update: ClientUpdate) -> None:

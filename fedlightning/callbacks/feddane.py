@@ -14,6 +14,9 @@ is :func:`client_full_gradient`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -23,30 +26,22 @@ from torch.utils.data import DataLoader
 from fedlightning._reference import reference_mode
 from fedlightning._validation import integer, non_negative, one_of
 from fedlightning.callbacks.fedavg import FedAvg
-from fedlightning.callbacks.proximal import global_anchors, linear_correction, proximal_penalty, split_like
+from fedlightning.callbacks.proximal import global_anchors, split_like
 from fedlightning.client import extract_loss
 from fedlightning.datamodules.base import ArrayDataset, ClientBatchSampler
-from fedlightning.state import RoundPlan, derive_seed, flat_grads, flat_params
+from fedlightning.objectives import AnchoredTerm
+from fedlightning.state import RoundPlan, derive_seed, flat_grads
 
-__all__ = ["FedDANE", "client_full_gradient"]
+__all__ = ["FedDANE", "client_full_batches", "client_full_gradient"]
 
 
-@torch.enable_grad()
-def client_full_gradient(loop, client_id: int, round: int, batch_size: int | None = None) -> Tensor:
-    """Flat gradient of client ``client_id``'s mean training loss over all its samples at the global weights.
-
-    Uses the FederatedLoop's working copy of the model (its weights and buffers are reset to the global ones
-    first; each client's local training resets them again) and leaves the loop's global model, the global RNG
-    and the round's captured client metrics untouched.
-    """
+def client_full_batches(loop, client_id: int, batch_size: int | None = None) -> tuple[int, Iterator[tuple[int, Any]]]:
+    """Client ``client_id``'s number of training samples ``n`` and its samples as ``(size, batch)`` pairs in order,
+    loaded lazily: one batch of all of them (``batch_size`` None) or consecutive chunks of ``batch_size`` (the last
+    one shorter), collated as the data module's loaders collate them (whole-batch indexing for an in-memory
+    ``ArrayDataset``), on the host. Iterating draws from torch's global generator (the loader's base seed, and any
+    random transform of the data set): callers iterate under a forked, seeded generator."""
     dm = loop.datamodule
-    worker = loop.client_worker
-    model, params, buffers = worker.model, worker.params, worker.buffers
-    gparams = loop.global_parameters()
-    with torch.no_grad():
-        torch._foreach_copy_(params, list(gparams))
-        if buffers:
-            torch._foreach_copy_(buffers, list(loop.model.buffers()))
     indices = np.asarray(dm.client_indices[client_id])
     n = len(indices)
     if n == 0:
@@ -59,6 +54,30 @@ def client_full_gradient(loop, client_id: int, round: int, batch_size: int | Non
     else:
         loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
     sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
+    return n, zip(sizes, loader)
+
+
+@torch.enable_grad()
+def client_full_gradient(
+    loop, client_id: int, round: int, batch_size: int | None = None, tag: str = "feddane-gradient"
+) -> Tensor:
+    """Flat gradient of client ``client_id``'s mean training loss over all its samples at the global weights.
+
+    Uses the FederatedLoop's working copy of the model (its weights and buffers are reset to the global ones
+    first; each client's local training resets them again) and leaves the loop's global model, the global RNG
+    and the round's captured client metrics untouched. The samples are :func:`client_full_batches`' (chunks of
+    ``batch_size``, each chunk's loss weighted by its share of the samples); model randomness (dropout) is seeded
+    by ``(loop.seed, tag, round, client_id)`` in a forked generator. :meth:`FederatedLoop.client_full_gradients`
+    computes the gradients of several clients at once.
+    """
+    worker = loop.client_worker
+    model, params, buffers = worker.model, worker.params, worker.buffers
+    gparams = loop.global_parameters()
+    with torch.no_grad():
+        torch._foreach_copy_(params, list(gparams))
+        if buffers:
+            torch._foreach_copy_(buffers, list(loop.model.buffers()))
+    n, batches = client_full_batches(loop, client_id, batch_size)
     router = getattr(worker, "router", None)
     saved_capture = {k: list(v) for k, v in router.captured.items()} if router is not None else None
     was_training = model.training
@@ -68,8 +87,8 @@ def client_full_gradient(loop, client_id: int, round: int, batch_size: int | Non
     devices = [params[0].device] if params and params[0].device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(derive_seed(loop.seed, "feddane-gradient", round, client_id))
-            for size, batch in zip(sizes, loader):
+            torch.manual_seed(derive_seed(loop.seed, tag, round, client_id))
+            for size, batch in batches:
                 batch = worker.to_device(batch)
                 loss = extract_loss(model.training_step(batch, 0), worker.model_name)
                 (loss * (size / n)).backward()
@@ -110,9 +129,15 @@ class FedDANE(FedAvg):
       full batch), computed with the wrapped model's ``training_step`` in training mode on the FederatedLoop's working
       copy, chunked by ``gradient_batch_size`` (None: one batch) with chunk losses weighted by chunk size. Model
       randomness (dropout) is seeded by ``(seed, "feddane-gradient", round, client)`` in a forked RNG. Only the
-      model loss enters the gradient (no other client-objective terms). A client of ``S'_t`` computes its own
-      ``∇F_k(w_t)`` when it starts its local phase (the paper: extra computation, no extra upload), so no per-client
-      gradient is kept in memory.
+      model loss enters the gradient (no other client-objective terms). The gradients of ``S_t`` and of the round's
+      clients ``S'_t`` (each client of ``S'_t`` computes its own ``∇F_k(w_t)``: the paper's extra computation, no
+      extra upload) are computed together at the start of the round, once per client of ``S_t ∪ S'_t``, by
+      :meth:`~fedlightning.FederatedLoop.client_full_gradients` (all at once when clients train vectorised); the
+      ``∇F_k(w_t)`` of ``S'_t`` are kept until the round ends: a ``[|S'_t|, D]`` tensor per round (``D`` the
+      number of trainable parameters; with DDP, this process's share of ``S'_t``).
+    * The local-phase term ``⟨g_t − ∇F_k(w_t), w − w_t⟩ + μ/2‖w − w_t‖²`` is an
+      :class:`~fedlightning.objectives.AnchoredTerm` (vectorised training stacks it over the clients and adds its
+      gradient in closed form).
     * ``g_t`` and the model average use the strategy's ``weighting``: ``"uniform"`` (default, the paper's ``1/K``) or
       ``"samples"`` (the reference code's ``n_k``-weighted averages).
     * Under DDP every process computes the gradients of its share of ``S_t`` and the sum is all-reduced.
@@ -153,6 +178,7 @@ class FedDANE(FedAvg):
         self._round: int | None = None
         self._global_gradient: Tensor | None = None  # g_t of the current round
         self._gradient_client_ids: list[int] = []
+        self._client_gradients: dict[int, Tensor] = {}  # ∇F_k(w_t) of this process's clients of the round
 
     # ------------------------------------------------------------------ gradient phase
     def sample_gradient_clients(self, loop, plan: RoundPlan) -> list[int]:
@@ -171,6 +197,7 @@ class FedDANE(FedAvg):
     def on_round_start(self, trainer, pl_module, plan: RoundPlan) -> None:
         self._round = plan.round
         self._global_gradient = None
+        self._client_gradients = {}
         if not self.correction:
             self._gradient_client_ids = []
             return
@@ -180,37 +207,37 @@ class FedDANE(FedAvg):
         dm = pl_module.datamodule
         weights = {k: (float(dm.client_num_samples(k)) if self.weighting == "samples" else 1.0) for k in ids}
         total_weight = sum(weights.values())
-        like = flat_params(pl_module.global_parameters())
-        acc = torch.zeros_like(like, dtype=torch.float64)
-        for k in pl_module.process_share(ids):
-            acc += weights[k] * client_full_gradient(pl_module, k, plan.round, self.gradient_batch_size).double()
+        share = pl_module.process_share(ids)  # this process's part of S_t
+        own = pl_module.process_share(list(plan.client_ids))  # and of S'_t, whose ∇F_k(w_t) the local phase needs
+        union = list(dict.fromkeys([*share, *own]))
+        grads = pl_module.client_full_gradients(union, plan.round, self.gradient_batch_size)  # [len(union), D]
+        row = {k: i for i, k in enumerate(union)}
+        acc = grads.new_zeros(grads.shape[1], dtype=torch.float64)
+        for k in share:
+            acc += weights[k] * grads[row[k]].double()
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(acc)
-        self._global_gradient = (acc / total_weight).to(like.dtype)
+        self._global_gradient = (acc / total_weight).to(grads.dtype)
+        if own:
+            kept = grads if len(own) == len(union) else grads[[row[k] for k in own]]
+            self._client_gradients = {k: kept[i] for i, k in enumerate(own)}
 
     # ------------------------------------------------------------------ local phase
     def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int):
         if not self.correction and self.mu == 0.0:
             return []
         anchors = global_anchors(pl_module)
-        mu = self.mu
         directions = None
         if self.correction:
             if self._global_gradient is None or self._round != plan.round:
                 raise RuntimeError(
                     "FedDANE's gradient phase did not run for this round (on_round_start was not called)"
                 )
-            own = client_full_gradient(pl_module, client_id, plan.round, self.gradient_batch_size)
+            own = self._client_gradients.get(client_id)
+            if own is None:  # a client outside this process's share of the round's sample
+                own = client_full_gradient(pl_module, client_id, plan.round, self.gradient_batch_size)
             directions = split_like(self._global_gradient - own, anchors)
-
-        def term(params):
-            value = proximal_penalty(params, anchors, mu) if mu != 0.0 else None
-            if directions is not None:
-                lin = linear_correction(params, anchors, directions)
-                value = lin if value is None else value + lin
-            return value
-
-        return [term]
+        return [AnchoredTerm(anchors, mu=self.mu, directions=directions)]
 
     # ------------------------------------------------------------------ server
     def server_update(self, loop, stats, plan: RoundPlan):
@@ -224,7 +251,8 @@ class FedDANE(FedAvg):
         return delta, lr, metrics
 
     def on_round_end(self, trainer, pl_module, result) -> None:
-        self._global_gradient = None  # free the model-sized vector between rounds
+        self._global_gradient = None  # free the model-sized vectors between rounds
+        self._client_gradients = {}
 
     def __repr__(self) -> str:
         return (

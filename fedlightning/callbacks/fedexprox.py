@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from fedlightning._validation import non_negative, one_of
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
-from fedlightning.callbacks.proximal import ProximalTerm, global_anchors, proximal_penalty
+from fedlightning.callbacks.proximal import ProximalTerm, global_anchors
+from fedlightning.objectives import AnchoredTerm
 from fedlightning.state import RoundPlan
 
 __all__ = ["FedExProx", "grads_extrapolation"]
@@ -50,8 +51,9 @@ class FedExProx(ServerStrategy):
 
     Decisions:
 
-    * ``mu > 0`` adds the proximal term to every client's objective (shared with
-      :class:`~fedlightning.callbacks.ProximalTerm`; do not configure both). ``mu = 0`` leaves the client objective
+    * ``mu > 0`` adds the proximal term to every client's objective (an
+      :class:`~fedlightning.objectives.AnchoredTerm`, as :class:`~fedlightning.callbacks.ProximalTerm`'s; do not
+      configure both). ``mu = 0`` leaves the client objective
       alone (then GraDS is FedExP's rule without its ``1/2`` and ``max{1, ·}``).
     * GraDS is ``≥ 1`` automatically (Jensen: ``mean‖Δ_i‖² ≥ ‖mean Δ_i‖²``), so no ``max{1, ·}`` is applied; with
       ``eps = 0`` (default, the paper's rule has no ``ε``) and ``Δ = 0`` the step is empty and ``α_t = 1`` is used.
@@ -87,13 +89,7 @@ class FedExProx(ServerStrategy):
     def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int):
         if self.mu == 0.0:
             return []
-        anchors = global_anchors(pl_module)
-        mu = self.mu
-
-        def term(params):
-            return proximal_penalty(params, anchors, mu)
-
-        return [term]
+        return [AnchoredTerm(global_anchors(pl_module), mu=self.mu)]
 
     def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan):
         delta = self.mean_delta(stats)

@@ -4,19 +4,21 @@ Networks", MLSys 2020): :class:`ProximalTerm` adds
 .. math::
     h_i(w) = f_i(w) + \frac{\mu}{2}\,\lVert w - w_t \rVert^2
 
-to every client's objective. Also the helpers other strategies use for their client terms:
-:func:`proximal_penalty`, :func:`linear_correction` (SCAFFOLD's and FedDANE's ``⟨c, w − w_t⟩``),
-:func:`global_anchors`, :func:`split_like`.
+to every client's objective (as an :class:`~fedlightning.objectives.AnchoredTerm`, the batched term kind). Also the
+helpers other strategies use for their client terms: :func:`global_anchors`, :func:`split_like`, and the per-client
+forms of the term's parts, :func:`proximal_penalty` and :func:`linear_correction` (SCAFFOLD's and FedDANE's
+``⟨c, w − w_t⟩``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from torch import Tensor
 
 from fedlightning._validation import non_negative
 from fedlightning.callbacks.base import FederatedCallback
+from fedlightning.objectives import AnchoredTerm
 
 __all__ = ["ProximalTerm", "proximal_penalty", "linear_correction", "split_like", "global_anchors"]
 
@@ -71,7 +73,9 @@ class ProximalTerm(FederatedCallback):
     *client-objective* part: it composes with any server strategy (FedAvg → FedProx; FedExP → the FedExP reference
     code's "fedprox(exp)"; :class:`~fedlightning.callbacks.FedExProx` and :class:`~fedlightning.callbacks.FedDANE`
     add the same term themselves through :func:`proximal_penalty`). The norm runs over all trainable parameters
-    jointly; ``μ = 0`` adds nothing (FedAvg).
+    jointly; ``μ = 0`` adds nothing (FedAvg). The term is an :class:`~fedlightning.objectives.AnchoredTerm`
+    (anchors ``w_t``, no linear part): vectorised training evaluates it for all clients at once and adds its
+    gradient in closed form.
 
     Args:
         mu: proximal coefficient ``μ ≥ 0``. No default: FedProx tunes it per data set (Li et al. 2020 use
@@ -81,16 +85,10 @@ class ProximalTerm(FederatedCallback):
     def __init__(self, mu: float):
         self.mu = non_negative("mu", mu)
 
-    def client_objective(self, trainer, pl_module, plan, client_id: int) -> list[Callable[[Sequence[Tensor]], Tensor]]:
+    def client_objective(self, trainer, pl_module, plan, client_id: int) -> list[AnchoredTerm]:
         if self.mu == 0.0:
             return []
-        anchors = global_anchors(pl_module)
-        mu = self.mu
-
-        def term(params: Sequence[Tensor]) -> Tensor:
-            return proximal_penalty(params, anchors, mu)
-
-        return [term]
+        return [AnchoredTerm(global_anchors(pl_module), mu=self.mu)]
 
     @property
     def state_key(self) -> str:

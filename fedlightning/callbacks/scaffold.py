@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
-from fedlightning.callbacks.proximal import global_anchors, linear_correction, split_like
+from fedlightning.callbacks.proximal import global_anchors, split_like
+from fedlightning.objectives import AnchoredTerm
 from fedlightning.state import ClientUpdate, RoundPlan
 
 __all__ = ["Scaffold"]
@@ -44,7 +45,9 @@ class Scaffold(ServerStrategy):
     Decisions:
 
     * The correction is written as ``⟨c − c_i, y − w_t⟩``: the gradient the paper prescribes, and zero at ``w_t`` so
-      the reported first-batch loss is the plain loss.
+      the reported first-batch loss is the plain loss. It is an :class:`~fedlightning.objectives.AnchoredTerm`
+      (``μ = 0``, direction ``c − c_i``): vectorised training stacks it over the clients and adds its gradient
+      in closed form.
     * ``Σ_k η_{i,k}`` is the sum of the step sizes the client actually took (``ClientUpdate.step_sizes``, which
       includes any per-round lr scale): it equals ``K η_l`` for constant-lr SGD and extends option II to adaptive
       client optimizers (ours).
@@ -86,12 +89,7 @@ class Scaffold(ServerStrategy):
         anchors = global_anchors(pl_module)
         like = torch.cat([a.reshape(-1) for a in anchors])
         correction = self._server_control(like) - self.client_control(pl_module, client_id, like)
-        directions = split_like(correction, anchors)
-
-        def term(params):
-            return linear_correction(params, anchors, directions)
-
-        return [term]
+        return [AnchoredTerm(anchors, mu=0.0, directions=split_like(correction, anchors))]
 
     def on_client_end(self, trainer, pl_module, plan: RoundPlan, update: ClientUpdate) -> None:
         if update.failed or update.delta is None:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning._logging_route import routed_logging
+from fedlightning.objectives import AnchoredTerm
 
 from .losses import LossInterception
 from .metrics import _metric_modules, _metric_types, _MetricCalls, _MetricStep, _Pending
@@ -49,7 +50,7 @@ from .torch_internals import (
     tree_unflatten,
 )
 
-__all__ = ["extract_loss", "_Effects", "_LogCollector", "_ModelCall", "_info", "_tf32", "_tolerance"]
+__all__ = ["extract_loss", "_ClientTerms", "_Effects", "_LogCollector", "_ModelCall", "_info", "_tf32", "_tolerance"]
 
 
 class _LogCollector:
@@ -425,9 +426,10 @@ class _ModelCall:
     def term_values(views: list[Tensor], terms: list[list[Callable]]) -> Tensor:
         """Σ of each client's objective terms, called on that client's parameter tensors (rows of the batch).
 
-        Client objective terms (``client_objective`` hooks, e.g. FedProx's proximal term) are called on the list of
-        their client's parameter tensors (slices of the batched weights), so their gradients flow through the same
-        backward pass (one Python call per client and term per evaluation)."""
+        Client objective terms without a batched form (a ``client_objective`` hook's plain callables) are called on
+        the list of their client's parameter tensors (slices of the batched weights), so their gradients flow
+        through the same backward pass (one Python call per client and term per evaluation); the terms with a
+        batched form are :class:`_ClientTerms`' stacked ones."""
         values = []
         for c, client_terms in enumerate(terms):
             own = [v[c] for v in views]
@@ -436,3 +438,90 @@ class _ModelCall:
                 total = total + term(own).reshape(())
             values.append(total)
         return torch.stack(values)
+
+
+class _ClientTerms:
+    r"""The client-objective terms of one engine call's clients, stacked once per call.
+
+    ``terms[c]`` is client ``c``'s list (the ``client_objective`` hooks' terms, in order). Its
+    :class:`~fedlightning.objectives.AnchoredTerm`\ s are stacked into batched terms, one per position: the
+    ``j``-th AnchoredTerm of every client that has at least ``j + 1`` of them (``layers``; a layer that misses
+    some clients keeps the indices of its rows). Every other callable is ``plain``: evaluated client by client
+    (:meth:`_ModelCall.term_values`). Stacking happens per call from the clients it receives, so any subset of a
+    round's clients (a group of them) is stacked on its own.
+
+    Gradient evaluations add the stacked terms' closed-form gradients ``μ(w − a) + c`` to the model's gradient
+    (:meth:`closed_form`: no autograd graph for them, the same value up to the order of the sum) and their values
+    to the losses; trial evaluations take their values (:meth:`values`).
+    """
+
+    def __init__(self, terms: Sequence[Sequence[Callable]], dtype: torch.dtype, device: torch.device):
+        C = len(terms)
+        self.num_clients = C
+        stackable = [[t for t in ts if isinstance(t, AnchoredTerm) and t.num_rows is None] for ts in terms]
+        plain = [[t for t in ts if not (isinstance(t, AnchoredTerm) and t.num_rows is None)] for ts in terms]
+        self.plain: list[list[Callable]] | None = plain if any(plain) else None
+        #: (rows: [R] indices or None for all clients, positions: [C] row of each client or -1, None for all,
+        #: the batched term)
+        self.layers: list[tuple[Tensor | None, Tensor | None, AnchoredTerm]] = []
+        for j in range(max((len(b) for b in stackable), default=0)):
+            rows = [c for c in range(C) if len(stackable[c]) > j]
+            term = AnchoredTerm.stack([stackable[c][j] for c in rows]).to(dtype=dtype, device=device)
+            if len(rows) == C:
+                self.layers.append((None, None, term))
+            else:
+                index = torch.tensor(rows, dtype=torch.long, device=device)
+                positions = torch.full((C,), -1, dtype=torch.long, device=device)
+                positions[index] = torch.arange(len(rows), device=device)
+                self.layers.append((index, positions, term))
+
+    def plain_reason(self) -> str | None:
+        """Why some terms are evaluated client by client (None when none is), naming the first such term."""
+        if self.plain is None:
+            return None
+        term = next(t for ts in self.plain for t in ts)
+        name = getattr(term, "__qualname__", None) or type(term).__qualname__
+        return (
+            f"client objective term {name} has no batched form (it is not a fedlightning.objectives.AnchoredTerm): "
+            "vectorized training evaluates it client by client at every step"
+        )
+
+    def closed_form(self, views: Sequence[Tensor], grads: list[Tensor]) -> tuple[Tensor | None, list[Tensor]]:
+        """The stacked terms' ``[C]`` values at ``views`` (the clients' detached ``[C, *shape]`` weights; None
+        without stacked terms) and ``grads`` (per-parameter ``[C, *shape]``) plus their closed-form gradients
+        (new tensors: ``grads`` itself is not written)."""
+        total = None
+        for index, _, term in self.layers:
+            if index is None:
+                value, parts = term.value_and_gradient(views)
+                grads = [g + d for g, d in zip(grads, parts)]
+            else:
+                value, parts = term.value_and_gradient([v.index_select(0, index) for v in views])
+                grads = [g.index_add(0, index, d) for g, d in zip(grads, parts)]
+                value = value.new_zeros(self.num_clients).index_add_(0, index, value)
+            total = value if total is None else total + value
+        return total, grads
+
+    def values(self, views: Sequence[Tensor], clients: Tensor | None = None) -> Tensor:
+        """Σ of the terms of every row: rows ``r`` of ``views`` ([P, *shape]) belong to the clients ``clients``
+        ([P] indices, repeats allowed: a line search's trial points), or row ``r`` to client ``r`` (None)."""
+        P = views[0].shape[0]
+        total = views[0].new_zeros(P)
+        for index, positions, term in self.layers:
+            if clients is None:
+                if index is None:
+                    total = total + term(views)
+                else:
+                    total = total.index_add(0, index, term([v.index_select(0, index) for v in views]))
+            elif index is None:
+                total = total + term.rows(clients)(views)
+            else:
+                rows = positions.index_select(0, clients)
+                keep = (rows >= 0).nonzero().flatten()
+                if len(keep):
+                    own = term.rows(rows.index_select(0, keep))([v.index_select(0, keep) for v in views])
+                    total = total.index_add(0, keep, own)
+        if self.plain is not None:
+            plain = self.plain if clients is None else [self.plain[i] for i in clients.tolist()]
+            total = total + _ModelCall.term_values(list(views), plain)
+        return total

@@ -14,13 +14,13 @@ from torch import Tensor, nn
 from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed
 
 from .batches import _RoundBatches
-from .call import _ModelCall
+from .call import _ClientTerms, _info, _ModelCall
 from .layout import _Layout, _WeightsLayout
 from .metrics import _replay
 from .rules import StepRecord, make_batched_rule
 from .step import _feed_router, _StepEvaluator
 from .support import VectorizationUnsupportedError, check_model_vectorizable
-from .torch_internals import _seed_default_generators
+from .torch_internals import _seed_default_generators, tree_flatten
 
 __all__ = ["VectorizedClientTrainer"]
 
@@ -101,6 +101,7 @@ class VectorizedClientTrainer:
         #: during a round: ``[C]`` bool of the clients that raised (None while none has), and their exceptions
         self.failed: Tensor | None = None
         self.raised: dict[int, Exception] = {}
+        self._told_plain_terms = False  # the one-line reason for terms without a batched form was given
 
     def fail_clients(self, rows: Tensor, singular: tuple[str, torch.Size]) -> None:
         """The clients ``rows`` ([C] bool) raise, at the current local step, what ``nn.BatchNorm*`` raises for their
@@ -145,6 +146,78 @@ class VectorizedClientTrainer:
         ev.learn_layout = True
         ev.keep_effects = False
         ev.gradient(W, torch.ones(layout.num_clients, dtype=torch.bool, device=W.device), flat=False)
+
+    # ---------------------------------------------------------------- full gradients at the global weights
+    def full_gradients(
+        self,
+        client_batches: Sequence[Sequence[tuple[int, Any]]],
+        global_params: Sequence[Tensor],
+        global_buffers: Sequence[Tensor],
+        seed: int,
+    ) -> Tensor:
+        r"""``[C, D]``: row ``i`` the gradient at the global weights of client ``i``'s mean loss over all the
+        samples of ``client_batches[i]`` (its ``(size, batch)`` chunks on the host, as
+        :func:`fedlightning.callbacks.feddane.client_full_batches` yields them), in the parameters' own order
+        (``flat_params``): what ``client_full_gradient`` computes client by client,
+        ``Σ_chunks (size / n_i) ∇ training_step(chunk)``.
+
+        Decisions (ours): every chunk is one row of a vmapped ``training_step`` at the global weights (rows padded
+        to the largest chunk by repeating their own samples, masked out of the loss, as local steps are), and the
+        rows of one client share its weights, so one backward pass sums its chunks' gradients. Rows are evaluated
+        ``C`` at a time: the activations of ``C`` chunks at once (with ``batch_size`` None, ``C`` clients' whole
+        data). BatchNorm layers use each chunk's batch statistics, as sequentially; running statistics, metric calls
+        and logged values are dropped (the working copy's buffers are reset before every client trains). Random
+        layers draw from one forked generator seeded with ``seed`` (not the per-client streams of sequential mode,
+        as for local steps). Raises :class:`VectorizationUnsupportedError` for batches that cannot be stacked.
+        """
+        C = len(client_batches)
+        rows = [(c, size, batch) for c, chunks in enumerate(client_batches) for size, batch in chunks]
+        totals = [sum(size for size, _ in chunks) for chunks in client_batches]
+        if any(n <= 0 for n in totals):
+            raise ValueError(f"every client needs samples for a full gradient, got sample counts {totals}")
+        with torch.no_grad():
+            start = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in global_params])
+        device = start.device
+        W = self.weights.stored(start).unsqueeze(0).repeat(C, 1)
+        leaves = [v.detach().requires_grad_(True) for v in self.weights.views(W)]
+        grads: list[Tensor | None] = [None] * len(leaves)
+        rng_devices = [device] if device.type == "cuda" else []
+        was_training = self.model.training
+        self.model.train()
+        norms = self.call.norms
+        try:
+            with torch.random.fork_rng(devices=rng_devices):
+                _seed_default_generators(seed, rng_devices)
+                for first in range(0, len(rows), C):
+                    group = rows[first : first + C]
+                    layout = _Layout(*_stack_rows([self.to_device(b) for _, _, b in group], [s for _, s, _ in group]))
+                    clients = torch.tensor([c for c, _, _ in group], dtype=torch.long, device=device)
+                    share = torch.tensor([1.0 / totals[c] for c, _, _ in group], dtype=self.dtype, device=device)
+                    identity = len(group) == C and all(c == i for i, (c, _, _) in enumerate(group))
+                    views = leaves if identity else [v.index_select(0, clients) for v in leaves]
+                    if norms:
+                        norms.start(global_buffers, len(group))
+                    with torch.enable_grad():
+                        if layout.mask is None:
+                            losses, _ = self.call.row_values(views, layout.batch, None, 0)
+                            sizes = torch.tensor(layout.sizes, dtype=self.dtype, device=device)
+                            root, weight = losses, share * sizes  # chunk mean × size / n_i
+                        else:
+                            root, _, _ = self.call.row_values(
+                                views, layout.batch, layout.mask, 0, cells=True, min_count=layout.min_size
+                            )
+                            weight = layout.mask.to(self.dtype) * share[:, None]  # each real sample: 1 / n_i
+                        parts = torch.autograd.grad(
+                            [root], leaves, grad_outputs=[weight.to(root.dtype)], allow_unused=True
+                        )
+                    grads = [g if p is None else (p if g is None else g + p) for g, p in zip(grads, parts)]
+        finally:
+            if norms:
+                norms.stats = []
+            self.model.train(was_training)
+        return torch.cat(
+            [(torch.zeros_like(v) if g is None else g).reshape(C, -1) for g, v in zip(grads, leaves)], dim=1
+        ).detach()
 
     # ---------------------------------------------------------------- one round
     def run(
@@ -206,7 +279,10 @@ class VectorizedClientTrainer:
         rule = make_batched_rule(optimizers, params, grad_clip, device)
         if terms is not None and len(terms) != C:
             raise ValueError(f"got objective terms for {len(terms)} clients, expected {C}")
-        term_lists = [list(t) for t in terms] if terms is not None and any(terms) else None
+        client_terms = _ClientTerms(terms, self.dtype, device) if terms is not None and any(terms) else None
+        if client_terms is not None and client_terms.plain is not None and not self._told_plain_terms:
+            self._told_plain_terms = True
+            _info(client_terms.plain_reason())
         if not self.model.training:  # as train_client: layers the module put in eval mode stay there
             self.model.train()
         norms = self.call.norms
@@ -235,7 +311,14 @@ class VectorizedClientTrainer:
             for k in range(K):
                 layout = _Layout(*batches.step(k), cache=layouts)
                 ev = _StepEvaluator(
-                    self, layout, k, term_lists, rng_devices, log_sink, trials=rule.uses_trials, metric_sink=metric_sink
+                    self,
+                    layout,
+                    k,
+                    client_terms,
+                    rng_devices,
+                    log_sink,
+                    trials=rule.uses_trials,
+                    metric_sink=metric_sink,
                 )
                 training = ragged.training(k, alive)  # alive, less the clients whose own steps are done
                 ev.track_alive = rule.stops_on_nonfinite or training is not alive  # else every client trains
@@ -373,3 +456,32 @@ def _rows_finite(x: Tensor) -> Tensor:
     smallest entries are (NaN propagates through both reductions); cheaper than ``isfinite`` over ``[C, D]`` on
     CPU (docs/benchmarks.md §3)."""
     return torch.isfinite(x.amax(dim=1)) & torch.isfinite(x.amin(dim=1))
+
+
+def _stack_rows(batches: Sequence[Any], sizes: Sequence[int]) -> tuple[list[Tensor], Any, list[int]]:
+    """``(leaves, spec, sizes)`` of :class:`~fedlightning.vectorized.layout._Layout` from whole batches of
+    ``sizes`` samples: each tensor leaf stacked over the batches ``[R, n_max, ...]``, a shorter batch padded by
+    repeating its own samples (as :class:`~fedlightning.vectorized.batches._RoundBatches` pads a step's batches).
+    Raises :class:`VectorizationUnsupportedError` for batches that differ in structure or in a non-batch
+    dimension, or whose leaves are not tensors of ``size`` rows."""
+    n_max = max(sizes)
+    flat = [tree_flatten(b) for b in batches]
+    spec = flat[0][1]
+    out: list[list[Tensor]] = [[] for _ in flat[0][0]]
+    for (leaves, sp), n in zip(flat, sizes):
+        if sp != spec:
+            raise VectorizationUnsupportedError("the clients' full batches differ in structure; they cannot be stacked")
+        position = torch.arange(n_max) % n
+        for j, x in enumerate(leaves):
+            if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[0] != n:
+                raise VectorizationUnsupportedError(
+                    f"leaf {j} of a client's full batch is not a tensor of its {n} samples "
+                    f"({type(x).__name__}); its full gradient is computed client by client"
+                )
+            if out[j] and (x.shape[1:] != out[j][0].shape[1:] or x.dtype != out[j][0].dtype):
+                raise VectorizationUnsupportedError(
+                    f"leaf {j} of the clients' full batches has shape {tuple(x.shape)} ({x.dtype}) for one client and "
+                    f"{tuple(out[j][0].shape)} ({out[j][0].dtype}) for another; only the batch dimension is padded"
+                )
+            out[j].append(x if n == n_max else x.index_select(0, position.to(x.device)))
+    return [torch.stack(parts) for parts in out], spec, list(sizes)

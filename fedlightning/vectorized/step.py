@@ -4,13 +4,13 @@ trial losses, and the values the model logged, handed to the loop's log router o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from .call import _Effects, _ModelCall
+from .call import _ClientTerms, _Effects, _ModelCall
 from .layout import _Layout, _WeightsLayout
 from .torch_internals import _rng_state, _set_rng_state
 
@@ -55,7 +55,7 @@ class _StepEvaluator:
         engine: _Engine,
         layout: _Layout,
         step: int,
-        terms: list[list[Callable]] | None,
+        terms: _ClientTerms | None,
         rng_devices: list,
         log_sink: list | None,
         trials: bool = True,
@@ -101,14 +101,17 @@ class _StepEvaluator:
                 )
                 losses = values / layout.counts_as(values.dtype)
                 roots, seeds = [cells], [layout.cell_weights(cells.dtype)]
-            if self.terms is not None:
-                terms = engine.call.term_values(leaves, self.terms)
+            if self.terms is not None and self.terms.plain is not None:  # terms without a batched form: autograd
+                terms = engine.call.term_values(leaves, self.terms.plain)
                 losses = losses + terms
                 roots.append(terms)
                 seeds.append(None)
             seeds = [torch.ones_like(r) if g is None else g for r, g in zip(roots, seeds)]
             grads = torch.autograd.grad(roots, leaves, grad_outputs=seeds, allow_unused=True)
         grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
+        if self.terms is not None and self.terms.layers:  # stacked terms: values and closed-form gradients
+            values, grads = self.terms.closed_form([v.detach() for v in leaves], grads)
+            losses = losses + values
         evaluated = alive if self.track_alive else None
         if effects is not None and norms and norms.singular is not None:
             engine.fail_clients(self._one_sample_rows(alive), norms.singular)
@@ -159,7 +162,7 @@ class _StepEvaluator:
                 batch, mask, counts, terms = layout.batch, layout.mask, layout.counts, self.terms
             else:
                 batch, mask, counts = layout.rows(clients, engine.scratch)
-                terms = [self.terms[i] for i in clients.tolist()] if self.terms is not None else None
+                terms = self.terms
             views = engine.weights.views(points)
             values, _ = engine.call.row_values(
                 views, batch, mask, self.step, clients=clients, min_count=layout.min_size
@@ -169,7 +172,7 @@ class _StepEvaluator:
             else:
                 losses = values / (layout.counts_as(values.dtype) if clients is None else counts.to(values.dtype))
             if terms is not None:
-                losses = losses + engine.call.term_values(views, terms)
+                losses = losses + terms.values(views, clients)
         return losses
 
     def finish(self) -> None:
