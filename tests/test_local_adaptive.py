@@ -1,0 +1,243 @@
+"""Local AdaAlter (Xie et al. 2019) and Local AMSGrad (Chen et al. 2020): agreement with plain-PyTorch float64 reference
+loops (models and server statistics), the client steps by hand, parameter order, resume, refused configurations and
+execution modes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FedAvg, LocalAdaAlter, LocalAMSGrad
+from fedlightning.datamodules import Dirichlet
+from fedlightning.models import LogisticRegression
+from fedlightning.optim import AdaAlterClient, AMSGradClient
+from fedlightning.state import flat_params
+from numerics import Digits64, assert_close64, to_float64
+from test_resume import run_resume_equivalence
+from test_strategies import Recorder
+
+K, CPR, SEED, ROUNDS = 3, 4, 3, 3
+ADAALTER = dict(lr=0.3, eps=0.5)
+AMSGRAD = dict(lr=0.02, betas=(0.8, 0.95), eps=1e-3)
+
+
+def make_dm():
+    return Digits64(num_clients=12, batch_size=16, partition=Dirichlet(0.5), seed=2)
+
+
+def make_model():
+    torch.manual_seed(1)
+    return to_float64(LogisticRegression(input_dim=64, num_classes=10))
+
+
+def run(strategy, opt, rounds=ROUNDS, execution="sequential", extra=()):
+    loop = FederatedLoop(
+        make_model(), client_optimizer=opt, local_steps=K, clients_per_round=CPR, seed=SEED, client_execution=execution
+    )
+    make_trainer(rounds, callbacks=[strategy, *extra]).fit(loop, datamodule=make_dm())
+    return loop
+
+
+def weights(loop):
+    return flat_params(loop.global_parameters())
+
+
+# ============================================================================ plain-PyTorch references (float64)
+def reference(client_step, server_init, server_sync, weighting="uniform", rounds=ROUNDS):
+    """Rounds of local steps ``client_step(k, y, g, client_stats, server) -> y`` from the server's statistics and a
+    weighted average of models and client statistics (``server_sync(server, mean_client_stats)``)."""
+    dm = make_dm()
+    dm.setup("fit")
+    dm.configure_rounds(CPR, K, SEED)
+    net = make_model().net
+    names = [n for n, _ in net.named_parameters()]
+    f = lambda w, x: torch.func.functional_call(net, dict(zip(names, w)), (x,))  # noqa: E731
+    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+    x_server = flat(p.detach().clone() for p in net.parameters())
+    shapes = [p.shape for p in net.parameters()]
+
+    def grad(y, bx, by):
+        parts, o = [], 0
+        for s in shapes:
+            n = torch.Size(s).numel()
+            parts.append(y[o : o + n].view(s))
+            o += n
+        w = [t.detach().clone().requires_grad_(True) for t in parts]
+        return flat(torch.autograd.grad(F.cross_entropy(f(w, bx), by), w))
+
+    server = server_init(x_server)
+    for r in range(rounds):
+        ys, stats, ws = [], [], []
+        for k in dm.sample_clients(r):
+            y, it = x_server.clone(), iter(dm.client_dataloader(k, r, seed=SEED))
+            own = None
+            for step in range(1, K + 1):
+                try:
+                    bx, by = next(it)
+                except StopIteration:
+                    it = iter(dm.client_dataloader(k, r, seed=SEED))
+                    bx, by = next(it)
+                y, own = client_step(step, y, grad(y, bx, by), own, server)
+            ys.append(y)
+            stats.append(own)
+            ws.append(float(dm.client_num_samples(k)) if weighting == "samples" else 1.0)
+        total = sum(ws)
+        x_server = sum(w * y for w, y in zip(ws, ys)) / total
+        means = {key: sum(w * s[key] for w, s in zip(ws, stats)) / total for key in stats[0]}
+        server = server_sync(server, means)
+    return x_server, server
+
+
+def adaalter_reference(weighting="uniform", initial=0.0):
+    lr, eps = ADAALTER["lr"], ADAALTER["eps"]
+
+    def step(k, y, g, own, server):
+        own = own or {"increment": torch.zeros_like(y)}
+        y = y - lr * g / torch.sqrt(server["accumulator"] + k * eps * eps)  # B² frozen, k ε² the placeholder
+        return y, {"increment": own["increment"] + g * g}
+
+    return reference(
+        step,
+        lambda x: {"accumulator": torch.full_like(x, initial)},
+        lambda server, mean: {"accumulator": server["accumulator"] + mean["increment"]},
+        weighting,
+    )
+
+
+def amsgrad_reference():
+    lr, (b1, b2), eps = AMSGRAD["lr"], AMSGRAD["betas"], AMSGRAD["eps"]
+
+    def step(k, y, g, own, server):
+        own = own or {"m": server["m"].clone(), "v": server["v"].clone()}
+        m = b1 * own["m"] + (1 - b1) * g
+        v = b2 * own["v"] + (1 - b2) * g * g
+        return y - lr * m / torch.sqrt(torch.clamp(server["vhat"], min=eps)), {"m": m, "v": v}  # v̂ frozen
+
+    def sync(server, mean):
+        return {"m": mean["m"], "v": mean["v"], "vhat": torch.maximum(server["vhat"], mean["v"])}
+
+    return reference(step, lambda x: {k: torch.zeros_like(x) for k in ("m", "v", "vhat")}, sync)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("weighting,initial", [("uniform", 0.0), ("samples", 0.5)])
+def test_local_adaalter_matches_reference_loop(weighting, initial):
+    s, rec = LocalAdaAlter(initial_accumulator=initial, weighting=weighting), Recorder()
+    loop = run(s, lambda p: AdaAlterClient(p, **ADAALTER), extra=[rec])
+    ref_x, ref_server = adaalter_reference(weighting, initial)
+    assert_close64(weights(loop), ref_x)
+    assert_close64(s.statistics["accumulator"], ref_server["accumulator"])
+    assert float(ref_server["accumulator"].max()) > initial
+    assert rec.metrics[-1]["server/accumulator_max"] == pytest.approx(float(ref_server["accumulator"].max()))
+
+
+@pytest.mark.numerics
+def test_local_amsgrad_matches_reference_loop():
+    s, rec = LocalAMSGrad(), Recorder()
+    loop = run(s, lambda p: AMSGradClient(p, **AMSGRAD), extra=[rec])
+    ref_x, ref = amsgrad_reference()
+    assert_close64(weights(loop), ref_x)
+    assert_close64(s.statistics["exp_avg"], ref["m"])
+    assert_close64(s.statistics["exp_avg_sq"], ref["v"])
+    assert_close64(s.statistics["max_exp_avg_sq"], ref["vhat"])
+    assert rec.metrics[-1]["server/second_moment_max"] == pytest.approx(float(ref["vhat"].max()))
+    fedavg = run(FedAvg(weighting="uniform"), lambda p: torch.optim.SGD(p, lr=AMSGRAD["lr"]))
+    assert not torch.allclose(weights(loop), weights(fedavg), atol=1e-4)
+
+
+# ============================================================================ client steps by hand
+def test_adaalter_client_step_by_hand():
+    w = torch.nn.Parameter(torch.tensor([1.0, -1.0], dtype=torch.float64))
+    opt = AdaAlterClient([w], lr=0.5, eps=2.0)
+    opt.set_server_state({"accumulator": [torch.tensor([12.0, 0.0], dtype=torch.float64)]})
+    b2 = torch.tensor([12.0, 0.0], dtype=torch.float64)
+    for k, g in enumerate([[2.0, 3.0], [-1.0, 1.0]], start=1):
+        before = w.detach().clone()
+        w.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+        assert_close64(w.detach(), before - 0.5 * w.grad / torch.sqrt(b2 + 4.0 * k))  # y − η g / √(B² + k ε²)
+    (inc,) = opt.client_report()["adaalter_accumulator_increment"]
+    assert_close64(inc, torch.tensor([5.0, 10.0], dtype=torch.float64))
+    opt.set_server_state({"accumulator": [torch.zeros(2, dtype=torch.float64)]})  # a new round: k and Σg² restart
+    assert opt.local_steps == 0 and float(opt.client_report()["adaalter_accumulator_increment"][0].abs().sum()) == 0
+
+
+def test_amsgrad_client_step_by_hand():
+    w = torch.nn.Parameter(torch.tensor([0.0, 0.0], dtype=torch.float64))
+    opt = AMSGradClient([w], lr=0.1, betas=(0.5, 0.75), eps=0.01)
+    m0, v0, vhat = (torch.tensor(t, dtype=torch.float64) for t in ([1.0, 0.0], [4.0, 0.0], [16.0, 0.0]))
+    opt.set_server_state({"exp_avg": [m0], "exp_avg_sq": [v0], "max_exp_avg_sq": [vhat]})
+    w.grad = torch.tensor([2.0, 1.0], dtype=torch.float64)
+    opt.step()
+    m = 0.5 * m0 + 0.5 * w.grad
+    v = 0.75 * v0 + 0.25 * w.grad**2
+    assert_close64(w.detach(), -0.1 * m / torch.sqrt(torch.tensor([16.0, 0.01], dtype=torch.float64)))
+    report = opt.client_report()
+    assert_close64(report["amsgrad_exp_avg"][0], m)
+    assert_close64(report["amsgrad_exp_avg_sq"][0], v)
+    assert torch.equal(m0, torch.tensor([1.0, 0.0], dtype=torch.float64))  # the server's tensors are not written
+
+
+def test_parameter_groups_in_another_order_give_the_same_run():
+    """The statistics are matched to the optimizer's parameters by identity, not by position."""
+
+    def reversed_groups(p):
+        return AdaAlterClient([{"params": [q]} for q in reversed(list(p))], **ADAALTER)
+
+    a = run(LocalAdaAlter(), lambda p: AdaAlterClient(p, **ADAALTER))
+    b = run(LocalAdaAlter(), reversed_groups)
+    assert_close64(weights(b), weights(a))
+
+
+# ============================================================================ resume, configuration, execution
+@pytest.mark.parametrize(
+    "strategy,opt",
+    [
+        (LocalAdaAlter, lambda p: AdaAlterClient(p, lr=0.1)),
+        (LocalAMSGrad, lambda p: AMSGradClient(p, lr=0.01)),
+    ],
+    ids=["adaalter", "amsgrad"],
+)
+def test_resume_equals_an_uninterrupted_run(tmp_path, strategy, opt):
+    run_resume_equivalence(tmp_path, strategy, opt, total=4, cut=2)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: LocalAdaAlter(initial_accumulator=-1.0), "initial_accumulator"),
+        (lambda: LocalAdaAlter(weighting="none"), "weighting"),
+        (lambda: LocalAMSGrad(weighting="none"), "weighting"),
+        (lambda: AdaAlterClient([torch.nn.Parameter(torch.ones(1))], lr=0.0), "lr"),
+        (lambda: AdaAlterClient([torch.nn.Parameter(torch.ones(1))], eps=-1.0), "eps"),
+        (lambda: AMSGradClient([torch.nn.Parameter(torch.ones(1))], betas=(0.9, 1.0)), r"betas\[1\]"),
+        (lambda: AMSGradClient([torch.nn.Parameter(torch.ones(1))], betas=(-0.1, 0.9)), r"betas\[0\]"),
+        (lambda: AMSGradClient([torch.nn.Parameter(torch.ones(1))], eps=0.0), "eps"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    "strategy,opt,wanted",
+    [
+        (LocalAdaAlter, lambda p: torch.optim.SGD(p, lr=0.1), "AdaAlterClient"),
+        (LocalAMSGrad, lambda p: AdaAlterClient(p), "AMSGradClient"),
+    ],
+)
+def test_another_client_optimizer_is_refused(strategy, opt, wanted):
+    with pytest.raises(TypeError, match="model.client_optimizer") as err:
+        run(strategy(), opt, rounds=1)
+    assert wanted in str(err.value)
+
+
+def test_vectorized_execution_is_refused_and_auto_trains_sequentially():
+    with pytest.raises(Exception, match="AMSGradClient"):
+        run(LocalAMSGrad(), lambda p: AMSGradClient(p, **AMSGRAD), rounds=1, execution="vectorized")
+    with pytest.warns(UserWarning, match="AdaAlterClient|sequential"):
+        a = run(LocalAdaAlter(), lambda p: AdaAlterClient(p, **ADAALTER), rounds=2, execution="auto")
+    b = run(LocalAdaAlter(), lambda p: AdaAlterClient(p, **ADAALTER), rounds=2)
+    assert torch.equal(weights(a), weights(b))
