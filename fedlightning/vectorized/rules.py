@@ -294,10 +294,15 @@ class _BatchedArmijo(BatchedRule):
 
     * deterministic models: a trial round evaluates every client still searching at a window of its next grid
       points, all (client, point) pairs in one batched call (several calls of at least ``C`` pairs where the trial
-      points would pass :data:`TRIAL_POINT_BYTES`). A client's first window reaches one point past the
-      ``m`` it accepted at its previous step of the round (the accepted ``m`` changes little from step to step), and
-      each further window doubles, so searches end in one or two rounds with few points past the accepted one.
-      Those extra points are computed but not counted: telemetry counts the search's own evaluations;
+      points would pass :data:`TRIAL_POINT_BYTES`). A client's first window of a step ends at the ``m`` it accepted
+      at its previous step of the round (one point at the round's first step); a client whose previous search
+      exhausted the grid gets the whole grid at once (such a search mostly fails again: e.g. a client whose float32
+      loss is 0 with a gradient above ``grad_tol``, below which no trial loss can fall); after a window of ``w``
+      points the next has ``w + max(2, ⌊w/2⌋)``. The lengths trade the fixed cost of a batched call against rows
+      evaluated past the accepted point (docs/benchmarks.md, "Batched line search", has the counts). Those extra
+      points are computed but not counted: telemetry counts the search's own evaluations. Every call evaluates at
+      least one point of every client still searching, so a step makes no more trial calls (unsplit) than its
+      longest search has trials;
     * models with random layers (dropout): every client at one grid point per round, in order, so the replayed
       generator gives every trial the dropout masks of its gradient evaluation.
 
@@ -328,7 +333,8 @@ class _BatchedArmijo(BatchedRule):
         self.scale = torch.tensor([o.step_scale for o in optimizers], **f64)  # client step scale (scale_step)
         self.accepted_step = torch.tensor(_nan_for_none(st["accepted_step_size"] for st in states), **f64)
         self.accepted_any = torch.zeros(len(optimizers), dtype=torch.bool, device=device)
-        self.last_m = torch.zeros(len(optimizers), dtype=torch.long, device=device)  # window prediction
+        # window prediction (host lists, deterministic models): the first window of each client's next search
+        self.first_window = [1] * len(optimizers)
 
     def initial_step_size(self) -> Tensor:
         return rules.armijo_initial_step(self.reset, self.eta_max, self.prev, self.growth)
@@ -352,7 +358,6 @@ class _BatchedArmijo(BatchedRule):
             eta0, accepted_eta, accepted, exhausted, self.prev, self.accepted_step, self.powers_list[grid]
         )
         self.accepted_any |= accepted | exhausted
-        self.last_m = torch.where(accepted, first_m, self.last_m)
         nan = torch.full_like(eta0, float("nan"))
         record.add(
             loss,
@@ -366,34 +371,49 @@ class _BatchedArmijo(BatchedRule):
         return rules.armijo_accepts(trial_loss.double(), loss64, grad_sq, self.c, eta)
 
     def _search_windows(self, W, g, ev, loss64, grad_sq, eta0, searching, grid):
-        """Deterministic models: (client, grid point) pairs of all searching clients in one call per round."""
+        """Deterministic models: (client, grid point) pairs of all searching clients in one call per round.
+
+        The windows are bookkept on the host (the accept/reject decisions come back once per round anyway); the
+        pairs' step sizes, trial points and Armijo tests are tensor ops. Returns the first accepted grid point of
+        every client (``grid``: none) and its number of trials, as ``[C]`` tensors."""
         C = W.shape[0]
         device = W.device
-        never = torch.full((C,), grid, dtype=torch.long, device=device)
-        first_m = never.clone()  # first accepted grid point (grid = none)
-        trials = torch.zeros(C, dtype=torch.long, device=device)
-        next_m = torch.zeros(C, dtype=torch.long, device=device)
-        width = self.last_m + 2  # first window: up to one point past the client's previous accepted m
+        todo = searching.tolist()
+        first_m, trials, next_m = [grid] * C, [0] * C, [0] * C
+        width = list(self.first_window)
         while True:
-            width = torch.minimum(width, grid - next_m) * searching.long()
-            widths = width.tolist()  # the one host synchronisation of this trial round
+            widths = [min(width[c], grid - next_m[c]) if todo[c] else 0 for c in range(C)]
             total = sum(widths)
             if total == 0:
                 break
-            pair_client = torch.repeat_interleave(torch.arange(C, device=device), width, output_size=total)
-            offset = torch.cumsum(width, 0) - width
-            pair_m = next_m[pair_client] + torch.arange(total, device=device) - offset[pair_client]
-            eta = eta0[pair_client] * self.powers[pair_m]
-            trial_loss = self._trial_losses(ev, W, g, pair_client, eta, widths)
-            ok = self._accepts(trial_loss, loss64[pair_client], grad_sq[pair_client], eta)
-            hit = never.scatter_reduce(0, pair_client, torch.where(ok, pair_m, grid), reduce="amin")
-            found = hit < grid
-            first_m = torch.where(found, hit, first_m)
-            trials += torch.where(found, hit - next_m + 1, width)
-            next_m = next_m + width
-            searching = searching & ~found & (next_m < grid)
-            width = width * 2
-        return first_m, trials
+            pair_client = [c for c in range(C) for _ in range(widths[c])]
+            pair_m = [next_m[c] + j for c in range(C) for j in range(widths[c])]
+            clients = torch.tensor(pair_client, dtype=torch.long, device=device)
+            ms = torch.tensor(pair_m, dtype=torch.long, device=device)
+            eta = eta0.index_select(0, clients) * self.powers.index_select(0, ms)
+            trial_loss = self._trial_losses(ev, W, g, clients, eta, widths)
+            ok = self._accepts(trial_loss, loss64.index_select(0, clients), grad_sq.index_select(0, clients), eta)
+            ok = ok.tolist()  # the one host synchronisation of this trial round
+            start = 0
+            for c, w in enumerate(widths):
+                if not w:
+                    continue
+                block = ok[start : start + w]
+                start += w
+                if True in block:
+                    hit = block.index(True)
+                    first_m[c], todo[c] = next_m[c] + hit, False
+                    trials[c] += hit + 1
+                    self.first_window[c] = first_m[c] + 1  # the next search's first window ends at this m
+                    continue
+                trials[c] += w
+                next_m[c] += w
+                if next_m[c] >= grid:  # exhausted: the next search gets the whole grid at once
+                    todo[c] = False
+                    self.first_window[c] = grid
+                width[c] = w + max(2, w // 2)
+        as_tensor = dict(dtype=torch.long, device=device)
+        return torch.tensor(first_m, **as_tensor), torch.tensor(trials, **as_tensor)
 
     def _trial_losses(
         self, ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor, widths: list[int]
@@ -424,11 +444,11 @@ class _BatchedArmijo(BatchedRule):
         """Trial points ``w_c − η g_c`` of the (client, grid point) pairs, written into the engine's scratch
         buffers (same rounding as ``torch.addcmul``, hence as SgdArmijo's ``_foreach_add_(alpha=-η)``).
 
-        On CPU, with ``widths`` (pairs per client, ``pair_client`` sorted by client as ``repeat_interleave`` makes
-        it), each client's block of pairs is one ``addcmul`` of its row of ``W`` and ``g`` broadcast over the block:
-        the points are written once instead of gathering ``W``'s and ``g``'s rows first (3 passes over ``[P, D]``),
-        at the price of one kernel call per client: faster for large ``D``, slower for the smallest models
-        (docs/benchmarks.md §3). On accelerators three large kernels beat one small kernel per client."""
+        On CPU, with ``widths`` (pairs per client, ``pair_client`` sorted by client), each client's block of pairs is
+        one ``addcmul`` of its row of ``W`` and ``g`` broadcast against the block's ``[w, 1]`` step sizes: the points
+        are written once instead of gathering ``W``'s and ``g``'s rows first (3 passes over ``[P, D]``), at the price
+        of one kernel call per client: faster for large ``D``, slower for the smallest models (docs/benchmarks.md
+        §3). On accelerators three large kernels beat one small kernel per client."""
         shape = (len(pair_client), W.shape[1])
         neg = (-eta).to(W.dtype).unsqueeze(1)
         if widths is not None and W.device.type == "cpu":
@@ -437,7 +457,7 @@ class _BatchedArmijo(BatchedRule):
             for c, w in enumerate(widths):
                 if w:
                     end = start + w
-                    torch.addcmul(W[c].expand(w, -1), g[c].expand(w, -1), neg[start:end], out=points[start:end])
+                    torch.addcmul(W[c], neg[start:end], g[c], out=points[start:end])
                     start = end
             return points
         points = torch.index_select(W, 0, pair_client, out=ev.engine.scratch("points", shape, W.dtype, W.device))
