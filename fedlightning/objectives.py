@@ -49,6 +49,13 @@ def _same_tensors(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
     return True
 
 
+def _row_dot(x: Tensor, y: Tensor) -> Tensor:
+    """``[R]``: the inner products of the rows of ``x`` and ``y`` (``y`` may lack the row dimension)."""
+    if x.dim() == 2 and y.dim() <= 2:
+        return torch.linalg.vecdot(x, y.expand_as(x)) if y.dim() == 1 else torch.linalg.vecdot(x, y)
+    return (x * y).sum(dim=tuple(range(1, x.dim())))
+
+
 class AnchoredTerm:
     r"""The client-objective term ``μ/2·‖w − a‖² + ⟨c, w − a⟩`` of one client or of a batch of clients.
 
@@ -120,7 +127,10 @@ class AnchoredTerm:
         else:
             out.anchors = [torch.stack([t.anchors[j] for t in terms]) for j in range(len(first.shapes))]
         mus = [t.mu for t in terms]
-        out.mu = mus[0] if all(m == mus[0] for m in mus) else torch.tensor(mus, dtype=first.anchors[0].dtype)
+        anchor = first.anchors[0]
+        out.mu = (
+            mus[0] if all(m == mus[0] for m in mus) else torch.tensor(mus, dtype=anchor.dtype, device=anchor.device)
+        )
         if all(t.directions is None for t in terms):
             out.directions = None
         else:
@@ -192,19 +202,24 @@ class AnchoredTerm:
                 lin = sum((c * (p - a)).sum() for p, a, c in zip(params, self.anchors, self.directions))
                 value = lin if value is None else value + lin
             return params[0].new_zeros(()) if value is None else value
-        return self._row_values(params, [p - a for p, a in zip(params, self.anchors)])
+        return self.values_from_differences([p - a for p, a in zip(params, self.anchors)])
 
-    def _row_values(self, params: Sequence[Tensor], diffs: Sequence[Tensor]) -> Tensor:
-        """``[R]`` values from the rows' differences ``w − a``."""
-        R = params[0].shape[0]
-        value = params[0].new_zeros(R)
+    def values_from_differences(self, diffs: Sequence[Tensor]) -> Tensor:
+        """The ``[R]`` values ``μ/2‖d‖² + ⟨c, d⟩`` of rows from their differences ``d = w − a`` (one ``[R, *shape]``
+        tensor per parameter)."""
+        value = diffs[0].new_zeros(diffs[0].shape[0])
         if isinstance(self.mu, Tensor) or self.mu != 0.0:
-            sq = sum((d * d).sum(dim=tuple(range(1, d.dim()))) for d in diffs)
+            sq = sum(_row_dot(d, d) for d in diffs)
             mu = self.mu.to(sq.dtype) if isinstance(self.mu, Tensor) else self.mu
             value = 0.5 * mu * sq
         if self.directions is not None:
-            value = value + sum((c * d).sum(dim=tuple(range(1, d.dim()))) for c, d in zip(self.directions, diffs))
+            value = value + sum(_row_dot(d, c) for c, d in zip(self.directions, diffs))
         return value
+
+    def shares_anchors(self, other: AnchoredTerm) -> bool:
+        """Whether ``other``'s anchors are this term's (the same tensors, or views of the same memory with the same
+        layout: each ``global_anchors`` call returns new views of the global parameters)."""
+        return self.shared_anchors == other.shared_anchors and _same_tensors(self.anchors, other.anchors)
 
     def gradient(self, params: Sequence[Tensor]) -> list[Tensor]:
         """The closed-form gradient ``μ(w − a) + c`` at ``params`` (one tensor per parameter, shaped as
@@ -216,10 +231,7 @@ class AnchoredTerm:
         from one difference ``w − a`` per parameter."""
         rowwise = self._rowwise(params)
         diffs = [p - a for p, a in zip(params, self.anchors)]
-        if rowwise:
-            value = self._row_values(params, diffs)
-        else:
-            value = self(params)
+        value = self.values_from_differences(diffs) if rowwise else self(params)
         grads = []
         for j, d in enumerate(diffs):
             mu = self._mu_rows(d) if rowwise else self.mu

@@ -450,23 +450,41 @@ class _ClientTerms:
     (:meth:`_ModelCall.term_values`). Stacking happens per call from the clients it receives, so any subset of a
     round's clients (a group of them) is stacked on its own.
 
-    Gradient evaluations add the stacked terms' closed-form gradients ``μ(w − a) + c`` to the model's gradient
-    (:meth:`closed_form`: no autograd graph for them, the same value up to the order of the sum) and their values
-    to the losses; trial evaluations take their values (:meth:`values`).
+    Decisions (ours): a stacked term is laid out as the engine's weights are, one flat ``[D]`` (shared) or
+    ``[C, D]`` anchor and ``[C, D]`` directions in the storage order of ``W``
+    (:class:`~fedlightning.vectorized.layout._WeightsLayout`), so that its value is two row-wise dot products over
+    ``W − a`` and its gradient ``μ(W − a) + c`` is added to the backward pass's per-parameter gradients in place
+    (:meth:`closed_form`), without an autograd graph: a handful of ``[C, D]`` operations per step, the value still
+    entering the reported losses and the line search's tests. The closed form equals autograd's gradient of the
+    term up to the order in which the gradient's parts are summed.
     """
 
-    def __init__(self, terms: Sequence[Sequence[Callable]], dtype: torch.dtype, device: torch.device):
+    def __init__(self, terms: Sequence[Sequence[Callable]], weights: Any, dtype: torch.dtype, device: torch.device):
         C = len(terms)
         self.num_clients = C
+        self.weights = weights
         stackable = [[t for t in ts if isinstance(t, AnchoredTerm) and t.num_rows is None] for ts in terms]
         plain = [[t for t in ts if not (isinstance(t, AnchoredTerm) and t.num_rows is None)] for ts in terms]
         self.plain: list[list[Callable]] | None = plain if any(plain) else None
         #: (rows: [R] indices or None for all clients, positions: [C] row of each client or -1, None for all,
-        #: the batched term)
+        #: the batched term over the flat weights ``[R, D]``)
         self.layers: list[tuple[Tensor | None, Tensor | None, AnchoredTerm]] = []
+        flat_anchors: list[tuple[AnchoredTerm, Tensor]] = []  # one flat copy per distinct anchor list
+
+        def flat(tensors: Sequence[Tensor]) -> Tensor:
+            return weights.stored(torch.cat([t.detach().reshape(-1) for t in tensors]).to(dtype=dtype, device=device))
+
+        def flat_term(term: AnchoredTerm) -> AnchoredTerm:
+            anchor = next((a for other, a in flat_anchors if other.shares_anchors(term)), None)
+            if anchor is None:
+                anchor = flat(term.anchors)
+                flat_anchors.append((term, anchor))
+            directions = None if term.directions is None else [flat(term.directions)]
+            return AnchoredTerm([anchor], mu=term.mu, directions=directions)
+
         for j in range(max((len(b) for b in stackable), default=0)):
             rows = [c for c in range(C) if len(stackable[c]) > j]
-            term = AnchoredTerm.stack([stackable[c][j] for c in rows]).to(dtype=dtype, device=device)
+            term = AnchoredTerm.stack([flat_term(stackable[c][j]) for c in rows])
             if len(rows) == C:
                 self.layers.append((None, None, term))
             else:
@@ -474,6 +492,8 @@ class _ClientTerms:
                 positions = torch.full((C,), -1, dtype=torch.long, device=device)
                 positions[index] = torch.arange(len(rows), device=device)
                 self.layers.append((index, positions, term))
+        self._diff: tuple[Tensor, list[Tensor]] | None = None  # a reusable [C, D] buffer of W − a, and its views
+        self._layer_views: dict[int, tuple[list[Tensor] | None, list[Any]]] = {}
 
     def plain_reason(self) -> str | None:
         """Why some terms are evaluated client by client (None when none is), naming the first such term."""
@@ -486,40 +506,74 @@ class _ClientTerms:
             "vectorized training evaluates it client by client at every step"
         )
 
-    def closed_form(self, views: Sequence[Tensor], grads: list[Tensor]) -> tuple[Tensor | None, list[Tensor]]:
-        """The stacked terms' ``[C]`` values at ``views`` (the clients' detached ``[C, *shape]`` weights; None
-        without stacked terms) and ``grads`` (per-parameter ``[C, *shape]``) plus their closed-form gradients
-        (new tensors: ``grads`` itself is not written)."""
+    def _diff_buffer(self, W: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """A ``[C, D]`` buffer shaped as ``W`` and its per-parameter views (allocated once per engine call)."""
+        if self._diff is None or self._diff[0].shape != W.shape:
+            buf = torch.empty_like(W)
+            self._diff = (buf, [v for v in self.weights.views(buf)])
+        return self._diff
+
+    def _views_of(self, i: int, term: AnchoredTerm, like: Sequence[Tensor]) -> tuple[list[Tensor] | None, list[Any]]:
+        """Layer ``i``'s directions as per-parameter views and ``μ`` shaped to broadcast over each parameter's rows
+        (cached per layer)."""
+        cached = self._layer_views.get(i)
+        if cached is None:
+            directions = None if term.directions is None else list(self.weights.views(term.directions[0]))
+            mu = term.mu
+            mus = [mu.view(-1, *([1] * (v.dim() - 1))) if isinstance(mu, Tensor) else mu for v in like]
+            cached = self._layer_views[i] = (directions, mus)
+        return cached
+
+    def closed_form(self, W: Tensor, grads: list[Tensor]) -> tuple[Tensor | None, list[Tensor]]:
+        """The stacked terms' ``[C]`` values at the clients' weights ``W`` ([C, D], storage order; None without
+        stacked terms) and ``grads`` (per-parameter ``[C, *shape]``, from the backward pass) with their
+        closed-form gradients ``μ(W − a) + c`` added, in place where the gradient tensor allows it."""
         total = None
-        for index, _, term in self.layers:
-            if index is None:
-                value, parts = term.value_and_gradient(views)
-                grads = [g + d for g, d in zip(grads, parts)]
-            else:
-                value, parts = term.value_and_gradient([v.index_select(0, index) for v in views])
-                grads = [g.index_add(0, index, d) for g, d in zip(grads, parts)]
+        grads = list(grads)
+        for i, (index, _, term) in enumerate(self.layers):
+            if index is not None:  # a layer of some of the clients: its rows gathered
+                rows = W.index_select(0, index)
+                value, (part,) = term.value_and_gradient([rows])
+                for j, d in enumerate(self.weights.views(part)):
+                    grads[j] = grads[j].index_add(0, index, d)
                 value = value.new_zeros(self.num_clients).index_add_(0, index, value)
+            else:
+                buf, diffs = self._diff_buffer(W)
+                d = torch.sub(W, term.anchors[0], out=buf)
+                value = term.values_from_differences([d])
+                directions, mus = self._views_of(i, term, diffs)
+                for j, (g, dj) in enumerate(zip(grads, diffs)):
+                    if 0 in g.stride():  # an expanded gradient cannot be written in place
+                        g = grads[j] = g.clone()
+                    mu = mus[j]
+                    if isinstance(mu, Tensor):
+                        g.addcmul_(mu, dj)
+                    elif mu != 0.0:
+                        g.add_(dj, alpha=mu)
+                    if directions is not None:
+                        g.add_(directions[j])
             total = value if total is None else total + value
         return total, grads
 
-    def values(self, views: Sequence[Tensor], clients: Tensor | None = None) -> Tensor:
-        """Σ of the terms of every row: rows ``r`` of ``views`` ([P, *shape]) belong to the clients ``clients``
-        ([P] indices, repeats allowed: a line search's trial points), or row ``r`` to client ``r`` (None)."""
-        P = views[0].shape[0]
-        total = views[0].new_zeros(P)
+    def values(self, W: Tensor, views: Sequence[Tensor], clients: Tensor | None = None) -> Tensor:
+        """Σ of the terms of every row of ``W`` ([P, D], storage order; ``views`` its per-parameter views): the rows
+        belong to the clients ``clients`` ([P] indices, repeats allowed: a line search's trial points), or row
+        ``r`` to client ``r`` (None)."""
+        P = W.shape[0]
+        total = W.new_zeros(P)
         for index, positions, term in self.layers:
             if clients is None:
                 if index is None:
-                    total = total + term(views)
+                    total = total + term([W])
                 else:
-                    total = total.index_add(0, index, term([v.index_select(0, index) for v in views]))
+                    total = total.index_add(0, index, term([W.index_select(0, index)]))
             elif index is None:
-                total = total + term.rows(clients)(views)
+                total = total + term.rows(clients)([W])
             else:
                 rows = positions.index_select(0, clients)
                 keep = (rows >= 0).nonzero().flatten()
                 if len(keep):
-                    own = term.rows(rows.index_select(0, keep))([v.index_select(0, keep) for v in views])
+                    own = term.rows(rows.index_select(0, keep))([W.index_select(0, keep)])
                     total = total.index_add(0, keep, own)
         if self.plain is not None:
             plain = self.plain if clients is None else [self.plain[i] for i in clients.tolist()]

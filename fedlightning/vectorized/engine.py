@@ -279,10 +279,6 @@ class VectorizedClientTrainer:
         rule = make_batched_rule(optimizers, params, grad_clip, device)
         if terms is not None and len(terms) != C:
             raise ValueError(f"got objective terms for {len(terms)} clients, expected {C}")
-        client_terms = _ClientTerms(terms, self.dtype, device) if terms is not None and any(terms) else None
-        if client_terms is not None and client_terms.plain is not None and not self._told_plain_terms:
-            self._told_plain_terms = True
-            _info(client_terms.plain_reason())
         if not self.model.training:  # as train_client: layers the module put in eval mode stay there
             self.model.train()
         norms = self.call.norms
@@ -306,6 +302,13 @@ class VectorizedClientTrainer:
             if not self.layout_learned:  # before the round's seeding: its random draws do not count
                 self._probe_layout(start, _Layout(*batches.step(0)), rng_devices)
             W = self.weights.stored(start).unsqueeze(0).repeat(C, 1)  # [C, D]: client c's weights in row c
+            # the terms in the weights' storage order, which the probe above has fixed
+            client_terms = None
+            if terms is not None and any(terms):
+                client_terms = _ClientTerms(terms, self.weights, self.dtype, device)
+                if client_terms.plain is not None and not self._told_plain_terms:
+                    self._told_plain_terms = True
+                    _info(client_terms.plain_reason())
             model_seed = derive_seed(seed, "model-vectorized", round, *client_ids)
             _seed_default_generators(model_seed, rng_devices)  # the generators this round uses, and only them
             for k in range(K):

@@ -110,7 +110,7 @@ class _StepEvaluator:
             grads = torch.autograd.grad(roots, leaves, grad_outputs=seeds, allow_unused=True)
         grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
         if self.terms is not None and self.terms.layers:  # stacked terms: values and closed-form gradients
-            values, grads = self.terms.closed_form([v.detach() for v in leaves], grads)
+            values, grads = self.terms.closed_form(W, grads)
             losses = losses + values
         evaluated = alive if self.track_alive else None
         if effects is not None and norms and norms.singular is not None:
@@ -172,7 +172,7 @@ class _StepEvaluator:
             else:
                 losses = values / (layout.counts_as(values.dtype) if clients is None else counts.to(values.dtype))
             if terms is not None:
-                losses = losses + terms.values(views, clients)
+                losses = losses + terms.values(points, views, clients)
         return losses
 
     def finish(self) -> None:
