@@ -8,6 +8,7 @@ for plain SGD, Adam, SgdArmijo, SgdArmijo carrying its step size across rounds (
 client optimizers' state, so that the retry is checked to start from an unchanged state.
 """
 
+import os
 import warnings
 
 import pytest
@@ -168,3 +169,34 @@ def test_auto_measures_one_group_when_groups_are_set(monkeypatch, caplog):
 def test_bad_max_parallel_clients_is_rejected(bad):
     with pytest.raises((ValueError, TypeError), match="max_parallel_clients"):
         FederatedLoop(mlp(), max_parallel_clients=bad)
+
+
+def test_example_config_trains_in_groups_through_the_cli(tmp_path, monkeypatch):
+    from fedlightning.cli import main
+
+    sizes = engine_calls(monkeypatch)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cli = main(
+        [
+            "fit",
+            "--config",
+            os.path.join(root, "configs", "examples", "client_groups.yaml"),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--model.local_steps",
+            "2",
+        ],
+        run=True,
+    )
+    assert cli.model.max_parallel_clients == 5
+    assert sizes == [5] * 8  # 2 rounds of 20 clients in groups of 5
