@@ -197,6 +197,33 @@ def test_ragged_local_epochs_equal_sequential(name):
     assert_same(seq, vec)
 
 
+class SomeClientsTerms(pl.Callback):
+    """AnchoredTerms that stack unevenly: clients with an even id get μ_k/2‖w − w_t/2‖² (its own μ, an anchor that is
+    not the global weights' memory) and a direction of their own; the others get nothing."""
+
+    def client_objective(self, trainer, loop, plan, client_id):
+        if client_id % 2:
+            return []
+        anchors = [0.5 * p.detach() for p in loop.global_parameters()]
+        g = torch.Generator().manual_seed(client_id)
+        directions = [0.01 * torch.randn(a.shape, generator=g, dtype=a.dtype) for a in anchors]
+        return [AnchoredTerm(anchors, mu=0.1 + client_id / 100.0, directions=directions)]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("optimizer", ["sgd", "armijo"])
+@pytest.mark.parametrize("name", ["fedprox", "feddane-independent"])
+def test_terms_of_some_clients_and_line_search_equal_sequential(name, optimizer):
+    """Layers that miss clients, per-client μ and anchors, and SgdArmijo's trial points (rows of chosen clients)."""
+    strategy = [*STRATEGIES[name](), SomeClientsTerms()]
+    seq = fit(strategy, optimizer, "sequential")
+    vec = fit(strategy, optimizer, "vectorized")
+    assert_same(seq, vec)
+    if optimizer == "armijo":
+        assert sum(u.backtracks for u in seq[1]) > 0  # the search backtracked
+        assert [u.backtracks for u in vec[1]] == [u.backtracks for u in seq[1]]
+
+
 class PlainShift(pl.Callback):
     """A user's term without a batched form: (client id / 100)·Σw, a plain callable."""
 
