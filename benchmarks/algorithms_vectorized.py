@@ -1,0 +1,162 @@
+"""Every algorithm of configs/ with vectorized and with sequential clients: rounds per second, in one run.
+
+    python benchmarks/algorithms_vectorized.py [--rounds 10] [--repeats 3] [--threads 1] [--algorithms FedAvg,...]
+    python benchmarks/algorithms_vectorized.py --smoke      # 3 rounds, 1 repeat: every algorithm builds and runs
+
+The workload is the same for every algorithm (issue 34's): scikit-learn digits, 100 clients from a Dirichlet(0.3)
+label split, 20 clients per round, K = 20 local steps of batch 50, the MLP 64-128-10 written as a user writes it
+(``user_models.UserMLP``: a plain ``LightningModule``). From each algorithm's config the script takes only what
+makes the algorithm: its callbacks (strategy, client objective, ...) and its client optimizer, built from the
+configs' ``class_path`` / ``init_args``, and loop arguments other than the round shape (``persist_client_state``).
+Exception: DSGD is FedAvg with K = 1 (configs/dsgd.yaml), so it keeps its ``local_steps``.
+
+For every algorithm the two modes train the same model from the same initial weights on the same clients and
+batches, alternating (vectorized, sequential, vectorized, ...) ``--repeats`` times; the first two rounds of each
+run are warm-up, and the time of a round is the wall time of the loop's ``training_step`` (clients, aggregation and
+server step, as a Trainer runs it). Printed per algorithm: rounds/s of each mode (the inverse of the median round
+time over all repeats), vectorized / sequential, vectorized / FedAvg's vectorized rounds/s (FedAvg is measured
+first), and the largest difference between the two modes' global weights after the last repeat (float32; a line
+search or clipping decides discretely, so rounding can grow there). An algorithm that cannot run vectorized prints
+the reason instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import os
+import statistics
+import sys
+
+import lightning.pytorch as pl
+import torch
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vectorized_speedup as vs  # noqa: E402
+from fedlightning import FederatedLoop  # noqa: E402
+from user_models import UserMLP  # noqa: E402
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+#: name -> (config file, loop arguments kept from the config besides the callbacks and the client optimizer)
+ALGORITHMS = {
+    "FedAvg": ("quickstart.yaml", ()),
+    "FedProx": ("fedprox.yaml", ()),
+    "SCAFFOLD": ("scaffold.yaml", ()),
+    "FedExP": ("fedexp.yaml", ()),
+    "FedExProx": ("fedexprox.yaml", ()),
+    "FedDANE": ("feddane.yaml", ()),
+    "FedSLS": ("fedsls.yaml", ()),
+    "FedExpSLS": ("fedexpsls.yaml", ()),
+    "FedAdam": ("fedadam.yaml", ()),
+    "FedYogi": ("fedyogi.yaml", ()),
+    "FedAdagrad": ("fedadagrad.yaml", ()),
+    "FedAMS": ("fedams.yaml", ()),
+    "FedAvgM": ("fedavgm.yaml", ()),
+    "FedSPS": ("fedsps.yaml", ()),
+    "FedDecSPS": ("feddecsps.yaml", ("persist_client_state",)),
+    "FedLiLS": ("fedlils.yaml", ()),
+    "FedLiLU": ("fedlilu.yaml", ()),
+    "DSGD": ("dsgd.yaml", ("local_steps",)),
+    "DPFedAvg": ("dpfedavg.yaml", ()),
+}
+
+
+def _build(spec: dict):
+    """The class named by ``spec["class_path"]`` and its ``init_args``."""
+    module, _, name = spec["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name), dict(spec.get("init_args") or {})
+
+
+def algorithm_parts(config: str, kept: tuple[str, ...]):
+    """``(callbacks factory, client optimizer factory, loop arguments)`` of one config file."""
+    with open(os.path.join(CONFIGS, config)) as f:
+        cfg = yaml.safe_load(f)
+    specs = [_build(c) for c in (cfg.get("trainer", {}).get("callbacks") or [])]
+    model_cfg = cfg["model"]
+    opt_cls, opt_args = _build(model_cfg["client_optimizer"])
+    loop_args = {k: model_cfg[k] for k in kept if k in model_cfg}
+
+    def callbacks():
+        return [cls(**copy.deepcopy(args)) for cls, args in specs]
+
+    def optimizer(params):
+        return opt_cls(params, **opt_args)
+
+    return callbacks, optimizer, loop_args
+
+
+def run(parts, datamodule, mode: str, rounds: int, init_state: dict):
+    """One run of ``rounds`` rounds: ``(round times after 2 warm-up rounds, final global weights)``."""
+    callbacks, optimizer, loop_args = parts
+    model = UserMLP()
+    model.load_state_dict(init_state)
+    args = {"local_steps": vs.LOCAL_STEPS, "clients_per_round": vs.CLIENTS_PER_ROUND, **loop_args}
+    loop = FederatedLoop(model, client_optimizer=optimizer, seed=0, client_execution=mode, **args)
+    timer = vs.RoundTimer()
+    trainer = pl.Trainer(
+        max_steps=rounds,
+        accelerator=vs.ACCELERATOR,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[*callbacks(), timer],
+    )
+    trainer.fit(loop, datamodule=datamodule)
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    return timer.times[2:], weights
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=10, help="rounds per run (the first 2 are warm-up)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs per mode")
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset of the table")
+    ap.add_argument("--smoke", action="store_true", help="3 rounds, 1 repeat: check that everything runs")
+    vs.add_common_arguments(ap)
+    args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.repeats = 3, 1
+    names = vs.start(args, args.algorithms, ALGORITHMS, "algorithms", min_rounds=3)
+    datamodule = vs.digits()
+    datamodule.setup("fit")
+    torch.manual_seed(0)
+    init_state = UserMLP().state_dict()
+    print(
+        f"{'algorithm':12s} {'vectorized r/s':>15s} {'sequential r/s':>15s} {'vec/seq':>8s} "
+        f"{'vec/FedAvg-vec':>15s} {'max |dw|':>9s}"
+    )
+    fedavg_vec = None
+    if "FedAvg" in names:  # the reference of the vec/FedAvg-vec column, measured first
+        names = ["FedAvg"] + [n for n in names if n != "FedAvg"]
+    for name in names:
+        parts = algorithm_parts(*ALGORITHMS[name])
+        times = {"vectorized": [], "sequential": []}
+        weights = {}
+        try:
+            for _ in range(args.repeats):
+                for mode in times:
+                    t, weights[mode] = run(parts, datamodule, mode, args.rounds, init_state)
+                    times[mode].extend(t)
+        except Exception as err:  # noqa: BLE001 - one algorithm's failure is a line of the table
+            print(f"{name:12s} failed: {type(err).__name__}: {str(err).splitlines()[0][:150]}", flush=True)
+            continue
+        rate = {m: 1.0 / statistics.median(t) for m, t in times.items()}
+        if name == "FedAvg":
+            fedavg_vec = rate["vectorized"]
+        diff = float((weights["vectorized"] - weights["sequential"]).abs().max())
+        relative = f"{rate['vectorized'] / fedavg_vec:15.2f}" if fedavg_vec else f"{'-':>15s}"
+        print(
+            f"{name:12s} {rate['vectorized']:15.1f} {rate['sequential']:15.1f} "
+            f"{rate['vectorized'] / rate['sequential']:7.2f}x {relative} {diff:9.1e}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
