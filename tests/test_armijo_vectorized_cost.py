@@ -1,0 +1,132 @@
+"""The vectorized SgdArmijo search evaluates no more than lockstep needs: pass counts of its trial calls.
+
+On f = ½a‖w‖² the Armijo test f(w − ηg) ≤ f(w) − cη‖g‖² reduces to η ≤ 2(1 − c)/a, independent of w, so with
+η_max = 1, β = 1/2, c = 0.1 and ``reset="max"`` client a accepts the same grid point m at every step (the smallest m
+with 2^-m ≤ 1.8/a), or, when even the last grid point 2^-max_backtracks fails, exhausts the grid at every step (the
+weights do not move). Counted per local step (calls and rows of ``_StepEvaluator.trial``):
+
+* models without random layers: no step makes more trial calls than its longest search has trials; from the second
+  step on, one call whose rows are exactly the clients' trials (each client's first window ends at the point it
+  accepted at the previous step; the exhausted client gets the whole grid);
+* models with random layers (one grid point per client and call, every client in order so that the replayed
+  generator gives each row its gradient evaluation's dropout masks): the calls of a step are exactly the longest
+  search's trials.
+"""
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import nn
+
+import fedlightning.vectorized.call as call
+import fedlightning.vectorized.step as step_module
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FedAvg
+from fedlightning.datamodules import ArrayDataset, FederatedDataModule
+from fedlightning.optim import SgdArmijo
+from fedlightning.vectorized.rules import _BatchedArmijo
+
+CURVATURES = [0.5, 3.0, 10.0, 50.0, 1000.0]
+SIZES = [3, 5, 4, 6, 4]  # unequal counts, some below the batch size 4: padded steps
+MAX_BACKTRACKS = 6
+GRID = MAX_BACKTRACKS + 1
+TRIALS = [1, 2, 4, 6, GRID]  # accepted m + 1 (1.8/a = 3.6, 0.6, 0.18, 0.036); a = 1000 exhausts 2^-6 > 1.8e-3
+STEPS = 4
+
+
+class Quadratic(pl.LightningModule):
+    """f(w; batch) = mean over the batch of ½·a·‖w‖², every sample of a client carrying its curvature a."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(1.0, 2.0, 3, dtype=torch.float64))
+
+    def training_step(self, batch, batch_idx):
+        a, _ = batch
+        return (0.5 * a * (self.w**2).sum()).mean()
+
+
+class CurvatureClients(FederatedDataModule):
+    """Client i holds SIZES[i] samples of curvature CURVATURES[i] (a natural split)."""
+
+    def __init__(self):
+        super().__init__(num_clients=len(CURVATURES), batch_size=4)
+
+    def load(self):
+        a = torch.cat([torch.full((n,), c, dtype=torch.float64) for c, n in zip(CURVATURES, SIZES)])
+        data = ArrayDataset(a, torch.zeros(len(a), dtype=torch.long))
+        return data, data, np.zeros(len(a), dtype=np.int64)
+
+    def natural_clients(self):
+        ends = np.cumsum(SIZES)
+        return [np.arange(e - n, e) for e, n in zip(ends, SIZES)]
+
+
+class Recorder(pl.Callback):
+    def __init__(self):
+        self.updates = []
+
+    def on_client_end(self, trainer, loop, plan, update):
+        self.updates.append(update)
+
+
+def run_counting(monkeypatch):
+    """One vectorized round of STEPS steps; per step the list of trial calls, each a list of its rows' clients."""
+    steps = []
+    local_step, trial = _BatchedArmijo.step, step_module._StepEvaluator.trial
+
+    def counting_step(self, *args, **kwargs):
+        steps.append([])
+        return local_step(self, *args, **kwargs)
+
+    def counting_trial(self, points, clients=None):
+        rows = list(range(points.shape[0])) if clients is None else clients.tolist()
+        steps[-1].append(rows)
+        return trial(self, points, clients)
+
+    monkeypatch.setattr(_BatchedArmijo, "step", counting_step)
+    monkeypatch.setattr(step_module._StepEvaluator, "trial", counting_trial)
+    recorder = Recorder()
+    loop = FederatedLoop(
+        Quadratic(),
+        client_optimizer=lambda p: SgdArmijo(p, eta_max=1.0, beta=0.5, c=0.1, max_backtracks=MAX_BACKTRACKS),
+        local_steps=STEPS,
+        clients_per_round=len(CURVATURES),
+        seed=0,
+        client_execution="vectorized",
+    )
+    make_trainer(1, callbacks=[FedAvg(), recorder]).fit(loop, datamodule=CurvatureClients())
+    order = [u.client_id for u in recorder.updates]  # the round's clients, in the order of the batched rows
+    for u in recorder.updates:  # the analytic telemetry
+        trials = TRIALS[u.client_id]
+        exhausted = trials == GRID
+        assert u.backtracks == STEPS * (trials if exhausted else trials - 1)
+        assert u.forwards == STEPS * (1 + trials) and u.backwards == STEPS
+    return steps, [TRIALS[c] for c in order]
+
+
+def test_windowed_search_evaluates_each_client_trials_once_the_window_is_known(monkeypatch):
+    steps, trials = run_counting(monkeypatch)
+    assert len(steps) == STEPS
+    assert sorted(steps[0][0]) == list(range(len(trials)))  # the round's first call: one point of every client
+    for calls in steps:
+        assert 1 <= len(calls) <= max(trials)  # never more calls than the longest search has trials
+        rows = [c for call_rows in calls for c in call_rows]
+        for client, n in enumerate(trials):  # every client's own trials are evaluated, in windows
+            assert rows.count(client) >= n
+    for calls in steps[1:]:  # windows predicted from the previous step: one call, no row past an accepted point
+        assert len(calls) == 1
+        assert sorted(calls[0]) == sorted(c for c, n in enumerate(trials) for _ in range(n))
+
+
+def test_in_order_search_makes_as_many_calls_as_the_longest_search(monkeypatch):
+    """The path of models with random layers (forced here on a deterministic model): every call evaluates every
+    client in order (the replayed generator gives each row its gradient evaluation's dropout masks), and a step
+    makes as many calls as its longest search has trials."""
+    monkeypatch.setattr(call, "_has_random_layers", lambda model: True)
+    steps, trials = run_counting(monkeypatch)
+    assert len(steps) == STEPS
+    for calls in steps:
+        assert len(calls) == max(trials)
+        assert all(rows == list(range(len(trials))) for rows in calls)
