@@ -485,6 +485,9 @@ EXPERIMENTS: list[Experiment] = [
             A("fedams", "FedAMS", "configs/fedams.yaml"),
             A("fedsps", "FedSPS", "configs/fedsps.yaml"),
             A("feddecsps", "FedDecSPS", "configs/feddecsps.yaml"),
+            A("mime", "MIME", "configs/fedsps/digits_mime_cpu.yaml"),
+            A("local_adaalter", "Local-AdaAlter", "configs/fedsps/digits_local_adaalter_cpu.yaml"),
+            A("local_amsgrad", "Local-AMSGrad", "configs/fedsps/digits_local_amsgrad_cpu.yaml"),
         ],
         {"clients_per_round": 10, "local_steps": 5, "batch_size": 20},
         "seed 001 §4: 10 active clients per round, τ = 5 local steps, batch 20 (the digits: 100 clients, "
