@@ -259,3 +259,43 @@ def test_vectorized_execution_is_refused_and_auto_trains_sequentially():
     c, _ = run([MimeLite(momentum=BETA)], rounds=2)
     assert torch.equal(weights(b), weights(c))
     assert not torch.equal(weights(a), weights(c))
+
+
+def test_the_evaluation_at_the_server_point_leaves_no_trace_in_buffers_or_metrics():
+    """A BatchNorm on the inputs and a torchmetrics sum of the batch sizes depend on the data only, not on the
+    weights: Mime (two evaluations per step) must leave the same running statistics and the same logged count as
+    MimeLite (one evaluation per step)."""
+    import lightning.pytorch as pl
+    import torchmetrics
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(64)
+            self.lin = torch.nn.Linear(64, 10)
+            self.seen = torchmetrics.SumMetric()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.seen.update(torch.tensor(float(len(y))))
+            self.log("seen", self.seen)
+            return F.cross_entropy(self.lin(self.bn(x)), y)
+
+    def fit(strategy):
+        torch.manual_seed(1)
+        loop = FederatedLoop(
+            to_float64(Net()),
+            client_optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+            local_steps=K,
+            clients_per_round=CPR,
+            seed=SEED,
+        )
+        trainer = make_trainer(2, callbacks=[strategy])
+        trainer.fit(loop, datamodule=make_dm())
+        return loop, float(trainer.callback_metrics["client/seen"])
+
+    (a, seen_a), (b, seen_b) = fit(Mime(momentum=BETA)), fit(MimeLite(momentum=BETA))
+    assert seen_a == seen_b > 0
+    assert torch.equal(a.model.bn.running_mean, b.model.bn.running_mean)
+    assert torch.equal(a.model.bn.running_var, b.model.bn.running_var)
+    assert not torch.equal(weights(a), weights(b))
