@@ -441,7 +441,7 @@ class FederatedLoop(pl.LightningModule):
         if engine is not None:
             try:
                 with torch.random.fork_rng(devices=[]):  # loading draws from the generator (client_full_batches)
-                    batches = [list(client_full_batches(self, k, batch_size)[1]) for k in ids]
+                    batches = [list(client_full_batches(self, k, batch_size, direct=True)[1]) for k in ids]
                 return engine.full_gradients(
                     batches,
                     params,

@@ -35,25 +35,32 @@ from fedlightning.state import RoundPlan, derive_seed, flat_grads
 __all__ = ["FedDANE", "client_full_batches", "client_full_gradient"]
 
 
-def client_full_batches(loop, client_id: int, batch_size: int | None = None) -> tuple[int, Iterator[tuple[int, Any]]]:
+def client_full_batches(
+    loop, client_id: int, batch_size: int | None = None, direct: bool = False
+) -> tuple[int, Iterator[tuple[int, Any]]]:
     """Client ``client_id``'s number of training samples ``n`` and its samples as ``(size, batch)`` pairs in order,
     loaded lazily: one batch of all of them (``batch_size`` None) or consecutive chunks of ``batch_size`` (the last
     one shorter), collated as the data module's loaders collate them (whole-batch indexing for an in-memory
     ``ArrayDataset``), on the host. Iterating draws from torch's global generator (the loader's base seed, and any
-    random transform of the data set): callers iterate under a forked, seeded generator."""
+    random transform of the data set): callers iterate under a forked, seeded generator. ``direct``: an in-memory
+    ``ArrayDataset`` is indexed with each chunk's indices without a ``DataLoader`` (the same batches, without the
+    loader's cost and its draw of a base seed)."""
     dm = loop.datamodule
     indices = np.asarray(dm.client_indices[client_id])
     n = len(indices)
     if n == 0:
         raise ValueError(f"client {client_id} holds no training samples; it has no gradient")
     chunk = n if batch_size is None else int(batch_size)
-    sampler = ClientBatchSampler(indices, chunk, None, shuffle=False)
+    sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
     dataset = dm.train_dataset
+    if direct and isinstance(dataset, ArrayDataset) and not reference_mode():
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return n, ((size, dataset[index[start : start + size]]) for start, size in zip(range(0, n, chunk), sizes))
+    sampler = ClientBatchSampler(indices, chunk, None, shuffle=False)
     if isinstance(dataset, ArrayDataset) and not reference_mode():  # whole-batch indexing
         loader = DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=0)
     else:
         loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
-    sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
     return n, zip(sizes, loader)
 
 
