@@ -152,8 +152,10 @@ class BatchedRule:
 
         ‖g‖² is computed as the optimizers of :mod:`fedlightning.optim` compute it (per-tensor norms in the
         parameters' dtype, squared and summed in float64), so their decisions see the same numbers up to rounding.
+        A flat ``g`` is normed per parameter block as stored (a norm does not depend on the order of the entries,
+        only its rounding may; the engine's storage order already differs from the parameters' own).
         """
-        parts = g if isinstance(g, (list, tuple)) else ev.views(g)
+        parts = g if isinstance(g, (list, tuple)) else torch.split(g, ev.engine.weights.numels, dim=1)
         norms = [torch.linalg.vector_norm(v, dim=tuple(range(1, v.dim()))) if v.dim() > 1 else v.abs() for v in parts]
         grad_sq = torch.stack(norms).double().square().sum(dim=0)
         loss64 = loss.double()
