@@ -20,7 +20,7 @@ import copy
 import functools
 import math
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from fedlightning.state import ClientUpdate, RoundPlan
 
 __all__ = [
     "FailurePolicy",
+    "HealthyClient",
     "RoundTally",
     "accumulate_telemetry",
     "log_round",
@@ -139,6 +140,14 @@ def accumulate_telemetry(stats: RoundStatistics, u: ClientUpdate, device) -> Non
         stats.maximum("neg_step_size_min", -min(finite), device)
 
 
+class HealthyClient(NamedTuple):
+    """What a round keeps of a healthy client once its update is in the round's sums."""
+
+    client_id: int
+    first_loss: float
+    mean_loss: float
+
+
 class RoundTally:
     """This process's share of a round, client by client: each update admitted into the round's sums or left out.
 
@@ -159,7 +168,10 @@ class RoundTally:
         self.strategy, self.num_sampled, self.device = strategy, num_sampled, device
         self.policy, self.max_update_norm = policy, max_update_norm
         self.stats = RoundStatistics()
-        self.healthy: list[ClientUpdate] = []
+        #: the healthy clients' scalars ``(client_id, first_loss, mean_loss)``, not their updates: a client's delta
+        #: is freed once it is in the round's sums, so a round holds one model-sized vector per client in flight
+        #: (a group of vectorised clients), not one per client of the round
+        self.healthy: list[HealthyClient] = []
         self.failed = 0
         self.first_error: tuple | None = None  # (client, exception) of the first client that raised, under "skip"
         self.stop: tuple | None = None
@@ -208,7 +220,7 @@ class RoundTally:
         if extras is not None:
             self.stats.merge(extras)
         accumulate_telemetry(self.stats, update, self.device)
-        self.healthy.append(update)
+        self.healthy.append(HealthyClient(update.client_id, update.first_loss, update.mean_loss))
         return True
 
     def close(self) -> RoundStatistics:
@@ -327,7 +339,7 @@ def reduce_statistics(stats: RoundStatistics, trainer: Any, round: int) -> None:
 
 
 def share_round_state(
-    plan: RoundPlan, healthy: list[ClientUpdate], trainer: Any, client_state: Any, router: Any
+    plan: RoundPlan, healthy: list[HealthyClient], trainer: Any, client_state: Any, router: Any
 ) -> list[tuple]:
     """Per-client scalars of the round's healthy clients, from every process, in sampling order; and, with
     several processes, the client-state entries written this round are exchanged so every process holds the
