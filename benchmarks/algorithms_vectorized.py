@@ -12,12 +12,12 @@ Exception: DSGD is FedAvg with K = 1 (configs/dsgd.yaml), so it keeps its ``loca
 
 For every algorithm the two modes train the same model from the same initial weights on the same clients and
 batches, alternating (vectorized, sequential, vectorized, ...) ``--repeats`` times; the first two rounds of each
-run are warm-up, and the time of a round is the wall time of the loop's ``training_step`` (clients, aggregation and
-server step, as a Trainer runs it). Printed per algorithm: rounds/s of each mode (the inverse of the median round
-time over all repeats), vectorized / sequential, vectorized / FedAvg's vectorized rounds/s (FedAvg is measured
-first), and the largest difference between the two modes' global weights after the last repeat (float32; a line
-search or clipping decides discretely, so rounding can grow there). An algorithm that cannot run vectorized prints
-the reason instead.
+run are warm-up, and the time of a round is the wall time (``--clock process``: this process's CPU time) of the
+loop's ``training_step`` (clients, aggregation and server step, as a Trainer runs it). Printed per algorithm:
+rounds/s of each mode (the inverse of the median round time over all repeats), vectorized / sequential,
+vectorized / FedAvg's vectorized rounds/s (FedAvg is measured first), and the largest difference between the two
+modes' global weights after the last repeat (float32; a line search or clipping decides discretely, so rounding
+can grow there). An algorithm that cannot run vectorized prints the reason instead.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import importlib
 import os
 import statistics
 import sys
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -56,6 +57,8 @@ ALGORITHMS = {
     "FedAMS": ("fedams.yaml", ()),
     "FedAvgM": ("fedavgm.yaml", ()),
     "FedSPS": ("fedsps.yaml", ()),
+    "FedSPS-Global": ("fedsps_global.yaml", ()),
+    "FedSPS-Norm": ("fedsps_normalized.yaml", ()),
     "FedDecSPS": ("feddecsps.yaml", ("persist_client_state",)),
     "FedLiLS": ("fedlils.yaml", ()),
     "FedLiLU": ("fedlilu.yaml", ()),
@@ -118,8 +121,19 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per mode")
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset of the table")
     ap.add_argument("--smoke", action="store_true", help="3 rounds, 1 repeat: check that everything runs")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="time rounds by wall clock (default) or by this process's CPU time (CPU runs only: less disturbed by "
+        "other processes on a shared machine)",
+    )
     vs.add_common_arguments(ap)
     args = ap.parse_args()
+    if args.clock == "process":
+        if args.accelerator != "cpu":
+            raise SystemExit("--clock process: CPU runs only (GPU work is not the process's CPU time)")
+        vs._clock = time.process_time  # RoundTimer's clock
     if args.smoke:
         args.rounds, args.repeats = 3, 1
     names = vs.start(args, args.algorithms, ALGORITHMS, "algorithms", min_rounds=3)
@@ -127,8 +141,9 @@ def main():
     datamodule.setup("fit")
     torch.manual_seed(0)
     init_state = UserMLP().state_dict()
+    print(f"clock: {args.clock} time")
     print(
-        f"{'algorithm':12s} {'vectorized r/s':>15s} {'sequential r/s':>15s} {'vec/seq':>8s} "
+        f"{'algorithm':14s} {'vectorized r/s':>15s} {'sequential r/s':>15s} {'vec/seq':>8s} "
         f"{'vec/FedAvg-vec':>15s} {'max |dw|':>9s}"
     )
     fedavg_vec = None
@@ -144,7 +159,7 @@ def main():
                     t, weights[mode] = run(parts, datamodule, mode, args.rounds, init_state)
                     times[mode].extend(t)
         except Exception as err:  # noqa: BLE001 - one algorithm's failure is a line of the table
-            print(f"{name:12s} failed: {type(err).__name__}: {str(err).splitlines()[0][:150]}", flush=True)
+            print(f"{name:14s} failed: {type(err).__name__}: {str(err).splitlines()[0][:150]}", flush=True)
             continue
         rate = {m: 1.0 / statistics.median(t) for m, t in times.items()}
         if name == "FedAvg":
@@ -152,7 +167,7 @@ def main():
         diff = float((weights["vectorized"] - weights["sequential"]).abs().max())
         relative = f"{rate['vectorized'] / fedavg_vec:15.2f}" if fedavg_vec else f"{'-':>15s}"
         print(
-            f"{name:12s} {rate['vectorized']:15.1f} {rate['sequential']:15.1f} "
+            f"{name:14s} {rate['vectorized']:15.1f} {rate['sequential']:15.1f} "
             f"{rate['vectorized'] / rate['sequential']:7.2f}x {relative} {diff:9.1e}",
             flush=True,
         )
