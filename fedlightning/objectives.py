@@ -56,6 +56,11 @@ def _row_dot(x: Tensor, y: Tensor) -> Tensor:
     return (x * y).sum(dim=tuple(range(1, x.dim())))
 
 
+def _row_sq_norm(x: Tensor) -> Tensor:
+    """``[R]``: the squared Euclidean norms of the rows of ``x`` (one pass over ``x``)."""
+    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim()))) ** 2
+
+
 class AnchoredTerm:
     r"""The client-objective term ``μ/2·‖w − a‖² + ⟨c, w − a⟩`` of one client or of a batch of clients.
 
@@ -209,7 +214,7 @@ class AnchoredTerm:
         tensor per parameter)."""
         value = diffs[0].new_zeros(diffs[0].shape[0])
         if isinstance(self.mu, Tensor) or self.mu != 0.0:
-            sq = sum(_row_dot(d, d) for d in diffs)
+            sq = sum(_row_sq_norm(d) for d in diffs)
             mu = self.mu.to(sq.dtype) if isinstance(self.mu, Tensor) else self.mu
             value = 0.5 * mu * sq
         if self.directions is not None:
