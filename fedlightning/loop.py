@@ -429,9 +429,10 @@ class FederatedLoop(pl.LightningModule):
         When this run trains its clients vectorised (:attr:`client_execution_choice`), all of them are one batched
         computation (:meth:`~fedlightning.vectorized.VectorizedClientTrainer.full_gradients`: each chunk a row of one
         vmapped ``training_step``; model randomness from one generator seeded with ``(seed, tag + "-vectorized",
-        round, *client_ids)``); else, or when the model or the batches cannot be vectorised (said once), client by
-        client with ``client_full_gradient`` (randomness seeded with ``(seed, tag, round, client_id)``). The global
-        model, the global generator and the round's logged values are left as they were. Memory: the result
+        round, *client_ids)``); else, or when the model or the batches cannot be vectorised (said once, for the run),
+        or when the batched computation runs out of accelerator memory (for that call), client by client with
+        ``client_full_gradient`` (randomness seeded with ``(seed, tag, round, client_id)``). The global model, the
+        global generator and the round's logged values are left as they were. Memory: the result
         (``[len(client_ids), D]``) and, vectorised, the activations of ``len(client_ids)`` chunks at once."""
         ids = [int(c) for c in client_ids]
         params = self._global_params()
@@ -451,6 +452,14 @@ class FederatedLoop(pl.LightningModule):
             except VectorizationUnsupportedError as err:
                 self._runtime.full_gradient_fallback = str(err)
                 rank_zero_warn(f"client full gradients are computed client by client: {err}")
+            except torch.cuda.OutOfMemoryError as err:  # this call's clients at once did not fit: one by one
+                engine.release()
+                torch.cuda.empty_cache()
+                first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                rank_zero_warn(
+                    f"the full gradients of {len(ids)} clients at once ran out of accelerator memory ({first}); "
+                    "computing them client by client this round"
+                )
         return torch.stack([client_full_gradient(self, k, round, batch_size, tag=tag) for k in ids])
 
     def _full_gradient_engine(self) -> VectorizedClientTrainer | None:

@@ -176,7 +176,10 @@ class AnchoredTerm:
     def _rowwise(self, params: Sequence[Tensor]) -> bool:
         """Whether ``params`` carry a leading row dimension (checked against the term's parameter shapes)."""
         if len(params) != len(self.shapes):
-            raise ValueError(f"AnchoredTerm over {len(self.shapes)} parameters called on {len(params)} tensors")
+            raise ValueError(
+                f"AnchoredTerm over parameters of shapes {self.shapes} called on {len(params)} tensors of shapes "
+                f"{[tuple(p.shape) for p in params]}"
+            )
         p, shape = params[0], self.shapes[0]
         if p.dim() == len(shape) + 1 and tuple(p.shape[1:]) == shape:
             if self.num_rows is not None and p.shape[0] != self.num_rows:

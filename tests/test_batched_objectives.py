@@ -224,6 +224,17 @@ def test_terms_of_some_clients_and_line_search_equal_sequential(name, optimizer)
         assert [u.backtracks for u in vec[1]] == [u.backtracks for u in seq[1]]
 
 
+class WrongShapes(pl.Callback):
+    def client_objective(self, trainer, loop, plan, client_id):
+        return [AnchoredTerm([torch.zeros(3, dtype=torch.float64)], mu=1.0)]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_a_term_over_other_shapes_is_refused_naming_them(mode):
+    with pytest.raises((ValueError, RuntimeError), match="AnchoredTerm.*shapes"):  # sequential: the round's error
+        fit([FedAvg(), WrongShapes()], "sgd", mode, rounds=1)
+
+
 class PlainShift(pl.Callback):
     """A user's term without a batched form: (client id / 100)·Σw, a plain callable."""
 

@@ -474,7 +474,14 @@ class _ClientTerms:
         def flat(tensors: Sequence[Tensor]) -> Tensor:
             return weights.stored(torch.cat([t.detach().reshape(-1) for t in tensors]).to(dtype=dtype, device=device))
 
+        shapes = [tuple(shape) for shape in weights.shapes]
+
         def flat_term(term: AnchoredTerm) -> AnchoredTerm:
+            if term.shapes != shapes:
+                raise ValueError(
+                    f"a client objective's AnchoredTerm is over parameters of shapes {term.shapes}, but the model's "
+                    f"trainable parameters have shapes {shapes}"
+                )
             anchor = next((a for other, a in flat_anchors if other.shares_anchors(term)), None)
             if anchor is None:
                 anchor = flat(term.anchors)
