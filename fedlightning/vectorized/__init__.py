@@ -9,7 +9,10 @@ optimizers that opt in); anything else raises :class:`VectorizationUnsupportedEr
 or setting. ``client_execution="auto"`` times one round both ways and trains vectorised only when that is
 :data:`AUTO_MARGIN` times faster, falling back to sequential on anything unsupported. Modules on padded steps (clients'
 batches of unequal size) are fastest with ``training_step_per_sample`` or a standard mean loss
-(:mod:`fedlightning.vectorized.losses`). The README's "Vectorised clients" paragraph is the user guide;
+(:mod:`fedlightning.vectorized.losses`). Client-objective terms written as
+:class:`fedlightning.objectives.AnchoredTerm` (FedProx, FedExProx, SCAFFOLD, FedDANE) are stacked over the clients
+and their gradients added in closed form; any other term callable is evaluated client by client, said once. The
+README's "Vectorised clients" paragraph is the user guide;
 docs/benchmarks.md §3 has the speed-ups and their commands; the engine's decisions are in the docstrings of
 :mod:`~fedlightning.vectorized.engine` and the modules beside it.
 """

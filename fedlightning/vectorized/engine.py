@@ -255,6 +255,11 @@ class VectorizedClientTrainer:
         result is then the one of ``K_i`` steps, as sequentially; the masked steps still cost their share of the
         batched computation (ours: a round costs what ``K`` steps of every client cost).
 
+        ``terms``: each client's client-objective terms (``client_objective``); the
+        :class:`~fedlightning.objectives.AnchoredTerm` ones are stacked over the clients of this call and their
+        gradients added in closed form, any other callable is evaluated client by client at every step, with a
+        one-time log line saying so (:class:`~fedlightning.vectorized.call._ClientTerms`).
+
         ``optimizers`` are the clients' optimizer instances as the loop builds them (client state already set);
         after the round their per-client state holds what sequential training would have left in them, so
         ``get_client_state()`` / ``client_report()`` can be called on them. The model's torchmetrics metrics are
