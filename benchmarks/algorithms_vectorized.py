@@ -15,7 +15,8 @@ batches, alternating (vectorized, sequential, vectorized, ...) ``--repeats`` tim
 run are warm-up, and the time of a round is the wall time (``--clock process``: this process's CPU time) of the
 loop's ``training_step`` (clients, aggregation and server step, as a Trainer runs it). Printed per algorithm:
 rounds/s of each mode (the inverse of the median round time over all repeats), vectorized / sequential,
-vectorized / FedAvg's vectorized rounds/s (FedAvg is measured first), and the largest difference between the two
+vectorized / FedAvg's vectorized rounds/s (a FedAvg vectorized run alternates with the two modes of every
+algorithm, so that both rates come from the same minutes), and the largest difference between the two
 modes' global weights after the last repeat (float32; a line search or clipping decides discretely, so rounding
 can grow there). An algorithm that cannot run vectorized prints the reason instead.
 """
@@ -146,29 +147,29 @@ def main():
         f"{'algorithm':14s} {'vectorized r/s':>15s} {'sequential r/s':>15s} {'vec/seq':>8s} "
         f"{'vec/FedAvg-vec':>15s} {'max |dw|':>9s}"
     )
-    fedavg_vec = None
-    if "FedAvg" in names:  # the reference of the vec/FedAvg-vec column, measured first
-        names = ["FedAvg"] + [n for n in names if n != "FedAvg"]
+    fedavg = algorithm_parts(*ALGORITHMS["FedAvg"])
     for name in names:
         parts = algorithm_parts(*ALGORITHMS[name])
-        times = {"vectorized": [], "sequential": []}
+        # FedAvg vectorized, the reference of the vec/FedAvg-vec column, alternates with the two modes
+        runs = {"vectorized": parts, "sequential": parts, "FedAvg vectorized": fedavg}
+        if name == "FedAvg":
+            del runs["FedAvg vectorized"]
+        times = {mode: [] for mode in runs}
         weights = {}
         try:
             for _ in range(args.repeats):
-                for mode in times:
-                    t, weights[mode] = run(parts, datamodule, mode, args.rounds, init_state)
+                for mode, mode_parts in runs.items():
+                    t, weights[mode] = run(mode_parts, datamodule, mode.split()[-1], args.rounds, init_state)
                     times[mode].extend(t)
         except Exception as err:  # noqa: BLE001 - one algorithm's failure is a line of the table
             print(f"{name:14s} failed: {type(err).__name__}: {str(err).splitlines()[0][:150]}", flush=True)
             continue
         rate = {m: 1.0 / statistics.median(t) for m, t in times.items()}
-        if name == "FedAvg":
-            fedavg_vec = rate["vectorized"]
+        reference = rate.get("FedAvg vectorized", rate["vectorized"])
         diff = float((weights["vectorized"] - weights["sequential"]).abs().max())
-        relative = f"{rate['vectorized'] / fedavg_vec:15.2f}" if fedavg_vec else f"{'-':>15s}"
         print(
             f"{name:14s} {rate['vectorized']:15.1f} {rate['sequential']:15.1f} "
-            f"{rate['vectorized'] / rate['sequential']:7.2f}x {relative} {diff:9.1e}",
+            f"{rate['vectorized'] / rate['sequential']:7.2f}x {rate['vectorized'] / reference:15.2f} {diff:9.1e}",
             flush=True,
         )
 
