@@ -281,7 +281,8 @@ class GradientProbe(pl.Callback):
         ids = [3, 0, 7, 12, 3]
         together = loop.client_full_gradients(ids, 0, self.batch_size)
         alone = [client_full_gradient(loop, k, 0, self.batch_size) for k in ids]
-        self.result = (ids, together, alone, [_hand_gradient(loop, k) for k in ids], loop)
+        hand = [_hand_gradient(loop, k) for k in ids] if getattr(self, "hand", True) else None
+        self.result = (ids, together, alone, hand, loop)
 
 
 def _hand_gradient(loop, client_id):
@@ -305,3 +306,38 @@ def test_client_full_gradients_vectorized_equal_client_by_client(batch_size):
     for row, grad, want in zip(together, alone, hand):
         assert_close64(grad, want)
         assert_close64(row, want)
+
+
+class BatchNormMLP(pl.LightningModule):
+    """An MLP with BatchNorm1d: a chunk's gradient depends on its batch statistics."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(64, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 10)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+
+@pytest.mark.numerics
+def test_client_full_gradients_with_batchnorm_equal_client_by_client():
+    probe = GradientProbe(None)
+    model = to_float64(BatchNormMLP())
+    loop = FederatedLoop(
+        model,
+        client_optimizer=CLIENT_OPTIMIZERS["sgd"],
+        local_steps=2,
+        clients_per_round=3,
+        seed=0,
+        client_execution="vectorized",
+    )
+    probe.hand = False
+    make_trainer(1, callbacks=[FedAvg(), probe]).fit(loop, datamodule=digits())
+    ids, together, alone, _, loop = probe.result
+    assert loop._runtime.full_gradient_engine is not None
+    for row, grad in zip(together, alone):
+        assert_close64(row, grad)

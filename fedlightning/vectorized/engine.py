@@ -165,10 +165,11 @@ class VectorizedClientTrainer:
         to the largest chunk by repeating their own samples, masked out of the loss, as local steps are), and the
         rows of one client share its weights, so one backward pass sums its chunks' gradients. Rows are evaluated
         ``C`` at a time: the activations of ``C`` chunks at once (with ``batch_size`` None, ``C`` clients' whole
-        data). BatchNorm layers use each chunk's batch statistics, as sequentially; running statistics, metric calls
-        and logged values are dropped (the working copy's buffers are reset before every client trains). Random
-        layers draw from one forked generator seeded with ``seed`` (not the per-client streams of sequential mode,
-        as for local steps). Raises :class:`VectorizationUnsupportedError` for batches that cannot be stacked.
+        data). BatchNorm layers use each chunk's batch statistics, as sequentially (a chunk of one sample raises the
+        ``ValueError`` torch raises for it); running statistics, metric calls and logged values are dropped (the
+        working copy's buffers are reset before every client trains). Random layers draw from one forked generator
+        seeded with ``seed`` (not the per-client streams of sequential mode, as for local steps). Raises
+        :class:`VectorizationUnsupportedError` for batches that cannot be stacked.
         """
         C = len(client_batches)
         rows = [(c, size, batch) for c, chunks in enumerate(client_batches) for size, batch in chunks]
@@ -197,6 +198,7 @@ class VectorizedClientTrainer:
                     views = leaves if identity else [v.index_select(0, clients) for v in leaves]
                     if norms:
                         norms.start(global_buffers, len(group))
+                        norms.singular = None
                     with torch.enable_grad():
                         if layout.mask is None:
                             losses, _ = self.call.row_values(views, layout.batch, None, 0)
@@ -210,10 +212,15 @@ class VectorizedClientTrainer:
                         parts = torch.autograd.grad(
                             [root], leaves, grad_outputs=[weight.to(root.dtype)], allow_unused=True
                         )
+                    if norms and norms.singular is not None:  # what torch raises for that chunk sequentially
+                        raise ValueError(
+                            f"Expected more than 1 value per channel when training, got input size {norms.singular[1]}"
+                        )
                     grads = [g if p is None else (p if g is None else g + p) for g, p in zip(grads, parts)]
         finally:
             if norms:
                 norms.stats = []
+                norms.begin([])  # no call's (batched) mask or counts stay behind
             self.model.train(was_training)
         return torch.cat(
             [(torch.zeros_like(v) if g is None else g).reshape(C, -1) for g, v in zip(grads, leaves)], dim=1
