@@ -24,6 +24,7 @@ from fedlightning.callbacks.feddane import client_full_gradient
 from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.models import MLP
 from fedlightning.objectives import AnchoredTerm
+from fedlightning.vectorized import VectorizedClientTrainer
 from numerics import RTOL64, Float64Inputs, assert_close64, to_float64
 from registry import CLIENT_OPTIMIZERS
 
@@ -233,6 +234,24 @@ class WrongShapes(pl.Callback):
 def test_a_term_over_other_shapes_is_refused_naming_them(mode):
     with pytest.raises((ValueError, RuntimeError), match="AnchoredTerm.*shapes"):  # sequential: the round's error
         fit([FedAvg(), WrongShapes()], "sgd", mode, rounds=1)
+
+
+@pytest.mark.numerics
+def test_terms_stack_per_group_of_clients(monkeypatch):
+    """With max_parallel_clients the engine trains the round's clients in groups; each group stacks its own terms."""
+    sizes = []
+    run = VectorizedClientTrainer.run
+
+    def spy(self, client_ids, *args, **kwargs):
+        sizes.append(len(client_ids))
+        return run(self, client_ids, *args, **kwargs)
+
+    monkeypatch.setattr(VectorizedClientTrainer, "run", spy)
+    strategy = [*STRATEGIES["feddane-independent"](), SomeClientsTerms()]
+    seq = fit(strategy, "sgd", "sequential")
+    vec = fit(strategy, "sgd", "vectorized", max_parallel_clients=2)
+    assert max(sizes) == 2 and len(sizes) > ROUNDS  # groups of the rounds' clients
+    assert_same(seq, vec)
 
 
 class PlainShift(pl.Callback):
