@@ -471,8 +471,14 @@ class _ClientTerms:
         self.layers: list[tuple[Tensor | None, Tensor | None, AnchoredTerm]] = []
         flat_anchors: list[tuple[AnchoredTerm, Tensor]] = []  # one flat copy per distinct anchor list
 
-        def flat(tensors: Sequence[Tensor]) -> Tensor:
-            return weights.stored(torch.cat([t.detach().reshape(-1) for t in tensors]).to(dtype=dtype, device=device))
+        def flat(tensors: Sequence[Tensor]) -> Tensor:  # in the parameters' own order
+            return torch.cat([t.detach().reshape(-1) for t in tensors]).to(dtype=dtype, device=device)
+
+        def stored_rows(rows: Tensor) -> Tensor:  # [R, D] from the parameters' own order to W's storage order
+            if all(order is None for order in weights.orders):
+                return rows
+            parts = torch.split(rows, weights.numels, dim=1)
+            return weights.flat([t.view(rows.shape[0], *shape) for t, shape in zip(parts, weights.shapes)])
 
         shapes = [tuple(shape) for shape in weights.shapes]
 
@@ -492,6 +498,9 @@ class _ClientTerms:
         for j in range(max((len(b) for b in stackable), default=0)):
             rows = [c for c in range(C) if len(stackable[c]) > j]
             term = AnchoredTerm.stack([flat_term(stackable[c][j]) for c in rows])
+            term.anchors = [weights.stored(term.anchors[0]) if term.shared_anchors else stored_rows(term.anchors[0])]
+            if term.directions is not None:
+                term.directions = [stored_rows(term.directions[0])]
             if len(rows) == C:
                 self.layers.append((None, None, term))
             else:
@@ -549,16 +558,15 @@ class _ClientTerms:
                 d = torch.sub(W, term.anchors[0], out=buf)
                 value = term.values_from_differences([d])
                 directions, mus = self._views_of(i, term, diffs)
-                for j, (g, dj) in enumerate(zip(grads, diffs)):
+                for j, g in enumerate(grads):
                     if 0 in g.stride():  # an expanded gradient cannot be written in place
-                        g = grads[j] = g.clone()
-                    mu = mus[j]
-                    if isinstance(mu, Tensor):
-                        g.addcmul_(mu, dj)
-                    elif mu != 0.0:
-                        g.add_(dj, alpha=mu)
-                    if directions is not None:
-                        g.add_(directions[j])
+                        grads[j] = g.clone()
+                if isinstance(term.mu, Tensor):
+                    torch._foreach_addcmul_(grads, mus, diffs)
+                elif term.mu != 0.0:
+                    torch._foreach_add_(grads, diffs, alpha=term.mu)
+                if directions is not None:
+                    torch._foreach_add_(grads, directions)
             total = value if total is None else total + value
         return total, grads
 
