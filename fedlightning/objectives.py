@@ -81,19 +81,20 @@ class AnchoredTerm:
     ``μ(w − a)`` exactly), up to the order in which the parts of the gradient are summed.
 
     Args:
-        anchors: the anchor ``a`` (``w_t``), one detached tensor per trainable parameter.
+        anchors: the anchor ``a`` (``w_t``), one tensor per trainable parameter (kept as detached views: a
+            constant of the term, as the anchors of the papers' terms are).
         mu: ``μ ≥ 0`` (0: no quadratic part).
         directions: ``c``, one tensor per parameter (None: no linear part).
     """
 
     def __init__(self, anchors: Sequence[Tensor], mu: float = 0.0, directions: Sequence[Tensor] | None = None):
-        self.anchors = list(anchors)
+        self.anchors = [a.detach() for a in anchors]  # constants of the term (views: no copy)
         if not self.anchors:
             raise ValueError("AnchoredTerm needs at least one anchor tensor (one per trainable parameter)")
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not mu >= 0.0:
             raise ValueError(f"AnchoredTerm's mu must be a number >= 0, got {mu!r}")
         self.mu: float | Tensor = float(mu)
-        self.directions = None if directions is None else list(directions)
+        self.directions = None if directions is None else [c.detach() for c in directions]
         if self.directions is not None:
             bad = [j for j, (c, a) in enumerate(zip(self.directions, self.anchors)) if tuple(c.shape) != tuple(a.shape)]
             if len(self.directions) != len(self.anchors) or bad:
