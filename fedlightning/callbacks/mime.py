@@ -103,8 +103,9 @@ class Mime(ServerStrategy):
       each client by :class:`~fedlightning.optim.MimeSGD` / :class:`~fedlightning.optim.MimeLiteSGD` over the same
       parameters with the frozen state. A user momentum would be a second, unfrozen momentum on top of Mime's.
     * :math:`c` and :math:`\nabla f_i(x)`: the gradient of the client's mean training loss over all its samples
-      (:func:`~fedlightning.callbacks.feddane.client_full_gradient`, chunked by ``gradient_batch_size``; only the
-      model's loss, no other objective terms), over the round's sampled clients, computed once in ``on_round_start``
+      (:func:`~fedlightning.callbacks.feddane.client_full_gradient`, chunked by ``gradient_batch_size``, model
+      randomness seeded by ``(seed, "mime-gradient", round, client)``; only the model's loss, no other objective
+      terms), over the round's sampled clients, computed once in ``on_round_start``
       (mathematically what each client uploads; a client that fails later still counts in :math:`c`). MimeLite needs
       :math:`c` only for the server's state update. Under DDP each process computes its share and the sum is
       all-reduced (as :class:`~fedlightning.callbacks.FedDANE`).
@@ -184,7 +185,8 @@ class Mime(ServerStrategy):
         weights = {k: (float(dm.client_num_samples(k)) if self.weighting == "samples" else 1.0) for k in ids}
         acc = torch.zeros_like(like, dtype=torch.float64)
         for k in pl_module.process_share(ids):
-            acc += weights[k] * client_full_gradient(pl_module, k, plan.round, self.gradient_batch_size).double()
+            grad = client_full_gradient(pl_module, k, plan.round, self.gradient_batch_size, tag="mime-gradient")
+            acc += weights[k] * grad.double()
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(acc)
         self._full_gradient = (acc / sum(weights.values())).to(like.dtype)
