@@ -55,7 +55,7 @@ def _grad(f, w, x, y):
     return [g.detach() for g in torch.autograd.grad(F.cross_entropy(f(wr, x), y), wr)]
 
 
-def reference_mime(correction, beta=BETA, rounds=ROUNDS):
+def reference_mime(correction, beta=BETA, rounds=ROUNDS, weighting="uniform"):
     """Algorithm 1 of Karimireddy et al. with SGD-momentum as the base optimizer, written out with plain tensors."""
     dm = make_dm()
     dm.setup("fit")
@@ -72,8 +72,9 @@ def reference_mime(correction, beta=BETA, rounds=ROUNDS):
 
     for r in range(rounds):
         clients = dm.sample_clients(r)
+        w = [float(dm.client_num_samples(k)) if weighting == "samples" else 1.0 for k in clients]
         full = [_grad(f, x_server, *data(k)) for k in clients]
-        c = [sum(g[j] for g in full) / len(clients) for j in range(len(x_server))]
+        c = [sum(wk * g[j] for wk, g in zip(w, full)) / sum(w) for j in range(len(x_server))]
         ys = []
         for k in clients:
             y, it = [t.clone() for t in x_server], iter(dm.client_dataloader(k, r, seed=SEED))
@@ -91,7 +92,7 @@ def reference_mime(correction, beta=BETA, rounds=ROUNDS):
                     d = gy
                 y = [yj - LR * ((1 - beta) * dj + beta * mj) for yj, dj, mj in zip(y, d, m)]
             ys.append(y)
-        x_server = [sum(y[j] for y in ys) / len(ys) for j in range(len(x_server))]
+        x_server = [sum(wk * y[j] for wk, y in zip(w, ys)) / sum(w) for j in range(len(x_server))]
         m = [(1 - beta) * cj + beta * mj for cj, mj in zip(c, m)]
     flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
     return flat(x_server), flat(m)
@@ -111,6 +112,15 @@ def test_mime_matches_reference_loop(strategy):
     assert [m["round/communication_rounds"] for m in rec.metrics] == [per_round * (r + 1) for r in range(ROUNDS)]
     steps = 2 if strategy is Mime else 1  # Mime evaluates each step's batch at y and at x
     assert all(u.forwards == steps * K for round_updates in rec.updates for u in round_updates)
+
+
+@pytest.mark.numerics
+def test_mime_with_sample_weights_matches_reference_loop():
+    s = Mime(momentum=BETA, weighting="samples")
+    loop, _ = run([s], rounds=2)
+    ref_x, ref_m = reference_mime(correction=True, rounds=2, weighting="samples")
+    assert_close64(weights(loop), ref_x)
+    assert_close64(s.server_momentum, ref_m)
 
 
 def test_the_correction_changes_the_run_and_momentum_matters():
