@@ -6,11 +6,11 @@ pfl is an optional *benchmark* dependency, never a runtime one; without it the s
 install upgrades packages the project's environment pins (``pip install --dry-run pfl`` lists them), so install it
 into a separate virtual environment that also sees the project's packages::
 
-    python3 -m venv /tmp/pfl-venv
+    python3 -m venv ../pfl-venv
     echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
-        > /tmp/pfl-venv/lib/python3.11/site-packages/zz_project.pth
-    /tmp/pfl-venv/bin/pip install pfl
-    /tmp/pfl-venv/bin/python benchmarks/vs_pfl.py
+        > ../pfl-venv/lib/python3.11/site-packages/zz_project.pth
+    ../pfl-venv/bin/pip install pfl
+    ../pfl-venv/bin/python benchmarks/vs_pfl.py
 
 Workload (identical in all runs, the one of benchmarks/vs_flower.py): FedAvg (sample-weighted, server learning rate
 1), scikit-learn digits over 100 clients by fedlightning's ``DigitsDataModule`` (Dirichlet 0.3, seed 0), 20 clients
