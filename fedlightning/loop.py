@@ -52,7 +52,7 @@ from fedlightning.callbacks.base import (
     check_hook_names,
 )
 from fedlightning.callbacks.fedavg import FedAvg
-from fedlightning.callbacks.feddane import client_full_batches, client_full_gradient
+from fedlightning.callbacks.feddane import client_full_batches, client_full_gradient, client_full_rows
 from fedlightning.callbacks.progress import round_bar_for
 from fedlightning.client import LocalTrainer
 from fedlightning.datamodules.base import FederatedDataModule
@@ -440,15 +440,16 @@ class FederatedLoop(pl.LightningModule):
             return torch.zeros(0, sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         engine = self._full_gradient_engine()
         if engine is not None:
+            seed = derive_seed(self.seed, f"{tag}-vectorized", round, *ids)
+            buffers = list(self.model.buffers())
             try:
+                stacked = client_full_rows(self, ids, batch_size)  # in-memory data: one gather per tensor
+                if stacked is not None:
+                    rows, sizes, row_clients, totals = stacked
+                    return engine.full_gradients_of_rows(rows, sizes, row_clients, totals, params, buffers, seed)
                 with torch.random.fork_rng(devices=[]):  # loading draws from the generator (client_full_batches)
                     batches = [list(client_full_batches(self, k, batch_size, direct=True)[1]) for k in ids]
-                return engine.full_gradients(
-                    batches,
-                    params,
-                    list(self.model.buffers()),
-                    derive_seed(self.seed, f"{tag}-vectorized", round, *ids),
-                )
+                return engine.full_gradients(batches, params, buffers, seed)
             except VectorizationUnsupportedError as err:
                 self._runtime.full_gradient_fallback = str(err)
                 rank_zero_warn(f"client full gradients are computed client by client: {err}")

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import fedlightning.loop as loop_module
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg, FedDANE, FedExProx, ProximalTerm, Scaffold
@@ -315,8 +316,13 @@ def _hand_gradient(loop, client_id):
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("gather", ["rows", "batches"])
 @pytest.mark.parametrize("batch_size", [None, 7])
-def test_client_full_gradients_vectorized_equal_client_by_client(batch_size):
+def test_client_full_gradients_vectorized_equal_client_by_client(batch_size, gather, monkeypatch):
+    """Both ways to the rows: one gather from the in-memory data (client_full_rows), or the clients' chunks as
+    client_full_batches loads them, stacked by the engine."""
+    if gather == "batches":
+        monkeypatch.setattr(loop_module, "client_full_rows", lambda *args, **kwargs: None)
     probe = GradientProbe(batch_size)
     fit([FedAvg()], "sgd", "vectorized", rounds=1, extra=[probe])
     ids, together, alone, hand, loop = probe.result

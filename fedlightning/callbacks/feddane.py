@@ -14,7 +14,7 @@ is :func:`client_full_gradient`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from fedlightning.datamodules.base import ArrayDataset, ClientBatchSampler
 from fedlightning.objectives import AnchoredTerm
 from fedlightning.state import RoundPlan, derive_seed, flat_grads
 
-__all__ = ["FedDANE", "client_full_batches", "client_full_gradient"]
+__all__ = ["FedDANE", "client_full_batches", "client_full_gradient", "client_full_rows"]
 
 
 def client_full_batches(
@@ -62,6 +62,47 @@ def client_full_batches(
     else:
         loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
     return n, zip(sizes, loader)
+
+
+def client_full_rows(
+    loop, client_ids: Sequence[int], batch_size: int | None = None
+) -> tuple[tuple[Tensor, Tensor], list[int], list[int], list[int]] | None:
+    """The samples of several clients as rows of one padded batch, gathered with one indexing op per tensor:
+    ``((x_rows, y_rows), sizes, row_clients, totals)``, row ``r`` a chunk of :func:`client_full_batches` (client
+    ``client_ids[row_clients[r]]``, ``sizes[r]`` samples, padded to the largest chunk by repeating its own
+    samples), ``totals[i]`` the samples of ``client_ids[i]``; on the host. None unless the training data is an
+    in-memory ``ArrayDataset`` of two tensors indexed by its own ``__getitem__`` (reference mode off): the chunks
+    are then exactly ``client_full_batches``' ``dataset[indices]``."""
+    dm = loop.datamodule
+    dataset = dm.train_dataset
+    if (
+        reference_mode()
+        or not isinstance(dataset, ArrayDataset)
+        or type(dataset).__getitem__ is not ArrayDataset.__getitem__
+        or not (isinstance(dataset.x, Tensor) and isinstance(dataset.y, Tensor))
+    ):
+        return None
+    chunks, sizes, row_clients, totals = [], [], [], []
+    for i, k in enumerate(client_ids):
+        indices = np.asarray(dm.client_indices[k], dtype=np.int64)
+        n = len(indices)
+        if n == 0:
+            raise ValueError(f"client {k} holds no training samples; it has no gradient")
+        chunk = n if batch_size is None else int(batch_size)
+        for start in range(0, n, chunk):
+            chunks.append(indices[start : start + chunk])
+            sizes.append(len(chunks[-1]))
+            row_clients.append(i)
+        totals.append(n)
+    n_max = max(sizes)
+    index = np.stack([c[np.arange(n_max) % len(c)] for c in chunks])  # [R, n_max], padded with own samples
+    flat = torch.from_numpy(index.reshape(-1))
+    x, y = dataset.x, dataset.y
+    rows = (
+        x.index_select(0, flat).view(len(chunks), n_max, *x.shape[1:]),
+        y.index_select(0, flat).view(len(chunks), n_max, *y.shape[1:]),
+    )
+    return rows, sizes, row_clients, totals
 
 
 @torch.enable_grad()

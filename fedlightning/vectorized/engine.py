@@ -174,8 +174,46 @@ class VectorizedClientTrainer:
         C = len(client_batches)
         rows = [(c, size, batch) for c, chunks in enumerate(client_batches) for size, batch in chunks]
         totals = [sum(size for size, _ in chunks) for chunks in client_batches]
+
+        def groups():
+            for first in range(0, len(rows), C):
+                group = rows[first : first + C]
+                leaves, spec, sizes = _stack_rows([self.to_device(b) for _, _, b in group], [s for _, s, _ in group])
+                yield leaves, spec, sizes, [c for c, _, _ in group]
+
+        return self._full_gradients(groups(), totals, global_params, global_buffers, seed)
+
+    def full_gradients_of_rows(
+        self,
+        batch: Any,
+        sizes: Sequence[int],
+        row_clients: Sequence[int],
+        totals: Sequence[int],
+        global_params: Sequence[Tensor],
+        global_buffers: Sequence[Tensor],
+        seed: int,
+    ) -> Tensor:
+        """:meth:`full_gradients` from rows already stacked on the host: ``batch`` a batch structure whose tensor
+        leaves are ``[R, n_max, ...]`` (row ``r`` a chunk of ``sizes[r]`` samples of client ``row_clients[r]``,
+        padded by repeating its own samples), ``totals[i]`` client ``i``'s number of samples. The rows are moved
+        (and converted) as one batch and evaluated ``C`` at a time."""
+        leaves, spec = tree_flatten(self.to_device(batch))
+        C, R = len(totals), len(sizes)
+
+        def groups():
+            for first in range(0, R, C):
+                part = slice(first, first + C)
+                n = max(sizes[part])
+                yield [x[part, :n] for x in leaves], spec, list(sizes[part]), list(row_clients[part])
+
+        return self._full_gradients(groups(), totals, global_params, global_buffers, seed)
+
+    def _full_gradients(self, groups, totals, global_params, global_buffers, seed: int) -> Tensor:
+        """The vmapped full-batch gradients of :meth:`full_gradients` over ``groups`` of rows ``(leaves, spec,
+        sizes, row clients)``."""
+        C = len(totals)
         if any(n <= 0 for n in totals):
-            raise ValueError(f"every client needs samples for a full gradient, got sample counts {totals}")
+            raise ValueError(f"every client needs samples for a full gradient, got sample counts {list(totals)}")
         with torch.no_grad():
             start = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in global_params])
         device = start.device
@@ -189,21 +227,20 @@ class VectorizedClientTrainer:
         try:
             with torch.random.fork_rng(devices=rng_devices):
                 _seed_default_generators(seed, rng_devices)
-                for first in range(0, len(rows), C):
-                    group = rows[first : first + C]
-                    layout = _Layout(*_stack_rows([self.to_device(b) for _, _, b in group], [s for _, s, _ in group]))
-                    clients = torch.tensor([c for c, _, _ in group], dtype=torch.long, device=device)
-                    share = torch.tensor([1.0 / totals[c] for c, _, _ in group], dtype=self.dtype, device=device)
-                    identity = len(group) == C and all(c == i for i, (c, _, _) in enumerate(group))
+                for rows, spec, sizes, row_clients in groups:
+                    layout = _Layout(rows, spec, sizes)
+                    clients = torch.tensor(row_clients, dtype=torch.long, device=device)
+                    share = torch.tensor([1.0 / totals[c] for c in row_clients], dtype=self.dtype, device=device)
+                    identity = len(row_clients) == C and all(c == i for i, c in enumerate(row_clients))
                     views = leaves if identity else [v.index_select(0, clients) for v in leaves]
                     if norms:
-                        norms.start(global_buffers, len(group))
+                        norms.start(global_buffers, len(row_clients))
                         norms.singular = None
                     with torch.enable_grad():
                         if layout.mask is None:
                             losses, _ = self.call.row_values(views, layout.batch, None, 0)
-                            sizes = torch.tensor(layout.sizes, dtype=self.dtype, device=device)
-                            root, weight = losses, share * sizes  # chunk mean × size / n_i
+                            real = torch.tensor(layout.sizes, dtype=self.dtype, device=device)
+                            root, weight = losses, share * real  # chunk mean × size / n_i
                         else:
                             root, _, _ = self.call.row_values(
                                 views, layout.batch, layout.mask, 0, cells=True, min_count=layout.min_size
