@@ -176,7 +176,8 @@ class FedDANE(FedAvg):
     * ``∇F_k(w_t)`` is the gradient of the client's mean training loss over **all** its samples (the reference code's
       full batch), computed with the wrapped model's ``training_step`` in training mode on the FederatedLoop's working
       copy, chunked by ``gradient_batch_size`` (None: one batch) with chunk losses weighted by chunk size. Model
-      randomness (dropout) is seeded by ``(seed, "feddane-gradient", round, client)`` in a forked RNG. Only the
+      randomness (dropout) is seeded by ``(seed, "feddane-gradient", round, client)`` in a forked RNG (vectorised:
+      one forked stream per round, ``(seed, "feddane-gradient-vectorized", round, *clients)``). Only the
       model loss enters the gradient (no other client-objective terms). The gradients of ``S_t`` and of the round's
       clients ``S'_t`` (each client of ``S'_t`` computes its own ``∇F_k(w_t)``: the paper's extra computation, no
       extra upload) are computed together at the start of the round, once per client of ``S_t ∪ S'_t``, by
