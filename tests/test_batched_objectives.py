@@ -366,3 +366,27 @@ def test_client_full_gradients_with_batchnorm_equal_client_by_client():
     assert loop._runtime.full_gradient_engine is not None
     for row, grad in zip(together, alone):
         assert_close64(row, grad)
+
+
+class DeepCopyAfterRound(pl.Callback):
+    def __init__(self):
+        self.copied = 0
+
+    def on_train_batch_end(self, trainer, loop, *args):
+        copy.deepcopy(loop.model)  # reaches the engine through the trainer: no vmapped tensor may stay behind
+        self.copied += 1
+
+
+def test_no_vmapped_tensor_outlives_a_batchnorm_round():
+    probe = DeepCopyAfterRound()
+    model = to_float64(BatchNormMLP())
+    loop = FederatedLoop(
+        model,
+        client_optimizer=CLIENT_OPTIMIZERS["sgd"],
+        local_steps=2,
+        clients_per_round=3,
+        seed=0,
+        client_execution="vectorized",
+    )
+    make_trainer(2, callbacks=[FedDANE(mu=0.1), probe]).fit(loop, datamodule=digits())
+    assert probe.copied == 2

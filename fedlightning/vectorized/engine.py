@@ -383,6 +383,7 @@ class VectorizedClientTrainer:
                     alive = alive & ~self.failed
                 if stop is not None and k + 1 < K and stop():
                     norms.stats = []
+                    norms.begin([])
                     return None
             ragged.restore(W)
         rule.finalize(optimizers)
@@ -396,6 +397,7 @@ class VectorizedClientTrainer:
             )
         finally:
             norms.stats = []
+            norms.begin([])  # the last call's mask and counts (vmapped tensors) do not outlive the round
 
     def _updates(
         self,
