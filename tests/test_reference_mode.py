@@ -15,7 +15,7 @@ import fedlightning.client as client_module
 from conftest import make_trainer
 from fedlightning import FederatedLoop, reference_mode, set_reference_mode
 from fedlightning.datamodules import Dirichlet, FederatedDataModule
-from fedlightning.datamodules.base import ArrayBatchLoader
+from fedlightning.datamodules.base import ArrayBatchLoader, ArrayDataset
 from fedlightning.models import MLP
 from numerics import Digits64, assert_close64, flat, to_float64
 from registry import CLIENT_OPTIMIZERS, STRATEGIES
@@ -33,9 +33,16 @@ class Spies:
     """Counts the fast paths a run takes."""
 
     def __init__(self, monkeypatch):
-        self.counts = {"plain_sgd_step": 0, "iter_steps": 0, "array_batch_loader": 0, "feddane_whole_batches": 0}
+        self.counts = {
+            "plain_sgd_step": 0,
+            "iter_steps": 0,
+            "array_batch_loader": 0,
+            "feddane_whole_batches": 0,
+            "gather_on_device": 0,
+        }
         plain_step = client_module._plain_sgd_step
         iter_steps, loader_init = ArrayBatchLoader.iter_steps, ArrayBatchLoader.__init__
+        on_device = ArrayDataset.on_device
 
         def count(key, fn):
             def wrapped(*args, **kwargs):
@@ -47,6 +54,7 @@ class Spies:
         monkeypatch.setattr(client_module, "_plain_sgd_step", count("plain_sgd_step", plain_step))
         monkeypatch.setattr(ArrayBatchLoader, "iter_steps", count("iter_steps", iter_steps))
         monkeypatch.setattr(ArrayBatchLoader, "__init__", count("array_batch_loader", loader_init))
+        monkeypatch.setattr(ArrayDataset, "on_device", count("gather_on_device", on_device))
         real_loader = feddane_module.DataLoader
 
         def feddane_loader(dataset, *args, **kwargs):
@@ -127,7 +135,10 @@ def test_reference_run_equals_the_fast_run(name, monkeypatch):
     assert ref_loop.client_execution_choice == fast_loop.client_execution_choice == "sequential"
     set_reference_mode(None)
     # ... which the same run without it did take
-    assert fast_counts["array_batch_loader"] > 0
+    if name == "vectorized":  # in-memory client data gathered by index on the model's device, without loaders
+        assert fast_counts["gather_on_device"] > 0 and fast_counts["array_batch_loader"] == 0
+    else:
+        assert fast_counts["array_batch_loader"] > 0
     if name in ("sgd", "sgd-momentum-fedexp", "feddane", "generic-data"):
         assert fast_loop._runtime.reusable_client_opt is not None
     if name in ("sgd", "feddane", "generic-data"):
