@@ -139,13 +139,15 @@ class VectorizedClientTrainer:
     def _probe_layout(self, start: Tensor, layout: _Layout, rng_devices: list) -> None:
         """One gradient evaluation at ``start`` (every client) on ``layout``, to learn the gradients' memory layout
         (:meth:`~fedlightning.vectorized.layout._WeightsLayout.learn`); done once per engine, on the first step of
-        its first round (a resumed run probes again, on its first round), outside the round's random stream."""
-        self.layout_learned = True
+        its first round (a resumed run probes again, on its first round), outside the round's random stream. Marked
+        learned only once the evaluation succeeded: a probe that runs out of memory (a group then halved) is made
+        again by the next call."""
         W = start.unsqueeze(0).repeat(layout.num_clients, 1)
         ev = _StepEvaluator(self, layout, 0, None, rng_devices, None, trials=False)
         ev.learn_layout = True
         ev.keep_effects = False
         ev.gradient(W, torch.ones(layout.num_clients, dtype=torch.bool, device=W.device), flat=False)
+        self.layout_learned = True
 
     # ---------------------------------------------------------------- full gradients at the global weights
     def full_gradients(
