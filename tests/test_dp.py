@@ -347,3 +347,26 @@ def test_config_runs_through_the_cli_and_logs_epsilon(tmp_path):
     metrics = cli.trainer.callback_metrics
     assert float(metrics["privacy/epsilon"]) == pytest.approx(accountant.get_epsilon(strategy.delta), rel=1e-6)
     assert float(metrics["privacy/clip_norm"]) != strategy.clip_norm  # adapted after rounds 0 and 1
+
+
+@pytest.mark.parametrize(
+    "history",
+    [
+        [(1.0, 0.2, 50)],
+        [(1.1, 0.05, 3), (0.8, 0.2, 7), (1.1, 0.05, 4)],  # changing noise (adaptive clipping) and sample rates
+        [(2.3, 1.0, 10)],  # every client every round
+    ],
+)
+@pytest.mark.parametrize("delta", [1e-3, 1e-5])
+def test_rdp_epsilon_is_the_accountants_epsilon_for_any_history(history, delta):
+    """rdp_epsilon caches one round's RDP per (z, q); the ε it gives is Opacus's RDPAccountant.get_epsilon, float
+    for float, for merged and alternating histories, and again when the cache is warm."""
+    from opacus.accountants import RDPAccountant
+
+    from fedlightning.callbacks.dp import rdp_epsilon
+
+    accountant = RDPAccountant()
+    accountant.history = list(history)
+    expected = accountant.get_epsilon(delta)
+    assert rdp_epsilon(history, delta) == expected
+    assert rdp_epsilon(history, delta) == expected  # cached

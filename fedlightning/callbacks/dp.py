@@ -13,10 +13,12 @@ with ``m = |S_t|`` the round's cohort size. :class:`DPFedAvg` (its docstring: ev
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -57,8 +59,30 @@ def rdp_epsilon(history: Sequence[Sequence[float]], delta: float) -> float:
     if any(float(z) == 0 for z, _, _ in history):
         return math.inf
     accountant = _rdp_accountant()
-    accountant.history = [(float(z), float(q), int(n)) for z, q, n in history]
-    return float(accountant.get_epsilon(delta=delta))
+    orders = accountant.DEFAULT_ALPHAS
+    # RDPAccountant.get_epsilon's computation, with one round's RDP per (z, q) computed once per run: its
+    # ``compute_rdp(q, z, n, orders)`` is the one-round array times n, so the floats are the same, and a round's
+    # accounting costs an array product instead of ~150 series evaluations (~0.1-0.3 s per round)
+    rdp = sum([np.asarray(_rdp_one_round(float(z), float(q), tuple(orders))) * int(n) for z, q, n in history])
+    eps, _ = _privacy_analysis().get_privacy_spent(orders=orders, rdp=rdp, delta=delta)
+    return float(eps)
+
+
+@functools.lru_cache(maxsize=256)
+def _rdp_one_round(noise_multiplier: float, sample_rate: float, orders: tuple) -> tuple[float, ...]:
+    """Opacus's RDP of one round (``compute_rdp(q, z, steps=1, orders)``), cached: every round of a run has the same
+    ``(z, q)``."""
+    array = _privacy_analysis().compute_rdp(
+        q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=list(orders)
+    )
+    return tuple(float(v) for v in np.asarray(array, dtype=np.float64).reshape(-1))
+
+
+def _privacy_analysis():
+    """Opacus's RDP analysis module (what its ``RDPAccountant`` computes with)."""
+    from opacus.accountants.analysis import rdp
+
+    return rdp
 
 
 def _rdp_accountant():
