@@ -66,6 +66,18 @@ def test_two_processes_equal_one(tmp_path, setup):
         )
 
 
+def test_two_processes_with_vectorized_client_groups_equal_one_sequential(tmp_path):
+    """Each process trains its share of the round's clients vectorized in groups of 2 (max_parallel_clients; the
+    shares hold 3 and 2 of the 5 clients): the same weights and client state as one process training sequentially
+    (SCAFFOLD: stacked objective terms and per-client control variates)."""
+    setup = "scaffold"
+    one = _run(tmp_path, 1, setup, extra=("--float64",))
+    two = _run(tmp_path, 2, setup, extra=("--float64", "--execution", "vectorized", "--groups", "2"))
+    assert one["steps"] == two["steps"] == 3
+    assert_close64(two["weights"], one["weights"])
+    assert two["store_clients"] == one["store_clients"]
+
+
 def test_two_process_resume_equals_uninterrupted_run(tmp_path):
     """2 processes for 2 rounds, checkpoint, 2 processes resumed to 4 rounds == 1 process for 4 rounds (float64,
     numerics.RTOL64), with per-client optimizer state (DecSPS counters) that must survive the checkpoint on every

@@ -118,6 +118,8 @@ def main():
     ap.add_argument("--freeze-round", type=int, default=1, help="... at the start of this round")
     ap.add_argument("--freeze-file", default=None, help="... after writing '<pid> <time>' here")
     ap.add_argument("--float64", action="store_true", help="model and data in float64 (default dtype float64)")
+    ap.add_argument("--execution", default="sequential", help="FederatedLoop(client_execution=...)")
+    ap.add_argument("--groups", type=int, default=None, help="FederatedLoop(max_parallel_clients=...)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.float64:
@@ -125,7 +127,15 @@ def main():
     pl.seed_everything(0, verbose=False)
     callbacks, opt = build(args.setup)
     net = UserModule() if args.setup == "usermodule" else MLP(input_dim=64, hidden=[16])
-    loop = FederatedLoop(net, client_optimizer=opt, local_steps=4, clients_per_round=5, seed=1)
+    loop = FederatedLoop(
+        net,
+        client_optimizer=opt,
+        local_steps=4,
+        clients_per_round=5,
+        seed=1,
+        client_execution=args.execution,
+        max_parallel_clients=args.groups,
+    )
     recorder = RoundMetrics()
     callbacks = callbacks + [recorder]
     if args.freeze_rank is not None:
