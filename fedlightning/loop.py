@@ -433,12 +433,18 @@ class FederatedLoop(pl.LightningModule):
         or when the batched computation runs out of accelerator memory (for that call), client by client with
         ``client_full_gradient`` (randomness seeded with ``(seed, tag, round, client_id)``). The global model, the
         global generator and the round's logged values are left as they were. Memory: the result
-        (``[len(client_ids), D]``) and, vectorised, the activations of ``len(client_ids)`` chunks at once."""
+        (``[len(client_ids), D]``) and, vectorised, the activations of ``len(client_ids)`` chunks at once, or of a
+        group's with ``max_parallel_clients`` (the clients are then taken in consecutive groups of the size local
+        training uses, each one batched computation seeded with its own clients)."""
         ids = [int(c) for c in client_ids]
         params = self._global_params()
         if not ids:
             return torch.zeros(0, sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         engine = self._full_gradient_engine()
+        limit = self._client_group_limit() if engine is not None else None
+        if limit is not None and len(ids) > limit:
+            groups = [ids[i : i + limit] for i in range(0, len(ids), limit)]
+            return torch.cat([self.client_full_gradients(group, round, batch_size, tag) for group in groups])
         if engine is not None:
             seed = derive_seed(self.seed, f"{tag}-vectorized", round, *ids)
             buffers = list(self.model.buffers())
@@ -462,6 +468,15 @@ class FederatedLoop(pl.LightningModule):
                     "computing them client by client this round"
                 )
         return torch.stack([client_full_gradient(self, k, round, batch_size, tag=tag) for k in ids])
+
+    def _client_group_limit(self) -> int | None:
+        """The most clients one vectorised computation takes now: the executor's group size in force (measured for
+        ``max_parallel_clients="auto"``, or halved after running out of memory), else the int set, else None."""
+        run = getattr(self._executor, "run", None)
+        size = getattr(run, "group_size", None)
+        if size is not None:
+            return int(size)
+        return self.max_parallel_clients if isinstance(self.max_parallel_clients, int) else None
 
     def _full_gradient_engine(self) -> VectorizedClientTrainer | None:
         """The vectorised engine :meth:`client_full_gradients` uses: the executor's, or one of its own for the

@@ -390,3 +390,24 @@ def test_no_vmapped_tensor_outlives_a_batchnorm_round():
     )
     make_trainer(2, callbacks=[FedDANE(mu=0.1), probe]).fit(loop, datamodule=digits())
     assert probe.copied == 2
+
+
+@pytest.mark.numerics
+def test_client_full_gradients_follow_the_client_groups(monkeypatch):
+    """With max_parallel_clients=2 the full gradients of 5 clients are 3 batched computations of at most 2 clients
+    (the group size local training uses), equal to client by client."""
+    sizes = []
+    real = VectorizedClientTrainer.full_gradients_of_rows
+
+    def spy(self, rows, row_sizes, row_clients, totals, *args, **kwargs):
+        sizes.append(len(totals))
+        return real(self, rows, row_sizes, row_clients, totals, *args, **kwargs)
+
+    monkeypatch.setattr(VectorizedClientTrainer, "full_gradients_of_rows", spy)
+    probe = GradientProbe(None)
+    fit([FedAvg()], "sgd", "vectorized", rounds=1, extra=[probe], max_parallel_clients=2)
+    ids, together, alone, hand, loop = probe.result
+    assert sizes == [2, 2, 1]
+    for row, grad, want in zip(together, alone, hand):
+        assert_close64(grad, want)
+        assert_close64(row, want)

@@ -260,6 +260,7 @@ class VectorizedClientTrainer:
             if norms:
                 norms.stats = []
                 norms.begin([])  # no call's (batched) mask or counts stay behind
+            self.call.collector.reset()  # nor the (batched) values training_step logged
             self.model.train(was_training)
         return torch.cat(
             [(torch.zeros_like(v) if g is None else g).reshape(C, -1) for g, v in zip(grads, leaves)], dim=1
