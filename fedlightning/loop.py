@@ -871,6 +871,7 @@ class FederatedLoop(pl.LightningModule):
             "failed_clients_total": self.failed_clients_total,
             "rounds_without_healthy_client": self.rounds_without_healthy_client,
             "module_optimizer": mo.state_dict() if mo is not None else None,
+            "client_groups": self._client_groups_state(),
         }
         self.model.on_save_checkpoint(checkpoint)
 
@@ -891,7 +892,27 @@ class FederatedLoop(pl.LightningModule):
                 self._runtime.reusable_client_opt = None
             else:  # restored before setup resolved it (e.g. validate/test): applied when it is built
                 self._runtime.pending_module_optimizer_state = saved
+        self._load_client_groups_state(fed.get("client_groups"))
         self.model.on_load_checkpoint(checkpoint)
+
+    def _client_groups_state(self) -> dict[str, Any] | None:
+        """The vectorised group size in force (measured for ``max_parallel_clients="auto"``, or halved after running
+        out of memory) with the setting it came from; None when the setting alone gives it."""
+        size = getattr(getattr(self._executor, "run", None), "group_size", None)
+        if size is None:
+            return None
+        return {"max_parallel_clients": self.max_parallel_clients, "group_size": int(size)}
+
+    def _load_client_groups_state(self, saved: dict[str, Any] | None) -> None:
+        """A resumed run trains in the groups the interrupted one had reached (the group seeds the dropout masks of
+        its clients, so the resumed run equals the uninterrupted one), unless ``max_parallel_clients`` was changed
+        since: then the new setting applies."""
+        run = getattr(self._executor, "run", None)
+        if run is None or not saved or saved.get("max_parallel_clients") != self.max_parallel_clients:
+            return
+        size = saved.get("group_size")
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            run.group_size = size
 
 
 for _name in _FORWARDED_HOOKS:

@@ -200,3 +200,64 @@ def test_example_config_trains_in_groups_through_the_cli(tmp_path, monkeypatch):
     )
     assert cli.model.max_parallel_clients == 5
     assert sizes == [5] * 8  # 2 rounds of 20 clients in groups of 5
+
+
+def test_a_resumed_run_keeps_the_halved_group_size(tmp_path):
+    """A dropout model (its masks are seeded per group of clients): the run halves its groups of 6 to 3 in round 0
+    (simulated out of memory) and is checkpointed after round 2; resumed where memory no longer runs out, it trains
+    in the checkpointed groups of 3 and equals the uninterrupted run bit for bit (with the setting changed, the new
+    setting applies)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from conftest import make_trainer
+    from fedlightning.callbacks import FedAvg
+    from fedlightning.checkpoint import AtomicCheckpointIO
+    from fedlightning.models import MLP
+    from test_vectorized import digits
+
+    def setup(max_parallel_clients=None):
+        torch.manual_seed(1)
+        model = MLP(input_dim=64, hidden=[16], num_classes=10, dropout=0.3)
+        loop = FederatedLoop(
+            model,
+            client_optimizer=CLIENT_OPTIMIZERS["sgd"],
+            local_steps=3,
+            clients_per_round=6,
+            seed=3,
+            client_execution="vectorized",
+            max_parallel_clients=max_parallel_clients,
+        )
+        return loop, model
+
+    def weights(model):
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine_calls(mp, oom_above=3)
+        loop, model = setup()
+        make_trainer(4, callbacks=[FedAvg()]).fit(loop, datamodule=digits(float64=False))
+        full = weights(model)
+        loop, model = setup()
+        ck = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        trainer = make_trainer(4, callbacks=[FedAvg(), ck], enable_checkpointing=True, plugins=[AtomicCheckpointIO()])
+        trainer.fit(loop, datamodule=digits(float64=False))
+        assert torch.equal(weights(model), full)
+    path = str(tmp_path / "step=2.ckpt")
+
+    def resume(max_parallel_clients=None):
+        loop, model = setup(max_parallel_clients)
+        sizes_mp = pytest.MonkeyPatch()
+        sizes = engine_calls(sizes_mp)
+        try:
+            trainer = make_trainer(4, callbacks=[FedAvg()], plugins=[AtomicCheckpointIO()])
+            trainer.fit(loop, datamodule=digits(float64=False), ckpt_path=path, weights_only=True)
+        finally:
+            sizes_mp.undo()
+        return weights(model), sizes
+
+    resumed, sizes = resume()
+    assert sizes == [3, 3, 3, 3]
+    assert torch.equal(resumed, full)
+    changed, sizes = resume(max_parallel_clients=2)
+    assert sizes == [2, 2, 2] * 2

@@ -84,16 +84,16 @@ def run_vectorized_round(
     reproduces its own masks on any machine; ``"auto"`` and a halved size depend on the machine's memory (set an int
     where a dropout model must reproduce across machines).
 
-    **Out of memory** (``torch.cuda.OutOfMemoryError``). Vectorised clients hold ``G`` clients' activations and
-    ``[G, D]`` weights and gradients at once. A group that runs out of memory leaves no trace: the engine's buffers
-    are freed, what its call logged or fed to torchmetrics metrics is undone (:func:`_undo_on_failure`), no client
-    state was written (that happens after the call), the random streams were forked, and its clients' optimizers are
-    built again (the loop's ``prepare_client``, ``configure_client_optimizer`` and ``client_objective`` hooks called
-    again for them, as ``"auto"``'s measurement does). The group is halved and retried until it fits, one warning
-    naming the new size, which is kept for the rest of the run (it is not checkpointed: a resumed run starts from the
-    setting again). Only a group of one client that does not fit ends vectorised training: ``"auto"`` trains the
-    round's remaining clients and the rest of the run sequentially (one warning), ``"vectorized"`` raises the error
-    again with the setting named. ``"auto"``'s measurement halves its timed group the same way.
+    **Out of memory** (``torch.cuda.OutOfMemoryError``). Vectorised clients hold ``G`` clients' activations and ``[G,
+    D]`` weights and gradients at once. A group that runs out of memory leaves no trace: the engine's buffers are freed,
+    what its call logged or fed to torchmetrics metrics is undone (:func:`_undo_on_failure`), no client state was
+    written (that happens after the call), the random streams were forked, and its clients' optimizers are built again
+    (the loop's ``prepare_client``, ``configure_client_optimizer`` and ``client_objective`` hooks called again for them,
+    as ``"auto"``'s measurement does). The group is halved and retried until it fits, one warning naming the new size,
+    which is kept for the rest of the run (and checkpointed with the loop: a resumed run trains in the same groups
+    unless ``max_parallel_clients`` was changed). Only a group of one client that does not fit ends vectorised training:
+    ``"auto"`` trains the round's remaining clients and the rest of the run sequentially (one warning), ``"vectorized"``
+    raises the error again with the setting named. ``"auto"``'s measurement halves its timed group the same way.
     """
     mode = run.mode
     if mode == "sequential" or not client_ids or run.fallback:
