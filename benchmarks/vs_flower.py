@@ -82,6 +82,12 @@ def test_accuracy(model, dm) -> float:
 
 # ---------------------------------------------------------------------------------------------- fedlightning
 def run_fedlightning(rounds: int, warmup: int, execution: str) -> dict:
+    return train_fedlightning(rounds, warmup, execution)[0]
+
+
+def train_fedlightning(rounds: int, warmup: int, execution: str, groups: int | None = None):
+    """``(rounds/s, wall seconds and test accuracy as a dict, the trained model)`` of fedlightning on this workload;
+    ``groups``: ``max_parallel_clients`` of a vectorized run."""
     import lightning.pytorch as pl
 
     from fedlightning import FederatedLoop
@@ -104,6 +110,7 @@ def run_fedlightning(rounds: int, warmup: int, execution: str) -> dict:
         clients_per_round=CPR,
         seed=SEED,
         client_execution=execution,
+        max_parallel_clients=groups if execution == "vectorized" else None,
     )
     clock = Clock()
     trainer = pl.Trainer(
@@ -121,7 +128,7 @@ def run_fedlightning(rounds: int, warmup: int, execution: str) -> dict:
     trainer.fit(loop, datamodule=dm)
     wall = time.perf_counter() - t0
     s = clock.stamps
-    return {"rps": (len(s) - warmup) / (s[-1] - s[warmup - 1]), "wall": wall, "acc": test_accuracy(model, dm)}
+    return {"rps": (len(s) - warmup) / (s[-1] - s[warmup - 1]), "wall": wall, "acc": test_accuracy(model, dm)}, model
 
 
 # ---------------------------------------------------------------------------------------------- Flower

@@ -42,7 +42,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vs_flower import CPR, LR, NUM_CLIENTS, SEED, K, init_state, make_dm, make_model, test_accuracy  # noqa: E402
+from vs_flower import (  # noqa: E402
+    CPR,
+    LR,
+    NUM_CLIENTS,
+    SEED,
+    K,
+    init_state,
+    make_dm,
+    make_model,
+    test_accuracy,
+    train_fedlightning,
+)
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -51,55 +62,10 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- fedlightning
 def run_fedlightning(rounds: int, warmup: int, execution: str, groups: int | None) -> dict:
-    import lightning.pytorch as pl
-
-    from fedlightning import FederatedLoop
-    from fedlightning.callbacks import FedAvg
-
-    class Clock(pl.Callback):
-        def __init__(self):
-            self.stamps = []
-
-        def on_train_batch_end(self, *args):
-            self.stamps.append(time.perf_counter())
-
-    model = make_model()
-    model.load_state_dict(init_state())
-    dm = make_dm()
-    loop = FederatedLoop(
-        model,
-        client_optimizer=lambda p: torch.optim.SGD(p, lr=LR),
-        local_steps=K,
-        clients_per_round=CPR,
-        seed=SEED,
-        client_execution=execution,
-        max_parallel_clients=groups if execution == "vectorized" else None,
-    )
-    clock = Clock()
-    trainer = pl.Trainer(
-        max_steps=rounds,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[FedAvg(), clock],
-    )
-    t0 = time.perf_counter()
-    trainer.fit(loop, datamodule=dm)
-    wall = time.perf_counter() - t0
-    s = clock.stamps
-    return {
-        "rps": (len(s) - warmup) / (s[-1] - s[warmup - 1]),
-        "wall": wall,
-        "acc": test_accuracy(model, dm),
-        "weights": flat(model),
-    }
+    result, model = train_fedlightning(rounds, warmup, execution, groups)
+    return {**result, "weights": flat(model)}
 
 
-# ---------------------------------------------------------------------------------------------- pfl
 def run_pfl(rounds: int, warmup: int) -> dict:
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.aggregate.weighting import WeightByDatapoints
