@@ -24,7 +24,6 @@ from torch import Tensor
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import in_range, integer
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
-from fedlightning.callbacks.feddane import client_full_gradient
 from fedlightning.callbacks.proximal import global_anchors
 from fedlightning.optim.mime import MimeLiteSGD, MimeSGD
 from fedlightning.state import RoundPlan, flat_params
@@ -103,9 +102,9 @@ class Mime(ServerStrategy):
       each client by :class:`~fedlightning.optim.MimeSGD` / :class:`~fedlightning.optim.MimeLiteSGD` over the same
       parameters with the frozen state. A user momentum would be a second, unfrozen momentum on top of Mime's.
     * :math:`c` and :math:`\nabla f_i(x)`: the gradient of the client's mean training loss over all its samples
-      (:func:`~fedlightning.callbacks.feddane.client_full_gradient`, chunked by ``gradient_batch_size``, model
-      randomness seeded by ``(seed, "mime-gradient", round, client)``; only the model's loss, no other objective
-      terms), over the round's sampled clients, computed once in ``on_round_start``
+      (``FederatedLoop.client_full_gradients``: client by client, as Mime's clients train sequentially, chunked by
+      ``gradient_batch_size``, model randomness seeded by ``(seed, "mime-gradient", round, client)``; only the model's
+      loss, no other objective terms), over the round's sampled clients, computed once in ``on_round_start``
       (mathematically what each client uploads; a client that fails later still counts in :math:`c`). MimeLite needs
       :math:`c` only for the server's state update. Under DDP each process computes its share and the sum is
       all-reduced (as :class:`~fedlightning.callbacks.FedDANE`).
@@ -184,8 +183,9 @@ class Mime(ServerStrategy):
         ids = list(plan.client_ids)
         weights = {k: (float(dm.client_num_samples(k)) if self.weighting == "samples" else 1.0) for k in ids}
         acc = torch.zeros_like(like, dtype=torch.float64)
-        for k in pl_module.process_share(ids):
-            grad = client_full_gradient(pl_module, k, plan.round, self.gradient_batch_size, tag="mime-gradient")
+        share = pl_module.process_share(ids)
+        grads = pl_module.client_full_gradients(share, plan.round, self.gradient_batch_size, tag="mime-gradient")
+        for k, grad in zip(share, grads):
             acc += weights[k] * grad.double()
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(acc)
