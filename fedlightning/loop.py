@@ -470,13 +470,10 @@ class FederatedLoop(pl.LightningModule):
         return torch.stack([client_full_gradient(self, k, round, batch_size, tag=tag) for k in ids])
 
     def _client_group_limit(self) -> int | None:
-        """The most clients one vectorised computation takes now: the executor's group size in force (measured for
-        ``max_parallel_clients="auto"``, or halved after running out of memory), else the int set, else None."""
+        """The most clients one vectorised computation takes now (the vectorised executor's rule, ``VectorizedRun``);
+        None for all of them."""
         run = getattr(self._executor, "run", None)
-        size = getattr(run, "group_size", None)
-        if size is not None:
-            return int(size)
-        return self.max_parallel_clients if isinstance(self.max_parallel_clients, int) else None
+        return run.group_limit(self.max_parallel_clients) if run is not None else None
 
     def _full_gradient_engine(self) -> VectorizedClientTrainer | None:
         """The vectorised engine :meth:`client_full_gradients` uses: the executor's, or one of its own for the

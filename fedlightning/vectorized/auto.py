@@ -56,6 +56,14 @@ class VectorizedRun:
     group_size: int | None = None
     footprint: float | None = None
 
+    def group_limit(self, max_parallel_clients: int | str | None) -> int | None:
+        """The most clients one vectorised computation takes now: the group size in force (measured for
+        ``max_parallel_clients="auto"``, or halved after running out of memory), else the int set, else None (all of
+        them)."""
+        if self.group_size is not None:
+            return self.group_size
+        return None if max_parallel_clients == "auto" else max_parallel_clients
+
 
 def run_vectorized_round(
     loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor, run: VectorizedRun
@@ -208,10 +216,7 @@ def _wants_auto_size(loop, run: VectorizedRun) -> bool:
 
 def _group_limit(loop, run: VectorizedRun) -> int | None:
     """The most clients one engine call trains now (None: all of them)."""
-    if run.group_size is not None:
-        return run.group_size
-    limit = getattr(loop, "max_parallel_clients", None)
-    return None if limit == "auto" else limit
+    return run.group_limit(getattr(loop, "max_parallel_clients", None))
 
 
 def _probe(loop, run: VectorizedRun, num_clients: int, call: Callable[[], Any]) -> Any:
