@@ -20,7 +20,7 @@ import copy
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -45,6 +45,7 @@ from fedlightning._round import (
 )
 from fedlightning._validation import check_fit_settings, check_learning_rates, integer, one_of, positive
 from fedlightning.callbacks.base import (
+    FEDERATED_HOOKS,
     FederatedCallback,
     RoundStatistics,
     ServerStrategy,
@@ -86,6 +87,13 @@ class _Runtime:
     #: ``(params, optimizer, param-group snapshot, factory)`` of the torch.optim optimizer reset between
     #: sequential clients (:meth:`FederatedLoop._make_client_optimizer`)
     reusable_client_opt: tuple[Any, torch.optim.Optimizer, list[dict[str, Any]], Any] | None = None
+    #: the same for the vectorised clients of a group, one per position in the group (all live during the round)
+    reusable_group_opts: dict[int, tuple[Any, torch.optim.Optimizer, list[dict[str, Any]], Any]] = field(
+        default_factory=dict
+    )
+    #: ``(round, callbacks' ids, hooks)``: the federated hooks some callback of the round defines itself
+    #: (:meth:`FederatedLoop._federated_hook`)
+    hooks_in_use: tuple[int, tuple[int, ...], frozenset[str]] | None = None
     #: ``(round, params, buffers, float-buffer mask)`` of the global model (:meth:`FederatedLoop._round_tensors`)
     round_tensors: tuple[int, list[Tensor], list[Tensor], list[bool]] | None = None
     #: ``(round, lr)``: the first parameter group's learning rate of the last client optimizer built
@@ -578,19 +586,24 @@ class FederatedLoop(pl.LightningModule):
         return client_ids[rank::world] if world > 1 else list(client_ids)
 
     def _make_client_optimizer(
-        self, params, client_id: int, lr_scale: float, reuse: bool = False
+        self, params, client_id: int, lr_scale: float, reuse: bool = False, slot: int | None = None
     ) -> torch.optim.Optimizer:
         """The client optimizer of ``client_id`` for this round: as fresh as a new ``client_optimizer(params)``.
 
-        With ``reuse`` (sequential clients, one at a time on the same working copy), an optimizer of a class from
-        ``torch.optim`` itself is built once and reset for every later client instead (its per-parameter state
-        cleared, its hyper-parameters restored to their values after construction): the same object state as a
-        fresh one, without the ~50 µs construction per client. Other optimizers (``fedlightning.optim``, user
-        classes) are always built by the factory, and so is every optimizer in reference mode.
+        With ``reuse``, an optimizer of a class from ``torch.optim`` itself is built once and reset for every later
+        client instead (its per-parameter state cleared, its hyper-parameters restored to their values after
+        construction): the same object state as a fresh one, without the ~50 µs construction per client. Sequential
+        clients (one at a time on the same working copy, ``slot`` None) share one such optimizer; the vectorised
+        clients of a group, whose optimizers all live during the group's round, have one each, by their position
+        ``slot`` in the group. Other optimizers (``fedlightning.optim``, user classes) are always built by the
+        factory, and so is every optimizer in reference mode.
         """
         factory = self._client_factory()
         reuse = reuse and not reference_mode()
-        cached = self._runtime.reusable_client_opt if reuse else None
+        runtime = self._runtime
+        cached = None
+        if reuse:
+            cached = runtime.reusable_client_opt if slot is None else runtime.reusable_group_opts.get(slot)
         if cached is not None and cached[0] is params and cached[3] is factory:
             opt, defaults = cached[1], cached[2]
             opt.state.clear()
@@ -600,7 +613,10 @@ class FederatedLoop(pl.LightningModule):
             opt = factory(params)
             if reuse and type(opt).__module__.startswith("torch.optim.") and not hasattr(opt, "set_client_state"):
                 defaults = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
-                self._runtime.reusable_client_opt = (params, opt, defaults, factory)
+                if slot is None:
+                    runtime.reusable_client_opt = (params, opt, defaults, factory)
+                else:
+                    runtime.reusable_group_opts[slot] = (params, opt, defaults, factory)
         if lr_scale != 1.0:
             scale_client_step(opt, lr_scale)
         if self.persist_client_state and hasattr(opt, "set_client_state"):
@@ -609,22 +625,45 @@ class FederatedLoop(pl.LightningModule):
                 opt.set_client_state(state)
         return opt
 
-    def prepare_client(self, plan: RoundPlan, client_id: int, params, reuse: bool = False):
+    def _forget_reusable_optimizers(self) -> None:
+        """Build the reusable client optimizers afresh (their snapshots hold a client learning rate that changed)."""
+        self._runtime.reusable_client_opt = None
+        self._runtime.reusable_group_opts.clear()
+
+    def _federated_hook(self, name: str, *args: Any) -> list[Any]:
+        """:func:`~fedlightning.callbacks.base.call_federated_hook` for ``name``, skipped (``[]``) when no callback
+        defines the hook other than as :class:`~fedlightning.callbacks.base.FederatedCallback`'s no-op: a round calls
+        the per-client hooks once per client, and dispatching no-ops (each call profiled, the hook name set on the
+        module) costs tens of µs per client. Which hooks are in use is decided once per round and list of callbacks
+        (a callback's own method, inherited from a class of its own or set on the instance, counts as defined)."""
+        trainer = self.trainer
+        callbacks = trainer.callbacks
+        key = (int(self.global_step), tuple(map(id, callbacks)))
+        cached = self._runtime.hooks_in_use
+        if cached is None or cached[:2] != key:
+            in_use = frozenset(n for n in FEDERATED_HOOKS if any(_defines_hook(cb, n) for cb in callbacks))
+            cached = (*key, in_use)
+            self._runtime.hooks_in_use = cached
+        if name not in cached[2]:
+            return []
+        return call_federated_hook(trainer, self, name, *args)
+
+    def prepare_client(self, plan: RoundPlan, client_id: int, params, reuse: bool = False, slot: int | None = None):
         """``(optimizer, terms)`` of ``client_id`` for ``plan``, as sequential and vectorised training use them: the
-        client optimizer over ``params`` (:meth:`_make_client_optimizer`: scaled, client state set) told the
-        client's epoch length ``b/n_i`` (``set_client_data``: SgdArmijo ``reset="grow"``, smoothed SPS), and the
-        ``client_objective`` terms of the callbacks."""
-        opt = self._make_client_optimizer(params, client_id, plan.client_lr_scale, reuse=reuse)
+        client optimizer over ``params`` (:meth:`_make_client_optimizer`: scaled, client state set; ``reuse`` and
+        ``slot`` as there) told the client's epoch length ``b/n_i`` (``set_client_data``: SgdArmijo
+        ``reset="grow"``, smoothed SPS), and the ``client_objective`` terms of the callbacks."""
+        opt = self._make_client_optimizer(params, client_id, plan.client_lr_scale, reuse=reuse, slot=slot)
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None
         self._runtime.client_lr = (plan.round, float(lr) if isinstance(lr, (int, float, Tensor)) else None)
         if hasattr(opt, "set_client_data"):
             dm = self._datamodule()
             opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
-        for configured in call_federated_hook(self.trainer, self, "configure_client_optimizer", plan, client_id, opt):
+        for configured in self._federated_hook("configure_client_optimizer", plan, client_id, opt):
             if configured is not None:
                 opt = configured
         terms = []
-        for extra in call_federated_hook(self.trainer, self, "client_objective", plan, client_id):
+        for extra in self._federated_hook("client_objective", plan, client_id):
             terms.extend(extra or [])
         return opt, terms
 
@@ -700,7 +739,7 @@ class FederatedLoop(pl.LightningModule):
         >= 1; with per-client counts (``local_epochs``) each of them, and ``plan.local_steps`` their largest (a
         callback that changed ``plan.local_steps`` alone is refused, naming it: the clients' own counts decide)."""
         before = plan.local_steps
-        call_federated_hook(self.trainer, self, "on_round_start", plan)
+        self._federated_hook("on_round_start", plan)
         if plan.client_steps is not None and plan.local_steps != before:
             owners = ", ".join(
                 type(cb).__name__
@@ -754,7 +793,7 @@ class FederatedLoop(pl.LightningModule):
             update = tally.raised(cid, outcome) if isinstance(outcome, Exception) else outcome
             if update is None:
                 break  # the policy stops the run; every process reaches the reduction first
-            call_federated_hook(self.trainer, self, "on_client_end", plan, update)
+            self._federated_hook("on_client_end", plan, update)
             if not tally.admit(plan, update):
                 break
         return tally
@@ -806,7 +845,7 @@ class FederatedLoop(pl.LightningModule):
         round's metrics; the client copy's ``on_train_epoch_end``; the metrics logged; the client schedulers of the
         module's ``configure_optimizers()`` stepped once."""
         trainer = self.trainer
-        call_federated_hook(trainer, self, "on_round_end", result)
+        self._federated_hook("on_round_end", result)
         worker = self._worker_trainer()
         router = worker.router
         if router.metrics:
@@ -820,7 +859,7 @@ class FederatedLoop(pl.LightningModule):
         if mo is not None and mo.schedulers:  # only built when client_optimizer is None
             metrics = {**trainer.callback_metrics, **result.metrics}
             if mo.step_schedulers(result.plan.round, metrics):
-                self._runtime.reusable_client_opt = None  # its snapshot holds the previous round's lr
+                self._forget_reusable_optimizers()  # their snapshots hold the previous round's lr
 
     # ================================================================== evaluation on the global model
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):
@@ -886,7 +925,7 @@ class FederatedLoop(pl.LightningModule):
             mo = self._runtime.module_optimizer
             if mo is not None:
                 mo.load_state_dict(saved)
-                self._runtime.reusable_client_opt = None
+                self._forget_reusable_optimizers()
             else:  # restored before setup resolved it (e.g. validate/test): applied when it is built
                 self._runtime.pending_module_optimizer_state = saved
         self._load_client_groups_state(fed.get("client_groups"))
@@ -910,6 +949,14 @@ class FederatedLoop(pl.LightningModule):
         size = saved.get("group_size")
         if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
             run.group_size = size
+
+
+def _defines_hook(callback: Any, name: str) -> bool:
+    """Whether ``callback`` has a federated hook ``name`` other than :class:`FederatedCallback`'s no-op."""
+    method = getattr(callback, name, None)
+    if not callable(method):
+        return False
+    return getattr(method, "__func__", method) is not getattr(FederatedCallback, name)
 
 
 for _name in _FORWARDED_HOOKS:

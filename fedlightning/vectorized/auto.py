@@ -672,7 +672,8 @@ def _run(
     worker = loop.client_worker
     engine = _engine(loop, run)
     client_ids = [int(c) for c in client_ids]
-    prepared = [loop.prepare_client(plan, cid, worker.params) for cid in client_ids]
+    # torch.optim optimizers are reset and reused across rounds, one per position in the group (``prepare_client``)
+    prepared = [loop.prepare_client(plan, cid, worker.params, reuse=True, slot=c) for c, cid in enumerate(client_ids)]
     optimizers = [opt for opt, _ in prepared]
     gbuffers = list(loop.model.buffers())
     # a throw-away round logs and replays the metric calls as a real round does (their time counts), then undoes them;
