@@ -58,9 +58,9 @@ def main():
         trials = (record.forwards - before - alive.long()).tolist()  # forwards beyond the gradient evaluation
         entry["trials"], entry["longest"] = sum(trials), max(trials)
 
-    def counted_trial(self, points, clients=None):
+    def counted_trial(self, points, clients=None, line=None):
         start = vs._clock()
-        out = trial(self, points, clients)
+        out = trial(self, points, clients, line)
         seconds = vs._clock() - start
         calls.append((points.shape[0], seconds))
         entry = steps[-1]

@@ -80,14 +80,14 @@ def main():
     ev.engine = engine
     widths = [3] * C
     pair_client = torch.repeat_interleave(torch.arange(C), torch.tensor(widths))
-    eta = torch.rand(len(pair_client), dtype=torch.float64)
+    neg = -torch.rand(len(pair_client), dtype=torch.float64).float()
     for dim in (D, 100_000):
         W, g = torch.randn(C, dim), torch.randn(C, dim)
         rows.append(
             (
                 f"Armijo trial points, D = {dim:,}",
-                lambda W=W, g=g: _BatchedArmijo._points(ev, W, g, pair_client, eta),
-                lambda W=W, g=g: _BatchedArmijo._points(ev, W, g, pair_client, eta, widths),
+                lambda W=W, g=g: _BatchedArmijo._points(ev, W, g, pair_client, neg),
+                lambda W=W, g=g: _BatchedArmijo._points(ev, W, g, pair_client, neg, widths),
             )
         )
 

@@ -80,10 +80,10 @@ def run_counting(monkeypatch):
         steps.append([])
         return local_step(self, *args, **kwargs)
 
-    def counting_trial(self, points, clients=None):
+    def counting_trial(self, points, clients=None, line=None):
         rows = list(range(points.shape[0])) if clients is None else clients.tolist()
         steps[-1].append(rows)
-        return trial(self, points, clients)
+        return trial(self, points, clients, line)
 
     monkeypatch.setattr(_BatchedArmijo, "step", counting_step)
     monkeypatch.setattr(step_module._StepEvaluator, "trial", counting_trial)

@@ -463,9 +463,9 @@ def test_armijo_trial_calls_are_split_under_the_memory_cap(monkeypatch):
     rows = []
     trial = _StepEvaluator.trial
 
-    def spy(self, points, clients=None):
+    def spy(self, points, clients=None, line=None):
         rows.append(points.shape[0])
-        return trial(self, points, clients)
+        return trial(self, points, clients, line)
 
     monkeypatch.setattr(_StepEvaluator, "trial", spy)
     uncapped = fit(BNNet("mlp"), OPTIMIZERS["armijo"], "vectorized")

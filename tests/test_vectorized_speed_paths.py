@@ -218,8 +218,9 @@ def test_trial_points_per_client_blocks_equal_the_gathered_points():
     widths = [3, 0, 1, 4, 2]
     pair_client = torch.repeat_interleave(torch.arange(C), torch.tensor(widths))
     eta = torch.rand(len(pair_client), dtype=torch.float64) * 4
-    blocks = _BatchedArmijo._points(ev, W, g, pair_client, eta, widths).clone()
-    gathered = _BatchedArmijo._points(ev, W, g, pair_client, eta).clone()
+    neg = (-eta).float()
+    blocks = _BatchedArmijo._points(ev, W, g, pair_client, neg, widths).clone()
+    gathered = _BatchedArmijo._points(ev, W, g, pair_client, neg).clone()
     reference = torch.addcmul(W[pair_client], g[pair_client], (-eta).float().unsqueeze(1))
     assert torch.equal(blocks, gathered) and torch.equal(blocks, reference)
 
@@ -291,6 +292,10 @@ def _linear_cases():
         ("shared input", r(7, 5), W, b, (None, 0, 0)),
         ("shared bias", r(4, 7, 5), W, r(6), (0, 0, None)),
         ("batch dimension not in front", r(7, 4, 5), r(6, 4, 5), r(6, 4), (1, 1, 1)),
+        # fewer than 16 outputs and at least 16 rows per client: the transposed product
+        ("narrow output, transposed", r(4, 20, 5), W, b, (0, 0, 0)),
+        ("narrow output, transposed, no bias, 3-d input", r(4, 2, 9, 5), W, None, (0, 0, None)),
+        ("16 outputs, plain product", r(4, 20, 5), r(4, 16, 5), r(4, 16), (0, 0, 0)),
     ]
 
 

@@ -426,8 +426,9 @@ class _BatchedArmijo(BatchedRule):
         C, D = W.shape
         limit = max(C, TRIAL_POINT_BYTES // max(D * W.element_size(), 1))
         total = len(pair_client)
+        neg = (-eta).to(W.dtype)
         if total <= limit:
-            return ev.trial(self._points(ev, W, g, pair_client, eta, widths), pair_client)
+            return ev.trial(self._points(ev, W, g, pair_client, neg, widths), pair_client, line=(W, g, neg))
         owners = [c for c, w in enumerate(widths) for _ in range(w)]  # pairs are sorted by client
         out = []
         for start in range(0, total, limit):
@@ -435,15 +436,16 @@ class _BatchedArmijo(BatchedRule):
             part = [0] * len(widths)
             for c in owners[start:end]:
                 part[c] += 1
-            clients = pair_client[start:end]
-            out.append(ev.trial(self._points(ev, W, g, clients, eta[start:end], part), clients))
+            clients, part_neg = pair_client[start:end], neg[start:end]
+            out.append(ev.trial(self._points(ev, W, g, clients, part_neg, part), clients, line=(W, g, part_neg)))
         return torch.cat(out)
 
     @staticmethod
     def _points(
-        ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor, widths: list[int] | None = None
+        ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, neg: Tensor, widths: list[int] | None = None
     ) -> Tensor:
-        """Trial points ``w_c − η g_c`` of the (client, grid point) pairs, written into the engine's scratch
+        """Trial points ``w_c − η g_c`` of the (client, grid point) pairs (``neg``: ``−η`` per pair, ``W``'s dtype),
+        written into the engine's scratch
         buffers (same rounding as ``torch.addcmul``, hence as SgdArmijo's ``_foreach_add_(alpha=-η)``).
 
         On CPU, with ``widths`` (pairs per client, ``pair_client`` sorted by client), each client's block of pairs is
@@ -452,7 +454,7 @@ class _BatchedArmijo(BatchedRule):
         of one kernel call per client: faster for large ``D``, slower for the smallest models (docs/benchmarks.md
         §3). On accelerators three large kernels beat one small kernel per client."""
         shape = (len(pair_client), W.shape[1])
-        neg = (-eta).to(W.dtype).unsqueeze(1)
+        neg = neg.unsqueeze(1)
         if widths is not None and W.device.type == "cpu":
             points = ev.engine.scratch("points", shape, W.dtype, W.device)
             start = 0
@@ -475,8 +477,9 @@ class _BatchedArmijo(BatchedRule):
             if not bool(searching.any()):  # the one host synchronisation of this trial round
                 break
             eta = eta0 * self.powers[m]
-            points = torch.addcmul(W, g, (-eta).to(W.dtype).unsqueeze(1))
-            ok = searching & self._accepts(ev.trial(points), loss64, grad_sq, eta)
+            neg = (-eta).to(W.dtype)
+            points = torch.addcmul(W, g, neg.unsqueeze(1))
+            ok = searching & self._accepts(ev.trial(points, line=(W, g, neg)), loss64, grad_sq, eta)
             first_m = torch.where(ok, torch.full_like(first_m, m), first_m)
             trials += searching.long()
             searching = searching & ~ok

@@ -4,6 +4,7 @@ trial losses, and the values the model logged, handed to the loop's log router o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -12,7 +13,8 @@ from torch import Tensor
 
 from .call import _ClientTerms, _Effects, _ModelCall
 from .layout import _Layout, _WeightsLayout
-from .torch_internals import _rng_state, _set_rng_state
+from .torch_internals import _rng_state, _set_rng_state, tree_flatten
+from .trials import _LineTrials
 
 __all__ = ["_StepEvaluator", "_feed_router"]
 
@@ -73,6 +75,8 @@ class _StepEvaluator:
         self.trials = 0
         self.learn_layout = False  # set by the engine's layout probe
         self.track_alive = True  # False: every client trains every step (logged values need no mask)
+        self.line_trials: _LineTrials | None = None  # the step's trial rows on lines (trial(line=...))
+        self._arange: Tensor | None = None
 
     def gradient(self, W: Tensor, alive: Tensor, flat: bool = True) -> tuple[Tensor, Any]:
         """Losses ``[C]`` and gradients at ``W``: one ``[C, D]`` tensor (``flat``), or the list of per-parameter
@@ -147,9 +151,16 @@ class _StepEvaluator:
         """The model has no random layers (dropout)."""
         return self.engine.deterministic
 
-    def trial(self, points: Tensor, clients: Tensor | None = None) -> Tensor:
+    def trial(
+        self, points: Tensor, clients: Tensor | None = None, line: tuple[Tensor, Tensor, Tensor] | None = None
+    ) -> Tensor:
         """Losses at ``points`` ([P, D]) of the clients ``clients`` ([P] indices, repeats allowed), or of every
-        client in order (``clients=None``, ``P = C``)."""
+        client in order (``clients=None``, ``P = C``).
+
+        ``line``: ``(W, g, neg_eta)`` when every point is ``W[c] + neg_eta[p] · g[c]`` for its client ``c``
+        (``W``, ``g`` ``[C, D]`` fixed for the step, ``neg_eta`` ``[P]`` in ``points``' dtype); linear layers that
+        read the batch then compute their trial rows from two products per client and step
+        (:class:`~fedlightning.vectorized.trials._LineTrials`)."""
         if self.rng_before is None:
             raise RuntimeError("trial() needs a gradient() evaluation made with trials=True first")
         if self.trials == 0:
@@ -164,9 +175,18 @@ class _StepEvaluator:
                 batch, mask, counts = layout.rows(clients, engine.scratch)
                 terms = self.terms
             views = engine.weights.views(points)
-            values, _ = engine.call.row_values(
-                views, batch, mask, self.step, clients=clients, min_count=layout.min_size
-            )
+            rows = contextlib.nullcontext()
+            if line is not None:
+                rows = self._line_trials(line).rows(
+                    views,
+                    tree_flatten(batch)[0],
+                    self._all_clients(points) if clients is None else clients,
+                    line[2],
+                )
+            with rows:
+                values, _ = engine.call.row_values(
+                    views, batch, mask, self.step, clients=clients, min_count=layout.min_size
+                )
             if counts is None:
                 losses = values
             else:
@@ -174,6 +194,19 @@ class _StepEvaluator:
             if terms is not None:
                 losses = losses + terms.values(points, views, clients)
         return losses
+
+    def _line_trials(self, line: tuple[Tensor, Tensor, Tensor]) -> _LineTrials:
+        """The step's :class:`_LineTrials` (one per step: ``W`` and ``g`` do not change during its search)."""
+        if self.line_trials is None:
+            W, g, _ = line
+            weights = self.engine.weights
+            self.line_trials = _LineTrials(weights.views(W), weights.views(g), self.layout.leaves)
+        return self.line_trials
+
+    def _all_clients(self, points: Tensor) -> Tensor:
+        if self._arange is None:
+            self._arange = torch.arange(points.shape[0], device=points.device)
+        return self._arange
 
     def finish(self) -> None:
         if self.rng_after is not None:

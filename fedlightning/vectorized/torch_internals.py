@@ -4,7 +4,8 @@ r"""Every use of torch internals by the vectorised engine, each next to its publ
   ``torch.func.vmap``); :func:`_is_batched` (fallback: every value counts as batched); :func:`_physical`, the tensor
   under a batched one (fallback: unknown, and its callers take their general path).
 * :func:`_batched_linear` / :func:`_linear_forward`: a linear layer with the clients' weights as one ``baddbmm`` on
-  the tensors under vmap's batch dimension (fallback: vmap's own rule for ``F.linear``).
+  the tensors under vmap's batch dimension (fallback: vmap's own rule for ``F.linear``); :func:`_offer_linear_rows`
+  lets the engine compute such a layer's rows another way first (a line search's trial rows).
 * :func:`_batched_nll`: cross-entropy / NLL per sample for class targets as ``log_softmax`` + ``nll_loss`` on the
   tensors under vmap's batch dimension (fallback: the interception's vmapped formula).
 * :func:`_rnn_forward`: ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` in plain tensor ops, put
@@ -58,6 +59,7 @@ __all__ = [
     "_foreach_add_",
     "_is_batched",
     "_linear_forward",
+    "_offer_linear_rows",
     "_parameter_slots",
     "_physical",
     "_plain_linears",
@@ -191,7 +193,13 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
     autograd nodes backward; here it is one ``baddbmm`` and three views. The values are those of the rule (a
     batched matrix product plus the bias, the same products; ``tests/test_vectorized_speed_paths.py`` compares
     values and gradients); the digits MLPs' vectorized rounds take 3–5 % less time with it
-    (``benchmarks/engine_ab.py``, docs/benchmarks.md §3)."""
+    (``benchmarks/engine_ab.py``, docs/benchmarks.md §3).
+
+    Decision (ours, measured): on a CPU, a layer with fewer than 16 outputs (a classifier head: 2, 4, 10 classes)
+    and at least 16 input rows per client is computed transposed, ``y^T = b + W x^T``, and handed on as a transposed
+    view. The batched product with a narrow last dimension takes a slow kernel path: 1.5–4.5× the time of the
+    transposed product for 2 to 12 outputs, about equal at 16 and above (``benchmarks/engine_paths.py``, "narrow
+    linear layers"). Each output is the same dot product; its summation order in the kernel may differ (rounding)."""
     level = _current_level(input, weight)
     if level is None:
         return None
@@ -207,15 +215,47 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
     C = W.shape[0]
     if x.numel() == 0:
         return None
-    x2 = x.reshape(C, -1, x.shape[-1])
-    if bias is None:
-        y = torch.bmm(x2, W.transpose(1, 2))
-    else:
+    b = None
+    if bias is not None:
         b = _rows_of(bias, level, C) if isinstance(bias, Tensor) else None
         if b is None or b.dim() != 2 or b.dtype != dtype:
             return None
-        y = torch.baddbmm(b.unsqueeze(1), x2, W.transpose(1, 2))
-    return _add_batch_dim(y.reshape(*x.shape[:-1], y.shape[-1]), 0, level)
+    if _rows_linear is not None:
+        y = _rows_linear(x, W, b)
+        if y is not None:
+            return _add_batch_dim(y, 0, level)
+    x2 = x.reshape(C, -1, x.shape[-1])
+    out = W.shape[1]
+    if out < _NARROW_OUT and x2.shape[1] >= _NARROW_OUT and W.device.type == "cpu":  # y^T = W x^T, see the docstring
+        yt = torch.bmm(W, x2.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(2), W, x2.transpose(1, 2))
+        y = yt.transpose(1, 2)
+    else:
+        y = torch.bmm(x2, W.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), x2, W.transpose(1, 2))
+    return _add_batch_dim(y.reshape(*x.shape[:-1], out), 0, level)
+
+
+#: Output widths below this are computed transposed on CPU (:func:`_batched_linear`).
+_NARROW_OUT = 16
+
+
+#: Set by :func:`_offer_linear_rows` (None: not offered): a callable that :func:`_batched_linear` offers the plain
+#: tensors of every batched linear layer first, see there.
+_rows_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor | None] | None = None
+
+
+@contextmanager
+def _offer_linear_rows(fn: Callable[[Tensor, Tensor, Tensor | None], Tensor | None]):
+    """While active, :func:`_batched_linear` first calls ``fn(x, W, b)`` with a batched linear layer's plain tensors,
+    rows in front (``x`` ``[R, ..., in]``, ``W`` ``[R, out, in]``, ``b`` ``[R, out]`` or None); a tensor ``fn``
+    returns (``[R, ..., out]``) is the layer's output, None leaves the layer to the batched product. The engine's
+    line search uses it to compute trial rows whose weights are known to lie on a line
+    (:class:`~fedlightning.vectorized.trials._LineTrials`)."""
+    global _rows_linear
+    previous, _rows_linear = _rows_linear, fn
+    try:
+        yield
+    finally:
+        _rows_linear = previous
 
 
 def _batched_nll(input: Tensor, target: Tensor, log_softmax: bool) -> Tensor | None:

@@ -1,0 +1,112 @@
+"""A line search's trial rows through linear layers that read the batch (``vectorized/trials.py``).
+
+The batched Armijo search hands ``_StepEvaluator.trial`` the line its points lie on; a linear layer whose input is
+the batch (or a view of it) then computes its trial rows as ``A_c − η B_c`` from two products per client and step.
+Checked in float64 against the same trial call without the line (every layer through its batched product), call by
+call, and the whole run against sequential training, for models where it applies (a flatten in front), where it must
+not (a transformed input, a layer applied twice: only its first use reads the batch) and where something else reads
+the same weights (a penalty in ``training_step``: the points are still there for it).
+"""
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fedlightning.vectorized.step as step_module
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FedAvg
+from fedlightning.datamodules import ArrayDataset, FederatedDataModule
+from fedlightning.optim import SgdArmijo
+
+SIZES = [9, 14, 6, 11]  # unequal client sizes, batch 5: padded steps
+
+
+class Clients(FederatedDataModule):
+    """Four clients of 8×8 float64 inputs with 3 classes (a natural split by SIZES)."""
+
+    def __init__(self):
+        super().__init__(num_clients=len(SIZES), batch_size=5)
+
+    def load(self):
+        g = torch.Generator().manual_seed(0)
+        n = sum(SIZES)
+        x = torch.randn(n, 8, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (n,), generator=g)
+        data = ArrayDataset(x, y)
+        return data, data, np.repeat(np.arange(len(SIZES)), SIZES)
+
+
+class Net(pl.LightningModule):
+    """Flatten, Linear(64, 12), ReLU, Linear(12, 3) in float64; ``variant`` changes what reads the batch or the
+    first layer's weights."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        torch.manual_seed(1)
+        self.variant = variant
+        self.first = nn.Linear(64, 12 if variant != "tied" else 64)
+        self.twice = nn.Linear(64, 64) if variant == "tied" else None
+        self.head = nn.Linear(12 if variant != "tied" else 64, 3)
+        self.double()
+
+    def forward(self, x):
+        h = x.flatten(1)  # a view of the batch
+        if self.variant == "scaled":
+            h = h * 0.5  # a new tensor: the first layer no longer reads the batch
+        h = F.relu(self.first(h))
+        if self.variant == "tied":
+            h = F.relu(self.first(h))  # the same layer on an input that is not the batch
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        if self.variant == "penalty":  # reads the first layer's weights outside the layer
+            loss = loss + 0.05 * (self.first.weight**2).sum()
+        return loss
+
+
+def fit(variant: str, mode: str, spy=None, monkeypatch=None):
+    if spy is not None:
+        monkeypatch.setattr(step_module._StepEvaluator, "trial", spy)
+    model = Net(variant)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7, c=0.3, max_backtracks=12),
+        local_steps=3,
+        clients_per_round=len(SIZES),
+        seed=0,
+        client_execution=mode,
+    )
+    make_trainer(2, callbacks=[FedAvg()]).fit(loop, datamodule=Clients())
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize(
+    "variant, served",
+    [("plain", True), ("penalty", True), ("scaled", False), ("tied", True)],
+)
+def test_trial_rows_on_lines_equal_the_batched_products(variant, served, monkeypatch):
+    trial = step_module._StepEvaluator.trial
+    seen = {"calls": 0, "served": 0}
+
+    def spy(self, points, clients=None, line=None):
+        assert line is not None  # the batched Armijo search always hands the line
+        expected = trial(self, points, clients)  # every layer through its products
+        before = self.line_trials.served if self.line_trials is not None else 0
+        got = trial(self, points, clients, line)
+        seen["calls"] += 1
+        seen["served"] += self.line_trials.served - before
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        return got
+
+    vectorized = fit(variant, "vectorized", spy, monkeypatch)
+    assert seen["calls"] > 0
+    # one served layer call per trial call where the first layer reads the batch ("tied": its first use only)
+    assert seen["served"] == (seen["calls"] if served else 0)
+    monkeypatch.undo()
+    torch.testing.assert_close(vectorized, fit(variant, "sequential"), rtol=0, atol=1e-10)
