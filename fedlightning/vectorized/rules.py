@@ -25,6 +25,7 @@ from fedlightning.optim import SPS, DecSPS, SgdArmijo, rules
 
 from .support import VectorizationUnsupportedError
 from .torch_internals import _foreach_add_
+from .trials import _TrialLine
 
 if TYPE_CHECKING:
     from .step import _StepEvaluator
@@ -428,7 +429,8 @@ class _BatchedArmijo(BatchedRule):
         total = len(pair_client)
         neg = (-eta).to(W.dtype)
         if total <= limit:
-            return ev.trial(self._points(ev, W, g, pair_client, neg, widths), pair_client, line=(W, g, neg))
+            line = _TrialLine(W, g, neg, widths)
+            return ev.trial(self._points(ev, W, g, pair_client, neg, widths), pair_client, line=line)
         owners = [c for c, w in enumerate(widths) for _ in range(w)]  # pairs are sorted by client
         out = []
         for start in range(0, total, limit):
@@ -437,7 +439,8 @@ class _BatchedArmijo(BatchedRule):
             for c in owners[start:end]:
                 part[c] += 1
             clients, part_neg = pair_client[start:end], neg[start:end]
-            out.append(ev.trial(self._points(ev, W, g, clients, part_neg, part), clients, line=(W, g, part_neg)))
+            line = _TrialLine(W, g, part_neg, part)
+            out.append(ev.trial(self._points(ev, W, g, clients, part_neg, part), clients, line=line))
         return torch.cat(out)
 
     @staticmethod
@@ -479,7 +482,8 @@ class _BatchedArmijo(BatchedRule):
             eta = eta0 * self.powers[m]
             neg = (-eta).to(W.dtype)
             points = torch.addcmul(W, g, neg.unsqueeze(1))
-            ok = searching & self._accepts(ev.trial(points, line=(W, g, neg)), loss64, grad_sq, eta)
+            line = _TrialLine(W, g, neg, [1] * C)
+            ok = searching & self._accepts(ev.trial(points, line=line), loss64, grad_sq, eta)
             first_m = torch.where(ok, torch.full_like(first_m, m), first_m)
             trials += searching.long()
             searching = searching & ~ok

@@ -14,7 +14,7 @@ from torch import Tensor
 from .call import _ClientTerms, _Effects, _ModelCall
 from .layout import _Layout, _WeightsLayout
 from .torch_internals import _rng_state, _set_rng_state, tree_flatten
-from .trials import _LineTrials
+from .trials import _LineTrials, _TrialLine
 
 __all__ = ["_StepEvaluator", "_feed_router"]
 
@@ -151,16 +151,13 @@ class _StepEvaluator:
         """The model has no random layers (dropout)."""
         return self.engine.deterministic
 
-    def trial(
-        self, points: Tensor, clients: Tensor | None = None, line: tuple[Tensor, Tensor, Tensor] | None = None
-    ) -> Tensor:
-        """Losses at ``points`` ([P, D]) of the clients ``clients`` ([P] indices, repeats allowed), or of every
-        client in order (``clients=None``, ``P = C``).
+    def trial(self, points: Tensor, clients: Tensor | None = None, line: _TrialLine | None = None) -> Tensor:
+        """Losses at ``points`` ([P, D]) of the clients ``clients`` ([P] indices sorted by client, repeats
+        allowed), or of every client in order (``clients=None``, ``P = C``).
 
-        ``line``: ``(W, g, neg_eta)`` when every point is ``W[c] + neg_eta[p] · g[c]`` for its client ``c``
-        (``W``, ``g`` ``[C, D]`` fixed for the step, ``neg_eta`` ``[P]`` in ``points``' dtype); linear layers that
-        read the batch then compute their trial rows from two products per client and step
-        (:class:`~fedlightning.vectorized.trials._LineTrials`)."""
+        ``line``: given when every point lies on its client's line ``W[c] + neg_eta[p] · g[c]`` (``W`` and ``g``
+        fixed for the step); linear layers that read the batch then compute their trial rows from two products per
+        client and step (:class:`~fedlightning.vectorized.trials._LineTrials`)."""
         if self.rng_before is None:
             raise RuntimeError("trial() needs a gradient() evaluation made with trials=True first")
         if self.trials == 0:
@@ -181,7 +178,7 @@ class _StepEvaluator:
                     views,
                     tree_flatten(batch)[0],
                     self._all_clients(points) if clients is None else clients,
-                    line[2],
+                    line,
                 )
             with rows:
                 values, _ = engine.call.row_values(
@@ -195,12 +192,13 @@ class _StepEvaluator:
                 losses = losses + terms.values(points, views, clients)
         return losses
 
-    def _line_trials(self, line: tuple[Tensor, Tensor, Tensor]) -> _LineTrials:
+    def _line_trials(self, line: _TrialLine) -> _LineTrials:
         """The step's :class:`_LineTrials` (one per step: ``W`` and ``g`` do not change during its search)."""
         if self.line_trials is None:
-            W, g, _ = line
             weights = self.engine.weights
-            self.line_trials = _LineTrials(weights.views(W), weights.views(g), self.layout.leaves)
+            self.line_trials = _LineTrials(
+                weights.views(line.W), weights.views(line.g), self.layout.leaves, self.engine.scratch
+            )
         return self.line_trials
 
     def _all_clients(self, points: Tensor) -> Tensor:

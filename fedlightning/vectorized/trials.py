@@ -29,14 +29,24 @@ the model transforms first (``x / 255``, a dropout on the input) is not a view, 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .torch_internals import _offer_linear_rows
 
-__all__ = ["_LineTrials"]
+__all__ = ["_LineTrials", "_TrialLine"]
+
+
+class _TrialLine(NamedTuple):
+    """Where a trial call's points lie: point ``p`` is ``W[c] + neg_eta[p] · g[c]`` for its client ``c``."""
+
+    W: Tensor  # [C, D], the clients' weights (fixed during the step's search)
+    g: Tensor  # [C, D], their gradients
+    neg_eta: Tensor  # [P], minus the step sizes, in W's dtype
+    widths: list[int]  # pairs per client (the pairs sorted by client)
 
 
 def _key(t: Tensor) -> tuple:
@@ -48,22 +58,29 @@ class _LineTrials:
     ``[C, *shape]`` views of the clients' weights and gradients, ``client_leaves`` the step's batch leaves
     ``[C, n, ...]``. :meth:`rows` wraps one trial call."""
 
-    def __init__(self, W_views: Sequence[Tensor], g_views: Sequence[Tensor], client_leaves: Sequence[Tensor]):
+    def __init__(
+        self,
+        W_views: Sequence[Tensor],
+        g_views: Sequence[Tensor],
+        client_leaves: Sequence[Tensor],
+        scratch: Callable[..., Tensor],
+    ):
         self.W_views, self.g_views = list(W_views), list(g_views)
         self.client_leaves = list(client_leaves)
+        self.scratch = scratch  # the engine's reusable buffers (VectorizedClientTrainer.scratch)
         self._products: dict[tuple, tuple[Tensor, Tensor]] = {}  # (weight, bias, input view) -> (A, B), [C, m, out]
         self._call: tuple | None = None
         self.served = 0  # layer calls computed from A and B (tests and benchmarks read it)
 
     @contextlib.contextmanager
     def rows(
-        self, point_views: Sequence[Tensor], row_leaves: Sequence[Tensor], pair_client: Tensor, neg_eta: Tensor
+        self, point_views: Sequence[Tensor], row_leaves: Sequence[Tensor], pair_client: Tensor, line: _TrialLine
     ) -> Iterator[None]:
         """Within the block, linear layers of the trial call whose rows are ``pair_client`` (``[P]`` client
-        indices) at the points ``point_views`` (per parameter ``[P, *shape]``) with the step sizes ``-neg_eta``
-        (``[P]``, the points' dtype), on the batch leaves ``row_leaves`` (``[P, n, ...]``), take ``A − η B``."""
+        indices, ``line.widths`` per client) at the points ``point_views`` (per parameter ``[P, *shape]``) on the
+        batch leaves ``row_leaves`` (``[P, n, ...]``) take ``A − η B``."""
         params = {_key(v): k for k, v in enumerate(point_views)}
-        self._call = (params, list(row_leaves), pair_client, neg_eta)
+        self._call = (params, list(row_leaves), pair_client, line.neg_eta, line.widths)
         try:
             with _offer_linear_rows(self._linear):
                 yield
@@ -71,7 +88,7 @@ class _LineTrials:
             self._call = None
 
     def _linear(self, x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
-        params, row_leaves, pair_client, neg_eta = self._call
+        params, row_leaves, pair_client, neg_eta, widths = self._call
         k = params.get(_key(W))
         kb = None if b is None else params.get(_key(b))
         if k is None or (b is not None and kb is None) or W.dim() != 3:
@@ -84,7 +101,18 @@ class _LineTrials:
         if products is None:
             products = self._products[key] = self._compute(k, kb, *source)
         A, B = products
-        rows = torch.addcmul(A.index_select(0, pair_client), B.index_select(0, pair_client), neg_eta.view(-1, 1, 1))
+        P = pair_client.shape[0]
+        rows = self.scratch(("line rows", key), (P, *A.shape[1:]), A.dtype, A.device)
+        neg = neg_eta.view(-1, 1, 1)
+        if A.device.type == "cpu":  # one multiply-add per client block: no gathered copies of A and B
+            start = 0
+            for c, w in enumerate(widths):
+                if w:
+                    torch.addcmul(A[c], B[c], neg[start : start + w], out=rows[start : start + w])
+                    start += w
+        else:  # accelerators: three large kernels rather than one small kernel per client
+            torch.index_select(A, 0, pair_client, out=rows)
+            rows.addcmul_(B.index_select(0, pair_client), neg)
         self.served += 1
         return rows.view(*x.shape[:-1], A.shape[-1])
 
