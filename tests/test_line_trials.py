@@ -97,7 +97,9 @@ def test_trial_rows_on_lines_equal_the_batched_products(variant, served, monkeyp
     def spy(self, points, clients=None, line=None):
         assert line is not None  # the batched Armijo search always hands the line
         expected = trial(self, points, clients)  # every layer through its products
-        before = self.line_trials.served if self.line_trials is not None else 0
+        # the gradient evaluation kept the outputs of the layers that read the batch (A), none of the others
+        assert len(self.line_trials._A) == (1 if served else 0)
+        before = self.line_trials.served
         got = trial(self, points, clients, line)
         seen["calls"] += 1
         seen["served"] += self.line_trials.served - before

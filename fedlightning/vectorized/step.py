@@ -91,7 +91,11 @@ class _StepEvaluator:
         norms = engine.call.norms
         if norms:
             norms.singular = None
-        with torch.enable_grad():
+        recording = contextlib.nullcontext()
+        if self.replay:  # a line search follows: keep the outputs of the layers that read the batch (_LineTrials)
+            self.line_trials = _LineTrials(engine.weights.views(W), layout.leaves, engine.scratch)
+            recording = self.line_trials.recording(leaves)
+        with torch.enable_grad(), recording:
             if layout.mask is None:
                 losses, logged = engine.call.row_values(leaves, layout.batch, None, self.step, effects=effects)
                 roots, seeds = [losses], [None]
@@ -193,13 +197,12 @@ class _StepEvaluator:
         return losses
 
     def _line_trials(self, line: _TrialLine) -> _LineTrials:
-        """The step's :class:`_LineTrials` (one per step: ``W`` and ``g`` do not change during its search)."""
-        if self.line_trials is None:
-            weights = self.engine.weights
-            self.line_trials = _LineTrials(
-                weights.views(line.W), weights.views(line.g), self.layout.leaves, self.engine.scratch
-            )
-        return self.line_trials
+        """The step's :class:`_LineTrials`, made by its gradient evaluation at ``line.W`` (``W`` and ``g`` do not
+        change during the step's search)."""
+        trials = self.line_trials
+        if trials.g_views is None:
+            trials.set_gradients(self.engine.weights.views(line.g))
+        return trials
 
     def _all_clients(self, points: Tensor) -> Tensor:
         if self._arange is None:

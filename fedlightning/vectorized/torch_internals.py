@@ -59,6 +59,7 @@ __all__ = [
     "_foreach_add_",
     "_is_batched",
     "_linear_forward",
+    "_linear_rows",
     "_offer_linear_rows",
     "_parameter_slots",
     "_physical",
@@ -220,18 +221,21 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
         b = _rows_of(bias, level, C) if isinstance(bias, Tensor) else None
         if b is None or b.dim() != 2 or b.dtype != dtype:
             return None
-    if _rows_linear is not None:
-        y = _rows_linear(x, W, b)
-        if y is not None:
-            return _add_batch_dim(y, 0, level)
-    x2 = x.reshape(C, -1, x.shape[-1])
+    y = _rows_linear(x, W, b) if _rows_linear is not None else None
+    return _add_batch_dim(_linear_rows(x, W, b) if y is None else y, 0, level)
+
+
+def _linear_rows(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+    """The rows' linear layer on plain tensors, rows in front: ``x`` ``[R, ..., in]``, ``W`` ``[R, out, in]``, ``b``
+    ``[R, out]`` or None; ``[R, ..., out]`` (see :func:`_batched_linear`)."""
+    x2 = x.reshape(W.shape[0], -1, x.shape[-1])
     out = W.shape[1]
     if out < _NARROW_OUT and x2.shape[1] >= _NARROW_OUT and W.device.type == "cpu":  # y^T = W x^T, see the docstring
         yt = torch.bmm(W, x2.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(2), W, x2.transpose(1, 2))
         y = yt.transpose(1, 2)
     else:
         y = torch.bmm(x2, W.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), x2, W.transpose(1, 2))
-    return _add_batch_dim(y.reshape(*x.shape[:-1], out), 0, level)
+    return y.reshape(*x.shape[:-1], out)
 
 
 #: Output widths below this are computed transposed on CPU (:func:`_batched_linear`).

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .torch_internals import _offer_linear_rows
+from .torch_internals import _linear_rows, _offer_linear_rows
 
 __all__ = ["_LineTrials", "_TrialLine"]
 
@@ -54,23 +54,44 @@ def _key(t: Tensor) -> tuple:
 
 
 class _LineTrials:
-    """One local step's trial rows on the lines ``w_c − η g_c``: ``W_views`` / ``g_views`` are the per-parameter
-    ``[C, *shape]`` views of the clients' weights and gradients, ``client_leaves`` the step's batch leaves
-    ``[C, n, ...]``. :meth:`rows` wraps one trial call."""
+    """One local step's trial rows on the lines ``w_c − η g_c``: ``W_views`` are the per-parameter ``[C, *shape]``
+    views of the clients' weights, ``client_leaves`` the step's batch leaves ``[C, n, ...]``, ``scratch`` the
+    engine's reusable buffers (:meth:`~fedlightning.vectorized.engine.VectorizedClientTrainer.scratch`).
 
-    def __init__(
-        self,
-        W_views: Sequence[Tensor],
-        g_views: Sequence[Tensor],
-        client_leaves: Sequence[Tensor],
-        scratch: Callable[..., Tensor],
-    ):
-        self.W_views, self.g_views = list(W_views), list(g_views)
+    :meth:`recording` wraps the step's gradient evaluation: the outputs ``A`` of the layers that read the batch are
+    kept from it (the same computation, so the same values), and only ``B`` is computed for the search;
+    :meth:`rows` wraps one trial call, once :meth:`set_gradients` has given ``g``."""
+
+    def __init__(self, W_views: Sequence[Tensor], client_leaves: Sequence[Tensor], scratch: Callable[..., Tensor]):
+        self.W_views = list(W_views)
+        self.g_views: list[Tensor] | None = None
         self.client_leaves = list(client_leaves)
-        self.scratch = scratch  # the engine's reusable buffers (VectorizedClientTrainer.scratch)
-        self._products: dict[tuple, tuple[Tensor, Tensor]] = {}  # (weight, bias, input view) -> (A, B), [C, m, out]
+        self.scratch = scratch
+        self._A: dict[tuple, Tensor] = {}  # (weight, bias, input view) -> A, [C, m, out]
+        self._B: dict[tuple, Tensor] = {}
         self._call: tuple | None = None
         self.served = 0  # layer calls computed from A and B (tests and benchmarks read it)
+
+    def set_gradients(self, g_views: Sequence[Tensor]) -> None:
+        """The per-parameter ``[C, *shape]`` views of the clients' gradients at ``W``."""
+        self.g_views = list(g_views)
+
+    @contextlib.contextmanager
+    def recording(self, weight_views: Sequence[Tensor]) -> Iterator[None]:
+        """Within the block (the gradient evaluation at the weights ``weight_views``, per parameter ``[C, *shape]``
+        tensors sharing ``W``'s storage), the outputs of linear layers that read the batch are kept as ``A``."""
+        params = {_key(v): k for k, v in enumerate(weight_views)}
+
+        def record(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
+            key = self._layer(params, x, W, b, self.client_leaves)
+            if key is None:
+                return None
+            y = _linear_rows(x, W, b)
+            self._A[key] = y.detach().reshape(W.shape[0], -1, W.shape[1])
+            return y
+
+        with _offer_linear_rows(record):
+            yield
 
     @contextlib.contextmanager
     def rows(
@@ -87,20 +108,22 @@ class _LineTrials:
         finally:
             self._call = None
 
-    def _linear(self, x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
-        params, row_leaves, pair_client, neg_eta, widths = self._call
+    def _layer(self, params: dict, x: Tensor, W: Tensor, b: Tensor | None, row_leaves: Sequence[Tensor]):
+        """``(weight, bias, leaf, offset, shape, strides)``: the layer's parameters (indices of ``params``) and its
+        input as a view into the rows of one of ``row_leaves``; None where the layer does not read the batch."""
         k = params.get(_key(W))
         kb = None if b is None else params.get(_key(b))
         if k is None or (b is not None and kb is None) or W.dim() != 3:
             return None
-        source = self._source(x, row_leaves, pair_client.shape[0])
-        if source is None:
+        source = self._source(x, row_leaves, W.shape[0])
+        return None if source is None else (k, kb, *source)
+
+    def _linear(self, x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
+        params, row_leaves, pair_client, neg_eta, widths = self._call
+        key = self._layer(params, x, W, b, row_leaves)
+        if key is None or self.g_views is None:
             return None
-        key = (k, kb, *source)
-        products = self._products.get(key)
-        if products is None:
-            products = self._products[key] = self._compute(k, kb, *source)
-        A, B = products
+        A, B = self._products(key)
         P = pair_client.shape[0]
         rows = self.scratch(("line rows", key), (P, *A.shape[1:]), A.dtype, A.device)
         neg = neg_eta.view(-1, 1, 1)
@@ -116,14 +139,14 @@ class _LineTrials:
         self.served += 1
         return rows.view(*x.shape[:-1], A.shape[-1])
 
-    def _source(self, x: Tensor, row_leaves: Sequence[Tensor], P: int) -> tuple | None:
-        """``(leaf index, offset, shape, strides)`` of ``x`` ([P, ..., in]) as a view into the rows of one of
+    def _source(self, x: Tensor, row_leaves: Sequence[Tensor], R: int) -> tuple | None:
+        """``(leaf index, offset, shape, strides)`` of ``x`` ([R, ..., in]) as a view into the rows of one of
         ``row_leaves``, the same view of every row; None when it is not one."""
-        if x.dim() < 2 or x.shape[0] != P:
+        if x.dim() < 2 or x.shape[0] != R:
             return None
         for j, leaf in enumerate(row_leaves):
             client = self.client_leaves[j]
-            if leaf.dtype != x.dtype or leaf.dim() < 1 or leaf.shape[0] != P:
+            if leaf.dtype != x.dtype or leaf.dim() < 1 or leaf.shape[0] != R:
                 continue
             if leaf.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
                 continue
@@ -139,14 +162,19 @@ class _LineTrials:
             return j, offset, tuple(x.shape[1:]), tuple(x.stride()[1:])
         return None
 
-    def _compute(self, k: int, kb: int | None, j: int, offset: int, shape: tuple, strides: tuple):
-        """``A = x W^T + b`` and ``B = x G^T + g_b`` of every client, ``[C, m, out]``."""
+    def _products(self, key: tuple) -> tuple[Tensor, Tensor]:
+        """``A = x W^T + b`` (kept from the gradient evaluation, else computed) and ``B = x G^T + g_b`` of every
+        client, ``[C, m, out]``, through the same batched product as the layer itself."""
+        A, B = self._A.get(key), self._B.get(key)
+        if A is not None and B is not None:
+            return A, B
+        k, kb, j, offset, shape, strides = key
         client = self.client_leaves[j]
         C = client.shape[0]
         x = client.as_strided((C, *shape), (client.stride(0), *strides), client.storage_offset() + offset)
-        x = x.reshape(C, -1, shape[-1])
-        W, G = self.W_views[k], self.g_views[k]
-        if kb is None:
-            return torch.bmm(x, W.transpose(1, 2)), torch.bmm(x, G.transpose(1, 2))
-        b, gb = self.W_views[kb].unsqueeze(1), self.g_views[kb].unsqueeze(1)
-        return torch.baddbmm(b, x, W.transpose(1, 2)), torch.baddbmm(gb, x, G.transpose(1, 2))
+        if A is None:
+            b = None if kb is None else self.W_views[kb]
+            A = self._A[key] = _linear_rows(x, self.W_views[k], b).reshape(C, -1, self.W_views[k].shape[1])
+        gb = None if kb is None else self.g_views[kb]
+        B = self._B[key] = _linear_rows(x, self.g_views[k], gb).reshape(C, -1, self.g_views[k].shape[1])
+        return A, B
