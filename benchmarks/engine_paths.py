@@ -13,6 +13,9 @@ Shapes are the digits MLP 64-128-10 of ``vectorized_speedup.py`` (D = 9,610 weig
   blocks trade one kernel call per client for two fewer passes over the points;
 * ``losses._log_softmax_classes``: the intercepted cross-entropy's log-softmax of every client's ``[31, 10]`` logits
   under vmap, forward and backward, vs ``F.log_softmax(logits, 1)``;
+* narrow linear layers: ``_linear_rows`` (the engine's linear layer on the tensors under vmap) against one
+  ``baddbmm``, for 4, 10, 16 and 62 outputs on ``7.5 C`` rows of ``[50, 128]`` (a line search's trial call); below
+  16 outputs it computes the transposed product;
 * no bucketing: one local step (the MLP's vmapped forward and backward with a masked mean loss) of ``--clients``
   clients padded to 33 samples, vs the same clients split into two buckets of half the clients each, padded to 16
   and to 33 (what bucketing by batch size would run instead on the digits workload's sizes).
@@ -36,7 +39,7 @@ from fedlightning.vectorized import VectorizedClientTrainer
 from fedlightning.vectorized.engine import _rows_finite
 from fedlightning.vectorized.losses import _log_softmax_classes
 from fedlightning.vectorized.rules import _BatchedArmijo
-from fedlightning.vectorized.torch_internals import _vmap0
+from fedlightning.vectorized.torch_internals import _linear_rows, _vmap0
 
 
 def best(fn, repeats: int) -> float:
@@ -123,6 +126,20 @@ def main():
 
     one, low, high = padded_step(C, 33), padded_step(C // 2, 16), padded_step(C - C // 2, 33)
     rows.append(("MLP step, 2 buckets vs 1 padded", lambda: (low(), high()), one))
+
+    # narrow linear layers: rows x [R, 50, 128] through [R, out, 128] weights, the plain batched product against
+    # _linear_rows (transposed below 16 outputs); R = 7.5 C, the rows of a line search's trial call
+    R = int(7.5 * C)
+    h = torch.randn(R, 50, 128)
+    for out in (4, 10, 16, 62):
+        Wn, bn = torch.randn(R, out, 128), torch.randn(R, out)
+        rows.append(
+            (
+                f"linear rows, {out} outputs",
+                lambda Wn=Wn, bn=bn: torch.baddbmm(bn.unsqueeze(1), h, Wn.transpose(1, 2)),
+                lambda Wn=Wn, bn=bn: _linear_rows(h, Wn, bn),
+            )
+        )
 
     print(f"C = {C}, D = {D}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     print(f"{'case':<34} {'plain (µs)':>11} {'engine (µs)':>12} {'ratio':>7}")
