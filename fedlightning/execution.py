@@ -3,9 +3,11 @@
 Every executor implements :class:`ClientExecutor`: ``updates(loop, plan, client_ids, global_flat)`` yields
 ``(client_id, outcome)`` for this process's clients in order, ``outcome`` the client's
 :class:`~fedlightning.state.ClientUpdate` or the exception its training raised (the loop's failure policy decides what
-happens to it). The loop stops iterating when the policy stops the run, so a sequential executor trains no further
-client. :class:`SequentialExecutor` trains one client after the other (``loop.train_client``);
-:class:`VectorizedExecutor` trains them in lockstep, in groups of at most ``FederatedLoop(max_parallel_clients=...)``
+happens to it), and ``update_groups`` yields the same pairs as lists, the clients trained together (one for
+sequential training, a group of vectorised clients), which the loop admits into the round together. The loop stops
+iterating when the policy stops the run, so a sequential executor trains no further client.
+:class:`SequentialExecutor` trains one client after the other (``loop.train_client``); :class:`VectorizedExecutor`
+trains them in lockstep, in groups of at most ``FederatedLoop(max_parallel_clients=...)``
 clients (:func:`fedlightning.vectorized.run_vectorized_round`, which for ``"auto"`` decides at the first round, once,
 whether vectorising pays, falls back for good when the model cannot be vectorised, and halves a group that runs out of
 accelerator memory) and hands over to sequential training for a round, or the rest of a round, it declines. Reference
@@ -42,6 +44,10 @@ class ClientExecutor(Protocol):
 
     def updates(self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor) -> Iterator[Outcome]: ...
 
+    def update_groups(
+        self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor
+    ) -> Iterator[list[Outcome]]: ...
+
 
 class SequentialExecutor:
     """One client after the other on the loop's working copy (``loop.train_client``)."""
@@ -57,6 +63,12 @@ class SequentialExecutor:
             except Exception as err:  # noqa: BLE001 - the loop's failure policy decides
                 outcome = err
             yield cid, outcome
+
+    def update_groups(
+        self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor
+    ) -> Iterator[list[Outcome]]:
+        for pair in self.updates(loop, plan, client_ids, global_flat):
+            yield [pair]
 
 
 class VectorizedExecutor:
@@ -90,16 +102,24 @@ class VectorizedExecutor:
         return self.run.engine
 
     def updates(self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor) -> Iterator[Outcome]:
+        for group in self.update_groups(loop, plan, client_ids, global_flat):
+            yield from group
+
+    def update_groups(
+        self, loop, plan: RoundPlan, client_ids: list[int], global_flat: Tensor
+    ) -> Iterator[list[Outcome]]:
         outcomes = None if reference_mode() else run_vectorized_round(loop, plan, client_ids, global_flat, self.run)
         if outcomes is None:
-            yield from self.sequential.updates(loop, plan, client_ids, global_flat)
+            yield from self.sequential.update_groups(loop, plan, client_ids, global_flat)
             return
+        # a vectorised entry without groups (another version's, in benchmarks/engine_ab.py): one client at a time
+        groups = outcomes.groups() if hasattr(outcomes, "groups") else ([outcome] for outcome in outcomes)
         done = 0
-        for outcome in outcomes:
-            yield client_ids[done], outcome
-            done += 1
+        for group in groups:
+            yield list(zip(client_ids[done : done + len(group)], group))
+            done += len(group)
         if done < len(client_ids):  # "auto" fell back in the middle of the round
-            yield from self.sequential.updates(loop, plan, client_ids[done:], global_flat)
+            yield from self.sequential.update_groups(loop, plan, client_ids[done:], global_flat)
 
 
 def make_executor(client_execution: str) -> ClientExecutor:

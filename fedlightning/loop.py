@@ -91,9 +91,9 @@ class _Runtime:
     reusable_group_opts: dict[int, tuple[Any, torch.optim.Optimizer, list[dict[str, Any]], Any]] = field(
         default_factory=dict
     )
-    #: ``(round, callbacks' ids, hooks)``: the federated hooks some callback of the round defines itself
+    #: ``(callbacks' ids, hooks)``: the federated hooks some callback defines itself this round
     #: (:meth:`FederatedLoop._federated_hook`)
-    hooks_in_use: tuple[int, tuple[int, ...], frozenset[str]] | None = None
+    hooks_in_use: tuple[tuple[int, ...], frozenset[str]] | None = None
     #: ``(round, params, buffers, float-buffer mask)`` of the global model (:meth:`FederatedLoop._round_tensors`)
     round_tensors: tuple[int, list[Tensor], list[Tensor], list[bool]] | None = None
     #: ``(round, lr)``: the first parameter group's learning rate of the last client optimizer built
@@ -634,19 +634,22 @@ class FederatedLoop(pl.LightningModule):
         """:func:`~fedlightning.callbacks.base.call_federated_hook` for ``name``, skipped (``[]``) when no callback
         defines the hook other than as :class:`~fedlightning.callbacks.base.FederatedCallback`'s no-op: a round calls
         the per-client hooks once per client, and dispatching no-ops (each call profiled, the hook name set on the
-        module) costs tens of µs per client. Which hooks are in use is decided once per round and list of callbacks
-        (a callback's own method, inherited from a class of its own or set on the instance, counts as defined)."""
-        trainer = self.trainer
-        callbacks = trainer.callbacks
-        key = (int(self.global_step), tuple(map(id, callbacks)))
-        cached = self._runtime.hooks_in_use
-        if cached is None or cached[:2] != key:
-            in_use = frozenset(n for n in FEDERATED_HOOKS if any(_defines_hook(cb, n) for cb in callbacks))
-            cached = (*key, in_use)
-            self._runtime.hooks_in_use = cached
-        if name not in cached[2]:
+        module) costs tens of µs per client. Which hooks are in use is decided once per round (:meth:`_plan_round`
+        forgets it) and list of callbacks (a callback's own method, inherited from a class of its own or set on the
+        instance, counts as defined)."""
+        if not self._federated_hook_users(name):
             return []
-        return call_federated_hook(trainer, self, name, *args)
+        return call_federated_hook(self.trainer, self, name, *args)
+
+    def _federated_hook_users(self, name: str) -> bool:
+        """Whether a callback defines the federated hook ``name`` itself (see :meth:`_federated_hook`)."""
+        callbacks = self.trainer.callbacks
+        key = tuple(map(id, callbacks))
+        cached = self._runtime.hooks_in_use
+        if cached is None or cached[0] != key:
+            cached = (key, frozenset(n for n in FEDERATED_HOOKS if any(_defines_hook(cb, n) for cb in callbacks)))
+            self._runtime.hooks_in_use = cached
+        return name in cached[1]
 
     def prepare_client(self, plan: RoundPlan, client_id: int, params, reuse: bool = False, slot: int | None = None):
         """``(optimizer, terms)`` of ``client_id`` for ``plan``, as sequential and vectorised training use them: the
@@ -779,22 +782,40 @@ class FederatedLoop(pl.LightningModule):
         if not isinstance(plan, RoundPlan) or plan.round != self.global_step:
             # e.g. resumed mid-epoch with a restarted loader: the round is defined by the global step
             plan = self._datamodule().round_plan(self.global_step)
+        self._runtime.hooks_in_use = None  # decided again for this round's callbacks
         self._start_round(plan)
         return plan
 
     def _train_clients(self, plan: RoundPlan) -> RoundTally:
         """This process's share of the round's clients, trained from the global weights (sequentially or
         vectorised), each handed to ``on_client_end`` and then admitted into the round's sums or left out
-        (:class:`~fedlightning._round.RoundTally`); stops early when the failure policy stops the run."""
+        (:class:`~fedlightning._round.RoundTally`); stops early when the failure policy stops the run.
+
+        Without an ``on_client_end`` hook (none of the callbacks defines one) nothing happens to an update between
+        its training and its admission, and the clients trained together (a vectorised group) are admitted together
+        (:meth:`~fedlightning._round.RoundTally.admit_all`: the same checks and sums, in the same order)."""
         global_flat = self._begin_client_training(plan)
         tally = RoundTally(self.strategy, len(plan.client_ids), global_flat.device, self._policy, self.max_update_norm)
         executor = self._executor  # chosen once per run (fedlightning.execution)
-        for cid, outcome in executor.updates(self, plan, self._my_clients(plan.client_ids), global_flat):
-            update = tally.raised(cid, outcome) if isinstance(outcome, Exception) else outcome
-            if update is None:
-                break  # the policy stops the run; every process reaches the reduction first
-            self._federated_hook("on_client_end", plan, update)
-            if not tally.admit(plan, update):
+        hooked = self._federated_hook_users("on_client_end")
+        for group in executor.update_groups(self, plan, self._my_clients(plan.client_ids), global_flat):
+            pending: list[ClientUpdate] = []  # trained, not yet admitted (no on_client_end hook)
+            go_on = True
+            for cid, outcome in group:
+                update = tally.raised(cid, outcome) if isinstance(outcome, Exception) else outcome
+                if update is None:
+                    go_on = False  # the policy stops the run; every process reaches the reduction first
+                    break
+                if not hooked:
+                    pending.append(update)
+                    continue
+                self._federated_hook("on_client_end", plan, update)
+                if not tally.admit(plan, update):
+                    go_on = False
+                    break
+            if pending and not tally.admit_all(plan, pending):  # the clients before a stop are admitted first
+                go_on = False
+            if not go_on:
                 break
         return tally
 

@@ -30,6 +30,7 @@ from .support import VectorizationUnsupportedError
 __all__ = [
     "AUTO_GROUP_MEMORY_FRACTION",
     "AUTO_MARGIN",
+    "RoundOutcomes",
     "VectorizedRun",
     "auto_choice",
     "group_size_for",
@@ -67,7 +68,7 @@ class VectorizedRun:
 
 def run_vectorized_round(
     loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor, run: VectorizedRun
-) -> Iterator[Outcome] | None:
+) -> RoundOutcomes | None:
     """The outcomes of ``client_ids`` for ``plan``, in their order, trained in lockstep group after group (each a
     :class:`ClientUpdate`, or the exception sequential training raises in place of a client's update, for a client
     whose training raised); None means "train them sequentially", and an iterator that ends early means "train the
@@ -117,11 +118,28 @@ def run_vectorized_round(
         except torch.cuda.OutOfMemoryError as err:  # a group of one client, in the measurement
             _fall_back(run, f"vectorized clients ran out of accelerator memory even one at a time: {_first_line(err)}")
             return None
-    return _groups(loop, run, plan, [int(c) for c in client_ids], global_flat)
+    return RoundOutcomes(_groups(loop, run, plan, [int(c) for c in client_ids], global_flat))
+
+
+class RoundOutcomes:
+    """What :func:`run_vectorized_round` returns: iterated, the outcomes of the round's clients one by one;
+    :meth:`groups`, the same outcomes a group (one engine call) at a time, for a caller that handles a group's
+    updates together. Either way a group is trained when the caller asks for its first outcome."""
+
+    def __init__(self, groups: Iterator[list[Outcome]]) -> None:
+        self._groups = groups
+
+    def groups(self) -> Iterator[list[Outcome]]:
+        return self._groups
+
+    def __iter__(self) -> Iterator[Outcome]:
+        for group in self._groups:
+            yield from group
 
 
 def _groups(loop, run: VectorizedRun, plan: RoundPlan, client_ids: list[int], global_flat: Tensor):
-    """The generator behind :func:`run_vectorized_round`: one engine call per group (its docstring has the rules)."""
+    """The generator behind :func:`run_vectorized_round`, one list of outcomes per group (one engine call each; its
+    docstring has the rules)."""
     done, halved_from = 0, None
     while done < len(client_ids):
         rest = client_ids[done:]
@@ -156,7 +174,7 @@ def _groups(loop, run: VectorizedRun, plan: RoundPlan, client_ids: list[int], gl
             _warn_halved(halved_from, run.group_size)
             halved_from = None
         done += len(group)
-        yield from outcomes
+        yield outcomes
 
 
 def _first_line(err: BaseException) -> str:
