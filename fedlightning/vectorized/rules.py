@@ -287,6 +287,10 @@ class _BatchedAdam(BatchedRule):
         record.uniform_evaluations += 1
 
 
+#: Points of a client's second window in the batched Armijo search (:class:`_BatchedArmijo`); later windows double.
+_SECOND_WINDOW = 4
+
+
 class _BatchedArmijo(BatchedRule):
     """:class:`fedlightning.optim.SgdArmijo` for every client at once, with masked backtracking.
 
@@ -300,8 +304,9 @@ class _BatchedArmijo(BatchedRule):
       points would pass :data:`TRIAL_POINT_BYTES`). A client's first window of a step ends at the ``m`` it accepted
       at its previous step of the round (one point at the round's first step); a client whose previous search
       exhausted the grid gets the whole grid at once (such a search mostly fails again: e.g. a client whose float32
-      loss is 0 with a gradient above ``grad_tol``, below which no trial loss can fall); after a window of ``w``
-      points the next has ``w + max(2, ⌊w/2⌋)``. The lengths trade the fixed cost of a batched call against rows
+      loss is 0 with a gradient above ``grad_tol``, below which no trial loss can fall); the window after a client's
+      first has 4 points, every later one twice the one before (most searches that pass their first window accept
+      within 4 more points, a few run 10 to 20 further). The lengths trade the fixed cost of a batched call against rows
       evaluated past the accepted point (docs/benchmarks.md, "Batched line search", has the counts). Those extra
       points are computed but not counted: telemetry counts the search's own evaluations. Every call evaluates at
       least one point of every client still searching, so a step makes no more trial calls (unsplit) than its
@@ -384,6 +389,7 @@ class _BatchedArmijo(BatchedRule):
         todo = searching.tolist()
         first_m, trials, next_m = [grid] * C, [0] * C, [0] * C
         width = list(self.first_window)
+        extended = [False] * C  # the client's first window is behind it
         while True:
             widths = [min(width[c], grid - next_m[c]) if todo[c] else 0 for c in range(C)]
             total = sum(widths)
@@ -414,7 +420,8 @@ class _BatchedArmijo(BatchedRule):
                 if next_m[c] >= grid:  # exhausted: the next search gets the whole grid at once
                     todo[c] = False
                     self.first_window[c] = grid
-                width[c] = w + max(2, w // 2)
+                width[c] = 2 * w if extended[c] else _SECOND_WINDOW
+                extended[c] = True
         as_tensor = dict(dtype=torch.long, device=device)
         return torch.tensor(first_m, **as_tensor), torch.tensor(trials, **as_tensor)
 
