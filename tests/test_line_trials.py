@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fedlightning.vectorized.step as step_module
+import fedlightning.vectorized.trials as trials_module
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg
@@ -87,10 +88,19 @@ def fit(variant: str, mode: str, spy=None, monkeypatch=None):
 
 
 @pytest.mark.parametrize(
-    "variant, served",
-    [("plain", True), ("penalty", True), ("scaled", False), ("tied", True)],
+    "variant, served, blocks",
+    [
+        ("plain", True, True),
+        ("plain", True, False),
+        ("penalty", True, True),
+        ("scaled", False, True),
+        ("tied", True, True),
+    ],
 )
-def test_trial_rows_on_lines_equal_the_batched_products(variant, served, monkeypatch):
+def test_trial_rows_on_lines_equal_the_batched_products(variant, served, blocks, monkeypatch):
+    """``blocks=False``: the rows gathered (the accelerators' path), on this CPU."""
+    if not blocks:
+        monkeypatch.setattr(trials_module, "_BLOCK_DEVICES", ())
     trial = step_module._StepEvaluator.trial
     seen = {"calls": 0, "served": 0}
 

@@ -49,6 +49,10 @@ class _TrialLine(NamedTuple):
     widths: list[int]  # pairs per client (the pairs sorted by client)
 
 
+#: Device types whose trial rows are written one client block at a time (elsewhere: gathered, three kernels).
+_BLOCK_DEVICES = ("cpu",)
+
+
 def _key(t: Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), tuple(t.stride())
 
@@ -127,7 +131,7 @@ class _LineTrials:
         P = pair_client.shape[0]
         rows = self.scratch(("line rows", key), (P, *A.shape[1:]), A.dtype, A.device)
         neg = neg_eta.view(-1, 1, 1)
-        if A.device.type == "cpu":  # one multiply-add per client block: no gathered copies of A and B
+        if A.device.type in _BLOCK_DEVICES:  # one multiply-add per client block: no gathered copies of A and B
             start = 0
             for c, w in enumerate(widths):
                 if w:
