@@ -149,10 +149,10 @@ def accumulate_telemetry(stats: RoundStatistics, u: ClientUpdate, device) -> Non
         stats.maximum("neg_step_size_min", -min(finite), device)
 
 
-#: The most bytes of float64 squares :meth:`RoundTally.admit_all` computes at once (ours: small models' groups are
-#: taken whole, where per-client operations cost more than their arithmetic; a model of over 2M parameters is
-#: admitted client by client, where they do not, and a group adds no ``[C, D]`` temporaries).
-ADMIT_CHUNK_BYTES = 32 << 20
+#: The most bytes of float64 squares :meth:`RoundTally.admit_all` computes at once, the size of its kept buffer
+#: (ours: small models' groups are taken whole, where per-client operations cost more than their arithmetic; a
+#: model of over 500k parameters is admitted client by client, where they do not).
+ADMIT_CHUNK_BYTES = 8 << 20
 
 #: The update dtypes :meth:`RoundTally.admit_all` weights together (``Δ·w`` with ``w`` rounded to the dtype is then
 #: ``Δ·w`` with a Python float ``w``; half precision computes the product in float32 instead).
@@ -183,7 +183,12 @@ class RoundTally:
         device: torch.device,
         policy: FailurePolicy,
         max_update_norm: float | None,
+        scratch: dict | None = None,
     ) -> None:
+        """``scratch``: a dict the caller keeps across rounds, where :meth:`admit_all` keeps its float64 buffer (a
+        buffer allocated afresh every round costs more in page faults than the work done in it); None: a fresh
+        one per tally."""
+        self.scratch = {} if scratch is None else scratch
         self.strategy, self.num_sampled, self.device = strategy, num_sampled, device
         self.policy, self.max_update_norm = policy, max_update_norm
         self.stats = RoundStatistics()
@@ -231,12 +236,12 @@ class RoundTally:
         For a vectorised group (updates of one dtype, float32 or float64, without float buffers) the squared norms
         ``‖Δ_i‖²`` of the aggregation checks and the weighted updates ``w_i Δ_i`` of the core sums
         (:func:`~fedlightning.callbacks.base.accumulate_core`) are computed for all of them at once, in chunks of at
-        most :data:`ADMIT_CHUNK_BYTES` of float64 squares: entry by entry the same operations (each ``‖Δ_i‖²`` the
-        one-dimensional float64 sum of its own row, each weighted row added to the round's sum in the clients'
-        order, the scalar sums added in float64 as Python floats) and one host read per chunk, so a group costs a
-        few tensor operations and one addition per client instead of about ten operations and a host read per
-        client. Updates it cannot take together (failed already, with buffers, other dtypes, a model too large for
-        two rows in a chunk) go through :meth:`admit`."""
+        most :data:`ADMIT_CHUNK_BYTES` of float64 squares (kept in ``scratch`` across rounds): entry by entry the
+        same operations (each ``‖Δ_i‖²`` the one-dimensional float64 sum of its own row, each weighted row added to
+        the round's sum in the clients' order, the scalar sums added in float64 as Python floats) and one host read
+        per chunk, so a group costs a few tensor operations and one addition per client instead of about ten
+        operations and a host read per client. Updates it cannot take together (failed already, with buffers, other
+        dtypes, a model too large for two rows in a chunk) go through :meth:`admit`."""
         i = 0
         while i < len(updates):
             chunk = self._chunk(updates, i)
@@ -272,10 +277,11 @@ class RoundTally:
         """:meth:`admit` for ``chunk`` (healthy updates of one dtype, shape and device, without buffers)."""
         strategy, stats = self.strategy, self.stats
         weights = [strategy.client_weight(u) for u in chunk]
-        # squared norms as screen_update computes them, row by row (a [C, D] float64 temporary would cost more in
-        # page faults than it saves, and a [C] row reduction may split a row's sum differently across threads)
-        sq_values = torch.stack([u.delta.double().pow(2).sum() for u in chunk]).tolist()  # one host read
         deltas = torch.stack([u.delta for u in chunk])
+        # squared norms as screen_update computes them: each row's own 1-d float64 sum (a [C] row reduction may
+        # split a row's sum differently across threads), of its squares converted in the kept buffer
+        squares = self._buffer(deltas.shape, deltas.device).copy_(deltas).pow_(2)
+        sq_values = torch.stack([row.sum() for row in squares]).tolist()  # one host read
         scale = torch.tensor(weights, dtype=deltas.dtype, device=deltas.device)  # float32: Δ·w rounds w so too
         weighted = deltas.mul_(scale.unsqueeze(1))  # deltas is this method's own copy
         device = chunk[0].delta.device
@@ -297,6 +303,14 @@ class RoundTally:
             stats.add("weighted_sq_norm_sum", sq * weight, device)
             self._add_client(update, extras)
         return True
+
+    def _buffer(self, shape: torch.Size, device: torch.device) -> Tensor:
+        """A float64 tensor of ``shape`` from the kept buffer (grown when needed)."""
+        numel = shape[0] * shape[1]
+        buf = self.scratch.get("squares")
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = self.scratch["squares"] = torch.empty(numel, dtype=torch.float64, device=device)
+        return buf[:numel].view(shape)
 
     def _extras(self, update: ClientUpdate) -> RoundStatistics | None:
         """The strategy's extra statistics of a healthy update (None without any); an unsafe one marks it failed."""

@@ -91,6 +91,8 @@ class _Runtime:
     reusable_group_opts: dict[int, tuple[Any, torch.optim.Optimizer, list[dict[str, Any]], Any]] = field(
         default_factory=dict
     )
+    #: the buffer :meth:`fedlightning._round.RoundTally.admit_all` keeps across rounds
+    admit_scratch: dict[str, Tensor] = field(default_factory=dict)
     #: ``(callbacks' ids, hooks)``: the federated hooks some callback defines itself this round
     #: (:meth:`FederatedLoop._federated_hook`)
     hooks_in_use: tuple[tuple[int, ...], frozenset[str]] | None = None
@@ -795,7 +797,14 @@ class FederatedLoop(pl.LightningModule):
         its training and its admission, and the clients trained together (a vectorised group) are admitted together
         (:meth:`~fedlightning._round.RoundTally.admit_all`: the same checks and sums, in the same order)."""
         global_flat = self._begin_client_training(plan)
-        tally = RoundTally(self.strategy, len(plan.client_ids), global_flat.device, self._policy, self.max_update_norm)
+        tally = RoundTally(
+            self.strategy,
+            len(plan.client_ids),
+            global_flat.device,
+            self._policy,
+            self.max_update_norm,
+            scratch=self._runtime.admit_scratch,
+        )
         executor = self._executor  # chosen once per run (fedlightning.execution)
         hooked = self._federated_hook_users("on_client_end")
         for group in executor.update_groups(self, plan, self._my_clients(plan.client_ids), global_flat):

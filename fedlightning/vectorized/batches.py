@@ -259,10 +259,11 @@ def _round_index(samplers, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     round is then a few numpy ops besides one ``randperm`` per client and epoch). Other samplers are iterated.
     """
     C = len(samplers)
-    fast = all(type(s) is ClientBatchSampler and s.shuffle and len(s.indices) > 0 for s in samplers)
+    # sizes as shape[0]: len() of a tensor costs a Python-level call each, which a round pays per client
+    fast = all(type(s) is ClientBatchSampler and s.shuffle and s.indices.shape[0] > 0 for s in samplers)
     k = np.arange(num, dtype=np.int64)[:, None]
     if fast:
-        n = np.array([len(s.indices) for s in samplers], dtype=np.int64)
+        n = np.array([s.indices.shape[0] for s in samplers], dtype=np.int64)
         bs = np.array([s.batch_size for s in samplers], dtype=np.int64)
         drop = np.array([s.drop_last for s in samplers]) & (n >= bs)
         per_epoch = np.where(drop, n // bs, -(-n // bs))  # batches per epoch (drop_last: full batches only)

@@ -353,7 +353,7 @@ class VectorizedClientTrainer:
         with torch.random.fork_rng(devices=rng_devices):
             if not self.layout_learned:  # before the round's seeding: its random draws do not count
                 self._probe_layout(start, _Layout(*batches.step(0)), rng_devices)
-            W = self.weights.stored(start).unsqueeze(0).repeat(C, 1)  # [C, D]: client c's weights in row c
+            W = self.weights.stored(start).expand(C, -1).contiguous()  # [C, D]: client c's weights in row c
             # the terms in the weights' storage order, which the probe above has fixed
             client_terms = None
             if terms is not None and any(terms):
