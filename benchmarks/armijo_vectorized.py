@@ -1,6 +1,6 @@
 """Where the vectorized SgdArmijo step spends its passes and time, against the passes the sequential search makes.
 
-    python benchmarks/armijo_vectorized.py [--rounds 10] [--threads 1] [--workload digits-usermlp-armijo]
+    python benchmarks/armijo_vectorized.py [--rounds 10] [--threads 1] [--clock process] [--workload ...]
 
 Runs one vectorized run of a ``vectorized_speedup.py`` workload (default: FedSLS's client optimizer on the digits
 workload with the user-written MLP) and counts, per local step of the round's clients in lockstep: the batched trial
@@ -9,7 +9,7 @@ make (the telemetry both modes share: forward passes minus backward passes, summ
 the step's longest search (the fewest calls a lockstep search can make is one, its rows at least the trials). Times
 per step: the gradient evaluation (one batched forward and backward), the trial calls (with the trial points), and
 the rest of the rule's step; and a least-squares fit of a trial call's time as ``fixed + per row × rows``. Counts
-are exact; times are wall clock of this process (run it on an idle machine, ``--threads 1`` for the docs' numbers).
+are exact; times are wall clock (``--clock process``: this process's CPU time; ``--threads 1`` for the docs' numbers).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import numpy as np
 import torch
@@ -32,8 +33,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10, help="rounds of the run (every round's steps are counted)")
     ap.add_argument("--workload", default="digits-usermlp-armijo", help="a vectorized_speedup.py workload")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="time by wall clock (default) or by this process's CPU time (CPU runs only)",
+    )
     vs.add_common_arguments(ap)
     args = ap.parse_args()
+    if args.clock == "process":
+        if args.accelerator != "cpu":
+            raise SystemExit("--clock process: CPU runs only (GPU work is not the process's CPU time)")
+        vs._clock = time.process_time
     args.repeats = 1
     vs.start(args, args.workload, vs.WORKLOADS, "workload", min_rounds=3)
     model_fn, optimizer, dm_fn = vs.WORKLOADS[args.workload]
