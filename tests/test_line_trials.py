@@ -68,6 +68,8 @@ class Net(pl.LightningModule):
         loss = F.cross_entropy(self(x), y)
         if self.variant == "penalty":  # reads the first layer's weights outside the layer
             loss = loss + 0.05 * (self.first.weight**2).sum()
+        if self.variant == "mask":  # reads them through a comparison, which turns NaN into False
+            loss = loss + 0.1 * (self.first.weight > 0).to(loss.dtype).mean()
         return loss
 
 
@@ -88,37 +90,51 @@ def fit(variant: str, mode: str, spy=None, monkeypatch=None):
 
 
 @pytest.mark.parametrize(
-    "variant, served, blocks",
+    "variant, served, blocks, skips",
     [
-        ("plain", True, True),
-        ("plain", True, False),
-        ("penalty", True, True),
-        ("scaled", False, True),
-        ("tied", True, True),
+        ("plain", True, True, True),
+        ("plain", True, False, True),
+        ("penalty", True, True, False),
+        ("mask", True, True, False),
+        ("scaled", False, True, False),
+        ("tied", True, True, False),
     ],
 )
-def test_trial_rows_on_lines_equal_the_batched_products(variant, served, blocks, monkeypatch):
-    """``blocks=False``: the rows gathered (the accelerators' path), on this CPU."""
+def test_trial_rows_on_lines_equal_the_batched_products(variant, served, blocks, skips, monkeypatch):
+    """``blocks=False``: the rows gathered (the accelerators' path), on this CPU. ``skips``: whether trial calls go on
+    leaving out the points of the first layer, which only the rows computed from A and B need: "tied" reads its
+    weights in another layer (never left out); "penalty" and "mask" read them in ``training_step``, which the check
+    of the round's first such call finds (the loss differs), and the engine writes every point from then on."""
     if not blocks:
         monkeypatch.setattr(trials_module, "_BLOCK_DEVICES", ())
     trial = step_module._StepEvaluator.trial
-    seen = {"calls": 0, "served": 0}
+    seen = {"calls": 0, "served": 0, "skipped": 0, "skipping": []}
 
     def spy(self, points, clients=None, line=None):
         assert line is not None  # the batched Armijo search always hands the line
-        expected = trial(self, points, clients)  # every layer through its products
+        full = torch.addcmul(line.W[clients], line.g[clients], line.neg_eta.unsqueeze(1))  # every point written
+        expected = trial(self, full, clients)  # every layer through its products
         # the gradient evaluation kept the outputs of the layers that read the batch (A), none of the others
         assert len(self.line_trials._A) == (1 if served else 0)
         before = self.line_trials.served
         got = trial(self, points, clients, line)
         seen["calls"] += 1
         seen["served"] += self.line_trials.served - before
+        seen["skipped"] += bool(line.skipped)
+        seen["skipping"].append(self.engine.skip_line_points)
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
         return got
 
     vectorized = fit(variant, "vectorized", spy, monkeypatch)
     assert seen["calls"] > 0
-    # one served layer call per trial call where the first layer reads the batch ("tied": its first use only)
-    assert seen["served"] == (seen["calls"] if served else 0)
+    # one served layer call per trial call where the first layer reads the batch ("tied": its first use only); a
+    # checked call is evaluated twice
+    assert seen["served"] >= (seen["calls"] if served else 0)
+    if skips:
+        assert seen["skipped"] == seen["calls"] and all(seen["skipping"])
+    elif variant in ("penalty", "mask"):
+        assert seen["skipping"][0] is False and seen["skipped"] == 1  # the first call's check switched it off
+    else:
+        assert seen["skipped"] == 0
     monkeypatch.undo()
     torch.testing.assert_close(vectorized, fit(variant, "sequential"), rtol=0, atol=1e-10)

@@ -100,6 +100,10 @@ class VectorizedClientTrainer:
         self.layout_learned = False
         #: during a round: ``[C]`` bool of the clients that raised (None while none has), and their exceptions
         self.failed: Tensor | None = None
+        # the line search's trial calls leave out the points no layer needs (vectorized/trials.py) until a check
+        # finds something else reading them; each round checks its first such call
+        self.skip_line_points = True
+        self.line_points_checked = False
         self.raised: dict[int, Exception] = {}
         self._told_plain_terms = False  # the one-line reason for terms without a batched form was given
 
@@ -337,6 +341,7 @@ class VectorizedClientTrainer:
         if norms:
             norms.start(global_buffers, C)
         self.failed, self.raised = None, {}
+        self.line_points_checked = False
 
         with torch.no_grad():
             start = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in global_params])

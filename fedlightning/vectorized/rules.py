@@ -25,7 +25,7 @@ from fedlightning.optim import SPS, DecSPS, SgdArmijo, rules
 
 from .support import VectorizationUnsupportedError
 from .torch_internals import _foreach_add_
-from .trials import _TrialLine
+from .trials import _TrialLine, _write_points
 
 if TYPE_CHECKING:
     from .step import _StepEvaluator
@@ -435,9 +435,10 @@ class _BatchedArmijo(BatchedRule):
         limit = max(C, TRIAL_POINT_BYTES // max(D * W.element_size(), 1))
         total = len(pair_client)
         neg = (-eta).to(W.dtype)
+        skipped, columns = ev.trial_columns()  # the parameters whose points no trial layer reads, if any
         if total <= limit:
-            line = _TrialLine(W, g, neg, widths)
-            return ev.trial(self._points(ev, W, g, pair_client, neg, widths), pair_client, line=line)
+            line = _TrialLine(W, g, neg, widths, skipped)
+            return ev.trial(self._points(ev, W, g, pair_client, neg, widths, columns), pair_client, line=line)
         owners = [c for c, w in enumerate(widths) for _ in range(w)]  # pairs are sorted by client
         out = []
         for start in range(0, total, limit):
@@ -446,37 +447,25 @@ class _BatchedArmijo(BatchedRule):
             for c in owners[start:end]:
                 part[c] += 1
             clients, part_neg = pair_client[start:end], neg[start:end]
-            line = _TrialLine(W, g, part_neg, part)
-            out.append(ev.trial(self._points(ev, W, g, clients, part_neg, part), clients, line=line))
+            line = _TrialLine(W, g, part_neg, part, skipped)
+            out.append(ev.trial(self._points(ev, W, g, clients, part_neg, part, columns), clients, line=line))
         return torch.cat(out)
 
     @staticmethod
     def _points(
-        ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, neg: Tensor, widths: list[int] | None = None
+        ev: _StepEvaluator,
+        W: Tensor,
+        g: Tensor,
+        pair_client: Tensor,
+        neg: Tensor,
+        widths: list[int] | None = None,
+        columns: list[tuple[int, int]] | None = None,
     ) -> Tensor:
         """Trial points ``w_c − η g_c`` of the (client, grid point) pairs (``neg``: ``−η`` per pair, ``W``'s dtype),
-        written into the engine's scratch
-        buffers (same rounding as ``torch.addcmul``, hence as SgdArmijo's ``_foreach_add_(alpha=-η)``).
-
-        On CPU, with ``widths`` (pairs per client, ``pair_client`` sorted by client), each client's block of pairs is
-        one ``addcmul`` of its row of ``W`` and ``g`` broadcast against the block's ``[w, 1]`` step sizes: the points
-        are written once instead of gathering ``W``'s and ``g``'s rows first (3 passes over ``[P, D]``), at the price
-        of one kernel call per client: faster for large ``D``, slower for the smallest models (docs/benchmarks.md
-        §3). On accelerators three large kernels beat one small kernel per client."""
-        shape = (len(pair_client), W.shape[1])
-        neg = neg.unsqueeze(1)
-        if widths is not None and W.device.type == "cpu":
-            points = ev.engine.scratch("points", shape, W.dtype, W.device)
-            start = 0
-            for c, w in enumerate(widths):
-                if w:
-                    end = start + w
-                    torch.addcmul(W[c], neg[start:end], g[c], out=points[start:end])
-                    start = end
-            return points
-        points = torch.index_select(W, 0, pair_client, out=ev.engine.scratch("points", shape, W.dtype, W.device))
-        g_rows = torch.index_select(g, 0, pair_client, out=ev.engine.scratch("g_rows", shape, W.dtype, W.device))
-        return points.addcmul_(g_rows, neg)
+        written into the engine's scratch buffers, their column ranges ``columns`` only (None: all;
+        :func:`~fedlightning.vectorized.trials._write_points`)."""
+        points = ev.engine.scratch("points", (len(pair_client), W.shape[1]), W.dtype, W.device)
+        return _write_points(points, W, g, pair_client, neg, widths, ev.engine.scratch, columns)
 
     def _search_in_order(self, W, g, ev, loss64, grad_sq, eta0, searching, grid):
         """Models with random layers: every client at one grid point per round, all clients in order."""

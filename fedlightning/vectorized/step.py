@@ -14,7 +14,7 @@ from torch import Tensor
 from .call import _ClientTerms, _Effects, _ModelCall
 from .layout import _Layout, _WeightsLayout
 from .torch_internals import _rng_state, _set_rng_state, tree_flatten
-from .trials import _LineTrials, _TrialLine
+from .trials import _LineTrials, _same_losses, _TrialLine, _write_points
 
 __all__ = ["_StepEvaluator", "_feed_router"]
 
@@ -27,6 +27,8 @@ class _Engine(Protocol):
     weights: _WeightsLayout
     call: _ModelCall
     failed: Tensor | None
+    skip_line_points: bool
+    line_points_checked: bool
 
     @property
     def deterministic(self) -> bool: ...
@@ -167,23 +169,43 @@ class _StepEvaluator:
         if self.trials == 0:
             self.rng_after = _rng_state(self.rng_devices)
         self.trials += 1
+        engine = self.engine
+        skipped = line.skipped if line is not None else frozenset()
+        if skipped and not engine.skip_line_points:  # switched off by an earlier call: the points in full
+            self._fill_skipped(points, clients, line)
+            skipped = frozenset()
+        losses = self._evaluate(points, clients, line, skipped)
+        if skipped and (not engine.line_points_checked or not bool(torch.isfinite(losses).all())):
+            # the round's first such call, and any with a non-finite loss, again with the skipped points written:
+            # a difference means something besides the layers computed from A and B reads them (trials.py)
+            engine.line_points_checked = True
+            self._fill_skipped(points, clients, line)
+            full = self._evaluate(points, clients, line, frozenset())
+            if not _same_losses(full, losses):
+                engine.skip_line_points = False
+            losses = full
+        return losses
+
+    def _evaluate(
+        self, points: Tensor, clients: Tensor | None, line: _TrialLine | None, skipped: frozenset[int]
+    ) -> Tensor:
+        """One trial call (see :meth:`trial`); the parameters ``skipped`` read NaN
+        (:meth:`~fedlightning.vectorized.trials._LineTrials.sentinel_views`)."""
         _set_rng_state(self.rng_before, self.rng_devices)
         layout, engine = self.layout, self.engine
         with torch.no_grad():
             if clients is None:
-                batch, mask, counts, terms = layout.batch, layout.mask, layout.counts, self.terms
+                batch, mask, counts = layout.batch, layout.mask, layout.counts
             else:
                 batch, mask, counts = layout.rows(clients, engine.scratch)
-                terms = self.terms
             views = engine.weights.views(points)
             rows = contextlib.nullcontext()
             if line is not None:
-                rows = self._line_trials(line).rows(
-                    views,
-                    tree_flatten(batch)[0],
-                    self._all_clients(points) if clients is None else clients,
-                    line,
-                )
+                trials = self._line_trials(line)
+                if skipped:
+                    views = trials.sentinel_views(views, skipped)
+                pairs = self._all_clients(points) if clients is None else clients
+                rows = trials.rows(views, tree_flatten(batch)[0], pairs, line)
             with rows:
                 values, _ = engine.call.row_values(
                     views, batch, mask, self.step, clients=clients, min_count=layout.min_size
@@ -192,9 +214,43 @@ class _StepEvaluator:
                 losses = values
             else:
                 losses = values / (layout.counts_as(values.dtype) if clients is None else counts.to(values.dtype))
-            if terms is not None:
-                losses = losses + terms.values(points, views, clients)
+            if self.terms is not None:
+                losses = losses + self.terms.values(points, views, clients)
         return losses
+
+    def trial_columns(self) -> tuple[frozenset[int], list[tuple[int, int]] | None]:
+        """``(skipped, columns)`` for the step's next trial call: the parameters whose trial points no layer needs
+        (:meth:`~fedlightning.vectorized.trials._LineTrials.skippable`; none with client-objective terms, which
+        read the points, or once the engine has switched skipping off) and the column ranges of ``[P, D]`` points
+        the others take (None: all)."""
+        trials = self.line_trials
+        if trials is None or self.terms is not None or not self.engine.skip_line_points:
+            return frozenset(), None
+        skipped = trials.skippable()
+        if not skipped:
+            return frozenset(), None
+        return skipped, self._column_ranges(k for k in range(len(self.engine.weights.numels)) if k not in skipped)
+
+    def _column_ranges(self, params) -> list[tuple[int, int]]:
+        """The column ranges of ``[R, D]`` holding the parameters ``params`` (indices), adjacent ones merged."""
+        numels = self.engine.weights.numels
+        offsets = [0]
+        for n in numels:
+            offsets.append(offsets[-1] + n)
+        ranges: list[tuple[int, int]] = []
+        for k in sorted(params):
+            a, b = offsets[k], offsets[k + 1]
+            if ranges and ranges[-1][1] == a:
+                ranges[-1] = (ranges[-1][0], b)
+            else:
+                ranges.append((a, b))
+        return ranges
+
+    def _fill_skipped(self, points: Tensor, clients: Tensor | None, line: _TrialLine) -> None:
+        """Write the points of the parameters ``line.skipped``."""
+        pairs = self._all_clients(points) if clients is None else clients
+        columns = self._column_ranges(line.skipped)
+        _write_points(points, line.W, line.g, pairs, line.neg_eta, line.widths, self.engine.scratch, columns)
 
     def _line_trials(self, line: _TrialLine) -> _LineTrials:
         """The step's :class:`_LineTrials`, made by its gradient evaluation at ``line.W`` (``W`` and ``g`` do not

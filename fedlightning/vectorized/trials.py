@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .torch_internals import _linear_rows, _offer_linear_rows
 
-__all__ = ["_LineTrials", "_TrialLine"]
+__all__ = ["_LineTrials", "_TrialLine", "_same_losses", "_write_points"]
 
 
 class _TrialLine(NamedTuple):
@@ -47,6 +47,8 @@ class _TrialLine(NamedTuple):
     g: Tensor  # [C, D], their gradients
     neg_eta: Tensor  # [P], minus the step sizes, in W's dtype
     widths: list[int]  # pairs per client (the pairs sorted by client)
+    #: parameters whose columns of the points were not written (:meth:`_LineTrials.skippable`)
+    skipped: frozenset[int] = frozenset()
 
 
 #: Device types whose trial rows are written one client block at a time (elsewhere: gathered, three kernels).
@@ -55,6 +57,50 @@ _BLOCK_DEVICES = ("cpu",)
 
 def _key(t: Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), tuple(t.stride())
+
+
+def _write_points(
+    points: Tensor,
+    W: Tensor,
+    g: Tensor,
+    pair_client: Tensor,
+    neg: Tensor,
+    widths: list[int] | None,
+    scratch: Callable[..., Tensor],
+    columns: Sequence[tuple[int, int]] | None = None,
+) -> Tensor:
+    """``points[p, a:b] = W[c_p, a:b] + neg[p] · g[c_p, a:b]`` for the column ranges ``columns`` (None: all), with
+    ``torch.addcmul``'s rounding (SgdArmijo's ``_foreach_add_(alpha=-η)``'s).
+
+    On CPU, with ``widths`` (pairs per client, ``pair_client`` sorted by client), each client's block of pairs is
+    one ``addcmul`` of its row of ``W`` and ``g`` broadcast against the block's ``[w, 1]`` step sizes: the points
+    are written once instead of gathering ``W``'s and ``g``'s rows first (3 passes over ``[P, D]``), at the price
+    of one kernel call per client: faster for large ``D``, slower for the smallest models (docs/benchmarks.md
+    §3). On accelerators three large kernels beat one small kernel per client."""
+    neg = neg.unsqueeze(1)
+    spans = [(0, W.shape[1])] if columns is None else list(columns)
+    if widths is not None and W.device.type in _BLOCK_DEVICES:
+        start = 0
+        for c, w in enumerate(widths):
+            if w:
+                end = start + w
+                for a, b in spans:
+                    torch.addcmul(W[c, a:b], neg[start:end], g[c, a:b], out=points[start:end, a:b])
+                start = end
+        return points
+    if columns is None:
+        torch.index_select(W, 0, pair_client, out=points)
+        g_rows = torch.index_select(g, 0, pair_client, out=scratch("g_rows", points.shape, W.dtype, W.device))
+        return points.addcmul_(g_rows, neg)
+    for a, b in spans:
+        rows_w, rows_g = W[:, a:b].index_select(0, pair_client), g[:, a:b].index_select(0, pair_client)
+        points[:, a:b] = rows_w.addcmul_(rows_g, neg)
+    return points
+
+
+def _same_losses(a: Tensor, b: Tensor) -> bool:
+    """Equal entry by entry, NaN equal to NaN."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 class _LineTrials:
@@ -74,6 +120,8 @@ class _LineTrials:
         self._A: dict[tuple, Tensor] = {}  # (weight, bias, input view) -> A, [C, m, out]
         self._B: dict[tuple, Tensor] = {}
         self._call: tuple | None = None
+        self._read_elsewhere: set[int] = set()  # parameters some layer not computed from A and B reads as well
+        self._sentinels: dict[int, Tensor] = {}
         self.served = 0  # layer calls computed from A and B (tests and benchmarks read it)
 
     def set_gradients(self, g_views: Sequence[Tensor]) -> None:
@@ -89,6 +137,7 @@ class _LineTrials:
         def record(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
             key = self._layer(params, x, W, b, self.client_leaves)
             if key is None:
+                self._read_elsewhere.update(params.get(_key(t)) for t in (W, b) if t is not None)
                 return None
             y = _linear_rows(x, W, b)
             self._A[key] = y.detach().reshape(W.shape[0], -1, W.shape[1])
@@ -96,6 +145,24 @@ class _LineTrials:
 
         with _offer_linear_rows(record):
             yield
+
+    def skippable(self) -> frozenset[int]:
+        """The parameters that only layers computed from ``A`` and ``B`` read in the gradient evaluation (weights and
+        biases): a trial call needs none of their points (see :meth:`sentinel_views`)."""
+        used = {k for key in self._A for k in key[:2] if k is not None}
+        return frozenset(used - self._read_elsewhere)
+
+    def sentinel_views(self, views: Sequence[Tensor], skipped: frozenset[int]) -> list[Tensor]:
+        """``views`` with each parameter of ``skipped`` replaced by NaN of its shape (one value, expanded: no
+        memory): where anything but a layer computed from ``A`` and ``B`` reads it, the trial loss turns NaN."""
+        out = list(views)
+        for k in skipped:
+            v = views[k]
+            nan = self._sentinels.get(k)
+            if nan is None or nan.dtype != v.dtype or nan.device != v.device:
+                nan = self._sentinels[k] = torch.full((1,) * v.dim(), float("nan"), dtype=v.dtype, device=v.device)
+            out[k] = nan.expand(v.shape)
+        return out
 
     @contextlib.contextmanager
     def rows(
