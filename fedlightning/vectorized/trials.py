@@ -80,13 +80,13 @@ def _write_points(
     neg = neg.unsqueeze(1)
     spans = [(0, W.shape[1])] if columns is None else list(columns)
     if widths is not None and W.device.type in _BLOCK_DEVICES:
-        start = 0
-        for c, w in enumerate(widths):
-            if w:
-                end = start + w
-                for a, b in spans:
-                    torch.addcmul(W[c, a:b], neg[start:end], g[c, a:b], out=points[start:end, a:b])
-                start = end
+        clients = [c for c, w in enumerate(widths) if w]
+        sizes = [widths[c] for c in clients]
+        negs = neg.split(sizes)
+        for a, b in spans:  # views made in a few calls, not per client: the loop runs one kernel per client
+            W_rows, g_rows, blocks = W[:, a:b].unbind(0), g[:, a:b].unbind(0), points[:, a:b].split(sizes)
+            for i, c in enumerate(clients):
+                torch.addcmul(W_rows[c], negs[i], g_rows[c], out=blocks[i])
         return points
     if columns is None:
         torch.index_select(W, 0, pair_client, out=points)
@@ -119,6 +119,7 @@ class _LineTrials:
         self.scratch = scratch
         self._A: dict[tuple, Tensor] = {}  # (weight, bias, input view) -> A, [C, m, out]
         self._B: dict[tuple, Tensor] = {}
+        self._rows_of: dict[tuple, tuple] = {}  # the clients' rows of A and B (_unbound)
         self._call: tuple | None = None
         self._read_elsewhere: set[int] = set()  # parameters some layer not computed from A and B reads as well
         self._sentinels: dict[int, Tensor] = {}
@@ -199,16 +200,23 @@ class _LineTrials:
         rows = self.scratch(("line rows", key), (P, *A.shape[1:]), A.dtype, A.device)
         neg = neg_eta.view(-1, 1, 1)
         if A.device.type in _BLOCK_DEVICES:  # one multiply-add per client block: no gathered copies of A and B
-            start = 0
-            for c, w in enumerate(widths):
-                if w:
-                    torch.addcmul(A[c], B[c], neg[start : start + w], out=rows[start : start + w])
-                    start += w
+            clients = [c for c, w in enumerate(widths) if w]
+            sizes = [widths[c] for c in clients]
+            A_rows, B_rows = self._unbound(key, A, B)
+            for c, n, out in zip(clients, neg.split(sizes), rows.split(sizes)):
+                torch.addcmul(A_rows[c], B_rows[c], n, out=out)
         else:  # accelerators: three large kernels rather than one small kernel per client
             torch.index_select(A, 0, pair_client, out=rows)
             rows.addcmul_(B.index_select(0, pair_client), neg)
         self.served += 1
         return rows.view(*x.shape[:-1], A.shape[-1])
+
+    def _unbound(self, key: tuple, A: Tensor, B: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """The clients' rows of ``A`` and ``B`` as views, made once per step."""
+        out = self._rows_of.get(key)
+        if out is None:
+            out = self._rows_of[key] = (A.unbind(0), B.unbind(0))
+        return out
 
     def _source(self, x: Tensor, row_leaves: Sequence[Tensor], R: int) -> tuple | None:
         """``(leaf index, offset, shape, strides)`` of ``x`` ([R, ..., in]) as a view into the rows of one of
