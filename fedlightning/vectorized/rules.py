@@ -169,6 +169,9 @@ class BatchedRule:
         the per-parameter gradients, applied to the parameters' views of ``W`` (``views(W)``, e.g. ``ev.views``)."""
         neg = (-step).to(W.dtype)
         if isinstance(g, Tensor):
+            if W.device.type == "cpu" and bool(where.all()):  # every row moves: in place, no [C, D] temporary
+                W.addcmul_(g, neg[:, None])
+                return
             moved = torch.addcmul(W, g, neg[:, None])
             torch.where(where[:, None], moved, W, out=W)
             return
