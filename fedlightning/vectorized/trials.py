@@ -19,6 +19,15 @@ Float64 runs agree with sequential training to rounding, as before; in float32 a
 equality may accept a neighbouring grid point, as the batched products already could
 (docs/benchmarks.md §9 has the speed and the weight differences).
 
+The points of parameters that only such layers read are then not needed: a trial call leaves their columns of
+the ``[P, D]`` points unwritten (on the digits MLP, 8,320 of 9,610) and puts NaN in their parameter slots (one value,
+expanded), so that anything else reading them (a weight penalty in ``training_step``, a tied layer) turns the trial
+loss NaN. Which parameters qualify is learned from the step's gradient evaluation (a parameter some other linear layer
+reads never does). Decision (ours): the round's first such call, and every call with a non-finite trial loss, is
+evaluated again with every point written; a difference (a read that NaN does not reach, e.g. through a comparison
+``w > 0``) switches the leaving-out off for the engine from then on (``tests/test_line_trials.py`` has both kinds of
+read). Client-objective terms read the points, so with terms every point is written.
+
 Where it applies (all checked per layer, per call; otherwise the layer runs its batched product): the layer's
 weight (and bias, if any) are trial points' parameters, unchanged (not a parametrization of them); its input shares
 storage with one of the trial call's batch tensors, with that tensor's row stride, each row's view inside its own
