@@ -32,11 +32,12 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from fedlightning.state import RoundStatistics
 
@@ -48,6 +49,7 @@ __all__ = [
     "apply_collective_timeout",
     "all_reduce_statistics",
     "all_gather_objects",
+    "weighted_mean_over_processes",
 ]
 
 #: environment variable: the collective timeout in seconds (a positive number)
@@ -161,3 +163,21 @@ def all_gather_objects(obj, round: int | None = None, what: str = "objects"):
     with _named(f"all_gather_object ({what})", round, timeout):
         dist.all_gather_object(out, obj)
     return out
+
+
+def weighted_mean_over_processes(
+    vectors: Iterable[tuple[float, Tensor]], total_weight: float, like: Tensor, what: str, round: int | None = None
+) -> Tensor:
+    """``Σ w_k v_k / total_weight`` over the ``(w_k, v_k)`` of every process (each process passes its own share of
+    the terms; ``total_weight`` is the weight of all of them), summed in float64 in the order given and returned in
+    ``like``'s dtype and shape. Under a process group the partial sums are all-reduced under the collective timeout (a
+    failure raises :class:`CollectiveError` naming ``what`` and ``round``); in one process this is the weighted mean.
+    """
+    acc = torch.zeros(like.shape, dtype=torch.float64, device=like.device)
+    for w, v in vectors:
+        acc += w * v.double()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        timeout = apply_collective_timeout()
+        with _named(f"all_reduce ({what})", round, timeout):
+            dist.all_reduce(acc)
+    return (acc / total_weight).to(like.dtype)

@@ -47,7 +47,7 @@ def _run(tmp_path, devices, setup, rounds=3, extra=()):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("setup", ["fedavg", "fedexp_sls", "decsps", "scaffold", "usermodule"])
+@pytest.mark.parametrize("setup", ["fedavg", "fedexp_sls", "decsps", "scaffold", "feddane", "usermodule"])
 def test_two_processes_equal_one(tmp_path, setup):
     one = _run(tmp_path, 1, setup, extra=("--float64",))
     two = _run(tmp_path, 2, setup, extra=("--float64",))

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -29,6 +28,7 @@ from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.proximal import global_anchors, split_like
 from fedlightning.client import extract_loss
 from fedlightning.datamodules.base import ArrayDataset, ClientBatchSampler
+from fedlightning.distributed import weighted_mean_over_processes
 from fedlightning.objectives import AnchoredTerm
 from fedlightning.state import RoundPlan, derive_seed, flat_grads
 
@@ -261,12 +261,13 @@ class FedDANE(FedAvg):
         union = list(dict.fromkeys([*share, *own]))
         grads = pl_module.client_full_gradients(union, plan.round, self.gradient_batch_size)  # [len(union), D]
         row = {k: i for i, k in enumerate(union)}
-        acc = grads.new_zeros(grads.shape[1], dtype=torch.float64)
-        for k in share:
-            acc += weights[k] * grads[row[k]].double()
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(acc)
-        self._global_gradient = (acc / total_weight).to(grads.dtype)
+        self._global_gradient = weighted_mean_over_processes(
+            ((weights[k], grads[row[k]]) for k in share),
+            total_weight,
+            grads.new_empty(grads.shape[1]),
+            "FedDANE's global gradient",
+            plan.round,
+        )
         if own:
             kept = grads if len(own) == len(union) else grads[[row[k] for k in own]]
             self._client_gradients = {k: kept[i] for i, k in enumerate(own)}

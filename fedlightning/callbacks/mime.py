@@ -18,13 +18,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import in_range, integer
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.callbacks.proximal import global_anchors
+from fedlightning.distributed import weighted_mean_over_processes
 from fedlightning.optim.mime import MimeLiteSGD, MimeSGD
 from fedlightning.state import RoundPlan, flat_params
 
@@ -182,14 +182,15 @@ class Mime(ServerStrategy):
         dm = pl_module.datamodule
         ids = list(plan.client_ids)
         weights = {k: (float(dm.client_num_samples(k)) if self.weighting == "samples" else 1.0) for k in ids}
-        acc = torch.zeros_like(like, dtype=torch.float64)
         share = pl_module.process_share(ids)
         grads = pl_module.client_full_gradients(share, plan.round, self.gradient_batch_size, tag="mime-gradient")
-        for k, grad in zip(share, grads):
-            acc += weights[k] * grad.double()
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(acc)
-        self._full_gradient = (acc / sum(weights.values())).to(like.dtype)
+        self._full_gradient = weighted_mean_over_processes(
+            ((weights[k], grad) for k, grad in zip(share, grads)),
+            sum(weights.values()),
+            like,
+            "Mime's full gradient",
+            plan.round,
+        )
         self._momentum(like)
 
     @contextmanager

@@ -97,6 +97,10 @@ def build(setup: str):
         from fedlightning.callbacks import Scaffold
 
         callbacks = [Scaffold()]
+    elif setup == "feddane":  # the global gradient: every process's share of S_t, all-reduced
+        from fedlightning.callbacks import FedDANE
+
+        callbacks = [FedDANE(mu=0.1)]
     elif setup == "usermodule":  # a user's module: its optimizer and LR schedule, a torchmetrics metric
         from fedlightning.callbacks import FedAvg
 
