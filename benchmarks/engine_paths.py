@@ -13,9 +13,9 @@ Shapes are the digits MLP 64-128-10 of ``vectorized_speedup.py`` (D = 9,610 weig
   blocks trade one kernel call per client for two fewer passes over the points;
 * ``losses._log_softmax_classes``: the intercepted cross-entropy's log-softmax of every client's ``[31, 10]`` logits
   under vmap, forward and backward, vs ``F.log_softmax(logits, 1)``;
-* narrow linear layers: ``_linear_rows`` (the engine's linear layer on the tensors under vmap) against one
-  ``baddbmm``, for 4, 10, 16 and 62 outputs on ``7.5 C`` rows of ``[50, 128]`` (a line search's trial call); below
-  16 outputs it computes the transposed product;
+* linear rows: ``_linear_rows`` as a line search's trial call runs it (without autograd) against one ``baddbmm``,
+  for 4, 10, 16 and 62 outputs on ``7.5 C`` rows of ``[50, 128]``; below 16 outputs it computes the transposed
+  product;
 * no bucketing: one local step (the MLP's vmapped forward and backward with a masked mean loss) of ``--clients``
   clients padded to 33 samples, vs the same clients split into two buckets of half the clients each, padded to 16
   and to 33 (what bucketing by batch size would run instead on the digits workload's sizes).
@@ -137,7 +137,7 @@ def main():
             (
                 f"linear rows, {out} outputs",
                 lambda Wn=Wn, bn=bn: torch.baddbmm(bn.unsqueeze(1), h, Wn.transpose(1, 2)),
-                lambda Wn=Wn, bn=bn: _linear_rows(h, Wn, bn),
+                lambda Wn=Wn, bn=bn: _linear_rows(h, Wn, bn, narrow=True),
             )
         )
 

@@ -329,6 +329,36 @@ def test_batched_linear_equals_vmap_of_linear(case):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.numerics
+def test_narrow_linear_rows_without_autograd_are_the_transposed_product():
+    """Without autograd (a line search's trial rows), a layer with fewer than 16 outputs and at least 16 rows per
+    client comes out of the transposed product (a transposed view) with F.linear's values; with autograd, and for
+    16 outputs, the plain product (same values)."""
+    from torch.func import vmap
+
+    from fedlightning.vectorized import torch_internals as internals
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 20, 5, generator=g, dtype=torch.float64)
+    for out, transposed in ((6, True), (16, False)):
+        W = torch.randn(4, out, 5, generator=g, dtype=torch.float64)
+        b = torch.randn(4, out, generator=g, dtype=torch.float64)
+        expected = vmap(torch.nn.functional.linear)(x, W, b)
+        for grad in (False, True):
+            seen = []
+
+            def fast(xi, wi, bi, seen=seen):
+                out_ = internals._batched_linear(xi, wi, bi)
+                seen.append(internals._physical(out_).stride())
+                return out_
+
+            with torch.set_grad_enabled(grad):
+                got = vmap(fast)(x, W, b)
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+            # a transposed result has its rows' outputs strided by the number of rows
+            assert (seen[0][-1] != 1) == (transposed and not grad)
+
+
 def test_batched_linear_declines_what_it_does_not_cover():
     """Outside vmap, weights not batched (a frozen layer), nested vmap levels, mixed dtypes and autocast: None, and
     the caller runs F.linear."""

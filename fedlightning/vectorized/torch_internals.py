@@ -196,11 +196,15 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
     values and gradients); the digits MLPs' vectorized rounds take 3–5 % less time with it
     (``benchmarks/engine_ab.py``, docs/benchmarks.md §3).
 
-    Decision (ours, measured): on a CPU, a layer with fewer than 16 outputs (a classifier head: 2, 4, 10 classes)
-    and at least 16 input rows per client is computed transposed, ``y^T = b + W x^T``, and handed on as a transposed
-    view. The batched product with a narrow last dimension takes a slow kernel path: 1.5–4.5× the time of the
-    transposed product for 2 to 12 outputs, about equal at 16 and above (``benchmarks/engine_paths.py``, "narrow
-    linear layers"). Each output is the same dot product; its summation order in the kernel may differ (rounding)."""
+    Decision (ours, measured): without autograd (a line search's trial rows) on a CPU, a layer with fewer than 16
+    outputs (a classifier head: 2, 4, 10 classes) and at least 16 input rows per client is computed transposed,
+    ``y^T = b + W x^T``, and handed on as a transposed view. The batched product with a narrow last dimension takes a
+    slow kernel path: 1.5–4.5× the time of the transposed product for 2 to 12 outputs, about equal at 16 and above
+    (``benchmarks/engine_paths.py``, "linear rows"). Each output is the same dot product, summed in another order by
+    the kernel: a trial loss only decides a line search's step, where rounding already may, while a gradient
+    evaluation with the transposed head makes a float32 run differ from sequential training wherever a ReLU input
+    sits at its kink (FedDANE's digits run: 4.3e-3 after 10 rounds, instead of 1.8e-7); so gradients keep the plain
+    product."""
     level = _current_level(input, weight)
     if level is None:
         return None
@@ -222,15 +226,18 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
         if b is None or b.dim() != 2 or b.dtype != dtype:
             return None
     y = _rows_linear(x, W, b) if _rows_linear is not None else None
-    return _add_batch_dim(_linear_rows(x, W, b) if y is None else y, 0, level)
+    if y is None:
+        y = _linear_rows(x, W, b, narrow=not torch.is_grad_enabled())
+    return _add_batch_dim(y, 0, level)
 
 
-def _linear_rows(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+def _linear_rows(x: Tensor, W: Tensor, b: Tensor | None, narrow: bool = False) -> Tensor:
     """The rows' linear layer on plain tensors, rows in front: ``x`` ``[R, ..., in]``, ``W`` ``[R, out, in]``, ``b``
-    ``[R, out]`` or None; ``[R, ..., out]`` (see :func:`_batched_linear`)."""
+    ``[R, out]`` or None; ``[R, ..., out]`` (see :func:`_batched_linear`; ``narrow``: a narrow layer may be computed
+    transposed)."""
     x2 = x.reshape(W.shape[0], -1, x.shape[-1])
     out = W.shape[1]
-    if out < _NARROW_OUT and x2.shape[1] >= _NARROW_OUT and W.device.type == "cpu":  # y^T = W x^T, see the docstring
+    if narrow and out < _NARROW_OUT and x2.shape[1] >= _NARROW_OUT and W.device.type == "cpu":  # y^T = W x^T
         yt = torch.bmm(W, x2.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(2), W, x2.transpose(1, 2))
         y = yt.transpose(1, 2)
     else:
