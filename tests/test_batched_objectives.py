@@ -348,18 +348,22 @@ class BatchNormMLP(pl.LightningModule):
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
 
-@pytest.mark.numerics
-def test_client_full_gradients_with_batchnorm_equal_client_by_client():
-    probe = GradientProbe(None)
-    model = to_float64(BatchNormMLP())
-    loop = FederatedLoop(
-        model,
+def _batchnorm_loop() -> FederatedLoop:
+    """A vectorized loop of the float64 BatchNormMLP, 3 clients a round, 2 local steps."""
+    return FederatedLoop(
+        to_float64(BatchNormMLP()),
         client_optimizer=CLIENT_OPTIMIZERS["sgd"],
         local_steps=2,
         clients_per_round=3,
         seed=0,
         client_execution="vectorized",
     )
+
+
+@pytest.mark.numerics
+def test_client_full_gradients_with_batchnorm_equal_client_by_client():
+    probe = GradientProbe(None)
+    loop = _batchnorm_loop()
     probe.hand = False
     make_trainer(1, callbacks=[FedAvg(), probe]).fit(loop, datamodule=digits())
     ids, together, alone, _, loop = probe.result
@@ -379,15 +383,7 @@ class DeepCopyAfterRound(pl.Callback):
 
 def test_no_vmapped_tensor_outlives_a_batchnorm_round():
     probe = DeepCopyAfterRound()
-    model = to_float64(BatchNormMLP())
-    loop = FederatedLoop(
-        model,
-        client_optimizer=CLIENT_OPTIMIZERS["sgd"],
-        local_steps=2,
-        clients_per_round=3,
-        seed=0,
-        client_execution="vectorized",
-    )
+    loop = _batchnorm_loop()
     make_trainer(2, callbacks=[FedDANE(mu=0.1), probe]).fit(loop, datamodule=digits())
     assert probe.copied == 2
 

@@ -79,6 +79,7 @@ class _StepEvaluator:
         self.track_alive = True  # False: every client trains every step (logged values need no mask)
         self.line_trials: _LineTrials | None = None  # the step's trial rows on lines (trial(line=...))
         self._arange: Tensor | None = None
+        self._columns: tuple[frozenset[int], list[tuple[int, int]] | None] | None = None  # trial_columns, per step
 
     def gradient(self, W: Tensor, alive: Tensor, flat: bool = True) -> tuple[Tensor, Any]:
         """Losses ``[C]`` and gradients at ``W``: one ``[C, D]`` tensor (``flat``), or the list of per-parameter
@@ -226,10 +227,11 @@ class _StepEvaluator:
         trials = self.line_trials
         if trials is None or self.terms is not None or not self.engine.skip_line_points:
             return frozenset(), None
-        skipped = trials.skippable()
-        if not skipped:
-            return frozenset(), None
-        return skipped, self._column_ranges(k for k in range(len(self.engine.weights.numels)) if k not in skipped)
+        if self._columns is None:  # fixed for the step once its gradient evaluation has run
+            skipped = trials.skippable()
+            kept = [k for k in range(len(self.engine.weights.numels)) if k not in skipped]
+            self._columns = (skipped, self._column_ranges(kept)) if skipped else (frozenset(), None)
+        return self._columns
 
     def _column_ranges(self, params) -> list[tuple[int, int]]:
         """The column ranges of ``[R, D]`` holding the parameters ``params`` (indices), adjacent ones merged."""

@@ -60,7 +60,7 @@ class _TrialLine(NamedTuple):
     skipped: frozenset[int] = frozenset()
 
 
-#: Device types whose trial rows are written one client block at a time (elsewhere: gathered, three kernels).
+#: Device types whose trial points and rows are written one client block at a time (elsewhere: gathered rows).
 _BLOCK_DEVICES = ("cpu",)
 
 
