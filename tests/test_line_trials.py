@@ -73,7 +73,7 @@ class Net(pl.LightningModule):
         return loss
 
 
-def fit(variant: str, mode: str, spy=None, monkeypatch=None):
+def fit(variant: str, mode: str, spy=None, monkeypatch=None, accelerator="cpu"):
     if spy is not None:
         monkeypatch.setattr(step_module._StepEvaluator, "trial", spy)
     model = Net(variant)
@@ -85,8 +85,8 @@ def fit(variant: str, mode: str, spy=None, monkeypatch=None):
         seed=0,
         client_execution=mode,
     )
-    make_trainer(2, callbacks=[FedAvg()]).fit(loop, datamodule=Clients())
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    make_trainer(2, callbacks=[FedAvg()], accelerator=accelerator).fit(loop, datamodule=Clients())
+    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
 
 @pytest.mark.parametrize(
@@ -138,3 +138,13 @@ def test_trial_rows_on_lines_equal_the_batched_products(variant, served, blocks,
         assert seen["skipped"] == 0
     monkeypatch.undo()
     torch.testing.assert_close(vectorized, fit(variant, "sequential"), rtol=0, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", ["plain", "penalty", "tied"])
+def test_trial_rows_on_cuda_equal_sequential(variant):
+    """On a GPU the trial rows are gathered (no per-client blocks) and the points' leaving-out and its check run on
+    the device: float64 vectorized equals float64 sequential on the same GPU, and both equal the CPU run."""
+    on_gpu = fit(variant, "vectorized", accelerator="gpu")
+    torch.testing.assert_close(on_gpu, fit(variant, "sequential", accelerator="gpu"), rtol=0, atol=1e-10)
+    torch.testing.assert_close(on_gpu, fit(variant, "sequential"), rtol=0, atol=1e-10)
