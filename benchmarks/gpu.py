@@ -2,7 +2,7 @@
 
     python benchmarks/gpu.py --out gpu_results.json                # the GPU run, bounded by --budget-s 420
     python benchmarks/gpu.py --smoke --out /tmp/smoke.json         # tiny sizes, CPU, under a minute
-    python benchmarks/gpu.py --make-fake-cifar DIR [--fake-train 50000 --fake-test 10000]   # write data and exit
+    python benchmarks/gpu.py --make-fake-cifar DIR [--fake-train 49000 --fake-test 9800]   # write data and exit
 
 Every workload is FedAvg through a Lightning ``Trainer`` as ``train.py`` runs it (``logger=False``, no checkpointing,
 progress bar or validation), 20 clients per round, K = 20 local steps, batch 50, on ``cuda`` when available, else CPU:
@@ -25,7 +25,9 @@ Decisions:
 
 * **Fake CIFAR.** The GPU machine has no internet. ``--make-fake-cifar`` (and a default run without ``--cifar-dir``,
   into a temp dir) writes the official python-pickle layout (``cifar-10-batches-py/data_batch_1..5, test_batch,
-  batches.meta``) with seeded random uint8 pixels and balanced labels. Pixel values do not change the arithmetic of
+  batches.meta``) with seeded random uint8 pixels and balanced labels, 9,800 images per file (2 % short of the
+  official count, so the data module reads them as a user's files rather than refusing them as a corrupted official
+  archive: :data:`FAKE_TRAIN`). Pixel values do not change the arithmetic of
   a round (same shapes, same kernels, no data-dependent control flow in SGD), so round times are those of the real
   archive; SgdArmijo's number of backtracks does depend on the loss surface, so its times are indicative only.
 * **Timing.** A round's time is the wall time of the loop's ``training_step`` (all clients, aggregation, server step),
@@ -90,11 +92,24 @@ SMOKE = dict(cpr=3, K=2, B=10, cifar_clients=20, resnet_width=8, char_clients=60
 ALL_MODES = ("seq-fp32", "vec-fp32", "seq-bf16", "vec-bf16")
 
 
-def write_fake_cifar10(root, n_train=50000, n_test=10000, seed=0):
+#: 9,800 images per file, 2 % short of the official 10,000: ``Cifar10DataModule`` checks a file at least as large as
+#: an official file's pixels (10,000 × 3,072 bytes) under an official name against the official MD5 checksum and
+#: refuses it (``datamodules.cifar._check_official``); a smaller file is read as the user's own. The pickle's labels
+#: and file names add ~1 % to the pixels. A round's arithmetic does not depend on the data set's size.
+FAKE_TRAIN, FAKE_TEST = 5 * 9800, 9800
+
+
+def write_fake_cifar10(root, n_train=FAKE_TRAIN, n_test=FAKE_TEST, seed=0):
     """CIFAR-10 in the official python-pickle layout under ``root/cifar-10-batches-py`` (5 train batches, test batch,
-    batches.meta): random uint8 pixels from a seeded generator, labels balanced over 0..9. Returns the folder."""
+    batches.meta): random uint8 pixels from a seeded generator, labels balanced over 0..9. Returns the folder. Sizes of
+    an official file or more are refused (the data module would refuse them: see :data:`FAKE_TRAIN`)."""
     if n_train < 5 or n_test < 1:
         raise ValueError(f"need at least 5 train and 1 test images, got {n_train} / {n_test}")
+    if n_train > FAKE_TRAIN or n_test > FAKE_TEST:
+        raise ValueError(
+            f"fake CIFAR of {n_train} / {n_test} images: at most {FAKE_TRAIN} / {FAKE_TEST}, since a file of an "
+            "official file's size must be the official file (Cifar10DataModule checks its MD5 checksum)"
+        )
     rng = np.random.default_rng(seed)
     folder = os.path.join(root, "cifar-10-batches-py")
     os.makedirs(folder, exist_ok=True)
@@ -471,8 +486,8 @@ def fmt_table(env, results, args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--make-fake-cifar", metavar="DIR", help="write a fake CIFAR-10 (python pickles) to DIR and exit")
-    ap.add_argument("--fake-train", type=int, default=50000)
-    ap.add_argument("--fake-test", type=int, default=10000)
+    ap.add_argument("--fake-train", type=int, default=FAKE_TRAIN)
+    ap.add_argument("--fake-test", type=int, default=FAKE_TEST)
     ap.add_argument("--out", default="gpu_bench_results.json", help="JSON results file (rewritten after every run)")
     ap.add_argument("--cifar-dir", help="folder holding cifar-10-batches-py/ (default: a fake data set in a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check (~1 min)")
