@@ -11,9 +11,15 @@ configs' ``class_path`` / ``init_args``, and loop arguments other than the round
 Exception: DSGD is FedAvg with K = 1 (configs/dsgd.yaml), so it keeps its ``local_steps``.
 
 For every algorithm the two modes train the same model from the same initial weights on the same clients and
-batches, alternating (vectorized, sequential, vectorized, ...) ``--repeats`` times; the first two rounds of each
-run are warm-up, and the time of a round is the wall time (``--clock process``: this process's CPU time) of the
-loop's ``training_step`` (clients, aggregation and server step, as a Trainer runs it). Printed per algorithm:
+batches, ``--repeats`` times; the first two rounds of each run are warm-up, and the time of a round is the wall time
+(``--clock process``: CPU time) of the loop's ``training_step`` (clients, aggregation and server step, as a Trainer
+runs it). ``--schedule rounds`` (the default) runs the modes' fits side by side in threads that take turns round by
+round (one thread runs at any time: the vectorized run's round 1, the sequential run's round 1, ..., setup and
+teardown included in the turns), so that every mode's round k is measured within about a second of the others' and
+a machine whose speed drifts over seconds (a shared VM) slows all modes alike; with ``--clock process`` a round's
+time is then its thread's CPU time. ``--schedule runs`` alternates whole runs (vectorized, sequential, vectorized,
+...). The rounds of every run are the same either way (each round's clients, batches and random streams derive
+from the seed and the round, not from what ran before). Printed per algorithm:
 rounds/s of each mode (the inverse of the median round time over all repeats), vectorized / sequential,
 vectorized / FedAvg's vectorized rounds/s (a FedAvg vectorized run alternates with the two modes of every
 algorithm, so that both rates come from the same minutes), and the largest difference between the two
@@ -29,6 +35,7 @@ import importlib
 import os
 import statistics
 import sys
+import threading
 import time
 
 import lightning.pytorch as pl
@@ -92,14 +99,84 @@ def algorithm_parts(config: str, kept: tuple[str, ...]):
     return callbacks, optimizer, loop_args
 
 
-def run(parts, datamodule, mode: str, rounds: int, init_state: dict):
-    """One run of ``rounds`` rounds: ``(round times after 2 warm-up rounds, final global weights)``."""
+class _Turns:
+    """Threads that take turns: one holds the turn at a time, and hands it to the next active thread in a fixed
+    cycle (``--schedule rounds``)."""
+
+    def __init__(self, names):
+        self.active = list(names)
+        self.current = self.active[0]
+        self.cond = threading.Condition()
+
+    def wait(self, name: str) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.current == name)
+
+    def hand_on(self, name: str, leave: bool = False) -> None:
+        with self.cond:
+            i = self.active.index(name)
+            if leave:
+                self.active.remove(name)
+            if self.current == name and self.active:
+                self.current = self.active[(i if leave else i + 1) % len(self.active)]
+            self.cond.notify_all()
+
+
+class _TurnTimer(pl.Callback):
+    """A round's CPU time of this thread (``--clock process``) or its wall time, taken within the thread's turns:
+    each round waits for the turn and hands it on, except the last, whose thread keeps it through teardown."""
+
+    def __init__(self, turns: _Turns, name: str, rounds: int, clock):
+        self.turns, self.name, self.rounds, self.clock = turns, name, rounds, clock
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.turns.wait(self.name)
+        self._start = self.clock()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(self.clock() - self._start)
+        if len(self.times) < self.rounds:
+            self.turns.hand_on(self.name)
+
+
+def run_side_by_side(runs: dict, datamodules: dict, rounds: int, init_state: dict, clock) -> dict:
+    """The fits of ``runs`` (name -> (parts, mode)) in threads taking turns round by round (``--schedule rounds``):
+    name -> (round times after 2 warm-up rounds, final global weights). A fit that raises leaves the others running
+    and is re-raised afterwards."""
+    turns = _Turns(list(runs))
+    out, errors = {}, {}
+
+    def fit(name):
+        parts, mode = runs[name]
+        try:
+            turns.wait(name)  # setup in turn as well: one thread runs at any time
+            timer = _TurnTimer(turns, name, rounds, clock)
+            out[name] = run(parts, datamodules[name], mode, rounds, init_state, timer)
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread
+            errors[name] = err
+        finally:
+            turns.hand_on(name, leave=True)
+
+    threads = [threading.Thread(target=fit, args=(name,), name=f"fit {name}") for name in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for err in errors.values():
+        raise err
+    return out
+
+
+def run(parts, datamodule, mode: str, rounds: int, init_state: dict, timer: pl.Callback | None = None):
+    """One run of ``rounds`` rounds: ``(round times after 2 warm-up rounds, final global weights)``; ``timer``
+    (default :class:`vectorized_speedup.RoundTimer`) has the round times in ``times``."""
     callbacks, optimizer, loop_args = parts
     model = UserMLP()
     model.load_state_dict(init_state)
     args = {"local_steps": vs.LOCAL_STEPS, "clients_per_round": vs.CLIENTS_PER_ROUND, **loop_args}
     loop = FederatedLoop(model, client_optimizer=optimizer, seed=0, client_execution=mode, **args)
-    timer = vs.RoundTimer()
+    timer = timer if timer is not None else vs.RoundTimer()
     trainer = pl.Trainer(
         max_steps=rounds,
         accelerator=vs.ACCELERATOR,
@@ -129,6 +206,12 @@ def main():
         help="time rounds by wall clock (default) or by this process's CPU time (CPU runs only: less disturbed by "
         "other processes on a shared machine)",
     )
+    ap.add_argument(
+        "--schedule",
+        choices=("rounds", "runs"),
+        default="rounds",
+        help="the modes take turns round by round, in threads (default), or run by run",
+    )
     vs.add_common_arguments(ap)
     args = ap.parse_args()
     if args.clock == "process":
@@ -140,9 +223,15 @@ def main():
     names = vs.start(args, args.algorithms, ALGORITHMS, "algorithms", min_rounds=3)
     datamodule = vs.digits()
     datamodule.setup("fit")
+    # side by side, each fit has its own data module (a fit keeps its round's loaders on it)
+    datamodules = {}
+    for mode in ("vectorized", "sequential", "FedAvg vectorized"):
+        datamodules[mode] = vs.digits()
+        datamodules[mode].setup("fit")
+    thread_clock = time.thread_time if args.clock == "process" else vs._clock
     torch.manual_seed(0)
     init_state = UserMLP().state_dict()
-    print(f"clock: {args.clock} time")
+    print(f"clock: {args.clock} time; schedule: {args.schedule}")
     print(
         f"{'algorithm':14s} {'vectorized r/s':>15s} {'sequential r/s':>15s} {'vec/seq':>8s} "
         f"{'vec/FedAvg-vec':>15s} {'max |dw|':>9s}"
@@ -158,6 +247,12 @@ def main():
         weights = {}
         try:
             for _ in range(args.repeats):
+                if args.schedule == "rounds":
+                    named = {mode: (mode_parts, mode.split()[-1]) for mode, mode_parts in runs.items()}
+                    done = run_side_by_side(named, datamodules, args.rounds, init_state, thread_clock)
+                    for mode, (t, weights[mode]) in done.items():
+                        times[mode].extend(t)
+                    continue
                 for mode, mode_parts in runs.items():
                     t, weights[mode] = run(mode_parts, datamodule, mode.split()[-1], args.rounds, init_state)
                     times[mode].extend(t)

@@ -77,7 +77,7 @@ class _Layout:
     def rows(self, clients: Tensor, scratch: Callable[..., Tensor]) -> tuple[Any, Tensor | None, Tensor | None]:
         """Batch, mask and sample counts of the rows ``clients`` (indices; repeats allowed), gathered into the
         engine's reusable ``scratch`` buffers (these rows only live during one trial evaluation)."""
-        P = len(clients)
+        P = clients.shape[0]
         rows = [
             torch.index_select(x, 0, clients, out=scratch(("rows", j), (P, *x.shape[1:]), x.dtype, x.device))
             for j, x in enumerate(self.leaves)
@@ -120,7 +120,7 @@ class _WeightsLayout:
             return cached[1]
         R = W.shape[0]
         views = []
-        for t, shape, order in zip(torch.split(W, self.numels, dim=1), self.shapes, self.orders):
+        for t, shape, order in zip(W.split_with_sizes(self.numels, 1), self.shapes, self.orders):
             if order is None:
                 views.append(t.view(R, *shape))
             else:  # block stored as the parameter permuted by ``order``; the view puts the dimensions back

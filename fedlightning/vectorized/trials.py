@@ -91,9 +91,9 @@ def _write_points(
     if widths is not None and W.device.type in _BLOCK_DEVICES:
         clients = [c for c, w in enumerate(widths) if w]
         sizes = [widths[c] for c in clients]
-        negs = neg.split(sizes)
+        negs = neg.split_with_sizes(sizes)
         for a, b in spans:  # views made in a few calls, not per client: the loop runs one kernel per client
-            W_rows, g_rows, blocks = W[:, a:b].unbind(0), g[:, a:b].unbind(0), points[:, a:b].split(sizes)
+            W_rows, g_rows, blocks = W[:, a:b].unbind(0), g[:, a:b].unbind(0), points[:, a:b].split_with_sizes(sizes)
             for i, c in enumerate(clients):
                 torch.addcmul(W_rows[c], negs[i], g_rows[c], out=blocks[i])
         return points
@@ -212,7 +212,7 @@ class _LineTrials:
             clients = [c for c, w in enumerate(widths) if w]
             sizes = [widths[c] for c in clients]
             A_rows, B_rows = self._unbound(key, A, B)
-            for c, n, out in zip(clients, neg.split(sizes), rows.split(sizes)):
+            for c, n, out in zip(clients, neg.split_with_sizes(sizes), rows.split_with_sizes(sizes)):
                 torch.addcmul(A_rows[c], B_rows[c], n, out=out)
         else:  # accelerators: three large kernels rather than one small kernel per client
             torch.index_select(A, 0, pair_client, out=rows)
