@@ -47,10 +47,20 @@ def _run(tmp_path, devices, setup, rounds=3, extra=()):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("setup", ["fedavg", "fedexp_sls", "decsps", "scaffold", "feddane", "usermodule"])
-def test_two_processes_equal_one(tmp_path, setup):
-    one = _run(tmp_path, 1, setup, extra=("--float64",))
-    two = _run(tmp_path, 2, setup, extra=("--float64",))
+SETUPS = ["fedavg", "fedexp_sls", "decsps", "scaffold", "feddane", "usermodule"]
+
+
+@pytest.fixture(scope="module")
+def one_and_two(tmp_path_factory):
+    """Every setup of SETUPS in one 1-process and one 2-process invocation (float64), run one after the other in the
+    same processes: ``{devices: {setup: results}}`` (a process start costs more than the setup's 3 rounds)."""
+    tmp = tmp_path_factory.mktemp("ddp_setups")
+    return {devices: _run(tmp, devices, ",".join(SETUPS), extra=("--float64",)) for devices in (1, 2)}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_two_processes_equal_one(one_and_two, setup):
+    one, two = one_and_two[1][setup], one_and_two[2][setup]
     assert one["steps"] == two["steps"] == 3
     assert_close64(two["weights"], one["weights"])
     # rank 0 holds the per-client state of every client, including those trained by rank 1
@@ -66,12 +76,12 @@ def test_two_processes_equal_one(tmp_path, setup):
         )
 
 
-def test_two_processes_with_vectorized_client_groups_equal_one_sequential(tmp_path):
+def test_two_processes_with_vectorized_client_groups_equal_one_sequential(tmp_path, one_and_two):
     """Each process trains its share of the round's clients vectorized in groups of 2 (max_parallel_clients; the
     shares hold 3 and 2 of the 5 clients): the same weights and client state as one process training sequentially
     (SCAFFOLD: stacked objective terms and per-client control variates)."""
     setup = "scaffold"
-    one = _run(tmp_path, 1, setup, extra=("--float64",))
+    one = one_and_two[1][setup]  # one process, sequential
     two = _run(tmp_path, 2, setup, extra=("--float64", "--execution", "vectorized", "--groups", "2"))
     assert one["steps"] == two["steps"] == 3
     assert_close64(two["weights"], one["weights"])

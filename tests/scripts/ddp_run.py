@@ -1,6 +1,7 @@
 """Run a few federated rounds with N CPU processes (Lightning DDP, gloo) and save the global weights.
 
     python tests/scripts/ddp_run.py --devices 2 --setup fedavg --rounds 3 --out weights.pt
+    python tests/scripts/ddp_run.py --devices 2 --setup fedavg,scaffold --rounds 3 --out results.pt   # {setup: ...}
 
 Used by tests/test_ddp.py to compare a 2-process run with a 1-process run of the same configuration (``--float64``:
 model and data in float64, where the two must agree to rounding), a 2-process
@@ -128,9 +129,18 @@ def main():
     torch.set_num_threads(1)
     if args.float64:
         torch.set_default_dtype(torch.float64)
+    setups = args.setup.split(",")
+    results = {setup: fit(args, setup) for setup in setups}
+    if results[setups[-1]] is not None:  # rank 0
+        torch.save(results[setups[0]] if len(setups) == 1 else results, args.out)
+
+
+def fit(args, setup: str):
+    """One run of ``setup``; rank 0 returns its results (None elsewhere). Several setups in one invocation run one
+    after the other in the same processes (the later Trainers find the processes and the process group there)."""
     pl.seed_everything(0, verbose=False)
-    callbacks, opt = build(args.setup)
-    net = UserModule() if args.setup == "usermodule" else MLP(input_dim=64, hidden=[16])
+    callbacks, opt = build(setup)
+    net = UserModule() if setup == "usermodule" else MLP(input_dim=64, hidden=[16])
     loop = FederatedLoop(
         net,
         client_optimizer=opt,
@@ -161,17 +171,15 @@ def main():
     trainer.fit(loop, datamodule=dm, ckpt_path=args.ckpt_path)
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
-    if trainer.global_rank == 0:
-        store = loop.client_state.state_dict()
-        torch.save(
-            {
-                "weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
-                "store_clients": {ns: sorted(d) for ns, d in store.items()},
-                "steps": trainer.global_step,
-                "round_metrics": recorder.rounds,
-            },
-            args.out,
-        )
+    if trainer.global_rank != 0:
+        return None
+    store = loop.client_state.state_dict()
+    return {
+        "weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
+        "store_clients": {ns: sorted(d) for ns, d in store.items()},
+        "steps": trainer.global_step,
+        "round_metrics": recorder.rounds,
+    }
 
 
 if __name__ == "__main__":
