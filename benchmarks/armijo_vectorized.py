@@ -1,12 +1,15 @@
 """Where the vectorized SgdArmijo step spends its passes and time, against the passes the sequential search makes.
 
     python benchmarks/armijo_vectorized.py [--rounds 10] [--threads 1] [--clock process] [--workload ...]
+    python benchmarks/armijo_vectorized.py --algorithm FedExpSLS ...   # a line-search config of algorithms_vectorized
 
 Runs one vectorized run of a ``vectorized_speedup.py`` workload (default: FedSLS's client optimizer on the digits
 workload with the user-written MLP) and counts, per local step of the round's clients in lockstep: the batched trial
 calls and the rows (one (client, grid point) pair each) they evaluate, next to the trials the sequential searches
 make (the telemetry both modes share: forward passes minus backward passes, summed over clients) and the trials of
-the step's longest search (the fewest calls a lockstep search can make is one, its rows at least the trials). Times
+the step's longest search (the fewest calls a lockstep search can make is one, its rows at least the trials).
+``--algorithm`` runs a config of ``algorithms_vectorized.py`` instead (its callbacks and client optimizer on that
+script's workload: FedSLS, FedExpSLS, FedLiLS). Times
 per step: the gradient evaluation (one batched forward and backward), the trial calls (with the trial points), and
 the rest of the rule's step; and a least-squares fit of a trial call's time as ``fixed + per row × rows``. Counts
 are exact; times are wall clock (``--clock process``: this process's CPU time; ``--threads 1`` for the docs' numbers).
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import algorithms_vectorized as av  # noqa: E402
 import fedlightning.vectorized.rules as rules  # noqa: E402
 import fedlightning.vectorized.step as step_module  # noqa: E402
 import vectorized_speedup as vs  # noqa: E402
@@ -39,6 +43,7 @@ def main():
         default="wall",
         help="time by wall clock (default) or by this process's CPU time (CPU runs only)",
     )
+    ap.add_argument("--algorithm", default=None, help="a line-search config of algorithms_vectorized.py instead")
     vs.add_common_arguments(ap)
     args = ap.parse_args()
     if args.clock == "process":
@@ -53,6 +58,14 @@ def main():
         return
     torch.manual_seed(0)
     init_state = model_fn().state_dict()
+    if args.algorithm is not None:
+        if args.algorithm not in av.ALGORITHMS:
+            raise SystemExit(f"unknown algorithm {args.algorithm!r}; choose from {list(av.ALGORITHMS)}")
+        parts = av.algorithm_parts(*av.ALGORITHMS[args.algorithm])
+        torch.manual_seed(0)
+        init_state = av.UserMLP().state_dict()
+        datamodule = vs.digits()
+        datamodule.setup("fit")
 
     steps = []  # per local step: dict of counts and times
     calls = []  # (rows, seconds) of every trial call
@@ -98,7 +111,10 @@ def main():
     step_module._StepEvaluator.trial = counted_trial
     step_module._StepEvaluator.gradient = timed_gradient
     try:
-        vs.run(model_fn, optimizer, datamodule, "vectorized", args.rounds, init_state)
+        if args.algorithm is None:
+            vs.run(model_fn, optimizer, datamodule, "vectorized", args.rounds, init_state)
+        else:
+            av.run(parts, datamodule, "vectorized", args.rounds, init_state)
     finally:
         rules._BatchedArmijo.step = local_step
         step_module._StepEvaluator.trial = trial
