@@ -221,13 +221,12 @@ def main():
     if args.smoke:
         args.rounds, args.repeats = 3, 1
     names = vs.start(args, args.algorithms, ALGORITHMS, "algorithms", min_rounds=3)
-    datamodule = vs.digits()
-    datamodule.setup("fit")
-    # side by side, each fit has its own data module (a fit keeps its round's loaders on it)
-    datamodules = {}
-    for mode in ("vectorized", "sequential", "FedAvg vectorized"):
-        datamodules[mode] = vs.digits()
-        datamodules[mode].setup("fit")
+    # side by side, each fit has its own data module (a fit keeps its round's loaders on it); run by run, one serves
+    modes = ("vectorized", "sequential", "FedAvg vectorized") if args.schedule == "rounds" else ("runs",)
+    datamodules = {mode: vs.digits() for mode in modes}
+    for dm in datamodules.values():
+        dm.setup("fit")
+    datamodule = datamodules[modes[0]]
     thread_clock = time.thread_time if args.clock == "process" else vs._clock
     torch.manual_seed(0)
     init_state = UserMLP().state_dict()
