@@ -13,6 +13,11 @@ script's workload: FedSLS, FedExpSLS, FedLiLS). Times
 per step: the gradient evaluation (one batched forward and backward), the trial calls (with the trial points), and
 the rest of the rule's step; and a least-squares fit of a trial call's time as ``fixed + per row × rows``. Counts
 are exact; times are wall clock (``--clock process``: this process's CPU time; ``--threads 1`` for the docs' numbers).
+
+``--windows`` also replays the run's searches (each client's first accepted grid point per step) under other window
+policies: the first window ending at the largest point accepted at the client's last ``n`` steps of the round plus
+``k``, second windows of ``s`` points, later ones doubling; it prints each policy's calls and rows per step and
+their cost under the fitted call and row times (the policy ``_BatchedArmijo`` uses is marked).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def main():
         help="time by wall clock (default) or by this process's CPU time (CPU runs only)",
     )
     ap.add_argument("--algorithm", default=None, help="a line-search config of algorithms_vectorized.py instead")
+    ap.add_argument("--windows", action="store_true", help="replay the searches under other window policies")
     vs.add_common_arguments(ap)
     args = ap.parse_args()
     if args.clock == "process":
@@ -69,7 +75,15 @@ def main():
 
     steps = []  # per local step: dict of counts and times
     calls = []  # (rows, seconds) of every trial call
+    searches = []  # per local step: (searching [C], first accepted grid point [C], grid)
     local_step, trial = rules._BatchedArmijo.step, step_module._StepEvaluator.trial
+    search_windows = rules._BatchedArmijo._search_windows
+
+    def recorded_search(self, W, g, ev, loss64, grad_sq, eta0, searching, grid):
+        first_m, trials = search_windows(self, W, g, ev, loss64, grad_sq, eta0, searching, grid)
+        searches.append((searching.tolist(), first_m.tolist(), grid))
+        return first_m, trials
+
     gradient, points = step_module._StepEvaluator.gradient, rules._BatchedArmijo._points
 
     def counted_step(self, W, ev, record, alive):
@@ -110,6 +124,7 @@ def main():
     rules._BatchedArmijo._points = staticmethod(timed_points)
     step_module._StepEvaluator.trial = counted_trial
     step_module._StepEvaluator.gradient = timed_gradient
+    rules._BatchedArmijo._search_windows = recorded_search
     try:
         if args.algorithm is None:
             vs.run(model_fn, optimizer, datamodule, "vectorized", args.rounds, init_state)
@@ -120,6 +135,7 @@ def main():
         step_module._StepEvaluator.trial = trial
         step_module._StepEvaluator.gradient = gradient
         rules._BatchedArmijo._points = staticmethod(points)
+        rules._BatchedArmijo._search_windows = search_windows
 
     n = len(steps)
 
@@ -146,6 +162,63 @@ def main():
     print(
         f"  a trial call: {fixed * 1e3:.2f} ms + {per_row * 1e6:.1f} us per row (least squares over {len(calls)} calls)"
     )
+    if args.windows:
+        replay_windows(searches, vs.LOCAL_STEPS, fixed, per_row)
+
+
+def replay_policy(searches, steps_per_round: int, last: int, extra: int, second: int) -> tuple[float, float]:
+    """Trial calls and rows per step if the first window ended at the largest point accepted at the client's last
+    ``last`` steps of the round plus ``extra`` (one point at the round's first step, the whole grid after an exhausted
+    search), the second had ``second`` points and later ones doubled."""
+    calls = rows = 0
+    history: list[list[int]] = []
+    for k, (searching, first_m, grid) in enumerate(searches):
+        C = len(first_m)
+        if k % steps_per_round == 0:
+            history = [[] for _ in range(C)]
+        width = []
+        for c in range(C):
+            recent = history[c][-last:]
+            if recent and recent[-1] >= grid:
+                width.append(grid)
+            else:
+                accepted = [m for m in recent if m < grid]
+                width.append(min(grid, max(accepted) + 1 + extra) if accepted else 1)
+        todo, nxt, extended = list(searching), [0] * C, [False] * C
+        while any(todo):
+            w = [min(width[c], grid - nxt[c]) if todo[c] else 0 for c in range(C)]
+            calls, rows = calls + 1, rows + sum(w)
+            for c in range(C):
+                if not w[c]:
+                    continue
+                if first_m[c] < nxt[c] + w[c]:
+                    todo[c] = False
+                    continue
+                nxt[c] += w[c]
+                todo[c] = nxt[c] < grid
+                width[c] = 2 * w[c] if extended[c] else second
+                extended[c] = True
+        for c in range(C):
+            if searching[c]:
+                history[c].append(first_m[c])
+    return calls / len(searches), rows / len(searches)
+
+
+def replay_windows(searches, steps_per_round: int, fixed: float, per_row: float) -> None:
+    print(
+        f"window policies replayed on the run's searches (cost: calls x {fixed * 1e3:.2f} ms + rows x "
+        f"{per_row * 1e6:.1f} us, per step):"
+    )
+    print("  last n  +k  second   calls    rows   cost ms")
+    used = (2, 0, rules._SECOND_WINDOW)
+    for last in (1, 2, 3, 5):
+        for extra in (0, 1):
+            for second in (4, 8):
+                c, r = replay_policy(searches, steps_per_round, last, extra, second)
+                mark = "  <- _BatchedArmijo" if (last, extra, second) == used else ""
+                print(
+                    f"  {last:6d} {extra:3d} {second:7d} {c:7.2f} {r:7.1f} {(c * fixed + r * per_row) * 1e3:9.2f}{mark}"
+                )
 
 
 if __name__ == "__main__":

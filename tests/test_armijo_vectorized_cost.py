@@ -130,3 +130,69 @@ def test_in_order_search_makes_as_many_calls_as_the_longest_search(monkeypatch):
     for calls in steps:
         assert len(calls) == max(trials)
         assert all(rows == list(range(len(trials))) for rows in calls)
+
+
+class MixedCurvatureClients(FederatedDataModule):
+    """Clients whose samples carry different curvatures, so that a batch's mean curvature, and with it the grid point
+    the client accepts, changes from step to step (batches of 2 drawn by the client's shuffling sampler)."""
+
+    MIXES = [[1.3, 1.3, 47.0, 47.0, 6.1, 6.1], [2.3, 93.0, 2.3, 9.7, 31.0, 2.3], [310.0, 3.3, 3.3, 21.0]]
+
+    def __init__(self):
+        super().__init__(num_clients=len(self.MIXES), batch_size=2)
+
+    def load(self):
+        a = torch.tensor([v for mix in self.MIXES for v in mix], dtype=torch.float64)
+        data = ArrayDataset(a, torch.zeros(len(a), dtype=torch.long))
+        return data, data, np.zeros(len(a), dtype=np.int64)
+
+    def natural_clients(self):
+        ends = np.cumsum([len(m) for m in self.MIXES])
+        return [np.arange(e - len(m), e) for e, m in zip(ends, self.MIXES)]
+
+
+def test_first_window_ends_at_the_larger_of_the_last_two_accepted_points(monkeypatch):
+    """Each client's first window of a step ends at the larger grid point it accepted at its previous two steps of
+    the round (one point at the first step): a step whose every search accepts within that makes one trial call,
+    with exactly those rows; the data makes steps where the previous step's point alone would not have sufficed."""
+    steps, accepted = [], []
+    local_step, trial, search = _BatchedArmijo.step, step_module._StepEvaluator.trial, _BatchedArmijo._search_windows
+
+    def counting_step(self, *args, **kwargs):
+        steps.append([])
+        return local_step(self, *args, **kwargs)
+
+    def counting_trial(self, points, clients=None, line=None):
+        steps[-1].append(clients.tolist())
+        return trial(self, points, clients, line)
+
+    def recording_search(self, *args):
+        first_m, trials = search(self, *args)
+        accepted.append(first_m.tolist())
+        return first_m, trials
+
+    monkeypatch.setattr(_BatchedArmijo, "step", counting_step)
+    monkeypatch.setattr(_BatchedArmijo, "_search_windows", recording_search)
+    monkeypatch.setattr(step_module._StepEvaluator, "trial", counting_trial)
+    clients = len(MixedCurvatureClients.MIXES)
+    loop = FederatedLoop(
+        Quadratic(),
+        client_optimizer=lambda p: SgdArmijo(p, eta_max=1.0, beta=0.5, c=0.1, max_backtracks=12),
+        local_steps=8,
+        clients_per_round=clients,
+        seed=0,
+        client_execution="vectorized",
+    )
+    make_trainer(1, callbacks=[FedAvg()]).fit(loop, datamodule=MixedCurvatureClients())
+    assert len(steps) == 8 and all(max(m) <= 12 for m in accepted)  # every search accepts
+    assert sorted(steps[0][0]) == list(range(clients))
+    covered_by_two_only = 0
+    for k in range(1, len(steps)):
+        window = [max(accepted[max(k - 2, 0) : k][j][c] for j in range(min(k, 2))) + 1 for c in range(clients)]
+        first_rows = [steps[k][0].count(c) for c in range(clients)]
+        assert first_rows == window
+        within = all(accepted[k][c] < window[c] for c in range(clients))
+        assert (len(steps[k]) == 1) == within
+        if within and any(accepted[k][c] > accepted[k - 1][c] for c in range(clients)):
+            covered_by_two_only += 1
+    assert covered_by_two_only >= 1

@@ -291,7 +291,7 @@ class _BatchedAdam(BatchedRule):
 
 
 #: Points of a client's second window in the batched Armijo search (:class:`_BatchedArmijo`); later windows double.
-_SECOND_WINDOW = 4
+_SECOND_WINDOW = 8
 
 
 class _BatchedArmijo(BatchedRule):
@@ -304,13 +304,15 @@ class _BatchedArmijo(BatchedRule):
 
     * deterministic models: a trial round evaluates every client still searching at a window of its next grid
       points, all (client, point) pairs in one batched call (several calls of at least ``C`` pairs where the trial
-      points would pass :data:`TRIAL_POINT_BYTES`). A client's first window of a step ends at the ``m`` it accepted
-      at its previous step of the round (one point at the round's first step); a client whose previous search
-      exhausted the grid gets the whole grid at once (such a search mostly fails again: e.g. a client whose float32
-      loss is 0 with a gradient above ``grad_tol``, below which no trial loss can fall); the window after a client's
-      first has 4 points, every later one twice the one before (most searches that pass their first window accept
-      within 4 more points, a few run 10 to 20 further). The lengths trade the fixed cost of a batched call against rows
-      evaluated past the accepted point (docs/benchmarks.md, "Batched line search", has the counts). Those extra
+      points would pass :data:`TRIAL_POINT_BYTES`). A client's first window of a step ends at the larger ``m`` it
+      accepted at its previous two steps of the round (the accepted ``m`` drifts by a few points from step to step;
+      one point at the round's first step); a client whose previous search exhausted the grid gets the whole grid at
+      once (such a search mostly fails again: e.g. a client whose float32 loss is 0 with a gradient above
+      ``grad_tol``, below which no trial loss can fall); the window after a client's first has 8 points, every later
+      one twice the one before. The lengths trade the fixed cost of a batched call against rows evaluated past the
+      accepted point: replaying recorded searches (``benchmarks/armijo_vectorized.py --windows``) puts this policy at
+      the lowest cost of those tried on the digits and synthetic workloads (docs/benchmarks.md, "Batched line
+      search"). Those extra
       points are computed but not counted: telemetry counts the search's own evaluations. Every call evaluates at
       least one point of every client still searching, so a step makes no more trial calls (unsplit) than its
       longest search has trials;
@@ -344,8 +346,10 @@ class _BatchedArmijo(BatchedRule):
         self.scale = torch.tensor([o.step_scale for o in optimizers], **f64)  # client step scale (scale_step)
         self.accepted_step = torch.tensor(_nan_for_none(st["accepted_step_size"] for st in states), **f64)
         self.accepted_any = torch.zeros(len(optimizers), dtype=torch.bool, device=device)
-        # window prediction (host lists, deterministic models): the first window of each client's next search
-        self.first_window = [1] * len(optimizers)
+        # window prediction (host lists, deterministic models): the grid points each client accepted at its last two
+        # steps of the round (most recent last), and whether its last search exhausted the grid
+        self.recent_m: list[tuple[int, ...]] = [()] * len(optimizers)
+        self.exhausted_last = [False] * len(optimizers)
 
     def initial_step_size(self) -> Tensor:
         return rules.armijo_initial_step(self.reset, self.eta_max, self.prev, self.growth)
@@ -391,7 +395,7 @@ class _BatchedArmijo(BatchedRule):
         device = W.device
         todo = searching.tolist()
         first_m, trials, next_m = [grid] * C, [0] * C, [0] * C
-        width = list(self.first_window)
+        width = [self._first_window(c, grid) for c in range(C)]
         extended = [False] * C  # the client's first window is behind it
         while True:
             widths = [min(width[c], grid - next_m[c]) if todo[c] else 0 for c in range(C)]
@@ -416,17 +420,25 @@ class _BatchedArmijo(BatchedRule):
                     hit = block.index(True)
                     first_m[c], todo[c] = next_m[c] + hit, False
                     trials[c] += hit + 1
-                    self.first_window[c] = first_m[c] + 1  # the next search's first window ends at this m
+                    self.recent_m[c] = (*self.recent_m[c][-1:], first_m[c])
+                    self.exhausted_last[c] = False
                     continue
                 trials[c] += w
                 next_m[c] += w
                 if next_m[c] >= grid:  # exhausted: the next search gets the whole grid at once
                     todo[c] = False
-                    self.first_window[c] = grid
+                    self.exhausted_last[c], self.recent_m[c] = True, ()
                 width[c] = 2 * w if extended[c] else _SECOND_WINDOW
                 extended[c] = True
         as_tensor = dict(dtype=torch.long, device=device)
         return torch.tensor(first_m, **as_tensor), torch.tensor(trials, **as_tensor)
+
+    def _first_window(self, c: int, grid: int) -> int:
+        """Points of client ``c``'s first window at this step (see the class docstring)."""
+        if self.exhausted_last[c]:
+            return grid
+        recent = self.recent_m[c]
+        return min(grid, max(recent) + 1) if recent else 1
 
     def _trial_losses(
         self, ev: _StepEvaluator, W: Tensor, g: Tensor, pair_client: Tensor, eta: Tensor, widths: list[int]
