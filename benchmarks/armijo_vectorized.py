@@ -79,9 +79,9 @@ def main():
     local_step, trial = rules._BatchedArmijo.step, step_module._StepEvaluator.trial
     search_windows = rules._BatchedArmijo._search_windows
 
-    def recorded_search(self, W, g, ev, loss64, grad_sq, eta0, searching, grid):
-        first_m, trials = search_windows(self, W, g, ev, loss64, grad_sq, eta0, searching, grid)
-        searches.append((searching.tolist(), first_m.tolist(), grid))
+    def recorded_search(self, W, g, ev, losses, norms, eta0, searching, grid):
+        first_m, trials = search_windows(self, W, g, ev, losses, norms, eta0, searching, grid)
+        searches.append((list(searching), list(first_m), grid))
         return first_m, trials
 
     gradient, points = step_module._StepEvaluator.gradient, rules._BatchedArmijo._points

@@ -168,7 +168,7 @@ def test_first_window_ends_at_the_larger_of_the_last_two_accepted_points(monkeyp
 
     def recording_search(self, *args):
         first_m, trials = search(self, *args)
-        accepted.append(first_m.tolist())
+        accepted.append(list(first_m))
         return first_m, trials
 
     monkeypatch.setattr(_BatchedArmijo, "step", counting_step)

@@ -17,7 +17,7 @@ import torch
 from fedlightning._hooks import _concat
 from fedlightning.datamodules import ArrayDataset, DigitsDataModule, Dirichlet, FederatedDataModule
 from fedlightning.models import MLP, LogisticRegression
-from fedlightning.vectorized import VectorizedClientTrainer
+from fedlightning.vectorized import VectorizedClientTrainer, trials
 from fedlightning.vectorized.batches import _padded_positions, _round_index, _RoundBatches, _sampler_batches
 from fedlightning.vectorized.engine import _rows_finite
 from fedlightning.vectorized.layout import _Layout
@@ -204,7 +204,12 @@ def test_log_router_means_mix_scalars_and_runs_in_order():
     assert router.captured == {}
 
 
-def test_trial_points_per_client_blocks_equal_the_gathered_points():
+@pytest.mark.parametrize("gather_bytes", [0, 1 << 30], ids=["client-blocks", "gathered-ranges"])
+@pytest.mark.parametrize("columns", [None, [(0, 100), (300, 650)]], ids=["all-columns", "two-ranges"])
+def test_trial_points_per_client_blocks_equal_the_gathered_points(monkeypatch, gather_bytes, columns):
+    """CPU trial points, written client block by client block or (column ranges up to trials._GATHER_BYTES)
+    gathered, equal the accelerators' gathered points and the formula, bit for bit, in the columns asked for."""
+    monkeypatch.setattr(trials, "_GATHER_BYTES", gather_bytes)
     torch.manual_seed(3)
     engine = VectorizedClientTrainer(LogisticRegression(input_dim=64, num_classes=10))
 
@@ -219,10 +224,11 @@ def test_trial_points_per_client_blocks_equal_the_gathered_points():
     pair_client = torch.repeat_interleave(torch.arange(C), torch.tensor(widths))
     eta = torch.rand(len(pair_client), dtype=torch.float64) * 4
     neg = (-eta).float()
-    blocks = _BatchedArmijo._points(ev, W, g, pair_client, neg, widths).clone()
-    gathered = _BatchedArmijo._points(ev, W, g, pair_client, neg).clone()
+    blocks = _BatchedArmijo._points(ev, W, g, pair_client, neg, widths, columns).clone()
+    gathered = _BatchedArmijo._points(ev, W, g, pair_client, neg, None, columns).clone()
     reference = torch.addcmul(W[pair_client], g[pair_client], (-eta).float().unsqueeze(1))
-    assert torch.equal(blocks, gathered) and torch.equal(blocks, reference)
+    for a, b in [(0, D)] if columns is None else columns:
+        assert torch.equal(blocks[:, a:b], gathered[:, a:b]) and torch.equal(blocks[:, a:b], reference[:, a:b])
 
 
 # ---------------------------------------------------------------------------------------------- _vmap0

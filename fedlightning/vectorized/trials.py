@@ -63,6 +63,10 @@ class _TrialLine(NamedTuple):
 #: Device types whose trial points and rows are written one client block at a time (elsewhere: gathered rows).
 _BLOCK_DEVICES = ("cpu",)
 
+#: Largest column range of trial points (bytes, all pairs) that :func:`_write_points` gathers rather than writing
+#: client block by client block on CPU (ours, measured: below it the three gathering kernels are faster).
+_GATHER_BYTES = 1 << 20
+
 
 def _key(t: Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), tuple(t.stride())
@@ -85,14 +89,22 @@ def _write_points(
     one ``addcmul`` of its row of ``W`` and ``g`` broadcast against the block's ``[w, 1]`` step sizes: the points
     are written once instead of gathering ``W``'s and ``g``'s rows first (3 passes over ``[P, D]``), at the price
     of one kernel call per client: faster for large ``D``, slower for the smallest models (docs/benchmarks.md
-    §3). On accelerators three large kernels beat one small kernel per client."""
+    §3). A column range of at most :data:`_GATHER_BYTES` of points (the classifier head's 1,290 columns of the
+    digits MLP, whose other columns trial calls leave out) is gathered instead: three kernels beat twenty there
+    (83 µs instead of 153 µs for 80 pairs of 20 clients; per-client blocks again from 240 pairs). Both give the
+    same values. On accelerators three large kernels beat one small kernel per client."""
     neg = neg.unsqueeze(1)
     spans = [(0, W.shape[1])] if columns is None else list(columns)
     if widths is not None and W.device.type in _BLOCK_DEVICES:
         clients = [c for c, w in enumerate(widths) if w]
         sizes = [widths[c] for c in clients]
-        negs = neg.split_with_sizes(sizes)
+        negs = None
         for a, b in spans:  # views made in a few calls, not per client: the loop runs one kernel per client
+            if len(pair_client) * (b - a) * W.element_size() <= _GATHER_BYTES:
+                rows_w, rows_g = W[:, a:b].index_select(0, pair_client), g[:, a:b].index_select(0, pair_client)
+                torch.addcmul(rows_w, neg, rows_g, out=points[:, a:b])
+                continue
+            negs = neg.split_with_sizes(sizes) if negs is None else negs
             W_rows, g_rows, blocks = W[:, a:b].unbind(0), g[:, a:b].unbind(0), points[:, a:b].split_with_sizes(sizes)
             for i, c in enumerate(clients):
                 torch.addcmul(W_rows[c], negs[i], g_rows[c], out=blocks[i])
