@@ -148,18 +148,21 @@ class BatchedRule:
         return g * coef[:, None]
 
     @staticmethod
-    def loss_and_grad_sq(loss: Tensor, g: Any, ev: _StepEvaluator) -> tuple[Tensor, Tensor, Tensor]:
-        """float64 loss and ‖g‖² per client, and the mask of clients whose step is finite
-        (:func:`fedlightning.optim.rules.finite_step`).
-
-        ‖g‖² is computed as the optimizers of :mod:`fedlightning.optim` compute it (per-tensor norms in the
-        parameters' dtype, squared and summed in float64), so their decisions see the same numbers up to rounding.
-        A flat ``g`` is normed per parameter block as stored (a norm does not depend on the order of the entries,
-        only its rounding may; the engine's storage order already differs from the parameters' own).
-        """
+    def grad_sq(g: Any, ev: _StepEvaluator) -> Tensor:
+        """‖g‖² per client in float64, computed as the optimizers of :mod:`fedlightning.optim` compute it
+        (per-tensor norms in the parameters' dtype, squared and summed in float64), so their decisions see the same
+        numbers up to rounding. A flat ``g`` is normed per parameter block as stored (a norm does not depend on the
+        order of the entries, only its rounding may; the engine's storage order already differs from the parameters'
+        own)."""
         parts = g if isinstance(g, (list, tuple)) else torch.split(g, ev.engine.weights.numels, dim=1)
         norms = [torch.linalg.vector_norm(v, dim=tuple(range(1, v.dim()))) if v.dim() > 1 else v.abs() for v in parts]
-        grad_sq = torch.stack(norms).double().square().sum(dim=0)
+        return torch.stack(norms).double().square().sum(dim=0)
+
+    @classmethod
+    def loss_and_grad_sq(cls, loss: Tensor, g: Any, ev: _StepEvaluator) -> tuple[Tensor, Tensor, Tensor]:
+        """float64 loss and ‖g‖² (:meth:`grad_sq`) per client, and the mask of clients whose step is finite
+        (:func:`fedlightning.optim.rules.finite_step`)."""
+        grad_sq = cls.grad_sq(g, ev)
         loss64 = loss.double()
         return loss64, grad_sq, rules.finite_step(loss64, grad_sq)
 
@@ -361,8 +364,8 @@ class _BatchedArmijo(BatchedRule):
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
         loss, g = ev.gradient(W, alive)
-        loss64, grad_sq = self.loss_and_grad_sq(loss, g, ev)[:2]
-        losses, norms, live = loss64.tolist(), grad_sq.tolist(), alive.tolist()  # the step's host synchronisation
+        # the step's host synchronisation
+        losses, norms, live = loss.tolist(), self.grad_sq(g, ev).tolist(), alive.tolist()  # exact as floats
         finite = [rules.finite_step(f, n) for f, n in zip(losses, norms)]
         searching = [a and ok and not rules.flat_gradient(n, self.grad_tol) for a, ok, n in zip(live, finite, norms)]
         eta0 = self.initial_step_size()

@@ -94,28 +94,25 @@ def _write_points(
     (83 µs instead of 153 µs for 80 pairs of 20 clients; per-client blocks again from 240 pairs). Both give the
     same values. On accelerators three large kernels beat one small kernel per client."""
     neg = neg.unsqueeze(1)
-    spans = [(0, W.shape[1])] if columns is None else list(columns)
-    if widths is not None and W.device.type in _BLOCK_DEVICES:
-        clients = [c for c, w in enumerate(widths) if w]
-        sizes = [widths[c] for c in clients]
-        negs = None
-        for a, b in spans:  # views made in a few calls, not per client: the loop runs one kernel per client
-            if len(pair_client) * (b - a) * W.element_size() <= _GATHER_BYTES:
-                rows_w, rows_g = W[:, a:b].index_select(0, pair_client), g[:, a:b].index_select(0, pair_client)
-                torch.addcmul(rows_w, neg, rows_g, out=points[:, a:b])
-                continue
-            negs = neg.split_with_sizes(sizes) if negs is None else negs
-            W_rows, g_rows, blocks = W[:, a:b].unbind(0), g[:, a:b].unbind(0), points[:, a:b].split_with_sizes(sizes)
-            for i, c in enumerate(clients):
-                torch.addcmul(W_rows[c], negs[i], g_rows[c], out=blocks[i])
-        return points
-    if columns is None:
+    by_client = widths is not None and W.device.type in _BLOCK_DEVICES
+    if columns is None and not by_client:
         torch.index_select(W, 0, pair_client, out=points)
         g_rows = torch.index_select(g, 0, pair_client, out=scratch("g_rows", points.shape, W.dtype, W.device))
         return points.addcmul_(g_rows, neg)
-    for a, b in spans:
-        rows_w, rows_g = W[:, a:b].index_select(0, pair_client), g[:, a:b].index_select(0, pair_client)
-        points[:, a:b] = rows_w.addcmul_(rows_g, neg)
+    if by_client:
+        clients = [c for c, w in enumerate(widths) if w]
+        sizes = [widths[c] for c in clients]
+    negs = None
+    for a, b in [(0, W.shape[1])] if columns is None else columns:
+        if not by_client or len(pair_client) * (b - a) * W.element_size() <= _GATHER_BYTES:  # gathered
+            rows_w, rows_g = W[:, a:b].index_select(0, pair_client), g[:, a:b].index_select(0, pair_client)
+            torch.addcmul(rows_w, neg, rows_g, out=points[:, a:b])
+            continue
+        negs = neg.split_with_sizes(sizes) if negs is None else negs
+        # views made in a few calls, not per client: the loop runs one kernel per client
+        W_rows, g_rows, blocks = W[:, a:b].unbind(0), g[:, a:b].unbind(0), points[:, a:b].split_with_sizes(sizes)
+        for i, c in enumerate(clients):
+            torch.addcmul(W_rows[c], negs[i], g_rows[c], out=blocks[i])
     return points
 
 
