@@ -16,6 +16,9 @@ Shapes are the digits MLP 64-128-10 of ``vectorized_speedup.py`` (D = 9,610 weig
 * linear rows: ``_linear_rows`` as a line search's trial call runs it (without autograd) against one ``baddbmm``,
   for 4, 10, 16 and 62 outputs on ``7.5 C`` rows of ``[50, 128]``; below 16 outputs it computes the transposed
   product;
+* head weight gradient: a gradient evaluation's linear layer of 4, 10 and 16 outputs on ``C`` rows of
+  ``[50, 128]``, forward and backward (weights and bias), through ``baddbmm``'s own backward against
+  ``_linear_rows``; below 16 outputs its weight gradient is the wide product ``g^T x``;
 * no bucketing: one local step (the MLP's vmapped forward and backward with a masked mean loss) of ``--clients``
   clients padded to 33 samples, vs the same clients split into two buckets of half the clients each, padded to 16
   and to 33 (what bucketing by batch size would run instead on the digits workload's sizes).
@@ -140,6 +143,22 @@ def main():
                 lambda Wn=Wn, bn=bn: _linear_rows(h, Wn, bn, narrow=True),
             )
         )
+
+    # a narrow layer's weight gradient in a gradient evaluation: baddbmm's own backward, (x^T g)^T, against
+    # _linear_rows (_NarrowRowsLinear: g^T x), forward and backward, on C clients' [50, 128] rows
+    hx = torch.randn(C, 50, 128)
+    for out in (4, 10, 16):
+        Wg = torch.randn(C, out, 128, requires_grad=True)
+        bg = torch.randn(C, out, requires_grad=True)
+        g_out = torch.randn(C, 50, out)
+
+        def plain_grad(Wg=Wg, bg=bg, g_out=g_out):
+            return torch.autograd.grad(torch.baddbmm(bg.unsqueeze(1), hx, Wg.transpose(1, 2)), (Wg, bg), g_out)
+
+        def engine_grad(Wg=Wg, bg=bg, g_out=g_out):
+            return torch.autograd.grad(_linear_rows(hx, Wg, bg), (Wg, bg), g_out)
+
+        rows.append((f"head weight gradient, {out} outputs", plain_grad, engine_grad))
 
     print(f"C = {C}, D = {D}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     print(f"{'case':<34} {'plain (µs)':>11} {'engine (µs)':>12} {'ratio':>7}")

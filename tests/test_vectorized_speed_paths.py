@@ -365,6 +365,68 @@ def test_narrow_linear_rows_without_autograd_are_the_transposed_product():
             assert (seen[0][-1] != 1) == (transposed and not grad)
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_narrow_layer_weight_gradient_is_the_wide_product(bias, input_grad):
+    """A CPU layer with fewer than 16 outputs and at least 16 inputs whose weights need a gradient goes through
+    _NarrowRowsLinear inside the engine's vmap: the forward values are the plain baddbmm's bit for bit, and the
+    gradients of the input, weights and bias equal vmapped F.linear's (float64); a wider layer keeps baddbmm's own
+    backward."""
+    from torch.func import vmap
+
+    from fedlightning.vectorized import torch_internals as internals
+
+    g = torch.Generator().manual_seed(3)
+    for out, narrow in ((10, True), (16, False)):
+        x = torch.randn(4, 20, 24, generator=g, dtype=torch.float64, requires_grad=input_grad)
+        W = torch.randn(4, out, 24, generator=g, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(4, out, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+        nodes = []
+
+        def fast(xi, wi, bi=None, nodes=nodes):
+            y = internals._batched_linear(xi, wi, bi)
+            node = internals._physical(y).grad_fn
+            while type(node).__name__.startswith(("View", "Reshape", "UnsafeView")):  # the output's reshape
+                node = node.next_functions[0][0]
+            nodes.append(type(node).__name__)
+            return y
+
+        inputs = (x, W, b) if bias else (x, W)
+        got = vmap(fast)(*inputs)
+        plain = torch.baddbmm(b.unsqueeze(1), x, W.transpose(1, 2)) if bias else torch.bmm(x, W.transpose(1, 2))
+        assert torch.equal(got, plain)  # the same forward call
+        assert ("_NarrowRowsLinearBackward" in nodes[0]) == narrow, nodes
+        leaves = [t for t in inputs if t.requires_grad]
+        seed = torch.randn(got.shape, generator=g, dtype=got.dtype)
+        expected = vmap(torch.nn.functional.linear)(*inputs)
+        for a, e in zip(torch.autograd.grad(got, leaves, seed), torch.autograd.grad(expected, leaves, seed)):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_narrow_weight_gradient_outside_vmap_and_under_another_transform():
+    """_linear_rows on plain tensors outside any vmap takes the same function (no functorch layer to set aside);
+    under a transform around the engine's vmap level it takes the plain product."""
+    from torch.func import vmap
+
+    from fedlightning.vectorized import torch_internals as internals
+
+    x = torch.randn(3, 20, 32, dtype=torch.float64)
+    W = torch.randn(3, 4, 32, dtype=torch.float64, requires_grad=True)
+    y = internals._narrow_weight_gradient(x, W, None)
+    assert type(y.grad_fn).__name__ == "_NarrowRowsLinearBackward"
+    (gW,) = torch.autograd.grad(y.sum(), W)
+    torch.testing.assert_close(gW, torch.ones(3, 20, 4, dtype=torch.float64).transpose(1, 2) @ x)
+    seen = []
+
+    def inner(xi):
+        seen.append(internals._narrow_weight_gradient(x, W, None))
+        return xi
+
+    vmap(lambda v: vmap(inner)(v))(torch.zeros(2, 3))
+    assert seen == [None]
+
+
 def test_batched_linear_declines_what_it_does_not_cover():
     """Outside vmap, weights not batched (a frozen layer), nested vmap levels, mixed dtypes and autocast: None, and
     the caller runs F.linear."""

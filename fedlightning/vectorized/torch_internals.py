@@ -42,6 +42,11 @@ try:
     from torch._C._functorch import is_batchedtensor as _is_batchedtensor
 except ImportError:  # pragma: no cover - every logged value then counts as client-dependent
     _is_batchedtensor = None
+try:  # run a function on plain tensors inside vmap as outside any transform (_NarrowRowsLinear)
+    from torch._C._functorch import pop_dynamic_layer_stack as _pop_dynamic_layer_stack
+    from torch._C._functorch import push_dynamic_layer_stack as _push_dynamic_layer_stack
+except ImportError:  # pragma: no cover - narrow layers' weight gradients then come from baddbmm's backward
+    _pop_dynamic_layer_stack = _push_dynamic_layer_stack = None
 try:
     from torch._C._functorch import get_unwrapped as _get_unwrapped
 except ImportError:  # pragma: no cover - _physical then knows no tensor
@@ -203,8 +208,9 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
     (``benchmarks/engine_paths.py``, "linear rows"). Each output is the same dot product, summed in another order by
     the kernel: a trial loss only decides a line search's step, where rounding already may, while a gradient
     evaluation with the transposed head makes a float32 run differ from sequential training wherever a ReLU input
-    sits at its kink (FedDANE's digits run: 4.3e-3 after 10 rounds, instead of 1.8e-7); so gradients keep the plain
-    product."""
+    sits at its kink (FedDANE's digits run: 4.3e-3 after 10 rounds, instead of 1.8e-7); so gradient evaluations keep
+    the plain product forward, and only a narrow layer's weight gradient is taken in the fast orientation
+    (:class:`_NarrowRowsLinear`)."""
     level = _current_level(input, weight)
     if level is None:
         return None
@@ -234,15 +240,84 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
 def _linear_rows(x: Tensor, W: Tensor, b: Tensor | None, narrow: bool = False) -> Tensor:
     """The rows' linear layer on plain tensors, rows in front: ``x`` ``[R, ..., in]``, ``W`` ``[R, out, in]``, ``b``
     ``[R, out]`` or None; ``[R, ..., out]`` (see :func:`_batched_linear`; ``narrow``: a narrow layer may be computed
-    transposed)."""
+    transposed). A narrow CPU layer whose weights need a gradient goes through :class:`_NarrowRowsLinear`."""
     x2 = x.reshape(W.shape[0], -1, x.shape[-1])
     out = W.shape[1]
     if narrow and out < _NARROW_OUT and x2.shape[1] >= _NARROW_OUT and W.device.type == "cpu":  # y^T = W x^T
         yt = torch.bmm(W, x2.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(2), W, x2.transpose(1, 2))
         y = yt.transpose(1, 2)
     else:
-        y = torch.bmm(x2, W.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), x2, W.transpose(1, 2))
+        y = _narrow_weight_gradient(x2, W, b) if _narrow_weight_gradient_applies(x2, W) else None
+        if y is None:
+            y = torch.bmm(x2, W.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), x2, W.transpose(1, 2))
     return y.reshape(*x.shape[:-1], out)
+
+
+def _narrow_weight_gradient_applies(x: Tensor, W: Tensor) -> bool:
+    """Whether ``W``'s gradient may be taken through :class:`_NarrowRowsLinear`: a CPU layer with fewer than
+    ``_NARROW_OUT`` outputs and at least as many inputs, its weights needing a gradient."""
+    return (
+        W.shape[1] < _NARROW_OUT <= x.shape[-1]
+        and W.device.type == "cpu"
+        and W.requires_grad
+        and torch.is_grad_enabled()
+        and _pop_dynamic_layer_stack is not None
+    )
+
+
+def _narrow_weight_gradient(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor | None:
+    """:class:`_NarrowRowsLinear` on the plain tensors ``x``, ``W``, ``b``, outside vmap or inside one vmap level (the
+    engine's), which is set aside for the call; None inside more levels (the caller takes the plain product)."""
+    if not torch._C._are_functorch_transforms_active():
+        return _NarrowRowsLinear.apply(x, W, b)
+    saved = _pop_dynamic_layer_stack()
+    try:
+        if torch._C._are_functorch_transforms_active():  # another transform around the engine's vmap
+            return None
+        return _NarrowRowsLinear.apply(x, W, b)
+    finally:
+        _push_dynamic_layer_stack(saved)
+
+
+class _NarrowRowsLinear(torch.autograd.Function):
+    r"""``y = b + x W^\top`` per row (``x`` ``[R, m, in]``, ``W`` ``[R, out, in]``, ``b`` ``[R, out]`` or None) whose
+    backward pass computes the weight gradient as ``g_y^\top x`` (``[R, out, in]``, the last dimension wide).
+
+    Decision (ours, measured): for a narrow layer on CPU (fewer than 16 outputs, at least 16 inputs: a classifier
+    head), the gradient ``baddbmm``'s own backward pass gives, ``(x^\top g_y)^\top``, is a batched product with a
+    last dimension of ``out``, the slow kernel path that :func:`_batched_linear` describes: 4–5× the time of
+    ``g_y^\top x`` for 2 to 10 outputs, about equal from 16 outputs on (``benchmarks/engine_paths.py``, "head weight
+    gradient"; the digits MLP's vectorized SGD rounds about 6 % faster, ``benchmarks/engine_ab.py``). Each entry is
+    the same sum over the rows' samples, in another order: the weight gradient differs from ``F.linear``'s in the
+    last bits (float32: one or two ulps; the float32 weights of the two modes stay as close as before,
+    ``benchmarks/algorithms_vectorized.py``'s ``max |dw|``). The forward product, and the input and bias gradients,
+    are the plain ``baddbmm``'s (same calls, same values): the forward values decide ReLU kinks, where rounding
+    would grow (see :func:`_batched_linear`).
+
+    The engine applies it to the plain tensors under vmap's batch dimension with functorch's layer stack set aside
+    for the call (:func:`_linear_rows`): an ``autograd.Function`` applied under vmap would need a vmap rule, and
+    functorch's path for one costs more than the product saves; set aside, it records one autograd node, as outside
+    vmap."""
+
+    @staticmethod
+    def forward(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+        if b is None:
+            return torch.bmm(x, W.transpose(1, 2))
+        return torch.baddbmm(b.unsqueeze(1), x, W.transpose(1, 2))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        x, W, b = inputs
+        ctx.save_for_backward(x, W)
+        ctx.has_bias = b is not None
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, W = ctx.saved_tensors
+        gx = torch.bmm(g, W) if ctx.needs_input_grad[0] else None
+        gW = torch.bmm(g.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
+        gb = g.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gW, gb
 
 
 #: Output widths below this are computed transposed on CPU (:func:`_batched_linear`).
