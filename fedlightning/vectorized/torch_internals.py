@@ -250,8 +250,14 @@ def _linear_rows(x: Tensor, W: Tensor, b: Tensor | None, narrow: bool = False) -
     else:
         y = _narrow_weight_gradient(x2, W, b) if _narrow_weight_gradient_applies(x2, W) else None
         if y is None:
-            y = torch.bmm(x2, W.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), x2, W.transpose(1, 2))
+            y = _rows_product(x2, W, b)
     return y.reshape(*x.shape[:-1], out)
+
+
+def _rows_product(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+    r"""``b + x W^\top`` per row as one batched product (``x`` ``[R, m, in]``, ``W`` ``[R, out, in]``, ``b``
+    ``[R, out]`` or None): the plain forward of :func:`_linear_rows`, which :class:`_NarrowRowsLinear` computes too."""
+    return torch.bmm(x, W.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), x, W.transpose(1, 2))
 
 
 #: False inside :func:`_exact_weight_gradients`: narrow layers' weight gradients come from ``baddbmm``'s backward.
@@ -328,9 +334,7 @@ class _NarrowRowsLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
-        if b is None:
-            return torch.bmm(x, W.transpose(1, 2))
-        return torch.baddbmm(b.unsqueeze(1), x, W.transpose(1, 2))
+        return _rows_product(x, W, b)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
