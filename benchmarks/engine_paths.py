@@ -18,7 +18,8 @@ Shapes are the digits MLP 64-128-10 of ``vectorized_speedup.py`` (D = 9,610 weig
   product;
 * head weight gradient: a gradient evaluation's linear layer of 4, 10 and 16 outputs on ``C`` rows of
   ``[50, 128]``, forward and backward (weights and bias), through ``baddbmm``'s own backward against
-  ``_linear_rows``; below 16 outputs its weight gradient is the wide product ``g^T x``;
+  ``_linear_rows``; below 16 outputs its weight gradient is the wide product ``g^T x`` (and that product alone
+  against ``x^T g``, the one ``baddbmm``'s backward takes);
 * no bucketing: one local step (the MLP's vmapped forward and backward with a masked mean loss) of ``--clients``
   clients padded to 33 samples, vs the same clients split into two buckets of half the clients each, padded to 16
   and to 33 (what bucketing by batch size would run instead on the digits workload's sizes).
@@ -159,6 +160,14 @@ def main():
             return torch.autograd.grad(_linear_rows(hx, Wg, bg), (Wg, bg), g_out)
 
         rows.append((f"head weight gradient, {out} outputs", plain_grad, engine_grad))
+        # the weight gradient's product alone: (x^T g)^T as baddbmm's backward takes it, against g^T x
+        rows.append(
+            (
+                f"  its product alone, {out} outputs",
+                lambda g_out=g_out: torch.bmm(hx.transpose(1, 2), g_out),
+                lambda g_out=g_out: torch.bmm(g_out.transpose(1, 2), hx),
+            )
+        )
 
     print(f"C = {C}, D = {D}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     print(f"{'case':<34} {'plain (µs)':>11} {'engine (µs)':>12} {'ratio':>7}")

@@ -311,14 +311,14 @@ class _NarrowRowsLinear(torch.autograd.Function):
 
     Decision (ours, measured): for a narrow layer on CPU (fewer than 16 outputs, at least 16 inputs: a classifier
     head), the weight gradient of ``baddbmm``'s own backward pass, ``(x^\top g_y)^\top``, is a batched product whose
-    last dimension is ``out``: the slow kernel path that :func:`_batched_linear` describes: 4–5× the time of
-    ``g_y^\top x`` for 2 to 10 outputs, about equal from 16 outputs on (``benchmarks/engine_paths.py``, "head weight
-    gradient"; the digits MLP's vectorized SGD rounds about 6 % faster, ``benchmarks/engine_ab.py``). Each entry is
-    the same sum over the rows' samples, in another order: the weight gradient differs from ``F.linear``'s in the
-    last bits (float32: one or two ulps; the float32 weights of the two modes stay as close as before,
-    ``benchmarks/algorithms_vectorized.py``'s ``max |dw|``). The forward product, and the input and bias gradients,
-    are the plain ``baddbmm``'s (same calls, same values): the forward values decide ReLU kinks, where rounding
-    would grow (see :func:`_batched_linear`).
+    last dimension is ``out``: the slow kernel path that :func:`_batched_linear` describes, 4.4–6× the time of
+    ``g_y^\top x`` for 4 to 10 outputs, about equal at 16 (``benchmarks/engine_paths.py``, "head weight gradient"
+    and "its product alone"; the digits MLP's vectorized SGD rounds about 6 % faster, ``benchmarks/engine_ab.py``).
+    Each entry is the same sum over the rows' samples, in another order: the weight gradient differs from
+    ``F.linear``'s in the last bits (float32: one or two ulps; the float32 weights of the two modes stay as close as
+    before, ``benchmarks/algorithms_vectorized.py``'s ``max |dw|``). The forward product, and the input and bias
+    gradients, are the plain ``baddbmm``'s (same calls, same values): the forward values decide ReLU kinks, where
+    rounding would grow (see :func:`_batched_linear`).
 
     Decision (ours, measured): gradient evaluations followed by a line search keep ``baddbmm``'s backward
     (:func:`_exact_weight_gradients`, entered by the step evaluator). The Armijo test at a grid point close to its
