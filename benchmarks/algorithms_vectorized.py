@@ -212,6 +212,13 @@ def main():
         default="rounds",
         help="the modes take turns round by round, in threads (default), or run by run",
     )
+    ap.add_argument(
+        "--init-seed",
+        type=int,
+        default=0,
+        help="torch seed of the model's initial weights (default 0; other seeds give other trajectories, e.g. to "
+        "compare max |dw| over several)",
+    )
     vs.add_common_arguments(ap)
     args = ap.parse_args()
     if args.clock == "process":
@@ -228,7 +235,7 @@ def main():
         dm.setup("fit")
     datamodule = datamodules[modes[0]]
     thread_clock = time.thread_time if args.clock == "process" else vs._clock
-    torch.manual_seed(0)
+    torch.manual_seed(args.init_seed)
     init_state = UserMLP().state_dict()
     print(f"clock: {args.clock} time; schedule: {args.schedule}")
     print(

@@ -140,16 +140,14 @@ class VectorizedClientTrainer:
             self._scratch[key] = buf
         return buf[:numel].view(*shape)
 
-    def _probe_layout(self, start: Tensor, layout: _Layout, rng_devices: list, exact: bool) -> None:
+    def _probe_layout(self, start: Tensor, layout: _Layout, rng_devices: list) -> None:
         """One gradient evaluation at ``start`` (every client) on ``layout``, to learn the gradients' memory layout
         (:meth:`~fedlightning.vectorized.layout._WeightsLayout.learn`); done once per engine, on the first step of
         its first round (a resumed run probes again, on its first round), outside the round's random stream. Marked
         learned only once the evaluation succeeded: a probe that runs out of memory (a group then halved) is made
-        again by the next call. ``exact``: the round's gradient evaluations take F.linear's weight gradients
-        (:attr:`~fedlightning.vectorized.step._StepEvaluator.exact_gradients`), whose memory layout the probe learns."""
+        again by the next call."""
         W = start.unsqueeze(0).repeat(layout.num_clients, 1)
         ev = _StepEvaluator(self, layout, 0, None, rng_devices, None, trials=False)
-        ev.exact_gradients = exact
         ev.learn_layout = True
         ev.keep_effects = False
         ev.gradient(W, torch.ones(layout.num_clients, dtype=torch.bool, device=W.device), flat=False)
@@ -359,7 +357,7 @@ class VectorizedClientTrainer:
         layouts: dict = {}
         with torch.random.fork_rng(devices=rng_devices):
             if not self.layout_learned:  # before the round's seeding: its random draws do not count
-                self._probe_layout(start, _Layout(*batches.step(0)), rng_devices, exact=rule.uses_trials)
+                self._probe_layout(start, _Layout(*batches.step(0)), rng_devices)
             W = self.weights.stored(start).expand(C, -1).contiguous()  # [C, D]: client c's weights in row c
             # the terms in the weights' storage order, which the probe above has fixed
             client_terms = None

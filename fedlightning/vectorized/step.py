@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .call import _ClientTerms, _Effects, _ModelCall
 from .layout import _Layout, _WeightsLayout
-from .torch_internals import _exact_weight_gradients, _rng_state, _set_rng_state, tree_flatten
+from .torch_internals import _rng_state, _set_rng_state, tree_flatten
 from .trials import _LineTrials, _same_losses, _TrialLine, _write_points
 
 __all__ = ["_StepEvaluator", "_feed_router"]
@@ -72,9 +72,6 @@ class _StepEvaluator:
         self.metric_sink = metric_sink
         self.keep_effects = True  # False: the engine's layout probe (running statistics and metrics untouched)
         self.replay = trials  # keep the generator state of the gradient evaluation for trial evaluations
-        #: gradients with F.linear's weight-gradient values (a line search's Armijo tests read them;
-        #: torch_internals._NarrowRowsLinear); the layout probe sets it as the round's steps have it
-        self.exact_gradients = trials
         self.rng_before = None
         self.rng_after = None
         self.trials = 0
@@ -101,8 +98,7 @@ class _StepEvaluator:
         if self.replay:  # a line search follows: keep the outputs of the layers that read the batch (_LineTrials)
             self.line_trials = _LineTrials(engine.weights.views(W), layout.leaves, engine.scratch)
             recording = self.line_trials.recording(leaves)
-        exact = _exact_weight_gradients() if self.exact_gradients else contextlib.nullcontext()
-        with torch.enable_grad(), recording, exact:
+        with torch.enable_grad(), recording:
             if layout.mask is None:
                 losses, logged = engine.call.row_values(leaves, layout.batch, None, self.step, effects=effects)
                 roots, seeds = [losses], [None]

@@ -61,7 +61,6 @@ __all__ = [
     "tree_flatten",
     "tree_unflatten",
     "_batched_nll",
-    "_exact_weight_gradients",
     "_foreach_add_",
     "_is_batched",
     "_linear_forward",
@@ -260,30 +259,11 @@ def _rows_product(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
     return torch.bmm(x, W.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), x, W.transpose(1, 2))
 
 
-#: False inside :func:`_exact_weight_gradients`: narrow layers' weight gradients come from ``baddbmm``'s backward.
-_wide_weight_gradients = True
-
-
-@contextmanager
-def _exact_weight_gradients():
-    """Within the block, :func:`_linear_rows` takes every weight gradient from ``baddbmm``'s own backward pass, whose
-    values are those of a per-client ``F.linear`` (the engine's gradient evaluations before a line search: see
-    :class:`_NarrowRowsLinear`)."""
-    global _wide_weight_gradients
-    previous, _wide_weight_gradients = _wide_weight_gradients, False
-    try:
-        yield
-    finally:
-        _wide_weight_gradients = previous
-
-
 def _narrow_weight_gradient_applies(x: Tensor, W: Tensor) -> bool:
     """Whether ``W``'s gradient may be taken through :class:`_NarrowRowsLinear`: a CPU layer with fewer than
-    ``_NARROW_OUT`` outputs and at least as many inputs, its weights needing a gradient, outside
-    :func:`_exact_weight_gradients`."""
+    ``_NARROW_OUT`` outputs and at least as many inputs, its weights needing a gradient."""
     return (
-        _wide_weight_gradients
-        and W.shape[1] < _NARROW_OUT <= x.shape[-1]
+        W.shape[1] < _NARROW_OUT <= x.shape[-1]
         and W.device.type == "cpu"
         and W.requires_grad
         and torch.is_grad_enabled()
@@ -314,18 +294,18 @@ class _NarrowRowsLinear(torch.autograd.Function):
     last dimension is ``out``: the slow kernel path that :func:`_batched_linear` describes, 4.4–6× the time of
     ``g_y^\top x`` for 4 to 10 outputs, about equal at 16 (``benchmarks/engine_paths.py``, "head weight gradient"
     and "its product alone"; the digits MLP's vectorized SGD rounds about 6 % faster, ``benchmarks/engine_ab.py``).
-    Each entry is the same sum over the rows' samples, in another order: the weight gradient differs from
-    ``F.linear``'s in the last bits (float32: one or two ulps; the float32 weights of the two modes stay as close as
-    before, ``benchmarks/algorithms_vectorized.py``'s ``max |dw|``). The forward product, and the input and bias
+    Each entry is the same sum over the rows' samples; ``g_y^\top x`` is the orientation ``F.linear``'s own backward
+    takes for a row-major weight (``mm_mat2_backward``), and on this CPU it equals a per-client ``F.linear``'s
+    weight gradient bit for bit, which ``baddbmm``'s ``(x^\top g_y)^\top`` does not for narrow layers (one or two
+    float32 ulps; ``benchmarks/engine_paths.py`` prints both checks). The forward product, and the input and bias
     gradients, are the plain ``baddbmm``'s (same calls, same values): the forward values decide ReLU kinks, where
     rounding would grow (see :func:`_batched_linear`).
 
-    Decision (ours, measured): gradient evaluations followed by a line search keep ``baddbmm``'s backward
-    (:func:`_exact_weight_gradients`, entered by the step evaluator). The Armijo test at a grid point close to its
-    boundary turns on the gradient's last bits, and one flipped decision moves a client's step by a factor ``β``:
-    with the wide product the float32 weights of FedExpSLS and FedLiLS after 10 rounds differed from sequential
-    training's by 6.7e-3 and 1.1e-3 instead of 1.3e-5 and 1.1e-4, while the gradient evaluation is a third of such a
-    step and the line searches' rounds were no faster within the machine's noise.
+    Every gradient evaluation takes it, those before a line search included. An Armijo test at a grid point close
+    to its boundary turns on the gradient's last bits, so either product moves some float32 trajectories away from
+    sequential training's; over 24 runs (three line searches, eight initial weights, 10 rounds;
+    docs/benchmarks.md §3) the two products left the weights equally close to sequential training's (each closer
+    in a third of the runs, equal in the rest).
 
     The engine applies it to the plain tensors under vmap's batch dimension with functorch's layer stack set aside
     for the call (:func:`_linear_rows`): an ``autograd.Function`` applied under vmap would need a vmap rule, and
