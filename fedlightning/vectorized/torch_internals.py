@@ -296,7 +296,7 @@ class _NarrowRowsLinear(torch.autograd.Function):
     and "its product alone"; the digits MLP's vectorized SGD rounds about 6 % faster, ``benchmarks/engine_ab.py``).
     Each entry is the same sum over the rows' samples; ``g_y^\top x`` is the orientation ``F.linear``'s own backward
     takes for a row-major weight (``mm_mat2_backward``), and on this CPU it equals a per-client ``F.linear``'s
-    weight gradient bit for bit, which ``baddbmm``'s ``(x^\top g_y)^\top`` does not for narrow layers (one or two
+    weight gradient bit for bit, which ``baddbmm``'s ``(x^\top g_y)^\top`` does not for narrow layers (a few
     float32 ulps; ``benchmarks/engine_paths.py`` prints both checks). The forward product, and the input and bias
     gradients, are the plain ``baddbmm``'s (same calls, same values): the forward values decide ReLU kinks, where
     rounding would grow (see :func:`_batched_linear`).
