@@ -156,12 +156,14 @@ def test_cifar_validation_reads_the_images_without_augmentation(tmp_path):
     assert dm.train_dataset.augment and dm.evaluation_view().images is dm.train_dataset.images  # shared storage
 
 
-def test_val_fraction_zero_with_a_val_monitor_is_an_error():
+def test_val_fraction_zero_with_a_val_monitor_is_an_error(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), local_steps=2, clients_per_round=3, seed=0)
     ckpt = ModelCheckpoint(monitor="val/acc", mode="max")
-    trainer = make_trainer(2, callbacks=[ckpt], limit_val_batches=1.0, enable_checkpointing=True)
+    trainer = make_trainer(
+        2, callbacks=[ckpt], limit_val_batches=1.0, enable_checkpointing=True, default_root_dir=str(tmp_path)
+    )
     with pytest.raises(ValueError, match=r"val_fraction=0\.0.*ModelCheckpoint\(monitor='val/acc'\)"):
         trainer.fit(loop, datamodule=_digits(num_clients=10, val_fraction=0))
 
