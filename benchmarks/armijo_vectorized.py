@@ -14,6 +14,12 @@ per step: the gradient evaluation (one batched forward and backward), the trial 
 the rest of the rule's step; and a least-squares fit of a trial call's time as ``fixed + per row × rows``. Counts
 are exact; times are wall clock (``--clock process``: this process's CPU time; ``--threads 1`` for the docs' numbers).
 
+``--baseline`` (with ``--algorithm``) runs FedAvg's config on the same workload side by side with the line search
+(threads taking turns round by round, ``algorithms_vectorized.run_side_by_side``) and prints the median time of a
+gradient evaluation in each: the same operations on the same shapes, so a difference is what the line search's
+trial calls leave behind them (caches they evicted). The share of real cells in the steps' padded batches is
+printed either way.
+
 ``--windows`` also replays the run's searches (each client's first accepted grid point per step) under other window
 policies: the first window ending at the largest point accepted at the client's last ``n`` steps of the round plus
 ``k``, second windows of ``s`` points, later ones doubling; it prints each policy's calls and rows per step and
@@ -26,6 +32,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -50,12 +57,19 @@ def main():
     )
     ap.add_argument("--algorithm", default=None, help="a line-search config of algorithms_vectorized.py instead")
     ap.add_argument("--windows", action="store_true", help="replay the searches under other window policies")
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="with --algorithm: time FedAvg's gradient evaluations on the same workload, side by side",
+    )
     vs.add_common_arguments(ap)
     args = ap.parse_args()
     if args.clock == "process":
         if args.accelerator != "cpu":
             raise SystemExit("--clock process: CPU runs only (GPU work is not the process's CPU time)")
         vs._clock = time.process_time
+    if args.baseline and args.algorithm is None:
+        raise SystemExit("--baseline needs --algorithm (a config of algorithms_vectorized.py)")
     args.repeats = 1
     vs.start(args, args.workload, vs.WORKLOADS, "workload", min_rounds=3)
     model_fn, optimizer, dm_fn = vs.WORKLOADS[args.workload]
@@ -76,6 +90,7 @@ def main():
     steps = []  # per local step: dict of counts and times
     calls = []  # (rows, seconds) of every trial call
     searches = []  # per local step: (searching [C], first accepted grid point [C], grid)
+    gradient_s: dict[str, list[float]] = {}  # thread name -> every gradient evaluation's time (--baseline)
     local_step, trial = rules._BatchedArmijo.step, step_module._StepEvaluator.trial
     search_windows = rules._BatchedArmijo._search_windows
 
@@ -95,6 +110,8 @@ def main():
         entry["step_s"] = vs._clock() - start
         trials = (record.forwards - before - alive.long()).tolist()  # forwards beyond the gradient evaluation
         entry["trials"], entry["longest"] = sum(trials), max(trials)
+        sizes = ev.layout.sizes  # the clients' real batch sizes, padded to the largest
+        entry["cells"], entry["real_cells"] = len(sizes) * max(sizes), sum(sizes)
 
     def counted_trial(self, points, clients=None, line=None):
         start = vs._clock()
@@ -110,8 +127,10 @@ def main():
     def timed_gradient(self, *a, **k):
         start = vs._clock()
         out = gradient(self, *a, **k)
+        seconds = vs._clock() - start
+        gradient_s.setdefault(threading.current_thread().name, []).append(seconds)
         if steps and self.replay:
-            steps[-1]["gradient_s"] += vs._clock() - start
+            steps[-1]["gradient_s"] += seconds
         return out
 
     def timed_points(*a, **k):
@@ -128,6 +147,12 @@ def main():
     try:
         if args.algorithm is None:
             vs.run(model_fn, optimizer, datamodule, "vectorized", args.rounds, init_state)
+        elif args.baseline:
+            baseline = vs.digits()
+            baseline.setup("fit")
+            fedavg = av.algorithm_parts(*av.ALGORITHMS["FedAvg"])
+            runs = {"line": (parts, "vectorized"), "FedAvg": (fedavg, "vectorized")}
+            av.run_side_by_side(runs, {"line": datamodule, "FedAvg": baseline}, args.rounds, init_state, vs._clock)
         else:
             av.run(parts, datamodule, "vectorized", args.rounds, init_state)
     finally:
@@ -156,6 +181,11 @@ def main():
         f"rest of the step {sum(rest) / n * 1e3:.2f} (medians {statistics.median(s['step_s'] for s in steps) * 1e3:.2f}"
         f" per step)"
     )
+    cells, real = sum(s["cells"] for s in steps), sum(s["real_cells"] for s in steps)
+    print(f"  real cells of the padded batches      {real / cells:8.1%}   ({real / n:.0f} of {cells / n:.0f})")
+    if args.baseline:
+        line, fedavg = (statistics.median(gradient_s[f"fit {name}"]) * 1e3 for name in ("line", "FedAvg"))
+        print(f"  gradient evaluation, median ms: {args.algorithm} {line:.2f}, FedAvg {fedavg:.2f} (side by side)")
     rows = np.array([r for r, _ in calls], dtype=float)
     secs = np.array([t for _, t in calls])
     fixed, per_row = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], 1), secs, rcond=None)[0]
