@@ -16,9 +16,9 @@ are exact; times are wall clock (``--clock process``: this process's CPU time; `
 
 ``--baseline`` (with ``--algorithm``) runs FedAvg's config on the same workload side by side with the line search
 (threads taking turns round by round, ``algorithms_vectorized.run_side_by_side``) and prints the median time of a
-gradient evaluation in each: the same operations on the same shapes, so a difference is what the line search's
-trial calls leave behind them (caches they evicted). The share of real cells in the steps' padded batches is
-printed either way.
+gradient evaluation in each (the same products on the same shapes; the line search's also concatenates the flat
+gradient and keeps the outputs of the layers that read the batch). The share of real cells in the steps' padded
+batches is printed either way.
 
 ``--windows`` also replays the run's searches (each client's first accepted grid point per step) under other window
 policies: the first window ending at the largest point accepted at the client's last ``n`` steps of the round plus
