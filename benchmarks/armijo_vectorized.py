@@ -32,7 +32,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 
 import numpy as np
@@ -90,7 +89,7 @@ def main():
     steps = []  # per local step: dict of counts and times
     calls = []  # (rows, seconds) of every trial call
     searches = []  # per local step: (searching [C], first accepted grid point [C], grid)
-    gradient_s: dict[str, list[float]] = {}  # thread name -> every gradient evaluation's time (--baseline)
+    gradient_s: dict[bool, list[float]] = {}  # line search's (True) or FedAvg's: every gradient evaluation's time
     local_step, trial = rules._BatchedArmijo.step, step_module._StepEvaluator.trial
     search_windows = rules._BatchedArmijo._search_windows
 
@@ -128,7 +127,8 @@ def main():
         start = vs._clock()
         out = gradient(self, *a, **k)
         seconds = vs._clock() - start
-        gradient_s.setdefault(threading.current_thread().name, []).append(seconds)
+        if self.keep_effects:  # not an engine's layout probe
+            gradient_s.setdefault(self.replay, []).append(seconds)  # only a line search's evaluations replay
         if steps and self.replay:
             steps[-1]["gradient_s"] += seconds
         return out
@@ -184,7 +184,7 @@ def main():
     cells, real = sum(s["cells"] for s in steps), sum(s["real_cells"] for s in steps)
     print(f"  real cells of the padded batches      {real / cells:8.1%}   ({real / n:.0f} of {cells / n:.0f})")
     if args.baseline:
-        line, fedavg = (statistics.median(gradient_s[f"fit {name}"]) * 1e3 for name in ("line", "FedAvg"))
+        line, fedavg = (statistics.median(gradient_s[replay]) * 1e3 for replay in (True, False))
         print(f"  gradient evaluation, median ms: {args.algorithm} {line:.2f}, FedAvg {fedavg:.2f} (side by side)")
     rows = np.array([r for r, _ in calls], dtype=float)
     secs = np.array([t for _, t in calls])
