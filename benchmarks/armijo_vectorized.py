@@ -89,7 +89,7 @@ def main():
     steps = []  # per local step: dict of counts and times
     calls = []  # (rows, seconds) of every trial call
     searches = []  # per local step: (searching [C], first accepted grid point [C], grid)
-    gradient_s: dict[bool, list[float]] = {}  # line search's (True) or FedAvg's: every gradient evaluation's time
+    fedavg_gradient_s = []  # --baseline: every gradient evaluation's time in FedAvg's run
     local_step, trial = rules._BatchedArmijo.step, step_module._StepEvaluator.trial
     search_windows = rules._BatchedArmijo._search_windows
 
@@ -127,8 +127,8 @@ def main():
         start = vs._clock()
         out = gradient(self, *a, **k)
         seconds = vs._clock() - start
-        if self.keep_effects:  # not an engine's layout probe
-            gradient_s.setdefault(self.replay, []).append(seconds)  # only a line search's evaluations replay
+        if not self.replay and self.keep_effects:  # FedAvg's (a line search's replay), not a layout probe
+            fedavg_gradient_s.append(seconds)
         if steps and self.replay:
             steps[-1]["gradient_s"] += seconds
         return out
@@ -184,7 +184,8 @@ def main():
     cells, real = sum(s["cells"] for s in steps), sum(s["real_cells"] for s in steps)
     print(f"  real cells of the padded batches      {real / cells:8.1%}   ({real / n:.0f} of {cells / n:.0f})")
     if args.baseline:
-        line, fedavg = (statistics.median(gradient_s[replay]) * 1e3 for replay in (True, False))
+        line = statistics.median(s["gradient_s"] for s in steps) * 1e3  # one gradient evaluation per step
+        fedavg = statistics.median(fedavg_gradient_s) * 1e3
         print(f"  gradient evaluation, median ms: {args.algorithm} {line:.2f}, FedAvg {fedavg:.2f} (side by side)")
     rows = np.array([r for r, _ in calls], dtype=float)
     secs = np.array([t for _, t in calls])
