@@ -14,6 +14,9 @@ per step: the gradient evaluation (one batched forward and backward), the trial 
 the rest of the rule's step; and a least-squares fit of a trial call's time as ``fixed + per row × rows``. Counts
 are exact; times are wall clock (``--clock process``: this process's CPU time; ``--threads 1`` for the docs' numbers).
 
+The calls, rows and sequential trials are also printed by local step of the round (the first steps of a round
+search from the round's initial step size and make the most calls).
+
 ``--baseline`` (with ``--algorithm``) runs FedAvg's config on the same workload side by side with the line search
 (threads taking turns round by round, ``algorithms_vectorized.run_side_by_side``) and prints the median time of a
 gradient evaluation in each (the same products on the same shapes; the line search's also concatenates the flat
@@ -174,6 +177,12 @@ def main():
     print(
         f"  vectorized trial rows                 {mean('rows'):8.1f}   ({mean('rows') / mean('trials'):.2f} per trial)"
     )
+    K = vs.LOCAL_STEPS
+    if n % K == 0:  # every round ran K steps: the steps at local step k of their round are steps[k::K]
+        print("  by local step of the round (k = 0 .. K-1):")
+        for label, key, digits in (("calls", "calls", 1), ("rows", "rows", 0), ("sequential trials", "trials", 0)):
+            values = " ".join(f"{sum(s[key] for s in steps[k::K]) / (n // K):.{digits}f}" for k in range(K))
+            print(f"    {label:<18} {values}")
     rest = [s["step_s"] - s["gradient_s"] - s["trial_s"] - s["points_s"] for s in steps]
     print(
         f"  ms: gradient evaluation {mean('gradient_s') * 1e3:.2f}, trial calls {mean('trial_s') * 1e3:.2f}, "
