@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fedlightning.vectorized.layout as layout_module
 import fedlightning.vectorized.step as step_module
 import fedlightning.vectorized.trials as trials_module
 from conftest import make_trainer
@@ -70,6 +71,10 @@ class Net(pl.LightningModule):
             loss = loss + 0.05 * (self.first.weight**2).sum()
         if self.variant == "mask":  # reads them through a comparison, which turns NaN into False
             loss = loss + 0.1 * (self.first.weight > 0).to(loss.dtype).mean()
+        if self.variant == "readx":  # reads the batch outside the first layer
+            loss = loss + 0.01 * x.square().mean()
+        if self.variant == "xmask":  # reads the batch through a comparison
+            loss = loss + 0.1 * (x > 0).to(loss.dtype).mean() * loss
         return loss
 
 
@@ -90,25 +95,37 @@ def fit(variant: str, mode: str, spy=None, monkeypatch=None, accelerator="cpu"):
 
 
 @pytest.mark.parametrize(
-    "variant, served, blocks, skips",
+    "variant, served, blocks, skips, blanks",
     [
-        ("plain", True, True, True),
-        ("plain", True, False, True),
-        ("penalty", True, True, False),
-        ("mask", True, True, False),
-        ("scaled", False, True, False),
-        ("tied", True, True, False),
+        ("plain", True, True, True, True),
+        ("plain", True, False, True, True),
+        ("penalty", True, True, False, False),
+        ("mask", True, True, False, False),
+        ("readx", True, True, True, False),
+        ("xmask", True, True, True, False),
+        ("scaled", False, True, False, False),
+        ("tied", True, True, False, False),
     ],
 )
-def test_trial_rows_on_lines_equal_the_batched_products(variant, served, blocks, skips, monkeypatch):
+def test_trial_rows_on_lines_equal_the_batched_products(variant, served, blocks, skips, blanks, monkeypatch):
     """``blocks=False``: the rows gathered (the accelerators' path), on this CPU. ``skips``: whether trial calls go on
     leaving out the points of the first layer, which only the rows computed from A and B need: "tied" reads its
     weights in another layer (never left out); "penalty" and "mask" read them in ``training_step``, which the check
-    of the round's first such call finds (the loss differs), and the engine writes every point from then on."""
+    of the round's first such call finds (the loss differs), and the engine writes every point from then on.
+    ``blanks``: whether they go on passing NaN rows for the batch, which only the first layer reads: "readx" reads it
+    in another layer (the loss turns NaN) and "xmask" through a comparison (the loss differs); the check switches
+    that off, and the points stay left out."""
     if not blocks:
         monkeypatch.setattr(trials_module, "_BLOCK_DEVICES", ())
     trial = step_module._StepEvaluator.trial
-    seen = {"calls": 0, "served": 0, "skipped": 0, "skipping": []}
+    seen = {"calls": 0, "served": 0, "skipped": 0, "skipping": [], "blanking": [], "gathered": 0}
+    rows = layout_module._Layout.rows
+
+    def gathering(self, clients, scratch, blank=frozenset()):
+        seen["gathered"] += 0 not in blank  # leaf 0: the inputs
+        return rows(self, clients, scratch, blank)
+
+    monkeypatch.setattr(layout_module._Layout, "rows", gathering)
 
     def spy(self, points, clients=None, line=None):
         assert line is not None  # the batched Armijo search always hands the line
@@ -122,6 +139,7 @@ def test_trial_rows_on_lines_equal_the_batched_products(variant, served, blocks,
         seen["served"] += self.line_trials.served - before
         seen["skipped"] += bool(line.skipped)
         seen["skipping"].append(self.engine.skip_line_points)
+        seen["blanking"].append(self.engine.skip_line_leaves)
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
         return got
 
@@ -136,6 +154,14 @@ def test_trial_rows_on_lines_equal_the_batched_products(variant, served, blocks,
         assert seen["skipping"][0] is False and seen["skipped"] == 1  # the first call's check switched it off
     else:
         assert seen["skipped"] == 0
+    # the spy's reference evaluations gather every leaf (no line); the engine's own calls gather the inputs only
+    # where they are not left out, and the first checked call gathers them for its check
+    if blanks:
+        assert all(seen["blanking"]) and seen["gathered"] == seen["calls"] + 2  # the check of each of the 2 rounds
+    else:
+        assert seen["gathered"] >= 2 * seen["calls"]
+    if variant in ("readx", "xmask"):
+        assert seen["blanking"][0] is False  # the first call's check switched it off
     monkeypatch.undo()
     torch.testing.assert_close(vectorized, fit(variant, "sequential"), rtol=0, atol=1e-10)
 
@@ -148,3 +174,26 @@ def test_trial_rows_on_cuda_equal_sequential(variant):
     on_gpu = fit(variant, "vectorized", accelerator="gpu")
     torch.testing.assert_close(on_gpu, fit(variant, "sequential", accelerator="gpu"), rtol=0, atol=1e-10)
     torch.testing.assert_close(on_gpu, fit(variant, "sequential"), rtol=0, atol=1e-10)
+
+
+def test_blank_rows_stay_nan_whatever_writes_into_them():
+    """The NaN rows that trial calls pass for a left-out batch leaf come from a reusable buffer filled once: a write
+    into it (a model changing its input in place) is undone before the next call, and a grown buffer is NaN too."""
+    from types import SimpleNamespace
+
+    from fedlightning.vectorized import VectorizedClientTrainer
+
+    engine = SimpleNamespace(_scratch={}, _filled={})
+
+    def blank(rows):
+        return VectorizedClientTrainer.scratch(engine, "blank", (rows, 4), torch.float64, torch.device("cpu"), 0.5)
+
+    first = blank(3)
+    assert (first == 0.5).all()
+    first[1, 2] = 7.0
+    first.zero_()
+    assert (blank(2) == 0.5).all() and (first == 0.5).all()  # the same buffer, filled again
+    assert (blank(9) == 0.5).all()  # grown: a new buffer
+    plain = VectorizedClientTrainer.scratch(engine, "blank", (2, 4), torch.float64, torch.device("cpu"))
+    plain.fill_(1.0)  # a caller without fill: the buffer as it is
+    assert (blank(2) == 0.5).all()

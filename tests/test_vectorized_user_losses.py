@@ -227,6 +227,40 @@ def test_none_equal_answers_for_the_whole_round_tensor_while_it_is_unchanged(mon
     assert losses._none_equal(fresh[:15], -100) and checked[-1] == 60  # another tensor: checked anew
 
 
+def test_none_equal_answers_for_rows_gathered_from_a_checked_tensor(monkeypatch):
+    """A line search's trial rows are gathered (``index_select``) from the step's targets into a reusable buffer: a
+    value the step's targets were found not to hold is not looked for in those rows again, while the buffer holds
+    that gather; rows gathered from targets that hold it, a buffer written since, and a view reaching past the
+    gathered rows are checked themselves (and answer correctly)."""
+    from fedlightning.vectorized import losses
+
+    round_targets = torch.arange(60).remainder(7)
+    step = round_targets[:15].view(3, 5)
+    buffer = torch.zeros(40, dtype=torch.long)  # the engine's scratch buffer: views of its first elements
+    checked = []
+    real_any = Tensor.any
+    monkeypatch.setattr(Tensor, "any", lambda t, *a: checked.append(t.numel()) or real_any(t, *a))
+    assert losses._none_equal(step, -100) and checked == [60]  # the step's gradient evaluation: the round tensor
+
+    def gather(source, clients):
+        rows = torch.index_select(source, 0, torch.tensor(clients), out=buffer[: 5 * len(clients)].view(-1, 5))
+        losses._gathered_rows(rows, source)
+        return rows
+
+    rows = gather(step, [0, 0, 2, 1, 2])
+    assert vmap(lambda r: torch.tensor(losses._none_equal(r, -100)))(rows).all() and checked == [60]
+    assert losses._none_equal(rows[1:3, :2], -100) and checked == [60]  # a view inside the gathered rows
+    assert not losses._none_equal(rows, 3) and checked[-1] == 25  # a value not recorded: checked (the rows hold it)
+    before = len(checked)
+    assert losses._none_equal(buffer[:30], -100) and len(checked) > before  # past the gathered rows: checked
+    rows[0, 0] = -100  # the buffer written: the record no longer holds
+    assert not losses._none_equal(rows, -100)
+    step[2, 4] = -100  # targets holding the value: their gathered rows are checked, whole
+    rows = gather(step, [2, 1])
+    before = len(checked)
+    assert not losses._none_equal(rows, -100) and len(checked) > before
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("classes", [2, 3, 10, 15, 16, 40])
 def test_float32_cross_entropy_on_cpu_through_the_transposed_log_softmax(classes):

@@ -97,12 +97,15 @@ class VectorizedClientTrainer:
         self.weights = _WeightsLayout([p for _, p in named])
         self.call = _ModelCall(model, named, self.dtype)
         self._scratch: dict[Any, Tensor] = {}
+        self._filled: dict[Any, int] = {}  # key -> version of its buffer right after it was filled (scratch(fill=))
         self.layout_learned = False
         #: during a round: ``[C]`` bool of the clients that raised (None while none has), and their exceptions
         self.failed: Tensor | None = None
-        # the line search's trial calls leave out the points no layer needs (vectorized/trials.py) until a check
-        # finds something else reading them; each round checks its first such call
+        # the line search's trial calls leave out the points no layer needs and the batch leaves only the trial-row
+        # layers read (vectorized/trials.py) until a check finds something else reading them; each round checks its
+        # first such call
         self.skip_line_points = True
+        self.skip_line_leaves = True
         self.line_points_checked = False
         self.raised: dict[int, Exception] = {}
         self._told_plain_terms = False  # the one-line reason for terms without a batched form was given
@@ -122,6 +125,7 @@ class VectorizedClientTrainer:
         """Drop the reusable buffers (:meth:`scratch`) and a round's per-client statistics, e.g. after a round ran
         out of memory (the next round allocates them again)."""
         self._scratch.clear()
+        self._filled.clear()
         if self.call.norms:
             self.call.norms.stats = []
 
@@ -130,14 +134,23 @@ class VectorizedClientTrainer:
         """The model has no random layers (dropout): every evaluation of a point gives the same loss."""
         return self.call.deterministic
 
-    def scratch(self, key: Any, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    def scratch(
+        self, key: Any, shape: Sequence[int], dtype: torch.dtype, device: torch.device, fill: float | None = None
+    ) -> Tensor:
         """A reusable buffer of ``shape`` for ``key`` (grown when needed). Multi-megabyte tensors allocated afresh
-        in every trial round cost more in page faults than the work done in them; the engine reuses these."""
+        in every trial round cost more in page faults than the work done in them; the engine reuses these.
+
+        ``fill``: every element holds this value (one value per key): written when the buffer is allocated, and
+        again whenever something wrote into it since (its version counter moved)."""
         numel = math.prod(shape)
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
             buf = torch.empty(max(numel, int(1.5 * buf.numel()) if buf is not None else 0), dtype=dtype, device=device)
             self._scratch[key] = buf
+            self._filled.pop(key, None)
+        if fill is not None and self._filled.get(key) != buf._version:
+            buf.fill_(fill)
+            self._filled[key] = buf._version
         return buf[:numel].view(*shape)
 
     def _probe_layout(self, start: Tensor, layout: _Layout, rng_devices: list) -> None:

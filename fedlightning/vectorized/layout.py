@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .losses import _gathered_rows
 from .torch_internals import tree_unflatten
 
 __all__ = ["_Layout", "_WeightsLayout"]
@@ -74,14 +75,26 @@ class _Layout:
             out = self._counts_as[key] = self.mask.to(dtype) / self.counts_as(dtype)[:, None]
         return out
 
-    def rows(self, clients: Tensor, scratch: Callable[..., Tensor]) -> tuple[Any, Tensor | None, Tensor | None]:
+    def rows(
+        self, clients: Tensor, scratch: Callable[..., Tensor], blank: frozenset[int] = frozenset()
+    ) -> tuple[Any, Tensor | None, Tensor | None]:
         """Batch, mask and sample counts of the rows ``clients`` (indices; repeats allowed), gathered into the
-        engine's reusable ``scratch`` buffers (these rows only live during one trial evaluation)."""
+        engine's reusable ``scratch`` buffers (these rows only live during one trial evaluation).
+
+        The batch leaves ``blank`` (indices of floating leaves) are not gathered: their rows are NaN, of their
+        shape (see :meth:`~fedlightning.vectorized.trials._LineTrials.blank_leaves`). Integer leaves (targets) keep
+        what the step's loss found of them (:func:`~fedlightning.vectorized.losses._gathered_rows`)."""
         P = clients.shape[0]
-        rows = [
-            torch.index_select(x, 0, clients, out=scratch(("rows", j), (P, *x.shape[1:]), x.dtype, x.device))
-            for j, x in enumerate(self.leaves)
-        ]
+        rows = []
+        for j, x in enumerate(self.leaves):
+            shape = (P, *x.shape[1:])
+            if j in blank:
+                rows.append(scratch(("blank rows", j), shape, x.dtype, x.device, fill=float("nan")))
+                continue
+            row = torch.index_select(x, 0, clients, out=scratch(("rows", j), shape, x.dtype, x.device))
+            if not row.is_floating_point():
+                _gathered_rows(row, x)
+            rows.append(row)
         batch = tree_unflatten(rows, self.spec)
         if self.mask is None:
             return batch, None, None

@@ -175,30 +175,43 @@ class _StepEvaluator:
         if skipped and not engine.skip_line_points:  # switched off by an earlier call: the points in full
             self._fill_skipped(points, clients, line)
             skipped = frozenset()
-        losses = self._evaluate(points, clients, line, skipped)
+        blank = frozenset()
+        if skipped and clients is not None and engine.skip_line_leaves:
+            blank = self.line_trials.blank_leaves()
+        losses = self._evaluate(points, clients, line, skipped, blank)
         if skipped and (not engine.line_points_checked or not bool(torch.isfinite(losses).all())):
-            # the round's first such call, and any with a non-finite loss, again with the skipped points written:
-            # a difference means something besides the layers computed from A and B reads them (trials.py)
+            # the round's first such call, and any with a non-finite loss, again with the skipped points written and
+            # the blank leaves gathered: a difference means something besides the layers computed from A and B reads
+            # them (trials.py)
             engine.line_points_checked = True
             self._fill_skipped(points, clients, line)
-            full = self._evaluate(points, clients, line, frozenset())
+            full = self._evaluate(points, clients, line, frozenset(), frozenset())
             if not _same_losses(full, losses):
-                engine.skip_line_points = False
+                engine.skip_line_leaves = False
+                # with blank leaves: the points' leaving-out alone (the leaves gathered) tells whether it is off too
+                if not blank or not _same_losses(full, self._evaluate(points, clients, line, skipped)):
+                    engine.skip_line_points = False
             losses = full
         return losses
 
     def _evaluate(
-        self, points: Tensor, clients: Tensor | None, line: _TrialLine | None, skipped: frozenset[int]
+        self,
+        points: Tensor,
+        clients: Tensor | None,
+        line: _TrialLine | None,
+        skipped: frozenset[int],
+        blank: frozenset[int] = frozenset(),
     ) -> Tensor:
         """One trial call (see :meth:`trial`); the parameters ``skipped`` read NaN
-        (:meth:`~fedlightning.vectorized.trials._LineTrials.sentinel_views`)."""
+        (:meth:`~fedlightning.vectorized.trials._LineTrials.sentinel_views`), and so do the rows of the batch leaves
+        ``blank`` (:meth:`~fedlightning.vectorized.layout._Layout.rows`)."""
         _set_rng_state(self.rng_before, self.rng_devices)
         layout, engine = self.layout, self.engine
         with torch.no_grad():
             if clients is None:
                 batch, mask, counts = layout.batch, layout.mask, layout.counts
             else:
-                batch, mask, counts = layout.rows(clients, engine.scratch)
+                batch, mask, counts = layout.rows(clients, engine.scratch, blank)
             views = engine.weights.views(points)
             rows = contextlib.nullcontext()
             if line is not None:

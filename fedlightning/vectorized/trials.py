@@ -23,10 +23,14 @@ The points of parameters that only such layers read are then not needed: a trial
 the ``[P, D]`` points unwritten (on the digits MLP, 8,320 of 9,610) and puts NaN in their parameter slots (one value,
 expanded), so that anything else reading them (a weight penalty in ``training_step``, a tied layer) turns the trial
 loss NaN. Which parameters qualify is learned from the step's gradient evaluation (a parameter some other linear layer
-reads never does). Decision (ours): the round's first such call, and every call with a non-finite trial loss, is
-evaluated again with every point written; a difference (a read that NaN does not reach, e.g. through a comparison
-``w > 0``) switches the leaving-out off for the engine from then on (``tests/test_line_trials.py`` has both kinds of
-read). Client-objective terms read the points, so with terms every point is written.
+reads never does). Nor are the rows of the batch leaves those layers read (the digits batch, ``[P, n, 64]``): such a
+call passes a buffer of NaN of their shape instead of gathering them (:meth:`_LineTrials.blank_leaves`). Decision
+(ours): the round's first such call, and every call with a non-finite trial loss, is evaluated again with every point
+written and every leaf gathered; a difference (a read that NaN does not reach, e.g. through a comparison ``w > 0``)
+switches the leaves' leaving-out off for the engine from then on, and the points' too unless that call evaluated
+with the points left out and the leaves gathered gives the same losses (``tests/test_line_trials.py`` has both kinds
+of read, of the weights and of the batch). Client-objective terms read the points, so with terms every point is
+written and every leaf gathered.
 
 Where it applies (all checked per layer, per call; otherwise the layer runs its batched product): the layer's
 weight (and bias, if any) are trial points' parameters, unchanged (not a parametrization of them); its input shares
@@ -170,6 +174,13 @@ class _LineTrials:
         biases): a trial call needs none of their points (see :meth:`sentinel_views`)."""
         used = {k for key in self._A for k in key[:2] if k is not None}
         return frozenset(used - self._read_elsewhere)
+
+    def blank_leaves(self) -> frozenset[int]:
+        """The batch leaves (indices, floating point) that layers computed from ``A`` and ``B`` read: a trial call
+        whose points leave out those layers' parameters (:meth:`skippable`) needs none of their rows either, and
+        passes NaN rows of their shape instead of gathering them (:meth:`~fedlightning.vectorized.layout._Layout.rows`),
+        so that anything else reading them turns the trial loss NaN."""
+        return frozenset(key[2] for key in self._A if self.client_leaves[key[2]].is_floating_point())
 
     def sentinel_views(self, views: Sequence[Tensor], skipped: frozenset[int]) -> list[Tensor]:
         """``views`` with each parameter of ``skipped`` replaced by NaN of its shape (one value, expanded: no
