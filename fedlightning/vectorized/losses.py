@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .torch_internals import TorchFunctionMode, _batched_nll, _physical
 
-__all__ = ["LossInterception", "INTERCEPTED_LOSSES"]
+__all__ = ["LossInterception", "INTERCEPTED_LOSSES", "_gathered_rows"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
