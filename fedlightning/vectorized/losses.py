@@ -82,7 +82,7 @@ def _none_equal(target: Tensor, value: int) -> bool:
 _NONE_EQUAL_SEEN: dict[tuple[int, int], tuple[Any, int, bool]] = {}
 
 #: id of a reusable buffer -> (weak reference to it, its version, the storage range ``[first, end)`` of the rows
-#: gathered into it, the values none of their elements equals): see :func:`_gathered_rows`
+#: gathered into it, the values none of their elements equals): see :func:`_gathered_rows`; at most 16 at a time
 _GATHERED: dict[int, tuple[Any, int, tuple[int, int], tuple[int, ...]]] = {}
 
 
@@ -116,6 +116,8 @@ def _gathered_rows(dest: Tensor, source: Tensor) -> None:
         if ident == id(src) and none and version == src_version and ref() is src
     )
     if values:
+        if len(_GATHERED) >= 16 and id(dst) not in _GATHERED:
+            _GATHERED.clear()
         _GATHERED[id(dst)] = (weakref.ref(dst), dst_version, extent, values)
     else:
         _GATHERED.pop(id(dst), None)
