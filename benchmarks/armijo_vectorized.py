@@ -14,8 +14,8 @@ per step: the gradient evaluation (one batched forward and backward), the trial 
 the rest of the rule's step; and a least-squares fit of a trial call's time as ``fixed + per row × rows``. Counts
 are exact; times are wall clock (``--clock process``: this process's CPU time; ``--threads 1`` for the docs' numbers).
 
-The calls, rows and sequential trials are also printed by local step of the round (the first steps of a round
-search from the round's initial step size and make the most calls).
+The calls, rows and sequential trials are also printed by local step of the round (a round's first steps make the
+most calls).
 
 ``--baseline`` (with ``--algorithm``) runs FedAvg's config on the same workload side by side with the line search
 (threads taking turns round by round, ``algorithms_vectorized.run_side_by_side``) and prints the median time of a
