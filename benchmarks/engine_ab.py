@@ -8,7 +8,7 @@ Loads the package folder given by ``--old`` as a second package beside the insta
 (the package's modules import each other relatively, so the old version's modules come from that folder) and runs
 the same vectorized workload of ``vectorized_speedup.py`` (or, with ``--algorithm``, a config of
 ``algorithms_vectorized.py`` on its digits workload) with each, alternating (old, new, old, new, ...), in one
-process, so that both see the same machine conditions (the second of each pair can still be favoured or not:
+process, so that both see the same machine conditions (the position in a pair still matters:
 identical code read 2.5–7.7 % slower in the second position with ``--algorithm FedExpSLS --clock process``,
 docs/benchmarks.md §9, so compare a change in both orders). The loop's vectorized executor (``fedlightning.execution``)
 calls the ``run_vectorized_round`` and builds the ``VectorizedRun`` of that module, which are swapped for each run
