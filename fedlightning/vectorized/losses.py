@@ -99,9 +99,10 @@ def _gathered_rows(dest: Tensor, source: Tensor) -> None:
     (``index_select`` along dimension 0): a value :func:`_none_equal` found in no element of ``source``'s tensor is
     in none of ``dest``'s either, until the buffer is written again (its version moves on).
 
-    Decision (ours, measured): a line search's trial calls gather their rows' targets from the step's, which the
-    step's gradient evaluation checked; without this record each trial call checked its gathered targets again (an
-    ``eq``, an ``any`` and a synchronisation: about 0.1 ms of a 2 ms call on the digits MLP)."""
+    Decision (ours): a line search's trial calls gather their rows' targets from the step's, which the step's
+    gradient evaluation checked; without this record each trial call checked its gathered targets again (an ``eq``,
+    an ``any`` and a synchronisation per call; docs/benchmarks.md §9, "Points no layer needs", has the A/B of this
+    change together with the left-out batch rows)."""
     src, dst = source._base, dest._base
     extent = _extent(dest)
     if src is None or dst is None or extent is None:
