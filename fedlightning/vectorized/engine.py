@@ -433,11 +433,12 @@ class VectorizedClientTrainer:
     ) -> list[ClientUpdate | Exception]:
         K = len(record.losses)
         losses = torch.stack(record.losses).float().cpu()  # [K, C]
-        step_sizes = torch.stack(record.step_sizes).double().cpu().t().tolist()  # [C][K]
+        step_sizes = record.step_size_rows()  # [C][K]
         # rules without per-client counts (SGD, Adam) evaluate every client at every step; a client is counted for
         # the steps it trained (fewer with ragged step counts, or when it raised)
         u = num_steps.clamp(max=record.uniform_evaluations)
-        counts = torch.stack([num_steps, record.backtracks, record.forwards + u, record.backwards + u]).cpu().tolist()
+        backtracks, forwards, backwards = record.totals()
+        counts = torch.stack([num_steps, backtracks, forwards + u, backwards + u]).cpu().tolist()
         delta = global_flat.unsqueeze(0) - self.weights.logical(W).to(global_flat.dtype)
         finite_delta = _rows_finite(delta).cpu().tolist()
         rows = delta.unbind(0)

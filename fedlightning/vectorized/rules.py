@@ -61,6 +61,7 @@ class StepRecord:
         self.forwards = torch.zeros(num_clients, dtype=torch.long, device=device)
         self.backwards = torch.zeros(num_clients, dtype=torch.long, device=device)
         self.uniform_evaluations = 0  # one forward and one backward of every client (SGD steps), added at the end
+        self._host_counts: list[list[int]] | None = None  # add_host's (backtracks, forwards, backwards) per client
 
     def add(
         self,
@@ -79,6 +80,41 @@ class StepRecord:
         self.backwards += live
         if backtracks is not None:
             self.backtracks += backtracks * live
+
+    def add_host(
+        self, loss: Tensor, step_sizes: list[float], live: list[bool], forwards: list[int], backtracks: list[int]
+    ) -> None:
+        """:meth:`add` for a rule that holds its step's telemetry on the host already (``live``: the ``alive`` mask as
+        a list): the step sizes and counts stay host lists until the end of the round (:meth:`step_size_rows`,
+        :meth:`totals`) instead of becoming a few small tensors and kernels at every step."""
+        self.losses.append(loss)
+        self.step_sizes.append(step_sizes)
+        counts = self._host_counts
+        if counts is None:
+            counts = self._host_counts = [[0] * len(live) for _ in range(3)]
+        backs, fwds, bwds = counts
+        for i, on in enumerate(live):
+            if on:
+                backs[i] += backtracks[i]
+                fwds[i] += forwards[i]
+                bwds[i] += 1
+
+    def step_size_rows(self) -> list[list[float]]:
+        """The applied step sizes of every step, as floats, per client (``[C][K]``)."""
+        if self.step_sizes and all(isinstance(s, list) for s in self.step_sizes):
+            return [list(column) for column in zip(*self.step_sizes)]
+        device = self.backtracks.device
+        steps = [
+            torch.tensor(s, dtype=torch.float64, device=device) if isinstance(s, list) else s for s in self.step_sizes
+        ]
+        return torch.stack(steps).double().cpu().t().tolist()
+
+    def totals(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-client ``(backtracks, forwards, backwards)`` over the round's steps so far."""
+        if self._host_counts is None:
+            return self.backtracks, self.forwards, self.backwards
+        host = torch.tensor(self._host_counts, dtype=torch.long, device=self.backtracks.device)
+        return self.backtracks + host[0], self.forwards + host[1], self.backwards + host[2]
 
 
 class BatchedRule:
@@ -358,6 +394,7 @@ class _BatchedArmijo(BatchedRule):
         # the round (most recent last), and whether its last search exhausted the grid
         self.recent_m: list[tuple[int, ...]] = [()] * C
         self.exhausted_last = [False] * C
+        self._clients: dict[tuple[int, ...], Tensor] = {}  # a trial call's [P] client indices, by pairs per client
 
     def initial_step_size(self) -> list[float]:
         return [rules.armijo_initial_step(self.reset, self.eta_max, p, gr) for p, gr in zip(self.prev, self.growth)]
@@ -378,28 +415,26 @@ class _BatchedArmijo(BatchedRule):
         accepted = [m < grid for m in first_m]
         accepted_eta = [eta0[i] * powers[first_m[i]] if accepted[i] else 0.0 for i in range(C)]
         applied = [accepted_eta[i] * scale[i] for i in range(C)]  # SgdArmijo applies s·η_k
-        self.move(W, g, torch.tensor(applied, dtype=torch.float64, device=self.device), self._mask(accepted))
+        if W.device.type == "cpu" and all(accepted):  # move()'s in-place path, −s·η_k rounded to W's dtype directly
+            W.addcmul_(g, torch.tensor([-a for a in applied], dtype=W.dtype, device=self.device)[:, None])
+        else:
+            self.move(W, g, torch.tensor(applied, dtype=torch.float64, device=self.device), self._mask(accepted))
         for i in range(C):
             exhausted = searching[i] and not accepted[i]
             self.prev[i], self.accepted_step[i] = rules.armijo_after_search(
                 eta0[i], accepted_eta[i], accepted[i], exhausted, self.prev[i], self.accepted_step[i], powers[grid]
             )
             self.accepted_any[i] = self.accepted_any[i] or accepted[i] or exhausted
-        record.add(
+        record.add_host(
             loss,
-            torch.tensor(
-                [a if f else math.nan for a, f in zip(applied, finite)], dtype=torch.float64, device=self.device
-            ),
-            alive,
-            forwards=self._counts([1 + t for t in trials]),
-            backtracks=self._counts([t - 1 if a else t for t, a in zip(trials, accepted)]),
+            [a if f else math.nan for a, f in zip(applied, finite)],
+            live,
+            forwards=[1 + t for t in trials],
+            backtracks=[t - 1 if a else t for t, a in zip(trials, accepted)],
         )
 
     def _mask(self, values: list[bool]) -> Tensor:
         return torch.tensor(values, dtype=torch.bool, device=self.device)
-
-    def _counts(self, values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _accepts(self, trial_losses: list[float], pairs: list[tuple[int, float]], losses, norms) -> list[bool]:
         """The Armijo test of each (client, step size) pair, from its trial loss (a float32 value is exact as a
@@ -468,7 +503,10 @@ class _BatchedArmijo(BatchedRule):
             counts = [0] * len(widths)
             for c, _ in part:
                 counts[c] += 1
-            clients = torch.tensor([c for c, _ in part], dtype=torch.long, device=W.device)
+            clients = self._clients.get(tuple(counts))  # a window's pattern of pairs per client recurs
+            if clients is None:
+                clients = torch.tensor([c for c, _ in part], dtype=torch.long, device=W.device)
+                self._clients[tuple(counts)] = clients
             neg = torch.tensor([-eta for _, eta in part], dtype=W.dtype, device=W.device)  # −η rounded to W's dtype
             line = _TrialLine(W, g, neg, counts, skipped)
             points = self._points(ev, W, g, clients, neg, counts, columns)

@@ -5,6 +5,7 @@ trial losses, and the values the model logged, handed to the loop's log router o
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -179,7 +180,7 @@ class _StepEvaluator:
         if skipped and clients is not None and engine.skip_line_leaves:
             blank = self.line_trials.blank_leaves()
         losses = self._evaluate(points, clients, line, skipped, blank)
-        if skipped and (not engine.line_points_checked or not bool(torch.isfinite(losses).all())):
+        if skipped and (not engine.line_points_checked or not all(map(math.isfinite, losses.tolist()))):
             # the round's first such call, and any with a non-finite loss, again with the skipped points written and
             # the blank leaves gathered: a difference means something besides the layers computed from A and B reads
             # them (trials.py)
