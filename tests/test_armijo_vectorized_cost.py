@@ -196,3 +196,46 @@ def test_first_window_ends_at_the_larger_of_the_last_two_accepted_points(monkeyp
         if within and any(accepted[k][c] > accepted[k - 1][c] for c in range(clients)):
             covered_by_two_only += 1
     assert covered_by_two_only >= 1
+
+
+def test_host_telemetry_reads_back_as_tensor_telemetry():
+    """``StepRecord.add_host`` (the Armijo rule's per-step telemetry as host lists) gives the round the same step sizes,
+    backtracks, forward and backward counts as ``add`` with tensors, also when a round mixes the two; only clients
+    marked live are counted."""
+    from fedlightning.vectorized.rules import StepRecord
+
+    cpu = torch.device("cpu")
+    nan = float("nan")
+    steps = [
+        ([0.5, nan, 0.25], [True, True, False], [2, 1, 3], [1, 0, 2]),
+        ([0.1, 0.2, 0.3], [True, False, True], [1, 4, 1], [0, 3, 0]),
+        ([0.0, 0.125, 1.0], [False, True, True], [5, 2, 1], [5, 1, 0]),
+    ]
+
+    def fill(record, host):
+        for k, (sizes, live, forwards, backtracks) in enumerate(steps):
+            loss = torch.full((3,), float(k))
+            if host[k]:
+                record.add_host(loss, sizes, live, forwards, backtracks)
+            else:
+                record.add(
+                    loss,
+                    torch.tensor(sizes, dtype=torch.float64),
+                    torch.tensor(live),
+                    forwards=torch.tensor(forwards),
+                    backtracks=torch.tensor(backtracks),
+                )
+        return torch.tensor(record.step_size_rows(), dtype=torch.float64), [t.tolist() for t in record.totals()]
+
+    expected_sizes = torch.tensor([s for s, _, _, _ in steps], dtype=torch.float64).t()
+    live = torch.tensor([lv for _, lv, _, _ in steps])
+    expected_counts = [
+        (torch.tensor([b for _, _, _, b in steps]) * live).sum(0).tolist(),
+        (torch.tensor([f for _, _, f, _ in steps]) * live).sum(0).tolist(),
+        live.long().sum(0).tolist(),
+    ]
+    assert expected_counts == [[1, 1, 0], [3, 3, 2], [2, 2, 2]]  # the hand count of the table above
+    for host in ([False] * 3, [True] * 3, [False, True, False], [True, False, True]):
+        sizes, counts = fill(StepRecord(3, cpu), host)
+        torch.testing.assert_close(sizes, expected_sizes, rtol=0, atol=0, equal_nan=True)
+        assert counts == expected_counts

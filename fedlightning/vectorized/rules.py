@@ -148,7 +148,8 @@ class BatchedRule:
       clients ``clients`` ([P] indices; None: every client in order) under ``no_grad``, with the gradient
       evaluation's random state; call ``ev.finish()`` after the last trial of the step.
 
-    ``record`` (:class:`StepRecord`) takes the step's telemetry: ``record.add(loss, step_sizes, alive)``.
+    ``record`` (:class:`StepRecord`) takes the step's telemetry: ``record.add(loss, step_sizes, alive)``, or
+    ``record.add_host(...)`` with the step sizes and counts as host lists.
 
     **finalize(optimizers)**, after the round: write the per-client state back through the optimizers' public
     methods (``set_client_state()`` and the like), so that ``get_client_state()`` and ``client_report()`` answer
