@@ -60,10 +60,7 @@ def _none_equal(target: Tensor, value: int) -> bool:
     if base is not None and _gathered_without(rows, base, value):
         return True
     if base is not None and base.numel() <= 64 * rows.numel():
-        try:
-            version = base._version
-        except RuntimeError:  # an inference tensor has no version counter
-            version = None
+        version = _version(base)
         if version is not None:
             key = (id(base), value)
             seen = _NONE_EQUAL_SEEN.get(key)
@@ -84,6 +81,14 @@ _NONE_EQUAL_SEEN: dict[tuple[int, int], tuple[Any, int, bool]] = {}
 #: id of a reusable buffer -> (weak reference to it, its version, the storage range ``[first, end)`` of the rows
 #: gathered into it, the values none of their elements equals): see :func:`_gathered_rows`; at most 16 at a time
 _GATHERED: dict[int, tuple[Any, int, tuple[int, int], tuple[int, ...]]] = {}
+
+
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter (moves on every in-place write); None for an inference tensor, which has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _extent(t: Tensor) -> tuple[int, int] | None:
@@ -107,9 +112,8 @@ def _gathered_rows(dest: Tensor, source: Tensor) -> None:
     extent = _extent(dest)
     if src is None or dst is None or extent is None:
         return
-    try:
-        src_version, dst_version = src._version, dst._version
-    except RuntimeError:  # inference tensors have no version counter
+    src_version, dst_version = _version(src), _version(dst)
+    if src_version is None or dst_version is None:
         return
     values = tuple(
         value
@@ -128,12 +132,7 @@ def _gathered_without(rows: Tensor, base: Tensor, value: int) -> bool:
     """Whether ``rows``, a view of ``base``, lies within rows that :func:`_gathered_rows` recorded (unchanged since)
     from a tensor none of whose elements equals ``value``."""
     hit = _GATHERED.get(id(base))
-    if hit is None or value not in hit[3] or hit[0]() is not base:
-        return False
-    try:
-        if base._version != hit[1]:
-            return False
-    except RuntimeError:
+    if hit is None or value not in hit[3] or hit[0]() is not base or _version(base) != hit[1]:
         return False
     inside = _extent(rows)
     return inside is not None and hit[2][0] <= inside[0] and inside[1] <= hit[2][1]
