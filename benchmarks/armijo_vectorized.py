@@ -104,13 +104,13 @@ def main():
     gradient, points = step_module._StepEvaluator.gradient, rules._BatchedArmijo._points
 
     def counted_step(self, W, ev, record, alive):
-        before = record.forwards.clone()
+        before = record.totals()[1].clone()
         entry = {"calls": 0, "rows": 0, "trial_s": 0.0, "gradient_s": 0.0, "points_s": 0.0}
         steps.append(entry)
         start = vs._clock()
         local_step(self, W, ev, record, alive)
         entry["step_s"] = vs._clock() - start
-        trials = (record.forwards - before - alive.long()).tolist()  # forwards beyond the gradient evaluation
+        trials = (record.totals()[1] - before - alive.long()).tolist()  # forwards beyond the gradient evaluation
         entry["trials"], entry["longest"] = sum(trials), max(trials)
         sizes = ev.layout.sizes  # the clients' real batch sizes, padded to the largest
         entry["cells"], entry["real_cells"] = len(sizes) * max(sizes), sum(sizes)
