@@ -168,11 +168,20 @@ def run_side_by_side(runs: dict, datamodules: dict, rounds: int, init_state: dic
     return out
 
 
-def run(parts, datamodule, mode: str, rounds: int, init_state: dict, timer: pl.Callback | None = None):
+def run(
+    parts,
+    datamodule,
+    mode: str,
+    rounds: int,
+    init_state: dict,
+    timer: pl.Callback | None = None,
+    model_fn=UserMLP,
+):
     """One run of ``rounds`` rounds: ``(round times after 2 warm-up rounds, final global weights)``; ``timer``
-    (default :class:`vectorized_speedup.RoundTimer`) has the round times in ``times``."""
+    (default :class:`vectorized_speedup.RoundTimer`) has the round times in ``times``; ``model_fn`` builds the
+    model (default :class:`user_models.UserMLP`)."""
     callbacks, optimizer, loop_args = parts
-    model = UserMLP()
+    model = model_fn()
     model.load_state_dict(init_state)
     args = {"local_steps": vs.LOCAL_STEPS, "clients_per_round": vs.CLIENTS_PER_ROUND, **loop_args}
     loop = FederatedLoop(model, client_optimizer=optimizer, seed=0, client_execution=mode, **args)
