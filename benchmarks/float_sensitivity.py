@@ -11,9 +11,11 @@ Printed per algorithm, each as the largest difference of the global weights:
   crosses 0 (the gradient through it jumps by that sample's share);
 * ``float64 vec vs seq``: the same two runs in float64 (parameters and inputs). About 1e-16 here means the modes
   compute the same thing and only rounding, amplified, separates them in float32;
+* ``float64 seq, 1 ulp``: sequential float64 runs from the initial weights and from the same weights each
+  multiplied by ``1 ± 2^-52`` (signs at random): what the training alone does with a change of one rounding. Where
+  ``float64 vec vs seq`` is of this size, the modes differ by their rounding, amplified alike by the training;
 * ``float64 init +1e-7``: float64 vectorized runs from the initial weights and from the same weights plus
-  ``1e-7 · N(0, 1)`` each: what the training alone does with a small change (``gain``: that difference over the
-  initial one), whichever mode runs it.
+  ``1e-7 · N(0, 1)`` each, a change of float32's size (``gain``: that difference over the initial one).
 """
 
 from __future__ import annotations
@@ -86,9 +88,12 @@ def main():
     init64 = {k: v.double() for k, v in init32.items()}
     moved = {k: v + PERTURBATION * torch.randn(v.shape, dtype=torch.float64) for k, v in init64.items()}
     start = max(_max_diff(init64[k], moved[k]) for k in init64)
+    signs = {k: torch.randint(0, 2, v.shape, dtype=torch.float64) * 2 - 1 for k, v in init64.items()}
+    ulp = {k: v * (1 + 2.0**-52 * signs[k]) for k, v in init64.items()}
     print(f"{args.rounds} rounds; float64 initial weights moved by at most {start:.1e}")
     print(
-        f"{'algorithm':14s} {'float64 vec vs seq':>18s} {'float64 init +1e-7':>18s} {'gain':>8s}   "
+        f"{'algorithm':14s} {'float64 vec vs seq':>18s} {'float64 seq, 1 ulp':>18s} "
+        f"{'float64 init +1e-7':>18s} {'gain':>8s}   "
         "float32 vec vs seq by round"
     )
     for name in names:
@@ -96,11 +101,13 @@ def main():
         vec32, seq32 = (trajectory(parts, mode, args.rounds, init32, UserMLP) for mode in ("vectorized", "sequential"))
         vec64 = trajectory(parts, "vectorized", args.rounds, init64, UserMLP64)[-1]
         seq64 = trajectory(parts, "sequential", args.rounds, init64, UserMLP64)[-1]
+        ulp64 = trajectory(parts, "sequential", args.rounds, ulp, UserMLP64)[-1]
         moved64 = trajectory(parts, "vectorized", args.rounds, moved, UserMLP64)[-1]
         by_round = " ".join(f"{_max_diff(a, b):.0e}" for a, b in zip(vec32, seq32))
         moved_diff = _max_diff(vec64, moved64)
+        cells = (_max_diff(vec64, seq64), _max_diff(seq64, ulp64), moved_diff)
         print(
-            f"{name:14s} {_max_diff(vec64, seq64):18.1e} {moved_diff:18.1e} {moved_diff / start:8.1e}   {by_round}",
+            f"{name:14s} " + " ".join(f"{c:18.1e}" for c in cells) + f" {moved_diff / start:8.1e}   {by_round}",
             flush=True,
         )
 
