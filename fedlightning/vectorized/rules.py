@@ -204,13 +204,14 @@ class BatchedRule:
         return loss64, grad_sq, rules.finite_step(loss64, grad_sq)
 
     @staticmethod
-    def move(W: Tensor, g: Any, step: Tensor, where: Tensor, views: Callable | None = None) -> None:
+    def move(W: Tensor, g: Any, step: Tensor, where: Tensor | None, views: Callable | None = None) -> None:
         """``w ← w − step · g`` for the clients in ``where`` (same rounding as ``torch._foreach_add_(alpha=-step)``);
-        the other rows are left bit-for-bit unchanged (their gradient may be non-finite). ``g`` is ``[C, D]``, or
+        the other rows are left bit-for-bit unchanged (their gradient may be non-finite). ``where=None``: every row
+        moves (a rule that knows it on the host, without a mask or a synchronisation). ``g`` is ``[C, D]``, or
         the per-parameter gradients, applied to the parameters' views of ``W`` (``views(W)``, e.g. ``ev.views``)."""
         neg = (-step).to(W.dtype)
         if isinstance(g, Tensor):
-            if W.device.type == "cpu" and bool(where.all()):  # every row moves: in place, no [C, D] temporary
+            if where is None or (W.device.type == "cpu" and bool(where.all())):  # in place, no [C, D] temporary
                 W.addcmul_(g, neg[:, None])
                 return
             moved = torch.addcmul(W, g, neg[:, None])
@@ -218,6 +219,9 @@ class BatchedRule:
             return
         for w, gi in zip(views(W), g):
             shape = (-1,) + (1,) * (w.dim() - 1)
+            if where is None:
+                w.addcmul_(gi, neg.view(shape))
+                continue
             moved = torch.addcmul(w, gi, neg.view(shape))
             w.copy_(torch.where(where.view(shape), moved, w))
 
@@ -416,10 +420,8 @@ class _BatchedArmijo(BatchedRule):
         accepted = [m < grid for m in first_m]
         accepted_eta = [eta0[i] * powers[first_m[i]] if accepted[i] else 0.0 for i in range(C)]
         applied = [accepted_eta[i] * scale[i] for i in range(C)]  # SgdArmijo applies s·η_k
-        if W.device.type == "cpu" and all(accepted):  # move()'s in-place path, −s·η_k rounded to W's dtype directly
-            W.addcmul_(g, torch.tensor([-a for a in applied], dtype=W.dtype, device=self.device)[:, None])
-        else:
-            self.move(W, g, torch.tensor(applied, dtype=torch.float64, device=self.device), self._mask(accepted))
+        where = None if all(accepted) else self._mask(accepted)  # every client moves: move()'s in-place path
+        self.move(W, g, torch.tensor(applied, dtype=torch.float64, device=self.device), where)
         for i in range(C):
             exhausted = searching[i] and not accepted[i]
             self.prev[i], self.accepted_step[i] = rules.armijo_after_search(
