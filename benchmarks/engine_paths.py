@@ -21,7 +21,8 @@ Shapes are the digits MLP 64-128-10 of ``vectorized_speedup.py`` (D = 9,610 weig
   ``_linear_rows``; below 16 outputs its weight gradient is the wide product ``g^T x`` (and that product alone
   against ``x^T g``, the one ``baddbmm``'s backward takes); after the table, whether each of the two products equals
   the weight gradient of a per-client ``F.linear`` bit for bit on this machine (float32, 20 clients' ``[50, 128]``
-  rows; ``F.linear``'s backward computes ``g^T x`` for a row-major weight);
+  rows; ``F.linear``'s backward computes ``g^T x`` for a row-major weight), and whether the layer's forward, plain
+  (``b + x W^T``, a gradient evaluation's) and transposed (a trial call's), equals a per-client ``F.linear``'s;
 * no bucketing: one local step (the MLP's vmapped forward and backward with a masked mean loss) of ``--clients``
   clients padded to 33 samples, vs the same clients split into two buckets of half the clients each, padded to 16
   and to 33 (what bucketing by batch size would run instead on the digits workload's sizes).
@@ -176,7 +177,28 @@ def main():
     for name, plain, fast in rows:
         t_plain, t_fast = best(plain, args.repeats), best(fast, args.repeats)
         print(f"{name:<34} {t_plain * 1e6:>11.1f} {t_fast * 1e6:>12.1f} {t_plain / t_fast:>6.2f}x")
+    print_forward_bits(C)
     print_weight_gradient_bits(C)
+
+
+def print_forward_bits(C: int) -> None:
+    """For 4, 10 and 16 outputs: does the plain batched product ``b + x W^T`` (a gradient evaluation's forward) and
+    does the transposed one ``(b + W x^T)^T`` (a trial call's narrow layer) equal, bit for bit, each client's own
+    ``F.linear`` (float32; the answer is this machine's kernels')?"""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(C, 50, 128, generator=gen)
+    print("linear layer's forward equal to per-client F.linear's (float32, bit for bit; max |difference|):")
+    for out in (4, 10, 16):
+        W = torch.randn(C, out, 128, generator=gen)
+        b = torch.randn(C, out, generator=gen)
+        ref = torch.stack([F.linear(x[c], W[c], b[c]) for c in range(C)])
+        plain = torch.baddbmm(b.unsqueeze(1), x, W.transpose(1, 2))
+        transposed = torch.baddbmm(b.unsqueeze(2), W, x.transpose(1, 2)).transpose(1, 2)
+        same_plain, same_transposed = torch.equal(plain, ref), torch.equal(transposed, ref)
+        print(
+            f"  {out} outputs: b + x W^T {'yes' if same_plain else 'no'} ({(plain - ref).abs().max().item():.1e}), "
+            f"(b + W x^T)^T {'yes' if same_transposed else 'no'} ({(transposed - ref).abs().max().item():.1e})"
+        )
 
 
 def print_weight_gradient_bits(C: int) -> None:

@@ -206,11 +206,14 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
     ``y^T = b + W x^T``, and handed on as a transposed view. The batched product with a narrow last dimension takes a
     slow kernel path: 1.5–4.5× the time of the transposed product for 2 to 12 outputs, about equal at 16 and above
     (``benchmarks/engine_paths.py``, "linear rows"). Each output is the same dot product, summed in another order by
-    the kernel: a trial loss only decides a line search's step, where rounding already may, while a gradient
-    evaluation with the transposed head makes a float32 run differ from sequential training wherever a ReLU input
-    sits at its kink (FedDANE's digits run: 4.3e-3 after 10 rounds, instead of 1.8e-7); so gradient evaluations keep
-    the plain product forward, and only a narrow layer's weight gradient is taken in the fast orientation
-    (:class:`_NarrowRowsLinear`)."""
+    the kernel: a trial loss only decides a line search's step, where rounding already may. Gradient evaluations
+    keep the plain product forward, whose values are a per-client ``F.linear``'s bit for bit on this CPU (the
+    transposed product's are not; ``benchmarks/engine_paths.py`` prints both checks), and only a narrow layer's
+    weight gradient is taken in the fast orientation (:class:`_NarrowRowsLinear`). With the transposed head in
+    gradient evaluations too, the float32 runs of the digits workload left sequential training's weights by other
+    amounts after 10 rounds, as rounding that grows where a ReLU input or an Armijo test sits at its boundary does:
+    FedAvg 6.0e-8 → 2.5e-7, FedSLS 1.2e-7 → 1.3e-4, FedExpSLS 3.1e-7 → 6.7e-3, FedDANE 4.3e-3 → 1.8e-7
+    (docs/benchmarks.md §3)."""
     level = _current_level(input, weight)
     if level is None:
         return None
