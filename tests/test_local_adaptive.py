@@ -31,9 +31,10 @@ def make_model():
     return to_float64(LogisticRegression(input_dim=64, num_classes=10))
 
 
-def run(strategy, opt, rounds=ROUNDS, execution="sequential", extra=()):
+def run(strategy, opt, rounds=ROUNDS, execution="sequential", extra=(), **loop_args):
+    loop_args = {"local_steps": K, **loop_args}
     loop = FederatedLoop(
-        make_model(), client_optimizer=opt, local_steps=K, clients_per_round=CPR, seed=SEED, client_execution=execution
+        make_model(), client_optimizer=opt, clients_per_round=CPR, seed=SEED, client_execution=execution, **loop_args
     )
     make_trainer(rounds, callbacks=[strategy, *extra]).fit(loop, datamodule=make_dm())
     return loop
@@ -234,10 +235,81 @@ def test_another_client_optimizer_is_refused(strategy, opt, wanted):
     assert wanted in str(err.value)
 
 
-def test_vectorized_execution_is_refused_and_auto_trains_sequentially():
-    with pytest.raises(Exception, match="AMSGradClient"):
-        run(LocalAMSGrad(), lambda p: AMSGradClient(p, **AMSGRAD), rounds=1, execution="vectorized")
-    with pytest.warns(UserWarning, match="AdaAlterClient|sequential"):
-        a = run(LocalAdaAlter(), lambda p: AdaAlterClient(p, **ADAALTER), rounds=2, execution="auto")
-    b = run(LocalAdaAlter(), lambda p: AdaAlterClient(p, **ADAALTER), rounds=2)
-    assert torch.equal(weights(a), weights(b))
+CLIENTS = {
+    "adaalter": (LocalAdaAlter, lambda p: AdaAlterClient(p, **ADAALTER), ("accumulator",)),
+    "amsgrad": (LocalAMSGrad, lambda p: AMSGradClient(p, **AMSGRAD), ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+@pytest.mark.parametrize(
+    "loop_args",
+    [{}, {"client_grad_clip": 0.05}, {"local_steps": None, "local_epochs": 1.0}],
+    ids=["plain", "grad-clip", "ragged-steps"],
+)
+def test_vectorized_clients_train_as_sequential_ones(name, loop_args):
+    """The batched forms (vectorized/rules.py) give the sequential run's global weights and server statistics in
+    float64: the statistics are built from every client's report, so a client whose state the batched step left
+    wrong (a finished client's moments moved on with ragged step counts, a step count off by one in AdaAlter's
+    placeholder) changes them. Gradient clipping, and ragged step counts (one local epoch: 1 to 5 steps per client
+    here), included."""
+    strategy, opt, keys = CLIENTS[name]
+    seq, vec = strategy(), strategy()
+    a = run(seq, opt, **loop_args)
+    b = run(vec, opt, execution="vectorized", **loop_args)
+    assert_close64(weights(b), weights(a))
+    for key in keys:
+        assert_close64(vec.statistics[key], seq.statistics[key], msg=key)
+    moved = weights(a) - flat_params(make_model().parameters())
+    assert float(moved.abs().max()) > 1e-3  # the runs trained
+
+
+def test_vectorized_clients_step_counts_and_reports_with_ragged_steps():
+    """With ragged step counts the clients' reports (the statistics the server averages) match sequential training
+    client by client, and the optimizers' step counts are each client's own."""
+    reports = {}
+    for mode in ("sequential", "vectorized"):
+        seen = []
+        original = AMSGradClient.client_report
+
+        def report(self, seen=seen, original=original):
+            out = original(self)
+            seen.append((self.local_steps, [t.detach().clone() for t in out["amsgrad_exp_avg_sq"]]))
+            return out
+
+        AMSGradClient.client_report = report
+        try:
+            opt = lambda p: AMSGradClient(p, **AMSGRAD)  # noqa: E731
+            run(LocalAMSGrad(), opt, rounds=2, execution=mode, local_steps=None, local_epochs=1.0)
+        finally:
+            AMSGradClient.client_report = original
+        reports[mode] = seen
+    seq, vec = reports["sequential"], reports["vectorized"]
+    assert len(seq) == len(vec) == 2 * CPR
+    assert [n for n, _ in vec] == [n for n, _ in seq]
+    assert len({n for n, _ in seq}) > 1  # the clients took different numbers of steps
+    for (_, a), (_, b) in zip(seq, vec):
+        for x, y in zip(b, a):
+            assert_close64(x, y)
+
+
+def test_vectorized_adaalter_clients_at_different_step_counts_are_refused():
+    """Lockstep steps share AdaAlter's placeholder k: optimizers that start the round at different counts (not
+    what LocalAdaAlter does) are refused with the counts, before any step is taken."""
+    from fedlightning.vectorized import VectorizationUnsupportedError, make_batched_rule
+
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opts = [AdaAlterClient([w], **ADAALTER) for _ in range(2)]
+    opts[1].local_steps = 2
+    rule = make_batched_rule(opts, [w], None, torch.device("cpu"))
+
+    class Ev:
+        def gradient(self, W, alive, flat=True):
+            return torch.zeros(2, dtype=W.dtype), torch.ones_like(W)
+
+        def views(self, W):
+            return [W]
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"\[0, 2\]"):
+        rule.step(torch.zeros(2, 3, dtype=torch.float64), Ev(), None, torch.ones(2, dtype=torch.bool))

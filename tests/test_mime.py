@@ -31,7 +31,17 @@ def make_model(kind="logreg"):
     return to_float64(LogisticRegression(input_dim=64, num_classes=10))
 
 
-def run(callbacks, rounds=ROUNDS, kind="logreg", local_steps=K, batch_size=16, lr=LR, execution="sequential", opt=None):
+def run(
+    callbacks,
+    rounds=ROUNDS,
+    kind="logreg",
+    local_steps=K,
+    batch_size=16,
+    lr=LR,
+    execution="sequential",
+    opt=None,
+    **loop_args,
+):
     loop = FederatedLoop(
         make_model(kind),
         client_optimizer=opt or (lambda p: torch.optim.SGD(p, lr=lr)),
@@ -39,6 +49,7 @@ def run(callbacks, rounds=ROUNDS, kind="logreg", local_steps=K, batch_size=16, l
         clients_per_round=CPR,
         seed=SEED,
         client_execution=execution,
+        **loop_args,
     )
     trainer = make_trainer(rounds, callbacks=callbacks)
     trainer.fit(loop, datamodule=make_dm(batch_size))
@@ -260,15 +271,31 @@ def test_a_client_optimizer_other_than_plain_sgd_is_refused(opt, what):
     assert what in str(err.value)
 
 
-def test_vectorized_execution_is_refused_and_auto_trains_sequentially():
+def test_mime_vectorized_is_refused_and_auto_trains_sequentially():
+    """Mime's step evaluates a second gradient at the server point (MimeSGD, a closure optimizer without a batched
+    form): vectorized execution refuses it by name, and ``auto`` trains it sequentially."""
     with pytest.raises(Exception, match="MimeSGD"):
         run([Mime(momentum=BETA)], rounds=1, execution="vectorized")
     a, _ = run([Mime(momentum=BETA)], rounds=2)
-    with pytest.warns(UserWarning, match="MimeLiteSGD|sequential"):
-        b, _ = run([MimeLite(momentum=BETA)], rounds=2, execution="auto")
-    c, _ = run([MimeLite(momentum=BETA)], rounds=2)
-    assert torch.equal(weights(b), weights(c))
-    assert not torch.equal(weights(a), weights(c))
+    with pytest.warns(UserWarning, match="MimeSGD|sequential"):
+        b, _ = run([Mime(momentum=BETA)], rounds=2, execution="auto")
+    assert torch.equal(weights(b), weights(a))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("loop_args", [{}, {"client_grad_clip": 0.05}], ids=["plain", "grad-clip"])
+def test_mimelite_vectorized_clients_train_as_sequential_ones(loop_args):
+    """MimeLite's batched form (vectorized/rules.py): the global weights and the server momentum of sequential
+    training in float64 (the momentum is built from the clients' full-batch gradients at each round's server point,
+    so a client whose step used the wrong frozen momentum moves every later round), with and without the loop's
+    gradient clipping."""
+    seq, vec = MimeLite(momentum=BETA), MimeLite(momentum=BETA)
+    a, _ = run([seq], **loop_args)
+    b, _ = run([vec], execution="vectorized", **loop_args)
+    assert_close64(weights(b), weights(a))
+    assert_close64(vec.server_momentum, seq.server_momentum)
+    lite_without_momentum, _ = run([MimeLite(momentum=0.0)], execution="vectorized", **loop_args)
+    assert float((weights(lite_without_momentum) - weights(a)).abs().max()) > 1e-4  # the momentum moved the run
 
 
 def test_the_evaluation_at_the_server_point_leaves_no_trace_in_buffers_or_metrics():

@@ -366,7 +366,7 @@ def test_batched_rule_must_be_a_batched_rule():
 
 
 def test_built_in_optimizers_and_their_subclasses_have_their_batched_form_unless_step_is_overridden():
-    from fedlightning.optim import SPS, DecSPS, SgdArmijo
+    from fedlightning.optim import SPS, AdaAlterClient, AMSGradClient, DecSPS, MimeLiteSGD, MimeSGD, SgdArmijo
     from fedlightning.vectorized.rules import BUILT_IN_FORMS, _batched_form
 
     class QuietArmijo(SgdArmijo):  # same step: keeps the batched form
@@ -379,8 +379,10 @@ def test_built_in_optimizers_and_their_subclasses_have_their_batched_form_unless
     class OwnStepWithForm(OwnStep):
         batched_rule = BUILT_IN_FORMS[DecSPS]
 
-    assert [_batched_form(k) for k in (SgdArmijo, SPS, DecSPS)] == [BUILT_IN_FORMS[k] for k in (SgdArmijo, SPS, DecSPS)]
-    assert len(set(BUILT_IN_FORMS.values())) == 3
+    built_in = (SgdArmijo, SPS, DecSPS, AMSGradClient, AdaAlterClient, MimeLiteSGD)
+    assert [_batched_form(k) for k in built_in] == [BUILT_IN_FORMS[k] for k in built_in]
+    assert len(set(BUILT_IN_FORMS.values())) == len(BUILT_IN_FORMS) == 6
+    assert _batched_form(MimeSGD) is None  # MimeLiteSGD's subclass with its own step (two gradients)
     assert _batched_form(QuietArmijo) is BUILT_IN_FORMS[SgdArmijo]
     assert _batched_form(OwnStep) is None
     assert _batched_form(OwnStepWithForm) is BUILT_IN_FORMS[DecSPS]

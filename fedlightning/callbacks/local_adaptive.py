@@ -143,8 +143,9 @@ class LocalAdaAlter(_SynchronisedStatistics):
     ``"samples"``. Per round and client: no extra computation (one ``addcmul`` per step); down :math:`x, B^2`, up
     :math:`y_i, \sum_k g_k^2` (two model-sized vectors each way). :math:`B^2` is this strategy's checkpointed state.
 
-    **Execution**: :class:`~fedlightning.optim.AdaAlterClient` has no batched form; ``client_execution="vectorized"``
-    refuses it (naming it) and ``"auto"`` trains sequentially.
+    **Execution**: :class:`~fedlightning.optim.AdaAlterClient` has a batched form, so ``client_execution="vectorized"``
+    trains the round's clients in lockstep, to the weights and statistics of sequential training (float rounding
+    apart; ``tests/test_local_adaptive.py``).
 
     Logged: ``server/accumulator_mean`` and ``server/accumulator_max`` (of :math:`B^2` after the round).
 
@@ -204,8 +205,9 @@ class LocalAMSGrad(_SynchronisedStatistics):
     computation; down :math:`x, m, v, \hat v`, up :math:`y_i, m_i, v_i`. :math:`m, v, \hat v` are this strategy's
     checkpointed state.
 
-    **Execution**: :class:`~fedlightning.optim.AMSGradClient` has no batched form; ``client_execution="vectorized"``
-    refuses it (naming it) and ``"auto"`` trains sequentially.
+    **Execution**: :class:`~fedlightning.optim.AMSGradClient` has a batched form, so ``client_execution="vectorized"``
+    trains the round's clients in lockstep, to the weights and statistics of sequential training (float rounding
+    apart; ``tests/test_local_adaptive.py``).
 
     Logged: ``server/first_moment_norm`` (‖m‖), ``server/second_moment_mean`` and ``server/second_moment_max``
     (of :math:`\hat v`), as FedAMS.

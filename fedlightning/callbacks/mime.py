@@ -122,8 +122,11 @@ class Mime(ServerStrategy):
     rounds (``round/communication_rounds`` counts 2 per round, as FedDANE). MimeLite — the same full pass, 1 forward
     and 1 backward per step; down :math:`x, m`, up :math:`y_i, \nabla f_i(x)`: one communication round.
 
-    **Execution**: the client optimizers have no batched form; ``client_execution="vectorized"`` refuses them
-    (naming the optimizer) and ``"auto"`` trains sequentially.
+    **Execution**: MimeLite's client optimizer (:class:`~fedlightning.optim.MimeLiteSGD`) has a batched form, so
+    ``client_execution="vectorized"`` trains its clients in lockstep (the weights of sequential training, float
+    rounding apart; ``tests/test_mime.py``). Mime's (:class:`~fedlightning.optim.MimeSGD`) has none: its step's second
+    gradient at the server point, with the model's side effects of that evaluation undone, is not batched;
+    ``client_execution="vectorized"`` refuses it (naming it) and ``"auto"`` trains sequentially.
 
     Logged: ``mime/momentum_norm`` (‖m‖ after the update), ``mime/full_gradient_norm`` (‖c‖),
     ``round/communication_rounds``.

@@ -20,9 +20,10 @@ The server halves (averaging :math:`A^2`, :math:`m`, :math:`v`, the max of :math
 are :class:`fedlightning.callbacks.LocalAdaAlter` and :class:`~fedlightning.callbacks.LocalAMSGrad`, which set the
 state with :meth:`set_server_state` (``configure_client_optimizer``) and read the client's statistics from
 :meth:`client_report` (``update.payload``). Both optimizers take plain ``step()`` calls on ``.grad`` (the
-FederatedLoop's ``client_grad_clip`` applies), keep each param group's ``lr`` (so the round's ``client_lr_scale``
-multiplies it) and have no batched form for ``client_execution="vectorized"`` (no ``batched_rule``): vectorised
-execution refuses them, naming the class, and ``"auto"`` trains such clients sequentially.
+FederatedLoop's ``client_grad_clip`` applies) and keep each param group's ``lr`` (so the round's ``client_lr_scale``
+multiplies it). Their batched forms for ``client_execution="vectorized"`` live in :mod:`fedlightning.vectorized.rules`
+(which maps these classes to them); they read and write a client's statistics through :meth:`client_statistics` and
+:meth:`load_client_statistics`.
 """
 
 from __future__ import annotations
@@ -71,6 +72,32 @@ class _ServerStateOptimizer(torch.optim.Optimizer):
                 value = t.detach().to(device=p.device, dtype=p.dtype)
                 self.state[p][key] = value if key in self.frozen_keys else value.clone()
         self.local_steps = 0
+
+    def client_statistics(self) -> dict[str, list[Tensor]]:
+        """The optimizer's statistics now, ``{key: [one tensor per parameter, in param-group order]}`` for every key
+        of ``server_keys`` (zeros where never set; the tensors themselves, not copies). A batched form
+        (:mod:`fedlightning.vectorized`) reads the round's start from it."""
+        return {key: [self._state(p)[key] for p in self._params] for key in self.server_keys}
+
+    def load_client_statistics(self, statistics: dict[str, Sequence[Tensor]], local_steps: int) -> None:
+        """Put the optimizer in the state its own steps would have left: the statistics of ``statistics`` (keys of
+        ``server_keys`` that are not frozen, one tensor per parameter in param-group order, copied) and
+        ``local_steps`` steps since the server state was set. A batched form writes a client's round back with it,
+        so that :meth:`client_report` answers as after sequential training."""
+        frozen = [key for key in statistics if key in self.frozen_keys or key not in self.server_keys]
+        if frozen:
+            raise ValueError(f"{type(self).__name__}.load_client_statistics: {frozen} are not client statistics")
+        for key, tensors in statistics.items():
+            tensors = list(tensors)
+            if len(tensors) != len(self._params):
+                raise ValueError(f"statistics {key!r} has {len(tensors)} tensors for {len(self._params)} parameters")
+            for p, t in zip(self._params, tensors):
+                if t.shape != p.shape:
+                    raise ValueError(f"statistics {key!r}: shape {tuple(t.shape)} for a parameter {tuple(p.shape)}")
+                self._state(p)[key] = t.detach().to(device=p.device, dtype=p.dtype).clone()
+        if isinstance(local_steps, bool) or int(local_steps) != local_steps or local_steps < 0:
+            raise ValueError(f"local_steps must be an integer >= 0, got {local_steps!r}")
+        self.local_steps = int(local_steps)
 
     def _state(self, p: Tensor) -> dict[str, Tensor]:
         st = self.state[p]

@@ -14,9 +14,10 @@ with :math:`x` the round's server point, :math:`\zeta` the step's mini-batch (th
 :math:`c` the mean full-batch gradient of the round's clients at :math:`x`. The server side (the frozen state, its
 update :math:`m \leftarrow (1-\beta)c + \beta m`) is :class:`fedlightning.callbacks.Mime` /
 :class:`~fedlightning.callbacks.MimeLite`, which builds these optimizers for every client from the user's plain SGD
-(its learning rates) through ``configure_client_optimizer``. Neither has a batched form for
-``client_execution="vectorized"`` (no ``batched_rule``): vectorised execution refuses them, naming the class, and
-``"auto"`` trains such clients sequentially.
+(its learning rates) through ``configure_client_optimizer``. :class:`MimeLiteSGD` has a batched form for
+``client_execution="vectorized"`` in :mod:`fedlightning.vectorized.rules` (it reads
+:meth:`MimeLiteSGD.server_momentum`); :class:`MimeSGD` has none (its second gradient at the server point is not
+batched): vectorised execution refuses it, naming the class, and ``"auto"`` trains such clients sequentially.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class MimeLiteSGD(torch.optim.Optimizer):
         self.momentum = momentum
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._server_momentum = _aligned("server_momentum", server_momentum, self._params)
+
+    def server_momentum(self) -> list[Tensor]:
+        """The frozen server momentum :math:`m`, one tensor per parameter in param-group order (zeros when none was
+        given). A batched form (:mod:`fedlightning.vectorized`) reads it."""
+        return list(self._frozen())
 
     def _frozen(self) -> list[Tensor]:
         if self._server_momentum is None:

@@ -1,16 +1,19 @@
 r"""Batched client optimizers: one local step of every client at once, on the clients' weights ``W`` ([C, D]) in place.
 
 :class:`BatchedRule` is the public extension point: a client optimizer class opts in to vectorised execution with a
-``batched_rule`` attribute naming its batched form, which :func:`make_batched_rule` reads. ``torch.optim.SGD``
-maps to :class:`_BatchedSGD`, ``torch.optim.Adam`` / ``AdamW`` to :class:`_BatchedAdam`, and
-:data:`BUILT_IN_FORMS` maps :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS` and
-:class:`~fedlightning.optim.DecSPS` to :class:`_BatchedArmijo`, :class:`_BatchedSPS`, :class:`_BatchedDecSPS`
-(the map lives here, not as ``batched_rule`` attributes of those classes, because :mod:`fedlightning.optim` sits
-below the engine and never imports it), which evaluate the step-size rules of :mod:`fedlightning.optim.rules` on ``[C]``
-tensors (SPS, DecSPS) or, for the line search's many small per-client decisions, on Python floats client by client
-(SgdArmijo; see :class:`_BatchedArmijo`). Each rule reads the clients' optimizer instances (built by the
-loop, client state set) and writes the final per-client state back through their public methods, so
-``get_client_state()`` / ``client_report()`` answer exactly as after sequential training.
+``batched_rule`` attribute naming its batched form, which :func:`make_batched_rule` reads. ``torch.optim.SGD`` maps to
+:class:`_BatchedSGD`, ``torch.optim.Adam`` / ``AdamW`` to :class:`_BatchedAdam`, and :data:`BUILT_IN_FORMS` maps
+:class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS` and :class:`~fedlightning.optim.DecSPS` to
+:class:`_BatchedArmijo`, :class:`_BatchedSPS`, :class:`_BatchedDecSPS` (the map lives here, not as ``batched_rule``
+attributes of those classes, because :mod:`fedlightning.optim` sits below the engine and never imports it), which
+evaluate the step-size rules of :mod:`fedlightning.optim.rules` on ``[C]`` tensors (SPS, DecSPS) or, for the line
+search's many small per-client decisions, on Python floats client by client (SgdArmijo; see :class:`_BatchedArmijo`);
+and the client steps of the local adaptive methods and MimeLite, :class:`~fedlightning.optim.AMSGradClient`,
+:class:`~fedlightning.optim.AdaAlterClient` and :class:`~fedlightning.optim.MimeLiteSGD`, to
+:class:`_BatchedAMSGradClient`, :class:`_BatchedAdaAlterClient` and :class:`_BatchedMimeLiteSGD`, whose server
+statistics become ``[C, D]`` rows. Each rule reads the clients' optimizer instances (built by the loop, client state
+set) and writes the final per-client state back through their public methods, so ``get_client_state()`` /
+``client_report()`` answer exactly as after sequential training.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from fedlightning.optim import SPS, DecSPS, SgdArmijo, rules
+from fedlightning.optim import SPS, AdaAlterClient, AMSGradClient, DecSPS, MimeLiteSGD, SgdArmijo, rules
 
 from .support import VectorizationUnsupportedError
 from .torch_internals import _foreach_add_
@@ -333,6 +336,207 @@ class _BatchedAdam(BatchedRule):
         record.losses.append(loss)
         record.step_sizes.append(self.lr_vector)
         record.uniform_evaluations += 1
+
+
+def _param_orders(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor]) -> list[list[int]]:
+    """For each optimizer, the index in ``params`` (the engine's parameter order) of each parameter of its param
+    groups, in param-group order (the order of the per-parameter lists its public methods take and give)."""
+    index = {id(p): k for k, p in enumerate(params)}
+    orders = []
+    for o in optimizers:
+        order = [index.get(id(p)) for g in o.param_groups for p in g["params"]]
+        if None in order or sorted(order) != list(range(len(params))):
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized' needs {type(o).__name__} to hold each trainable parameter once"
+            )
+        orders.append(order)
+    return orders
+
+
+class _PerClientTensors:
+    """Per-client, per-parameter tensors (one list per client, in its optimizer's param-group order) as ``[C, D]``
+    rows in the engine's storage order, and back: the state of client optimizers whose statistics the server reads
+    (``client_report``) or sets (``set_server_state``)."""
+
+    def __init__(self, orders: list[list[int]]):
+        self.orders = orders
+
+    def rows(self, per_client: Sequence[Sequence[Tensor]], W: Tensor, views: Callable[[Tensor], list[Tensor]]):
+        """``[C, D]`` (``W``'s dtype, device and layout) holding client ``c``'s tensors in row ``c``."""
+        out = torch.empty_like(W)
+        by_param: list[list[Tensor]] = [[] for _ in self.orders[0]]
+        for tensors, order in zip(per_client, self.orders):
+            for t, k in zip(tensors, order):
+                by_param[k].append(t)
+        for view, parts in zip(views(out), by_param):
+            view.copy_(torch.stack([t.to(device=W.device, dtype=W.dtype) for t in parts]))
+        return out
+
+    def client(self, rows: Tensor, c: int, views: Callable[[Tensor], list[Tensor]]) -> list[Tensor]:
+        """Client ``c``'s row of ``rows`` as its optimizer's per-parameter list (views)."""
+        per_param = [v[c] for v in views(rows)]
+        return [per_param[k] for k in self.orders[c]]
+
+
+class _BatchedServerStateRule(BatchedRule):
+    """Shared parts of the batched forms of client optimizers that carry server statistics (:class:`AMSGradClient`,
+    :class:`AdaAlterClient`, :class:`MimeLiteSGD`): the shared hyper-parameters, the clients' start state as
+    ``[C, D]`` rows (built at the round's first step, once the engine's storage order is fixed), per-client step
+    counts, and an update that leaves the rows of clients not in ``alive`` unchanged.
+
+    Decision (ours, as :class:`_BatchedAdam`): a parameter the loss does not depend on gets a zero gradient here,
+    where the sequential optimizer skips a parameter whose ``.grad`` is None; its statistics then take the zero
+    gradient (AMSGrad's moments decay, MimeLite's frozen momentum still moves it)."""
+
+    applies_grad_clip = True
+
+    def __init__(self, optimizers, params, device, grad_clip=None):
+        super().__init__(optimizers, params, device, grad_clip)
+        hp = _same_hyperparameters(optimizers, params)
+        self.lr = float(hp["lr"])
+        self.hp = hp
+        self.stack = _PerClientTensors(_param_orders(optimizers, params))
+        self.optimizers = list(optimizers)
+        self.steps = [0] * len(optimizers)  # steps each client took this round
+        self.lr_vector = torch.full((len(optimizers),), self.lr, dtype=torch.float64, device=device)
+        self.started = False
+
+    def start(self, W: Tensor, ev: _StepEvaluator) -> None:
+        """Build the ``[C, D]`` state from the optimizers (at the round's first step)."""
+
+    def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
+        loss, g = ev.gradient(W, alive)
+        g = self.clip(g)
+        if not self.started:
+            self.start(W, ev)
+            self.started = True
+        live = alive.tolist()
+        for c, on in enumerate(live):
+            self.steps[c] += on
+        self.update(W, g, None if all(live) else alive[:, None], live)
+        record.losses.append(loss)
+        record.step_sizes.append(self.lr_vector)
+        record.uniform_evaluations += 1
+
+    def update(self, W: Tensor, g: Tensor, where: Tensor | None, live: list[bool]) -> None:
+        """The step on the rows of ``W`` and the state; ``where`` ([C, 1] bool): the rows that move (None: all)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _assign(target: Tensor, new: Tensor, where: Tensor | None) -> None:
+        """``target ← new`` on the rows of ``where`` (None: all, then ``new`` is already ``target``)."""
+        if where is not None:
+            torch.where(where, new, target, out=target)
+
+
+class _BatchedAMSGradClient(_BatchedServerStateRule):
+    """:class:`fedlightning.optim.AMSGradClient` for every client at once: per client
+    ``m ← β₁ m + (1 − β₁) g``, ``v ← β₂ v + (1 − β₂) g²``, ``w ← w − η m / √max(v̂, ε)``, the same ops on ``[C, D]``
+    rows; ``m`` and ``v`` start from each client's optimizer (the server's averages) and go back to it after the
+    round (``client_report``), ``v̂`` is frozen, so its denominator is computed once per round."""
+
+    def start(self, W, ev):
+        (b1, b2), self.eps = self.hp["betas"], float(self.hp["eps"])
+        self.b1, self.b2 = float(b1), float(b2)
+        stats = [o.client_statistics() for o in self.optimizers]
+        self.m = self.stack.rows([st["exp_avg"] for st in stats], W, ev.views)
+        self.v = self.stack.rows([st["exp_avg_sq"] for st in stats], W, ev.views)
+        v_hat = self.stack.rows([st["max_exp_avg_sq"] for st in stats], W, ev.views)
+        self.denom = v_hat.clamp_(min=self.eps).sqrt_()
+        self.views = ev.views
+        self.start_steps = [o.local_steps for o in self.optimizers]
+
+    def update(self, W, g, where, live):
+        b1, b2 = self.b1, self.b2
+        m = self.m.mul(b1) if where is not None else self.m.mul_(b1)
+        m.add_(g, alpha=1.0 - b1)
+        v = self.v.mul(b2) if where is not None else self.v.mul_(b2)
+        v.addcmul_(g, g, value=1.0 - b2)
+        self._assign(self.m, m, where)
+        self._assign(self.v, v, where)
+        if where is None:
+            W.addcdiv_(self.m, self.denom, value=-self.lr)
+        else:
+            self._assign(W, torch.addcdiv(W, self.m, self.denom, value=-self.lr), where)
+
+    def finalize(self, optimizers) -> None:
+        if not self.started:
+            return
+        for c, o in enumerate(optimizers):
+            stats = {"exp_avg": self.stack.client(self.m, c, self.views)}
+            stats["exp_avg_sq"] = self.stack.client(self.v, c, self.views)
+            o.load_client_statistics(stats, self.start_steps[c] + self.steps[c])
+
+
+class _BatchedAdaAlterClient(_BatchedServerStateRule):
+    """:class:`fedlightning.optim.AdaAlterClient` for every client at once: ``w ← w − η g / √(B² + k ε²)`` and
+    ``A² ← A² + g²``, the same ops on ``[C, D]`` rows, with the placeholder ``k ε²`` the same Python scalar as the
+    optimizer's; ``B²`` is frozen, the increment ``Σ g²`` goes back to each client's optimizer after the round
+    (``client_report``). The clients step in lockstep, so every client still training is at the same ``k`` (its
+    steps since the server state was set, 1 at the round's first step); clients whose optimizers start the round at
+    different step counts are refused (the loop's ``LocalAdaAlter`` sets every client's state, and so its count, at
+    the round's start)."""
+
+    def start(self, W, ev):
+        self.eps = float(self.hp["eps"])
+        counts = {o.local_steps for o in self.optimizers}
+        if len(counts) != 1:
+            raise VectorizationUnsupportedError(
+                "client_execution='vectorized' needs every AdaAlterClient at the same step count at the round's start; "
+                f"got {sorted(counts)}"
+            )
+        self.k0 = counts.pop()
+        stats = [o.client_statistics() for o in self.optimizers]
+        self.accumulator = self.stack.rows([st["accumulator"] for st in stats], W, ev.views)
+        self.increment = self.stack.rows([st["increment"] for st in stats], W, ev.views)
+        self.views = ev.views
+        self.calls = 0
+
+    def update(self, W, g, where, live):
+        self.calls += 1
+        k = float(self.k0 + self.calls)  # AdaAlterClient's k at this step (lockstep: the same for every client)
+        eps = self.eps
+        denom = self.accumulator.add(k * eps * eps).sqrt_()
+        if where is None:
+            W.addcdiv_(g, denom, value=-self.lr)
+            self.increment.addcmul_(g, g)
+            return
+        self._assign(W, torch.addcdiv(W, g, denom, value=-self.lr), where)
+        self._assign(self.increment, torch.addcmul(self.increment, g, g), where)
+
+    def finalize(self, optimizers) -> None:
+        if not self.started:
+            return
+        for c, o in enumerate(optimizers):
+            increment = self.stack.client(self.increment, c, self.views)
+            o.load_client_statistics({"increment": increment}, self.k0 + self.steps[c])
+
+
+class _BatchedMimeLiteSGD(_BatchedServerStateRule):
+    """:class:`fedlightning.optim.MimeLiteSGD` for every client at once: ``w ← w − η ((1 − β) g + β m)`` with each
+    client's frozen server momentum ``m`` (``server_momentum()``) as ``[C, D]`` rows, the same ops as the
+    optimizer's on every row. No per-client state changes (MimeLite reports nothing)."""
+
+    def __init__(self, optimizers, params, device, grad_clip=None):
+        super().__init__(optimizers, params, device, grad_clip)
+        betas = {o.momentum for o in optimizers}
+        if len(betas) != 1:
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized' needs the same MimeLiteSGD momentum for every client; got {betas}"
+            )
+        self.beta = float(betas.pop())
+
+    def start(self, W, ev):
+        self.momentum = None
+        if self.beta != 0.0:
+            self.momentum = self.stack.rows([o.server_momentum() for o in self.optimizers], W, ev.views)
+
+    def update(self, W, g, where, live):
+        d = g if self.momentum is None else g.mul(1.0 - self.beta).add_(self.momentum, alpha=self.beta)
+        if where is None:
+            W.add_(d, alpha=-self.lr)
+        else:
+            self._assign(W, W.add(d, alpha=-self.lr), where)
 
 
 #: Points of a client's second window in the batched Armijo search (:class:`_BatchedArmijo`); later windows double.
@@ -681,7 +885,14 @@ def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: S
 #: The batched forms of fedlightning's own client optimizers (a ``batched_rule`` attribute of theirs would have to
 #: import this module from :mod:`fedlightning.optim`, which sits below the engine). A class found here counts as
 #: defining ``batched_rule``: its subclasses inherit the form unless they override ``step`` or name their own.
-BUILT_IN_FORMS: dict[type, type] = {SgdArmijo: _BatchedArmijo, SPS: _BatchedSPS, DecSPS: _BatchedDecSPS}
+BUILT_IN_FORMS: dict[type, type] = {
+    SgdArmijo: _BatchedArmijo,
+    SPS: _BatchedSPS,
+    DecSPS: _BatchedDecSPS,
+    AMSGradClient: _BatchedAMSGradClient,
+    AdaAlterClient: _BatchedAdaAlterClient,
+    MimeLiteSGD: _BatchedMimeLiteSGD,
+}
 
 
 def _batched_form(kind: type) -> type | None:
@@ -714,7 +925,9 @@ def make_batched_rule(
     ``torch.optim.Adam`` and ``AdamW`` (AMSGrad, ``maximize``, ``weight_decay``), each with the loop's gradient
     clipping ``grad_clip``, and every optimizer class that names its batched form in ``batched_rule``
     (:class:`BatchedRule`): :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`,
-    :class:`~fedlightning.optim.DecSPS`, and user optimizers that opt in. Raises
+    :class:`~fedlightning.optim.DecSPS`, :class:`~fedlightning.optim.AMSGradClient`,
+    :class:`~fedlightning.optim.AdaAlterClient`, :class:`~fedlightning.optim.MimeLiteSGD` (through
+    :data:`BUILT_IN_FORMS`), and user optimizers that opt in. Raises
     :class:`VectorizationUnsupportedError` for optimizers without a batched form (RMSprop, Adagrad, ...), for
     settings that differ between clients or parameter groups, and for a ``grad_clip`` the rule does not apply.
     """
@@ -745,7 +958,8 @@ def make_batched_rule(
         raise VectorizationUnsupportedError(
             f"client_execution='vectorized' does not support the client optimizer {kind.__name__}: it names no "
             "batched form (a batched_rule attribute, fedlightning.vectorized.BatchedRule); supported: "
-            "torch.optim.SGD, Adam and AdamW, fedlightning.optim.SgdArmijo, SPS and DecSPS, and optimizers with a "
+            "torch.optim.SGD, Adam and AdamW, fedlightning.optim.SgdArmijo, SPS, DecSPS, AMSGradClient, "
+            "AdaAlterClient and MimeLiteSGD, and optimizers with a "
             "batched_rule"
         )
     if grad_clip is not None and not form.applies_grad_clip and not getattr(kind, "requires_closure", False):
