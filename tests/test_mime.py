@@ -148,9 +148,11 @@ def test_mimelite_with_zero_momentum_is_fedavg():
     assert_close64(weights(a), weights(b))
 
 
-def test_mime_first_step_at_the_server_point_moves_every_client_along_c():
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+def test_mime_first_step_at_the_server_point_moves_every_client_along_c(execution):
     """K = 1: y = x at the only step, so d = g(x; ζ) − g(x; ζ) + c = c exactly — with dropout too (the evaluation at x
-    replays the step's dropout masks): every client's update is η(1 − β)c (m = 0 in round 0)."""
+    replays the step's dropout masks): every client's update is η(1 − β)c (m = 0 in round 0). Vectorized: the batched
+    evaluation at x must put the random state back for the one at y."""
     s, rec = Mime(momentum=BETA), Recorder()
 
     class Grab(Recorder):
@@ -159,7 +161,7 @@ def test_mime_first_step_at_the_server_point_moves_every_client_along_c():
             self.c = s._full_gradient.clone()
 
     grab = Grab()
-    run([s, grab, rec], rounds=1, kind="mlp", local_steps=1)
+    run([s, grab, rec], rounds=1, kind="mlp", local_steps=1, execution=execution)
     assert len(rec.updates[0]) == CPR
     for u in rec.updates[0]:
         assert_close64(u.delta, LR * (1 - BETA) * grab.c)
@@ -271,15 +273,25 @@ def test_a_client_optimizer_other_than_plain_sgd_is_refused(opt, what):
     assert what in str(err.value)
 
 
-def test_mime_vectorized_is_refused_and_auto_trains_sequentially():
-    """Mime's step evaluates a second gradient at the server point (MimeSGD, a closure optimizer without a batched
-    form): vectorized execution refuses it by name, and ``auto`` trains it sequentially."""
-    with pytest.raises(Exception, match="MimeSGD"):
-        run([Mime(momentum=BETA)], rounds=1, execution="vectorized")
-    a, _ = run([Mime(momentum=BETA)], rounds=2)
-    with pytest.warns(UserWarning, match="MimeSGD|sequential"):
-        b, _ = run([Mime(momentum=BETA)], rounds=2, execution="auto")
-    assert torch.equal(weights(b), weights(a))
+@pytest.mark.numerics
+@pytest.mark.parametrize("kind", ["logreg", "mlp"])
+def test_mime_vectorized_clients_train_as_sequential_ones(kind):
+    """Mime's batched form (vectorized/rules.py, two batched gradient evaluations per step): the global weights and
+    the server momentum of sequential training in float64, and the same counts (2 forward and 2 backward passes per
+    step). The MLP has dropout: its masks differ between the modes, so the weights are compared on the logistic
+    regression, and on the MLP the counts and that both modes train."""
+    seq, vec = Mime(momentum=BETA), Mime(momentum=BETA)
+    rec_a, rec_b = Recorder(), Recorder()
+    a, _ = run([seq, rec_a], kind=kind)
+    b, _ = run([vec, rec_b], kind=kind, execution="vectorized")
+    counts = [[(u.forwards, u.backwards, u.num_steps) for u in r] for r in rec_a.updates]
+    assert counts == [[(u.forwards, u.backwards, u.num_steps) for u in r] for r in rec_b.updates]
+    assert counts[0][0] == (2 * K, 2 * K, K)
+    if kind == "logreg":
+        assert_close64(weights(b), weights(a))
+        assert_close64(vec.server_momentum, seq.server_momentum)
+    lite, _ = run([MimeLite(momentum=BETA)], kind=kind, execution="vectorized")
+    assert float((weights(lite) - weights(b)).abs().max()) > 1e-4  # the correction moved the run
 
 
 @pytest.mark.numerics
@@ -298,10 +310,11 @@ def test_mimelite_vectorized_clients_train_as_sequential_ones(loop_args):
     assert float((weights(lite_without_momentum) - weights(a)).abs().max()) > 1e-4  # the momentum moved the run
 
 
-def test_the_evaluation_at_the_server_point_leaves_no_trace_in_buffers_or_metrics():
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+def test_the_evaluation_at_the_server_point_leaves_no_trace_in_buffers_or_metrics(execution):
     """A BatchNorm on the inputs and a torchmetrics sum of the batch sizes depend on the data only, not on the
     weights: Mime (two evaluations per step) must leave the same running statistics and the same logged count as
-    MimeLite (one evaluation per step)."""
+    MimeLite (one evaluation per step), in either execution mode."""
     import lightning.pytorch as pl
     import torchmetrics
 
@@ -326,6 +339,7 @@ def test_the_evaluation_at_the_server_point_leaves_no_trace_in_buffers_or_metric
             local_steps=K,
             clients_per_round=CPR,
             seed=SEED,
+            client_execution=execution,
         )
         trainer = make_trainer(2, callbacks=[strategy])
         trainer.fit(loop, datamodule=make_dm())

@@ -379,10 +379,11 @@ def test_built_in_optimizers_and_their_subclasses_have_their_batched_form_unless
     class OwnStepWithForm(OwnStep):
         batched_rule = BUILT_IN_FORMS[DecSPS]
 
-    built_in = (SgdArmijo, SPS, DecSPS, AMSGradClient, AdaAlterClient, MimeLiteSGD)
+    built_in = (SgdArmijo, SPS, DecSPS, AMSGradClient, AdaAlterClient, MimeLiteSGD, MimeSGD)
     assert [_batched_form(k) for k in built_in] == [BUILT_IN_FORMS[k] for k in built_in]
-    assert len(set(BUILT_IN_FORMS.values())) == len(BUILT_IN_FORMS) == 6
-    assert _batched_form(MimeSGD) is None  # MimeLiteSGD's subclass with its own step (two gradients)
+    assert len(set(BUILT_IN_FORMS.values())) == len(BUILT_IN_FORMS) == 7
+    # MimeSGD overrides MimeLiteSGD's step: its own form, not its parent's
+    assert BUILT_IN_FORMS[MimeSGD] is not BUILT_IN_FORMS[MimeLiteSGD]
     assert _batched_form(QuietArmijo) is BUILT_IN_FORMS[SgdArmijo]
     assert _batched_form(OwnStep) is None
     assert _batched_form(OwnStepWithForm) is BUILT_IN_FORMS[DecSPS]

@@ -122,11 +122,11 @@ class Mime(ServerStrategy):
     rounds (``round/communication_rounds`` counts 2 per round, as FedDANE). MimeLite — the same full pass, 1 forward
     and 1 backward per step; down :math:`x, m`, up :math:`y_i, \nabla f_i(x)`: one communication round.
 
-    **Execution**: MimeLite's client optimizer (:class:`~fedlightning.optim.MimeLiteSGD`) has a batched form, so
-    ``client_execution="vectorized"`` trains its clients in lockstep (the weights of sequential training, float
-    rounding apart; ``tests/test_mime.py``). Mime's (:class:`~fedlightning.optim.MimeSGD`) has none: its step's second
-    gradient at the server point, with the model's side effects of that evaluation undone, is not batched;
-    ``client_execution="vectorized"`` refuses it (naming it) and ``"auto"`` trains sequentially.
+    **Execution**: both client optimizers (:class:`~fedlightning.optim.MimeSGD`,
+    :class:`~fedlightning.optim.MimeLiteSGD`) have batched forms, so ``client_execution="vectorized"`` trains the
+    round's clients in lockstep, to the weights of sequential training (float rounding apart; dropout masks differ, as
+    for every vectorized run): Mime's gradient at the server point is a second batched evaluation per step, on the same
+    batch, with the same random state, and without its side effects (``tests/test_mime.py``).
 
     Logged: ``mime/momentum_norm`` (‖m‖ after the update), ``mime/full_gradient_norm`` (‖c‖),
     ``round/communication_rounds``.

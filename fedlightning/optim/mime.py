@@ -10,14 +10,13 @@ base optimizer's update with the server's momentum :math:`m` **frozen** (never u
     d = \begin{cases} g_i(y;\zeta) - g_i(x;\zeta) + c & \text{Mime (SVRG correction)}\\
                       g_i(y;\zeta) & \text{MimeLite}\end{cases}
 
-with :math:`x` the round's server point, :math:`\zeta` the step's mini-batch (the same on both gradients) and
-:math:`c` the mean full-batch gradient of the round's clients at :math:`x`. The server side (the frozen state, its
-update :math:`m \leftarrow (1-\beta)c + \beta m`) is :class:`fedlightning.callbacks.Mime` /
+with :math:`x` the round's server point, :math:`\zeta` the step's mini-batch (the same on both gradients) and :math:`c`
+the mean full-batch gradient of the round's clients at :math:`x`. The server side (the frozen state, its update
+:math:`m \leftarrow (1-\beta)c + \beta m`) is :class:`fedlightning.callbacks.Mime` /
 :class:`~fedlightning.callbacks.MimeLite`, which builds these optimizers for every client from the user's plain SGD
-(its learning rates) through ``configure_client_optimizer``. :class:`MimeLiteSGD` has a batched form for
-``client_execution="vectorized"`` in :mod:`fedlightning.vectorized.rules` (it reads
-:meth:`MimeLiteSGD.server_momentum`); :class:`MimeSGD` has none (its second gradient at the server point is not
-batched): vectorised execution refuses it, naming the class, and ``"auto"`` trains such clients sequentially.
+(its learning rates) through ``configure_client_optimizer``. Both have batched forms for
+``client_execution="vectorized"`` in :mod:`fedlightning.vectorized.rules`, which read
+:meth:`MimeLiteSGD.server_momentum`, :meth:`MimeSGD.server_point` and :meth:`MimeSGD.full_gradient`.
 """
 
 from __future__ import annotations
@@ -171,6 +170,15 @@ class MimeSGD(MimeLiteSGD):
         self.correction = flag("correction", correction)
         self._guard = evaluation_guard if evaluation_guard is not None else contextlib.nullcontext
         self.last_step: dict[str, Any] = {}
+
+    def server_point(self) -> list[Tensor]:
+        """The round's server point :math:`x` (``anchor``), one tensor per parameter in param-group order. A batched
+        form (:mod:`fedlightning.vectorized`) reads it."""
+        return list(self._anchor)
+
+    def full_gradient(self) -> list[Tensor]:
+        """The full-batch gradient :math:`c` at the server point, one tensor per parameter in param-group order."""
+        return list(self._full_gradient)
 
     @staticmethod
     def _checked(loss: Any) -> Tensor:

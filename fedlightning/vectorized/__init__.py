@@ -5,7 +5,7 @@ The clients' weights are one ``[C, D]`` tensor and their losses one ``torch.func
 torchmetrics values (float rounding apart; dropout masks differ, reproducibly). It applies to models without per-step
 hook overrides or ``SyncBatchNorm``, with ``torch.optim.SGD`` (momentum included), ``Adam`` or ``AdamW`` clients, or
 clients whose optimizer class names a batched form (:class:`BatchedRule`: SgdArmijo, SPS, DecSPS, AMSGradClient,
-AdaAlterClient, MimeLiteSGD, and user optimizers that opt in); anything else raises
+AdaAlterClient, MimeSGD, MimeLiteSGD, and user optimizers that opt in); anything else raises
 :class:`VectorizationUnsupportedError` naming the layer, metric, optimizer or setting. ``client_execution="auto"`` times
 one round both ways and trains vectorised only when that is :data:`AUTO_MARGIN` times faster, falling back to sequential
 on anything unsupported. Modules on padded steps (clients' batches of unequal size) are fastest with

@@ -8,12 +8,13 @@ r"""Batched client optimizers: one local step of every client at once, on the cl
 attributes of those classes, because :mod:`fedlightning.optim` sits below the engine and never imports it), which
 evaluate the step-size rules of :mod:`fedlightning.optim.rules` on ``[C]`` tensors (SPS, DecSPS) or, for the line
 search's many small per-client decisions, on Python floats client by client (SgdArmijo; see :class:`_BatchedArmijo`);
-and the client steps of the local adaptive methods and MimeLite, :class:`~fedlightning.optim.AMSGradClient`,
-:class:`~fedlightning.optim.AdaAlterClient` and :class:`~fedlightning.optim.MimeLiteSGD`, to
-:class:`_BatchedAMSGradClient`, :class:`_BatchedAdaAlterClient` and :class:`_BatchedMimeLiteSGD`, whose server
-statistics become ``[C, D]`` rows. Each rule reads the clients' optimizer instances (built by the loop, client state
-set) and writes the final per-client state back through their public methods, so ``get_client_state()`` /
-``client_report()`` answer exactly as after sequential training.
+and the client steps of the local adaptive methods, Mime and MimeLite, :class:`~fedlightning.optim.AMSGradClient`,
+:class:`~fedlightning.optim.AdaAlterClient`, :class:`~fedlightning.optim.MimeSGD` and
+:class:`~fedlightning.optim.MimeLiteSGD`, to :class:`_BatchedAMSGradClient`, :class:`_BatchedAdaAlterClient`,
+:class:`_BatchedMimeSGD` and :class:`_BatchedMimeLiteSGD`, whose server statistics become ``[C, D]`` rows. Each rule
+reads the clients' optimizer instances (built by the loop, client state set) and writes the final per-client state back
+through their public methods, so ``get_client_state()`` / ``client_report()`` answer exactly as after sequential
+training.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from fedlightning.optim import SPS, AdaAlterClient, AMSGradClient, DecSPS, MimeLiteSGD, SgdArmijo, rules
+from fedlightning.optim import SPS, AdaAlterClient, AMSGradClient, DecSPS, MimeLiteSGD, MimeSGD, SgdArmijo, rules
 
 from .support import VectorizationUnsupportedError
-from .torch_internals import _foreach_add_
+from .torch_internals import _foreach_add_, _rng_state, _set_rng_state
 from .trials import _TrialLine, _write_points
 
 if TYPE_CHECKING:
@@ -539,6 +540,64 @@ class _BatchedMimeLiteSGD(_BatchedServerStateRule):
             self._assign(W, W.add(d, alpha=-self.lr), where)
 
 
+class _BatchedMimeSGD(_BatchedMimeLiteSGD):
+    """:class:`fedlightning.optim.MimeSGD` for every client at once: ``w ← w − η ((1 − β) d + β m)`` with the
+    SVRG-corrected ``d = g(y) − g(x) + c``, both gradients on the step's batch, the server point ``x`` and full-batch
+    gradient ``c`` of each client's optimizer (``server_point()``, ``full_gradient()``) as ``[C, D]`` rows.
+
+    The gradient at ``x`` is one more batched evaluation per step, taken first, as the optimizer takes it: it leaves
+    no trace (the model's running statistics, metric calls and logged values of that evaluation are not kept, which
+    is what :class:`~fedlightning.callbacks.Mime`'s ``evaluation_guard`` does sequentially) and the random state is
+    put back after it, so the evaluation at ``y`` draws the same dropout masks. As a closure optimizer: no
+    ``client_grad_clip`` (the corrected direction is not clipped), a client stops after its first non-finite loss,
+    and each step counts 2 forward and 2 backward passes (``last_step``)."""
+
+    applies_grad_clip = False
+    stops_on_nonfinite = True
+
+    def __init__(self, optimizers, params, device, grad_clip=None):
+        super().__init__(optimizers, params, device, None)
+        corrections = {bool(o.correction) for o in optimizers}
+        if len(corrections) != 1:
+            raise VectorizationUnsupportedError("client_execution='vectorized' needs the same MimeSGD correction")
+        self.correction = corrections.pop()
+        self.rng_devices = [device] if torch.device(device).type == "cuda" else []
+
+    def start(self, W, ev):
+        super().start(W, ev)
+        self.anchor = self.full = None
+        if self.correction:
+            self.anchor = self.stack.rows([o.server_point() for o in self.optimizers], W, ev.views)
+            self.full = self.stack.rows([o.full_gradient() for o in self.optimizers], W, ev.views)
+
+    def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
+        if not self.started:
+            self.start(W, ev)
+            self.started = True
+        g_anchor = self._gradient_at_anchor(ev, alive) if self.correction else None
+        loss, g = ev.gradient(W, alive)
+        d = g if g_anchor is None else g.sub(g_anchor).add_(self.full)
+        live = alive.tolist()
+        self.update(W, d, None if all(live) else alive[:, None], live)
+        evaluations = 2 if self.correction else 1
+        finite = torch.isfinite(loss)
+        step = torch.where(finite, self.lr_vector, torch.full_like(self.lr_vector, float("nan")))
+        record.add(loss, step, alive, forwards=torch.full_like(record.forwards, evaluations))
+        if evaluations == 2:
+            record.backwards += alive.long()
+
+    def _gradient_at_anchor(self, ev: _StepEvaluator, alive: Tensor) -> Tensor:
+        """Every client's gradient at the server point on this step's batch, without effects, random state kept."""
+        rng = _rng_state(self.rng_devices)
+        kept = ev.keep_effects, ev.log_sink, ev.metric_sink
+        ev.keep_effects, ev.log_sink, ev.metric_sink = False, None, None
+        try:
+            return ev.gradient(self.anchor, alive)[1]
+        finally:
+            ev.keep_effects, ev.log_sink, ev.metric_sink = kept
+            _set_rng_state(rng, self.rng_devices)
+
+
 #: Points of a client's second window in the batched Armijo search (:class:`_BatchedArmijo`); later windows double.
 _SECOND_WINDOW = 8
 
@@ -892,6 +951,7 @@ BUILT_IN_FORMS: dict[type, type] = {
     AMSGradClient: _BatchedAMSGradClient,
     AdaAlterClient: _BatchedAdaAlterClient,
     MimeLiteSGD: _BatchedMimeLiteSGD,
+    MimeSGD: _BatchedMimeSGD,
 }
 
 
@@ -926,7 +986,8 @@ def make_batched_rule(
     clipping ``grad_clip``, and every optimizer class that names its batched form in ``batched_rule``
     (:class:`BatchedRule`): :class:`~fedlightning.optim.SgdArmijo`, :class:`~fedlightning.optim.SPS`,
     :class:`~fedlightning.optim.DecSPS`, :class:`~fedlightning.optim.AMSGradClient`,
-    :class:`~fedlightning.optim.AdaAlterClient`, :class:`~fedlightning.optim.MimeLiteSGD` (through
+    :class:`~fedlightning.optim.AdaAlterClient`, :class:`~fedlightning.optim.MimeSGD`,
+    :class:`~fedlightning.optim.MimeLiteSGD` (through
     :data:`BUILT_IN_FORMS`), and user optimizers that opt in. Raises
     :class:`VectorizationUnsupportedError` for optimizers without a batched form (RMSprop, Adagrad, ...), for
     settings that differ between clients or parameter groups, and for a ``grad_clip`` the rule does not apply.
@@ -959,7 +1020,7 @@ def make_batched_rule(
             f"client_execution='vectorized' does not support the client optimizer {kind.__name__}: it names no "
             "batched form (a batched_rule attribute, fedlightning.vectorized.BatchedRule); supported: "
             "torch.optim.SGD, Adam and AdamW, fedlightning.optim.SgdArmijo, SPS, DecSPS, AMSGradClient, "
-            "AdaAlterClient and MimeLiteSGD, and optimizers with a "
+            "AdaAlterClient, MimeSGD and MimeLiteSGD, and optimizers with a "
             "batched_rule"
         )
     if grad_clip is not None and not form.applies_grad_clip and not getattr(kind, "requires_closure", False):
