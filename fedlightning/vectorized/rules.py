@@ -354,6 +354,11 @@ def _param_orders(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[
     return orders
 
 
+def _memory(t: Tensor) -> tuple:
+    """Where ``t``'s values lie: equal for views of the same memory with the same layout (hence the same values)."""
+    return t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride())
+
+
 class _PerClientTensors:
     """Per-client, per-parameter tensors (one list per client, in its optimizer's param-group order) as ``[C, D]``
     rows in the engine's storage order, and back: the state of client optimizers whose statistics the server reads
@@ -362,15 +367,25 @@ class _PerClientTensors:
     def __init__(self, orders: list[list[int]]):
         self.orders = orders
 
-    def rows(self, per_client: Sequence[Sequence[Tensor]], W: Tensor, views: Callable[[Tensor], list[Tensor]]):
-        """``[C, D]`` (``W``'s dtype, device and layout) holding client ``c``'s tensors in row ``c``."""
-        out = torch.empty_like(W)
+    def rows(
+        self,
+        per_client: Sequence[Sequence[Tensor]],
+        W: Tensor,
+        views: Callable[[Tensor], list[Tensor]],
+        frozen: bool = False,
+    ) -> Tensor:
+        """``[C, D]`` (``W``'s dtype, device and layout) holding client ``c``'s tensors in row ``c``. ``frozen``
+        (state no step writes): one ``[1, D]`` row when every client's tensors are the same memory (server state the
+        strategy hands every client as views of one tensor: a frozen statistic, Mime's momentum), which the
+        elementwise steps broadcast."""
         by_param: list[list[Tensor]] = [[] for _ in self.orders[0]]
         for tensors, order in zip(per_client, self.orders):
             for t, k in zip(tensors, order):
                 by_param[k].append(t)
+        shared = frozen and all(len({_memory(t) for t in parts}) == 1 for parts in by_param)
+        out = torch.empty_like(W[:1] if shared else W)
         for view, parts in zip(views(out), by_param):
-            view.copy_(torch.stack([t.to(device=W.device, dtype=W.dtype) for t in parts]))
+            view.copy_(torch.stack([t.to(device=W.device, dtype=W.dtype) for t in (parts[:1] if shared else parts)]))
         return out
 
     def client(self, rows: Tensor, c: int, views: Callable[[Tensor], list[Tensor]]) -> list[Tensor]:
@@ -442,7 +457,7 @@ class _BatchedAMSGradClient(_BatchedServerStateRule):
         stats = [o.client_statistics() for o in self.optimizers]
         self.m = self.stack.rows([st["exp_avg"] for st in stats], W, ev.views)
         self.v = self.stack.rows([st["exp_avg_sq"] for st in stats], W, ev.views)
-        v_hat = self.stack.rows([st["max_exp_avg_sq"] for st in stats], W, ev.views)
+        v_hat = self.stack.rows([st["max_exp_avg_sq"] for st in stats], W, ev.views, frozen=True)
         self.denom = v_hat.clamp_(min=self.eps).sqrt_()
         self.views = ev.views
         self.start_steps = [o.local_steps for o in self.optimizers]
@@ -488,7 +503,7 @@ class _BatchedAdaAlterClient(_BatchedServerStateRule):
             )
         self.k0 = counts.pop()
         stats = [o.client_statistics() for o in self.optimizers]
-        self.accumulator = self.stack.rows([st["accumulator"] for st in stats], W, ev.views)
+        self.accumulator = self.stack.rows([st["accumulator"] for st in stats], W, ev.views, frozen=True)
         self.increment = self.stack.rows([st["increment"] for st in stats], W, ev.views)
         self.views = ev.views
         self.calls = 0
@@ -530,7 +545,7 @@ class _BatchedMimeLiteSGD(_BatchedServerStateRule):
     def start(self, W, ev):
         self.momentum = None
         if self.beta != 0.0:
-            self.momentum = self.stack.rows([o.server_momentum() for o in self.optimizers], W, ev.views)
+            self.momentum = self.stack.rows([o.server_momentum() for o in self.optimizers], W, ev.views, frozen=True)
 
     def update(self, W, g, where, live):
         d = g if self.momentum is None else g.mul(1.0 - self.beta).add_(self.momentum, alpha=self.beta)
@@ -567,8 +582,9 @@ class _BatchedMimeSGD(_BatchedMimeLiteSGD):
         super().start(W, ev)
         self.anchor = self.full = None
         if self.correction:
-            self.anchor = self.stack.rows([o.server_point() for o in self.optimizers], W, ev.views)
-            self.full = self.stack.rows([o.full_gradient() for o in self.optimizers], W, ev.views)
+            anchor = self.stack.rows([o.server_point() for o in self.optimizers], W, ev.views, frozen=True)
+            self.anchor = anchor.expand_as(W).contiguous()  # the gradient evaluation's weights: one row per client
+            self.full = self.stack.rows([o.full_gradient() for o in self.optimizers], W, ev.views, frozen=True)
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
         if not self.started:
