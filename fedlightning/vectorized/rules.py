@@ -396,9 +396,10 @@ class _PerClientTensors:
 
 class _BatchedServerStateRule(BatchedRule):
     """Shared parts of the batched forms of client optimizers that carry server statistics (:class:`AMSGradClient`,
-    :class:`AdaAlterClient`, :class:`MimeLiteSGD`): the shared hyper-parameters, the clients' start state as
-    ``[C, D]`` rows (built at the round's first step, once the engine's storage order is fixed), per-client step
-    counts, and an update that leaves the rows of clients not in ``alive`` unchanged.
+    :class:`AdaAlterClient`, :class:`MimeLiteSGD`, :class:`MimeSGD`): the shared hyper-parameters, the clients' start
+    state as ``[C, D]`` rows (built at the round's first step, once the engine's storage order is fixed; one shared
+    row for state every client holds in the same memory, :meth:`_PerClientTensors.rows`), per-client step counts, and
+    an update that leaves the rows of clients not in ``alive`` unchanged.
 
     Decision (ours, as :class:`_BatchedAdam`): a parameter the loss does not depend on gets a zero gradient here,
     where the sequential optimizer skips a parameter whose ``.grad`` is None; its statistics then take the zero
@@ -530,8 +531,9 @@ class _BatchedAdaAlterClient(_BatchedServerStateRule):
 
 class _BatchedMimeLiteSGD(_BatchedServerStateRule):
     """:class:`fedlightning.optim.MimeLiteSGD` for every client at once: ``w ← w − η ((1 − β) g + β m)`` with each
-    client's frozen server momentum ``m`` (``server_momentum()``) as ``[C, D]`` rows, the same ops as the
-    optimizer's on every row. No per-client state changes (MimeLite reports nothing)."""
+    client's frozen server momentum ``m`` (``server_momentum()``) as rows (one, broadcast, when the strategy gives
+    every client the same tensor, as :class:`~fedlightning.callbacks.MimeLite` does), the same ops as the optimizer's
+    on every row. No per-client state changes (MimeLite reports nothing)."""
 
     def __init__(self, optimizers, params, device, grad_clip=None):
         super().__init__(optimizers, params, device, grad_clip)
@@ -558,7 +560,8 @@ class _BatchedMimeLiteSGD(_BatchedServerStateRule):
 class _BatchedMimeSGD(_BatchedMimeLiteSGD):
     """:class:`fedlightning.optim.MimeSGD` for every client at once: ``w ← w − η ((1 − β) d + β m)`` with the
     SVRG-corrected ``d = g(y) − g(x) + c``, both gradients on the step's batch, the server point ``x`` and full-batch
-    gradient ``c`` of each client's optimizer (``server_point()``, ``full_gradient()``) as ``[C, D]`` rows.
+    gradient ``c`` of each client's optimizer (``server_point()``, ``full_gradient()``) as rows (``x`` one per client,
+    the weights of the evaluation at ``x``).
 
     The gradient at ``x`` is one more batched evaluation per step, taken first, as the optimizer takes it: it leaves
     no trace (the model's running statistics, metric calls and logged values of that evaluation are not kept, which
