@@ -177,41 +177,31 @@ def main():
     for name, plain, fast in rows:
         t_plain, t_fast = best(plain, args.repeats), best(fast, args.repeats)
         print(f"{name:<34} {t_plain * 1e6:>11.1f} {t_fast * 1e6:>12.1f} {t_plain / t_fast:>6.2f}x")
-    print_forward_bits(C)
-    print_weight_gradient_bits(C)
+    print_bit_checks(C)
 
 
-def print_forward_bits(C: int) -> None:
-    """For 4, 10 and 16 outputs: does the plain batched product ``b + x W^T`` (a gradient evaluation's forward) and
-    does the transposed one ``(b + W x^T)^T`` (a trial call's narrow layer) equal, bit for bit, each client's own
-    ``F.linear`` (float32; the answer is this machine's kernels')?"""
+def _bits(name: str, value: torch.Tensor, ref: torch.Tensor) -> str:
+    """``name yes|no (max |value − ref|)``: whether ``value`` equals ``ref`` bit for bit."""
+    return f"{name} {'yes' if torch.equal(value, ref) else 'no'} ({(value - ref).abs().max().item():.1e})"
+
+
+def print_bit_checks(C: int) -> None:
+    """For 4, 10 and 16 outputs, on ``C`` clients' ``[50, 128]`` rows (float32; the answers are this machine's
+    kernels'): does the plain batched product ``b + x W^T`` (a gradient evaluation's forward) and does the transposed
+    one ``(b + W x^T)^T`` (a trial call's narrow layer) equal each client's own ``F.linear`` bit for bit; and does
+    ``g^T x`` (the engine's narrow-layer weight gradient) and does ``(x^T g)^T`` (``baddbmm``'s backward) equal the
+    weight gradient each client's ``F.linear`` gets from autograd?"""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(C, 50, 128, generator=gen)
-    print("linear layer's forward equal to per-client F.linear's (float32, bit for bit; max |difference|):")
-    for out in (4, 10, 16):
-        W = torch.randn(C, out, 128, generator=gen)
-        b = torch.randn(C, out, generator=gen)
-        ref = torch.stack([F.linear(x[c], W[c], b[c]) for c in range(C)])
-        plain = torch.baddbmm(b.unsqueeze(1), x, W.transpose(1, 2))
-        transposed = torch.baddbmm(b.unsqueeze(2), W, x.transpose(1, 2)).transpose(1, 2)
-        same_plain, same_transposed = torch.equal(plain, ref), torch.equal(transposed, ref)
-        print(
-            f"  {out} outputs: b + x W^T {'yes' if same_plain else 'no'} ({(plain - ref).abs().max().item():.1e}), "
-            f"(b + W x^T)^T {'yes' if same_transposed else 'no'} ({(transposed - ref).abs().max().item():.1e})"
-        )
-
-
-def print_weight_gradient_bits(C: int) -> None:
-    """For 4, 10 and 16 outputs: does ``g^T x`` (the engine's narrow-layer product) and does ``(x^T g)^T``
-    (``baddbmm``'s backward) equal, bit for bit, the weight gradient each client's own ``F.linear`` gets from
-    autograd (float32; the answer is this machine's kernels')?"""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(C, 50, 128, generator=gen)
-    print("weight gradient equal to per-client F.linear's (float32, bit for bit; max |difference|):")
+    forward, gradient = [], []
     for out in (4, 10, 16):
         W = torch.randn(C, out, 128, generator=gen)
         b = torch.randn(C, out, generator=gen)
         g = torch.randn(C, 50, out, generator=gen)
+        ref = torch.stack([F.linear(x[c], W[c], b[c]) for c in range(C)])
+        plain = torch.baddbmm(b.unsqueeze(1), x, W.transpose(1, 2))
+        transposed = torch.baddbmm(b.unsqueeze(2), W, x.transpose(1, 2)).transpose(1, 2)
+        forward.append(f"  {out} outputs: {_bits('b + x W^T', plain, ref)}, {_bits('(b + W x^T)^T', transposed, ref)}")
         reference = []
         for c in range(C):
             Wc = W[c].clone().requires_grad_(True)
@@ -219,12 +209,12 @@ def print_weight_gradient_bits(C: int) -> None:
             reference.append(grad)
         ref = torch.stack(reference)
         wide = torch.bmm(g.transpose(1, 2), x)
-        plain = torch.bmm(x.transpose(1, 2), g).transpose(1, 2)
-        print(
-            f"  {out} outputs: g^T x {'yes' if torch.equal(wide, ref) else 'no'} "
-            f"({(wide - ref).abs().max().item():.1e}), (x^T g)^T {'yes' if torch.equal(plain, ref) else 'no'} "
-            f"({(plain - ref).abs().max().item():.1e})"
-        )
+        narrow = torch.bmm(x.transpose(1, 2), g).transpose(1, 2)
+        gradient.append(f"  {out} outputs: {_bits('g^T x', wide, ref)}, {_bits('(x^T g)^T', narrow, ref)}")
+    print("linear layer's forward equal to per-client F.linear's (float32, bit for bit; max |difference|):")
+    print("\n".join(forward))
+    print("weight gradient equal to per-client F.linear's (float32, bit for bit; max |difference|):")
+    print("\n".join(gradient))
 
 
 if __name__ == "__main__":
