@@ -313,3 +313,27 @@ def test_vectorized_adaalter_clients_at_different_step_counts_are_refused():
 
     with pytest.raises(VectorizationUnsupportedError, match=r"\[0, 2\]"):
         rule.step(torch.zeros(2, 3, dtype=torch.float64), Ev(), None, torch.ones(2, dtype=torch.bool))
+
+
+def test_load_client_statistics_sets_the_report_and_refuses_bad_input():
+    """What a batched form writes back (``load_client_statistics``) is what ``client_report`` then sends, copied; the
+    frozen statistic, a wrong count or shape, and a bad step count are refused by name."""
+    w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = AMSGradClient([w], **AMSGRAD)
+    m, v = torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([3.0, 4.0], dtype=torch.float64)
+    opt.load_client_statistics({"exp_avg": [m], "exp_avg_sq": [v]}, local_steps=5)
+    report = opt.client_report()
+    assert torch.equal(report["amsgrad_exp_avg"][0], m) and torch.equal(report["amsgrad_exp_avg_sq"][0], v)
+    assert opt.local_steps == 5
+    m.add_(1.0)  # the optimizer holds a copy
+    assert float(opt.client_report()["amsgrad_exp_avg"][0][0]) == 1.0
+    assert torch.equal(opt.client_statistics()["exp_avg_sq"][0], v)
+    with pytest.raises(ValueError, match="max_exp_avg_sq"):
+        opt.load_client_statistics({"max_exp_avg_sq": [v]}, local_steps=1)
+    with pytest.raises(ValueError, match="2 tensors for 1 parameters"):
+        opt.load_client_statistics({"exp_avg": [m, m]}, local_steps=1)
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        opt.load_client_statistics({"exp_avg": [torch.zeros(3, dtype=torch.float64)]}, local_steps=1)
+    with pytest.raises(ValueError, match="local_steps"):
+        opt.load_client_statistics({"exp_avg": [torch.zeros(2, dtype=torch.float64)]}, local_steps=-1)
+    assert float(opt.client_report()["amsgrad_exp_avg"][0][0]) == 1.0 and opt.local_steps == 5  # nothing written

@@ -87,16 +87,18 @@ class _ServerStateOptimizer(torch.optim.Optimizer):
         frozen = [key for key in statistics if key in self.frozen_keys or key not in self.server_keys]
         if frozen:
             raise ValueError(f"{type(self).__name__}.load_client_statistics: {frozen} are not client statistics")
-        for key, tensors in statistics.items():
-            tensors = list(tensors)
+        if isinstance(local_steps, bool) or int(local_steps) != local_steps or local_steps < 0:
+            raise ValueError(f"local_steps must be an integer >= 0, got {local_steps!r}")
+        values = {key: list(tensors) for key, tensors in statistics.items()}
+        for key, tensors in values.items():  # every check before anything is written
             if len(tensors) != len(self._params):
                 raise ValueError(f"statistics {key!r} has {len(tensors)} tensors for {len(self._params)} parameters")
             for p, t in zip(self._params, tensors):
                 if t.shape != p.shape:
                     raise ValueError(f"statistics {key!r}: shape {tuple(t.shape)} for a parameter {tuple(p.shape)}")
+        for key, tensors in values.items():
+            for p, t in zip(self._params, tensors):
                 self._state(p)[key] = t.detach().to(device=p.device, dtype=p.dtype).clone()
-        if isinstance(local_steps, bool) or int(local_steps) != local_steps or local_steps < 0:
-            raise ValueError(f"local_steps must be an integer >= 0, got {local_steps!r}")
         self.local_steps = int(local_steps)
 
     def _state(self, p: Tensor) -> dict[str, Tensor]:
