@@ -388,10 +388,10 @@ class _PerClientTensors:
             view.copy_(torch.stack([t.to(device=W.device, dtype=W.dtype) for t in (parts[:1] if shared else parts)]))
         return out
 
-    def client(self, rows: Tensor, c: int, views: Callable[[Tensor], list[Tensor]]) -> list[Tensor]:
-        """Client ``c``'s row of ``rows`` as its optimizer's per-parameter list (views)."""
-        per_param = [v[c] for v in views(rows)]
-        return [per_param[k] for k in self.orders[c]]
+    def clients(self, rows: Tensor, views: Callable[[Tensor], list[Tensor]]) -> list[list[Tensor]]:
+        """Every client's row of ``rows`` as its optimizer's per-parameter list (views)."""
+        per_param = views(rows)
+        return [[per_param[k][c] for k in order] for c, order in enumerate(self.orders)]
 
 
 class _BatchedServerStateRule(BatchedRule):
@@ -409,9 +409,9 @@ class _BatchedServerStateRule(BatchedRule):
 
     def __init__(self, optimizers, params, device, grad_clip=None):
         super().__init__(optimizers, params, device, grad_clip)
-        hp = _same_hyperparameters(optimizers, params)
-        self.lr = float(hp["lr"])
-        self.hp = hp
+        # the same for every group of every client: make_batched_rule checked it (_same_hyperparameters)
+        self.hp = {k: v for k, v in optimizers[0].param_groups[0].items() if k != "params"}
+        self.lr = float(self.hp["lr"])
         self.stack = _PerClientTensors(_param_orders(optimizers, params))
         self.optimizers = list(optimizers)
         self.steps = [0] * len(optimizers)  # steps each client took this round
@@ -422,15 +422,23 @@ class _BatchedServerStateRule(BatchedRule):
         """Build the ``[C, D]`` state from the optimizers (at the round's first step)."""
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
-        loss, g = ev.gradient(W, alive)
-        g = self.clip(g)
         if not self.started:
             self.start(W, ev)
             self.started = True
+        loss, d = self.direction(W, ev, alive)
         live = alive.tolist()
         for c, on in enumerate(live):
             self.steps[c] += on
-        self.update(W, g, None if all(live) else alive[:, None], live)
+        self.update(W, d, None if all(live) else alive[:, None], live)
+        self.record(record, loss, alive)
+
+    def direction(self, W: Tensor, ev: _StepEvaluator, alive: Tensor) -> tuple[Tensor, Tensor]:
+        """The clients' losses ``[C]`` and the ``[C, D]`` direction the step applies: the clipped gradient."""
+        loss, g = ev.gradient(W, alive)
+        return loss, self.clip(g)
+
+    def record(self, record: StepRecord, loss: Tensor, alive: Tensor) -> None:
+        """The step's telemetry: one forward and one backward pass of every client, the step size ``lr``."""
         record.losses.append(loss)
         record.step_sizes.append(self.lr_vector)
         record.uniform_evaluations += 1
@@ -479,10 +487,9 @@ class _BatchedAMSGradClient(_BatchedServerStateRule):
     def finalize(self, optimizers) -> None:
         if not self.started:
             return
-        for c, o in enumerate(optimizers):
-            stats = {"exp_avg": self.stack.client(self.m, c, self.views)}
-            stats["exp_avg_sq"] = self.stack.client(self.v, c, self.views)
-            o.load_client_statistics(stats, self.start_steps[c] + self.steps[c])
+        moments = zip(self.stack.clients(self.m, self.views), self.stack.clients(self.v, self.views))
+        for c, (o, (m, v)) in enumerate(zip(optimizers, moments)):
+            o.load_client_statistics({"exp_avg": m, "exp_avg_sq": v}, self.start_steps[c] + self.steps[c])
 
 
 class _BatchedAdaAlterClient(_BatchedServerStateRule):
@@ -524,8 +531,7 @@ class _BatchedAdaAlterClient(_BatchedServerStateRule):
     def finalize(self, optimizers) -> None:
         if not self.started:
             return
-        for c, o in enumerate(optimizers):
-            increment = self.stack.client(self.increment, c, self.views)
+        for c, (o, increment) in enumerate(zip(optimizers, self.stack.clients(self.increment, self.views))):
             o.load_client_statistics({"increment": increment}, self.k0 + self.steps[c])
 
 
@@ -579,7 +585,6 @@ class _BatchedMimeSGD(_BatchedMimeLiteSGD):
         if len(corrections) != 1:
             raise VectorizationUnsupportedError("client_execution='vectorized' needs the same MimeSGD correction")
         self.correction = corrections.pop()
-        self.rng_devices = [device] if torch.device(device).type == "cuda" else []
 
     def start(self, W, ev):
         super().start(W, ev)
@@ -589,32 +594,28 @@ class _BatchedMimeSGD(_BatchedMimeLiteSGD):
             self.anchor = anchor.expand_as(W).contiguous()  # the gradient evaluation's weights: one row per client
             self.full = self.stack.rows([o.full_gradient() for o in self.optimizers], W, ev.views, frozen=True)
 
-    def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
-        if not self.started:
-            self.start(W, ev)
-            self.started = True
+    def direction(self, W, ev, alive):
         g_anchor = self._gradient_at_anchor(ev, alive) if self.correction else None
-        loss, g = ev.gradient(W, alive)
-        d = g if g_anchor is None else g.sub(g_anchor).add_(self.full)
-        live = alive.tolist()
-        self.update(W, d, None if all(live) else alive[:, None], live)
+        loss, g = ev.gradient(W, alive)  # not clipped (a closure optimizer)
+        return loss, g if g_anchor is None else g.sub(g_anchor).add_(self.full)
+
+    def record(self, record, loss, alive):
         evaluations = 2 if self.correction else 1
-        finite = torch.isfinite(loss)
-        step = torch.where(finite, self.lr_vector, torch.full_like(self.lr_vector, float("nan")))
+        step = torch.where(torch.isfinite(loss), self.lr_vector, torch.full_like(self.lr_vector, float("nan")))
         record.add(loss, step, alive, forwards=torch.full_like(record.forwards, evaluations))
         if evaluations == 2:
             record.backwards += alive.long()
 
     def _gradient_at_anchor(self, ev: _StepEvaluator, alive: Tensor) -> Tensor:
         """Every client's gradient at the server point on this step's batch, without effects, random state kept."""
-        rng = _rng_state(self.rng_devices)
+        rng = _rng_state(ev.rng_devices)
         kept = ev.keep_effects, ev.log_sink, ev.metric_sink
         ev.keep_effects, ev.log_sink, ev.metric_sink = False, None, None
         try:
             return ev.gradient(self.anchor, alive)[1]
         finally:
             ev.keep_effects, ev.log_sink, ev.metric_sink = kept
-            _set_rng_state(rng, self.rng_devices)
+            _set_rng_state(rng, ev.rng_devices)
 
 
 #: Points of a client's second window in the batched Armijo search (:class:`_BatchedArmijo`); later windows double.
