@@ -350,3 +350,20 @@ def test_the_evaluation_at_the_server_point_leaves_no_trace_in_buffers_or_metric
     assert torch.equal(a.model.bn.running_mean, b.model.bn.running_mean)
     assert torch.equal(a.model.bn.running_var, b.model.bn.running_var)
     assert not torch.equal(weights(a), weights(b))
+
+
+def test_vectorized_clients_with_different_momentum_or_correction_are_refused():
+    """Lockstep steps share β (and Mime's correction): clients built with different ones (not what Mime / MimeLite
+    build) are refused by name when the batched form is made."""
+    from fedlightning.vectorized import VectorizationUnsupportedError, make_batched_rule
+
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    cpu = torch.device("cpu")
+    lite = [MimeLiteSGD([w], lr=LR, momentum=0.5), MimeLiteSGD([w], lr=LR, momentum=0.9)]
+    with pytest.raises(VectorizationUnsupportedError, match="momentum"):
+        make_batched_rule(lite, [w], None, cpu)
+    point = [torch.zeros(3, dtype=torch.float64)]
+    full = dict(anchor=point, full_gradient=point)
+    mime = [MimeSGD([w], lr=LR, momentum=0.5, correction=c, **full) for c in (True, False)]
+    with pytest.raises(VectorizationUnsupportedError, match="correction"):
+        make_batched_rule(mime, [w], None, cpu)
