@@ -2,6 +2,7 @@
 loops (models and server statistics), the client steps by hand, parameter order, resume, refused configurations and
 execution modes."""
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,12 +32,13 @@ def make_model():
     return to_float64(LogisticRegression(input_dim=64, num_classes=10))
 
 
-def run(strategy, opt, rounds=ROUNDS, execution="sequential", extra=(), **loop_args):
+def run(strategy, opt, rounds=ROUNDS, execution="sequential", extra=(), accelerator="cpu", **loop_args):
     loop_args = {"local_steps": K, **loop_args}
     loop = FederatedLoop(
         make_model(), client_optimizer=opt, clients_per_round=CPR, seed=SEED, client_execution=execution, **loop_args
     )
-    make_trainer(rounds, callbacks=[strategy, *extra]).fit(loop, datamodule=make_dm())
+    trainer = make_trainer(rounds, callbacks=[strategy, *extra], accelerator=accelerator)
+    trainer.fit(loop, datamodule=make_dm())
     return loop
 
 
@@ -263,6 +265,32 @@ def test_vectorized_clients_train_as_sequential_ones(name, loop_args):
         assert_close64(vec.statistics[key], seq.statistics[key], msg=key)
     moved = weights(a) - flat_params(make_model().parameters())
     assert float(moved.abs().max()) > 1e-3  # the runs trained
+
+
+class Device(pl.Callback):
+    """The device type the model trains on (Lightning moves it back to the CPU when ``fit`` ends)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen = next(pl_module.parameters()).device.type
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+def test_vectorized_clients_on_cuda_train_as_sequential_ones(name):
+    """On a GPU the batched forms keep the server's statistics and the clients' rows on the device: float64
+    vectorized equals float64 sequential on the same GPU and the CPU run, ragged step counts included."""
+    strategy, opt, keys = CLIENTS[name]
+    seq, vec, cpu = strategy(), strategy(), strategy()
+    ragged = {"local_steps": None, "local_epochs": 1.0}
+    where = Device()
+    a = run(seq, opt, accelerator="gpu", **ragged)
+    b = run(vec, opt, execution="vectorized", accelerator="gpu", extra=[where], **ragged)
+    c = run(cpu, opt, **ragged)
+    assert where.seen == "cuda"
+    assert_close64(weights(b).cpu(), weights(a).cpu())
+    assert_close64(weights(b).cpu(), weights(c))
+    for key in keys:
+        assert_close64(vec.statistics[key].cpu(), seq.statistics[key].cpu(), msg=key)
 
 
 def test_vectorized_clients_step_counts_and_reports_with_ragged_steps():

@@ -2,6 +2,7 @@
 β = 0 is FedAvg, Mime's SVRG correction on a quadratic (g(y; ζ) − g(x; ζ) = H_ζ (y − x)) and at the server point
 (every client moves along c, dropout included), resume, refused configurations and execution modes."""
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ def run(
     lr=LR,
     execution="sequential",
     opt=None,
+    accelerator="cpu",
     **loop_args,
 ):
     loop = FederatedLoop(
@@ -51,7 +53,7 @@ def run(
         client_execution=execution,
         **loop_args,
     )
-    trainer = make_trainer(rounds, callbacks=callbacks)
+    trainer = make_trainer(rounds, callbacks=callbacks, accelerator=accelerator)
     trainer.fit(loop, datamodule=make_dm(batch_size))
     return loop, trainer
 
@@ -148,11 +150,30 @@ def test_mimelite_with_zero_momentum_is_fedavg():
     assert_close64(weights(a), weights(b))
 
 
-@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
-def test_mime_first_step_at_the_server_point_moves_every_client_along_c(execution):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class Device(pl.Callback):
+    """The device type the model trains on (Lightning moves it back to the CPU when ``fit`` ends)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen = next(pl_module.parameters()).device.type
+
+
+@pytest.mark.parametrize(
+    "execution,accelerator",
+    [
+        ("sequential", "cpu"),
+        ("vectorized", "cpu"),
+        pytest.param("sequential", "gpu", marks=CUDA),
+        pytest.param("vectorized", "gpu", marks=CUDA),
+    ],
+    ids=["sequential", "vectorized", "sequential-cuda", "vectorized-cuda"],
+)
+def test_mime_first_step_at_the_server_point_moves_every_client_along_c(execution, accelerator):
     """K = 1: y = x at the only step, so d = g(x; ζ) − g(x; ζ) + c = c exactly — with dropout too (the evaluation at x
     replays the step's dropout masks): every client's update is η(1 − β)c (m = 0 in round 0). Vectorized: the batched
-    evaluation at x must put the random state back for the one at y."""
+    evaluation at x must put the random state back for the one at y; on a GPU, the device's random state."""
     s, rec = Mime(momentum=BETA), Recorder()
 
     class Grab(Recorder):
@@ -161,10 +182,10 @@ def test_mime_first_step_at_the_server_point_moves_every_client_along_c(executio
             self.c = s._full_gradient.clone()
 
     grab = Grab()
-    run([s, grab, rec], rounds=1, kind="mlp", local_steps=1, execution=execution)
+    run([s, grab, rec], rounds=1, kind="mlp", local_steps=1, execution=execution, accelerator=accelerator)
     assert len(rec.updates[0]) == CPR
     for u in rec.updates[0]:
-        assert_close64(u.delta, LR * (1 - BETA) * grab.c)
+        assert_close64(u.delta.cpu(), LR * (1 - BETA) * grab.c.cpu())
 
 
 # ============================================================================ the client step on a quadratic
@@ -294,6 +315,22 @@ def test_mime_vectorized_clients_train_as_sequential_ones(kind):
     assert float((weights(lite) - weights(b)).abs().max()) > 1e-4  # the correction moved the run
 
 
+@CUDA
+@pytest.mark.parametrize("strategy", [Mime, MimeLite])
+def test_vectorized_clients_on_cuda_train_as_sequential_ones(strategy):
+    """On a GPU: the global weights and server momentum of float64 vectorized training equal sequential training on
+    the same GPU and on the CPU."""
+    a, b, c = strategy(momentum=BETA), strategy(momentum=BETA), strategy(momentum=BETA)
+    where = Device()
+    seq, _ = run([a], accelerator="gpu")
+    vec, _ = run([b, where], execution="vectorized", accelerator="gpu")
+    cpu, _ = run([c])
+    assert where.seen == "cuda"
+    assert_close64(weights(vec).cpu(), weights(seq).cpu())
+    assert_close64(weights(vec).cpu(), weights(cpu))
+    assert_close64(b.server_momentum.cpu(), a.server_momentum.cpu())
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("loop_args", [{}, {"client_grad_clip": 0.05}], ids=["plain", "grad-clip"])
 def test_mimelite_vectorized_clients_train_as_sequential_ones(loop_args):
@@ -315,7 +352,6 @@ def test_the_evaluation_at_the_server_point_leaves_no_trace_in_buffers_or_metric
     """A BatchNorm on the inputs and a torchmetrics sum of the batch sizes depend on the data only, not on the
     weights: Mime (two evaluations per step) must leave the same running statistics and the same logged count as
     MimeLite (one evaluation per step), in either execution mode."""
-    import lightning.pytorch as pl
     import torchmetrics
 
     class Net(pl.LightningModule):
