@@ -202,8 +202,13 @@ def test_parameter_groups_in_another_order_give_the_same_run():
     ],
     ids=["adaalter", "amsgrad"],
 )
-def test_resume_equals_an_uninterrupted_run(tmp_path, strategy, opt):
-    run_resume_equivalence(tmp_path, strategy, opt, total=4, cut=2)
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+def test_resume_equals_an_uninterrupted_run(tmp_path, strategy, opt, execution):
+    """The server's statistics and the clients' optimizer state come back from the checkpoint: the resumed run's
+    weights are the uninterrupted run's bit for bit, with either execution mode."""
+    full, resumed, loop = run_resume_equivalence(tmp_path, strategy, opt, total=4, cut=2, client_execution=execution)
+    assert (loop.vectorized_engine is not None) == (execution == "vectorized")
+    assert torch.equal(full, resumed)
 
 
 @pytest.mark.parametrize(

@@ -266,10 +266,20 @@ def test_mime_step_restores_the_rng_and_needs_a_closure():
 
 # ============================================================================ resume, configuration, execution
 @pytest.mark.parametrize("strategy", [Mime, MimeLite])
-def test_resume_equals_an_uninterrupted_run(tmp_path, strategy):
-    run_resume_equivalence(
-        tmp_path, lambda: strategy(momentum=0.5), lambda p: torch.optim.SGD(p, lr=0.1), total=4, cut=2
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+def test_resume_equals_an_uninterrupted_run(tmp_path, strategy, execution):
+    """The server momentum and Mime's server point and full gradient come back from the checkpoint: the resumed
+    run's weights are the uninterrupted run's bit for bit, with either execution mode."""
+    full, resumed, loop = run_resume_equivalence(
+        tmp_path,
+        lambda: strategy(momentum=0.5),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        total=4,
+        cut=2,
+        client_execution=execution,
     )
+    assert (loop.vectorized_engine is not None) == (execution == "vectorized")
+    assert torch.equal(full, resumed)
 
 
 @pytest.mark.parametrize("momentum", [-0.1, 1.0, 1.5, float("nan")])
