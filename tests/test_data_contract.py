@@ -168,6 +168,64 @@ def test_from_datamodule_serves_the_users_collate_and_its_val_and_test_data():
     assert loop.seen and set(loop.seen) == {5}  # every client batch whole (drop_last, 10 per client)
 
 
+# ------------------------------------------------------------------------------------------- full-batch gradients
+def test_client_full_dataloader_reads_every_sample_in_order_with_the_users_collate():
+    """A client's full-batch loader: its samples in index order, in chunks (the last one shorter; drop_last does
+    not apply), each collated by the user's collate_fn; bad arguments name themselves."""
+    user = UserDataModule()
+    dm = FederatedDataModule.from_datamodule(user, partition=IID(), num_clients=4, seed=0)
+    dm.setup()
+    rows = [int(i) for i in dm.client_indices[1]]
+    assert len(rows) == 10
+    for size, expected in ((None, [rows]), (4, [rows[:4], rows[4:8], rows[8:]])):
+        got = list(dm.client_full_dataloader(1, size))
+        assert len(got) == len(expected)
+        for batch, chunk in zip(got, expected):
+            _equal_batches(batch, dict_collate([user.train[i] for i in chunk]))
+    with pytest.raises(ValueError, match="batch_size=0"):
+        dm.client_full_dataloader(1, 0)
+    with pytest.raises(IndexError, match="client_id 4"):
+        dm.client_full_dataloader(4)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("strategy", ["FedDANE", "Mime", "MimeLite"])
+def test_full_batch_gradients_read_the_users_collate_in_every_mode(strategy):
+    """FedDANE's gradient phase and Mime's full gradient compute each client's gradient over all its samples: the
+    model gets batches of the user's collate_fn there too (Net refuses other keys), and vectorized and auto equal
+    sequential."""
+    from fedlightning.callbacks import FedDANE, Mime, MimeLite
+
+    make = {"FedDANE": lambda: FedDANE(mu=0.1), "Mime": lambda: Mime(momentum=0.5), "MimeLite": MimeLite}[strategy]
+    out = {}
+    for mode in ("sequential", "vectorized", "auto"):
+        dm = FederatedDataModule.from_datamodule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
+        loop = FederatedLoop(Net("dict"), local_steps=3, clients_per_round=3, seed=0, client_execution=mode)
+        make_trainer(3, callbacks=[make()]).fit(loop, datamodule=dm)
+        out[mode] = _weights(loop)
+    assert_close64(out["vectorized"], out["sequential"])
+    assert_close64(out["auto"], out["sequential"])
+    assert not torch.equal(out["sequential"], _weights(FederatedLoop(Net("dict"))))  # it trained
+
+
+def test_global_evaluation_reads_the_users_collate_and_weights_batches_by_their_size():
+    """GlobalEvaluation of a user's module (not a Classifier) on dict batches of the user's collate_fn: the loss is
+    the sample-weighted mean of training_step's batch means over the clients' training rows (batches of 3 over 40
+    rows: the last one holds 1), as a float64 hand computation gives it."""
+    from fedlightning.callbacks import GlobalEvaluation
+
+    dm = FederatedDataModule.from_datamodule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
+    dm.setup()
+    net = Net("dict")
+    got = GlobalEvaluation(split="train", batch_size=3).evaluate(net, dm, torch.device("cpu"))
+    rows = torch.as_tensor(dm.training_rows())
+    assert len(rows) == 40
+    with torch.no_grad():
+        expected = F.cross_entropy(net.lin(X[rows]), Y[rows]).item()
+    assert got.keys() == {"train_eval/loss"}
+    assert abs(got["train_eval/loss"] - expected) <= 1e-12
+
+
 # ------------------------------------------------------------------------------------------------ drop_last
 def _sized(drop_last, sizes=(3, 6, 10), **kw):
     n = sum(sizes)

@@ -156,6 +156,33 @@ def test_cifar_validation_reads_the_images_without_augmentation(tmp_path):
     assert dm.train_dataset.augment and dm.evaluation_view().images is dm.train_dataset.images  # shared storage
 
 
+def test_cifar_global_evaluation_of_the_training_data_reads_the_images_without_augmentation(tmp_path):
+    """GlobalEvaluation(split="train") evaluates the clients' training images as the validation loader reads them
+    (no random crop or flip): its loss is the same at every call and equals the loss on the raw images."""
+    from fedlightning.callbacks import GlobalEvaluation
+    from fedlightning.datamodules import Cifar10DataModule
+    from fedlightning.datamodules.cifar import _CIFAR
+    from test_data_cifar import write_cifar10
+
+    data = write_cifar10(str(tmp_path))
+    dm = Cifar10DataModule(data_dir=str(tmp_path), num_clients=5, augment=True, eval_batch_size=7)
+    dm.setup()
+    raw = np.concatenate([data[f"data_batch_{i}"][0] for i in range(1, 6)]).reshape(-1, 3, 32, 32)
+    labels = np.concatenate([data[f"data_batch_{i}"][1] for i in range(1, 6)])
+    mean = torch.tensor(_CIFAR[10]["mean"]).view(3, 1, 1)
+    std = torch.tensor(_CIFAR[10]["std"]).view(3, 1, 1)
+    rows = dm.training_rows()
+    images = (torch.from_numpy(raw[rows]).float() / 255 - mean) / std
+    torch.manual_seed(0)
+    model = MLP(input_dim=3 * 32 * 32, hidden=[8], num_classes=10)
+    evaluation = GlobalEvaluation(split="train")
+    first = evaluation.evaluate(model, dm, torch.device("cpu"))["train_eval/loss"]
+    assert evaluation.evaluate(model, dm, torch.device("cpu"))["train_eval/loss"] == first
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(images), torch.as_tensor(labels[rows]).long()).item()
+    assert abs(first - expected) <= 1e-5 * max(1.0, abs(expected))
+
+
 def test_val_fraction_zero_with_a_val_monitor_is_an_error(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -20,14 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from fedlightning._reference import reference_mode
 from fedlightning._validation import integer, non_negative, one_of
 from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.proximal import global_anchors, split_like
 from fedlightning.client import extract_loss
-from fedlightning.datamodules.base import ArrayDataset, ClientBatchSampler
+from fedlightning.datamodules.base import ArrayDataset
 from fedlightning.distributed import weighted_mean_over_processes
 from fedlightning.objectives import AnchoredTerm
 from fedlightning.state import RoundPlan, derive_seed, flat_grads
@@ -40,11 +39,11 @@ def client_full_batches(
 ) -> tuple[int, Iterator[tuple[int, Any]]]:
     """Client ``client_id``'s number of training samples ``n`` and its samples as ``(size, batch)`` pairs in order,
     loaded lazily: one batch of all of them (``batch_size`` None) or consecutive chunks of ``batch_size`` (the last
-    one shorter), collated as the data module's loaders collate them (whole-batch indexing for an in-memory
-    ``ArrayDataset``), on the host. Iterating draws from torch's global generator (the loader's base seed, and any
-    random transform of the data set): callers iterate under a forked, seeded generator. ``direct``: an in-memory
-    ``ArrayDataset`` is indexed with each chunk's indices without a ``DataLoader`` (the same batches, without the
-    loader's cost and its draw of a base seed)."""
+    one shorter), collated as the client loaders collate them (the user's ``collate_fn`` and loader options:
+    :meth:`~fedlightning.datamodules.FederatedDataModule.client_full_dataloader`), on the host. Iterating may draw
+    from torch's global generator (a ``DataLoader``'s base seed, any random transform of the data set): callers
+    iterate under a forked, seeded generator. ``direct``: an in-memory ``ArrayDataset`` without a ``collate_fn`` is
+    indexed with each chunk's indices without a loader (the same batches)."""
     dm = loop.datamodule
     indices = np.asarray(dm.client_indices[client_id])
     n = len(indices)
@@ -53,15 +52,10 @@ def client_full_batches(
     chunk = n if batch_size is None else int(batch_size)
     sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
     dataset = dm.train_dataset
-    if direct and isinstance(dataset, ArrayDataset) and not reference_mode():
+    if direct and isinstance(dataset, ArrayDataset) and dm.collate_fn is None and not reference_mode():
         index = torch.as_tensor(indices, dtype=torch.long)
         return n, ((size, dataset[index[start : start + size]]) for start, size in zip(range(0, n, chunk), sizes))
-    sampler = ClientBatchSampler(indices, chunk, None, shuffle=False)
-    if isinstance(dataset, ArrayDataset) and not reference_mode():  # whole-batch indexing
-        loader = DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=0)
-    else:
-        loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
-    return n, zip(sizes, loader)
+    return n, zip(sizes, dm.client_full_dataloader(client_id, chunk))
 
 
 def client_full_rows(
@@ -77,6 +71,7 @@ def client_full_rows(
     dataset = dm.train_dataset
     if (
         reference_mode()
+        or dm.collate_fn is not None
         or not isinstance(dataset, ArrayDataset)
         or type(dataset).__getitem__ is not ArrayDataset.__getitem__
         or not (isinstance(dataset.x, Tensor) and isinstance(dataset.y, Tensor))

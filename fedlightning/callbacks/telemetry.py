@@ -18,14 +18,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Subset
+from lightning.pytorch.utilities.data import extract_batch_size
 
 from fedlightning._lightning_compat import batches_that_stepped
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import integer, one_of
 from fedlightning.callbacks.base import FederatedCallback
 from fedlightning.client import extract_loss
-from fedlightning.datamodules.base import ArrayDataset
 from fedlightning.models.base import Classifier
 
 __all__ = ["RoundTimer", "GlobalEvaluation"]
@@ -146,6 +145,10 @@ class GlobalEvaluation(FederatedCallback):
       excluded, sequence outputs flattened) and accuracy is logged too; for any other LightningModule the loss is the
       batch-size-weighted mean of its ``training_step`` loss (its ``self.log`` calls are discarded) and no accuracy is
       logged. The model is put in ``eval()`` mode (no dropout, BatchNorm running statistics used) and restored.
+      The samples are read as the validation and test loaders read them
+      (:meth:`~fedlightning.datamodules.FederatedDataModule.evaluation_dataloader`): the user's ``collate_fn``, and
+      the training set's un-augmented view (no random crop or flip); a batch's size is Lightning's
+      (``extract_batch_size``: the first tensor's length, for dict batches too).
       ``max_samples`` evaluates a fixed random subset drawn once with ``seed``; default: all training examples.
       With several processes every process evaluates the same data (identical values, no communication).
     """
@@ -214,13 +217,7 @@ class GlobalEvaluation(FederatedCallback):
         else:
             rows = np.arange(len(dataset))
         indices = rows[self._subset(len(rows))]
-        bs = self.batch_size or dm.eval_batch_size
-        if isinstance(dataset, ArrayDataset):
-            idx = torch.as_tensor(indices, dtype=torch.long)
-            for chunk in torch.split(idx, bs):
-                yield dataset.x[chunk], dataset.y[chunk]
-        else:
-            yield from DataLoader(Subset(dataset, indices.tolist()), batch_size=bs, shuffle=False)
+        yield from dm.evaluation_dataloader(self.split, indices, self.batch_size)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, dm, device: torch.device) -> dict[str, float]:
@@ -252,7 +249,7 @@ class GlobalEvaluation(FederatedCallback):
                         count += n
                     else:
                         loss = extract_loss(model.training_step(batch, i), type(model).__name__)
-                        n = float(len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch))
+                        n = float(extract_batch_size(batch))
                         loss_sum += float(loss.double().item()) * n
                         count += n
         finally:

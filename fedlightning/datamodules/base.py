@@ -653,6 +653,23 @@ class FederatedDataModule(pl.LightningDataModule):
         workers = torch.Generator().manual_seed(derive_seed(seed, "workers", round, client_id))
         return self._loader_from_batches(self.train_dataset, sampler, workers=self.num_workers, generator=workers)
 
+    def client_full_dataloader(self, client_id: int, batch_size: int | None = None):
+        """Client ``client_id``'s training samples in index order, unshuffled, as one batch (``batch_size`` None)
+        or consecutive chunks of ``batch_size`` (the last one shorter; ``drop_last`` does not apply: every sample is
+        read), collated as :meth:`client_dataloader` collates them (the user's ``collate_fn`` and loader options;
+        one tensor indexing per batch for in-memory tensors without one), in this process (no worker processes):
+        the batches of a client's full-batch gradient (FedDANE's gradient phase, Mime's full gradient)."""
+        self._require_setup()
+        if not 0 <= client_id < self.num_clients:
+            raise IndexError(f"client_id {client_id} out of range [0, {self.num_clients})")
+        indices = self.client_indices[client_id]
+        n = len(indices)
+        if batch_size is not None and int(batch_size) <= 0:
+            raise ValueError(f"batch_size={batch_size} must be a positive number of samples or None")
+        chunk = max(n, 1) if batch_size is None else int(batch_size)
+        sampler = ClientBatchSampler(indices, chunk, None, shuffle=False)
+        return self._loader_from_batches(self.train_dataset, sampler, workers=0)
+
     def client_eval_indices(
         self, split: str = "test", assignment: str = "labels", seed: int | None = None
     ) -> list[np.ndarray]:
@@ -838,20 +855,43 @@ class FederatedDataModule(pl.LightningDataModule):
         return RoundPlanLoader(self, length)
 
     # ------------------------------------------------------------------ global evaluation
-    def _eval_loader(self, dataset: Dataset | None, indices: np.ndarray | None = None) -> DataLoader:
-        """Sequential batches of ``eval_batch_size`` over ``dataset`` (or its rows ``indices``). An
-        :class:`ArrayDataset` is read a whole batch per tensor indexing (the in-memory fast path)."""
+    def _eval_loader(
+        self,
+        dataset: Dataset | None,
+        indices: np.ndarray | None = None,
+        batch_size: int | None = None,
+        workers: int | None = None,
+    ) -> DataLoader:
+        """Sequential batches of ``batch_size`` (None: ``eval_batch_size``) over ``dataset`` (or its rows
+        ``indices``), loaded by ``workers`` processes (None: ``num_workers``). An :class:`ArrayDataset` is read a
+        whole batch per tensor indexing (the in-memory fast path)."""
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__} has no evaluation data set")
+        size = self.eval_batch_size if batch_size is None else int(batch_size)
         if isinstance(dataset, ArrayDataset) and self.collate_fn is None and not reference_mode():
             rows = np.arange(len(dataset)) if indices is None else indices
-            sampler = ClientBatchSampler(rows, self.eval_batch_size, None, shuffle=False)
+            sampler = ClientBatchSampler(rows, size, None, shuffle=False)
             return DataLoader(dataset, sampler=sampler, batch_size=None)  # a real DataLoader for Lightning
         if indices is not None:
             dataset = Subset(dataset, np.asarray(indices).tolist())
-        return DataLoader(
-            dataset, batch_size=self.eval_batch_size, shuffle=False, **self._loader_options(self.num_workers)
-        )
+        workers = self.num_workers if workers is None else int(workers)
+        return DataLoader(dataset, batch_size=size, shuffle=False, **self._loader_options(workers))
+
+    def evaluation_dataloader(
+        self, split: str, rows: np.ndarray | None = None, batch_size: int | None = None
+    ) -> DataLoader:
+        """Sequential batches over ``rows`` (None: all) of a split's evaluation data: ``"test"`` the test set,
+        ``"train"`` and ``"val"`` the training set as evaluation reads it (:meth:`evaluation_view`: un-augmented),
+        ``batch_size`` samples each (None: ``eval_batch_size``), collated as the validation and test loaders collate
+        them (the user's ``collate_fn``; one tensor indexing per batch for in-memory tensors without one), loaded in
+        this process (no worker processes): what a callback evaluating the global model on a subset reads."""
+        self._require_setup()
+        if split not in ("train", "val", "test"):
+            raise ValueError(f"split={split!r} must be 'train', 'val' or 'test'")
+        if batch_size is not None and int(batch_size) <= 0:
+            raise ValueError(f"batch_size={batch_size} must be a positive number of samples or None")
+        dataset = self.test_dataset if split == "test" else self.evaluation_view()
+        return self._eval_loader(dataset, rows, batch_size, workers=0)
 
     def _val_monitors(self) -> list[str]:
         trainer = self._trainer_ref()
