@@ -531,3 +531,31 @@ def test_example_config_runs_both_evaluations_through_the_cli(tmp_path):
     metrics = cli.trainer.callback_metrics
     assert "clients/test_acc_p10" in metrics and "clients_adapted/test_loss_max" in metrics  # both after fit
     assert int(metrics["clients/num_clients"]) == len(evaluations[0].last_results.client_ids) > 0
+
+
+@pytest.mark.parametrize("every_n_rounds,after_fit", [(None, True), (2, False)])
+def test_an_evaluation_that_cannot_deal_the_data_stops_the_run_before_its_first_round(every_n_rounds, after_fit):
+    """assignment="labels" on data without known class labels (dict samples): the error names the fix, and comes
+    from on_fit_start, before any round has trained (not after them, at the first scheduled evaluation)."""
+    from fedlightning.datamodules import IID, FederatedDataModule
+    from test_data_contract import Net, UserDataModule
+
+    rounds = []
+
+    class Rounds(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            rounds.append(batch_idx)
+
+    dm = FederatedDataModule.from_datamodule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
+    loop = FederatedLoop(Net("dict"), local_steps=2, clients_per_round=2, seed=0)
+    evaluation = ClientEvaluation(every_n_rounds=every_n_rounds, after_fit=after_fit)
+    trainer = make_trainer(3, callbacks=[evaluation, Rounds()])
+    with pytest.raises(ValueError, match="assignment='size'"):
+        trainer.fit(loop, datamodule=dm)
+    assert rounds == [] and trainer.global_step == 0
+    # the same data dealt by size evaluates
+    dm = FederatedDataModule.from_datamodule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
+    loop = FederatedLoop(Net("dict"), local_steps=2, clients_per_round=2, seed=0)
+    evaluation = ClientEvaluation(every_n_rounds=every_n_rounds, after_fit=after_fit, assignment="size")
+    make_trainer(2, callbacks=[evaluation]).fit(loop, datamodule=dm)
+    assert evaluation.last_results is not None and len(evaluation.last_results.client_ids) == 4

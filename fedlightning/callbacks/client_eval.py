@@ -390,6 +390,13 @@ class ClientEvaluation(FederatedCallback):
         self._evaluated_round: int | None = None
 
     # ------------------------------------------------------------------ hooks
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """Which clients are evaluated, and on which rows, before the first round: a data module this evaluation
+        cannot deal (``assignment="labels"`` without class labels, no client with data of the split) stops the run
+        here, not after its rounds have trained."""
+        if self.every_n_rounds is not None or self.after_fit:
+            self.selected_clients(pl_module.datamodule, pl_module.seed)
+
     def due(self, round_index: int) -> bool:
         """True when the scheduled evaluation runs after 0-based round ``round_index``."""
         return self.every_n_rounds is not None and (int(round_index) + 1) % self.every_n_rounds == 0
