@@ -4,6 +4,7 @@ LightningDataModule; ``drop_last``; a resumed run with a dict data set and a ``c
 one."""
 
 import os
+import re
 
 import lightning.pytorch as pl
 import numpy as np
@@ -166,6 +167,42 @@ def test_from_datamodule_serves_the_users_collate_and_its_val_and_test_data():
             start += len(b["ids"])
     loop = _fit(dm, "dict")
     assert loop.seen and set(loop.seen) == {5}  # every client batch whole (drop_last, 10 per client)
+
+
+def test_from_datamodule_names_a_sampler_or_collate_it_does_not_use():
+    """A weighted sampler, a custom batch sampler, or an evaluation loader that collates otherwise than the
+    training loader are not what the federated loaders use: a warning names each; the plain module warns nothing."""
+    import warnings
+
+    from torch.utils.data import BatchSampler, SequentialSampler, WeightedRandomSampler
+
+    class Weighted(UserDataModule):
+        def train_dataloader(self):
+            sampler = WeightedRandomSampler(torch.ones(len(self.train)), len(self.train))
+            return DataLoader(self.train, batch_size=5, sampler=sampler, collate_fn=dict_collate)
+
+    class Buckets(BatchSampler):
+        pass
+
+    class Bucketed(UserDataModule):
+        def train_dataloader(self):
+            batches = Buckets(SequentialSampler(self.train), batch_size=5, drop_last=False)
+            return DataLoader(self.train, batch_sampler=batches, collate_fn=dict_collate)
+
+    class OtherCollate(UserDataModule):
+        def val_dataloader(self):
+            return DataLoader(self.val, batch_size=4, collate_fn=lambda samples: dict_collate(samples))
+
+    for module, needle in (
+        (Weighted, "sampler WeightedRandomSampler"),
+        (Bucketed, "batch_sampler Buckets"),
+        (OtherCollate, "val_dataloader() has another collate_fn"),
+    ):
+        with pytest.warns(UserWarning, match=re.escape(needle)):
+            FederatedDataModule.from_datamodule(module(), partition=IID(), num_clients=4, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FederatedDataModule.from_datamodule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
 
 
 # ------------------------------------------------------------------------------------------- full-batch gradients

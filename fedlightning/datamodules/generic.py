@@ -805,14 +805,16 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
       split, and its ``collate_fn`` (unless it is torch's ``default_collate``), ``batch_size`` (or its batch
       sampler's), ``drop_last``, ``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor`` and
       ``worker_init_fn`` become the client loaders' options. Its sampler and shuffling are not used: each client's
-      order is the seeded ``(seed, round, client)`` order. Every argument given in ``kwargs`` wins.
+      order is the seeded ``(seed, round, client)`` order (a warning names a sampler that does more than shuffle or
+      read in order: a weighted or bucketing sampler). Every argument given in ``kwargs`` wins.
     * Validation: when the module defines ``val_dataloader`` and it returns a DataLoader, its data set is the global
       validation set and nothing is held out of the training set (``val=``; ``val_fraction`` defaults to 0). When it
       defines none (or returns an empty list), the ``val_fraction`` hold-out of the training set validates
       (default 0.1), as for ``from_datasets``.
     * Test: the data set of ``test_dataloader()`` when defined, else no test set (``test_dataloader`` then raises
       and ``python train.py fit`` skips its test after fit with a warning).
-    * Evaluation batches are built with the training loader's ``collate_fn`` and ``eval_batch_size``.
+    * Evaluation batches are built with the training loader's ``collate_fn`` and ``eval_batch_size`` (a warning
+      names a validation or test loader with another ``collate_fn``).
     """
     import lightning.pytorch as pl
     from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -829,6 +831,7 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
             f"{name}.train_dataloader() returned {_describe(loader)}, not one torch DataLoader; from_datamodule takes "
             f"its dataset and collate_fn. Use FederatedDataModule.from_datasets(train, test, collate_fn=...) instead"
         )
+    _warn_unused_sampler(name, loader)
     options: dict = {}
     if loader.collate_fn is not default_collate:
         options["collate_fn"] = loader.collate_fn
@@ -846,6 +849,7 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
         val_loader = datamodule.val_dataloader()
         if isinstance(val_loader, DataLoader):
             val = val_loader.dataset
+            _warn_other_collate(name, "val_dataloader", val_loader, loader)
         elif val_loader not in (None, []):
             raise ValueError(
                 f"{name}.val_dataloader() returned {_describe(val_loader)}; from_datamodule takes the dataset of one "
@@ -861,10 +865,46 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
                 f"one DataLoader"
             )
         test = test_loader.dataset
+        _warn_other_collate(name, "test_dataloader", test_loader, loader)
     if val is not None and "val" not in kwargs and not kwargs.get("val_fraction"):
         options["val"] = val
     options.update(kwargs)
     return DatasetDataModule(loader.dataset, test, **options)
+
+
+def _warn_unused_sampler(name: str, loader: Any) -> None:
+    """A warning naming the training loader's sampler when it is more than shuffling (a weighted or bucketing
+    sampler): federated clients draw their batches in the seeded client order, so it is not used."""
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        what = f"batch_sampler {type(batch_sampler).__name__}"
+    elif type(loader.sampler) not in (RandomSampler, SequentialSampler):
+        what = f"sampler {type(loader.sampler).__name__}"
+    else:
+        return
+    warnings.warn(
+        f"from_datamodule: {name}.train_dataloader() has the {what}, which federated training does not use: each "
+        f"client's batches are its own samples in the seeded (seed, round, client) order, batch_size at a time; "
+        f"weight or bucket the samples in the data set or the partition instead",
+        stacklevel=3,
+    )
+
+
+def _warn_other_collate(name: str, method: str, loader: Any, train_loader: Any) -> None:
+    """A warning when an evaluation loader collates otherwise than the training loader (its collate is not used)."""
+    if loader.collate_fn is not train_loader.collate_fn:
+        warnings.warn(
+            f"from_datamodule: {name}.{method}() has another collate_fn than train_dataloader(); every loader of the "
+            f"federated data module collates with train_dataloader()'s ({_callable_name(train_loader.collate_fn)}), "
+            f"not {_callable_name(loader.collate_fn)}",
+            stacklevel=3,
+        )
+
+
+def _callable_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def _from_datasets(cls, train: Any, test: Any = None, **kwargs: Any) -> DatasetDataModule:
