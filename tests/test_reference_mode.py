@@ -10,7 +10,6 @@ import torch
 from torch.utils.data import TensorDataset
 
 import fedlightning
-import fedlightning.callbacks.feddane as feddane_module
 import fedlightning.client as client_module
 from conftest import make_trainer
 from fedlightning import FederatedLoop, reference_mode, set_reference_mode
@@ -55,14 +54,15 @@ class Spies:
         monkeypatch.setattr(ArrayBatchLoader, "iter_steps", count("iter_steps", iter_steps))
         monkeypatch.setattr(ArrayBatchLoader, "__init__", count("array_batch_loader", loader_init))
         monkeypatch.setattr(ArrayDataset, "on_device", count("gather_on_device", on_device))
-        real_loader = feddane_module.DataLoader
+        full_loader = FederatedDataModule.client_full_dataloader
 
-        def feddane_loader(dataset, *args, **kwargs):
-            if kwargs.get("batch_size", 1) is None:  # whole batches by tensor indexing
+        def feddane_loader(dm, *args, **kwargs):
+            loader = full_loader(dm, *args, **kwargs)
+            if type(loader) is ArrayBatchLoader:  # whole batches by tensor indexing
                 self.counts["feddane_whole_batches"] += 1
-            return real_loader(dataset, *args, **kwargs)
+            return loader
 
-        monkeypatch.setattr(feddane_module, "DataLoader", feddane_loader)
+        monkeypatch.setattr(FederatedDataModule, "client_full_dataloader", feddane_loader)
 
 
 def digits():
