@@ -68,7 +68,9 @@ class _TrialLine(NamedTuple):
 _BLOCK_DEVICES = ("cpu",)
 
 #: Largest column range of trial points (bytes, all pairs) that :func:`_write_points` gathers rather than writing
-#: client block by client block on CPU (ours, measured: below it the three gathering kernels are faster).
+#: client block by client block on CPU, and largest trial rows of a layer that :meth:`_LineTrials.rows` gathers from
+#: ``A`` and ``B`` (ours, measured: below it the three gathering kernels are faster; for rows of 28 × 128 float32,
+#: 20 clients: 29 µs against 62 µs at 23 pairs, 69 against 86 at 74, 125 against 119 at 145).
 _GATHER_BYTES = 1 << 20
 
 
@@ -228,15 +230,17 @@ class _LineTrials:
         P = pair_client.shape[0]
         rows = self.scratch(("line rows", key), (P, *A.shape[1:]), A.dtype, A.device)
         neg = neg_eta.view(-1, 1, 1)
-        if A.device.type in _BLOCK_DEVICES:  # one multiply-add per client block: no gathered copies of A and B
+        if A.device.type in _BLOCK_DEVICES and rows.numel() * rows.element_size() > _GATHER_BYTES:
+            # large calls on CPU: one multiply-add per client block, no gathered copies of A and B
             clients = [c for c, w in enumerate(widths) if w]
             sizes = [widths[c] for c in clients]
             A_rows, B_rows = self._unbound(key, A, B)
             for c, n, out in zip(clients, neg.split_with_sizes(sizes), rows.split_with_sizes(sizes)):
                 torch.addcmul(A_rows[c], B_rows[c], n, out=out)
-        else:  # accelerators: three large kernels rather than one small kernel per client
+        else:  # accelerators, and CPU calls up to _GATHER_BYTES of rows: three kernels rather than one per client
             torch.index_select(A, 0, pair_client, out=rows)
-            rows.addcmul_(B.index_select(0, pair_client), neg)
+            B_rows = self.scratch(("line B rows", key), rows.shape, B.dtype, B.device)
+            rows.addcmul_(torch.index_select(B, 0, pair_client, out=B_rows), neg)
         self.served += 1
         return rows.view(*x.shape[:-1], A.shape[-1])
 
