@@ -395,6 +395,17 @@ class LocalTrainer:
         self.buffers: list[Tensor] = list(model.buffers())
         self.model_name = type(model).__name__
 
+    def prepare_batch(self, batch: Any) -> Any:
+        """``batch`` (as the client's loader gives it) as a client step hands it to ``training_step``: the precision
+        plugin's input conversion, then the model's batch-transfer hooks when its class overrides one of them, else
+        the move to the model's device. For computations on the working copy besides local steps (a client's
+        full-batch gradient)."""
+        if self.convert_input is not None:
+            batch = self.convert_input(batch)
+        if self.hooks is not None and self.hooks.transfer:
+            return self.hooks.transfer_batch(self.model, batch)
+        return self.to_device(batch)
+
     def _plan(self, optimizer: torch.optim.Optimizer, terms: Sequence[ObjectiveTerm]) -> _StepPlan:
         """This client's :class:`_StepPlan` (its decisions are documented there)."""
         reference = reference_mode()

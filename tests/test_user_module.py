@@ -559,3 +559,92 @@ def test_python_trainer_gets_the_round_progress_bar():
     trainer = make_trainer(1, enable_progress_bar=True, callbacks=[custom])
     trainer.fit(FederatedLoop(UserNet(), local_steps=1, clients_per_round=2), datamodule=_dm())
     assert trainer.progress_bar_callback is custom
+
+
+# ============================================================================ batch-transfer hooks
+_TG = torch.Generator().manual_seed(3)
+_TX = torch.randn(90, 4, dtype=torch.float64, generator=_TG)
+_TY = (_TX[:, 0] - _TX[:, 1] > 0).long()
+
+
+class _PlainLinear(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2).double()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.lin(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("loss", F.cross_entropy(self.lin(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.3)
+
+
+class _TransferHooks(_PlainLinear):
+    """Reads its batches only as its transfer hooks leave them: a dict, the inputs doubled on the device."""
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return {"x": x, "y": y, "stage": "before"}
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        assert batch["stage"] == "before"
+        return {"x": 2 * batch["x"], "y": batch["y"], "stage": "after"}
+
+    def training_step(self, batch, batch_idx):
+        assert batch["stage"] == "after", "training_step got a batch that skipped the transfer hooks"
+        return super().training_step((batch["x"], batch["y"]), batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        assert batch["stage"] == "after"
+        return super().validation_step((batch["x"], batch["y"]), batch_idx)
+
+
+def _transfer_run(module, x, strategy: str):
+    from torch.utils.data import TensorDataset
+
+    from fedlightning.callbacks import FedDANE, FedSPSGlobal, GlobalEvaluation, Mime
+    from fedlightning.datamodules import IID, FederatedDataModule
+    from fedlightning.optim import SPS
+
+    callbacks = {
+        "FedAvg": lambda: [FedAvg()],
+        "FedDANE": lambda: [FedDANE(mu=0.1, gradient_batch_size=4)],
+        "Mime": lambda: [Mime(momentum=0.5)],
+        "FedSPSGlobal": lambda: [FedSPSGlobal(initial_step_size=0.2)],
+    }[strategy]()
+    evaluation = GlobalEvaluation(split="train", every_n_rounds=1, batch_size=7)
+    dm = FederatedDataModule.from_datasets(
+        TensorDataset(x, _TY), num_clients=6, batch_size=5, partition=IID(), seed=0, val_fraction=0.2
+    )
+    opt = (lambda p: SPS(p, fixed_step_size=1.0)) if strategy == "FedSPSGlobal" else None
+    loop = FederatedLoop(module, client_optimizer=opt, local_steps=3, clients_per_round=3, seed=0)
+    trainer = make_trainer(
+        3, callbacks=[*callbacks, evaluation], limit_val_batches=1.0, val_check_interval=1, check_val_every_n_epoch=None
+    )
+    trainer.fit(loop, datamodule=dm)
+    metrics = trainer.callback_metrics
+    return flat_weights(loop), float(metrics["train_eval/loss"]), float(metrics["loss"])  # "loss": validation_step's
+
+
+def flat_weights(loop):
+    return torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach().clone()
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("strategy", ["FedAvg", "FedDANE", "Mime", "FedSPSGlobal"])
+def test_every_batch_the_model_reads_goes_through_its_transfer_hooks(strategy):
+    """Local steps, FedDANE's and Mime's full-batch gradients, FedSPS-Global's probe of the first client,
+    GlobalEvaluation and validation all hand training_step / validation_step the batch its transfer hooks make (a
+    dict with the inputs doubled): the run equals, in float64, the same run of a module without hooks on doubled
+    data."""
+    hooked = _transfer_run(_TransferHooks(), _TX, strategy)
+    plain = _transfer_run(_PlainLinear(), 2 * _TX, strategy)
+    assert_close64(hooked[0], plain[0])
+    assert_close64(torch.tensor(hooked[1:], dtype=torch.float64), torch.tensor(plain[1:], dtype=torch.float64))
+    assert not torch.equal(plain[0], torch.nn.utils.parameters_to_vector(_PlainLinear().parameters()))  # trained

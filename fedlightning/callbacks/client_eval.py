@@ -249,6 +249,17 @@ def _precision_plugin(model: Any) -> Any:
     return getattr(trainer, "precision_plugin", None) if trainer is not None else None
 
 
+def _evaluation_batch(model: Any, batch: Any, device: torch.device) -> Any:
+    """A batch as Lightning's evaluation loop hands it to ``test_step``: the precision plugin's conversion, then the
+    module's ``on_before_batch_transfer``, ``transfer_batch_to_device`` (to ``device``), ``on_after_batch_transfer``."""
+    plugin = _precision_plugin(model)
+    if plugin is not None:
+        batch = plugin.convert_input(batch)
+    batch = model.on_before_batch_transfer(batch, 0)
+    batch = model.transfer_batch_to_device(batch, device, 0)
+    return model.on_after_batch_transfer(batch, 0)
+
+
 @contextlib.contextmanager
 def _evaluating(model: torch.nn.Module) -> Iterator[None]:
     """``model`` in ``eval()`` mode without gradients; its mode and its torchmetrics states are as before on exit."""
@@ -537,14 +548,7 @@ class ClientEvaluation(FederatedCallback):
             )
 
     def _prepare(self, model, batch: Any, device) -> Any:
-        """A batch as Lightning's evaluation loop hands it to ``test_step``: the precision plugin's conversion, then
-        the module's ``on_before_batch_transfer``, ``transfer_batch_to_device``, ``on_after_batch_transfer``."""
-        plugin = _precision_plugin(model)
-        if plugin is not None:
-            batch = plugin.convert_input(batch)
-        batch = model.on_before_batch_transfer(batch, 0)
-        batch = model.transfer_batch_to_device(batch, device, 0)
-        return model.on_after_batch_transfer(batch, 0)
+        return _evaluation_batch(model, batch, device)
 
     def _step_context(self, model):
         plugin = _precision_plugin(model)

@@ -132,7 +132,7 @@ def client_full_gradient(
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(derive_seed(loop.seed, tag, round, client_id))
             for size, batch in batches:
-                batch = worker.to_device(batch)
+                batch = worker.prepare_batch(batch)  # as a local step gets it: conversion, transfer hooks
                 loss = extract_loss(model.training_step(batch, 0), worker.model_name)
                 (loss * (size / n)).backward()
         grad = flat_grads(params).detach().clone()

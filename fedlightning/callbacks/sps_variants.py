@@ -14,7 +14,6 @@ import math
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import number, one_of, positive
@@ -160,7 +159,7 @@ class FedSPSGlobal(ServerStrategy):
         dm = trainer.datamodule
         client_id = plan.client_ids[0]
         batch = next(iter(dm.client_dataloader(client_id, plan.round, seed=loop.seed)))
-        batch = move_data_to_device(batch, loop.device)
+        batch = loop.client_worker.prepare_batch(batch)  # as the client's first local step gets it
         model = loop.model
         params = [p for p in model.parameters() if p.requires_grad]
         buffers = list(model.buffers())

@@ -24,6 +24,7 @@ from fedlightning._lightning_compat import batches_that_stepped
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import integer, one_of
 from fedlightning.callbacks.base import FederatedCallback
+from fedlightning.callbacks.client_eval import _evaluation_batch
 from fedlightning.client import extract_loss
 from fedlightning.models.base import Classifier
 
@@ -148,7 +149,8 @@ class GlobalEvaluation(FederatedCallback):
       The samples are read as the validation and test loaders read them
       (:meth:`~fedlightning.datamodules.FederatedDataModule.evaluation_dataloader`): the user's ``collate_fn``, and
       the training set's un-augmented view (no random crop or flip); a batch's size is Lightning's
-      (``extract_batch_size``: the first tensor's length, for dict batches too).
+      (``extract_batch_size``: the first tensor's length, for dict batches too). Each batch goes through the
+      precision plugin's input conversion and the module's batch-transfer hooks, as in Lightning's evaluation loop.
       ``max_samples`` evaluates a fixed random subset drawn once with ``seed``; default: all training examples.
       With several processes every process evaluates the same data (identical values, no communication).
     """
@@ -222,8 +224,6 @@ class GlobalEvaluation(FederatedCallback):
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, dm, device: torch.device) -> dict[str, float]:
         """``{"<split>_eval/loss": ..., ["<split>_eval/acc": ...]}`` of ``model`` on ``dm``'s data of the split."""
-        from lightning.fabric.utilities.apply_func import move_data_to_device
-
         was_training = model.training
         model.eval()
         classifier = isinstance(model, Classifier)
@@ -233,7 +233,7 @@ class GlobalEvaluation(FederatedCallback):
         try:
             with silenced:
                 for i, batch in enumerate(self._batches(dm)):
-                    batch = move_data_to_device(batch, device)
+                    batch = _evaluation_batch(model, batch, device)
                     if classifier:
                         logits, y = model._logits_targets(batch)
                         if model.ignore_index is not None:
