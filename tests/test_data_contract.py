@@ -3,6 +3,7 @@ samples, in every client_execution mode, with the user's DataLoader options; ``f
 LightningDataModule; ``drop_last``; a resumed run with a dict data set and a ``collate_fn`` equals the uninterrupted
 one."""
 
+import functools
 import os
 import re
 
@@ -200,9 +201,34 @@ def test_from_datamodule_names_a_sampler_or_collate_it_does_not_use():
     ):
         with pytest.warns(UserWarning, match=re.escape(needle)):
             FederatedDataModule.from_datamodule(module(), partition=IID(), num_clients=4, seed=0)
+
+    class OwnMethods(UserDataModule):  # each loader makes its own bound method or partial: the same collate
+        def collate(self, samples, scale=1):
+            return dict_collate(samples)
+
+        def train_dataloader(self):
+            return DataLoader(self.train, batch_size=5, collate_fn=functools.partial(self.collate, scale=1))
+
+        def val_dataloader(self):
+            return DataLoader(self.val, batch_size=4, collate_fn=functools.partial(self.collate, scale=1))
+
+        def test_dataloader(self):
+            return DataLoader(self.test, batch_size=4, collate_fn=functools.partial(self.collate, scale=1))
+
+    class BoundMethods(OwnMethods):
+        def train_dataloader(self):
+            return DataLoader(self.train, batch_size=5, collate_fn=self.collate)
+
+        def val_dataloader(self):
+            return DataLoader(self.val, batch_size=4, collate_fn=self.collate)
+
+        def test_dataloader(self):
+            return DataLoader(self.test, batch_size=4, collate_fn=self.collate)
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        FederatedDataModule.from_datamodule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
+        for module in (UserDataModule, OwnMethods, BoundMethods):
+            FederatedDataModule.from_datamodule(module(), partition=IID(), num_clients=4, seed=0)
 
 
 # ------------------------------------------------------------------------------------------- full-batch gradients

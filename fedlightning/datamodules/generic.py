@@ -875,8 +875,10 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
 def _warn_unused_sampler(name: str, loader: Any) -> None:
     """A warning naming the training loader's sampler when it is more than shuffling (a weighted or bucketing
     sampler): federated clients draw their batches in the seeded client order, so it is not used."""
-    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+    from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
+    if isinstance(loader.dataset, IterableDataset):  # no sampler; DatasetDataModule names what it needs instead
+        return
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         what = f"batch_sampler {type(batch_sampler).__name__}"
@@ -892,9 +894,24 @@ def _warn_unused_sampler(name: str, loader: Any) -> None:
     )
 
 
+def _same_callable(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` call the same thing: equal (bound methods of one object compare equal), or partials of the
+    same callable with equal arguments (each ``*_dataloader`` method typically makes its own)."""
+    import functools
+
+    try:
+        if a is b or a == b:
+            return True
+        if isinstance(a, functools.partial) and isinstance(b, functools.partial):
+            return _same_callable(a.func, b.func) and a.args == b.args and a.keywords == b.keywords
+    except Exception:  # arguments whose comparison fails or is ambiguous (tensors): not provably the same
+        return False
+    return False
+
+
 def _warn_other_collate(name: str, method: str, loader: Any, train_loader: Any) -> None:
     """A warning when an evaluation loader collates otherwise than the training loader (its collate is not used)."""
-    if loader.collate_fn is not train_loader.collate_fn:
+    if not _same_callable(loader.collate_fn, train_loader.collate_fn):
         warnings.warn(
             f"from_datamodule: {name}.{method}() has another collate_fn than train_dataloader(); every loader of the "
             f"federated data module collates with train_dataloader()'s ({_callable_name(train_loader.collate_fn)}), "
