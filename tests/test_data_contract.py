@@ -231,6 +231,57 @@ def test_from_datamodule_names_a_sampler_or_collate_it_does_not_use():
             FederatedDataModule.from_datamodule(module(), partition=IID(), num_clients=4, seed=0)
 
 
+def test_wrapped_datamodule_is_from_datamodule_with_init_args():
+    """WrappedDataModule (the YAML form) builds what from_datamodule builds: the same clients, loader options and
+    validation / test sets, and the same run; its None arguments keep the loader's values, the others win."""
+    from fedlightning.datamodules import WrappedDataModule
+
+    wrapped = WrappedDataModule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
+    plain = FederatedDataModule.from_datamodule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
+    for dm in (wrapped, plain):
+        dm.setup()
+    assert isinstance(wrapped.datamodule, UserDataModule)
+    assert (wrapped.batch_size, wrapped.drop_last, wrapped.collate_fn) == (5, True, dict_collate)
+    assert all(np.array_equal(a, b) for a, b in zip(wrapped.client_indices, plain.client_indices))
+    assert len(wrapped.val_dataloader().dataset) == 10 and len(wrapped.test_dataloader().dataset) == 12
+    assert torch.equal(_weights(_fit(wrapped, "dict")), _weights(_fit(plain, "dict")))
+    other = WrappedDataModule(UserDataModule(), partition=IID(), num_clients=4, seed=0, batch_size=3, drop_last=False)
+    assert (other.batch_size, other.drop_last) == (3, False)
+
+
+def test_own_datamodule_config_federates_a_plain_lightning_datamodule(tmp_path):
+    """configs/examples/own_datamodule.yaml: the example's plain LightningDataModule (dict samples, its own collate)
+    is split over 100 clients by label (label_key), validated and tested on its own val / test sets."""
+    from examples.digits_datamodule import DigitsLightningDataModule, to_pairs
+    from fedlightning.cli import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cli = main(
+        [
+            "fit",
+            "--config",
+            os.path.join(root, "configs", "examples", "own_datamodule.yaml"),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.val_check_interval",
+            "1",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ],
+        run=True,
+    )
+    dm = cli.datamodule
+    assert isinstance(dm.datamodule, DigitsLightningDataModule) and dm.collate_fn is to_pairs
+    assert dm.num_clients == 100 and sum(len(c) for c in dm.client_indices) == 1797 - 180 - 360
+    assert len(dm.val_dataloader().dataset) == 180 and len(dm.test_dataloader().dataset) == 360
+    metrics = cli.trainer.callback_metrics
+    assert cli.trainer.global_step == 2 and {"val/acc", "test/acc"} <= set(metrics)
+
+
 # ------------------------------------------------------------------------------------------- full-batch gradients
 def test_client_full_dataloader_reads_every_sample_in_order_with_the_users_collate():
     """A client's full-batch loader: its samples in index order, in chunks (the last one shorter; drop_last does

@@ -3,7 +3,7 @@
 from fedlightning.datamodules.base import ArrayDataset, ClientBatchSampler, FederatedDataModule, RoundPlanLoader
 from fedlightning.datamodules.cifar import Cifar10DataModule, Cifar100DataModule, CifarImages, PachinkoPartition
 from fedlightning.datamodules.digits import DigitsDataModule
-from fedlightning.datamodules.generic import DatasetDataModule
+from fedlightning.datamodules.generic import DatasetDataModule, WrappedDataModule
 from fedlightning.datamodules.leaf import LeafDataModule
 from fedlightning.datamodules.libsvm import LibsvmDataModule
 from fedlightning.datamodules.mnist import MnistDataModule
@@ -18,6 +18,7 @@ __all__ = [
     "RoundPlanLoader",
     "DigitsDataModule",
     "DatasetDataModule",
+    "WrappedDataModule",
     "IID",
     "Dirichlet",
     "Partitioner",

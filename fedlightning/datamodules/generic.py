@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
@@ -29,7 +30,14 @@ from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, Fe
 from fedlightning.datamodules.checks import as_label_array
 from fedlightning.datamodules.partition import IID, Partitioner
 
-__all__ = ["DatasetDataModule", "SampleView", "from_datamodule", "LABEL_KEYS", "DEFAULT_MAX_IN_MEMORY_BYTES"]
+__all__ = [
+    "DatasetDataModule",
+    "SampleView",
+    "WrappedDataModule",
+    "from_datamodule",
+    "LABEL_KEYS",
+    "DEFAULT_MAX_IN_MEMORY_BYTES",
+]
 
 #: Dict keys tried, in order, for the label when ``label_key`` is not given (after a Hugging Face ``ClassLabel``
 #: column). Ours: the names torchvision, Hugging Face and scikit-learn-style code use most.
@@ -816,7 +824,13 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
     * Evaluation batches are built with the training loader's ``collate_fn`` and ``eval_batch_size`` (a warning
       names a validation or test loader with another ``collate_fn``).
     """
-    import lightning.pytorch as pl
+    train, test, options = _datamodule_parts(datamodule, kwargs)
+    return DatasetDataModule(train, test, **options)
+
+
+def _datamodule_parts(datamodule: Any, kwargs: dict) -> tuple[Any, Any, dict]:
+    """``(train, test, options)`` of :class:`DatasetDataModule` for ``datamodule`` (rules: :func:`from_datamodule`),
+    ``kwargs`` winning over what the loaders give."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
     from torch.utils.data import DataLoader
 
@@ -869,7 +883,70 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
     if val is not None and "val" not in kwargs and not kwargs.get("val_fraction"):
         options["val"] = val
     options.update(kwargs)
-    return DatasetDataModule(loader.dataset, test, **options)
+    return loader.dataset, test, options
+
+
+class WrappedDataModule(DatasetDataModule):
+    """Your existing ``LightningDataModule`` as a federated data set, for configs: what
+    :func:`from_datamodule` builds, with its arguments as ``init_args``::
+
+        data:
+          class_path: fedlightning.datamodules.WrappedDataModule
+          init_args:
+            datamodule:
+              class_path: my_package.MyDataModule
+              init_args: {data_dir: data}
+            partition: {class_path: fedlightning.datamodules.Dirichlet, init_args: {alpha: 0.3}}
+            num_clients: 100
+            seed: 0
+
+    The wrapped module is built first (by the config), then its ``prepare_data()`` and ``setup("fit")`` (and
+    ``setup("test")``) run here, at construction, in every process, as :func:`from_datamodule` runs them. Its
+    ``train_dataloader()``'s data set is split among the clients, with that loader's ``collate_fn``,
+    ``batch_size``, ``drop_last``, ``num_workers`` and other options; its ``val_dataloader()`` and
+    ``test_dataloader()`` data sets validate and test. Arguments left at None take the loader's value
+    (``batch_size``, ``drop_last``, ``num_workers``) or :class:`DatasetDataModule`'s rule (``val_fraction``: 0 with
+    the module's own validation set, else 0.1); the others are :class:`DatasetDataModule`'s and override the
+    loader's. The wrapped module stays available as :attr:`datamodule`.
+    """
+
+    def __init__(
+        self,
+        datamodule: pl.LightningDataModule,
+        *,
+        partition: Partitioner | None = None,
+        num_clients: int = 100,
+        batch_size: int | None = None,
+        seed: int = 0,
+        val_fraction: float | None = None,
+        drop_last: bool | None = None,
+        num_workers: int | None = None,
+        eval_batch_size: int = 1024,
+        num_classes: int | None = None,
+        check_labels: bool = True,
+        label_key: str | int | None = None,
+        in_memory: bool | str = "auto",
+        max_in_memory_bytes: int = DEFAULT_MAX_IN_MEMORY_BYTES,
+        rounds_per_epoch: int = 1000,
+    ):
+        given = dict(batch_size=batch_size, val_fraction=val_fraction, drop_last=drop_last, num_workers=num_workers)
+        kwargs = {k: v for k, v in given.items() if v is not None}
+        kwargs.update(
+            partition=partition,
+            num_clients=num_clients,
+            seed=seed,
+            eval_batch_size=eval_batch_size,
+            num_classes=num_classes,
+            check_labels=check_labels,
+            label_key=label_key,
+            in_memory=in_memory,
+            max_in_memory_bytes=max_in_memory_bytes,
+            rounds_per_epoch=rounds_per_epoch,
+        )
+        train, test, options = _datamodule_parts(datamodule, kwargs)
+        super().__init__(train, test, **options)
+        #: the wrapped LightningDataModule
+        self.datamodule = datamodule
 
 
 def _warn_unused_sampler(name: str, loader: Any) -> None:

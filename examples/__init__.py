@@ -1,0 +1,1 @@
+"""Users' code written for plain Lightning, which the configs of configs/examples/ federate."""
