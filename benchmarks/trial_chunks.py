@@ -10,8 +10,11 @@ transposed product of ``_linear_rows``), the per-sample cross-entropy and the ma
 samples. Every row is padded to the step's largest batch; on the digits split (100 clients, Dirichlet 0.3, batches
 of at most 50) a step's real samples fill about 42 % of the padded cells.
 
-``chunks of k``: every pair's real samples cut into rows of ``k`` samples (the last one padded), each row carrying its
-pair's step size and head point, and the rows' sums added per pair. It computes fewer padded cells and more rows
+``two calls``: the clients split by batch size into two calls, each padded to its own largest batch (the split with
+the fewest padded cells), the arithmetic of both calls summed; the engine's fixed cost of a trial call (docs/
+benchmarks.md §9) comes on top of the second. ``chunks of k``: every pair's real samples cut into rows of ``k``
+samples (the last one padded), each row carrying its pair's step size and head point, and the rows' sums added per
+pair. It computes fewer padded cells and more rows
 (more head points to write, more products in the batch). Per sampled step of 20 clients (``--points`` trial points
 each), the script prints the padded and the chunked times (best of ``--repeats`` timeit runs), their ratio and the
 largest difference of the pairs' losses (float32 sums in another order).
@@ -133,7 +136,7 @@ def main():
         f"{args.points} points per step, the digits split's batch sizes"
     )
     print(
-        f"{'step':>4} {'widest':>6} {'real cells':>10} {'padded (µs)':>12}"
+        f"{'step':>4} {'widest':>6} {'real cells':>10} {'padded (µs)':>12} {'two calls (µs)':>15}"
         + "".join(f" {'chunks of ' + str(k) + ' (µs)':>20} {'ratio':>6} {'max |dloss|':>11}" for k in chunk_sizes)
     )
     for s in range(args.steps):
@@ -142,6 +145,10 @@ def main():
         reference = step.padded()
         t_padded = best(step.padded, args.repeats)
         line = f"{s:>4} {step.width:>6} {sum(sizes) / (len(sizes) * step.width):>10.0%} {t_padded * 1e6:>12.1f}"
+        order = sorted(sizes)
+        cut = min(range(1, len(order)), key=lambda i: i * order[i - 1] + (len(order) - i) * order[-1])
+        two = sum(best(Step(part, args.points, generator).padded, args.repeats) for part in (order[:cut], order[cut:]))
+        line += f" {two * 1e6:>15.1f}"
         for k in chunk_sizes:
             run, _ = step.chunked(k)
             diff = float((run() - reference).abs().max())
