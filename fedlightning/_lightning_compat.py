@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 __all__ = [
     "allow_logging_from",
@@ -22,6 +23,7 @@ __all__ = [
     "batches_that_stepped",
     "current_hook",
     "detached_trainer",
+    "evaluation_batch",
     "metric_reductions",
     "metric_state",
     "parse_configure_optimizers",
@@ -34,6 +36,19 @@ __all__ = [
 def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
     """The Trainer ``module`` is attached to, or None (``module.trainer`` raises when there is none)."""
     return module._trainer
+
+
+def evaluation_batch(model: pl.LightningModule, batch: Any, device: torch.device) -> Any:
+    """``batch`` as Lightning's evaluation loop hands it to the module's step: the attached Trainer's precision
+    plugin's input conversion, then the module's ``on_before_batch_transfer``, ``transfer_batch_to_device`` (to
+    ``device``) and ``on_after_batch_transfer``."""
+    trainer = attached_trainer(model)
+    plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
+    if plugin is not None:
+        batch = plugin.convert_input(batch)
+    batch = model.on_before_batch_transfer(batch, 0)
+    batch = model.transfer_batch_to_device(batch, device, 0)
+    return model.on_after_batch_transfer(batch, 0)
 
 
 @contextmanager

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
-from fedlightning._lightning_compat import attached_trainer, batches_that_stepped, metric_state
+from fedlightning._lightning_compat import attached_trainer, batches_that_stepped, evaluation_batch, metric_state
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._reference import reference_mode
 from fedlightning._validation import flag, integer, one_of
@@ -247,17 +247,6 @@ def _precision_plugin(model: Any) -> Any:
     """The precision plugin of the Trainer ``model`` is attached to (None without one)."""
     trainer = attached_trainer(model)
     return getattr(trainer, "precision_plugin", None) if trainer is not None else None
-
-
-def _evaluation_batch(model: Any, batch: Any, device: torch.device) -> Any:
-    """A batch as Lightning's evaluation loop hands it to ``test_step``: the precision plugin's conversion, then the
-    module's ``on_before_batch_transfer``, ``transfer_batch_to_device`` (to ``device``), ``on_after_batch_transfer``."""
-    plugin = _precision_plugin(model)
-    if plugin is not None:
-        batch = plugin.convert_input(batch)
-    batch = model.on_before_batch_transfer(batch, 0)
-    batch = model.transfer_batch_to_device(batch, device, 0)
-    return model.on_after_batch_transfer(batch, 0)
 
 
 @contextlib.contextmanager
@@ -548,7 +537,7 @@ class ClientEvaluation(FederatedCallback):
             )
 
     def _prepare(self, model, batch: Any, device) -> Any:
-        return _evaluation_batch(model, batch, device)
+        return evaluation_batch(model, batch, device)
 
     def _step_context(self, model):
         plugin = _precision_plugin(model)

@@ -20,11 +20,10 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from fedlightning._lightning_compat import batches_that_stepped
+from fedlightning._lightning_compat import batches_that_stepped, evaluation_batch
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import integer, one_of
 from fedlightning.callbacks.base import FederatedCallback
-from fedlightning.callbacks.client_eval import _evaluation_batch
 from fedlightning.client import extract_loss
 from fedlightning.models.base import Classifier
 
@@ -233,7 +232,7 @@ class GlobalEvaluation(FederatedCallback):
         try:
             with silenced:
                 for i, batch in enumerate(self._batches(dm)):
-                    batch = _evaluation_batch(model, batch, device)
+                    batch = evaluation_batch(model, batch, device)
                     if classifier:
                         logits, y = model._logits_targets(batch)
                         if model.ignore_index is not None:
