@@ -252,8 +252,8 @@ def test_wrapped_datamodule_is_from_datamodule_with_init_args():
 def test_own_datamodule_config_federates_a_plain_lightning_datamodule(tmp_path):
     """configs/examples/own_datamodule.yaml: the example's plain LightningDataModule (dict samples, its own collate)
     is split over 100 clients by label (label_key), validated and tested on its own val / test sets."""
-    from examples.digits_datamodule import DigitsLightningDataModule, to_pairs
     from fedlightning.cli import main
+    from user_code.digits_datamodule import DigitsLightningDataModule, to_pairs
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cli = main(
