@@ -338,6 +338,11 @@ def test_global_evaluation_reads_the_users_collate_and_weights_batches_by_their_
         expected = F.cross_entropy(net.lin(X[rows]), Y[rows]).item()
     assert got.keys() == {"train_eval/loss"}
     assert abs(got["train_eval/loss"] - expected) <= 1e-12
+    # split="val": the module's own validation set (rows 100-109), which from_datamodule keeps as val=
+    val = GlobalEvaluation(split="val", batch_size=4).evaluate(net, dm, torch.device("cpu"))
+    with torch.no_grad():
+        expected = F.cross_entropy(net.lin(X[100:110]), Y[100:110]).item()
+    assert abs(val["val_eval/loss"] - expected) <= 1e-12
 
 
 # ------------------------------------------------------------------------------------------------ drop_last

@@ -126,7 +126,8 @@ class GlobalEvaluation(FederatedCallback):
 
     Args:
         split: ``"train"`` (default: the union of the clients' data, ``dm.training_rows()``, which excludes the
-            validation split), ``"val"`` (the validation split, ``dm.val_indices``) or ``"test"``.
+            validation split), ``"val"`` (the validation split, ``dm.val_indices``, or the data module's separate
+            validation set, ``val=``) or ``"test"`` (``dm.evaluation_rows(split)``).
         every_n_rounds: evaluation period in rounds (default 10, ours).
         max_samples: evaluate a fixed random subset of this many examples of the split (None: all).
         seed: seed of that subset.
@@ -203,20 +204,14 @@ class GlobalEvaluation(FederatedCallback):
     def _batches(self, dm):
         if dm.train_dataset is None:
             dm.setup("fit")
-        dataset = dm.test_dataset if self.split == "test" else dm.train_dataset
+        dataset, rows = dm.evaluation_rows(self.split)
         if dataset is None:
             raise RuntimeError(f"{type(dm).__name__} has no {self.split} data set to evaluate")
-        if self.split == "train":
-            rows = dm.training_rows()  # no validation rows
-        elif self.split == "val":
-            rows = np.asarray(dm.val_indices)
-            if not len(rows):
-                raise ValueError(
-                    f"GlobalEvaluation(split='val'): {type(dm).__name__} has no validation split "
-                    f"(val_fraction={dm.val_fraction}); set data val_fraction > 0"
-                )
-        else:
-            rows = np.arange(len(dataset))
+        if self.split == "val" and not len(rows):
+            raise ValueError(
+                f"GlobalEvaluation(split='val'): {type(dm).__name__} has no validation split "
+                f"(val_fraction={dm.val_fraction}); set data val_fraction > 0"
+            )
         indices = rows[self._subset(len(rows))]
         yield from dm.evaluation_dataloader(self.split, indices, self.batch_size)
 

@@ -877,21 +877,33 @@ class FederatedDataModule(pl.LightningDataModule):
         workers = self.num_workers if workers is None else int(workers)
         return DataLoader(dataset, batch_size=size, shuffle=False, **self._loader_options(workers))
 
+    def evaluation_rows(self, split: str) -> tuple[Dataset | None, np.ndarray]:
+        """``(data set, rows)`` a split's evaluation reads: ``"train"`` the clients' training samples
+        (:meth:`training_rows`) and ``"val"`` the validation hold-out (``val_indices``), both of the training set as
+        evaluation reads it (:meth:`evaluation_view`: un-augmented); ``"test"`` every row of the test set. A data
+        module with a separate validation set returns it for ``"val"``."""
+        self._require_setup()
+        if split == "train":
+            return self.evaluation_view(), self.training_rows()
+        if split == "val":
+            return self.evaluation_view(), np.asarray(self.val_indices, dtype=np.int64)
+        if split == "test":
+            n = 0 if self.test_dataset is None else len(self.test_dataset)
+            return self.test_dataset, np.arange(n, dtype=np.int64)
+        raise ValueError(f"split={split!r} must be 'train', 'val' or 'test'")
+
     def evaluation_dataloader(
         self, split: str, rows: np.ndarray | None = None, batch_size: int | None = None
     ) -> DataLoader:
-        """Sequential batches over ``rows`` (None: all) of a split's evaluation data: ``"test"`` the test set,
-        ``"train"`` and ``"val"`` the training set as evaluation reads it (:meth:`evaluation_view`: un-augmented),
-        ``batch_size`` samples each (None: ``eval_batch_size``), collated as the validation and test loaders collate
-        them (the user's ``collate_fn``; one tensor indexing per batch for in-memory tensors without one), loaded in
-        this process (no worker processes): what a callback evaluating the global model on a subset reads."""
-        self._require_setup()
-        if split not in ("train", "val", "test"):
-            raise ValueError(f"split={split!r} must be 'train', 'val' or 'test'")
+        """Sequential batches over ``rows`` (None: all of the split's, :meth:`evaluation_rows`) of a split's
+        evaluation data set, ``batch_size`` samples each (None: ``eval_batch_size``), collated as the validation and
+        test loaders collate them (the user's ``collate_fn``; one tensor indexing per batch for in-memory tensors
+        without one), loaded in this process (no worker processes): what a callback evaluating the global model on a
+        subset reads."""
+        dataset, split_rows = self.evaluation_rows(split)
         if batch_size is not None and int(batch_size) <= 0:
             raise ValueError(f"batch_size={batch_size} must be a positive number of samples or None")
-        dataset = self.test_dataset if split == "test" else self.evaluation_view()
-        return self._eval_loader(dataset, rows, batch_size, workers=0)
+        return self._eval_loader(dataset, split_rows if rows is None else rows, batch_size, workers=0)
 
     def _val_monitors(self) -> list[str]:
         trainer = self._trainer_ref()

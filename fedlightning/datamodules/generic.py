@@ -658,6 +658,14 @@ class DatasetDataModule(FederatedDataModule):
         return "; pass check_labels=False if the labels are targets of your own loss, not class ids"
 
     # ------------------------------------------------------------------ evaluation
+    def evaluation_rows(self, split: str) -> tuple[Dataset | None, np.ndarray]:
+        """:meth:`FederatedDataModule.evaluation_rows`; ``"val"`` with a separate validation set (``val=``) is every
+        row of that set."""
+        self._require_setup()
+        if split == "val" and self.val_dataset is not None:
+            return self.val_dataset, np.arange(len(self.val_dataset), dtype=np.int64)
+        return super().evaluation_rows(split)
+
     def val_dataloader(self):
         """The separate validation set (``val=``), sequential; without one, the ``val_fraction`` hold-out of the
         training set (:meth:`FederatedDataModule.val_dataloader`)."""
