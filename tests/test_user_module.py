@@ -605,7 +605,7 @@ class _TransferHooks(_PlainLinear):
         return super().validation_step((batch["x"], batch["y"]), batch_idx)
 
 
-def _transfer_run(module, x, strategy: str):
+def _transfer_run(module, x, strategy: str, accelerator: str = "cpu"):
     from torch.utils.data import TensorDataset
 
     from fedlightning.callbacks import FedDANE, FedSPSGlobal, GlobalEvaluation, Mime
@@ -625,7 +625,12 @@ def _transfer_run(module, x, strategy: str):
     opt = (lambda p: SPS(p, fixed_step_size=1.0)) if strategy == "FedSPSGlobal" else None
     loop = FederatedLoop(module, client_optimizer=opt, local_steps=3, clients_per_round=3, seed=0)
     trainer = make_trainer(
-        3, callbacks=[*callbacks, evaluation], limit_val_batches=1.0, val_check_interval=1, check_val_every_n_epoch=None
+        3,
+        callbacks=[*callbacks, evaluation],
+        limit_val_batches=1.0,
+        val_check_interval=1,
+        check_val_every_n_epoch=None,
+        accelerator=accelerator,
     )
     trainer.fit(loop, datamodule=dm)
     metrics = trainer.callback_metrics
@@ -633,18 +638,23 @@ def _transfer_run(module, x, strategy: str):
 
 
 def flat_weights(loop):
-    return torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach().clone()
+    return torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach().cpu().clone()
 
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("strategy", ["FedAvg", "FedDANE", "Mime", "FedSPSGlobal"])
-def test_every_batch_the_model_reads_goes_through_its_transfer_hooks(strategy):
+@pytest.mark.parametrize(
+    "accelerator",
+    ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+    ids=["cpu", "cuda"],
+)
+def test_every_batch_the_model_reads_goes_through_its_transfer_hooks(strategy, accelerator):
     """Local steps, FedDANE's and Mime's full-batch gradients, FedSPS-Global's probe of the first client,
     GlobalEvaluation and validation all hand training_step / validation_step the batch its transfer hooks make (a
     dict with the inputs doubled): the run equals, in float64, the same run of a module without hooks on doubled
     data."""
-    hooked = _transfer_run(_TransferHooks(), _TX, strategy)
-    plain = _transfer_run(_PlainLinear(), 2 * _TX, strategy)
+    hooked = _transfer_run(_TransferHooks(), _TX, strategy, accelerator)
+    plain = _transfer_run(_PlainLinear(), 2 * _TX, strategy, accelerator)
     assert_close64(hooked[0], plain[0])
     assert_close64(torch.tensor(hooked[1:], dtype=torch.float64), torch.tensor(plain[1:], dtype=torch.float64))
     assert not torch.equal(plain[0], torch.nn.utils.parameters_to_vector(_PlainLinear().parameters()))  # trained
