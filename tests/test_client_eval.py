@@ -559,3 +559,17 @@ def test_an_evaluation_that_cannot_deal_the_data_stops_the_run_before_its_first_
     evaluation = ClientEvaluation(every_n_rounds=every_n_rounds, after_fit=after_fit, assignment="size")
     make_trainer(2, callbacks=[evaluation]).fit(loop, datamodule=dm)
     assert evaluation.last_results is not None and len(evaluation.last_results.client_ids) == 4
+
+
+def test_split_val_with_a_separate_validation_set_names_what_to_do():
+    """A data module whose validation set is a separate data set (from_datamodule's val_dataloader data) has no
+    per-client validation rows: the error says so and names the alternatives, before the first round."""
+    from fedlightning.datamodules import IID, FederatedDataModule
+    from test_data_contract import Net, UserDataModule
+
+    dm = FederatedDataModule.from_datamodule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
+    loop = FederatedLoop(Net("dict"), local_steps=2, clients_per_round=2, seed=0)
+    trainer = make_trainer(2, callbacks=[ClientEvaluation(split="val", assignment="size")])
+    with pytest.raises(ValueError, match=r"separate data set \(val=.*split='test'.*val_fraction"):
+        trainer.fit(loop, datamodule=dm)
+    assert trainer.global_step == 0

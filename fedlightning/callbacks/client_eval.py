@@ -446,11 +446,16 @@ class ClientEvaluation(FederatedCallback):
         rows = self.client_rows(dm)
         eligible = [c for c, r in enumerate(rows) if len(r) and (self.local_steps == 0 or dm.client_num_samples(c))]
         if not eligible:
-            hint = (
-                "set data val_fraction > 0"
-                if self.split == "val"
-                else "the data module's test set is empty or no client holds training samples"
-            )
+            if self.split == "test":
+                hint = "the data module's test set is empty or no client holds training samples"
+            elif getattr(dm, "val_dataset", None) is not None:
+                hint = (
+                    "its validation set is a separate data set (val=, or a LightningDataModule's val_dataloader), "
+                    "which is not dealt to the clients; evaluate split='test', or hold out data val_fraction of the "
+                    "training set instead of val="
+                )
+            else:
+                hint = "set data val_fraction > 0"
             raise ValueError(
                 f"ClientEvaluation(split={self.split!r}): no client of {type(dm).__name__} has "
                 f"{self.split} data to evaluate; {hint}"
