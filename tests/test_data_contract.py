@@ -300,6 +300,10 @@ def test_client_full_dataloader_reads_every_sample_in_order_with_the_users_colla
         dm.client_full_dataloader(1, 0)
     with pytest.raises(IndexError, match="client_id 4"):
         dm.client_full_dataloader(4)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        dm.evaluation_dataloader("train", batch_size=0)
+    with pytest.raises(ValueError, match="split='validation'"):
+        dm.evaluation_dataloader("validation")
 
 
 @pytest.mark.numerics

@@ -613,12 +613,15 @@ class FederatedDataModule(pl.LightningDataModule):
     prefetch_factor: int | None = None
     worker_init_fn: Any | None = None
 
+    def _check_client_id(self, client_id: int) -> None:
+        if not 0 <= client_id < self.num_clients:
+            raise IndexError(f"client_id {client_id} out of range [0, {self.num_clients})")
+
     def client_batch_sampler(self, client_id: int, round: int = 0, seed: int | None = None) -> ClientBatchSampler:
         """The index batches of :meth:`client_dataloader` (the same sampler, seeded the same way), without a loader:
         for a vectorised round that gathers the rows itself (:meth:`in_memory_train_data`)."""
         self._require_setup()
-        if not 0 <= client_id < self.num_clients:
-            raise IndexError(f"client_id {client_id} out of range [0, {self.num_clients})")
+        self._check_client_id(client_id)
         seed = self.sampling_seed if seed is None else seed
         gen = torch.Generator().manual_seed(derive_seed(seed, "data", round, client_id))
         return ClientBatchSampler(self.client_indices[client_id], self.batch_size, gen, drop_last=self.drop_last)
@@ -660,13 +663,10 @@ class FederatedDataModule(pl.LightningDataModule):
         one tensor indexing per batch for in-memory tensors without one), in this process (no worker processes):
         the batches of a client's full-batch gradient (FedDANE's gradient phase, Mime's full gradient)."""
         self._require_setup()
-        if not 0 <= client_id < self.num_clients:
-            raise IndexError(f"client_id {client_id} out of range [0, {self.num_clients})")
+        self._check_client_id(client_id)
         indices = self.client_indices[client_id]
-        n = len(indices)
-        if batch_size is not None and int(batch_size) <= 0:
-            raise ValueError(f"batch_size={batch_size} must be a positive number of samples or None")
-        chunk = max(n, 1) if batch_size is None else int(batch_size)
+        batch_size = integer("batch_size", batch_size, 1, allow_none=True, show_name=True)
+        chunk = max(len(indices), 1) if batch_size is None else batch_size
         sampler = ClientBatchSampler(indices, chunk, None, shuffle=False)
         return self._loader_from_batches(self.train_dataset, sampler, workers=0)
 
@@ -901,8 +901,7 @@ class FederatedDataModule(pl.LightningDataModule):
         without one), loaded in this process (no worker processes): what a callback evaluating the global model on a
         subset reads."""
         dataset, split_rows = self.evaluation_rows(split)
-        if batch_size is not None and int(batch_size) <= 0:
-            raise ValueError(f"batch_size={batch_size} must be a positive number of samples or None")
+        batch_size = integer("batch_size", batch_size, 1, allow_none=True, show_name=True)
         return self._eval_loader(dataset, split_rows if rows is None else rows, batch_size, workers=0)
 
     def _val_monitors(self) -> list[str]:

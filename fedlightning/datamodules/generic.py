@@ -12,6 +12,7 @@ The rules (all decisions ours unless a source is named) are in the docstring of 
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -21,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 from torch import Tensor
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import BatchSampler, Dataset, IterableDataset, RandomSampler, SequentialSampler, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from fedlightning._reference import reference_mode
@@ -960,8 +961,6 @@ class WrappedDataModule(DatasetDataModule):
 def _warn_unused_sampler(name: str, loader: Any) -> None:
     """A warning naming the training loader's sampler when it is more than shuffling (a weighted or bucketing
     sampler): federated clients draw their batches in the seeded client order, so it is not used."""
-    from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
-
     if isinstance(loader.dataset, IterableDataset):  # no sampler; DatasetDataModule names what it needs instead
         return
     batch_sampler = loader.batch_sampler
@@ -982,8 +981,6 @@ def _warn_unused_sampler(name: str, loader: Any) -> None:
 def _same_callable(a: Any, b: Any) -> bool:
     """``a`` and ``b`` call the same thing: equal (bound methods of one object compare equal), or partials of the
     same callable with equal arguments (each ``*_dataloader`` method typically makes its own)."""
-    import functools
-
     try:
         if a is b or a == b:
             return True
