@@ -541,9 +541,6 @@ class ClientEvaluation(FederatedCallback):
                 Subset(dataset, np.asarray(rows).tolist()), batch_size=bs, shuffle=False, collate_fn=dm.collate_fn
             )
 
-    def _prepare(self, model, batch: Any, device) -> Any:
-        return evaluation_batch(model, batch, device)
-
     def _step_context(self, model):
         plugin = _precision_plugin(model)
         if plugin is None:
@@ -558,7 +555,7 @@ class ClientEvaluation(FederatedCallback):
         step = model.test_step if self.split == "test" else model.validation_step
         with routed_logging(model, recorder.log, recorder.log_dict):
             for i, batch in enumerate(self._batches(dm, dataset, rows)):
-                batch = self._prepare(model, batch, device)
+                batch = evaluation_batch(model, batch, device)
                 recorder.batch = batch
                 with self._step_context(model):
                     step(batch, i)
@@ -575,7 +572,7 @@ class ClientEvaluation(FederatedCallback):
         count = torch.zeros_like(loss)
         start = 0
         for batch in self._batches(dm, dataset, union):
-            batch = self._prepare(model, batch, device)
+            batch = evaluation_batch(model, batch, device)
             with self._step_context(model):
                 logits, y = model._logits_targets(batch)
                 losses = torch.nn.functional.cross_entropy(logits, y, reduction="none")
