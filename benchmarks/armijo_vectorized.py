@@ -23,6 +23,12 @@ gradient evaluation in each (the same products on the same shapes; the line sear
 gradient and keeps the outputs of the layers that read the batch). The share of real cells in the steps' padded
 batches is printed either way.
 
+``--repeat-gradient`` (with ``--algorithm``) also times one step's gradient evaluation (the sixth local step of the
+first round) again and again at that step's weights and batch: as the line search makes it (keeping the generator
+state and the outputs ``A``, the flat ``[C, D]`` gradient) and as FedAvg's rule makes it (per-parameter gradients),
+each in a tight loop and after writing 8 MiB of other memory before every repetition (the trial calls' own memory
+traffic comes between two gradient evaluations of a line search; FedAvg's rule has nothing in between).
+
 ``--windows`` also replays the run's searches (each client's first accepted grid point per step) under other window
 policies: the first window ending at the largest point accepted at the client's last ``n`` steps of the round plus
 ``k``, second windows of ``s`` points, later ones doubling; it prints each policy's calls and rows per step and
@@ -32,6 +38,7 @@ their cost under the fitted call and row times (the policy ``_BatchedArmijo`` us
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -64,14 +71,22 @@ def main():
         action="store_true",
         help="with --algorithm: time FedAvg's gradient evaluations on the same workload, side by side",
     )
+    ap.add_argument(
+        "--repeat-gradient",
+        action="store_true",
+        help="with --algorithm: time one step's gradient evaluation in a loop, both forms, with and without 8 MiB "
+        "written in between",
+    )
     vs.add_common_arguments(ap)
     args = ap.parse_args()
     if args.clock == "process":
         if args.accelerator != "cpu":
             raise SystemExit("--clock process: CPU runs only (GPU work is not the process's CPU time)")
         vs._clock = time.process_time
-    if args.baseline and args.algorithm is None:
-        raise SystemExit("--baseline needs --algorithm (a config of algorithms_vectorized.py)")
+    if (args.baseline or args.repeat_gradient) and args.algorithm is None:
+        raise SystemExit("--baseline and --repeat-gradient need --algorithm (a config of algorithms_vectorized.py)")
+    if args.repeat_gradient and args.accelerator != "cpu":
+        raise SystemExit("--repeat-gradient: CPU runs only (it times CPU caches)")
     args.repeats = 1
     vs.start(args, args.workload, vs.WORKLOADS, "workload", min_rounds=3)
     model_fn, optimizer, dm_fn = vs.WORKLOADS[args.workload]
@@ -103,7 +118,11 @@ def main():
 
     gradient, points = step_module._StepEvaluator.gradient, rules._BatchedArmijo._points
 
+    repeated = {}  # --repeat-gradient: form -> median ms
+
     def counted_step(self, W, ev, record, alive):
+        if args.repeat_gradient and not repeated and len(steps) == 5:
+            repeated.update(repeat_gradient(gradient, ev, W, alive))
         before = record.totals()[1].clone()
         entry = {"calls": 0, "rows": 0, "trial_s": 0.0, "gradient_s": 0.0, "points_s": 0.0}
         steps.append(entry)
@@ -196,6 +215,10 @@ def main():
         line = statistics.median(s["gradient_s"] for s in steps) * 1e3  # one gradient evaluation per step
         fedavg = statistics.median(fedavg_gradient_s) * 1e3
         print(f"  gradient evaluation, median ms: {args.algorithm} {line:.2f}, FedAvg {fedavg:.2f} (side by side)")
+    if repeated:
+        print("  one step's gradient evaluation repeated, median ms:")
+        for form, ms in repeated.items():
+            print(f"    {form:55s} {ms:6.2f}")
     rows = np.array([r for r, _ in calls], dtype=float)
     secs = np.array([t for _, t in calls])
     fixed, per_row = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], 1), secs, rcond=None)[0]
@@ -204,6 +227,46 @@ def main():
     )
     if args.windows:
         replay_windows(searches, vs.LOCAL_STEPS, fixed, per_row)
+
+
+def repeat_gradient(gradient, ev, W, alive, repeats: int = 300) -> dict[str, float]:
+    """Median ms of a gradient evaluation (``gradient``: the evaluator's method) at ``W`` in the line search's form
+    and in FedAvg's, the forms taking turns repetition by repetition, ``repeats`` times each in a row and as many
+    with 8 MiB written before each (see the module docstring); no effects are kept (running statistics, metrics,
+    logged values), and the evaluator's settings and the random state are put back: the run goes on as without."""
+    other = torch.zeros(2 << 20)  # 8 MiB of float32
+    forms = {
+        "line search (generator state, A kept, flat gradient)": (True, True),
+        "FedAvg (per-parameter)": (False, False),
+    }
+    out = {}
+    devices = [W.device.index or 0] if W.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), _restored(ev):
+        ev.keep_effects, ev.log_sink, ev.metric_sink = False, None, None
+        for flush in (False, True):
+            times = {form: [] for form in forms}
+            for i in range(repeats + 10):
+                for form, (replay, flat) in forms.items():
+                    ev.replay = replay
+                    if flush:
+                        other.add_(1.0)
+                    start = vs._clock()
+                    gradient(ev, W, alive, flat=flat)
+                    if i >= 10:  # 10 warm-up repetitions
+                        times[form].append(vs._clock() - start)
+            for form, t in times.items():
+                out[f"{form}, {'8 MiB written before each' if flush else 'in a row'}"] = statistics.median(t) * 1e3
+    return out
+
+
+@contextlib.contextmanager
+def _restored(ev):
+    """Put back the evaluator's settings that :func:`repeat_gradient` changes."""
+    kept = ev.replay, ev.keep_effects, ev.log_sink, ev.metric_sink
+    try:
+        yield
+    finally:
+        ev.replay, ev.keep_effects, ev.log_sink, ev.metric_sink = kept
 
 
 def replay_policy(searches, steps_per_round: int, last: int, extra: int, second: int) -> tuple[float, float]:

@@ -57,3 +57,31 @@ def test_printed_counts_hold_the_batched_search_guarantees():
         tolerance = 0.06 if label == "calls" else 0.55
         assert abs(sum(values) / STEPS - overall) <= tolerance, (label, values, overall)
     assert all(s >= CLIENTS for s in by_step["sequential trials"])
+
+
+def test_repeated_gradient_evaluations_leave_the_run_unchanged():
+    """``--repeat-gradient`` times one step's gradient evaluation 600 times over inside the run; the run's counts (the
+    searches, which depend on every weight and loss) must be those of a run without it, and both forms are timed."""
+
+    def run(*extra):
+        proc = subprocess.run(
+            [sys.executable, SCRIPT, "--rounds", "3", "--algorithm", "FedExpSLS", "--threads", "1", *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    plain, repeated = run(), run("--repeat-gradient")
+    counts = ("sequential trials (sum over clients)", "trials of the longest search", "vectorized trial rows")
+    assert [_value(repeated, c) for c in counts] == [_value(plain, c) for c in counts]
+    for label in ("calls", "rows", "sequential trials"):
+        assert _row(repeated, label) == _row(plain, label)
+    line = r"^    (line search|FedAvg) .*?, (in a row|8 MiB written before each)\s+([\d.]+)$"
+    forms = re.findall(line, repeated, re.MULTILINE)
+    assert sorted((form, how) for form, how, _ in forms) == sorted(
+        (form, how) for form in ("line search", "FedAvg") for how in ("in a row", "8 MiB written before each")
+    )
+    assert all(float(ms) > 0 for _, _, ms in forms)
