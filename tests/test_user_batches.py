@@ -85,3 +85,61 @@ def test_ragged_padded_batches_are_refused_by_name_and_auto_falls_back():
         torch.testing.assert_close(_fit(True, "auto"), seq, rtol=0, atol=0)
     with pytest.raises(Exception, match=r"leaf batch\['inputs'\]\['seq'\] has shape"):
         _fit(True, "vectorized")
+
+
+class Tagged(Dataset):
+    """Dict samples with a string id (the default collate makes a list of strings of it)."""
+
+    def __init__(self):
+        self.x = torch.randn(N, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return {"seq": self.x[i], "label": i % 2, "id": f"sample-{i}"}
+
+
+def _tagged_collate(samples):  # "weight" only in batches whose first sample is even: structures differ by client
+    out = {
+        "inputs": {"seq": torch.stack([s["seq"] for s in samples])},
+        "label": torch.tensor([s["label"] for s in samples]),
+    }
+    if int(samples[0]["id"].split("-")[1]) % 2 == 0:
+        out["weight"] = torch.ones(len(samples), dtype=torch.float64)
+    return out
+
+
+class TaggedNet(Net):
+    def training_step(self, batch, batch_idx):
+        seq = batch["inputs"]["seq"] if "inputs" in batch else batch["seq"]
+        return torch.nn.functional.binary_cross_entropy_with_logits(seq @ self.w, batch["label"].double())
+
+
+def _fit_tagged(mode, collate_fn=None):
+    dm = FederatedDataModule.from_datasets(
+        Tagged(), num_clients=4, batch_size=4, partition=IID(), val_fraction=0, collate_fn=collate_fn
+    )
+    net = TaggedNet()
+    make_trainer(2).fit(
+        FederatedLoop(net, local_steps=3, clients_per_round=3, seed=0, client_execution=mode), datamodule=dm
+    )
+    return net.w.detach().clone()
+
+
+def test_a_string_leaf_is_refused_by_name_and_auto_falls_back():
+    """A string field collates to a list of strings: vectorized names that leaf (not a 'structure' mismatch, which
+    the lists' lengths would give), auto trains sequentially and equals sequential training."""
+    seq = _fit_tagged("sequential")
+    with pytest.raises(Exception, match=r"leaf batch\['id'\]\[0\] of local step 0 is a str\. Leave it out"):
+        _fit_tagged("vectorized")
+    with pytest.warns(UserWarning, match=r"training clients sequentially .*leaf batch\['id'\]\[0\]"):
+        torch.testing.assert_close(_fit_tagged("auto"), seq, rtol=0, atol=0)
+
+
+def test_batches_of_different_structures_are_refused_naming_the_leaf():
+    with pytest.raises(Exception, match=r"structures differ \(leaf batch\['weight'\] is in one client's batch"):
+        _fit_tagged("vectorized", _tagged_collate)
+    seq = _fit_tagged("sequential", _tagged_collate)
+    with pytest.warns(UserWarning, match=r"training clients sequentially .*structures differ"):
+        torch.testing.assert_close(_fit_tagged("auto", _tagged_collate), seq, rtol=0, atol=0)

@@ -190,8 +190,10 @@ class _RoundBatches:
 
 
 def _check_stackable(batches: Sequence[Any], step: int) -> None:
-    """Raise :class:`VectorizationUnsupportedError` naming the leaf whose non-batch shape or dtype differs between
-    the clients' batches of local step ``step`` (e.g. sequences padded per batch by a pad ``collate_fn``).
+    """Raise :class:`VectorizationUnsupportedError` naming the leaf of the clients' batches of local step ``step``
+    that cannot be stacked: one that is not a tensor with a batch dimension (e.g. the list of strings the default
+    collate makes of a string field), one that only some clients' batches have, or one whose non-batch shape or
+    dtype differs between the clients' batches (e.g. sequences padded per batch by a pad ``collate_fn``).
 
     Decision (ours): the engine pads only the batch dimension (by repeating a client's own samples, masked out of
     its loss). It never pads another dimension: whether a longer padding leaves ``training_step``'s loss unchanged
@@ -200,25 +202,34 @@ def _check_stackable(batches: Sequence[Any], step: int) -> None:
     stacks."""
     from torch.utils._pytree import keystr, tree_flatten_with_path
 
-    first = [(keystr(path), leaf) for path, leaf in tree_flatten_with_path(batches[0])[0]]
-    for batch in batches[1:]:
-        leaves = tree_flatten_with_path(batch)[0]
-        if len(leaves) != len(first):
-            return  # a structure mismatch: step() names it
+    fix = "or use client_execution='sequential' (or 'auto')"
+    flat = [[(keystr(path), leaf) for path, leaf in tree_flatten_with_path(batch)[0]] for batch in batches]
+    for leaves in flat:
+        for path, leaf in leaves:
+            if not (isinstance(leaf, Tensor) and leaf.dim() >= 1):
+                what = f"a 0-d tensor ({leaf.dtype})" if isinstance(leaf, Tensor) else f"a {type(leaf).__name__}"
+                raise VectorizationUnsupportedError(
+                    f"client_execution='vectorized' needs batches whose leaves are all tensors with a leading batch "
+                    f"dimension; leaf batch{path} of local step {step} is {what}. Leave it out of the batch in your "
+                    f"collate_fn (or make it a tensor with one row per sample), {fix}"
+                )
+    first = flat[0]
+    for leaves in flat[1:]:
+        if [p for p, _ in leaves] != [p for p, _ in first]:
+            a, b = [p for p, _ in first], [p for p, _ in leaves]
+            only = sorted(set(a) ^ set(b)) or a
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized' cannot stack the clients' batches of local step {step}: their "
+                f"structures differ (leaf batch{only[0]} is in one client's batch and not in another's); give every "
+                f"batch the same structure, {fix}"
+            )
         for (path, a), (_, b) in zip(first, leaves):
-            if (
-                isinstance(a, Tensor)
-                and isinstance(b, Tensor)
-                and a.dim() >= 1
-                and b.dim() >= 1
-                and (a.shape[1:] != b.shape[1:] or a.dtype != b.dtype)
-            ):
+            if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
                 raise VectorizationUnsupportedError(
                     f"client_execution='vectorized' cannot stack the clients' batches of local step {step}: leaf "
                     f"batch{path} has shape {tuple(a.shape)} ({a.dtype}) in one client's batch and {tuple(b.shape)} "
                     f"({b.dtype}) in another's; only the batch dimension is padded (padding another dimension could "
-                    "change the loss). Pad to a fixed length in your collate_fn, or use client_execution='sequential' "
-                    "(or 'auto')"
+                    f"change the loss). Pad to a fixed length in your collate_fn, {fix}"
                 )
 
 
