@@ -30,9 +30,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
 from fedlightning._hooks import _FORWARDED_HOOKS, _forward_to_model, _LogRouter
-from fedlightning._lightning_compat import attached_trainer, detached_trainer, strategy_optimizers
+from fedlightning._lightning_compat import attached_trainer, detached_trainer, evaluation_batch, strategy_optimizers
 from fedlightning._logging_route import route_logging, routed_logging
 from fedlightning._reference import reference_mode
 from fedlightning._round import (
@@ -60,7 +61,13 @@ from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.execution import CLIENT_EXECUTION_MODES, make_executor
 from fedlightning.optim import scale_client_step
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, derive_seed, flat_params
-from fedlightning.user_module import ClientHooks, MetricStates, ModuleOptimizer, make_client_copy
+from fedlightning.user_module import (
+    ClientHooks,
+    MetricStates,
+    ModuleOptimizer,
+    make_client_copy,
+    materialize_lazy_modules,
+)
 from fedlightning.vectorized import VectorizationUnsupportedError, VectorizedClientTrainer
 
 __all__ = ["FederatedLoop"]
@@ -282,12 +289,25 @@ class FederatedLoop(pl.LightningModule):
             self._log_every_round(trainer)
             dm = self._datamodule()
             dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed, local_epochs=self.local_epochs)
+            self._materialize_lazy_modules(dm)
             self._check_client_optimizer()
             precision = str(trainer.precision)
             if precision.startswith("16"):
                 rank_zero_warn(
                     "precision='16-mixed' has no loss scaling inside client training; use 'bf16-mixed' or 32",
                 )
+
+    def _materialize_lazy_modules(self, dm: FederatedDataModule) -> None:
+        """Give lazy modules their parameters before round 0 from the first client's first batch
+        (:func:`~fedlightning.user_module.materialize_lazy_modules`; nothing runs for a model without them)."""
+        if not any(is_lazy(p) for p in self.model.parameters()) and not any(is_lazy(b) for b in self.model.buffers()):
+            return
+        client = next(c for c in range(dm.num_clients) if dm.client_num_samples(c) > 0)
+        with torch.random.fork_rng(devices=[]):  # a DataLoader iterator draws its base seed from the global RNG
+            batch = next(iter(dm.client_dataloader(client, 0)))
+        device = next((p.device for p in self.model.parameters() if not is_lazy(p)), torch.device("cpu"))
+        batch = evaluation_batch(self.model, batch, device)
+        materialize_lazy_modules(self.model, batch, derive_seed(self.seed, "lazy modules"))
 
     #: local steps per client and round when neither ``local_steps`` nor ``local_epochs`` is given (seed 000's K = 20)
     DEFAULT_LOCAL_STEPS = 20

@@ -11,6 +11,7 @@ user's code expects from Lightning (docs/your_model.md lists it for users):
 * :class:`ClientHooks` lists the per-local-step hooks the user's class overrides (only those are called).
 * :class:`ModuleOptimizer` builds the client optimizer from the module's own ``configure_optimizers()``.
 * :class:`MetricStates` saves and restores torchmetrics states around a line search's trial evaluations.
+* :func:`materialize_lazy_modules` initializes lazy modules (``LazyLinear``, ...) before round 0.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from fedlightning._lightning_compat import metric_state, parse_configure_optimizers
+from fedlightning._logging_route import discard, routed_logging
 
 __all__ = [
     "ClientHooks",
@@ -33,6 +35,7 @@ __all__ = [
     "ModuleOptimizer",
     "STEP_HOOKS",
     "make_client_copy",
+    "materialize_lazy_modules",
 ]
 
 
@@ -323,3 +326,72 @@ class MetricStates:
         for m, state in saved:
             for k, v in state.items():
                 setattr(m, k, v)
+
+
+# ====================================================================== lazy modules
+class _LazyModulesReady(Exception):
+    """Raised by the last lazy module's forward pre-hook: its parameters are initialized, the dry run may stop."""
+
+
+def _lazy_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+
+
+def materialize_lazy_modules(model: pl.LightningModule, batch: Any, seed: int) -> list[str]:
+    """Initialize ``model``'s lazy modules (``LazyLinear``, ``LazyConv2d``, ``LazyBatchNorm``, ...) from one batch;
+    returns their names (empty: the model has none, nothing is run).
+
+    Plain Lightning initializes them in the first ``training_step``, after the optimizer was built on the
+    uninitialized parameters. Federated training copies, stacks and averages the global weights before any client
+    step, so they must have their shapes first. Decision (ours): before round 0, ``training_step`` runs once on
+    ``batch`` (the first client's first batch, as its local step would receive it) in eval mode, without gradients,
+    with ``self.log`` discarded, torchmetrics states restored afterwards, and the random state forked and seeded by
+    ``seed`` (the lazy modules' initial values come from it, so a run is reproducible from its seed and resuming
+    overwrites them from the checkpoint); the run stops as soon as the last lazy module has its parameters, so
+    nothing after it in ``training_step`` runs (eval mode: no BatchNorm statistic is updated before it either).
+    A lazy module that ``training_step`` does not reach stays uninitialized: a ValueError names it and asks for a
+    dummy forward in ``__init__`` or ``configure_model`` (what DDP needs too)."""
+    lazy = _lazy_modules(model)
+    if not lazy:
+        return []
+    names = [n for n, _ in lazy]
+    waiting = {id(m) for _, m in lazy}
+
+    def initialized(module: nn.Module, args: Any) -> None:  # registered after the module's own initialization hook
+        waiting.discard(id(module))
+        if not waiting:
+            raise _LazyModulesReady
+
+    handles = [m.register_forward_pre_hook(initialized) for _, m in lazy]
+    metrics = MetricStates(model)
+    saved = metrics.save()
+    was_training = model.training
+    devices = [p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"][:1]
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), routed_logging(model, discard, discard):
+            torch.manual_seed(seed)
+            model.training_step(batch, 0)
+    except _LazyModulesReady:
+        pass
+    except Exception as err:
+        raise RuntimeError(
+            f"{type(model).__qualname__} has lazy modules ({', '.join(names)}); initializing them by one "
+            f"training_step on the first client's first batch raised {type(err).__name__}: {err}. Initialize them "
+            "with a dummy forward in __init__ or configure_model"
+        ) from err
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+        metrics.restore(saved)
+    left = [n for n, _ in _lazy_modules(model)]
+    if left:
+        raise ValueError(
+            f"{type(model).__qualname__}'s lazy modules {', '.join(left)} are still uninitialized after one "
+            "training_step: training_step does not use them. Federated training needs every parameter's shape "
+            "before round 0; initialize them with a dummy forward in __init__ or configure_model"
+        )
+    return names
