@@ -367,7 +367,7 @@ def materialize_lazy_modules(model: pl.LightningModule, batch: Any, seed: int) -
     handles = [m.register_forward_pre_hook(initialized) for _, m in lazy]
     metrics = MetricStates(model)
     saved = metrics.save()
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # put back module by module: a frozen layer stays so
     devices = [p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"][:1]
     model.eval()
     try:
@@ -385,7 +385,8 @@ def materialize_lazy_modules(model: pl.LightningModule, batch: Any, seed: int) -
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
         metrics.restore(saved)
     left = [n for n, _ in _lazy_modules(model)]
     if left:

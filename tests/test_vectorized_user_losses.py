@@ -398,11 +398,49 @@ def test_users_modules_take_the_fast_path_and_equal_sequential(model_fn, opt):
         assert float(got) == pytest.approx(float(want), rel=rtol32(CPR * K + 1))  # float32 logged values
 
 
-def test_a_forward_that_mixes_samples_falls_back_to_the_generic_path():
-    vec = fit(BatchCentred(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
-    engine = engine_of(vec)
-    assert engine.call.intercept is False and "per-sample" in engine.call.probed
-    assert "not a mean of per-sample losses" in engine.call.padded_path_reason
+def test_a_forward_that_mixes_samples_is_refused_and_auto_trains_it_sequentially():
+    """Loss interception finds that the loss is not a mean of per-sample losses; the per-sample path would train
+    another objective (each sample centred on itself: x − x = 0), so its own check refuses the model by name, and
+    "auto" trains it sequentially."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"the loss is not a mean over samples") as err:
+        fit(BatchCentred(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+    assert "not a mean of per-sample losses, or the forward pass mixes samples" in str(err.value)  # why not intercepted
+    seq = fit(BatchCentred(), CLIENT_OPTIMIZERS["sgd"], "sequential")
+    auto = fit(BatchCentred(), CLIENT_OPTIMIZERS["sgd"], "auto")
+    torch.testing.assert_close(auto[0], seq[0], rtol=0, atol=0)
+
+
+class SummedLoss(UserMLP):
+    """A summed cross-entropy (``reduction="sum"``), which loss interception does not recognise."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y, reduction="sum")
+
+
+class SummedLossPerSample(SummedLoss):
+    """The same loss with a per-sample protocol whose entries are right one sample at a time."""
+
+    def training_step_per_sample(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y, reduction="none")
+
+
+@pytest.mark.parametrize("model_fn", [SummedLoss, SummedLossPerSample], ids=["per-sample calls", "protocol"])
+def test_a_summed_loss_is_refused_on_padded_steps_and_auto_trains_it_sequentially(model_fn):
+    """A client's summed loss is not the mean of its samples' losses that padded steps compute (both paths: one
+    ``training_step`` per sample, and the model's per-sample protocol): refused, naming both values; "auto" trains
+    such a model sequentially."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    how = "one training_step per sample" if model_fn is SummedLoss else "its training_step_per_sample losses"
+    with pytest.raises(VectorizationUnsupportedError, match=rf"{how}.*is not a mean over samples \(reduction='sum'\?"):
+        fit(model_fn(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+    seq = fit(model_fn(), CLIENT_OPTIMIZERS["sgd"], "sequential")
+    auto = fit(model_fn(), CLIENT_OPTIMIZERS["sgd"], "auto")
+    torch.testing.assert_close(auto[0], seq[0], rtol=0, atol=0)
 
 
 def test_fallback_with_dropout_trains_exactly_what_the_generic_path_trains(monkeypatch):

@@ -369,6 +369,60 @@ class _ModelCall:
             )
         return None
 
+    def _check_sample_mean(
+        self, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor]
+    ) -> str | None:
+        """None if ``training_step``'s loss on a padded row's first real samples (up to 4, at least 2) equals the
+        mean of its losses on each of those samples alone (at the row's weights and running statistics, without
+        gradients, in full precision, metrics and logged values dropped, random state kept), else the two values:
+        the per-sample path (one ``training_step`` per sample, averaged over a client's real samples) computes the
+        client's loss only for a loss that is a mean over samples. A ``reduction="sum"`` loss, or a term computed
+        over the whole batch, fails. Models with random layers are checked in eval mode (dropout off): the check is
+        about how the loss reduces over samples, which their random draws would hide."""
+        leaves, spec = tree_flatten(batch)
+        counts = mask.sum(1).tolist()
+        r = max(range(len(counts)), key=lambda i: (counts[i], -i))
+        k = min(4, int(counts[r]))
+        if k < 2:
+            return None
+        row = [v[r].detach() for v in views]
+        row_stats = [s[r] for s in stats]
+        model_name = type(self.model).__name__
+        try:
+            full_precision = torch.autocast(device_type=row[0].device.type, enabled=False)
+        except RuntimeError:  # a device type autocast does not know
+            full_precision = contextlib.nullcontext()
+        devices = [row[0].device] if row[0].device.type == "cuda" else []
+        modes = [(m, m.training) for m in self.model.modules()]  # put back module by module: a frozen layer stays so
+        if not self.deterministic:
+            self.model.eval()
+        self.metric_calls.begin(False)
+
+        def loss(lo: int, hi: int) -> Tensor:
+            self.norms.begin(row_stats, None, None, hi - lo)
+            try:
+                b = tree_unflatten([x[r, lo:hi] for x in leaves], spec)
+                return extract_loss(self.model.training_step(b, step), model_name).double().reshape(())
+            finally:
+                self.norms.end()
+
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), full_precision, self._weights_in_slots(row):
+                together = loss(0, k)
+                alone = torch.stack([loss(j, j + 1) for j in range(k)])
+        finally:
+            self.collector.reset()
+            for m, training in modes:
+                m.training = training
+        rtol, atol = _tolerance(self.dtype, row[0].device)
+        if torch.allclose(together, alone.mean(), rtol=rtol, atol=atol, equal_nan=True):
+            return None
+        return (
+            f"its loss on {k} samples of a client's batch is {float(together):.6g}, but the mean of its losses on each "
+            f"of them alone is {float(alone.mean()):.6g} (per sample: {[round(float(v), 6) for v in alone]}): the loss "
+            "is not a mean over samples (reduction='sum'? a term over the whole batch?)"
+        )
+
     def _check_per_sample_protocol(self, views: list[Tensor], batch: Any, mask: Tensor, step: int) -> bool:
         """Once per engine, before the protocol is first used. False if ``training_step`` calls a torchmetrics
         metric (one call on the first client's first sample, without gradients, random state restored): padded

@@ -315,6 +315,7 @@ class _SampleRows(_TracedRows):
     def __init__(self, call: Any, reason: str):
         super().__init__(call)
         self.reason = reason
+        self.checked = False  # the loss is a mean over samples (_ModelCall._check_sample_mean), on the first call
 
     def values(
         self,
@@ -336,6 +337,12 @@ class _SampleRows(_TracedRows):
                 f"{type(self.call.model).__name__} ({self.reason}); return a standard mean loss "
                 "(e.g. F.cross_entropy) from training_step, or use client_execution='sequential' (or 'auto')"
             )
+        if not self.checked:
+            with self.call._vmap_context():
+                refusal = self.call._check_sample_mean(views, batch, mask, step, stats)
+            if refusal is not None:
+                raise _not_a_mean(self.call, f"one training_step per sample ({self.reason})", refusal)
+            self.checked = True
         return super().values(views, batch, mask, step, want_cells, stats, effects, min_count)
 
     def _vmapped(
@@ -509,6 +516,17 @@ class _InterceptedRows:
         return _padded_result(out[0], mask, list(as_loss), kept, want_cells)
 
 
+def _not_a_mean(call: Any, how: str, refusal: str) -> VectorizationUnsupportedError:
+    """The refusal of a model whose loss is not a mean over samples
+    (:meth:`~fedlightning.vectorized.call._ModelCall._check_sample_mean`): padded steps average per-sample losses
+    (``how``) over each client's real samples, which computes another objective for it."""
+    return VectorizationUnsupportedError(
+        f"client_execution='vectorized': padded steps (clients' batches of unequal size) average "
+        f"{type(call.model).__name__}'s loss over each client's real samples, {how}, but {refusal}. Return a mean "
+        "over the batch from training_step, or use client_execution='sequential' (or 'auto')"
+    )
+
+
 def per_sample_fallback(call: Any, reason: str) -> _SampleRows:
     """The per-sample path for padded steps that loss interception cannot run (``reason``), announced once (rank-zero
     info line)."""
@@ -545,15 +563,22 @@ def choose_padded_rows(
 
     * :class:`_ProtocolRows` for a model with a per-sample protocol (``call.protocol``) that passes
       :meth:`~fedlightning.vectorized.call._ModelCall._check_per_sample_protocol` (False when ``training_step``
-      calls a torchmetrics metric; a protocol that disagrees with ``training_step`` raises ``ValueError``);
+      calls a torchmetrics metric; a protocol that disagrees with ``training_step`` raises ``ValueError``), and
+      whose loss is a mean over samples (``_check_sample_mean``; else :class:`VectorizationUnsupportedError`);
     * :class:`_InterceptedRows` when loss interception passes its check (:func:`_interception_refusal`; models with
       random layers skip the check and find out on their first call);
     * :class:`_SampleRows` otherwise (:func:`per_sample_fallback`), or at once, unannounced, with ``intercept=False``
-      (the per-sample path pinned by the caller).
+      (the per-sample path pinned by the caller); its first call checks that the loss is a mean over samples
+      (``_check_sample_mean``) and raises :class:`VectorizationUnsupportedError` when it is not (a summed loss, a
+      forward pass that mixes samples).
     """
     if call.protocol is not None:
         with call._vmap_context():
             usable = call._check_per_sample_protocol(views, batch, mask, step)
+            check = usable and not call.norms.batch_dependent()  # BatchNorm: no batches of one sample to compare
+            refusal = call._check_sample_mean(views, batch, mask, step, stats) if check else None
+        if refusal is not None:
+            raise _not_a_mean(call, "its training_step_per_sample losses", refusal)
         if usable:
             return _ProtocolRows(call)
     if not intercept:
