@@ -269,6 +269,36 @@ def test_auto_keeps_transformed_large_and_ragged_data_per_sample():
     assert dm.in_memory is False
 
 
+class Flipped(Dataset):
+    """Rows(X, Y) whose ``__getitem__`` flips the features with probability ``p`` (no transform attribute announces
+    it); ``p`` = 0: deterministic."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def __len__(self):
+        return len(X)
+
+    def __getitem__(self, i):
+        return (-X[i] if torch.rand(()) < self.p else X[i]), Y[i]
+
+
+def test_auto_reads_samples_twice_and_keeps_a_random_getitem_per_sample():
+    """A random augmentation written into ``__getitem__`` would be frozen into one draw by the copy: reading each of
+    8 samples twice finds a flip of probability 1/2 (it goes unseen with probability 1/256 per setup; the draws are
+    seeded here)."""
+    torch.manual_seed(0)
+    dm = DatasetDataModule(Flipped(0.5), **_kw())
+    dm.setup()
+    assert dm.in_memory is False
+    dm = DatasetDataModule(Flipped(0.0), **_kw())
+    dm.setup()
+    assert dm.in_memory is True and torch.equal(dm.train_dataset.x, X)
+    dm = DatasetDataModule(Flipped(0.5), in_memory=True, **_kw())  # forced: copied, as the user asked
+    dm.setup()
+    assert dm.in_memory is True
+
+
 class Ragged(Dataset):
     def __len__(self):
         return 10

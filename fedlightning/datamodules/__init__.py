@@ -1,6 +1,12 @@
 """Federated data modules and partitioners."""
 
-from fedlightning.datamodules.base import ArrayDataset, ClientBatchSampler, FederatedDataModule, RoundPlanLoader
+from fedlightning.datamodules.base import (
+    ArrayDataset,
+    ClientBatchSampler,
+    ClientDataLoader,
+    FederatedDataModule,
+    RoundPlanLoader,
+)
 from fedlightning.datamodules.cifar import Cifar10DataModule, Cifar100DataModule, CifarImages, PachinkoPartition
 from fedlightning.datamodules.digits import DigitsDataModule
 from fedlightning.datamodules.generic import DatasetDataModule, WrappedDataModule
@@ -14,6 +20,7 @@ from fedlightning.datamodules.synthetic import SyntheticDataModule
 __all__ = [
     "ArrayDataset",
     "ClientBatchSampler",
+    "ClientDataLoader",
     "FederatedDataModule",
     "RoundPlanLoader",
     "DigitsDataModule",

@@ -12,6 +12,7 @@ never see test data (see :class:`FederatedDataModule` for the rules).
 from __future__ import annotations
 
 import math
+import random
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
     "ArrayDataset",
     "ArrayBatchLoader",
     "ClientBatchSampler",
+    "ClientDataLoader",
     "FederatedDataModule",
     "RoundPlanLoader",
     "DEFAULT_VAL_FRACTION",
@@ -178,6 +180,85 @@ class ClientBatchSampler(Sampler[list[int]]):
         if self.drop_last and len(order) >= self.batch_size:
             order = order[: len(order) - len(order) % self.batch_size]
         return torch.split(order, self.batch_size)
+
+
+def _random_states() -> tuple[Tensor, Any, Any]:
+    """The process's global random states that a data set's ``__getitem__`` may draw from: torch's CPU generator,
+    Python's ``random`` and numpy's global generator."""
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _set_random_states(states: tuple[Tensor, Any, Any]) -> None:
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np.random.set_state(states[2])
+
+
+def _worker_zero_states(base_seed: int) -> tuple[Tensor, Any, Any]:
+    """The random states a DataLoader gives its worker 0 (torch and ``random`` seeded with ``base_seed``, numpy with
+    torch's own derivation of the worker's numpy seed), made without touching the process's states."""
+    outer = _random_states()
+    try:
+        torch.default_generator.manual_seed(base_seed)  # CPU only (torch.manual_seed would reseed CUDA too)
+        random.seed(base_seed)
+        try:
+            from torch.utils.data._utils.worker import _generate_state
+
+            np.random.seed(_generate_state(base_seed, 0))
+        except ImportError:  # pragma: no cover - torch's helper moved: a seed of its own
+            np.random.seed(base_seed % (1 << 32))
+        return _random_states()
+    finally:
+        _set_random_states(outer)
+
+
+class _SeededFetches:
+    """An iterator over a DataLoader without workers whose every batch is fetched under the loader's own random
+    states (see :class:`ClientDataLoader`); the process's states are put back after each batch."""
+
+    def __init__(self, batches: Iterator[Any], base_seed: int):
+        self._batches = batches
+        self._states = _worker_zero_states(base_seed)
+
+    def __iter__(self) -> _SeededFetches:
+        return self
+
+    def __next__(self) -> Any:
+        outer = _random_states()
+        _set_random_states(self._states)
+        try:
+            return next(self._batches)
+        finally:
+            self._states = _random_states()
+            _set_random_states(outer)
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+
+class ClientDataLoader(DataLoader):
+    """A client's per-sample DataLoader (:meth:`FederatedDataModule.client_dataloader`).
+
+    With ``num_workers > 0`` it is a plain DataLoader: each worker's random states are seeded from the loader's base
+    seed, which its seeded ``generator`` gives. Without workers, the samples would be fetched under the process's
+    global random states, so a random augmentation in the data set (torchvision transforms, the bundled CIFAR crop
+    and flip, noise drawn in ``__getitem__``) would draw from whatever the process drew before: the model's random
+    stream in sequential training, the same restored state at every round in vectorized training (which loads the
+    round's batches ahead). Decision (ours): every iteration of a loader without workers fetches under random states
+    of its own, seeded as the DataLoader seeds its worker 0 (torch's CPU generator and ``random`` with the base seed,
+    numpy with torch's derivation), and kept between batches; the process's states are put back after each batch.
+    So augmentations depend only on ``(seed, round, client)``, both execution modes draw the same ones, a resumed
+    run draws what the uninterrupted one did, and ``num_workers=0`` and ``num_workers=1`` serve equal batches.
+    ``torch.utils.data.get_worker_info()`` stays None in this process."""
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = super().__iter__()
+        if self.num_workers > 0:
+            return batches
+        base_seed = getattr(batches, "_base_seed", None)  # torch's iterator draws it from the loader's generator
+        if base_seed is None:  # pragma: no cover - a torch without that attribute: one draw of our own
+            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        return _SeededFetches(batches, int(base_seed))
 
 
 class ArrayBatchLoader:
@@ -793,7 +874,9 @@ class FederatedDataModule(pl.LightningDataModule):
         if isinstance(dataset, ArrayDataset) and self.collate_fn is None and not reference_mode():
             # batched fast path: one tensor indexing per batch, no per-sample fetch/collate, no DataLoader machinery
             return ArrayBatchLoader(dataset, batch_sampler)
-        return DataLoader(dataset, batch_sampler=batch_sampler, generator=generator, **self._loader_options(workers))
+        return ClientDataLoader(
+            dataset, batch_sampler=batch_sampler, generator=generator, **self._loader_options(workers)
+        )
 
     # ------------------------------------------------------------------ rounds
     def client_batches_per_epoch(self, client_id: int) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, Dataset, IterableDataset, RandomSampler, SequentialSampler, TensorDataset
 from torch.utils.data._utils.collate import default_collate
@@ -210,7 +211,10 @@ class DatasetDataModule(FederatedDataModule):
     any other pair data set is
     read sample by sample, but only when it has no ``transform`` / ``transforms`` attribute set (torchvision's
     convention: a random augmentation would be frozen into one draw; pass ``in_memory=True`` for a deterministic
-    transform such as ``ToTensor``), and only when ``len × (bytes of sample 0's x and y)`` is at most
+    transform such as ``ToTensor``), when reading each of up to :data:`REREAD_SAMPLES` samples twice gives the same
+    values (a random augmentation written into ``__getitem__``, which no attribute announces, would be frozen too;
+    a random flip of probability ½ goes unseen by all 8 with probability 1/256), and only when
+    ``len × (bytes of sample 0's x and y)`` is at most
     ``max_in_memory_bytes``, and all samples have sample 0's shapes and dtypes; otherwise it stays per-sample.
     ``dm.in_memory`` tells, after :meth:`setup`, whether the training set took the fast path.
 
@@ -512,6 +516,8 @@ class DatasetDataModule(FederatedDataModule):
                 return SampleView(dataset, reader, name=name)
             if any(getattr(dataset, a, None) is not None for a in ("transform", "transforms")):
                 return SampleView(dataset, reader, name=name)
+            if not _reads_repeat(dataset):
+                return SampleView(dataset, reader, name=name)
         return self._stack(dataset, reader, name, x0, y0)
 
     def _stack(self, dataset: Any, reader: _Reader, name: str, x0: Any, y0: Any) -> Dataset:
@@ -780,6 +786,36 @@ def _class_ids(arr: np.ndarray) -> tuple[np.ndarray | None, str]:
     if kind == "O" and all(isinstance(v, (int, str, bool, np.integer)) for v in arr.tolist()):
         return arr, ""
     return None, f"values of dtype {arr.dtype}"
+
+
+#: Samples that ``in_memory="auto"`` reads twice to find a random augmentation in ``__getitem__`` (ours: spread over
+#: the data set; a flip of probability ½ differs on at least one of 8 with probability 255/256).
+REREAD_SAMPLES = 8
+
+
+def _reads_repeat(dataset: Any) -> bool:
+    """Whether reading each of up to :data:`REREAD_SAMPLES` samples (spread over ``dataset``) twice gives equal
+    values, NaN equal to NaN; the global random state is put back afterwards."""
+    n = len(dataset)
+    rows = sorted({(i * (n - 1)) // max(REREAD_SAMPLES - 1, 1) for i in range(min(REREAD_SAMPLES, n))})
+    with torch.random.fork_rng(devices=[]):
+        for i in rows:
+            first, second = _pair(dataset[i]), _pair(dataset[i])
+            if not all(_same_values(a, b) for a, b in zip(first, second)):
+                return False
+    return True
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    try:
+        ta, tb = torch.as_tensor(a), torch.as_tensor(b)
+    except (TypeError, ValueError, RuntimeError):
+        return a == b
+    if ta.shape != tb.shape or ta.dtype != tb.dtype:
+        return False
+    if ta.is_floating_point() or ta.is_complex():
+        return bool(((ta == tb) | (ta.isnan() & tb.isnan())).all())
+    return bool((ta == tb).all())
 
 
 def _pair(sample: Any) -> tuple[Any, Any]:

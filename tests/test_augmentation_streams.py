@@ -1,0 +1,109 @@
+"""Random augmentations in the user's data set draw from the client's own stream (``ClientDataLoader``): without
+worker processes, a client's batches are fetched under random states seeded as a DataLoader seeds its worker 0, so
+the draws depend only on ``(seed, round, client)``: sequential and vectorized training draw the same ones, no round
+repeats another's, ``num_workers=0`` equals ``num_workers=1``, and the process's random states are left alone."""
+
+import random
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.datamodules import IID, ClientDataLoader, FederatedDataModule
+
+DRAWS: list[list[float]] = []  # per round: the noise values the data set drew in this process, in order
+
+
+class Noisy(Dataset):
+    """Features plus noise drawn in ``__getitem__`` from torch, ``random`` and numpy (announced as a transform, so
+    samples are read one by one)."""
+
+    transform = "noise"
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(60, 3, dtype=torch.float64, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        noise = torch.rand(3, dtype=torch.float64) + random.random() + float(np.random.rand())
+        if DRAWS:
+            DRAWS[-1].append(float(noise[0]))
+        return self.x[i] + 0.1 * noise, i % 2
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 2, dtype=torch.float64)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.lin(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class RoundMark(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        DRAWS.append([])
+
+
+def _fit(mode, workers=0, rounds=3):
+    DRAWS.clear()
+    dm = FederatedDataModule.from_datasets(
+        Noisy(), partition=IID(), num_clients=6, batch_size=4, seed=0, val_fraction=0, num_workers=workers
+    )
+    net = Net()
+    loop = FederatedLoop(net, local_steps=3, clients_per_round=3, seed=0, client_execution=mode)
+    make_trainer(rounds, callbacks=[RoundMark()]).fit(loop, datamodule=dm)
+    return net.lin.weight.detach().clone(), [list(d) for d in DRAWS]
+
+
+def test_both_modes_draw_the_same_augmentations_and_no_round_repeats_another():
+    seq, seq_draws = _fit("sequential")
+    vec, vec_draws = _fit("vectorized")
+    assert len(seq_draws) == 3 and all(len(d) == 3 * 10 for d in seq_draws)  # 3 clients x batches of 4, 4, 2
+    assert sorted(map(sorted, vec_draws)) == sorted(map(sorted, seq_draws))  # the same draws, round by round
+    assert vec_draws == seq_draws  # and in the same order (client by client, step by step)
+    assert len({tuple(d[:4]) for d in vec_draws}) == 3  # each round draws anew
+    torch.testing.assert_close(vec, seq, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_no_workers_serve_the_batches_of_one_worker(mode):
+    """Worker 0 of a one-worker loader is seeded from the loader's base seed; the process emulates exactly that."""
+    zero, _ = _fit(mode, workers=0, rounds=2)
+    one, _ = _fit(mode, workers=1, rounds=2)
+    assert torch.equal(zero, one)
+
+
+def test_iterating_a_client_loader_leaves_the_process_random_states_alone():
+    dm = FederatedDataModule.from_datasets(
+        Noisy(), partition=IID(), num_clients=6, batch_size=4, seed=0, val_fraction=0
+    )
+    dm.setup("fit")
+    dm.configure_rounds(3, 3, seed=0)
+    loader = dm.client_dataloader(2, round=1)
+    assert isinstance(loader, ClientDataLoader)
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    first = [b[0] for b in loader]
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1] and np.array_equal(np.random.get_state()[1], before[2])
+    torch.manual_seed(7)  # another process state: the loader's batches do not change
+    again = [b[0] for b in dm.client_dataloader(2, round=1)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    other_round = [b[0] for b in dm.client_dataloader(2, round=2)]
+    assert not all(torch.equal(a, b) for a, b in zip(first, other_round))
