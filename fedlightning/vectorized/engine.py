@@ -95,6 +95,7 @@ class VectorizedClientTrainer:
             )
         self.dtype = dtypes.pop()
         self.weights = _WeightsLayout([p for _, p in named])
+        self.param_names = [n for n, _ in named]
         self.call = _ModelCall(model, named, self.dtype)
         self._scratch: dict[Any, Tensor] = {}
         self._filled: dict[Any, int] = {}  # key -> version of its buffer right after it was filled (scratch(fill=))
@@ -393,6 +394,7 @@ class VectorizedClientTrainer:
                     trials=rule.uses_trials,
                     metric_sink=metric_sink,
                 )
+                ev.missing_gradients = rule.check_missing_gradients  # parameters the loss does not reach
                 training = ragged.training(k, alive)  # alive, less the clients whose own steps are done
                 ev.track_alive = rule.stops_on_nonfinite or training is not alive  # else every client trains
                 rule.step(W, ev, record, training)

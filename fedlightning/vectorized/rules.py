@@ -179,6 +179,40 @@ class BatchedRule:
     def finalize(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Write the batched per-client state back into each client's optimizer instance."""
 
+    def zero_gradient_moves(self, used: bool) -> bool:
+        """Whether this rule's step with a zero gradient can change a parameter or its state (weight decay,
+        momentum, moments), where the sequential optimizer skips a parameter whose ``.grad`` is None; ``used``:
+        the parameter had a gradient at an earlier step of the round (state built from it). Default True: a rule
+        that does not say is not assumed to skip."""
+        return True
+
+    def check_missing_gradients(self, missing: Sequence[int], names: Sequence[str]) -> None:
+        """Called by the gradient evaluation with the parameters (indices and the model's trainable parameter
+        names) that the loss does not reach at this step. Decision (ours): the batched step gives them a zero
+        gradient; where that would move them or their state while the sequential optimizer skips them
+        (:meth:`zero_gradient_moves`), a :class:`VectorizationUnsupportedError` names them (``"auto"`` trains
+        sequentially), so that the modes never train differently."""
+        used = getattr(self, "_had_gradient", None)
+        if used is None:
+            used = self._had_gradient = set()
+        if not missing:
+            if len(used) < len(names):
+                used.update(range(len(names)))
+            return
+        moving = [k for k in missing if self.zero_gradient_moves(k in used)]
+        used.update(k for k in range(len(names)) if k not in set(missing))
+        if moving:
+            shown = ", ".join(names[k] for k in moving[:5]) + (
+                f" and {len(moving) - 5} more" if len(moving) > 5 else ""
+            )
+            rule = type(self).__name__.removeprefix("_Batched")
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized': training_step's loss does not depend on {shown}, which the "
+                f"sequential optimizer then leaves alone (no gradient), while the batched {rule} step would move "
+                "them or their state with a zero gradient (weight decay, momentum or moments). Freeze them "
+                "(requires_grad_(False)), or use client_execution='sequential' (or 'auto')"
+            )
+
     def clip(self, g: Tensor) -> Tensor:
         """``g`` ([C, D]) clipped per client as ``torch.nn.utils.clip_grad_norm_(max_norm=grad_clip)`` does:
         ``coef = max_norm / (‖g‖ + 1e-6)``, clamped to 1, always multiplied; ``g`` itself without ``grad_clip``."""
@@ -237,11 +271,15 @@ class _BatchedSGD(BatchedRule):
 
     The loop gives every client a fresh optimizer each round (``FederatedLoop``'s ``client_optimizer``), so the
     momentum buffers start empty at every round, as sequentially. A parameter the loss does not depend on gets a
-    zero gradient here, while torch's SGD skips a parameter whose ``.grad`` is None: the two agree except that such
-    a parameter still decays (``weight_decay > 0``) or moves with its momentum here.
+    zero gradient here, while torch's SGD skips a parameter whose ``.grad`` is None: the same step, unless it decays
+    (``weight_decay > 0``) or, after a step that had its gradient, moves with its momentum, which
+    :meth:`~BatchedRule.check_missing_gradients` refuses.
     """
 
     applies_grad_clip = True
+
+    def zero_gradient_moves(self, used: bool) -> bool:
+        return self.weight_decay != 0.0 or (used and self.momentum != 0.0)
 
     def __init__(
         self,
@@ -292,12 +330,16 @@ class _BatchedAdam(BatchedRule):
     round (a fresh optimizer per client and round, as sequentially).
 
     Decisions (ours): a parameter the loss does not depend on gets a zero gradient here (torch skips a parameter
-    whose ``.grad`` is None), so its moments decay and it moves with them; ``foreach``, ``fused``, ``capturable`` and
-    ``differentiable`` select torch's implementation, not the arithmetic, and are not reproduced (a fused kernel
-    can round differently).
+    whose ``.grad`` is None): the same step while its moments are zero (no gradient yet this round) and without
+    weight decay; otherwise its moments would decay and move it, which :meth:`~BatchedRule.check_missing_gradients`
+    refuses. ``foreach``, ``fused``, ``capturable`` and ``differentiable`` select torch's implementation, not the
+    arithmetic, and are not reproduced (a fused kernel can round differently).
     """
 
     applies_grad_clip = True
+
+    def zero_gradient_moves(self, used: bool) -> bool:
+        return self.weight_decay != 0.0 or used
 
     def __init__(self, hp: dict[str, Any], decoupled: bool, grad_clip: float | None, num_clients: int, device):
         self.lr, self.eps, self.weight_decay = float(hp["lr"]), float(hp["eps"]), float(hp.get("weight_decay", 0.0))
@@ -402,8 +444,9 @@ class _BatchedServerStateRule(BatchedRule):
     an update that leaves the rows of clients not in ``alive`` unchanged.
 
     Decision (ours, as :class:`_BatchedAdam`): a parameter the loss does not depend on gets a zero gradient here,
-    where the sequential optimizer skips a parameter whose ``.grad`` is None; its statistics then take the zero
-    gradient (AMSGrad's moments decay, MimeLite's frozen momentum still moves it)."""
+    where the sequential optimizer skips a parameter whose ``.grad`` is None. AdaAlter's step and increment do not
+    change with a zero gradient; AMSGrad's moments (the server's, not zero) and MimeLite's frozen momentum would move
+    it, which :meth:`~BatchedRule.check_missing_gradients` refuses."""
 
     applies_grad_clip = True
 
@@ -516,6 +559,9 @@ class _BatchedAdaAlterClient(_BatchedServerStateRule):
         self.views = ev.views
         self.calls = 0
 
+    def zero_gradient_moves(self, used: bool) -> bool:
+        return False  # w − η·0/√(B² + kε²) = w, A² + 0² = A²
+
     def update(self, W, g, where, live):
         self.calls += 1
         k = float(self.k0 + self.calls)  # AdaAlterClient's k at this step (lockstep: the same for every client)
@@ -549,6 +595,9 @@ class _BatchedMimeLiteSGD(_BatchedServerStateRule):
                 f"client_execution='vectorized' needs the same MimeLiteSGD momentum for every client; got {betas}"
             )
         self.beta = float(betas.pop())
+
+    def zero_gradient_moves(self, used: bool) -> bool:
+        return self.beta != 0.0  # β·m moves it (Mime: g(y) − g(x) and c are zero for such a parameter too)
 
     def start(self, W, ev):
         self.momentum = None
@@ -659,6 +708,9 @@ class _BatchedArmijo(BatchedRule):
 
     stops_on_nonfinite = True
     uses_trials = True
+
+    def zero_gradient_moves(self, used: bool) -> bool:
+        return False  # w − η·0 = w, and a zero block adds nothing to ‖g‖²
 
     def __init__(self, optimizers, params, device, grad_clip=None):
         super().__init__(optimizers, params, device, grad_clip)
@@ -848,6 +900,9 @@ class _BatchedSPS(BatchedRule):
 
     stops_on_nonfinite = True
 
+    def zero_gradient_moves(self, used: bool) -> bool:
+        return False  # w − η·0 = w, and a zero block adds nothing to ‖g‖²
+
     def __init__(self, optimizers, params, device, grad_clip=None):
         super().__init__(optimizers, params, device, grad_clip)
         hp = dict(optimizers[0].hyper)
@@ -901,6 +956,9 @@ class _BatchedDecSPS(BatchedRule):
     γ_{t−1})``."""
 
     stops_on_nonfinite = True
+
+    def zero_gradient_moves(self, used: bool) -> bool:
+        return False  # w − η·0 = w, and a zero block adds nothing to ‖g‖²
 
     def __init__(self, optimizers, params, device, grad_clip=None):
         super().__init__(optimizers, params, device, grad_clip)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -81,6 +81,9 @@ class _StepEvaluator:
         self.line_trials: _LineTrials | None = None  # the step's trial rows on lines (trial(line=...))
         self._arange: Tensor | None = None
         self._columns: tuple[frozenset[int], list[tuple[int, int]] | None] | None = None  # trial_columns, per step
+        #: called with the indices and names of the parameters that got no gradient (the rule's
+        #: :meth:`~fedlightning.vectorized.rules.BatchedRule.check_missing_gradients`; None: not checked)
+        self.missing_gradients: Callable[[list[int], list[str]], None] | None = None
 
     def gradient(self, W: Tensor, alive: Tensor, flat: bool = True) -> tuple[Tensor, Any]:
         """Losses ``[C]`` and gradients at ``W``: one ``[C, D]`` tensor (``flat``), or the list of per-parameter
@@ -120,6 +123,12 @@ class _StepEvaluator:
                 seeds.append(None)
             seeds = [torch.ones_like(r) if g is None else g for r, g in zip(roots, seeds)]
             grads = torch.autograd.grad(roots, leaves, grad_outputs=seeds, allow_unused=True)
+        # an AnchoredTerm (proximal, control variates) reads every parameter: with stacked terms, as sequentially,
+        # no parameter is without a gradient
+        stacked = self.terms is not None and bool(self.terms.layers)
+        missing = [] if stacked else [k for k, g in enumerate(grads) if g is None]
+        if self.missing_gradients is not None:  # also without missing ones: the rule notes which had a gradient
+            self.missing_gradients(missing, engine.param_names)
         grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves)]
         if self.terms is not None and self.terms.layers:  # stacked terms: values and closed-form gradients
             values, grads = self.terms.closed_form(W, grads)

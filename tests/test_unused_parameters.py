@@ -1,0 +1,93 @@
+"""Parameters the loss does not reach: the sequential optimizer skips a parameter whose ``.grad`` is None, the
+batched step gives it a zero gradient. Where the two steps agree (no weight decay, no momentum or moments built from
+an earlier gradient) vectorized training equals sequential training in float64; where the zero gradient would move
+the parameter or its state, vectorized refuses by name (``BatchedRule.check_missing_gradients``) and ``"auto"``
+trains sequentially. Independent reference: sequential training, which never touches such a parameter."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from conftest import make_trainer
+from fedlightning import FederatedLoop
+from fedlightning.datamodules import Dirichlet, FederatedDataModule
+from fedlightning.optim import SPS, SgdArmijo
+from fedlightning.vectorized import VectorizationUnsupportedError
+
+g = torch.Generator().manual_seed(0)
+X = torch.randn(160, 6, dtype=torch.float64, generator=g)
+Y = (X[:, 0] + X[:, 1] > 0).long()
+
+OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
+    "SGD momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "SGD weight decay": lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.1),
+    "Adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "Adam weight decay": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "SgdArmijo": lambda p: SgdArmijo(p),
+    "SPS": lambda p: SPS(p),
+}
+# (optimizer, the auxiliary layer is used at local step 0 only): the batched step would move it
+REFUSED = {
+    ("SGD weight decay", False),
+    ("SGD weight decay", True),
+    ("SGD momentum", True),
+    ("Adam", True),
+    ("Adam weight decay", False),
+    ("Adam weight decay", True),
+    ("AdamW", False),
+    ("AdamW", True),
+}
+
+
+class Net(pl.LightningModule):
+    """A head the loss always reads and an auxiliary layer it reads at local step 0 only, or never."""
+
+    def __init__(self, optimizer, aux_at_first_step):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(6, 2, dtype=torch.float64)
+        self.aux = torch.nn.Linear(6, 2, dtype=torch.float64)
+        self.optimizer, self.aux_at_first_step = optimizer, aux_at_first_step
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.head(x)
+        if self.aux_at_first_step and batch_idx == 0:
+            out = out + self.aux(x)
+        return F.cross_entropy(out, y)
+
+    def configure_optimizers(self):
+        return OPTIMIZERS[self.optimizer](self.parameters())
+
+
+def _fit(optimizer, aux_at_first_step, mode):
+    dm = FederatedDataModule.from_datasets(
+        TensorDataset(X, Y), partition=Dirichlet(alpha=0.5), num_clients=8, batch_size=6, seed=0, val_fraction=0
+    )
+    net = Net(optimizer, aux_at_first_step)
+    loop = FederatedLoop(net, local_steps=3, clients_per_round=4, seed=0, client_execution=mode)
+    make_trainer(2).fit(loop, datamodule=dm)
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("aux_at_first_step", [False, True], ids=["never used", "used at step 0"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_vectorized_equals_sequential_or_refuses_by_name(optimizer, aux_at_first_step):
+    seq = _fit(optimizer, aux_at_first_step, "sequential")
+    start = Net(optimizer, aux_at_first_step).state_dict()
+    if not aux_at_first_step:
+        assert torch.equal(seq["aux.weight"], start["aux.weight"])  # sequential training leaves it alone
+    if (optimizer, aux_at_first_step) in REFUSED:
+        with pytest.raises(VectorizationUnsupportedError, match=r"does not depend on aux\.weight, aux\.bias"):
+            _fit(optimizer, aux_at_first_step, "vectorized")
+    else:
+        vec = _fit(optimizer, aux_at_first_step, "vectorized")
+        for k in seq:
+            torch.testing.assert_close(vec[k], seq[k], rtol=1e-10, atol=1e-12, msg=k)
+    auto = _fit(optimizer, aux_at_first_step, "auto")
+    for k in seq:
+        torch.testing.assert_close(auto[k], seq[k], rtol=1e-10, atol=1e-12, msg=k)
