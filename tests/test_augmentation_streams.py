@@ -107,3 +107,28 @@ def test_iterating_a_client_loader_leaves_the_process_random_states_alone():
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     other_round = [b[0] for b in dm.client_dataloader(2, round=2)]
     assert not all(torch.equal(a, b) for a, b in zip(first, other_round))
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_a_resumed_run_draws_the_augmentations_of_the_uninterrupted_run(mode, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fedlightning.checkpoint import AtomicCheckpointIO
+
+    def run(rounds, callbacks=(), ckpt_path=None, **kw):
+        DRAWS.clear()
+        dm = FederatedDataModule.from_datasets(
+            Noisy(), partition=IID(), num_clients=6, batch_size=4, seed=0, val_fraction=0
+        )
+        net = Net()
+        loop = FederatedLoop(net, local_steps=3, clients_per_round=3, seed=0, client_execution=mode)
+        trainer = make_trainer(rounds, callbacks=[RoundMark(), *callbacks], plugins=[AtomicCheckpointIO()], **kw)
+        trainer.fit(loop, datamodule=dm, ckpt_path=ckpt_path)
+        return net.lin.weight.detach().clone(), [list(d) for d in DRAWS]
+
+    full, full_draws = run(4)
+    ck = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    run(2, [ck], enable_checkpointing=True, default_root_dir=str(tmp_path))
+    resumed, resumed_draws = run(4, ckpt_path=str(tmp_path / "step=2.ckpt"))
+    assert resumed_draws == full_draws[2:]
+    assert torch.equal(resumed, full)
