@@ -33,6 +33,7 @@ __all__ = [
     "WrongTypeError",
     "check_fit_settings",
     "check_learning_rates",
+    "check_step_settings",
     "check_val_check_interval",
     "flag",
     "in_range",
@@ -239,6 +240,37 @@ def check_fit_settings(trainer: Any, loop: Any) -> None:
         integer("seed", seed, 0)
     except ValueError as err:
         raise SettingError("model.seed", str(err)) from None
+
+
+def check_step_settings(trainer: Any) -> None:
+    """Refuse the Trainer's settings of Lightning's own optimizer steps, which federated training does not take (the
+    loop runs each client's optimizer itself), each with the setting that does the job here; Lightning would stop
+    with advice to switch to automatic optimization, which the user's module already uses. Called when a fit
+    starts, before Lightning checks them (``FederatedLoop.configure_callbacks``). Decisions (ours):
+
+    * ``trainer.gradient_clip_val``: clipping of client gradients is ``model.client_grad_clip`` (by norm, per local
+      step; the server's step is not clipped). Not mapped silently: Lightning's ``"value"`` algorithm is another
+      clipping than the norm clipping the loop does.
+    * ``trainer.accumulate_grad_batches``: a local step is one batch of the client's loader; a larger step is a
+      larger ``data.batch_size``."""
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if clip is not None and clip != 0:
+        algorithm = str(getattr(getattr(trainer, "gradient_clip_algorithm", None), "value", None) or "norm")
+        raise SettingError(
+            "trainer.gradient_clip_val",
+            f"Trainer(gradient_clip_val={clip!r}, gradient_clip_algorithm={algorithm!r}) clips Lightning's own "
+            "optimizer steps, which federated training does not take; clip each client's local steps with "
+            f"model.client_grad_clip (the gradient's norm, e.g. client_grad_clip: {clip!r}) and remove "
+            "trainer.gradient_clip_val",
+        )
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise SettingError(
+            "trainer.accumulate_grad_batches",
+            f"Trainer(accumulate_grad_batches={accumulate!r}) accumulates Lightning's own optimizer steps, which "
+            "federated training does not take: a client's local step is one batch of its loader; use a larger "
+            "data.batch_size and remove trainer.accumulate_grad_batches",
+        )
 
 
 def check_val_check_interval(interval: Any) -> None:

@@ -27,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
@@ -44,7 +45,14 @@ from fedlightning._round import (
     server_step,
     share_round_state,
 )
-from fedlightning._validation import check_fit_settings, check_learning_rates, integer, one_of, positive
+from fedlightning._validation import (
+    check_fit_settings,
+    check_learning_rates,
+    check_step_settings,
+    integer,
+    one_of,
+    positive,
+)
 from fedlightning.callbacks.base import (
     FEDERATED_HOOKS,
     FederatedCallback,
@@ -930,12 +938,15 @@ class FederatedLoop(pl.LightningModule):
     # on_train_epoch_start/_end once per round on the client working copy), so the loop's own train batch/epoch
     # hooks are not forwarded.
     def configure_callbacks(self):
-        """The user module's callbacks; and, when the Trainer has Lightning's default progress bar ("Epoch 0": tqdm,
+        """The user module's callbacks (at a fit, after :func:`~fedlightning._validation.check_step_settings`); and,
+        when the Trainer has Lightning's default progress bar ("Epoch 0": tqdm,
         or rich when the ``rich`` package is installed), the round-counting bar of the same kind and options in its
         place (the CLI adds that bar itself; this gives it to Python users too)."""
+        trainer = attached_trainer(self)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            check_step_settings(trainer)  # before Lightning's own check, which would advise automatic optimization
         callbacks = self.model.configure_callbacks() or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-        trainer = attached_trainer(self)
         bar = round_bar_for(trainer.progress_bar_callback) if trainer is not None else None
         if bar is not None:  # replaced: Lightning drops a trainer callback that a configure_callbacks one subclasses
             callbacks.append(bar)

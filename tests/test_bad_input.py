@@ -94,3 +94,26 @@ def test_not_a_federated_datamodule():
     loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), clients_per_round=2, local_steps=1)
     with pytest.raises(TypeError, match="needs a FederatedDataModule"):
         make_trainer(1).fit(loop, datamodule=Plain())
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"gradient_clip_val": 1.0}, r"gradient_clip_val=1.0.*model\.client_grad_clip"),
+        ({"gradient_clip_val": 0.3, "gradient_clip_algorithm": "value"}, r"gradient_clip_algorithm='value'"),
+        ({"accumulate_grad_batches": 2}, r"accumulate_grad_batches=2.*data\.batch_size"),
+    ],
+)
+def test_lightning_step_settings_name_the_federated_setting_before_round_0(kw, match):
+    """Lightning's own step settings would stop the fit with advice to switch to automatic optimization; the loop
+    names the setting that does the job instead, before any round, and only for a fit (validation ignores them)."""
+    from fedlightning._validation import SettingError
+
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), clients_per_round=2, local_steps=1)
+    dm = DigitsDataModule(num_clients=10)
+    trainer = make_trainer(2, **kw)
+    with pytest.raises(SettingError, match=match):
+        trainer.fit(loop, datamodule=dm)
+    assert trainer.global_step == 0
+    metrics = make_trainer(2, limit_val_batches=2, **kw).validate(loop, datamodule=dm, verbose=False)
+    assert metrics and all(v == v for v in metrics[0].values())

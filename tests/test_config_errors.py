@@ -194,6 +194,19 @@ COMMAND_LINES = [
         ["got 0"],
     ),
     ("negative seed", ["--model.seed", "-1"], "model.seed", ["got -1"]),
+    # Lightning's own optimizer steps, which the loop does not take: the setting that does the job named
+    (
+        "gradient clipping of Lightning's steps",
+        ["--trainer.gradient_clip_val", "0.5"],
+        "trainer.gradient_clip_val",
+        ["gradient_clip_val=0.5", "model.client_grad_clip", "client_grad_clip: 0.5"],
+    ),
+    (
+        "gradient accumulation of Lightning's steps",
+        ["--trainer.accumulate_grad_batches", "4"],
+        "trainer.accumulate_grad_batches",
+        ["accumulate_grad_batches=4", "one batch of its loader", "data.batch_size"],
+    ),
     (
         "nan lr",
         ["--model.client_optimizer.lr=.nan"],
