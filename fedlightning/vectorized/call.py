@@ -38,7 +38,7 @@ from .rows import (
     extract_loss,
     per_sample_fallback,
 )
-from .support import _has_random_layers, _per_sample_protocol, _vmappable_rnns
+from .support import VectorizationUnsupportedError, _has_random_layers, _per_sample_protocol, _vmappable_rnns
 from .torch_internals import (
     _linear_forward,
     _parameter_slots,
@@ -181,6 +181,16 @@ class _ModelCall:
         self.deterministic = not _has_random_layers(model)
         self.whole_rows = _WholeRows(self)
         self.padded_rows: Any | None = None  # chosen on the first padded step (choose_padded_rows)
+        # buffers other than the normalisation layers' running statistics (which run per client): the engine shares
+        # them between the clients, so training_step must not write them (_check_buffers)
+        norm_modules = {id(m) for _, m, _, _ in self.norms.layers}
+        self._shared_buffers = [
+            (f"{name}.{b}" if name else b, t)
+            for name, module in model.named_modules()
+            if id(module) not in norm_modules
+            for b, t in module.named_buffers(recurse=False)
+            if t is not None
+        ]
         self._may_intercept = True  # False: padded steps without the protocol take the per-sample path (intercept)
 
     # ------------------------------------------------------------------ the chosen paths, as tests read them
@@ -269,6 +279,28 @@ class _ModelCall:
         Whole rows take ``whole_rows``; cell rows take ``padded_rows``, chosen on the first of them by
         :func:`~fedlightning.vectorized.rows.choose_padded_rows` (the model's per-sample protocol, per-sample loss
         interception or one ``training_step`` call per sample, the first that applies)."""
+        versions = [t._version for _, t in self._shared_buffers]
+        out = self._row_values(views, batch, mask, step, cells, effects, min_count, clients)
+        if versions:
+            self._check_buffers(versions)
+        return out
+
+    def _check_buffers(self, versions: list[int]) -> None:
+        """Raise :class:`VectorizationUnsupportedError` naming a shared buffer whose version counter moved since
+        ``versions``: ``training_step`` wrote it in place. Decision (ours): the clients in lockstep share the model's
+        buffers (only normalisation layers' running statistics are kept per client), so such a write would be one
+        write for all clients, not each client's own as sequential training makes it; the round stops instead
+        (``"auto"`` trains sequentially)."""
+        for (name, t), before in zip(self._shared_buffers, versions):
+            if t._version != before:
+                raise VectorizationUnsupportedError(
+                    f"client_execution='vectorized': training_step of {type(self.model).__name__} writes its buffer "
+                    f"'{name}' in place; the clients in lockstep share the model's buffers (only BatchNorm and "
+                    "InstanceNorm running statistics are kept per client), so each client's own update of it would "
+                    "be lost. Use client_execution='sequential' (or 'auto')"
+                )
+
+    def _row_values(self, views, batch, mask, step, cells, effects, min_count, clients):
         stats = self.norms.rows(clients) if self.norms.stats else []
         if mask is None:
             min_count = tree_flatten(batch)[0][0].shape[1]

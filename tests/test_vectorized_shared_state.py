@@ -1,8 +1,11 @@
-"""Parameters the loss does not reach: the sequential optimizer skips a parameter whose ``.grad`` is None, the
+"""What the vectorized engine shares between the clients in lockstep, and sequential training does not.
+
+Parameters the loss does not reach: the sequential optimizer skips a parameter whose ``.grad`` is None, the
 batched step gives it a zero gradient. Where the two steps agree (no weight decay, no momentum or moments built from
 an earlier gradient) vectorized training equals sequential training in float64; where the zero gradient would move
 the parameter or its state, vectorized refuses by name (``BatchedRule.check_missing_gradients``) and ``"auto"``
-trains sequentially. Independent reference: sequential training, which never touches such a parameter."""
+trains sequentially. Buffers that ``training_step`` writes in place: each sequential client writes its own, the
+clients in lockstep would share one, so vectorized refuses by name. Independent reference: sequential training."""
 
 import lightning.pytorch as pl
 import pytest
@@ -91,3 +94,41 @@ def test_vectorized_equals_sequential_or_refuses_by_name(optimizer, aux_at_first
     auto = _fit(optimizer, aux_at_first_step, "auto")
     for k in seq:
         torch.testing.assert_close(auto[k], seq[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+class Counting(pl.LightningModule):
+    """Counts the samples it has seen in a buffer, in place in ``training_step``: sequential clients each count
+    their own (and FedAvg averages the counts); vectorized clients would share one buffer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(6, 2, dtype=torch.float64)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.float64))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen += len(y)
+        return F.cross_entropy(self.head(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_buffer_written_in_training_step_is_refused_by_name_and_auto_trains_sequentially():
+    def fit(mode):
+        dm = FederatedDataModule.from_datasets(
+            TensorDataset(X, Y), partition=Dirichlet(alpha=0.5), num_clients=8, batch_size=6, seed=0, val_fraction=0
+        )
+        net = Counting()
+        make_trainer(2).fit(
+            FederatedLoop(net, local_steps=3, clients_per_round=4, seed=0, client_execution=mode), datamodule=dm
+        )
+        return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+    seq = fit("sequential")
+    assert float(seq["seen"]) > 0  # each client counted its own samples; the server averaged the counts
+    with pytest.raises(VectorizationUnsupportedError, match=r"writes its buffer 'seen' in place"):
+        fit("vectorized")
+    auto = fit("auto")
+    assert all(torch.equal(auto[k], seq[k]) for k in seq)
