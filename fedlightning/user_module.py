@@ -372,7 +372,9 @@ def materialize_lazy_modules(model: pl.LightningModule, batch: Any, seed: int) -
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices), routed_logging(model, discard, discard):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the forked generators only (torch.manual_seed: every GPU's)
+            for d in devices:
+                torch.cuda.default_generators[d].manual_seed(seed)
             model.training_step(batch, 0)
     except _LazyModulesReady:
         pass

@@ -795,7 +795,7 @@ REREAD_SAMPLES = 8
 
 def _reads_repeat(dataset: Any) -> bool:
     """Whether reading each of up to :data:`REREAD_SAMPLES` samples (spread over ``dataset``) twice gives equal
-    values, NaN equal to NaN; the global random state is put back afterwards."""
+    values, NaN equal to NaN; torch's global random state is put back afterwards."""
     n = len(dataset)
     rows = sorted({(i * (n - 1)) // max(REREAD_SAMPLES - 1, 1) for i in range(min(REREAD_SAMPLES, n))})
     with torch.random.fork_rng(devices=[]):
