@@ -481,3 +481,39 @@ def test_class_targets_out_of_range_stop_the_run_with_torchs_error_as_sequential
         fit(TooFewClasses(), CLIENT_OPTIMIZERS["sgd"], "sequential")
     with pytest.raises(VectorizationUnsupportedError, match=r"(Target|index) \d+ is out of bounds"):
         fit(TooFewClasses(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+
+
+class LogsBatchSize(UserMLP):
+    """Logs a batch accuracy (a mean over samples, which loss interception cannot split: the per-sample path) and
+    the batch size (not a mean over samples)."""
+
+    def __init__(self, log_size=True):
+        super().__init__()
+        self.log_size = log_size
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.log("batch_acc", (logits.argmax(-1) == y).float().mean())
+        if self.log_size:
+            self.log("batch_size", float(len(y)))
+        return F.cross_entropy(logits, y)
+
+
+def test_a_logged_value_that_is_not_a_mean_over_samples_is_refused_and_a_mean_is_kept():
+    """The per-sample path averages logged values over a client's real samples too: a batch accuracy comes out as
+    sequential training logs it, a batch size would come out as 1 on padded steps, so it is refused by name."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"the value it logs as 'batch_size' is \d+ on \d+ samples"):
+        fit(LogsBatchSize(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+    seq = fit(LogsBatchSize(log_size=False), CLIENT_OPTIMIZERS["sgd"], "sequential")
+    vec = fit(LogsBatchSize(log_size=False), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+    assert "per-sample" in engine_of(vec).call.probed
+    got, want = vec[3].callback_metrics["client/batch_acc"], seq[3].callback_metrics["client/batch_acc"]
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    auto = fit(LogsBatchSize(), CLIENT_OPTIMIZERS["sgd"], "auto")
+    seq_size = fit(LogsBatchSize(), CLIENT_OPTIMIZERS["sgd"], "sequential")
+    assert float(auto[3].callback_metrics["client/batch_size"]) == float(
+        seq_size[3].callback_metrics["client/batch_size"]
+    )

@@ -430,30 +430,48 @@ class _ModelCall:
             self.model.eval()
         self.metric_calls.begin(False)
 
-        def loss(lo: int, hi: int) -> Tensor:
+        def loss(lo: int, hi: int) -> tuple[Tensor, dict[str, Tensor]]:
             self.norms.begin(row_stats, None, None, hi - lo)
+            self.collector.reset()
             try:
                 b = tree_unflatten([x[r, lo:hi] for x in leaves], spec)
-                return extract_loss(self.model.training_step(b, step), model_name).double().reshape(())
+                value = extract_loss(self.model.training_step(b, step), model_name).double().reshape(())
+                logged = {
+                    n: v.detach().double().reshape(()) for n, v in zip(self.collector.names, self.collector.values)
+                }
+                return value, logged
             finally:
                 self.norms.end()
 
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices), full_precision, self._weights_in_slots(row):
-                together = loss(0, k)
-                alone = torch.stack([loss(j, j + 1) for j in range(k)])
+                together, logged = loss(0, k)
+                each = [loss(j, j + 1) for j in range(k)]
         finally:
             self.collector.reset()
             for m, training in modes:
                 m.training = training
         rtol, atol = _tolerance(self.dtype, row[0].device)
-        if torch.allclose(together, alone.mean(), rtol=rtol, atol=atol, equal_nan=True):
-            return None
-        return (
-            f"its loss on {k} samples of a client's batch is {float(together):.6g}, but the mean of its losses on each "
-            f"of them alone is {float(alone.mean()):.6g} (per sample: {[round(float(v), 6) for v in alone]}): the loss "
-            "is not a mean over samples (reduction='sum'? a term over the whole batch?)"
-        )
+        alone = torch.stack([v for v, _ in each])
+        if not torch.allclose(together, alone.mean(), rtol=rtol, atol=atol, equal_nan=True):
+            return (
+                f"its loss on {k} samples of a client's batch is {float(together):.6g} while the mean of its losses on "
+                f"each of them alone is {float(alone.mean()):.6g} (per sample: {[round(float(v), 6) for v in alone]}): "
+                "the loss is not a mean over samples (reduction='sum'? a term over the whole batch?)"
+            )
+        for name, value in logged.items():  # logged values are averaged over a client's samples the same way
+            per = [lg.get(name) for _, lg in each]
+            if any(v is None for v in per):
+                continue  # not logged on a single sample: nothing to average (the per-sample path drops it too)
+            mean = torch.stack(per).mean()
+            if not torch.allclose(value, mean, rtol=rtol, atol=atol, equal_nan=True):
+                return (
+                    f"the value it logs as {name!r} is {float(value):.6g} on {k} samples of a client's batch while the "
+                    f"mean of its values on each of them alone is {float(mean):.6g}: a value logged in training_step "
+                    "must be a mean over samples (or not depend on the batch), not a batch size or a sum, to be "
+                    "logged per client from padded steps"
+                )
+        return None
 
     def _check_per_sample_protocol(self, views: list[Tensor], batch: Any, mask: Tensor, step: int) -> bool:
         """Once per engine, before the protocol is first used. False if ``training_step`` calls a torchmetrics

@@ -522,8 +522,9 @@ def _not_a_mean(call: Any, how: str, refusal: str) -> VectorizationUnsupportedEr
     (``how``) over each client's real samples, which computes another objective for it."""
     return VectorizationUnsupportedError(
         f"client_execution='vectorized': padded steps (clients' batches of unequal size) average "
-        f"{type(call.model).__name__}'s loss over each client's real samples, {how}, but {refusal}. Return a mean "
-        "over the batch from training_step, or use client_execution='sequential' (or 'auto')"
+        f"{type(call.model).__name__}'s loss and logged values over each client's real samples, {how}, but "
+        f"{refusal}. Return and log means over the batch from training_step, or use client_execution='sequential' "
+        "(or 'auto')"
     )
 
 
