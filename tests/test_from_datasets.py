@@ -4,6 +4,7 @@ as the in-memory ArrayDataset path, build from YAML, and fail early with exact m
 
 import os
 import re
+import warnings
 
 import datasets
 import numpy as np
@@ -541,3 +542,47 @@ def test_yaml_builds_the_same_data_module_as_python(tmp_path):
     assert torch.equal(dm.test_dataset.x, py.test_dataset.x)
     expected = Dirichlet(alpha=0.5)(ys.numpy()[dm.training_rows()], 20, seed=0)  # the partition of the client rows
     assert all(np.array_equal(a, dm.training_rows()[b]) for a, b in zip(dm.client_indices, expected))
+
+
+class Augmented(Dataset):
+    """Rows(X, Y) read through a random flip announced as a transform (``augment=False``: the same samples read
+    without it, the evaluation view)."""
+
+    def __init__(self, augment=True):
+        self.transform = "flip" if augment else None
+        self.augment = augment
+
+    def __len__(self):
+        return len(X)
+
+    def __getitem__(self, i):
+        return (-X[i] if self.augment and torch.rand(()) < 0.5 else X[i]), Y[i]
+
+
+def _val_rows(dm):
+    return torch.cat([b[0] for b in dm.val_dataloader()])
+
+
+def test_train_eval_gives_the_validation_hold_out_its_samples_without_augmentation():
+    """The hold-out of an augmented training set is validated on the augmented samples (warned), or, with
+    ``train_eval=``, on the same rows read without augmentation: the same values at every evaluation."""
+    with pytest.warns(UserWarning, match=r"validation sees augmented samples.*pass train_eval="):
+        dm = DatasetDataModule(Augmented(), **_kw())
+        dm.setup()
+    torch.manual_seed(0)
+    first, second = _val_rows(dm), _val_rows(dm)
+    assert not torch.equal(first, second)  # augmented: another draw at each evaluation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning with train_eval=
+        dm = DatasetDataModule(Augmented(), train_eval=Augmented(augment=False), **_kw())
+        dm.setup()
+    rows = torch.as_tensor(dm.val_indices)
+    assert torch.equal(_val_rows(dm), X[rows]) and torch.equal(_val_rows(dm), X[rows])
+    assert isinstance(dm.evaluation_view(), Dataset) and dm.evaluation_view() is not dm.train_dataset
+    train_rows = torch.as_tensor(dm.training_rows())
+    assert torch.equal(torch.cat([b[0] for b in dm.train_eval_dataloader()]), X[train_rows])
+
+
+def test_train_eval_of_another_length_is_refused():
+    with pytest.raises(ValueError, match=r"train_eval has 119 samples but train has 120"):
+        DatasetDataModule(Augmented(), train_eval=torch.utils.data.Subset(Augmented(False), range(119)), **_kw())

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import BatchSampler, Dataset, IterableDataset, RandomSampler, SequentialSampler, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
@@ -152,6 +153,13 @@ class DatasetDataModule(FederatedDataModule):
         val: a separate validation set (e.g. a LightningDataModule's validation data): it is served by
             :meth:`val_dataloader` and nothing is held out of ``train`` (``val_fraction`` then defaults to 0; a
             positive ``val_fraction`` with ``val`` is a ValueError).
+        train_eval: the training samples as evaluation reads them: the same samples in the same order as ``train``,
+            without random augmentation (e.g. the same torchvision data set built with the evaluation transform).
+            The validation hold-out, :meth:`train_eval_dataloader` and the evaluation callbacks read it
+            (:meth:`evaluation_view`), as the bundled CIFAR module reads its un-augmented view; clients train on
+            ``train``. Decision (ours): without it, a ``val_fraction`` hold-out of a ``train`` that reads its
+            samples at random (a ``transform`` attribute, or two reads of a sample that differ) is validated on
+            augmented samples, with a warning saying so. A length other than ``train``'s is a ValueError.
         collate_fn: your DataLoader's ``collate_fn``; it builds every client, validation and test batch (None:
             torch's ``default_collate``).
         drop_last: drop every client epoch's last partial batch (see "DataLoader options").
@@ -248,6 +256,7 @@ class DatasetDataModule(FederatedDataModule):
         check_labels: bool = True,
         label_key: str | int | None = None,
         val: Dataset | None = None,
+        train_eval: Dataset | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         drop_last: bool = False,
         pin_memory: bool = False,
@@ -294,6 +303,13 @@ class DatasetDataModule(FederatedDataModule):
         #: the separate validation set (``val=``) as served (set by setup)
         self.val_dataset: Dataset | None = None
         n = len(self._train_source)
+        self._train_eval_source = None if train_eval is None else self._check_source(train_eval, "train_eval")
+        if self._train_eval_source is not None and len(self._train_eval_source) != n:
+            raise ValueError(
+                f"train_eval has {len(self._train_eval_source)} samples but train has {n}: train_eval must be the "
+                "training set's samples in the same order, read without augmentation"
+            )
+        self._train_eval_view: Dataset | None = None  # train_eval as served (set by setup)
         if self._num_clients > n:
             raise ValueError(
                 f"num_clients={self._num_clients} exceeds the {n} training samples: every client needs at least "
@@ -302,6 +318,7 @@ class DatasetDataModule(FederatedDataModule):
         self._train_reader = self._reader(self._train_source, "train")
         self._test_reader = None if test is None else self._reader(self._test_source, "test")
         self._val_reader = None if val is None else self._reader(self._val_source, "val")
+        self._train_eval_reader = None if train_eval is None else self._reader(self._train_eval_source, "train_eval")
         self._given_labels = None if labels is None else self._given_label_ids(labels, n)
         #: whether the training set took the in-memory ArrayDataset path (set by setup)
         self.in_memory: bool | None = None
@@ -476,7 +493,20 @@ class DatasetDataModule(FederatedDataModule):
         labels = self._labels(train)
         #: whether the training labels were found (False: an IID split without labels)
         self.has_labels = labels is not None
+        read = train
         train, test = self._settle_labels(train, test)
+        if self._train_eval_source is not None:
+            view = self._materialise(self._train_eval_source, self._train_eval_reader, "train_eval")
+            self._train_eval_view = view if train is read else _with_class_ids(view)  # labels served as train's
+        elif self.val_fraction > 0 and _random_samples(self._train_source):
+            warnings.warn(
+                f"{type(self).__name__}: the validation split holds out samples of train, and train reads them "
+                "through a random transform, so validation sees augmented samples that change from one "
+                "evaluation to the next; pass train_eval= the same samples read without augmentation (e.g. the "
+                "same data set built with the evaluation transform), or val= a validation set",
+                UserWarning,
+                stacklevel=2,
+            )
         n = len(train)
         n_val = int(math.ceil(self.val_fraction * n - 1e-9))
         if self._num_clients > n - n_val:
@@ -665,6 +695,12 @@ class DatasetDataModule(FederatedDataModule):
         return "; pass check_labels=False if the labels are targets of your own loss, not class ids"
 
     # ------------------------------------------------------------------ evaluation
+    def evaluation_view(self) -> Dataset:
+        """``train_eval`` (the training samples read without augmentation) when given, else the training set:
+        what the validation hold-out, :meth:`train_eval_dataloader` and evaluation callbacks read."""
+        self._require_setup()
+        return self._train_eval_view if self._train_eval_view is not None else super().evaluation_view()
+
     def evaluation_rows(self, split: str) -> tuple[Dataset | None, np.ndarray]:
         """:meth:`FederatedDataModule.evaluation_rows`; ``"val"`` with a separate validation set (``val=``) is every
         row of that set."""
@@ -795,15 +831,27 @@ REREAD_SAMPLES = 8
 
 def _reads_repeat(dataset: Any) -> bool:
     """Whether reading each of up to :data:`REREAD_SAMPLES` samples (spread over ``dataset``) twice gives equal
-    values, NaN equal to NaN; torch's global random state is put back afterwards."""
+    values, leaf by leaf of the samples' structure, NaN equal to NaN; torch's global random state is put back
+    afterwards."""
     n = len(dataset)
     rows = sorted({(i * (n - 1)) // max(REREAD_SAMPLES - 1, 1) for i in range(min(REREAD_SAMPLES, n))})
     with torch.random.fork_rng(devices=[]):
         for i in rows:
-            first, second = _pair(dataset[i]), _pair(dataset[i])
-            if not all(_same_values(a, b) for a, b in zip(first, second)):
+            (first, spec), (second, spec2) = tree_flatten(dataset[i]), tree_flatten(dataset[i])
+            if spec != spec2 or not all(_same_values(a, b) for a, b in zip(first, second)):
                 return False
     return True
+
+
+def _random_samples(dataset: Any) -> bool:
+    """Whether ``dataset`` reads its samples at random: a ``transform`` / ``transforms`` attribute is set
+    (torchvision's convention), or reading samples twice gives other values (:func:`_reads_repeat`)."""
+    if any(getattr(dataset, a, None) is not None for a in ("transform", "transforms")):
+        return True
+    try:
+        return not _reads_repeat(dataset)
+    except Exception:  # noqa: BLE001 - samples this probe cannot compare (e.g. images): assumed fixed
+        return False
 
 
 def _same_values(a: Any, b: Any) -> bool:
@@ -973,6 +1021,7 @@ class WrappedDataModule(DatasetDataModule):
         in_memory: bool | str = "auto",
         max_in_memory_bytes: int = DEFAULT_MAX_IN_MEMORY_BYTES,
         rounds_per_epoch: int = 1000,
+        train_eval: Dataset | None = None,
     ):
         given = dict(batch_size=batch_size, val_fraction=val_fraction, drop_last=drop_last, num_workers=num_workers)
         kwargs = {k: v for k, v in given.items() if v is not None}
@@ -987,6 +1036,7 @@ class WrappedDataModule(DatasetDataModule):
             in_memory=in_memory,
             max_in_memory_bytes=max_in_memory_bytes,
             rounds_per_epoch=rounds_per_epoch,
+            train_eval=train_eval,
         )
         train, test, options = _datamodule_parts(datamodule, kwargs)
         super().__init__(train, test, **options)
