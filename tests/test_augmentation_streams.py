@@ -132,3 +132,25 @@ def test_a_resumed_run_draws_the_augmentations_of_the_uninterrupted_run(mode, tm
     resumed, resumed_draws = run(4, ckpt_path=str(tmp_path / "step=2.ckpt"))
     assert resumed_draws == full_draws[2:]
     assert torch.equal(resumed, full)
+
+
+class TorchOnly(Noisy):
+    """Noise from torch only: the loader stops swapping Python's and numpy's states after its first batch."""
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.rand(3, dtype=torch.float64), i % 2
+
+
+def test_a_loader_swaps_only_the_random_sources_its_data_set_draws_from():
+    dm = FederatedDataModule.from_datasets(
+        TorchOnly(), partition=IID(), num_clients=6, batch_size=4, seed=0, val_fraction=0
+    )
+    dm.setup("fit")
+    dm.configure_rounds(3, 3, seed=0)
+    loader = dm.client_dataloader(1, round=0)
+    first = [b[0] for b in loader]
+    assert loader._sources == [0]  # torch only
+    again = [b[0] for b in loader]  # a second epoch: new draws, from the loader's own torch stream
+    assert not all(torch.equal(a, b) for a, b in zip(first, again))
+    fresh = dm.client_dataloader(1, round=0)  # the same (seed, round, client): the same draws
+    assert all(torch.equal(a, b) for a, b in zip(first, [b[0] for b in fresh]))
