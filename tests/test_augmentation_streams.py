@@ -87,12 +87,17 @@ def test_no_workers_serve_the_batches_of_one_worker(mode):
     assert torch.equal(zero, one)
 
 
-def test_iterating_a_client_loader_leaves_the_process_random_states_alone():
+def _datamodule(dataset):
     dm = FederatedDataModule.from_datasets(
-        Noisy(), partition=IID(), num_clients=6, batch_size=4, seed=0, val_fraction=0
+        dataset, partition=IID(), num_clients=6, batch_size=4, seed=0, val_fraction=0
     )
     dm.setup("fit")
     dm.configure_rounds(3, 3, seed=0)
+    return dm
+
+
+def test_iterating_a_client_loader_leaves_the_process_random_states_alone():
+    dm = _datamodule(Noisy())
     loader = dm.client_dataloader(2, round=1)
     assert isinstance(loader, ClientDataLoader)
     torch.manual_seed(123)
@@ -142,11 +147,7 @@ class TorchOnly(Noisy):
 
 
 def test_a_loader_swaps_only_the_random_sources_its_data_set_draws_from():
-    dm = FederatedDataModule.from_datasets(
-        TorchOnly(), partition=IID(), num_clients=6, batch_size=4, seed=0, val_fraction=0
-    )
-    dm.setup("fit")
-    dm.configure_rounds(3, 3, seed=0)
+    dm = _datamodule(TorchOnly())
     loader = dm.client_dataloader(1, round=0)
     first = [b[0] for b in loader]
     assert loader._sources == [0]  # torch only

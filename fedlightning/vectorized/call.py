@@ -117,6 +117,16 @@ class _Effects:
         self.metrics: _MetricStep | None = None
 
 
+def _full_precision(device: torch.device):
+    """A context without autocast on ``device`` (nothing for a device type autocast does not know): the checks that
+    compare two computations run in the parameters' own dtype, where mixed precision would make two correct
+    computations differ by more than rounding."""
+    try:
+        return torch.autocast(device_type=device.type, enabled=False)
+    except RuntimeError:  # a device type autocast does not know
+        return contextlib.nullcontext()
+
+
 def _tolerance(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     """``(rtol, atol)`` within which two computations of one loss on batches of different sizes must agree in the
     engine's checks (:meth:`_ModelCall._check_interception`, :meth:`_ModelCall._check_per_sample_protocol`; ours):
@@ -369,10 +379,7 @@ class _ModelCall:
         row = [v[r].detach() for v in views]
         row_stats = [s[r] for s in stats]
         model_name = type(self.model).__name__
-        try:
-            full_precision = torch.autocast(device_type=row[0].device.type, enabled=False)
-        except RuntimeError:  # a device type autocast does not know
-            full_precision = contextlib.nullcontext()
+        full_precision = _full_precision(row[0].device)
         self.metric_calls.begin(False)
         with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision, self._weights_in_slots(row):
             row_mask = mask[r].to(self.dtype)
@@ -420,10 +427,7 @@ class _ModelCall:
         row = [v[r].detach() for v in views]
         row_stats = [s[r] for s in stats]
         model_name = type(self.model).__name__
-        try:
-            full_precision = torch.autocast(device_type=row[0].device.type, enabled=False)
-        except RuntimeError:  # a device type autocast does not know
-            full_precision = contextlib.nullcontext()
+        full_precision = _full_precision(row[0].device)
         devices = [row[0].device] if row[0].device.type == "cuda" else []
         modes = [(m, m.training) for m in self.model.modules()]  # put back module by module: a frozen layer stays so
         if not self.deterministic:
@@ -486,10 +490,7 @@ class _ModelCall:
         model_name = type(self.model).__name__
         # in the parameters' own dtype, without autocast: mixed precision would make two correct computations
         # differ by more than rounding (the same matrix product on batches of different shapes)
-        try:
-            full_precision = torch.autocast(device_type=row[0].device.type, enabled=False)
-        except RuntimeError:  # a device type autocast does not know
-            full_precision = contextlib.nullcontext()
+        full_precision = _full_precision(row[0].device)
         if self.metric_calls:
             devices = [row[0].device] if row[0].device.type == "cuda" else []
             self.metric_calls.begin(True)
