@@ -132,3 +132,41 @@ def test_a_buffer_written_in_training_step_is_refused_by_name_and_auto_trains_se
         fit("vectorized")
     auto = fit("auto")
     assert all(torch.equal(auto[k], seq[k]) for k in seq)
+
+
+class Checkpointed(pl.LightningModule):
+    """Activation checkpointing (``torch.utils.checkpoint``): its recomputation in the backward pass does not run
+    under vmap."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(6, 8, dtype=torch.float64)
+        self.head = torch.nn.Linear(8, 2, dtype=torch.float64)
+
+    def training_step(self, batch, batch_idx):
+        from torch.utils.checkpoint import checkpoint
+
+        x, y = batch
+        h = checkpoint(lambda t: torch.tanh(self.body(t)), x, use_reentrant=False)
+        return F.cross_entropy(self.head(h), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_backward_pass_vmap_cannot_run_is_refused_and_auto_trains_sequentially():
+    def fit(mode):
+        dm = FederatedDataModule.from_datasets(
+            TensorDataset(X, Y), partition=Dirichlet(alpha=0.5), num_clients=8, batch_size=6, seed=0, val_fraction=0
+        )
+        net = Checkpointed()
+        make_trainer(2).fit(
+            FederatedLoop(net, local_steps=3, clients_per_round=4, seed=0, client_execution=mode), datamodule=dm
+        )
+        return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"failed in the first gradient evaluation"):
+        fit("vectorized")
+    seq, auto = fit("sequential"), fit("auto")
+    assert all(torch.equal(auto[k], seq[k]) for k in seq)

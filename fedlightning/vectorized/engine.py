@@ -164,7 +164,19 @@ class VectorizedClientTrainer:
         ev = _StepEvaluator(self, layout, 0, None, rng_devices, None, trials=False)
         ev.learn_layout = True
         ev.keep_effects = False
-        ev.gradient(W, torch.ones(layout.num_clients, dtype=torch.bool, device=W.device), flat=False)
+        try:
+            ev.gradient(W, torch.ones(layout.num_clients, dtype=torch.bool, device=W.device), flat=False)
+        except torch.cuda.OutOfMemoryError:
+            raise  # a group that does not fit: halved by the caller
+        except (RuntimeError, NotImplementedError) as err:
+            # the forward pass's errors are named by layer (rows._TracedRows); this is the backward pass under vmap
+            # (an op without a batching rule, activation checkpointing): the clients cannot run in lockstep, and
+            # "auto" trains them sequentially (where an error of the model itself shows as it is)
+            raise VectorizationUnsupportedError(
+                "client_execution='vectorized' failed in the first gradient evaluation of the clients under "
+                f"torch.func.vmap: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Use "
+                "client_execution='sequential' (or 'auto' to fall back automatically)"
+            ) from err
         self.layout_learned = True
 
     # ---------------------------------------------------------------- full gradients at the global weights
