@@ -158,6 +158,11 @@ class BatchedRule:
     **finalize(optimizers)**, after the round: write the per-client state back through the optimizers' public
     methods (``set_client_state()`` and the like), so that ``get_client_state()`` and ``client_report()`` answer
     as after sequential training.
+
+    **zero_gradient_moves(used)**: a parameter that the loss does not reach at a step gets a zero gradient in
+    ``g``, where the sequential optimizer skips it (``.grad`` None). Return False when a zero gradient leaves the
+    parameter and the rule's state exactly as that skip does (``used``: it had a gradient earlier in the round); the
+    default True makes such a step refuse vectorized training by name (:meth:`check_missing_gradients`).
     """
 
     stops_on_nonfinite = False  # a client stops at its first non-finite loss (closure optimizers)
