@@ -586,3 +586,19 @@ def test_train_eval_gives_the_validation_hold_out_its_samples_without_augmentati
 def test_train_eval_of_another_length_is_refused():
     with pytest.raises(ValueError, match=r"train_eval has 119 samples but train has 120"):
         DatasetDataModule(Augmented(), train_eval=torch.utils.data.Subset(Augmented(False), range(119)), **_kw())
+
+
+def test_the_reread_probe_compares_images_strings_and_nan():
+    """The probe behind in_memory="auto" and the augmented-validation warning compares what data sets return: an
+    image equal to an image of the same pixels, strings, object arrays, NaN equal to NaN; another image differs."""
+    from PIL import Image
+
+    from fedlightning.datamodules.generic import _same_values
+
+    red, other = Image.new("RGB", (4, 4), (200, 0, 0)), Image.new("RGB", (4, 4), (0, 0, 200))
+    assert _same_values(red, Image.new("RGB", (4, 4), (200, 0, 0))) and not _same_values(red, other)
+    assert _same_values("cat", "cat") and not _same_values("cat", "dog")
+    words = np.array(["a", "b"], dtype=object)
+    assert _same_values(words, words.copy())
+    assert _same_values(np.array([1.0, np.nan]), np.array([1.0, np.nan]))
+    assert not _same_values(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))

@@ -855,10 +855,15 @@ def _random_samples(dataset: Any) -> bool:
 
 
 def _same_values(a: Any, b: Any) -> bool:
+    """Equal values (tensors, arrays, numbers; NaN equal to NaN), else ``==`` (an image, a string); False for values
+    that cannot be compared."""
     try:
         ta, tb = torch.as_tensor(a), torch.as_tensor(b)
     except (TypeError, ValueError, RuntimeError):
-        return a == b
+        try:
+            return bool(np.all(a == b))
+        except Exception:  # noqa: BLE001 - values without a usable ==: not shown equal
+            return False
     if ta.shape != tb.shape or ta.dtype != tb.dtype:
         return False
     if ta.is_floating_point() or ta.is_complex():
