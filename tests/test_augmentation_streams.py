@@ -155,3 +155,48 @@ def test_a_loader_swaps_only_the_random_sources_its_data_set_draws_from():
     assert not all(torch.equal(a, b) for a, b in zip(first, again))
     fresh = dm.client_dataloader(1, round=0)  # the same (seed, round, client): the same draws
     assert all(torch.equal(a, b) for a, b in zip(first, [b[0] for b in fresh]))
+
+
+class SmallCNN(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1, dtype=torch.float64)
+        self.head = torch.nn.Linear(4 * 64, 3, dtype=torch.float64)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(torch.relu(self.conv(x)).flatten(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_torchvision_random_transforms_train_the_same_in_both_modes():
+    """What a user brings: a torchvision data set with random crop and flip (transforms v2) in the main process;
+    vectorized training draws the augmentations sequential training draws, so the float64 weights agree."""
+    import torchvision
+    from torchvision.transforms import v2
+
+    augment = v2.Compose(
+        [
+            v2.PILToTensor(),
+            v2.RandomCrop(8, padding=2),
+            v2.RandomHorizontalFlip(),
+            v2.ToDtype(torch.float64, scale=True),
+        ]
+    )
+    train = torchvision.datasets.FakeData(size=96, image_size=(3, 8, 8), num_classes=3, transform=augment)
+
+    def fit(mode):
+        dm = FederatedDataModule.from_datasets(
+            train, partition=IID(), num_clients=6, batch_size=5, seed=0, val_fraction=0, num_classes=3
+        )
+        net = SmallCNN()
+        loop = FederatedLoop(net, local_steps=3, clients_per_round=3, seed=0, client_execution=mode)
+        make_trainer(2).fit(loop, datamodule=dm)
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    seq, vec = fit("sequential"), fit("vectorized")
+    assert not torch.equal(seq, torch.cat([p.detach().reshape(-1) for p in SmallCNN().parameters()]))
+    torch.testing.assert_close(vec, seq, rtol=1e-10, atol=1e-12)
