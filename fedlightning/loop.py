@@ -17,8 +17,9 @@ phases (the parts they use: :mod:`fedlightning._round`)::
 from __future__ import annotations
 
 import copy
+import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,7 @@ from fedlightning.callbacks.base import (
 from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.feddane import client_full_batches, client_full_gradient, client_full_rows
 from fedlightning.callbacks.progress import round_bar_for
+from fedlightning.checkpoint import CheckpointError, check_fits_model, read_checkpoint
 from fedlightning.client import LocalTrainer
 from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.execution import CLIENT_EXECUTION_MODES, make_executor
@@ -206,6 +208,15 @@ class FederatedLoop(pl.LightningModule):
             ``>= 1``, ``"auto"`` (a group size from the measured per-client footprint and the device's free memory)
             or None (default: the whole cohort at once). The cohort is trained in groups of at most that many
             clients (:class:`fedlightning.execution.VectorizedExecutor`); results equal sequential training's.
+        init_weights: a checkpoint whose weights the global model starts from, e.g. a model trained centrally
+            first: a Lightning checkpoint of the wrapped module (``trainer.save_checkpoint``), a fedlightning
+            checkpoint (its global model), or a ``torch.save``d ``state_dict``. Read by the safe reader (no code runs,
+            :func:`~fedlightning.checkpoint.read_checkpoint`) before round 0, after lazy modules have their shapes;
+            its keys and shapes must be the module's and its weights finite
+            (:func:`~fedlightning.checkpoint.check_fits_model`), else a
+            :class:`~fedlightning.checkpoint.CheckpointError` names the difference. A run resumed from a checkpoint
+            (``ckpt_path``) ends up with the resumed weights (Lightning restores them over these) and does not need
+            the file. Default None: the module's own initial weights.
     """
 
     def __init__(
@@ -224,6 +235,7 @@ class FederatedLoop(pl.LightningModule):
         max_update_norm: float | None = None,
         local_epochs: float | None = None,
         max_parallel_clients: int | str | None = None,
+        init_weights: str | os.PathLike | None = None,
     ):
         super().__init__()
         if not isinstance(model, pl.LightningModule):
@@ -263,6 +275,10 @@ class FederatedLoop(pl.LightningModule):
         self.max_update_norm = max_update_norm
         self.client_execution = client_execution  # its executor (fedlightning.execution) is chosen here, once
         self.max_parallel_clients = max_parallel_clients  # read by the vectorized executor
+        if init_weights is not None and not isinstance(init_weights, (str, os.PathLike)):
+            raise TypeError(f"init_weights must be a file path or None, got {type(init_weights).__name__}")
+        self.init_weights = None if init_weights is None else os.fspath(init_weights)
+        self._init_weights_missing = False  # set at setup (_load_init_weights), checked at on_fit_start
         self.client_state = ClientStateStore()
         self.strategy: ServerStrategy | None = None
         self._eval_router = _LogRouter(self, "forward")
@@ -298,6 +314,8 @@ class FederatedLoop(pl.LightningModule):
             dm = self._datamodule()
             dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed, local_epochs=self.local_epochs)
             self._materialize_lazy_modules(dm)
+            if self.init_weights is not None:
+                self._load_init_weights()
             self._check_client_optimizer()
             precision = str(trainer.precision)
             if precision.startswith("16"):
@@ -316,6 +334,27 @@ class FederatedLoop(pl.LightningModule):
         device = next((p.device for p in self.model.parameters() if not is_lazy(p)), torch.device("cpu"))
         batch = evaluation_batch(self.model, batch, device)
         materialize_lazy_modules(self.model, batch, derive_seed(self.seed, "lazy modules"))
+
+    def _load_init_weights(self) -> None:
+        """The global model's weights from ``init_weights`` (see the class docstring), at setup: Lightning restores a
+        resumed run's checkpoint after setup, over them. Which of the two a run is, is known only at ``on_fit_start``:
+        a missing file is an error there, and only for a run that does not resume."""
+        path = self.init_weights
+        self._init_weights_missing = not os.path.isfile(path)
+        if self._init_weights_missing:
+            return
+        ckpt = read_checkpoint(path)
+        state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else None
+        if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
+            raise CheckpointError(
+                path,
+                "holds no state dict of tensors (model.init_weights takes a Lightning or fedlightning checkpoint, or "
+                "a torch.save'd state_dict)",
+            )
+        if isinstance(ckpt, Mapping) and "fedlightning" in ckpt:  # a federated run's checkpoint: its global model
+            state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+        check_fits_model(path, {"state_dict": state}, self.model)
+        self.model.load_state_dict(state)
 
     #: local steps per client and round when neither ``local_steps`` nor ``local_epochs`` is given (seed 000's K = 20)
     DEFAULT_LOCAL_STEPS = 20
@@ -952,6 +991,15 @@ class FederatedLoop(pl.LightningModule):
             callbacks.append(bar)
         return callbacks
 
+    def on_fit_start(self) -> None:
+        """A missing ``init_weights`` file stops a run that does not resume (see :meth:`_load_init_weights`); then
+        the user's module's ``on_fit_start``."""
+        trainer = attached_trainer(self)
+        resumed = trainer is not None and trainer.ckpt_path is not None
+        if self._init_weights_missing and not resumed:
+            raise CheckpointError(self.init_weights, "file not found (model.init_weights)")
+        self.model.on_fit_start()
+
     def on_train_end(self) -> None:
         """The user's module's ``on_train_end``, then the end-of-run check of the failure policy (a run in which no
         round had a healthy client fails: ``max_failed_rounds``). Lightning calls the callbacks' ``on_train_end``
@@ -1021,5 +1069,5 @@ def _defines_hook(callback: Any, name: str) -> bool:
 
 
 for _name in _FORWARDED_HOOKS:
-    if _name not in FederatedLoop.__dict__:  # on_train_end forwards itself, then checks the run
+    if _name not in FederatedLoop.__dict__:  # on_fit_start and on_train_end forward themselves, after their checks
         setattr(FederatedLoop, _name, _forward_to_model(_name))
