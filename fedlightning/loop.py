@@ -343,7 +343,18 @@ class FederatedLoop(pl.LightningModule):
         self._init_weights_missing = not os.path.isfile(path)
         if self._init_weights_missing:
             return
-        ckpt = read_checkpoint(path)
+        try:
+            ckpt = read_checkpoint(path)
+        except CheckpointError as err:
+            if err.unsafe_type is None:
+                raise
+            raise CheckpointError(
+                path,
+                f"refuses to load: it needs the type {err.unsafe_type}, which is not an allow-listed data type and "
+                "could run code; save the module's weights alone (torch.save(module.state_dict(), file)) and pass "
+                "that file as model.init_weights",
+                unsafe_type=err.unsafe_type,
+            ) from err
         state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else None
         if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
             raise CheckpointError(

@@ -115,3 +115,20 @@ def test_a_resumed_run_takes_the_resumed_weights_without_reading_init_weights(tm
     os.remove(path)  # the resumed run does not need it
     resumed, _ = _fit(path, rounds=3, ckpt_path=str(tmp_path / "ck" / "step=1.ckpt"))
     assert all(torch.equal(resumed.state_dict()[k], v) for k, v in full.state_dict().items())
+
+
+class Settings:
+    """A custom object in a checkpoint (hyper-parameters of a central run): the safe reader admits no such type."""
+
+    def __init__(self, lr):
+        self.lr = lr
+
+
+def test_a_checkpoint_that_needs_code_is_refused_with_the_state_dict_way_out(tmp_path):
+    torch.manual_seed(0)
+    path = str(tmp_path / "with_object.ckpt")
+    torch.save({"state_dict": Net().state_dict(), "hyper_parameters": {"settings": Settings(0.1)}}, path)
+    with pytest.raises(
+        CheckpointError, match=r"needs the type .*Settings.*torch\.save\(module\.state_dict\(\), file\)"
+    ):
+        _fit(path)
