@@ -310,6 +310,7 @@ class DatasetDataModule(FederatedDataModule):
                 "training set's samples in the same order, read without augmentation"
             )
         self._train_eval_view: Dataset | None = None  # train_eval as served (set by setup)
+        self._random_reads: dict[int, bool] = {}  # id of a data set -> whether it reads its samples at random
         if self._num_clients > n:
             raise ValueError(
                 f"num_clients={self._num_clients} exceeds the {n} training samples: every client needs at least "
@@ -498,7 +499,7 @@ class DatasetDataModule(FederatedDataModule):
         if self._train_eval_source is not None:
             view = self._materialise(self._train_eval_source, self._train_eval_reader, "train_eval")
             self._train_eval_view = view if train is read else _with_class_ids(view)  # labels served as train's
-        elif self.val_fraction > 0 and _random_samples(self._train_source):
+        elif self.val_fraction > 0 and self._reads_at_random(self._train_source):
             warnings.warn(
                 f"{type(self).__name__}: the validation split holds out samples of train, and train reads them "
                 "through a random transform, so validation sees augmented samples that change from one "
@@ -516,6 +517,14 @@ class DatasetDataModule(FederatedDataModule):
                 f"num_clients or val_fraction"
             )
         return train, test, labels if labels is not None else np.zeros(n, dtype=np.int64)
+
+    def _reads_at_random(self, dataset: Any) -> bool:
+        """:func:`_random_samples` of ``dataset``, probed once per data set (setup asks for the training set twice:
+        the in-memory decision and the validation warning)."""
+        key = id(dataset)
+        if key not in self._random_reads:
+            self._random_reads[key] = _random_samples(dataset)
+        return self._random_reads[key]
 
     def _materialise(self, dataset: Any, reader: _Reader, name: str) -> Dataset:
         """The data set as an :class:`ArrayDataset` or a :class:`SampleView` (rules: class docstring, "In memory")."""
@@ -544,9 +553,7 @@ class DatasetDataModule(FederatedDataModule):
         if option == "auto":
             if size is None or size * len(dataset) > self.max_in_memory_bytes:
                 return SampleView(dataset, reader, name=name)
-            if any(getattr(dataset, a, None) is not None for a in ("transform", "transforms")):
-                return SampleView(dataset, reader, name=name)
-            if not _reads_repeat(dataset):
+            if self._reads_at_random(dataset):  # a random augmentation would be frozen into one draw
                 return SampleView(dataset, reader, name=name)
         return self._stack(dataset, reader, name, x0, y0)
 
@@ -850,7 +857,7 @@ def _random_samples(dataset: Any) -> bool:
         return True
     try:
         return not _reads_repeat(dataset)
-    except Exception:  # noqa: BLE001 - samples this probe cannot compare (e.g. images): assumed fixed
+    except Exception:  # noqa: BLE001 - a sample this probe cannot read: assumed fixed (training reads it again)
         return False
 
 
