@@ -31,6 +31,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 from torch.nn.parameter import is_lazy
 
@@ -278,6 +279,7 @@ class FederatedLoop(pl.LightningModule):
         if init_weights is not None and not isinstance(init_weights, (str, os.PathLike)):
             raise TypeError(f"init_weights must be a file path or None, got {type(init_weights).__name__}")
         self.init_weights = None if init_weights is None else os.fspath(init_weights)
+        self._model_configured = False  # the user's configure_model ran in this stage's setup (_configure_model_now)
         self._init_weights_missing = False  # set at setup (_load_init_weights), checked at on_fit_start
         self.client_state = ClientStateStore()
         self.strategy: ServerStrategy | None = None
@@ -290,6 +292,7 @@ class FederatedLoop(pl.LightningModule):
     def setup(self, stage: str) -> None:
         trainer = self.trainer
         self.model.setup(stage)
+        self._configure_model_now(trainer)
         strategies = [cb for cb in trainer.callbacks if isinstance(cb, ServerStrategy)]
         if len(strategies) > 1:
             raise ValueError(
@@ -322,6 +325,29 @@ class FederatedLoop(pl.LightningModule):
                 rank_zero_warn(
                     "precision='16-mixed' has no loss scaling inside client training; use 'bf16-mixed' or 32",
                 )
+
+    def _configure_model_now(self, trainer: pl.Trainer) -> None:
+        """The user's ``configure_model`` (parameters created there), called here, right after ``setup``, under the
+        contexts Lightning calls it in, instead of after the loop's ``setup``: the lazy-module pass, ``init_weights``
+        and the client optimizer's check below need the parameters. Lightning's own call of the stage then does
+        not call it again (:meth:`configure_model`): one call per stage, as in plain Lightning."""
+        self._model_configured = False
+        if not is_overridden("configure_model", self.model):
+            return
+        with (
+            trainer.strategy.tensor_init_context(),
+            trainer.strategy.model_sharded_context(),
+            trainer.precision_plugin.module_init_context(),
+        ):
+            self.model.configure_model()
+        self._model_configured = True
+
+    def configure_model(self) -> None:
+        """The user's ``configure_model``, unless :meth:`setup` called it for this stage already."""
+        if self._model_configured:
+            self._model_configured = False
+            return
+        self.model.configure_model()
 
     def _materialize_lazy_modules(self, dm: FederatedDataModule) -> None:
         """Give lazy modules their parameters before round 0 from the first client's first batch
@@ -970,14 +996,29 @@ class FederatedLoop(pl.LightningModule):
                 self._forget_reusable_optimizers()  # their snapshots hold the previous round's lr
 
     # ================================================================== evaluation on the global model
-    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):
-        return self.model.validation_step(batch, batch_idx)
+    # Lightning passes ``dataloader_idx`` only with several loaders of the stage (and then requires the step to take
+    # it); the loop's steps accept it either way and hand it on exactly when Lightning would.
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None):
+        return self._evaluation_step("validation_step", batch, batch_idx, dataloader_idx)
 
-    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):
-        return self.model.test_step(batch, batch_idx)
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None):
+        return self._evaluation_step("test_step", batch, batch_idx, dataloader_idx)
 
-    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0):
-        return self.model.predict_step(batch, batch_idx)
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None):
+        return self._evaluation_step("predict_step", batch, batch_idx, dataloader_idx)
+
+    def _evaluation_step(self, hook: str, batch: Any, batch_idx: int, dataloader_idx: int | None):
+        """The global model's ``hook`` on one batch, with ``dataloader_idx`` as plain Lightning passes it (only when
+        the stage has several loaders; a step without that argument then stops the run, as in Lightning)."""
+        step = getattr(self.model, hook)
+        if dataloader_idx is None:
+            return step(batch, batch_idx)
+        if not is_param_in_hook_signature(step, "dataloader_idx"):
+            raise RuntimeError(
+                f"several dataloaders reach {type(self.model).__name__}.{hook}(), but it has no `dataloader_idx` "
+                "argument; add `dataloader_idx=0` to its signature"
+            )
+        return step(batch, batch_idx, dataloader_idx=dataloader_idx)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)

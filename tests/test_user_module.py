@@ -658,3 +658,131 @@ def test_every_batch_the_model_reads_goes_through_its_transfer_hooks(strategy, a
     assert_close64(hooked[0], plain[0])
     assert_close64(torch.tensor(hooked[1:], dtype=torch.float64), torch.tensor(plain[1:], dtype=torch.float64))
     assert not torch.equal(plain[0], torch.nn.utils.parameters_to_vector(_PlainLinear().parameters()))  # trained
+
+
+# ====================================================================== several evaluation loaders, configure_model
+class TwoLoaders(UserNet):
+    """Evaluation steps that branch on ``dataloader_idx``, as plain Lightning passes it with several loaders."""
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        self.log(f"val_loss_{dataloader_idx}", F.cross_entropy(self(x), y), add_dataloader_idx=False)
+
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        self.log(f"test_loss_{dataloader_idx}", F.cross_entropy(self(x), y), add_dataloader_idx=False)
+
+
+def test_evaluation_steps_get_dataloader_idx_as_in_plain_lightning():
+    """With two validation or test loaders the global model's steps get ``dataloader_idx`` 0 and 1, so each loader's
+    metric comes out as plain Lightning computes it on the same weights; a step without the argument is refused by
+    name, as Lightning refuses it."""
+    torch.manual_seed(0)
+    model, dm = TwoLoaders(), _dm()
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3)
+    trainer = make_trainer(1, limit_val_batches=None)
+    trainer.fit(loop, datamodule=dm)
+    dm.setup("test")
+    loaders = [dm.val_dataloader(), dm.test_dataloader()]
+    plain = TwoLoaders()
+    plain.load_state_dict(model.state_dict())
+    pt = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    for run in ("validate", "test"):
+        fed = getattr(trainer, run)(loop, dataloaders=loaders, verbose=False)
+        ref = getattr(pt, run)(plain, dataloaders=loaders, verbose=False)
+        assert fed == ref, run
+        key = "val_loss" if run == "validate" else "test_loss"
+        assert fed[0][f"{key}_0"] != fed[1][f"{key}_1"]  # each loader's own batches
+
+    class NoIndex(UserNet):
+        def validation_step(self, batch, batch_idx):
+            return super().validation_step(batch, batch_idx)
+
+    loop = FederatedLoop(NoIndex(), local_steps=2, clients_per_round=3)
+    with pytest.raises(RuntimeError, match=r"NoIndex.validation_step\(\), but it has no `dataloader_idx`"):
+        make_trainer(1, limit_val_batches=None).validate(loop, dataloaders=loaders, verbose=False)
+
+
+class _Plain(pl.LightningModule):
+    """The digits MLP with a mean cross-entropy and SGD, nothing else."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class BuiltInConfigureModel(_Plain):
+    """Creates its layers in ``configure_model`` (Lightning's place for them), once per process."""
+
+    def __init__(self):
+        super().__init__()
+        del self.net
+        self.net = None
+        self.configured = 0
+
+    def configure_model(self):
+        self.configured += 1
+        if self.net is None:
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_parameters_created_in_configure_model_train_like_the_same_module_built_eagerly(mode):
+    """The parameters exist before the client optimizer is built and checked; the run equals the same layers built in
+    ``__init__`` (``precision="64-true"``: ``configure_model`` runs under Lightning's float64 init context, as in
+    plain Lightning, so the eager layers are drawn in float64 too); Lightning's ``configure_model`` call of the stage
+    does not call the hook a second time."""
+    model = BuiltInConfigureModel()
+    loop = FederatedLoop(model, local_steps=3, clients_per_round=4, seed=5, client_execution=mode)
+    make_trainer(2, callbacks=[FedAvg()], precision="64-true").fit(loop, datamodule=_dm())
+    assert model.configured == 1 and model.net[0].weight.dtype == torch.float64
+    eager = _Plain()
+    torch.manual_seed(0)
+    eager.net = nn.Sequential(nn.Linear(64, 16, dtype=torch.float64), nn.ReLU(), nn.Linear(16, 10, dtype=torch.float64))
+    loop = FederatedLoop(eager, local_steps=3, clients_per_round=4, seed=5, client_execution=mode)
+    make_trainer(2, callbacks=[FedAvg()], precision="64-true").fit(loop, datamodule=_dm())
+    for got, want in zip(model.net.parameters(), eager.net.parameters()):
+        assert torch.equal(got, want)
+
+
+class FrozenFirstLayer(_Plain):
+    """A frozen first layer, with ``configure_optimizers`` handing ``self.parameters()`` over (frozen ones
+    included) or one group of the frozen layer with its own settings."""
+
+    def __init__(self, groups=False):
+        super().__init__()
+        self.net[0].requires_grad_(False)
+        self.groups = groups
+
+    def configure_optimizers(self):
+        if self.groups:
+            return torch.optim.SGD(
+                [{"params": self.net[0].parameters(), "lr": 0.0}, {"params": self.net[2].parameters()}], lr=0.1
+            )
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5, weight_decay=0.01)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("groups", [False, True], ids=["self.parameters()", "frozen group"])
+def test_a_frozen_layer_in_the_optimizer_trains_vectorized_as_sequentially(groups):
+    """torch's optimizers never step a parameter without a gradient, so a frozen layer in the optimizer's groups
+    changes nothing: vectorized training accepts it and equals sequential training; the frozen layer stays put."""
+    runs = {}
+    for mode in ("sequential", "vectorized"):
+        torch.manual_seed(0)
+        model = to_float64(FrozenFirstLayer(groups))
+        frozen = model.net[0].weight.detach().clone()
+        loop = FederatedLoop(model, local_steps=3, clients_per_round=4, seed=5, client_execution=mode)
+        make_trainer(2, callbacks=[FedAvg()]).fit(loop, datamodule=_dm64())
+        assert torch.equal(model.net[0].weight, frozen)
+        runs[mode] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert_close64(runs["vectorized"], runs["sequential"])

@@ -517,3 +517,55 @@ def test_a_logged_value_that_is_not_a_mean_over_samples_is_refused_and_a_mean_is
     assert float(auto[3].callback_metrics["client/batch_size"]) == float(
         seq_size[3].callback_metrics["client/batch_size"]
     )
+
+
+CLASS_WEIGHTS = torch.linspace(0.2, 3.0, 10, dtype=torch.double)
+
+
+class WeightedLossLogsAccuracy(LogsBatchSize):
+    """A class-weighted cross-entropy (``weight=``, or ``ignore_index``: a mean weighted by sample) with a logged batch
+    accuracy, which sends padded steps to the per-sample path; ``by_hand``: the same weighted mean written out."""
+
+    def __init__(self, how="weight"):
+        super().__init__(log_size=False)
+        self.how = how
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.log("batch_acc", (logits.argmax(-1) == y).float().mean())
+        w = CLASS_WEIGHTS.to(logits.dtype)
+        if self.how == "weight":
+            return F.cross_entropy(logits, y, weight=w)
+        if self.how == "ignore_index":
+            return F.cross_entropy(logits, y, ignore_index=3)
+        per = F.cross_entropy(logits, y, reduction="none")
+        return (per * w[y]).sum() / w[y].sum()
+
+
+@pytest.mark.parametrize("how", ["weight", "ignore_index", "by_hand"])
+def test_a_mean_weighted_by_class_is_refused_on_the_per_sample_path_and_auto_trains_it_sequentially(how):
+    """One training_step per sample averages the samples' losses with equal weights, which is not a class-weighted
+    mean (nor one that leaves ``ignore_index`` samples out): the sample-mean check draws its samples from every
+    client's rows, covering the batch's distinct targets (the first client's first samples are often of one class
+    under label skew, where the weighting does not show), and refuses the model; "auto" trains it sequentially."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"the loss is not a mean over samples"):
+        fit(WeightedLossLogsAccuracy(how), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+    seq = fit(WeightedLossLogsAccuracy(how), CLIENT_OPTIMIZERS["sgd"], "sequential")
+    auto = fit(WeightedLossLogsAccuracy(how), CLIENT_OPTIMIZERS["sgd"], "auto")
+    torch.testing.assert_close(auto[0], seq[0], rtol=0, atol=0)
+
+
+def test_probe_cells_cover_the_distinct_targets_of_every_row():
+    """The check's samples: every first occurrence of a target value across the rows, then the fullest row's first
+    samples, up to the limit; real cells only."""
+    from fedlightning.vectorized.call import _probe_cells
+
+    y = torch.tensor([[2, 2, 2, 0], [2, 5, 0, 0], [7, 2, 2, 2]])  # row 1 has 2 real cells, row 0 has 3
+    x = torch.zeros(3, 4, 6)
+    cells = _probe_cells([x, y], [3, 2, 4], limit=6)
+    assert cells[:3] == [(0, 0), (1, 1), (2, 0)]  # targets 2, 5, 7 at their first real cell
+    assert cells[3:] == [(2, 1), (2, 2), (2, 3)]  # then the fullest row (2, four real cells)
+    assert _probe_cells([x], [3, 2, 4], limit=3) == [(2, 0), (2, 1), (2, 2)]  # no integer leaf

@@ -127,6 +127,46 @@ def _full_precision(device: torch.device):
         return contextlib.nullcontext()
 
 
+#: Samples :meth:`_ModelCall._check_sample_mean` evaluates together and one by one, at most.
+PROBE_SAMPLES = 8
+
+
+def _probe_cells(leaves: list[Tensor], counts: list[int], limit: int = PROBE_SAMPLES) -> list[tuple[int, int]]:
+    """``(row, cell)`` of up to ``limit`` real samples of a padded batch (leaves ``[R, n_max, ...]``, ``counts`` real
+    samples per row) for the sample-mean check: first every sample that brings a value of an integer leaf (a
+    target, a token label sequence) not met before, scanning the rows in order, so that samples of different
+    classes, and an ``ignore_index`` sample, are in the probe when the batch has them; then the first samples of
+    the row with the most, up to ``limit`` (a batch without integer leaves: those alone). Decision (ours): a
+    weighted mean is told from a plain one only on samples of different weight, which a probe of one client's first
+    samples misses under label skew."""
+    labels = [
+        x.detach().reshape(x.shape[0], x.shape[1], -1).cpu()
+        for x in leaves
+        if isinstance(x, Tensor) and x.dim() >= 2 and not x.is_floating_point() and not x.is_complex()
+    ]
+    picked: list[tuple[int, int]] = []
+    seen: list[set] = [set() for _ in labels]
+    for row, n in enumerate(counts):
+        for cell in range(int(n)):
+            if len(picked) >= limit:
+                return picked
+            new = False
+            for j, y in enumerate(labels):
+                key = tuple(y[row, cell].tolist())
+                if key not in seen[j]:
+                    seen[j].add(key)
+                    new = True
+            if new:
+                picked.append((row, cell))
+    r = max(range(len(counts)), key=lambda i: (counts[i], -i))
+    for cell in range(int(counts[r])):
+        if len(picked) >= limit:
+            break
+        if (r, cell) not in picked:
+            picked.append((r, cell))
+    return picked
+
+
 def _tolerance(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     """``(rtol, atol)`` within which two computations of one loss on batches of different sizes must agree in the
     engine's checks (:meth:`_ModelCall._check_interception`, :meth:`_ModelCall._check_per_sample_protocol`; ours):
@@ -411,19 +451,27 @@ class _ModelCall:
     def _check_sample_mean(
         self, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor]
     ) -> str | None:
-        """None if ``training_step``'s loss on a padded row's first real samples (up to 4, at least 2) equals the
-        mean of its losses on each of those samples alone (at the row's weights and running statistics, without
-        gradients, in full precision, metrics and logged values dropped, random state kept), else the two values:
-        the per-sample path (one ``training_step`` per sample, averaged over a client's real samples) computes the
-        client's loss only for a loss that is a mean over samples. A ``reduction="sum"`` loss, or a term computed
-        over the whole batch, fails. Models with random layers are checked in eval mode (dropout off): the check is
-        about how the loss reduces over samples, which their random draws would hide."""
+        """None if ``training_step``'s loss on a few real samples of the step's batch (:func:`_probe_cells`: up to
+        8, at least 2) equals the mean of its losses on each of those samples alone (at the weights and running
+        statistics of the row with the most samples, without gradients, in full precision, metrics and logged values
+        dropped, random state kept), else the two values: the per-sample path (one ``training_step`` per sample,
+        averaged over a client's real samples) computes the client's loss only for a loss that is a mean over
+        samples. A ``reduction="sum"`` loss, a term computed over the whole batch, a mean weighted by class
+        (``cross_entropy(weight=...)``) or one that leaves samples out (``ignore_index``) fails, the last two when
+        the probe holds samples of classes of different weight, or an ignored one: the probe takes samples of as many
+        distinct values of the batch's integer leaves (targets) as it can, from every client's rows. Models with
+        random layers are checked in eval mode (dropout off): the check is about how the loss reduces over samples,
+        which their random draws would hide."""
         leaves, spec = tree_flatten(batch)
         counts = mask.sum(1).tolist()
         r = max(range(len(counts)), key=lambda i: (counts[i], -i))
-        k = min(4, int(counts[r]))
+        cells = _probe_cells(leaves, counts)
+        k = len(cells)
         if k < 2:
             return None
+        at_rows = torch.tensor([c[0] for c in cells], device=mask.device)
+        at_cols = torch.tensor([c[1] for c in cells], device=mask.device)
+        probe = [x.detach()[at_rows, at_cols] for x in leaves]
         row = [v[r].detach() for v in views]
         row_stats = [s[r] for s in stats]
         model_name = type(self.model).__name__
@@ -438,7 +486,7 @@ class _ModelCall:
             self.norms.begin(row_stats, None, None, hi - lo)
             self.collector.reset()
             try:
-                b = tree_unflatten([x[r, lo:hi] for x in leaves], spec)
+                b = tree_unflatten([x[lo:hi] for x in probe], spec)
                 value = extract_loss(self.model.training_step(b, step), model_name).double().reshape(())
                 logged = {
                     n: v.detach().double().reshape(()) for n, v in zip(self.collector.names, self.collector.values)
@@ -459,9 +507,11 @@ class _ModelCall:
         alone = torch.stack([v for v, _ in each])
         if not torch.allclose(together, alone.mean(), rtol=rtol, atol=atol, equal_nan=True):
             return (
-                f"its loss on {k} samples of a client's batch is {float(together):.6g} while the mean of its losses on "
-                f"each of them alone is {float(alone.mean()):.6g} (per sample: {[round(float(v), 6) for v in alone]}): "
-                "the loss is not a mean over samples (reduction='sum'? a term over the whole batch?)"
+                f"its loss on {k} samples of the clients' batches is {float(together):.6g} while the mean of its "
+                f"losses on each of them alone is {float(alone.mean()):.6g} "
+                f"(per sample: {[round(float(v), 6) for v in alone]}): "
+                "the loss is not a mean over samples (reduction='sum'? a term over the whole batch? class weights or "
+                "ignore_index, which weight the samples in the mean?)"
             )
         for name, value in logged.items():  # logged values are averaged over a client's samples the same way
             per = [lg.get(name) for _, lg in each]
@@ -470,10 +520,10 @@ class _ModelCall:
             mean = torch.stack(per).mean()
             if not torch.allclose(value, mean, rtol=rtol, atol=atol, equal_nan=True):
                 return (
-                    f"the value it logs as {name!r} is {float(value):.6g} on {k} samples of a client's batch while the "
-                    f"mean of its values on each of them alone is {float(mean):.6g}: a value logged in training_step "
-                    "must be a mean over samples (or not depend on the batch), not a batch size or a sum, to be "
-                    "logged per client from padded steps"
+                    f"the value it logs as {name!r} is {float(value):.6g} on {k} samples of the clients' batches while "
+                    f"the mean of its values on each of them alone is {float(mean):.6g}: a value logged in "
+                    "training_step must be a mean over samples (or not depend on the batch), not a batch size or a "
+                    "sum, to be logged per client from padded steps"
                 )
         return None
 

@@ -1002,14 +1002,21 @@ class _BatchedDecSPS(BatchedRule):
 
 
 def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor]) -> dict[str, Any]:
-    """The hyper-parameters shared by every param group of every client optimizer (else unsupported)."""
+    """The hyper-parameters shared by every param group of every client optimizer (else unsupported).
+
+    Parameters with ``requires_grad=False`` (a frozen layer passed along with ``self.parameters()``) get no gradient,
+    so torch's optimizers never step them: they may be in the groups, and a group holding only such parameters does
+    not count."""
     ids = {id(p) for p in params}
     first = None
     for opt in optimizers:
         covered = set()
         for group in opt.param_groups:
             hp = {k: v for k, v in group.items() if k != "params"}
-            covered.update(id(p) for p in group["params"])
+            trained = [p for p in group["params"] if id(p) in ids or p.requires_grad]
+            covered.update(id(p) for p in trained)
+            if not trained:
+                continue
             if first is None:
                 first = hp
             elif hp != first:
@@ -1018,8 +1025,13 @@ def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: S
                     f"parameter group and client; got {first} and {hp}"
                 )
         if covered != ids:
+            missing, extra = len(ids - covered), len(covered - ids)
             raise VectorizationUnsupportedError(
-                "client_execution='vectorized' needs the client optimizer to cover all trainable parameters"
+                "client_execution='vectorized' needs the client optimizer to cover exactly the model's trainable "
+                f"parameters; {missing} of them are not in {type(opt).__name__}'s groups"
+                if missing
+                else f"client_execution='vectorized' needs the client optimizer to cover exactly the model's trainable "
+                f"parameters; {type(opt).__name__} also holds {extra} trainable tensor(s) that are not the model's"
             )
     return first or {}
 
