@@ -191,8 +191,10 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
 
     It applies inside a vmap (no other functorch transform innermost) when ``weight`` is batched once, at the current
     level (the clients' weights), ``input`` is batched once at that level or not at all (then shared by the rows),
-    ``bias`` is None, batched likewise or not at all, all three have one floating dtype, and autocast is off for
-    their device (autocast then picks the dtype, as it does for ``F.linear``).
+    ``bias`` is None, batched likewise or not at all, and all three have one floating dtype. Under autocast
+    (``bf16-mixed``), float32 weights and inputs are cast to autocast's dtype as ``F.linear`` casts them, and the
+    product runs in it: torch's own vmap rule for a linear layer with a bias returns float32 under CPU autocast, while
+    a sequential client's ``F.linear`` returns bfloat16.
 
     Decision (ours, measured): vmap's rule for a linear layer with batched weights runs ``addmm``'s decomposition (a
     transpose, expands, reshapes, ``bmm``, ``mul`` by ``beta``, ``add``), about ten operations forward and as many
@@ -224,7 +226,19 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
     if x is None or x.dim() < 2:
         return None
     dtype = W.dtype
-    if x.dtype != dtype or not dtype.is_floating_point or torch.is_autocast_enabled(W.device.type):
+    device_type = W.device.type
+    if torch.is_autocast_enabled(device_type):  # F.linear's autocast cast; torch's vmap rule would keep float32
+        target = torch.get_autocast_dtype(device_type)
+        if W.dtype != torch.float32 or x.dtype not in (torch.float32, target):
+            return None
+        b = _rows_of(bias, level, W.shape[0]) if isinstance(bias, Tensor) else None
+        if bias is not None and (b is None or b.dim() != 2 or b.dtype != torch.float32):
+            return None
+        with torch.autocast(device_type, enabled=False):
+            x2 = x.reshape(W.shape[0], -1, x.shape[-1]).to(target)
+            y = _rows_product(x2, W.to(target), None if b is None else b.to(target))
+        return _add_batch_dim(y.reshape(*x.shape[:-1], W.shape[1]), 0, level)
+    if x.dtype != dtype or not dtype.is_floating_point:
         return None
     C = W.shape[0]
     if x.numel() == 0:
