@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 __all__ = [
@@ -433,13 +434,33 @@ class RoundCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._round_started_at: int | None = None
+        self._written: list[str] = []  # files written at the current round's end
+        self._written_at: int | None = None  # the round they were written at, until its validation writes them again
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._round_started_at = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._round_started_at = None
+        self._written = []  # the files this round's end writes (_save_checkpoint)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._written_at = trainer.global_step if self._written else None
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        self._written.append(filepath)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        """The files written at the round's end, written again after the round's validation, so that they hold what
+        the validation changed (EarlyStopping's counters, a client scheduler stepped on a validation metric): a
+        resumed run does not run that validation again (Lightning goes on with the next round)."""
+        super().on_validation_end(trainer, pl_module)
+        fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+        if not fitting or self._written_at != trainer.global_step:
+            return
+        written, self._written_at = list(dict.fromkeys(self._written)), None
+        for filepath in written:
+            super()._save_checkpoint(trainer, filepath)
 
     def on_train_end(self, trainer, pl_module) -> None:
         super().on_train_end(trainer, pl_module)

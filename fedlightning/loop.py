@@ -991,9 +991,16 @@ class FederatedLoop(pl.LightningModule):
         log_round(self, trainer, result.metrics)
         mo = self._runtime.module_optimizer
         if mo is not None and mo.schedulers:  # only built when client_optimizer is None
-            metrics = {**trainer.callback_metrics, **result.metrics}
-            if mo.step_schedulers(result.plan.round, metrics):
+            # the round's own metrics: a validation metric waits for the validation after the round
+            # (ModuleOptimizer.step_schedulers; _AfterValidation steps it)
+            if mo.step_schedulers(result.plan.round, dict(result.metrics)):
                 self._forget_reusable_optimizers()  # their snapshots hold the previous round's lr
+
+    def _after_validation(self, trainer: pl.Trainer) -> None:
+        """After a validation of the global model during a fit: the client schedulers waiting for its metrics."""
+        mo = self._runtime.module_optimizer
+        if mo is not None and mo.waiting and mo.step_after_validation(dict(trainer.callback_metrics)):
+            self._forget_reusable_optimizers()
 
     # ================================================================== evaluation on the global model
     # Lightning passes ``dataloader_idx`` only with several loaders of the stage (and then requires the step to take
@@ -1041,6 +1048,7 @@ class FederatedLoop(pl.LightningModule):
         bar = round_bar_for(trainer.progress_bar_callback) if trainer is not None else None
         if bar is not None:  # replaced: Lightning drops a trainer callback that a configure_callbacks one subclasses
             callbacks.append(bar)
+        callbacks.append(_AfterValidation())
         return callbacks
 
     def on_fit_start(self) -> None:
@@ -1118,6 +1126,16 @@ def _defines_hook(callback: Any, name: str) -> bool:
     if not callable(method):
         return False
     return getattr(method, "__func__", method) is not getattr(FederatedCallback, name)
+
+
+class _AfterValidation(pl.Callback):
+    """Runs :meth:`FederatedLoop._after_validation` at the end of each validation of a fit: as a callback, before
+    every ``ModelCheckpoint`` (Lightning orders those last), so a checkpoint written after the validation holds the
+    scheduler steps it caused."""
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            pl_module._after_validation(trainer)
 
 
 for _name in _FORWARDED_HOOKS:

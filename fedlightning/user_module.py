@@ -22,6 +22,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
@@ -182,7 +183,8 @@ class ModuleOptimizer:
     * Several optimizers are refused (one client optimizer per local step; ours).
     * A *template* is built once on the global model; its learning-rate scheduler(s) are stepped once per round by
       :meth:`step_schedulers` (a round is the scheduler's step and epoch alike; ``frequency`` counts rounds;
-      ``ReduceLROnPlateau`` reads its ``monitor`` from ``trainer.callback_metrics``). The round's client optimizers
+      ``ReduceLROnPlateau`` reads its ``monitor`` from the round's metrics, or from the validation after the round,
+      see :meth:`step_schedulers`). The round's client optimizers
       use the template's current param-group hyper-parameters, so round ``r`` trains with the learning rate after
       ``r`` scheduler steps. The template's groups and the schedulers are checkpointed (:meth:`state_dict`).
     * Each client's optimizer is rebuilt by calling ``configure_optimizers()`` on the client working copy (so every
@@ -196,6 +198,8 @@ class ModuleOptimizer:
         optimizer, self.schedulers = self._parse(model)
         self.template = optimizer
         self._modules: list[tuple[Tensor, pl.LightningModule]] = [(self._first_param(model), model)]
+        # (scheduler index, round) of ReduceLROnPlateau steps waiting for the validation after their round
+        self.waiting: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ parsing
     def _parse(self, model: pl.LightningModule):
@@ -254,20 +258,24 @@ class ModuleOptimizer:
 
     # ------------------------------------------------------------------ schedule
     def step_schedulers(self, round: int, metrics: dict[str, Any]) -> bool:
-        """Step the schedulers after round ``round`` (0-based); True if any learning rate may have changed."""
+        """Step the schedulers after round ``round`` (0-based) with the round's own ``metrics``; True if any learning
+        rate may have changed.
+
+        Decision (ours, Lightning's order): a ``ReduceLROnPlateau`` whose ``monitor`` the round's metrics do not hold
+        (a metric of the global model's validation, e.g. ``val_loss``) waits for the validation that follows the
+        round and is stepped with that validation's value (:meth:`step_after_validation`), as plain Lightning steps
+        such a scheduler after the epoch's validation. Where no validation ran after the round (validation every
+        n rounds), the next round's end finds it still waiting: ``strict`` (the default) stops the run naming the
+        monitor, ``strict: False`` skips the step, as Lightning skips a monitor it does not find."""
+        self._expire_waiting()
         stepped = False
-        for cfg in self.schedulers:
+        for index, cfg in enumerate(self.schedulers):
             if (round + 1) % max(int(cfg.frequency), 1):
                 continue
             if cfg.reduce_on_plateau:
                 value = metrics.get(cfg.monitor)
                 if value is None:
-                    if cfg.strict:
-                        raise ValueError(
-                            f"{self.model_name}.configure_optimizers(): ReduceLROnPlateau monitors {cfg.monitor!r}, "
-                            f"which is not among the round's metrics {sorted(metrics)}; set 'strict': False to skip "
-                            "rounds without it"
-                        )
+                    self.waiting.append((index, round))
                     continue
                 cfg.scheduler.step(float(value))
             else:
@@ -279,9 +287,48 @@ class ModuleOptimizer:
             stepped = True
         return stepped
 
+    def step_after_validation(self, metrics: dict[str, Any]) -> bool:
+        """Step the ``ReduceLROnPlateau`` schedulers waiting for this validation (:meth:`step_schedulers`) with its
+        ``metrics`` (``trainer.callback_metrics``); True if any stepped. A monitor missing here too is an error under
+        ``strict`` (naming the metrics there are), else skipped."""
+        stepped = False
+        for index, round in self.waiting:
+            cfg = self.schedulers[index]
+            value = metrics.get(cfg.monitor)
+            if value is None:
+                if cfg.strict:
+                    self.waiting = []
+                    raise ValueError(
+                        f"{self.model_name}.configure_optimizers(): ReduceLROnPlateau monitors {cfg.monitor!r}, "
+                        f"which is neither among round {round}'s metrics nor among the metrics after its validation "
+                        f"{sorted(metrics)}; set 'strict': False to skip rounds without it"
+                    )
+                continue
+            cfg.scheduler.step(float(value))
+            stepped = True
+        self.waiting = []
+        return stepped
+
+    def _expire_waiting(self) -> None:
+        """Steps still waiting at the next round's end: no validation ran after their round."""
+        waiting, self.waiting = self.waiting, []
+        for index, round in waiting:
+            cfg = self.schedulers[index]
+            if cfg.strict:
+                raise ValueError(
+                    f"{self.model_name}.configure_optimizers(): ReduceLROnPlateau monitors {cfg.monitor!r}, which is "
+                    f"not among round {round}'s metrics, and no validation ran after round {round} to give it: "
+                    "validate after every round the scheduler steps at (trainer.val_check_interval), monitor a round "
+                    "metric such as 'client/train_loss', or set 'strict': False to skip rounds without it"
+                )
+
     def state_dict(self) -> dict[str, Any]:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.template.param_groups]
-        return {"param_groups": groups, "schedulers": [c.scheduler.state_dict() for c in self.schedulers]}
+        return {
+            "param_groups": groups,
+            "schedulers": [c.scheduler.state_dict() for c in self.schedulers],
+            "waiting": [list(w) for w in self.waiting],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         groups = state.get("param_groups", [])
@@ -296,6 +343,16 @@ class ModuleOptimizer:
             g.update(saved)
         for cfg, saved in zip(self.schedulers, state["schedulers"]):
             cfg.scheduler.load_state_dict(saved)
+        # a checkpoint written between a round's end and the end of its validation: Lightning does not run that
+        # validation again on resume, so the step that waited for it is skipped, with a warning
+        waiting = [(int(i), int(r)) for i, r in state.get("waiting", [])]
+        self.waiting = []
+        for index, round in waiting:
+            rank_zero_warn(
+                f"{self.model_name}.configure_optimizers(): the checkpoint was written before the validation after "
+                f"round {round} ended, and a resumed run does not run it again: ReduceLROnPlateau (monitor "
+                f"{self.schedulers[index].monitor!r}) is not stepped for round {round}"
+            )
 
 
 # ====================================================================== torchmetrics around trial evaluations

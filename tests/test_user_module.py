@@ -786,3 +786,132 @@ def test_a_frozen_layer_in_the_optimizer_trains_vectorized_as_sequentially(group
         assert torch.equal(model.net[0].weight, frozen)
         runs[mode] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert_close64(runs["vectorized"], runs["sequential"])
+
+
+# ====================================================================== ReduceLROnPlateau on a validation metric
+class OnPlateau(_Plain):
+    """The Lightning idiom: ``ReduceLROnPlateau`` monitoring the validation loss (patience 0, so the learning rate
+    follows the validation values closely); records the values its scheduler received and the validation losses."""
+
+    def __init__(self, strict=True, monitor="val_loss"):
+        super().__init__()
+        self.strict, self.monitor = strict, monitor
+        self.validated, self.stepped = [], []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+    def on_validation_end(self):
+        if not self.trainer.sanity_checking:
+            self.validated.append(float(self.trainer.callback_metrics["val_loss"]))
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.5)
+        plateau = _RecordedPlateau(opt, patience=0, factor=0.5, threshold=0.5)
+        plateau.record = self.stepped
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": plateau, "monitor": self.monitor, "strict": self.strict},
+        }
+
+
+class _RecordedPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    record: list = []
+
+    def step(self, metrics, epoch=None):
+        self.record.append(float(metrics))
+        return super().step(metrics)
+
+    def state_dict(self):
+        return {k: v for k, v in super().state_dict().items() if k != "record"}
+
+
+def _plateau_fit(model, rounds, every=1, callbacks=(), ckpt_path=None, **kw):
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=6)
+    trainer = make_trainer(
+        rounds,
+        callbacks=list(callbacks),
+        limit_val_batches=None,
+        val_check_interval=every,
+        num_sanity_val_steps=0,
+        **kw,
+    )
+    trainer.fit(loop, datamodule=_dm(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_reduce_on_plateau_steps_after_each_rounds_validation_with_its_value():
+    """As plain Lightning steps it after the epoch's validation: round r's step gets round r's validation loss, so the
+    learning rate of round r + 1 reacts to the validation after round r."""
+    torch.manual_seed(0)
+    model = OnPlateau()
+    rec = _Record()
+    _plateau_fit(model, 4, callbacks=[rec])
+    assert len(model.validated) == 4 and model.stepped == model.validated
+    lrs = [r["client/step_size_mean"] for r in rec.rounds]
+    expected, lr, best = [], 0.5, float("inf")  # ReduceLROnPlateau(patience=0, threshold=0.5, rel): by hand
+    for value in model.validated:
+        expected.append(lr)
+        if value < best * (1 - 0.5):
+            best = value
+        else:
+            lr *= 0.5
+            best = min(best, value) if best != float("inf") else value
+    assert lrs == pytest.approx(expected, rel=1e-6)
+
+
+def test_reduce_on_plateau_without_a_validation_after_the_round_is_an_error_or_skipped():
+    """Validation every 2 rounds: the rounds without one have no value for the monitor; strict names it and what to
+    do, strict=False steps after the validated rounds only; a monitor nothing logs is named with the metrics there
+    are."""
+    torch.manual_seed(0)
+    with pytest.raises(
+        ValueError, match=r"monitors 'val_loss', which is not among round 0's metrics, and no validation"
+    ):
+        _plateau_fit(OnPlateau(), 4, every=2)
+    model = OnPlateau(strict=False)
+    _plateau_fit(model, 4, every=2)
+    assert len(model.validated) == 2 and model.stepped == model.validated
+    with pytest.raises(
+        ValueError, match=r"monitors 'val_acc', which is neither among round 0's metrics nor .*val_loss"
+    ):
+        _plateau_fit(OnPlateau(monitor="val_acc"), 2)
+
+
+def test_reduce_on_plateau_on_validation_resumes_like_the_uninterrupted_run(tmp_path):
+    """The checkpoint of round 2 is written again after round 2's validation (a resumed run does not run it again),
+    so it holds the scheduler step that validation caused: the resumed run's learning rates and weights are the
+    uninterrupted run's."""
+    from fedlightning.checkpoint import RoundCheckpoint
+
+    torch.manual_seed(0)
+    init = OnPlateau().state_dict()
+    full = OnPlateau()
+    full.load_state_dict(init)
+    rec_full = _Record()
+    _plateau_fit(full, 4, callbacks=[rec_full])
+    part = OnPlateau()
+    part.load_state_dict(init)
+    ckpt = RoundCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    _plateau_fit(part, 2, callbacks=[ckpt], enable_checkpointing=True)
+    resumed = OnPlateau()
+    rec = _Record()
+    _plateau_fit(resumed, 4, callbacks=[rec], ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
+    lrs_full = [r["client/step_size_mean"] for r in rec_full.rounds]
+    assert len(set(lrs_full)) > 1  # the scheduler acted
+    assert [r["client/step_size_mean"] for r in rec.rounds] == lrs_full[2:]
+    for p, q in zip(resumed.parameters(), full.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_a_checkpoint_written_before_the_rounds_validation_warns_of_the_skipped_step(tmp_path):
+    """Lightning's own ModelCheckpoint writes the round's file before its validation: the scheduler step waiting for
+    that validation is not in it, and a resumed run, which does not run that validation again, says so."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    _plateau_fit(OnPlateau(), 2, callbacks=[ckpt], enable_checkpointing=True)
+    with pytest.warns(UserWarning, match=r"before the validation after round 1 ended.*not stepped for round 1"):
+        _plateau_fit(OnPlateau(), 3, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))

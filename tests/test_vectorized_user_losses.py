@@ -81,7 +81,9 @@ def test_intercepted_loss_is_torchs_loss_on_the_real_samples(name):
     assert float(x.grad[REAL:].abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("name", ["ce-module-weight-ignore", "ce-probabilities", "mse", "bce-logits", "ce-weight-smooth"])
+@pytest.mark.parametrize(
+    "name", ["ce-module-weight-ignore", "ce-probabilities", "mse", "bce-logits", "ce-weight-smooth"]
+)
 def test_intercepted_loss_under_vmap_rows_with_different_masks(name):
     """Rows of one batched call hold 4, 7 and 1 real samples; row r's loss is torch's on its own real samples."""
     f = CASES[name]
