@@ -189,16 +189,20 @@ def test_nan_and_fractional_labels():
     # without num_classes, fractional labels are a regression target: served unchanged
     dm = _setup(DatasetDataModule(TensorDataset(X, half), **KW))
     assert torch.equal(dm.train_dataset.y, half)
-    # class labels in train, a fractional label in test
+    # class labels in train (a label-based partition makes them class ids), a fractional label in test
     test = YT.float()
     test[2] = 1.25
+    dirichlet = {**KW, "partition": Dirichlet(alpha=1.0)}
     with pytest.warns(UserWarning, match="the train labels are whole-number floats"):
         _raises(
             "DatasetDataModule: bad label in the test split: sample 2 of the test set has label 1.25, not a whole "
             "number, but the training labels are class ids; pass check_labels=False if the labels are targets of your "
             "own loss, not class ids",
-            lambda: _setup(DatasetDataModule(TensorDataset(X, Y.float()), TensorDataset(XT, test), **KW)),
+            lambda: _setup(DatasetDataModule(TensorDataset(X, Y.float()), TensorDataset(XT, test), **dirichlet)),
         )
+    # IID without num_classes: nothing says the labels are class ids, so both sets are served as they are
+    dm = _setup(DatasetDataModule(TensorDataset(X, Y.float()), TensorDataset(XT, test), **KW))
+    assert torch.equal(dm.train_dataset.y, Y.float()) and torch.equal(dm.test_dataset.y, test)
 
 
 class Floats(Dataset):
@@ -215,20 +219,30 @@ class Floats(Dataset):
 
 
 def test_whole_float_labels_are_served_as_int64_with_a_warning():
-    message = (
-        f"DatasetDataModule: the train labels are whole-number floats (train[0][1] is {float(Y[0])}); they are "
-        "served as int64 class ids. Pass check_labels=False to serve them unchanged (e.g. float targets of "
-        "BCEWithLogitsLoss)"
-    )
-    for dm in (
-        DatasetDataModule(TensorDataset(X, Y.float()), TensorDataset(XT, YT.double()), **KW),  # in memory
+    def message(why):
+        return (
+            f"DatasetDataModule: the train labels are whole-number floats and {why} makes them class ids (train[0][1] "
+            f"is {float(Y[0])}); they are served as int64 class ids. Pass check_labels=False to serve them unchanged "
+            "(e.g. float targets of BCEWithLogitsLoss)"
+        )
+
+    dirichlet = Dirichlet(alpha=1.0)
+    for dm, why in (
+        # in memory, num_classes given
+        (
+            DatasetDataModule(TensorDataset(X, Y.float()), TensorDataset(XT, YT.double()), num_classes=4, **KW),
+            "num_classes=4",
+        ),
         # per sample: the Dirichlet partition reads every training label once, and the checks reuse that pass
-        DatasetDataModule(Floats(X, Y), Floats(XT, YT), in_memory=False, **{**KW, "partition": Dirichlet(alpha=1.0)}),
+        (
+            DatasetDataModule(Floats(X, Y), Floats(XT, YT), in_memory=False, **{**KW, "partition": dirichlet}),
+            "the label-based partition=Dirichlet(alpha=1.0, min_samples=1, max_retries=10)",
+        ),
     ):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             dm.setup()
-        assert [str(w.message) for w in caught if "whole-number" in str(w.message)] == [message]
+        assert [str(w.message) for w in caught if "whole-number" in str(w.message)] == [message(why)]
         for c in range(dm.num_clients):
             for x, y in dm.client_dataloader(c):
                 assert y.dtype == torch.int64

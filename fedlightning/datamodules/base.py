@@ -11,6 +11,7 @@ never see test data (see :class:`FederatedDataModule` for the rules).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import warnings
@@ -46,6 +47,7 @@ __all__ = [
     "check_val_fraction",
     "chronological_holdout",
     "epoch_steps",
+    "preserved_random_states",
     "reiterate",
 ]
 
@@ -53,7 +55,7 @@ __all__ = [
 #: every training set for the clients; the seed papers select on the test set and give no validation fraction).
 DEFAULT_VAL_FRACTION = 0.1
 _EPS = 1e-9  # absorbs float error in fraction * count (0.7 * 10 = 7.000000000000001) before floor / ceil
-_SET_NAME = {"train": "training", "test": "test"}
+_SET_NAME = {"train": "training", "test": "test", "val": "validation"}
 
 
 def _first_of(rows: np.ndarray) -> str:
@@ -189,6 +191,19 @@ _RANDOM_SOURCES: tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...] = (
     (random.getstate, random.setstate),
     (np.random.get_state, np.random.set_state),
 )
+
+
+@contextlib.contextmanager
+def preserved_random_states() -> Iterator[None]:
+    """Puts the process's global random states (torch's CPU generator, Python's ``random``, numpy's global generator:
+    :data:`_RANDOM_SOURCES`) back as they were when the block exits, also on an exception: for reads of a user's
+    samples outside training (a data module's construction and setup), whose ``__getitem__`` may draw from them."""
+    states = [get() for get, _ in _RANDOM_SOURCES]
+    try:
+        yield
+    finally:
+        for (_, put), state in zip(_RANDOM_SOURCES, states):
+            put(state)
 
 
 def _same_state(a: Any, b: Any) -> bool:
@@ -445,16 +460,17 @@ class FederatedDataModule(pl.LightningDataModule):
     generator seeded by ``(seed, "sample", round)``.
 
     Data checks (decisions, ours; :meth:`setup` runs them once, after the clients are formed; docs/datasets.md has the
-    table of checks and messages). A training or test set held in memory (an :class:`ArrayDataset` whose ``x`` is a
-    tensor or array) is scanned for NaN / ±inf inputs, and its 1-D labels for values that are not class ids: not
-    finite; negative (integer labels); with :attr:`num_classes` known, not a whole number or ``>= num_classes``. The
-    first offending sample of the rows in use (client, validation and test rows; rows no split uses are ignored) stops
-    ``setup`` with a ValueError naming the split, the client (and user, for natural splits) and the sample's row in
-    its data set, and the value. Float labels without a known :attr:`num_classes` are targets of the user's own loss
-    and are only checked for being finite. Data sets that load samples lazily (any other ``Dataset``) are not scanned:
-    reading every sample would cost a pass over the data (image decoding, transforms); their subclasses check what
-    they read (CIFAR's, MNIST's and LIBSVM's readers check labels against their classes). ``check_labels = False``
-    turns the label checks off (targets that are not class ids, e.g. ±1).
+    table of checks and messages). A training, test or separate validation set (:meth:`_checked_sets`) held in memory
+    (an :class:`ArrayDataset` whose ``x`` is a tensor or array) is scanned for NaN / ±inf inputs, and its 1-D labels
+    for values that are not class ids: not finite; negative (integer labels); with :attr:`num_classes` known, not a
+    whole number or ``>= num_classes``. The first offending sample of the rows in use (client, validation and test
+    rows; rows no split uses are ignored) stops ``setup`` with a ValueError naming the split, the client (and user,
+    for natural splits) and the sample's row in its data set, and the value. Float labels without a known
+    :attr:`num_classes` are targets of the user's own loss and are only checked for being finite. Data sets that load
+    samples lazily (any other ``Dataset``) are not scanned: reading every sample would cost a pass over the data
+    (image decoding, transforms); their subclasses check what they read (CIFAR's, MNIST's and LIBSVM's readers check
+    labels against their classes). ``check_labels = False`` turns the label checks off (targets that are not class
+    ids, e.g. ±1).
     """
 
     #: Number of classes of the labels when the data set knows it (the bundled data sets;
@@ -566,9 +582,14 @@ class FederatedDataModule(pl.LightningDataModule):
         self._eligible = np.flatnonzero(self._num_samples > 0)
 
     # ------------------------------------------------------------------ data checks
+    def _checked_sets(self) -> list[tuple[str, Dataset | None]]:
+        """``(set name, data set)`` of every data set the data checks scan: ``"train"`` and ``"test"``; a subclass
+        with a separate validation set adds ``("val", it)``."""
+        return [("train", self.train_dataset), ("test", self.test_dataset)]
+
     def _check_data(self) -> None:
         """The setup-time data checks (class docstring, "Data checks"): a ValueError for the first offending row."""
-        for set_name, dataset in (("train", self.train_dataset), ("test", self.test_dataset)):
+        for set_name, dataset in self._checked_sets():
             if isinstance(dataset, ArrayDataset):
                 rows = self._used_rows(set_name, nonfinite_rows(dataset.x))
                 if len(rows):
@@ -596,9 +617,9 @@ class FederatedDataModule(pl.LightningDataModule):
                 )
 
     def _label_array(self, set_name: str) -> np.ndarray | None:
-        """The 1-D labels that ``set_name`` ("train" / "test") serves, when known without reading samples (an
-        :class:`ArrayDataset`'s ``y``); None: not checked."""
-        dataset = self.train_dataset if set_name == "train" else self.test_dataset
+        """The 1-D labels that ``set_name`` (a name of :meth:`_checked_sets`) serves, when known without reading
+        samples (an :class:`ArrayDataset`'s ``y``); None: not checked."""
+        dataset = dict(self._checked_sets()).get(set_name)
         return as_label_array(dataset.y) if isinstance(dataset, ArrayDataset) else None
 
     def _num_classes_source(self) -> str:
@@ -619,14 +640,18 @@ class FederatedDataModule(pl.LightningDataModule):
         }[problem]
 
     def _used_rows(self, set_name: str, rows: np.ndarray) -> np.ndarray:
-        """``rows`` that some split reads: every test row; training rows held by a client or the validation split."""
-        if set_name == "test" or not len(rows):
+        """``rows`` that some split reads: every test row and every row of a separate validation set; training rows
+        held by a client or the validation split."""
+        if set_name != "train" or not len(rows):
             return rows
         used = [self.val_indices] + [ix for ix in self.client_indices if len(ix)]
         return rows[np.isin(rows, np.concatenate(used))]
 
     def _row_owner(self, set_name: str, row: int) -> tuple[str, str]:
-        """``(split, " (client c ...)")`` of a row of the training (``"train"``) or test set, for error messages."""
+        """``(split, " (client c ...)")`` of a row of the training (``"train"``), test or separate validation
+        (``"val"``) set, for error messages."""
+        if set_name == "val":
+            return "validation", ""
         if set_name == "test":
             for c, ix in enumerate(self.client_test_indices or []):
                 if np.any(ix == row):

@@ -29,7 +29,12 @@ from torch.utils.data._utils.collate import default_collate
 
 from fedlightning._reference import reference_mode
 from fedlightning._validation import flag, integer, one_of
-from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
+from fedlightning.datamodules.base import (
+    DEFAULT_VAL_FRACTION,
+    ArrayDataset,
+    FederatedDataModule,
+    preserved_random_states,
+)
 from fedlightning.datamodules.checks import as_label_array
 from fedlightning.datamodules.partition import IID, Partitioner
 
@@ -54,6 +59,30 @@ def _is_hf(dataset: Any) -> bool:
     """True for a Hugging Face ``datasets.Dataset`` (only checked when ``datasets`` is already imported)."""
     mod = sys.modules.get("datasets")
     return mod is not None and isinstance(dataset, getattr(mod, "Dataset", ()))
+
+
+def _torch_formatted(dataset: Any) -> Any:
+    """A Hugging Face data set as :class:`DatasetDataModule` reads it: with ``with_format("torch")`` when it has no
+    format of its own (its numbers then arrive as tensors), keeping the columns it selects (``set_format(columns=...)``
+    with no type) and ``output_all_columns``; a data set with a format type (``"torch"``, ``"numpy"``, ...) or a
+    transform (``with_transform`` / ``set_transform``, format type ``"custom"``) is read as it is, so its samples are
+    what ``dataset[i]`` returns to the user."""
+    fmt = dataset.format
+    if fmt["type"] is not None:
+        return dataset
+    return dataset.with_format("torch", columns=fmt["columns"], output_all_columns=fmt["output_all_columns"])
+
+
+def _hf_label_column(dataset: Any, reader: _Reader) -> bool:
+    """Whether the labels ``dataset`` serves are its Hugging Face column ``reader.label_key`` (read in one go, without
+    a pass over the samples): a Hugging Face data set without a transform, whose dict samples hold the label under
+    a column's name. A transform may change or rename the labels, so its labels are read through it."""
+    return (
+        _is_hf(dataset)
+        and reader.kind == "dict"
+        and dataset.format["type"] != "custom"
+        and reader.label_key in dataset.column_names
+    )
 
 
 def _is_hf_iterable(dataset: Any) -> bool:
@@ -146,13 +175,14 @@ class DatasetDataModule(FederatedDataModule):
         num_classes: the number of classes of the served labels (the model's classes); labels outside
             ``0 … num_classes − 1`` are then an error at setup. Default: the size of the training set's Hugging Face
             ``ClassLabel`` label feature, else unknown. See "Label checks".
-        check_labels: check the served labels as class ids and serve whole-number float labels as int64 (default
+        check_labels: check the served labels as class ids and serve float class labels as int64 (default
             True); False serves the labels exactly as the data set returns them, unchecked. See "Label checks".
         label_key: where the label of a sample is: a dict key (Hugging Face column) or a tuple position (int);
             default: see "Labels". Used to find labels, never to reshape the batches.
         val: a separate validation set (e.g. a LightningDataModule's validation data): it is served by
             :meth:`val_dataloader` and nothing is held out of ``train`` (``val_fraction`` then defaults to 0; a
-            positive ``val_fraction`` with ``val`` is a ValueError).
+            positive ``val_fraction`` with ``val`` is a ValueError). Its labels are served and checked as the test
+            set's (see "Label checks").
         train_eval: the training samples as evaluation reads them: the same samples in the same order as ``train``,
             without random augmentation (e.g. the same torchvision data set built with the evaluation transform).
             The validation hold-out, :meth:`train_eval_dataloader` and the evaluation callbacks read it
@@ -177,9 +207,18 @@ class DatasetDataModule(FederatedDataModule):
     The framework only chooses which samples each client owns (partition) and in what order (seeded by ``(seed,
     round, client)``). Two exceptions, both documented policies: the in-memory fast path (below) serves ``(x, y)``
     pair samples as a tuple ``(x, y)`` of stacked tensors where ``default_collate`` gives a list ``[x, y]`` of the
-    same tensors; and with ``check_labels`` a float class label is served as ``int64`` (see "Label checks"). Hugging
-    Face data sets are read with ``with_format("torch")`` (their numbers arrive as tensors). Sample 0 of each data
-    set is read at construction, so an empty data set or a ``label_key`` that is not in the samples fails there.
+    same tensors; and with ``check_labels`` a float class label is served as ``int64`` (see "Label checks"). A
+    Hugging Face data set without a format of its own is read with ``with_format("torch")`` (its numbers arrive as
+    tensors), keeping the columns selected by ``set_format(columns=...)``; one with a format type
+    (``with_format("numpy")``, ``with_format("torch", columns=[...])``) or a transform (``with_transform`` /
+    ``set_transform``) is read as it is: ``dataset[i]`` exactly as you get it. Sample 0 of each data set is read at
+    construction, so an empty data set or a ``label_key`` that is not in the samples fails there.
+
+    Random states (decision, ours). Construction and :meth:`setup` read samples (sample 0 of each set, the
+    in-memory copy, the reread probe of "In memory", the label pass of a label partition) under the process's
+    random states and put torch's CPU generator, Python's ``random`` and numpy's global generator back as they
+    were afterwards, so a data set that draws random numbers in ``__getitem__`` leaves the process's random streams
+    (the model's initialisation, for one) as they would be without the data module.
 
     DataLoader options (decisions, ours). ``collate_fn`` builds client and evaluation batches. ``num_workers``,
     ``pin_memory``, ``worker_init_fn``, ``persistent_workers`` and ``prefetch_factor`` go to every per-sample
@@ -203,7 +242,9 @@ class DatasetDataModule(FederatedDataModule):
     no label unless ``label_key`` or ``labels=`` says where. A label must be an integer, a bool, a
     string or an integer-valued float (a 0-d tensor / array of those counts); anything else (a vector, a
     continuous regression target) cannot drive a label partition, and a label-based partition without labels is a
-    ValueError naming every source tried and how to pass ``labels=``. The validation split is stratified by these
+    ValueError naming every source tried and how to pass ``labels=``. The label column of a Hugging Face data set is
+    a source only without a transform (which may change or rename the labels): with one, a label partition reads
+    every sample's label through it (``labels=`` saves that pass). The validation split is stratified by these
     labels exactly as for the bundled modules; with IID and no cheap source (no pass is made for IID) it is a
     seeded uniform draw, the stratified split of a single class.
 
@@ -232,18 +273,22 @@ class DatasetDataModule(FederatedDataModule):
     * A string label in sample 0 is a ValueError at construction that says how to make class ids (a Hugging Face
       data set: ``class_encode_column``; a ``ClassLabel`` column already serves integer ids).
     * A train and a test ``ClassLabel`` with different names is a ValueError (one id would mean two classes).
-    * The labels are known without another pass when the training set is in memory, is a Hugging Face data set (its
-      label column), or had its labels read for a label partition. Known float labels that are all whole numbers
-      are class ids: they are served as ``int64`` (a warning says so, since ``BCEWithLogitsLoss`` wants float
-      targets), and so are the test labels, which must then be whole numbers too. Known float labels with a
-      fractional part are a regression target, served as they are, unless ``num_classes`` is given.
-    * ``num_classes`` given: the labels are class ids. Float labels are served as ``int64`` (per sample, when not
-      known in advance: a fractional one then raises a ValueError naming the sample when it is read).
+    * Float labels are class ids only when the arguments say so: ``num_classes`` is known (given, or a
+      ``ClassLabel`` feature), or the partition is label-based and splits by the samples' own labels (not by
+      ``labels=``). Their values never decide it, so the in-memory and the per-sample paths serve the same dtype
+      (only the in-memory path sees every value at setup) and a regression target that holds whole numbers (counts)
+      stays float. Float labels that are not class ids are served as they are, in every set.
+    * Float class ids are served as ``int64`` in the training, test and separate validation (``val=``) sets, with a
+      warning naming what makes them class ids (``BCEWithLogitsLoss`` wants float targets). Known labels are cast
+      at setup, where one that is not a whole number is a ValueError; labels not known in advance are cast per
+      sample, and a fractional one raises a ValueError naming the sample when it is read.
+    * The labels are known without another pass when the set is in memory, is a Hugging Face data set without a
+      transform (its label column), or (the training set) had its labels read for a label partition.
     * At setup (:class:`~fedlightning.datamodules.FederatedDataModule`, "Data checks"), the known labels of the
-      training and test sets are checked: not finite, negative, not a whole number or ``>= num_classes`` (the last
-      two when ``num_classes`` is known) is a ValueError naming the split, the client, the sample and the value.
-      Labels that are not known (per-sample data sets under IID without a label source) are not scanned: reading
-      every sample costs a pass over the data, which the per-sample path exists to avoid.
+      training, test and separate validation sets are checked: not finite, negative, not a whole number or
+      ``>= num_classes`` (the last two when ``num_classes`` is known) is a ValueError naming the split, the client,
+      the sample and the value. Labels that are not known (per-sample data sets without a label source) are not
+      scanned: reading every sample costs a pass over the data, which the per-sample path exists to avoid.
     """
 
     def __init__(
@@ -316,10 +361,13 @@ class DatasetDataModule(FederatedDataModule):
                 f"num_clients={self._num_clients} exceeds the {n} training samples: every client needs at least "
                 f"one sample; lower num_clients"
             )
-        self._train_reader = self._reader(self._train_source, "train")
-        self._test_reader = None if test is None else self._reader(self._test_source, "test")
-        self._val_reader = None if val is None else self._reader(self._val_source, "val")
-        self._train_eval_reader = None if train_eval is None else self._reader(self._train_eval_source, "train_eval")
+        with preserved_random_states():  # sample 0 of each set is read (class docstring, "Random states")
+            self._train_reader = self._reader(self._train_source, "train")
+            self._test_reader = None if test is None else self._reader(self._test_source, "test")
+            self._val_reader = None if val is None else self._reader(self._val_source, "val")
+            self._train_eval_reader = (
+                None if train_eval is None else self._reader(self._train_eval_source, "train_eval")
+            )
         self._given_labels = None if labels is None else self._given_label_ids(labels, n)
         #: whether the training set took the in-memory ArrayDataset path (set by setup)
         self.in_memory: bool | None = None
@@ -372,7 +420,7 @@ class DatasetDataModule(FederatedDataModule):
                 f"datasets.Dataset.from_generator"
             )
         if _is_hf(dataset):
-            dataset = dataset.with_format("torch")
+            dataset = _torch_formatted(dataset)
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ValueError(
                 f"{name} must be a map-style data set (a torch Dataset with __len__ and __getitem__, or a Hugging "
@@ -484,39 +532,40 @@ class DatasetDataModule(FederatedDataModule):
         """The training and test sets (in memory or per sample) and the training labels; an unlabelled IID split
         gets one class for every sample (its validation split is then a seeded uniform draw). Also checks that
         ``num_clients`` training samples remain after the validation hold-out (the base class's rounding)."""
-        train = self._materialise(self._train_source, self._train_reader, "train")
-        self.in_memory = isinstance(train, ArrayDataset)
-        test = None
-        if self._test_source is not None:
-            test = self._materialise(self._test_source, self._test_reader, "test")
-        if self._val_source is not None:
-            self.val_dataset = self._materialise(self._val_source, self._val_reader, "val")
-        labels = self._labels(train)
-        #: whether the training labels were found (False: an IID split without labels)
-        self.has_labels = labels is not None
-        read = train
-        train, test = self._settle_labels(train, test)
-        if self._train_eval_source is not None:
-            view = self._materialise(self._train_eval_source, self._train_eval_reader, "train_eval")
-            self._train_eval_view = view if train is read else _with_class_ids(view)  # labels served as train's
-        elif self.val_fraction > 0 and self._reads_at_random(self._train_source):
-            warnings.warn(
-                f"{type(self).__name__}: the validation split holds out samples of train, and train reads them "
-                "through a random transform, so validation sees augmented samples that change from one "
-                "evaluation to the next; pass train_eval= the same samples read without augmentation (e.g. the "
-                "same data set built with the evaluation transform), or val= a validation set",
-                UserWarning,
-                stacklevel=2,
-            )
-        n = len(train)
-        n_val = int(math.ceil(self.val_fraction * n - 1e-9))
-        if self._num_clients > n - n_val:
-            raise ValueError(
-                f"num_clients={self._num_clients} exceeds the {n - n_val} training samples left for the clients "
-                f"({n} in train, {n_val} held out for validation by val_fraction={self.val_fraction}); lower "
-                f"num_clients or val_fraction"
-            )
-        return train, test, labels if labels is not None else np.zeros(n, dtype=np.int64)
+        with preserved_random_states():  # samples are read (class docstring, "Random states")
+            train = self._materialise(self._train_source, self._train_reader, "train")
+            self.in_memory = isinstance(train, ArrayDataset)
+            test = None
+            if self._test_source is not None:
+                test = self._materialise(self._test_source, self._test_reader, "test")
+            if self._val_source is not None:
+                self.val_dataset = self._materialise(self._val_source, self._val_reader, "val")
+            labels = self._labels(train)
+            #: whether the training labels were found (False: an IID split without labels)
+            self.has_labels = labels is not None
+            read = train
+            train, test, self.val_dataset = self._settle_labels(train, test, self.val_dataset)
+            if self._train_eval_source is not None:
+                view = self._materialise(self._train_eval_source, self._train_eval_reader, "train_eval")
+                self._train_eval_view = view if train is read else _with_class_ids(view)  # labels served as train's
+            elif self.val_fraction > 0 and self._reads_at_random(self._train_source):
+                warnings.warn(
+                    f"{type(self).__name__}: the validation split holds out samples of train, and train reads them "
+                    "through a random transform, so validation sees augmented samples that change from one "
+                    "evaluation to the next; pass train_eval= the same samples read without augmentation (e.g. the "
+                    "same data set built with the evaluation transform), or val= a validation set",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            n = len(train)
+            n_val = int(math.ceil(self.val_fraction * n - 1e-9))
+            if self._num_clients > n - n_val:
+                raise ValueError(
+                    f"num_clients={self._num_clients} exceeds the {n - n_val} training samples left for the clients "
+                    f"({n} in train, {n_val} held out for validation by val_fraction={self.val_fraction}); lower "
+                    f"num_clients or val_fraction"
+                )
+            return train, test, labels if labels is not None else np.zeros(n, dtype=np.int64)
 
     def _reads_at_random(self, dataset: Any) -> bool:
         """:func:`_random_samples` of ``dataset``, probed once per data set (setup asks for the training set twice:
@@ -590,7 +639,7 @@ class DatasetDataModule(FederatedDataModule):
         candidates: list[tuple[str, Callable[[], Any]]] = []
         if isinstance(source, TensorDataset) and len(source.tensors) == 2:
             candidates.append(("the second tensor of the TensorDataset", lambda: source.tensors[1]))
-        if _is_hf(source) and reader.kind == "dict":
+        if _hf_label_column(source, reader):
             candidates.append(
                 (
                     f"the Hugging Face column {reader.label_key!r}",
@@ -641,54 +690,78 @@ class DatasetDataModule(FederatedDataModule):
         return labels
 
     # ------------------------------------------------------------------ label checks
-    def _settle_labels(self, train: Dataset, test: Dataset | None) -> tuple[Dataset, Dataset | None]:
-        """Serves class labels stored as floats as int64 class ids and records the labels that the base class checks
-        (rules: class docstring, "Label checks")."""
+    def _settle_labels(
+        self, train: Dataset, test: Dataset | None, val: Dataset | None
+    ) -> tuple[Dataset, Dataset | None, Dataset | None]:
+        """Serves class labels stored as floats as int64 class ids, in the training, test and separate validation
+        sets alike, and records the labels that the base class checks (rules: class docstring, "Label checks").
+        Whether float labels are class ids is decided by the arguments alone (:meth:`_classes_reason`), never by
+        the values, so that the in-memory and the per-sample paths serve the same dtype."""
         self._label_arrays = {}
         if not self.check_labels:
-            return train, test
+            return train, test, val
+        classes = self._classes_reason() is not None
         y = _served_labels(train, self._train_source, self._train_reader, self._read_pass)
-        classes: bool | None = True if self.num_classes is not None else None
         if y is not None:
-            if y.dtype.kind == "f":
-                whole = bool(_whole(y).all())
-                classes = classes or whole
-                if whole:
-                    y = y.astype(np.int64)
-                    train = _with_class_ids(train)
-                    self._warn_cast(self._train_reader, "train")
-            else:
-                classes = True
+            if classes and y.dtype.kind == "f" and bool(_whole(y).all()):  # a fractional one: the base class's check
+                y = y.astype(np.int64)
+                train = _with_class_ids(train)
+                self._warn_cast(self._train_reader, "train")
         elif classes and _is_float_label(self._train_reader.label0):  # not scanned: cast (and check) per sample
             train = _with_class_ids(train)
             self._warn_cast(self._train_reader, "train", scanned=False)
         self._label_arrays["train"] = y
-        if test is None:
-            return train, test
-        yt = _served_labels(test, self._test_source, self._test_reader, None)
-        if classes and yt is not None and yt.dtype.kind == "f":
-            bad = np.flatnonzero(~_whole(yt))
-            if len(bad) and self.num_classes is None:  # with num_classes, the base class's check names it
+        test = self._settle_eval_labels(test, self._test_source, self._test_reader, "test", classes)
+        val = self._settle_eval_labels(val, self._val_source, self._val_reader, "val", classes)
+        return train, test, val
+
+    def _settle_eval_labels(
+        self, data: Dataset | None, source: Any, reader: _Reader | None, name: str, classes: bool
+    ) -> Dataset | None:
+        """The test or separate validation set (``name``) serving its labels as the training set's: float class ids
+        as int64 when the labels are class ids (``classes``); a known label that is not a whole number is then a
+        ValueError (with ``num_classes``, the base class's check names it)."""
+        if data is None:
+            return None
+        y = _served_labels(data, source, reader, None)
+        if classes and y is not None and y.dtype.kind == "f":
+            bad = np.flatnonzero(~_whole(y))
+            if len(bad) and self.num_classes is None:
                 r = int(bad[0])
+                split = {"test": "test", "val": "validation"}[name]
                 raise ValueError(
-                    f"{type(self).__name__}: bad label in the test split: sample {r} of the test set has label "
-                    f"{yt[r].item()!r}, not a whole number, but the training labels are class ids{self._label_hint()}"
+                    f"{type(self).__name__}: bad label in the {split} split: sample {r} of the {split} set has label "
+                    f"{y[r].item()!r}, not a whole number, but the training labels are class ids{self._label_hint()}"
                 )
             if not len(bad):
-                yt = yt.astype(np.int64)
-                test = _with_class_ids(test)
-        elif classes and yt is None and _is_float_label(self._test_reader.label0):
-            test = _with_class_ids(test)
-        self._label_arrays["test"] = yt
-        return train, test
+                y = y.astype(np.int64)
+                data = _with_class_ids(data)
+        elif classes and y is None and _is_float_label(reader.label0):
+            data = _with_class_ids(data)
+        self._label_arrays[name] = y
+        return data
+
+    def _classes_reason(self) -> str | None:
+        """What makes the served labels class ids, for messages: ``num_classes`` (given, or a ``ClassLabel``
+        feature's size), else a label-based partition over the labels the samples hold (not over ``labels=``); None:
+        nothing does, so float labels are served as they are (a regression target may hold whole numbers)."""
+        if self._classes_from is not None:
+            return self._classes_from
+        if self.needs_labels and self._given_labels is None:
+            return f"the label-based partition={self.partition!r}"
+        return None
+
+    def _checked_sets(self) -> list[tuple[str, Dataset | None]]:
+        """The base class's sets, and the separate validation set (``val=``)."""
+        return super()._checked_sets() + [("val", self.val_dataset)]
 
     def _warn_cast(self, reader: _Reader, name: str, scanned: bool = True) -> None:
-        what = "whole-number floats" if scanned else f"floats and {self._classes_from} makes them class ids"
+        what = "whole-number floats" if scanned else "floats"
         then = "" if scanned else " (a label that is not a whole number raises a ValueError when it is read)"
         warnings.warn(
-            f"{type(self).__name__}: the {name} labels are {what} ({reader.where(name, 0)} is "
-            f"{_scalar(reader.label0)!r}); they are served as int64 class ids{then}. Pass check_labels=False to serve "
-            f"them unchanged (e.g. float targets of BCEWithLogitsLoss)",
+            f"{type(self).__name__}: the {name} labels are {what} and {self._classes_reason()} makes them class ids "
+            f"({reader.where(name, 0)} is {_scalar(reader.label0)!r}); they are served as int64 class ids{then}. "
+            f"Pass check_labels=False to serve them unchanged (e.g. float targets of BCEWithLogitsLoss)",
             stacklevel=5,
         )
 
@@ -770,7 +843,7 @@ def _served_labels(data: Dataset, source: Any, reader: _Reader, read_pass: np.nd
     Hugging Face label column, or the labels of the pass made for a label partition; None: not scanned."""
     if isinstance(data, ArrayDataset):
         return as_label_array(data.y)
-    if _is_hf(source) and reader.kind == "dict":
+    if _hf_label_column(source, reader):
         column = source.with_format("numpy", columns=[reader.label_key])[:][reader.label_key]
         return as_label_array(column) if isinstance(column, np.ndarray) else None
     return None if read_pass is None else as_label_array(read_pass)
@@ -838,11 +911,11 @@ REREAD_SAMPLES = 8
 
 def _reads_repeat(dataset: Any) -> bool:
     """Whether reading each of up to :data:`REREAD_SAMPLES` samples (spread over ``dataset``) twice gives equal
-    values, leaf by leaf of the samples' structure, NaN equal to NaN; torch's global random state is put back
-    afterwards."""
+    values, leaf by leaf of the samples' structure, NaN equal to NaN; the global random states (torch, ``random``,
+    numpy) are put back afterwards."""
     n = len(dataset)
     rows = sorted({(i * (n - 1)) // max(REREAD_SAMPLES - 1, 1) for i in range(min(REREAD_SAMPLES, n))})
-    with torch.random.fork_rng(devices=[]):
+    with preserved_random_states():
         for i in rows:
             (first, spec), (second, spec2) = tree_flatten(dataset[i]), tree_flatten(dataset[i])
             if spec != spec2 or not all(_same_values(a, b) for a, b in zip(first, second)):
@@ -919,7 +992,11 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
       sampler's), ``drop_last``, ``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor`` and
       ``worker_init_fn`` become the client loaders' options. Its sampler and shuffling are not used: each client's
       order is the seeded ``(seed, round, client)`` order (a warning names a sampler that does more than shuffle or
-      read in order: a weighted or bucketing sampler). Every argument given in ``kwargs`` wins.
+      read in order: a weighted or bucketing sampler). Every argument given in ``kwargs`` wins; ``num_workers=0``
+      also drops the loader's ``persistent_workers`` and ``prefetch_factor``, which need worker processes.
+    * A ``train_dataloader()`` with ``batch_size=None`` (automatic batching off: it yields single samples) is a
+      ValueError: clients take batches of samples, and that loader names neither a batch size nor a function that
+      collates a list of samples.
     * Validation: when the module defines ``val_dataloader`` and it returns a DataLoader, its data set is the global
       validation set and nothing is held out of the training set (``val=``; ``val_fraction`` defaults to 0). When it
       defines none (or returns an empty list), the ``val_fraction`` hold-out of the training set validates
@@ -950,6 +1027,14 @@ def _datamodule_parts(datamodule: Any, kwargs: dict) -> tuple[Any, Any, dict]:
             f"{name}.train_dataloader() returned {_describe(loader)}, not one torch DataLoader; from_datamodule takes "
             f"its dataset and collate_fn. Use FederatedDataModule.from_datasets(train, test, collate_fn=...) instead"
         )
+    if loader.batch_sampler is None and not isinstance(loader.dataset, IterableDataset):
+        raise ValueError(
+            f"{name}.train_dataloader() has batch_size=None (automatic batching off: it yields its data set's samples "
+            f"one at a time, each passed through collate_fn {_callable_name(loader.collate_fn)}), but federated "
+            f"clients take batches of samples; return DataLoader(dataset, batch_size=<samples per batch>, "
+            f"collate_fn=<a function of a list of samples>) from train_dataloader(), or use "
+            f"FederatedDataModule.from_datasets(dataset, batch_size=..., collate_fn=...)"
+        )
     _warn_unused_sampler(name, loader)
     options: dict = {}
     if loader.collate_fn is not default_collate:
@@ -961,7 +1046,8 @@ def _datamodule_parts(datamodule: Any, kwargs: dict) -> tuple[Any, Any, dict]:
         options["batch_size"] = int(batch_size)
     options["drop_last"] = bool(loader.drop_last or getattr(loader.batch_sampler, "drop_last", False))
     options.update(num_workers=loader.num_workers, pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn)
-    if loader.num_workers > 0:
+    if loader.num_workers > 0 and kwargs.get("num_workers", loader.num_workers) != 0:
+        # worker-only options; a num_workers=0 override drops them (the loader's values need workers)
         options.update(persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor)
     val = None
     if is_overridden("val_dataloader", datamodule, pl.LightningDataModule):
@@ -1012,7 +1098,8 @@ class WrappedDataModule(DatasetDataModule):
     ``test_dataloader()`` data sets validate and test. Arguments left at None take the loader's value
     (``batch_size``, ``drop_last``, ``num_workers``) or :class:`DatasetDataModule`'s rule (``val_fraction``: 0 with
     the module's own validation set, else 0.1); the others are :class:`DatasetDataModule`'s and override the
-    loader's. The wrapped module stays available as :attr:`datamodule`.
+    loader's. ``num_workers: 0`` also drops the loader's ``persistent_workers`` and ``prefetch_factor`` (they need
+    worker processes). The wrapped module stays available as :attr:`datamodule`.
     """
 
     def __init__(
