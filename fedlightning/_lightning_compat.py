@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 
 __all__ = [
+    "align_logged_step",
     "allow_logging_from",
     "attached_trainer",
     "batches_that_stepped",
@@ -91,6 +92,15 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
     """The step Lightning's logger connector passes to ``logger.log_metrics`` for training metrics (the fit loop's
     count of batches that stepped an optimizer; the round number here)."""
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def align_logged_step(trainer: pl.Trainer) -> None:
+    """Set the step training metrics are logged at (:func:`batches_that_stepped`) to ``trainer.global_step``, which
+    it equals in a federated fit (one batch and one optimizer step per round). A restore adds one to Lightning's
+    count when it takes the checkpoint for one written inside a batch (``_TrainingEpochLoop.reset``), which a file
+    written at the end of training after a validation, or after an exception, is not: every later round's metrics
+    would go to the step of the round after it."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = int(trainer.global_step)
 
 
 def should_write_step_logs(trainer: pl.Trainer) -> bool:

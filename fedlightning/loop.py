@@ -36,7 +36,13 @@ from torch import Tensor
 from torch.nn.parameter import is_lazy
 
 from fedlightning._hooks import _FORWARDED_HOOKS, _forward_to_model, _LogRouter
-from fedlightning._lightning_compat import attached_trainer, detached_trainer, evaluation_batch, strategy_optimizers
+from fedlightning._lightning_compat import (
+    align_logged_step,
+    attached_trainer,
+    detached_trainer,
+    evaluation_batch,
+    strategy_optimizers,
+)
 from fedlightning._logging_route import route_logging, routed_logging
 from fedlightning._reference import reference_mode
 from fedlightning._round import (
@@ -874,6 +880,7 @@ class FederatedLoop(pl.LightningModule):
 
     def training_step(self, plan: RoundPlan, batch_idx: int) -> None:
         """One communication round, as the template of its phases (:mod:`fedlightning._round` lists them)."""
+        align_logged_step(self.trainer)  # round r's metrics at step r, also after a restore
         plan = self._plan_round(plan)
         tally = self._train_clients(plan)
         stats = self._close_clients(plan, tally)

@@ -2,6 +2,7 @@
 ``fedlightning/_lightning_compat.py`` and nowhere else) still exists and means what the project assumes, on the
 installed versions: an upgrade that changes one fails here, by name."""
 
+import os
 import pathlib
 import re
 
@@ -112,6 +113,26 @@ def test_batches_that_stepped_and_the_step_log_rule(tmp_path, every, written):
     assert [s for s, _ in seen] == [0, 1, 2]
     # written at every log_every_n_steps-th step, never with 0
     assert [s for s, w in seen if w] == written
+
+
+def test_align_logged_step_sets_the_step_lightning_logs_training_metrics_at(tmp_path):
+    """After ``align_logged_step``, the step Lightning's logger connector writes the batch's metrics at (the CSV's
+    ``step`` column) is ``global_step``, whatever the count held before."""
+
+    class Shifted(_Tiny):
+        def training_step(self, batch, batch_idx):
+            self.trainer.fit_loop.epoch_loop._batches_that_stepped = 7  # a wrong count, as after a restore
+            compat.align_logged_step(self.trainer)
+            loss = super().training_step(batch, batch_idx)
+            self.log("m", float(self.global_step))
+            return loss
+
+    trainer = _trainer(tmp_path, log_every_n_steps=1)
+    trainer.fit(Shifted())
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        header, *rows = [line.strip().split(",") for line in f]
+    steps = [int(r[header.index("step")]) for r in rows if r[header.index("m")]]
+    assert steps == [0, 1, 2]
 
 
 def test_current_hook_is_the_name_lightning_sets_for_the_running_hook(tmp_path):

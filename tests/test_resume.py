@@ -192,3 +192,34 @@ def test_atomic_save_keeps_previous_checkpoint_when_writing_fails(tmp_path, monk
     monkeypatch.undo()
     assert torch.equal(io.load_checkpoint(path)["a"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+
+
+class _Steps(pl.Callback):
+    """The step each round's metrics go to the loggers at (Lightning's batches-that-stepped count), per round."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from fedlightning._lightning_compat import batches_that_stepped
+
+        self.steps.append((trainer.global_step - 1, batches_that_stepped(trainer)))  # global_step: rounds done
+
+
+@pytest.mark.parametrize("validate", [False, True], ids=["no validation", "validation every round"])
+def test_a_resumed_run_logs_each_round_at_its_own_step(tmp_path, validate):
+    """Round r's metrics are logged at step r, in the first run and after resuming from the checkpoint that
+    RoundCheckpoint writes when training ends (after the last round's validation): Lightning adds one to its count on
+    a restore it takes for a save inside a round, which would shift every later round's metrics by one step."""
+    from fedlightning.checkpoint import RoundCheckpoint
+
+    val = {"limit_val_batches": None, "val_check_interval": 1, "num_sanity_val_steps": 0} if validate else {}
+    loop, dm, _ = _setup()
+    ck = RoundCheckpoint(dirpath=str(tmp_path), save_last=True, every_n_train_steps=10)
+    first = _Steps()
+    make_trainer(3, callbacks=[ck, first], enable_checkpointing=True, **val).fit(loop, datamodule=dm)
+    loop, dm, _ = _setup()
+    resumed = _Steps()
+    make_trainer(5, callbacks=[resumed], **val).fit(loop, datamodule=dm, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert first.steps == [(0, 0), (1, 1), (2, 2)]
+    assert resumed.steps == [(3, 3), (4, 4)]
