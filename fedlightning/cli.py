@@ -28,7 +28,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from torch.optim import Optimizer
 
 from fedlightning._validation import SettingError, check_val_check_interval
@@ -50,9 +50,11 @@ from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.logging import LogConfigCallback, default_wandb_offline, resolved_config
 from fedlightning.loop import FederatedLoop
 
-__all__ = ["FederatedCLI", "main", "TRACEBACK_ENV"]
+__all__ = ["FederatedCLI", "main", "SIGTERM_EXIT_STATUS", "TRACEBACK_ENV"]
 
 TRACEBACK_ENV = "FEDLIGHTNING_TRACEBACK"
+#: Exit status of a run stopped by SIGTERM (128 + 15, as a shell reports a process that SIGTERM ended).
+SIGTERM_EXIT_STATUS = 143
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _KEYWORDS = ("last", "best")
 _MAX_SEED = 2**32 - 1  # lightning.fabric.utilities.seed.max_seed_value (numpy's seed range)
@@ -1024,12 +1026,25 @@ def main(args: list[str] | None = None, run: bool = True) -> FederatedCLI:
       of ``FederatedLoop.setup``), else the class of the innermost frame of an object the config names plus the one
       argument of it the message names (:func:`_config_key`).
 
+    A run stopped by SIGTERM (preemption; Lightning stops at the next round boundary) exits with status
+    :data:`SIGTERM_EXIT_STATUS` (143, the shell's status of a process ended by SIGTERM) and a last line saying so,
+    not with Lightning's status 0.
+
     An error after the first round of the process trained keeps its traceback (it is rarely a configuration error,
     and re-running to see it is expensive); so do errors of any other type or origin.
     """
     default_wandb_offline()
     try:
         return FederatedCLI(args=args, run=run)
+    except SIGTERMException as err:
+        # Lightning stops at the next round boundary and raises a SystemExit without a code, i.e. exit status 0: a
+        # restart loop (`until python train.py ...; do ...`) would take a preempted run for a finished one
+        sys.stderr.write(
+            "stopped: the run received SIGTERM and stopped at a round boundary; a one-process run saved its last "
+            "completed round as last.ckpt: resume with --ckpt_path last\n"
+        )
+        sys.stderr.flush()
+        raise SystemExit(SIGTERM_EXIT_STATUS) from err
     except (ValueError, TypeError, MisconfigurationException, argparse.ArgumentError) as err:
         line = getattr(err, "fedlightning_error_line", None)
         if line is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):

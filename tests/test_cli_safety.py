@@ -559,3 +559,35 @@ def test_an_error_after_a_round_trained_keeps_its_traceback(tmp_path, monkeypatc
                 ),
             ]
         )
+
+
+# ====================================================================== 5. a preempted run does not exit 0
+def test_sigterm_stops_at_a_round_boundary_with_a_nonzero_status_and_keeps_the_round(tmp_path, capsys, monkeypatch):
+    """SIGTERM (a real signal to this process) during round 2: Lightning finishes the round and stops at the
+    boundary; the CLI exits with status 143 (not Lightning's 0) and a last line saying how to resume, and last.ckpt
+    holds the three completed rounds."""
+    import glob
+    import signal
+
+    from fedlightning.checkpoint import read_checkpoint
+    from fedlightning.cli import SIGTERM_EXIT_STATUS
+
+    end_round = FederatedLoop._end_round
+
+    def preempted(self, result):
+        if result.plan.round == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return end_round(self, result)
+
+    monkeypatch.setattr(FederatedLoop, "_end_round", preempted)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "6")])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert info.value.code == SIGTERM_EXIT_STATUS
+    line, _ = _last_error_line(capsys)
+    assert line.startswith("stopped: the run received SIGTERM") and "--ckpt_path last" in line
+    (last,) = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
+    assert read_checkpoint(last)["global_step"] == 3
