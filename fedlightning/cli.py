@@ -348,6 +348,8 @@ class FederatedCLI(LightningCLI):
             rank_zero_warn(
                 f"resuming from {path}, written with other settings (--resume_mismatch=allow):\n  " + "\n  ".join(diffs)
             )
+            if any(d.startswith("trainer.callbacks") for d in diffs):  # the server strategy's settings, among others
+                self.model.apply_server_settings_on_resume()
             return
         raise CheckpointError(
             path,

@@ -286,6 +286,7 @@ class FederatedLoop(pl.LightningModule):
             raise TypeError(f"init_weights must be a file path or None, got {type(init_weights).__name__}")
         self.init_weights = None if init_weights is None else os.fspath(init_weights)
         self._model_configured = False  # the user's configure_model ran in this stage's setup (_configure_model_now)
+        self._server_settings_from_config = False  # apply_server_settings_on_resume
         self._init_weights_missing = False  # set at setup (_load_init_weights), checked at on_fit_start
         self.client_state = ClientStateStore()
         self.strategy: ServerStrategy | None = None
@@ -1055,7 +1056,8 @@ class FederatedLoop(pl.LightningModule):
         bar = round_bar_for(trainer.progress_bar_callback) if trainer is not None else None
         if bar is not None:  # replaced: Lightning drops a trainer callback that a configure_callbacks one subclasses
             callbacks.append(bar)
-        callbacks.append(_AfterValidation())
+        if trainer is None or not any(isinstance(cb, _AfterValidation) for cb in trainer.callbacks):
+            callbacks.append(_AfterValidation())  # once per Trainer (fit, then test, call this again)
         return callbacks
 
     def on_fit_start(self) -> None:
@@ -1066,6 +1068,32 @@ class FederatedLoop(pl.LightningModule):
         if self._init_weights_missing and not resumed:
             raise CheckpointError(self.init_weights, "file not found (model.init_weights)")
         self.model.on_fit_start()
+
+    def apply_server_settings_on_resume(self) -> None:
+        """Resume with this run's server strategy settings (the CLI calls it for ``--resume_mismatch=allow`` when
+        the strategy's settings differ from the checkpoint's): Lightning restores the checkpoint's server optimizer,
+        whose hyper-parameters (``lr``, ``betas``, ``eps``, ...) would override the strategy's; after that restore
+        (:meth:`on_train_start`) they are set from the strategy's ``configure_server_optimizer``, while the
+        optimizer's state (momentum, moments) is kept."""
+        self._server_settings_from_config = True
+
+    def on_train_start(self) -> None:
+        """After Lightning's restore of a checkpoint: the server optimizer's hyper-parameters from this run's strategy
+        when :meth:`apply_server_settings_on_resume` asked for it; then the user's module's ``on_train_start``."""
+        if self._server_settings_from_config:
+            self._server_settings_from_config = False
+            (optimizer,) = self.trainer.optimizers
+            fresh = self.strategy.configure_server_optimizer(self._global_params())
+            if type(fresh) is not type(optimizer) or len(fresh.param_groups) != len(optimizer.param_groups):
+                raise CheckpointError(
+                    str(self.trainer.ckpt_path),
+                    f"its server optimizer ({type(optimizer).__name__}, {len(optimizer.param_groups)} group(s)) is "
+                    f"not the one {type(self.strategy).__name__} builds ({type(fresh).__name__}, "
+                    f"{len(fresh.param_groups)} group(s)): a run cannot resume with another server optimizer",
+                )
+            for group, configured in zip(optimizer.param_groups, fresh.param_groups):
+                group.update({k: v for k, v in configured.items() if k != "params"})
+        self.model.on_train_start()
 
     def on_train_end(self) -> None:
         """The user's module's ``on_train_end``, then the end-of-run check of the failure policy (a run in which no
@@ -1146,5 +1174,5 @@ class _AfterValidation(pl.Callback):
 
 
 for _name in _FORWARDED_HOOKS:
-    if _name not in FederatedLoop.__dict__:  # on_fit_start and on_train_end forward themselves, after their checks
+    if _name not in FederatedLoop.__dict__:  # on_fit_start, on_train_start, on_train_end forward themselves
         setattr(FederatedLoop, _name, _forward_to_model(_name))

@@ -591,3 +591,24 @@ def test_sigterm_stops_at_a_round_boundary_with_a_nonzero_status_and_keeps_the_r
     assert line.startswith("stopped: the run received SIGTERM") and "--ckpt_path last" in line
     (last,) = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
     assert read_checkpoint(last)["global_step"] == 3
+
+
+def test_resume_mismatch_allow_trains_on_with_this_runs_server_settings(tmp_path):
+    """--resume_mismatch=allow promises this run's settings: a changed server_lr is the server optimizer's lr after
+    the restore (Lightning's restore alone would bring back the checkpoint's), and the rounds use it."""
+    fedavg = ["--trainer.callbacks+=fedlightning.callbacks.FedAvg"]
+    main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "2", *fedavg)])
+    with pytest.warns(UserWarning, match=r"server_lr: checkpoint 1.0 -> now 0.5"):
+        resumed = main(
+            [
+                "fit",
+                *_tiny(tmp_path, "--trainer.max_steps", "3", *fedavg, "--trainer.callbacks.server_lr=0.5"),
+                "--ckpt_path",
+                "last",
+                "--resume_mismatch",
+                "allow",
+            ]
+        )
+    assert resumed.trainer.global_step == 3
+    assert resumed.trainer.optimizers[0].param_groups[0]["lr"] == 0.5
+    assert float(resumed.trainer.callback_metrics["server/lr"]) == 0.5
