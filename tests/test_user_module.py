@@ -915,3 +915,23 @@ def test_a_checkpoint_written_before_the_rounds_validation_warns_of_the_skipped_
     _plateau_fit(OnPlateau(), 2, callbacks=[ckpt], enable_checkpointing=True)
     with pytest.warns(UserWarning, match=r"before the validation after round 1 ended.*not stepped for round 1"):
         _plateau_fit(OnPlateau(), 3, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
+
+
+class Predicts(_Plain):
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return self.net(x).argmax(-1)
+
+
+def test_predict_runs_the_global_models_predict_step_over_the_test_split():
+    """``trainer.predict`` (and ``train.py predict``) with a federated data module: the global model's predict_step
+    over the test set, in order: the predictions of the model on every test sample."""
+    torch.manual_seed(0)
+    model, dm = Predicts(), _dm()
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3)
+    trainer = make_trainer(1)
+    trainer.fit(loop, datamodule=dm)
+    got = torch.cat(trainer.predict(loop, datamodule=dm))
+    dm.setup("test")
+    x = torch.stack([dm.test_dataset[i][0] for i in range(len(dm.test_dataset))])
+    assert torch.equal(got, model.net(x).argmax(-1))

@@ -1078,6 +1078,12 @@ class FederatedDataModule(pl.LightningDataModule):
         self._require_setup()
         return self._eval_loader(self.test_dataset)
 
+    def predict_dataloader(self) -> DataLoader:
+        """The global test set, as :meth:`test_dataloader` gives it (Lightning's ``predict`` stage: the global
+        model's ``predict_step`` over the test split; decision, ours: the data modules hold no other unlabelled
+        split). A subclass defines its own to predict on other data."""
+        return self.test_dataloader()
+
     def training_rows(self) -> np.ndarray:
         """Sorted rows of the training set that clients hold (the union of ``client_indices``; no validation row)."""
         self._require_setup()
