@@ -160,3 +160,56 @@ def test_a_backward_pass_vmap_cannot_run_is_refused_and_auto_trains_sequentially
         fit("vectorized")
     seq, auto = fit("sequential"), fit("auto")
     assert all(torch.equal(auto[k], seq[k]) for k in seq)
+
+
+TOKENS = torch.randint(1, 9, (160, 5), generator=g)
+TOKENS[torch.arange(5).expand(160, 5) >= torch.randint(1, 6, (160, 1), generator=g)] = 0  # sequences padded with 0
+
+
+class Tokens(pl.LightningModule):
+    """Token ids padded with 0 into an embedding with ``padding_idx=0`` (the NLP idiom), mean-pooled into a head."""
+
+    def __init__(self, **embedding):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(9, 4, padding_idx=0, dtype=torch.float64, **embedding)
+        with torch.no_grad():
+            self.emb.weight[0] = 0.5  # a padding row that is not zero: its value is read, never trained
+        self.head = torch.nn.Linear(4, 2, dtype=torch.float64)
+
+    def training_step(self, batch, batch_idx):
+        tokens, y = batch
+        return F.cross_entropy(self.head(self.emb(tokens).mean(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.5)
+
+
+def _train_tokens(net, mode):
+    dm = FederatedDataModule.from_datasets(
+        TensorDataset(TOKENS, Y), partition=Dirichlet(alpha=0.5), num_clients=8, batch_size=6, seed=0, val_fraction=0
+    )
+    loop = FederatedLoop(net, local_steps=3, clients_per_round=4, seed=0, client_execution=mode)
+    make_trainer(2).fit(loop, datamodule=dm)
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def test_an_embedding_padding_row_gets_no_gradient_in_any_client():
+    """``padding_idx``: the padding row is read, never trained. Under vmap torch's embedding backward kept the padding
+    row's gradient at zero for the first client only; the engine's embedding leaves it out for every client, and
+    vectorized training equals sequential training."""
+    seq = _train_tokens(Tokens(), "sequential")
+    vec = _train_tokens(Tokens(), "vectorized")
+    assert torch.equal(seq["emb.weight"][0], torch.full((4,), 0.5, dtype=torch.float64))
+    for k in seq:
+        torch.testing.assert_close(vec[k], seq[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_an_embedding_scaling_its_gradient_by_frequency_is_refused_and_auto_trains_sequentially():
+    """``scale_grad_by_freq`` divides each row's gradient by its count in the batch, which padded cells change."""
+    with pytest.raises(VectorizationUnsupportedError, match=r"layer 'emb' \(Embedding\) with scale_grad_by_freq"):
+        _train_tokens(Tokens(scale_grad_by_freq=True), "vectorized")
+    seq = _train_tokens(Tokens(scale_grad_by_freq=True), "sequential")
+    auto = _train_tokens(Tokens(scale_grad_by_freq=True), "auto")
+    for k in seq:
+        assert torch.equal(auto[k], seq[k]), k

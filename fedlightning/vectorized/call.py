@@ -38,8 +38,15 @@ from .rows import (
     extract_loss,
     per_sample_fallback,
 )
-from .support import VectorizationUnsupportedError, _has_random_layers, _per_sample_protocol, _vmappable_rnns
+from .support import (
+    VectorizationUnsupportedError,
+    _has_random_layers,
+    _padded_embeddings,
+    _per_sample_protocol,
+    _vmappable_rnns,
+)
 from .torch_internals import (
+    _embedding_forward,
     _linear_forward,
     _parameter_slots,
     _plain_linears,
@@ -225,8 +232,10 @@ class _ModelCall:
         #: the model's ``training_step_per_sample`` if padded steps may use it (never with normalisation layers)
         self.protocol = None if self.norms else _per_sample_protocol(model)
         # layers computed another way under vmap: recurrent layers in plain tensor ops, linear layers batched
-        self.forwards = [(m, _rnn_forward) for m in _vmappable_rnns(model)] + [
-            (m, _linear_forward) for m in _plain_linears(model)
+        self.forwards = [
+            *((m, _rnn_forward) for m in _vmappable_rnns(model)),
+            *((m, _linear_forward) for m in _plain_linears(model)),
+            *((m, _embedding_forward) for m in _padded_embeddings(model)),
         ]
         self.deterministic = not _has_random_layers(model)
         self.whole_rows = _WholeRows(self)

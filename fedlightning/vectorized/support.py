@@ -26,6 +26,7 @@ __all__ = [
     "check_model_vectorizable",
     "_has_random_layers",
     "_norm_layers",
+    "_padded_embeddings",
     "_per_sample_protocol",
     "_vmappable_rnns",
 ]
@@ -117,4 +118,23 @@ def _vmappable_rnns(model: nn.Module) -> list[nn.RNNBase]:
                     "proj_size > 0; use client_execution='sequential' or 'auto'"
                 )
             found.append(module)
+    return found
+
+
+def _padded_embeddings(model: nn.Module) -> list[nn.Embedding]:
+    """The model's ``nn.Embedding`` layers with a ``padding_idx`` that run the class's own ``forward``: under vmap they
+    compute through :func:`_embedding_forward`. ``scale_grad_by_freq`` (the gradient divided by each index's count in
+    the batch, which padded cells would change) and ``sparse`` gradients are refused by name (decision, ours)."""
+    found = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Embedding):
+            continue
+        if m.scale_grad_by_freq or m.sparse:
+            setting = "scale_grad_by_freq=True" if m.scale_grad_by_freq else "sparse=True"
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized' cannot train layer '{name}' (Embedding) with {setting}: "
+                "use client_execution='sequential' (or 'auto' to fall back automatically)"
+            )
+        if m.padding_idx is not None and type(m).forward is nn.Embedding.forward and "forward" not in m.__dict__:
+            found.append(m)
     return found

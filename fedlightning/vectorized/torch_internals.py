@@ -68,6 +68,7 @@ __all__ = [
     "_offer_linear_rows",
     "_parameter_slots",
     "_physical",
+    "_embedding_forward",
     "_plain_linears",
     "_rng_state",
     "_rnn_forward",
@@ -434,6 +435,18 @@ def _plain_linears(model: nn.Module) -> list[nn.Linear]:
         for m in model.modules()
         if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__
     ]
+
+
+def _embedding_forward(module: nn.Embedding, input: Tensor) -> Tensor:
+    """``nn.Embedding.forward`` of a layer with ``padding_idx`` under the engine's vmap: the lookup without
+    ``padding_idx``, and the padding positions' rows detached, so that they read the padding row's value (forward
+    unchanged) and send it no gradient, as ``padding_idx`` does.
+
+    Decision (ours, measured): torch's batching rule of the embedding backward with a ``padding_idx`` keeps the
+    padding row's gradient at zero for the first client only; the other clients' padding rows received the
+    gradient of every padding position (``tests/test_vectorized_shared_state.py``)."""
+    out = torch.nn.functional.embedding(input, module.weight, None, module.max_norm, module.norm_type, False, False)
+    return torch.where((input == module.padding_idx).unsqueeze(-1), out.detach(), out)
 
 
 # ====================================================================== recurrent layers
