@@ -175,6 +175,33 @@ def test_models_with_dropout_train_sequentially_without_measuring(monkeypatch, c
     assert_identical(got, fit(UserMLP(dropout=0.2), CLIENT_OPTIMIZERS["sgd"], "sequential"))
 
 
+class FunctionalDropout(UserMLP):
+    """Dropout written as a function call in training_step, no ``nn.Dropout`` layer for the model's check to see."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.nn.functional.dropout(self.net[:2](x), 0.3, training=self.training)
+        return torch.nn.functional.cross_entropy(self.net[3](h), y)
+
+
+def test_random_draws_outside_dropout_layers_are_found_and_train_sequentially(monkeypatch, caplog):
+    """The first batched call moves torch's generator: the model is random after all, so "auto" trains it
+    sequentially whatever the timing says (vectorized would draw other masks, and the result would depend on this
+    machine's speed), and its weights are sequential training's."""
+    virtual_clock(monkeypatch, 4.0, 1.0)  # a measurement that would choose vectorized
+    with caplog.at_level(logging.INFO):
+        got = fit(FunctionalDropout(), CLIENT_OPTIMIZERS["sgd"], "auto")
+    assert auto_lines(caplog) == [
+        "client_execution='auto': training clients one at a time (sequential): training_step draws random numbers "
+        "(torch's generator moved in its first batched call), and vectorized training would draw different ones, so "
+        "results would depend on this machine's speed; set client_execution='vectorized' to use it anyway"
+    ]
+    assert_identical(got, fit(FunctionalDropout(), CLIENT_OPTIMIZERS["sgd"], "sequential"))
+    vec = fit(FunctionalDropout(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+    assert not vec[1].vectorized_engine.deterministic  # found in vectorized mode too (line searches replay draws)
+    assert fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "vectorized")[1].vectorized_engine.deterministic
+
+
 @pytest.mark.parametrize("seq,vec,chosen", [(4.0, 1.0, "vectorized"), (1.0, 4.0, "sequential")])
 def test_recurrent_models_are_measured_on_cpu(monkeypatch, caplog, seq, vec, chosen):
     """A GRU text classifier trains faster vectorised on a CPU, an LSTM slower (docs/benchmarks.md §3): recurrent

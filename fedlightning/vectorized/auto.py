@@ -478,6 +478,13 @@ def _auto_decide(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence
                 run.group_size = size // 2
         if halved_from is not None:
             _warn_halved(halved_from, run.group_size)
+        if not engine.deterministic:  # found random draws in its first batched call (F.dropout, noise)
+            choice, reason = (
+                "sequential",
+                "training_step draws random numbers (torch's generator moved in its first batched call), and "
+                "vectorized training would draw different ones, so results would depend on this machine's speed; "
+                "set client_execution='vectorized' to use it anyway",
+            )
         if choice == "sequential":
             _free(run)  # the run trains no vectorised round: its buffers ([C, D] and larger) are not kept
     run.choice, run.reason = choice, reason

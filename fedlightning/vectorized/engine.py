@@ -20,7 +20,7 @@ from .metrics import _replay
 from .rules import StepRecord, make_batched_rule
 from .step import _feed_router, _StepEvaluator
 from .support import VectorizationUnsupportedError, check_model_vectorizable
-from .torch_internals import _seed_default_generators, tree_flatten
+from .torch_internals import _rng_state, _seed_default_generators, tree_flatten
 
 __all__ = ["VectorizedClientTrainer"]
 
@@ -164,6 +164,7 @@ class VectorizedClientTrainer:
         ev = _StepEvaluator(self, layout, 0, None, rng_devices, None, trials=False)
         ev.learn_layout = True
         ev.keep_effects = False
+        before = _rng_state(rng_devices)
         try:
             ev.gradient(W, torch.ones(layout.num_clients, dtype=torch.bool, device=W.device), flat=False)
         except torch.cuda.OutOfMemoryError:
@@ -177,6 +178,14 @@ class VectorizedClientTrainer:
                 f"torch.func.vmap: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Use "
                 "client_execution='sequential' (or 'auto' to fall back automatically)"
             ) from err
+        if self.call.deterministic and not _same_rng_state(before, _rng_state(rng_devices)):
+            # random draws outside dropout layers (F.dropout, torch.randn_like noise): the model is random after all
+            self.call.deterministic = False
+            _info(
+                f"client_execution='vectorized': {type(self.call.model).__name__}.training_step draws random numbers "
+                "(torch's generator moved during its first batched call): its clients draw other numbers than "
+                "sequential training's, as with dropout layers"
+            )
         self.layout_learned = True
 
     # ---------------------------------------------------------------- full gradients at the global weights
@@ -575,3 +584,9 @@ def _stack_rows(batches: Sequence[Any], sizes: Sequence[int]) -> tuple[list[Tens
                 )
             out[j].append(x if n == n_max else x.index_select(0, position.to(x.device)))
     return [torch.stack(parts) for parts in out], spec, list(sizes)
+
+
+def _same_rng_state(a: tuple[Tensor, list[Tensor]], b: tuple[Tensor, list[Tensor]]) -> bool:
+    """Equal generator states (:func:`~fedlightning.vectorized.torch_internals._rng_state`: the CPU's and the
+    devices')."""
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
