@@ -213,3 +213,40 @@ def test_an_embedding_scaling_its_gradient_by_frequency_is_refused_and_auto_trai
     auto = _train_tokens(Tokens(scale_grad_by_freq=True), "auto")
     for k in seq:
         assert torch.equal(auto[k], seq[k]), k
+
+
+class Smoothed(pl.LightningModule):
+    """Keeps a running average of its loss on ``self`` (a tensor attribute, not a buffer) and logs it."""
+
+    def __init__(self, history=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(6, 2, dtype=torch.float64)
+        self.ema, self.history = None, [] if history else None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.head(x), y)
+        if self.history is not None:
+            self.history.append(loss.detach())
+        else:
+            self.ema = loss.detach() if self.ema is None else 0.9 * self.ema + 0.1 * loss.detach()
+            self.log("ema", self.ema)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("history", [False, True], ids=["self.ema = ...", "self.history.append(...)"])
+def test_a_tensor_kept_on_the_module_is_refused_by_name_and_auto_trains_sequentially(history):
+    """Each sequential client reads and writes its own value of the attribute; the clients in lockstep would leave
+    one batched value there. The first batched call finds the write, puts the attribute back and refuses by name,
+    so "auto" trains the module sequentially from the attribute as it was (its weights are sequential training's)."""
+    name = "history" if history else "ema"
+    with pytest.raises(VectorizationUnsupportedError, match=rf"stores tensors in the module's attributes \('{name}'\)"):
+        _train(Smoothed(history), "vectorized")
+    seq = _train(Smoothed(history), "sequential")
+    auto = _train(Smoothed(history), "auto")
+    for k in seq:
+        assert torch.equal(auto[k], seq[k]), k

@@ -134,6 +134,36 @@ def _full_precision(device: torch.device):
         return contextlib.nullcontext()
 
 
+_MODULE_KEYS: set[str] = set()  # the attributes every LightningModule has (its own state, not the user's)
+
+
+def _tensor_attributes(model: nn.Module) -> dict[tuple[int, str], tuple[nn.Module, str, Any, int | None]]:
+    """The user's attributes of ``model``'s modules (torchmetrics metrics aside: their states are replayed per
+    client): ``(id(module), name) -> (module, name, value, size)``; ``size`` is the length of a list, tuple or dict
+    holding a tensor, -1 for a tensor, None for anything else."""
+    if not _MODULE_KEYS:
+        import lightning.pytorch as pl
+
+        _MODULE_KEYS.update(vars(pl.LightningModule()))
+    skip = {id(m) for _, metric in _metric_modules(model) for m in metric.modules()}
+    found = {}
+    for module in model.modules():
+        if id(module) in skip:
+            continue
+        for key, value in vars(module).items():
+            if key in _MODULE_KEYS:
+                continue
+            size = None
+            if isinstance(value, Tensor):
+                size = -1
+            elif isinstance(value, (list, tuple, dict)):
+                items = value.values() if isinstance(value, dict) else value
+                if any(isinstance(v, Tensor) for v in items):
+                    size = len(value)
+            found[(id(module), key)] = (module, key, value, size)
+    return found
+
+
 #: Samples :meth:`_ModelCall._check_sample_mean` evaluates together and one by one, at most.
 PROBE_SAMPLES = 8
 
@@ -238,6 +268,7 @@ class _ModelCall:
             *((m, _embedding_forward) for m in _padded_embeddings(model)),
         ]
         self.deterministic = not _has_random_layers(model)
+        self._attributes_checked = False  # the first batched call's writes to module attributes (_check_attributes)
         self.whole_rows = _WholeRows(self)
         self.padded_rows: Any | None = None  # chosen on the first padded step (choose_padded_rows)
         # buffers other than the normalisation layers' running statistics (which run per client): the engine shares
@@ -339,10 +370,44 @@ class _ModelCall:
         :func:`~fedlightning.vectorized.rows.choose_padded_rows` (the model's per-sample protocol, per-sample loss
         interception or one ``training_step`` call per sample, the first that applies)."""
         versions = [t._version for _, t in self._shared_buffers]
-        out = self._row_values(views, batch, mask, step, cells, effects, min_count, clients)
+        attributes = None if self._attributes_checked else _tensor_attributes(self.model)
+        try:
+            out = self._row_values(views, batch, mask, step, cells, effects, min_count, clients)
+        finally:
+            if attributes is not None:
+                self._check_attributes(attributes)
+        self._attributes_checked = True
         if versions:
             self._check_buffers(versions)
         return out
+
+    def _check_attributes(self, before: dict[tuple[int, str], tuple[nn.Module, str, Any, int | None]]) -> None:
+        """Raise :class:`VectorizationUnsupportedError` naming a tensor attribute of the model's modules that the
+        first batched call set or grew (``self.ema = 0.9 * self.ema + 0.1 * loss``, ``self.history.append(loss)``),
+        after putting every such attribute back as it was. Decision (ours): each sequential client reads and
+        writes its own value; the clients in lockstep would leave one batched value there (which sequential
+        training cannot read after a fallback), so the module is refused (``"auto"`` trains it sequentially)."""
+        after = _tensor_attributes(self.model)
+        changed = [
+            (module, key)
+            for k, (module, key, value, size) in after.items()
+            if size is not None and (k not in before or before[k][2] is not value or before[k][3] != size)
+        ]
+        if not changed:
+            return
+        for module, key in changed:
+            kept = before.get((id(module), key))
+            if kept is None:
+                delattr(module, key)
+            else:
+                object.__setattr__(module, key, kept[2])
+        names = {id(m): n for n, m in self.model.named_modules()}
+        where = ", ".join(f"'{(names[id(m)] + '.') if names[id(m)] else ''}{k}'" for m, k in changed)
+        raise VectorizationUnsupportedError(
+            f"client_execution='vectorized': training_step of {type(self.model).__name__} stores tensors in the "
+            f"module's attributes ({where}); each sequential client keeps its own, the clients in lockstep would "
+            "share one. Use client_execution='sequential' (or 'auto')"
+        )
 
     def _check_buffers(self, versions: list[int]) -> None:
         """Raise :class:`VectorizationUnsupportedError` naming a shared buffer whose version counter moved since
