@@ -65,6 +65,16 @@ class _LogRouter:
         self.captured = {}
         return out
 
+    def pop_sums(self) -> dict[str, tuple[float, int]]:
+        """``name -> (sum, count)`` of this process's captured values (float64 sums), for a mean over processes."""
+        out = {}
+        for k, v in self.captured.items():
+            if v:
+                values = _concat(v).double()
+                out[k] = (float(values.sum()), int(values.numel()))
+        self.captured = {}
+        return out
+
     def compute_metrics(self) -> dict[str, float]:
         """``client/<name>`` for every torchmetrics metric logged in ``training_step`` (in name order, so that every
         process calls ``compute`` — a collective under DDP — in the same order)."""

@@ -37,6 +37,7 @@ __all__ = [
     "HealthyClient",
     "RoundTally",
     "accumulate_telemetry",
+    "client_log_means",
     "log_round",
     "reduce_statistics",
     "screen_update",
@@ -456,6 +457,20 @@ def reduce_statistics(stats: RoundStatistics, trainer: Any, round: int) -> None:
     """Combine the round's statistics of all processes (no-op on one process)."""
     if _distributed(trainer):
         all_reduce_statistics(stats, round=round)
+
+
+def client_log_means(router: Any, trainer: Any, round: int) -> dict[str, float]:
+    """``client/<name>``: the mean of the values the round's clients logged in ``training_step`` (and its epoch
+    hooks), over the clients of every process: with several processes each sends its sums and counts, so the mean
+    is the one a single process computes, up to the order of the float64 sums (one process: the router's own mean)."""
+    if not _distributed(trainer):
+        return router.pop_means()
+    total: dict[str, tuple[float, int]] = {}
+    for part in all_gather_objects(router.pop_sums(), round=round, what="values logged in training_step"):
+        for name, (s, n) in part.items():
+            a, b = total.get(name, (0.0, 0))
+            total[name] = (a + s, b + n)
+    return {f"client/{name}": s / n for name, (s, n) in sorted(total.items()) if n}
 
 
 def share_round_state(

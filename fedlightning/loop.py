@@ -48,6 +48,7 @@ from fedlightning._reference import reference_mode
 from fedlightning._round import (
     FailurePolicy,
     RoundTally,
+    client_log_means,
     log_round,
     reduce_statistics,
     server_step,
@@ -995,7 +996,7 @@ class FederatedLoop(pl.LightningModule):
         if worker.client_hooks.epoch_end:
             worker.model.on_train_epoch_end()
         router.reset_metrics()
-        result.metrics.update(router.pop_means())
+        result.metrics.update(client_log_means(router, trainer, result.plan.round))
         log_round(self, trainer, result.metrics)
         mo = self._runtime.module_optimizer
         if mo is not None and mo.schedulers:  # only built when client_optimizer is None

@@ -70,6 +70,10 @@ def test_two_processes_equal_one(one_and_two, setup):
         for a, b in zip(two["round_metrics"], one["round_metrics"]):
             # ratios of the same integer counts, logged as float32 (one rounding each)
             assert a["client/train_acc"] == pytest.approx(b["client/train_acc"], rel=rtol32(1))
+            # plain values logged in training_step: the mean over every client's steps, not process 0's alone
+            # (float32 values, their float64 sums in another order; logged as float32)
+            assert a["client/my_count"] == pytest.approx(b["client/my_count"], rel=rtol32(1))
+            assert a["client/my_loss"] == pytest.approx(b["client/my_loss"], rel=rtol32(3))
         # the StepLR schedule of configure_optimizers: lr 0.2 * 0.7^r in round r
         assert [r["client/step_size_mean"] for r in two["round_metrics"]] == pytest.approx(
             [0.2, 0.14, 0.098], rel=rtol32(1)

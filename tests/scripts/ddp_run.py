@@ -41,7 +41,10 @@ class UserModule(pl.LightningModule):
         logits = self.net(x)
         self.acc(logits, y)
         self.log("train_acc", self.acc)
-        return torch.nn.functional.cross_entropy(logits, y)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        self.log("my_loss", loss)  # a plain value: its round mean is over both processes' clients
+        self.log("my_count", float(len(y)))
+        return loss
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.2)
