@@ -65,6 +65,13 @@ def test_two_processes_equal_one(one_and_two, setup):
     assert_close64(two["weights"], one["weights"])
     # rank 0 holds the per-client state of every client, including those trained by rank 1
     assert two["store_clients"] == one["store_clients"]
+    if setup == "fedavg":  # every process evaluates the whole split: the global model's metrics of one process
+        assert one["evaluated"].keys() == {"validate", "test"} and one["evaluated"]["validate"][0]
+        for stage in ("validate", "test"):
+            (a,), (b,) = two["evaluated"][stage], one["evaluated"][stage]
+            assert a.keys() == b.keys()
+            for key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-12), (stage, key)
     if setup == "usermodule":  # a torchmetrics metric of training_step: reduced over both processes' clients
         assert len(one["round_metrics"]) == 3 and all("client/train_acc" in r for r in one["round_metrics"])
         for a, b in zip(two["round_metrics"], one["round_metrics"]):

@@ -226,8 +226,8 @@ def test_validation_loader_keeps_the_in_memory_fast_path():
     dm = Labelled(labels, dataset_cls=Counting, eval_batch_size=7, seed=0)
     dm.setup()
     loader = dm.val_dataloader()
-    assert isinstance(loader.sampler, ClientBatchSampler)
-    assert np.array_equal(loader.sampler.indices.numpy(), dm.val_indices)
+    assert isinstance(loader.sampler.sampler, ClientBatchSampler)  # inside the WholeSplitSampler
+    assert np.array_equal(loader.sampler.sampler.indices.numpy(), dm.val_indices)
     calls.clear()
     batches = list(loader)
     assert len(calls) == len(batches) == math.ceil(len(dm.val_indices) / 7)  # one indexing per batch, no collate

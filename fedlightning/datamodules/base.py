@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler, Subset
 
 from fedlightning._reference import reference_mode
 from fedlightning._validation import in_range, integer
@@ -41,6 +41,7 @@ __all__ = [
     "ArrayBatchLoader",
     "ClientBatchSampler",
     "ClientDataLoader",
+    "WholeSplitSampler",
     "FederatedDataModule",
     "RoundPlanLoader",
     "DEFAULT_VAL_FRACTION",
@@ -279,6 +280,28 @@ class _SeededFetches:
 
     def __len__(self) -> int:
         return len(self._batches)
+
+
+class WholeSplitSampler(DistributedSampler):
+    """Every item of ``sampler``, in its order, in every process: the evaluation loaders' sampler.
+
+    Decision (ours): with several processes, every process evaluates the global model (the same on all of them) on
+    the whole split, so validation and test metrics are exactly one process's. Lightning would otherwise replace an
+    evaluation loader's sampler with a ``DistributedSampler``, which pads the split to a multiple of the processes by
+    repeating samples (or whole batches of the in-memory path), and a value logged without ``sync_dist`` would be
+    process 0's share alone. Being a ``DistributedSampler``, this one is left as it is. The cost: each process
+    evaluates every sample (evaluation is not split across processes); a value logged with ``sync_dist=True`` and
+    ``reduce_fx="sum"`` counts each sample once per process."""
+
+    def __init__(self, sampler: Any):
+        super().__init__(range(len(sampler)), num_replicas=1, rank=0, shuffle=False)  # no process-group reads
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
 
 
 class ClientDataLoader(DataLoader):
@@ -1012,12 +1035,13 @@ class FederatedDataModule(pl.LightningDataModule):
         size = self.eval_batch_size if batch_size is None else int(batch_size)
         if isinstance(dataset, ArrayDataset) and self.collate_fn is None and not reference_mode():
             rows = np.arange(len(dataset)) if indices is None else indices
-            sampler = ClientBatchSampler(rows, size, None, shuffle=False)
+            sampler = WholeSplitSampler(ClientBatchSampler(rows, size, None, shuffle=False))
             return DataLoader(dataset, sampler=sampler, batch_size=None)  # a real DataLoader for Lightning
         if indices is not None:
             dataset = Subset(dataset, np.asarray(indices).tolist())
         workers = self.num_workers if workers is None else int(workers)
-        return DataLoader(dataset, batch_size=size, shuffle=False, **self._loader_options(workers))
+        sampler = WholeSplitSampler(SequentialSampler(dataset))
+        return DataLoader(dataset, batch_size=size, sampler=sampler, **self._loader_options(workers))
 
     def evaluation_rows(self, split: str) -> tuple[Dataset | None, np.ndarray]:
         """``(data set, rows)`` a split's evaluation reads: ``"train"`` the clients' training samples

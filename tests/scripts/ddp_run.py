@@ -174,10 +174,26 @@ def fit(args, setup: str):
     trainer.fit(loop, datamodule=dm, ckpt_path=args.ckpt_path)
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
+    evaluated = {}
+    if setup == "fedavg":  # the global model's validation and test, in batches of 70 (an odd number of batches)
+        dm.eval_batch_size = 70
+        evaluator = pl.Trainer(
+            accelerator="cpu",
+            devices=args.devices,
+            strategy="ddp" if args.devices > 1 else "auto",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        evaluated = {
+            "validate": evaluator.validate(loop, datamodule=dm, verbose=False),
+            "test": evaluator.test(loop, datamodule=dm, verbose=False),
+        }
     if trainer.global_rank != 0:
         return None
     store = loop.client_state.state_dict()
     return {
+        "evaluated": evaluated,
         "weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
         "store_clients": {ns: sorted(d) for ns, d in store.items()},
         "steps": trainer.global_step,
