@@ -571,3 +571,29 @@ def test_probe_cells_cover_the_distinct_targets_of_every_row():
     assert cells[:3] == [(0, 0), (1, 1), (2, 0)]  # targets 2, 5, 7 at their first real cell
     assert cells[3:] == [(2, 1), (2, 2), (2, 3)]  # then the fullest row (2, four real cells)
     assert _probe_cells([x], [3, 2, 4], limit=3) == [(2, 0), (2, 1), (2, 2)]  # no integer leaf
+
+
+class LogsLossAndBatchSize(UserMLP):
+    """The loss (which loss interception splits per sample) and the batch size, a Python number that looks constant
+    inside the batched call: the padded batch's size there, the client's own in sequential training."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        self.log("batch_size", float(len(y)))
+        return loss
+
+
+def test_a_logged_batch_size_is_not_taken_for_a_constant_on_padded_steps():
+    """Loss interception's check compares the values logged as constants on a padded row with those on the client's
+    real samples: the batch size differs, so the path is not taken (the per-sample path then refuses it by name) and
+    "auto" logs sequential training's batch size."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"the value it logs as 'batch_size' is \d+ on"):
+        fit(LogsLossAndBatchSize(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+    seq = fit(LogsLossAndBatchSize(), CLIENT_OPTIMIZERS["sgd"], "sequential")
+    auto = fit(LogsLossAndBatchSize(), CLIENT_OPTIMIZERS["sgd"], "auto")
+    got, want = auto[3].callback_metrics["client/batch_size"], seq[3].callback_metrics["client/batch_size"]
+    assert float(got) == float(want)

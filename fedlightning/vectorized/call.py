@@ -499,6 +499,7 @@ class _ModelCall:
             row_mask = mask[r].to(self.dtype)
             interception = LossInterception(n_max, row_mask, row_mask.sum())
             self.norms.begin(row_stats, row_mask, row_mask.sum(), k)
+            self.collector.reset()
             with interception:
                 padded = extract_loss(
                     self.model.training_step(tree_unflatten([x[r] for x in leaves], spec), step), model_name
@@ -507,10 +508,16 @@ class _ModelCall:
                 self.collector.reset()
                 self.norms.end()
                 return _unrecognised("the loss training_step returns", interception)
+            # values logged as constants (not the loss's cells): the same on the client's real samples?
+            constants = {
+                n: v for n, v in zip(self.collector.names, self.collector.values) if interception.cells_of(v) is None
+            }
+            self.collector.reset()
             self.norms.begin(row_stats, None, None, k)
             real = extract_loss(
                 self.model.training_step(tree_unflatten([x[r, :k] for x in leaves], spec), step), model_name
             )
+            real_logged = dict(zip(self.collector.names, self.collector.values))
             self.norms.end()
         self.collector.reset()
         rtol, atol = _tolerance(self.dtype, row[0].device)
@@ -520,6 +527,17 @@ class _ModelCall:
                 f"on the padded batch of {n_max} gives {float(padded):.6g}: the loss is not a mean of per-sample "
                 "losses, or the forward pass mixes samples"
             )
+        for name, value in constants.items():
+            mine, theirs = torch.as_tensor(value).double(), real_logged.get(name)
+            if theirs is None or not torch.allclose(
+                mine, torch.as_tensor(theirs).double(), rtol=rtol, atol=atol, equal_nan=True
+            ):
+                shown = "nothing" if theirs is None else f"{float(theirs):.6g}"
+                return (
+                    f"the value it logs as {name!r} is {float(mine):.6g} on the padded batch of {n_max} but "
+                    f"{shown} on the client's {k} real samples: a value logged in training_step must be the loss "
+                    "or not depend on the batch (a batch size, a sum over samples)"
+                )
         return None
 
     def _check_sample_mean(
