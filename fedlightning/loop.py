@@ -1117,11 +1117,18 @@ class FederatedLoop(pl.LightningModule):
         self.model.on_save_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The loop's own state; and first the precision plugin's conversion of the modules (``64-true``: float64),
+        which Lightning otherwise makes after loading the weights: a float64 checkpoint loaded into the float32
+        parameters a module is built with would be rounded to float32 (a resumed run then leaves the uninterrupted
+        one by that rounding; converting twice is a no-op)."""
         fed = checkpoint.get("fedlightning")
         if fed is None:
             raise ValueError("this checkpoint was not written by a FederatedLoop (no 'fedlightning' section)")
         if fed.get("format") != 1:
             raise ValueError(f"unsupported fedlightning checkpoint format {fed.get('format')!r}")
+        trainer = attached_trainer(self)
+        if trainer is not None:
+            trainer.precision_plugin.convert_module(self)
         self.client_state.load_state_dict(fed["client_state"])
         self.failed_clients_total = int(fed.get("failed_clients_total", 0))
         self.rounds_without_healthy_client = int(fed.get("rounds_without_healthy_client", 0))

@@ -223,3 +223,19 @@ def test_a_resumed_run_logs_each_round_at_its_own_step(tmp_path, validate):
     make_trainer(5, callbacks=[resumed], **val).fit(loop, datamodule=dm, ckpt_path=str(tmp_path / "last.ckpt"))
     assert first.steps == [(0, 0), (1, 1), (2, 2)]
     assert resumed.steps == [(3, 3), (4, 4)]
+
+
+def test_a_float64_run_resumes_bit_for_bit(tmp_path):
+    """``precision="64-true"``: the float64 checkpoint is loaded into the float64 model (the precision plugin converts
+    the modules before the weights are loaded, not after), so the resumed run equals the uninterrupted one; loading
+    into the float32 parameters the module is built with would round the weights to float32 first."""
+    loop, dm, _ = _setup()
+    make_trainer(4, precision="64-true").fit(loop, datamodule=dm)
+    full = _weights(loop)
+    assert full.dtype == torch.float64
+    loop, dm, _ = _setup()
+    ck = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    make_trainer(2, precision="64-true", callbacks=[ck], enable_checkpointing=True).fit(loop, datamodule=dm)
+    loop, dm, _ = _setup()
+    make_trainer(4, precision="64-true").fit(loop, datamodule=dm, ckpt_path=str(tmp_path / "step=2.ckpt"))
+    assert torch.equal(_weights(loop), full)
