@@ -67,10 +67,11 @@ class Net(pl.LightningModule):
         return OPTIMIZERS[self.optimizer](self.parameters())
 
 
-def _train(net, mode):
-    """``net``'s state dict after 2 rounds of 4 of 8 Dirichlet clients, 3 local steps each."""
+def _train(net, mode, inputs=X):
+    """``net``'s state dict after 2 rounds of 4 of 8 Dirichlet clients (samples ``inputs`` with labels ``Y``), 3 local
+    steps each."""
     dm = FederatedDataModule.from_datasets(
-        TensorDataset(X, Y), partition=Dirichlet(alpha=0.5), num_clients=8, batch_size=6, seed=0, val_fraction=0
+        TensorDataset(inputs, Y), partition=Dirichlet(alpha=0.5), num_clients=8, batch_size=6, seed=0, val_fraction=0
     )
     loop = FederatedLoop(net, local_steps=3, clients_per_round=4, seed=0, client_execution=mode)
     make_trainer(2).fit(loop, datamodule=dm)
@@ -186,12 +187,7 @@ class Tokens(pl.LightningModule):
 
 
 def _train_tokens(net, mode):
-    dm = FederatedDataModule.from_datasets(
-        TensorDataset(TOKENS, Y), partition=Dirichlet(alpha=0.5), num_clients=8, batch_size=6, seed=0, val_fraction=0
-    )
-    loop = FederatedLoop(net, local_steps=3, clients_per_round=4, seed=0, client_execution=mode)
-    make_trainer(2).fit(loop, datamodule=dm)
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+    return _train(net, mode, TOKENS)
 
 
 def test_an_embedding_padding_row_gets_no_gradient_in_any_client():
