@@ -49,6 +49,7 @@ __all__ = [
     "apply_collective_timeout",
     "all_reduce_statistics",
     "all_gather_objects",
+    "named_collective",
     "weighted_mean_over_processes",
 ]
 
@@ -115,6 +116,18 @@ def _named(collective: str, round: int | None, timeout: timedelta) -> Iterator[N
         else:
             why = f"failed after {waited:.1f} s (another process may have exited)"
         raise CollectiveError(f"{where}: collective {collective} {why}; torch: {err}") from err
+
+
+@contextlib.contextmanager
+def named_collective(what: str, round: int | None = None) -> Iterator[None]:
+    """Collectives made inside the block by other code (torchmetrics' sync of a metric's states) under the
+    collective timeout, a failure raised as :class:`CollectiveError` naming ``what`` and ``round`` (a process that
+    raised and exited otherwise leaves the others with the backend's own message); nothing with one process."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        yield
+        return
+    with _named(what, round, apply_collective_timeout()):
+        yield
 
 
 def all_reduce_statistics(stats: RoundStatistics, round: int | None = None) -> None:

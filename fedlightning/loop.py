@@ -76,6 +76,7 @@ from fedlightning.callbacks.progress import round_bar_for
 from fedlightning.checkpoint import CheckpointError, check_fits_model, read_checkpoint
 from fedlightning.client import LocalTrainer
 from fedlightning.datamodules.base import FederatedDataModule
+from fedlightning.distributed import named_collective
 from fedlightning.execution import CLIENT_EXECUTION_MODES, make_executor
 from fedlightning.optim import scale_client_step
 from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, derive_seed, flat_params
@@ -991,8 +992,9 @@ class FederatedLoop(pl.LightningModule):
         self._federated_hook("on_round_end", result)
         worker = self._worker_trainer()
         router = worker.router
-        if router.metrics:
-            result.metrics.update(router.compute_metrics())
+        if router.metrics:  # torchmetrics syncs their states over the processes
+            with named_collective("sync of the torchmetrics metrics logged in training_step", result.plan.round):
+                result.metrics.update(router.compute_metrics())
         if worker.client_hooks.epoch_end:
             worker.model.on_train_epoch_end()
         router.reset_metrics()

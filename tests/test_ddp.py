@@ -180,3 +180,25 @@ def test_the_collective_timeout_setting_is_checked(monkeypatch):
             r"be a positive number of seconds \(default 300\)$",
         ):
             collective_timeout()
+
+
+def test_a_collective_made_by_other_code_fails_with_a_collective_error_naming_it(monkeypatch):
+    """torchmetrics' sync of a training metric runs inside ``named_collective``: a peer that raised and exited leaves
+    this process with a CollectiveError naming the sync, the round and the rank, not gloo's bare message; one
+    process makes no collective and the block runs as it is."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import fedlightning.distributed as distributed
+
+    with distributed.named_collective("a sync", 3):  # one process: nothing to name
+        pass
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
+    monkeypatch.setattr(distributed, "apply_collective_timeout", lambda: timedelta(seconds=300))
+    with pytest.raises(distributed.CollectiveError, match=r"^round 3, rank 1: collective a sync failed after .* s "):
+        with distributed.named_collective("a sync", 3):
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
