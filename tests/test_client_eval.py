@@ -145,6 +145,18 @@ def test_after_fit_is_not_repeated_when_the_last_round_was_evaluated():
     assert len(logger.series("clients/test_loss_mean")) == 2  # rounds 1 and 2; the final model once
 
 
+def test_the_final_evaluation_is_logged_at_the_last_rounds_step():
+    """Evaluated after fit or at its last round, the final model's values go to the step of the last round's
+    train/loss (round r at step r): Lightning's count is one more by then, a step no round has."""
+    steps = {}
+    for every in (None, 3):
+        logger = RecordingLogger()
+        _fit([ClientEvaluation(every_n_rounds=every)], rounds=3, logger=logger)
+        steps[every] = [step for step, m in logger.rows if "clients/test_loss_mean" in m]
+        assert max(step for step, m in logger.rows if "train/loss" in m) == 2
+    assert steps == {None: [2], 3: [2]}
+
+
 class _Regression(pl.LightningModule):
     """A module that is not a Classifier: its test_step logs a batch mean without batch_size (Lightning extracts the
     batch size), a sum, a max and a torchmetrics metric."""

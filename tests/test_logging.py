@@ -189,9 +189,40 @@ def test_global_evaluation_on_the_validation_split():
 
 
 def test_global_evaluation_on_a_missing_validation_split_names_val_fraction():
-    ev = GlobalEvaluation(split="val", every_n_rounds=1)
+    """Refused when the fit starts, before round 0 trains (not after its first evaluation's rounds)."""
+    ev = GlobalEvaluation(split="val", every_n_rounds=5)
+    trained = []
+    ev.on_round_end = lambda trainer, pl_module, result: trained.append(result.plan.round)
     with pytest.raises(ValueError, match="val_fraction=0"):
-        _small_run([ev], rounds=1, val_fraction=0.0)
+        _small_run([ev], rounds=6, val_fraction=0.0)
+    assert trained == []
+
+
+def test_global_evaluation_leaves_out_the_batches_training_step_skips():
+    """A ``training_step`` that returns None for a batch (Lightning's skipped step, e.g. no labelled sample): the
+    evaluation leaves that batch out of its sample-weighted mean, as the module's own training does."""
+    import lightning.pytorch as pl
+
+    class Skips(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(64, 10, dtype=torch.float64)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if bool((y == 0).any()):  # batches holding a 0 are skipped
+                return None
+            return F.cross_entropy(self.net(x), y)
+
+    ev = GlobalEvaluation(every_n_rounds=1, batch_size=10)
+    loop, dm, logger = _small_run([ev], rounds=1, model=Skips())
+    rows = torch.as_tensor(dm.training_rows())
+    x, y = dm.train_dataset.x[rows], dm.train_dataset.y[rows]
+    kept = [(xb, yb) for xb, yb in zip(x.split(10), y.split(10)) if not bool((yb == 0).any())]
+    assert 0 < len(kept) < len(x.split(10))
+    with torch.no_grad():
+        expected = sum(float(F.cross_entropy(loop.model.net(xb), yb)) * len(yb) for xb, yb in kept)
+    assert logger.series("train_eval/loss") == pytest.approx([expected / sum(len(yb) for _, yb in kept)], rel=RTOL64)
 
 
 @pytest.mark.parametrize(

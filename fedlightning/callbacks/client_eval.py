@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
-from fedlightning._lightning_compat import attached_trainer, batches_that_stepped, evaluation_batch, metric_state
+from fedlightning._lightning_compat import attached_trainer, evaluation_batch, metric_state
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._reference import reference_mode
 from fedlightning._validation import flag, integer, one_of
@@ -349,7 +349,8 @@ class ClientEvaluation(FederatedCallback):
       logs and metric states are unchanged (the copy is re-set from the global weights at every client training).
     * **Side effects** (ours). The whole evaluation runs in a forked torch RNG (CPU and the model's CUDA device), so
       a fit gives the same global model with and without this callback. Values go straight to the loggers at the
-      step of the round's ``train/loss`` (``batches_that_stepped``) and into ``trainer.callback_metrics``, as
+      step of the evaluated round's ``train/loss`` (step r for round r, the final evaluation included) and into
+      ``trainer.callback_metrics``, as
       :class:`~fedlightning.callbacks.GlobalEvaluation` does (not through ``LightningModule.log``, which would
       repeat stale values at every later step). With several processes every process evaluates the same clients
       (identical values, no communication); a torchmetrics metric's ``compute()`` then synchronises its state over
@@ -415,7 +416,7 @@ class ClientEvaluation(FederatedCallback):
         self.last_results = results
         self._evaluated_round = round_index
         metrics = results.summary(self.prefix)
-        step = batches_that_stepped(trainer)
+        step = round_index  # the evaluated round's train/loss step (after fit, Lightning counts one more)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         for key, value in metrics.items():  # visible to ModelCheckpoint(monitor=...) / EarlyStopping

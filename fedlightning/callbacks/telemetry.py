@@ -201,17 +201,28 @@ class GlobalEvaluation(FederatedCallback):
             self._size = n
         return self._indices
 
-    def _batches(self, dm):
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """A split the data module does not have stops the fit here, before round 0, not after its rounds."""
+        self._rows(pl_module.datamodule)
+
+    def _rows(self, dm) -> np.ndarray:
+        """The split's rows of ``dm`` (its evaluation rows), or the error naming what is missing."""
         if dm.train_dataset is None:
             dm.setup("fit")
         dataset, rows = dm.evaluation_rows(self.split)
         if dataset is None:
-            raise RuntimeError(f"{type(dm).__name__} has no {self.split} data set to evaluate")
+            raise ValueError(
+                f"GlobalEvaluation(split={self.split!r}): {type(dm).__name__} has no {self.split} data set"
+            )
         if self.split == "val" and not len(rows):
             raise ValueError(
                 f"GlobalEvaluation(split='val'): {type(dm).__name__} has no validation split "
                 f"(val_fraction={dm.val_fraction}); set data val_fraction > 0"
             )
+        return rows
+
+    def _batches(self, dm):
+        rows = self._rows(dm)
         indices = rows[self._subset(len(rows))]
         yield from dm.evaluation_dataloader(self.split, indices, self.batch_size)
 
@@ -242,7 +253,10 @@ class GlobalEvaluation(FederatedCallback):
                         correct += float((logits.argmax(-1)[valid] == y[valid]).sum().item())
                         count += n
                     else:
-                        loss = extract_loss(model.training_step(batch, i), type(model).__name__)
+                        output = model.training_step(batch, i)
+                        if output is None:  # the module skips this batch (Lightning's skipped step): not counted
+                            continue
+                        loss = extract_loss(output, type(model).__name__)
                         n = float(extract_batch_size(batch))
                         loss_sum += float(loss.double().item()) * n
                         count += n
