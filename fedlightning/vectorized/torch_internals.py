@@ -228,27 +228,24 @@ def _batched_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -
         return None
     dtype = W.dtype
     device_type = W.device.type
-    if torch.is_autocast_enabled(device_type):  # F.linear's autocast cast; torch's vmap rule would keep float32
+    autocast = torch.is_autocast_enabled(device_type)  # F.linear's autocast cast; torch's vmap rule keeps float32
+    if autocast:
         target = torch.get_autocast_dtype(device_type)
-        if W.dtype != torch.float32 or x.dtype not in (torch.float32, target):
+        if dtype != torch.float32 or x.dtype not in (torch.float32, target):
             return None
-        b = _rows_of(bias, level, W.shape[0]) if isinstance(bias, Tensor) else None
-        if bias is not None and (b is None or b.dim() != 2 or b.dtype != torch.float32):
-            return None
-        with torch.autocast(device_type, enabled=False):
-            x2 = x.reshape(W.shape[0], -1, x.shape[-1]).to(target)
-            y = _rows_product(x2, W.to(target), None if b is None else b.to(target))
-        return _add_batch_dim(y.reshape(*x.shape[:-1], W.shape[1]), 0, level)
-    if x.dtype != dtype or not dtype.is_floating_point:
+    elif x.dtype != dtype or not dtype.is_floating_point or x.numel() == 0:
         return None
     C = W.shape[0]
-    if x.numel() == 0:
-        return None
     b = None
     if bias is not None:
         b = _rows_of(bias, level, C) if isinstance(bias, Tensor) else None
         if b is None or b.dim() != 2 or b.dtype != dtype:
             return None
+    if autocast:
+        with torch.autocast(device_type, enabled=False):
+            x2 = x.reshape(C, -1, x.shape[-1]).to(target)
+            y = _rows_product(x2, W.to(target), None if b is None else b.to(target))
+        return _add_batch_dim(y.reshape(*x.shape[:-1], W.shape[1]), 0, level)
     y = _rows_linear(x, W, b) if _rows_linear is not None else None
     if y is None:
         y = _linear_rows(x, W, b, narrow=not torch.is_grad_enabled())

@@ -138,6 +138,19 @@ def main():
         torch.save(results[setups[0]] if len(setups) == 1 else results, args.out)
 
 
+def _trainer(args, **kwargs) -> pl.Trainer:
+    """A quiet CPU Trainer on ``args.devices`` processes (DDP with more than one)."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
 def fit(args, setup: str):
     """One run of ``setup``; rank 0 returns its results (None elsewhere). Several setups in one invocation run one
     after the other in the same processes (the later Trainers find the processes and the process group there)."""
@@ -159,15 +172,10 @@ def fit(args, setup: str):
         callbacks.append(Freeze(args.freeze_rank, args.freeze_round, args.freeze_file))
     data_cls = Digits64 if args.float64 else DigitsDataModule
     dm = data_cls(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
-    trainer = pl.Trainer(
+    trainer = _trainer(
+        args,
         max_steps=args.rounds,
-        accelerator="cpu",
-        devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
-        logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         callbacks=callbacks,
     )
@@ -177,14 +185,7 @@ def fit(args, setup: str):
     evaluated = {}
     if setup == "fedavg":  # the global model's validation and test, in batches of 70 (an odd number of batches)
         dm.eval_batch_size = 70
-        evaluator = pl.Trainer(
-            accelerator="cpu",
-            devices=args.devices,
-            strategy="ddp" if args.devices > 1 else "auto",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        evaluator = _trainer(args)
         evaluated = {
             "validate": evaluator.validate(loop, datamodule=dm, verbose=False),
             "test": evaluator.test(loop, datamodule=dm, verbose=False),
