@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import numbers
 import warnings
 from typing import Any, NamedTuple
 
@@ -317,9 +318,18 @@ class RoundTally:
         """The strategy's extra statistics of a healthy update (None without any); an unsafe one marks it failed."""
         if update.failed or not self._has_extras:
             return None
+        delta, version = update.delta, update.delta._version
         with torch.no_grad():
             extras = RoundStatistics()
             self.strategy.accumulate(extras, update)
+        if update.delta is not delta or delta._version != version:
+            name = type(self.strategy).__name__
+            raise RuntimeError(
+                f"{name}.accumulate changed client {update.client_id}'s update.delta; accumulate adds the strategy's "
+                f"own statistics only (the loop has screened the delta and sums it itself). To change a client's "
+                "update (clipping, compression), assign update.delta in on_client_end, which runs before the update "
+                "is screened and aggregated"
+            )
         unsafe = extras.unsafe_entry(self.num_sampled)
         if unsafe is not None:
             update.failed, update.failure = True, f"{type(self.strategy).__name__} statistic {unsafe}"
@@ -389,8 +399,8 @@ class FailurePolicy:
         if raised:
             raise RuntimeError(
                 f"round {plan.round}: client {cid} raised {what}. An exception in client training is a bug in the "
-                "model or the data, not a faulty client, so the run stops (on_client_error='skip' would leave such "
-                "clients out of their round)"
+                "model, the data or a callback's hook, not a faulty client, so the run stops (on_client_error='skip' "
+                "would leave such clients out of their round)"
             ) from cause
         raise FloatingPointError(f"client {cid} failed in round {plan.round}: {what}")
 
@@ -511,12 +521,12 @@ def server_step(
     stats: RoundStatistics,
     plan: RoundPlan,
     client_lr: tuple | None,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], Tensor | None]:
     """The server step of the round: ``Δ, η = strategy.server_update(pl_module, stats, plan)``; ``Δ`` written into
     the global ``params``' ``.grad`` and ``optimizer`` (the loop's ``LightningOptimizer``, so Lightning counts the
     round) stepped with ``η``; the result checked before it is committed (:func:`_check_candidate`); the float
-    buffers set to the weighted mean of the clients'. Returns the round's metrics. ``client_lr``: ``(round, lr)`` of
-    the last client optimizer built."""
+    buffers set to the weighted mean of the clients'. Returns the round's metrics and ``Δ`` (None without a healthy
+    client). ``client_lr``: ``(round, lr)`` of the last client optimizer built."""
     opt = optimizer
     n_clients = float(stats["clients"].item()) if "clients" in stats else 0.0
     metrics: dict[str, float] = {"round/clients": n_clients, "round/failed_clients": float(stats["failed"].item())}
@@ -535,8 +545,8 @@ def server_step(
         for p in params:
             p.grad = None  # optimizers skip parameters without a gradient: no state change
         opt.step()
-        return metrics
-    pseudo_grad, lr, extra = strategy.server_update(pl_module, stats, plan)
+        return metrics, None
+    pseudo_grad, lr, extra = _server_update(strategy, pl_module, stats, plan, params)
     offset = 0
     for p in params:
         n = p.numel()
@@ -544,7 +554,8 @@ def server_step(
         offset += n
     server_opt = opt.optimizer
     saved = _ServerState(params, server_opt)
-    if lr is not None:
+    own_lrs = [g.get("lr") for g in server_opt.param_groups]
+    if lr is not None:  # this round's only: the optimizer's own learning rates are put back after the step
         for g in server_opt.param_groups:
             g["lr"] = lr
 
@@ -565,6 +576,9 @@ def server_step(
         raise
     finally:
         handle.remove()
+        if lr is not None:
+            for g, own in zip(server_opt.param_groups, own_lrs):
+                g["lr"] = own
     if not checked:  # a step that does not run torch's step hooks: checked now, after Lightning counted it
         _check_candidate(pl_module.model, strategy, plan, params, server_opt, saved, pseudo_grad, lr, extra)
     for p in params:
@@ -595,7 +609,56 @@ def server_step(
         metrics["client/step_size_mean"] = float(stats["step_size_sum"].item() / stats["step_size_count"].item())
         metrics["client/step_size_max"] = float(stats["step_size_max"].item())
         metrics["client/step_size_min"] = -float(stats["neg_step_size_min"].item())
-    return metrics
+    return metrics, pseudo_grad
+
+
+def _server_update(
+    strategy: ServerStrategy, pl_module: Any, stats: RoundStatistics, plan: RoundPlan, params: list[Tensor]
+) -> tuple[Tensor, float | None, dict[str, float]]:
+    """``strategy.server_update(pl_module, stats, plan)``, its result checked: a :class:`ServerStep` or a tuple
+    ``(Δ, lr, metrics)`` with ``Δ`` a 1-d tensor of one entry per trainable global parameter entry, ``lr`` None or
+    a number, ``metrics`` a dict (or None); anything else is a ``TypeError`` / ``ValueError`` naming the strategy's
+    ``server_update`` and what it returned."""
+    where = f"{type(strategy).__name__}.server_update (round {plan.round})"
+    out = strategy.server_update(pl_module, stats, plan)
+    if not isinstance(out, tuple) or len(out) != 3:
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+        raise TypeError(
+            f"{where} returned {got}; it must return ServerStep(pseudo_gradient, lr, metrics) or the tuple "
+            "(pseudo_gradient, lr, metrics), lr and metrics may be None"
+        )
+    pseudo_grad, lr, extra = out
+    expected = sum(p.numel() for p in params)
+    if not isinstance(pseudo_grad, Tensor):
+        raise TypeError(f"{where} returned a pseudo-gradient of type {type(pseudo_grad).__name__}, not a tensor")
+    if pseudo_grad.dim() != 1 or pseudo_grad.numel() != expected:
+        raise ValueError(
+            f"{where} returned a pseudo-gradient of shape {tuple(pseudo_grad.shape)}; it must be flat, one entry per "
+            f"entry of the global model's trainable parameters: shape ({expected},) (the layout of "
+            "self.mean_delta(stats))"
+        )
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (numbers.Real, Tensor))):
+        raise TypeError(f"{where} returned the server learning rate {lr!r}; it must be a number or None")
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{where} returned a server learning rate of shape {tuple(lr.shape)}, not one number")
+        lr = float(lr.item())
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise TypeError(f"{where} returned metrics of type {type(extra).__name__}; they must be a dict (or None)")
+    bad = next((k for k, v in extra.items() if not _is_number(v)), None)
+    if bad is not None:
+        raise TypeError(
+            f"{where} returned the metric {bad!r} = {extra[bad]!r}; a metric must be a number (a float, an int or a "
+            "tensor of one element)"
+        )
+    return pseudo_grad, lr, {k: float(v) for k, v in extra.items()}
+
+
+def _is_number(value: Any) -> bool:
+    """A real number or a tensor of one element."""
+    return value.numel() == 1 if isinstance(value, Tensor) else isinstance(value, numbers.Real)
 
 
 def _check_candidate(

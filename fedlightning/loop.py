@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -777,13 +777,22 @@ class FederatedLoop(pl.LightningModule):
         if hasattr(opt, "set_client_data"):
             dm = self._datamodule()
             opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
-        for configured in self._federated_hook("configure_client_optimizer", plan, client_id, opt):
+        for owner, configured in self._hook_results("configure_client_optimizer", plan, client_id, opt):
             if configured is not None:
+                _check_configured_optimizer(owner, configured, params)
                 opt = configured
         terms = []
-        for extra in self._federated_hook("client_objective", plan, client_id):
-            terms.extend(extra or [])
+        for owner, extra in self._hook_results("client_objective", plan, client_id):
+            terms.extend(_objective_terms(owner, extra))
         return opt, terms
+
+    def _hook_results(self, name: str, *args: Any) -> list[tuple[str, Any]]:
+        """:meth:`_federated_hook`'s results, each with the name of the callback class that returned it."""
+        results = self._federated_hook(name, *args)
+        if not results:
+            return []
+        owners = [type(cb).__name__ for cb in self.trainer.callbacks if callable(getattr(cb, name, None))]
+        return list(zip(owners, results))
 
     def finish_client(self, update: ClientUpdate, optimizer: torch.optim.Optimizer, persist: bool = True) -> None:
         """After a client trained: its optimizer's ``client_report()`` (last-step scalars a strategy may use,
@@ -970,7 +979,7 @@ class FederatedLoop(pl.LightningModule):
         summaries = share_round_state(
             plan, tally.healthy, self.trainer, self.client_state, self._worker_trainer().router
         )
-        metrics = server_step(
+        metrics, pseudo_gradient = server_step(
             self, self.strategy, self.optimizers(), self._global_params(), stats, plan, self._runtime.client_lr
         )
         n_failed = int(stats["failed"].item())
@@ -982,6 +991,7 @@ class FederatedLoop(pl.LightningModule):
             metrics=metrics,
             first_losses=[u[2] for u in summaries],
             mean_losses=[u[3] for u in summaries],
+            pseudo_gradient=pseudo_gradient,
         )
 
     def _end_round(self, result: RoundResult) -> None:
@@ -1186,3 +1196,44 @@ class _AfterValidation(pl.Callback):
 for _name in _FORWARDED_HOOKS:
     if _name not in FederatedLoop.__dict__:  # on_fit_start, on_train_start, on_train_end forward themselves
         setattr(FederatedLoop, _name, _forward_to_model(_name))
+
+
+def _check_configured_optimizer(owner: str, optimizer: Any, params: Sequence[Tensor]) -> None:
+    """What a ``configure_client_optimizer`` hook returned in place of the client optimizer: an optimizer (its
+    ``param_groups``, ``step``, ``zero_grad``) over the client model's parameters only (the docs: a wrapper over the
+    same parameters). An optimizer over other tensors would leave the client's model untrained while its round
+    counts as healthy: a ``TypeError`` naming the hook."""
+    where = f"{owner}.configure_client_optimizer"
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not all(callable(getattr(optimizer, m, None)) for m in ("step", "zero_grad")):
+        raise TypeError(
+            f"{where} returned {type(optimizer).__name__}, not an optimizer (with param_groups, step and zero_grad); "
+            "return the client optimizer it receives, a wrapper over the same parameters, or None"
+        )
+    own = {id(p) for p in params}
+    foreign = sum(1 for g in groups for p in g.get("params", []) if id(p) not in own)
+    if foreign:
+        raise TypeError(
+            f"{where} returned a {type(optimizer).__name__} over {foreign} tensor(s) that are not the client model's "
+            "parameters, so the client's model would not train; build it over the parameters of the optimizer the "
+            "hook receives (optimizer.param_groups), or return None"
+        )
+
+
+def _objective_terms(owner: str, extra: Any) -> list:
+    """The terms a ``client_objective`` hook returned: None (no term) or a list (or tuple) of callables ``term(params)
+    -> scalar tensor``; anything else is a ``TypeError`` naming the hook."""
+    if extra is None:
+        return []
+    if not isinstance(extra, (list, tuple)):
+        raise TypeError(
+            f"{owner}.client_objective returned {type(extra).__name__}; it must return a list of terms (callables "
+            "term(params) -> scalar tensor), or None: e.g. return [my_term], not my_term"
+        )
+    bad = next((t for t in extra if not callable(t)), None)
+    if bad is not None:
+        raise TypeError(
+            f"{owner}.client_objective returned a list holding {type(bad).__name__}; every term must be a callable "
+            "term(params) -> scalar tensor"
+        )
+    return list(extra)

@@ -22,12 +22,30 @@ by client (see :mod:`fedlightning.vectorized.call`).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["AnchoredTerm"]
+__all__ = ["AnchoredTerm", "term_value"]
+
+
+def term_value(term, params: Sequence[Tensor]) -> Tensor:
+    """``term(params)``, a client-objective term's value for one client: a tensor of one element (returned as a
+    scalar) or a number (a constant, in the parameters' dtype); anything else is an error naming the term, raised
+    before it reaches the backward pass."""
+    value = term(params)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # a constant: no gradient
+        return params[0].new_tensor(float(value))
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+        name = getattr(term, "__qualname__", type(term).__qualname__)
+        raise ValueError(
+            f"the client-objective term {name} returned {got}; a term must return a scalar tensor (one value added "
+            "to the client's loss), e.g. a sum over the parameters"
+        )
+    return value.reshape(())
 
 
 def _same_tensors(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:

@@ -328,6 +328,20 @@ class ClientStateStore:
     def clients(self, namespace: str) -> list[int]:
         return sorted(self._data.get(namespace, {}))
 
+    def snapshot(self) -> tuple:
+        """The entries and the record of written ones, for :meth:`restore`: cheap (each entry's dict is copied, its
+        values are not; a tensor changed in place inside an entry stays changed)."""
+        entries = {
+            ns: {cid: dict(v) if isinstance(v, dict) else v for cid, v in d.items()} for ns, d in self._data.items()
+        }
+        return entries, set(self._dirty)
+
+    def restore(self, snapshot: tuple) -> None:
+        """Put back the entries of :meth:`snapshot`: entries written since are undone."""
+        entries, dirty = snapshot
+        self._data = {ns: dict(d) for ns, d in entries.items()}
+        self._dirty = set(dirty)
+
     def __len__(self) -> int:
         return sum(len(v) for v in self._data.values())
 

@@ -423,7 +423,7 @@ def test_an_exception_stops_the_run_at_its_first_occurrence():
     victim = plan.client_ids[1]
     assert str(info.value) == (
         f"round 0: client {victim} raised IndexError: Target 12 is out of bounds (client {victim}). An exception in "
-        "client training is a bug in the model or the data, not a faulty client, so the run stops "
+        "client training is a bug in the model, the data or a callback's hook, not a faulty client, so the run stops "
         "(on_client_error='skip' would leave such clients out of their round)"
     )
     assert isinstance(info.value.__cause__, IndexError)
@@ -606,7 +606,7 @@ def test_two_processes_skip_the_overflowing_client_and_stop_on_an_exception(tmp_
     victim = dm.round_plan(1).client_ids[script.VICTIM_POSITION]
     line = (
         f"RuntimeError: round 1: client {victim} raised IndexError: Target 12 is out of bounds. An exception in "
-        "client training is a bug in the model or the data, not a faulty client, so the run stops "
+        "client training is a bug in the model, the data or a callback's hook, not a faulty client, so the run stops "
         "(on_client_error='skip' would leave such clients out of their round)"
     )
     assert f"[rank0]: {line}" in proc.stderr and f"[rank1]: {line}" in proc.stderr, proc.stderr[-3000:]

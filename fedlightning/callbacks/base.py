@@ -160,14 +160,22 @@ def check_hook_names(callback: Any) -> None:
                 )
 
 
-class ServerStep(NamedTuple):
-    """What :meth:`ServerStrategy.server_update` returns: the flat pseudo-gradient ``Δ`` the server optimizer steps
-    on, this round's server learning rate (None: the optimizer's own) and extra metrics to log. A tuple, so strategies
-    may also return ``(pseudo_gradient, lr, metrics)``."""
-
+class _ServerStepFields(NamedTuple):
     pseudo_gradient: Tensor
-    lr: float | None = None
-    metrics: dict[str, float] = {}
+    lr: float | None
+    metrics: dict[str, float]
+
+
+class ServerStep(_ServerStepFields):
+    """What :meth:`ServerStrategy.server_update` returns: the flat pseudo-gradient ``Δ`` the server optimizer steps
+    on, this round's server learning rate (None: the optimizer's own; an ``lr`` given for one round leaves the
+    optimizer's own learning rate for the next) and extra metrics to log (a new empty dict by default). A tuple, so
+    strategies may also return ``(pseudo_gradient, lr, metrics)``."""
+
+    __slots__ = ()
+
+    def __new__(cls, pseudo_gradient: Tensor, lr: float | None = None, metrics: dict[str, float] | None = None):
+        return super().__new__(cls, pseudo_gradient, lr, {} if metrics is None else metrics)
 
 
 def accumulate_core(

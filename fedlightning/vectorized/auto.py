@@ -9,6 +9,7 @@ the rule ``"auto"`` applies to its one-time measurement (:func:`_auto_decide`); 
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -17,7 +18,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from fedlightning.state import ClientUpdate, RoundPlan
@@ -97,10 +100,11 @@ def run_vectorized_round(
     D]`` weights and gradients at once. A group that runs out of memory leaves no trace: the engine's buffers are freed,
     what its call logged or fed to torchmetrics metrics is undone (:func:`_undo_on_failure`), no client state was
     written (that happens after the call), the random streams were forked, and its clients' optimizers are built again
-    (the loop's ``prepare_client``, ``configure_client_optimizer`` and ``client_objective`` hooks called again for them,
-    as ``"auto"``'s measurement does). The group is halved and retried until it fits, one warning naming the new size,
-    which is kept for the rest of the run (and checkpointed with the loop: a resumed run trains in the same groups
-    unless ``max_parallel_clients`` was changed). Only a group of one client that does not fit ends vectorised training:
+    (the loop's ``prepare_client``, ``configure_client_optimizer`` and ``client_objective`` hooks called again for them;
+    unlike after ``"auto"``'s measurement, :func:`_hooks_leave_no_trace`, what those hooks changed is not put back).
+    The group is halved and retried until it fits, one warning naming the new size, which is kept for the rest of
+    the run (and checkpointed with the loop: a resumed run trains in the same groups unless ``max_parallel_clients``
+    was changed). Only a group of one client that does not fit ends vectorised training:
     ``"auto"`` trains the round's remaining clients and the rest of the run sequentially (one warning), ``"vectorized"``
     raises the error again with the setting named. ``"auto"``'s measurement halves its timed group the same way.
     """
@@ -109,7 +113,9 @@ def run_vectorized_round(
         return None
     if mode == "auto" and run.choice is None:
         try:
-            if _auto_decide(loop, run, plan, client_ids, global_flat) == "sequential":
+            with _hooks_leave_no_trace(loop):
+                choice = _auto_decide(loop, run, plan, client_ids, global_flat)
+            if choice == "sequential":
                 run.fallback = True
                 return None
         except VectorizationUnsupportedError as err:
@@ -618,6 +624,63 @@ def _train_or_fail(loop, plan: RoundPlan, client_id: int, global_flat: Tensor) -
         loop.train_client(plan, client_id, global_flat)
     except Exception:  # noqa: BLE001 - see the docstring
         pass
+
+
+#: Values :func:`_hooks_leave_no_trace` copies and puts back: Python scalars, strings, tensors, numpy values, and
+#: lists, tuples, sets and dicts of them.
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, Tensor, np.ndarray, np.generic)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, _PLAIN_TYPES):
+        return True
+    if depth >= 8:
+        return False
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+#: The per-client hooks ``auto``'s measurement calls (``FederatedLoop.prepare_client``).
+_MEASURED_HOOKS = ("configure_client_optimizer", "client_objective")
+
+
+@contextmanager
+def _hooks_leave_no_trace(loop):
+    """Within the block (``auto``'s measurement), the loop's per-client hooks run for the clients it times
+    (``configure_client_optimizer``, ``client_objective``, through ``prepare_client``), some of them again in the
+    real round that follows; afterwards the callbacks that define these hooks and ``loop.client_state`` are as they
+    were before, so that a hook that counts or records (a client's participation, a per-client value) sees each
+    client once per round, as in sequential training, and a resumed run equals an uninterrupted one.
+
+    Decisions (ours; Lightning's tuner likewise restores what its trial runs changed, through a checkpoint): put back
+    are each such callback's ``state_dict()`` (through ``load_state_dict``, where the callback defines them) and its
+    attributes that hold plain data (:data:`_PLAIN_TYPES`, copied: a ``Counter``, a dict of tensors, a list of
+    floats), attributes of plain data the hooks added are removed, and ``loop.client_state``'s entries are put back
+    (each entry's dict copied; a tensor changed in place inside an entry is not). State kept in other objects, and
+    not in ``state_dict()``, is not restored: hooks that keep such state are documented to be called again there
+    (docs/your_model.md)."""
+    trainer = loop.trainer
+    owners = [cb for cb in trainer.callbacks if any(callable(getattr(cb, name, None)) for name in _MEASURED_HOOKS)]
+    saved = []
+    for cb in owners:
+        attributes = {k: copy.deepcopy(v) for k, v in vars(cb).items() if _plain(v)}
+        state = cb.state_dict() if type(cb).state_dict is not Callback.state_dict else None
+        saved.append((cb, attributes, copy.deepcopy(state) if state else None))
+    entries = loop.client_state.snapshot()
+    try:
+        yield
+    finally:
+        for cb, attributes, state in saved:
+            for k in [k for k, v in vars(cb).items() if k not in attributes and _plain(v)]:
+                delattr(cb, k)
+            for k, v in attributes.items():
+                setattr(cb, k, v)
+            if state is not None:
+                cb.load_state_dict(state)
+        loop.client_state.restore(entries)
 
 
 @contextmanager

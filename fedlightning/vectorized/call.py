@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning._logging_route import routed_logging
-from fedlightning.objectives import AnchoredTerm
+from fedlightning.objectives import AnchoredTerm, term_value
 
 from .losses import LossInterception
 from .metrics import _metric_modules, _metric_types, _MetricCalls, _MetricStep, _Pending
@@ -682,7 +682,7 @@ class _ModelCall:
             own = [v[c] for v in views]
             total = views[0].new_zeros(())
             for term in client_terms:
-                total = total + term(own).reshape(())
+                total = total + term_value(term, own)
             values.append(total)
         return torch.stack(values)
 

@@ -455,7 +455,9 @@ class VectorizedClientTrainer:
         float_buffer_mask,
     ) -> list[ClientUpdate | Exception]:
         K = len(record.losses)
-        losses = torch.stack(record.losses).float().cpu()  # [K, C]
+        losses = torch.stack(record.losses)  # [K, C]
+        # reported in float32 at least, float64 losses (a 64-true run) as they are (LocalTrainer's reports)
+        losses = (losses if losses.dtype == torch.float64 else losses.float()).cpu()
         step_sizes = record.step_size_rows()  # [C][K]
         # rules without per-client counts (SGD, Adam) evaluate every client at every step; a client is counted for
         # the steps it trained (fewer with ragged step counts, or when it raised)

@@ -1,0 +1,305 @@
+"""The algorithm author's contract, held to hand computations in float64: what a strategy's ``server_update`` may
+return (checked, named errors), a round's ``lr`` applying to that round only, ``RoundResult.pseudo_gradient``, the
+client losses of a ``64-true`` run, ``configure_client_optimizer`` / ``client_objective`` results checked, a strategy
+whose ``accumulate`` changes the delta refused in every mode, and ``"auto"``'s measurement leaving no trace in the
+callbacks that the loop's per-client hooks belong to."""
+
+import collections
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from fedlightning import FederatedLoop
+from fedlightning.callbacks import FedAvg, FederatedCallback, ServerStep, ServerStrategy
+from fedlightning.datamodules import Dirichlet, FederatedDataModule
+
+D_IN, N_CLS, K, LR = 5, 3, 2, 0.5
+
+
+class Lin(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(123)
+        self.net = torch.nn.Linear(D_IN, N_CLS)
+        with torch.no_grad():
+            self.net.weight.copy_(torch.randn(N_CLS, D_IN, generator=g) * 0.3)
+            self.net.bias.copy_(torch.randn(N_CLS, generator=g) * 0.1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(240, D_IN, generator=g)
+    y = (x @ torch.randn(N_CLS, D_IN, generator=g).t() + 0.5 * torch.randn(240, N_CLS, generator=g)).argmax(1)
+    return FederatedDataModule.from_datasets(
+        TensorDataset(x, y), None, partition=Dirichlet(alpha=0.5), num_clients=6, batch_size=1000, seed=0,
+        val_fraction=0.0,
+    )  # fmt: skip
+
+
+def _fit(callbacks, mode="sequential", rounds=2, clients=3, module=None):
+    model = module or Lin()
+    loop = FederatedLoop(model, local_steps=K, clients_per_round=clients, seed=0, client_execution=mode)
+    trainer = pl.Trainer(
+        max_steps=rounds, precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, accelerator="cpu", callbacks=callbacks,
+    )  # fmt: skip
+    dm = _data()
+    trainer.fit(loop, datamodule=dm)
+    return loop, dm
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _client_xy(dm, cid):
+    idx = [int(i) for i in dm.client_indices[cid]]
+    return (
+        torch.stack([dm.train_dataset[i][0] for i in idx]).double(),
+        torch.stack([torch.as_tensor(dm.train_dataset[i][1]) for i in idx]).long(),
+    )
+
+
+def _loss(w, x, y):
+    return F.cross_entropy(x @ w[: N_CLS * D_IN].view(N_CLS, D_IN).t() + w[N_CLS * D_IN :], y)
+
+
+def _local(w0, x, y, extra=None):
+    """K full-batch gradient steps of lr LR, the client's losses along the way."""
+    w, losses = w0.clone(), []
+    for _ in range(K):
+        w = w.detach().requires_grad_(True)
+        loss = _loss(w, x, y) + (extra(w) if extra is not None else 0.0)
+        losses.append(float(loss))
+        (g,) = torch.autograd.grad(loss, w)
+        w = w.detach() - LR * g
+    return w.detach(), losses
+
+
+class _Record(FederatedCallback):
+    """Records each round's clients, weights before the round, updates and result."""
+
+    def __init__(self):
+        self.rounds = []
+
+    def on_round_start(self, trainer, loop, plan):
+        self.rounds.append({"plan": plan, "w0": _flat(loop.model).clone(), "updates": []})
+
+    def on_client_end(self, trainer, loop, plan, update):
+        self.rounds[-1]["updates"].append((update.client_id, update.num_samples, update.first_loss, update.mean_loss))
+
+    def on_round_end(self, trainer, loop, result):
+        self.rounds[-1]["result"] = result
+        self.rounds[-1]["w1"] = _flat(loop.model).clone()
+
+
+def _fedavg_delta(dm, w0, client_ids):
+    """FedAvg's Δ = Σ n_i (w0 − w_i) / Σ n_i from the hand computation."""
+    total, acc = 0, torch.zeros_like(w0)
+    for cid in client_ids:
+        x, y = _client_xy(dm, cid)
+        w, _ = _local(w0, x, y)
+        acc += len(y) * (w0 - w)
+        total += len(y)
+    return acc / total
+
+
+# ---------------------------------------------------------------- server_update's result
+
+
+class _Returns(ServerStrategy):
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def server_update(self, loop, stats, plan):
+        return self.make(self, stats)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda s, st: ServerStep(torch.cat([s.mean_delta(st), torch.ones(7, dtype=torch.float64)])), ValueError,
+         r"_Returns.server_update \(round 0\) returned a pseudo-gradient of shape \(25,\).*shape \(18,\)"),
+        (lambda s, st: ServerStep(s.mean_delta(st)[:-1]), ValueError, r"pseudo-gradient of shape \(17,\)"),
+        (lambda s, st: ServerStep(s.mean_delta(st)[None, :]), ValueError, r"pseudo-gradient of shape \(1, 18\)"),
+        (lambda s, st: s.mean_delta(st), TypeError, r"_Returns.server_update \(round 0\) returned Tensor; it must"),
+        (lambda s, st: (s.mean_delta(st), None), TypeError, r"returned a tuple of 2"),
+        (lambda s, st: None, TypeError, r"returned NoneType"),
+        (lambda s, st: ServerStep(s.mean_delta(st), "big"), TypeError, r"server learning rate 'big'"),
+        (lambda s, st: ServerStep(s.mean_delta(st), None, {"server/x": "hi"}), TypeError, r"metric 'server/x' = 'hi'"),
+    ],
+)  # fmt: skip
+def test_server_update_result_is_checked_and_names_the_strategy(make, error, match):
+    with pytest.raises(error, match=match):
+        _fit([_Returns(make)], rounds=1)
+
+
+def test_server_step_lr_applies_to_its_round_only():
+    """``ServerStep(Δ, lr=0.25)`` in round 0 and ``lr=None`` after: rounds 1 and 2 step with the optimizer's own
+    ``server_lr`` (1.0), as the hand computation does."""
+
+    class QuarterFirst(FedAvg):
+        def server_update(self, loop, stats, plan):
+            return ServerStep(self.mean_delta(stats), 0.25 if plan.round == 0 else None)
+
+    record = _Record()
+    loop, dm = _fit([QuarterFirst(server_lr=1.0), record], rounds=3)
+    for r, entry in enumerate(record.rounds):
+        lr = 0.25 if r == 0 else 1.0
+        assert entry["result"].metrics["server/lr"] == lr
+        expected = entry["w0"] - lr * _fedavg_delta(dm, entry["w0"], entry["plan"].client_ids)
+        torch.testing.assert_close(entry["w1"], expected, rtol=0, atol=1e-12)
+    assert loop.optimizers().optimizer.param_groups[0]["lr"] == 1.0
+
+
+def test_server_step_metrics_default_is_not_shared():
+    a = ServerStep(torch.zeros(2))
+    a.metrics["server/x"] = 1.0
+    assert ServerStep(torch.zeros(2)).metrics == {}
+    assert ServerStep(torch.zeros(2), 0.5, None).metrics == {}
+    delta, lr, metrics = ServerStep(torch.ones(1), 0.1, {"m": 2.0})  # still a tuple of three
+    assert (float(delta), lr, metrics) == (1.0, 0.1, {"m": 2.0})
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_round_result_has_the_applied_pseudo_gradient_and_float64_losses(mode):
+    """``RoundResult.pseudo_gradient`` is the Δ the server applied (FedAvg, server_lr 1: w1 = w0 − Δ, and the hand
+    computation's Δ); a ``64-true`` run's client losses are float64 values (the hand computation's, not rounded to
+    float32)."""
+    record = _Record()
+    _, dm = _fit([FedAvg(), record], mode=mode)
+    for entry in record.rounds:
+        result = entry["result"]
+        assert result.pseudo_gradient is not None and result.pseudo_gradient.dtype == torch.float64
+        torch.testing.assert_close(entry["w0"] - result.pseudo_gradient, entry["w1"], rtol=0, atol=1e-15)
+        hand = _fedavg_delta(dm, entry["w0"], entry["plan"].client_ids)
+        torch.testing.assert_close(result.pseudo_gradient, hand, rtol=0, atol=1e-12)
+        for cid, _, first, mean in entry["updates"]:
+            x, y = _client_xy(dm, cid)
+            _, losses = _local(entry["w0"], x, y)
+            assert abs(first - losses[0]) <= 1e-14 * abs(losses[0])  # float32 rounding would be ~1e-8
+            assert abs(mean - sum(losses) / K) <= 1e-14 * abs(losses[0])
+
+
+# ---------------------------------------------------------------- per-client hooks' results
+
+
+class _Optimizer(FederatedCallback):
+    def __init__(self, make):
+        self.make = make
+
+    def configure_client_optimizer(self, trainer, loop, plan, client_id, optimizer):
+        return self.make(optimizer)
+
+
+class _Objective(FederatedCallback):
+    def __init__(self, result):
+        self.result = result
+
+    def client_objective(self, trainer, loop, plan, client_id):
+        return self.result
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+@pytest.mark.parametrize(
+    "callback, error, match",
+    [
+        (_Optimizer(lambda o: torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1)), TypeError,
+         r"_Optimizer.configure_client_optimizer returned a SGD over 1 tensor\(s\) that are not the client model's"),
+        (_Optimizer(lambda o: 3), TypeError, r"_Optimizer.configure_client_optimizer returned int, not an optimizer"),
+        (_Objective(lambda params: params[0].sum()), TypeError,
+         r"_Objective.client_objective returned function; it must return a list of terms"),
+        (_Objective([torch.tensor(1.0)]), TypeError, r"_Objective.client_objective returned a list holding Tensor"),
+        (_Objective([lambda params: params[0].reshape(-1)]), ValueError,
+         r"client-objective term .* returned shape \(15,\); a term must return a scalar tensor"),
+    ],
+)  # fmt: skip
+def test_per_client_hook_results_are_checked(callback, error, match, mode):
+    with pytest.raises((error, RuntimeError), match=match):  # sequential: the client's exception, chained
+        _fit([FedAvg(), callback], mode=mode, rounds=1)
+
+
+def test_a_constant_term_adds_to_the_loss_only():
+    """A term returning a number adds to the client's losses and leaves its gradient (the update) as it is."""
+    record_plain, record_const = _Record(), _Record()
+    plain, _ = _fit([FedAvg(), record_plain])
+    const, _ = _fit([FedAvg(), _Objective([lambda params: 0.5]), record_const])
+    torch.testing.assert_close(_flat(const.model), _flat(plain.model), rtol=0, atol=0)
+    first_plain = record_plain.rounds[0]["updates"][0][2]
+    assert record_const.rounds[0]["updates"][0][2] == pytest.approx(first_plain + 0.5, abs=1e-15)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_accumulate_that_changes_the_delta_is_refused_in_every_mode(mode):
+    """Both modes once disagreed silently (sequential summed the changed delta, vectorized the original)."""
+
+    class ClipInAccumulate(FedAvg):
+        def accumulate(self, stats, update):
+            update.delta.mul_(0.5)
+
+    with pytest.raises(
+        RuntimeError, match=r"ClipInAccumulate.accumulate changed client \d+'s update.delta.*on_client_end"
+    ):
+        _fit([ClipInAccumulate()], mode=mode, rounds=1)
+
+
+# ---------------------------------------------------------------- "auto"'s measurement leaves no trace
+
+
+class _ParticipationProx(FederatedCallback):
+    """A proximal term whose μ grows with the client's participation count, kept in a Counter attribute and in
+    ``loop.client_state``."""
+
+    def __init__(self):
+        self.count = collections.Counter()
+
+    def client_objective(self, trainer, loop, plan, client_id):
+        self.count[client_id] += 1
+        seen = (loop.client_state.get("participation", client_id) or {"n": 0})["n"] + 1
+        loop.client_state.set("participation", client_id, {"n": seen})
+        assert seen == self.count[client_id]
+        mu = 0.5 * self.count[client_id]
+        anchor = _flat(loop.model).clone()
+
+        def term(params):
+            return 0.5 * mu * (torch.cat([p.reshape(-1) for p in params]) - anchor).pow(2).sum()
+
+        return [term]
+
+
+def test_auto_measurement_leaves_stateful_hooks_as_sequential_training_does():
+    """``auto`` times clients (calling their hooks) before its first real round; the callback's counts, the loop's
+    client state and the weights then equal sequential training's and the hand computation's."""
+    results = {}
+    for mode in ("sequential", "auto"):
+        hook, record = _ParticipationProx(), _Record()
+        loop, dm = _fit([FedAvg(), hook, record], mode=mode, rounds=3, clients=4)
+        participations = collections.Counter(c for e in record.rounds for c in e["plan"].client_ids)
+        assert dict(hook.count) == dict(participations)
+        assert {c: loop.client_state.get("participation", c)["n"] for c in participations} == dict(participations)
+        results[mode] = _flat(loop.model)
+    torch.testing.assert_close(results["auto"], results["sequential"], rtol=0, atol=1e-12)
+    # the hand computation of the same three rounds
+    seen, w = collections.Counter(), record.rounds[0]["w0"]
+    for entry in record.rounds:
+        total, acc = 0, torch.zeros_like(w)
+        for cid in entry["plan"].client_ids:
+            seen[cid] += 1
+            mu, anchor = 0.5 * seen[cid], w.clone()
+            x, y = _client_xy(dm, cid)
+            wi, _ = _local(w, x, y, extra=lambda v, mu=mu, a=anchor: 0.5 * mu * (v - a).pow(2).sum())
+            acc += len(y) * (w - wi)
+            total += len(y)
+        w = w - acc / total
+    torch.testing.assert_close(results["auto"], w, rtol=0, atol=1e-12)
