@@ -342,9 +342,8 @@ class RoundTally:
             return False
         self.failed += 1
         # every process names its own clients (rank_zero_warn would drop the other processes' ones)
-        warnings.warn(
-            f"round {plan.round}: client {update.client_id} skipped ({update.failure})", UserWarning, stacklevel=4
-        )
+        reason = update.failure or "marked failed, no reason given"
+        warnings.warn(f"round {plan.round}: client {update.client_id} skipped ({reason})", UserWarning, stacklevel=4)
         return True
 
     def _add_client(self, update: ClientUpdate, extras: RoundStatistics | None) -> None:

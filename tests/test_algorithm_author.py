@@ -303,3 +303,13 @@ def test_auto_measurement_leaves_stateful_hooks_as_sequential_training_does():
             total += len(y)
         w = w - acc / total
     torch.testing.assert_close(results["auto"], w, rtol=0, atol=1e-12)
+
+
+def test_a_client_marked_failed_without_a_reason_is_named_so():
+    class DropFirst(FederatedCallback):
+        def on_client_end(self, trainer, loop, plan, update):
+            if update.client_id == plan.client_ids[0]:
+                update.failed = True
+
+    with pytest.warns(UserWarning, match=r"round 0: client \d+ skipped \(marked failed, no reason given\)"):
+        _fit([FedAvg(), DropFirst()], rounds=1)
