@@ -25,6 +25,7 @@ __all__ = [
     "current_hook",
     "detached_trainer",
     "evaluation_batch",
+    "logged_at_last_round",
     "metric_reductions",
     "metric_state",
     "parse_configure_optimizers",
@@ -101,6 +102,20 @@ def align_logged_step(trainer: pl.Trainer) -> None:
     written at the end of training after a validation, or after an exception, is not: every later round's metrics
     would go to the step of the round after it."""
     trainer.fit_loop.epoch_loop._batches_that_stepped = int(trainer.global_step)
+
+
+@contextmanager
+def logged_at_last_round(trainer: pl.Trainer) -> Iterator[None]:
+    """Inside the block (a ``trainer.test`` of the final model after ``fit``), metrics logged without a step go to
+    the step of the fit's last round, ``global_step − 1``, where that round's metrics and the validation after it
+    are (Lightning's count of stepped batches, its default step, is one past it once the fit has ended)."""
+    loop = trainer.fit_loop.epoch_loop
+    kept = loop._batches_that_stepped
+    loop._batches_that_stepped = max(int(trainer.global_step) - 1, 0)
+    try:
+        yield
+    finally:
+        loop._batches_that_stepped = kept
 
 
 def should_write_step_logs(trainer: pl.Trainer) -> bool:

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from torch.optim import Optimizer
 
+from fedlightning._lightning_compat import logged_at_last_round
 from fedlightning._validation import SettingError, check_val_check_interval
 from fedlightning.callbacks.progress import RoundProgressBar
 from fedlightning.checkpoint import (
@@ -149,7 +150,8 @@ class FederatedCLI(LightningCLI):
             rank_zero_warn(f"{type(dm).__name__} has no test set: test_after_fit skipped")
             return
         fit_metrics = dict(self.trainer.callback_metrics)
-        self.trainer.test(self.model, datamodule=dm)
+        with logged_at_last_round(self.trainer):  # the final model's test/* next to its last round's val/*
+            self.trainer.test(self.model, datamodule=dm)
         metrics = self.trainer.callback_metrics
         for key, value in fit_metrics.items():
             metrics.setdefault(key, value)

@@ -43,6 +43,10 @@ def test_quickstart_cli_end_to_end(tmp_path):
     assert len(acc) >= 2 and 0.0 <= acc[-1] <= 1.0 and acc[-1] > 0.3  # better than chance (0.1)
     assert len(client_logged) == 6  # the wrapped model's self.log in training_step is routed, not crashed
     assert glob.glob(os.path.join(str(tmp_path), "**", "*.ckpt"), recursive=True)  # checkpoint written
+    # the final model's test/* at the last round's step (5), where its round and the validation after it are
+    steps = {key: [int(r["step"]) for r in rows if r.get(key)] for key in ("train/loss", "val/acc", "test/acc")}
+    assert steps["train/loss"] == list(range(6))
+    assert steps["val/acc"] == [2, 5] and steps["test/acc"] == [5]
 
 
 def test_cli_validate_subcommand(tmp_path):
