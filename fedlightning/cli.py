@@ -550,6 +550,10 @@ def _class_nodes(config: Any, path: str = "") -> list[tuple[str, Any, dict[str, 
     return nodes
 
 
+#: Words for an argument in the messages of ``torch.optim``'s constructors, and the argument.
+_ARGUMENT_PHRASES = (("learning rate", "lr"), ("epsilon value", "eps"), ("beta parameter", "betas"))
+
+
 def _config_key(err: BaseException, config: dict[str, Any]) -> str | None:
     """The config key of the argument the error is about, from the innermost frame of a method of an object the
     config names (its constructor, or a later method such as a data module's ``setup`` or the loop's): that class's
@@ -564,6 +568,8 @@ def _config_key(err: BaseException, config: dict[str, Any]) -> str | None:
         for key, cls, args in nodes:
             if cls is owner:
                 named = [a for a in args if re.search(rf"(?<![\w.]){re.escape(str(a))}(?!\w)", message)]
+                if not named:  # torch.optim's messages name some arguments in words ("Invalid learning rate: -0.1")
+                    named = [a for phrase, a in _ARGUMENT_PHRASES if a in args and phrase in message]
                 if len(named) == 1:
                     return f"{key}.{named[0]}"
                 if frame.f_code.co_name == "__init__":
@@ -1011,6 +1017,19 @@ def _parser_error_line(err: argparse.ArgumentError, cli: Any, args: list[str] | 
     return f"{state.key()}: {state.message}"
 
 
+def _none_as_null(args: list[str]) -> list[str]:
+    """The command line with a value written ``None`` (``--key=None``, ``--key None``) as YAML's ``null``: what
+    Python prints for a null, and what W&B's agent writes for a sweep parameter's ``null`` value (``str(value)``).
+    jsonargparse reads it as the string ``'None'``, which a nullable number or class refuses."""
+    out = list(args)
+    for i, token in enumerate(out):
+        if token.startswith("--") and token.endswith("=None"):
+            out[i] = token[: -len("None")] + "null"
+        elif token == "None" and i > 0 and out[i - 1].startswith("--") and "=" not in out[i - 1]:
+            out[i] = "null"
+    return out
+
+
 def main(args: list[str] | None = None, run: bool = True) -> FederatedCLI:
     """Run the CLI (``train.py``). A configuration error (see below) prints its details and a last
     line ``error: <config key>: <message>`` to stderr and raises ``SystemExit(1)`` (its ``__cause__`` is the original
@@ -1038,6 +1057,10 @@ def main(args: list[str] | None = None, run: bool = True) -> FederatedCLI:
     and re-running to see it is expensive); so do errors of any other type or origin.
     """
     default_wandb_offline()
+    if args is None:
+        args = sys.argv[1:]
+    if isinstance(args, (list, tuple)):
+        args = _none_as_null([str(a) for a in args])
     try:
         return FederatedCLI(args=args, run=run)
     except SIGTERMException as err:

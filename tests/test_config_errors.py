@@ -215,6 +215,18 @@ COMMAND_LINES = [
     ),
     ("inf lr", ["--model.client_optimizer.lr=.inf"], "model.client_optimizer.init_args.lr", ["got inf"]),
     (
+        "negative lr (torch's words: learning rate)",
+        ["--model.client_optimizer.lr=-0.1"],
+        "model.client_optimizer.init_args.lr",
+        ["Invalid learning rate: -0.1"],
+    ),
+    (
+        "Adam's negative eps (torch's words: epsilon value)",
+        ["--model.client_optimizer", "torch.optim.Adam", "--model.client_optimizer.eps=-1"],
+        "model.client_optimizer.init_args.eps",
+        ["Invalid epsilon value: -1"],
+    ),
+    (
         "inf Adam lr",
         ["--model.client_optimizer", "torch.optim.Adam", "--model.client_optimizer.lr=.inf"],
         "model.client_optimizer.init_args.lr",
@@ -361,6 +373,16 @@ def test_full_option_names_still_parse(tmp_path):
         ]
     )
     assert cli.model.local_steps == 2 and cli.trainer.global_step == 1
+
+
+@pytest.mark.parametrize("form", [["--model.max_update_norm=None"], ["--model.max_update_norm", "None"]])
+def test_none_on_the_command_line_is_null(tmp_path, form):
+    """``None`` (what W&B's agent writes for a sweep's null value) is YAML's null for a nullable option: the config
+    file's value is replaced by None, where jsonargparse alone refused the string 'None'."""
+    base = main([*TINY, "--model.max_update_norm=10", "--trainer.default_root_dir", str(tmp_path)], run=False)
+    assert base.model.max_update_norm == 10.0
+    cli = main([*TINY, "--model.max_update_norm=10", *form, "--trainer.default_root_dir", str(tmp_path)], run=False)
+    assert cli.model.max_update_norm is None
 
 
 def test_renamed_table_matches_the_signatures():
