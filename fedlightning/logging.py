@@ -68,6 +68,25 @@ class LogConfigCallback(SaveConfigCallback):
     per process (Lightning's ``already_saved`` flag).
     """
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Lightning's ``setup``, except with a ``WandbLogger`` first: Lightning writes ``config.yaml`` into
+        ``trainer.log_dir``, which for W&B is the logger's ``save_dir``, shared by every run (each would replace the
+        last one's file); here it goes into the run's own folder, ``<save_dir>/<project>/<run id>/``, where
+        Lightning's ``ModelCheckpoint`` puts the run's ``checkpoints/``."""
+        if self.already_saved or not _first_logger_is_wandb(trainer):  # the same branch on every process
+            return super().setup(trainer, pl_module, stage)
+        run_dir = _wandb_run_folder(trainer) if trainer.is_global_zero else None
+        if self.save_to_log_dir and run_dir is not None:
+            path = os.path.join(run_dir, self.config_filename)
+            if not self.overwrite and os.path.isfile(path):
+                raise RuntimeError(f"{type(self).__name__} expected {path} to NOT exist (overwrite is off)")
+            os.makedirs(run_dir, exist_ok=True)
+            self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
+        if trainer.is_global_zero:
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
+
     def save_config(self, trainer, pl_module, stage: str) -> None:
         config = resolved_config(self.parser, self.config)
         for logger in trainer.loggers:
@@ -86,6 +105,22 @@ class LogConfigCallback(SaveConfigCallback):
                 if run_dir:
                     with open(os.path.join(run_dir, WANDB_CONFIG_FILENAME), "w") as f:
                         f.write(text)
+
+
+def _first_logger_is_wandb(trainer) -> bool:
+    from lightning.pytorch.loggers import WandbLogger
+
+    return bool(trainer.loggers) and isinstance(trainer.loggers[0], WandbLogger)
+
+
+def _wandb_run_folder(trainer) -> str | None:
+    """``<save_dir>/<project>/<run id>`` of the trainer's first logger, a ``WandbLogger`` (called on global rank 0,
+    where the run exists); None without a save directory."""
+    logger = trainer.loggers[0]
+    logger.experiment  # noqa: B018 - creates the run, which gives the version (its id)
+    if logger.save_dir is None or logger.version is None:
+        return None
+    return os.path.join(logger.save_dir, str(logger.name), str(logger.version))
 
 
 # ====================================================================== W&B mode policy

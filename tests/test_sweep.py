@@ -259,9 +259,12 @@ def test_interrupted_runs_are_retried_with_the_same_parameters(tmp_path, monkeyp
     assert len(interrupted) == 1 and not marker.exists()
     assert main([path, "--out", out]) == 0
     calls = _calls(tmp_path)
-    assert len(calls) == 4 and calls[1].split("-", 1)[1] == interrupted[0].split("-", 1)[1]
+    assert len(calls) == 4 and calls[1] == interrupted[0]  # the retry runs under the interrupted run's name
     rows = _table(out)
     assert sorted(float(r["x"]) for r in rows) == [0.1, 0.2, 0.3] and all(r["status"] == "finished" for r in rows)
+    assert sorted(r["run"][:3] for r in rows) == ["000", "001", "002"]
+    # its files replace the interrupted attempt's: one log and one run folder per run
+    assert sorted(os.listdir(os.path.join(out, "logs"))) == sorted(r["run"] + ".log" for r in rows)
 
     # a killed sweep leaves its trial RUNNING in the journal: the same
     sweep = LocalSweep(load_sweep(path), str(tmp_path / "killed"))
@@ -506,6 +509,11 @@ def test_malformed_files_and_bad_arguments_give_clear_errors(tmp_path, capsys):
     out = str(tmp_path / "out")
     assert "random sweep has no end; give --runs N" in _error([path, "--out", out], capsys)
     assert "--runs must be an integer >= 1, got 0" in _error([path, "--out", out, "--runs", "0"], capsys)
+    assert "--seed must be an integer >= 0, got -3" in _error(
+        [path, "--out", out, "--runs", "1", "--seed", "-3"], capsys
+    )
+    big = ["--runs", "1", "--seed", str(2**32)]
+    assert "--seed must be an integer in [0, 2**32), got 4294967296" in _error([path, "--out", out, *big], capsys)
     capped = _fake_sweep(tmp_path, {"x": {"min": 0.0, "max": 1.0}}, method="random", run_cap=0)
     assert "run_cap must be an integer >= 1, got 0" in _error([capped, "--out", out], capsys)
 

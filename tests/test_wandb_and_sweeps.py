@@ -142,6 +142,13 @@ def test_quickstart_wandb_offline_logs_per_round_metrics_and_config(tmp_path, mo
     with open(os.path.join(runs[0], "files", "cli_config.yaml")) as f:
         saved = yaml.safe_load(f)
     assert saved["model"] == cfg["model"] and saved["data"] == cfg["data"]
+    # config.yaml in the run's own folder, next to its checkpoints, not in the save_dir every run shares
+    logger = cli.trainer.loggers[0]
+    run_folder = os.path.join(str(tmp_path), str(logger.name), str(logger.version))
+    assert not os.path.exists(os.path.join(str(tmp_path), "config.yaml"))
+    with open(os.path.join(run_folder, "config.yaml")) as f:
+        assert yaml.safe_load(f)["model"]["local_steps"] == k
+    assert os.path.isdir(os.path.join(run_folder, "checkpoints"))
 
 
 def test_read_offline_run_bad_input(tmp_path):

@@ -85,7 +85,9 @@ class LocalSweep:
         self.interpreter = interpreter or sys.executable
         self.study_name = str(self.sweep.get("name") or os.path.splitext(name)[0])
         self._seed_arg = seed
-        self.seed = DEFAULT_SEED if seed is None else seed
+        self.seed = DEFAULT_SEED if seed is None else integer("--seed", seed, minimum=0)
+        if self.seed >= 2**32:  # numpy's and Optuna's samplers take 32-bit seeds
+            raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed}")
         run_cap = self.sweep.get("run_cap")
         self.run_cap = None if run_cap is None else integer("run_cap", run_cap, label=f"{name}: run_cap")
         self.grid_size = None
@@ -159,6 +161,8 @@ class LocalSweep:
                             params=t.params,
                             distributions=t.distributions,
                             system_attrs={**t.system_attrs, "retry_of": t.number},
+                            # the retry runs under the interrupted run's number: the same name, files replaced
+                            user_attrs={"run_number": _run_number(t, trials)},
                         )
                     )
         finally:
@@ -214,7 +218,7 @@ class LocalSweep:
 
     def _execute(self, trial, log: Callable[[str], None], total: int) -> float:
         params = self._suggest(trial)
-        slug = run_slug(trial.number, params, self.space)
+        slug = run_slug(_run_number(trial), params, self.space)
         trial.set_user_attr("slug", slug)
         cmd = self.command(params, slug)
         logs = os.path.join(self.out, "logs")
@@ -319,9 +323,9 @@ class LocalSweep:
 
         def show(trial):
             params = self._suggest(trial)
-            slug = run_slug(trial.number, params, self.space)
+            slug = run_slug(_run_number(trial), params, self.space)
             trial.set_user_attr("status", "planned")
-            planned.append(RunResult(trial.number, slug, params, "planned"))
+            planned.append(RunResult(_run_number(trial), slug, params, "planned"))
             log(shlex.join(self.command(params, slug)))
             raise DryRun
 
@@ -350,7 +354,8 @@ class LocalSweep:
                 return []
             study = self._open_study(self._storage())
         rows = []
-        for t in study.get_trials(deepcopy=False):
+        trials = study.get_trials(deepcopy=False)
+        for t in trials:
             status = t.user_attrs.get("status", "running")
             if status == "interrupted" or "slug" not in t.user_attrs:
                 continue
@@ -363,7 +368,13 @@ class LocalSweep:
             metrics = read_final_metrics(os.path.join(self.out, "runs", slug, "metrics.csv"))
             rows.append(
                 RunResult(
-                    t.number, slug, params, status, t.user_attrs.get("exit_code"), metrics, t.user_attrs.get("seconds")
+                    _run_number(t, trials),
+                    slug,
+                    params,
+                    status,
+                    t.user_attrs.get("exit_code"),
+                    metrics,
+                    t.user_attrs.get("seconds"),
                 )
             )
         return self.sort(rows)
@@ -447,6 +458,22 @@ class _sigterm_interrupts:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
         return False
+
+
+def _run_number(trial, trials=None) -> int:
+    """The run's number in its name: for the retry of an interrupted run, that run's; for another trial, its trial
+    number less the retries before it (runs are numbered 0, 1, 2, ... as in a sweep never interrupted). ``trials``:
+    the study's trials (default: a live trial's study's); a live trial records the number (user attr
+    ``run_number``)."""
+    number = trial.user_attrs.get("run_number")
+    if number is None:
+        trials = trial.study.get_trials(deepcopy=False) if trials is None else trials
+        number = trial.number - sum(1 for t in trials if t.number < trial.number and "retry_of" in t.system_attrs)
+        from optuna.trial import Trial
+
+        if isinstance(trial, Trial):  # a live trial (not a FrozenTrial read back)
+            trial.set_user_attr("run_number", number)
+    return int(number)
 
 
 # ====================================================================== command line
