@@ -46,6 +46,7 @@ from fedlightning.checkpoint import (
     checkpoint_round,
     config_differences,
     remove_interrupted_writes,
+    verify_checksums,
 )
 from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.logging import LogConfigCallback, default_wandb_offline, resolved_config
@@ -410,21 +411,26 @@ class FederatedCLI(LightningCLI):
                 f"writes: {', '.join(removed)}"
             )
         candidates = self._last_candidates()
-        newest: tuple[tuple[int, float, str], dict[str, Any]] | None = None
+        readable: list[tuple[tuple[int, float, str], dict[str, Any]]] = []
         for path in candidates:
             try:
                 ckpt = check_checkpoint(path, weights_only=weights_only, mmap=True)
-                key = (checkpoint_round(ckpt), os.path.getmtime(path), path)
+                readable.append(((checkpoint_round(ckpt), os.path.getmtime(path), path), ckpt))
             except CheckpointError as err:
                 if err.unsafe_type is not None:
                     raise  # a file that could run code is refused, never passed over silently
                 rank_zero_warn(f"--ckpt_path {keyword}: skipped {err.summary_line()}")
-                continue
             except (ValueError, OSError) as err:
                 rank_zero_warn(f"--ckpt_path {keyword}: skipped checkpoint {path}: {err}")
+        newest: tuple[tuple[int, float, str], dict[str, Any]] | None = None
+        for key, ckpt in sorted(readable, key=lambda entry: entry[0], reverse=True):
+            try:  # the memory-mapped read above does not read the tensors' bytes: their checksums, newest first
+                verify_checksums(key[2])
+            except CheckpointError as err:
+                rank_zero_warn(f"--ckpt_path {keyword}: skipped {err.summary_line()}")
                 continue
-            if newest is None or key > newest[0]:
-                newest = (key, ckpt)
+            newest = (key, ckpt)
+            break
         if keyword == "last":
             if newest is None:
                 rank_zero_warn(f"--ckpt_path last: no complete checkpoint found in {where}; starting from round 0")

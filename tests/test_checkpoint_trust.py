@@ -470,6 +470,23 @@ def test_last_is_the_newest_complete_round_of_any_file_name(trained, tmp_path, m
     assert not leftover.exists() and writing.exists()
 
 
+def test_last_passes_over_a_damaged_newest_file(trained, tmp_path):
+    """A newest ``last.ckpt`` damaged on disk (its bytes no longer match their zip checksums, which ``torch.load``
+    does not compare) is skipped with a warning naming the entry; the run resumes from the newest intact file."""
+    from test_cli_safety import damage_entry
+
+    runs = tmp_path / "quickstart"
+    intact = _with_round(trained, str(runs / "version_0" / "checkpoints" / "last.ckpt"), 3, time.time() - 30)
+    source = _with_round(trained, str(tmp_path / "round4.ckpt"), 4, time.time())
+    os.makedirs(runs / "version_1" / "checkpoints")
+    damaged = damage_entry(source, runs / "version_1" / "checkpoints" / "last.ckpt")
+    with pytest.warns(UserWarning, match="skipped") as caught:
+        cli = main(["validate", *_tiny(tmp_path), "--ckpt_path", "last"])
+    assert cli.config_init["validate"]["ckpt_path"] == intact
+    (message,) = [str(w.message) for w in caught if "skipped" in str(w.message)]
+    assert message.startswith(f"--ckpt_path last: skipped checkpoint {damaged}: corrupt: the bytes of its entry ")
+
+
 def test_remove_interrupted_writes_rule(tmp_path):
     host = _host()
     old = time.time() - STALE_TEMP_SECONDS - 60

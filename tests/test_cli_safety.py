@@ -166,12 +166,35 @@ def _not_lightning(trained, tmp_path):
     return p
 
 
+def damage_entry(path, out):
+    """Copy ``path`` (a zip checkpoint) to ``out`` with 64 bytes in the middle of its largest entry flipped: a copy
+    damaged on disk; ``torch.load`` reads it without complaint."""
+    import struct
+    import zipfile
+
+    data = bytearray(open(path, "rb").read())
+    with zipfile.ZipFile(path) as zf:
+        info = max(zf.infolist(), key=lambda i: i.file_size)
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    for i in range(start, start + 64):
+        data[i] ^= 0xFF
+    out.write_bytes(bytes(data))
+    torch.load(out, weights_only=False)  # torch itself does not notice
+    return out
+
+
+def _damaged(trained, tmp_path):
+    return damage_entry(trained, tmp_path / "damaged.ckpt")
+
+
 BAD_FILES = [
     ("missing", lambda trained, tmp_path: tmp_path / "nope.ckpt", "file not found"),
     ("directory", lambda trained, tmp_path: tmp_path, "is a directory, not a checkpoint file"),
     ("empty", _empty, "the file is empty (0 bytes): corrupt, truncated or not a checkpoint"),
     ("truncated", _truncated, "corrupt, truncated or not a checkpoint ("),  # the reader's error depends on the cut
     ("random", _random, "corrupt, truncated or not a checkpoint (UnpicklingError: "),
+    ("damaged", _damaged, "corrupt: the bytes of its entry 'archive/data/"),
     (
         "not_lightning",
         _not_lightning,
