@@ -144,6 +144,31 @@ def test_libsvm_bad_input(tmp_path):
         LibsvmDataModule(name="a9a", test_fraction=0.0)
 
 
+@pytest.mark.parametrize("compress", ["", ".gz"])
+def test_libsvm_feature_index_0_is_refused_not_read_as_zero_based(tmp_path, compress):
+    """One stray ``0:`` index: scikit-learn's default would read the whole file as 0-based (every feature one column
+    off, silently); LIBSVM counts from 1, so the line is named."""
+    lines = [f"{1 + i % 2} " + " ".join(f"{j}:1" for j in (1 + i % 5, 7, 112)) for i in range(20)]
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "mushrooms").write_text("\n".join(lines) + "\n")
+    dm = LibsvmDataModule(name="mushrooms", data_dir=str(good), num_clients=2, val_fraction=0.0)
+    dm.setup()
+    x = np.concatenate([dm.train_dataset.x.numpy(), dm.test_dataset.x.numpy()])
+    assert x[:, 6].sum() == 20 and x[:, 111].sum() == 20 and x[:, 5].sum() == 0  # 1-based: "7:" is column 6
+    lines[3] = "2 0:1 7:1"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    text = ("\n".join(lines) + "\n").encode()
+    if compress:
+        with gzip.open(bad / "mushrooms.gz", "wb") as f:
+            f.write(text)
+    else:
+        (bad / "mushrooms").write_bytes(text)
+    with pytest.raises(ValueError, match=r"mushrooms(\.gz)?: line 4 has the feature index 0, but LIBSVM files count"):
+        LibsvmDataModule(name="mushrooms", data_dir=str(bad), num_clients=2).setup()
+
+
 def test_mnist_failed_download_says_where_to_put_the_files(tmp_path, monkeypatch):
     """download=True without network: torchvision tries every mirror for the first file, then a FileNotFoundError
     names the download error and the two folders the IDX files may go into."""

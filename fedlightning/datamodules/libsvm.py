@@ -16,6 +16,7 @@ regression with two logits), i.i.d. split over 100 clients, 10 sampled per round
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import torch
@@ -34,6 +35,21 @@ LIBSVM_DATASETS: dict[str, tuple[int, tuple[int, int], str, str | None]] = {
     "ijcnn1": (22, (-1, 1), "ijcnn1", "ijcnn1.t"),
     "phishing": (68, (0, 1), "phishing", None),
 }
+
+
+def _zero_index_line(path: str) -> int | None:
+    """The number (from 1) of the first line of the LIBSVM file ``path`` (plain, ``.bz2`` or ``.gz``) holding a
+    feature index 0, or None."""
+    import bz2
+    import gzip
+
+    opener = bz2.open if path.endswith(".bz2") else gzip.open if path.endswith(".gz") else open
+    pattern = re.compile(r"(^|\s)0+:")
+    with opener(path, "rt") as f:
+        for number, line in enumerate(f, 1):
+            if pattern.search(line.split("#", 1)[0]):
+                return number
+    return None
 
 
 def _locate(data_dir: str, name: str) -> str | None:
@@ -93,8 +109,16 @@ class LibsvmDataModule(FederatedDataModule):
         from sklearn.datasets import load_svmlight_file
 
         try:
-            x, y = load_svmlight_file(path, n_features=self.num_features)
+            # LIBSVM counts features from 1; scikit-learn's default (zero_based="auto") would read a file with one
+            # stray "0:" index as 0-based, every feature of every sample one column off, without an error
+            x, y = load_svmlight_file(path, n_features=self.num_features, zero_based=False)
         except ValueError as e:
+            where = _zero_index_line(path) if "Invalid index 0" in str(e) else None
+            if where is not None:
+                raise ValueError(
+                    f"{path}: line {where} has the feature index 0, but LIBSVM files count features from 1 "
+                    f"(1..{self.num_features} for {self.name})"
+                ) from None
             raise ValueError(
                 f"{path} is not a valid svmlight file for {self.name} ({self.num_features} features): {e}"
             ) from None
