@@ -322,6 +322,50 @@ def test_bad_input(femnist_dir, tmp_path):
         _dm(root, tmp_path, name="femnist", min_samples=100).setup()
 
 
+def _raw_leaf(folder, data):
+    os.makedirs(folder / "train")
+    with open(folder / "train" / "d.json", "w") as f:
+        json.dump(data, f)
+    return str(folder)
+
+
+def _one_user(**changes):
+    data = {"users": ["a"], "num_samples": [2], "user_data": {"a": {"x": [[0.5] * 784, [0.25] * 784], "y": [3, 4]}}}
+    for key, value in changes.items():
+        if key in ("x", "y"):
+            data["user_data"]["a"][key] = value
+        else:
+            data[key] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"y": [3.5, 4]}, r"d.json: user 'a', sample 0: the label 3.5 is not a class id"),  # Arrow: class 3
+        ({"y": [3, True]}, r"d.json: user 'a', sample 1: the label True is not a class id"),
+        ({"y": [3, "4"]}, r"d.json: user 'a', sample 1: the label '4' is not a class id"),
+        ({"num_samples": [5.7]}, r"d.json: user 'a' declares num_samples=5.7 but has 2 samples"),
+        ({"num_samples": 2}, r"d.json: 'num_samples' must be a JSON list, got 2"),
+        ({"users": "a"}, r"d.json: 'users' must be a JSON list"),
+        ({"y": 5}, r"d.json: user_data\['a'\] must have 'x' and 'y' lists"),
+        ({"x": [[0.5] * 783 + ["dark"], [0.25] * 784]}, r"d.json: user 'a', sample 0: the input is not a list of"),
+    ],
+)  # fmt: skip
+def test_malformed_femnist_json_names_file_user_and_sample(tmp_path, changes, match):
+    root = _raw_leaf(tmp_path / "leaf", _one_user(**changes))
+    with pytest.raises(ValueError, match=match):
+        _dm(root, tmp_path, name="femnist").setup()
+
+
+def test_whole_float_labels_and_counts_are_read_as_ints(tmp_path):
+    root = _raw_leaf(tmp_path / "leaf", _one_user(y=[3.0, 4], num_samples=[2.0]))
+    dm = _dm(root, tmp_path, name="femnist", val_fraction=0.0)
+    dm.setup()
+    sets = (dm.train_dataset, dm.test_dataset)  # a train folder alone: LEAF's own split of each user's samples
+    assert sorted(int(d[i][1]) for d in sets for i in range(len(d))) == [3, 4]
+
+
 def test_bad_parquet_files_are_named(tmp_path):
     """Hostile parquet inputs (the hostile-input corpus): a truncated file, a file that is not parquet, a table without
     the client column, and labels outside the class range each fail with an error naming the file or the value."""

@@ -88,22 +88,37 @@ def _leaf_json_rows(files: list[str], splits: list[str], name: str, stamps: list
             if key not in data:
                 raise ValueError(f"LEAF JSON file {path} has no {key!r} key (found {sorted(data)})")
         users, user_data = data["users"], data["user_data"]
-        num_samples = data.get("num_samples", [None] * len(users))
+        num_samples = data.get("num_samples", [None] * len(users) if isinstance(users, list) else None)
+        for key, value, kind in (
+            ("users", users, list),
+            ("num_samples", num_samples, list),
+            ("user_data", user_data, dict),
+        ):
+            if not isinstance(value, kind):
+                raise ValueError(
+                    f"{path}: {key!r} must be a JSON {'list' if kind is list else 'object'}, got {value!r:.80}"
+                )
         if len(num_samples) != len(users):
             raise ValueError(f"{path}: {len(users)} users but {len(num_samples)} num_samples entries")
         for user, declared in zip(users, num_samples):
             if user not in user_data:
                 raise ValueError(f"{path}: user {user!r} is listed in 'users' but has no entry in 'user_data'")
             entry = user_data[user]
-            if not isinstance(entry, dict) or "x" not in entry or "y" not in entry:
+            if (
+                not isinstance(entry, dict)
+                or not isinstance(entry.get("x"), list)
+                or not isinstance(entry.get("y"), list)
+            ):
                 raise ValueError(f"{path}: user_data[{user!r}] must have 'x' and 'y' lists")
             xs, ys = entry["x"], entry["y"]
             if len(xs) != len(ys):
                 raise ValueError(f"{path}: user {user!r} has {len(xs)} inputs but {len(ys)} labels")
             if len(ys) == 0:
                 raise ValueError(f"{path}: user {user!r} has no samples (LEAF files list only users with data)")
-            if declared is not None and int(declared) != len(ys):
-                raise ValueError(f"{path}: user {user!r} declares num_samples={declared} but has {len(ys)} samples")
+            if declared is not None and _whole_number(declared) != len(ys):
+                raise ValueError(f"{path}: user {user!r} declares num_samples={declared!r} but has {len(ys)} samples")
+            if name != "shakespeare" and not all(type(v) is int for v in ys):  # class ids: ints (JSON numbers)
+                ys = [_class_id(v, path, user, i) for i, v in enumerate(ys)]
             if name == "sent140":
                 try:
                     xs = [str(s[4]) if isinstance(s, (list, tuple)) else str(s) for s in xs]
@@ -112,6 +127,45 @@ def _leaf_json_rows(files: list[str], splits: list[str], name: str, stamps: list
             if name == "shakespeare":
                 ys = [str(v) for v in ys]
             yield {"file": path, "split": split, "user": str(user), "x": xs, "y": ys}
+
+
+def _whole_number(value) -> int | None:
+    """``value`` as an int when it is a whole number (an int, not a bool, or a float with no fraction), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _class_id(value, path: str, user, index: int) -> int:
+    """A LEAF label as a class id; a fraction, a bool, a string or null is an error naming the file, user and sample
+    (Arrow would truncate 3.5 to class 3)."""
+    whole = _whole_number(value)
+    if whole is None:
+        raise ValueError(
+            f"{path}: user {user!r}, sample {index}: the label {value!r} is not a class id (a whole number)"
+        )
+    return whole
+
+
+def _first_unreadable_input(files: list[str], name: str) -> str | None:
+    """Where the first input of the LEAF files that Arrow cannot store as the data set's type is (``<file>: user
+    <u>, sample <i>``), or None; run only after Arrow refused a row (it names neither file nor user)."""
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        for user, entry in data["user_data"].items():
+            for i, x in enumerate(entry["x"]):
+                if name == "femnist":
+                    ok = isinstance(x, list) and all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in x)
+                else:
+                    ok = isinstance(x, (str, list))
+                if not ok:
+                    return f"{path}: user {user!r}, sample {i}"
+    return None
 
 
 def _check_unique_users(split: str, users: list[str], files: list[str]) -> None:
@@ -347,6 +401,7 @@ class LeafDataModule(FederatedDataModule):
     # ------------------------------------------------------------------ reading
     def _read_json(self, files: dict[str, list[str]], users: dict[str, int]) -> dict[str, _Part | None]:
         import datasets
+        import pyarrow
 
         paths = files["train"] + files["test"]
         splits = ["train"] * len(files["train"]) + ["test"] * len(files["test"])
@@ -361,10 +416,17 @@ class LeafDataModule(FederatedDataModule):
                     gen_kwargs={"files": paths, "splits": splits, "name": self.name, "stamps": stamps},
                     fingerprint=fingerprint,
                 )
-            except datasets.exceptions.DatasetGenerationError as e:  # surface our own error naming the file
-                cause = e.__cause__
-                if isinstance(cause, (ValueError, OSError)):
+            except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException) as e:
+                # surface our own error naming the file; Arrow's own refusals (a string pixel) name none
+                cause = e.__cause__ if isinstance(e, datasets.exceptions.DatasetGenerationError) else e
+                if isinstance(cause, (ValueError, OSError)) and not isinstance(cause, pyarrow.ArrowException):
                     raise cause from None
+                where = _first_unreadable_input(paths, self.name)
+                if where is not None:  # Arrow's own refusal (a string pixel) names no file: find the sample
+                    raise ValueError(
+                        f"{where}: the input is not {'a list of numbers' if self.name == 'femnist' else 'text'} "
+                        f"({type(cause).__name__}: {cause})"
+                    ) from None
                 raise
         table = ds.data.table
         out: dict[str, _Part | None] = {"train": None, "test": None}
