@@ -214,6 +214,19 @@ COMMAND_LINES = [
         ["client_optimizer SGD lr must be a finite number, got nan"],
     ),
     ("inf lr", ["--model.client_optimizer.lr=.inf"], "model.client_optimizer.init_args.lr", ["got inf"]),
+    ("negative data seed", ["--data.init_args.seed", "-1"], "data.init_args.seed", ["integer >= 0, got -1"]),
+    (
+        "data seed past 32 bits",
+        ["--data.init_args.seed", "4294967296"],
+        "data.init_args.seed",
+        ["in [0, 2**32), got 4294967296"],
+    ),
+    (
+        "Dirichlet max_retries 0",
+        ["--data.init_args.partition.init_args.max_retries", "0"],
+        "data.init_args.partition.init_args.max_retries",
+        ["integer >= 1, got 0"],
+    ),
     (
         "negative lr (torch's words: learning rate)",
         ["--model.client_optimizer.lr=-0.1"],

@@ -521,7 +521,9 @@ class FederatedDataModule(pl.LightningDataModule):
         self.num_workers = integer("num_workers", num_workers, 0)
         rounds_per_epoch = integer("rounds_per_epoch", rounds_per_epoch)
         self.partition = partition if partition is not None else IID()
-        self.seed = int(seed)
+        self.seed = integer("seed", seed, minimum=0)
+        if self.seed >= 2**32:  # scikit-learn's and numpy's random_state (the stratified splits) take 32-bit seeds
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
         self.rounds_per_epoch = int(rounds_per_epoch)
         self.val_fraction = check_val_fraction(val_fraction)
         self.train_dataset: Dataset | None = None
