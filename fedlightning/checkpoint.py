@@ -303,7 +303,7 @@ def _safe_load(path: str, load: Callable[[], Any]) -> Any:
     """``load()`` (a ``weights_only=True`` read) with :func:`safe_types` allow-listed; failures as CheckpointError."""
     try:
         with _allowing_safe_types():
-            return load()
+            loaded = load()
     except Exception as err:  # noqa: BLE001 - any reader failure means the same thing to the user
         unsafe = _unsafe_type(path, err)
         if unsafe is not None:
@@ -314,6 +314,36 @@ def _safe_load(path: str, load: Callable[[], Any]) -> Any:
                 unsafe_type=unsafe,
             ) from err
         raise CheckpointError(path, f"corrupt, truncated or not a checkpoint ({_reader_detail(err)})") from err
+    where = _object_array(loaded)
+    if where is not None:
+        raise CheckpointError(
+            path,
+            f"refuses to load: it holds a numpy array of {where} dtype, which is not an allow-listed data type (its "
+            f"elements could be any object); {_TRUST_HINT}",
+            unsafe_type=f"numpy {where} array",
+        )
+    return loaded
+
+
+def _object_array(value: Any, depth: int = 0) -> str | None:
+    """``"object"`` / ``"structured"`` when a numpy array or scalar of such a dtype is anywhere in ``value`` (dicts,
+    lists, tuples, sets), else None. The safe reader refuses their dtype classes, but a pickle can build the dtype
+    through ``numpy.dtype("O8")``, which it admits for numeric dtypes."""
+    import numpy as np
+
+    if isinstance(value, (np.ndarray, np.generic)):
+        kind = value.dtype.kind
+        return "object" if kind == "O" else "structured" if kind == "V" else None
+    if depth > 64 or isinstance(value, (str, bytes, torch.Tensor)):
+        return None
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        for item in value:
+            found = _object_array(item, depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def checkpoint_round(checkpoint: Mapping[str, Any]) -> int:

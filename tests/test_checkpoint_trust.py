@@ -215,6 +215,29 @@ def test_refused_types_are_named_whatever_the_pickle(trained, tmp_path):
     assert not marker.exists()
 
 
+class _ObjectDtype:
+    """Pickles as ``numpy.dtype("O8")``: the admitted dtype constructor, not the refused ObjectDType class."""
+
+    def __reduce__(self):
+        return (np.dtype, ("O8", False, True))
+
+
+class _ObjectArray:
+    def __reduce__(self):
+        core = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+        return (core._reconstruct, (np.ndarray, (0,), b"b"), (1, (2,), _ObjectDtype(), False, ["hello", ("t", 1)]))
+
+
+@pytest.mark.parametrize("where", ["top", "nested"])
+def test_an_object_array_built_through_the_dtype_constructor_is_refused(trained, tmp_path, where):
+    path = tmp_path / "objects.ckpt"
+    extra = _ObjectArray() if where == "top" else {"metrics": [1.0, {"hist": _ObjectArray()}]}
+    torch.save({**trained[1], "extra": extra}, path)
+    with pytest.raises(CheckpointError, match="refuses to load: it holds a numpy array of object dtype") as info:
+        check_checkpoint(path)
+    assert info.value.unsafe_type == "numpy object array"
+
+
 def test_allow_listed_data_types_load_and_nothing_else_is_allowed_afterwards(trained, tmp_path):
     """Paths and numpy scalars / arrays load under weights_only (torch alone refuses them); the allow-list is scoped
     to fedlightning's reads."""
