@@ -701,10 +701,13 @@ def _check_candidate(
         statistic = f"the server learning rate server/lr = {step_lr!r} is non-finite"
     else:
         shown = ", ".join(f"{k} = {v:.4g}" for k, v in extra.items() if isinstance(v, (int, float)))
-        statistic = (
-            f"the step server/lr·Δ overflows: server/lr = {float(step_lr):.4g}, server/delta_norm = "
-            f"{delta_norm:.4g}" + (f" ({shown})" if shown else "")
+        figures = f"server/lr = {float(step_lr):.4g}, server/delta_norm = {delta_norm:.4g}" + (
+            f" ({shown})" if shown else ""
         )
+        if where.startswith("server optimizer state"):  # e.g. Adam's Σ Δ² past the float range, the step itself fine
+            statistic = f"the server optimizer's state overflows on this Δ: {figures}"
+        else:
+            statistic = f"the step server/lr·Δ overflows: {figures}"
     raise FloatingPointError(
         f"round {plan.round}: the server step of {type(strategy).__name__} would make the global model "
         f"non-finite ({where}): {statistic}. The global model and the server optimizer state are left as they "

@@ -17,7 +17,7 @@ import torch
 
 from conftest import make_trainer
 from fedlightning import FederatedLoop
-from fedlightning.callbacks import FedAvg, FedAvgM, FederatedCallback, FedExP
+from fedlightning.callbacks import FedAdam, FedAvg, FedAvgM, FederatedCallback, FedExP
 from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.models import MLP
 
@@ -326,6 +326,37 @@ class ExplodesInRound1(FedAvgM):
         if plan.round == 1:
             return torch.full_like(delta, 10.0), self.lr, metrics
         return delta, lr, metrics
+
+
+class AdamOverflowsInRound1(FedAdam):
+    """FedAdam whose round 1 steps on a pseudo-gradient of 1e25s: Adam's second moment (1 − β₂)·Δ² = 1e47 is past
+    float32, while lr·Δ itself is finite."""
+
+    def server_update(self, loop, stats, plan):
+        delta, lr, metrics = super().server_update(loop, stats, plan)
+        return (torch.full_like(delta, 1e25) if plan.round == 1 else delta), lr, metrics
+
+
+def test_an_overflowing_server_optimizer_state_is_named_as_such():
+    torch.manual_seed(0)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[8]), client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
+        clients_per_round=4, seed=0,
+    )  # fmt: skip
+    after = []
+
+    class Record(FederatedCallback):
+        def on_round_end(self, trainer, loop, result):
+            after.append(_flat(loop.model))
+
+    trainer = make_trainer(3, callbacks=[AdamOverflowsInRound1(), Record()])
+    with pytest.raises(FloatingPointError) as info:
+        trainer.fit(loop, datamodule=_data())
+    assert str(info.value).startswith(
+        "round 1: the server step of AdamOverflowsInRound1 would make the global model non-finite (server optimizer "
+        "state 'exp_avg_sq' of net.1.weight): the server optimizer's state overflows on this Δ: server/lr = "
+    )
+    assert len(after) == 1 and torch.equal(_flat(loop.model), after[0])  # round 0's model kept
 
 
 class ServerState(FederatedCallback):
