@@ -641,3 +641,37 @@ def test_two_processes_skip_the_overflowing_client_and_stop_on_an_exception(tmp_
         "(on_client_error='skip' would leave such clients out of their round)"
     )
     assert f"[rank0]: {line}" in proc.stderr and f"[rank1]: {line}" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["vectorized", "auto"])
+def test_a_data_error_under_vectorized_clients_points_to_the_client(mode):
+    """A target out of range (label checks off) raises inside the batched call, which cannot tell whose batch it
+    was: ``"vectorized"`` stops saying so and how to find the client; ``"auto"`` trains sequentially, where the
+    failure policy (``on_client_error="skip"``) leaves that client out by name."""
+    from torch.utils.data import TensorDataset
+
+    from fedlightning.datamodules import IID, FederatedDataModule
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(120, 64, generator=g), torch.randint(0, 10, (120,), generator=g)
+    y[7] = 10  # MLP(num_classes=10): out of range
+    dm = FederatedDataModule.from_datasets(
+        TensorDataset(x, y), None, partition=IID(), num_clients=4, batch_size=30, seed=0, val_fraction=0.0,
+        check_labels=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    loop = FederatedLoop(
+        MLP(input_dim=64, hidden=[8]), client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
+        clients_per_round=4, seed=0, client_execution=mode, on_client_error="skip",
+    )  # fmt: skip
+    trainer = make_trainer(1)
+    if mode == "vectorized":
+        with pytest.raises(VectorizationUnsupportedError, match=r"IndexError: .*names the client whose batch raises"):
+            trainer.fit(loop, datamodule=dm)
+        return
+    with pytest.warns(UserWarning, match=r"round 0: client \d+ skipped \(IndexError") as caught:
+        trainer.fit(loop, datamodule=dm)
+    (line,) = [str(w.message) for w in caught if "skipped (IndexError" in str(w.message)]
+    owner = next(c for c, ix in enumerate(dm.client_indices) if 7 in set(ix.tolist()))
+    assert line.startswith(f"round 0: client {owner} skipped") and trainer.global_step == 1

@@ -176,7 +176,8 @@ class VectorizedClientTrainer:
             raise VectorizationUnsupportedError(
                 "client_execution='vectorized' failed in the first gradient evaluation of the clients under "
                 f"torch.func.vmap: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Use "
-                "client_execution='sequential' (or 'auto' to fall back automatically)"
+                "client_execution='sequential' (or 'auto' to fall back automatically); an error of the data or the "
+                "model itself then names the client whose batch raises it"
             ) from err
         if self.call.deterministic and not _same_rng_state(before, _rng_state(rng_devices)):
             # random draws outside dropout layers (F.dropout, torch.randn_like noise): the model is random after all
