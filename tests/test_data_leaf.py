@@ -3,6 +3,7 @@ ids, sample counts, per-user splits, the sampling options, the Arrow cache, and 
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -364,6 +365,38 @@ def test_whole_float_labels_and_counts_are_read_as_ints(tmp_path):
     dm.setup()
     sets = (dm.train_dataset, dm.test_dataset)  # a train folder alone: LEAF's own split of each user's samples
     assert sorted(int(d[i][1]) for d in sets for i in range(len(d))) == [3, 4]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bytes flipped"])
+def test_a_damaged_arrow_cache_is_rebuilt_from_the_json_files(femnist_dir, tmp_path, damage):
+    """Arrow maps its cache and reads whatever it holds: a cache file cut short (unreadable) or with bytes flipped
+    (read silently before) is found (its CRC-32 recorded when first read), deleted and built again, with a warning;
+    the data equal the first read's."""
+    import glob
+
+    root, _, _ = femnist_dir
+
+    def load():
+        dm = _dm(root, tmp_path, name="femnist", val_fraction=0.0)
+        dm.setup()
+        return dm.train_dataset.x.clone(), dm.train_dataset.y.clone()
+
+    x0, y0 = load()
+    (arrow,) = glob.glob(str(tmp_path / "hf_cache" / "**" / "*.arrow"), recursive=True)
+    data = bytearray(open(arrow, "rb").read())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        middle = len(data) // 2
+        data[middle : middle + 64] = bytes(b ^ 0x55 for b in data[middle : middle + 64])
+    open(arrow, "wb").write(bytes(data))
+    with pytest.warns(UserWarning, match=r"LEAF femnist: the Arrow cache in .* is damaged .*building it again"):
+        x1, y1 = load()
+    assert torch.equal(x1, x0) and torch.equal(y1, y0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rebuilt: read again without a warning
+        x2, _ = load()
+    assert torch.equal(x2, x0)
 
 
 def test_bad_parquet_files_are_named(tmp_path):

@@ -16,7 +16,9 @@ import io
 import json
 import os
 import re
+import shutil
 import warnings
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -166,6 +168,41 @@ def _first_unreadable_input(files: list[str], name: str) -> str | None:
                 if not ok:
                     return f"{path}: user {user!r}, sample {i}"
     return None
+
+
+#: Suffix of the file next to each Arrow cache file holding its CRC-32, written when the cache is first read.
+_CRC_SUFFIX = ".crc32"
+
+
+def _crc32(path: str) -> str:
+    value = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x} {os.path.getsize(path)}"
+
+
+def _damaged_cache_file(ds) -> str | None:
+    """A description of the first of ``ds``'s Arrow cache files whose bytes differ from the CRC-32 recorded next to
+    it (a copy damaged after it was written: Arrow maps it and reads whatever it holds), else None; files without a
+    record get one. Decision (ours): about 1 s per GB, next to the JSON files' hashing that keys the cache."""
+    for entry in getattr(ds, "cache_files", None) or []:
+        path = entry["filename"]
+        record = path + _CRC_SUFFIX
+        actual = _crc32(path)
+        if not os.path.isfile(record):
+            with open(record, "w") as f:
+                f.write(actual)
+            continue
+        with open(record) as f:
+            expected = f.read().strip()
+        if expected != actual:
+            return f"{path} does not match the checksum recorded when it was written"
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _check_unique_users(split: str, users: list[str], files: list[str]) -> None:
@@ -407,27 +444,49 @@ class LeafDataModule(FederatedDataModule):
         splits = ["train"] * len(files["train"]) + ["test"] * len(files["test"])
         stamps = [f"{os.path.abspath(p)}:{file_digest(p)}" for p in paths]
         fingerprint = hashlib.sha256("|".join([_CACHE_VERSION, self.name] + stamps).encode()).hexdigest()[:32]
-        with _quiet_datasets():
-            try:
-                ds = datasets.Dataset.from_generator(
-                    _leaf_json_rows,
-                    features=_json_features(self.name),
-                    cache_dir=self.cache_dir,
-                    gen_kwargs={"files": paths, "splits": splits, "name": self.name, "stamps": stamps},
-                    fingerprint=fingerprint,
+        root = str(self.cache_dir or datasets.config.HF_DATASETS_CACHE)
+        for attempt in (0, 1):
+            problem = None
+            with _quiet_datasets():
+                try:
+                    ds = datasets.Dataset.from_generator(
+                        _leaf_json_rows,
+                        features=_json_features(self.name),
+                        cache_dir=self.cache_dir,
+                        gen_kwargs={"files": paths, "splits": splits, "name": self.name, "stamps": stamps},
+                        fingerprint=fingerprint,
+                    )
+                except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException, OSError) as e:
+                    # surface our own error naming the file; Arrow's own refusals (a string pixel) name none
+                    generating = isinstance(e, datasets.exceptions.DatasetGenerationError)
+                    cause = e.__cause__ if generating else e
+                    ours = isinstance(cause, (ValueError, OSError)) and not isinstance(cause, pyarrow.ArrowException)
+                    if generating and ours:
+                        raise cause from None
+                    where = _first_unreadable_input(paths, self.name)
+                    if where is not None:  # Arrow's own refusal (a string pixel) names no file: find the sample
+                        raise ValueError(
+                            f"{where}: the input is not {'a list of numbers' if self.name == 'femnist' else 'text'} "
+                            f"({type(cause).__name__}: {cause})"
+                        ) from None
+                    if generating:
+                        raise
+                    problem = f"{type(e).__name__}: {_first_line(e)}"  # reading the cache failed
+            if problem is None:
+                problem = _damaged_cache_file(ds)
+                if problem is None:
+                    break
+            if attempt:
+                raise OSError(
+                    f"LEAF {self.name}: the Arrow cache in {root} is unreadable even after a rebuild ({problem})"
                 )
-            except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException) as e:
-                # surface our own error naming the file; Arrow's own refusals (a string pixel) name none
-                cause = e.__cause__ if isinstance(e, datasets.exceptions.DatasetGenerationError) else e
-                if isinstance(cause, (ValueError, OSError)) and not isinstance(cause, pyarrow.ArrowException):
-                    raise cause from None
-                where = _first_unreadable_input(paths, self.name)
-                if where is not None:  # Arrow's own refusal (a string pixel) names no file: find the sample
-                    raise ValueError(
-                        f"{where}: the input is not {'a list of numbers' if self.name == 'femnist' else 'text'} "
-                        f"({type(cause).__name__}: {cause})"
-                    ) from None
-                raise
+            warnings.warn(
+                f"LEAF {self.name}: the Arrow cache in {root} is damaged ({problem}); building it again from the JSON "
+                "files",
+                stacklevel=2,
+            )
+            for folder in glob.glob(os.path.join(glob.escape(root), "generator", f"*fingerprint={fingerprint}*")):
+                shutil.rmtree(folder, ignore_errors=True)
         table = ds.data.table
         out: dict[str, _Part | None] = {"train": None, "test": None}
         split_col = np.asarray(table.column("split").to_pylist())
