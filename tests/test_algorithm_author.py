@@ -263,6 +263,11 @@ class _ParticipationProx(FederatedCallback):
 
     def __init__(self):
         self.count = collections.Counter()
+        self.watched = None
+
+    def on_round_start(self, trainer, loop, plan):
+        if self.watched is None:  # set before auto's measurement, shared with the model: must stay the model's own
+            self.watched = list(loop.global_parameters())
 
     def client_objective(self, trainer, loop, plan, client_id):
         self.count[client_id] += 1
@@ -288,6 +293,7 @@ def test_auto_measurement_leaves_stateful_hooks_as_sequential_training_does():
         participations = collections.Counter(c for e in record.rounds for c in e["plan"].client_ids)
         assert dict(hook.count) == dict(participations)
         assert {c: loop.client_state.get("participation", c)["n"] for c in participations} == dict(participations)
+        assert all(a is b for a, b in zip(hook.watched, loop.global_parameters(), strict=True))
         results[mode] = _flat(loop.model)
     torch.testing.assert_close(results["auto"], results["sequential"], rtol=0, atol=1e-12)
     # the hand computation of the same three rounds

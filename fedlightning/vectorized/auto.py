@@ -661,12 +661,13 @@ def _hooks_leave_no_trace(loop):
     floats), attributes of plain data the hooks added are removed, and ``loop.client_state``'s entries are put back
     (each entry's dict copied; a tensor changed in place inside an entry is not). State kept in other objects, and
     not in ``state_dict()``, is not restored: hooks that keep such state are documented to be called again there
-    (docs/your_model.md)."""
+    (docs/architecture.md, "Extension points"). An attribute is put back in place (:func:`_put_back`): one that the
+    hooks left as it was keeps its object, and so what it shares with others (the model's parameters)."""
     trainer = loop.trainer
     owners = [cb for cb in trainer.callbacks if any(callable(getattr(cb, name, None)) for name in _MEASURED_HOOKS)]
     saved = []
     for cb in owners:
-        attributes = {k: copy.deepcopy(v) for k, v in vars(cb).items() if _plain(v)}
+        attributes = {k: (v, copy.deepcopy(v)) for k, v in vars(cb).items() if _plain(v)}
         state = cb.state_dict() if type(cb).state_dict is not Callback.state_dict else None
         saved.append((cb, attributes, copy.deepcopy(state) if state else None))
     entries = loop.client_state.snapshot()
@@ -676,11 +677,58 @@ def _hooks_leave_no_trace(loop):
         for cb, attributes, state in saved:
             for k in [k for k, v in vars(cb).items() if k not in attributes and _plain(v)]:
                 delattr(cb, k)
-            for k, v in attributes.items():
-                setattr(cb, k, v)
+            for k, (original, copied) in attributes.items():
+                setattr(cb, k, _put_back(original, copied))
             if state is not None:
                 cb.load_state_dict(state)
         loop.client_state.restore(entries)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Deep equality of plain data (:func:`_plain`), tensors and arrays by type, shape and values."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+    if isinstance(a, np.ndarray):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b) or (a != a and b != b)  # NaN equals NaN here
+    except Exception:  # noqa: BLE001 - values that do not compare: taken as changed
+        return False
+
+
+def _put_back(original: Any, copied: Any) -> Any:
+    """The value an attribute holds again: ``original`` itself, with its contents put back in place where they
+    changed (dicts and lists entry by entry, tensors copied into), so that objects it shares with others (a list of
+    the model's parameters) stay shared; ``copied`` where ``original`` cannot be changed in place."""
+    if _equal(original, copied):
+        return original
+    if isinstance(original, dict):
+        for k in [k for k in original if k not in copied]:
+            del original[k]
+        for k, v in copied.items():
+            original[k] = _put_back(original[k], v) if k in original else v
+        return original
+    if isinstance(original, list) and len(original) == len(copied):
+        original[:] = [_put_back(o, c) for o, c in zip(original, copied)]
+        return original
+    if isinstance(original, list):
+        original[:] = copied
+        return original
+    if isinstance(original, set):
+        original.clear()
+        original.update(copied)
+        return original
+    if isinstance(original, Tensor) and original.shape == copied.shape and original.dtype == copied.dtype:
+        with torch.no_grad():
+            original.copy_(copied)
+        return original
+    return copied
 
 
 @contextmanager

@@ -209,9 +209,9 @@ class _TracedRows:
                 where = tracker.failed_in or f"the model ({type(call.model).__name__})"
                 raise VectorizationUnsupportedError(
                     f"client_execution='vectorized' failed in {where} while running the clients under "
-                    f"torch.func.vmap: {type(err).__name__}: {str(err).rstrip('.')}. Use client_execution='sequential' (or "
-                    "'auto' to fall back automatically); an error of the data or the model itself (a target out of "
-                    "range) then names the client whose batch raises it"
+                    f"torch.func.vmap: {type(err).__name__}: {str(err).rstrip('.')}. Use "
+                    "client_execution='sequential' (or 'auto' to fall back automatically); an error of the data or "
+                    "the model itself (a target out of range) then names the client whose batch raises it"
                 ) from err
             self.probed = True
             return out
