@@ -222,10 +222,10 @@ COMMAND_LINES = [
         ["in [0, 2**32), got 4294967296"],
     ),
     (
-        "Dirichlet max_retries 0",
-        ["--data.init_args.partition.init_args.max_retries", "0"],
+        "Dirichlet max_retries negative",
+        ["--data.init_args.partition.init_args.max_retries", "-3"],
         "data.init_args.partition.init_args.max_retries",
-        ["integer >= 1, got 0"],
+        ["integer >= 0, got -3"],
     ),
     (
         "negative lr (torch's words: learning rate)",

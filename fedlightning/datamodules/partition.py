@@ -61,13 +61,14 @@ class Dirichlet(Partitioner):
             if it still fails (very small α or many clients), the last draw is *repaired* by moving randomly chosen
             samples from the currently largest clients to the deficient ones, so the split always exists and stays
             seeded. Default 1, so no client is ever empty.
-        max_retries: see ``min_samples`` (default 10, ours).
+        max_retries: see ``min_samples`` (default 10, ours); 0 and 1 both draw once (0: repair at once, the fast
+            setting for very many clients, docs/benchmarks_data.md); negative is an error.
     """
 
     def __init__(self, alpha: float = 0.3, min_samples: int = 1, max_retries: int = 10):
         self.alpha = positive("alpha", alpha, label="Dirichlet alpha", show_name=True)
         self.min_samples = integer("min_samples", min_samples, 0)
-        self.max_retries = integer("max_retries", max_retries)
+        self.max_retries = integer("max_retries", max_retries, minimum=0)
 
     def split(self, labels, num_clients, rng):
         if self.min_samples * num_clients > len(labels):
@@ -77,7 +78,7 @@ class Dirichlet(Partitioner):
         classes = np.unique(labels)
         by_class = [np.flatnonzero(labels == k) for k in classes]
         parts: list[np.ndarray] = []
-        for _ in range(self.max_retries):
+        for _ in range(max(1, self.max_retries)):
             parts = self._draw(by_class, num_clients, rng)
             if min(len(p) for p in parts) >= self.min_samples:
                 return parts
