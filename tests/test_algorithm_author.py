@@ -319,3 +319,20 @@ def test_a_client_marked_failed_without_a_reason_is_named_so():
 
     with pytest.warns(UserWarning, match=r"round 0: client \d+ skipped \(marked failed, no reason given\)"):
         _fit([FedAvg(), DropFirst()], rounds=1)
+
+
+def test_auto_measurement_leaves_attributes_it_cannot_copy_as_they_are():
+    """An attribute deepcopy refuses (a tensor with autograd history) is not copied, and auto still runs."""
+
+    class KeepsAGraph(FederatedCallback):
+        def __init__(self):
+            w = torch.ones(3, requires_grad=True)
+            self.scaled = w * 2  # not a graph leaf: deepcopy raises
+
+        def client_objective(self, trainer, loop, plan, client_id):
+            return None
+
+    hook = KeepsAGraph()
+    kept = hook.scaled
+    loop, _ = _fit([FedAvg(), hook], mode="auto")
+    assert hook.scaled is kept and loop.trainer.global_step == 2

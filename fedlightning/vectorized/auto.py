@@ -667,15 +667,25 @@ def _hooks_leave_no_trace(loop):
     owners = [cb for cb in trainer.callbacks if any(callable(getattr(cb, name, None)) for name in _MEASURED_HOOKS)]
     saved = []
     for cb in owners:
-        attributes = {k: (v, copy.deepcopy(v)) for k, v in vars(cb).items() if _plain(v)}
+        attributes = {}
+        for k, v in vars(cb).items():
+            if _plain(v):
+                try:
+                    attributes[k] = (v, copy.deepcopy(v))
+                except (RuntimeError, TypeError):  # e.g. a tensor with autograd history: left as it is
+                    continue
         state = cb.state_dict() if type(cb).state_dict is not Callback.state_dict else None
-        saved.append((cb, attributes, copy.deepcopy(state) if state else None))
+        try:
+            state = copy.deepcopy(state) if state else None
+        except (RuntimeError, TypeError):
+            state = None
+        saved.append((cb, set(vars(cb)), attributes, state))
     entries = loop.client_state.snapshot()
     try:
         yield
     finally:
-        for cb, attributes, state in saved:
-            for k in [k for k, v in vars(cb).items() if k not in attributes and _plain(v)]:
+        for cb, before, attributes, state in saved:
+            for k in [k for k, v in vars(cb).items() if k not in before and _plain(v)]:
                 delattr(cb, k)
             for k, (original, copied) in attributes.items():
                 setattr(cb, k, _put_back(original, copied))
