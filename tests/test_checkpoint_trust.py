@@ -534,7 +534,7 @@ def test_remove_interrupted_writes_rule(tmp_path):
 KILLED_RUN = textwrap.dedent("""
     import io, os, signal, sys
     import torch
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("FEDLIGHTNING_TEST_THREADS", "1")))  # the test process's, as compared
     from fedlightning.cli import FederatedCLI, main
     FederatedCLI.checkpoint_every_n_rounds = 1
     kill_at, calls, real_save = int(sys.argv[1]), [0], torch.save
