@@ -13,6 +13,7 @@ import math
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 
@@ -529,3 +530,21 @@ def test_malformed_files_and_bad_arguments_give_clear_errors(tmp_path, capsys):
         fcntl.flock(lock, fcntl.LOCK_EX)
         assert "another sweep process is running in" in _error([path, "--out", out, "--runs", "2"], capsys)
     assert len(_calls(tmp_path)) == 1  # none of the refused invocations ran anything
+
+
+def test_a_terminated_sweep_ends_with_one_line_and_status_143(tmp_path):
+    """``python -m fedlightning.sweep`` receiving SIGTERM mid-run: the run is stopped, the process ends with exit
+    status 143 and a last line saying how to go on, without a traceback; the same command then finishes the sweep."""
+    path = _fake_sweep(tmp_path, {"x": {"values": [0.1, 0.2]}})
+    out = str(tmp_path / "out")
+    marker = tmp_path / "term_once"
+    marker.write_text("")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "FAKE_TERM_ONCE": str(marker), "PYTHONPATH": root}
+    command = [sys.executable, "-m", "fedlightning.sweep", path, "--out", out]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("stopped: the sweep received SIGTERM; the run in progress")
+    assert "Traceback" not in proc.stderr
+    assert subprocess.run(command, env=env, capture_output=True, text=True, timeout=120).returncode == 0
+    assert sorted(float(r["x"]) for r in _table(out)) == [0.1, 0.2]
