@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from fedlightning._reference import reference_mode
 from fedlightning.datamodules.base import reiterate
 from fedlightning.objectives import term_value
-from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed, flat_params
+from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed, flat_params, loss_report_dtype
 
 __all__ = ["extract_loss", "LocalTrainer"]
 
@@ -359,12 +359,6 @@ def _seed_model_rng(seed: int, devices: Sequence[torch.device]) -> None:
         torch.cuda.default_generators[dev.index if dev.index is not None else 0].manual_seed(seed)
 
 
-def _report_dtype(losses: Tensor) -> Tensor:
-    """The losses a client reports (first, mean), in float32 at least: float64 losses (a ``64-true`` run) stay
-    float64, half-precision ones are widened to float32 before their mean."""
-    return losses if losses.dtype == torch.float64 else losses.float()
-
-
 class LocalTrainer:
     """Runs the local steps of one client on a working copy of the model.
 
@@ -490,7 +484,8 @@ class LocalTrainer:
         losses, counts, float buffers (``float_buffer_mask``) and failure (a non-finite loss or update)."""
         delta = global_flat - flat_params(self.params).to(global_flat.dtype)
         if tally.losses:
-            loss_vec = _report_dtype(torch.stack(tally.losses))
+            loss_vec = torch.stack(tally.losses)
+            loss_vec = loss_vec.to(loss_report_dtype(loss_vec))
             # one host transfer for the four per-client scalars (one sync on an accelerator instead of four)
             first, mean, loss_ok, delta_ok = torch.stack(
                 [

@@ -34,6 +34,7 @@ __all__ = [
     "assign_flat_",
     "float_buffers",
     "buffer_report_dtype",
+    "loss_report_dtype",
 ]
 
 
@@ -277,6 +278,12 @@ def buffer_report_dtype(buffers: Iterable[Tensor]) -> torch.dtype:
     float64 (a float64 model's BatchNorm statistics keep their precision through the average), else float32 (half
     and bfloat16 statistics are averaged in float32, ours)."""
     return torch.float64 if any(b.dtype == torch.float64 for b in buffers) else torch.float32
+
+
+def loss_report_dtype(losses: Tensor) -> torch.dtype:
+    """The dtype in which a client reports its losses (``ClientUpdate.first_loss`` / ``mean_loss``, their mean
+    taken in it): float64 losses (a ``64-true`` run) stay float64, others are widened to float32 (ours)."""
+    return torch.float64 if losses.dtype == torch.float64 else torch.float32
 
 
 def float_buffers(module: nn.Module) -> list[Tensor]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed
+from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed, loss_report_dtype
 
 from .batches import _RoundBatches
 from .call import _ClientTerms, _info, _ModelCall
@@ -457,8 +457,7 @@ class VectorizedClientTrainer:
     ) -> list[ClientUpdate | Exception]:
         K = len(record.losses)
         losses = torch.stack(record.losses)  # [K, C]
-        # reported in float32 at least, float64 losses (a 64-true run) as they are (LocalTrainer's reports)
-        losses = (losses if losses.dtype == torch.float64 else losses.float()).cpu()
+        losses = losses.to(device="cpu", dtype=loss_report_dtype(losses))
         step_sizes = record.step_size_rows()  # [C][K]
         # rules without per-client counts (SGD, Adam) evaluate every client at every step; a client is counted for
         # the steps it trained (fewer with ragged step counts, or when it raised)
