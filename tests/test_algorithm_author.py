@@ -5,6 +5,7 @@ whose ``accumulate`` changes the delta refused in every mode, and ``"auto"``'s m
 callbacks that the loop's per-client hooks belong to."""
 
 import collections
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -46,9 +47,9 @@ def _data():
     )  # fmt: skip
 
 
-def _fit(callbacks, mode="sequential", rounds=2, clients=3, module=None):
+def _fit(callbacks, mode="sequential", rounds=2, clients=3, module=None, **loop_args):
     model = module or Lin()
-    loop = FederatedLoop(model, local_steps=K, clients_per_round=clients, seed=0, client_execution=mode)
+    loop = FederatedLoop(model, local_steps=K, clients_per_round=clients, seed=0, client_execution=mode, **loop_args)
     trainer = pl.Trainer(
         max_steps=rounds, precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, accelerator="cpu", callbacks=callbacks,
@@ -309,6 +310,39 @@ def test_auto_measurement_leaves_stateful_hooks_as_sequential_training_does():
             total += len(y)
         w = w - acc / total
     torch.testing.assert_close(results["auto"], w, rtol=0, atol=1e-12)
+
+
+def test_a_group_retried_after_running_out_of_memory_leaves_stateful_hooks_as_sequential_training_does(monkeypatch):
+    """A vectorized group of 4 runs out of accelerator memory (simulated: the engine call raises CUDA's error after
+    training) and is retried as two groups of 2, calling its clients' hooks again; the callback's counts, the loop's
+    client state and the weights then equal sequential training's."""
+    import fedlightning.vectorized.auto as auto
+    from fedlightning.vectorized import VectorizedClientTrainer
+
+    run, sizes = VectorizedClientTrainer.run, []
+
+    def out_of_memory_above_two(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)
+        sizes.append(len(kwargs["client_ids"]))
+        if sizes[-1] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.")
+        return out
+
+    results = {}
+    for mode in ("sequential", "vectorized"):
+        if mode == "vectorized":
+            monkeypatch.setattr(VectorizedClientTrainer, "run", out_of_memory_above_two)
+            monkeypatch.setattr(auto, "_may_run_out_of_memory", lambda device: True)  # as on an accelerator
+        hook, record = _ParticipationProx(), _Record()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"max_parallel_clients: a group of 4")
+            loop, _ = _fit([FedAvg(), hook, record], mode=mode, rounds=3, clients=4)
+        participations = collections.Counter(c for e in record.rounds for c in e["plan"].client_ids)
+        assert dict(hook.count) == dict(participations)
+        assert {c: loop.client_state.get("participation", c)["n"] for c in participations} == dict(participations)
+        results[mode] = _flat(loop.model)
+    assert sizes == [4, 2, 2] + [2, 2] * 2
+    torch.testing.assert_close(results["vectorized"], results["sequential"], rtol=0, atol=1e-12)
 
 
 def test_a_client_marked_failed_without_a_reason_is_named_so():

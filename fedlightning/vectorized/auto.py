@@ -100,8 +100,8 @@ def run_vectorized_round(
     D]`` weights and gradients at once. A group that runs out of memory leaves no trace: the engine's buffers are freed,
     what its call logged or fed to torchmetrics metrics is undone (:func:`_undo_on_failure`), no client state was
     written (that happens after the call), the random streams were forked, and its clients' optimizers are built again
-    (the loop's ``prepare_client``, ``configure_client_optimizer`` and ``client_objective`` hooks called again for them;
-    unlike after ``"auto"``'s measurement, :func:`_hooks_leave_no_trace`, what those hooks changed is not put back).
+    (the loop's ``prepare_client``, ``configure_client_optimizer`` and ``client_objective`` hooks called again for them,
+    after what those hooks changed was put back as after ``"auto"``'s measurement: :func:`_hooks_undone_on_oom`).
     The group is halved and retried until it fits, one warning naming the new size, which is kept for the rest of
     the run (and checkpointed with the loop: a resumed run trains in the same groups unless ``max_parallel_clients``
     was changed). Only a group of one client that does not fit ends vectorised training:
@@ -153,10 +153,11 @@ def _groups(loop, run: VectorizedRun, plan: RoundPlan, client_ids: list[int], gl
         limit = AUTO_GROUP_PROBE_CLIENTS if probing else _group_limit(loop, run)
         group = rest if limit is None else rest[:limit]
         try:
-            if probing:
-                outcomes = _probe(loop, run, len(group), lambda g=group: _run(loop, run, plan, g, global_flat))
-            else:
-                outcomes = _run(loop, run, plan, group, global_flat)
+            with _hooks_undone_on_oom(loop, global_flat.device):
+                if probing:
+                    outcomes = _probe(loop, run, len(group), lambda g=group: _run(loop, run, plan, g, global_flat))
+                else:
+                    outcomes = _run(loop, run, plan, group, global_flat)
         except VectorizationUnsupportedError as err:
             if run.mode != "auto":
                 raise
@@ -663,35 +664,70 @@ def _hooks_leave_no_trace(loop):
     not in ``state_dict()``, is not restored: hooks that keep such state are documented to be called again there
     (docs/architecture.md, "Extension points"). An attribute is put back in place (:func:`_put_back`): one that the
     hooks left as it was keeps its object, and so what it shares with others (the model's parameters)."""
-    trainer = loop.trainer
-    owners = [cb for cb in trainer.callbacks if any(callable(getattr(cb, name, None)) for name in _MEASURED_HOOKS)]
-    saved = []
-    for cb in owners:
-        attributes = {}
-        for k, v in vars(cb).items():
-            if _plain(v):
-                try:
-                    attributes[k] = (v, copy.deepcopy(v))
-                except (RuntimeError, TypeError):  # e.g. a tensor with autograd history: left as it is
-                    continue
-        state = cb.state_dict() if type(cb).state_dict is not Callback.state_dict else None
-        try:
-            state = copy.deepcopy(state) if state else None
-        except (RuntimeError, TypeError):
-            state = None
-        saved.append((cb, set(vars(cb)), attributes, state))
-    entries = loop.client_state.snapshot()
+    saved = _HookState(loop)
     try:
         yield
     finally:
-        for cb, before, attributes, state in saved:
+        saved.restore()
+
+
+@contextmanager
+def _hooks_undone_on_oom(loop, device: torch.device):
+    """Within the block (one real group's engine call), where the group can run out of accelerator memory
+    (:func:`_may_run_out_of_memory`), what the per-client hooks change is put back when it does, as after ``auto``'s
+    measurement (:func:`_hooks_leave_no_trace`): the group is retried smaller, and its clients' hooks are called
+    again, once per client and round as in sequential training. Elsewhere (CPU) nothing is saved: no
+    ``torch.cuda.OutOfMemoryError`` comes, and the copies would cost every round."""
+    if not _may_run_out_of_memory(device):
+        yield
+        return
+    saved = _HookState(loop)
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        saved.restore()
+        raise
+
+
+def _may_run_out_of_memory(device: torch.device) -> bool:
+    """Whether an engine call on ``device`` can raise ``torch.cuda.OutOfMemoryError`` (an accelerator's allocator;
+    a CPU allocation that fails raises another error, which ends the run)."""
+    return device.type != "cpu"
+
+
+class _HookState:
+    """What :func:`_hooks_leave_no_trace` puts back, saved at construction: the plain-data attributes and the
+    ``state_dict()`` of the callbacks that define per-client hooks, and ``loop.client_state``'s entries."""
+
+    def __init__(self, loop) -> None:
+        self.loop = loop
+        owners = [cb for cb in loop.trainer.callbacks if any(callable(getattr(cb, n, None)) for n in _MEASURED_HOOKS)]
+        self.saved = []
+        for cb in owners:
+            attributes = {}
+            for k, v in vars(cb).items():
+                if _plain(v):
+                    try:
+                        attributes[k] = (v, copy.deepcopy(v))
+                    except (RuntimeError, TypeError):  # e.g. a tensor with autograd history: left as it is
+                        continue
+            state = cb.state_dict() if type(cb).state_dict is not Callback.state_dict else None
+            try:
+                state = copy.deepcopy(state) if state else None
+            except (RuntimeError, TypeError):
+                state = None
+            self.saved.append((cb, set(vars(cb)), attributes, state))
+        self.entries = loop.client_state.snapshot()
+
+    def restore(self) -> None:
+        for cb, before, attributes, state in self.saved:
             for k in [k for k, v in vars(cb).items() if k not in before and _plain(v)]:
                 delattr(cb, k)
             for k, (original, copied) in attributes.items():
                 setattr(cb, k, _put_back(original, copied))
             if state is not None:
                 cb.load_state_dict(state)
-        loop.client_state.restore(entries)
+        self.loop.client_state.restore(self.entries)
 
 
 def _equal(a: Any, b: Any) -> bool:
