@@ -30,6 +30,7 @@ __all__ = [
     "metric_state",
     "parse_configure_optimizers",
     "progress_bar_options",
+    "publish_step_metrics",
     "should_write_step_logs",
     "strategy_optimizers",
 ]
@@ -122,6 +123,18 @@ def should_write_step_logs(trainer: pl.Trainer) -> bool:
     """Whether Lightning writes this training step's metrics to the loggers (its ``should_update_logs`` rule: every
     ``log_every_n_steps`` steps or when the trainer is stopping, never with ``log_every_n_steps=0``)."""
     return bool(trainer._logger_connector.should_update_logs)
+
+
+def publish_step_metrics(trainer: pl.Trainer, metrics: dict[str, torch.Tensor], progress_bar: tuple[str, ...]) -> None:
+    """Make ``metrics`` (scalar tensors) what ``self.log(name, value, prog_bar=name in progress_bar)`` in a
+    ``training_step`` makes them, without Lightning's result collection: ``trainer.callback_metrics`` and
+    ``trainer.logged_metrics`` hold them, and the names in ``progress_bar`` show on the progress bar
+    (``trainer.progress_bar_metrics``, as Python floats) until they are logged again. Writing them to the loggers is
+    the caller's (Lightning's own ``log_metrics`` writes and saves each logger, with ``epoch`` added)."""
+    connector = trainer._logger_connector
+    connector._callback_metrics.update(metrics)
+    connector._logged_metrics.update(metrics)
+    connector._progress_bar_metrics.update({k: float(metrics[k]) for k in progress_bar if k in metrics})
 
 
 @contextmanager

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from fedlightning._lightning_compat import batches_that_stepped, should_write_step_logs
+from fedlightning._lightning_compat import batches_that_stepped, publish_step_metrics, should_write_step_logs
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core
 from fedlightning.distributed import all_gather_objects, all_reduce_statistics
 from fedlightning.state import ClientUpdate, RoundPlan
@@ -716,30 +716,30 @@ def _check_candidate(
     )
 
 
-def log_round(pl_module: Any, trainer: Any, metrics: dict[str, float]) -> None:
-    """Log the round's metrics.
+def log_round(trainer: Any, metrics: dict[str, float]) -> None:
+    """Log the round's metrics, as ``self.log`` in a ``training_step`` logs a value (``train/loss`` with
+    ``prog_bar=True``), without Lightning's result collection.
 
-    ``train/loss`` (the progress bar) goes through ``pl_module.log``. The other round metrics bypass Lightning's
-    result collection (its per-call cost:
-    docs/benchmarks.md §1): they are put into ``trainer.callback_metrics`` every round (for
-    ``ModelCheckpoint(monitor=...)``, ``EarlyStopping``, schedules) and written to the loggers, at the same
-    step as ``train/loss``, on the rounds Lightning writes step metrics (every ``log_every_n_steps`` rounds, or
-    when the trainer is stopping). A CSV logger therefore has two rows for such a step (ours, then
-    Lightning's with ``train/loss``); ``trainer.logged_metrics`` holds only ``train/loss`` of them.
-    """
-    m = metrics
-    if "train/loss" in m:
-        pl_module.log("train/loss", m["train/loss"], prog_bar=True, batch_size=1)
-    rest = {k: float(v) for k, v in m.items() if k != "train/loss"}
-    if not rest:
+    Decision (ours, measured): one ``self.log`` call costs about 0.5 ms (the result collection moves its metric
+    object to the value's device at every call), 9 % of a DSGD round of vectorized clients on the digits workload
+    (``benchmarks/algorithms_vectorized.py --algorithms DSGD``, docs/benchmarks.md §9). Every round the metrics are
+    put into ``trainer.callback_metrics`` (for ``ModelCheckpoint(monitor=...)``, ``EarlyStopping``, schedules) and
+    ``trainer.logged_metrics``, and ``train/loss`` onto the progress bar; on the rounds Lightning writes step
+    metrics (every ``log_every_n_steps`` rounds, or when the trainer is stopping) they are written to the loggers
+    as one row at the round's step, with Lightning's ``epoch`` added, and each logger saved, as Lightning's
+    ``log_metrics`` does."""
+    values = {k: float(v) for k, v in metrics.items()}
+    if not values:
         return
-    callback_metrics = trainer.callback_metrics
-    for k, v in rest.items():
-        callback_metrics[k] = torch.tensor(v)
+    # float64 tensors: the trainer's metrics hold the values the loggers get (self.log would round to float32)
+    tensors = {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
+    publish_step_metrics(trainer, tensors, progress_bar=("train/loss",))
     if _step_logs_written(trainer):
         step = batches_that_stepped(trainer)
+        row = {**values, "epoch": trainer.current_epoch}
         for logger in trainer.loggers:
-            logger.log_metrics(rest, step=step)
+            logger.log_metrics(row, step=step)
+            logger.save()
 
 
 def _step_logs_written(trainer: Any) -> bool:

@@ -1009,7 +1009,7 @@ class FederatedLoop(pl.LightningModule):
             worker.model.on_train_epoch_end()
         router.reset_metrics()
         result.metrics.update(client_log_means(router, trainer, result.plan.round))
-        log_round(self, trainer, result.metrics)
+        log_round(trainer, result.metrics)
         mo = self._runtime.module_optimizer
         if mo is not None and mo.schedulers:  # only built when client_optimizer is None
             # the round's own metrics: a validation metric waits for the validation after the round

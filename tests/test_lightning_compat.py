@@ -135,6 +135,31 @@ def test_align_logged_step_sets_the_step_lightning_logs_training_metrics_at(tmp_
     assert steps == [0, 1, 2]
 
 
+def test_publish_step_metrics_is_what_self_log_makes_of_a_training_step_value(tmp_path):
+    """``trainer.callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics`` after a fit: a value published
+    in ``training_step`` is where ``self.log(..., prog_bar=...)`` puts one, with the same value."""
+
+    class Logs(_Tiny):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("by_lightning", 0.25 + self.global_step, prog_bar=True)
+            self.log("by_lightning_quiet", 0.5 + self.global_step)
+            value = {"ours": torch.tensor(0.25 + self.global_step), "ours_quiet": torch.tensor(0.5 + self.global_step)}
+            compat.publish_step_metrics(self.trainer, value, progress_bar=("ours",))
+            return loss
+
+    trainer = _trainer(tmp_path, log_every_n_steps=1)
+    trainer.fit(Logs())
+    for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
+        metrics = getattr(trainer, name)
+        assert ("by_lightning_quiet" in metrics) == ("ours_quiet" in metrics), name
+        for a, b, last in (("by_lightning", "ours", 2.25), ("by_lightning_quiet", "ours_quiet", 2.5)):  # step 2
+            if a in metrics:
+                assert type(metrics[a]) is type(metrics[b]), (name, a)
+                assert float(metrics[a]) == float(metrics[b]) == last, (name, a)
+    assert "ours" in trainer.progress_bar_metrics and "ours_quiet" not in trainer.progress_bar_metrics
+
+
 def test_current_hook_is_the_name_lightning_sets_for_the_running_hook(tmp_path):
     names = []
 

@@ -71,6 +71,36 @@ def _small_run(callbacks, rounds=3, clients=4, local_steps=2, logger=None, model
     return loop, dm, logger
 
 
+def test_round_metrics_are_one_row_per_round_on_disk_at_once_and_on_the_progress_bar(tmp_path):
+    """Every round's metrics (train/loss with the server's and the clients') are one logger row at the round's step,
+    with Lightning's ``epoch``, saved to metrics.csv before the round's ``on_train_batch_end``; train/loss is on the
+    progress bar and in ``trainer.logged_metrics`` / ``callback_metrics`` (float64 tensors) with the value the row
+    holds."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loggers import CSVLogger
+
+    on_disk = []
+
+    class ReadsTheFile(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+                on_disk.append(sorted(int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")))
+
+    logger = CSVLogger(str(tmp_path), name="rows")
+    loop, _, _ = _small_run([ReadsTheFile()], rounds=3, logger=logger)
+    assert on_disk == [[0], [0, 1], [0, 1, 2]]  # round r's row is saved within round r
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    assert all(r["server/lr"] and r["client/forwards"] and r["epoch"] == "0" for r in rows)
+    trainer = loop.trainer
+    last = float(rows[-1]["train/loss"])
+    assert trainer.progress_bar_metrics["train/loss"] == last
+    for metrics in (trainer.logged_metrics, trainer.callback_metrics):
+        assert metrics["train/loss"].dtype == torch.float64 and float(metrics["train/loss"]) == last
+        assert float(metrics["server/lr"]) == float(rows[-1]["server/lr"])
+
+
 # ---------------------------------------------------------------------------------------------- RoundTimer
 def test_round_timer_values_with_a_deterministic_clock():
     durations = [1.0, 2.0, 4.0]
@@ -295,7 +325,7 @@ def test_csv_logger_gets_per_round_metrics_and_resolved_config(tmp_path, monkeyp
         rows = list(csv.DictReader(f))
     train = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     expected = [sum(u.mean_loss for u in seen[r]) / len(seen[r]) for r in sorted(seen)]
-    # the clients' float32 losses averaged, then logged as float32 (numerics.rtol32)
+    # the clients' float32 losses averaged (numerics.rtol32)
     assert train == pytest.approx(expected, rel=rtol32(4 + 1)) and len(train) == 2
     steps = [float(r["round/local_steps"]) for r in rows if r.get("round/local_steps")]
     assert steps == [3.0, 3.0]

@@ -439,7 +439,7 @@ def test_after_fit_keeps_the_fit_metrics_next_to_the_test_metrics(tmp_path):
     cli = _quickstart(tmp_path)
     metrics, logged = cli.trainer.callback_metrics, _logged(tmp_path)
     for key in ("train/loss", "val/acc", "test/acc"):  # trainer.test alone would leave only test/*
-        assert float(metrics[key]) == logged[key], key  # the same float32 value, written to the CSV exactly
+        assert float(metrics[key]) == logged[key], key  # the same value, written to the CSV exactly
 
 
 def test_after_fit_without_a_test_set_warns_and_skips(tmp_path):
