@@ -153,6 +153,40 @@ def test_shakespeare_json(tmp_path):
     assert [decode(r) for r in xt] == x1[495:] and decode(yt) == "".join(y1[495:])
 
 
+@pytest.mark.parametrize("layout", ["json", "parquet"])
+def test_shakespeare_characters_outside_the_vocabulary_keep_every_window_in_place(tmp_path, layout):
+    """Non-ASCII characters whose cleaned form is longer (``—`` → ``--``, ``…``, ``ﬁ``) or empty (a combining accent)
+    once moved every later window and target of the split into the next one, across users; each is one index now."""
+    win_a = "a" * 40 + "\u2014x\u2026y\ufb01z" + "e\u0301" + "b" * 32
+    assert len(win_a) == 80
+    xa, ya = [win_a, "c" * 80, "d" * 80], ["b", "\u2014", "\u00e9"]
+    xb, yb = ["e" * 80, "f" * 80, "g" * 80, "h" * 80], ["e", "f", "g", "h"]
+    root = tmp_path / "sh"
+    if layout == "json":
+        _write_leaf(str(root / "train" / "a.json"), {"A": (xa, ya), "B": (xb, yb)})
+        _write_leaf(str(root / "test" / "a.json"), {"A": (["i" * 80], ["j"]), "B": (["k" * 80], ["l"])})
+    else:
+        import pandas as pd
+
+        root.mkdir()
+        pd.DataFrame({"character_id": ["A"] * 3 + ["B"] * 4, "x": xa + xb, "y": ya + yb}).to_parquet(
+            root / "train-0.parquet"
+        )
+        pd.DataFrame({"character_id": ["A", "B"], "x": ["i" * 80, "k" * 80], "y": ["j", "l"]}).to_parquet(
+            root / "test-0.parquet"
+        )
+    dm = _dm(str(root), tmp_path, name="shakespeare", val_fraction=0)
+    dm.setup()
+    assert dm.client_names == ["A", "B"]
+    x, y = dm.train_dataset[dm.client_indices[0]]
+    assert [decode(r) for r in x] == ["a" * 40 + "-x.yfz" + "e " + "b" * 32, "c" * 80, "d" * 80]
+    assert decode(y) == "b-e"
+    x, y = dm.train_dataset[dm.client_indices[1]]
+    assert [decode(r) for r in x] == xb and decode(y) == "efgh"
+    xt, yt = dm.test_dataset[dm.client_test_indices[1]]
+    assert [decode(r) for r in xt] == ["k" * 80] and decode(yt) == "l"
+
+
 def test_sent140_bag_of_words(tmp_path):
     def tweet(text):
         return ["1467810369", "Mon Apr 06 22:19:45 PDT 2009", "NO_QUERY", "user", text]

@@ -28,7 +28,7 @@ import torch
 
 from fedlightning._validation import in_range, integer
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule, chronological_holdout
-from fedlightning.datamodules.shakespeare import NUM_LETTERS, encode_text
+from fedlightning.datamodules.shakespeare import NUM_LETTERS, encode_chars
 
 __all__ = ["LeafDataModule", "LEAF_TASKS", "file_digest", "tokenize_tweet"]
 
@@ -538,7 +538,7 @@ class LeafDataModule(FederatedDataModule):
                 f"{where(int(bad[0]))}: Shakespeare inputs must be {self.seq_length}-character strings, got one of "
                 f"length {int(lengths[bad[0]])}"
             )
-        return encode_text("".join(strings.to_pylist())).reshape(-1, self.seq_length)
+        return encode_chars("".join(strings.to_pylist())).reshape(-1, self.seq_length)
 
     def _decode_labels(
         self, values, sample_rows: np.ndarray, row_file: list[str], row_user: list[str] | None = None
@@ -553,7 +553,7 @@ class LeafDataModule(FederatedDataModule):
                     f"{row_file[int(sample_rows[bad[0]])]}: Shakespeare targets must be single characters, "
                     f"got {chars[bad[0]]!r}"
                 )
-            return encode_text("".join(chars)).astype(np.int64)
+            return encode_chars("".join(chars)).astype(np.int64)
         y = values.to_numpy(zero_copy_only=False).astype(np.int64)
         bad = np.flatnonzero((y < 0) | (y >= self.num_classes))
         if len(bad):

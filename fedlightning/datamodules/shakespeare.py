@@ -34,6 +34,7 @@ __all__ = [
     "ShakespeareDataModule",
     "SlidingWindows",
     "clean_line",
+    "encode_chars",
     "encode_text",
     "leaf_split",
     "leaf_user_id",
@@ -91,6 +92,21 @@ def encode_text(text: str) -> np.ndarray:
         text = "".join(c if c.isascii() else (clean_line(c) or " ") for c in text)
     raw = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     return _LOOKUP[raw]
+
+
+def encode_chars(text: str) -> np.ndarray:
+    """One vocabulary index (``uint8``) per character of ``text``, for text whose positions matter (LEAF's
+    fixed-length windows and their one-character targets, concatenated): ``len(encode_chars(t)) == len(t)``.
+
+    Decision (ours; LEAF's own ``letter_to_vec`` gives -1 for a character outside ``ALL_LETTERS``, which it never
+    meets in its ASCII files): an ASCII character maps as in :func:`encode_text`; any other character to the first
+    character of its :func:`clean_line` form (``’`` to ``'``, ``é`` to ``e``, ``—`` to ``-``, ``…`` to ``.``,
+    ``ﬁ`` to ``f``), or to the space index where that form is empty (a combining accent). :func:`encode_text`
+    instead expands ``—`` to ``--`` and ``…`` to ``...``, which would move every later character of a
+    concatenation into another window or another user's sample."""
+    if not text.isascii():
+        text = "".join(c if c.isascii() else (clean_line(c) or " ")[0] for c in text)
+    return _LOOKUP[np.frombuffer(text.encode("ascii"), dtype=np.uint8)]
 
 
 def decode(codes: np.ndarray | Tensor | Sequence[int]) -> str:
