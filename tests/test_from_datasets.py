@@ -195,6 +195,41 @@ def test_two_round_fit_equals_the_in_memory_array_path(kind, in_memory, referenc
         assert torch.equal(weights[k], v), k
 
 
+def test_namedtuple_samples_give_namedtuple_batches_in_every_stage():
+    """A plain DataLoader gives a namedtuple sample's type to its batches (``batch.x``); so do the clients' and the
+    evaluation loaders, with in_memory="auto" as with False (the in-memory path's plain tuples once lost it)."""
+    import collections
+
+    from torch.utils.data import DataLoader
+
+    Sample = collections.namedtuple("Sample", "x y")
+
+    class Named(Dataset):
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+        def __len__(self):
+            return len(self.y)
+
+        def __getitem__(self, i):
+            return Sample(self.x[i], int(self.y[i]))
+
+    assert type(next(iter(DataLoader(Named(X, Y), batch_size=4)))) is Sample
+    for in_memory in ("auto", False):
+        dm = FederatedDataModule.from_datasets(
+            Named(X, Y), Named(XT, YT), partition=IID(), num_clients=4, batch_size=8, seed=0, in_memory=in_memory
+        )
+        dm.setup()
+        assert dm.in_memory is False
+        batches = [next(iter(dm.client_dataloader(0, round=0, seed=1))), next(iter(dm.val_dataloader()))]
+        batches.append(next(iter(dm.test_dataloader())))
+        assert all(type(b) is Sample for b in batches), (in_memory, [type(b) for b in batches])
+        for batch in batches[:2]:  # rows of the training set
+            ids = batch.x[:, 0].long()
+            assert torch.equal(batch.x, X[ids]) and torch.equal(batch.y, Y[ids])
+        assert torch.equal(batches[2].x, XT) and torch.equal(batches[2].y, YT)
+
+
 # ---------------------------------------------------------------------------------------------- labels
 def test_labels_come_from_targets_without_reading_the_samples():
     ds = Rows(X, torch.zeros(N, dtype=torch.long))  # samples say class 0, targets say Y: targets win

@@ -249,7 +249,8 @@ class DatasetDataModule(FederatedDataModule):
     seeded uniform draw, the stratified split of a single class.
 
     In memory. The bundled modules' fast path (one tensor indexing per batch, no per-sample fetch or collate)
-    needs the whole set as two tensors: it applies only to ``(x, y)`` pair samples without a ``collate_fn``
+    needs the whole set as two tensors: it applies only to ``(x, y)`` pair samples (a plain tuple or list; a
+    namedtuple keeps per-sample loading, so that batches keep its type) without a ``collate_fn``
     (``in_memory=True`` with other samples, or with a ``collate_fn``, is a ValueError). ``in_memory=True``
     materialises every pair data set: ``x`` and ``y`` are the
     default collate of all samples (the tensors a DataLoader batch of them would hold, so both paths serve equal
@@ -465,14 +466,17 @@ class DatasetDataModule(FederatedDataModule):
             return _Reader("dict", label_key)
         if isinstance(sample, (tuple, list)):
             n = len(sample)
+            # a namedtuple (or other tuple type) is not a pair: its batches keep its type (default_collate's), which
+            # the in-memory path's plain tuples would lose (batch.x)
+            plain = type(sample) in (tuple, list)
             if label_key is None:
-                return _Reader("tuple", 1, pair=True) if n == 2 else _Reader("none")
+                return _Reader("tuple", 1, pair=plain) if n == 2 else _Reader("none")
             if isinstance(label_key, bool) or not isinstance(label_key, int) or not -n <= label_key < n:
                 raise ValueError(
                     f"label_key={label_key!r} is not a position of {name} sample 0 ({_describe(sample)}); pass an "
                     f"integer position from 0 to {n - 1}"
                 )
-            return _Reader("tuple", label_key % n, pair=n == 2 and label_key % n == 1)
+            return _Reader("tuple", label_key % n, pair=plain and n == 2 and label_key % n == 1)
         if label_key is not None:
             raise ValueError(
                 f"label_key={label_key!r} names a key or position, but {name} sample 0 is {_describe(sample)}; pass "
