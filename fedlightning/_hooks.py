@@ -42,8 +42,6 @@ class _LogRouter:
         if self.mode == "forward":
             self.loop_ref.log(name, value, *args, **kwargs)
             return
-        if not torch.is_grad_enabled():  # a line search's trial evaluation (fedlightning.optim): not a training step
-            return
         if _is_metric(value):
             if name not in self.metrics:
                 self.metrics[name] = value

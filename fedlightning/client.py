@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fedlightning._logging_route import discard, routed_logging
 from fedlightning._reference import reference_mode
 from fedlightning.datamodules.base import reiterate
 from fedlightning.objectives import term_value
@@ -220,7 +221,8 @@ class _Tally:
 
 def _objective(plan: _StepPlan, batch: Any, step: int) -> Callable[[], Tensor]:
     """The client objective on ``batch`` as a closure: ``training_step``'s loss plus the plan's terms. A call with
-    gradients disabled (a line search's trial point) restores every buffer and metric state afterwards; a gradient
+    gradients disabled (a line search's trial point) drops what ``training_step`` logs and restores every buffer and
+    metric state afterwards; a gradient
     evaluation whose ``training_step`` returns None raises :class:`_StepSkipped` and keeps ``training_step``'s
     output in ``closure.output`` when the model's ``on_train_batch_end`` needs it."""
     model, params, buffers, metrics, terms = plan.model, plan.params, plan.buffers, plan.metrics, plan.terms
@@ -230,7 +232,11 @@ def _objective(plan: _StepPlan, batch: Any, step: int) -> Callable[[], Tensor]:
         trial = not torch.is_grad_enabled()
         saved = [b.clone() for b in buffers] if (trial and buffers) else None
         saved_metrics = metrics.save() if (trial and metrics is not None) else None
-        output = model.training_step(batch, step)
+        if trial:  # not a training step: what it logs is dropped (a step's own no_grad blocks log as usual)
+            with routed_logging(model, discard, discard):
+                output = model.training_step(batch, step)
+        else:
+            output = model.training_step(batch, step)
         if output is None and not trial:  # Lightning's skipped step (module docstring): nothing to restore
             raise _StepSkipped
         loss = extract_loss(output, model_name)

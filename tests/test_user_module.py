@@ -417,6 +417,32 @@ def test_torchmetrics_metric_in_training_step_is_a_round_metric(optimizer):
         assert rec.rounds[r]["client/train_acc"] == pytest.approx(want, rel=rtol32(1))
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "armijo"])
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_values_logged_inside_a_no_grad_block_of_training_step_are_round_metrics(optimizer, mode):
+    """A batch accuracy computed and logged under ``torch.no_grad()`` inside ``training_step`` (a common idiom) is a
+    ``client/*`` mean as any other logged value; a line search's trial calls (grad disabled around the whole
+    ``training_step``) log nothing. Logged: 1 from a training step, 100 from a trial call."""
+
+    class LogsWithoutGrad(UserNet):
+        def training_step(self, batch, batch_idx):
+            trial = not torch.is_grad_enabled()
+            loss = F.cross_entropy(self(batch[0]), batch[1])
+            with torch.no_grad():
+                self.log("no_grad_value", 100.0 if trial else 1.0)
+                self.log("step_index", float(batch_idx))
+            return loss
+
+    torch.manual_seed(0)
+    factory = (lambda p: torch.optim.SGD(p, lr=0.1)) if optimizer == "sgd" else (lambda p: SgdArmijo(p))
+    rec = _Record()
+    loop = FederatedLoop(LogsWithoutGrad(), factory, local_steps=3, clients_per_round=4, seed=2, client_execution=mode)
+    make_trainer(2, callbacks=[rec]).fit(loop, datamodule=_dm())
+    for r in range(2):
+        assert rec.rounds[r]["client/no_grad_value"] == 1.0
+        assert rec.rounds[r]["client/step_index"] == 1.0  # the mean of 0, 1, 2 over each client's steps
+
+
 # ====================================================================== 5. failures that are bugs
 def test_a_bug_in_every_client_stops_the_run_with_the_exception_chained():
     class Buggy(UserNet):
