@@ -411,10 +411,13 @@ class FailurePolicy:
         **A round in which no local step returned a loss** stops the run too (ours): ``None`` from ``training_step``
         skips that step, as in Lightning, but when every step of every healthy client of a round was skipped the module
         almost certainly forgot to return its loss, and the run would otherwise train nothing without a word. A
-        round in which some step of some client returned a loss goes on as usual."""
+        round in which some step of some client returned a loss goes on as usual, and so does a round whose clients
+        ran no step (``on_train_batch_start`` returned -1 at their first one: each a healthy update 0)."""
         n_healthy = float(stats["clients"].item()) if "clients" in stats else 0.0
         if n_healthy > 0:
-            if "loss_clients" in stats and float(stats["loss_clients"].item()) == 0:
+            no_loss = "loss_clients" in stats and float(stats["loss_clients"].item()) == 0
+            # (steps ran: clients whose on_train_batch_start returned -1 at their first step ran none, no mistake)
+            if no_loss and float(stats["local_steps_sum"].item()) > 0:
                 name = model_name
                 raise RuntimeError(
                     f"round {plan.round}: {name}.training_step returned None for every local step of every client "

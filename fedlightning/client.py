@@ -501,9 +501,9 @@ class LocalTrainer:
                     torch.isfinite(delta).all().float(),
                 ]
             ).tolist()
-        else:  # every step skipped (healthy, update 0), or none run (on_train_batch_start -1 at k = 0: failed)
+        else:  # every step skipped, or none run (on_train_batch_start -1 at k = 0): healthy, update 0, no loss
             first = mean = float("nan")
-            loss_ok, delta_ok = float(tally.steps_run > 0), float(bool(torch.isfinite(delta).all()))
+            loss_ok, delta_ok = 1.0, float(bool(torch.isfinite(delta).all()))
         update = ClientUpdate(
             client_id=client_id,
             delta=delta,

@@ -5,6 +5,7 @@ weights, or counts recorded outside the code under test.
 """
 
 import copy
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -253,6 +254,47 @@ def test_on_train_batch_start_minus_one_ends_the_clients_local_steps():
     make_trainer(2).fit(FederatedLoop(b, local_steps=1, clients_per_round=3, seed=2), datamodule=_dm())
     for p, q in zip(a.net.parameters(), b.net.parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_on_train_batch_start_minus_one_at_the_first_step_is_a_healthy_client_with_update_zero():
+    """-1 before a client's first step: it runs no step, as Lightning skips the epoch; it is no failure. Here every
+    client of round 1 does so: that round leaves the global model as it was (FedAvg of zero updates, all three
+    clients healthy) and warns about no client; rounds 0 and 2 train as without the hook. A run whose every round
+    does so ends without an error, the model untouched."""
+
+    class NoStepInRound1(UserNet):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if self.global_step == 1 else None
+
+    class Weights(pl.Callback):
+        def __init__(self):
+            self.after = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.after.append(torch.cat([p.detach().reshape(-1).clone() for p in pl_module.model.parameters()]))
+
+    torch.manual_seed(0)
+    a, b = NoStepInRound1(), UserNet()
+    b.load_state_dict(a.state_dict())
+    rec, wa, wb = _Record(), Weights(), Weights()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"round \d+: client \d+ skipped")  # no client reported skipped
+        make_trainer(3, callbacks=[rec, wa]).fit(FederatedLoop(a, local_steps=2, clients_per_round=3, seed=2), _dm())
+    make_trainer(3, callbacks=[wb]).fit(FederatedLoop(b, local_steps=2, clients_per_round=3, seed=2), _dm())
+    assert torch.equal(wa.after[1], wa.after[0])  # round 1 trained nothing
+    assert torch.equal(wa.after[0], wb.after[0]) and not torch.equal(wa.after[2], wa.after[1])
+    assert rec.rounds[1]["server/delta_norm"] == 0.0
+    assert rec.rounds[1]["round/clients"] == 3 and rec.rounds[1]["round/failed_clients"] == 0
+
+    class NoStepEver(UserNet):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1
+
+    torch.manual_seed(0)
+    c = NoStepEver()
+    start = [p.detach().clone() for p in c.parameters()]
+    make_trainer(2).fit(FederatedLoop(c, local_steps=2, clients_per_round=3, seed=2), datamodule=_dm())
+    assert all(torch.equal(p, q) for p, q in zip(c.parameters(), start))
 
 
 def test_backward_hooks_with_a_closure_optimizer_are_refused_at_setup():
