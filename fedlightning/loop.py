@@ -84,6 +84,7 @@ from fedlightning.user_module import (
     ClientHooks,
     MetricStates,
     ModuleOptimizer,
+    check_optimization_hooks,
     make_client_copy,
     materialize_lazy_modules,
 )
@@ -321,6 +322,7 @@ class FederatedLoop(pl.LightningModule):
                     "federated client training runs the client optimizer itself: return the loss from training_step "
                     "and define the optimizer in configure_optimizers() or model.client_optimizer"
                 )
+            check_optimization_hooks(self.model)  # optimizer_step & co.: not called by client training
             check_fit_settings(trainer, self)  # max_steps, val_check_interval, seed: refused before round 0
             self._log_every_round(trainer)
             dm = self._datamodule()

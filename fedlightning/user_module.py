@@ -35,6 +35,7 @@ __all__ = [
     "MetricStates",
     "ModuleOptimizer",
     "STEP_HOOKS",
+    "check_optimization_hooks",
     "make_client_copy",
     "materialize_lazy_modules",
 ]
@@ -119,6 +120,31 @@ STEP_HOOKS = (
 _BACKWARD_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
 
+#: Lightning hooks of the optimization step that client training does not call (it runs the step itself), with
+#: what does the same job here.
+_OPTIMIZATION_HOOKS = {
+    "optimizer_step": "change the client optimizer's param groups in on_before_optimizer_step (a warm-up) or "
+    "return an lr scheduler from configure_optimizers() (stepped once per round)",
+    "optimizer_zero_grad": "client training clears the gradients before every local step; use on_before_zero_grad",
+    "configure_gradient_clipping": "set FederatedLoop(client_grad_clip=...) or clip in on_before_optimizer_step",
+    "backward": "client training calls loss.backward() itself; use on_before_backward / on_after_backward",
+}
+
+
+def check_optimization_hooks(model: nn.Module) -> None:
+    """Refuse a module that overrides a hook of Lightning's optimization step (:data:`_OPTIMIZATION_HOOKS`):
+    client training runs ``zero_grad``, ``backward``, clipping and ``step`` itself (:class:`ClientHooks` lists the
+    hooks it calls), so such an override would be silently skipped and train otherwise than in plain Lightning."""
+    if not isinstance(model, pl.LightningModule):
+        return
+    for hook, instead in _OPTIMIZATION_HOOKS.items():
+        if is_overridden(hook, model, pl.LightningModule):
+            raise ValueError(
+                f"{type(model).__qualname__} overrides {hook}(), which federated client training does not call (the "
+                f"FederatedLoop runs each local step's optimization itself); {instead}"
+            )
+
+
 class ClientHooks:
     """The per-local-step hooks that ``model``'s class overrides; client training calls only these.
 
@@ -186,7 +212,9 @@ class ModuleOptimizer:
       ``ReduceLROnPlateau`` reads its ``monitor`` from the round's metrics, or from the validation after the round,
       see :meth:`step_schedulers`). The round's client optimizers
       use the template's current param-group hyper-parameters, so round ``r`` trains with the learning rate after
-      ``r`` scheduler steps. The template's groups and the schedulers are checkpointed (:meth:`state_dict`).
+      ``r`` scheduler steps. The template's groups and the schedulers are checkpointed (:meth:`state_dict`). A
+      module that overrides ``lr_scheduler_step`` (schedulers outside ``torch.optim``) has it called for each step,
+      with the monitored value or None, as Lightning calls it.
     * Each client's optimizer is rebuilt by calling ``configure_optimizers()`` on the client working copy (so every
       constructor argument, parameter group and custom optimizer class is exactly the user's), then given the
       template's hyper-parameters; a scheduler built there is discarded. The loop may reuse and reset a
@@ -195,6 +223,10 @@ class ModuleOptimizer:
 
     def __init__(self, model: pl.LightningModule):
         self.model_name = type(model).__qualname__
+        # Lightning's hook for schedulers outside torch.optim (timm's take an epoch): called as Lightning calls it
+        self._lr_scheduler_step = (
+            model.lr_scheduler_step if is_overridden("lr_scheduler_step", model, pl.LightningModule) else None
+        )
         optimizer, self.schedulers = self._parse(model)
         self.template = optimizer
         self._modules: list[tuple[Tensor, pl.LightningModule]] = [(self._first_param(model), model)]
@@ -277,15 +309,25 @@ class ModuleOptimizer:
                 if value is None:
                     self.waiting.append((index, round))
                     continue
-                cfg.scheduler.step(float(value))
+                self._step(cfg, float(value))
             else:
-                with warnings.catch_warnings():
-                    # the template optimizer never steps (each client's own optimizer does), so torch's "scheduler
-                    # stepped before optimizer.step()" warning would be spurious for every module with a scheduler
-                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-                    cfg.scheduler.step()
+                self._step(cfg, None)
             stepped = True
         return stepped
+
+    def _step(self, cfg: Any, metric: float | None) -> None:
+        """One step of ``cfg``'s scheduler: the module's ``lr_scheduler_step(scheduler, metric)`` where it overrides
+        it, else Lightning's default (``step()``, or ``step(metric)`` for a monitored one)."""
+        with warnings.catch_warnings():
+            # the template optimizer never steps (each client's own optimizer does), so torch's "scheduler stepped
+            # before optimizer.step()" warning would be spurious for every module with a scheduler
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            if self._lr_scheduler_step is not None:
+                self._lr_scheduler_step(cfg.scheduler, metric)
+            elif metric is None:
+                cfg.scheduler.step()
+            else:
+                cfg.scheduler.step(metric)
 
     def step_after_validation(self, metrics: dict[str, Any]) -> bool:
         """Step the ``ReduceLROnPlateau`` schedulers waiting for this validation (:meth:`step_schedulers`) with its
@@ -304,7 +346,7 @@ class ModuleOptimizer:
                         f"{sorted(metrics)}; set 'strict': False to skip rounds without it"
                     )
                 continue
-            cfg.scheduler.step(float(value))
+            self._step(cfg, float(value))
             stepped = True
         self.waiting = []
         return stepped

@@ -20,7 +20,7 @@ from fedlightning.callbacks import FedAvg
 from fedlightning.datamodules import DigitsDataModule, Dirichlet
 from fedlightning.optim import SgdArmijo
 from fedlightning.user_module import FederatedContractError
-from numerics import Digits64, assert_close64, rtol32, to_float64
+from numerics import RTOL64, Digits64, assert_close64, rtol32, to_float64
 
 
 class UserNet(pl.LightningModule):
@@ -396,6 +396,70 @@ def test_lr_scheduler_is_stepped_once_per_round():
     ref = _reference(init, _dm64(), rounds=3, cpr=3, k=2, lr=None, seed=6, lrs=[0.4, 0.2, 0.1])
     for got, want in zip(model.net.parameters(), ref):
         assert_close64(got.detach(), want)
+
+
+class _EpochHalving:
+    """A scheduler outside torch.optim (timm's kind): ``step`` needs the epoch, so Lightning needs the module's
+    ``lr_scheduler_step``."""
+
+    def __init__(self, optimizer, base):
+        self.optimizer, self.base = optimizer, base
+
+    def step(self, epoch):
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.base * 0.5**epoch
+
+    def state_dict(self):
+        return {"base": self.base}
+
+    def load_state_dict(self, state):
+        self.base = state["base"]
+
+
+def test_a_modules_lr_scheduler_step_steps_its_scheduler_once_per_round():
+    class TimmStyle(UserNet):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+            return {"optimizer": opt, "lr_scheduler": _EpochHalving(opt, self.hparams.lr)}
+
+        def lr_scheduler_step(self, scheduler, metric):
+            self.scheduler_steps = getattr(self, "scheduler_steps", 0) + 1
+            scheduler.step(epoch=self.scheduler_steps)
+
+    torch.manual_seed(0)
+    model = to_float64(TimmStyle(lr=0.4))
+    init = copy.deepcopy(model.net)
+    rec = _Record()
+    make_trainer(3, callbacks=[rec]).fit(
+        FederatedLoop(model, local_steps=2, clients_per_round=3, seed=6), datamodule=_dm64()
+    )
+    # a float64 mean of the rounds' step sizes (numerics.RTOL64)
+    assert [r["client/step_size_mean"] for r in rec.rounds] == pytest.approx([0.4, 0.2, 0.1], rel=RTOL64)
+    ref = _reference(init, _dm64(), rounds=3, cpr=3, k=2, lr=None, seed=6, lrs=[0.4, 0.2, 0.1])
+    for got, want in zip(model.net.parameters(), ref):
+        assert_close64(got.detach(), want)
+
+
+@pytest.mark.parametrize(
+    "hook,instead",
+    [
+        ("optimizer_step", "on_before_optimizer_step"),
+        ("optimizer_zero_grad", "on_before_zero_grad"),
+        ("configure_gradient_clipping", "client_grad_clip"),
+        ("backward", "on_before_backward"),
+    ],
+)
+def test_optimization_step_hooks_client_training_does_not_call_are_refused_at_setup(hook, instead):
+    """Plain Lightning calls these around each optimizer step; client training runs the step itself and would skip
+    the override silently (a warm-up in optimizer_step trained without its warm-up)."""
+
+    def override(self, *args, **kwargs):
+        raise AssertionError("never called")
+
+    Overriding = type("Overriding", (UserNet,), {hook: override})
+    with pytest.raises(ValueError, match=rf"Overriding overrides {hook}\(\), which federated client training does "
+                       rf"not call.*{instead}"):  # fmt: skip
+        make_trainer(1).fit(FederatedLoop(Overriding(), local_steps=1, clients_per_round=2), datamodule=_dm())
 
 
 def test_lr_scheduler_state_is_resumed(tmp_path):
