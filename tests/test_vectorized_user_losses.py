@@ -541,16 +541,21 @@ class WeightedLossLogsAccuracy(LogsBatchSize):
             return F.cross_entropy(logits, y, weight=w)
         if self.how == "ignore_index":
             return F.cross_entropy(logits, y, ignore_index=3)
+        if self.how == "batch_counts":  # inverse class frequency in this batch: 1 on samples of distinct classes
+            return F.cross_entropy(
+                logits, y, weight=1.0 / torch.bincount(y, minlength=10).to(logits.dtype).clamp(min=1)
+            )
         per = F.cross_entropy(logits, y, reduction="none")
         return (per * w[y]).sum() / w[y].sum()
 
 
-@pytest.mark.parametrize("how", ["weight", "ignore_index", "by_hand"])
+@pytest.mark.parametrize("how", ["weight", "ignore_index", "by_hand", "batch_counts"])
 def test_a_mean_weighted_by_class_is_refused_on_the_per_sample_path_and_auto_trains_it_sequentially(how):
     """One training_step per sample averages the samples' losses with equal weights, which is not a class-weighted
     mean (nor one that leaves ``ignore_index`` samples out): the sample-mean check draws its samples from every
     client's rows, covering the batch's distinct targets (the first client's first samples are often of one class
-    under label skew, where the weighting does not show), and refuses the model; "auto" trains it sequentially."""
+    under label skew, where the weighting does not show) and samples that repeat a class (where weights from the
+    batch's own class counts show), and refuses the model; "auto" trains it sequentially."""
     from fedlightning.vectorized import VectorizationUnsupportedError
 
     with pytest.raises(VectorizationUnsupportedError, match=r"the loss is not a mean over samples"):
@@ -561,16 +566,22 @@ def test_a_mean_weighted_by_class_is_refused_on_the_per_sample_path_and_auto_tra
 
 
 def test_probe_cells_cover_the_distinct_targets_of_every_row():
-    """The check's samples: every first occurrence of a target value across the rows, then the fullest row's first
-    samples, up to the limit; real cells only."""
+    """The check's samples: every first occurrence of a target value across the rows (up to limit - 2), two samples
+    that repeat a target, then the fullest row's first samples, up to the limit; real cells only. A per-sample
+    float scalar (a sample weight) counts as a target: a rare weight is in the probe."""
     from fedlightning.vectorized.call import _probe_cells
 
     y = torch.tensor([[2, 2, 2, 0], [2, 5, 0, 0], [7, 2, 2, 2]])  # row 1 has 2 real cells, row 0 has 3
     x = torch.zeros(3, 4, 6)
     cells = _probe_cells([x, y], [3, 2, 4], limit=6)
     assert cells[:3] == [(0, 0), (1, 1), (2, 0)]  # targets 2, 5, 7 at their first real cell
-    assert cells[3:] == [(2, 1), (2, 2), (2, 3)]  # then the fullest row (2, four real cells)
-    assert _probe_cells([x], [3, 2, 4], limit=3) == [(2, 0), (2, 1), (2, 2)]  # no integer leaf
+    assert cells[3:5] == [(0, 1), (0, 2)]  # two samples of a target met before
+    assert cells[5:] == [(2, 1)]  # then the fullest row (2, four real cells)
+    assert _probe_cells([x], [3, 2, 4], limit=3) == [(2, 0), (2, 1), (2, 2)]  # no target
+    w = torch.ones(3, 4)
+    w[2, 3] = 4.0  # one sample of weight 4, the fullest row's last
+    cells = _probe_cells([x, torch.zeros(3, 4, dtype=torch.long), w], [3, 2, 4], limit=4)
+    assert (2, 3) in cells and len(cells) == 4
 
 
 class LogsLossAndBatchSize(UserMLP):
