@@ -37,6 +37,7 @@ out (it averages the clients that had a loss). Nothing of this counts as a failu
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -401,6 +402,13 @@ class LocalTrainer:
         self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         self.buffers: list[Tensor] = list(model.buffers())
         self.model_name = type(model).__name__
+        # parameters that do not train (requires_grad=False): see _sync_frozen
+        frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        self.frozen_names = [n for n, _ in frozen]
+        self.frozen: list[nn.Parameter] = [p for _, p in frozen]
+        self._frozen_versions: list[int] | None = None  # (ours, then the global model's) versions when last synced
+        self._global_frozen_versions: list[int] | None = None
+        self._told_frozen = False
 
     def prepare_batch(self, batch: Any) -> Any:
         """``batch`` (as the client's loader gives it) as a client step hands it to ``training_step``: the precision
@@ -459,8 +467,10 @@ class LocalTrainer:
         num_samples: int,
         terms: Sequence[ObjectiveTerm] = (),
         float_buffer_mask: Sequence[bool] | None = None,
+        global_frozen: Sequence[Tensor] = (),
     ) -> ClientUpdate:
         """Train client ``client_id`` for ``local_steps`` steps from the global weights; return its update.
+        ``global_frozen``: the global model's parameters that do not train, in order (:meth:`_sync_frozen`).
 
         Dropout and any other ``torch`` randomness inside the model is seeded by ``(seed, "model", round,
         client_id)`` in a forked RNG, so it does not depend on the other clients of the round and leaves the
@@ -473,10 +483,47 @@ class LocalTrainer:
             torch._foreach_copy_(self.params, list(global_params))
             if self.buffers:
                 torch._foreach_copy_(self.buffers, list(global_buffers))
+            if self.frozen:
+                self._sync_frozen(global_frozen)
         with torch.random.fork_rng(devices=plan.devices):
             _seed_model_rng(derive_seed(seed, "model", round, client_id), plan.devices)
             tally = steps(plan, _cycle(loader, local_steps, plan.reference))
+        if self.frozen:
+            self._tell_frozen_changes(client_id, round)
         return self._update(client_id, global_flat, num_samples, tally, float_buffer_mask)
+
+    def _sync_frozen(self, global_frozen: Sequence[Tensor]) -> None:
+        """Every client starts from the global model's values of the parameters that do not train
+        (``requires_grad=False``), as from its trainable ones: they are copied where either side changed since the
+        last copy (their version counters; a frozen backbone that nothing changes costs no copy per client)."""
+        if len(global_frozen) != len(self.frozen):
+            return  # the module changed which parameters train: nothing to pair them with
+        mine = [p._version for p in self.frozen]
+        theirs = [p._version for p in global_frozen]
+        if mine != self._frozen_versions or theirs != self._global_frozen_versions:
+            torch._foreach_copy_(self.frozen, list(global_frozen))
+            self._frozen_versions = [p._version for p in self.frozen]
+            self._global_frozen_versions = theirs
+
+    def _tell_frozen_changes(self, client_id: int, round: int) -> None:
+        """Decision (ours, documented in docs/your_model.md): what client training writes into a parameter that does
+        not train (an EMA teacher, a counter) is not aggregated and does not reach the next client (it starts from
+        the global value again, :meth:`_sync_frozen`); said once per run, naming the parameters. State that should
+        be averaged over the clients belongs in buffers (``register_buffer``), which FedAvg averages with the
+        client weights, as BatchNorm's running statistics."""
+        if self._told_frozen or self._frozen_versions is None:
+            return
+        changed = [n for n, p, v in zip(self.frozen_names, self.frozen, self._frozen_versions) if p._version != v]
+        if changed:
+            self._told_frozen = True
+            warnings.warn(
+                f"round {round}: client {client_id}'s training changed {self.model_name} parameter(s) "
+                f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} with requires_grad=False; such "
+                "parameters are not aggregated, and every client starts from their global value: keep state that "
+                "clients should average in buffers (register_buffer), as BatchNorm's running statistics",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _update(
         self,

@@ -827,6 +827,7 @@ class FederatedLoop(pl.LightningModule):
                 num_samples=dm.client_num_samples(client_id),
                 terms=terms,
                 float_buffer_mask=float_mask,
+                global_frozen=[p for p in self.model.parameters() if not p.requires_grad] if worker.frozen else (),
             )
         self.finish_client(update, opt)
         return update

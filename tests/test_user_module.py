@@ -297,6 +297,38 @@ def test_on_train_batch_start_minus_one_at_the_first_step_is_a_healthy_client_wi
     assert all(torch.equal(p, q) for p, q in zip(c.parameters(), start))
 
 
+def test_a_parameter_that_does_not_train_starts_from_its_global_value_for_every_client():
+    """A frozen parameter (requires_grad=False) the module changes after a client's last step once carried over to
+    the next client (which trained with the changed value). Every client starts from the global value now: the run
+    equals one whose module never changes it; the global value is unchanged; one warning names the parameter."""
+
+    class Scaled(UserNet):
+        def __init__(self, doubles: bool):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()), requires_grad=False)
+            self.doubles = doubles
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x) * self.scale, y)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):  # after the client's last step (K = 2)
+            if self.doubles and batch_idx == 1:
+                with torch.no_grad():
+                    self.scale.mul_(2.0)
+
+    torch.manual_seed(0)
+    a, b = Scaled(doubles=True), Scaled(doubles=False)
+    b.load_state_dict(a.state_dict())
+    with pytest.warns(UserWarning, match=r"changed Scaled parameter\(s\) scale with requires_grad=False") as caught:
+        make_trainer(2).fit(FederatedLoop(a, local_steps=2, clients_per_round=3, seed=2), datamodule=_dm())
+    assert len([w for w in caught if "requires_grad=False" in str(w.message)]) == 1
+    make_trainer(2).fit(FederatedLoop(b, local_steps=2, clients_per_round=3, seed=2), datamodule=_dm())
+    assert float(a.scale) == 1.0
+    for p, q in zip(a.net.parameters(), b.net.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
 def test_backward_hooks_with_a_closure_optimizer_are_refused_at_setup():
     class WithHook(UserNet):
         def on_after_backward(self):
