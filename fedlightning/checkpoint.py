@@ -38,6 +38,8 @@ __all__ = [
     "RoundCheckpoint",
     "check_checkpoint",
     "check_fits_model",
+    "global_model_state",
+    "load_global_model",
     "read_checkpoint",
     "checkpoint_round",
     "verify_checksums",
@@ -640,6 +642,39 @@ def check_fits_model(path, ckpt: Mapping[str, Any], model: torch.nn.Module) -> N
                     f"{value.numel()} values); a diverged model cannot be resumed or "
                     "evaluated: resume an earlier checkpoint",
                 )
+
+
+def global_model_state(path) -> dict[str, torch.Tensor]:
+    """The global model's ``state_dict`` in the file ``path``, read by :func:`read_checkpoint` (no code runs): from
+    a fedlightning checkpoint its global model (the keys of your module, without the loop's ``model.`` prefix), from
+    a Lightning checkpoint of your module its ``state_dict``, or a ``torch.save``'d state dict itself. A file that
+    holds none of these is a :class:`CheckpointError`."""
+    path = os.fspath(path)
+    ckpt = read_checkpoint(path)
+    state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else None
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(
+            path,
+            "holds no state dict of tensors (a Lightning or fedlightning checkpoint, or a torch.save'd state_dict)",
+        )
+    if isinstance(ckpt, Mapping) and "fedlightning" in ckpt:  # a federated run's checkpoint: its global model
+        return {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    return dict(state)
+
+
+def load_global_model(path, module: torch.nn.Module) -> torch.nn.Module:
+    """Load the global model of the checkpoint ``path`` (:func:`global_model_state`) into ``module`` (your
+    LightningModule, built as for training) and return it, e.g. to evaluate or predict with the trained model::
+
+        model = load_global_model("runs/quickstart/version_0/checkpoints/last.ckpt", MyModule())
+
+    Its keys, shapes and finiteness are checked first (:func:`check_fits_model`): a :class:`CheckpointError` names
+    the difference. (``MyModule.load_from_checkpoint`` cannot read a federated checkpoint: it holds the
+    ``FederatedLoop``, whose keys carry the ``model.`` prefix.)"""
+    state = global_model_state(path)
+    check_fits_model(path, {"state_dict": state}, module)
+    module.load_state_dict(state)
+    return module
 
 
 def _check_state_dict(path: str, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,7 +73,7 @@ from fedlightning.callbacks.base import (
 from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.feddane import client_full_batches, client_full_gradient, client_full_rows
 from fedlightning.callbacks.progress import round_bar_for
-from fedlightning.checkpoint import CheckpointError, check_fits_model, read_checkpoint
+from fedlightning.checkpoint import CheckpointError, check_fits_model, global_model_state
 from fedlightning.client import LocalTrainer
 from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.distributed import named_collective
@@ -381,7 +381,7 @@ class FederatedLoop(pl.LightningModule):
         if self._init_weights_missing:
             return
         try:
-            ckpt = read_checkpoint(path)
+            state = global_model_state(path)
         except CheckpointError as err:
             if err.unsafe_type is None:
                 raise
@@ -392,15 +392,6 @@ class FederatedLoop(pl.LightningModule):
                 "that file as model.init_weights",
                 unsafe_type=err.unsafe_type,
             ) from err
-        state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else None
-        if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
-            raise CheckpointError(
-                path,
-                "holds no state dict of tensors (model.init_weights takes a Lightning or fedlightning checkpoint, or "
-                "a torch.save'd state_dict)",
-            )
-        if isinstance(ckpt, Mapping) and "fedlightning" in ckpt:  # a federated run's checkpoint: its global model
-            state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
         check_fits_model(path, {"state_dict": state}, self.model)
         self.model.load_state_dict(state)
 

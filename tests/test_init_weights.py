@@ -89,6 +89,36 @@ def test_a_federated_checkpoint_starts_the_global_model_from_its_global_model(tm
     assert all(torch.equal(start[k], v) for k, v in trained.state_dict().items())
 
 
+def test_load_global_model_gives_your_module_the_trained_global_model(tmp_path):
+    """A federated run's checkpoint into a fresh instance of the user's module: its state equals the trained global
+    model's (weights and BatchNorm statistics) and it predicts as that model does; a module of another shape is
+    named, as for init_weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fedlightning.checkpoint import global_model_state, load_global_model
+
+    ck = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trained, _ = _fit(None, rounds=2, callbacks=[ck], enable_checkpointing=True, default_root_dir=str(tmp_path))
+    path = str(tmp_path / "step=2.ckpt")
+    torch.manual_seed(5)
+    fresh = Net()
+    assert not torch.equal(fresh.body.weight, trained.body.weight)
+    loaded = load_global_model(path, fresh)
+    assert loaded is fresh
+    expected = trained.state_dict()
+    assert set(global_model_state(path)) == set(expected)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+    fresh.eval(), trained.eval()
+    with torch.no_grad():
+        assert torch.equal(
+            fresh.head(torch.relu(fresh.norm(fresh.body(X)))), trained.head(torch.relu(trained.norm(trained.body(X))))
+        )
+    with pytest.raises(
+        CheckpointError, match=r"different shapes \(checkpoint vs model\): body.weight \(8, 6\) vs \(16, 6\)"
+    ):
+        load_global_model(path, Net(hidden=16))
+
+
 def test_a_checkpoint_of_another_architecture_or_a_missing_file_is_named(tmp_path):
     torch.manual_seed(0)
     wide = Net(hidden=16)
