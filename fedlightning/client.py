@@ -402,7 +402,7 @@ class LocalTrainer:
         self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         self.buffers: list[Tensor] = list(model.buffers())
         self.model_name = type(model).__name__
-        # parameters that do not train (requires_grad=False): see _sync_frozen
+        # parameters that do not train (requires_grad=False): see sync_frozen
         frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self.frozen_names = [n for n, _ in frozen]
         self.frozen: list[nn.Parameter] = [p for _, p in frozen]
@@ -470,7 +470,7 @@ class LocalTrainer:
         global_frozen: Sequence[Tensor] = (),
     ) -> ClientUpdate:
         """Train client ``client_id`` for ``local_steps`` steps from the global weights; return its update.
-        ``global_frozen``: the global model's parameters that do not train, in order (:meth:`_sync_frozen`).
+        ``global_frozen``: the global model's parameters that do not train, in order (:meth:`sync_frozen`).
 
         Dropout and any other ``torch`` randomness inside the model is seeded by ``(seed, "model", round,
         client_id)`` in a forked RNG, so it does not depend on the other clients of the round and leaves the
@@ -484,7 +484,7 @@ class LocalTrainer:
             if self.buffers:
                 torch._foreach_copy_(self.buffers, list(global_buffers))
             if self.frozen:
-                self._sync_frozen(global_frozen)
+                self.sync_frozen(global_frozen)
         with torch.random.fork_rng(devices=plan.devices):
             _seed_model_rng(derive_seed(seed, "model", round, client_id), plan.devices)
             tally = steps(plan, _cycle(loader, local_steps, plan.reference))
@@ -492,7 +492,7 @@ class LocalTrainer:
             self._tell_frozen_changes(client_id, round)
         return self._update(client_id, global_flat, num_samples, tally, float_buffer_mask)
 
-    def _sync_frozen(self, global_frozen: Sequence[Tensor]) -> None:
+    def sync_frozen(self, global_frozen: Sequence[Tensor]) -> None:
         """Every client starts from the global model's values of the parameters that do not train
         (``requires_grad=False``), as from its trainable ones: they are copied where either side changed since the
         last copy (their version counters; a frozen backbone that nothing changes costs no copy per client)."""
@@ -505,15 +505,21 @@ class LocalTrainer:
             self._frozen_versions = [p._version for p in self.frozen]
             self._global_frozen_versions = theirs
 
+    def changed_frozen(self) -> list[str]:
+        """The names of the parameters that do not train which something wrote into since :meth:`sync_frozen`."""
+        if self._frozen_versions is None:
+            return []
+        return [n for n, p, v in zip(self.frozen_names, self.frozen, self._frozen_versions) if p._version != v]
+
     def _tell_frozen_changes(self, client_id: int, round: int) -> None:
         """Decision (ours, documented in docs/your_model.md): what client training writes into a parameter that does
         not train (an EMA teacher, a counter) is not aggregated and does not reach the next client (it starts from
-        the global value again, :meth:`_sync_frozen`); said once per run, naming the parameters. State that should
+        the global value again, :meth:`sync_frozen`); said once per run, naming the parameters. State that should
         be averaged over the clients belongs in buffers (``register_buffer``), which FedAvg averages with the
         client weights, as BatchNorm's running statistics."""
-        if self._told_frozen or self._frozen_versions is None:
+        if self._told_frozen:
             return
-        changed = [n for n, p, v in zip(self.frozen_names, self.frozen, self._frozen_versions) if p._version != v]
+        changed = self.changed_frozen()
         if changed:
             self._told_frozen = True
             warnings.warn(

@@ -329,6 +329,40 @@ def test_a_parameter_that_does_not_train_starts_from_its_global_value_for_every_
         torch.testing.assert_close(p, q, atol=0, rtol=0)
 
 
+def test_a_write_into_a_parameter_that_does_not_train_is_refused_vectorized_and_auto_trains_sequentially():
+    """Vectorized clients share a frozen parameter: a write in training_step applies once per batched call, not per
+    client, and carried into later rounds. It is refused by name; auto trains such a module sequentially, equal to
+    sequential training."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    class Counts(UserNet):
+        def __init__(self):
+            super().__init__()
+            self.seen = nn.Parameter(torch.zeros(()), requires_grad=False)
+
+        def training_step(self, batch, batch_idx):
+            with torch.no_grad():
+                self.seen += 1
+            x, y = batch
+            return F.cross_entropy(self(x), y) * (1.0 + 0.01 * self.seen)
+
+    def fit(mode):
+        torch.manual_seed(0)
+        model = Counts()
+        loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=2, client_execution=mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_trainer(2).fit(loop, datamodule=_dm())
+        return model
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"Counts writes into its parameter\(s\) seen with "):
+        fit("vectorized")
+    sequential, auto = fit("sequential"), fit("auto")
+    assert float(auto.seen) == float(sequential.seen) == 0.0
+    for p, q in zip(auto.net.parameters(), sequential.net.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
 def test_backward_hooks_with_a_closure_optimizer_are_refused_at_setup():
     class WithHook(UserNet):
         def on_after_backward(self):

@@ -23,7 +23,7 @@ from torch.func import vmap
 
 from fedlightning.vectorized import VectorizedClientTrainer
 from fedlightning.vectorized.losses import LossInterception
-from numerics import assert_rounding_close, rtol32
+from numerics import RTOL64, assert_rounding_close, rtol32
 from registry import CLIENT_OPTIMIZERS
 from test_vectorized import CPR, K, assert_same_run, fit
 
@@ -563,6 +563,34 @@ def test_a_mean_weighted_by_class_is_refused_on_the_per_sample_path_and_auto_tra
     seq = fit(WeightedLossLogsAccuracy(how), CLIENT_OPTIMIZERS["sgd"], "sequential")
     auto = fit(WeightedLossLogsAccuracy(how), CLIENT_OPTIMIZERS["sgd"], "auto")
     torch.testing.assert_close(auto[0], seq[0], rtol=0, atol=0)
+
+
+class BatchContextFromRound1(UserMLP):
+    """A batch-context term switched on from round 1 (a curriculum, a warm-up): the loss is a mean over samples
+    when the padded path is chosen (round 0) and mixes samples afterwards."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.relu(self.net[0](x))
+        if self.global_step >= 1:
+            h = h - 0.5 * h.mean(0, keepdim=True)
+        return F.cross_entropy(self.net[3](h), y)
+
+
+def test_a_loss_that_starts_mixing_samples_in_a_later_round_is_caught_there(monkeypatch):
+    """The padded path's check runs again at every round's first padded step: in round 1 the loss no longer matches
+    training_step on a client's real samples. Vectorized refuses it there (not in round 0); "auto" trains the rest
+    sequentially, and equals sequential training."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    rounds = []
+    monkeypatch.setattr(BatchContextFromRound1, "on_train_epoch_start", lambda self: rounds.append(self.global_step))
+    with pytest.raises(VectorizationUnsupportedError, match=r"not a mean over samples"):
+        fit(BatchContextFromRound1(), CLIENT_OPTIMIZERS["sgd"], "vectorized", rounds=3)
+    assert rounds == [0, 1]  # refused in round 1
+    seq = fit(BatchContextFromRound1(), CLIENT_OPTIMIZERS["sgd"], "sequential", rounds=3)
+    auto = fit(BatchContextFromRound1(), CLIENT_OPTIMIZERS["sgd"], "auto", rounds=3)
+    torch.testing.assert_close(auto[0], seq[0], rtol=RTOL64, atol=0)
 
 
 def test_probe_cells_cover_the_distinct_targets_of_every_row():

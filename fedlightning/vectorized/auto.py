@@ -858,6 +858,10 @@ def _run(
     prepared = [loop.prepare_client(plan, cid, worker.params, reuse=True, slot=c) for c, cid in enumerate(client_ids)]
     optimizers = [opt for opt, _ in prepared]
     gbuffers = list(loop.model.buffers())
+    frozen = getattr(worker, "frozen", None)
+    if frozen:  # the clients start from the global values of the parameters that do not train, as sequentially
+        with torch.no_grad():
+            worker.sync_frozen([p for p in loop.model.parameters() if not p.requires_grad])
     # a throw-away round logs and replays the metric calls as a real round does (their time counts), then undoes them;
     # a real round that raises (out of memory: its group is retried smaller) undoes what it logged
     with _throwaway_logs(worker) if throwaway else _undo_on_failure(worker):
@@ -877,6 +881,14 @@ def _run(
             float_buffer_mask=[b.is_floating_point() for b in gbuffers],
             stop=stop,
         )
+        changed = worker.changed_frozen() if frozen else []
+        if changed:  # raised inside the block: what the call logged is undone
+            raise VectorizationUnsupportedError(
+                f"{worker.model_name} writes into its parameter(s) {', '.join(changed[:5])} with requires_grad=False "
+                "during client training; vectorized clients share such a parameter (a write applies once per batched "
+                "call, not once per client), so they cannot train as sequential clients do; use "
+                "client_execution='sequential' (or 'auto')"
+            )
     if updates is None:
         return None
     for update, opt in zip(updates, optimizers):

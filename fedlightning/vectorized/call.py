@@ -37,6 +37,7 @@ from .rows import (
     choose_padded_rows,
     extract_loss,
     per_sample_fallback,
+    recheck_padded_rows,
 )
 from .support import (
     VectorizationUnsupportedError,
@@ -284,6 +285,7 @@ class _ModelCall:
         self._attributes_checked = False  # the first batched call's writes to module attributes (_check_attributes)
         self.whole_rows = _WholeRows(self)
         self.padded_rows: Any | None = None  # chosen on the first padded step (choose_padded_rows)
+        self.recheck_padded = False  # set at each round's start: its first padded step checks the path again
         # buffers other than the normalisation layers' running statistics (which run per client): the engine shares
         # them between the clients, so training_step must not write them (_check_buffers)
         norm_modules = {id(m) for _, m, _, _ in self.norms.layers}
@@ -446,6 +448,10 @@ class _ModelCall:
             min_count = int(mask.sum(1).min()) if self.norms else 2
         if self.padded_rows is None:
             self.padded_rows = choose_padded_rows(self, views, batch, mask, step, stats, self._may_intercept)
+            self.recheck_padded = False
+        elif self.recheck_padded and clients is None:  # a round's first padded gradient evaluation
+            self.recheck_padded = False
+            recheck_padded_rows(self, views, batch, mask, step, stats)
         try:
             return self.padded_rows.values(views, batch, mask, step, cells, stats, effects, min_count)
         except InterceptionFailed as failed:  # loss interception cannot run this call: the per-sample path, for good

@@ -378,6 +378,7 @@ class VectorizedClientTrainer:
             norms.start(global_buffers, C)
         self.failed, self.raised = None, {}
         self.line_points_checked = False
+        self.call.recheck_padded = True  # the padded path's check, again on this round's first padded step
 
         with torch.no_grad():
             start = torch.cat([p.detach().reshape(-1).to(self.dtype) for p in global_params])

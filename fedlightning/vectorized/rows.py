@@ -41,6 +41,7 @@ from .torch_internals import _is_batched, _rng_state, _set_rng_state, _vmap0, tr
 __all__ = [
     "InterceptionFailed",
     "choose_padded_rows",
+    "recheck_padded_rows",
     "extract_loss",
     "per_sample_fallback",
     "_InterceptedRows",
@@ -555,6 +556,29 @@ def _interception_refusal(
     except Exception as err:  # noqa: BLE001 - the check failed to run: interception does not apply
         call.collector.reset()
         return f"{type(err).__name__}: {err}"
+
+
+def recheck_padded_rows(call: Any, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor]):
+    """The check of the padded path chosen in an earlier round (:func:`choose_padded_rows`), again on this round's
+    first padded step. Decision (ours): a loss can pass on the step the path was chosen at and mix samples later (a
+    batch-level term whose learnable gate starts at 0); rechecking once per round costs two or nine small
+    ``training_step`` calls. Loss interception that no longer matches falls back to the per-sample path, whose
+    first call checks that the loss is a mean over samples; that check and the protocol's raise
+    :class:`VectorizationUnsupportedError` when it fails (``"auto"`` trains the rest of the run sequentially)."""
+    path = call.padded_rows
+    if isinstance(path, _InterceptedRows):
+        if not call.deterministic:
+            return
+        reason = _interception_refusal(call, views, batch, mask, step, stats)
+        if reason is not None:
+            call.padded_rows = per_sample_fallback(call, f"at local step {step} of a later round: {reason}")
+    elif isinstance(path, _SampleRows):
+        path.checked = False
+    elif isinstance(path, _ProtocolRows) and not call.norms.batch_dependent():
+        with call._vmap_context():
+            refusal = call._check_sample_mean(views, batch, mask, step, stats)
+        if refusal is not None:
+            raise _not_a_mean(call, "its training_step_per_sample losses", refusal)
 
 
 def choose_padded_rows(
