@@ -291,6 +291,14 @@ def test_auto_keeps_transformed_large_and_ragged_data_per_sample():
     dm = DatasetDataModule(with_transform, in_memory=True, **_kw())
     dm.setup()
     assert dm.in_memory is True and torch.equal(dm.train_dataset.x, X)
+    # the transform of a data set wrapped by random_split / Subset / ConcatDataset counts as well
+    part, _ = torch.utils.data.random_split(with_transform, [100, 20], generator=torch.Generator().manual_seed(0))
+    both = torch.utils.data.ConcatDataset([Rows(X[:10], Y[:10]), torch.utils.data.Subset(with_transform, range(50))])
+    for wrapped in (part, both):
+        assert not hasattr(wrapped, "transform")
+        dm = DatasetDataModule(wrapped, num_clients=4, partition=IID(), seed=0)
+        dm.setup()
+        assert dm.in_memory is False
 
     # 120 samples x (6 float32 + one int) = 120 x 32 bytes: the limit decides
     dm = DatasetDataModule(Rows(X, Y), max_in_memory_bytes=120 * 32, **_kw())

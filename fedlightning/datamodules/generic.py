@@ -259,7 +259,8 @@ class DatasetDataModule(FederatedDataModule):
     ``num_workers`` workers). ``in_memory="auto"`` materialises when it is free or safe: an
     :class:`~fedlightning.datamodules.ArrayDataset` or a two-tensor ``TensorDataset`` is used as it is (no copy);
     any other pair data set is
-    read sample by sample, but only when it has no ``transform`` / ``transforms`` attribute set (torchvision's
+    read sample by sample, but only when it has no ``transform`` / ``transforms`` attribute set, nor a data set it
+    wraps (``Subset``, ``random_split``, ``ConcatDataset``) (torchvision's
     convention: a random augmentation would be frozen into one draw; pass ``in_memory=True`` for a deterministic
     transform such as ``ToTensor``), when reading each of up to :data:`REREAD_SAMPLES` samples twice gives the same
     values (a random augmentation written into ``__getitem__``, which no attribute announces, would be frozen too;
@@ -929,13 +930,28 @@ def _reads_repeat(dataset: Any) -> bool:
 
 def _random_samples(dataset: Any) -> bool:
     """Whether ``dataset`` reads its samples at random: a ``transform`` / ``transforms`` attribute is set
-    (torchvision's convention), or reading samples twice gives other values (:func:`_reads_repeat`)."""
-    if any(getattr(dataset, a, None) is not None for a in ("transform", "transforms")):
+    (torchvision's convention) on it or on a data set it wraps (a ``Subset`` / ``random_split`` part, a
+    ``ConcatDataset``: :func:`_wrapped_sets`), or reading samples twice gives other values (:func:`_reads_repeat`)."""
+    if any(getattr(d, a, None) is not None for d in _wrapped_sets(dataset) for a in ("transform", "transforms")):
         return True
     try:
         return not _reads_repeat(dataset)
     except Exception:  # noqa: BLE001 - a sample this probe cannot read: assumed fixed (training reads it again)
         return False
+
+
+def _wrapped_sets(dataset: Any, depth: int = 0) -> list[Any]:
+    """``dataset`` and the data sets it wraps through torch's wrappers (``Subset``'s ``dataset``,
+    ``ConcatDataset``'s ``datasets``), depth first, at most 8 levels deep."""
+    out = [dataset]
+    if depth >= 8:
+        return out
+    if isinstance(dataset, torch.utils.data.Subset):
+        out += _wrapped_sets(dataset.dataset, depth + 1)
+    elif isinstance(dataset, torch.utils.data.ConcatDataset):
+        for d in dataset.datasets:
+            out += _wrapped_sets(d, depth + 1)
+    return out
 
 
 def _same_values(a: Any, b: Any) -> bool:
