@@ -385,6 +385,9 @@ def _one_user(**changes):
         ({"users": "a"}, r"d.json: 'users' must be a JSON list"),
         ({"y": 5}, r"d.json: user_data\['a'\] must have 'x' and 'y' lists"),
         ({"x": [[0.5] * 783 + ["dark"], [0.25] * 784]}, r"d.json: user 'a', sample 0: the input is not a list of"),
+        # Arrow casts these without a word (0.75, 1.0)
+        ({"x": [[0.5] * 784, [0.25] * 783 + ["0.75"]]}, r"d.json: user 'a', sample 1: the input is not a list of"),
+        ({"x": [[0.5] * 783 + [True], [0.25] * 784]}, r"d.json: user 'a', sample 0: the input is not a list of"),
     ],
 )  # fmt: skip
 def test_malformed_femnist_json_names_file_user_and_sample(tmp_path, changes, match):
@@ -394,7 +397,12 @@ def test_malformed_femnist_json_names_file_user_and_sample(tmp_path, changes, ma
 
 
 def test_whole_float_labels_and_counts_are_read_as_ints(tmp_path):
-    root = _raw_leaf(tmp_path / "leaf", _one_user(y=[3.0, 4], num_samples=[2.0]))
+    # a user id that starts with a digit looks like a quoted pixel to the quick test: the exact scan finds none
+    root = _raw_leaf(tmp_path / "leaf", {**_one_user(y=[3.0, 4], num_samples=[2.0]), "users": ["7a"]})
+    data = json.load(open(os.path.join(root, "train", "d.json")))
+    data["user_data"] = {"7a": data["user_data"].pop("a")}
+    with open(os.path.join(root, "train", "d.json"), "w") as f:
+        json.dump(data, f)
     dm = _dm(root, tmp_path, name="femnist", val_fraction=0.0)
     dm.setup()
     sets = (dm.train_dataset, dm.test_dataset)  # a train folder alone: LEAF's own split of each user's samples
