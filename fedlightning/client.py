@@ -223,9 +223,8 @@ class _Tally:
 def _objective(plan: _StepPlan, batch: Any, step: int) -> Callable[[], Tensor]:
     """The client objective on ``batch`` as a closure: ``training_step``'s loss plus the plan's terms. A call with
     gradients disabled (a line search's trial point) drops what ``training_step`` logs and restores every buffer and
-    metric state afterwards; a gradient
-    evaluation whose ``training_step`` returns None raises :class:`_StepSkipped` and keeps ``training_step``'s
-    output in ``closure.output`` when the model's ``on_train_batch_end`` needs it."""
+    metric state afterwards; a gradient evaluation whose ``training_step`` returns None raises :class:`_StepSkipped`
+    and keeps ``training_step``'s output in ``closure.output`` when the model's ``on_train_batch_end`` needs it."""
     model, params, buffers, metrics, terms = plan.model, plan.params, plan.buffers, plan.metrics, plan.terms
     model_name, keep_output = plan.model_name, plan.hooks.batch_end
 
