@@ -677,11 +677,13 @@ def _hooks_undone_on_oom(loop, device: torch.device):
     (:func:`_may_run_out_of_memory`), what the per-client hooks change is put back when it does, as after ``auto``'s
     measurement (:func:`_hooks_leave_no_trace`): the group is retried smaller, and its clients' hooks are called
     again, once per client and round as in sequential training. Elsewhere (CPU) nothing is saved: no
-    ``torch.cuda.OutOfMemoryError`` comes, and the copies would cost every round."""
+    ``torch.cuda.OutOfMemoryError`` comes, and the copies would cost every round. Decision (ours): attributes that
+    hold tensors are not copied here (a copy of per-client gradients would take the memory that ran out; a hook
+    that keeps tensors per client writes them again when called again); counts, flags and ``state_dict()`` are."""
     if not _may_run_out_of_memory(device):
         yield
         return
-    saved = _HookState(loop)
+    saved = _HookState(loop, tensors=False)
     try:
         yield
     except torch.cuda.OutOfMemoryError:
@@ -697,16 +699,17 @@ def _may_run_out_of_memory(device: torch.device) -> bool:
 
 class _HookState:
     """What :func:`_hooks_leave_no_trace` puts back, saved at construction: the plain-data attributes and the
-    ``state_dict()`` of the callbacks that define per-client hooks, and ``loop.client_state``'s entries."""
+    ``state_dict()`` of the callbacks that define per-client hooks, and ``loop.client_state``'s entries; with
+    ``tensors=False``, attributes that hold tensors are left out."""
 
-    def __init__(self, loop) -> None:
+    def __init__(self, loop, tensors: bool = True) -> None:
         self.loop = loop
         owners = [cb for cb in loop.trainer.callbacks if any(callable(getattr(cb, n, None)) for n in _MEASURED_HOOKS)]
         self.saved = []
         for cb in owners:
             attributes = {}
             for k, v in vars(cb).items():
-                if _plain(v):
+                if _plain(v) and (tensors or not _holds_tensor(v)):
                     try:
                         attributes[k] = (v, copy.deepcopy(v))
                     except (RuntimeError, TypeError):  # e.g. a tensor with autograd history: left as it is
@@ -728,6 +731,19 @@ class _HookState:
             if state is not None:
                 cb.load_state_dict(state)
         self.loop.client_state.restore(self.entries)
+
+
+def _holds_tensor(value: Any, depth: int = 0) -> bool:
+    """Whether plain data (:func:`_plain`) holds a tensor."""
+    if isinstance(value, Tensor):
+        return True
+    if depth >= 8:
+        return False
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v, depth + 1) for v in value.values())
+    return False
 
 
 def _equal(a: Any, b: Any) -> bool:
