@@ -29,7 +29,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
@@ -1150,23 +1150,51 @@ class FederatedLoop(pl.LightningModule):
         self.model.on_load_checkpoint(checkpoint)
 
     def _client_groups_state(self) -> dict[str, Any] | None:
-        """The vectorised group size in force (measured for ``max_parallel_clients="auto"``, or halved after running
-        out of memory) with the setting it came from; None when the setting alone gives it."""
-        size = getattr(getattr(self._executor, "run", None), "group_size", None)
-        if size is None:
+        """How vectorised execution runs, as far as a measurement decided it: the group size in force (measured for
+        ``max_parallel_clients="auto"``, or halved after running out of memory) with the setting it came from, and
+        ``client_execution="auto"``'s choice with its reason and the device type it was measured on; None when the
+        settings alone give it."""
+        run = getattr(self._executor, "run", None)
+        if run is None:
             return None
-        return {"max_parallel_clients": self.max_parallel_clients, "group_size": int(size)}
+        out: dict[str, Any] = {}
+        if run.group_size is not None:
+            out.update(max_parallel_clients=self.max_parallel_clients, group_size=int(run.group_size))
+        if run.mode == "auto" and run.choice is not None:
+            out["auto"] = {
+                "choice": run.choice,
+                "reason": run.reason,
+                "fallback": bool(run.fallback),
+                "device": self.device.type,
+            }
+        return out or None
 
     def _load_client_groups_state(self, saved: dict[str, Any] | None) -> None:
         """A resumed run trains in the groups the interrupted one had reached (the group seeds the dropout masks of
         its clients, so the resumed run equals the uninterrupted one), unless ``max_parallel_clients`` was changed
-        since: then the new setting applies."""
+        since: then the new setting applies. ``client_execution="auto"`` keeps the choice measured before the
+        resume on the same device type (decision, ours: a new measurement could choose the other mode, whose
+        rounding differs in the last bits, and the resumed run would no longer equal the uninterrupted one); on
+        another device type it measures again."""
         run = getattr(self._executor, "run", None)
-        if run is None or not saved or saved.get("max_parallel_clients") != self.max_parallel_clients:
+        if run is None or not saved:
             return
         size = saved.get("group_size")
-        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+        same_setting = saved.get("max_parallel_clients") == self.max_parallel_clients
+        if same_setting and isinstance(size, int) and not isinstance(size, bool) and size >= 1:
             run.group_size = size
+        auto = saved.get("auto")
+        if (
+            run.mode == "auto"
+            and isinstance(auto, dict)
+            and auto.get("choice") in ("vectorized", "sequential")
+            and auto.get("device") == self.device.type
+        ):
+            run.choice, run.reason = auto["choice"], auto.get("reason")
+            run.fallback = bool(auto.get("fallback")) or run.choice == "sequential"
+            rank_zero_info(
+                f"client_execution='auto': training clients {run.choice} as measured before the resume ({run.reason})"
+            )
 
 
 def _defines_hook(callback: Any, name: str) -> bool:

@@ -449,3 +449,49 @@ def test_vectorized_out_of_memory_names_the_setting(monkeypatch):
         r"client_execution='sequential' or 'auto'",
     ):
         fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+
+
+def test_a_resumed_run_keeps_the_choice_measured_before_the_resume(monkeypatch, tmp_path, caplog):
+    """The choice is checkpointed: resumed where a new measurement would choose sequential (the virtual clock now
+    makes vectorized slower), the run trains vectorized as before and equals the uninterrupted run bit for bit."""
+    import warnings
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from conftest import make_trainer
+    from fedlightning import FederatedLoop
+    from fedlightning.callbacks import FedAvg
+    from fedlightning.checkpoint import AtomicCheckpointIO
+    from test_vectorized import digits
+
+    def setup():
+        torch.manual_seed(1)
+        return FederatedLoop(
+            UserMLP(), client_optimizer=CLIENT_OPTIMIZERS["sgd"], local_steps=3, clients_per_round=6, seed=3,
+            client_execution="auto",
+        )  # fmt: skip
+
+    def weights(loop):
+        return torch.cat([p.detach().reshape(-1) for p in loop.model.parameters()])
+
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        virtual_clock(mp, 4.0, 1.0)  # vectorized is chosen
+        full = setup()
+        make_trainer(4, callbacks=[FedAvg()]).fit(full, datamodule=digits(float64=False))
+        assert full.client_execution_choice == "vectorized"
+        cut = setup()
+        ck = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        trainer = make_trainer(2, callbacks=[FedAvg(), ck], enable_checkpointing=True, plugins=[AtomicCheckpointIO()])
+        trainer.fit(cut, datamodule=digits(float64=False))
+    seen = virtual_clock(monkeypatch, 1.0, 4.0)  # a new measurement would choose sequential
+    resumed = setup()
+    with caplog.at_level(logging.INFO), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(4, callbacks=[FedAvg()], plugins=[AtomicCheckpointIO()]).fit(
+            resumed, datamodule=digits(float64=False), ckpt_path=str(tmp_path / "step=2.ckpt"), weights_only=True
+        )
+    assert seen["sequential"] == seen["vectorized"] == 0  # no measurement after the resume
+    assert resumed.client_execution_choice == "vectorized"
+    assert any("as measured before the resume" in line for line in auto_lines(caplog))
+    assert torch.equal(weights(resumed), weights(full))
