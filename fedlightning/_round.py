@@ -23,6 +23,7 @@ import numbers
 import warnings
 from typing import Any, NamedTuple
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
@@ -55,6 +56,24 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _largest(dtype: torch.dtype) -> float:
     """``torch.finfo(dtype).max`` (cached: the aggregation checks ask for it for every client)."""
     return float(torch.finfo(dtype).max)
+
+
+class _StrategyState:
+    """A copy of the strategy's ``state_dict()``, taken before its ``server_update``, to put back when the round's
+    server step fails (an exception, or a result :func:`_check_candidate` refuses). Decision (ours): a checkpoint
+    written after the failure (``RoundCheckpoint`` on an exception) holds the round's starting weights and server
+    optimizer state, and must hold the strategy's state of that moment too (an adaptive clipping norm, FedExP's
+    previous iterate), or a run resumed from it differs from one that never failed. Strategies keep what they
+    checkpoint in ``state_dict()``; one without it has nothing to put back."""
+
+    def __init__(self, strategy: ServerStrategy) -> None:
+        self.strategy = strategy
+        defines = type(strategy).state_dict is not pl.Callback.state_dict
+        self.state = copy.deepcopy(strategy.state_dict()) if defines else None
+
+    def restore(self) -> None:
+        if self.state is not None:
+            self.strategy.load_state_dict(self.state)
 
 
 class _ServerState:
@@ -548,6 +567,49 @@ def server_step(
             p.grad = None  # optimizers skip parameters without a gradient: no state change
         opt.step()
         return metrics, None
+    strategy_state = _StrategyState(strategy)
+    try:
+        pseudo_grad, lr, extra = _step_and_check(pl_module, strategy, opt, params, stats, plan)
+    except BaseException:  # the round is not counted: the strategy's state is put back with the model's
+        strategy_state.restore()
+        raise
+    for p in params:
+        p.grad = None
+    if "buffers" in stats:
+        fbufs = [b for b in pl_module.model.buffers() if b.is_floating_point()]
+        avg = stats["buffers"] / stats["weight"].to(stats["buffers"].dtype)
+        off = 0
+        for b in fbufs:
+            b.copy_(avg[off : off + b.numel()].view_as(b))
+            off += b.numel()
+    metrics.update(extra)
+    n_loss = float(stats["loss_clients"].item())  # the clients with a loss (n_clients unless steps were skipped)
+    if n_loss > 0:
+        metrics["train/loss"] = float(stats["loss_sum"].item()) / n_loss
+        metrics["train/first_loss"] = float(stats["first_loss_sum"].item()) / n_loss
+    metrics["server/lr"] = float(lr if lr is not None else opt.optimizer.param_groups[0].get("lr", float("nan")))
+    # η_g of every strategy under one name: strategies that compute it (FedExP, FedExProx, FedLi) report it and
+    # its unclipped value; for the others it is the server optimizer's learning rate, which nothing clips.
+    metrics.setdefault("server/eta_g", metrics["server/lr"])
+    metrics.setdefault("server/eta_g_raw", metrics["server/eta_g"])
+    metrics["server/delta_norm"] = float(pseudo_grad.double().norm().item())
+    metrics["server/mean_client_delta_sq_norm"] = float(stats["sq_norm_sum"].item()) / n_clients
+    metrics["client/backtracks_per_step"] = float(stats["backtracks_per_step_sum"].item()) / n_clients
+    metrics["client/forwards"] = float(stats["forwards"].item())
+    metrics["client/backwards"] = float(stats["backwards"].item())
+    if "step_size_sum" in stats:
+        metrics["client/step_size_mean"] = float(stats["step_size_sum"].item() / stats["step_size_count"].item())
+        metrics["client/step_size_max"] = float(stats["step_size_max"].item())
+        metrics["client/step_size_min"] = -float(stats["neg_step_size_min"].item())
+    return metrics, pseudo_grad
+
+
+def _step_and_check(
+    pl_module: Any, strategy: ServerStrategy, opt: Any, params: list[Tensor], stats: RoundStatistics, plan: RoundPlan
+) -> tuple[Tensor, float | None, dict[str, float]]:
+    """:func:`server_step`'s step: ``strategy.server_update``, the optimizer step with its ``η`` and the check of the
+    result (:func:`_check_candidate`, which puts the parameters and the optimizer state back when it refuses it);
+    returns ``(Δ, η, extra metrics)``."""
     pseudo_grad, lr, extra = _server_update(strategy, pl_module, stats, plan, params)
     offset = 0
     for p in params:
@@ -583,35 +645,7 @@ def server_step(
                 g["lr"] = own
     if not checked:  # a step that does not run torch's step hooks: checked now, after Lightning counted it
         _check_candidate(pl_module.model, strategy, plan, params, server_opt, saved, pseudo_grad, lr, extra)
-    for p in params:
-        p.grad = None
-    if "buffers" in stats:
-        fbufs = [b for b in pl_module.model.buffers() if b.is_floating_point()]
-        avg = stats["buffers"] / stats["weight"].to(stats["buffers"].dtype)
-        off = 0
-        for b in fbufs:
-            b.copy_(avg[off : off + b.numel()].view_as(b))
-            off += b.numel()
-    metrics.update(extra)
-    n_loss = float(stats["loss_clients"].item())  # the clients with a loss (n_clients unless steps were skipped)
-    if n_loss > 0:
-        metrics["train/loss"] = float(stats["loss_sum"].item()) / n_loss
-        metrics["train/first_loss"] = float(stats["first_loss_sum"].item()) / n_loss
-    metrics["server/lr"] = float(lr if lr is not None else opt.optimizer.param_groups[0].get("lr", float("nan")))
-    # η_g of every strategy under one name: strategies that compute it (FedExP, FedExProx, FedLi) report it and
-    # its unclipped value; for the others it is the server optimizer's learning rate, which nothing clips.
-    metrics.setdefault("server/eta_g", metrics["server/lr"])
-    metrics.setdefault("server/eta_g_raw", metrics["server/eta_g"])
-    metrics["server/delta_norm"] = float(pseudo_grad.double().norm().item())
-    metrics["server/mean_client_delta_sq_norm"] = float(stats["sq_norm_sum"].item()) / n_clients
-    metrics["client/backtracks_per_step"] = float(stats["backtracks_per_step_sum"].item()) / n_clients
-    metrics["client/forwards"] = float(stats["forwards"].item())
-    metrics["client/backwards"] = float(stats["backwards"].item())
-    if "step_size_sum" in stats:
-        metrics["client/step_size_mean"] = float(stats["step_size_sum"].item() / stats["step_size_count"].item())
-        metrics["client/step_size_max"] = float(stats["step_size_max"].item())
-        metrics["client/step_size_min"] = -float(stats["neg_step_size_min"].item())
-    return metrics, pseudo_grad
+    return pseudo_grad, lr, extra
 
 
 def _server_update(

@@ -5,6 +5,7 @@ whose ``accumulate`` changes the delta refused in every mode, and ``"auto"``'s m
 callbacks that the loop's per-client hooks belong to."""
 
 import collections
+import math
 import warnings
 
 import lightning.pytorch as pl
@@ -144,6 +145,33 @@ class _Returns(ServerStrategy):
 def test_server_update_result_is_checked_and_names_the_strategy(make, error, match):
     with pytest.raises(error, match=match):
         _fit([_Returns(make)], rounds=1)
+
+
+def test_a_failed_server_step_puts_the_strategys_state_back_with_the_model():
+    """A strategy that keeps state (here a counter in its state_dict, as an adaptive clipping norm) and whose round-1
+    step overflows: the run stops with the model and the server optimizer as before round 1, and the strategy's state
+    too, so that a checkpoint written then resumes like a run that never failed."""
+
+    class Counts(FedAvg):
+        def __init__(self):
+            super().__init__()
+            self.updates = 0
+
+        def server_update(self, loop, stats, plan):
+            self.updates += 1
+            delta = self.mean_delta(stats)
+            return ServerStep(delta * (math.inf if plan.round == 1 else 1.0))
+
+        def state_dict(self):
+            return {"updates": self.updates}
+
+        def load_state_dict(self, state):
+            self.updates = state["updates"]
+
+    strategy = Counts()
+    with pytest.raises(FloatingPointError, match=r"round 1: the server step of Counts would make the global model"):
+        _fit([strategy], rounds=3)
+    assert strategy.updates == 1  # round 0's update only
 
 
 def test_server_step_lr_applies_to_its_round_only():
