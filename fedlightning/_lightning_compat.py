@@ -21,6 +21,7 @@ __all__ = [
     "align_logged_step",
     "allow_logging_from",
     "attached_trainer",
+    "batches_in_epoch",
     "batches_that_stepped",
     "current_hook",
     "detached_trainer",
@@ -94,6 +95,12 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
     """The step Lightning's logger connector passes to ``logger.log_metrics`` for training metrics (the fit loop's
     count of batches that stepped an optimizer; the round number here)."""
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def batches_in_epoch(trainer: pl.Trainer) -> int:
+    """The batches (rounds) of the current epoch Lightning counts as done: 0 at a fresh start, the position inside
+    the epoch after a resume from a checkpoint written mid-epoch (its restored batch progress)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
 
 
 def align_logged_step(trainer: pl.Trainer) -> None:

@@ -115,6 +115,27 @@ def test_batches_that_stepped_and_the_step_log_rule(tmp_path, every, written):
     assert [s for s, w in seen if w] == written
 
 
+def test_batches_in_epoch_is_the_restored_position_inside_the_epoch(tmp_path):
+    """0 when a fit starts; after a resume from a checkpoint written after batch 2 of an epoch (of 4 batches), 2 when
+    the training loader is built, which is what the data module sizes the resumed epoch from."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seen = []
+
+    class Records(_Tiny):
+        def train_dataloader(self):
+            seen.append(compat.batches_in_epoch(self.trainer))
+            return super().train_dataloader()
+
+    def trainer(**kw):
+        return pl.Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+
+    ck = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer(callbacks=[ck]).fit(Records())
+    trainer(enable_checkpointing=False).fit(Records(), ckpt_path=str(tmp_path / "step=2.ckpt"))
+    assert seen == [0, 2]
+
+
 def test_align_logged_step_sets_the_step_lightning_logs_training_metrics_at(tmp_path):
     """After ``align_logged_step``, the step Lightning's logger connector writes the batch's metrics at (the CSV's
     ``step`` column) is ``global_step``, whatever the count held before."""

@@ -239,3 +239,50 @@ def test_a_float64_run_resumes_bit_for_bit(tmp_path):
     loop, dm, _ = _setup()
     make_trainer(4, precision="64-true").fit(loop, datamodule=dm, ckpt_path=str(tmp_path / "step=2.ckpt"))
     assert torch.equal(_weights(loop), full)
+
+
+@pytest.mark.parametrize(
+    "validation, total, cut, rounds",
+    [
+        ({}, 6, 2, [6]),  # Lightning's default: once per epoch, the epoch being the run's max_steps rounds
+        ({"val_check_interval": 0.5}, 6, 2, [3, 6]),
+        ({"val_check_interval": 0.25}, 8, 3, [4, 6, 8]),  # round 2's validation came before the cut
+    ],
+)
+def test_validations_tied_to_the_epoch_fall_at_the_same_rounds_after_a_resume(tmp_path, validation, total, cut, rounds):
+    """The epoch of rounds keeps its length from its first round after a mid-epoch resume: the validations after the
+    resume fall where the uninterrupted run has them (they once moved: the resumed epoch ended early and a second
+    epoch began; a ReduceLROnPlateau on a validation metric then stepped at other rounds), and the weights are
+    equal."""
+
+    class Seen(pl.Callback):
+        def __init__(self):
+            self.rounds = []
+
+        def on_validation_end(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                self.rounds.append(trainer.global_step)
+
+    def setup():
+        pl.seed_everything(0, verbose=False)
+        loop = FederatedLoop(MLP(input_dim=64, hidden=[16]), local_steps=3, clients_per_round=4, seed=2)
+        dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
+        return loop, dm
+
+    kw = dict(limit_val_batches=None, num_sanity_val_steps=0, **validation)
+    loop, dm = setup()
+    full_seen = Seen()
+    make_trainer(total, callbacks=[full_seen], **kw).fit(loop, datamodule=dm)
+    full = _weights(loop)
+    loop, dm = setup()
+    ck = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    make_trainer(total, callbacks=[ck], enable_checkpointing=True, plugins=[AtomicCheckpointIO()], **kw).fit(
+        loop, datamodule=dm
+    )
+    loop, dm = setup()
+    resumed_seen = Seen()
+    make_trainer(total, callbacks=[resumed_seen], plugins=[AtomicCheckpointIO()], **kw).fit(
+        loop, datamodule=dm, ckpt_path=str(tmp_path / f"step={cut}.ckpt"), weights_only=True
+    )
+    assert [r for r in full_seen.rounds if r > cut] == resumed_seen.rounds == rounds
+    torch.testing.assert_close(_weights(loop), full, atol=0, rtol=0)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler, Subset
 
+from fedlightning._lightning_compat import batches_in_epoch
 from fedlightning._reference import reference_mode
 from fedlightning._validation import in_range, integer
 from fedlightning.datamodules.checks import (
@@ -1015,10 +1016,16 @@ class FederatedDataModule(pl.LightningDataModule):
         return getattr(self, "trainer", None)
 
     def train_dataloader(self) -> RoundPlanLoader:
+        """The rounds as Lightning's training batches: one epoch of ``max_steps`` rounds when ``trainer.max_steps``
+        is set (else epochs of ``rounds_per_epoch``). After a resume from a checkpoint written mid-epoch the epoch
+        keeps its length from its own first round (``global_step`` minus the epoch's rounds done), so that it ends,
+        and validations tied to it (``check_val_every_n_epoch``, a fractional ``val_check_interval``) fall, at the
+        rounds of the uninterrupted run."""
         trainer = self._trainer_ref()
         length = self.rounds_per_epoch
         if trainer is not None and trainer.max_steps is not None and trainer.max_steps > 0:
-            length = max(1, trainer.max_steps - trainer.global_step)
+            epoch_start = max(0, trainer.global_step - batches_in_epoch(trainer))
+            length = max(1, trainer.max_steps - epoch_start)
         return RoundPlanLoader(self, length)
 
     # ------------------------------------------------------------------ global evaluation
