@@ -632,16 +632,25 @@ def _train_or_fail(loop, plan: RoundPlan, client_id: int, global_flat: Tensor) -
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, Tensor, np.ndarray, np.generic)
 
 
-def _plain(value: Any, depth: int = 0) -> bool:
-    if isinstance(value, _PLAIN_TYPES):
-        return True
-    if depth >= 8:
-        return False
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return all(_plain(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
-    return False
+class _TooDeep:
+    """What :func:`_leaves` gives for a container nested more than 8 levels deep (not plain data)."""
+
+
+def _leaves(value: Any, depth: int = 0) -> Iterator[Any]:
+    """The values inside ``value``'s lists, tuples, sets and dicts (keys and values), at any depth up to 8
+    (deeper: a :class:`_TooDeep`), or ``value`` itself when it is none of those."""
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        if depth >= 8:
+            yield _TooDeep()
+            return
+        for v in value.items() if isinstance(value, dict) else value:
+            yield from _leaves(v, depth + 1)
+    else:
+        yield value
+
+
+def _plain(value: Any) -> bool:
+    return all(isinstance(v, _PLAIN_TYPES) for v in _leaves(value))
 
 
 #: The per-client hooks ``auto``'s measurement calls (``FederatedLoop.prepare_client``).
@@ -733,17 +742,9 @@ class _HookState:
         self.loop.client_state.restore(self.entries)
 
 
-def _holds_tensor(value: Any, depth: int = 0) -> bool:
+def _holds_tensor(value: Any) -> bool:
     """Whether plain data (:func:`_plain`) holds a tensor."""
-    if isinstance(value, Tensor):
-        return True
-    if depth >= 8:
-        return False
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return any(_holds_tensor(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_tensor(v, depth + 1) for v in value.values())
-    return False
+    return any(isinstance(v, Tensor) for v in _leaves(value))
 
 
 def _equal(a: Any, b: Any) -> bool:
