@@ -108,7 +108,8 @@ def test_load_global_model_gives_your_module_the_trained_global_model(tmp_path):
     expected = trained.state_dict()
     assert set(global_model_state(path)) == set(expected)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
-    fresh.eval(), trained.eval()
+    fresh.eval()
+    trained.eval()
     with torch.no_grad():
         assert torch.equal(
             fresh.head(torch.relu(fresh.norm(fresh.body(X)))), trained.head(torch.relu(trained.norm(trained.body(X))))
