@@ -23,14 +23,13 @@ import numbers
 import warnings
 from typing import Any, NamedTuple
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from fedlightning._lightning_compat import batches_that_stepped, publish_step_metrics, should_write_step_logs
-from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core
+from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, copy_of_state
 from fedlightning.distributed import all_gather_objects, all_reduce_statistics
 from fedlightning.state import ClientUpdate, RoundPlan
 
@@ -68,8 +67,7 @@ class _StrategyState:
 
     def __init__(self, strategy: ServerStrategy) -> None:
         self.strategy = strategy
-        defines = type(strategy).state_dict is not pl.Callback.state_dict
-        self.state = copy.deepcopy(strategy.state_dict()) if defines else None
+        self.state = copy_of_state(strategy)
 
     def restore(self) -> None:
         if self.state is not None:

@@ -12,6 +12,7 @@ with their signatures), :func:`call_federated_hook` (the one dispatcher of the f
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import warnings
@@ -34,7 +35,21 @@ __all__ = [
     "accumulate_core",
     "call_federated_hook",
     "check_hook_names",
+    "copy_of_state",
 ]
+
+
+def copy_of_state(callback: Callback) -> dict[str, Any] | None:
+    """A deep copy of ``callback.state_dict()`` to put back later with ``load_state_dict`` (a rollback), or None
+    where there is nothing to put back: the class keeps Lightning's empty ``state_dict``, returns an empty one, or
+    returns one that cannot be deep-copied (a tensor with autograd history)."""
+    if type(callback).state_dict is Callback.state_dict:
+        return None
+    state = callback.state_dict()
+    try:
+        return copy.deepcopy(state) if state else None
+    except (RuntimeError, TypeError):
+        return None
 
 
 class FederatedCallback(Callback):

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from fedlightning.callbacks.base import copy_of_state
 from fedlightning.state import ClientUpdate, RoundPlan
 
 from .batches import _DeviceTransfer
@@ -723,12 +723,7 @@ class _HookState:
                         attributes[k] = (v, copy.deepcopy(v))
                     except (RuntimeError, TypeError):  # e.g. a tensor with autograd history: left as it is
                         continue
-            state = cb.state_dict() if type(cb).state_dict is not Callback.state_dict else None
-            try:
-                state = copy.deepcopy(state) if state else None
-            except (RuntimeError, TypeError):
-                state = None
-            self.saved.append((cb, set(vars(cb)), attributes, state))
+            self.saved.append((cb, set(vars(cb)), attributes, copy_of_state(cb)))
         self.entries = loop.client_state.snapshot()
 
     def restore(self) -> None:
