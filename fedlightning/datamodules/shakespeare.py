@@ -106,7 +106,7 @@ def encode_chars(text: str) -> np.ndarray:
     concatenation into another window or another user's sample."""
     if not text.isascii():
         text = "".join(c if c.isascii() else (clean_line(c) or " ")[0] for c in text)
-    return _LOOKUP[np.frombuffer(text.encode("ascii"), dtype=np.uint8)]
+    return encode_text(text)  # ASCII now: one index per character
 
 
 def decode(codes: np.ndarray | Tensor | Sequence[int]) -> str:
