@@ -79,7 +79,7 @@ def file_digest(path: str) -> str:
 #: With ``true`` / ``false``, the bytes of a LEAF FEMNIST file that may belong to a pixel Arrow would cast without a
 #: word (``"0.75"`` to 0.75, ``true`` to 1.0): a quoted number. Only a file that holds one is scanned value by value
 #: (:func:`_first_unreadable_input`); a user id that starts with a digit costs that scan, not an error. The three
-#: byte searches take about 4 % of parsing the file (ours: 32 MB, 0.06 s against ``json.loads``' 1.4 s).
+#: byte searches run at memory speed, a small part of parsing the file.
 _QUOTED_NUMBER = re.compile(rb'"[-+.0-9]')
 
 
