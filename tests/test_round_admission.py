@@ -33,6 +33,11 @@ class WithExtras(ServerStrategy):
         stats.add("extra", update.delta * 3.0)
 
 
+NO_LOSS = float("nan")  # one object: tuples holding it compare equal
+#: clients whose telemetry is unusual: a non-finite step size among finite ones, none finite, no step at all
+STEP_SIZES = {1: [0.5, float("inf"), 0.02], 3: [float("nan")], 9: []}
+
+
 def make_updates(dtype, specials=()):
     """Ten updates of ``D`` entries, rows of one ``[10, D]`` tensor as the vectorised engine hands them over; the
     clients in ``specials`` (index -> kind) are made unusual."""
@@ -50,7 +55,7 @@ def make_updates(dtype, specials=()):
             num_steps=2,
             first_loss=1.0 / (i + 1),
             mean_loss=0.5 / (i + 1),
-            step_sizes=[0.1, 0.1 / 3],
+            step_sizes=STEP_SIZES.get(i, [0.1 * (i + 1), 0.1 / (3 + i)]),
             forwards=4,
             backwards=2,
         )
@@ -61,6 +66,8 @@ def make_updates(dtype, specials=()):
             u.failed, u.failure = True, "non-finite training loss"
         elif kind == "buffers":
             u.buffers = torch.linspace(0, 1, 4, dtype=dtype)
+        elif kind == "no loss":  # every local step skipped: healthy, adds no loss
+            u.mean_loss = u.first_loss = NO_LOSS
         elif kind == "other dtype":
             u.delta = rows[i].to(torch.float64 if dtype == torch.float32 else torch.float32)
         updates.append(u)
@@ -101,6 +108,9 @@ def assert_same_admission(strategy, dtype, specials=(), **kwargs):
 def test_a_group_is_admitted_as_its_clients_one_by_one(dtype, strategy):
     t = assert_same_admission(strategy, dtype)
     assert len(t.healthy) == 10
+    t = assert_same_admission(strategy, dtype, {5: "no loss"})
+    assert float(t.stats["loss_clients"]) == 9 and float(t.stats["step_size_count"]) == 16
+    assert float(t.stats["step_size_max"]) == 0.1 * 9 and -float(t.stats["neg_step_size_min"]) == 0.1 / 11
     # the sums themselves, by hand in float64 (independent of both paths): Σ w_i, Σ ‖Δ_i‖² and Σ w_i Δ_i
     updates = make_updates(dtype)
     w = [float(u.num_samples) if strategy.weighting == "samples" else 1.0 for u in updates]
