@@ -14,6 +14,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from fedlightning._lightning_compat import attached_trainer
+
 __all__ = ["_FORWARDED_HOOKS", "_LogRouter", "_forward_to_model"]
 
 
@@ -36,11 +38,25 @@ class _LogRouter:
         self.captured: dict[str, list[Tensor]] = {}  # name -> values in logging order: scalars, or 1-d runs of them
         self.metrics: dict[str, Any] = {}  # name -> torchmetrics Metric logged in training_step
         self.metric_paths: dict[str, str] = {}  # name -> the metric's module path in the working copy
-        self.module: torch.nn.Module | None = None  # the working copy (capture mode)
+        #: the module it is installed on: the working copy (capture mode), the global model (forward mode)
+        self.module: torch.nn.Module | None = None
+
+    def _not_the_loops(self, model: LightningModule | None) -> bool:
+        """Whether ``model`` (the module this forward-mode router is installed on) runs outside the loop: attached
+        to another Trainer (a plain ``Trainer.validate(model)`` after or beside federated training) or to none
+        while the loop has one; its calls then go to its own class's methods, as without the loop."""
+        if model is None:
+            return False
+        loop_trainer = attached_trainer(self.loop_ref)
+        return loop_trainer is None or attached_trainer(model) is not loop_trainer
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self.mode == "forward":
-            self.loop_ref.log(name, value, *args, **kwargs)
+            model = self.module
+            if self._not_the_loops(model):
+                type(model).log(model, name, value, *args, **kwargs)
+            else:
+                self.loop_ref.log(name, value, *args, **kwargs)
             return
         if _is_metric(value):
             if name not in self.metrics:
@@ -55,6 +71,9 @@ class _LogRouter:
             self.captured.setdefault(name, []).append(value if value.dim() == 0 else value.reshape(()))
 
     def log_dict(self, dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if self.mode == "forward" and self._not_the_loops(self.module):
+            type(self.module).log_dict(self.module, dictionary, *args, **kwargs)
+            return
         for k, v in dictionary.items():
             self.log(k, v, *args, **kwargs)
 

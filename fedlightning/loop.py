@@ -294,6 +294,7 @@ class FederatedLoop(pl.LightningModule):
         self.client_state = ClientStateStore()
         self.strategy: ServerStrategy | None = None
         self._eval_router = _LogRouter(self, "forward")
+        self._eval_router.module = model
         route_logging(self.model, self._eval_router.log, self._eval_router.log_dict)
         self._forward_batch_transfer_hooks()
         self.failed_clients_total = 0

@@ -395,6 +395,44 @@ def test_evaluation_hooks_match_plain_lightning_on_the_same_weights():
     assert fed_test["test_acc_epoch"] == ref_test["test_acc_epoch"]
 
 
+def test_the_wrapped_module_logs_as_its_own_under_a_plain_trainer_after_and_beside_the_loop():
+    """The module a FederatedLoop wraps is still the user's: evaluated by a plain Trainer (after federated
+    training, or wrapped but never fitted, or after a fit that raised) its self.log reaches that Trainer, with the
+    values of plain Lightning on a fresh copy of the same weights; the loop's own evaluations keep logging."""
+
+    def plain_validate(module, dm):
+        pt = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        return pt.validate(module, dataloaders=dm.val_dataloader(), verbose=False)[0]
+
+    torch.manual_seed(0)
+    dm = _dm()
+    model = UserNet()
+    wrapped_only = copy.deepcopy(model)
+    FederatedLoop(wrapped_only, local_steps=2, clients_per_round=3)  # constructed, never fitted
+    dm.setup("fit")
+    assert plain_validate(wrapped_only, dm) == plain_validate(copy.deepcopy(model), dm)
+
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3)
+    trainer = make_trainer(2, limit_val_batches=None)
+    trainer.fit(loop, datamodule=dm)
+    after = plain_validate(model, dm)
+    fresh = UserNet()
+    fresh.load_state_dict(model.state_dict())
+    assert after == plain_validate(fresh, dm) and set(after) == {"val_loss", "val_acc_epoch"}
+    assert trainer.validate(loop, datamodule=dm, verbose=False)[0] == after  # the loop's evaluation again
+
+    class Fails(UserNet):
+        def training_step(self, batch, batch_idx):
+            raise KeyError("a bug")
+
+    failing = Fails()
+    with pytest.raises(RuntimeError, match="KeyError"):
+        make_trainer(2).fit(FederatedLoop(failing, local_steps=2, clients_per_round=3), datamodule=_dm())
+    fresh = UserNet()
+    fresh.load_state_dict(failing.state_dict())
+    assert plain_validate(failing, dm) == plain_validate(fresh, dm)
+
+
 # ====================================================================== 3. the module's optimizer
 @pytest.mark.parametrize("form", ["optimizer", "list", "dict", "tuple_of_lists"])
 def test_configure_optimizers_forms_define_the_client_optimizer(form):
