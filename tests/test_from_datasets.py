@@ -170,6 +170,44 @@ def test_batches_are_the_clients_rows(kind, in_memory):
     assert torch.equal(xt, XT) and torch.equal(yt, YT)
 
 
+def test_hugging_face_float64_columns_are_float32_by_its_torch_format_said_once_and_kept_by_a_transform(caplog):
+    """A Hugging Face data set without a format is read with its torch format, which serves floats as float32: the
+    float64 column is named in one info line. A transform of the user's own is read as it is: float64 kept."""
+    import logging
+
+    x = [1.0 + 1e-12 * i for i in range(N)]  # distinct in float64, one value in float32
+    ds = datasets.Dataset.from_dict(
+        {"x": x, "nested": [{"v": [v]} for v in x], "z": [float(i) for i in range(N)], "label": Y.tolist()},
+        features=datasets.Features(
+            {
+                "x": datasets.Value("float64"),
+                "nested": {"v": datasets.Sequence(datasets.Value("float64"))},
+                "z": datasets.Value("float32"),
+                "label": datasets.Value("int64"),
+            }
+        ),
+    )
+    iid = dict(num_clients=1, batch_size=N, partition=IID(), seed=0, val_fraction=0)
+    with caplog.at_level(logging.INFO):
+        dm = FederatedDataModule.from_datasets(ds, **iid)
+        dm.setup("fit")
+    said = [r.getMessage() for r in caplog.records if "float64 column" in r.getMessage()]
+    assert len(said) == 1 and "'x', 'nested'" in said[0] and "'z'" not in said[0] and "with_transform" in said[0]
+    batch = next(iter(dm.client_dataloader(0, round=0, seed=0)))
+    assert batch["x"].dtype == torch.float32 and len(set(batch["x"].tolist())) == 1
+
+    def float64_tensors(b):
+        return {"x": torch.tensor(b["x"], dtype=torch.float64), "label": torch.tensor(b["label"])}
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        dm = FederatedDataModule.from_datasets(ds.with_transform(float64_tensors), **iid)
+        dm.setup("fit")
+    assert not [r for r in caplog.records if "float64 column" in r.getMessage()]
+    batch = next(iter(dm.client_dataloader(0, round=0, seed=0)))
+    assert batch["x"].dtype == torch.float64 and sorted(batch["x"].tolist()) == x
+
+
 def _fit(dm):
     torch.manual_seed(0)
     loop = FederatedLoop(

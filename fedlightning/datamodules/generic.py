@@ -22,6 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import BatchSampler, Dataset, IterableDataset, RandomSampler, SequentialSampler, TensorDataset
@@ -71,6 +72,38 @@ def _torch_formatted(dataset: Any) -> Any:
     if fmt["type"] is not None:
         return dataset
     return dataset.with_format("torch", columns=fmt["columns"], output_all_columns=fmt["output_all_columns"])
+
+
+def _float64_columns(features: Any, columns: list[str] | None) -> list[str]:
+    """The columns of a Hugging Face ``features`` mapping (those in ``columns`` when given) that hold float64 values,
+    also inside lists, dicts and arrays."""
+
+    def holds(feature: Any) -> bool:
+        if isinstance(feature, dict):
+            return any(holds(f) for f in feature.values())
+        if isinstance(feature, (list, tuple)):
+            return any(holds(f) for f in feature)
+        inner = getattr(feature, "feature", None)
+        if inner is not None:
+            return holds(inner)
+        return getattr(feature, "dtype", None) in ("float64", "double")
+
+    return [k for k, f in (features or {}).items() if (columns is None or k in columns) and holds(f)]
+
+
+def _say_float64_columns(dataset: Any, name: str) -> None:
+    """One info line when the ``with_format("torch")`` that :func:`_torch_formatted` applied serves float64 columns:
+    Hugging Face's torch format casts floating values to float32 (so does its numpy format for lists). Decision
+    (ours): keep that convention, which a float32 model needs for data stored as float64 (``from_pandas``,
+    ``from_dict`` of NumPy arrays), and say so, with the way to keep float64."""
+    columns = _float64_columns(getattr(dataset, "features", None), dataset.format.get("columns"))
+    if columns:
+        rank_zero_info(
+            f"{name}: Hugging Face's torch format serves the float64 column(s) {', '.join(map(repr, columns))} as "
+            "float32 tensors; to keep float64, give the data set a transform that builds the tensors "
+            '(e.g. dataset.with_transform(lambda b: {"x": torch.tensor(b["x"], dtype=torch.float64), ...})), which '
+            "is read as it is"
+        )
 
 
 def _hf_label_column(dataset: Any, reader: _Reader) -> bool:
@@ -422,7 +455,10 @@ class DatasetDataModule(FederatedDataModule):
                 f"datasets.Dataset.from_generator"
             )
         if _is_hf(dataset):
-            dataset = _torch_formatted(dataset)
+            formatted = _torch_formatted(dataset)
+            if formatted is not dataset:
+                _say_float64_columns(formatted, name)
+            dataset = formatted
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ValueError(
                 f"{name} must be a map-style data set (a torch Dataset with __len__ and __getitem__, or a Hugging "
