@@ -142,12 +142,15 @@ def _counting(monkeypatch, name):
 )
 def test_the_padded_path_is_chosen_once_per_engine(monkeypatch, model_fn, probe, path):
     """The path is chosen on the engine's first padded step and kept; loss interception's check runs again on each
-    round's first padded step (``rows.recheck_padded_rows``), the protocol's choice once."""
+    later round's first padded step, on the step's own result (``rows.recheck_intercepted_rows``), the protocol's
+    choice once."""
     calls = _counting(monkeypatch, probe)
+    rechecks = _counting(monkeypatch, "_recheck_interception")
     run = fit(model_fn(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
     call = run[1].vectorized_engine.call
     assert isinstance(call.padded_rows, path)
-    assert len(calls) == (ROUNDS if path is _InterceptedRows else 1)
+    assert len(calls) == 1
+    assert len(rechecks) == (ROUNDS - 1 if path is _InterceptedRows else 0)
 
 
 class LateAccuracy(UserMLP):

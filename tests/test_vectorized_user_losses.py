@@ -593,6 +593,31 @@ def test_a_loss_that_starts_mixing_samples_in_a_later_round_is_caught_there(monk
     torch.testing.assert_close(auto[0], seq[0], rtol=RTOL64, atol=0)
 
 
+def test_a_step_whose_recheck_fails_is_computed_again_on_the_per_sample_path(monkeypatch):
+    """The round's recheck of loss interception runs on the step's own result: when it fails (here: an interception
+    that returns twice its values from round 1 on), the step is computed again on the per-sample path, and none of
+    the refused values enter training: the run equals sequential training (float64)."""
+    from fedlightning.vectorized import rows
+
+    said = []
+    monkeypatch.setattr(rows, "_info", said.append)
+    values = rows._InterceptedRows.values
+
+    def wrong_from_round_1(self, *args, **kwargs):
+        out = values(self, *args, **kwargs)
+        if self.call.model.global_step < 1:
+            return out
+        return (*out[:-2], out[-2] * 2, out[-1])
+
+    monkeypatch.setattr(rows._InterceptedRows, "values", wrong_from_round_1)
+    vec = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "vectorized", rounds=3)
+    assert len(said) == 2 and "by loss interception" in said[0], said
+    assert "once per sample" in said[1] and "of a later round" in said[1] and "the per-sample interception" in said[1]
+    assert isinstance(vec[1].vectorized_engine.call.padded_rows, rows._SampleRows)
+    seq = fit(UserMLP(), CLIENT_OPTIMIZERS["sgd"], "sequential", rounds=3)
+    torch.testing.assert_close(vec[0], seq[0], rtol=RTOL64, atol=0)
+
+
 def test_probe_cells_cover_the_distinct_targets_of_every_row():
     """The check's samples: every first occurrence of a target value across the rows (up to limit - 2), two samples
     that repeat a target, then the fullest row's first samples, up to the limit; real cells only. A per-sample

@@ -36,7 +36,9 @@ from .rows import (
     _WholeRows,
     choose_padded_rows,
     extract_loss,
+    may_recheck_after,
     per_sample_fallback,
+    recheck_intercepted_rows,
     recheck_padded_rows,
 )
 from .support import (
@@ -229,6 +231,25 @@ def _tolerance(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     if dtype == torch.float64:  # the same float64 sums in another order: rounding of ~1e-15 relative
         return 1e-9, 1e-12
     return 1e-4, 1e-6
+
+
+def _loss_mismatch(k: int, n_max: int, real: Tensor, padded: Tensor) -> str:
+    """The interception check's refusal of a loss that differs on a client's ``k`` real samples alone."""
+    return (
+        f"its loss on a client's {k} real samples is {float(real):.6g} but the per-sample interception "
+        f"on the padded batch of {n_max} gives {float(padded):.6g}: the loss is not a mean of per-sample "
+        "losses, or the forward pass mixes samples"
+    )
+
+
+def _logged_mismatch(name: str, k: int, n_max: int, mine: Tensor, theirs: Any) -> str:
+    """The interception check's refusal of a logged value that differs on a client's ``k`` real samples alone."""
+    shown = "nothing" if theirs is None else f"{float(theirs):.6g}"
+    return (
+        f"the value it logs as {name!r} is {float(mine):.6g} on the padded batch of {n_max} but "
+        f"{shown} on the client's {k} real samples: a value logged in training_step must be the loss "
+        "or not depend on the batch (a batch size, a sum over samples)"
+    )
 
 
 def _tf32(device: torch.device) -> bool:
@@ -446,17 +467,23 @@ class _ModelCall:
             return self.whole_rows.values(views, batch, None, step, cells, stats, effects, min_count)
         if min_count is None:
             min_count = int(mask.sum(1).min()) if self.norms else 2
+        recheck_after = False  # the padded path's check, on this step's own result (recheck_intercepted_rows)
         if self.padded_rows is None:
             self.padded_rows = choose_padded_rows(self, views, batch, mask, step, stats, self._may_intercept)
             self.recheck_padded = False
         elif self.recheck_padded and clients is None:  # a round's first padded gradient evaluation
             self.recheck_padded = False
-            recheck_padded_rows(self, views, batch, mask, step, stats)
+            recheck_after = may_recheck_after(self, views[0].device)
+            if not recheck_after:
+                recheck_padded_rows(self, views, batch, mask, step, stats)
         try:
-            return self.padded_rows.values(views, batch, mask, step, cells, stats, effects, min_count)
+            out = self.padded_rows.values(views, batch, mask, step, cells, stats, effects, min_count)
         except InterceptionFailed as failed:  # loss interception cannot run this call: the per-sample path, for good
             self.padded_rows = per_sample_fallback(self, failed.reason)
             return self.padded_rows.values(views, batch, mask, step, cells, stats, effects, min_count)
+        if recheck_after and not recheck_intercepted_rows(self, out, views, batch, mask, step, stats):
+            out = self.padded_rows.values(views, batch, mask, step, cells, stats, effects, min_count)
+        return out
 
     def _keep_effects(
         self,
@@ -502,62 +529,104 @@ class _ModelCall:
         if not self.deterministic:
             return None
         leaves, spec = tree_flatten(batch)
-        counts = mask.sum(1).tolist()
+        r, k = self._interception_row(mask)
         n_max = mask.shape[1]
-        # the most padded row of at least two samples (BatchNorm fails a batch of one value per channel) whose
-        # padding is not whole copies of its batch (such copies keep batch means, which would hide a forward pass
-        # that mixes samples), else the most padded row
-        r = min(range(len(counts)), key=lambda i: (counts[i] < 2, n_max % counts[i] == 0, counts[i]))
-        k = int(counts[r])
         row = [v[r].detach() for v in views]
         row_stats = [s[r] for s in stats]
         model_name = type(self.model).__name__
-        full_precision = _full_precision(row[0].device)
         self.metric_calls.begin(False)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision, self._weights_in_slots(row):
-            row_mask = mask[r].to(self.dtype)
-            interception = LossInterception(n_max, row_mask, row_mask.sum())
-            self.norms.begin(row_stats, row_mask, row_mask.sum(), k)
-            self.collector.reset()
-            with interception:
-                padded = extract_loss(
-                    self.model.training_step(tree_unflatten([x[r] for x in leaves], spec), step), model_name
-                )
-            if interception.cells_of(padded) is None:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), _full_precision(row[0].device):
+            with self._weights_in_slots(row):
+                row_mask = mask[r].to(self.dtype)
+                interception = LossInterception(n_max, row_mask, row_mask.sum())
+                self.norms.begin(row_stats, row_mask, row_mask.sum(), k)
                 self.collector.reset()
-                self.norms.end()
-                return _unrecognised("the loss training_step returns", interception)
-            # values logged as constants (not the loss's cells): the same on the client's real samples?
-            constants = {
-                n: v for n, v in zip(self.collector.names, self.collector.values) if interception.cells_of(v) is None
-            }
-            self.collector.reset()
-            self.norms.begin(row_stats, None, None, k)
-            real = extract_loss(
-                self.model.training_step(tree_unflatten([x[r, :k] for x in leaves], spec), step), model_name
-            )
-            real_logged = dict(zip(self.collector.names, self.collector.values))
-            self.norms.end()
-        self.collector.reset()
+                try:
+                    with interception:
+                        padded = extract_loss(
+                            self.model.training_step(tree_unflatten([x[r] for x in leaves], spec), step), model_name
+                        )
+                finally:
+                    self.norms.end()
+                if interception.cells_of(padded) is None:
+                    self.collector.reset()
+                    return _unrecognised("the loss training_step returns", interception)
+                # values logged as constants (not the loss's cells): the same on the client's real samples?
+                constants = {
+                    n: v
+                    for n, v in zip(self.collector.names, self.collector.values)
+                    if interception.cells_of(v) is None
+                }
+            real, real_logged = self._real_row(views, batch, r, k, step, stats)
         rtol, atol = _tolerance(self.dtype, row[0].device)
         if not torch.allclose(padded.double(), real.double(), rtol=rtol, atol=atol, equal_nan=True):
-            return (
-                f"its loss on a client's {k} real samples is {float(real):.6g} but the per-sample interception "
-                f"on the padded batch of {n_max} gives {float(padded):.6g}: the loss is not a mean of per-sample "
-                "losses, or the forward pass mixes samples"
-            )
+            return _loss_mismatch(k, n_max, real, padded)
         for name, value in constants.items():
             mine, theirs = torch.as_tensor(value).double(), real_logged.get(name)
             if theirs is None or not torch.allclose(
                 mine, torch.as_tensor(theirs).double(), rtol=rtol, atol=atol, equal_nan=True
             ):
-                shown = "nothing" if theirs is None else f"{float(theirs):.6g}"
-                return (
-                    f"the value it logs as {name!r} is {float(mine):.6g} on the padded batch of {n_max} but "
-                    f"{shown} on the client's {k} real samples: a value logged in training_step must be the loss "
-                    "or not depend on the batch (a batch size, a sum over samples)"
-                )
+                return _logged_mismatch(name, k, n_max, mine, theirs)
         return None
+
+    def _interception_row(self, mask: Tensor) -> tuple[int, int]:
+        """``(r, k)``: the row the interception checks compare and its number of real samples: the most padded row of
+        at least two samples (BatchNorm fails a batch of one value per channel) whose padding is not whole copies of
+        its batch (such copies keep batch means, which would hide a forward pass that mixes samples), else the most
+        padded row."""
+        counts = mask.sum(1).tolist()
+        n_max = mask.shape[1]
+        r = min(range(len(counts)), key=lambda i: (counts[i] < 2, n_max % counts[i] == 0, counts[i]))
+        return r, int(counts[r])
+
+    def _recheck_interception(
+        self, result: tuple, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor]
+    ) -> str | None:
+        """:meth:`_check_interception` on a padded step that loss interception has just computed (``result``: what
+        :meth:`~fedlightning.vectorized.rows._InterceptedRows.values` returned): the step's own intercepted loss of
+        the check's row (the sum of its real cells over their count) and its logged values take the place of a
+        second call on the padded row, so the check costs one ``training_step`` call (the row's real samples alone,
+        without gradients). Logged values, which the engine reports in float32, are compared at float32's
+        tolerance. Run only where :meth:`_check_interception` would run in the same precision (no autocast) on a
+        model without random layers."""
+        sums, logged = result[-2], result[-1]
+        r, k = self._interception_row(mask)
+        padded = sums[r].detach().double() / k
+        real, real_logged = self._real_row(views, batch, r, k, step, stats)
+        device = views[0].device
+        rtol, atol = _tolerance(self.dtype, device)
+        if not torch.allclose(padded, real.double(), rtol=rtol, atol=atol, equal_nan=True):
+            return _loss_mismatch(k, mask.shape[1], real, padded)
+        rtol, atol = _tolerance(torch.float32, device)
+        for name, value in logged:
+            mine, theirs = value[r].double() / k, real_logged.get(name)
+            if theirs is None or not torch.allclose(
+                mine, torch.as_tensor(theirs).double(), rtol=rtol, atol=atol, equal_nan=True
+            ):
+                return _logged_mismatch(name, k, mask.shape[1], mine, theirs)
+        return None
+
+    def _real_row(
+        self, views: list[Tensor], batch: Any, r: int, k: int, step: int, stats: list[Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``training_step``'s loss and logged values on row ``r``'s ``k`` real samples alone, at the row's weights
+        and running statistics, without gradients, in full precision, the random state kept."""
+        leaves, spec = tree_flatten(batch)
+        row = [v[r].detach() for v in views]
+        self.metric_calls.begin(False)
+        self.collector.reset()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), _full_precision(row[0].device):
+            with self._weights_in_slots(row):
+                self.norms.begin([s[r] for s in stats], None, None, k)
+                try:
+                    real = extract_loss(
+                        self.model.training_step(tree_unflatten([x[r, :k] for x in leaves], spec), step),
+                        type(self.model).__name__,
+                    )
+                    return real, dict(zip(self.collector.names, self.collector.values))
+                finally:
+                    self.norms.end()
+                    self.collector.reset()
 
     def _check_sample_mean(
         self, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor]

@@ -41,6 +41,8 @@ from .torch_internals import _is_batched, _rng_state, _set_rng_state, _vmap0, tr
 __all__ = [
     "InterceptionFailed",
     "choose_padded_rows",
+    "may_recheck_after",
+    "recheck_intercepted_rows",
     "recheck_padded_rows",
     "extract_loss",
     "per_sample_fallback",
@@ -558,12 +560,50 @@ def _interception_refusal(
         return f"{type(err).__name__}: {err}"
 
 
+def may_recheck_after(call: Any, device: torch.device) -> bool:
+    """Whether this round's check of the padded path (:func:`recheck_padded_rows`) can run on the step's own result
+    (:func:`recheck_intercepted_rows`): loss interception on a model without random layers (whose check runs), outside
+    autocast (where the step computes in the precision the check computes in)."""
+    return (
+        isinstance(call.padded_rows, _InterceptedRows)
+        and call.deterministic
+        and not torch.is_autocast_enabled(device.type)
+    )
+
+
+def recheck_intercepted_rows(
+    call: Any, result: tuple, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor]
+) -> bool:
+    """:func:`recheck_padded_rows` for loss interception, after the step (``result``: its values;
+    :meth:`~fedlightning.vectorized.call._ModelCall._recheck_interception`). True: the path stands and ``result`` is
+    the step's; False: interception no longer matches and the per-sample path replaces it (as
+    :func:`recheck_padded_rows` does), and the caller computes the step again on it. Decision (ours): the check
+    compares the step's own intercepted loss with one ``training_step`` call on a client's real samples, where a
+    check before the step costs two calls; a step whose check fails is computed again, so no step of a loss that no
+    longer matches enters training."""
+    try:
+        with call._vmap_context():
+            reason = call._recheck_interception(result, views, batch, mask, step, stats)
+    except VectorizationUnsupportedError:
+        call.collector.reset()
+        raise
+    except Exception as err:  # noqa: BLE001 - the check failed to run: interception does not apply
+        call.collector.reset()
+        reason = f"{type(err).__name__}: {err}"
+    if reason is None:
+        return True
+    call.padded_rows = per_sample_fallback(call, f"at local step {step} of a later round: {reason}")
+    return False
+
+
 def recheck_padded_rows(call: Any, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor]):
     """The check of the padded path chosen in an earlier round (:func:`choose_padded_rows`), again on this round's
     first padded step. Decision (ours): a loss can pass on the step the path was chosen at and mix samples later (a
     batch-level term whose learnable gate starts at 0); rechecking once per round costs two or nine small
-    ``training_step`` calls. Loss interception that no longer matches falls back to the per-sample path, whose
-    first call checks that the loss is a mean over samples; that check and the protocol's raise
+    ``training_step`` calls (one for loss interception checked on the step's own result,
+    :func:`recheck_intercepted_rows`, which the caller runs instead where :func:`may_recheck_after`). Loss
+    interception that no longer matches falls back to the per-sample path, whose first call checks that the loss is
+    a mean over samples; that check and the protocol's raise
     :class:`VectorizationUnsupportedError` when it fails (``"auto"`` trains the rest of the run sequentially)."""
     path = call.padded_rows
     if isinstance(path, _InterceptedRows):
