@@ -34,6 +34,7 @@ __all__ = [
     "publish_step_metrics",
     "should_write_step_logs",
     "strategy_optimizers",
+    "unsynced_metrics",
 ]
 
 
@@ -182,6 +183,31 @@ def metric_state(metric: Any) -> dict[str, Any]:
     state["_update_count"] = metric._update_count
     state["_computed"] = metric._computed
     return state
+
+
+@contextmanager
+def unsynced_metrics(module: Any) -> Iterator[None]:
+    """Inside the block, every torchmetrics ``Metric`` of ``module`` computes from this process's states alone: its
+    ``sync_on_compute`` and torchmetrics' pending-sync flag (``_to_sync``, which ``forward`` resets from
+    ``sync_on_compute``) are off; both as before afterwards, also on an exception. For an evaluation that every
+    process runs over the same samples, where a sync would count each sample once per process."""
+    metrics = [m for m in module.modules() if _metric_types() and isinstance(m, _metric_types())]
+    saved = [(m, m.sync_on_compute, m._to_sync) for m in metrics]
+    for m in metrics:
+        m.sync_on_compute = m._to_sync = False
+    try:
+        yield
+    finally:
+        for m, on_compute, to_sync in saved:
+            m.sync_on_compute, m._to_sync = on_compute, to_sync
+
+
+def _metric_types() -> tuple[type, ...]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return ()
+    return (Metric,)
 
 
 def metric_reductions(metric: Any) -> dict[str, Any]:

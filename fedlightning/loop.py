@@ -16,6 +16,7 @@ phases (the parts they use: :mod:`fedlightning._round`)::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
@@ -42,6 +43,7 @@ from fedlightning._lightning_compat import (
     detached_trainer,
     evaluation_batch,
     strategy_optimizers,
+    unsynced_metrics,
 )
 from fedlightning._logging_route import route_logging, routed_logging
 from fedlightning._reference import reference_mode
@@ -75,7 +77,7 @@ from fedlightning.callbacks.feddane import client_full_batches, client_full_grad
 from fedlightning.callbacks.progress import round_bar_for
 from fedlightning.checkpoint import CheckpointError, check_fits_model, global_model_state
 from fedlightning.client import LocalTrainer
-from fedlightning.datamodules.base import FederatedDataModule
+from fedlightning.datamodules.base import FederatedDataModule, WholeSplitSampler
 from fedlightning.distributed import named_collective
 from fedlightning.execution import CLIENT_EXECUTION_MODES, make_executor
 from fedlightning.optim import scale_client_step
@@ -132,6 +134,9 @@ class _Runtime:
     full_gradient_engine: Any | None = None
     #: why :meth:`FederatedLoop.client_full_gradients` computes client by client for this run (None: it need not)
     full_gradient_fallback: str | None = None
+    #: the global model's torchmetrics metrics computing without a sync, during a whole-split evaluation with
+    #: several processes (:meth:`FederatedLoop._begin_evaluation`)
+    evaluation: contextlib.ExitStack | None = None
 
 
 class FederatedLoop(pl.LightningModule):
@@ -1110,6 +1115,47 @@ class FederatedLoop(pl.LightningModule):
         self.model.on_train_end()
         self._policy.check_run(int(self.global_step))
 
+    # ============================================================= evaluation of the global model
+    def on_validation_start(self) -> None:
+        self._begin_evaluation("val_dataloaders")
+        self.model.on_validation_start()
+
+    def on_validation_end(self) -> None:
+        try:
+            self.model.on_validation_end()
+        finally:
+            self._end_evaluation()
+
+    def on_test_start(self) -> None:
+        self._begin_evaluation("test_dataloaders")
+        self.model.on_test_start()
+
+    def on_test_end(self) -> None:
+        try:
+            self.model.on_test_end()
+        finally:
+            self._end_evaluation()
+
+    def _begin_evaluation(self, loaders: str) -> None:
+        """With several processes that each evaluate the whole split (the data modules' evaluation loaders,
+        :class:`~fedlightning.datamodules.base.WholeSplitSampler`), the global model's torchmetrics metrics compute
+        from this process's states until :meth:`_end_evaluation` (``_lightning_compat.unsynced_metrics``): a sync
+        over the processes would count every sample once per process (a ``SumMetric``, a confusion matrix; ratios
+        such as accuracy would not change). Evaluation loaders that Lightning splits over the processes (a user's own
+        ``val_dataloader``, given a ``DistributedSampler``) keep torchmetrics' sync."""
+        self._end_evaluation()
+        trainer = attached_trainer(self)
+        if trainer is None or trainer.world_size <= 1 or not _whole_split(getattr(trainer, loaders, None)):
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(unsynced_metrics(self.model))
+        self._runtime.evaluation = stack
+
+    def _end_evaluation(self) -> None:
+        stack, self._runtime.evaluation = self._runtime.evaluation, None
+        if stack is not None:
+            stack.close()
+
     # ================================================================== checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         mo = self._runtime.module_optimizer
@@ -1196,6 +1242,16 @@ class FederatedLoop(pl.LightningModule):
             rank_zero_info(
                 f"client_execution='auto': training clients {run.choice} as measured before the resume ({run.reason})"
             )
+
+
+def _whole_split(loaders: Any) -> bool:
+    """Whether every evaluation DataLoader in ``loaders`` (one, a list, a dict, or None) reads its whole split in
+    every process (its sampler a :class:`~fedlightning.datamodules.base.WholeSplitSampler`)."""
+    if loaders is None:
+        return False
+    items = list(loaders.values()) if isinstance(loaders, dict) else loaders
+    items = list(items) if isinstance(items, (list, tuple)) else [items]
+    return bool(items) and all(isinstance(getattr(dl, "sampler", None), WholeSplitSampler) for dl in items)
 
 
 def _defines_hook(callback: Any, name: str) -> bool:

@@ -72,6 +72,12 @@ def test_two_processes_equal_one(one_and_two, setup):
             assert a.keys() == b.keys()
             for key in a:
                 assert a[key] == pytest.approx(b[key], rel=1e-12), (stage, key)
+    if setup == "usermodule":  # a torchmetrics sum in validation_step / test_step: each sample counted once
+        for stage in ("validate", "test"):
+            (a,), (b,) = two["evaluated"][stage], one["evaluated"][stage]
+            key = "val" if stage == "validate" else "test"
+            assert a[f"{key}/seen"] == b[f"{key}/seen"] == one["split_sizes"][stage]
+            assert a[f"{key}/loss"] == pytest.approx(b[f"{key}/loss"], rel=1e-12)
     if setup == "usermodule":  # a torchmetrics metric of training_step: reduced over both processes' clients
         assert len(one["round_metrics"]) == 3 and all("client/train_acc" in r for r in one["round_metrics"])
         for a, b in zip(two["round_metrics"], one["round_metrics"]):

@@ -224,6 +224,36 @@ def test_metric_state_round_trips_and_reductions_are_the_state_reductions():
     assert set(compat.metric_reductions(metric)) == {k for k in saved if not k.startswith("_")}
 
 
+def test_unsynced_metrics_compute_from_this_process_alone_inside_the_block_and_sync_again_after():
+    """torchmetrics' sync, made observable: a metric that believes it runs on two processes whose states are this
+    one's (the gather returns two copies). Inside the block compute() and forward() use this process's state alone;
+    outside (before, after, and after an exception inside) the state is summed over the two copies again."""
+
+    def two_copies(tensor, group=None):
+        return [tensor, tensor.clone()]
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n = torchmetrics.SumMetric(distributed_available_fn=lambda: True, dist_sync_fn=two_copies)
+
+    holder = Holder()
+    holder.n.update(torch.tensor(3.0))
+    assert float(holder.n.compute()) == 6.0  # synced: each sample counted once per process
+    holder.n._computed = None
+    with compat.unsynced_metrics(holder):
+        assert float(holder.n.compute()) == 3.0
+        holder.n._computed = None
+        holder.n(torch.tensor(2.0))  # forward resets torchmetrics' pending-sync flag from sync_on_compute
+        assert float(holder.n.compute()) == 5.0
+    holder.n._computed = None
+    assert holder.n.sync_on_compute is True and float(holder.n.compute()) == 10.0
+    holder.n._computed = None
+    with pytest.raises(KeyError), compat.unsynced_metrics(holder):
+        raise KeyError("inside")
+    assert float(holder.n.compute()) == 10.0
+
+
 def test_no_other_module_touches_the_private_attributes():
     pattern = re.compile(
         r"\._(trainer|optimizers|leave|batches_that_stepped|logger_connector|current_fx_name|"

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
-from fedlightning._lightning_compat import attached_trainer, evaluation_batch, metric_state
+from fedlightning._lightning_compat import attached_trainer, evaluation_batch, metric_state, unsynced_metrics
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._reference import reference_mode
 from fedlightning._validation import flag, integer, one_of
@@ -251,12 +251,13 @@ def _precision_plugin(model: Any) -> Any:
 
 @contextlib.contextmanager
 def _evaluating(model: torch.nn.Module) -> Iterator[None]:
-    """``model`` in ``eval()`` mode without gradients; its mode and its torchmetrics states are as before on exit."""
+    """``model`` in ``eval()`` mode without gradients, its torchmetrics metrics computing from this process's states
+    alone (every process evaluates the same clients); its mode and its torchmetrics states are as before on exit."""
     was_training = model.training
     saved = [(m, metric_state(m)) for m in _metrics_of(model)]
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), unsynced_metrics(model):
             yield
     finally:
         model.train(was_training)
@@ -353,9 +354,9 @@ class ClientEvaluation(FederatedCallback):
       ``trainer.callback_metrics``, as
       :class:`~fedlightning.callbacks.GlobalEvaluation` does (not through ``LightningModule.log``, which would
       repeat stale values at every later step). With several processes every process evaluates the same clients
-      (identical values, no communication); a torchmetrics metric's ``compute()`` then synchronises its state over
-      the processes (torchmetrics' rule), which sums identical copies: ratios such as accuracy are unchanged, sums
-      scale with the number of processes. W&B objects are logged from global rank 0.
+      (identical values, no communication): a torchmetrics metric computes from its own process's states, as on
+      one process (its synchronisation over processes, which would count every sample once per process, is off
+      during the evaluation). W&B objects are logged from global rank 0.
     """
 
     def __init__(

@@ -35,6 +35,7 @@ class UserModule(pl.LightningModule):
 
         self.net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
         self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+        self.seen = torchmetrics.SumMetric()  # validation and test samples
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -45,6 +46,19 @@ class UserModule(pl.LightningModule):
         self.log("my_loss", loss)  # a plain value: its round mean is over both processes' clients
         self.log("my_count", float(len(y)))
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        """A count and a torchmetrics sum: every process evaluates the whole split, each sample counted once."""
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch, stage):
+        x, y = batch
+        self.seen.update(torch.tensor(float(len(y)), device=self.device))
+        self.log(f"{stage}/seen", self.seen, on_epoch=True)  # a Metric object: Lightning calls compute()
+        self.log(f"{stage}/loss", torch.nn.functional.cross_entropy(self.net(x), y))
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.2)
@@ -183,7 +197,7 @@ def fit(args, setup: str):
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
     evaluated = {}
-    if setup == "fedavg":  # the global model's validation and test, in batches of 70 (an odd number of batches)
+    if setup in ("fedavg", "usermodule"):  # the global model's validation and test, in batches of 70 (an odd number)
         dm.eval_batch_size = 70
         evaluator = _trainer(args)
         evaluated = {
@@ -195,6 +209,7 @@ def fit(args, setup: str):
     store = loop.client_state.state_dict()
     return {
         "evaluated": evaluated,
+        "split_sizes": {"validate": len(dm.val_indices), "test": len(dm.test_dataset)},
         "weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
         "store_clients": {ns: sorted(d) for ns, d in store.items()},
         "steps": trainer.global_step,
