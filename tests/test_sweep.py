@@ -321,6 +321,45 @@ def test_random_and_bayes_draw_within_the_ranges_and_are_seeded(method, tmp_path
     assert len({r["n"] for r in rows}) > 1 and len({r["c"] for r in rows}) > 1
 
 
+@pytest.mark.parametrize("method", ["random", "bayes", "grid"])
+def test_an_interrupted_and_resumed_sweep_draws_what_an_uninterrupted_one_draws(method, tmp_path, monkeypatch):
+    """SIGTERM during the first run, then the same command again: the retry, then the later runs, with the values
+    (and run names) of one uninterrupted invocation. The samplers are seeded by the run number, which the
+    interrupted attempt and its retry do not advance."""
+    space = {"x": {"values": [0.1, 0.2, 0.3, 0.4]}, "y": {"value": 1}} if method == "grid" else RANGES
+    path = _fake_sweep(tmp_path, space, method=method)
+    runs = 3
+    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+    assert main([path, "--out", whole, "--runs", str(runs)]) == 0
+    marker = tmp_path / "term_once"
+    marker.write_text("")
+    monkeypatch.setenv("FAKE_TERM_ONCE", str(marker))
+    with pytest.raises(KeyboardInterrupt):
+        main([path, "--out", resumed, "--runs", str(runs)])
+    assert main([path, "--out", resumed, "--runs", str(runs)]) == 0
+    assert [r["run"] for r in sorted(_table(resumed), key=lambda r: r["run"])] == [
+        r["run"] for r in sorted(_table(whole), key=lambda r: r["run"])
+    ]
+    if method != "grid":
+        assert _params(resumed) == _params(whole)
+
+
+def test_grid_cells_are_in_optunas_grid_sampler_order(tmp_path):
+    """Run n of a grid sweep takes cell n of Optuna's GridSampler order (its seeded shuffle), as the sweep did when
+    the sampler chose the cells itself."""
+    import optuna
+
+    from fedlightning.sweep.space import grid_cells
+
+    spec = {"b": {"values": [1, 2, 3]}, "a": {"values": ["x", "y"]}, "k": {"value": 3}}
+    space = LocalSweep(load_sweep(_fake_sweep(tmp_path, spec)), str(tmp_path / "out")).space
+    for seed in (0, 7):
+        grid = {k: p.grid() for k, p in space.items() if p.kind != "constant"}
+        sampler = optuna.samplers.GridSampler(grid, seed=seed)
+        expected = [dict(zip(sorted(grid), cell)) for cell in sampler._all_grids]
+        assert grid_cells(space, seed) == expected and len(expected) == 6
+
+
 def test_bayes_is_tpe_after_its_random_start(tmp_path):
     """TPE's first 10 draws are its random start-up (the same seeds as the random method); later draws use the
     results, so they differ from random's."""

@@ -27,7 +27,7 @@ from fedlightning.sweep.results import (
     run_slug,
     short_names,
 )
-from fedlightning.sweep.space import make_sampler, search_space
+from fedlightning.sweep.space import grid_cells, make_sampler, search_space
 
 __all__ = ["LocalSweep", "main", "DEFAULT_SEED", "JOURNAL", "LOCK", "RESULTS_CSV", "RESULTS_MD", "LOCAL_LOGGER"]
 
@@ -292,7 +292,7 @@ class LocalSweep:
             if self._done >= total:
                 log(f"{self.study_name}: {self._done} run(s) recorded, target {total}: nothing to run")
             while self._done < total:
-                study.sampler = make_sampler(self.method, self.space, self.seed, len(study.get_trials(deepcopy=False)))
+                self._prepare_next(study)
                 study.optimize(lambda t: self._execute(t, log, total), n_trials=1, catch=(RunFailed,))
                 self._done = self._count(study)
             results = self.results(study)
@@ -330,10 +330,23 @@ class LocalSweep:
             raise DryRun
 
         while done < total:
-            study.sampler = make_sampler(self.method, self.space, self.seed, len(study.get_trials(deepcopy=False)))
+            self._prepare_next(study)
             study.optimize(show, n_trials=1, catch=(DryRun,))
             done += 1
         return planned
+
+    def _prepare_next(self, study) -> None:
+        """The sampler of the next run, seeded by its number (:func:`_next_run_number`); for a grid, the run's cell
+        (:func:`~fedlightning.sweep.space.grid_cells`) queued unless a retry is waiting to run first."""
+        from optuna.trial import TrialState
+
+        number = _next_run_number(study)
+        study.sampler = make_sampler(self.method, self.space, self.seed, number)
+        if self.method != "grid" or any(t.state == TrialState.WAITING for t in study.get_trials(deepcopy=False)):
+            return
+        cells = grid_cells(self.space, self.seed)
+        if number < len(cells):
+            study.enqueue_trial(cells[number])
 
     @staticmethod
     def _count(study) -> int:
@@ -458,6 +471,15 @@ class _sigterm_interrupts:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
         return False
+
+
+def _next_run_number(study) -> int:
+    """The run number of the next new trial of ``study`` (:func:`_run_number`): its trials less the retries of
+    interrupted runs, which run under the numbers of the runs they retry. The samplers of random and bayes sweeps
+    are seeded with it (:func:`~fedlightning.sweep.space.make_sampler`), so a sweep interrupted and resumed draws
+    what an uninterrupted one draws."""
+    trials = study.get_trials(deepcopy=False)
+    return len(trials) - sum(1 for t in trials if "retry_of" in t.system_attrs)
 
 
 def _run_number(trial, trials=None) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 from fedlightning.logging import validate_sweep
 
-__all__ = ["Param", "search_space", "make_sampler"]
+__all__ = ["Param", "grid_cells", "search_space", "make_sampler"]
 
 _SPEC_KEYS = {
     "value",
@@ -231,6 +231,21 @@ def search_space(sweep: Mapping[str, Any], name: str = "sweep") -> dict[str, Par
             )
         space[key] = _param(key, spec, name)
     return space
+
+
+def grid_cells(space: Mapping[str, Param], seed: int) -> list[dict[str, Any]]:
+    """The cells of a grid sweep (Optuna values by parameter name), in the order its runs take them: run ``n``
+    trains cell ``n``. The order is Optuna's ``GridSampler(grid, seed)``'s (the parameters by name, the product of
+    their grids, shuffled by ``numpy.random.RandomState(seed)``), given to each run by number, so that the retry of
+    an interrupted run, which takes a trial of its own, moves no later run to another cell."""
+    import itertools
+
+    import numpy as np
+
+    grid = {k: p.grid() for k, p in sorted(space.items()) if p.kind != "constant"}
+    cells = list(itertools.product(*grid.values()))
+    np.random.RandomState(seed).shuffle(cells)
+    return [dict(zip(grid, cell)) for cell in cells]
 
 
 def make_sampler(method: str, space: Mapping[str, Param], seed: int, number: int = 0):
