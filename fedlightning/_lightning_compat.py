@@ -33,6 +33,7 @@ __all__ = [
     "progress_bar_options",
     "publish_step_metrics",
     "should_write_step_logs",
+    "spawns_processes",
     "strategy_optimizers",
     "unsynced_metrics",
 ]
@@ -41,6 +42,15 @@ __all__ = [
 def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
     """The Trainer ``module`` is attached to, or None (``module.trainer`` raises when there is none)."""
     return module._trainer
+
+
+def spawns_processes(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer's strategy runs the fit in processes it starts from this one and hands back only the
+    results (Lightning's multiprocessing launcher: ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), not in this
+    process (``ddp``'s launcher starts the other processes as copies of the script; a single device runs here)."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    return isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher)
 
 
 def evaluation_batch(model: pl.LightningModule, batch: Any, device: torch.device) -> Any:

@@ -489,9 +489,11 @@ def reduce_statistics(stats: RoundStatistics, trainer: Any, round: int) -> None:
 
 
 def client_log_means(router: Any, trainer: Any, round: int) -> dict[str, float]:
-    """``client/<name>``: the mean of the values the round's clients logged in ``training_step`` (and its epoch
-    hooks), over the clients of every process: with several processes each sends its sums and counts, so the mean
-    is the one a single process computes, up to the order of the float64 sums (one process: the router's own mean)."""
+    """``client/<name>``: the mean of the values the round's clients logged in ``training_step``, over the clients
+    of every process: with several processes each sends its sums and counts, so the mean is the one a single process
+    computes, up to the order of the float64 sums (one process: the router's own mean). A value logged in the
+    working copy's ``on_train_epoch_start`` / ``_end`` (once per round on each process, over its own clients) is one
+    value per process, and the mean is over the processes."""
     if not _distributed(trainer):
         return router.pop_means()
     total: dict[str, tuple[float, int]] = {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ import numpy as np
 
 __all__ = [
     "SettingError",
+    "SettingTypeError",
     "WrongTypeError",
     "check_fit_settings",
     "check_learning_rates",
@@ -53,6 +55,15 @@ class SettingError(ValueError):
     """An impossible setting of a run. ``config_key`` is the setting's key in a ``train.py`` config
     (``trainer.max_steps``, ``model.seed``), which the CLI's one-line error starts with; the message itself names the
     setting as a Python user writes it, and the value."""
+
+    def __init__(self, config_key: str, message: str) -> None:
+        super().__init__(message)
+        self.config_key = config_key
+
+
+class SettingTypeError(TypeError):
+    """A setting of the wrong kind (a client optimizer another class than the callback needs); ``config_key`` as in
+    :class:`SettingError`."""
 
     def __init__(self, config_key: str, message: str) -> None:
         super().__init__(message)
@@ -235,11 +246,58 @@ def check_fit_settings(trainer: Any, loop: Any) -> None:
             integer("check_val_every_n_epoch", every, allow_none=True)
         except ValueError as err:
             raise SettingError("trainer.check_val_every_n_epoch", str(err)) from None
+    _check_validation_runs(trainer, max_steps, every)
     seed = getattr(loop, "seed", None)
     try:
         integer("seed", seed, 0)
     except ValueError as err:
         raise SettingError("model.seed", str(err)) from None
+
+
+def _check_validation_runs(trainer: Any, max_steps: Any, every: Any) -> None:
+    """Refuse validation settings under which a fit of ``max_steps`` rounds would never validate, or validate
+    something else (part of :func:`check_fit_settings`). Decisions (ours):
+
+    * ``trainer.overfit_batches``: Lightning trains and validates on its first training batches, which here are
+      rounds (a round plan reaches ``validation_step`` instead of a batch); a few clients are
+      ``data.init_args.num_clients`` and ``model.clients_per_round``.
+    * With ``max_steps`` set the run is one epoch of ``max_steps`` rounds (``FederatedDataModule.train_dataloader``):
+      ``check_val_every_n_epoch`` >= 2 would never validate, whatever the run's length, and the run would end as if
+      it had (a sweep on ``val/*`` finding no metric); an integer ``val_check_interval`` above ``max_steps`` with
+      epoch-based validation (``check_val_every_n_epoch`` set) is Lightning's error, given here in one line. With
+      ``check_val_every_n_epoch: null`` such an interval counts rounds over the whole run, so a run shortened below
+      it (a quick trial of a config) is allowed, with a warning that it will not validate. Checked when validation
+      is on (``limit_val_batches`` not 0)."""
+    overfit = getattr(trainer, "overfit_batches", 0)
+    if overfit:
+        raise SettingError(
+            "trainer.overfit_batches",
+            f"overfit_batches={overfit!r} trains and validates on Lightning's first training batches, which here are "
+            "rounds, not data; to train on a few clients set data.init_args.num_clients and model.clients_per_round, "
+            "and remove trainer.overfit_batches",
+        )
+    if getattr(trainer, "limit_val_batches", 1) == 0 or not (isinstance(max_steps, int) and max_steps >= 1):
+        return
+    if isinstance(every, int) and not isinstance(every, bool) and every >= 2:
+        raise SettingError(
+            "trainer.check_val_every_n_epoch",
+            f"with max_steps={max_steps} the run is one epoch of {max_steps} rounds, so check_val_every_n_epoch="
+            f"{every} would never validate; validate every N rounds with val_check_interval: N and "
+            "check_val_every_n_epoch: null",
+        )
+    interval = getattr(trainer, "val_check_interval", None)
+    if not (isinstance(interval, int) and not isinstance(interval, bool) and interval > max_steps):
+        return
+    said = (
+        f"val_check_interval={interval} rounds is more than the run's max_steps={max_steps} rounds, so no validation "
+        "would run"
+    )
+    if every is not None:
+        raise SettingError(
+            "trainer.val_check_interval",
+            f"{said}; set val_check_interval to at most max_steps (or limit_val_batches: 0 for no validation)",
+        )
+    warnings.warn(f"trainer.val_check_interval: {said} in this fit", UserWarning, stacklevel=2)
 
 
 def check_step_settings(trainer: Any) -> None:

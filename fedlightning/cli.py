@@ -50,7 +50,7 @@ from fedlightning.checkpoint import (
 )
 from fedlightning.datamodules.base import FederatedDataModule
 from fedlightning.logging import LogConfigCallback, default_wandb_offline, resolved_config
-from fedlightning.loop import FederatedLoop
+from fedlightning.loop import FederatedLoop, check_launcher
 
 __all__ = ["FederatedCLI", "main", "SIGTERM_EXIT_STATUS", "TRACEBACK_ENV"]
 
@@ -308,6 +308,7 @@ class FederatedCLI(LightningCLI):
 
     # ------------------------------------------------------------------ checkpoint resolution
     def before_fit(self) -> None:
+        check_launcher(self.trainer)  # before ddp_spawn starts its processes
         self._prepare_checkpoint("fit")
 
     def before_validate(self) -> None:

@@ -42,6 +42,7 @@ from fedlightning._lightning_compat import (
     attached_trainer,
     detached_trainer,
     evaluation_batch,
+    spawns_processes,
     strategy_optimizers,
     unsynced_metrics,
 )
@@ -57,6 +58,7 @@ from fedlightning._round import (
     share_round_state,
 )
 from fedlightning._validation import (
+    SettingError,
     check_fit_settings,
     check_learning_rates,
     check_step_settings,
@@ -92,7 +94,7 @@ from fedlightning.user_module import (
 )
 from fedlightning.vectorized import VectorizationUnsupportedError, VectorizedClientTrainer
 
-__all__ = ["FederatedLoop"]
+__all__ = ["FederatedLoop", "check_launcher"]
 
 # The FederatedLoop's optimizer step *is* the round: a checkpoint after it holds the new global model, as intended.
 warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
@@ -311,9 +313,10 @@ class FederatedLoop(pl.LightningModule):
         self._configure_model_now(trainer)
         strategies = [cb for cb in trainer.callbacks if isinstance(cb, ServerStrategy)]
         if len(strategies) > 1:
-            raise ValueError(
+            raise SettingError(
+                "trainer.callbacks",
                 "only one server strategy callback may be configured, got "
-                + ", ".join(type(s).__name__ for s in strategies)
+                + ", ".join(type(s).__name__ for s in strategies),
             )
         if not strategies:
             strategies = [FedAvg()]
@@ -330,6 +333,7 @@ class FederatedLoop(pl.LightningModule):
                 )
             check_optimization_hooks(self.model)  # optimizer_step & co.: not called by client training
             check_fit_settings(trainer, self)  # max_steps, val_check_interval, seed: refused before round 0
+            check_launcher(trainer)  # ddp_spawn & co.: refused
             self._log_every_round(trainer)
             dm = self._datamodule()
             dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed, local_epochs=self.local_epochs)
@@ -1242,6 +1246,22 @@ class FederatedLoop(pl.LightningModule):
             rank_zero_info(
                 f"client_execution='auto': training clients {run.choice} as measured before the resume ({run.reason})"
             )
+
+
+def check_launcher(trainer: pl.Trainer) -> None:
+    """Refuse a strategy that runs the fit in processes it launches from ``fit`` and hands back only the weights
+    (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``; :func:`~fedlightning._lightning_compat.spawns_processes`): the
+    process that called ``fit`` would keep the loop's round counter, client state and strategy state as they were
+    before round 0. Called by :meth:`FederatedLoop.setup` and, before the processes start, by ``train.py``."""
+    if spawns_processes(trainer):
+        raise SettingError(
+            "trainer.strategy",
+            f"{type(trainer.strategy).__name__} launched by fit in new processes (ddp_spawn, ddp_fork, "
+            "ddp_notebook) hands back only the weights: the round counter, the client state (SCAFFOLD's control "
+            "variates, ...) and the strategy's state would stay at their start in the process that called fit, so "
+            "a checkpoint or a test after fit would be wrong; use strategy=ddp (Lightning starts one process per "
+            "device from the script)",
+        )
 
 
 def _whole_split(loaders: Any) -> bool:

@@ -179,6 +179,54 @@ COMMAND_LINES = [
     ),
     # impossible settings refused before round 0 (the FederatedLoop's setup)
     ("no rounds", ["--trainer.max_steps", "0"], "trainer.max_steps", ["number of federated rounds", "got 0"]),
+    (
+        "two server strategies",
+        ["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks+=fedlightning.callbacks.FedAvg"],
+        "trainer.callbacks",
+        ["only one server strategy callback", "FedAdam, FedAvg"],
+    ),
+    (
+        "a client optimizer Mime cannot use",
+        [
+            "--config",
+            os.path.join(ROOT, "configs", "fedsps", "digits_mime_cpu.yaml"),
+            "--model.client_optimizer",
+            "torch.optim.Adam",
+            "--trainer.max_steps",
+            "1",
+            "--trainer.limit_val_batches",
+            "0",
+        ],
+        "model.client_optimizer",
+        ["Mime needs model.client_optimizer to be plain torch.optim.SGD", "it is Adam"],
+    ),
+    (
+        "a client optimizer FedSPS-Global cannot use",
+        [
+            "--config",
+            os.path.join(ROOT, "configs", "fedsps_global.yaml"),
+            "--model.client_optimizer",
+            "torch.optim.SGD",
+            "--trainer.max_steps",
+            "1",
+            "--trainer.limit_val_batches",
+            "0",
+        ],
+        "model.client_optimizer",
+        ["FedSPSGlobal needs client_optimizer fedlightning.optim.SPS", "got SGD"],
+    ),
+    (
+        "a strategy that spawns its processes",
+        ["--trainer.strategy", "ddp_spawn"],
+        "trainer.strategy",
+        ["ddp_spawn", "hands back only the weights"],
+    ),
+    (
+        "validation every 2 epochs of a one-epoch run",
+        ["--trainer.limit_val_batches", "1", "--trainer.check_val_every_n_epoch", "2"],
+        "trainer.check_val_every_n_epoch",
+        ["check_val_every_n_epoch=2 would never validate"],
+    ),
     ("unbounded rounds", ["--trainer.max_steps", "-1"], "trainer.max_steps", ["got -1", "without max_epochs"]),
     (
         "validation every 0 rounds",
@@ -446,11 +494,55 @@ def _tiny_fit(trainer_kwargs, **loop_kwargs):
         (dict(max_steps=-1), "trainer.max_steps", "got -1"),
         (dict(max_steps=2, val_check_interval=0, limit_val_batches=1), "trainer.val_check_interval", "got 0"),
         (dict(max_steps=2, check_val_every_n_epoch=0), "trainer.check_val_every_n_epoch", "got 0"),
+        (dict(max_steps=2, overfit_batches=1), "trainer.overfit_batches", "overfit_batches=1"),
+        (
+            dict(max_steps=3, check_val_every_n_epoch=2, val_check_interval=1, limit_val_batches=1),
+            "trainer.check_val_every_n_epoch",
+            "check_val_every_n_epoch=2 would never validate",
+        ),
+        (
+            dict(max_steps=3, check_val_every_n_epoch=1, val_check_interval=5, limit_val_batches=1),
+            "trainer.val_check_interval",
+            "val_check_interval=5 rounds is more than the run's max_steps=3",
+        ),
     ],
 )
 def test_python_trainer_settings_are_refused_before_round_0(trainer_kwargs, key, text):
     err = _tiny_fit(trainer_kwargs, client_optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     assert err.config_key == key and text in str(err)
+
+
+def test_python_strategy_that_spawns_its_processes_is_refused_in_them_before_round_0():
+    """ddp_spawn runs setup in the process it starts: the refusal reaches the caller through Lightning's launcher
+    (train.py refuses it before any process starts, tested with the command lines)."""
+    from lightning.pytorch import Trainer
+
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), local_steps=1, clients_per_round=2, seed=0)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="ddp_spawn", max_steps=2, logger=False)
+    with pytest.raises(Exception, match=r"trainer\.strategy|hands back only the weights"):
+        trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, seed=0))
+    assert trainer.global_step == 0
+
+
+def test_a_validation_interval_beyond_a_shortened_run_counting_rounds_warns_and_trains():
+    """check_val_every_n_epoch null: val_check_interval counts rounds over the run; a run shorter than it (a quick
+    trial of a config) trains, with a warning naming the setting that no validation will run."""
+    from lightning.pytorch import Trainer
+
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), local_steps=1, clients_per_round=2, seed=0)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        val_check_interval=5,
+        check_val_every_n_epoch=None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(UserWarning, match=r"trainer.val_check_interval: val_check_interval=5 rounds .* no validation"):
+        trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, seed=0))
+    assert trainer.global_step == 2 and not any(k.startswith("val/") for k in trainer.callback_metrics)
 
 
 @pytest.mark.parametrize("lr", [math.nan, math.inf])  # SGD refuses -inf itself (a negative lr)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedlightning._validation import non_negative
+from fedlightning._validation import SettingTypeError, non_negative
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.callbacks.mime import flat_from_positions, optimizer_positions, position_views
 from fedlightning.optim.local_adaptive import AdaAlterClient, AMSGradClient
@@ -43,11 +43,12 @@ class _SynchronisedStatistics(ServerStrategy):
 
     def _check_client_optimizer(self, optimizer: Any) -> None:
         if not isinstance(optimizer, self.client_class):
-            raise TypeError(
+            raise SettingTypeError(
+                "model.client_optimizer",
                 f"{type(self).__name__} needs model.client_optimizer to be "
                 f"fedlightning.optim.{self.client_class.__name__} (the local method whose statistics it "
                 f"synchronises), got {type(optimizer).__name__}; set "
-                f"model.client_optimizer: {{class_path: fedlightning.optim.{self.client_class.__name__}}}"
+                f"model.client_optimizer: {{class_path: fedlightning.optim.{self.client_class.__name__}}}",
             )
 
     def on_fit_start(self, trainer, pl_module) -> None:

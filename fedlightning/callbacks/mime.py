@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from fedlightning._logging_route import discard, routed_logging
-from fedlightning._validation import in_range, integer
+from fedlightning._validation import SettingTypeError, in_range, integer
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.callbacks.proximal import global_anchors
 from fedlightning.distributed import weighted_mean_over_processes
@@ -159,10 +159,11 @@ class Mime(ServerStrategy):
     def _check_client_optimizer(self, optimizer: Any) -> None:
         problem = plain_sgd_problem(optimizer)
         if problem is not None:
-            raise TypeError(
+            raise SettingTypeError(
+                "model.client_optimizer",
                 f"{type(self).__name__} needs model.client_optimizer to be plain torch.optim.SGD (its lr is the client "
                 f"learning rate; {type(self).__name__} applies the server's momentum itself), but {problem}; set "
-                "model.client_optimizer: {class_path: torch.optim.SGD, init_args: {lr: ...}}"
+                "model.client_optimizer: {class_path: torch.optim.SGD, init_args: {lr: ...}}",
             )
 
     def on_fit_start(self, trainer, pl_module) -> None:

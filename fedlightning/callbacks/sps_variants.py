@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fedlightning._logging_route import discard, routed_logging
-from fedlightning._validation import number, one_of, positive
+from fedlightning._validation import SettingTypeError, number, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.client import extract_loss
 from fedlightning.optim import SPS
@@ -190,10 +190,11 @@ class FedSPSGlobal(ServerStrategy):
         steps (adaptive SPS: ``γ × γ_i``) or be refused later by :func:`~fedlightning.optim.scale_client_step`."""
         opt = loop.client_optimizer_factory(list(loop.global_parameters()))
         if not (isinstance(opt, SPS) and opt.hyper.get("fixed_step_size") is not None):
-            raise TypeError(
+            raise SettingTypeError(
+                "model.client_optimizer",
                 "FedSPSGlobal needs client_optimizer fedlightning.optim.SPS with fixed_step_size=1.0 (fixed-step "
                 f"mode: the clients apply the server's shared step), got {type(opt).__name__}"
-                + (" without fixed_step_size (adaptive SPS)" if isinstance(opt, SPS) else "")
+                + (" without fixed_step_size (adaptive SPS)" if isinstance(opt, SPS) else ""),
             )
 
     def on_fit_start(self, trainer, pl_module) -> None:
