@@ -23,6 +23,7 @@ import importlib
 import os
 import re
 import sys
+import warnings
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
@@ -1064,12 +1065,16 @@ def main(args: list[str] | None = None, run: bool = True) -> FederatedCLI:
     and re-running to see it is expensive); so do errors of any other type or origin.
     """
     default_wandb_offline()
-    if args is None:
+    from_argv = args is None
+    if from_argv:
         args = sys.argv[1:]
     if isinstance(args, (list, tuple)):
         args = _none_as_null([str(a) for a in args])
     try:
-        return FederatedCLI(args=args, run=run)
+        with warnings.catch_warnings():
+            if from_argv:  # the command line itself, rewritten (null): not the mix Lightning warns about
+                warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
+            return FederatedCLI(args=args, run=run)
     except SIGTERMException as err:
         # Lightning stops at the next round boundary and raises a SystemExit without a code, i.e. exit status 0: a
         # restart loop (`until python train.py ...; do ...`) would take a preempted run for a finished one
