@@ -1186,6 +1186,7 @@ class FederatedLoop(pl.LightningModule):
         trainer = attached_trainer(self)
         if trainer is not None:
             trainer.precision_plugin.convert_module(self)
+            _say_nothing_to_train(trainer, checkpoint)
         self.client_state.load_state_dict(fed["client_state"])
         self.failed_clients_total = int(fed.get("failed_clients_total", 0))
         self.rounds_without_healthy_client = int(fed.get("rounds_without_healthy_client", 0))
@@ -1261,6 +1262,19 @@ def check_launcher(trainer: pl.Trainer) -> None:
             "variates, ...) and the strategy's state would stay at their start in the process that called fit, so "
             "a checkpoint or a test after fit would be wrong; use strategy=ddp (Lightning starts one process per "
             "device from the script)",
+        )
+
+
+def _say_nothing_to_train(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """A warning when a fit resumes from a checkpoint at or past ``trainer.max_steps`` rounds: no round trains (the
+    run would otherwise end with Lightning's "max_steps reached" only, and ``train.py`` test the checkpoint's
+    model); a fit that should go on needs a larger ``max_steps``."""
+    rounds, max_steps = checkpoint.get("global_step"), trainer.max_steps
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if fitting and isinstance(rounds, int) and max_steps is not None and 0 < max_steps <= rounds:
+        rank_zero_warn(
+            f"the checkpoint is at round {rounds}, at or past trainer.max_steps={max_steps}: no round trains in "
+            f"this fit; set max_steps above {rounds} to train on"
         )
 
 

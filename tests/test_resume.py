@@ -3,6 +3,7 @@ read with ``weights_only=True`` (the project's safe reader)."""
 
 import glob
 import os
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -154,6 +155,27 @@ def test_cli_resume_with_ckpt_path_last(tmp_path):
         FederatedCLI.checkpoint_every_n_rounds = 10
     assert resumed.trainer.global_step == 5
     assert torch.equal(_weights(resumed.model), w_full)
+
+
+def test_resuming_at_or_past_max_steps_warns_that_no_round_trains(tmp_path):
+    """A checkpoint at round 2 resumed with max_steps 2 (or less): Lightning trains nothing; the warning names the
+    checkpoint's round and max_steps. The weights are the checkpoint's; a larger max_steps trains on without it."""
+    loop, dm, _ = _setup()
+    trainer = make_trainer(2, plugins=[AtomicCheckpointIO()])
+    trainer.fit(loop, datamodule=dm)
+    path = str(tmp_path / "two.ckpt")
+    trainer.save_checkpoint(path)
+    at_two = _weights(loop)
+    for max_steps in (2, 1):
+        loop, dm, _ = _setup()
+        again = make_trainer(max_steps, plugins=[AtomicCheckpointIO()])
+        with pytest.warns(UserWarning, match=rf"checkpoint is at round 2, at or past trainer.max_steps={max_steps}"):
+            again.fit(loop, datamodule=dm, ckpt_path=path, weights_only=True)
+        assert again.global_step == 2 and torch.equal(_weights(loop), at_two)
+    loop, dm, _ = _setup()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="the checkpoint is at round")
+        make_trainer(3, plugins=[AtomicCheckpointIO()]).fit(loop, datamodule=dm, ckpt_path=path, weights_only=True)
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
