@@ -153,6 +153,26 @@ def test_global_train_evaluation_matches_a_direct_computation():
     assert loop.model.training  # train mode restored
 
 
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_global_evaluation_leaves_training_unchanged_bit_for_bit(mode, monkeypatch):
+    """A run with GlobalEvaluation every round trains the weights of the same run without it, bit for bit, also for
+    a model with dropout (random draws during training) in both modes."""
+
+    def weights(callbacks):
+        torch.manual_seed(0)
+        model = MLP(input_dim=64, hidden=[8], num_classes=10, dropout=0.3)
+        loop, _, _ = _small_run(callbacks, rounds=3, model=model)
+        return torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach()
+
+    import fedlightning.loop as loop_module
+
+    init = loop_module.FederatedLoop.__init__
+    monkeypatch.setattr(
+        loop_module.FederatedLoop, "__init__", lambda self, *a, **k: init(self, *a, client_execution=mode, **k)
+    )
+    assert torch.equal(weights([GlobalEvaluation(every_n_rounds=1)]), weights([]))
+
+
 def test_global_train_evaluation_subset_is_fixed_and_seeded():
     ev = GlobalEvaluation(every_n_rounds=1, max_samples=50, seed=3)
     loop, dm, logger = _small_run([ev], rounds=1)

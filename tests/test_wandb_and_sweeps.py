@@ -177,7 +177,7 @@ def _config_of(sweep):
 def test_sweep_file_schema(path):
     sweep = load_sweep(path)
     assert sweep["method"] == "grid" and sweep["program"] == "train.py"
-    assert sweep["metric"]["name"] in ("val/acc", "train/loss")
+    assert sweep["metric"]["name"] in ("val/acc", "train_eval/loss")
     cmd = sweep["command"]
     assert cmd[:4] == ["${env}", "${interpreter}", "${program}", "fit"] and cmd[-1] == "${args}"
     for key, spec in sweep["parameters"].items():
