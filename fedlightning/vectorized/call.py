@@ -13,6 +13,7 @@ a gradient evaluation's :class:`_Effects` carry both out of the call.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -233,7 +234,16 @@ def _tolerance(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     return 1e-4, 1e-6
 
 
-def _loss_mismatch(k: int, n_max: int, real: Tensor, padded: Tensor) -> str:
+def _close(a: float, b: float, rtol: float, atol: float) -> bool:
+    """``torch.allclose`` of two numbers, NaN equal to NaN: ``|a - b| <= atol + rtol * |b|``."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return abs(a - b) <= atol + rtol * abs(b)
+
+
+def _loss_mismatch(k: int, n_max: int, real: Tensor | float, padded: Tensor | float) -> str:
     """The interception check's refusal of a loss that differs on a client's ``k`` real samples alone."""
     return (
         f"its loss on a client's {k} real samples is {float(real):.6g} but the per-sample interception "
@@ -242,7 +252,7 @@ def _loss_mismatch(k: int, n_max: int, real: Tensor, padded: Tensor) -> str:
     )
 
 
-def _logged_mismatch(name: str, k: int, n_max: int, mine: Tensor, theirs: Any) -> str:
+def _logged_mismatch(name: str, k: int, n_max: int, mine: Tensor | float, theirs: Any) -> str:
     """The interception check's refusal of a logged value that differs on a client's ``k`` real samples alone."""
     shown = "nothing" if theirs is None else f"{float(theirs):.6g}"
     return (
@@ -591,19 +601,23 @@ class _ModelCall:
         model without random layers."""
         sums, logged = result[-2], result[-1]
         r, k = self._interception_row(mask)
-        padded = sums[r].detach().double() / k
         real, real_logged = self._real_row(views, batch, r, k, step, stats)
+        # one host read each of the row's values: the step's own (sums over its k real cells), and its real
+        # samples' alone
+        names = [name for name, _ in logged]
+        mine = torch.stack([sums[r].detach().double(), *(v[r].double() for _, v in logged)]).div_(k).tolist()
+        found = [name for name in names if name in real_logged]
+        seen = [torch.as_tensor(real_logged[name]).double().reshape(()) for name in found]
+        theirs = torch.stack([real.detach().double().reshape(()), *seen]).tolist()
         device = views[0].device
         rtol, atol = _tolerance(self.dtype, device)
-        if not torch.allclose(padded, real.double(), rtol=rtol, atol=atol, equal_nan=True):
-            return _loss_mismatch(k, mask.shape[1], real, padded)
-        rtol, atol = _tolerance(torch.float32, device)
-        for name, value in logged:
-            mine, theirs = value[r].double() / k, real_logged.get(name)
-            if theirs is None or not torch.allclose(
-                mine, torch.as_tensor(theirs).double(), rtol=rtol, atol=atol, equal_nan=True
-            ):
-                return _logged_mismatch(name, k, mask.shape[1], mine, theirs)
+        if not _close(mine[0], theirs[0], rtol, atol):
+            return _loss_mismatch(k, mask.shape[1], theirs[0], mine[0])
+        rtol, atol = _tolerance(torch.float32, device)  # logged values are reported in float32
+        real_values = dict(zip(found, theirs[1:]))
+        for name, value in zip(names, mine[1:]):
+            if name not in real_values or not _close(value, real_values[name], rtol, atol):
+                return _logged_mismatch(name, k, mask.shape[1], value, real_values.get(name))
         return None
 
     def _real_row(
