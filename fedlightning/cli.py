@@ -565,8 +565,9 @@ _ARGUMENT_PHRASES = (("learning rate", "lr"), ("epsilon value", "eps"), ("beta p
 def _config_key(err: BaseException, config: dict[str, Any]) -> str | None:
     """The config key of the argument the error is about, from the innermost frame of a method of an object the
     config names (its constructor, or a later method such as a data module's ``setup`` or the loop's): that class's
-    key plus the one argument of it the message names. Frames that name no single argument are passed over, except
-    a constructor's, which gives the class's key."""
+    key plus the one argument of it the message names, or, of several, the one the message starts with (Lightning's
+    "`val_check_interval` should be ... when `check_val_every_n_epoch=None`"). Frames that name no single argument are
+    passed over, except a constructor's, which gives the class's key."""
     nodes = _class_nodes(config)
     message = str(err)
     for frame in reversed(_frames(err)):
@@ -575,10 +576,11 @@ def _config_key(err: BaseException, config: dict[str, Any]) -> str | None:
         owner = type(frame.f_locals["self"])
         for key, cls, args in nodes:
             if cls is owner:
-                named = [a for a in args if re.search(rf"(?<![\w.]){re.escape(str(a))}(?!\w)", message)]
+                found = {a: re.search(rf"(?<![\w.]){re.escape(str(a))}(?!\w)", message) for a in args}
+                named = sorted((a for a, m in found.items() if m), key=lambda a: found[a].start())
                 if not named:  # torch.optim's messages name some arguments in words ("Invalid learning rate: -0.1")
                     named = [a for phrase, a in _ARGUMENT_PHRASES if a in args and phrase in message]
-                if len(named) == 1:
+                if len(named) == 1 or (named and message.lstrip("`'\"").startswith(str(named[0]))):
                     return f"{key}.{named[0]}"
                 if frame.f_code.co_name == "__init__":
                     return key.rsplit(".init_args", 1)[0]

@@ -180,6 +180,12 @@ COMMAND_LINES = [
     # impossible settings refused before round 0 (the FederatedLoop's setup)
     ("no rounds", ["--trainer.max_steps", "0"], "trainer.max_steps", ["number of federated rounds", "got 0"]),
     (
+        "a fraction of an epoch without epochs",
+        ["--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "0.5"],
+        "trainer.val_check_interval",
+        ["`val_check_interval` should be an integer", "check_val_every_n_epoch=None"],
+    ),
+    (
         "two server strategies",
         ["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks+=fedlightning.callbacks.FedAvg"],
         "trainer.callbacks",
