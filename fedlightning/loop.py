@@ -337,6 +337,7 @@ class FederatedLoop(pl.LightningModule):
             self._log_every_round(trainer)
             dm = self._datamodule()
             dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed, local_epochs=self.local_epochs)
+            _check_test_fraction(trainer, dm)
             self._materialize_lazy_modules(dm)
             if self.init_weights is not None:
                 self._load_init_weights()
@@ -1262,6 +1263,25 @@ def check_launcher(trainer: pl.Trainer) -> None:
             "variates, ...) and the strategy's state would stay at their start in the process that called fit, so "
             "a checkpoint or a test after fit would be wrong; use strategy=ddp (Lightning starts one process per "
             "device from the script)",
+        )
+
+
+def _check_test_fraction(trainer: pl.Trainer, dm: FederatedDataModule) -> None:
+    """At a fit's setup, refuse a fraction ``trainer.limit_test_batches`` of the data module's test batches that
+    keeps none of them (Lightning's error, raised only when the test after the fit starts: after every round has
+    trained). Data modules without a test set pass (``train.py`` then skips the test)."""
+    fraction = getattr(trainer, "limit_test_batches", None)
+    if not isinstance(fraction, float) or not 0.0 < fraction < 1.0:
+        return
+    try:
+        batches = len(dm.test_dataloader())
+    except Exception:  # noqa: BLE001 - no test set (or no length): nothing to check here
+        return
+    if int(batches * fraction) < 1:
+        raise SettingError(
+            "trainer.limit_test_batches",
+            f"limit_test_batches={fraction!r} of the {batches} test batch(es) keeps none of them "
+            f"(int({batches} * {fraction!r}) = 0); use 1.0, an integer number of batches, or 0 for no test",
         )
 
 

@@ -180,6 +180,12 @@ COMMAND_LINES = [
     # impossible settings refused before round 0 (the FederatedLoop's setup)
     ("no rounds", ["--trainer.max_steps", "0"], "trainer.max_steps", ["number of federated rounds", "got 0"]),
     (
+        "a fraction of the test batches that keeps none",
+        ["--trainer.limit_test_batches", "0.5"],
+        "trainer.limit_test_batches",
+        ["limit_test_batches=0.5 of the 1 test batch(es) keeps none"],
+    ),
+    (
         "a fraction of an epoch without epochs",
         ["--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "0.5"],
         "trainer.val_check_interval",
