@@ -52,7 +52,7 @@ from fedlightning.datamodules.base import reiterate
 from fedlightning.objectives import term_value
 from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed, flat_params, loss_report_dtype
 
-__all__ = ["extract_loss", "LocalTrainer"]
+__all__ = ["BufferSlots", "extract_loss", "LocalTrainer"]
 
 
 class _StepSkipped(Exception):
@@ -191,7 +191,7 @@ class _StepPlan:
     model: nn.Module
     model_name: str
     params: list[nn.Parameter]
-    buffers: list[Tensor]
+    buffers: BufferSlots
     metrics: Any
     optimizer: torch.optim.Optimizer
     terms: Sequence[ObjectiveTerm]
@@ -205,6 +205,59 @@ class _StepPlan:
     adaptive: bool
     reference: bool
     lean: bool
+
+
+class BufferSlots:
+    """A model's buffers by owner and name, in ``model.buffers()`` order. ``training_step`` may update a buffer by
+    reassigning it (``self.mu = 0.9 * self.mu + 0.1 * x.mean(0)``), which registers a new tensor under the name:
+    :meth:`current` reads the tensors registered now, :meth:`put_back` registers the original ones again (a client
+    starts from the global values copied into them), and :meth:`snapshot` / :meth:`restore` undo a line search's
+    trial evaluation, identities and values. Decision (ours): reassigning a buffer is as valid as writing it in place;
+    both train each client from the global value, and FedAvg averages the clients' final values."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.slots: list[tuple[nn.Module, str, str, Tensor]] = []
+        for full, tensor in model.named_buffers():
+            prefix, _, leaf = full.rpartition(".")
+            self.slots.append((model.get_submodule(prefix) if prefix else model, leaf, full, tensor))
+        self.originals: list[Tensor] = [t for *_, t in self.slots]
+
+    def __bool__(self) -> bool:
+        return bool(self.slots)
+
+    def current(self) -> list[Tensor]:
+        """The tensors registered under the buffers' names now."""
+        return [getattr(module, leaf) for module, leaf, _, _ in self.slots]
+
+    def put_back(self, tensors: Sequence[Tensor] | None = None) -> None:
+        """Register ``tensors`` (default: the original buffers) under the buffers' names where another is."""
+        for (module, leaf, _, _), tensor in zip(self.slots, self.originals if tensors is None else tensors):
+            if getattr(module, leaf) is not tensor:
+                setattr(module, leaf, tensor)
+
+    def snapshot(self) -> tuple[list[Tensor], list[Tensor]]:
+        now = self.current()
+        return now, [t.clone() for t in now]
+
+    @torch.no_grad()
+    def restore(self, snapshot: tuple[list[Tensor], list[Tensor]]) -> None:
+        tensors, values = snapshot
+        self.put_back(tensors)
+        for t, v in zip(tensors, values):
+            t.copy_(v)
+
+    def final(self, model_name: str) -> list[Tensor]:
+        """The buffers' values at a client's end (:meth:`current`), each checked to keep its shape: a buffer
+        reassigned to another shape cannot be averaged with the global one (a ``ValueError`` naming it)."""
+        now = self.current()
+        for (_, _, full, original), tensor in zip(self.slots, now):
+            if not isinstance(tensor, Tensor) or tensor.shape != original.shape:
+                got = f"shape {tuple(tensor.shape)}" if isinstance(tensor, Tensor) else type(tensor).__name__
+                raise ValueError(
+                    f"training_step of {model_name} replaced its buffer {full!r} of shape {tuple(original.shape)} "
+                    f"with {got}; a buffer keeps its shape (the global model's is the clients' average)"
+                )
+        return now
 
 
 @dataclass
@@ -230,7 +283,7 @@ def _objective(plan: _StepPlan, batch: Any, step: int) -> Callable[[], Tensor]:
 
     def closure() -> Tensor:
         trial = not torch.is_grad_enabled()
-        saved = [b.clone() for b in buffers] if (trial and buffers) else None
+        saved = buffers.snapshot() if (trial and buffers) else None
         saved_metrics = metrics.save() if (trial and metrics is not None) else None
         if trial:  # not a training step: what it logs is dropped (a step's own no_grad blocks log as usual)
             with routed_logging(model, discard, discard):
@@ -245,9 +298,7 @@ def _objective(plan: _StepPlan, batch: Any, step: int) -> Callable[[], Tensor]:
         for term in terms:
             loss = loss + term_value(term, params)
         if saved is not None:
-            with torch.no_grad():
-                for b, s in zip(buffers, saved):
-                    b.copy_(s)
+            buffers.restore(saved)
         if saved_metrics is not None:
             metrics.restore(saved_metrics)
         return loss
@@ -399,7 +450,8 @@ class LocalTrainer:
         self.hooks = hooks
         self.metrics = metrics if metrics else None
         self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
-        self.buffers: list[Tensor] = list(model.buffers())
+        self.buffer_slots = BufferSlots(model)
+        self.buffers: list[Tensor] = self.buffer_slots.originals
         self.model_name = type(model).__name__
         # parameters that do not train (requires_grad=False): see sync_frozen
         frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
@@ -436,7 +488,7 @@ class LocalTrainer:
             model=self.model,
             model_name=self.model_name,
             params=self.params,
-            buffers=self.buffers,
+            buffers=self.buffer_slots,
             metrics=self.metrics,
             optimizer=optimizer,
             terms=terms,
@@ -481,6 +533,7 @@ class LocalTrainer:
         with torch.no_grad():
             torch._foreach_copy_(self.params, list(global_params))
             if self.buffers:
+                self.buffer_slots.put_back()  # a buffer the last client reassigned: the original again
                 torch._foreach_copy_(self.buffers, list(global_buffers))
             if self.frozen:
                 self.sync_frozen(global_frozen)
@@ -569,7 +622,7 @@ class LocalTrainer:
             backwards=tally.backwards,
         )
         if float_buffer_mask is not None and any(float_buffer_mask):
-            kept = [b for b, m in zip(self.buffers, float_buffer_mask) if m]
+            kept = [b for b, m in zip(self.buffer_slots.final(self.model_name), float_buffer_mask) if m]
             dtype = buffer_report_dtype(kept)
             update.buffers = torch.cat([b.detach().reshape(-1).to(dtype) for b in kept])
         if not loss_ok:

@@ -329,6 +329,72 @@ def test_a_parameter_that_does_not_train_starts_from_its_global_value_for_every_
         torch.testing.assert_close(p, q, atol=0, rtol=0)
 
 
+STARTS: list[tuple[int, float]] = []  # (round, sum of mu) at each client's first step, of the running RunningMean
+
+
+class RunningMean(UserNet):
+    """Keeps a running mean of its inputs in a buffer, updated in place or by reassignment (``self.mu = ...``), and
+    records the buffer's value at each client's first step."""
+
+    def __init__(self, reassign: bool):
+        super().__init__()
+        self.register_buffer("mu", torch.zeros(64))
+        self.reassign = reassign
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx == 0 and torch.is_grad_enabled():
+            STARTS.append((self.global_step, float(self.mu.sum())))  # the client working copy's, not the global
+        if self.reassign:
+            self.mu = (0.9 * self.mu + 0.1 * x.mean(0)).detach()
+        else:
+            with torch.no_grad():
+                self.mu.mul_(0.9).add_(0.1 * x.mean(0))
+        return F.cross_entropy(self(x - self.mu), y)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "armijo"])
+def test_a_buffer_reassigned_in_training_step_trains_as_one_written_in_place(optimizer):
+    """self.mu = ... registers a new tensor under the buffer's name: every client still starts from the global value
+    (it had carried over from client to client, and the global buffer never changed), a line search's trial
+    evaluations leave it as they found it, and FedAvg averages the clients' values: the run (weights, buffer, the
+    buffer each client starts from) equals the one that writes the buffer in place, bit for bit."""
+    make_opt = (lambda p: torch.optim.SGD(p, lr=0.1)) if optimizer == "sgd" else (lambda p: SgdArmijo(p, eta_max=1.0))
+    runs, starts = {}, {}
+    for reassign in (False, True):
+        torch.manual_seed(0)
+        STARTS.clear()
+        model = RunningMean(reassign)
+        loop = FederatedLoop(model, client_optimizer=make_opt, local_steps=3, clients_per_round=3, seed=2)
+        make_trainer(2).fit(loop, datamodule=_dm())
+        runs[reassign], starts[reassign] = model, list(STARTS)
+    inplace, reassigned = runs[False], runs[True]
+    assert starts[True] == starts[False] and len(starts[True]) == 6
+    assert [v for r, v in starts[True] if r == 0] == [0.0, 0.0, 0.0]  # every round-0 client from the global 0
+    assert len({v for r, v in starts[True] if r == 1}) == 1 and starts[True][-1][1] != 0.0
+    assert torch.equal(reassigned.mu, inplace.mu) and float(reassigned.mu.abs().sum()) > 0
+    for p, q in zip(reassigned.parameters(), inplace.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_buffer_reassigned_in_training_step_is_refused_vectorized_and_auto_trains_sequentially():
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    def fit_mode(mode):
+        torch.manual_seed(0)
+        model = RunningMean(reassign=True)
+        loop = FederatedLoop(model, local_steps=3, clients_per_round=3, seed=2, client_execution=mode)
+        make_trainer(2).fit(loop, datamodule=_dm())
+        return model
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"reassigns its buffer 'mu'"):
+        fit_mode("vectorized")
+    seq, auto = fit_mode("sequential"), fit_mode("auto")
+    assert torch.equal(auto.mu, seq.mu) and auto.mu.shape == (64,)
+    for p, q in zip(auto.parameters(), seq.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_a_write_into_a_parameter_that_does_not_train_is_refused_vectorized_and_auto_trains_sequentially():
     """Vectorized clients share a frozen parameter: a write in training_step applies once per batched call, not per
     client, and carried into later rounds. It is refused by name; auto trains such a module sequentially, equal to

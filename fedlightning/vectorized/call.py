@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning._logging_route import routed_logging
+from fedlightning.client import BufferSlots
 from fedlightning.objectives import AnchoredTerm, term_value
 
 from .losses import LossInterception
@@ -328,6 +329,7 @@ class _ModelCall:
             if t is not None
         ]
         self._may_intercept = True  # False: padded steps without the protocol take the per-sample path (intercept)
+        self._buffer_slots = BufferSlots(model)  # a buffer training_step reassigns: _check_buffers
 
     # ------------------------------------------------------------------ the chosen paths, as tests read them
     @property
@@ -423,8 +425,7 @@ class _ModelCall:
             if attributes is not None:
                 self._check_attributes(attributes)
         self._attributes_checked = True
-        if versions:
-            self._check_buffers(versions)
+        self._check_buffers(versions)
         return out
 
     def _check_attributes(self, before: dict[tuple[int, str], tuple[nn.Module, str, Any, int | None]]) -> None:
@@ -460,7 +461,19 @@ class _ModelCall:
         ``versions``: ``training_step`` wrote it in place. Decision (ours): the clients in lockstep share the model's
         buffers (only normalisation layers' running statistics are kept per client), so such a write would be one
         write for all clients, not each client's own as sequential training makes it; the round stops instead
-        (``"auto"`` trains sequentially)."""
+        (``"auto"`` trains sequentially). A buffer that ``training_step`` reassigns (``self.mu = ...``, a new
+        tensor under its name, which under vmap holds every row's value) is refused alike, after the original is
+        registered again."""
+        slots = self._buffer_slots
+        replaced = [full for (_, _, full, t), now in zip(slots.slots, slots.current()) if now is not t]
+        if replaced:
+            slots.put_back()
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized': training_step of {type(self.model).__name__} reassigns its buffer "
+                f"'{replaced[0]}' (self.<name> = ...); the clients in lockstep share the model's buffers, so each "
+                "client's own value would be lost. Use client_execution='sequential' (or 'auto'), which trains "
+                "each client from the global value and averages the clients' values"
+            )
         for (name, t), before in zip(self._shared_buffers, versions):
             if t._version != before:
                 raise VectorizationUnsupportedError(
