@@ -440,6 +440,40 @@ def test_auto_trains_sequentially_when_vectorized_runs_out_of_memory(monkeypatch
         assert_same_run(sequential, run)
 
 
+class ItemFromRound1(UserMLP):
+    """Logs loss.item() from round 1 on: vmap cannot batch .item(), which round 0 did not call."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step >= 1:
+            self.log("loss_item", loss.item())
+        return loss
+
+
+def test_a_vmap_failure_first_met_in_a_later_round_falls_back_to_sequential(monkeypatch):
+    """A batched call that vmap refuses in round 1 (not in round 0, where vectorized was chosen): "vectorized" stops
+    with an error naming the step and round; "auto" trains that round and the rest sequentially (one warning), and
+    its run equals sequential training's (float64)."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    with pytest.raises(
+        VectorizationUnsupportedError,
+        match=r"failed at local step 0 of round 1 under torch.func.vmap: vmap: .*\.item\(\)",
+    ):
+        fit(ItemFromRound1(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+    virtual_clock(monkeypatch, 4.0, 1.0)  # vectorized is chosen
+    with pytest.warns(
+        UserWarning,
+        match=r"client_execution='auto': training clients sequentially \(client_execution='vectorized' failed at "
+        r"local step 0 of round 1",
+    ):
+        run = fit(ItemFromRound1(), CLIENT_OPTIMIZERS["sgd"], "auto")
+    assert run[1].client_execution_choice == "sequential"
+    from test_vectorized import assert_same_run
+
+    assert_same_run(fit(ItemFromRound1(), CLIENT_OPTIMIZERS["sgd"], "sequential"), run)
+
+
 def test_vectorized_out_of_memory_names_the_setting(monkeypatch):
     oom_on_call(monkeypatch, 1)
     with pytest.raises(

@@ -548,8 +548,9 @@ def test_layer_vmap_cannot_run_is_named():
             lambda p: torch.optim.Adam([{"params": list(p)[:1]}, {"params": list(p)[1:], "betas": (0.5, 0.9)}]),
             "same Adam settings",
         ),
+        (lambda p: torch.optim.Adam(p, lr=torch.tensor(0.01)), r"takes Adam's lr as numbers, but got tensor"),
     ],
-    ids=["rmsprop", "adagrad", "sgd-groups", "adam-groups"],
+    ids=["rmsprop", "adagrad", "sgd-groups", "adam-groups", "adam-tensor-lr"],
 )
 def test_unsupported_optimizers_are_refused(optimizer, match):
     with pytest.raises(VectorizationUnsupportedError, match=match):
@@ -558,8 +559,12 @@ def test_unsupported_optimizers_are_refused(optimizer, match):
 
 @pytest.mark.parametrize(
     "model_fn,optimizer",
-    [(sync_bn_model, lambda p: torch.optim.SGD(p, lr=0.1)), (mlp, lambda p: torch.optim.RMSprop(p, lr=0.01))],
-    ids=["syncbatchnorm", "rmsprop"],
+    [
+        (sync_bn_model, lambda p: torch.optim.SGD(p, lr=0.1)),
+        (mlp, lambda p: torch.optim.RMSprop(p, lr=0.01)),
+        (mlp, lambda p: torch.optim.Adam(p, lr=torch.tensor(0.01))),
+    ],
+    ids=["syncbatchnorm", "rmsprop", "adam-tensor-lr"],
 )
 def test_auto_falls_back_to_sequential_with_one_warning(model_fn, optimizer):
     with warnings.catch_warnings(record=True) as caught:

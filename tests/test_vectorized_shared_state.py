@@ -201,12 +201,18 @@ def test_an_embedding_padding_row_gets_no_gradient_in_any_client():
         torch.testing.assert_close(vec[k], seq[k], rtol=1e-10, atol=1e-12, msg=k)
 
 
-def test_an_embedding_scaling_its_gradient_by_frequency_is_refused_and_auto_trains_sequentially():
-    """``scale_grad_by_freq`` divides each row's gradient by its count in the batch, which padded cells change."""
-    with pytest.raises(VectorizationUnsupportedError, match=r"layer 'emb' \(Embedding\) with scale_grad_by_freq"):
-        _train_tokens(Tokens(scale_grad_by_freq=True), "vectorized")
-    seq = _train_tokens(Tokens(scale_grad_by_freq=True), "sequential")
-    auto = _train_tokens(Tokens(scale_grad_by_freq=True), "auto")
+@pytest.mark.parametrize(
+    "setting,named",
+    [(dict(scale_grad_by_freq=True), "scale_grad_by_freq=True"), (dict(max_norm=1.0), "max_norm=1.0")],
+)
+def test_an_embedding_setting_vectorized_cannot_train_is_refused_and_auto_trains_sequentially(setting, named):
+    """``scale_grad_by_freq`` divides each row's gradient by its count in the batch, which padded cells change;
+    ``max_norm`` renormalises the looked-up rows in place in the weight every client shares (a later step's backward
+    pass then failed with autograd's in-place error)."""
+    with pytest.raises(VectorizationUnsupportedError, match=rf"layer 'emb' \(Embedding\) with {named}"):
+        _train_tokens(Tokens(**setting), "vectorized")
+    seq = _train_tokens(Tokens(**setting), "sequential")
+    auto = _train_tokens(Tokens(**setting), "auto")
     for k in seq:
         assert torch.equal(auto[k], seq[k]), k
 

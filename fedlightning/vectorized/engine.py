@@ -420,7 +420,17 @@ class VectorizedClientTrainer:
                 ev.missing_gradients = rule.check_missing_gradients  # parameters the loss does not reach
                 training = ragged.training(k, alive)  # alive, less the clients whose own steps are done
                 ev.track_alive = rule.stops_on_nonfinite or training is not alive  # else every client trains
-                rule.step(W, ev, record, training)
+                try:
+                    rule.step(W, ev, record, training)
+                except RuntimeError as err:
+                    if isinstance(err, torch.cuda.OutOfMemoryError) or not _raised_by_vmap(err):
+                        raise
+                    raise VectorizationUnsupportedError(
+                        f"client_execution='vectorized' failed at local step {k} of round {round} under "
+                        f"torch.func.vmap: {str(err).splitlines()[0]} (training_step did something it had not done "
+                        "in the earlier batched calls). Use client_execution='sequential' (or 'auto', which trains "
+                        "this round and the rest sequentially)"
+                    ) from err
                 num_steps += training.long()
                 ragged.keep_finished(k, W)
                 if rule.stops_on_nonfinite:
@@ -551,6 +561,14 @@ class _RaggedSteps:
         for index, rows in self.kept:
             W.index_copy_(0, index, rows)
         self.kept = []
+
+
+def _raised_by_vmap(err: RuntimeError) -> bool:
+    """Whether ``err`` is torch.func.vmap's refusal of an operation it cannot batch (``.item()``, data-dependent
+    control flow, an in-place write into an unbatched tensor: messages that start with ``"vmap:"``, or a missing
+    batching rule), not an error of the model or the data, which sequential training would raise too."""
+    message = str(err)
+    return message.startswith("vmap:") or "Batching rule not implemented" in message
 
 
 def _rows_finite(x: Tensor) -> Tensor:

@@ -1001,6 +1001,10 @@ class _BatchedDecSPS(BatchedRule):
             o.set_client_state({"t": int(t), "gamma_prev": gp})
 
 
+def _holds_tensor(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value)
+
+
 def _same_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor]) -> dict[str, Any]:
     """The hyper-parameters shared by every param group of every client optimizer (else unsupported).
 
@@ -1107,6 +1111,13 @@ def make_batched_rule(
             maximize=hp.get("maximize", False),
         )
     if kind in (torch.optim.Adam, torch.optim.AdamW):
+        tensors = sorted(k for k, v in hp.items() if isinstance(v, Tensor) or (k == "betas" and _holds_tensor(v)))
+        if tensors:  # torch's Adam then computes its step size in the tensor's dtype; the batched rule in Python floats
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized' takes {kind.__name__}'s {', '.join(tensors)} as numbers, but got "
+                f"tensor(s), with which torch computes the step in the tensor's dtype (a float32 lr rounds a float64 "
+                "model's steps); pass floats, or use client_execution='sequential' (or 'auto')"
+            )
         decoupled = kind is torch.optim.AdamW or bool(hp.get("decoupled_weight_decay", False))
         return _BatchedAdam(hp, decoupled, grad_clip, len(optimizers), device)
     form = _batched_form(kind)

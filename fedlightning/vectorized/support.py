@@ -124,13 +124,21 @@ def _vmappable_rnns(model: nn.Module) -> list[nn.RNNBase]:
 def _padded_embeddings(model: nn.Module) -> list[nn.Embedding]:
     """The model's ``nn.Embedding`` layers with a ``padding_idx`` that run the class's own ``forward``: under vmap they
     compute through :func:`_embedding_forward`. ``scale_grad_by_freq`` (the gradient divided by each index's count in
-    the batch, which padded cells would change) and ``sparse`` gradients are refused by name (decision, ours)."""
+    the batch, which padded cells would change), ``sparse`` gradients and ``max_norm`` (the looked-up rows renormalised
+    in place in the weight, a write into every client's shared tensor that autograd then refuses) are refused by name
+    (decision, ours)."""
     found = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.Embedding):
             continue
-        if m.scale_grad_by_freq or m.sparse:
-            setting = "scale_grad_by_freq=True" if m.scale_grad_by_freq else "sparse=True"
+        if m.scale_grad_by_freq or m.sparse or m.max_norm is not None:
+            setting = (
+                "scale_grad_by_freq=True"
+                if m.scale_grad_by_freq
+                else "sparse=True"
+                if m.sparse
+                else f"max_norm={m.max_norm!r}"
+            )
             raise VectorizationUnsupportedError(
                 f"client_execution='vectorized' cannot train layer '{name}' (Embedding) with {setting}: "
                 "use client_execution='sequential' (or 'auto' to fall back automatically)"
