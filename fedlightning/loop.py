@@ -546,6 +546,11 @@ class FederatedLoop(pl.LightningModule):
         vector the loop and the strategies use: ``Δ``, ``update.delta``, ``flat_params``)."""
         return self._global_params()
 
+    def global_frozen_parameters(self) -> list[torch.nn.Parameter]:
+        """The global model's parameters that do not train (``requires_grad=False``), in ``model.parameters()``
+        order: every client starts from their values (``LocalTrainer.run``'s ``global_frozen``)."""
+        return [p for p in self.model.parameters() if not p.requires_grad]
+
     def client_full_gradients(
         self, client_ids: Iterable[int], round: int, batch_size: int | None = None, tag: str = "feddane-gradient"
     ) -> Tensor:
@@ -829,7 +834,7 @@ class FederatedLoop(pl.LightningModule):
                 num_samples=dm.client_num_samples(client_id),
                 terms=terms,
                 float_buffer_mask=float_mask,
-                global_frozen=[p for p in self.model.parameters() if not p.requires_grad] if worker.frozen else (),
+                global_frozen=self.global_frozen_parameters() if worker.frozen else (),
             )
         self.finish_client(update, opt)
         return update

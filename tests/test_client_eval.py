@@ -397,6 +397,33 @@ def test_local_adaptation_leaves_global_model_client_state_and_rng_unchanged():
     assert not np.array_equal(first.values["test/loss"], plain.values["test/loss"])
 
 
+class FrozenCounter(MLP):
+    """Adds 1 at every training step to a parameter that does not train (a counter), and reports it from test_step."""
+
+    def __init__(self):
+        super().__init__(input_dim=64, hidden=[8], num_classes=10)
+        self.counter = torch.nn.Parameter(torch.zeros((), dtype=torch.float64), requires_grad=False)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.counter.add_(1.0)
+        return super().training_step(batch, batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        super().test_step(batch, batch_idx)
+        self.log("test/counter", self.counter.detach().clone())
+
+
+def test_local_adaptation_starts_every_client_from_the_global_frozen_parameters(recwarn):
+    """Parameters that do not train start every adapted client from the global model's value, as in training: after
+    3 local steps of adaptation each client reports 3 (they had carried over from the last training client and from
+    client to client: 5, 8, 11, ...)."""
+    ev = ClientEvaluation(local_steps=3, clients=4, vectorize=False)
+    loop, _, _ = _fit([ev], rounds=1, model=to_float64(FrozenCounter()))
+    assert float(loop.model.counter) == 0.0
+    assert ev.last_results.values["test/counter"].tolist() == [3.0] * 4
+
+
 def test_the_callback_does_not_change_training():
     def run(callbacks):
         logger = RecordingLogger()
@@ -547,10 +574,35 @@ def test_example_config_runs_both_evaluations_through_the_cli(tmp_path):
 
 @pytest.mark.parametrize("every_n_rounds,after_fit", [(None, True), (2, False)])
 def test_an_evaluation_that_cannot_deal_the_data_stops_the_run_before_its_first_round(every_n_rounds, after_fit):
-    """assignment="labels" on data without known class labels (dict samples): the error names the fix, and comes
-    from on_fit_start, before any round has trained (not after them, at the first scheduled evaluation)."""
+    """assignment="labels" on data without known class labels (dict samples whose class is under a key no label
+    source knows, and labels= not given): the error names the fix, and comes from on_fit_start, before any round has
+    trained (not after them, at the first scheduled evaluation)."""
+    from torch.utils.data import DataLoader
+
+    import test_data_contract as contract
     from fedlightning.datamodules import IID, FederatedDataModule
-    from test_data_contract import Net, UserDataModule
+    from test_data_contract import Net
+
+    class Unlabelled(contract.Dicts):
+        def __getitem__(self, i):
+            sample = super().__getitem__(i)
+            return {"features": sample["features"], "answer": sample["label"], "idx": sample["idx"]}
+
+    def collate(samples):
+        return contract.dict_collate([{**s, "label": s["answer"]} for s in samples])
+
+    class UserDataModule(contract.UserDataModule):
+        def setup(self, stage):
+            self.train, self.val, self.test = Unlabelled(40), Unlabelled(10, offset=100), Unlabelled(12, offset=200)
+
+        def train_dataloader(self):
+            return DataLoader(self.train, batch_size=5, shuffle=True, collate_fn=collate, drop_last=True)
+
+        def val_dataloader(self):
+            return DataLoader(self.val, batch_size=4, collate_fn=collate)
+
+        def test_dataloader(self):
+            return DataLoader(self.test, batch_size=4, collate_fn=collate)
 
     rounds = []
 

@@ -196,6 +196,41 @@ def test_feddane_one_full_batch_step_moves_every_client_along_g_t():
         assert_close64(u.delta, LR * g)
 
 
+class CountsSamples(MLP):
+    """Counts the samples of its training steps in a torchmetrics sum (logged as client/seen)."""
+
+    def __init__(self):
+        super().__init__(input_dim=64, hidden=[8], num_classes=10)
+        import torchmetrics
+
+        self.seen = torchmetrics.SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        self.seen.update(torch.tensor(float(len(batch[1]))))
+        self.log("seen", self.seen)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+@pytest.mark.parametrize("gradient_clients", ["independent", "same"])
+def test_the_gradient_phase_leaves_the_modules_torchmetrics_as_the_local_steps_left_them(gradient_clients, execution):
+    """FedDANE's full gradients run training_step over every sample of the gradient clients: a torchmetrics metric it
+    updates must count the round's local steps only, the count of the same run under FedAvg (the same clients and
+    batches)."""
+
+    def seen(strategy):
+        torch.manual_seed(0)
+        model = to_float64(CountsSamples())
+        loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=1, client_execution=execution)
+        trainer = make_trainer(2, callbacks=[strategy])
+        trainer.fit(loop, datamodule=make_dm())
+        return float(trainer.callback_metrics["client/seen"])
+
+    expected = seen(FedAvg())
+    assert expected == 3 * 2 * 16  # three clients, two steps of 16 samples (round 1's own count: reset per round)
+    assert seen(FedDANE(mu=0.1, gradient_clients=gradient_clients)) == expected
+
+
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_client_full_gradient_is_the_mean_loss_gradient_over_all_samples(chunk):
     loop, trainer = run([FedAvg()], rounds=1)

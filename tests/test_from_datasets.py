@@ -139,6 +139,21 @@ def test_clients_are_the_partitioner_on_the_same_labels(kind, partition):
     assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, ref.client_indices))
 
 
+@pytest.mark.parametrize("given", ["labels=", "label_key"])
+@pytest.mark.parametrize("partition", [Dirichlet(alpha=0.5), IID()])
+def test_per_client_test_rows_by_label_for_dict_samples_equal_the_in_memory_path(given, partition):
+    """ClientEvaluation's default (client_eval_indices with assignment="labels") on per-sample dict data sets, whose
+    labels are given with labels= or only found through label_key (an IID split reads none): the training and test
+    labels are read from the samples once, and every client gets the test rows the in-memory path deals it."""
+    kw = dict(labels=Y.tolist()) if given == "labels=" else {}
+    dm = _own("dict", partition=partition, label_key="label", val_fraction=0, in_memory=False, **kw)
+    ref = Bundled(**_kw(partition=partition, val_fraction=0))
+    dm.setup(), ref.setup()
+    got, expected = dm.client_eval_indices("test", "labels"), ref.client_eval_indices("test", "labels")
+    assert sum(len(r) for r in got) == len(YT)
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("in_memory", ["auto", False])
 def test_batches_are_the_clients_rows(kind, in_memory):

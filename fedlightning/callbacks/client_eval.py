@@ -624,6 +624,7 @@ class ClientEvaluation(FederatedCallback):
                     optimizer=opt,
                     local_steps=self.local_steps,
                     num_samples=dm.client_num_samples(client_id),
+                    global_frozen=pl_module.global_frozen_parameters() if worker.frozen else (),
                 )
             return self._evaluate_clients(work, dm, dataset, rows, np.asarray([client_id]), pl_module.device)[0]
         finally:

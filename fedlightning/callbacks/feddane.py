@@ -107,10 +107,11 @@ def client_full_gradient(
     """Flat gradient of client ``client_id``'s mean training loss over all its samples at the global weights.
 
     Uses the FederatedLoop's working copy of the model (its weights and buffers are reset to the global ones
-    first; each client's local training resets them again) and leaves the loop's global model, the global RNG
-    and the round's captured client metrics untouched. The samples are :func:`client_full_batches`' (chunks of
-    ``batch_size``, each chunk's loss weighted by its share of the samples); model randomness (dropout) is seeded
-    by ``(loop.seed, tag, round, client_id)`` in a forked generator. :meth:`FederatedLoop.client_full_gradients`
+    first; each client's local training resets them again) and leaves the loop's global model, the global RNG,
+    the round's captured client values and the working copy's torchmetrics states untouched. The samples are
+    :func:`client_full_batches`' (chunks of ``batch_size``, each chunk's loss weighted by its share of the
+    samples); model randomness (dropout) is seeded by ``(loop.seed, tag, round, client_id)`` in a forked
+    generator. :meth:`FederatedLoop.client_full_gradients`
     computes the gradients of several clients at once.
     """
     worker = loop.client_worker
@@ -119,10 +120,13 @@ def client_full_gradient(
     with torch.no_grad():
         torch._foreach_copy_(params, list(gparams))
         if buffers:
+            worker.buffer_slots.put_back()  # a buffer training_step reassigned: the registered one again
             torch._foreach_copy_(buffers, list(loop.model.buffers()))
     n, batches = client_full_batches(loop, client_id, batch_size)
     router = getattr(worker, "router", None)
     saved_capture = {k: list(v) for k, v in router.captured.items()} if router is not None else None
+    # the torchmetrics metrics training_step updates count the round's local steps, not this evaluation's batches
+    saved_metrics = worker.metrics.save() if worker.metrics is not None else None
     was_training = model.training
     model.train()
     for p in params:
@@ -142,6 +146,8 @@ def client_full_gradient(
         model.train(was_training)
         if router is not None:
             router.captured = saved_capture
+        if saved_metrics is not None:
+            worker.metrics.restore(saved_metrics)
     return grad
 
 

@@ -648,6 +648,11 @@ class FederatedDataModule(pl.LightningDataModule):
         dataset = dict(self._checked_sets()).get(set_name)
         return as_label_array(dataset.y) if isinstance(dataset, ArrayDataset) else None
 
+    def _labels_by_reading(self, set_name: str) -> np.ndarray | None:
+        """The labels of ``set_name`` read from its samples, one pass (:meth:`client_eval_indices`' last source);
+        None here: a data module whose labels are not in its samples' structure."""
+        return None
+
     def _num_classes_source(self) -> str:
         """How error messages name where :attr:`num_classes` comes from."""
         return f"num_classes={self.num_classes}"
@@ -856,8 +861,10 @@ class FederatedDataModule(pl.LightningDataModule):
           go to none (a warning counts them). ``assignment="size"`` applies the same rule to all the split's rows
           as one class (``n_i``: the client's training samples), for data without class labels. The labels are
           those the data checks read (an in-memory data set's ``y``; the label sources of
-          :class:`~fedlightning.datamodules.DatasetDataModule`), else the data set's 1-D ``targets`` or ``labels``
-          attribute (torchvision's convention; CIFAR's images); without whole-number labels for both sets
+          :class:`~fedlightning.datamodules.DatasetDataModule`, the training labels given with ``labels=`` among
+          them), else the data set's 1-D ``targets`` or ``labels`` attribute (torchvision's convention; CIFAR's
+          images), else, for :class:`~fedlightning.datamodules.DatasetDataModule`, the labels its samples hold
+          (read once, for this call: ``_labels_by_reading``); without whole-number labels for both sets
           ``assignment="labels"`` is a ValueError naming ``assignment="size"``.
 
         Args:
@@ -896,6 +903,8 @@ class FederatedDataModule(pl.LightningDataModule):
                         if known is not None and len(known) == len(dataset):
                             break
                         known = None
+                if known is None:
+                    known = self._labels_by_reading(set_name)
                 if known is not None and known.dtype.kind == "f":
                     with np.errstate(invalid="ignore"):
                         known = known if bool(np.all(known == np.round(known))) else None  # NaN, inf: not classes

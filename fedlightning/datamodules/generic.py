@@ -584,6 +584,7 @@ class DatasetDataModule(FederatedDataModule):
             labels = self._labels(train)
             #: whether the training labels were found (False: an IID split without labels)
             self.has_labels = labels is not None
+            self._partition_labels = labels
             read = train
             train, test, self.val_dataset = self._settle_labels(train, test, self.val_dataset)
             if self._train_eval_source is not None:
@@ -807,7 +808,34 @@ class DatasetDataModule(FederatedDataModule):
         )
 
     def _label_array(self, set_name: str) -> np.ndarray | None:
-        return self._label_arrays.get(set_name)
+        """The labels ``set_name`` serves when known (read or given); for ``"train"`` without served labels (samples
+        not read, ``check_labels=False``), the labels the partition used (``labels=`` first), which is what a
+        client's training labels are (``client_eval_indices``)."""
+        known = self._label_arrays.get(set_name)
+        if known is None and set_name == "train":
+            known = as_label_array(getattr(self, "_partition_labels", None))
+        return known
+
+    def _labels_by_reading(self, set_name: str) -> np.ndarray | None:
+        """The labels of a set (training, test, separate validation) read from every sample once (its reader: a dict
+        key, a tuple position), kept for the run; None when the samples hold no scalar label. Called by
+        :meth:`client_eval_indices` (``assignment="labels"``) only, so that setup never reads these sets whole."""
+        cache = self.__dict__.setdefault("_read_eval_labels", {})
+        if set_name not in cache:
+            source, reader = {
+                "train": (self._train_source, self._train_reader),
+                "test": (self._test_source, self._test_reader),
+                "val": (self._val_source, self._val_reader),
+            }.get(set_name, (None, None))
+            labels = None
+            if source is not None and reader is not None and reader.kind != "none":
+                try:
+                    with preserved_random_states():  # a sample read may draw random numbers (an augmentation)
+                        labels = as_label_array(_read_labels(source, reader))
+                except _NotALabel:
+                    labels = None
+            cache[set_name] = labels
+        return cache[set_name]
 
     def _num_classes_source(self) -> str:
         return self._classes_from or super()._num_classes_source()
