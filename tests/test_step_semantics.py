@@ -177,7 +177,7 @@ def test_a_line_search_client_optimizer_sees_none_as_a_skipped_step():
     assert rec.rounds[0]["client/forwards"] >= CPR * K  # each step at least its gradient evaluation
 
 
-def test_vectorized_refuses_a_skipped_step_by_name_and_auto_trains_sequentially():
+def test_vectorized_refuses_a_skipped_step_by_name_and_auto_trains_sequentially(monkeypatch):
     class StaticSkip(SkipNet):  # a skip that does not depend on the data: traceable under vmap up to the None
         def training_step(self, batch, batch_idx):
             if batch_idx % 2 == 1:
@@ -190,6 +190,9 @@ def test_vectorized_refuses_a_skipped_step_by_name_and_auto_trains_sequentially(
     with pytest.raises(ValueError, match=r"StaticSkip\.training_step returned None .*client_execution='sequential'"):
         _fit(copy.deepcopy(model), rounds=1, client_execution="vectorized")
     seq, _ = _fit(copy.deepcopy(model), rounds=2, client_execution="sequential")
+    from test_auto_mode import virtual_clock
+
+    virtual_clock(monkeypatch, 4.0, 1.0)  # auto's measurement finds vectorized faster: the refusal decides
     with pytest.warns(UserWarning, match="training clients sequentially .*returned None"):
         auto, _ = _fit(copy.deepcopy(model), rounds=2, client_execution="auto")
     assert torch.equal(flat(auto.model.net), flat(seq.model.net))
