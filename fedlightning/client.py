@@ -530,19 +530,27 @@ class LocalTrainer:
         """
         plan = self._plan(optimizer, terms)
         steps = _lean_steps if plan.lean else _general_steps
-        with torch.no_grad():
-            torch._foreach_copy_(self.params, list(global_params))
-            if self.buffers:
-                self.buffer_slots.put_back()  # a buffer the last client reassigned: the original again
-                torch._foreach_copy_(self.buffers, list(global_buffers))
-            if self.frozen:
-                self.sync_frozen(global_frozen)
+        self.start_from(global_params, global_buffers, global_frozen)
         with torch.random.fork_rng(devices=plan.devices):
             _seed_model_rng(derive_seed(seed, "model", round, client_id), plan.devices)
             tally = steps(plan, _cycle(loader, local_steps, plan.reference))
         if self.frozen:
             self._tell_frozen_changes(client_id, round)
         return self._update(client_id, global_flat, num_samples, tally, float_buffer_mask)
+
+    @torch.no_grad()
+    def start_from(
+        self, global_params: Sequence[Tensor], global_buffers: Sequence[Tensor], global_frozen: Sequence[Tensor] = ()
+    ) -> None:
+        """The working copy at the global model: its trainable parameters, its buffers (the registered ones again
+        where the last client reassigned one, :class:`BufferSlots`) and its parameters that do not train
+        (:meth:`sync_frozen`), each set to the global value."""
+        torch._foreach_copy_(self.params, list(global_params))
+        if self.buffers:
+            self.buffer_slots.put_back()
+            torch._foreach_copy_(self.buffers, list(global_buffers))
+        if self.frozen:
+            self.sync_frozen(global_frozen)
 
     def sync_frozen(self, global_frozen: Sequence[Tensor]) -> None:
         """Every client starts from the global model's values of the parameters that do not train

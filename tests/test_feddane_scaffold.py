@@ -3,6 +3,8 @@ SCAFFOLD with zero variates -> FedAvg), agreement with plain-PyTorch reference l
 FedDANE's one-step analytic case (every client moves along g_t). Models and data are float64, so the references,
 which sum in other orders, agree to rounding (numerics.RTOL64)."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -242,6 +244,44 @@ def test_client_full_gradient_is_the_mean_loss_gradient_over_all_samples(chunk):
     ref = torch.cat([t.reshape(-1) for t in _grad(f, list(loop.model.net.parameters()), *_client_data(dm, k))])
     assert_close64(got, ref)
     assert torch.equal(weights(loop), before)
+
+
+class ScaledAfterSteps(MLP):
+    """Scales its logits by a parameter that does not train, which it doubles after every local step."""
+
+    def __init__(self):
+        super().__init__(input_dim=64, hidden=[8], num_classes=10)
+        self.scale = torch.nn.Parameter(torch.ones((), dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        with torch.no_grad():
+            self.scale.mul_(2.0)
+
+
+def test_client_full_gradient_starts_from_the_global_values_of_the_parameters_that_do_not_train():
+    """After local training doubled the working copy's frozen scale, a client's full gradient is still the one at
+    the global model: its scale (1) included, as every client's training starts from it."""
+    torch.manual_seed(0)
+    loop = FederatedLoop(
+        to_float64(ScaledAfterSteps()),
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+        local_steps=K,
+        clients_per_round=CPR,
+        seed=SEED,
+    )
+    with pytest.warns(UserWarning, match="requires_grad=False"):
+        make_trainer(1).fit(loop, datamodule=make_dm())
+    assert float(loop.model.scale) == 1.0 and float(loop.client_worker.model.scale) == 2.0**K
+    dm = loop.datamodule
+    k = max(range(dm.num_clients), key=dm.client_num_samples)
+    got = client_full_gradient(loop, k, round=0)
+    reference = copy.deepcopy(loop.model)
+    x, y = _client_data(dm, k)
+    F.cross_entropy(reference(x), y).backward()
+    assert_close64(got, torch.cat([p.grad.reshape(-1) for p in reference.parameters() if p.requires_grad]))
 
 
 # ============================================================================ SCAFFOLD

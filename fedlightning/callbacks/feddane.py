@@ -106,22 +106,18 @@ def client_full_gradient(
 ) -> Tensor:
     """Flat gradient of client ``client_id``'s mean training loss over all its samples at the global weights.
 
-    Uses the FederatedLoop's working copy of the model (its weights and buffers are reset to the global ones
-    first; each client's local training resets them again) and leaves the loop's global model, the global RNG,
-    the round's captured client values and the working copy's torchmetrics states untouched. The samples are
-    :func:`client_full_batches`' (chunks of ``batch_size``, each chunk's loss weighted by its share of the
-    samples); model randomness (dropout) is seeded by ``(loop.seed, tag, round, client_id)`` in a forked
-    generator. :meth:`FederatedLoop.client_full_gradients`
+    Uses the FederatedLoop's working copy of the model (its weights, buffers and parameters that do not train are
+    reset to the global ones first, ``LocalTrainer.start_from``; each client's local training resets them again)
+    and leaves the loop's global model, the global RNG, the round's captured client values and the working copy's
+    torchmetrics states untouched. The samples are :func:`client_full_batches`' (chunks of ``batch_size``, each
+    chunk's loss weighted by its share of the samples); model randomness (dropout) is seeded by
+    ``(loop.seed, tag, round, client_id)`` in a forked generator. :meth:`FederatedLoop.client_full_gradients`
     computes the gradients of several clients at once.
     """
     worker = loop.client_worker
-    model, params, buffers = worker.model, worker.params, worker.buffers
-    gparams = loop.global_parameters()
-    with torch.no_grad():
-        torch._foreach_copy_(params, list(gparams))
-        if buffers:
-            worker.buffer_slots.put_back()  # a buffer training_step reassigned: the registered one again
-            torch._foreach_copy_(buffers, list(loop.model.buffers()))
+    model, params = worker.model, worker.params
+    frozen = loop.global_frozen_parameters() if worker.frozen else ()
+    worker.start_from(loop.global_parameters(), list(loop.model.buffers()), frozen)
     n, batches = client_full_batches(loop, client_id, batch_size)
     router = getattr(worker, "router", None)
     saved_capture = {k: list(v) for k, v in router.captured.items()} if router is not None else None

@@ -873,7 +873,7 @@ def _run(
     frozen = getattr(worker, "frozen", None)
     if frozen:  # the clients start from the global values of the parameters that do not train, as sequentially
         with torch.no_grad():
-            worker.sync_frozen([p for p in loop.model.parameters() if not p.requires_grad])
+            worker.sync_frozen(loop.global_frozen_parameters())
     # a throw-away round logs and replays the metric calls as a real round does (their time counts), then undoes them;
     # a real round that raises (out of memory: its group is retried smaller) undoes what it logged
     with _throwaway_logs(worker) if throwaway else _undo_on_failure(worker):
