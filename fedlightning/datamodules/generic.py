@@ -418,6 +418,8 @@ class DatasetDataModule(FederatedDataModule):
         )
         self._label_arrays: dict = {}
         self._read_pass: np.ndarray | None = None
+        self._partition_labels: np.ndarray | None = None  # the labels the partition used (setup)
+        self._read_eval_labels: dict[str, np.ndarray | None] = {}  # _labels_by_reading's, by set name
 
     @property
     def needs_labels(self) -> bool:
@@ -813,14 +815,14 @@ class DatasetDataModule(FederatedDataModule):
         client's training labels are (``client_eval_indices``)."""
         known = self._label_arrays.get(set_name)
         if known is None and set_name == "train":
-            known = as_label_array(getattr(self, "_partition_labels", None))
+            known = as_label_array(self._partition_labels)
         return known
 
     def _labels_by_reading(self, set_name: str) -> np.ndarray | None:
         """The labels of a set (training, test, separate validation) read from every sample once (its reader: a dict
         key, a tuple position), kept for the run; None when the samples hold no scalar label. Called by
         :meth:`client_eval_indices` (``assignment="labels"``) only, so that setup never reads these sets whole."""
-        cache = self.__dict__.setdefault("_read_eval_labels", {})
+        cache = self._read_eval_labels
         if set_name not in cache:
             source, reader = {
                 "train": (self._train_source, self._train_reader),
