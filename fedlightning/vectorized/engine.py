@@ -475,7 +475,11 @@ class VectorizedClientTrainer:
         u = num_steps.clamp(max=record.uniform_evaluations)
         backtracks, forwards, backwards = record.totals()
         counts = torch.stack([num_steps, backtracks, forwards + u, backwards + u]).cpu().tolist()
-        delta = global_flat.unsqueeze(0) - self.weights.logical(W).to(global_flat.dtype)
+        logical = self.weights.logical(W)
+        if logical is not W and logical.dtype == global_flat.dtype:  # a copy of W's own: Δ = start − w in place
+            delta = torch.sub(global_flat, logical, out=logical)
+        else:
+            delta = global_flat.unsqueeze(0) - logical.to(global_flat.dtype)
         finite_delta = _rows_finite(delta).cpu().tolist()
         rows = delta.unbind(0)
         buffers = None
