@@ -50,6 +50,7 @@ from fedlightning._logging_route import discard, routed_logging
 from fedlightning._reference import reference_mode
 from fedlightning.datamodules.base import reiterate
 from fedlightning.objectives import term_value
+from fedlightning.optim import step_hooks
 from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed, flat_params, loss_report_dtype
 
 __all__ = ["BufferSlots", "extract_loss", "LocalTrainer"]
@@ -111,13 +112,7 @@ def _plain_sgd_lrs(optimizer: torch.optim.Optimizer) -> list[float] | None:
     ~200 µs step of a 10k-parameter model on a CPU core)."""
     if type(optimizer) is not torch.optim.SGD:
         return None
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        return None
-    from torch.optim import optimizer as _opt_module
-
-    if getattr(_opt_module, "_global_optimizer_pre_hooks", None) or getattr(
-        _opt_module, "_global_optimizer_post_hooks", None
-    ):
+    if step_hooks(optimizer):
         return None
     lrs = []
     for g in optimizer.param_groups:

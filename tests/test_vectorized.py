@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import make_trainer
 from fedlightning import FederatedLoop
-from fedlightning.callbacks import FedAvg
+from fedlightning.callbacks import FedAvg, FederatedCallback
 from fedlightning.datamodules import IID, ArrayDataset, DigitsDataModule, Dirichlet, FederatedDataModule
 from fedlightning.models import MLP, CharGRU, CharLSTM, Classifier, LogisticRegression
 from fedlightning.optim import SgdArmijo
@@ -574,6 +574,79 @@ def test_auto_falls_back_to_sequential_with_one_warning(model_fn, optimizer):
     assert len(fallbacks) == 1
     seq = fit(model_fn(), optimizer, "sequential", rounds=2)
     torch.testing.assert_close(auto[0], seq[0], atol=0, rtol=0)
+
+
+def _shrink_gradients(optimizer, args, kwargs):
+    """A step pre-hook: scales every gradient by 0.1 before the step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.mul_(0.1)
+
+
+def _sgd_with_pre_hook(params):
+    opt = torch.optim.SGD(params, lr=0.3)
+    opt.register_step_pre_hook(_shrink_gradients)
+    return opt
+
+
+class _ServerMomentum(FederatedCallback):
+    """Sets a server-held momentum (SGD) or first moment (Adam) into each client optimizer before its steps."""
+
+    def configure_client_optimizer(self, trainer, pl_module, plan, client_id, optimizer):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if isinstance(optimizer, torch.optim.SGD):
+                    optimizer.state[p]["momentum_buffer"] = torch.full_like(p, 0.05)
+                else:
+                    optimizer.state[p]["step"] = torch.tensor(10.0, dtype=torch.float64)
+                    optimizer.state[p]["exp_avg"] = torch.full_like(p, 0.05)
+                    optimizer.state[p]["exp_avg_sq"] = torch.full_like(p, 1e-3)
+
+
+@pytest.mark.parametrize(
+    "optimizer,callbacks,match",
+    [
+        (_sgd_with_pre_hook, (), r"a step pre-hook \(register_step_pre_hook\) on the client optimizer would not run"),
+        (
+            lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9),
+            (_ServerMomentum(),),
+            r"holds state before the round \(momentum_buffer",
+        ),
+        (
+            lambda p: torch.optim.Adam(p, lr=0.01),
+            (_ServerMomentum(),),
+            r"holds state before the round \(exp_avg, exp_avg_sq, step",
+        ),
+    ],
+    ids=["step-pre-hook", "sgd-momentum-set", "adam-moments-set"],
+)
+def test_steps_the_batched_rule_would_not_take_are_refused_and_auto_trains_them_sequentially(
+    optimizer, callbacks, match
+):
+    """A step hook on the client optimizer, or SGD / Adam state that ``configure_client_optimizer`` set from the
+    server, changes the sequential step; the batched rules never call ``optimizer.step()`` and start from empty
+    state, so vectorized refuses by name (it trained without them before) and auto equals sequential."""
+    with pytest.raises(VectorizationUnsupportedError, match=match):
+        fit(mlp(), optimizer, "vectorized", rounds=1, callbacks=callbacks)
+    seq = fit(mlp(), optimizer, "sequential", rounds=2, callbacks=callbacks)
+    auto = fit(mlp(), optimizer, "auto", rounds=2, callbacks=callbacks)
+    torch.testing.assert_close(auto[0], seq[0], atol=0, rtol=0)
+    plain = fit(mlp(), lambda p: torch.optim.SGD(p, lr=0.3), "sequential", rounds=2)
+    assert (seq[0] - plain[0]).abs().max() > 1e-3  # the hook / the state changed the steps
+
+
+def test_a_global_optimizer_step_hook_is_refused_by_vectorized():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    seen = []
+    handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: seen.append(type(opt).__name__))
+    try:
+        with pytest.raises(VectorizationUnsupportedError, match=r"a global step post-hook"):
+            fit(mlp(), lambda p: torch.optim.SGD(p, lr=0.1), "vectorized", rounds=1)
+    finally:
+        handle.remove()
+    fit(mlp(), lambda p: torch.optim.SGD(p, lr=0.1), "vectorized", rounds=1)  # without it: trains
 
 
 @pytest.mark.numerics

@@ -24,7 +24,7 @@ schedules, FedSPS-Global): ``scale_step`` of these three optimizers (each applie
 the param groups' ``lr`` of ``torch.optim`` optimizers, and a ValueError naming any other optimizer.
 """
 
-from fedlightning.optim._common import check_client_step_scalable, scale_client_step
+from fedlightning.optim._common import check_client_step_scalable, scale_client_step, step_hooks
 from fedlightning.optim.armijo import SgdArmijo
 from fedlightning.optim.local_adaptive import AdaAlterClient, AMSGradClient
 from fedlightning.optim.mime import MimeLiteSGD, MimeSGD
@@ -40,4 +40,5 @@ __all__ = [
     "AMSGradClient",
     "scale_client_step",
     "check_client_step_scalable",
+    "step_hooks",
 ]

@@ -33,6 +33,7 @@ __all__ = [
     "epoch_exponent",
     "scale_client_step",
     "check_client_step_scalable",
+    "step_hooks",
 ]
 
 
@@ -71,6 +72,26 @@ def epoch_exponent(n_batches_per_epoch: float | None, batch_size: int | None, nu
         return None
     batch_size, num_samples = integer("batch_size", batch_size), integer("num_samples", num_samples)
     return 1.0 / float(-(-num_samples // batch_size))
+
+
+def step_hooks(optimizer: torch.optim.Optimizer) -> list[str]:
+    """What runs around ``optimizer.step()`` besides the optimizer's own step: ``"a step pre-hook"`` /
+    ``"a step post-hook"`` of this optimizer (``register_step_pre_hook`` / ``register_step_post_hook``) and the global
+    hooks of every optimizer (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``_post_hook``), one entry
+    each; empty when nothing does. A step taken other than through ``optimizer.step()`` (a fused fast path, a batched
+    rule) would skip them."""
+    from torch.optim import optimizer as opt_module
+
+    found = []
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None):
+        found.append("a step pre-hook (register_step_pre_hook)")
+    if getattr(optimizer, "_optimizer_step_post_hooks", None):
+        found.append("a step post-hook (register_step_post_hook)")
+    if getattr(opt_module, "_global_optimizer_pre_hooks", None):
+        found.append("a global step pre-hook (register_optimizer_step_pre_hook)")
+    if getattr(opt_module, "_global_optimizer_post_hooks", None):
+        found.append("a global step post-hook (register_optimizer_step_post_hook)")
+    return found
 
 
 def check_client_step_scalable(optimizer: torch.optim.Optimizer) -> None:

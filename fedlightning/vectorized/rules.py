@@ -26,7 +26,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from fedlightning.optim import SPS, AdaAlterClient, AMSGradClient, DecSPS, MimeLiteSGD, MimeSGD, SgdArmijo, rules
+from fedlightning.optim import (
+    SPS,
+    AdaAlterClient,
+    AMSGradClient,
+    DecSPS,
+    MimeLiteSGD,
+    MimeSGD,
+    SgdArmijo,
+    rules,
+    step_hooks,
+)
 
 from .support import VectorizationUnsupportedError
 from .torch_internals import _foreach_add_, _rng_state, _set_rng_state
@@ -1075,6 +1085,31 @@ def _batched_form(kind: type) -> type | None:
     return form
 
 
+def _check_plain_steps(kind: type, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Raise :class:`VectorizationUnsupportedError` for client optimizers whose sequential step does more than their
+    batched rule computes: a step hook (the rule never calls ``optimizer.step()``, so the hook would not run), or,
+    for ``torch.optim`` SGD / Adam / AdamW, per-parameter state present before the round (a ``momentum_buffer`` or
+    ``exp_avg`` a ``configure_client_optimizer`` hook set from server-held state; their batched rules start every
+    client from torch's empty state, as a new optimizer starts). Decision (ours): refused by name, so ``auto`` trains
+    such clients sequentially, where the hook runs and the state is used."""
+    hooks = sorted({h for o in optimizers for h in step_hooks(o)})
+    if hooks:
+        raise VectorizationUnsupportedError(
+            f"client_execution='vectorized' takes the clients' {kind.__name__} steps in one batched rule without "
+            f"calling optimizer.step(), so {hooks[0]} on the client optimizer would not run; use "
+            "client_execution='sequential' (or 'auto'), or fold the hook into the model or a callback"
+        )
+    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        return
+    keys = sorted({k for o in optimizers for st in o.state.values() for k in st})
+    if keys:
+        raise VectorizationUnsupportedError(
+            f"client_execution='vectorized' starts every client's {kind.__name__} from empty state, but a client "
+            f"optimizer holds state before the round ({', '.join(keys)}; e.g. set by configure_client_optimizer); "
+            "use client_execution='sequential' (or 'auto'), which steps from that state"
+        )
+
+
 def make_batched_rule(
     optimizers: Sequence[torch.optim.Optimizer], params: Sequence[Tensor], grad_clip: float | None, device: torch.device
 ) -> BatchedRule:
@@ -1097,6 +1132,7 @@ def make_batched_rule(
             f"the clients use different optimizer classes {sorted(k.__name__ for k in kinds)}"
         )
     kind = kinds.pop()
+    _check_plain_steps(kind, optimizers)
     hp = _same_hyperparameters(optimizers, params)
     if kind is torch.optim.SGD:
         return _BatchedSGD(
