@@ -280,6 +280,51 @@ def test_plain_callable_terms_still_train_vectorized_and_say_why_once(caplog):
     assert (seq3[0] - seq[0]).abs().max() > 0
 
 
+class WeightsOnlyPull(AnchoredTerm):
+    """A user's subclass that changes the term: μ/2·‖w − a‖² over the weight matrices only (biases left free)."""
+
+    def __call__(self, params):
+        rows = self.num_rows is not None
+        return 0.5 * self.mu * sum(((p - a) ** 2).sum() for p, a in zip(params, self.anchors) if p.dim() - rows == 2)
+
+
+class NamedPull(AnchoredTerm):
+    """A subclass that only adds a constructor: AnchoredTerm's own term."""
+
+    def __init__(self, anchors, strength):
+        super().__init__(anchors, mu=strength)
+
+
+class SubclassTerms(pl.Callback):
+    def __init__(self, cls, **kwargs):
+        self.cls, self.kwargs = cls, kwargs
+
+    def client_objective(self, trainer, loop, plan, client_id):
+        return [self.cls([p.detach() for p in loop.global_parameters()], **self.kwargs)]
+
+
+@pytest.mark.numerics
+def test_an_anchored_term_subclass_that_overrides_the_term_is_evaluated_client_by_client(caplog):
+    """A subclass overriding ``__call__`` computes another term than AnchoredTerm's closed form, which vectorized
+    training stacked in its place; it now runs client by client (as sequentially), saying why, while a subclass that
+    only adds a constructor keeps the batched form."""
+    own = [FedAvg(), SubclassTerms(WeightsOnlyPull, mu=2.0)]
+    seq = fit(own, "sgd", "sequential")
+    with caplog.at_level(logging.INFO):
+        vec = fit(own, "sgd", "vectorized")
+    assert_same(seq, vec)
+    lines = [r.getMessage() for r in caplog.records if "no batched form" in r.getMessage()]
+    assert len(lines) == 1 and "overrides AnchoredTerm.__call__" in lines[0], lines
+    base = fit([FedAvg(), SubclassTerms(AnchoredTerm, mu=2.0)], "sgd", "sequential")
+    assert (base[0] - seq[0]).abs().max() > 1e-3  # the override changed the training
+    caplog.clear()
+    named = [FedAvg(), SubclassTerms(NamedPull, strength=2.0)]
+    with caplog.at_level(logging.INFO):
+        vec_named = fit(named, "sgd", "vectorized")
+    assert not [r for r in caplog.records if "no batched form" in r.getMessage()]
+    assert_same(base, vec_named)
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", ["fedprox", "scaffold", "feddane-same"])
 def test_float32_vectorized_close_to_sequential(name):

@@ -802,6 +802,25 @@ class _ModelCall:
         return torch.stack(values)
 
 
+#: The methods that define an :class:`~fedlightning.objectives.AnchoredTerm`'s value and gradient; a subclass that
+#: overrides one computes another term than the closed form the engine stacks
+_TERM_METHODS = ("__call__", "values_from_differences", "gradient", "value_and_gradient", "_mu_rows", "_rowwise")
+
+
+def _own_term_methods(term: Any) -> list[str]:
+    """The methods of :data:`_TERM_METHODS` that ``term``'s class overrides (empty for other objects)."""
+    if not isinstance(term, AnchoredTerm):
+        return []
+    return [m for m in _TERM_METHODS if getattr(type(term), m) is not getattr(AnchoredTerm, m)]
+
+
+def _stackable(term: Any) -> bool:
+    """Whether ``term`` is a one-client :class:`~fedlightning.objectives.AnchoredTerm` whose value and gradient are
+    AnchoredTerm's own (a subclass that only adds a constructor qualifies; one that overrides ``__call__`` or the
+    gradient is evaluated client by client, as sequential training evaluates it)."""
+    return isinstance(term, AnchoredTerm) and term.num_rows is None and not _own_term_methods(term)
+
+
 class _ClientTerms:
     r"""The client-objective terms of one engine call's clients, stacked once per call.
 
@@ -825,8 +844,8 @@ class _ClientTerms:
         C = len(terms)
         self.num_clients = C
         self.weights = weights
-        stackable = [[t for t in ts if isinstance(t, AnchoredTerm) and t.num_rows is None] for ts in terms]
-        plain = [[t for t in ts if not (isinstance(t, AnchoredTerm) and t.num_rows is None)] for ts in terms]
+        stackable = [[t for t in ts if _stackable(t)] for ts in terms]
+        plain = [[t for t in ts if not _stackable(t)] for ts in terms]
         self.plain: list[list[Callable]] | None = plain if any(plain) else None
         #: (rows: [R] indices or None for all clients, positions: [C] row of each client or -1, None for all,
         #: the batched term over the flat weights ``[R, D]``)
@@ -879,9 +898,15 @@ class _ClientTerms:
             return None
         term = next(t for ts in self.plain for t in ts)
         name = getattr(term, "__qualname__", None) or type(term).__qualname__
+        own = _own_term_methods(term)
+        why = (
+            f"its class overrides AnchoredTerm.{own[0]}, so AnchoredTerm's closed form is not its gradient"
+            if own
+            else "it is not a fedlightning.objectives.AnchoredTerm"
+        )
         return (
-            f"client objective term {name} has no batched form (it is not a fedlightning.objectives.AnchoredTerm): "
-            "vectorized training evaluates it client by client at every step"
+            f"client objective term {name} has no batched form ({why}): vectorized training evaluates it client by "
+            "client at every step"
         )
 
     def _diff_buffer(self, W: Tensor) -> tuple[Tensor, list[Tensor]]:
