@@ -16,6 +16,7 @@ Different computations of the same numbers are compared in float64 (tests/numeri
 
 import copy
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -274,6 +275,52 @@ def test_bf16_mixed_uses_the_protocol_and_stays_close_to_sequential():
     doubled.load_state_dict(mlp().state_dict())
     with pytest.raises(ValueError, match="disagrees with training_step"):
         fit_bf16(doubled, "vectorized")
+
+
+class PlainUserNet(pl.LightningModule):
+    """A user's module: a linear layer, ReLU, a linear head and F.cross_entropy (mean) in training_step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def first_losses_bf16_mixed(mode):
+    from conftest import make_trainer
+    from fedlightning import FederatedLoop
+    from fedlightning.callbacks import FedAvg
+    from fedlightning.datamodules import IID
+    from test_vectorized import Recorder, digits
+
+    rec = Recorder()
+    loop = FederatedLoop(
+        PlainUserNet(),
+        client_optimizer=CLIENT_OPTIMIZERS["sgd"],
+        local_steps=2,
+        clients_per_round=6,
+        seed=3,
+        client_execution=mode,
+    )
+    dm = digits(partition=IID(), batch_size=10, num_clients=30, float64=False)  # ≥ 20 samples each: whole batches
+    make_trainer(2, callbacks=[FedAvg(), rec], precision="bf16-mixed").fit(loop, datamodule=dm)
+    return torch.tensor([u.first_loss for u in rec.updates], dtype=torch.float64), loop
+
+
+def test_bf16_mixed_whole_batches_compute_the_loss_in_float32_as_sequentially():
+    """Under vmap torch computes F.cross_entropy of bf16-mixed logits in bfloat16, where autocast computes it in
+    float32 outside vmap; the engine restores autocast's float32 for the standard losses. Every loss of the
+    vectorised run was a bfloat16 number (half-ulp 2^-9 relative); now the modes differ by float32 rounding of the
+    same bf16 logits, far below a bfloat16 rounding of the loss."""
+    seq, _ = first_losses_bf16_mixed("sequential")
+    vec, loop = first_losses_bf16_mixed("vectorized")
+    assert loop.vectorized_engine is not None and len(vec) == len(seq) == 12
+    assert (vec != vec.to(torch.bfloat16).double()).any()  # not bfloat16 values
+    assert ((vec - seq).abs() / seq.abs()).max() < 2.0**-12  # a bfloat16 rounding is up to 2^-9
 
 
 # ---------------------------------------------------------------------------------------------- padded gradients

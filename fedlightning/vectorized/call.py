@@ -25,7 +25,7 @@ from fedlightning._logging_route import routed_logging
 from fedlightning.client import BufferSlots
 from fedlightning.objectives import AnchoredTerm, term_value
 
-from .losses import LossInterception
+from .losses import AutocastLosses, LossInterception
 from .metrics import _metric_modules, _metric_types, _MetricCalls, _MetricStep, _Pending
 from .norms import _NormLayers
 from .rows import (
@@ -301,6 +301,7 @@ class _ModelCall:
         ``dtype``: theirs (one for all)."""
         self.model = model
         self.dtype = dtype
+        self.device_type = named[0][1].device.type if named else "cpu"  # autocast's device type (_vmap_context)
         self.param_slots = _parameter_slots(model, named)
         self.metric_calls = _MetricCalls(_metric_modules(model))
         self.collector = _LogCollector(self.metric_calls)
@@ -381,10 +382,12 @@ class _ModelCall:
         :class:`~fedlightning.vectorized.norms._NormLayers`, torchmetrics calls are recorded."""
         saved_metrics = self.metric_calls.install()
         self.norms.install()
+        upcast = AutocastLosses() if torch.is_autocast_enabled(self.device_type) else contextlib.nullcontext()
         try:
             with (
                 routed_logging(self.model, self.collector.log, self.collector.log_dict),
                 _shadowed_forwards(self.forwards),
+                upcast,
             ):
                 yield
         finally:

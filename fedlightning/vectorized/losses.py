@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .torch_internals import TorchFunctionMode, _batched_nll, _physical
 
-__all__ = ["LossInterception", "INTERCEPTED_LOSSES", "_gathered_rows"]
+__all__ = ["AutocastLosses", "LossInterception", "INTERCEPTED_LOSSES", "_gathered_rows"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -38,6 +38,53 @@ def _autocast_upcast(*tensors: Tensor | None):
             t = t.float()
         out.append(t)
     return out
+
+
+#: The losses that autocast computes in float32 on CPU and on CUDA (both of torch's float32 op lists name them),
+#: whose float32 cast ``torch.func.vmap`` loses for some of them (on CPU: cross_entropy, nll_loss,
+#: binary_cross_entropy_with_logits, l1_loss, poisson_nll_loss, hinge_embedding_loss, cosine_embedding_loss)
+AUTOCAST_FLOAT32_LOSSES = frozenset(
+    {
+        F.cross_entropy,
+        F.nll_loss,
+        F.binary_cross_entropy_with_logits,
+        F.mse_loss,
+        F.l1_loss,
+        F.smooth_l1_loss,
+        F.kl_div,
+        F.poisson_nll_loss,
+        F.hinge_embedding_loss,
+        F.cosine_embedding_loss,
+        F.margin_ranking_loss,
+        F.soft_margin_loss,
+        F.multi_margin_loss,
+        F.multilabel_margin_loss,
+        F.triplet_margin_loss,
+    }
+)
+
+
+def _upcast_value(value: Any) -> Any:
+    return _autocast_upcast(value)[0] if isinstance(value, Tensor) else value
+
+
+class AutocastLosses(TorchFunctionMode):
+    """Autocast's float32 policy for the losses of :data:`AUTOCAST_FLOAT32_LOSSES` while the model runs under
+    ``vmap``: their half-precision floating arguments are cast to float32 when autocast is on for their device,
+    as autocast casts them outside ``vmap``; every other call runs unchanged.
+
+    Decision (ours): under ``vmap`` torch computes ``F.cross_entropy`` (and the other losses named above) of
+    ``bf16-mixed`` logits in bfloat16, where the same call outside ``vmap`` computes in float32, so without this
+    vectorized training's losses (and the step sizes and line-search tests built on them) would be rounded to
+    bfloat16 where sequential training's are float32. The engine enters this mode for its batched calls when
+    autocast is on (``tests/test_vectorized_per_sample.py``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in AUTOCAST_FLOAT32_LOSSES:
+            args = tuple(_upcast_value(a) for a in args)
+            kwargs = {k: _upcast_value(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
 def _none_equal(target: Tensor, value: int) -> bool:
