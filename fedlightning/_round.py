@@ -632,11 +632,19 @@ def _step_and_check(
     handle = server_opt.register_step_post_hook(check)
     try:
         opt.step()
-    except Exception:
+    except Exception as err:
         if not checked:  # an optimizer that raised half-way (e.g. an lr beyond float32) changes nothing either
             saved.restore()
             for p in params:
                 p.grad = None
+        if not checked and isinstance(err, RuntimeError) and "without overflow" in str(err):
+            step_lr = lr if lr is not None else own_lrs[0]
+            raise FloatingPointError(
+                f"round {plan.round}: the server step of {type(strategy).__name__} overflows the global model's "
+                f"{_dtype_name(params[0].dtype)} (server/lr = {step_lr!r}: {str(err).splitlines()[0]}). The global "
+                "model and the server optimizer state are left as they were before this round and the run stops; "
+                "lower the server learning rate or train in a wider precision"
+            ) from err
         raise
     finally:
         handle.remove()

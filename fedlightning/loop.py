@@ -345,7 +345,8 @@ class FederatedLoop(pl.LightningModule):
             precision = str(trainer.precision)
             if precision.startswith("16"):
                 rank_zero_warn(
-                    "precision='16-mixed' has no loss scaling inside client training; use 'bf16-mixed' or 32",
+                    f"precision={precision!r} has no loss scaling inside client training (float16 gradients that "
+                    "underflow are lost); use 'bf16-mixed', 'bf16-true' or 32",
                 )
 
     def _configure_model_now(self, trainer: pl.Trainer) -> None:

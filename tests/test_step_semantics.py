@@ -318,6 +318,31 @@ def test_bf16_true_converts_client_batches_on_cpu():
     assert not torch.equal(after.double(), before.to(torch.bfloat16).double())  # it trained
 
 
+def test_float16_true_warns_by_its_own_name_and_a_server_lr_beyond_float16_stops_naming_it():
+    """16-true has no loss scaling either: the warning names the precision the run uses. A server learning rate
+    beyond float16's range (torch's raw "cannot be converted ... without overflow" inside SGD's step) stops the run
+    with the server step's error naming the strategy and server/lr, the global model unchanged."""
+    torch.manual_seed(0)
+    model = _NoSkip()
+    loop = FederatedLoop(model, local_steps=1, clients_per_round=2, seed=SEED)
+    with pytest.warns(UserWarning, match=r"precision='16-true' has no loss scaling"):
+        make_trainer(1, callbacks=[FedAvg()], precision="16-true").fit(loop, datamodule=_dm32())
+    torch.manual_seed(0)
+    model = _NoSkip()
+    before = flat(model.net).clone()
+    loop = FederatedLoop(model, local_steps=1, clients_per_round=2, seed=SEED)
+    trainer = make_trainer(1, callbacks=[FedAvg(server_lr=1e6)], precision="16-true")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(
+            FloatingPointError,
+            match=r"server step of FedAvg overflows the global model's float16 "
+            r"\(server/lr = 1000000\.0",
+        ):
+            trainer.fit(loop, datamodule=_dm32())
+    assert torch.equal(flat(loop.model.net), before.to(torch.float16))  # the round's step was undone
+
+
 # ====================================================================== 3b: the trainer shows the client's optimizer
 LR0, ETA_MIN, T_MAX = 0.05, 0.005, 4
 
