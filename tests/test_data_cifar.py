@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedlightning.datamodules import Cifar10DataModule, Cifar100DataModule, CifarImages, Dirichlet, PachinkoPartition
-from fedlightning.datamodules.cifar import _CIFAR
+from fedlightning.datamodules.cifar import _CIFAR, read_cifar
 
 RNG = np.random.default_rng(0)
 
@@ -172,6 +172,54 @@ def test_bad_input(tmp_path):
         PachinkoPartition()(np.arange(10) % 3, 2)
     with pytest.raises(ValueError, match="uint8"):
         CifarImages(torch.zeros(2, 3, 32, 32), torch.zeros(2), (0, 0, 0), (1, 1, 1), True)
+
+
+@pytest.mark.parametrize(
+    "entry,match",
+    [
+        (
+            {"data": np.full((2, 3072), 0.5), "labels": [0, 1]},
+            r"data holds float64 values \(e\.g\. 0\.5\); CIFAR pixels",
+        ),
+        (
+            {"data": np.array([[300] * 3072, [1] * 3072]), "labels": [0, 1]},
+            r"data holds the pixel value 300, outside 0\.\.255",
+        ),
+        (
+            {"data": np.array([[1] * 3072, [-1] * 3072]), "labels": [0, 1]},
+            r"data holds the pixel value -1, outside 0\.\.255",
+        ),
+        ({"data": np.zeros((2, 3072), np.uint8), "labels": [1.5, 2.0]}, r"labels holds the value 1\.5"),
+        ({"data": np.zeros((2, 3072), np.uint8), "labels": ["3", "7"]}, r"labels holds the value '3'"),
+        ({"data": np.zeros((2, 3072), np.uint8), "labels": [True, False]}, r"labels holds the value True"),
+        (
+            {"data": np.zeros((2, 3072), np.uint8), "labels": [0, 2**70]},
+            r"labels holds the value 1180591620717411303424",
+        ),
+        (
+            {"data": np.zeros((2, 3072), np.uint8), "labels": [[0], [1]]},
+            r"labels must be a flat list .* shape \(2, 1\)",
+        ),
+    ],
+    ids=[
+        "float-pixels",
+        "pixel-300",
+        "pixel-negative",
+        "fractional-label",
+        "string-label",
+        "bool-label",
+        "huge-label",
+        "nested-labels",
+    ],
+)
+def test_values_a_uint8_or_int64_cast_would_change_are_refused_naming_the_file(tmp_path, entry, match):
+    """A batch whose pixels are not bytes or whose labels are not integers was cast silently (0.5 -> 0, 300 -> 44,
+    1.5 -> 1, '3' -> 3) and trained on other data; each is now refused naming the file and the field."""
+    write_cifar10(str(tmp_path))
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_3"
+    _pickle(str(path), entry)
+    with pytest.raises(ValueError, match="data_batch_3: " + match):
+        read_cifar(str(tmp_path), 10, "train")
 
 
 @pytest.mark.parametrize(

@@ -207,10 +207,9 @@ def read_cifar(data_dir: str, num_classes: int, split: str) -> tuple[np.ndarray,
         _check_official(p)
         try:
             entry = _load_pickle(p)
-            data = np.asarray(_get(entry, "data"), dtype=np.uint8)
-            labels = np.asarray(_get(entry, spec["label"]), dtype=np.int64)
-            if num_classes == 100:
-                coarse.append(np.asarray(_get(entry, "coarse_labels"), dtype=np.int64))
+            raw = {
+                key: _get(entry, key) for key in ("data", spec["label"], *(("coarse_labels",) * (num_classes == 100)))
+            }
         except _RefusedGlobal as e:
             raise ValueError(str(e)) from None
         except (
@@ -224,6 +223,10 @@ def read_cifar(data_dir: str, num_classes: int, split: str) -> tuple[np.ndarray,
             LookupError,
         ) as e:
             raise ValueError(f"{p} is not a CIFAR python pickle (dict with data and labels): {e!r}") from None
+        data = _pixels(raw["data"], p)
+        labels = _class_indices(raw[spec["label"]], p, spec["label"])
+        if num_classes == 100:
+            coarse.append(_class_indices(raw["coarse_labels"], p, "coarse_labels"))
         if data.ndim != 2 or data.shape[1] != 3072 or len(data) != len(labels):
             raise ValueError(f"{p}: expected data of shape (N, 3072) and N labels, got {data.shape} / {len(labels)}")
         bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
@@ -232,6 +235,45 @@ def read_cifar(data_dir: str, num_classes: int, split: str) -> tuple[np.ndarray,
         xs.append(data.reshape(-1, 3, 32, 32))
         ys.append(labels)
     return np.concatenate(xs), np.concatenate(ys), (np.concatenate(coarse) if coarse else None)
+
+
+def _pixels(raw: object, path: str) -> np.ndarray:
+    """``raw`` (a batch's ``data``) as uint8 pixels, refused with a ValueError naming ``path`` unless it holds
+    integers 0..255: a float, string or object array (pixels scaled to [0, 1], a text dump) or integers outside the
+    byte range would be truncated or wrapped by a uint8 cast."""
+    arr = np.asarray(raw)
+    if arr.dtype == np.uint8:
+        return arr
+    if not np.issubdtype(arr.dtype, np.integer):
+        shown = "".join(f" (e.g. {v!r})" for v in arr.reshape(-1)[:1].tolist())
+        raise ValueError(f"{path}: data holds {arr.dtype} values{shown}; CIFAR pixels are integers 0..255 (uint8)")
+    bad = np.flatnonzero((arr.reshape(-1) < 0) | (arr.reshape(-1) > 255))
+    if len(bad):
+        raise ValueError(f"{path}: data holds the pixel value {int(arr.reshape(-1)[bad[0]])}, outside 0..255 (uint8)")
+    return arr.astype(np.uint8)
+
+
+def _class_indices(raw: object, path: str, field: str) -> np.ndarray:
+    """``raw`` (a batch's ``labels`` / ``fine_labels`` / ``coarse_labels``) as int64 class indices, refused with a
+    ValueError naming ``path`` and ``field`` unless it is a flat list of integers: fractional, string, boolean,
+    nested or out-of-int64 values would be truncated, parsed or fail later without a name."""
+    try:
+        arr = np.asarray(raw)
+    except (ValueError, OverflowError) as e:  # ragged nesting, integers beyond any numpy type
+        raise ValueError(f"{path}: {field} is not a list of integer class indices ({e})") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{path}: {field} must be a flat list of integer class indices, got shape {arr.shape}")
+    if np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.uint64:
+        return arr.astype(np.int64)
+    limit = np.iinfo(np.int64)
+    values = arr.tolist()
+    first = next(
+        (v for v in values if isinstance(v, bool) or not isinstance(v, int) or not limit.min <= v <= limit.max),
+        values[0] if values else None,
+    )
+    raise ValueError(
+        f"{path}: {field} holds the value {first!r} ({arr.dtype} array); class labels are integers (int64)"
+    )
 
 
 class CifarImages(Dataset):
