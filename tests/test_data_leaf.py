@@ -388,12 +388,53 @@ def _one_user(**changes):
         # Arrow casts these without a word (0.75, 1.0)
         ({"x": [[0.5] * 784, [0.25] * 783 + ["0.75"]]}, r"d.json: user 'a', sample 1: the input is not a list of"),
         ({"x": [[0.5] * 783 + [True], [0.25] * 784]}, r"d.json: user 'a', sample 0: the input is not a list of"),
+        ({"y": [3, 2**70]}, r"d.json: user 'a', sample 1: the label 1180591620717411303424 is outside int64"),
+        ({"x": [[0.5] * 784, [0.25] * 783 + [10**30]]}, r"d.json: user 'a', sample 1: the input is not a list of"),
     ],
 )  # fmt: skip
 def test_malformed_femnist_json_names_file_user_and_sample(tmp_path, changes, match):
     root = _raw_leaf(tmp_path / "leaf", _one_user(**changes))
     with pytest.raises(ValueError, match=match):
         _dm(root, tmp_path, name="femnist").setup()
+
+
+@pytest.mark.parametrize("how", ["escaped string", "utf-16 true"])
+def test_string_and_boolean_pixels_are_refused_however_the_file_spells_them(tmp_path, how):
+    """The quick byte scan for quoted numbers and true/false missed a pixel written as the JSON string "\\u0030.75"
+    and a UTF-16 file (json reads it; its bytes hold no b"true"): Arrow then served 0.75 and 1.0 as pixels."""
+    folder = tmp_path / "leaf" / "train"
+    folder.mkdir(parents=True)
+    if how == "escaped string":
+        text = json.dumps(_one_user()).replace("0.25", '"\\u0030.75"', 1)
+        (folder / "d.json").write_text(text)
+    else:
+        (folder / "d.json").write_bytes(json.dumps(_one_user(x=[[0.5] * 783 + [True], [0.25] * 784])).encode("utf-16"))
+    with pytest.raises(ValueError, match=r"d.json: user 'a', sample [01]: the input is not a list of numbers"):
+        _dm(str(tmp_path / "leaf"), tmp_path, name="femnist").setup()
+
+
+@pytest.mark.parametrize(
+    "name, field, value, match",
+    [
+        ("sent140", "x", None, r"sample 0: Sent140 inputs must be LEAF's 5-field lists .* got None"),
+        ("sent140", "x", {"text": "hi"}, r"sample 0: Sent140 inputs must be LEAF's 5-field lists"),
+        ("sent140", "x", ["1", "d", "q", "u", 7], r"sample 0: Sent140 inputs must be LEAF's 5-field lists"),
+        ("shakespeare", "y", 5, r"sample 0: the Shakespeare target 5 is not a string"),
+        ("shakespeare", "x", 7, r"sample 0: the Shakespeare input 7 is not a string"),
+    ],
+)
+def test_sent140_and_shakespeare_samples_of_another_type_are_refused(tmp_path, name, field, value, match):
+    """str() had turned a null tweet into the word "none", an object into its repr, and an integer Shakespeare
+    target into the character '5'; each is now refused naming the file, user and sample."""
+    if name == "sent140":
+        x, y = ["1", "date", "NO_QUERY", "user", "good day"], 1
+    else:
+        x, y = "a" * 80, "b"
+    sample = {"x": x, "y": y, field: value}
+    data = {"users": ["a"], "num_samples": [1], "user_data": {"a": {"x": [sample["x"]], "y": [sample["y"]]}}}
+    root = _raw_leaf(tmp_path / "leaf", data)
+    with pytest.raises(ValueError, match=r"d.json: user 'a', " + match):
+        _dm(root, tmp_path, name=name).setup()
 
 
 def test_whole_float_labels_and_counts_are_read_as_ints(tmp_path):
@@ -472,3 +513,59 @@ def test_bad_parquet_files_are_named(tmp_path):
     good.rename(columns={"character_id": "speaker"}).to_parquet(nocol / "train-0.parquet")
     with pytest.raises(ValueError, match="character_id"):
         load(nocol)
+
+
+@pytest.mark.parametrize("case", ["fractional femnist label", "integer shakespeare target", "null shakespeare target",
+                                  "damaged png"])  # fmt: skip
+def test_parquet_values_a_cast_would_change_are_refused_naming_the_file(tmp_path, case):
+    """The Flower-hub parquet layout: a FEMNIST label 3.5 was served as class 3 (the JSON layout refuses it), integer
+    or null Shakespeare targets failed with a bare TypeError, and an unreadable PNG with PIL's error naming no file."""
+    import io
+
+    import pandas as pd
+    from PIL import Image
+
+    root = tmp_path / "pq"
+    root.mkdir()
+    if "shakespeare" in case:
+        targets = [5, 6, 7, 8] if case.startswith("integer") else ["b", "c", None, "d"]
+        frame = pd.DataFrame({"character_id": ["JULIET"] * 4, "x": ["a" * 80] * 4, "y": targets})
+        name, match = "shakespeare", r"train-0.parquet: Shakespeare targets must be single characters, got (5|None)"
+    else:
+        png = io.BytesIO()
+        Image.fromarray(RNG.integers(0, 256, (28, 28)).astype(np.uint8)).save(png, format="PNG")
+        good = {"bytes": png.getvalue(), "path": None}
+        if case == "damaged png":
+            images, labels = [good, {"bytes": b"\x89PNG damaged", "path": None}], [1, 2]
+            match = r"train-0.parquet: an image of column 'image' is not a readable image file"
+        else:
+            images, labels = [good, good], [1.0, 3.5]
+            match = r"train-0.parquet: the label 3.5 is not a class id"
+        frame = pd.DataFrame({"image": images, "writer_id": ["f0", "f1"], "character": labels})
+        name = "femnist"
+    frame.to_parquet(root / "train-0.parquet")
+    with pytest.raises(ValueError, match=match):
+        LeafDataModule(name=name, data_dir=str(root), cache_dir=str(tmp_path / "hf_cache")).setup()
+
+
+def test_a_cut_short_cache_info_file_is_rebuilt(femnist_dir, tmp_path):
+    """The cache's dataset_info.json cut short (an interrupted write) ended setup in a bare JSONDecodeError naming no
+    file; it is now a damaged cache, rebuilt with a warning, with the same data."""
+    import glob
+
+    root, _, _ = femnist_dir
+
+    def load():
+        dm = _dm(root, tmp_path, name="femnist", val_fraction=0.0)
+        dm.setup()
+        return dm.train_dataset.x.clone()
+
+    x0 = load()
+    infos = glob.glob(str(tmp_path / "hf_cache" / "**" / "dataset_info.json"), recursive=True)
+    assert infos
+    for path in infos:
+        text = open(path).read()
+        open(path, "w").write(text[:40])
+    with pytest.warns(UserWarning, match=r"LEAF femnist: the Arrow cache in .* is damaged \(JSONDecodeError"):
+        x1 = load()
+    assert torch.equal(x1, x0)

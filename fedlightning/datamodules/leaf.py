@@ -80,7 +80,7 @@ def file_digest(path: str) -> str:
 #: word (``"0.75"`` to 0.75, ``true`` to 1.0): a quoted number. Only a file that holds one is scanned value by value
 #: (:func:`_first_unreadable_input`); a user id that starts with a digit costs that scan, not an error. The three
 #: byte searches run at memory speed, a small part of parsing the file.
-_QUOTED_NUMBER = re.compile(rb'"[-+.0-9]')
+_QUOTED_NUMBER = re.compile(rb'"(?:[-+.0-9]|\\u)')
 
 
 def _leaf_json_rows(files: list[str], splits: list[str], name: str, stamps: list[str]) -> Iterator[dict]:
@@ -92,7 +92,8 @@ def _leaf_json_rows(files: list[str], splits: list[str], name: str, stamps: list
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"malformed LEAF JSON file {path}: {e}") from None
-        if name == "femnist" and (b"true" in raw or b"false" in raw or _QUOTED_NUMBER.search(raw)):
+        utf8 = json.detect_encoding(raw) == "utf-8"  # json also reads UTF-16/32, which the byte searches miss
+        if name == "femnist" and (not utf8 or b"true" in raw or b"false" in raw or _QUOTED_NUMBER.search(raw)):
             where = _first_unreadable_input([path], name)  # the exact scan, only for a file that may need it
             if where is not None:
                 raise ValueError(f"{where}: the input is not a list of numbers (a string or a true/false pixel)")
@@ -131,15 +132,18 @@ def _leaf_json_rows(files: list[str], splits: list[str], name: str, stamps: list
                 raise ValueError(f"{path}: user {user!r} has no samples (LEAF files list only users with data)")
             if declared is not None and _whole_number(declared) != len(ys):
                 raise ValueError(f"{path}: user {user!r} declares num_samples={declared!r} but has {len(ys)} samples")
-            if name != "shakespeare" and not all(type(v) is int for v in ys):  # class ids: ints (JSON numbers)
+            if name != "shakespeare" and not all(type(v) is int and _INT64_MIN <= v <= _INT64_MAX for v in ys):
                 ys = [_class_id(v, path, user, i) for i, v in enumerate(ys)]
             if name == "sent140":
-                try:
-                    xs = [str(s[4]) if isinstance(s, (list, tuple)) else str(s) for s in xs]
-                except IndexError:
-                    raise ValueError(f"{path}: user {user!r}: Sent140 inputs must be LEAF's 5-field lists") from None
+                xs = [_tweet_text(s, path, user, i) for i, s in enumerate(xs)]
             if name == "shakespeare":
-                ys = [str(v) for v in ys]
+                for what, values in (("input", xs), ("target", ys)):
+                    bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
+                    if bad is not None:
+                        raise ValueError(
+                            f"{path}: user {user!r}, sample {bad}: the Shakespeare {what} {values[bad]!r:.40} is not "
+                            "a string"
+                        )
             yield {"file": path, "split": split, "user": str(user), "x": xs, "y": ys}
 
 
@@ -162,19 +166,44 @@ def _class_id(value, path: str, user, index: int) -> int:
         raise ValueError(
             f"{path}: user {user!r}, sample {index}: the label {value!r} is not a class id (a whole number)"
         )
+    if not _INT64_MIN <= whole <= _INT64_MAX:
+        raise ValueError(f"{path}: user {user!r}, sample {index}: the label {value!r} is outside int64")
     return whole
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _plain(value):
+    """A numpy scalar as the Python value it holds (for messages); anything else unchanged."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _tweet_text(sample, path: str, user, index: int) -> str:
+    """The text of a Sent140 input: field 4 of LEAF's 5-field list (a plain string is taken as the text); anything
+    else (null, an object, a number, a short list, a non-string text) is an error naming the file, user and sample
+    (``str()`` would have turned null into the word "none")."""
+    text = sample[4] if isinstance(sample, (list, tuple)) and len(sample) >= 5 else sample
+    if not isinstance(text, str):
+        raise ValueError(
+            f"{path}: user {user!r}, sample {index}: Sent140 inputs must be LEAF's 5-field lists whose field 4 is the "
+            f"tweet's text, got {sample!r:.80}"
+        )
+    return text
 
 
 def _first_unreadable_input(files: list[str], name: str) -> str | None:
     """Where the first input of the LEAF files that Arrow cannot store as the data set's type is (``<file>: user
     <u>, sample <i>``), or None; run only after Arrow refused a row (it names neither file nor user)."""
     for path in files:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            data = json.loads(f.read())  # UTF-8, -16 or -32, as _leaf_json_rows reads it
         for user, entry in data["user_data"].items():
             for i, x in enumerate(entry["x"]):
                 if name == "femnist":
-                    ok = isinstance(x, list) and all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in x)
+                    ok = isinstance(x, list) and all(
+                        isinstance(p, float) or (type(p) is int and _INT64_MIN <= p <= _INT64_MAX) for p in x
+                    )
                 else:
                     ok = isinstance(x, (str, list))
                 if not ok:
@@ -469,7 +498,12 @@ class LeafDataModule(FederatedDataModule):
                         gen_kwargs={"files": paths, "splits": splits, "name": self.name, "stamps": stamps},
                         fingerprint=fingerprint,
                     )
-                except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException, OSError) as e:
+                except (
+                    datasets.exceptions.DatasetGenerationError,
+                    pyarrow.ArrowException,
+                    OSError,
+                    json.JSONDecodeError,  # a cache's dataset_info.json cut short
+                ) as e:
                     # surface our own error naming the file; Arrow's own refusals (a string pixel) name none
                     generating = isinstance(e, datasets.exceptions.DatasetGenerationError)
                     cause = e.__cause__ if generating else e
@@ -559,14 +593,25 @@ class LeafDataModule(FederatedDataModule):
         each table row, when the rows are users) and the value."""
         if self.name == "shakespeare":
             chars = values.to_pylist()
-            bad = [i for i, c in enumerate(chars) if len(c) != 1]
+            bad = [i for i, c in enumerate(chars) if not isinstance(c, str) or len(c) != 1]
             if bad:
                 raise ValueError(
                     f"{row_file[int(sample_rows[bad[0]])]}: Shakespeare targets must be single characters, "
                     f"got {chars[bad[0]]!r}"
                 )
             return encode_chars("".join(chars)).astype(np.int64)
-        y = values.to_numpy(zero_copy_only=False).astype(np.int64)
+        raw = values.to_numpy(zero_copy_only=False)
+        if raw.dtype.kind not in "iu":  # floats (3.5 would truncate to class 3), nulls, strings, booleans
+            numeric = raw.dtype.kind == "f"
+            whole = np.isfinite(raw) & (raw == np.floor(raw)) if numeric else np.zeros(len(raw), dtype=bool)
+            bad = np.flatnonzero(~whole)
+            if len(bad):
+                value = _plain(raw[bad[0]])
+                raise ValueError(
+                    f"{row_file[int(sample_rows[bad[0]])]}: the label {value!r} is not a class id (a whole number) of "
+                    f"{self.name}"
+                )
+        y = raw.astype(np.int64)
         bad = np.flatnonzero((y < 0) | (y >= self.num_classes))
         if len(bad):
             row = int(sample_rows[bad[0]])
@@ -640,7 +685,12 @@ class LeafDataModule(FederatedDataModule):
                 if isinstance(v, dict):
                     v = v.get("bytes")
                 if isinstance(v, (bytes, bytearray)):
-                    arr = np.asarray(PILImage.open(io.BytesIO(v)).convert("L"), dtype=np.uint8)
+                    try:
+                        arr = np.asarray(PILImage.open(io.BytesIO(v)).convert("L"), dtype=np.uint8)
+                    except OSError as e:  # PIL's UnidentifiedImageError, a truncated image
+                        raise ValueError(
+                            f"{where}: an image of column {image!r} is not a readable image file ({e})"
+                        ) from None
                 else:
                     arr = np.asarray(v, dtype=np.float32)
                     arr = np.clip(np.rint(arr * 255.0 if arr.max(initial=0) <= 1.0 else arr), 0, 255).astype(np.uint8)
