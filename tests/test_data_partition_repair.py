@@ -37,3 +37,23 @@ def test_many_clients_split_is_a_cover_with_no_empty_client():
     parts = Dirichlet(alpha=0.3, max_retries=0)(labels, 10_000, seed=0)
     assert len(parts) == 10_000 and min(len(p) for p in parts) >= 1
     assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(50_000))
+
+
+def test_an_empty_client_serves_no_batch():
+    """Dirichlet(min_samples=0) may leave a client without samples (never sampled for training); its loaders said
+    len 0 but yielded one batch of 0 rows (torch.split of an empty index list), and its full-batch loader a 0-row
+    batch whose mean loss is NaN. Both now yield nothing, and its epoch has no batch."""
+    from fedlightning.datamodules import DigitsDataModule
+
+    dm = DigitsDataModule(num_clients=300, partition=Dirichlet(0.01, min_samples=0), seed=0)
+    dm.setup()
+    empty = [c for c in range(dm.num_clients) if dm.client_num_samples(c) == 0]
+    full = next(c for c in range(dm.num_clients) if dm.client_num_samples(c) > 0)
+    assert empty
+    for c in empty[:3]:
+        assert len(dm.client_dataloader(c)) == 0 and list(dm.client_dataloader(c)) == []
+        assert list(dm.client_full_dataloader(c)) == []
+        assert dm.client_batches_per_epoch(c) == 0
+    n = dm.client_num_samples(full)
+    assert sum(len(b[1]) for b in dm.client_dataloader(full)) == n  # the others are served as before
+    assert dm.client_batches_per_epoch(full) == -(-n // dm.batch_size)

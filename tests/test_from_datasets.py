@@ -462,6 +462,17 @@ def test_unreadable_labels_for_a_label_partition_name_what_was_tried():
         in_memory=False,
         **_kw(),
     )
+    nan = Y.double().clone()
+    nan[7] = float("nan")
+    _raises(
+        f"partition={part} splits by class label, but no class label could be read for the 120 training samples; "
+        "tried: labels= (not given); a train.targets attribute (none); the second tensor of the TensorDataset "
+        "(a label that is not finite (sample 7: nan)); position 1 of the (x, y) samples, in-memory copy (a label "
+        "that is not finite (sample 7: nan)). Pass labels=[one integer class per training sample], or use "
+        "partition=IID()",
+        TensorDataset(X, nan),
+        **_kw(),
+    )
     _raises(
         "labels must hold one class label per training sample (120), got shape (119,); pass labels=[label of "
         "train[0], label of train[1], ...]",
@@ -542,6 +553,15 @@ def test_unusable_sample_structures_are_errors():
         "and [i]: load it without streaming=True, or materialise it with datasets.Dataset.from_generator",
         hf_stream,
         num_clients=2,
+    )
+    import datasets
+
+    splits = datasets.DatasetDict({"train": _hf(X, Y), "test": _hf(XT, YT)})  # what load_from_disk returns
+    _raises(
+        "train is a Hugging Face DatasetDict of the splits ['train', 'test'] (what load_dataset and load_from_disk "
+        "return for a folder of splits); pass one split, e.g. train=dataset['train']",
+        splits,
+        num_clients=10,  # was "num_clients=10 exceeds the 2 training samples"
     )
 
 

@@ -174,9 +174,11 @@ class ClientBatchSampler(Sampler[list[int]]):
 
     def epoch(self) -> tuple[Tensor, ...]:
         """The index batches of one epoch at once (the same draw as one ``iter()``; none for an empty client)."""
-        return self._split() if len(self.indices) else ()
+        return self._split()
 
     def _split(self) -> tuple[Tensor, ...]:
+        if not len(self.indices):  # an empty client: no batch (torch.split would give one empty chunk)
+            return ()
         if self.shuffle:
             order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
         else:
@@ -975,12 +977,13 @@ class FederatedDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ rounds
     def client_batches_per_epoch(self, client_id: int) -> int:
         """Mini-batches in one epoch of ``client_dataloader(client_id)``: ``⌈n_i/b⌉``, or ``⌊n_i/b⌋`` with
-        ``drop_last`` (a client with fewer than ``b`` samples: one batch, :class:`ClientBatchSampler`)."""
+        ``drop_last`` (a client with fewer than ``b`` samples: one batch, :class:`ClientBatchSampler`; a client
+        without samples, which is never sampled: none)."""
         self._require_setup()
         n, b = self.client_num_samples(client_id), int(self.batch_size)
         if self.drop_last and n >= b:
             return n // b
-        return max(1, math.ceil(n / b))
+        return math.ceil(n / b)
 
     def client_epoch_steps(self, client_id: int, epochs: float) -> int:
         """Local steps of client ``client_id`` for ``epochs`` local epochs: ``⌈E · B_i⌉`` with ``B_i``

@@ -118,6 +118,13 @@ def _hf_label_column(dataset: Any, reader: _Reader) -> bool:
     )
 
 
+def _is_hf_dict(dataset: Any) -> bool:
+    """A Hugging Face ``DatasetDict`` / ``IterableDatasetDict`` (a dict of splits, indexed by split name)."""
+    mod = sys.modules.get("datasets")
+    kinds = tuple(getattr(mod, k) for k in ("DatasetDict", "IterableDatasetDict") if hasattr(mod, k)) if mod else ()
+    return bool(kinds) and isinstance(dataset, kinds)
+
+
 def _is_hf_iterable(dataset: Any) -> bool:
     mod = sys.modules.get("datasets")
     return mod is not None and isinstance(dataset, getattr(mod, "IterableDataset", ()))
@@ -450,6 +457,13 @@ class DatasetDataModule(FederatedDataModule):
 
     @staticmethod
     def _check_source(dataset: Any, name: str) -> Any:
+        if _is_hf_dict(dataset):
+            splits = list(dataset.keys())
+            first = splits[0] if splits else "train"
+            raise ValueError(
+                f"{name} is a Hugging Face {type(dataset).__name__} of the splits {splits} (what load_dataset and "
+                f"load_from_disk return for a folder of splits); pass one split, e.g. {name}=dataset[{first!r}]"
+            )
         if _is_hf_iterable(dataset):
             raise ValueError(
                 f"{name} is a Hugging Face IterableDataset (streaming); DatasetDataModule needs a map-style data set "
@@ -967,7 +981,11 @@ def _class_ids(arr: np.ndarray) -> tuple[np.ndarray | None, str]:
     if kind in "US":
         return arr, ""
     if kind == "f":
-        if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
+        finite = np.isfinite(arr)
+        if not finite.all():
+            i = int(np.flatnonzero(~finite)[0])
+            return None, f"a label that is not finite (sample {i}: {float(arr[i])!r})"
+        if not np.all(arr == np.round(arr)):
             return None, "float values that are not whole numbers (a regression target?)"
         return arr.astype(np.int64), ""
     if kind == "O" and all(isinstance(v, (int, str, bool, np.integer)) for v in arr.tolist()):
