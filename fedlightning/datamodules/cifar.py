@@ -285,9 +285,10 @@ class CifarImages(Dataset):
     tensor at once (one crop for the batch), every sample gets its own crop and flip. Padding happens before
     normalisation (as torchvision's ``RandomCrop`` on the raw image), so padded pixels are black. Normalisation:
     per-channel mean/std of the training images (CIFAR-10: (0.4914, 0.4822, 0.4465) / (0.2470, 0.2435, 0.2616);
-    CIFAR-100: (0.5071, 0.4865, 0.4409) / (0.2673, 0.2564, 0.2762)). Randomness: torch's global generator (seeded by
-    ``seed_everything`` and, in loader workers, by PyTorch's per-worker seeding), so a fresh run is reproducible; a run
-    resumed from a checkpoint draws different crops than the uninterrupted run would have.
+    CIFAR-100: (0.5071, 0.4865, 0.4409) / (0.2673, 0.2564, 0.2762)). Randomness: torch's global generator, which a
+    client's loader (:class:`~fedlightning.datamodules.base.ClientDataLoader`) seeds per (seed, round, client) around
+    every batch (loader workers: PyTorch's per-worker seeding from the same seed), so the crops of a round depend only
+    on those, and a resumed run draws the crops the uninterrupted run would have.
 
     ``__getitem__`` transforms one sample; ``__getitems__`` (used by ``DataLoader`` for a whole batch of indices) does
     the same per-sample random crops and flips vectorised over the batch.
