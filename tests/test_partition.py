@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from fedlightning.datamodules import IID, Dirichlet, Shards, check_partition
+from fedlightning.datamodules import IID, Dirichlet, DirichletEqualSizes, Shards, check_partition
 
 
 def labels(n=2000, k=10, seed=0):
@@ -81,3 +81,43 @@ def test_too_many_clients():
         IID()(labels(100), 200, seed=0)
     with pytest.raises(ValueError, match="num_clients"):
         IID()(labels(100), 0, seed=0)
+
+
+def test_dirichlet_equal_sizes_covers_with_equal_sizes_and_follows_alpha():
+    """DirichletEqualSizes (Hsu et al. 2019 as FedExP's code deals it): a seeded disjoint cover, every client
+    ⌊N/n⌋ or ⌊N/n⌋ + 1 samples (the N mod n extra samples one each), label skew set by α as Dirichlet's."""
+    y = labels(20000, 10)
+    a = DirichletEqualSizes(0.3)(y, 30, seed=7)
+    check_partition(a, len(y))
+    assert sorted(len(p) for p in a) == [666] * 10 + [667] * 20  # 20000 = 30·666 + 20
+    assert all(np.array_equal(x, z) for x, z in zip(a, DirichletEqualSizes(0.3)(y, 30, seed=7)))
+    assert not all(np.array_equal(x, z) for x, z in zip(a, DirichletEqualSizes(0.3)(y, 30, seed=8)))
+    assert _label_tv_distance(DirichletEqualSizes(1000.0)(y, 20, seed=0), y) < 0.05
+    assert _label_tv_distance(DirichletEqualSizes(0.05)(y, 20, seed=0), y) > 0.5
+    # α so small that the proportions underflow to 0 outside one class: the classes run out, the split still ends
+    tiny = DirichletEqualSizes(1e-4)(y, 100, seed=0)
+    check_partition(tiny, len(y))
+    assert sorted({len(p) for p in tiny}) == [200]
+
+
+def test_dirichlet_equal_sizes_takes_a_class_from_the_clients_own_proportions():
+    """Two classes, two clients, α small: each client's proportions put nearly all mass on one class; the sample
+    of a class drawn for a client comes from that class's unused samples, so while both classes last every client's
+    draws follow its own proportions: with 1,000 of each class and one-hot proportions on different classes, each
+    client gets only its class."""
+    y = np.repeat([0, 1], 1000)
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        q = rng.dirichlet(np.full(2, 1e-3), size=2)
+        if not (q[0].argmax() != q[1].argmax() and q.max(axis=1).min() > 1 - 1e-12):
+            continue
+        parts = DirichletEqualSizes(1e-3)(y, 2, seed=seed)
+        assert [len(np.unique(y[p])) for p in parts] == [1, 1]
+        assert [int(y[p][0]) for p in parts] == q.argmax(axis=1).tolist()
+        return
+    pytest.skip("no seed gave one-hot proportions on different classes")
+
+
+def test_dirichlet_equal_sizes_bad_alpha():
+    with pytest.raises(ValueError, match="alpha"):
+        DirichletEqualSizes(0.0)

@@ -13,7 +13,7 @@ import numpy as np
 
 from fedlightning._validation import integer, positive
 
-__all__ = ["Partitioner", "IID", "Dirichlet", "Shards", "check_partition"]
+__all__ = ["Partitioner", "IID", "Dirichlet", "DirichletEqualSizes", "Shards", "check_partition"]
 
 
 class Partitioner:
@@ -50,9 +50,11 @@ class Dirichlet(Partitioner):
     r"""Label-skewed split: for every class ``k`` draw ``p_k ~ Dir(α·1_N)`` over the ``N`` clients and deal the
     (shuffled) samples of class ``k`` to clients in proportions ``p_k``.
 
-    This is the per-class Dirichlet split popularised by Hsu et al. 2019 ("Measuring the effects of non-identical
-    data distribution", the split used by seed 000 with α = 0.3) in the form of Yurochkin et al. 2019 / NIID-Bench
-    (Li et al. 2021). Small α gives few classes per client; α → ∞ approaches IID label proportions.
+    This is the per-class Dirichlet split of Yurochkin et al. 2019 and Wang et al. 2020 (FedMA; seed 002's CIFAR
+    split) in the form of NIID-Bench (Li et al. 2021); client sizes differ. Small α gives few classes per client;
+    α → ∞ approaches IID label proportions. Hsu et al. 2019 ("Measuring the effects of non-identical data
+    distribution") draw the proportions per client instead, with equal client sizes in FedExP's reference code
+    (seed 000's CIFAR setup): :class:`DirichletEqualSizes`.
 
     Args:
         alpha: concentration α > 0.
@@ -111,6 +113,63 @@ class Dirichlet(Partitioner):
                 sizes[c] += take
                 sizes[donor] -= take
         return parts
+
+
+class DirichletEqualSizes(Partitioner):
+    r"""Label-skewed split with equal client sizes: every client ``i`` draws its class proportions
+    ``q_i ~ Dir(α·1_K)`` over the ``K`` classes and receives ``⌊N/n⌋`` samples (``⌊N/n⌋ + 1`` for ``N mod n`` of
+    them), each of a class drawn from ``q_i``.
+
+    This is the split of Hsu et al. 2019 (one Dirichlet draw of class proportions per client) in the form of
+    FedExP's reference code (``getDirichletData_equal``; seed 000's CIFAR-10/100 setup builds on that code): until
+    every sample is dealt, a client is drawn uniformly among those not yet full, a class from its ``q_i``, and the
+    next unused sample of that class (in index order) is the client's. :class:`Dirichlet` is the other common form
+    (one draw per class over the clients, unequal client sizes).
+
+    Decisions (ours): where the reference draws again when the drawn class has no sample left, the class is drawn
+    from ``q_i`` restricted to the classes that have samples left (the same distribution, and it ends when the
+    client's remaining mass is tiny); when all of that mass is on used-up classes (a small α underflows the other
+    proportions to 0, where the reference would draw forever) the class is uniform over those with samples left.
+    Where the reference leaves the ``N mod n`` samples of a division with a remainder out, they go to ``N mod n``
+    clients chosen uniformly (one extra sample each), so the split covers the data set as every partitioner does.
+    With the CIFAR training sets split over 100 clients the division is exact (50,000 or 45,000 samples: 500 or
+    450 each).
+
+    Args:
+        alpha: concentration α > 0 (seed 000: 0.3).
+    """
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha = positive("alpha", alpha, label="Dirichlet alpha", show_name=True)
+
+    def split(self, labels, num_clients, rng):
+        classes, codes = np.unique(labels, return_inverse=True)
+        pools = [np.flatnonzero(codes == k) for k in range(len(classes))]
+        left = np.array([len(p) for p in pools], dtype=np.int64)
+        taken = np.zeros(len(classes), dtype=np.int64)
+        q = rng.dirichlet(np.full(len(classes), self.alpha), size=num_clients)
+        m, extra = divmod(len(labels), num_clients)
+        capacity = np.full(num_clients, m, dtype=np.int64)
+        capacity[rng.choice(num_clients, size=extra, replace=False)] += 1
+        open_clients = [c for c in range(num_clients) if capacity[c] > 0]
+        parts: list[list[int]] = [[] for _ in range(num_clients)]
+        for _ in range(len(labels)):
+            slot = int(rng.integers(len(open_clients)))
+            c = open_clients[slot]
+            available = np.flatnonzero(left > 0)
+            mass = np.cumsum(q[c][available])
+            if mass[-1] > 0:
+                j = int(np.searchsorted(mass, rng.random() * mass[-1], side="right"))
+            else:  # every class of the client's (underflowing) proportions is used up: any class with samples left
+                j = int(rng.integers(len(available)))
+            k = int(available[min(j, len(available) - 1)])
+            parts[c].append(int(pools[k][taken[k]]))
+            taken[k] += 1
+            left[k] -= 1
+            if len(parts[c]) == capacity[c]:
+                open_clients[slot] = open_clients[-1]
+                open_clients.pop()
+        return [np.asarray(p, dtype=np.int64) for p in parts]
 
 
 class Shards(Partitioner):
