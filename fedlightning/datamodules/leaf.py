@@ -82,6 +82,9 @@ def file_digest(path: str) -> str:
 #: byte searches run at memory speed, a small part of parsing the file.
 _QUOTED_NUMBER = re.compile(rb'"(?:[-+.0-9]|\\u)')
 
+#: The range of the int64 labels and pixels Arrow stores (a JSON integer beyond it is refused by name).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
 
 def _leaf_json_rows(files: list[str], splits: list[str], name: str, stamps: list[str]) -> Iterator[dict]:
     """One row per (file, user): ``{"file", "split", "user", "x", "y"}`` (``stamps`` only key the cache)."""
@@ -169,9 +172,6 @@ def _class_id(value, path: str, user, index: int) -> int:
     if not _INT64_MIN <= whole <= _INT64_MAX:
         raise ValueError(f"{path}: user {user!r}, sample {index}: the label {value!r} is outside int64")
     return whole
-
-
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _plain(value):
