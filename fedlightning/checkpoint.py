@@ -38,6 +38,7 @@ __all__ = [
     "RoundCheckpoint",
     "check_checkpoint",
     "check_fits_model",
+    "check_resumable",
     "global_model_state",
     "load_global_model",
     "read_checkpoint",
@@ -64,13 +65,22 @@ _TRUST_HINT = "pass --weights_only false (Python: weights_only=False) to load a 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message starts with ``checkpoint <path>:``.
 
-    ``unsafe_type`` is the name of the type a refused file needs (``None`` for every other problem)."""
+    ``unsafe_type`` is the name of the type a refused file needs (``None`` for every other problem); ``weights_only``
+    is True for a readable checkpoint refused only because it holds no training state (:func:`check_resumable`)."""
 
-    def __init__(self, path, problem: str, details: list[str] | None = None, unsafe_type: str | None = None):
+    def __init__(
+        self,
+        path,
+        problem: str,
+        details: list[str] | None = None,
+        unsafe_type: str | None = None,
+        weights_only: bool = False,
+    ):
         self.path = os.fspath(path)
         self.problem = problem
         self.details = list(details or [])
         self.unsafe_type = unsafe_type
+        self.weights_only = weights_only
         super().__init__(self.summary_line() + ("".join(f"\n  {d}" for d in self.details)))
 
     def summary_line(self) -> str:
@@ -565,7 +575,11 @@ def _listed(items: list[str]) -> str:
 
 
 def check_checkpoint(
-    path, model: torch.nn.Module | None = None, weights_only: bool | None = None, mmap: bool = False
+    path,
+    model: torch.nn.Module | None = None,
+    weights_only: bool | None = None,
+    mmap: bool = False,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Load ``path`` on the CPU and return the checkpoint, or raise :class:`CheckpointError` naming the problem
     (listed below). With ``model`` (the :class:`~fedlightning.FederatedLoop` the run will load it into),
@@ -582,7 +596,10 @@ def check_checkpoint(
     * it is a Lightning checkpoint of another LightningModule (no ``fedlightning`` section, which
       :meth:`~fedlightning.FederatedLoop.on_save_checkpoint` writes) or of an unknown ``fedlightning`` format;
     * with ``model=``: its ``state_dict`` does not fit the model (missing / unexpected keys, different shapes: another
-      architecture), listing up to 5 of each (ours), or holds a NaN / infinity (:func:`check_fits_model`).
+      architecture), listing up to 5 of each (ours), or holds a NaN / infinity (:func:`check_fits_model`);
+    * with ``resume=True`` (the checkpoint of a ``fit``): it holds the weights only (a ``ModelCheckpoint`` with
+      ``save_weights_only=True``: no optimizer state nor loop progress, so it cannot resume training; validate and
+      test read such a file).
 
     The file is read by :func:`read_checkpoint` with ``weights_only`` (``None`` / ``True``: safely; ``False``: the
     warned opt-in), exactly as :class:`AtomicCheckpointIO` (and so the Trainer) reads it afterwards. Remote paths
@@ -614,9 +631,24 @@ def check_checkpoint(
             f"unsupported fedlightning checkpoint format {fed.get('format')!r} (this version "
             f"reads format {FEDLIGHTNING_FORMAT})",
         )
+    if resume:
+        check_resumable(path, ckpt)
     if model is not None:
         check_fits_model(path, ckpt, model)
     return ckpt
+
+
+def check_resumable(path, ckpt: Mapping[str, Any]) -> None:
+    """Raise :class:`CheckpointError` when ``ckpt`` cannot resume training: a weights-only checkpoint (Lightning's
+    ``save_weights_only=True`` writes no ``optimizer_states`` nor ``loops``), which Lightning would refuse with a
+    ``KeyError`` after the run has started."""
+    if "optimizer_states" not in ckpt or "loops" not in ckpt:
+        raise CheckpointError(
+            path,
+            "a weights-only checkpoint (save_weights_only: no optimizer state nor loop progress): it cannot resume "
+            "training; resume a full checkpoint, or evaluate this one with validate / test",
+            weights_only=True,
+        )
 
 
 def check_fits_model(path, ckpt: Mapping[str, Any], model: torch.nn.Module) -> None:
@@ -727,6 +759,11 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+#: Callbacks whose settings :func:`config_differences` leaves out: Lightning's own and fedlightning's checkpointing
+#: (where and how often checkpoints are written does not change the training)
+_NOT_COMPARED = ("lightning.", "fedlightning.checkpoint.")
+
+
 def _compared(config: Mapping[str, Any]) -> dict[str, Any]:
     trainer = config.get("trainer") or {}
     callbacks = trainer.get("callbacks") if isinstance(trainer, Mapping) else None
@@ -735,7 +772,7 @@ def _compared(config: Mapping[str, Any]) -> dict[str, Any]:
     callbacks = [
         cb
         for cb in (callbacks or [])
-        if not (isinstance(cb, Mapping) and str(cb.get("class_path", "")).startswith("lightning."))
+        if not (isinstance(cb, Mapping) and str(cb.get("class_path", "")).startswith(_NOT_COMPARED))
     ]
     out: dict[str, Any] = {}
     for key in ("model", "data", "seed_everything"):
@@ -750,7 +787,8 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     **Stored configuration.** :class:`StoreConfigCallback` adds the run's resolved CLI configuration to every checkpoint
     under the top-level key ``fedlightning_config`` (the key :data:`CONFIG_KEY`); :func:`config_differences` lists the
     settings that decide the training trajectory (``model``, ``data``, ``seed_everything`` and the non-Lightning
-    ``trainer.callbacks``: strategies, schedules, telemetry) in which two such configurations differ. Every other
+    ``trainer.callbacks``: strategies, schedules, telemetry; not Lightning's callbacks nor
+    :class:`RoundCheckpoint`) in which two such configurations differ. Every other
     ``trainer`` setting (``max_steps`` included: extending a run is normal; devices, logger, validation interval) is
     not compared (ours).
     """

@@ -260,7 +260,8 @@ class FederatedCLI(LightningCLI):
             return
         path = self.config[sub].get("ckpt_path")
         if _is_local_file(path):
-            self._checked = (os.fspath(path), check_checkpoint(path, weights_only=self._weights_only(sub)))
+            checked = check_checkpoint(path, weights_only=self._weights_only(sub), resume=sub == "fit")
+            self._checked = (os.fspath(path), checked)
 
     def _weights_only(self, sub: str) -> bool | None:
         """The subcommand's ``--weights_only`` (Lightning's argument of fit / validate / test / predict; None if the
@@ -327,7 +328,7 @@ class FederatedCLI(LightningCLI):
         weights_only = self._weights_only(sub)
         path = given
         if given in _KEYWORDS:
-            path = self._resolve_keyword(given, weights_only)
+            path = self._resolve_keyword(given, weights_only, resume=sub == "fit")
             sub_config["ckpt_path"] = path
         if not _is_local_file(path):
             return
@@ -336,7 +337,7 @@ class FederatedCLI(LightningCLI):
             ckpt = self._checked[1]
             check_fits_model(path, ckpt, self.model)
         else:
-            ckpt = check_checkpoint(path, model=self.model, weights_only=weights_only)
+            ckpt = check_checkpoint(path, model=self.model, weights_only=weights_only, resume=sub == "fit")
         self._checked = None  # the trainer loads it again; do not keep a second copy in memory
         if sub != "fit":
             return
@@ -402,10 +403,15 @@ class FederatedCLI(LightningCLI):
         }
         return sorted(files)
 
-    def _resolve_keyword(self, keyword: str, weights_only: bool | None = None) -> str | None:
-        """``last`` / ``best`` -> a file (see the class docstring): the newest complete checkpoint by round."""
-        directories, _ = self._run_directories()
+    def _resolve_keyword(self, keyword: str, weights_only: bool | None = None, resume: bool = False) -> str | None:
+        """``last`` / ``best`` -> a file (see the class docstring): the newest complete checkpoint by round (``resume``:
+        one that can resume training, weights-only files skipped)."""
+        directories, base = self._run_directories()
         where = self._runs_description()
+        inside = os.path.join(os.path.abspath(base), "")
+        others = [d for d in directories if not os.path.join(d, "").startswith(inside)]  # a callback's own dirpath
+        if others:
+            where = f"{where} and {', '.join(others)}"
         removed = remove_interrupted_writes(directories)
         if removed:
             rank_zero_info(
@@ -414,16 +420,25 @@ class FederatedCLI(LightningCLI):
             )
         candidates = self._last_candidates()
         readable: list[tuple[tuple[int, float, str], dict[str, Any]]] = []
+        weights_only_files: list[str] = []
         for path in candidates:
             try:
-                ckpt = check_checkpoint(path, weights_only=weights_only, mmap=True)
+                ckpt = check_checkpoint(path, weights_only=weights_only, mmap=True, resume=resume)
                 readable.append(((checkpoint_round(ckpt), os.path.getmtime(path), path), ckpt))
             except CheckpointError as err:
                 if err.unsafe_type is not None:
                     raise  # a file that could run code is refused, never passed over silently
+                if err.weights_only:  # a ModelCheckpoint(save_weights_only=True) beside the full ones: one line
+                    weights_only_files.append(path)
+                    continue
                 rank_zero_warn(f"--ckpt_path {keyword}: skipped {err.summary_line()}")
             except (ValueError, OSError) as err:
                 rank_zero_warn(f"--ckpt_path {keyword}: skipped checkpoint {path}: {err}")
+        if weights_only_files:
+            rank_zero_info(
+                f"--ckpt_path {keyword}: passed over {len(weights_only_files)} weights-only checkpoint(s), which "
+                f"cannot resume training (e.g. {weights_only_files[-1]})"
+            )
         newest: tuple[tuple[int, float, str], dict[str, Any]] | None = None
         for key, ckpt in sorted(readable, key=lambda entry: entry[0], reverse=True):
             try:  # the memory-mapped read above does not read the tensors' bytes: their checksums, newest first
@@ -447,9 +462,10 @@ class FederatedCLI(LightningCLI):
         if newest is None:
             raise CheckpointError(f"best ({where})", "no complete checkpoint of this config's runs found; pass a file")
         (_, _, path), ckpt = newest
+        kinds = _checkpoint_callback_names()
         for key, state in (ckpt.get("callbacks") or {}).items():
             if (
-                str(key).startswith("ModelCheckpoint")
+                str(key).split("{", 1)[0] in kinds
                 and isinstance(state, dict)
                 and state.get("monitor")
                 and state.get("best_model_path")
@@ -474,6 +490,19 @@ class FederatedCLI(LightningCLI):
 
 
 # ====================================================================== helpers
+def _checkpoint_callback_names() -> set[str]:
+    """The class names of ``ModelCheckpoint`` and its subclasses (:class:`~fedlightning.checkpoint.RoundCheckpoint`
+    and any a config imported): the prefixes of their state keys in a checkpoint (Lightning's ``state_key``)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    names, todo = set(), [ModelCheckpoint]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
 def _class_name(value: Any) -> str:
     if isinstance(value, dict) or hasattr(value, "get"):
         try:

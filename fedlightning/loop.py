@@ -77,7 +77,7 @@ from fedlightning.callbacks.base import (
 from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.feddane import client_full_batches, client_full_gradient, client_full_rows
 from fedlightning.callbacks.progress import round_bar_for
-from fedlightning.checkpoint import CheckpointError, check_fits_model, global_model_state
+from fedlightning.checkpoint import CheckpointError, check_fits_model, check_resumable, global_model_state
 from fedlightning.client import LocalTrainer
 from fedlightning.datamodules.base import FederatedDataModule, WholeSplitSampler
 from fedlightning.distributed import named_collective
@@ -1194,6 +1194,9 @@ class FederatedLoop(pl.LightningModule):
         if trainer is not None:
             trainer.precision_plugin.convert_module(self)
             _say_nothing_to_train(trainer, checkpoint)
+            if trainer.state.fn == TrainerFn.FITTING:  # the file resumes training: it must hold the training state
+                check_resumable(str(trainer.ckpt_path), checkpoint)
+                self._check_server_optimizer_kind(trainer, checkpoint)
         self.client_state.load_state_dict(fed["client_state"])
         self.failed_clients_total = int(fed.get("failed_clients_total", 0))
         self.rounds_without_healthy_client = int(fed.get("rounds_without_healthy_client", 0))
@@ -1207,6 +1210,33 @@ class FederatedLoop(pl.LightningModule):
                 self._runtime.pending_module_optimizer_state = saved
         self._load_client_groups_state(fed.get("client_groups"))
         self.model.on_load_checkpoint(checkpoint)
+
+    def _check_server_optimizer_kind(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+        """Raise :class:`~fedlightning.checkpoint.CheckpointError` when the checkpoint's server optimizer is of another
+        kind than the one this run's strategy builds: its parameter groups have other settings (Adam's ``betas`` /
+        ``eps`` against SGD's ``momentum`` / ``dampening``), or other groups. torch's ``load_state_dict`` would load
+        it anyway, leaving one optimizer with both kinds' settings and Adam's moments in SGD's state. Decision
+        (ours): the flags that torch versions add (``foreach``, ``fused``, ``capturable``, ``differentiable``,
+        ``maximize``, ``decoupled_weight_decay``) do not count; in the command line, ``--resume_mismatch=allow`` does
+        not lift this refusal (it resumes with this run's settings of the same optimizer)."""
+        saved = checkpoint.get("optimizer_states")
+        if not saved or self.strategy is None:
+            return
+        groups = saved[0].get("param_groups") if isinstance(saved[0], dict) else None
+        if not isinstance(groups, list) or not groups:
+            return
+        fresh = self.strategy.configure_server_optimizer(self._global_params())
+        flags = {"params", "foreach", "fused", "capturable", "differentiable", "maximize", "decoupled_weight_decay"}
+        theirs = {k for g in groups if isinstance(g, dict) for k in g} - flags
+        ours = {k for g in fresh.param_groups for k in g} - flags
+        if theirs == ours and len(groups) == len(fresh.param_groups):
+            return
+        raise CheckpointError(
+            str(trainer.ckpt_path),
+            f"its server optimizer (settings {sorted(theirs)}, {len(groups)} group(s)) is not the kind "
+            f"{type(self.strategy).__name__} builds ({type(fresh).__name__}: settings {sorted(ours)}, "
+            f"{len(fresh.param_groups)} group(s)): a run cannot resume with another server optimizer",
+        )
 
     def _client_groups_state(self) -> dict[str, Any] | None:
         """How vectorised execution runs, as far as a measurement decided it: the group size in force (measured for

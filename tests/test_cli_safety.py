@@ -10,6 +10,7 @@
 * configuration errors end in one line ``error: <key>: <message>`` (exit code 1), full traceback on request.
 """
 
+import glob
 import os
 import subprocess
 import sys
@@ -637,3 +638,127 @@ def test_resume_mismatch_allow_trains_on_with_this_runs_server_settings(tmp_path
     assert resumed.trainer.global_step == 3
     assert resumed.trainer.optimizers[0].param_groups[0]["lr"] == 0.5
     assert float(resumed.trainer.callback_metrics["server/lr"]) == 0.5
+
+
+def test_last_passes_over_weights_only_checkpoints_and_an_explicit_one_is_one_line(tmp_path, monkeypatch, capsys):
+    """A ModelCheckpoint(save_weights_only=True) beside the full checkpoints writes newer files without optimizer
+    state or loop progress: --ckpt_path last picked the newest of them and Lightning failed with a KeyError at every
+    restart. It now passes over them (one line) and resumes the newest full checkpoint; an explicit weights-only file
+    is one error line for fit, and validate reads it."""
+    weights = tmp_path / "weights"
+    args = _tiny(
+        tmp_path,
+        "--trainer.callbacks+=fedlightning.checkpoint.RoundCheckpoint",
+        "--trainer.callbacks.save_last=true",
+        "--trainer.callbacks.every_n_train_steps=2",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={weights}",
+        "--trainer.callbacks.save_weights_only=true",
+        "--trainer.callbacks.every_n_train_steps=1",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.filename=w-{step}",
+    )
+    main(["fit", *args, "--trainer.max_steps", "3"])
+    assert sorted(os.listdir(weights)) == ["w-step=1.ckpt", "w-step=2.ckpt", "w-step=3.ckpt"]
+    infos = []
+    monkeypatch.setattr(cli_module, "rank_zero_info", infos.append)
+    resumed = main(["fit", *args, "--trainer.max_steps", "4", "--ckpt_path", "last"])
+    assert resumed.trainer.global_step == 4
+    assert infos[0] == (
+        f"--ckpt_path last: passed over 3 weights-only checkpoint(s), which cannot resume training (e.g. "
+        f"{weights / 'w-step=3.ckpt'})"
+    )
+    assert infos[1].startswith("--ckpt_path last: resuming from ") and "last.ckpt (round 3, " in infos[1]
+    assert infos[1].endswith(f" and {weights})")  # where it looked: the logger's runs and the callback's folder
+    line, _ = _exit_with_error(
+        capsys, ["fit", *args, "--trainer.max_steps", "5", "--ckpt_path", str(weights / "w-step=1.ckpt")]
+    )
+    assert line == (
+        f"error: checkpoint {weights / 'w-step=1.ckpt'}: a weights-only checkpoint (save_weights_only: no optimizer "
+        "state nor loop progress): it cannot resume training; resume a full checkpoint, or evaluate this one with "
+        "validate / test"
+    )
+    val = main(["validate", *args, "--trainer.limit_val_batches", "1.0", "--ckpt_path", str(weights / "w-step=1.ckpt")])
+    assert "val/acc" in val.trainer.callback_metrics
+    from conftest import make_trainer
+    from fedlightning.callbacks import FedAvg
+    from fedlightning.datamodules import DigitsDataModule
+
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[128], num_classes=10), local_steps=2, clients_per_round=2, seed=0)
+    with pytest.raises(CheckpointError, match="a weights-only checkpoint .* it cannot resume training"):
+        make_trainer(3, callbacks=[FedAvg()]).fit(
+            loop, datamodule=DigitsDataModule(num_clients=10, seed=0), ckpt_path=str(weights / "w-step=1.ckpt")
+        )
+
+
+def test_best_reads_the_best_file_a_round_checkpoint_with_a_monitor_records(tmp_path, monkeypatch):
+    """RoundCheckpoint(monitor=...) records its best file as ModelCheckpoint does; --ckpt_path best looked for
+    ModelCheckpoint's state key only and said no best model was recorded."""
+    args = _tiny(
+        tmp_path,
+        "--trainer.limit_val_batches",
+        "1.0",
+        "--trainer.val_check_interval",
+        "1",
+        "--trainer.callbacks+=fedlightning.checkpoint.RoundCheckpoint",
+        "--trainer.callbacks.monitor=val/acc",
+        "--trainer.callbacks.mode=max",
+        "--trainer.callbacks.save_last=true",
+    )
+    fit = main(["fit", *args, "--trainer.max_steps", "2"])
+    best = fit.trainer.checkpoint_callback.best_model_path
+    assert best and os.path.isfile(best)
+    val = main(["validate", *args, "--ckpt_path", "best"])
+    assert val.config_init["validate"]["ckpt_path"] == best
+
+
+def test_changing_only_where_and_how_often_round_checkpoints_are_written_resumes(tmp_path):
+    """RoundCheckpoint's settings do not change the training, so they are not compared (it was refused as a
+    settings mismatch, as Lightning's own ModelCheckpoint is not)."""
+    every = ["--trainer.callbacks+=fedlightning.checkpoint.RoundCheckpoint", "--trainer.callbacks.save_last=true"]
+    main(["fit", *_tiny(tmp_path, "--trainer.max_steps", "2", *every, "--trainer.callbacks.every_n_train_steps=2")])
+    resumed = main(
+        [
+            "fit",
+            *_tiny(tmp_path, "--trainer.max_steps", "3", *every, "--trainer.callbacks.every_n_train_steps=3"),
+            "--ckpt_path",
+            "last",
+        ]
+    )
+    assert resumed.trainer.global_step == 3
+
+
+def test_another_kind_of_server_optimizer_is_refused_even_when_settings_may_differ(tmp_path, capsys):
+    """A FedAdam checkpoint resumed into a FedAvg run with --resume_mismatch=allow trained on with one optimizer
+    holding SGD's and Adam's settings (torch's load_state_dict takes any groups of the same sizes); it is refused
+    naming both kinds, also from Python."""
+    adam = ["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks.server_lr=0.01"]
+    main(["fit", *_tiny(tmp_path / "adam", "--trainer.max_steps", "2", *adam)])
+    (ckpt,) = glob.glob(str(tmp_path / "adam" / "**" / "last.ckpt"), recursive=True)
+    fedavg = ["--trainer.callbacks+=fedlightning.callbacks.FedAvg"]
+    line, _ = _exit_with_error(
+        capsys,
+        [
+            "fit",
+            *_tiny(tmp_path / "avg", "--trainer.max_steps", "3", *fedavg),
+            "--ckpt_path",
+            ckpt,
+            "--resume_mismatch",
+            "allow",
+        ],
+    )
+    assert line.startswith(
+        f"error: checkpoint {ckpt}: its server optimizer (settings ['betas', 'eps', 'lr', 'rule'], 1"
+    )
+    assert line.endswith(
+        "is not the kind FedAvg builds (SGD: settings ['dampening', 'lr', 'momentum', 'nesterov', 'weight_decay'], 1 "
+        "group(s)): a run cannot resume with another server optimizer"
+    )
+    from conftest import make_trainer
+    from fedlightning.callbacks import FedAvg
+    from fedlightning.datamodules import DigitsDataModule
+
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[128], num_classes=10), local_steps=2, clients_per_round=2, seed=0)
+    trainer = make_trainer(3, callbacks=[FedAvg()])
+    with pytest.raises(CheckpointError, match="is not the kind FedAvg builds"):
+        trainer.fit(loop, datamodule=DigitsDataModule(num_clients=100, seed=0), ckpt_path=ckpt)
