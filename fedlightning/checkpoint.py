@@ -631,11 +631,48 @@ def check_checkpoint(
             f"unsupported fedlightning checkpoint format {fed.get('format')!r} (this version "
             f"reads format {FEDLIGHTNING_FORMAT})",
         )
+    _check_fedlightning_section(path, fed)
     if resume:
         check_resumable(path, ckpt)
     if model is not None:
         check_fits_model(path, ckpt, model)
     return ckpt
+
+
+def _client_id_key(key: Any) -> bool:
+    """An integer client id as the client state stores it (an int, or its decimal string)."""
+    if isinstance(key, bool):
+        return False
+    return isinstance(key, int) or (isinstance(key, str) and key.lstrip("-").isdigit())
+
+
+def _check_fedlightning_section(path, fed: Mapping[str, Any]) -> None:
+    """Raise :class:`CheckpointError` naming the first field of the ``fedlightning`` section that is not of the type
+    :meth:`~fedlightning.FederatedLoop.on_save_checkpoint` writes (a hand-edited or damaged file would otherwise fail
+    inside the restore with a traceback): ``client_state`` a mapping of namespaces to mappings of client ids, the
+    counters integers, ``module_optimizer`` and ``client_groups`` mappings or absent."""
+    state = fed.get("client_state", {})
+    bad = None
+    if not isinstance(state, Mapping):
+        bad = f"client_state is {type(state).__name__}, not a mapping"
+    else:
+        ns = next((k for k, v in state.items() if not isinstance(v, Mapping)), None)
+        if ns is not None:
+            bad = f"client_state[{ns!r}] is {type(state[ns]).__name__}, not a mapping of client ids"
+        else:
+            ids = next((c for v in state.values() for c in v if not _client_id_key(c)), None)
+            if ids is not None:
+                bad = f"client_state holds the client id {ids!r}, not an integer"
+    for key in ("failed_clients_total", "rounds_without_healthy_client"):
+        value = fed.get(key, 0)
+        if bad is None and (isinstance(value, bool) or not isinstance(value, int)):
+            bad = f"{key} is {value!r:.40}, not an integer"
+    for key in ("module_optimizer", "client_groups"):
+        value = fed.get(key)
+        if bad is None and value is not None and not isinstance(value, Mapping):
+            bad = f"{key} is {type(value).__name__}, not a mapping"
+    if bad is not None:
+        raise CheckpointError(path, f"its fedlightning section is malformed: {bad}")
 
 
 def check_resumable(path, ckpt: Mapping[str, Any]) -> None:

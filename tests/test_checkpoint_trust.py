@@ -436,6 +436,29 @@ def test_an_error_mid_round_saves_only_a_round_boundary(tmp_path, client_state):
 
 
 # ====================================================================== 4. --ckpt_path last: by round, temp files
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"client_state": "garbage"}, "client_state is str, not a mapping"),
+        ({"client_state": {"scaffold": [1, 2]}}, "client_state['scaffold'] is list, not a mapping of client ids"),
+        ({"client_state": {"scaffold": {"a": {}}}}, "client_state holds the client id 'a', not an integer"),
+        ({"failed_clients_total": "3"}, "failed_clients_total is '3', not an integer"),
+        ({"client_groups": [4]}, "client_groups is list, not a mapping"),
+    ],
+    ids=["client-state", "namespace", "client-id", "counter", "client-groups"],
+)
+@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+def test_a_malformed_fedlightning_section_is_one_line(trained, tmp_path, capsys, change, problem, subcommand):
+    """A hand-edited or damaged fedlightning section ended fit and validate in a traceback inside the restore
+    (AttributeError: 'str' object has no attribute 'items'); it is now the checkpoint's one error line."""
+    ckpt = dict(trained[1])
+    ckpt["fedlightning"] = {**ckpt["fedlightning"], **change}
+    path = tmp_path / "bad.ckpt"
+    torch.save(ckpt, path)
+    line = _exit_with_error(capsys, [subcommand, *_tiny(tmp_path), "--ckpt_path", str(path)])
+    assert line == f"error: checkpoint {path}: its fedlightning section is malformed: {problem}"
+
+
 def _with_round(trained, path, round_, mtime):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save({**trained[1], "global_step": round_}, path)
