@@ -8,6 +8,8 @@ The loop is seen here as the ``LightningModule`` it is (its ``log`` and its ``mo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -17,6 +19,10 @@ from torch import Tensor
 from fedlightning._lightning_compat import attached_trainer
 
 __all__ = ["_FORWARDED_HOOKS", "_LogRouter", "_forward_to_model"]
+
+
+#: The owner of a value logged outside a client's training (:attr:`_LogRouter.owner`)
+NO_CLIENT = -1
 
 
 class _LogRouter:
@@ -36,6 +42,10 @@ class _LogRouter:
         self.loop_ref = loop
         self.mode = mode
         self.captured: dict[str, list[Tensor]] = {}  # name -> values in logging order: scalars, or 1-d runs of them
+        #: name -> the client of each captured entry (an int; a 1-d int64 tensor for a run of values), NO_CLIENT for
+        #: values logged outside a client's training (the working copy's epoch hooks)
+        self.owners: dict[str, list[int | Tensor]] = {}
+        self.owner = NO_CLIENT  # the client whose training runs (set by the loop and the vectorised engine)
         self.metrics: dict[str, Any] = {}  # name -> torchmetrics Metric logged in training_step
         self.metric_paths: dict[str, str] = {}  # name -> the metric's module path in the working copy
         #: the module it is installed on: the working copy (capture mode), the global model (forward mode)
@@ -69,6 +79,48 @@ class _LogRouter:
         if isinstance(value, Tensor) and value.numel() == 1:
             value = value.detach()
             self.captured.setdefault(name, []).append(value if value.dim() == 0 else value.reshape(()))
+            self.owners.setdefault(name, []).append(self.owner)
+
+    @contextmanager
+    def owned_by(self, client: int) -> Iterator[None]:
+        """Values logged inside the block are ``client``'s."""
+        before, self.owner = self.owner, int(client)
+        try:
+            yield
+        finally:
+            self.owner = before
+
+    def save_capture(self) -> tuple[dict[str, list], dict[str, list]]:
+        """A copy of the captured values and their clients, for :meth:`restore_capture`."""
+        return ({k: list(v) for k, v in self.captured.items()}, {k: list(v) for k, v in self.owners.items()})
+
+    def restore_capture(self, saved: tuple[dict[str, list], dict[str, list]]) -> None:
+        self.captured, self.owners = saved
+
+    def capture_run(self, name: str, values: Tensor, clients: Tensor) -> None:
+        """A 1-d run of values of ``name`` and the client of each (the vectorised engine's round, at once)."""
+        self.captured.setdefault(name, []).append(values.reshape(-1))
+        self.owners.setdefault(name, []).append(clients.reshape(-1))
+
+    def keep_clients(self, clients: set[int]) -> None:
+        """Drop the captured values of every client not in ``clients`` (the round's healthy clients): a client left
+        out of the round (non-finite loss or update, screened out, raised) is left out of ``client/<name>`` too, as it
+        is of ``train/loss``. Values logged outside a client's training stay."""
+        keep = torch.tensor(sorted(clients | {NO_CLIENT}), dtype=torch.long)
+        for name, values in list(self.captured.items()):
+            owners = self.owners.get(name, [])
+            if all(isinstance(o, int) and (o in clients or o == NO_CLIENT) for o in owners):
+                continue
+            flat = _concat(values)
+            who = torch.cat(
+                [
+                    o.reshape(-1) if isinstance(o, Tensor) else torch.full((v.numel(),), o)
+                    for o, v in zip(owners, values)
+                ]
+            )
+            mask = torch.isin(who.to(torch.long), keep).to(flat.device)
+            self.captured[name] = [flat[mask]] if bool(mask.any()) else []
+            self.owners[name] = [who[mask.cpu()]] if bool(mask.any()) else []
 
     def log_dict(self, dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         if self.mode == "forward" and self._not_the_loops(self.module):
@@ -79,7 +131,7 @@ class _LogRouter:
 
     def pop_means(self) -> dict[str, float]:
         out = {f"client/{k}": float(_concat(v).float().mean()) for k, v in self.captured.items() if v}
-        self.captured = {}
+        self.captured, self.owners = {}, {}
         return out
 
     def pop_sums(self) -> dict[str, tuple[float, int]]:
@@ -89,7 +141,7 @@ class _LogRouter:
             if v:
                 values = _concat(v).double()
                 out[k] = (float(values.sum()), int(values.numel()))
-        self.captured = {}
+        self.captured, self.owners = {}, {}
         return out
 
     def compute_metrics(self) -> dict[str, float]:

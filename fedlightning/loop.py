@@ -139,6 +139,9 @@ class _Runtime:
     #: the global model's torchmetrics metrics computing without a sync, during a whole-split evaluation with
     #: several processes (:meth:`FederatedLoop._begin_evaluation`)
     evaluation: contextlib.ExitStack | None = None
+    #: ``(client, torchmetrics states before it trained)`` of the last sequential client
+    #: (:meth:`FederatedLoop.train_client`), put back when the round leaves that client out
+    metrics_before: tuple[int, list] | None = None
 
 
 class FederatedLoop(pl.LightningModule):
@@ -821,7 +824,9 @@ class FederatedLoop(pl.LightningModule):
             worker.model.train()
         opt, terms = self.prepare_client(plan, client_id, worker.params, reuse=True)
         gparams, gbuffers, float_mask = self._round_tensors(plan.round)
-        with self._client_optimizer_view(opt):
+        # what the client logs is its own (left out with it when the round leaves it out, _leave_out_logs)
+        self._runtime.metrics_before = (client_id, worker.metrics.save()) if worker.metrics else None
+        with self._client_optimizer_view(opt), worker.router.owned_by(client_id):
             update = worker.run(
                 client_id=client_id,
                 round=plan.round,
@@ -958,9 +963,26 @@ class FederatedLoop(pl.LightningModule):
                     break
             if pending and not tally.admit_all(plan, pending):  # the clients before a stop are admitted first
                 go_on = False
+            self._leave_out_logs(group, tally)
             if not go_on:
                 break
+        self._worker_trainer().router.keep_clients({h.client_id for h in tally.healthy})
         return tally
+
+    def _leave_out_logs(self, group: list[tuple[int, Any]], tally: RoundTally) -> None:
+        """The torchmetrics updates of a sequential client that the round left out (failed, screened out or raised)
+        undone, as its values logged with ``self.log`` are dropped at the end of the client training
+        (``keep_clients``): ``client/<name>`` covers the clients whose updates the round aggregates, as
+        ``train/loss`` does. Vectorised groups do not replay a failed client's metric calls (the engine's
+        ``_replay``); a client that only the aggregation checks leave out (``max_update_norm``, an update that could
+        overflow the round's sums) keeps its metric updates there."""
+        before = self._runtime.metrics_before
+        self._runtime.metrics_before = None
+        if before is None:
+            return
+        healthy = {h.client_id for h in tally.healthy}
+        if any(cid == before[0] and cid not in healthy for cid, _ in group):
+            MetricStates.restore(before[1])
 
     def _begin_client_training(self, plan: RoundPlan) -> Tensor:
         """The round's global weights as one flat vector; the client working copy set to the round (its

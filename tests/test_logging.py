@@ -1,11 +1,13 @@
 """Telemetry callbacks (RoundTimer, GlobalEvaluation), config logging with CSV/TensorBoard loggers through the
 CLI, the W&B mode policy, and bad input."""
 
+import copy
 import csv
 import functools
 import glob
 import os
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,7 @@ import fedlightning.cli as cli_module
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks.telemetry import GlobalEvaluation, RoundTimer
-from fedlightning.datamodules import Dirichlet
+from fedlightning.datamodules import IID, Dirichlet
 from fedlightning.logging import LogConfigCallback, wandb_mode
 from fedlightning.models import MLP
 from numerics import RTOL64, Digits64, rtol32, to_float64
@@ -430,3 +432,86 @@ def test_cli_installs_log_config_callback():
             "(FederatedCLI.__init__: kwargs.setdefault('save_config_callback', LogConfigCallback))"
         )
     assert sum(isinstance(cb, LogConfigCallback) for cb in cli.trainer.callbacks) == 1
+
+
+class _Chunks(IID):
+    """Client i gets samples [40 i, 40 i + 40) (a fixed split, for a test that poisons one client's samples)."""
+
+    def split(self, labels, num_clients, rng):
+        return [np.arange(40 * c, 40 * c + 40) for c in range(num_clients)]
+
+
+class _Poisoned(pl.LightningModule):
+    """A user's module logging its loss and a torchmetrics accuracy; a sample whose third element is 1 makes the
+    loss of its batch NaN (the client holding such samples fails with a non-finite training loss)."""
+
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        torch.manual_seed(3)
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        x, y, poison = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        loss = loss + torch.where(poison.any(), float("nan"), 0.0)  # a constant: no NaN in the others' gradients
+        self.acc(logits, y)
+        self.log("acc", self.acc)
+        self.log("myloss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_a_client_left_out_of_the_round_is_left_out_of_its_logged_values(mode):
+    """A client with a non-finite loss is skipped; its self.log values made client/<name> NaN for the round and its
+    torchmetrics updates counted. Now client/myloss and client/acc cover the healthy clients, as train/loss does:
+    with a learning rate of 0 the model stays at its initial weights, so both equal the initial model's loss and
+    accuracy over the healthy clients' batches (the data module's own loaders, recomputed here)."""
+    from sklearn.datasets import load_digits
+    from torch.utils.data import TensorDataset
+
+    from fedlightning.callbacks import FedAvg
+    from fedlightning.datamodules import FederatedDataModule
+
+    digits = load_digits()
+    x = torch.tensor(digits.data[:240] / 16.0, dtype=torch.float32)
+    y = torch.tensor(digits.target[:240], dtype=torch.long)
+    poison = torch.zeros(240, dtype=torch.bool)
+    poison[80:120] = True  # client 2
+    dm = FederatedDataModule.from_datasets(
+        TensorDataset(x, y, poison), None, partition=_Chunks(), num_clients=6, batch_size=10, val_fraction=0.0, seed=0
+    )
+    model = _Poisoned()
+    init = copy.deepcopy(model.net)
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+        local_steps=3,
+        clients_per_round=6,
+        seed=1,
+        client_execution=mode,
+    )
+    trainer = make_trainer(1, callbacks=[FedAvg()])
+    with pytest.warns(UserWarning, match=r"client 2 skipped \(non-finite training loss\)"):
+        trainer.fit(loop, datamodule=dm)
+    if mode == "vectorized":
+        assert loop.vectorized_engine is not None
+    losses, correct, total = [], 0, 0
+    for c in dm.sample_clients(0):
+        if c == 2:
+            continue
+        batches = iter(dm.client_dataloader(c, 0, seed=1))
+        for _ in range(3):
+            bx, by, _ = next(batches)
+            with torch.no_grad():
+                logits = init(bx)
+            losses.append(float(F.cross_entropy(logits, by)))
+            correct += int((logits.argmax(1) == by).sum())
+            total += len(by)
+    logged = trainer.callback_metrics
+    assert float(logged["round/failed_clients"]) == 1.0
+    assert abs(float(logged["client/myloss"]) - float(np.mean(losses))) < 1e-6
+    assert float(logged["client/acc"]) == pytest.approx(correct / total, abs=1e-7)

@@ -120,7 +120,7 @@ def client_full_gradient(
     worker.start_from(loop.global_parameters(), list(loop.model.buffers()), frozen)
     n, batches = client_full_batches(loop, client_id, batch_size)
     router = getattr(worker, "router", None)
-    saved_capture = {k: list(v) for k, v in router.captured.items()} if router is not None else None
+    saved_capture = router.save_capture() if router is not None else None
     # the torchmetrics metrics training_step updates count the round's local steps, not this evaluation's batches
     saved_metrics = worker.metrics.save() if worker.metrics is not None else None
     was_training = model.training
@@ -141,7 +141,7 @@ def client_full_gradient(
             p.grad = None
         model.train(was_training)
         if router is not None:
-            router.captured = saved_capture
+            router.restore_capture(saved_capture)
         if saved_metrics is not None:
             worker.metrics.restore(saved_metrics)
     return grad

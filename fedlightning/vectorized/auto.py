@@ -338,7 +338,7 @@ def _undo_on_failure(worker):
     metrics = getattr(worker, "metrics", None)
     saved_metrics = metrics.save() if metrics else None
     if router is not None:
-        lengths = {k: len(v) for k, v in router.captured.items()}
+        saved_capture = router.save_capture()
         saved_router = (dict(router.metrics), dict(router.metric_paths))
     try:
         yield
@@ -346,7 +346,7 @@ def _undo_on_failure(worker):
         if saved_metrics is not None:
             metrics.restore(saved_metrics)
         if router is not None:
-            router.captured = {k: v[: lengths[k]] for k, v in router.captured.items() if k in lengths}
+            router.restore_capture(saved_capture)
             router.metrics, router.metric_paths = saved_router
         raise
 
@@ -810,16 +810,17 @@ def _throwaway_logs(worker):
     router = getattr(worker, "router", None)
     metrics = getattr(worker, "metrics", None)
     saved_metrics = metrics.save() if metrics else None
-    saved_router = (router.captured, dict(router.metrics), dict(router.metric_paths)) if router is not None else None
+    saved_router = (router.save_capture(), dict(router.metrics), dict(router.metric_paths)) if router else None
     if router is not None:
-        router.captured = {}
+        router.restore_capture(({}, {}))
     try:
         yield
     finally:
         if saved_metrics is not None:
             metrics.restore(saved_metrics)
         if router is not None:
-            router.captured, router.metrics, router.metric_paths = saved_router
+            router.restore_capture(saved_router[0])
+            router.metrics, router.metric_paths = saved_router[1], saved_router[2]
 
 
 def _sync(device: torch.device) -> None:

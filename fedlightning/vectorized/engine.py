@@ -443,17 +443,19 @@ class VectorizedClientTrainer:
                     return None
             ragged.restore(W)
         rule.finalize(optimizers)
-        if log_sink:
-            _feed_router(router, log_sink)
-        if metric_sink:
-            _replay(self.call.metric_modules, metric_sink, C, router)
         try:
-            return self._updates(
+            updates = self._updates(
                 client_ids, W, global_flat, datamodule, record, num_steps, global_buffers, float_buffer_mask
             )
         finally:
             norms.stats = []
             norms.begin([])  # the last call's mask and counts (vmapped tensors) do not outlive the round
+        if log_sink:
+            _feed_router(router, log_sink, client_ids)
+        if metric_sink:  # a client the round leaves out (failed, raised) updates no metric, as sequentially
+            failed = frozenset(c for c, u in enumerate(updates) if isinstance(u, Exception) or u.failed)
+            _replay(self.call.metric_modules, metric_sink, C, router, client_ids=client_ids, skip=failed)
+        return updates
 
     def _updates(
         self,

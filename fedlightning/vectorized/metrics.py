@@ -277,16 +277,29 @@ class _Recorder:
 
 
 def _replay(
-    modules: Sequence[tuple[str, nn.Module]], steps: Sequence[_MetricStep], num_clients: int, router: Any = None
+    modules: Sequence[tuple[str, nn.Module]],
+    steps: Sequence[_MetricStep],
+    num_clients: int,
+    router: Any = None,
+    client_ids: Sequence[int] | None = None,
+    skip: frozenset[int] = frozenset(),
 ) -> None:
     """Make the recorded metric calls of a round outside vmap, client after client, each client's steps in order
-    (sequential training's order); values logged from them and metrics logged as objects go to ``router``."""
+    (sequential training's order); values logged from them and metrics logged as objects go to ``router`` (tagged
+    with the client, ``client_ids[c]``). The clients at the positions in ``skip`` (left out of the round: a
+    non-finite loss or update, or they raised) are not replayed, as sequential training undoes their metric
+    updates."""
     if not steps:
         return
     alive = [step.alive.tolist() if step.alive is not None else None for step in steps]
     as_update = [_forward_as_update(m) for _, m in modules]
+    owner = getattr(router, "owner", None)
     with torch.enable_grad():  # the router keeps values logged with gradients enabled (not a trial evaluation)
         for c in range(num_clients):
+            if c in skip:
+                continue
+            if router is not None and client_ids is not None:
+                router.owner = int(client_ids[c])
             for step, took in zip(steps, alive):
                 if took is not None and not took[c]:
                     continue
@@ -306,6 +319,7 @@ def _replay(
                     for name, i in step.logged:
                         router.log(name, results[i])
         if router is not None:
+            router.owner = owner
             for step in steps:
                 for name, i in step.metric_logs.items():
                     router.log(name, modules[i][1])

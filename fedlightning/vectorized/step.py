@@ -295,7 +295,11 @@ class _StepEvaluator:
             _set_rng_state(self.rng_after, self.rng_devices)
 
 
-def _feed_router(router, log_sink: list[tuple[list[tuple[str, Tensor]], Tensor | None, Tensor | None]]) -> None:
+def _feed_router(
+    router,
+    log_sink: list[tuple[list[tuple[str, Tensor]], Tensor | None, Tensor | None]],
+    client_ids: Sequence[int],
+) -> None:
     """Give the loop's log router one value per gradient evaluation of every client still training, as sequential
     training does (the router ignores a line search's trial evaluations, which run without gradients).
 
@@ -305,7 +309,8 @@ def _feed_router(router, log_sink: list[tuple[list[tuple[str, Tensor]], Tensor |
 
     ``log_sink`` holds, per gradient evaluation, the logged ``[C]`` values (sums over real samples on padded steps),
     the sample counts to divide them by (None: whole batches) and the mask of clients still training (None: all);
-    the values of all evaluations are divided and masked at once, in evaluation order."""
+    the values of all evaluations are divided and masked at once, in evaluation order, each tagged with its client
+    (``client_ids``: the client of each row), so that the round can leave out a client it leaves out."""
     by_name: dict[str, list[tuple[Tensor, Tensor | None, Tensor | None]]] = {}
     for logged, counts, evaluated in log_sink:
         for name, values in logged:
@@ -315,7 +320,9 @@ def _feed_router(router, log_sink: list[tuple[list[tuple[str, Tensor]], Tensor |
         if any(n is not None for _, n, _ in parts):
             ones = torch.ones(values.shape[1], dtype=torch.long, device=values.device)
             values = values / torch.stack([ones if n is None else n for _, n, _ in parts])  # x / 1 is exact
+        owners = torch.tensor(list(client_ids), dtype=torch.long).expand(values.shape[0], -1)
         if any(e is not None for _, _, e in parts):
             everyone = torch.ones(values.shape[1], dtype=torch.bool, device=values.device)
-            values = values[torch.stack([everyone if e is None else e for _, _, e in parts])]
-        router.captured.setdefault(name, []).append(values.reshape(-1))  # one 1-d run of the round's values
+            taken = torch.stack([everyone if e is None else e for _, _, e in parts])
+            values, owners = values[taken], owners[taken.cpu()]
+        router.capture_run(name, values.reshape(-1), owners.reshape(-1))  # one 1-d run of the round's values
