@@ -1025,6 +1025,7 @@ class FederatedLoop(pl.LightningModule):
             first_losses=[u[2] for u in summaries],
             mean_losses=[u[3] for u in summaries],
             pseudo_gradient=pseudo_gradient,
+            client_ids=[int(u[1]) for u in summaries],
         )
 
     def _end_round(self, result: RoundResult) -> None:

@@ -124,6 +124,7 @@ class RoundResult:
         metrics: scalar statistics of the round (train loss, η_g, ‖Δ‖, step-size statistics, ...); these are logged.
         first_losses / mean_losses: per healthy client, for schedules that need them (K-decay "error").
         pseudo_gradient: the aggregated flat Δ the server applied (None when no client was healthy).
+        client_ids: the healthy clients (of every process), in sampling order, as ``first_losses``.
     """
 
     plan: RoundPlan
@@ -133,6 +134,7 @@ class RoundResult:
     first_losses: list[float] = field(default_factory=list)
     mean_losses: list[float] = field(default_factory=list)
     pseudo_gradient: Tensor | None = None
+    client_ids: list[int] = field(default_factory=list)
 
 
 class RoundStatistics:

@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_trainer
 from fedlightning import FederatedLoop
-from fedlightning.callbacks import FedAvg, KDecay, RuntimeModel
+from fedlightning.callbacks import FedAvg, KDecay, RoundTimer, RuntimeModel
 from fedlightning.callbacks.kdecay import (
     ceil_cube_root,
     error_local_steps,
@@ -191,6 +191,39 @@ def test_runtime_model_in_the_loop():
         assert m["runtime/wall_clock_seconds"] == pytest.approx(wall, rel=1e-12)
         assert m["runtime/wall_clock_minutes"] == pytest.approx(wall / 60, rel=1e-12)
         assert m["runtime/sgd_steps"] == steps and m["runtime/client_sgd_steps"] == client_steps
+
+
+def test_runtime_model_with_local_epochs_counts_each_clients_own_steps():
+    """With local_epochs every client runs its own ⌈E·⌈n_i/b⌉⌉ steps: runtime/client_sgd_steps adds each client's
+    count (it added clients × the largest), runtime/sgd_steps the round's mean (round/local_steps), and W_r waits
+    for the slowest client (the largest count)."""
+    rec = Recorder()
+    torch.manual_seed(0)
+    loop = FederatedLoop(
+        LogisticRegression(input_dim=64, num_classes=10),
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.2),
+        local_epochs=1,
+        clients_per_round=4,
+        seed=1,
+    )
+    timer = RoundTimer()
+    timer.clock = iter([0.0, 1.0] * 3).__next__  # one second per round: client steps per second = the steps
+    trainer = make_trainer(3, callbacks=[RuntimeModel(seconds_per_batch=0.017), timer, rec])
+    trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0))
+    megabits = (64 * 10 + 10) * 32 / 1e6
+    wall, steps, client_steps = 0.0, 0.0, 0
+    for r in range(3):
+        counts = [u.num_steps for u in rec.updates[r]]
+        assert len(set(counts)) > 1  # the clients' counts differ
+        wall += megabits / 20 + max(counts) * 0.017 + megabits / 5
+        steps += sum(counts) / len(counts)
+        client_steps += sum(counts)
+        m = rec.metrics[r]
+        assert m["runtime/wall_clock_seconds"] == pytest.approx(wall, rel=1e-12)
+        assert m["runtime/sgd_steps"] == pytest.approx(steps, rel=1e-12)
+        assert m["runtime/client_sgd_steps"] == client_steps
+        assert m["round/local_steps"] == pytest.approx(sum(counts) / len(counts), rel=1e-12)
+    assert float(trainer.callback_metrics["time/client_steps_per_second"]) == sum(counts)  # RoundTimer's count
 
 
 # ============================================================================ the paper's runtime numbers

@@ -385,6 +385,10 @@ class RuntimeModel(FederatedCallback):
     ``runtime/wall_clock_minutes`` (cumulative), ``runtime/sgd_steps`` (cumulative ``Σ_r K_r`` per client) and
     ``runtime/client_sgd_steps`` (cumulative local steps summed over the participating clients).
 
+    With per-client step counts (``local_epochs``; decisions, ours): ``K_r`` in ``runtime/sgd_steps`` is the mean
+    of the round's clients' counts (``round/local_steps``), ``runtime/client_sgd_steps`` adds each healthy client's
+    own count, and ``W_r`` takes the largest count, the slowest client, which the round waits for.
+
     :class:`RuntimeModel` simulates the wall-clock of seed 004 Sec. 3.2 (homogeneous clients, so the straggler
     ``max`` is void): ``W_r = |x|/D + K_r·β + |x|/U`` seconds per round, and logs its cumulative sum with the
     cumulative local SGD steps ``Σ_r K_r`` (per client, as Table IV counts), so Table IV can be recomputed from a run.
@@ -412,11 +416,16 @@ class RuntimeModel(FederatedCallback):
 
     def on_round_end(self, trainer, pl_module, result) -> None:
         megabits = self.model_megabits if self.model_megabits is not None else self.megabits_of(pl_module)
-        k = int(result.plan.local_steps)
+        plan = result.plan
+        k = int(plan.local_steps)  # every client's K_r; with per-client counts (local_epochs) the largest
         w = simulated_round_seconds(megabits, k, self.seconds_per_batch, self.download_mbps, self.upload_mbps)
         self.wall_clock_seconds += w
-        self.sgd_steps += k
-        self.client_sgd_steps += float(result.metrics.get("round/clients", result.num_clients)) * k
+        if plan.client_steps is None:
+            self.sgd_steps += k
+            self.client_sgd_steps += float(result.metrics.get("round/clients", result.num_clients)) * k
+        else:
+            self.sgd_steps += sum(plan.steps_for(c) for c in plan.client_ids) / max(len(plan.client_ids), 1)
+            self.client_sgd_steps += float(sum(plan.steps_for(c) for c in result.client_ids))
         result.metrics.update(
             {
                 "runtime/round_seconds": w,
@@ -437,7 +446,7 @@ class RuntimeModel(FederatedCallback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wall_clock_seconds = float(state_dict["wall_clock_seconds"])
-        self.sgd_steps = int(state_dict["sgd_steps"])
+        self.sgd_steps = float(state_dict["sgd_steps"])  # fractional with local_epochs (a mean over clients)
         self.client_sgd_steps = float(state_dict["client_sgd_steps"])
 
     def __repr__(self) -> str:

@@ -56,7 +56,8 @@ class RoundTimer(FederatedCallback):
       the round times) and the round count are checkpointed, so a resumed run continues the totals; the moving window
       of ``rounds_per_second`` restarts with the process. Default window: 10 rounds.
     * The client-step count uses ``round/clients`` (healthy clients, reduced over all processes) times the round's
-      ``K_r``, as :class:`RuntimeModel` counts ``runtime/client_sgd_steps``.
+      ``K_r``, or with per-client counts (``local_epochs``) the sum of each healthy client's own, as
+      :class:`RuntimeModel` counts ``runtime/client_sgd_steps``.
     """
 
     #: the clock (seconds); replace on an instance to test with a deterministic clock
@@ -76,8 +77,12 @@ class RoundTimer(FederatedCallback):
         self._client_steps = 0.0
 
     def on_round_end(self, trainer, pl_module, result) -> None:
+        plan = result.plan
+        if plan.client_steps is not None:  # per-client counts (local_epochs): each healthy client's own
+            self._client_steps = float(sum(plan.steps_for(c) for c in result.client_ids))
+            return
         clients = float(result.metrics.get("round/clients", result.num_clients))
-        self._client_steps = clients * float(result.metrics.get("round/local_steps", result.plan.local_steps))
+        self._client_steps = clients * float(plan.local_steps)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._start is None:
