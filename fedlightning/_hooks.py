@@ -130,7 +130,8 @@ class _LogRouter:
             self.log(k, v, *args, **kwargs)
 
     def pop_means(self) -> dict[str, float]:
-        out = {f"client/{k}": float(_concat(v).float().mean()) for k, v in self.captured.items() if v}
+        # summed in float64 as pop_sums sums (a float64 run's values keep their precision)
+        out = {f"client/{k}": float(_concat(v).double().mean()) for k, v in self.captured.items() if v}
         self.captured, self.owners = {}, {}
         return out
 

@@ -30,6 +30,7 @@ __all__ = [
     "metric_reductions",
     "metric_state",
     "parse_configure_optimizers",
+    "preserved_metric_states",
     "progress_bar_options",
     "publish_step_metrics",
     "should_write_step_logs",
@@ -210,6 +211,21 @@ def unsynced_metrics(module: Any) -> Iterator[None]:
     finally:
         for m, on_compute, to_sync in saved:
             m.sync_on_compute, m._to_sync = on_compute, to_sync
+
+
+@contextmanager
+def preserved_metric_states(module: Any) -> Iterator[None]:
+    """Every torchmetrics ``Metric`` of ``module`` has the state after the block it had before (:func:`metric_state`),
+    also on an exception: for calls of a module's ``training_step`` that are not training (an evaluation), whose
+    metric updates would otherwise accumulate in the module's metrics."""
+    types = _metric_types()
+    saved = [(m, metric_state(m)) for m in module.modules() if types and isinstance(m, types)]
+    try:
+        yield
+    finally:
+        for metric, state in saved:
+            for key, value in state.items():
+                setattr(metric, key, value)
 
 
 def _metric_types() -> tuple[type, ...]:

@@ -212,6 +212,30 @@ def test_global_train_evaluation_generic_module_uses_training_step_loss():
     assert logger.series("train_eval/acc") == []
 
 
+def test_global_train_evaluation_leaves_the_modules_torchmetrics_as_they_were():
+    """GlobalEvaluation calls training_step on the global model of a module that is not a Classifier; the metric that
+    training_step updates kept every evaluated sample (1,564 on the digits) in the global model's state. Its state
+    after the evaluation is the one before."""
+    import torchmetrics
+
+    class WithMetric(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(64, 10)
+            self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            logits = self.net(x)
+            self.acc(logits, y)
+            return F.cross_entropy(logits, y)
+
+    ev = GlobalEvaluation(every_n_rounds=1, batch_size=100)
+    loop, _, logger = _small_run([ev], rounds=2, model=WithMetric())
+    assert len(logger.series("train_eval/loss")) == 2
+    assert int(loop.model.acc.tp.sum() + loop.model.acc.fn.sum()) == 0 and loop.model.acc._update_count == 0
+
+
 def test_global_evaluation_on_the_test_split():
     ev = GlobalEvaluation(split="test", every_n_rounds=1)
     loop, dm, logger = _small_run([ev], rounds=2)

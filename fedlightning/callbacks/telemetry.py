@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from fedlightning._lightning_compat import batches_that_stepped, evaluation_batch
+from fedlightning._lightning_compat import batches_that_stepped, evaluation_batch, preserved_metric_states
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import integer, one_of
 from fedlightning.callbacks.base import FederatedCallback
@@ -238,10 +238,11 @@ class GlobalEvaluation(FederatedCallback):
         model.eval()
         classifier = isinstance(model, Classifier)
         loss_sum, correct, count = 0.0, 0.0, 0.0
-        # the model's own self.log calls of training_step are discarded
+        # the model's own self.log calls of training_step are discarded, and its torchmetrics updates undone
         silenced = contextlib.nullcontext() if classifier else routed_logging(model, discard, discard)
+        kept = contextlib.nullcontext() if classifier else preserved_metric_states(model)
         try:
-            with silenced:
+            with silenced, kept:
                 for i, batch in enumerate(self._batches(dm)):
                     batch = evaluation_batch(model, batch, device)
                     if classifier:
