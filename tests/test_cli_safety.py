@@ -302,15 +302,19 @@ def test_best_without_a_monitored_checkpoint_is_an_error(trained, tmp_path, caps
     )
 
 
-def test_best_with_a_monitored_checkpoint_evaluates_that_file(tmp_path, monkeypatch):
-    """A ModelCheckpoint(monitor='val/acc') records its best file in last.ckpt; validate --ckpt_path best uses it."""
+@pytest.mark.parametrize(
+    "callback", ["lightning.pytorch.callbacks.ModelCheckpoint", "fedlightning.checkpoint.RoundCheckpoint"]
+)
+def test_best_with_a_monitored_checkpoint_evaluates_that_file(tmp_path, monkeypatch, callback):
+    """A ModelCheckpoint(monitor='val/acc') records its best file in last.ckpt; validate --ckpt_path best uses it.
+    So does a RoundCheckpoint (whose state key --ckpt_path best did not recognise)."""
     args = _tiny(
         tmp_path,
         "--trainer.limit_val_batches",
         "1.0",
         "--trainer.val_check_interval",
         "1",
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks+={callback}",
         "--trainer.callbacks.monitor=val/acc",
         "--trainer.callbacks.mode=max",
         "--trainer.callbacks.save_last=true",
@@ -689,27 +693,6 @@ def test_last_passes_over_weights_only_checkpoints_and_an_explicit_one_is_one_li
         make_trainer(3, callbacks=[FedAvg()]).fit(
             loop, datamodule=DigitsDataModule(num_clients=10, seed=0), ckpt_path=str(weights / "w-step=1.ckpt")
         )
-
-
-def test_best_reads_the_best_file_a_round_checkpoint_with_a_monitor_records(tmp_path, monkeypatch):
-    """RoundCheckpoint(monitor=...) records its best file as ModelCheckpoint does; --ckpt_path best looked for
-    ModelCheckpoint's state key only and said no best model was recorded."""
-    args = _tiny(
-        tmp_path,
-        "--trainer.limit_val_batches",
-        "1.0",
-        "--trainer.val_check_interval",
-        "1",
-        "--trainer.callbacks+=fedlightning.checkpoint.RoundCheckpoint",
-        "--trainer.callbacks.monitor=val/acc",
-        "--trainer.callbacks.mode=max",
-        "--trainer.callbacks.save_last=true",
-    )
-    fit = main(["fit", *args, "--trainer.max_steps", "2"])
-    best = fit.trainer.checkpoint_callback.best_model_path
-    assert best and os.path.isfile(best)
-    val = main(["validate", *args, "--ckpt_path", "best"])
-    assert val.config_init["validate"]["ckpt_path"] == best
 
 
 def test_changing_only_where_and_how_often_round_checkpoints_are_written_resumes(tmp_path):
