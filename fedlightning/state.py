@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -243,9 +244,11 @@ def derive_seed(*parts: int | str) -> int:
     Every random stream of a run is derived this way, never from a shared global generator, so that the same
     client in the same round sees the same randomness whether clients run sequentially, vectorised, or sharded
     over processes, and whether the run was resumed or not. A cryptographic hash (blake2b) keeps the streams
-    of neighbouring ``(round, client)`` pairs independent.
+    of neighbouring ``(round, client)`` pairs independent. An integer part counts by its value, whatever its type
+    (``numpy.int64(3)`` is ``3``: a callback that passes numpy client ids gets the client's own streams).
     """
-    h = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
+    parts = tuple(int(p) if isinstance(p, numbers.Integral) and not isinstance(p, bool) else p for p in parts)
+    h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 

@@ -79,3 +79,19 @@ def test_global_rng_is_not_consumed_by_training():
     make_trainer(2).fit(loop, datamodule=dm)
     # Lightning itself does not draw from the global RNG in this configuration, nor do we
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_numpy_client_ids_and_rounds_give_the_clients_own_batches():
+    """Seeds were hashed from the repr of their parts, so a callback passing numpy ids (np.int64(3), as a numpy
+    array of sampled clients gives them) drew another shuffle than the loop's own client_dataloader(3, ...)."""
+    dm = DigitsDataModule(num_clients=10, batch_size=8, partition=Dirichlet(0.5), seed=0)
+    dm.setup()
+    dm.configure_rounds(2, 2, seed=5)
+    ids = np.asarray(dm.sample_clients(1))
+    for c in ids:
+        ours = [b[1].tolist() for b in dm.client_dataloader(int(c), 1, seed=5)]
+        theirs = [b[1].tolist() for b in dm.client_dataloader(c, np.int64(1), seed=np.int32(5))]
+        assert ours == theirs
+    assert [b[1].tolist() for b in dm.client_dataloader(int(ids[0]), 1, seed=5)] != [
+        b[1].tolist() for b in dm.client_dataloader(int(ids[0]), 2, seed=5)
+    ]

@@ -179,18 +179,25 @@ def test_rows_finite():
 
 
 def test_feed_router_divides_and_masks_in_evaluation_order():
-    class Router:
-        captured = {}
+    """Each value is tagged with its client (the engine's rows are clients 11, 12, 13), so that keep_clients drops
+    a client the round leaves out."""
+    from fedlightning._hooks import _LogRouter
 
-    router = Router()
+    router = _LogRouter(loop=None, mode="capture")
     v1, v2, v3 = torch.tensor([2.0, 4.0, 6.0]), torch.tensor([1.0, 2.0, 3.0]), torch.tensor([9.0, 8.0, 7.0])
     counts = torch.tensor([2, 4, 3])
     alive = torch.tensor([True, False, True])
     _feed_router(
-        router, [([("a", v1)], counts, None), ([("a", v2), ("b", v2)], None, alive), ([("a", v3)], counts, alive)]
+        router,
+        [([("a", v1)], counts, None), ([("a", v2), ("b", v2)], None, alive), ([("a", v3)], counts, alive)],
+        [11, 12, 13],
     )
     assert _concat(router.captured["a"]).tolist() == [1.0, 1.0, 2.0, 1.0, 3.0, 4.5, float(torch.tensor(7.0) / 3)]
     assert _concat(router.captured["b"]).tolist() == [1.0, 3.0]
+    assert _concat(router.owners["a"]).tolist() == [11, 12, 13, 11, 13, 11, 13]
+    router.keep_clients({11, 12})
+    assert _concat(router.captured["a"]).tolist() == [1.0, 1.0, 1.0, 4.5]
+    assert _concat(router.captured["b"]).tolist() == [1.0]
 
 
 def test_log_router_means_mix_scalars_and_runs_in_order():
@@ -202,7 +209,7 @@ def test_log_router_means_mix_scalars_and_runs_in_order():
     router = _LogRouter(loop=None, mode="capture")
     router.captured = {"a": [values[0], values[1:30], values[30], values[31:]], "b": list(values.unbind(0))}
     means = router.pop_means()
-    assert means["client/a"] == means["client/b"] == float(torch.stack(list(values.unbind(0))).mean())
+    assert means["client/a"] == means["client/b"] == float(torch.stack(list(values.unbind(0))).double().mean())
     assert router.captured == {}
 
 
