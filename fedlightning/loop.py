@@ -966,7 +966,8 @@ class FederatedLoop(pl.LightningModule):
             self._leave_out_logs(group, tally)
             if not go_on:
                 break
-        self._worker_trainer().router.keep_clients({h.client_id for h in tally.healthy})
+        if tally.failed:  # clients left out of the round: left out of client/<name> too
+            self._worker_trainer().router.keep_clients({h.client_id for h in tally.healthy})
         return tally
 
     def _leave_out_logs(self, group: list[tuple[int, Any]], tally: RoundTally) -> None:
