@@ -667,7 +667,10 @@ def test_a_data_error_under_vectorized_clients_points_to_the_client(mode):
     )  # fmt: skip
     trainer = make_trainer(1)
     if mode == "vectorized":
-        with pytest.raises(VectorizationUnsupportedError, match=r"IndexError: .*names the client whose batch raises"):
+        # torch raises IndexError from its nll kernel, or RuntimeError from the gather of the decomposition that vmap
+        # takes once some earlier call in the process registered it (torch's state, not the engine's)
+        raised = r"(IndexError|RuntimeError): .*out of bounds.*names the client whose batch raises"
+        with pytest.raises(VectorizationUnsupportedError, match=raised):
             trainer.fit(loop, datamodule=dm)
         return
     with pytest.warns(UserWarning, match=r"round 0: client \d+ skipped \(IndexError") as caught:
