@@ -297,10 +297,11 @@ def test_scaffold_control_variates_by_hand():
     assert_vec(p.grad, [0.0, 0.0])
     u = upd(0, [0.2, 0.4], step_sizes=[0.1, 0.1])
     s.on_client_end(None, loop, plan, u)
-    # c_0+ = c_0 − c + Δ/(Kη) = [0.2, 0.4]/0.2 = [1, 2]
-    assert_vec(loop.client_state.get("scaffold", 0)["control"], [1.0, 2.0])
+    # c_0+ = c_0 − c + Δ/(Kη) = [0.2, 0.4]/0.2 = [1, 2], stored when the round admits the client (accumulate)
+    assert loop.client_state.get("scaffold", 0) is None
     assert_vec(u.payload["scaffold_control_delta"], [1.0, 2.0])
     server_round(s, loop, opt, [u])
+    assert_vec(loop.client_state.get("scaffold", 0)["control"], [1.0, 2.0])
     assert_vec(s.server_control, [0.25, 0.5])  # c += Σ Δc_i / N, N = 4
     assert_vec(loop.w, [0.8, 0.6])  # w − η_g Δ
     # round 1, client 0 again: the term's gradient is c − c_0 = [−0.75, −1.5], and it is zero at w_t
@@ -312,6 +313,7 @@ def test_scaffold_control_variates_by_hand():
     assert_vec(p.grad, [-0.75, -1.5])
     u = upd(0, [0.1, 0.0], step_sizes=[0.05, 0.05])
     s.on_client_end(None, loop, RoundPlan(1, [0], 1), u)
+    server_round(s, loop, opt, [u], round=1)
     assert_vec(loop.client_state.get("scaffold", 0)["control"], [1.0 - 0.25 + 1.0, 2.0 - 0.5 + 0.0])
     # a client without positive step sizes cannot form option II: it is marked failed, its variate untouched
     bad = upd(1, [0.1, 0.0], step_sizes=[0.0])
@@ -379,3 +381,39 @@ def test_bad_arguments_raise_clear_errors(make, match):
 def test_feddane_gradient_sample_larger_than_population_is_rejected():
     with pytest.raises(ValueError, match="gradient_clients_per_round"):
         run([FedDANE(gradient_clients_per_round=50)], rounds=1)
+
+
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+def test_scaffold_keeps_the_control_variate_of_a_client_the_aggregation_checks_leave_out(execution):
+    """on_client_end ran before the aggregation checks, so a client that max_update_norm left out stored its c_i⁺
+    while its change never reached c: c = (1/N) Σ_i c_i (both start at 0) was off by 38 %. c_i⁺ is now stored when the
+    client is admitted; the invariant holds in float64 and a client left out in every round it was sampled has no
+    c_i."""
+    import warnings
+
+    from fedlightning.datamodules import DigitsDataModule
+
+    torch.manual_seed(1)
+    model = MLP(input_dim=64, hidden=[16], num_classes=10).double()
+    loop = FederatedLoop(
+        model, client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=5, clients_per_round=10, seed=3,
+        max_update_norm=0.6, client_execution=execution,
+    )  # fmt: skip
+    scaffold, rec = Scaffold(), Recorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(2, callbacks=[scaffold, rec], precision="64-true").fit(
+            loop, datamodule=DigitsDataModule(num_clients=24, batch_size=20, partition=Dirichlet(0.3), seed=0)
+        )
+    skipped = set()  # (round, client) left out by max_update_norm
+    for w in caught:
+        text = str(w.message)
+        if "max_update_norm" in text:
+            skipped.add((int(text.split("round ")[1].split(":")[0]), int(text.split("client ")[1].split()[0])))
+    healthy = {u.client_id for r, ups in enumerate(rec.updates) for u in ups if (r, u.client_id) not in skipped}
+    assert skipped and healthy
+    stored = loop.client_state.state_dict()["scaffold"]
+    assert set(stored) == healthy  # only admitted clients have a c_i
+    mean_ci = sum(v["control"] for v in stored.values()) / 24
+    c = scaffold.server_control
+    assert float((c - mean_ci).norm()) <= 1e-12 * float(c.norm())

@@ -24,6 +24,10 @@ __all__ = ["Scaffold"]
 NAMESPACE = "scaffold"
 
 
+#: The payload key of a client's new control variate ``c_i⁺``, stored when the client is admitted
+_NEW_CONTROL = "scaffold_new_control"
+
+
 class Scaffold(ServerStrategy):
     r"""SCAFFOLD, option II.
 
@@ -53,6 +57,9 @@ class Scaffold(ServerStrategy):
       client optimizers (ours).
     * Weighting: uniform mean of the client deltas (``weighting="uniform"``, the paper); ``"samples"`` is offered.
     * Only healthy clients update ``c_i``; a failed client keeps its old control variate and contributes nothing.
+      ``c_i⁺`` is computed in ``on_client_end`` and stored when the round admits the client (``accumulate``, after
+      the aggregation checks: a client that ``max_update_norm`` or an overflowing update leaves out keeps its
+      ``c_i``, so ``c = (1/N) Σ_i c_i`` holds).
     * Storage: ``c_i`` lives in ``loop.client_state`` (namespace ``"scaffold"``, checkpointed by the loop), one
       model-sized vector per client that has participated; ``c`` is this strategy's checkpointed state.
     * Option I (``c_i^+`` = gradient at ``w_t`` on fresh data) is not implemented.
@@ -67,6 +74,7 @@ class Scaffold(ServerStrategy):
     def __init__(self, server_lr: float = 1.0, weighting: str = "uniform"):
         super().__init__(server_lr=server_lr, weighting=weighting)
         self.server_control: Tensor | None = None
+        self._client_state: Any = None  # the loop's ClientStateStore (set in on_client_end, written in accumulate)
 
     # ------------------------------------------------------------------ helpers
     def _server_control(self, like: Tensor) -> Tensor:
@@ -104,12 +112,18 @@ class Scaffold(ServerStrategy):
         old = self.client_control(pl_module, update.client_id, delta)
         new = old - self._server_control(delta) + delta / total
         update.payload["scaffold_control_delta"] = new - old
-        pl_module.client_state.set(NAMESPACE, update.client_id, {"control": new.detach()})
+        # c_i⁺ is stored when the round admits the client (accumulate): the aggregation checks run after this hook
+        update.payload[_NEW_CONTROL] = new.detach()
+        self._client_state = pl_module.client_state
 
     # ------------------------------------------------------------------ server side
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
         super().accumulate(stats, update)
-        stats.add("scaffold_control_delta", update.payload["scaffold_control_delta"])
+        control_delta = update.payload["scaffold_control_delta"]
+        stats.add("scaffold_control_delta", control_delta)
+        new = update.payload.pop(_NEW_CONTROL, None)
+        if new is not None and bool(torch.isfinite(new).all()):  # a non-finite one fails the client (unsafe_entry)
+            self._client_state.set(NAMESPACE, update.client_id, {"control": new})
 
     def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan):
         delta = self.mean_delta(stats)
