@@ -210,7 +210,9 @@ class FederatedLoop(pl.LightningModule):
             non-finite or could overflow (:meth:`~fedlightning.callbacks.RoundStatistics.unsafe_entry`). The warning
             gives the update norm. ``‖Δ_i‖²`` is the float64 reduction the round's sums use anyway; the check adds
             one host read per client. Callbacks' ``on_client_end`` runs before these checks, and a client's
-            optimizer state (``persist_client_state``) is stored before them: a client left out here keeps it.
+            optimizer state (``persist_client_state``) is stored before them: a client left out here keeps the
+            state its local steps reached (the client's own, as on a device). SCAFFOLD's ``c_i``, whose change the
+            server's ``c`` must receive, is stored only for admitted clients.
 
             **Server step check** (ours). After the server optimizer stepped, the global parameters and the floating
             tensors of the server optimizer's state are checked (one max-norm): if one is non-finite, both are put
