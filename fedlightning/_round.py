@@ -552,11 +552,7 @@ def server_step(
     n_clients = float(stats["clients"].item()) if "clients" in stats else 0.0
     metrics: dict[str, float] = {"round/clients": n_clients, "round/failed_clients": float(stats["failed"].item())}
     # the planned local steps of the round's clients (their mean with per-client counts, local_epochs)
-    metrics["round/local_steps"] = (
-        float(plan.local_steps)
-        if plan.client_steps is None
-        else sum(plan.steps_for(c) for c in plan.client_ids) / max(len(plan.client_ids), 1)
-    )
+    metrics["round/local_steps"] = plan.mean_local_steps()
     # client/lr: the learning rate the round's clients trained with (their optimizer's first parameter group,
     # after the client scheduler's steps and the round's client_lr_scale); absent for optimizers without "lr"
     if client_lr is not None and client_lr[0] == plan.round and client_lr[1] is not None:

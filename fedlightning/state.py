@@ -68,6 +68,12 @@ class RoundPlan:
             return self.local_steps
         return self.client_steps[client_id]
 
+    def mean_local_steps(self) -> float:
+        """The mean local step count of the round's clients (``local_steps`` without per-client counts)."""
+        if self.client_steps is None:
+            return float(self.local_steps)
+        return sum(self.steps_for(c) for c in self.client_ids) / max(len(self.client_ids), 1)
+
     def with_steps(self, steps: int) -> RoundPlan:
         """A copy of this plan in which every client runs ``steps`` local steps (``client_steps`` dropped)."""
         return dataclasses.replace(self, local_steps=int(steps), client_steps=None)
@@ -136,6 +142,14 @@ class RoundResult:
     mean_losses: list[float] = field(default_factory=list)
     pseudo_gradient: Tensor | None = None
     client_ids: list[int] = field(default_factory=list)
+
+    def healthy_local_steps(self) -> float:
+        """The local steps of the round's healthy clients, summed: each one's own count with per-client counts
+        (``local_epochs``), else ``round/clients`` times ``K``."""
+        plan = self.plan
+        if plan.client_steps is not None:
+            return float(sum(plan.steps_for(c) for c in self.client_ids))
+        return float(self.metrics.get("round/clients", self.num_clients)) * plan.local_steps
 
 
 class RoundStatistics:

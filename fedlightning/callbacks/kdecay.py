@@ -420,12 +420,8 @@ class RuntimeModel(FederatedCallback):
         k = int(plan.local_steps)  # every client's K_r; with per-client counts (local_epochs) the largest
         w = simulated_round_seconds(megabits, k, self.seconds_per_batch, self.download_mbps, self.upload_mbps)
         self.wall_clock_seconds += w
-        if plan.client_steps is None:
-            self.sgd_steps += k
-            self.client_sgd_steps += float(result.metrics.get("round/clients", result.num_clients)) * k
-        else:
-            self.sgd_steps += sum(plan.steps_for(c) for c in plan.client_ids) / max(len(plan.client_ids), 1)
-            self.client_sgd_steps += float(sum(plan.steps_for(c) for c in result.client_ids))
+        self.sgd_steps += k if plan.client_steps is None else plan.mean_local_steps()
+        self.client_sgd_steps += result.healthy_local_steps()
         result.metrics.update(
             {
                 "runtime/round_seconds": w,

@@ -77,12 +77,7 @@ class RoundTimer(FederatedCallback):
         self._client_steps = 0.0
 
     def on_round_end(self, trainer, pl_module, result) -> None:
-        plan = result.plan
-        if plan.client_steps is not None:  # per-client counts (local_epochs): each healthy client's own
-            self._client_steps = float(sum(plan.steps_for(c) for c in result.client_ids))
-            return
-        clients = float(result.metrics.get("round/clients", result.num_clients))
-        self._client_steps = clients * float(plan.local_steps)
+        self._client_steps = result.healthy_local_steps()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._start is None:

@@ -315,12 +315,13 @@ def _feed_router(
     for logged, counts, evaluated in log_sink:
         for name, values in logged:
             by_name.setdefault(name, []).append((values, counts, evaluated))
+    clients = torch.tensor(list(client_ids), dtype=torch.long)
     for name, parts in by_name.items():
         values = torch.stack([v.float() for v, _, _ in parts])  # [evaluations, C]
         if any(n is not None for _, n, _ in parts):
             ones = torch.ones(values.shape[1], dtype=torch.long, device=values.device)
             values = values / torch.stack([ones if n is None else n for _, n, _ in parts])  # x / 1 is exact
-        owners = torch.tensor(list(client_ids), dtype=torch.long).expand(values.shape[0], -1)
+        owners = clients.expand(values.shape[0], -1)
         if any(e is not None for _, _, e in parts):
             everyone = torch.ones(values.shape[1], dtype=torch.bool, device=values.device)
             taken = torch.stack([everyone if e is None else e for _, _, e in parts])
