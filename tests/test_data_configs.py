@@ -146,3 +146,23 @@ def test_config_tables_list_every_config_and_every_link_resolves():
     assert not unlisted, f"configs missing from the docs/configs.md tables: {unlisted}"
     count = re.search(r"(\d+) configs in all \((\d+) `\*_cpu`\)", page)
     assert count and (int(count.group(1)), int(count.group(2))) == (len(CONFIGS), len(CPU_CONFIGS))
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.endswith("_fedlils.yaml")], ids=_rel)
+def test_seed_002_line_search_starts_at_one_and_grows_to_the_cap(path):
+    """Seed 002's reference code: first trial step init_step_size = 1, grown by γ = 2 per local epoch, capped at
+    eta_max = 10 here (its theory's η ∈ (0, η_max]). The config's client optimizer on f = ½·0.05·w² (Armijo holds
+    for every η ≤ 36), one batch per epoch, takes 1, 2, 4, 8, 10, 10."""
+    from fedlightning.optim import SgdArmijo
+
+    with open(path) as f:
+        spec = yaml.safe_load(f)["model"]["client_optimizer"]
+    assert spec["class_path"] == "fedlightning.optim.SgdArmijo"
+    w = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+    opt = SgdArmijo([w], **spec["init_args"], n_batches_per_epoch=1)
+    steps = []
+    for _ in range(6):
+        opt.zero_grad()
+        opt.step(lambda: 0.025 * (w * w).sum())
+        steps.append(opt.last_step["step_size"])
+    assert steps == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]

@@ -300,6 +300,56 @@ def test_grow_needs_epoch_length():
     assert explicit._epoch_exponent("x") == pytest.approx(1 / 8)
 
 
+@pytest.mark.parametrize(
+    "eta_max,expected",
+    [
+        # 1-D a = 0.4, c = 0.1, β = 0.5: η* = 2·0.9/0.4 = 4.5; init 1, δ = 2 per step (one batch per epoch).
+        # Cap 10: 1, 2, 4 accepted, then 8 rejected -> 4 (the step grows past its first value)
+        (10.0, [(1.0, 0), (2.0, 0), (4.0, 0), (4.0, 1)]),
+        # cap 1.5: 1 ok, min(2, 1.5) = 1.5 ok, then 1.5 again
+        (1.5, [(1.0, 0), (1.5, 0), (1.5, 0), (1.5, 0)]),
+    ],
+)
+def test_init_step_size_starts_below_the_cap_and_grows(eta_max, expected):
+    """Seed 002's reference code starts at init_step_size = 1 and grows from there; eta_max stays the cap."""
+    w = torch.nn.Parameter(torch.tensor([1.0], dtype=DT))
+    opt = SgdArmijo(
+        [w], eta_max=eta_max, init_step_size=1.0, c=0.1, beta=0.5, reset="grow", delta=2.0, n_batches_per_epoch=1
+    )
+    closure = quadratic([w], [torch.tensor([0.4], dtype=DT)])
+    value = 1.0
+    for eta, backtracks in expected:
+        opt.zero_grad()
+        opt.step(closure)
+        value *= 1 - 0.4 * eta
+        assert opt.last_step["step_size"] == eta and opt.last_step["backtracks"] == backtracks
+        assert w.item() == pytest.approx(value, rel=1e-14)
+    # a new round (the loop builds a new optimizer) starts at init_step_size again, or carries the last step
+    fresh = SgdArmijo([w], eta_max=eta_max, init_step_size=1.0, reset="grow", n_batches_per_epoch=1)
+    assert fresh.initial_step_size() == 1.0
+    carried = SgdArmijo(
+        [w], eta_max=eta_max, init_step_size=1.0, reset="last", n_batches_per_epoch=1, carry_step_size=True
+    )
+    assert carried.initial_step_size() == 1.0
+    carried.set_client_state(opt.get_client_state())
+    assert carried.initial_step_size() == expected[-1][0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(eta_max=1.0, init_step_size=2.0, reset="grow"), r"init_step_size=2\.0 exceeds eta_max=1\.0"),
+        (dict(eta_max=1.0, init_step_size=0.5, reset="max"), r"init_step_size=0\.5 has no effect with reset='max'"),
+        (dict(init_step_size=0.0, reset="grow"), "init_step_size"),
+        (dict(init_step_size=float("nan"), reset="grow"), "init_step_size"),
+    ],
+)
+def test_bad_init_step_size_is_refused(kwargs, match):
+    w = torch.nn.Parameter(torch.tensor([1.0], dtype=DT))
+    with pytest.raises(ValueError, match=match):
+        SgdArmijo([w], **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "kwargs,match",

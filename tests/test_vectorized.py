@@ -11,6 +11,7 @@ float32 results against a tolerance derived from a float64 reference.
 """
 
 import copy
+import math
 import warnings
 
 import lightning.pytorch as pl
@@ -406,6 +407,48 @@ def test_masked_backtracking_matches_analytic_quadratic(mode):
         expected_w += sizes[u.client_id] * (1 - eta * a) ** steps * w0
     expected_w /= sum(sizes)
     assert_close64(model.w.detach(), expected_w)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_init_step_size_below_the_cap_grows_per_client(mode):
+    """Seed 002's start: ``init_step_size`` 1 below the cap ``eta_max`` 10 with ``reset="grow"``. On f = ½a‖w‖²
+    client a accepts the largest grid point η_0 β^m ≤ 1.8/a, with η_0 = 1 at its first step and
+    min(η_{k−1}·δ^{1/⌈n/b⌉}, 10) after; the steps are recomputed here in Python floats, client by client."""
+    curvatures = [0.1, 0.3, 3.0, 10.0]
+    sizes = [3, 5, 4, 6]  # batch 4: 1, 2, 1, 2 batches per epoch
+    steps, beta = 4, 0.5
+    model = Quadratic()
+    w0 = model.w.detach().clone()
+    rec = Recorder()
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: SgdArmijo(
+            p, eta_max=10.0, init_step_size=1.0, beta=beta, c=0.1, reset="grow", delta=2.0
+        ),
+        local_steps=steps,
+        clients_per_round=4,
+        seed=0,
+        client_execution=mode,
+    )
+    make_trainer(1, callbacks=[FedAvg(weighting="samples"), rec]).fit(
+        loop, datamodule=CurvatureClients(curvatures, sizes)
+    )
+    expected_w = torch.zeros_like(w0)
+    grew = False
+    for u in rec.updates:
+        a, n = curvatures[u.client_id], sizes[u.client_id]
+        growth, prev, etas = 2.0 ** (1 / math.ceil(n / 4)), None, []
+        for _ in range(steps):
+            eta = 1.0 if prev is None else min(prev * growth, 10.0)
+            while eta > 1.8 / a:
+                eta *= beta
+            etas.append(eta)
+            prev = eta
+        grew = grew or max(etas) > 1.0
+        assert u.step_sizes == pytest.approx(etas, rel=1e-12)
+        expected_w += n * math.prod(1 - eta * a for eta in etas) * w0
+    assert grew  # some client's step grew past init_step_size, which eta_max as the start would never allow
+    assert_close64(model.w.detach(), expected_w / sum(sizes))
 
 
 # ---------------------------------------------------------------------------------------------- failures

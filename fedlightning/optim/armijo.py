@@ -53,13 +53,21 @@ class SgdArmijo(ClosureOptimizer):
     ``"grow"`` opt 2         :math:`\min\{\eta_{k-1}\,\delta^{1/\lceil n/b\rceil},\ \eta_{l,\max}\}`
     =========  ============  =====================================================================================
 
-    and :math:`\eta_0 = \eta_{l,\max}` at the first step (Algorithm 3, ``k = 1``).
+    and :math:`\eta_0 = \eta_{l,\max}` at the first step (Algorithm 3, ``k = 1``), or ``init_step_size`` where given.
 
     Decisions the papers leave open ("Painless Federated Learning", Alg. 2 and 3; the reference Sls code of Vaswani
     et al.), all ours unless a source is named:
 
     * **Cap of ``"grow"``**: the grown step is capped at ``eta_max`` (Vaswani et al.'s paper and seed 000's theory
       assume :math:`\eta \in (0, \eta_{l,\max}]`; the current reference Sls code has no cap).
+    * **First step below the cap** (``init_step_size``): seed 002's reference code starts every client's search at
+      ``init_step_size = 1`` and lets ``"grow"`` raise the step from there, with ``eta_max = 10`` enforced only in
+      its Goldstein branch (digest of seed 002, §2.2 defaults); with ``eta_max`` as both start and cap, as in seed
+      000 and Vaswani et al., a step could never grow past its first value. ``init_step_size`` is the first trial step
+      of a client's first search (of each round, or of the run with ``carry_step_size``) under ``"last"`` /
+      ``"grow"``, and ``eta_max`` stays the cap, as seed 002's theory assumes (:math:`\eta \in (0, \eta_{\max}]`,
+      its Lemma 2). It must not exceed ``eta_max``; with ``"max"`` every search starts at ``eta_max``, so it is
+      refused there.
     * **Growth of ``"grow"``: at most** :math:`\delta` **per local epoch.** Seed 000 and Vaswani et al. write
       :math:`\delta^{b/n}` per step so that one epoch (:math:`n/b` steps) grows the step by :math:`\delta`; the
       reference Sls code passes ``n_batches_per_epoch = n/b`` for the same intent. We use the steps one epoch of the
@@ -114,6 +122,9 @@ class SgdArmijo(ClosureOptimizer):
         params: parameters or param groups (all groups must share the hyperparameters: one step size for all).
         eta_max: :math:`\eta_{l,\max}`, the upper bound and first trial step. Default 1.0 (the reference Sls
             ``init_step_size``; seed 000 does not report its value).
+        init_step_size: the first trial step of a client's first search, at most ``eta_max``, for ``reset="last"`` /
+            ``"grow"`` (above). Default None: ``eta_max`` (seed 000 Alg. 3, Vaswani et al.). Seed 002's configs:
+            1.0 with ``eta_max`` 10.0 (its reference code).
         c: Armijo constant in (0, 1). Default 0.1 (Vaswani et al. 2019).
         beta: backtracking factor :math:`\beta \in (0, 1)`. Default 0.9 (Vaswani et al. 2019).
         reset: ``"max"`` (seed 000 opt 1, default: the policy its theory analyses), ``"last"`` (opt 0) or
@@ -147,6 +158,7 @@ class SgdArmijo(ClosureOptimizer):
         max_backtracks: int = 100,
         grad_tol: float = 1e-8,
         carry_step_size: bool = False,
+        init_step_size: float | None = None,
     ):
         eta_max = positive("eta_max", eta_max)
         c = in_range("c", c, 0.0, 1.0, low_closed=False)
@@ -157,9 +169,28 @@ class SgdArmijo(ClosureOptimizer):
         max_backtracks = integer("max_backtracks", max_backtracks, 0)
         grad_tol = non_negative("grad_tol", grad_tol)
         carry_step_size = flag("carry_step_size", carry_step_size)
+        if init_step_size is not None:
+            init_step_size = positive("init_step_size", init_step_size)
+            if init_step_size > eta_max:
+                raise ValueError(
+                    f"SgdArmijo: init_step_size={init_step_size!r} exceeds eta_max={eta_max!r}; the first trial step "
+                    "must lie in (0, eta_max]"
+                )
+            if reset == "max":
+                raise ValueError(
+                    f"SgdArmijo: init_step_size={init_step_size!r} has no effect with reset='max' (every search starts "
+                    "at eta_max); use reset='last' or 'grow', or leave init_step_size unset"
+                )
         exponent = epoch_exponent(n_batches_per_epoch, batch_size, num_samples)
         defaults = dict(
-            eta_max=eta_max, c=c, beta=beta, reset=reset, delta=delta, max_backtracks=max_backtracks, grad_tol=grad_tol
+            eta_max=eta_max,
+            c=c,
+            beta=beta,
+            reset=reset,
+            delta=delta,
+            max_backtracks=max_backtracks,
+            grad_tol=grad_tol,
+            init_step_size=init_step_size,
         )
         super().__init__(params, defaults)
         self._explicit_exponent = exponent
@@ -177,7 +208,8 @@ class SgdArmijo(ClosureOptimizer):
         if prev is None and self.carry_step_size:
             prev = self._carried_step
         growth = self.per_step_growth() if (h["reset"] == "grow" and prev is not None) else 1.0
-        return rules.armijo_initial_step(h["reset"], h["eta_max"], math.nan if prev is None else prev, growth)
+        prev = math.nan if prev is None else prev
+        return rules.armijo_initial_step(h["reset"], h["eta_max"], prev, growth, h.get("init_step_size"))
 
     # ------------------------------------------------------------------ step
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:  # type: ignore[override]

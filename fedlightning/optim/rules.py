@@ -123,14 +123,17 @@ def armijo_powers(beta: float, max_backtracks: int) -> tuple[float, ...]:
     return tuple(beta**m for m in range(max_backtracks + 2))
 
 
-def armijo_initial_step(reset: str, eta_max: float, prev: Value, growth: float | Value = 1.0) -> Value:
-    """:math:`\\eta_0` of the next search from :math:`\\eta_{k-1}` (``prev``; NaN: none yet, then ``eta_max``):
-    ``"max"``: ``eta_max``; ``"last"``: :math:`\\eta_{k-1}`; ``"grow"``: :math:`\\min\\{\\eta_{k-1}\\,\\text{growth},
-    \\eta_{\\max}\\}` with ``growth`` :math:`= \\delta^{1/\\lceil n/b\\rceil}` (:func:`per_step_growth`)."""
+def armijo_initial_step(
+    reset: str, eta_max: float, prev: Value, growth: float | Value = 1.0, init: float | None = None
+) -> Value:
+    """:math:`\\eta_0` of the next search from :math:`\\eta_{k-1}` (``prev``; NaN: none yet, then ``init``, whose
+    default None means ``eta_max``): ``"max"``: ``eta_max``; ``"last"``: :math:`\\eta_{k-1}`; ``"grow"``:
+    :math:`\\min\\{\\eta_{k-1}\\,\\text{growth}, \\eta_{\\max}\\}` with ``growth``
+    :math:`= \\delta^{1/\\lceil n/b\\rceil}` (:func:`per_step_growth`)."""
     if reset == "max":
         return _full_like(prev, eta_max)
     start = prev if reset == "last" else _minimum(prev * growth, eta_max)
-    return _where(prev != prev, eta_max, start)
+    return _where(prev != prev, eta_max if init is None else init, start)
 
 
 def armijo_accepts(trial_loss: Value, loss: Value, grad_sq: Value, c: float, eta: Value) -> Value:

@@ -731,6 +731,7 @@ class _BatchedArmijo(BatchedRule):
         super().__init__(optimizers, params, device, grad_clip)
         hp = dict(optimizers[0].hyper)
         self.eta_max, self.c, self.reset = hp["eta_max"], hp["c"], hp["reset"]
+        self.init_step = hp.get("init_step_size")
         self.max_backtracks, self.grad_tol = hp["max_backtracks"], hp["grad_tol"]
         self.device = device
         C = len(optimizers)
@@ -752,7 +753,10 @@ class _BatchedArmijo(BatchedRule):
         self._clients: dict[tuple[int, ...], Tensor] = {}  # a trial call's [P] client indices, by pairs per client
 
     def initial_step_size(self) -> list[float]:
-        return [rules.armijo_initial_step(self.reset, self.eta_max, p, gr) for p, gr in zip(self.prev, self.growth)]
+        return [
+            rules.armijo_initial_step(self.reset, self.eta_max, p, gr, self.init_step)
+            for p, gr in zip(self.prev, self.growth)
+        ]
 
     def step(self, W: Tensor, ev: _StepEvaluator, record: StepRecord, alive: Tensor) -> None:
         loss, g = ev.gradient(W, alive)
