@@ -253,12 +253,14 @@ def test_client_objective_terms(optimizer):
 def test_logged_client_metrics_match(optimizer):
     """self.log calls inside training_step (Classifier logs train/batch_loss) reach the loop's client/ metrics with
     the same per-round mean as sequentially (one value per gradient evaluation; line-search trials are not logged).
-    Logged values are float32: the round's mean of CPR·K of them agrees to numerics.rtol32(CPR·K + 1)."""
-    seq = fit(mlp(), optimizer, "sequential", rounds=2)
-    vec = fit(mlp(), optimizer, "vectorized", rounds=2)
-    a = seq[3].callback_metrics["client/train/batch_loss"]
-    b = vec[3].callback_metrics["client/train/batch_loss"]
-    assert float(b) == pytest.approx(float(a), rel=rtol32(CPR * K + 1))
+    A float64 run logs float64 values in both modes: the means agree to float64 rounding, and a float32 run's to
+    numerics.rtol32(CPR·K + 1)."""
+    for float64 in (True, False):
+        seq = fit(mlp(float64), optimizer, "sequential", rounds=2, float64=float64)
+        vec = fit(mlp(float64), optimizer, "vectorized", rounds=2, float64=float64)
+        a = seq[3].callback_metrics["client/train/batch_loss"]
+        b = vec[3].callback_metrics["client/train/batch_loss"]
+        assert float(b) == pytest.approx(float(a), rel=RTOL64 if float64 else rtol32(CPR * K + 1))
 
 
 class TiedMLP(Classifier):

@@ -252,3 +252,143 @@ def test_a_tensor_kept_on_the_module_is_refused_by_name_and_auto_trains_sequenti
     auto = _train(Smoothed(history), "auto")
     for k in seq:
         assert torch.equal(auto[k], seq[k]), k
+
+
+class CallCounter(pl.LightningModule):
+    """Counts its training_step calls on ``self`` (a Python int) and anneals its loss with the count; or, with
+    ``flag``, only sets a bool once (a one-time action), which leaves the same value in either mode."""
+
+    def __init__(self, flag=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(6, 2, dtype=torch.float64)
+        self.flag, self.calls, self.started = flag, 0, False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.head(x), y)
+        if self.flag:
+            self.started = True
+            return loss
+        self.calls += 1
+        return min(1.0, self.calls / 20) * loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("partition", ["iid", "dirichlet"])
+def test_a_number_changed_on_the_module_is_refused_by_name_and_auto_trains_sequentially(partition):
+    """Sequential clients call training_step once per local step; the clients in lockstep call it
+    once per step for all of them, so a counter on the module would count other calls and anneal another loss.
+    The first batched call finds the change, puts the counter back and refuses by name (with padded Dirichlet
+    clients too, where the loss's dependence on the call count would otherwise be blamed on the loss not being a
+    mean); "auto" trains sequentially, equal to sequential training bit for bit. A bool set once is not refused."""
+
+    def train(net, mode):
+        dm = FederatedDataModule.from_datasets(
+            TensorDataset(X, Y),
+            partition=Dirichlet(alpha=0.5) if partition == "dirichlet" else None,
+            num_clients=8,
+            batch_size=6,
+            seed=0,
+            val_fraction=0,
+        )
+        loop = FederatedLoop(net, local_steps=3, clients_per_round=4, seed=0, client_execution=mode)
+        make_trainer(2).fit(loop, datamodule=dm)
+        return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"changes the number attributes 'calls' \(0 -> \d+\)"):
+        train(CallCounter(), "vectorized")
+    seq, got = train(CallCounter(), "sequential"), train(CallCounter(), "auto")
+    for k in seq:
+        assert torch.equal(got[k], seq[k]), k
+    flagged_seq, flagged_vec = train(CallCounter(flag=True), "sequential"), train(CallCounter(flag=True), "vectorized")
+    for k in flagged_seq:
+        torch.testing.assert_close(flagged_vec[k], flagged_seq[k], rtol=1e-12, atol=1e-14)
+
+
+class ReadsItsOptimizer(pl.LightningModule):
+    """Scales its loss by the learning rate its client optimizer holds (``self.trainer.optimizers``), or reads the
+    client schedulers (``self.trainer.lr_scheduler_configs``)."""
+
+    def __init__(self, what="optimizers"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(6, 2, dtype=torch.float64)
+        self.what = what
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.head(x), y)
+        if self.what == "optimizers":
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        else:
+            lr = 0.5 if len(self.trainer.lr_scheduler_configs) == 1 else 1.0
+        self.log("lr_seen", lr)
+        return 10 * lr * loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)}
+
+
+@pytest.mark.parametrize("what", ["optimizers", "lr_scheduler_configs"])
+def test_reading_the_trainers_optimizers_is_refused_by_name_and_auto_trains_sequentially(what):
+    """A sequential client's training_step finds its own optimizer (lr 0.1, then 0.05 after the round's scheduler
+    step) and schedulers on the trainer; the clients in lockstep have no single one to show (the server's SGD with lr
+    1.0 was there), so the read refuses by name and "auto" trains sequentially, equal to sequential bit for bit."""
+    with pytest.raises(
+        VectorizationUnsupportedError, match=rf"training_step of ReadsItsOptimizer reads self\.trainer\.{what}"
+    ):
+        _train(ReadsItsOptimizer(what), "vectorized")
+    seq, auto = _train(ReadsItsOptimizer(what), "sequential"), _train(ReadsItsOptimizer(what), "auto")
+    for k in seq:
+        assert torch.equal(auto[k], seq[k]), k
+
+
+class WritesShared(pl.LightningModule):
+    """Writes values that differ by client into a tensor every client shares: an EMA of the loss (a buffer of shape
+    []), class counts (a buffer of shape [2]) or an EMA copy of its weights (parameters without gradient)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(6, 2, dtype=torch.float64)
+        self.kind = kind
+        self.register_buffer("loss_ema", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("class_counts", torch.zeros(2, dtype=torch.float64))
+        self.teacher = torch.nn.Linear(6, 2, dtype=torch.float64).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.head(x), y)
+        if self.kind == "loss_ema":
+            self.loss_ema.mul_(0.9).add_(0.1 * loss.detach())
+        elif self.kind == "class_counts":
+            self.class_counts += F.one_hot(y, 2).sum(0)
+        else:
+            self.teacher.weight.mul_(0.9).add_(0.1 * self.head.weight.detach())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "kind,named",
+    [
+        ("loss_ema", r"'loss_ema' of shape \[\]"),
+        ("class_counts", r"'class_counts'.* of shape \[2\]"),
+        ("teacher", r"'teacher\.weight' of shape \[2, 6\]"),
+    ],
+)
+def test_a_per_client_write_into_a_shared_tensor_names_it(kind, named):
+    """Such a write fails under vmap with torch's "output with shape [...] doesn't match the broadcast shape";
+    the refusal names the shared tensors of that shape and says what the write is, and "auto" trains sequentially,
+    equal to sequential bit for bit."""
+    with pytest.raises(VectorizationUnsupportedError, match=rf"in place into a tensor all clients share .*{named}"):
+        _train(WritesShared(kind), "vectorized")
+    seq, auto = _train(WritesShared(kind), "sequential"), _train(WritesShared(kind), "auto")
+    for k in seq:
+        assert torch.equal(auto[k], seq[k]), k

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fedlightning._lightning_compat import attached_trainer, strategy_optimizers
 from fedlightning._logging_route import routed_logging
 from fedlightning.client import BufferSlots
 from fedlightning.objectives import AnchoredTerm, term_value
@@ -101,7 +103,7 @@ class _LogCollector:
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 return
-            # returned from vmap as it is; detached, made a scalar and float32 outside (see _logged_value)
+            # returned from vmap as it is; detached and made a scalar outside (see rows._logged_value)
         else:
             value = torch.tensor(float(value))
         self._keep(name, value)
@@ -142,10 +144,53 @@ def _full_precision(device: torch.device):
 _MODULE_KEYS: set[str] = set()  # the attributes every LightningModule has (its own state, not the user's)
 
 
+class _LockstepOptimizers:
+    """``trainer.optimizers`` / ``trainer.lr_scheduler_configs`` while the clients run in lockstep: any read refuses
+    the module, naming what was read. Decision (ours): a sequential client's ``training_step`` reads its own
+    optimizer there (``self.trainer.optimizers[0].param_groups[0]["lr"]``, its state) and its client schedulers;
+    the clients in lockstep have one optimizer each and a single ``training_step`` call, so no one object is right
+    for all of them, and the server's (what the trainer holds between clients) would be silently wrong."""
+
+    def __init__(self, model: nn.Module, what: str):
+        self._message = (
+            f"client_execution='vectorized': training_step of {type(model).__name__} reads self.trainer.{what}; "
+            "a sequential client reads its own there, while the clients in lockstep run one training_step call for "
+            "all of them (each with its own optimizer). Use client_execution='sequential' (or 'auto')"
+        )
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise VectorizationUnsupportedError(self._message)
+
+    __getitem__ = __iter__ = __len__ = __bool__ = __contains__ = _refuse
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._refuse()
+
+
+@contextmanager
+def _lockstep_optimizers(model: nn.Module):
+    """Within the block, the model's trainer holds :class:`_LockstepOptimizers` for its optimizers and scheduler
+    configs (as before afterwards)."""
+    trainer = attached_trainer(model)
+    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    if strategy is None:
+        yield
+        return
+    refused = _LockstepOptimizers(model, "optimizers"), _LockstepOptimizers(model, "lr_scheduler_configs")
+    with strategy_optimizers(strategy, *refused):
+        yield
+
+
+#: ``size`` of a number attribute in :func:`_tensor_attributes`.
+_NUMBER = -2
+
+
 def _tensor_attributes(model: nn.Module) -> dict[tuple[int, str], tuple[nn.Module, str, Any, int | None]]:
     """The user's attributes of ``model``'s modules (torchmetrics metrics aside: their states are replayed per
     client): ``(id(module), name) -> (module, name, value, size)``; ``size`` is the length of a list, tuple or dict
-    holding a tensor, -1 for a tensor, None for anything else."""
+    holding a tensor, -1 for a tensor, :data:`_NUMBER` for an int or float (not a bool), None for anything else."""
     if not _MODULE_KEYS:
         import lightning.pytorch as pl
 
@@ -161,6 +206,8 @@ def _tensor_attributes(model: nn.Module) -> dict[tuple[int, str], tuple[nn.Modul
             size = None
             if isinstance(value, Tensor):
                 size = -1
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                size = _NUMBER
             elif isinstance(value, (list, tuple, dict)):
                 items = value.values() if isinstance(value, dict) else value
                 if any(isinstance(v, Tensor) for v in items):
@@ -388,6 +435,7 @@ class _ModelCall:
                 routed_logging(self.model, self.collector.log, self.collector.log_dict),
                 _shadowed_forwards(self.forwards),
                 upcast,
+                _lockstep_optimizers(self.model),
             ):
                 yield
         finally:
@@ -434,29 +482,61 @@ class _ModelCall:
     def _check_attributes(self, before: dict[tuple[int, str], tuple[nn.Module, str, Any, int | None]]) -> None:
         """Raise :class:`VectorizationUnsupportedError` naming a tensor attribute of the model's modules that the
         first batched call set or grew (``self.ema = 0.9 * self.ema + 0.1 * loss``, ``self.history.append(loss)``),
-        after putting every such attribute back as it was. Decision (ours): each sequential client reads and
-        writes its own value; the clients in lockstep would leave one batched value there (which sequential
-        training cannot read after a fallback), so the module is refused (``"auto"`` trains it sequentially)."""
+        or a number attribute it changed (``self.calls += 1``), after putting every such attribute back as it was.
+        Decision (ours): each sequential client reads and writes its own value, and calls ``training_step`` once per
+        local step and line-search trial; the clients in lockstep would leave one batched value there (which
+        sequential training cannot read after a fallback), and call ``training_step`` once for all of them, so a
+        counter would count other calls. The module is refused (``"auto"`` trains it sequentially). A bool flag
+        (``self.logged_once = True``) ends as sequential training leaves it and is not checked."""
         after = _tensor_attributes(self.model)
-        changed = [
-            (module, key)
-            for k, (module, key, value, size) in after.items()
-            if size is not None and (k not in before or before[k][2] is not value or before[k][3] != size)
-        ]
+        changed = []
+        for k, (module, key, value, size) in after.items():
+            if size is None:
+                continue
+            old = before.get(k)
+            if size == _NUMBER:
+                if old is None or old[3] != _NUMBER or old[2] != value:
+                    changed.append((module, key, f" ({'unset' if old is None else old[2]!r} -> {value!r})"))
+            elif old is None or old[2] is not value or old[3] != size:
+                changed.append((module, key, ""))
         if not changed:
             return
-        for module, key in changed:
+        for module, key, _ in changed:
             kept = before.get((id(module), key))
             if kept is None:
                 delattr(module, key)
             else:
                 object.__setattr__(module, key, kept[2])
         names = {id(m): n for n, m in self.model.named_modules()}
-        where = ", ".join(f"'{(names[id(m)] + '.') if names[id(m)] else ''}{k}'" for m, k in changed)
+        where = ", ".join(f"'{(names[id(m)] + '.') if names[id(m)] else ''}{k}'{how}" for m, k, how in changed)
+        if all(how for _, _, how in changed):
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized': training_step of {type(self.model).__name__} changes the number "
+                f"attributes {where} of the module; each sequential client calls training_step once per local step "
+                "(and per line-search trial), the clients in lockstep call it once for all of them, so the values "
+                "would differ. Use client_execution='sequential' (or 'auto')"
+            )
         raise VectorizationUnsupportedError(
             f"client_execution='vectorized': training_step of {type(self.model).__name__} stores tensors in the "
             f"module's attributes ({where}); each sequential client keeps its own, the clients in lockstep would "
             "share one. Use client_execution='sequential' (or 'auto')"
+        )
+
+    def shared_write_hint(self, err: BaseException) -> str:
+        """For an error that an in-place write into a tensor all clients share raises under vmap (``output with shape
+        [..] doesn't match the broadcast shape [..]``: ``self.ema.mul_(0.9).add_(0.1 * loss)``, ``self.counts +=
+        bincount(y)``, an EMA copy without gradient), a sentence naming the model's shared tensors of the written
+        shape (buffers, parameters without gradient); "" for any other error."""
+        found = re.search(r"output with shape \[([0-9, ]*)\] doesn't match the broadcast shape", str(err))
+        if found is None:
+            return ""
+        shape = tuple(int(n) for n in found.group(1).replace(" ", "").split(",") if n)
+        shared = [name for name, t in self._shared_buffers if tuple(t.shape) == shape]
+        shared += [name for name, p in self.model.named_parameters() if not p.requires_grad and tuple(p.shape) == shape]
+        which = f" ({', '.join(repr(n) for n in shared)} of shape {list(shape)})" if shared else ""
+        return (
+            "training_step writes values that differ by client in place into a tensor all clients share "
+            f"(a buffer or a parameter without gradient{which}); each sequential client writes its own"
         )
 
     def _check_buffers(self, versions: list[int]) -> None:
@@ -612,9 +692,9 @@ class _ModelCall:
         :meth:`~fedlightning.vectorized.rows._InterceptedRows.values` returned): the step's own intercepted loss of
         the check's row (the sum of its real cells over their count) and its logged values take the place of a
         second call on the padded row, so the check costs one ``training_step`` call (the row's real samples alone,
-        without gradients). Logged values, which the engine reports in float32, are compared at float32's
-        tolerance. Run only where :meth:`_check_interception` would run in the same precision (no autocast) on a
-        model without random layers."""
+        without gradients). Logged values are compared at their dtype's tolerance (float32's for anything but
+        float64). Run only where :meth:`_check_interception` would run in the same precision (no autocast) on a model
+        without random layers."""
         sums, logged = result[-2], result[-1]
         r, k = self._interception_row(mask)
         real, real_logged = self._real_row(views, batch, r, k, step, stats)
@@ -629,9 +709,10 @@ class _ModelCall:
         rtol, atol = _tolerance(self.dtype, device)
         if not _close(mine[0], theirs[0], rtol, atol):
             return _loss_mismatch(k, mask.shape[1], theirs[0], mine[0])
-        rtol, atol = _tolerance(torch.float32, device)  # logged values are reported in float32
         real_values = dict(zip(found, theirs[1:]))
-        for name, value in zip(names, mine[1:]):
+        for (name, logged_value), value in zip(logged, mine[1:]):
+            dtype = torch.float64 if logged_value.dtype == torch.float64 else torch.float32
+            rtol, atol = _tolerance(dtype, device)
             if name not in real_values or not _close(value, real_values[name], rtol, atol):
                 return _logged_mismatch(name, k, mask.shape[1], value, real_values.get(name))
         return None

@@ -107,8 +107,16 @@ class _ModuleTracker:
 
 def _logged_value(value: Tensor, batch_dims: int) -> Tensor:
     """A logged one-element value as it left vmap (``[R, *shape]`` or ``[R, n_max, *shape]``), detached, with its
-    one element per row / cell, as float32: what ``value.detach().reshape(()).float()`` gives inside vmap."""
-    return value.detach().reshape(value.shape[:batch_dims]).float()
+    one element per row / cell, as :func:`_as_logged` keeps it."""
+    return _as_logged(value.detach().reshape(value.shape[:batch_dims]))
+
+
+def _as_logged(value: Tensor) -> Tensor:
+    """``value`` in the dtype its per-round mean is taken from: float32 and float64 values as they are (a sequential
+    client's logged value keeps its dtype, and the round's mean is summed in float64:
+    :meth:`~fedlightning._hooks._LogRouter.pop_means`), other dtypes (half precision, integers, bool) in float64,
+    which holds each of their values exactly."""
+    return value if value.dtype in (torch.float32, torch.float64) else value.double()
 
 
 def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
@@ -122,7 +130,7 @@ def _padded_result(cells: Tensor, mask: Tensor, as_loss: list[str], kept: list[t
     values logged as the loss tensor itself (their sums are the loss sums, not computed twice); ``kept`` are the
     other logged ``[R, n_max]`` values."""
     sums = _masked_sum(cells.detach() if want_cells else cells, mask)
-    logged = [(name, sums.detach().float()) for name in as_loss] + [(n, _masked_sum(v, mask)) for n, v in kept]
+    logged = [(name, _as_logged(sums.detach())) for name in as_loss] + [(n, _masked_sum(v, mask)) for n, v in kept]
     return (cells, sums, logged) if want_cells else (sums, logged)
 
 
@@ -210,11 +218,16 @@ class _TracedRows:
                 raise
             except Exception as err:  # noqa: BLE001 - re-raised with the layer that failed
                 where = tracker.failed_in or f"the model ({type(call.model).__name__})"
+                hint = call.shared_write_hint(err)
+                after = (
+                    f": {hint}. Use client_execution='sequential' (or 'auto')"
+                    if hint
+                    else ". Use client_execution='sequential' (or 'auto' to fall back automatically); an error of the "
+                    "data or the model itself (a target out of range) then names the client whose batch raises it"
+                )
                 raise VectorizationUnsupportedError(
                     f"client_execution='vectorized' failed in {where} while running the clients under "
-                    f"torch.func.vmap: {type(err).__name__}: {str(err).rstrip('.')}. Use "
-                    "client_execution='sequential' (or 'auto' to fall back automatically); an error of the data or "
-                    "the model itself (a target out of range) then names the client whose batch raises it"
+                    f"torch.func.vmap: {type(err).__name__}: {str(err).rstrip('.')}{after}"
                 ) from err
             self.probed = True
             return out
@@ -303,9 +316,8 @@ class _ProtocolRows(_TracedRows):
         nl, nm = sizes
         call._keep_effects(effects, out[1 + nl : 1 + nl + nm], out[1 + nl + nm :], mask)
         # values logged with another length than the batch have no per-sample meaning: dropped
-        kept = [
-            (name, v.detach().float()) for name, v in zip(names, out[1 : 1 + nl]) if tuple(v.shape) == tuple(mask.shape)
-        ]
+        shape = tuple(mask.shape)
+        kept = [(name, _as_logged(v.detach())) for name, v in zip(names, out[1 : 1 + nl]) if tuple(v.shape) == shape]
         return _padded_result(out[0], mask, as_loss, kept, want_cells)
 
 
@@ -516,7 +528,7 @@ class _InterceptedRows:
         collector.reset()
         nl, nm = sizes
         call._keep_effects(effects, out[1 + nl : 1 + nl + nm], out[1 + nl + nm :], mask)
-        kept = [(name, v.detach().float()) for name, v in zip(names, out[1 : 1 + nl])]
+        kept = [(name, _as_logged(v.detach())) for name, v in zip(names, out[1 : 1 + nl])]
         return _padded_result(out[0], mask, list(as_loss), kept, want_cells)
 
 

@@ -317,7 +317,9 @@ def _feed_router(
             by_name.setdefault(name, []).append((values, counts, evaluated))
     clients = torch.tensor(list(client_ids), dtype=torch.long)
     for name, parts in by_name.items():
-        values = torch.stack([v.float() for v, _, _ in parts])  # [evaluations, C]
+        # float64 where any evaluation logged float64 (a float64 run), else float32 (rows._as_logged)
+        dtype = torch.float64 if any(v.dtype == torch.float64 for v, _, _ in parts) else torch.float32
+        values = torch.stack([v.to(dtype) for v, _, _ in parts])  # [evaluations, C]
         if any(n is not None for _, n, _ in parts):
             ones = torch.ones(values.shape[1], dtype=torch.long, device=values.device)
             values = values / torch.stack([ones if n is None else n for _, n, _ in parts])  # x / 1 is exact
