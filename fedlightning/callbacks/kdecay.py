@@ -16,6 +16,8 @@ from collections import deque
 from fractions import Fraction
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
 from fedlightning._validation import in_range, integer, non_negative, one_of, positive
 from fedlightning.callbacks.base import FederatedCallback
 from fedlightning.optim import check_client_step_scalable
@@ -107,6 +109,10 @@ def error_lr_scale(loss: float, reference_loss: float) -> float:
     """η_r-error multiplier ``(F_r/F_0)^{1/2}`` (no rounding)."""
     _check_losses(loss, reference_loss)
     return math.sqrt(loss / reference_loss)
+
+
+#: Relative slack of the runtime budget: the sum of ``n`` equal round times may round below ``n`` times one.
+_BUDGET_RTOL = 1e-9
 
 
 def simulated_round_seconds(
@@ -380,6 +386,14 @@ class RuntimeModel(FederatedCallback):
             e.g. float32 parameters × 32 — how Table I's sizes come out).
         download_mbps: ``D`` (20 Mbps, the paper's UK 4G figure).
         upload_mbps: ``U`` (5 Mbps, the paper).
+        budget_rounds: stop the run (``trainer.should_stop``, as ``EarlyStopping`` does) after the first round whose
+            cumulative ``W`` reaches the simulated runtime of ``budget_rounds`` rounds of ``budget_local_steps``
+            local steps each (None: no budget; ``max_steps`` alone ends the run). Seed 004's Table IV compares its
+            schedules at equal simulated runtime, Kη-fixed's 10k rounds of ``K_0`` (derived in the digest of seed
+            004, §7.3: the only protocol under which K_r-rounds' Table IV entries come out), so its configs set
+            ``budget_rounds: 10000`` with ``budget_local_steps: K_0`` and a ``max_steps`` above any schedule's round
+            count. A run whose ``max_steps`` ends it first warns, naming both.
+        budget_local_steps: ``K`` of the budget's rounds (None: the loop's ``local_steps``).
 
     Logged per round: ``runtime/round_seconds`` (W_r), ``runtime/wall_clock_seconds`` and
     ``runtime/wall_clock_minutes`` (cumulative), ``runtime/sgd_steps`` (cumulative ``Σ_r K_r`` per client) and
@@ -400,8 +414,17 @@ class RuntimeModel(FederatedCallback):
         model_megabits: float | None = None,
         download_mbps: float = 20.0,
         upload_mbps: float = 5.0,
+        budget_rounds: int | None = None,
+        budget_local_steps: int | None = None,
     ):
         self.seconds_per_batch = non_negative("seconds_per_batch", seconds_per_batch)
+        self.budget_rounds = integer("budget_rounds", budget_rounds, 1, allow_none=True)
+        self.budget_local_steps = integer("budget_local_steps", budget_local_steps, 1, allow_none=True)
+        if self.budget_local_steps is not None and self.budget_rounds is None:
+            raise ValueError(
+                f"RuntimeModel: budget_local_steps={budget_local_steps!r} needs budget_rounds (the budget is "
+                "budget_rounds rounds of budget_local_steps local steps)"
+            )
         self.model_megabits = positive("model_megabits", model_megabits, allow_none=True)
         self.download_mbps = positive("download_mbps", download_mbps)
         self.upload_mbps = positive("upload_mbps", upload_mbps)
@@ -422,6 +445,10 @@ class RuntimeModel(FederatedCallback):
         self.wall_clock_seconds += w
         self.sgd_steps += k if plan.client_steps is None else plan.mean_local_steps()
         self.client_sgd_steps += result.healthy_local_steps()
+        budget = self.budget_seconds(pl_module, megabits)
+        if budget is not None and self.wall_clock_seconds >= budget * (1 - _BUDGET_RTOL):
+            trainer.should_stop = True
+            result.metrics["runtime/budget_seconds"] = budget
         result.metrics.update(
             {
                 "runtime/round_seconds": w,
@@ -432,6 +459,42 @@ class RuntimeModel(FederatedCallback):
                 "runtime/model_megabits": megabits,
             }
         )
+
+    def budget_seconds(self, loop, megabits: float | None = None) -> float | None:
+        """The simulated runtime of ``budget_rounds`` rounds of ``budget_local_steps`` (else the loop's
+        ``local_steps``) local steps; None without a budget."""
+        if self.budget_rounds is None:
+            return None
+        if megabits is None:
+            megabits = self.model_megabits if self.model_megabits is not None else self.megabits_of(loop)
+        k = self.budget_local_steps if self.budget_local_steps is not None else getattr(loop, "local_steps", None)
+        if k is None:
+            raise ValueError(
+                "RuntimeModel: budget_rounds needs budget_local_steps when the loop has no fixed local_steps "
+                "(local_epochs)"
+            )
+        w = simulated_round_seconds(megabits, int(k), self.seconds_per_batch, self.download_mbps, self.upload_mbps)
+        return self.budget_rounds * w
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """A run resumed from a checkpoint whose simulated runtime had reached the budget trains no further round
+        (the run it resumes had stopped there)."""
+        budget = self.budget_seconds(pl_module)
+        if budget is not None and self.wall_clock_seconds >= budget * (1 - _BUDGET_RTOL):
+            trainer.should_stop = True
+            rank_zero_info(
+                f"RuntimeModel: the simulated runtime {self.wall_clock_seconds:.6g} s has reached the budget of "
+                f"{budget:.6g} s (budget_rounds={self.budget_rounds}); no further round is trained"
+            )
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        budget = self.budget_seconds(pl_module)
+        if budget is not None and self.wall_clock_seconds < budget * (1 - _BUDGET_RTOL) and not trainer.interrupted:
+            rank_zero_warn(
+                f"RuntimeModel: the run ended at simulated {self.wall_clock_seconds:.6g} s, before its budget of "
+                f"{budget:.6g} s (budget_rounds={self.budget_rounds}): trainer.max_steps={trainer.max_steps} or "
+                "another stop came first; raise max_steps to run the whole budget"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -448,5 +511,6 @@ class RuntimeModel(FederatedCallback):
     def __repr__(self) -> str:
         return (
             f"RuntimeModel(seconds_per_batch={self.seconds_per_batch}, model_megabits={self.model_megabits}, "
-            f"download_mbps={self.download_mbps}, upload_mbps={self.upload_mbps})"
+            f"download_mbps={self.download_mbps}, upload_mbps={self.upload_mbps}, budget_rounds={self.budget_rounds}, "
+            f"budget_local_steps={self.budget_local_steps})"
         )
