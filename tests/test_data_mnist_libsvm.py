@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedlightning.datamodules import IID, LibsvmDataModule, MnistDataModule, Shards
+from fedlightning.datamodules import IID, ClassShards, LibsvmDataModule, MnistDataModule
 from fedlightning.datamodules.mnist import MNIST_MEAN, MNIST_STD, read_idx
 
 RNG = np.random.default_rng(0)
@@ -50,13 +50,13 @@ def test_mnist_idx_and_two_class_shards(tmp_path, gz):
     torch.testing.assert_close(x[:, 0], expected)
     assert y.tolist() == data["train"][1].tolist()
     assert len(dm.test_dataset) == 40
-    assert isinstance(dm.partition, Shards) and dm.partition.classes_per_client == 2
+    assert isinstance(dm.partition, ClassShards) and dm.partition.classes_per_client == 2
     ytr = data["train"][1]
-    # 10 clients x 2 shards of 10 sorted-by-label samples: 20 samples each, at most 2 classes (labels are balanced
-    # here, so shards never straddle a class and every client has exactly 2 label blocks)
+    # 10 clients x 2 shards within classes (the 200 images' labels are balanced: 10 of each per shard): 20 samples
+    # of exactly 2 classes each
     for idx in dm.client_indices:
         assert len(idx) == 20
-        assert len(np.unique(ytr[idx])) <= 2
+        assert len(np.unique(ytr[idx])) == 2
 
 
 def test_mnist_iid_option_and_read_idx(tmp_path):

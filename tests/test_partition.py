@@ -1,14 +1,16 @@
 import numpy as np
 import pytest
 
-from fedlightning.datamodules import IID, Dirichlet, DirichletEqualSizes, Shards, check_partition
+from fedlightning.datamodules import IID, ClassShards, Dirichlet, DirichletEqualSizes, Shards, check_partition
 
 
 def labels(n=2000, k=10, seed=0):
     return np.random.default_rng(seed).integers(0, k, size=n)
 
 
-@pytest.mark.parametrize("part", [IID(), Dirichlet(0.3), Dirichlet(5.0, min_samples=5), Shards(2)])
+@pytest.mark.parametrize(
+    "part", [IID(), Dirichlet(0.3), Dirichlet(5.0, min_samples=5), Shards(2), ClassShards(2), ClassShards(3)]
+)
 def test_disjoint_complete_seeded(part):
     y = labels()
     a = part(y, 40, seed=7)
@@ -74,6 +76,42 @@ def test_shards_classes_per_client():
     assert all(len(np.unique(y[p])) <= 2 for p in parts)
     with pytest.raises(ValueError, match="classes_per_client"):
         Shards(0)
+
+
+#: MNIST's training images per class
+MNIST_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+
+
+def _mnist_labels():
+    y = np.concatenate([np.full(c, k) for k, c in enumerate(MNIST_COUNTS)])
+    return np.random.default_rng(1).permutation(y)
+
+
+def test_class_shards_give_every_client_exactly_its_classes():
+    """Seed 001's non-IID MNIST: exactly 2 classes per client, near-equal sizes; McMahan's Shards straddle class
+    boundaries on MNIST's unequal class sizes (some clients see 1 or 3 classes)."""
+    y = _mnist_labels()
+    for per in (1, 2, 3):
+        parts = ClassShards(per)(y, 100, seed=0)
+        check_partition(parts, len(y))
+        assert all(len(np.unique(y[p])) == per for p in parts)
+        # shard counts ∝ class sizes (whole shards), so client sizes stay within a few % of the mean
+        sizes = np.array([len(p) for p in parts])
+        assert np.abs(sizes / sizes.mean() - 1).max() < 0.05, (per, sizes.min(), sizes.max())
+    straddled = [len(np.unique(y[p])) for p in Shards(2)(y, 100, seed=0)]
+    assert set(straddled) != {2}  # the reason ClassShards exists
+    shards = ClassShards(2)(y, 100, seed=0)
+    assert (min(map(len, shards)), max(map(len, shards))) == (590, 614)  # the docstring's figures
+
+
+def test_class_shards_refuse_what_cannot_be_dealt():
+    with pytest.raises(ValueError, match=r"classes_per_client=3 exceeds the 2 classes"):
+        ClassShards(3)(np.repeat([0, 1], 50), 10, seed=0)
+    # class 0 holds 80 % of the samples: 16 of 20 shards, more than one per client
+    with pytest.raises(ValueError, match=r"class 0 holds 800 of 1000 samples, 16 of the 20 shards"):
+        ClassShards(2)(np.repeat([0, 1, 2], [800, 100, 100]), 10, seed=0)
+    with pytest.raises(ValueError, match="classes_per_client"):
+        ClassShards(0)
 
 
 def test_too_many_clients():

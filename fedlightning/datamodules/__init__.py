@@ -13,7 +13,15 @@ from fedlightning.datamodules.generic import DatasetDataModule, WrappedDataModul
 from fedlightning.datamodules.leaf import LeafDataModule
 from fedlightning.datamodules.libsvm import LibsvmDataModule
 from fedlightning.datamodules.mnist import MnistDataModule
-from fedlightning.datamodules.partition import IID, Dirichlet, DirichletEqualSizes, Partitioner, Shards, check_partition
+from fedlightning.datamodules.partition import (
+    IID,
+    ClassShards,
+    Dirichlet,
+    DirichletEqualSizes,
+    Partitioner,
+    Shards,
+    check_partition,
+)
 from fedlightning.datamodules.shakespeare import ShakespeareDataModule, SlidingWindows
 from fedlightning.datamodules.synthetic import SyntheticDataModule
 
@@ -31,6 +39,7 @@ __all__ = [
     "DirichletEqualSizes",
     "Partitioner",
     "Shards",
+    "ClassShards",
     "check_partition",
     "LeafDataModule",
     "ShakespeareDataModule",

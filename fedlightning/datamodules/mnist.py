@@ -1,5 +1,5 @@
-"""MNIST (LeCun et al. 1998) from its IDX files, split by 2-class shards as in "Locally Adaptive Federated
-Learning" (seed 001, FedSPS).
+"""MNIST (LeCun et al. 1998) from its IDX files, split into clients of exactly 2 classes as in "Locally Adaptive
+Federated Learning" (seed 001, FedSPS).
 
 :func:`read_idx` reads an IDX file (the formats and the download: its docstring); :class:`MnistDataModule` is the
 data module (inputs, normalisation and the default shard split: its docstring).
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fedlightning.datamodules.base import DEFAULT_VAL_FRACTION, ArrayDataset, FederatedDataModule
-from fedlightning.datamodules.partition import Partitioner, Shards
+from fedlightning.datamodules.partition import ClassShards, Partitioner
 
 __all__ = ["MnistDataModule", "read_idx"]
 
@@ -66,16 +66,17 @@ def _find(data_dir: str, name: str) -> str:
 
 
 class MnistDataModule(FederatedDataModule):
-    """MNIST over ``num_clients`` clients (default 100, 2-class shards).
+    """MNIST over ``num_clients`` clients (default 100 of exactly 2 classes each).
 
     Inputs: ``(1, 28, 28)`` float32, ``(x/255 − 0.1307) / 0.3081`` (the usual MNIST normalisation, ours; seed 001 does
     not say). LogisticRegression / MLP flatten them; LeNet5 uses them as images.
 
-    Default split (seed 001, non-IID MNIST): 100 clients, :class:`~fedlightning.datamodules.Shards` with 2 shards per
-    client — McMahan et al.'s scheme (sort by label, 200 equal shards, 2 random shards per client), so every client
-    holds 600 images of at most 2 classes. Seed 001 describes "exactly 2 classes, non-overlapping and balanced"; with
-    MNIST's unequal class sizes a shard can straddle a class boundary, so a few clients see 3 classes or 1 — the shards
-    are equal, the class count is approximate. ``partition=IID()`` gives seed 001's i.i.d. MNIST.
+    Default split (seed 001, non-IID MNIST: "exactly 2 classes, non-overlapping and balanced"): 100 clients,
+    :class:`~fedlightning.datamodules.ClassShards` with 2 classes per client: every class cut into shards within the
+    class, each client 2 shards of distinct classes (590 to 614 of the 60,000 images). McMahan et al.'s
+    :class:`~fedlightning.datamodules.Shards` (equal shards of the label-sorted images) give every client 600
+    images, but a shard can straddle a class boundary, so a few clients see 3 classes or 1. ``partition=IID()``
+    gives seed 001's i.i.d. MNIST.
 
     Args:
         data_dir: folder with the IDX files.
@@ -102,7 +103,7 @@ class MnistDataModule(FederatedDataModule):
         super().__init__(
             num_clients=num_clients,
             batch_size=batch_size,
-            partition=partition if partition is not None else Shards(classes_per_client=2),
+            partition=partition if partition is not None else ClassShards(classes_per_client=2),
             seed=seed,
             eval_batch_size=eval_batch_size,
             num_workers=num_workers,
