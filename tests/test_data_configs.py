@@ -166,3 +166,17 @@ def test_seed_002_line_search_starts_at_one_and_grows_to_the_cap(path):
         opt.step(lambda: 0.025 * (w * w).sum())
         steps.append(opt.last_step["step_size"])
     assert steps == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if os.sep + "feddane" + os.sep in p], ids=_rel)
+def test_seed_003_configs_log_the_global_training_loss(path):
+    """Seed 003 plots the global model's training loss over all devices; train/loss is the mean of the clients'
+    objectives (with FedProx's and FedDANE's terms). Every seed 003 config evaluates the global model on the
+    clients' training data (train_eval/loss) at each validation."""
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    evaluations = [c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("GlobalEvaluation")]
+    assert len(evaluations) == 1
+    args = evaluations[0].get("init_args", {})
+    assert args.get("split", "train") == "train"
+    assert args["every_n_rounds"] == cfg["trainer"]["val_check_interval"]
