@@ -78,7 +78,9 @@ class ResNet(Classifier):
     CIFAR form of the network (the standard adaptation for 32×32 images): a 3×3 stride-1 stem convolution with no
     max-pool, four stages of residual blocks with 64/128/256/512 base widths and strides 1/2/2/2, global average
     pooling, one linear layer. ResNet-18 uses basic blocks ``[2, 2, 2, 2]``, ResNet-50 bottleneck blocks
-    ``[3, 4, 6, 3]`` with expansion 4.
+    ``[3, 4, 6, 3]`` with expansion 4. Seed 002's reference ``resnet_gn`` keeps ImageNet's stem (3×3 convolution,
+    norm, ReLU, then a 3×3 stride-2 max-pool); this network has no max-pool there (ours: one stem for every paper's
+    CIFAR setup, at 4× the first stage's spatial size).
 
     Normalisation (decision, documented): ``norm="group"`` (default) uses ``GroupNorm(num_groups, C)`` everywhere a
     BatchNorm would be. Default ``num_groups=2``, the FedExP reference code's ``GroupNorm(2, C)`` (seed 000 follows that

@@ -210,7 +210,9 @@ class DecSPS(ClosureOptimizer):
     \gamma_b/\sqrt{t+1}`.
 
     Degenerate steps, non-finite values, per-client state and the client step-size scale follow the decisions in
-    :class:`SPS`'s docstring.
+    :class:`SPS`'s docstring. Decision (ours; seed 001 leaves open whether FedDecSPS also smooths its cap): no
+    smoothing. DecSPS's own bound :math:`c_{t-1}\gamma_{t-1}/c_t` already caps each step by the previous one, and
+    Orvieto et al.'s DecSPS has none.
 
     Args:
         params: parameters or param groups (all groups share the hyperparameters).
