@@ -587,3 +587,14 @@ def test_a_terminated_sweep_ends_with_one_line_and_status_143(tmp_path):
     assert "Traceback" not in proc.stderr
     assert subprocess.run(command, env=env, capture_output=True, text=True, timeout=120).returncode == 0
     assert sorted(float(r["x"]) for r in _table(out)) == [0.1, 0.2]
+
+
+def test_a_grid_of_one_cell_runs_and_writes_its_table(tmp_path):
+    """A grid with a single value per parameter (one cell): Optuna's GridSampler looked up a grid id that the
+    runner's queued cells do not have once one cell was left unvisited, and raised a KeyError after the run."""
+    path = _fake_sweep(tmp_path, {"x": {"values": [0.3]}, "y": {"value": 1}})
+    out = str(tmp_path / "out")
+    assert main([path, "--out", out]) == 0
+    assert len(_calls(tmp_path)) == 1
+    assert [float(r["x"]) for r in _table(out)] == [0.3]
+    assert os.path.exists(os.path.join(out, "results.md"))

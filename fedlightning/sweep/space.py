@@ -248,6 +248,21 @@ def grid_cells(space: Mapping[str, Param], seed: int) -> list[dict[str, Any]]:
     return [dict(zip(grid, cell)) for cell in cells]
 
 
+def _queued_grid(grid: dict, seed: int):
+    """:class:`QueuedGrid` (below) over ``grid``; Optuna is imported when a sweep first needs it."""
+    import optuna
+
+    class QueuedGrid(optuna.samplers.GridSampler):
+        """Optuna's ``GridSampler`` for the runner, which queues every cell itself (:func:`grid_cells`) and counts its
+        runs: the sampler's own end-of-grid check after a trial, which reads a grid id that queued trials do not
+        have once a single cell is left unvisited (a one-cell grid: a KeyError after its run), is left out."""
+
+        def after_trial(self, study, trial, state, values) -> None:
+            return None
+
+    return QueuedGrid(grid, seed=seed)
+
+
 def make_sampler(method: str, space: Mapping[str, Param], seed: int, number: int = 0):
     """The Optuna sampler of a W&B method for the run numbered ``number``.
 
@@ -256,17 +271,18 @@ def make_sampler(method: str, space: Mapping[str, Param], seed: int, number: int
     so the two draw differently.
 
     grid → ``GridSampler`` over the categorical parameters (its shuffle seeded by ``seed`` alone, so the order is
-    the same in every invocation); random → ``RandomSampler``; bayes → ``TPESampler``, both seeded from
-    ``(seed, number)`` (numpy ``SeedSequence``) so a run's draw does not depend on how many runs earlier
-    invocations of the sweep made: the draws are a function of the seed, the run number and the earlier results
-    only, and a sweep resumed in steps draws exactly what one uninterrupted invocation draws.
+    the same in every invocation; without its end-of-grid check: the runner queues the cells and counts the runs);
+    random → ``RandomSampler``; bayes → ``TPESampler``, both seeded from ``(seed, number)`` (numpy
+    ``SeedSequence``) so a run's draw does not depend on how many runs earlier invocations of the sweep made: the
+    draws are a function of the seed, the run number and the earlier results only, and a sweep resumed in steps
+    draws exactly what one uninterrupted invocation draws.
     """
     import numpy as np
     import optuna
 
     if method == "grid":
         grid = {k: p.grid() for k, p in space.items() if p.kind != "constant"}
-        return optuna.samplers.GridSampler(grid, seed=seed)
+        return _queued_grid(grid, seed)
     run_seed = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
     if method == "random":
         return optuna.samplers.RandomSampler(seed=run_seed)
