@@ -175,7 +175,7 @@ class FederatedCLI(LightningCLI):
                 line = "config: " + " ".join(str(err).split())
             err.fedlightning_error_line = line  # type: ignore[attr-defined]
             raise
-        except (ValueError, TypeError, MisconfigurationException) as err:
+        except (ValueError, TypeError, MisconfigurationException, FileNotFoundError) as err:
             if self._rounds_run.count == 0:
                 line = _config_error_line(err, self._config_dict())
                 if line is not None:
@@ -609,6 +609,8 @@ def _config_key(err: BaseException, config: dict[str, Any]) -> str | None:
                 named = sorted((a for a, m in found.items() if m), key=lambda a: found[a].start())
                 if not named:  # torch.optim's messages name some arguments in words ("Invalid learning rate: -0.1")
                     named = [a for phrase, a in _ARGUMENT_PHRASES if a in args and phrase in message]
+                if isinstance(err, FileNotFoundError) and "data_dir" in args:
+                    named = ["data_dir"]  # a data module's missing file: the folder it reads
                 if len(named) == 1 or (named and message.lstrip("`'\"").startswith(str(named[0]))):
                     return f"{key}.{named[0]}"
                 if frame.f_code.co_name == "__init__":
@@ -618,11 +620,13 @@ def _config_key(err: BaseException, config: dict[str, Any]) -> str | None:
 
 
 def _config_error_line(err: BaseException, config: dict[str, Any]) -> str | None:
-    """``<config key>: <message>`` for the first ValueError / TypeError (or Lightning's
-    ``MisconfigurationException``) in the exception chain raised by fedlightning's code or by a class the config
-    names; None for any other error. The message is that error's; the key is found on it or, when it is a wrapper
-    (``client_optimizer cannot be built: ...``), on the errors it chains (:func:`_config_key`)."""
-    chain = [e for e in _chain(err) if isinstance(e, (ValueError, TypeError, MisconfigurationException))]
+    """``<config key>: <message>`` for the first ValueError / TypeError / FileNotFoundError (a data module's missing
+    files; or Lightning's ``MisconfigurationException``) in the exception chain raised by fedlightning's code or by a
+    class the config names; None for any other error. The message is that error's; the key is found on it or, when
+    it is a wrapper (``client_optimizer cannot be built: ...``), on the errors it chains (:func:`_config_key`)."""
+    chain = [
+        e for e in _chain(err) if isinstance(e, (ValueError, TypeError, MisconfigurationException, FileNotFoundError))
+    ]
     for i, e in enumerate(chain):
         if isinstance(e, CheckpointError):
             return e.summary_line()
@@ -1082,8 +1086,9 @@ def main(args: list[str] | None = None, run: bool = True) -> FederatedCLI:
       :func:`_parser_error_line` to the innermost key and the reason (expected type and given value, a missing class
       with the closest name, a renamed argument with its new name, an unknown or abbreviated key with the closest
       valid one, a YAML error with its line);
-    * a ``ValueError`` / ``TypeError`` / Lightning ``MisconfigurationException`` raised by fedlightning's code or by
-      a class the config names (found through jsonargparse's wrapping via ``__cause__`` / ``__context__``); the key
+    * a ``ValueError`` / ``TypeError`` / ``FileNotFoundError`` / Lightning ``MisconfigurationException`` raised by
+      fedlightning's code (a data module's missing files: its ``data_dir``) or by a class the config names (found
+      through jsonargparse's wrapping via ``__cause__`` / ``__context__``); the key
       is a :class:`~fedlightning._validation.SettingError`'s ``config_key`` (the trainer and learning-rate checks
       of ``FederatedLoop.setup``), else the class of the innermost frame of an object the config names plus the one
       argument of it the message names (:func:`_config_key`).
@@ -1115,7 +1120,7 @@ def main(args: list[str] | None = None, run: bool = True) -> FederatedCLI:
         )
         sys.stderr.flush()
         raise SystemExit(SIGTERM_EXIT_STATUS) from err
-    except (ValueError, TypeError, MisconfigurationException, argparse.ArgumentError) as err:
+    except (ValueError, TypeError, MisconfigurationException, FileNotFoundError, argparse.ArgumentError) as err:
         line = getattr(err, "fedlightning_error_line", None)
         if line is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise

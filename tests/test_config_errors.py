@@ -603,3 +603,22 @@ def test_explicit_epochs_of_rounds_are_accepted(tmp_path):
         ]
     )
     assert cli.trainer.global_step == 2
+
+
+@pytest.mark.parametrize(
+    "config,needle",
+    [
+        ("configs/fedsps/mnist_fedavg.yaml", "MNIST"),
+        ("configs/fedli/femnist_fedavg.yaml", "train"),
+        ("configs/fedli/cifar10_fedavg.yaml", "CIFAR"),
+    ],
+)
+def test_a_missing_data_folder_is_one_line_naming_data_dir(config, needle, tmp_path, capsys, fit_only):
+    """A paper config whose data is not there (no download): one line naming data.init_args.data_dir and the
+    folder, before any round, instead of the data module's FileNotFoundError traceback."""
+    missing = str(tmp_path / "no_data_here")
+    args = ["fit", "--config", os.path.join(ROOT, config), "--trainer.logger", "false"]
+    args += ["--trainer.default_root_dir", str(tmp_path), "--data.init_args.data_dir", missing]
+    code, err, last = _run(args, capsys)
+    _check(code, err, last, "data.init_args.data_dir", [needle])
+    assert "no_data_here" in last
