@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from lightning.pytorch.utilities import rank_zero_info
 
 __all__ = [
     "SettingError",
@@ -215,6 +216,8 @@ def check_fit_settings(trainer: Any, loop: Any) -> None:
       neither, Lightning picks ``max_epochs=1000``, i.e. 1000 × ``rounds_per_epoch`` rounds nobody chose, which is
       refused (an explicit ``max_epochs=1000`` cannot be told apart from that default and is refused too).
       Values below ``-1`` are Lightning's own error.
+      An explicit ``max_epochs`` with ``max_steps=-1`` is logged with the rounds it means (an epoch of the loop is
+      ``rounds_per_epoch`` rounds, 1000 by default, while the user's module sees one round as one epoch).
     * ``trainer.val_check_interval``: a number of rounds (int) or a fraction of an epoch of rounds (float) must be
       > 0 and finite (``0`` is a ``ZeroDivisionError`` in Lightning's loop); ``check_val_every_n_epoch`` must be
       None or >= 1 (likewise). Time-based intervals (``"00:01:00"``) are Lightning's.
@@ -238,6 +241,14 @@ def check_fit_settings(trainer: Any, loop: Any) -> None:
                 "max_steps is the number of federated rounds; got -1 (no limit) without max_epochs or max_time, "
                 f"so Lightning would run {LIGHTNING_DEFAULT_MAX_EPOCHS} epochs of rounds_per_epoch rounds: set "
                 "max_steps to the number of rounds",
+            )
+        if max_steps == -1 and isinstance(max_epochs, int) and max_epochs > 0:
+            per = getattr(getattr(trainer, "datamodule", None), "rounds_per_epoch", None)
+            rounds = f"{max_epochs} x rounds_per_epoch={per} = {max_epochs * per}" if isinstance(per, int) else ""
+            rank_zero_info(
+                f"trainer.max_epochs={max_epochs}: an epoch of the FederatedLoop is rounds_per_epoch rounds, so the "
+                f"run trains up to {rounds or 'max_epochs x rounds_per_epoch'} rounds (set trainer.max_steps to "
+                "count rounds)"
             )
     check_val_check_interval(getattr(trainer, "val_check_interval", None))
     every = getattr(trainer, "check_val_every_n_epoch", None)

@@ -586,8 +586,10 @@ def test_python_non_finite_lr_of_configure_optimizers_is_refused():
     assert e.value.config_key == "model.model" and trainer.global_step == 0
 
 
-def test_explicit_epochs_of_rounds_are_accepted(tmp_path):
-    """max_steps=-1 with an explicit max_epochs is a bounded run (max_epochs × rounds_per_epoch rounds)."""
+def test_explicit_epochs_of_rounds_are_accepted(tmp_path, caplog):
+    """max_steps=-1 with an explicit max_epochs is a bounded run (max_epochs × rounds_per_epoch rounds), and a log
+    line says how many rounds that is (the user's module sees one round as one epoch)."""
+    caplog.set_level("INFO")
     cli = main(
         [
             "fit",
@@ -603,6 +605,8 @@ def test_explicit_epochs_of_rounds_are_accepted(tmp_path):
         ]
     )
     assert cli.trainer.global_step == 2
+    assert "trainer.max_epochs=2: an epoch of the FederatedLoop is rounds_per_epoch rounds" in caplog.text
+    assert "up to 2 x rounds_per_epoch=1 = 2 rounds" in caplog.text
 
 
 @pytest.mark.parametrize(
