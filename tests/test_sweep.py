@@ -598,3 +598,27 @@ def test_a_grid_of_one_cell_runs_and_writes_its_table(tmp_path):
     assert len(_calls(tmp_path)) == 1
     assert [float(r["x"]) for r in _table(out)] == [0.3]
     assert os.path.exists(os.path.join(out, "results.md"))
+
+
+def test_an_argument_the_program_does_not_take_stops_the_sweep_before_any_run(tmp_path, capsys):
+    """A swept key that train.py's parser refuses (a typo of lr) ends the sweep before its first run with the
+    parser's own line (the key and the closest name), and leaves nothing in --out, so the corrected file runs there."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    train = os.path.join(ROOT, "train.py")
+    sweep = {
+        "name": "typo",
+        "program": train,
+        "method": "grid",
+        "metric": {"name": "val/loss", "goal": "minimize"},
+        "parameters": {"model.client_optimizer.init_args.lrr": {"values": [0.1, 0.2]}},
+        "command": ["${env}", "${interpreter}", "${program}", "fit", "--config", str(config), "${args}"],
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep, sort_keys=False))
+    out = str(tmp_path / "out")
+    assert main([str(path), "--out", out]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: the sweep's command line fails before any run: model.client_optimizer.init_args.lrr")
+    assert "did you mean lr" in last
+    assert not os.path.exists(out)

@@ -207,6 +207,41 @@ class LocalSweep:
             ]
         return cmd
 
+    def check_command(self) -> None:
+        """Raise a ValueError with the program's own last line when the sweep's command line cannot be parsed, before
+        any run starts: a swept or fixed argument that does not exist (``model.client_optimizer.init_args.lrr``), a
+        value of the wrong type. Decision (ours): the check runs the first run's command with ``--print_config``
+        appended (the LightningCLI parses every argument, instantiates nothing and exits), for each parameter its
+        first choice or the low end of its range; only for a program that is a fedlightning CLI (its source imports
+        ``fedlightning.cli``, as ``train.py`` does), whose errors end in one line ``error: <key>: ...``. Without
+        it every run would start and fail alike, and the reason would be only in each run's log."""
+        program = self.sweep.get("program")
+        try:
+            with open(str(program)) as f:
+                if "fedlightning.cli" not in f.read():
+                    return
+        except (OSError, UnicodeDecodeError, TypeError):
+            return
+        params = {}
+        for name, p in self.space.items():
+            if p.kind == "constant":
+                params[name] = p.value
+            elif p.kind == "categorical":
+                params[name] = p.choices[0]
+            else:
+                params[name] = p.distribution.low
+        cmd = [*self.command(params), "--print_config"]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"), timeout=600
+        )
+        if proc.returncode != 0:
+            lines = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+            last = lines[-1] if lines else f"exit code {proc.returncode}"
+            raise ValueError(
+                f"the sweep's command line fails before any run: {last.removeprefix('error: ')} (checked with the "
+                f"first run's parameters and --print_config: {shlex.join(cmd)})"
+            )
+
     def best_command(self, params: Mapping[str, Any]) -> str:
         """``python <program> ...``: the sweep's command for ``params`` without the ``${env}`` prefix."""
         sentinel = "\0env"
@@ -277,6 +312,7 @@ class LocalSweep:
         total = self.target(runs)
         if dry_run:
             return self._dry_run(total, log)
+        self.check_command()  # before the output directory records the sweep: a fixed file runs in the same --out
         os.makedirs(self.out, exist_ok=True)
         with open(os.path.join(self.out, LOCK), "w") as lock, _sigterm_interrupts():
             try:
