@@ -26,10 +26,12 @@ import sys
 import warnings
 from typing import Any
 
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from fedlightning._lightning_compat import logged_at_last_round
@@ -140,16 +142,19 @@ class FederatedCLI(LightningCLI):
     def after_fit(self) -> None:
         """``trainer.test`` on the final global model (the weights in memory, not a checkpoint) and the same data
         module, when ``test_after_fit`` is on. LightningCLI calls it only after ``fit`` returned normally (Ctrl-C or
-        an error ends the process first). Skipped, with a warning, when the data module has no test set.
+        an error ends the process first). Skipped, with a warning, when the data module has no test set or the user's
+        module no ``test_step``.
         ``trainer.test`` starts from empty ``trainer.callback_metrics``; the fit's last values (``train/*``,
         ``val/*``, ...) are put back next to ``test/*`` so that code reading them after ``fit`` keeps working."""
         if not self._get(self.config, "test_after_fit", self.test_after_fit):
             return
         dm = self.datamodule
         if isinstance(dm, FederatedDataModule) and dm.train_dataset is not None and dm.test_dataset is None:
-            from lightning.pytorch.utilities import rank_zero_warn
-
             rank_zero_warn(f"{type(dm).__name__} has no test set: test_after_fit skipped")
+            return
+        user_module = getattr(self.model, "model", None)
+        if isinstance(user_module, LightningModule) and not is_overridden("test_step", user_module, LightningModule):
+            rank_zero_warn(f"{type(user_module).__name__} defines no test_step: test_after_fit skipped")
             return
         fit_metrics = dict(self.trainer.callback_metrics)
         with logged_at_last_round(self.trainer):  # the final model's test/* next to its last round's val/*

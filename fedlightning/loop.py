@@ -31,6 +31,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
@@ -142,6 +143,10 @@ class _Runtime:
     #: ``(client, torchmetrics states before it trained)`` of the last sequential client
     #: (:meth:`FederatedLoop.train_client`), put back when the round leaves that client out
     metrics_before: tuple[int, list] | None = None
+
+
+#: The user's step hook that ``Trainer.<stage>`` runs on the global model (fit's validation is Lightning's own choice).
+_EVALUATION_STEPS = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}
 
 
 class FederatedLoop(pl.LightningModule):
@@ -314,6 +319,12 @@ class FederatedLoop(pl.LightningModule):
     # ================================================================== setup
     def setup(self, stage: str) -> None:
         trainer = self.trainer
+        step = _EVALUATION_STEPS.get(stage)
+        if step is not None and not is_overridden(step, self.model, pl.LightningModule):
+            # the loop defines every step hook, so Lightning's own check (the module's) never fires: it is made here
+            raise MisconfigurationException(
+                f"No `{step}()` method defined on {type(self.model).__name__} to run `Trainer.{stage}`."
+            )
         self.model.setup(stage)
         self._configure_model_now(trainer)
         strategies = [cb for cb in trainer.callbacks if isinstance(cb, ServerStrategy)]

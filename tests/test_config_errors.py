@@ -16,8 +16,10 @@ import math
 import os
 import re
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from fedlightning import FederatedLoop
 from fedlightning._validation import SettingError
@@ -626,3 +628,43 @@ def test_a_missing_data_folder_is_one_line_naming_data_dir(config, needle, tmp_p
     code, err, last = _run(args, capsys)
     _check(code, err, last, "data.init_args.data_dir", [needle])
     assert "no_data_here" in last
+
+
+def _without(args, option):
+    """``args`` without ``option`` and its value."""
+    i = args.index(option)
+    return args[:i] + args[i + 2 :]
+
+
+class _NoTestStep(MLP):
+    """A user's module without test_step (MLP's own is taken away)."""
+
+    test_step = pl.LightningModule.test_step
+
+
+def test_a_module_without_test_step(tmp_path, capsys):
+    """Trainer.test of a loop whose module has no test_step stops as plain Lightning stops (the loop defines every
+    step hook, so Lightning's own check never saw the module); the CLI's test after fit is skipped with a warning
+    instead of running a test that logs nothing."""
+    loop = FederatedLoop(_NoTestStep(input_dim=64, num_classes=10), local_steps=1, clients_per_round=2, seed=0)
+    loop.client_optimizer = lambda p: torch.optim.SGD(p, lr=0.1)
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    dm = DigitsDataModule(num_clients=10, batch_size=16, seed=0)
+    with pytest.raises(MisconfigurationException, match=r"No `test_step\(\)` method defined on _NoTestStep"):
+        trainer.test(loop, datamodule=dm)
+    with pytest.warns(UserWarning, match="_NoTestStep defines no test_step: test_after_fit skipped"):
+        cli = main(
+            [
+                "fit",
+                *_without(TINY, "--test_after_fit"),
+                "--trainer.default_root_dir",
+                str(tmp_path),
+                "--model.model",
+                "test_config_errors._NoTestStep",
+                "--model.model.init_args.input_dim",
+                "64",
+                "--model.model.init_args.num_classes",
+                "10",
+            ]
+        )
+    assert cli.trainer.global_step == 1 and not any(k.startswith("test/") for k in cli.trainer.callback_metrics)
