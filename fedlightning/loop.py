@@ -145,8 +145,9 @@ class _Runtime:
     metrics_before: tuple[int, list] | None = None
 
 
-#: The user's step hook that ``Trainer.<stage>`` runs on the global model (fit's validation is Lightning's own choice).
-_EVALUATION_STEPS = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}
+#: The user's step hook that ``Trainer.<stage>`` needs on the global model, as Lightning requires it of a plain
+#: module (``predict_step`` has a default there, the module's forward; fit's validation is Lightning's own choice).
+_EVALUATION_STEPS = {"validate": "validation_step", "test": "test_step"}
 
 
 class FederatedLoop(pl.LightningModule):

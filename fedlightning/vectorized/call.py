@@ -495,7 +495,7 @@ class _ModelCall:
                 continue
             old = before.get(k)
             if size == _NUMBER:
-                if old is None or old[3] != _NUMBER or old[2] != value:
+                if old is None or old[3] != _NUMBER or (old[2] is not value and old[2] != value):  # NaN kept
                     changed.append((module, key, f" ({'unset' if old is None else old[2]!r} -> {value!r})"))
             elif old is None or old[2] is not value or old[3] != size:
                 changed.append((module, key, ""))
