@@ -3,13 +3,14 @@
 import os
 import re
 
+import pytest
 import torch
 
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAvg, ProximalTerm
 from fedlightning.datamodules import Dirichlet
-from numerics import RTOL64, Digits64, assert_close64, to_float64
+from numerics import RTOL64, Digits64, assert_close64, rtol32, to_float64
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
@@ -40,6 +41,14 @@ def test_readme_user_module_trains_with_its_own_optimizer():
     wb, _ = _fit(b, [FedAvg()], optimizer=lambda p: torch.optim.SGD(p, lr=0.05))  # StepLR(50): constant here
     torch.testing.assert_close(wa, wb, atol=0, rtol=0)
     assert 0.0 <= float(trainer.callback_metrics["client/train_acc"]) <= 1.0
+    # its test_step: test/acc is the global model's accuracy on the test set, averaged over batches by their size
+    loop = trainer.lightning_module
+    dm = Digits64(num_clients=8, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    trainer.test(loop, datamodule=dm)
+    x, y = dm.test_dataset[:]
+    expected = (a.net(x).argmax(1) == y).double().mean()
+    # Lightning keeps a logged mean in float32 (a few roundings of the batches' means, their sum and quotient)
+    assert float(trainer.callback_metrics["test/acc"]) == pytest.approx(float(expected), rel=rtol32(8))
 
 
 def test_readme_extension_examples_match_the_builtins():
