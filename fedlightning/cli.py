@@ -984,7 +984,8 @@ def _unknown_key_message(key: str, known_keys: list[str]) -> str:
     if close is None:
         close = _closest(key, known_keys)
     if close is not None and close.startswith(last) and close != last:
-        return f"unknown option {last!r}: abbreviated options are not accepted (did you mean {close}?)"
+        # a prefix of a valid key: a typo in a file reads the same as an abbreviation on the command line
+        return f"unknown option {last!r} (did you mean {close}? abbreviated options are not accepted)"
     return f"unknown option {last!r}" + (f" (did you mean {close}?)" if close else "")
 
 

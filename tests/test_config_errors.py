@@ -154,7 +154,7 @@ COMMAND_LINES = [
         "abbreviated key",
         ["--model.local_step", "5"],
         "model.local_step",
-        ["'local_step': abbreviated options are not accepted (did you mean local_steps?)"],
+        ["'local_step' (did you mean local_steps? abbreviated options are not accepted)"],
     ),
     (
         "missing required argument",
