@@ -324,7 +324,8 @@ class FederatedLoop(pl.LightningModule):
         if step is not None and not is_overridden(step, self.model, pl.LightningModule):
             # the loop defines every step hook, so Lightning's own check (the module's) never fires: it is made here
             raise MisconfigurationException(
-                f"No `{step}()` method defined on {type(self.model).__name__} to run `Trainer.{stage}`."
+                f"No `{step}()` method defined on {type(self.model).__name__} to run "
+                f"`Trainer.{getattr(stage, 'value', stage)}`."
             )
         self.model.setup(stage)
         self._configure_model_now(trainer)

@@ -650,7 +650,9 @@ def test_a_module_without_test_step(tmp_path, capsys):
     loop.client_optimizer = lambda p: torch.optim.SGD(p, lr=0.1)
     trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     dm = DigitsDataModule(num_clients=10, batch_size=16, seed=0)
-    with pytest.raises(MisconfigurationException, match=r"No `test_step\(\)` method defined on _NoTestStep"):
+    with pytest.raises(
+        MisconfigurationException, match=r"No `test_step\(\)` method defined on _NoTestStep to run `Trainer\.test`\."
+    ):
         trainer.test(loop, datamodule=dm)
     with pytest.warns(UserWarning, match="_NoTestStep defines no test_step: test_after_fit skipped"):
         cli = main(

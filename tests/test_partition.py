@@ -104,7 +104,19 @@ def test_class_shards_give_every_client_exactly_its_classes():
     assert (min(map(len, shards)), max(map(len, shards))) == (590, 614)  # the docstring's figures
 
 
+def test_a_small_class_still_gets_a_shard():
+    """Class sizes 100, 100, 1 over 3 clients with 1 class each: the third class's share rounds to no shard; it gets
+    one (from a large class), so every sample is dealt and every client still holds exactly 1 class."""
+    y = np.repeat([0, 1, 2], [100, 100, 1])
+    parts = ClassShards(1)(y, 3, seed=0)
+    check_partition(parts, len(y))
+    assert sorted(len(np.unique(y[p])) for p in parts) == [1, 1, 1]
+    assert sorted(len(p) for p in parts) == [1, 100, 100]
+
+
 def test_class_shards_refuse_what_cannot_be_dealt():
+    with pytest.raises(ValueError, match=r"10 classes but 4 shards \(num_clients=2 x classes_per_client=2\)"):
+        ClassShards(2)(np.repeat(np.arange(10), 10), 2, seed=0)
     with pytest.raises(ValueError, match=r"classes_per_client=3 exceeds the 2 classes"):
         ClassShards(3)(np.repeat([0, 1], 50), 10, seed=0)
     # class 0 holds 80 % of the samples: 16 of 20 shards, more than one per client

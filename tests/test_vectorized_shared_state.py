@@ -262,13 +262,13 @@ class CallCounter(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.head = torch.nn.Linear(6, 2, dtype=torch.float64)
-        self.flag, self.calls, self.started = flag, 0, False
+        self.flag, self.calls, self.started, self.best = flag, 0, False, float("nan")
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self.head(x), y)
         if self.flag:
-            self.started = True
+            self.started, self.best = True, float("nan")  # a flag, and a NaN set again: no change either
             return loss
         self.calls += 1
         return min(1.0, self.calls / 20) * loss

@@ -210,7 +210,8 @@ class ClassShards(Partitioner):
     shards ``j, j + N, j + 2N, ...`` (``N`` clients): a class with at most ``N`` shards occupies at most ``N``
     consecutive places, which never hold two places ``N`` apart, so a client's shards are of distinct classes. A
     class with more than ``N`` shards (more than a ``1/classes_per_client`` share of the data) cannot be dealt so and
-    is refused naming it, as are fewer classes than ``classes_per_client``.
+    is refused naming it, as are fewer classes than ``classes_per_client`` and more classes than shards; a small
+    class whose share rounds to no shard gets one, from the class with the most.
     """
 
     def __init__(self, classes_per_client: int = 2):
@@ -228,6 +229,14 @@ class ClassShards(Partitioner):
         shards = np.floor(exact).astype(np.int64)
         remainder = num_shards - int(shards.sum())
         shards[np.argsort(-(exact - shards), kind="stable")[:remainder]] += 1
+        if len(classes) > num_shards:
+            raise ValueError(
+                f"ClassShards: {len(classes)} classes but {num_shards} shards (num_clients={num_clients} x "
+                f"classes_per_client={per}); every class needs a shard for every sample to be dealt"
+            )
+        for k in np.flatnonzero(shards == 0):  # a small class rounded to no shard: one, from the class with the most
+            shards[int(np.argmax(shards))] -= 1
+            shards[k] = 1
         shards = np.minimum(shards, counts)
         while shards.sum() < num_shards:  # a class too small for its share: the others make up the difference
             room = np.flatnonzero(shards < counts)

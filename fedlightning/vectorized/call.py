@@ -187,6 +187,11 @@ def _lockstep_optimizers(model: nn.Module):
 _NUMBER = -2
 
 
+def _same_number(a: Any, b: Any) -> bool:
+    """Equal numbers, NaN equal to NaN."""
+    return a == b or (a != a and b != b)
+
+
 def _tensor_attributes(model: nn.Module) -> dict[tuple[int, str], tuple[nn.Module, str, Any, int | None]]:
     """The user's attributes of ``model``'s modules (torchmetrics metrics aside: their states are replayed per
     client): ``(id(module), name) -> (module, name, value, size)``; ``size`` is the length of a list, tuple or dict
@@ -487,7 +492,9 @@ class _ModelCall:
         local step and line-search trial; the clients in lockstep would leave one batched value there (which
         sequential training cannot read after a fallback), and call ``training_step`` once for all of them, so a
         counter would count other calls. The module is refused (``"auto"`` trains it sequentially). A bool flag
-        (``self.logged_once = True``) ends as sequential training leaves it and is not checked."""
+        (``self.logged_once = True``) ends as sequential training leaves it and is not checked; a number first set
+        by the call (a constant cached on first use as well as a counter started there) is refused too, which
+        costs such a module only the speed-up."""
         after = _tensor_attributes(self.model)
         changed = []
         for k, (module, key, value, size) in after.items():
@@ -495,7 +502,7 @@ class _ModelCall:
                 continue
             old = before.get(k)
             if size == _NUMBER:
-                if old is None or old[3] != _NUMBER or (old[2] is not value and old[2] != value):  # NaN kept
+                if old is None or old[3] != _NUMBER or not _same_number(old[2], value):
                     changed.append((module, key, f" ({'unset' if old is None else old[2]!r} -> {value!r})"))
             elif old is None or old[2] is not value or old[3] != size:
                 changed.append((module, key, ""))
