@@ -211,14 +211,14 @@ def _readme_python_example(tmp_path, rounds, **trainer_kw):
 
     blocks = re.findall(r"```python\n(.*?)```", open(README, encoding="utf-8").read(), flags=re.S)
     module = next(b for b in blocks if "class MyModule" in b)
-    run = next(b for b in blocks if "pl.Trainer(max_steps=60" in b)
+    run = next(b for b in blocks if "pl.Trainer(" in b and "max_steps=60" in b)
     extra = "".join(f", {k}={v!r}" for k, v in trainer_kw.items())
     run = (
         run.replace("local_steps=20, clients_per_round=20", "local_steps=2, clients_per_round=4")
         .replace("max_steps=60", f"max_steps={rounds}")
         .replace(
-            "callbacks=[FedAvg()]",
-            "callbacks=[FedAvg()], logger=LOGGER, enable_progress_bar=False, "
+            'callbacks=[FedAvg(weighting="samples")]',
+            'callbacks=[FedAvg(weighting="samples")], logger=LOGGER, enable_progress_bar=False, '
             "enable_model_summary=False, enable_checkpointing=False" + extra,
         )
     )
