@@ -446,7 +446,7 @@ class RuntimeModel(FederatedCallback):
         self.sgd_steps += k if plan.client_steps is None else plan.mean_local_steps()
         self.client_sgd_steps += result.healthy_local_steps()
         budget = self.budget_seconds(pl_module, megabits)
-        if budget is not None and self.wall_clock_seconds >= budget * (1 - _BUDGET_RTOL):
+        if self._reached(budget):
             trainer.should_stop = True
             result.metrics["runtime/budget_seconds"] = budget
         result.metrics.update(
@@ -476,11 +476,15 @@ class RuntimeModel(FederatedCallback):
         w = simulated_round_seconds(megabits, int(k), self.seconds_per_batch, self.download_mbps, self.upload_mbps)
         return self.budget_rounds * w
 
+    def _reached(self, budget: float | None) -> bool:
+        """Whether the simulated runtime has reached ``budget`` (None: no budget)."""
+        return budget is not None and self.wall_clock_seconds >= budget * (1 - _BUDGET_RTOL)
+
     def on_train_start(self, trainer, pl_module) -> None:
         """A run resumed from a checkpoint whose simulated runtime had reached the budget trains no further round
         (the run it resumes had stopped there)."""
         budget = self.budget_seconds(pl_module)
-        if budget is not None and self.wall_clock_seconds >= budget * (1 - _BUDGET_RTOL):
+        if self._reached(budget):
             trainer.should_stop = True
             rank_zero_info(
                 f"RuntimeModel: the simulated runtime {self.wall_clock_seconds:.6g} s has reached the budget of "
@@ -489,7 +493,7 @@ class RuntimeModel(FederatedCallback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         budget = self.budget_seconds(pl_module)
-        if budget is not None and self.wall_clock_seconds < budget * (1 - _BUDGET_RTOL) and not trainer.interrupted:
+        if budget is not None and not self._reached(budget) and not trainer.interrupted:
             rank_zero_warn(
                 f"RuntimeModel: the run ended at simulated {self.wall_clock_seconds:.6g} s, before its budget of "
                 f"{budget:.6g} s (budget_rounds={self.budget_rounds}): trainer.max_steps={trainer.max_steps} or "

@@ -225,15 +225,15 @@ class ClassShards(Partitioner):
             raise ValueError(f"ClassShards: classes_per_client={per} exceeds the {len(classes)} classes of the labels")
         if num_shards > len(labels):
             raise ValueError(f"ClassShards: {num_shards} shards requested but only {len(labels)} samples")
-        exact = counts * num_shards / counts.sum()
-        shards = np.floor(exact).astype(np.int64)
-        remainder = num_shards - int(shards.sum())
-        shards[np.argsort(-(exact - shards), kind="stable")[:remainder]] += 1
         if len(classes) > num_shards:
             raise ValueError(
                 f"ClassShards: {len(classes)} classes but {num_shards} shards (num_clients={num_clients} x "
                 f"classes_per_client={per}); every class needs a shard for every sample to be dealt"
             )
+        exact = counts * num_shards / counts.sum()
+        shards = np.floor(exact).astype(np.int64)
+        remainder = num_shards - int(shards.sum())
+        shards[np.argsort(-(exact - shards), kind="stable")[:remainder]] += 1
         for k in np.flatnonzero(shards == 0):  # a small class rounded to no shard: one, from the class with the most
             shards[int(np.argmax(shards))] -= 1
             shards[k] = 1

@@ -170,15 +170,14 @@ class _LockstepOptimizers:
 
 
 @contextmanager
-def _lockstep_optimizers(model: nn.Module):
-    """Within the block, the model's trainer holds :class:`_LockstepOptimizers` for its optimizers and scheduler
-    configs (as before afterwards)."""
+def _lockstep_optimizers(model: nn.Module, refused: tuple[_LockstepOptimizers, _LockstepOptimizers]):
+    """Within the block, the model's trainer holds ``refused`` (:class:`_LockstepOptimizers` for its optimizers and
+    scheduler configs), as before afterwards."""
     trainer = attached_trainer(model)
     strategy = getattr(trainer, "strategy", None) if trainer is not None else None
     if strategy is None:
         yield
         return
-    refused = _LockstepOptimizers(model, "optimizers"), _LockstepOptimizers(model, "lr_scheduler_configs")
     with strategy_optimizers(strategy, *refused):
         yield
 
@@ -382,6 +381,8 @@ class _ModelCall:
             if t is not None
         ]
         self._may_intercept = True  # False: padded steps without the protocol take the per-sample path (intercept)
+        # what the trainer holds for its optimizers and scheduler configs while the model runs (_vmap_context)
+        self._lockstep = (_LockstepOptimizers(model, "optimizers"), _LockstepOptimizers(model, "lr_scheduler_configs"))
         self._buffer_slots = BufferSlots(model)  # a buffer training_step reassigns: _check_buffers
 
     # ------------------------------------------------------------------ the chosen paths, as tests read them
@@ -440,7 +441,7 @@ class _ModelCall:
                 routed_logging(self.model, self.collector.log, self.collector.log_dict),
                 _shadowed_forwards(self.forwards),
                 upcast,
-                _lockstep_optimizers(self.model),
+                _lockstep_optimizers(self.model, self._lockstep),
             ):
                 yield
         finally:
