@@ -1156,7 +1156,32 @@ class FederatedLoop(pl.LightningModule):
                 )
             for group, configured in zip(optimizer.param_groups, fresh.param_groups):
                 group.update({k: v for k, v in configured.items() if k != "params"})
+        self._keep_an_early_stop()
         self.model.on_train_start()
+
+    def _keep_an_early_stop(self) -> None:
+        """A run resumed from the checkpoint of a run that an ``EarlyStopping`` stopped trains no further round while
+        that callback is still configured: the checkpoint restores its state (``stopping_reason``) and the run it
+        resumes had ended there, so resuming a finished run (a restart loop that runs ``--ckpt_path last`` again)
+        changes nothing, as resuming after ``max_steps`` changes nothing. Lightning alone would go on training
+        until the callback's next check (its ``patience`` and counters come from the checkpoint too). To train on
+        from such a checkpoint, resume without that ``EarlyStopping`` (``docs/reliability.md``). Lightning versions
+        before 2.5 do not record a stopping reason; there the resumed run trains on, as Lightning's does."""
+        trainer = self.trainer
+        if trainer.ckpt_path is None:
+            return
+        for callback in trainer.early_stopping_callbacks:
+            reason = getattr(callback, "stopping_reason", None)
+            if reason is None or reason.name == "NOT_STOPPED":
+                continue
+            trainer.should_stop = True
+            message = getattr(callback, "stopping_reason_message", None) or reason.name
+            rank_zero_info(
+                f"{type(callback).__name__}(monitor={callback.monitor!r}) stopped the run this checkpoint comes from "
+                f"at round {trainer.global_step} ({message}); no further round is trained. Resume without that "
+                "callback to train on from it"
+            )
+            return
 
     def on_train_end(self) -> None:
         """The user's module's ``on_train_end``, then the end-of-run check of the failure policy (a run in which no

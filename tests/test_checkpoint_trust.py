@@ -376,6 +376,38 @@ def test_early_stopping_keeps_the_round_it_stopped_at(tmp_path):
     assert _last_holds_the_model(os.path.join(cli.trainer.log_dir, "checkpoints", "last.ckpt"), cli.model) == 12
 
 
+def _early_stopped(save_dir, *extra, stop=True):
+    args = [
+        "fit",
+        *_tiny(save_dir, "--trainer.max_steps", "16", "--trainer.limit_val_batches", "1.0"),
+        "--trainer.val_check_interval",
+        "4",
+        *extra,
+    ]
+    if stop:
+        args += [
+            "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
+            "--trainer.callbacks.monitor=val/loss",
+            "--trainer.callbacks.stopping_threshold=1e9",
+        ]
+    return main(args)
+
+
+def test_resuming_an_early_stopped_run_trains_no_further_round(tmp_path, caplog):
+    """A restart loop that resumes a run EarlyStopping ended (``--ckpt_path last`` again) leaves it as it was, as
+    resuming after ``max_steps`` does; resumed without the EarlyStopping it trains on to ``max_steps``."""
+    first = _early_stopped(tmp_path)
+    assert first.trainer.global_step == 4
+    last = os.path.join(first.trainer.log_dir, "checkpoints", "last.ckpt")
+    with caplog.at_level("INFO"):
+        again = _early_stopped(tmp_path, "--ckpt_path", last)
+    assert again.trainer.global_step == 4
+    assert torch.equal(_weights(again.model), _weights(first.model))
+    assert "EarlyStopping(monitor='val/loss') stopped the run this checkpoint comes from at round 4" in caplog.text
+    on = _early_stopped(tmp_path, "--ckpt_path", last, stop=False)
+    assert on.trainer.global_step == 16
+
+
 class NanAfter(MLP):
     """An MLP whose loss is NaN from round ``bad_from`` on (every client of those rounds fails)."""
 
