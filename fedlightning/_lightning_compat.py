@@ -37,6 +37,7 @@ __all__ = [
     "spawns_processes",
     "strategy_optimizers",
     "unsynced_metrics",
+    "validation_follows",
 ]
 
 
@@ -107,6 +108,14 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
     """The step Lightning's logger connector passes to ``logger.log_metrics`` for training metrics (the fit loop's
     count of batches that stepped an optimizer; the round number here)."""
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def validation_follows(trainer: pl.Trainer) -> bool:
+    """Asked from an ``on_train_batch_end`` hook: whether Lightning's fit loop runs a validation right after the
+    batch (round) now ending (its own rule, which it applies after that hook: ``val_check_interval``,
+    ``check_val_every_n_epoch``, the epoch's last batch, a stop requested, ``limit_val_batches=0``)."""
+    loop = trainer.fit_loop
+    return bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
 
 
 def batches_in_epoch(trainer: pl.Trainer) -> int:

@@ -32,6 +32,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+from fedlightning._lightning_compat import validation_follows
+
 __all__ = [
     "AtomicCheckpointIO",
     "CheckpointError",
@@ -500,6 +502,14 @@ class RoundCheckpoint(ModelCheckpoint):
     * when training ends normally — ``max_steps`` reached, ``EarlyStopping`` or any callback setting
       ``trainer.should_stop``, ``max_time`` — the final round as ``last`` (with ``save_last``), unless that round
       is already saved;
+    * with a ``monitor``, a round is ranked by its own metrics (ours): when a validation follows a round that
+      ``every_n_train_steps`` saves, its top-k file is written after that validation, with that validation's value
+      of the monitored metric; ``last`` is written at the round's end as without a monitor. Lightning's
+      ``ModelCheckpoint`` ranks such a round by the value of the validation before it (a round earlier), so its
+      ``best_model_path`` can name the round after the best one. A saved round that no validation follows gets no
+      top-k file when the monitored metric comes from validations (its value would be an earlier round's; a
+      warning says so once: make ``every_n_train_steps`` a multiple of the validation interval); a monitored
+      metric that the rounds log themselves ranks a round at its end, as in Lightning;
     * when an exception stops a one-process run (``max_failed_rounds``, ``on_client_failure="raise"``, Ctrl-C, an
       error in validation), the last completed round as ``last``, only where the model is at a round boundary: no
       round was in progress, or the round in progress changed nothing yet (its server step did not run and no
@@ -513,6 +523,11 @@ class RoundCheckpoint(ModelCheckpoint):
         self._round_started_at: int | None = None
         self._written: list[str] = []  # files written at the current round's end
         self._written_at: int | None = None  # the round they were written at, until its validation writes them again
+        self._at_round_end = False  # inside on_train_batch_end
+        self._rank_after_validation: int | None = None  # the round whose top-k save waits for its validation
+        self._monitor_at_validation_start: Any = None
+        self._monitor_from_validation = False  # the last validation logged the monitored metric
+        self._warned_unranked = False
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._round_started_at = trainer.global_step
@@ -520,8 +535,35 @@ class RoundCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._round_started_at = None
         self._written = []  # the files this round's end writes (_save_checkpoint)
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._at_round_end = True
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            self._at_round_end = False
         self._written_at = trainer.global_step if self._written else None
+
+    def _save_topk_checkpoint(self, trainer, monitor_candidates: dict[str, Any]) -> None:
+        """At a round's end with a ``monitor`` and a validation to follow: the save waits for that validation
+        (:meth:`on_validation_end`), whose metrics are the round's own."""
+        if self._at_round_end and self.monitor is not None and self.save_top_k != 0:
+            if validation_follows(trainer):
+                self._rank_after_validation = trainer.global_step
+                return
+            if self._monitor_from_validation:
+                if not self._warned_unranked:
+                    self._warned_unranked = True
+                    rank_zero_warn(
+                        f"RoundCheckpoint(monitor={self.monitor!r}): round {trainer.global_step} gets no top-k file: "
+                        f"no validation follows it, and the value of {self.monitor!r} is an earlier round's; "
+                        f"make every_n_train_steps ({self._every_n_train_steps}) a multiple of the validation "
+                        "interval to rank the saved rounds"
+                    )
+                return
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        super().on_validation_start(trainer, pl_module)
+        self._monitor_at_validation_start = trainer.callback_metrics.get(self.monitor) if self.monitor else None
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
@@ -533,9 +575,16 @@ class RoundCheckpoint(ModelCheckpoint):
         resumed run does not run that validation again (Lightning goes on with the next round)."""
         super().on_validation_end(trainer, pl_module)
         fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
-        if not fitting or self._written_at != trainer.global_step:
+        if not fitting:
             return
-        written, self._written_at = list(dict.fromkeys(self._written)), None
+        if self.monitor is not None:
+            value = trainer.callback_metrics.get(self.monitor)
+            self._monitor_from_validation = value is not None and value is not self._monitor_at_validation_start
+        written = list(dict.fromkeys(self._written)) if self._written_at == trainer.global_step else []
+        self._written_at = None
+        if self._rank_after_validation == trainer.global_step:
+            self._rank_after_validation = None
+            super()._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
         for filepath in written:
             super()._save_checkpoint(trainer, filepath)
 

@@ -6,6 +6,7 @@ The "evil" files below hold an object whose unpickling calls ``os.system("touch 
 exists afterwards means pickled code ran.
 """
 
+import csv
 import hashlib
 import os
 import pickle
@@ -406,6 +407,61 @@ def test_resuming_an_early_stopped_run_trains_no_further_round(tmp_path, caplog)
     assert "EarlyStopping(monitor='val/loss') stopped the run this checkpoint comes from at round 4" in caplog.text
     on = _early_stopped(tmp_path, "--ckpt_path", last, stop=False)
     assert on.trainer.global_step == 16
+
+
+def _monitored(save_dir, every_n_train_steps):
+    return main(
+        [
+            "fit",
+            *_tiny(
+                save_dir,
+                "--trainer.max_steps",
+                "8",
+                "--trainer.limit_val_batches",
+                "1.0",
+                "--trainer.val_check_interval",
+            ),
+            "2",
+            "--trainer.callbacks+=fedlightning.checkpoint.RoundCheckpoint",
+            "--trainer.callbacks.monitor=val/loss",
+            "--trainer.callbacks.save_top_k=2",
+            f"--trainer.callbacks.every_n_train_steps={every_n_train_steps}",
+        ]
+    )
+
+
+def _validation_losses(cli):
+    """{round: val/loss} from metrics.csv (a round's validation is logged at step round − 1)."""
+    with open(os.path.join(cli.trainer.log_dir, "metrics.csv")) as f:
+        return {int(r["step"]) + 1: float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")}
+
+
+def _ranked(cli):
+    (ck,) = [c for c in cli.trainer.checkpoint_callbacks if c.monitor]
+    return ck, {read_checkpoint(path)["global_step"]: float(score) for path, score in ck.best_k_models.items()}
+
+
+def test_a_monitored_round_checkpoint_ranks_each_round_by_its_own_validation(tmp_path):
+    """Saved every 2 rounds, validated every 2 rounds: each kept file's score is the validation of the round it
+    holds (Lightning's ModelCheckpoint would rank round 8 by round 6's validation), and the best is the round of the
+    lowest logged val/loss."""
+    cli = _monitored(tmp_path, 2)
+    losses = _validation_losses(cli)
+    assert sorted(losses) == [2, 4, 6, 8]
+    ck, ranked = _ranked(cli)
+    kept = sorted(losses, key=losses.get)[:2]
+    assert ranked == {r: losses[r] for r in kept}
+    assert read_checkpoint(ck.best_model_path)["global_step"] == kept[0]
+    assert float(ck.best_model_score) == losses[kept[0]]
+
+
+def test_a_saved_round_without_its_own_validation_is_not_ranked(tmp_path):
+    """Saved every 3 rounds, validated every 2: rounds 3 (no validation after it) is not ranked by round 2's value,
+    with a warning; round 6 is ranked by its own validation."""
+    with pytest.warns(UserWarning, match=r"round 3 gets no top-k file: no validation follows it"):
+        cli = _monitored(tmp_path, 3)
+    losses = _validation_losses(cli)
+    assert _ranked(cli)[1] == {6: losses[6]}
 
 
 class NanAfter(MLP):

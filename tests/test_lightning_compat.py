@@ -115,6 +115,41 @@ def test_batches_that_stepped_and_the_step_log_rule(tmp_path, every, written):
     assert [s for s, w in seen if w] == written
 
 
+@pytest.mark.parametrize("interval,limit,rounds", [(2, 1.0, [2, 4, 6]), (3, 1.0, [3]), (2, 0, [])])
+def test_validation_follows_is_whether_a_validation_runs_after_the_batch(tmp_path, interval, limit, rounds):
+    """Asked at each batch end (6 batches of an epoch of 4, then 2), it answers what the fit loop then does."""
+    asked, validated = [], []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            asked.append(compat.validation_follows(trainer))
+
+        def on_validation_start(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                validated.append(trainer.global_step)
+
+    class WithVal(_Tiny):
+        def validation_step(self, batch, batch_idx):
+            return None
+
+        val_dataloader = _Tiny.train_dataloader
+
+    trainer = pl.Trainer(
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=interval,
+        limit_val_batches=limit,
+        num_sanity_val_steps=0,
+        callbacks=[Probe()],
+    )
+    trainer.fit(WithVal())
+    assert [i + 1 for i, a in enumerate(asked) if a] == validated
+    assert validated == rounds
+
+
 def test_batches_in_epoch_is_the_restored_position_inside_the_epoch(tmp_path):
     """0 when a fit starts; after a resume from a checkpoint written after batch 2 of an epoch (of 4 batches), 2 when
     the training loader is built, which is what the data module sizes the resumed epoch from."""
