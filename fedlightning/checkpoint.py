@@ -521,6 +521,7 @@ class RoundCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._round_started_at: int | None = None
+        self._pending: int | None = None  # state_dict's validation_pending while a file is written
         self._written: list[str] = []  # files written at the current round's end
         self._written_at: int | None = None  # the round they were written at, until its validation writes them again
         self._at_round_end = False  # inside on_train_batch_end
@@ -528,6 +529,7 @@ class RoundCheckpoint(ModelCheckpoint):
         self._monitor_at_validation_start: Any = None
         self._monitor_from_validation = False  # the last validation logged the monitored metric
         self._warned_unranked = False
+        self._validating: int | None = None  # the round whose validation has started and not ended
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._round_started_at = trainer.global_step
@@ -564,9 +566,34 @@ class RoundCheckpoint(ModelCheckpoint):
     def on_validation_start(self, trainer, pl_module) -> None:
         super().on_validation_start(trainer, pl_module)
         self._monitor_at_validation_start = trainer.callback_metrics.get(self.monitor) if self.monitor else None
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._validating = trainer.global_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning's state, and ``validation_pending``: the round of a file written before that round's validation
+        completed (at the round's end with a validation to follow, or after an exception in the validation), else
+        None. A run resumed from such a file warns that the validation is not run again (:meth:`load_state_dict`)."""
+        return {**super().state_dict(), "validation_pending": self._pending}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        pending = state_dict.get("validation_pending")
+        if pending is not None:
+            rank_zero_warn(
+                f"the checkpoint holds round {pending} as it was before that round's validation, which did not "
+                f"complete (the run stopped during it); the resumed run goes on with round {pending + 1} and does "
+                f"not run it: its metrics are not logged, and callbacks acting on them (EarlyStopping, a monitored "
+                "checkpoint, a scheduler stepped on a validation metric) do not see them"
+            )
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
-        super()._save_checkpoint(trainer, filepath)
+        round_ = trainer.global_step
+        if self._validating == round_ or (self._at_round_end and validation_follows(trainer)):
+            self._pending = round_
+        try:
+            super()._save_checkpoint(trainer, filepath)
+        finally:
+            self._pending = None
         self._written.append(filepath)
 
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -577,6 +604,7 @@ class RoundCheckpoint(ModelCheckpoint):
         fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
         if not fitting:
             return
+        self._validating = None
         if self.monitor is not None:
             value = trainer.callback_metrics.get(self.monitor)
             self._monitor_from_validation = value is not None and value is not self._monitor_at_validation_start

@@ -464,6 +464,77 @@ def test_a_saved_round_without_its_own_validation_is_not_ranked(tmp_path):
     assert _ranked(cli)[1] == {6: losses[6]}
 
 
+class CopyAtValidationStart(pl.Callback):
+    """Copies ``last.ckpt`` when round ``round``'s validation starts: the file a run killed during it leaves."""
+
+    def __init__(self, folder, round):
+        self.folder, self.round = folder, round
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.global_step == self.round and not trainer.sanity_checking:
+            src = os.path.join(self.folder, "last.ckpt")
+            with open(src, "rb") as f, open(os.path.join(self.folder, "killed.ckpt"), "wb") as g:
+                g.write(f.read())
+
+
+class FailsValidationAt(MLP):
+    def __init__(self, round: int):
+        super().__init__(input_dim=64, num_classes=10, hidden=[8])
+        self.round = round
+
+    def validation_step(self, batch, batch_idx):
+        if self.global_step == self.round and not self.trainer.sanity_checking:
+            raise RuntimeError("validation failed")
+        return super().validation_step(batch, batch_idx)
+
+
+def _validated_fit(tmp_path, module, max_steps, callbacks=(), ckpt_path=None):
+    folder = str(tmp_path / "ck")
+    ck = RoundCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=2, save_top_k=-1)
+    trainer = make_trainer(
+        max_steps,
+        callbacks=[ck, *callbacks],
+        enable_checkpointing=True,
+        plugins=[AtomicCheckpointIO()],
+        limit_val_batches=1,
+        val_check_interval=4,
+        num_sanity_val_steps=0,
+    )
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    loop = FederatedLoop(module, local_steps=2, clients_per_round=2, seed=0)
+    trainer.fit(loop, datamodule=dm, ckpt_path=ckpt_path)
+    return trainer, folder
+
+
+def _small_mlp():
+    return MLP(input_dim=64, num_classes=10, hidden=[8])
+
+
+def _pending(path):
+    (state,) = [v for k, v in read_checkpoint(path)["callbacks"].items() if k.startswith("RoundCheckpoint")]
+    return state["validation_pending"]
+
+
+def test_a_file_written_before_its_rounds_validation_completed_says_so_on_resume(tmp_path):
+    """The round-end file of a validated round (what a kill during the validation leaves) records the pending
+    validation, the file rewritten after it and a round without validation do not; resuming the first warns that
+    the validation is not run again."""
+    trainer, folder = _validated_fit(tmp_path, _small_mlp(), 6, [CopyAtValidationStart(str(tmp_path / "ck"), 4)])
+    assert _pending(os.path.join(folder, "killed.ckpt")) == 4
+    assert _pending(os.path.join(folder, "epoch=0-step=4.ckpt")) is None  # written again after the validation
+    assert _pending(os.path.join(folder, "last.ckpt")) is None  # round 6: no validation
+    with pytest.warns(UserWarning, match=r"round 4 as it was before that round's validation, which did not complete"):
+        resumed, _ = _validated_fit(tmp_path / "r", _small_mlp(), 6, ckpt_path=os.path.join(folder, "killed.ckpt"))
+    assert resumed.global_step == 6
+
+
+def test_an_exception_in_validation_leaves_a_file_that_says_its_validation_is_pending(tmp_path):
+    with pytest.raises(RuntimeError, match="validation failed"):
+        _validated_fit(tmp_path, FailsValidationAt(4), 8)
+    last = str(tmp_path / "ck" / "last.ckpt")
+    assert read_checkpoint(last)["global_step"] == 4 and _pending(last) == 4
+
+
 class NanAfter(MLP):
     """An MLP whose loss is NaN from round ``bad_from`` on (every client of those rounds fails)."""
 
