@@ -23,8 +23,10 @@ __all__ = [
     "attached_trainer",
     "batches_in_epoch",
     "batches_that_stepped",
+    "checkpoint_every_n_epochs",
     "current_hook",
     "detached_trainer",
+    "early_stopping_at_epoch_end",
     "evaluation_batch",
     "logged_at_last_round",
     "metric_reductions",
@@ -36,6 +38,7 @@ __all__ = [
     "should_write_step_logs",
     "spawns_processes",
     "strategy_optimizers",
+    "timer_interval",
     "unsynced_metrics",
     "validation_follows",
 ]
@@ -108,6 +111,25 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
     """The step Lightning's logger connector passes to ``logger.log_metrics`` for training metrics (the fit loop's
     count of batches that stepped an optimizer; the round number here)."""
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def early_stopping_at_epoch_end(callback: Any) -> bool:
+    """Whether an ``EarlyStopping`` checks its monitor at the end of a training epoch (else after each validation):
+    its ``check_on_train_epoch_end``, which its ``setup`` resolves when not given (epoch end when validation runs
+    once per epoch: ``val_check_interval=1.0`` and ``check_val_every_n_epoch=1``)."""
+    return bool(callback._check_on_train_epoch_end)
+
+
+def timer_interval(callback: Any) -> str:
+    """A ``Timer``'s ``interval``: ``"step"`` (checks after every training step) or ``"epoch"``."""
+    interval = callback._interval
+    return str(getattr(interval, "value", interval))
+
+
+def checkpoint_every_n_epochs(callback: Any) -> int:
+    """A ``ModelCheckpoint``'s ``every_n_epochs`` as it resolved it (0 when ``every_n_train_steps`` or
+    ``train_time_interval`` is set and ``every_n_epochs`` is not)."""
+    return int(callback._every_n_epochs)
 
 
 def validation_follows(trainer: pl.Trainer) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ __all__ = [
     "SettingError",
     "SettingTypeError",
     "WrongTypeError",
+    "check_fit_callbacks",
     "check_fit_settings",
     "check_learning_rates",
     "check_step_settings",
@@ -250,6 +251,19 @@ def check_fit_settings(trainer: Any, loop: Any) -> None:
                 f"run trains up to {rounds or 'max_epochs x rounds_per_epoch'} rounds (set trainer.max_steps to "
                 "count rounds)"
             )
+    if isinstance(max_epochs, int) and not isinstance(max_epochs, bool) and max_epochs == 0:
+        raise SettingError(
+            "trainer.max_epochs",
+            "max_epochs=0 trains no round; remove trainer.max_epochs and set trainer.max_steps to the number of rounds",
+        )
+    limit = getattr(trainer, "limit_train_batches", None)
+    if limit is not None and not isinstance(limit, bool) and limit == 0:
+        raise SettingError(
+            "trainer.limit_train_batches",
+            "limit_train_batches=0 trains no round (a training batch is a round); set trainer.max_steps to the "
+            "number of rounds and remove trainer.limit_train_batches",
+        )
+    _check_min_epochs(trainer, max_steps)
     check_val_check_interval(getattr(trainer, "val_check_interval", None))
     every = getattr(trainer, "check_val_every_n_epoch", None)
     if every is not None:
@@ -263,6 +277,120 @@ def check_fit_settings(trainer: Any, loop: Any) -> None:
         integer("seed", seed, 0)
     except ValueError as err:
         raise SettingError("model.seed", str(err)) from None
+
+
+def _check_min_epochs(trainer: Any, max_steps: Any) -> None:
+    """``trainer.min_steps`` is the minimum number of rounds before a callback's stop (``EarlyStopping``) takes
+    effect. Lightning adds ``min_epochs=1`` to a given ``min_steps``; with ``max_steps`` set the run is one epoch of
+    rounds, so that would hold every stop until the run's end: with ``min_steps`` given, a ``min_epochs`` of 1 is
+    dropped here (an explicit ``min_epochs: 1`` next to ``min_steps`` cannot be told apart from it and is dropped
+    too). An explicit ``min_epochs`` >= 1 with ``max_steps`` set is refused for the same reason (decision ours)."""
+    loop = getattr(trainer, "fit_loop", None)
+    min_epochs, min_steps = getattr(loop, "min_epochs", None), getattr(loop, "min_steps", None)
+    if not (isinstance(min_epochs, int) and min_epochs >= 1):
+        return
+    if min_steps and min_epochs == 1:
+        loop.min_epochs = 0
+        return
+    if isinstance(max_steps, int) and max_steps >= 1:
+        raise SettingError(
+            "trainer.min_epochs",
+            f"with max_steps={max_steps} the run is one epoch of {max_steps} rounds, so min_epochs={min_epochs} "
+            "would hold any early stop until the run's end; the minimum number of rounds before a stop is "
+            "trainer.min_steps",
+        )
+
+
+def check_fit_callbacks(
+    trainer: Any,
+    *,
+    early_stopping_at_epoch_end: Callable[[Any], bool],
+    timer_interval: Callable[[Any], str],
+    checkpoint_every_n_epochs: Callable[[Any], int],
+) -> None:
+    """Refuse, before round 0, Lightning callbacks that would do nothing, or something else than they say, in a
+    federated fit (one training batch is one round; with ``trainer.max_steps`` set the run is one epoch of rounds).
+    The three functions read the callbacks' resolved settings (``fedlightning._lightning_compat``). Decisions (ours):
+
+    * ``EarlyStopping`` that checks at the end of a training epoch (``check_on_train_epoch_end: true``, or
+      Lightning's default when validation runs once per epoch) would check once, after the last round, with
+      ``max_steps`` set; one that checks after each validation never checks with ``limit_val_batches: 0``.
+    * ``ModelCheckpoint(every_n_epochs >= 2)`` with ``max_steps`` set never saves (the run is epoch 0).
+    * ``Timer(interval="epoch")`` with ``max_steps`` set checks the time after the last round only.
+    * a callback monitoring a ``val/`` metric with ``limit_val_batches: 0`` (no validation) never sees it
+      (``ModelCheckpoint`` would save nothing, ``EarlyStopping`` would fail after the last round).
+    * ``StochasticWeightAveraging`` averages Lightning's own optimizer steps per epoch and, from a given epoch,
+      puts its average into the model when the fit ends, here the weights of before the first round;
+      ``BatchSizeFinder`` grows ``data.batch_size`` until a batch fails, which client batches (at most a client's
+      data) never do, so clients would take full-batch steps; ``LearningRateFinder`` tunes Lightning's own
+      optimizer; ``GradientAccumulationScheduler`` accumulates Lightning's optimizer steps (as
+      ``accumulate_grad_batches``). Each is refused with what does the job here.
+    """
+    from lightning.pytorch.callbacks import (
+        BatchSizeFinder,
+        EarlyStopping,
+        GradientAccumulationScheduler,
+        LearningRateFinder,
+        ModelCheckpoint,
+        StochasticWeightAveraging,
+        Timer,
+    )
+
+    max_steps = getattr(trainer, "max_steps", None)
+    one_epoch = isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps >= 1
+    validates = getattr(trainer, "limit_val_batches", 1) != 0
+    refused = {
+        StochasticWeightAveraging: "averages the weights of Lightning's own optimizer steps per epoch, which a "
+        "federated fit does not take, and would put the weights of before the first round into the model when the "
+        "fit ends; average on the server with a strategy (e.g. FedExP's iterate average) instead",
+        BatchSizeFinder: "grows data.batch_size until a batch fails, which a client's batch (at most its data) never "
+        "does, so clients would take full-batch steps; set data.init_args.batch_size",
+        LearningRateFinder: "tunes Lightning's own optimizer, which a federated fit does not step; sweep the client "
+        "learning rate with a W&B sweep (docs/sweeps.md)",
+        GradientAccumulationScheduler: "accumulates Lightning's own optimizer steps, which federated training does "
+        "not take: a client's local step is one batch of its loader; use a larger data.batch_size",
+    }
+    for cb in getattr(trainer, "callbacks", None) or []:
+        name = type(cb).__name__
+        for kind, why in refused.items():
+            if isinstance(cb, kind):
+                raise SettingError("trainer.callbacks", f"{name} {why}, and remove the callback")
+        monitor = getattr(cb, "monitor", None)
+        if not validates and isinstance(monitor, str) and monitor.startswith("val/"):
+            raise SettingError(
+                "trainer.limit_val_batches",
+                f"limit_val_batches=0 runs no validation, but {name}(monitor={monitor!r}) monitors a validation "
+                "metric; validate (e.g. limit_val_batches: 1.0 with val_check_interval: N rounds) or monitor "
+                "another metric",
+            )
+        if isinstance(cb, EarlyStopping):
+            if early_stopping_at_epoch_end(cb):
+                if one_epoch:
+                    raise SettingError(
+                        "trainer.callbacks",
+                        f"{name}(monitor={monitor!r}) checks at the end of a training epoch, and with max_steps="
+                        f"{max_steps} the run is one epoch: it would check once, after the last round; validate "
+                        "every N rounds (val_check_interval: N) and set the callback's check_on_train_epoch_end: "
+                        "false to check after each validation",
+                    )
+            elif not validates:
+                raise SettingError(
+                    "trainer.limit_val_batches",
+                    f"{name}(monitor={monitor!r}) checks after each validation, and limit_val_batches=0 runs none: "
+                    "it would never check; validate every N rounds (val_check_interval: N)",
+                )
+        if one_epoch and isinstance(cb, ModelCheckpoint) and checkpoint_every_n_epochs(cb) >= 2:
+            raise SettingError(
+                "trainer.callbacks",
+                f"{name}(every_n_epochs={checkpoint_every_n_epochs(cb)}) with max_steps={max_steps}: the run is one "
+                "epoch, so it would never save; save every N rounds with every_n_train_steps: N",
+            )
+        if one_epoch and isinstance(cb, Timer) and timer_interval(cb) == "epoch":
+            raise SettingError(
+                "trainer.callbacks",
+                f"{name}(interval='epoch') with max_steps={max_steps}: the run is one epoch, so it would check the "
+                "time after the last round only; use interval: step (a step is a round)",
+            )
 
 
 def _check_validation_runs(trainer: Any, max_steps: Any, every: Any) -> None:

@@ -41,10 +41,13 @@ from fedlightning._hooks import _FORWARDED_HOOKS, _forward_to_model, _LogRouter
 from fedlightning._lightning_compat import (
     align_logged_step,
     attached_trainer,
+    checkpoint_every_n_epochs,
     detached_trainer,
+    early_stopping_at_epoch_end,
     evaluation_batch,
     spawns_processes,
     strategy_optimizers,
+    timer_interval,
     unsynced_metrics,
 )
 from fedlightning._logging_route import route_logging, routed_logging
@@ -60,6 +63,7 @@ from fedlightning._round import (
 )
 from fedlightning._validation import (
     SettingError,
+    check_fit_callbacks,
     check_fit_settings,
     check_learning_rates,
     check_step_settings,
@@ -351,6 +355,12 @@ class FederatedLoop(pl.LightningModule):
                 )
             check_optimization_hooks(self.model)  # optimizer_step & co.: not called by client training
             check_fit_settings(trainer, self)  # max_steps, val_check_interval, seed: refused before round 0
+            check_fit_callbacks(  # callbacks that would do nothing, or something else, in a federated fit
+                trainer,
+                early_stopping_at_epoch_end=early_stopping_at_epoch_end,
+                timer_interval=timer_interval,
+                checkpoint_every_n_epochs=checkpoint_every_n_epochs,
+            )
             check_launcher(trainer)  # ddp_spawn & co.: refused
             self._log_every_round(trainer)
             dm = self._datamodule()

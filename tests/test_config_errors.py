@@ -19,6 +19,15 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import (
+    BatchSizeFinder,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateFinder,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+    Timer,
+)
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from fedlightning import FederatedLoop
@@ -307,6 +316,16 @@ COMMAND_LINES = [
         "model.client_optimizer.init_args.lr",
         ["client_optimizer Adam lr", "got inf"],
     ),
+    ("max_epochs 0", ["--trainer.max_epochs", "0"], "trainer.max_epochs", ["max_epochs=0 trains no round"]),
+    (
+        "SWA callback",
+        [
+            "--trainer.callbacks+=lightning.pytorch.callbacks.StochasticWeightAveraging",
+            "--trainer.callbacks.swa_lrs=0.5",
+        ],
+        "trainer.callbacks",
+        ["StochasticWeightAveraging averages", "remove the callback"],
+    ),
 ]
 
 # (id, YAML given after the quickstart config, the key, texts the line must contain)
@@ -519,11 +538,89 @@ def _tiny_fit(trainer_kwargs, **loop_kwargs):
             "trainer.val_check_interval",
             "val_check_interval=5 rounds is more than the run's max_steps=3",
         ),
+        (dict(max_steps=3, max_epochs=0), "trainer.max_epochs", "max_epochs=0 trains no round"),
+        (dict(max_steps=3, limit_train_batches=0), "trainer.limit_train_batches", "limit_train_batches=0"),
+        (dict(max_steps=3, min_epochs=2), "trainer.min_epochs", "min_epochs=2 would hold any early stop"),
+        (
+            dict(max_steps=3, callbacks=[StochasticWeightAveraging(swa_lrs=0.5, swa_epoch_start=1)]),
+            "trainer.callbacks",
+            "StochasticWeightAveraging averages",
+        ),
+        (dict(max_steps=3, callbacks=[BatchSizeFinder()]), "trainer.callbacks", "BatchSizeFinder grows"),
+        (dict(max_steps=3, callbacks=[LearningRateFinder()]), "trainer.callbacks", "LearningRateFinder tunes"),
+        (
+            dict(max_steps=3, callbacks=[GradientAccumulationScheduler({0: 4})]),
+            "trainer.callbacks",
+            "GradientAccumulationScheduler accumulates",
+        ),
+        (
+            dict(max_steps=3, enable_checkpointing=True, callbacks=[ModelCheckpoint(every_n_epochs=2)]),
+            "trainer.callbacks",
+            "ModelCheckpoint(every_n_epochs=2) with max_steps=3: the run is one epoch, so it would never save",
+        ),
+        (
+            dict(max_steps=3, callbacks=[Timer(duration="00:00:00:01", interval="epoch")]),
+            "trainer.callbacks",
+            "Timer(interval='epoch') with max_steps=3",
+        ),
+        (
+            dict(max_steps=3, enable_checkpointing=True, callbacks=[ModelCheckpoint(monitor="val/acc", mode="max")]),
+            "trainer.limit_val_batches",
+            "limit_val_batches=0 runs no validation, but ModelCheckpoint(monitor='val/acc')",
+        ),
+        (
+            dict(max_steps=3, val_check_interval=2, callbacks=[EarlyStopping(monitor="client/train_loss")]),
+            "trainer.limit_val_batches",
+            "EarlyStopping(monitor='client/train_loss') checks after each validation, and limit_val_batches=0",
+        ),
+        (
+            dict(
+                max_steps=3,
+                limit_val_batches=1,
+                val_check_interval=1,
+                callbacks=[EarlyStopping(monitor="val/loss", check_on_train_epoch_end=True)],
+            ),
+            "trainer.callbacks",
+            "checks at the end of a training epoch, and with max_steps=3 the run is one epoch",
+        ),
+        (  # Lightning's default when validation runs once per epoch, i.e. here after the last round
+            dict(max_steps=3, limit_val_batches=1, callbacks=[EarlyStopping(monitor="val/loss")]),
+            "trainer.callbacks",
+            "it would check once, after the last round",
+        ),
     ],
 )
 def test_python_trainer_settings_are_refused_before_round_0(trainer_kwargs, key, text):
     err = _tiny_fit(trainer_kwargs, client_optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     assert err.config_key == key and text in str(err)
+
+
+def test_min_steps_counts_rounds_before_an_early_stop():
+    """EarlyStopping(mode="max", patience=0) on the falling val/loss asks to stop at the check after round 2; with
+    min_steps=3 the run stops at round 3 (Lightning's implied min_epochs=1 would hold it to max_steps=8)."""
+    from lightning.pytorch import Trainer
+
+    def rounds(**kw):
+        es = EarlyStopping(monitor="val/loss", mode="max", patience=0, check_finite=False)
+        loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), local_steps=2, clients_per_round=2, seed=0)
+        trainer = Trainer(
+            accelerator="cpu",
+            max_steps=8,
+            val_check_interval=1,
+            check_val_every_n_epoch=None,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[es],
+            **kw,
+        )
+        trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, seed=0))
+        return trainer.global_step
+
+    assert rounds() == 2
+    assert rounds(min_steps=3) == 3
 
 
 def test_python_strategy_that_spawns_its_processes_is_refused_in_them_before_round_0():

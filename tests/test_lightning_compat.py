@@ -150,6 +150,26 @@ def test_validation_follows_is_whether_a_validation_runs_after_the_batch(tmp_pat
     assert validated == rounds
 
 
+def test_resolved_callback_settings(tmp_path):
+    """EarlyStopping's check_on_train_epoch_end as its setup resolves it (epoch end with one validation per epoch),
+    a Timer's interval and ModelCheckpoint's every_n_epochs as their constructors resolve them."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, Timer
+
+    def resolved(es, **kw):
+        trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, callbacks=[es], **kw)
+        es.setup(trainer, _Tiny(), "fit")
+        return compat.early_stopping_at_epoch_end(es)
+
+    assert resolved(EarlyStopping(monitor="m")) is True
+    assert resolved(EarlyStopping(monitor="m"), val_check_interval=2) is False
+    assert resolved(EarlyStopping(monitor="m", check_on_train_epoch_end=False)) is False
+    assert compat.timer_interval(Timer(interval="epoch")) == "epoch"
+    assert compat.timer_interval(Timer()) == "step"
+    assert compat.checkpoint_every_n_epochs(ModelCheckpoint()) == 1
+    assert compat.checkpoint_every_n_epochs(ModelCheckpoint(every_n_epochs=3)) == 3
+    assert compat.checkpoint_every_n_epochs(ModelCheckpoint(every_n_train_steps=2)) == 0
+
+
 def test_batches_in_epoch_is_the_restored_position_inside_the_epoch(tmp_path):
     """0 when a fit starts; after a resume from a checkpoint written after batch 2 of an epoch (of 4 batches), 2 when
     the training loader is built, which is what the data module sizes the resumed epoch from."""
