@@ -3,6 +3,7 @@ worker processes, a client's batches are fetched under random states seeded as a
 the draws depend only on ``(seed, round, client)``: sequential and vectorized training draw the same ones, no round
 repeats another's, ``num_workers=0`` equals ``num_workers=1``, and the process's random states are left alone."""
 
+import functools
 import random
 
 import lightning.pytorch as pl
@@ -58,13 +59,20 @@ class RoundMark(pl.Callback):
         DRAWS.append([])
 
 
-def _fit(mode, workers=0, rounds=3):
+def _fit(mode, workers=0, rounds=3, local_steps=3, worker_init_fn=None):
     DRAWS.clear()
     dm = FederatedDataModule.from_datasets(
-        Noisy(), partition=IID(), num_clients=6, batch_size=4, seed=0, val_fraction=0, num_workers=workers
+        Noisy(),
+        partition=IID(),
+        num_clients=6,
+        batch_size=4,
+        seed=0,
+        val_fraction=0,
+        num_workers=workers,
+        worker_init_fn=worker_init_fn,
     )
     net = Net()
-    loop = FederatedLoop(net, local_steps=3, clients_per_round=3, seed=0, client_execution=mode)
+    loop = FederatedLoop(net, local_steps=local_steps, clients_per_round=3, seed=0, client_execution=mode)
     make_trainer(rounds, callbacks=[RoundMark()]).fit(loop, datamodule=dm)
     return net.lin.weight.detach().clone(), [list(d) for d in DRAWS]
 
@@ -85,6 +93,35 @@ def test_no_workers_serve_the_batches_of_one_worker(mode):
     zero, _ = _fit(mode, workers=0, rounds=2)
     one, _ = _fit(mode, workers=1, rounds=2)
     assert torch.equal(zero, one)
+
+
+def seed_worker(worker_id, log=None):
+    """PyTorch's reproducibility recipe: numpy and ``random`` seeded from the worker's torch seed; ``log``: a file
+    that gets one line per call (one per worker start)."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+    assert torch.utils.data.get_worker_info().id == worker_id == 0
+    if log is not None:
+        with open(log, "a") as f:
+            f.write(f"{worker_id}\n")
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_no_workers_serve_the_batches_of_one_worker_over_several_epochs_with_a_worker_init_fn(mode, tmp_path):
+    """9 local steps of clients with 3 batches per epoch: 3 epochs per client and round. A worker_init_fn that
+    reseeds numpy and random from torch's worker seed runs for the loader without workers as in worker 0 (the
+    batches are equal), and the one-worker loader starts its worker once per client and round, not per epoch."""
+    log = tmp_path / "starts.txt"
+    zero, zero_draws = _fit(mode, 0, 2, 9, functools.partial(seed_worker, log=str(log)))
+    assert log.read_text().count("0") == 2 * 3  # called in this process once per client and round
+    log.unlink()
+    one, _ = _fit(mode, 1, 2, 9, functools.partial(seed_worker, log=str(log)))
+    assert log.read_text().count("0") == 2 * 3  # one worker start per client and round
+    assert torch.equal(zero, one)
+    plain, plain_draws = _fit(mode, 0, 2, 9)
+    assert not torch.equal(plain, zero)  # the function changed the draws: it did run
+    assert all(len(d) == 3 * 9 * 4 - 3 * 3 * 2 for d in zero_draws)  # 3 clients x 9 batches of 4, 4, 2, ...
 
 
 def _datamodule(dataset):

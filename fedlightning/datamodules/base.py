@@ -242,6 +242,42 @@ def _worker_zero_states(base_seed: int, sources: Sequence[int]) -> dict[int, Any
     return states
 
 
+@contextlib.contextmanager
+def _as_worker_zero(loader: DataLoader, seed: int) -> Iterator[None]:
+    """Inside the block ``torch.utils.data.get_worker_info()`` describes worker 0 of 1 of ``loader`` (``id``,
+    ``num_workers``, ``seed``, ``dataset``), as in a DataLoader worker; torch keeps that description in a private
+    module attribute, which a torch without it leaves alone (the block then changes nothing)."""
+    from torch.utils.data._utils import worker
+
+    if not hasattr(worker, "_worker_info"):  # pragma: no cover - torch moved it
+        yield
+        return
+    kept = worker._worker_info
+    worker._worker_info = worker.WorkerInfo(id=0, num_workers=1, seed=seed, dataset=loader.dataset)
+    try:
+        yield
+    finally:
+        worker._worker_info = kept
+
+
+def _initialised_worker_zero_states(base_seed: int, loader: DataLoader) -> dict[int, Any]:
+    """The random states of :func:`_worker_zero_states` (all sources) after the loader's ``worker_init_fn(0)`` ran
+    under them as in worker 0 of a DataLoader: ``torch.initial_seed()`` is the worker's seed and ``get_worker_info()``
+    describes worker 0 of 1 (:func:`_as_worker_zero`); a function that reseeds numpy and ``random`` from
+    ``torch.initial_seed()`` (PyTorch's reproducibility recipe) then gives them what it gives a worker. The process's
+    states are put back afterwards."""
+    sources = range(len(_RANDOM_SOURCES))
+    states = _worker_zero_states(base_seed, sources)
+    with preserved_random_states():
+        torch.default_generator.manual_seed(base_seed)  # its state is states[0]; initial_seed() is the worker's seed
+        for i in sources:
+            if i:
+                _RANDOM_SOURCES[i][1](states[i])
+        with _as_worker_zero(loader, base_seed):
+            loader.worker_init_fn(0)
+        return {i: _RANDOM_SOURCES[i][0]() for i in sources}
+
+
 class _SeededFetches:
     """An iterator over a DataLoader without workers whose every batch is fetched under the loader's own random
     states (see :class:`ClientDataLoader`); the process's states are put back after each batch.
@@ -256,7 +292,10 @@ class _SeededFetches:
         self._batches = batches
         self._loader = loader
         self._sources = list(range(len(_RANDOM_SOURCES))) if loader._sources is None else loader._sources
-        self._states = _worker_zero_states(base_seed, self._sources)
+        if loader.worker_init_fn is None:
+            self._states = _worker_zero_states(base_seed, self._sources)
+        else:
+            self._states = _initialised_worker_zero_states(base_seed, loader)
 
     def __iter__(self) -> _SeededFetches:
         return self
@@ -326,6 +365,37 @@ class ClientDataLoader(DataLoader):
     #: set draws from (:class:`_SeededFetches`)
     _sources: list[int] | None = None
 
+    def __init__(self, dataset: Dataset, **options: Any) -> None:
+        super().__init__(dataset, **options)
+        self._options = options
+
+    def one_pass(self, steps: int) -> Iterator[Any]:
+        """Exactly ``steps`` batches in one pass of a loader (what :func:`reiterate` gives for this loader): the
+        index batches of the epochs that re-iterating would take (the same permutations, drawn in the same order
+        from the batch sampler's generator), concatenated, and fetched by one iterator, whose base seed is the one
+        the first epoch's iterator would draw.
+
+        Decision (ours, measured): re-iterating a loader with workers starts its worker processes again for every
+        local epoch of every client (a client with fewer samples than the batch size has an epoch per step); one
+        pass per client and round starts them once (3.4x faster with 2 workers, ``benchmarks/loader_workers.py``;
+        docs/benchmarks_data.md). The random states of the fetches (workers', or the
+        loader's own without workers) are seeded once per client and round and go on across its epochs, the same
+        with and without workers. A batch sampler other than :class:`ClientBatchSampler` is re-iterated."""
+        epoch = getattr(self.batch_sampler, "epoch", None)
+        if epoch is None:
+            yield from _cycled(self, steps)
+            return
+        batches: list[Tensor] = []
+        while len(batches) < steps:
+            more = epoch()
+            if not more:
+                raise RuntimeError("the client's data loader yielded no batch (a client without samples?)")
+            batches.extend(more[: steps - len(batches)])
+        options = {**self._options, "batch_sampler": batches}
+        if options.get("num_workers", 0) > 0:
+            options["persistent_workers"] = False  # one pass: nothing to keep the workers for
+        yield from ClientDataLoader(self.dataset, **options)
+
     def __iter__(self) -> Iterator[Any]:
         batches = super().__iter__()
         if self.num_workers > 0:
@@ -375,8 +445,16 @@ class ArrayBatchLoader:
 def reiterate(loader: Iterable, steps: int) -> Iterator[Any]:
     """Exactly ``steps`` batches of ``loader``, calling ``iter(loader)`` again whenever it runs out (a new shuffled
     epoch over a client's data): the batches a client takes from any loader, and the ones ``iter_steps`` of
-    :class:`ArrayBatchLoader` must give. It lives with the loaders so that they and the client trainer
-    (:mod:`fedlightning.client`, one layer up) share it."""
+    :class:`ArrayBatchLoader` must give. A :class:`ClientDataLoader` gives them in one pass
+    (:meth:`ClientDataLoader.one_pass`). It lives with the loaders so that they, the client trainer
+    (:mod:`fedlightning.client`, one layer up) and the vectorized engine share it."""
+    if isinstance(loader, ClientDataLoader):
+        return loader.one_pass(steps)
+    return _cycled(loader, steps)
+
+
+def _cycled(loader: Iterable, steps: int) -> Iterator[Any]:
+    """:func:`reiterate` by calling ``iter(loader)`` again whenever it runs out."""
     it = iter(loader)
     for _ in range(steps):
         try:

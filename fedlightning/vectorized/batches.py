@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedlightning.datamodules.base import ArrayBatchLoader, ArrayDataset, ClientBatchSampler
+from fedlightning.datamodules.base import ArrayBatchLoader, ArrayDataset, ClientBatchSampler, reiterate
 
 from .support import VectorizationUnsupportedError
 from .torch_internals import tree_flatten, tree_unflatten
@@ -138,13 +138,7 @@ class _RoundBatches:
         per_step: list[list[Any]] = [[] for _ in range(K)]
         with torch.random.fork_rng(devices=[]):  # DataLoader iterators draw a base seed from the global RNG
             for ld in loaders:
-                it = iter(ld)
-                for k in range(K):
-                    try:
-                        b = next(it)
-                    except StopIteration:
-                        it = iter(ld)
-                        b = next(it)
+                for k, b in enumerate(reiterate(ld, K)):  # the batches sequential training takes
                     per_step[k].append(b)
         self.per_step = per_step
         for k in range(K):  # refused before the round computes anything (auto then falls back cleanly)
