@@ -17,6 +17,12 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from fedlightning._lightning_compat import attached_trainer
+from fedlightning._logging_route import (
+    RoundLogOptions,
+    note_round_log_options,
+    round_log_options,
+    round_log_value,
+)
 
 __all__ = ["_FORWARDED_HOOKS", "_LogRouter", "_forward_to_model"]
 
@@ -47,6 +53,7 @@ class _LogRouter:
         self.owners: dict[str, list[int | Tensor]] = {}
         self.owner = NO_CLIENT  # the client whose training runs (set by the loop and the vectorised engine)
         self.metrics: dict[str, Any] = {}  # name -> torchmetrics Metric logged in training_step
+        self.options: dict[str, RoundLogOptions] = {}  # name -> its round_log_options (kept over the run)
         self.metric_paths: dict[str, str] = {}  # name -> the metric's module path in the working copy
         #: the module it is installed on: the working copy (capture mode), the global model (forward mode)
         self.module: torch.nn.Module | None = None
@@ -68,18 +75,25 @@ class _LogRouter:
             else:
                 self.loop_ref.log(name, value, *args, **kwargs)
             return
+        self.note_options(name, round_log_options(name, args, kwargs))
         if _is_metric(value):
             if name not in self.metrics:
                 self.metrics[name] = value
                 if self.module is not None:
                     self.metric_paths[name] = next((p for p, m in self.module.named_modules() if m is value), "")
             return
-        if isinstance(value, (int, float)):
-            value = torch.tensor(float(value))
-        if isinstance(value, Tensor) and value.numel() == 1:
-            value = value.detach()
-            self.captured.setdefault(name, []).append(value if value.dim() == 0 else value.reshape(()))
-            self.owners.setdefault(name, []).append(self.owner)
+        self.captured.setdefault(name, []).append(round_log_value(name, value))
+        self.owners.setdefault(name, []).append(self.owner)
+
+    def note_options(self, name: str, options: RoundLogOptions) -> None:
+        """Record how ``name`` is logged (:func:`~fedlightning._logging_route.note_round_log_options`)."""
+        note_round_log_options(self.options, name, options)
+
+    def shown_and_hidden(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The ``client/<name>`` keys logged with ``prog_bar=True``, and those logged with ``logger=False``."""
+        shown = tuple(f"client/{k}" for k, o in self.options.items() if o.prog_bar)
+        hidden = tuple(f"client/{k}" for k, o in self.options.items() if not o.logger)
+        return shown, hidden
 
     @contextmanager
     def owned_by(self, client: int) -> Iterator[None]:
@@ -130,18 +144,24 @@ class _LogRouter:
             self.log(k, v, *args, **kwargs)
 
     def pop_means(self) -> dict[str, float]:
-        # summed in float64 as pop_sums sums (a float64 run's values keep their precision)
-        out = {f"client/{k}": float(_concat(v).double().mean()) for k, v in self.captured.items() if v}
-        self.captured, self.owners = {}, {}
+        """``client/<name>``: each name's values of the round reduced with its ``reduce_fx`` (the mean unless the
+        call asked for ``"sum"``, ``"max"`` or ``"min"``), in float64 as :meth:`pop_sums`."""
+        out = {}
+        for k, (reduce, value, count) in self.pop_sums().items():
+            out[f"client/{k}"] = value / count if reduce == "mean" else value
         return out
 
-    def pop_sums(self) -> dict[str, tuple[float, int]]:
-        """``name -> (sum, count)`` of this process's captured values (float64 sums), for a mean over processes."""
+    def pop_sums(self) -> dict[str, tuple[str, float, int]]:
+        """``name -> (reduce, value, count)`` of this process's captured values: the float64 sum for ``"mean"`` and
+        ``"sum"``, the maximum or minimum for ``"max"`` / ``"min"``, and the number of values; for a reduction over
+        processes (:func:`~fedlightning._round.client_log_means`)."""
         out = {}
         for k, v in self.captured.items():
             if v:
                 values = _concat(v).double()
-                out[k] = (float(values.sum()), int(values.numel()))
+                reduce = self.options.get(k, RoundLogOptions()).reduce
+                value = values.amax() if reduce == "max" else values.amin() if reduce == "min" else values.sum()
+                out[k] = (reduce, float(value), int(values.numel()))
         self.captured, self.owners = {}, {}
         return out
 

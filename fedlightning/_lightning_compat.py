@@ -175,15 +175,21 @@ def should_write_step_logs(trainer: pl.Trainer) -> bool:
     return bool(trainer._logger_connector.should_update_logs)
 
 
-def publish_step_metrics(trainer: pl.Trainer, metrics: dict[str, torch.Tensor], progress_bar: tuple[str, ...]) -> None:
+def publish_step_metrics(
+    trainer: pl.Trainer,
+    metrics: dict[str, torch.Tensor],
+    progress_bar: tuple[str, ...],
+    unlogged: tuple[str, ...] = (),
+) -> None:
     """Make ``metrics`` (scalar tensors) what ``self.log(name, value, prog_bar=name in progress_bar)`` in a
     ``training_step`` makes them, without Lightning's result collection: ``trainer.callback_metrics`` and
     ``trainer.logged_metrics`` hold them, and the names in ``progress_bar`` show on the progress bar
     (``trainer.progress_bar_metrics``, as Python floats) until they are logged again. Writing them to the loggers is
-    the caller's (Lightning's own ``log_metrics`` writes and saves each logger, with ``epoch`` added)."""
+    the caller's (Lightning's own ``log_metrics`` writes and saves each logger, with ``epoch`` added). The names in
+    ``unlogged`` stay out of ``trainer.logged_metrics``, as ``self.log(..., logger=False)`` keeps them."""
     connector = trainer._logger_connector
     connector._callback_metrics.update(metrics)
-    connector._logged_metrics.update(metrics)
+    connector._logged_metrics.update({k: v for k, v in metrics.items() if k not in unlogged})
     connector._progress_bar_metrics.update({k: float(metrics[k]) for k in progress_bar if k in metrics})
 
 

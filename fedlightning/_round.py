@@ -489,19 +489,24 @@ def reduce_statistics(stats: RoundStatistics, trainer: Any, round: int) -> None:
 
 
 def client_log_means(router: Any, trainer: Any, round: int) -> dict[str, float]:
-    """``client/<name>``: the mean of the values the round's clients logged in ``training_step``, over the clients
-    of every process: with several processes each sends its sums and counts, so the mean is the one a single process
-    computes, up to the order of the float64 sums (one process: the router's own mean). A value logged in the
-    working copy's ``on_train_epoch_start`` / ``_end`` (once per round on each process, over its own clients) is one
-    value per process, and the mean is over the processes."""
+    """``client/<name>``: the values the round's clients logged in ``training_step``, reduced with the call's
+    ``reduce_fx`` (the mean by default; :func:`~fedlightning._logging_route.round_log_options`) over the clients of
+    every process: with several processes each sends its sums (or maximum, minimum) and counts, so the value is the
+    one a single process computes, up to the order of the float64 sums (one process: the router's own). A value
+    logged in the working copy's ``on_train_epoch_start`` / ``_end`` (once per round on each process, over its own
+    clients) is one value per process, and the reduction is over the processes."""
     if not _distributed(trainer):
         return router.pop_means()
-    total: dict[str, tuple[float, int]] = {}
+    total: dict[str, tuple[str, float, int]] = {}
     for part in all_gather_objects(router.pop_sums(), round=round, what="values logged in training_step"):
-        for name, (s, n) in part.items():
-            a, b = total.get(name, (0.0, 0))
-            total[name] = (a + s, b + n)
-    return {f"client/{name}": s / n for name, (s, n) in sorted(total.items()) if n}
+        for name, (reduce, value, n) in part.items():
+            if name not in total:
+                total[name] = (reduce, value, n)
+                continue
+            _, a, b = total[name]
+            combined = max(a, value) if reduce == "max" else min(a, value) if reduce == "min" else a + value
+            total[name] = (reduce, combined, b + n)
+    return {f"client/{name}": v / n if r == "mean" else v for name, (r, v, n) in sorted(total.items()) if n}
 
 
 def share_round_state(
@@ -757,7 +762,9 @@ def _check_candidate(
     )
 
 
-def log_round(trainer: Any, metrics: dict[str, float]) -> None:
+def log_round(
+    trainer: Any, metrics: dict[str, float], shown: tuple[str, ...] = (), hidden: tuple[str, ...] = ()
+) -> None:
     """Log the round's metrics, as ``self.log`` in a ``training_step`` logs a value (``train/loss`` with
     ``prog_bar=True``), without Lightning's result collection.
 
@@ -768,16 +775,17 @@ def log_round(trainer: Any, metrics: dict[str, float]) -> None:
     ``trainer.logged_metrics``, and ``train/loss`` onto the progress bar; on the rounds Lightning writes step
     metrics (every ``log_every_n_steps`` rounds, or when the trainer is stopping) they are written to the loggers
     as one row at the round's step, with Lightning's ``epoch`` added, and each logger saved, as Lightning's
-    ``log_metrics`` does."""
+    ``log_metrics`` does. ``shown``: further keys for the progress bar; ``hidden``: keys kept out of the loggers
+    (and of ``trainer.logged_metrics``), as ``self.log(..., prog_bar=True)`` / ``logger=False`` asked."""
     values = {k: float(v) for k, v in metrics.items()}
     if not values:
         return
     # float64 tensors: the trainer's metrics hold the values the loggers get (self.log would round to float32)
     tensors = {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
-    publish_step_metrics(trainer, tensors, progress_bar=("train/loss",))
+    publish_step_metrics(trainer, tensors, progress_bar=("train/loss", *shown), unlogged=hidden)
     if _step_logs_written(trainer):
         step = batches_that_stepped(trainer)
-        row = {**values, "epoch": trainer.current_epoch}
+        row = {**{k: v for k, v in values.items() if k not in hidden}, "epoch": trainer.current_epoch}
         for logger in trainer.loggers:
             logger.log_metrics(row, step=step)
             logger.save()

@@ -346,20 +346,20 @@ def _general_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
     step_sizes: list[float] = []
     steps_run = forwards = backwards = backtracks = 0
     for k, batch in enumerate(batches):
-        if convert is not None:  # Lightning: precision conversion, then on_train_batch_start and transfer
+        if convert is not None:  # Lightning: precision conversion, the transfer hooks, then on_train_batch_start
             batch = convert(batch)
-        if h.batch_start and model.on_train_batch_start(batch, k) == -1:
-            break  # Lightning's "skip the rest of the epoch": this client's local steps end here
         if h.transfer:
             batch = h.transfer_batch(model, batch)
         elif to_device is not None:
             batch = to_device(batch)
-        if h.zero_grad:
-            model.on_before_zero_grad(optimizer)
-        zero_grad()
+        if h.batch_start and model.on_train_batch_start(batch, k) == -1:
+            break  # Lightning's "skip the rest of the epoch": this client's local steps end here
         steps_run += 1
         closure = _objective(plan, batch, k)
         if adaptive:
+            if h.zero_grad:
+                model.on_before_zero_grad(optimizer)
+            zero_grad()
             try:
                 loss = optimizer.step(closure)
             except _StepSkipped:  # training_step returned None: the optimizer changed nothing
@@ -377,6 +377,9 @@ def _general_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
             except _StepSkipped:
                 loss = None
             forwards += 1
+            if h.zero_grad:  # after training_step, as Lightning's closure zeroes the gradients
+                model.on_before_zero_grad(optimizer)
+            zero_grad()
             if loss is not None:
                 if h.before_backward:
                     model.on_before_backward(loss)

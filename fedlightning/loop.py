@@ -1062,14 +1062,22 @@ class FederatedLoop(pl.LightningModule):
         self._federated_hook("on_round_end", result)
         worker = self._worker_trainer()
         router = worker.router
+        if worker.client_hooks.epoch_end:  # before the metrics are computed, as in Lightning (it may log one)
+            worker.model.on_train_epoch_end()
+        logged: dict[str, float] = {}
         if router.metrics:  # torchmetrics syncs their states over the processes
             with named_collective("sync of the torchmetrics metrics logged in training_step", result.plan.round):
-                result.metrics.update(router.compute_metrics())
-        if worker.client_hooks.epoch_end:
-            worker.model.on_train_epoch_end()
+                logged.update(router.compute_metrics())
         router.reset_metrics()
-        result.metrics.update(client_log_means(router, trainer, result.plan.round))
-        log_round(trainer, result.metrics)
+        logged.update(client_log_means(router, trainer, result.plan.round))
+        taken = sorted(set(logged) & set(result.metrics))
+        if taken:
+            raise ValueError(
+                f"self.log({taken[0].removeprefix('client/')!r}) in the module's training is logged as {taken[0]!r}, "
+                f"which fedlightning logs itself (docs/configs.md); give the value another name"
+            )
+        result.metrics.update(logged)
+        log_round(trainer, result.metrics, *router.shown_and_hidden())
         mo = self._runtime.module_optimizer
         if mo is not None and mo.schedulers:  # only built when client_optimizer is None
             # the round's own metrics: a validation metric waits for the validation after the round

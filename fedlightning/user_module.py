@@ -150,20 +150,22 @@ class ClientHooks:
 
     Mapping (one local step of one client = one Lightning training batch), in call order::
 
-        on_train_batch_start(batch, k)        # returning -1 ends this client's local steps for the round
         batch = on_before_batch_transfer(batch, 0) -> transfer_batch_to_device(batch, device, 0)
                 -> on_after_batch_transfer(batch, 0)      # only if one of the three is overridden
-        on_before_zero_grad(optimizer); gradients cleared
+        on_train_batch_start(batch, k)        # returning -1 ends this client's local steps for the round
         loss = training_step(batch, k)
+        on_before_zero_grad(optimizer); gradients cleared
         on_before_backward(loss); loss.backward(); on_after_backward()
         on_before_optimizer_step(optimizer)   # before client gradient clipping, as in Lightning
         optimizer.step()
         on_train_batch_end(outputs, batch, k) # outputs: what training_step returned (its loss detached)
 
-    ``k`` is the local step index (the ``batch_idx`` training_step receives). With a closure-based client optimizer
-    (``requires_closure``: SgdArmijo, SPS, DecSPS) the optimizer runs ``backward`` itself, possibly several times per
-    step; overriding ``on_before_backward`` / ``on_after_backward`` / ``on_before_optimizer_step`` is then refused at
-    setup (:meth:`check_optimizer`) rather than called at a different point than Lightning documents.
+    ``k`` is the local step index (the ``batch_idx`` training_step receives). This is Lightning's order for automatic
+    optimization (its closure zeroes the gradients after ``training_step``). With a closure-based client optimizer
+    (``requires_closure``: SgdArmijo, SPS, DecSPS) the optimizer runs ``training_step`` and ``backward`` itself,
+    possibly several times per step, and ``on_before_zero_grad`` runs once before its step; overriding
+    ``on_before_backward`` / ``on_after_backward`` / ``on_before_optimizer_step`` is then refused at setup
+    (:meth:`check_optimizer`) rather than called at a different point than Lightning documents.
     """
 
     def __init__(self, model: nn.Module):

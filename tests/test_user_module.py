@@ -241,6 +241,64 @@ def test_hooks_run_once_per_fit_per_round_and_per_local_step():
     assert before == after
 
 
+class Ordered(pl.LightningModule):
+    """Records its per-step hooks in order; ``on_after_batch_transfer`` tags the training batch, so that the batch
+    ``on_train_batch_start`` gets shows whether the transfer hooks ran before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+        self.order = []
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.order.append("after_transfer")
+        return [batch[0], batch[1], "tag"] if self.trainer.training else batch
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.order.append(f"batch_start {batch_idx} tagged={len(batch) == 3}")
+
+    def training_step(self, batch, batch_idx):
+        self.order.append(f"training_step {batch_idx}")
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def on_before_zero_grad(self, optimizer):
+        self.order.append("before_zero_grad")
+
+    def on_before_backward(self, loss):
+        self.order.append("before_backward")
+
+    def on_after_backward(self):
+        self.order.append("after_backward")
+
+    def on_before_optimizer_step(self, optimizer):
+        self.order.append("before_optimizer_step")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.order.append(f"batch_end {batch_idx}")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_per_step_hooks_run_in_plain_lightnings_order():
+    """One client of two local steps against plain Lightning on two batches: the transfer hooks before
+    on_train_batch_start (which gets the transferred batch), on_before_zero_grad after training_step."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    module = Ordered()
+    loop = FederatedLoop(module, local_steps=2, clients_per_round=1, seed=0)
+    make_trainer(1).fit(loop, datamodule=_dm())
+    federated = loop.client_worker.model.order
+    plain = Ordered()
+    data = DataLoader(TensorDataset(torch.randn(16, 64), torch.randint(0, 10, (16,))), batch_size=8)
+    trainer = pl.Trainer(
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    trainer.fit(plain, data)
+    assert federated == plain.order
+    assert federated[:4] == ["after_transfer", "batch_start 0 tagged=True", "training_step 0", "before_zero_grad"]
+
+
 def test_on_train_batch_start_minus_one_ends_the_clients_local_steps():
     class StopAfterOne(UserNet):
         def on_train_batch_start(self, batch, batch_idx):

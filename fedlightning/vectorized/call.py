@@ -23,7 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning._lightning_compat import attached_trainer, strategy_optimizers
-from fedlightning._logging_route import routed_logging
+from fedlightning._logging_route import (
+    RoundLogOptions,
+    note_round_log_options,
+    round_log_options,
+    round_log_value,
+    routed_logging,
+)
 from fedlightning.client import BufferSlots
 from fedlightning.objectives import AnchoredTerm, term_value
 
@@ -72,8 +78,9 @@ class _LogCollector:
 
     Values are collected as (batched) tensors and returned from the vmapped function as outputs, so they leave
     ``vmap`` as ordinary ``[C]`` tensors (the loop's router would otherwise keep tensors that escaped ``vmap``).
-    Like the router, non-scalar values are ignored; torchmetrics metrics and the values they return go to the
-    metric recorder (:class:`~fedlightning.vectorized.metrics._MetricCalls`).
+    Like the router, a value that is not one number per client is refused, and each name's options are recorded
+    (``options``, handed to the router with the round's values); torchmetrics metrics and the values they return go
+    to the metric recorder (:class:`~fedlightning.vectorized.metrics._MetricCalls`).
     """
 
     def __init__(self, metrics: _MetricCalls | None = None) -> None:
@@ -82,30 +89,30 @@ class _LogCollector:
         self.per_sample = False  # True while ``training_step_per_sample`` runs: only ``[n]`` values are kept
         self.metrics = metrics
         self.metric_types = _metric_types()
+        self.options: dict[str, RoundLogOptions] = {}
 
     def reset(self, per_sample: bool = False) -> None:
         self.names, self.values = [], []
         self.per_sample = per_sample
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if not self.per_sample:
+            note_round_log_options(self.options, name, round_log_options(name, args, kwargs))
         if isinstance(value, _Pending):
             if self.metrics is not None:
                 self.metrics.log_value(name, value)
             return
-        if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
-            if self.metrics is not None and self.metric_types and isinstance(value, self.metric_types):
-                self.metrics.log_metric(name, value)
+        if self.metrics is not None and self.metric_types and isinstance(value, self.metric_types):
+            self.metrics.log_metric(name, value)
             return
         if self.per_sample:  # one value per sample ([n]); anything else has no per-sample meaning
             if isinstance(value, Tensor) and value.dim() == 1:
                 self._keep(name, value)
             return
-        if isinstance(value, Tensor):
-            if value.numel() != 1:
-                return
-            # returned from vmap as it is; detached and made a scalar outside (see rows._logged_value)
+        if isinstance(value, Tensor) and value.numel() == 1:
+            pass  # returned from vmap as it is; detached and made a scalar outside (see rows._logged_value)
         else:
-            value = torch.tensor(float(value))
+            value = round_log_value(name, value)  # a number; refuses anything else, as sequential training does
         self._keep(name, value)
 
     def _keep(self, name: str, value: Tensor) -> None:
@@ -623,9 +630,19 @@ class _ModelCall:
 
     def _per_sample_losses(self, vs: Sequence[Tensor], batch: Any, step: int, n: int) -> Tensor:
         """``model.training_step_per_sample(batch, step)`` with the parameter slots holding ``vs``; checked to be a
-        tensor of ``n`` losses."""
-        with self._weights_in_slots(vs):
-            losses = self.protocol(batch, step)
+        tensor of ``n`` losses. Outside a padded step (the protocol's check) the values it logs are dropped."""
+        collector = self.collector
+        checking = not collector.per_sample
+        kept = collector.names, collector.values
+        if checking:
+            collector.reset(per_sample=True)  # its logged values are per sample
+        try:
+            with self._weights_in_slots(vs):
+                losses = self.protocol(batch, step)
+        finally:
+            if checking:
+                collector.names, collector.values = kept
+                collector.per_sample = False
         if not isinstance(losses, Tensor) or tuple(losses.shape) != (n,):
             got = f"shape {tuple(losses.shape)}" if isinstance(losses, Tensor) else type(losses).__name__
             raise ValueError(

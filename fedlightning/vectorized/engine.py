@@ -452,6 +452,9 @@ class VectorizedClientTrainer:
             norms.begin([])  # the last call's mask and counts (vmapped tensors) do not outlive the round
         if log_sink:
             _feed_router(router, log_sink, client_ids)
+        if router is not None:  # how the names are logged (reduce_fx, prog_bar, logger), as sequential training
+            for name, options in self.call.collector.options.items():
+                router.note_options(name, options)
         if metric_sink:  # a client the round leaves out (failed, raised) updates no metric, as sequentially
             failed = frozenset(c for c, u in enumerate(updates) if isinstance(u, Exception) or u.failed)
             _replay(self.call.metric_modules, metric_sink, C, router, client_ids=client_ids, skip=failed)
