@@ -57,7 +57,7 @@ class Net(pl.LightningModule):
 
 
 def _reiterated(self, steps):
-    """The loader re-iterated once per local epoch (what a client's loader did before ``one_pass``)."""
+    """The loader re-iterated once per local epoch (each pass starts its workers again): the baseline."""
     it = iter(self)
     for _ in range(steps):
         try:
