@@ -468,6 +468,13 @@ class FederatedLoop(pl.LightningModule):
         else:
             check_learning_rates(opt, "model.model", f"{type(self.model).__qualname__}.configure_optimizers()")
         ClientHooks(self.model).check_optimizer(opt, type(self.model).__qualname__)
+        if self.client_grad_clip is not None and getattr(opt, "requires_closure", False):
+            raise SettingError(
+                "model.client_grad_clip",
+                f"client_grad_clip={self.client_grad_clip} clips the gradient before a client optimizer's step, but "
+                f"{type(opt).__name__} computes its gradients and step size inside its own step (a line search or "
+                "Polyak step), where no clipping applies; remove client_grad_clip or use a torch.optim optimizer",
+            )
 
     def _client_factory(self) -> OptimizerFactory:
         """The client optimizer factory: ``client_optimizer``, or else the module's ``configure_optimizers()``."""

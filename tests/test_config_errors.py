@@ -318,6 +318,17 @@ COMMAND_LINES = [
     ),
     ("max_epochs 0", ["--trainer.max_epochs", "0"], "trainer.max_epochs", ["max_epochs=0 trains no round"]),
     (
+        "grad clip with a line search",
+        [
+            "--model.client_optimizer",
+            "fedlightning.optim.SgdArmijo",
+            "--model.client_grad_clip",
+            "1e-4",
+        ],
+        "model.client_grad_clip",
+        ["client_grad_clip=0.0001 clips the gradient", "SgdArmijo computes its gradients"],
+    ),
+    (
         "SWA callback",
         [
             "--trainer.callbacks+=lightning.pytorch.callbacks.StochasticWeightAveraging",
