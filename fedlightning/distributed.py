@@ -34,6 +34,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,8 @@ __all__ = [
     "all_reduce_statistics",
     "all_gather_objects",
     "named_collective",
-    "weighted_mean_over_processes",
+    "FiniteMean",
+    "finite_weighted_mean_over_processes",
 ]
 
 #: environment variable: the collective timeout in seconds (a positive number)
@@ -178,19 +180,43 @@ def all_gather_objects(obj, round: int | None = None, what: str = "objects"):
     return out
 
 
-def weighted_mean_over_processes(
-    vectors: Iterable[tuple[float, Tensor]], total_weight: float, like: Tensor, what: str, round: int | None = None
-) -> Tensor:
-    """``Σ w_k v_k / total_weight`` over the ``(w_k, v_k)`` of every process (each process passes its own share of
-    the terms; ``total_weight`` is the weight of all of them), summed in float64 in the order given and returned in
-    ``like``'s dtype and shape. Under a process group the partial sums are all-reduced under the collective timeout (a
-    failure raises :class:`CollectiveError` naming ``what`` and ``round``); in one process this is the weighted mean.
-    """
-    acc = torch.zeros(like.shape, dtype=torch.float64, device=like.device)
-    for w, v in vectors:
-        acc += w * v.double()
+class FiniteMean(NamedTuple):
+    """:func:`finite_weighted_mean_over_processes`' result."""
+
+    mean: Tensor  #: the weighted mean of the finite terms of every process (NaN where no term was finite)
+    left_out: list[Any]  #: the keys of this process's terms whose vector holds a NaN or an infinity
+    left_out_total: int  #: how many terms were left out, over every process
+    used_total: int  #: how many terms entered the mean, over every process
+
+
+def finite_weighted_mean_over_processes(
+    terms: Iterable[tuple[Any, float, Tensor]], like: Tensor, what: str, round: int | None = None
+) -> FiniteMean:
+    """``Σ w_k v_k / Σ w_k`` over the terms ``(key, w_k, v_k)`` of every process (each process passes its own share)
+    whose vector ``v_k`` is finite, summed in float64 in the order given and returned in ``like``'s dtype and
+    shape, with the keys of this process's terms that were left out (a NaN or an infinity in ``v_k``). When no term
+    of any process is finite the mean is NaN. Under a process group the partial sums, the summed weight and the
+    counts are all-reduced together, under the collective timeout (a failure raises :class:`CollectiveError` naming
+    ``what`` and ``round``); in one process this is the weighted mean of the finite terms."""
+    numel = like.numel()
+    acc = torch.zeros(numel + 3, dtype=torch.float64, device=like.device)
+    body = acc[:numel]
+    left_out: list[Any] = []
+    weight, used = 0.0, 0
+    for key, w, v in terms:
+        if not bool(torch.isfinite(v).all()):
+            left_out.append(key)
+            continue
+        body += w * v.double().reshape(-1)
+        weight += w
+        used += 1
+    acc[numel] = weight
+    acc[numel + 1] = used
+    acc[numel + 2] = len(left_out)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         timeout = apply_collective_timeout()
         with _named(f"all_reduce ({what})", round, timeout):
             dist.all_reduce(acc)
-    return (acc / total_weight).to(like.dtype)
+    weight, used, dropped = acc[numel:].tolist()
+    mean = body / weight if used else torch.full_like(body, float("nan"))
+    return FiniteMean(mean.to(like.dtype).view(like.shape), left_out, int(dropped), int(used))

@@ -34,15 +34,26 @@ def make_model(kind="logreg", model_seed=1):
     return to_float64(LogisticRegression(input_dim=64, num_classes=10))
 
 
-def run(callbacks, rounds=ROUNDS, kind="logreg", cpr=CPR, local_steps=K, batch_size=16, lr=LR, execution="sequential"):
-    model = make_model(kind)
+def run(
+    callbacks,
+    rounds=ROUNDS,
+    kind="logreg",
+    cpr=CPR,
+    local_steps=K,
+    batch_size=16,
+    lr=LR,
+    execution="sequential",
+    model=None,
+    **loop_args,
+):
     loop = FederatedLoop(
-        model,
+        model or make_model(kind),
         client_optimizer=lambda p: torch.optim.SGD(p, lr=lr),
         local_steps=local_steps,
         clients_per_round=cpr,
         seed=SEED,
         client_execution=execution,
+        **loop_args,
     )
     trainer = make_trainer(rounds, callbacks=callbacks)
     trainer.fit(loop, datamodule=make_dm(batch_size))
@@ -87,7 +98,9 @@ def _setup(dm):
     return _functional(model.net), [p.detach().clone() for p in model.net.parameters()]
 
 
-def reference_feddane(mu, mode, rounds=ROUNDS):
+def reference_feddane(mu, mode, rounds=ROUNDS, faulty=frozenset()):
+    """FedDANE written out with plain tensors; the clients of ``faulty`` (whose every loss is NaN) are left out of
+    ``g_t`` and of the average."""
     dm = make_dm()
     f, glob = _setup(dm)
     eligible = [k for k in range(dm.num_clients) if dm.client_num_samples(k) > 0]
@@ -101,9 +114,10 @@ def reference_feddane(mu, mode, rounds=ROUNDS):
             grad_set = [eligible[i] for i in torch.randperm(len(eligible), generator=gen)[:CPR].tolist()]
         grad_sets.append(grad_set)
         grads = {k: _grad(f, glob, *_client_data(dm, k)) for k in set(grad_set) | set(clients)}
-        g = [sum(grads[k][j] for k in grad_set) / len(grad_set) for j in range(len(glob))]
+        used = [k for k in grad_set if k not in faulty]
+        g = [sum(grads[k][j] for k in used) / len(used) for j in range(len(glob))]
         new = []
-        for k in clients:
+        for k in (k for k in clients if k not in faulty):
             corr = [g[j] - grads[k][j] for j in range(len(glob))]
             loader = dm.client_dataloader(k, r, seed=SEED)
             new.append(
@@ -116,7 +130,8 @@ def reference_feddane(mu, mode, rounds=ROUNDS):
                     lambda w, corr=corr, glob=glob: [c + mu * (wi - gi) for c, wi, gi in zip(corr, w, glob)],
                 )
             )
-        glob = [sum(w[j] for w in new) / len(new) for j in range(len(glob))]
+        if new:
+            glob = [sum(w[j] for w in new) / len(new) for j in range(len(glob))]
     return glob, grad_sets
 
 

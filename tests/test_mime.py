@@ -42,10 +42,11 @@ def run(
     execution="sequential",
     opt=None,
     accelerator="cpu",
+    model=None,
     **loop_args,
 ):
     loop = FederatedLoop(
-        make_model(kind),
+        model or make_model(kind),
         client_optimizer=opt or (lambda p: torch.optim.SGD(p, lr=lr)),
         local_steps=local_steps,
         clients_per_round=CPR,
@@ -68,8 +69,9 @@ def _grad(f, w, x, y):
     return [g.detach() for g in torch.autograd.grad(F.cross_entropy(f(wr, x), y), wr)]
 
 
-def reference_mime(correction, beta=BETA, rounds=ROUNDS, weighting="uniform"):
-    """Algorithm 1 of Karimireddy et al. with SGD-momentum as the base optimizer, written out with plain tensors."""
+def reference_mime(correction, beta=BETA, rounds=ROUNDS, weighting="uniform", faulty=frozenset()):
+    """Algorithm 1 of Karimireddy et al. with SGD-momentum as the base optimizer, written out with plain tensors;
+    the clients of ``faulty`` (whose every loss is NaN) are left out of ``c`` and of the average."""
     dm = make_dm()
     dm.setup("fit")
     dm.configure_rounds(CPR, K, SEED)
@@ -84,7 +86,7 @@ def reference_mime(correction, beta=BETA, rounds=ROUNDS, weighting="uniform"):
         return dm.train_dataset.x[idx], dm.train_dataset.y[idx]
 
     for r in range(rounds):
-        clients = dm.sample_clients(r)
+        clients = [k for k in dm.sample_clients(r) if k not in faulty]
         w = [float(dm.client_num_samples(k)) if weighting == "samples" else 1.0 for k in clients]
         full = [_grad(f, x_server, *data(k)) for k in clients]
         c = [sum(wk * g[j] for wk, g in zip(w, full)) / sum(w) for j in range(len(x_server))]

@@ -14,6 +14,7 @@ is :func:`client_full_gradient`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,11 +28,17 @@ from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.proximal import global_anchors, split_like
 from fedlightning.client import extract_loss
 from fedlightning.datamodules.base import ArrayDataset
-from fedlightning.distributed import weighted_mean_over_processes
+from fedlightning.distributed import FiniteMean, finite_weighted_mean_over_processes
 from fedlightning.objectives import AnchoredTerm
 from fedlightning.state import RoundPlan, derive_seed, flat_grads
 
-__all__ = ["FedDANE", "client_full_batches", "client_full_gradient", "client_full_rows"]
+__all__ = [
+    "FedDANE",
+    "client_full_batches",
+    "client_full_gradient",
+    "client_full_rows",
+    "leave_out_nonfinite_gradients",
+]
 
 
 def client_full_batches(
@@ -147,6 +154,36 @@ def client_full_gradient(
     return grad
 
 
+def leave_out_nonfinite_gradients(loop, plan: RoundPlan, result: FiniteMean, what: str) -> None:
+    """The failure policy for the clients whose full gradient at the global weights held a NaN or an infinity
+    (``result.left_out``, already left out of ``what``, the mean they would have entered): under the loop's
+    ``on_client_failure="skip"`` a warning names each of this process's such clients and the round; under
+    ``"raise"`` every process stops the run with a ``FloatingPointError`` (the count is all-reduced, so no process
+    waits for the others in a later collective).
+
+    Decision (ours): such a client is a failed client of the gradient phase, as a client with a NaN update is of
+    the local phase. Its own training then goes by the loop's usual checks: under FedDANE its correction
+    ``g_t − ∇F_k(w_t)`` is NaN, so its update is too and it is left out of the round; under Mime and MimeLite its
+    local steps do not use its own full gradient, and its update counts if it is finite."""
+    if not result.left_out_total:
+        return
+    if loop.on_client_failure == "raise":
+        mine = ", ".join(str(k) for k in result.left_out)
+        who = f"client {mine}" if len(result.left_out) == 1 else (f"clients {mine}" if mine else "a client")
+        where = "" if mine else " on another process"
+        raise FloatingPointError(
+            f"{who}{where} failed in round {plan.round}: the full gradient at the global weights is NaN/inf "
+            f"({what}; on_client_failure='raise')"
+        )
+    for k in result.left_out:
+        warnings.warn(
+            f"round {plan.round}: client {k}'s full gradient at the global weights is NaN/inf; it is left out of "
+            f"{what}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 class FedDANE(FedAvg):
     r"""FedDANE: two communication rounds per iteration, a gradient phase and a corrected local phase.
 
@@ -188,10 +225,15 @@ class FedDANE(FedAvg):
       ``"samples"`` (the reference code's ``n_k``-weighted averages).
     * Under DDP every process computes the gradients of its share of ``S_t`` and the sum is all-reduced.
     * The correction is written relative to ``w_t`` (as in the paper's eq. 3), so it is zero at ``w_t``.
+    * A client of ``S_t`` whose full gradient holds a NaN or an infinity is left out of ``g_t`` (its weight too) with
+      a warning, or stops the run under ``on_client_failure="raise"`` (:func:`leave_out_nonfinite_gradients`):
+      otherwise one faulty client would make every client's correction NaN. A client of ``S'_t`` with such a
+      gradient has a NaN correction, so its update is NaN and the loop leaves it out of the round.
     * Communication: ``round/communication_rounds`` logs the cumulative count, 2 per FedDANE iteration (the paper
       plots per iteration, which favours FedDANE; divide by 2 to compare per communication round).
 
-    Logged: ``feddane/gradient_norm`` (‖g_t‖), ``feddane/gradient_clients``, ``round/communication_rounds``.
+    Logged: ``feddane/gradient_norm`` (‖g_t‖), ``feddane/gradient_clients`` (the clients of ``S_t`` whose gradient
+    entered ``g_t``), ``round/communication_rounds``.
 
     Args:
         mu: proximal coefficient ``μ ≥ 0`` (default 0.0: the reference code's default; the paper tunes
@@ -225,6 +267,7 @@ class FedDANE(FedAvg):
         self._global_gradient: Tensor | None = None  # g_t of the current round
         self._gradient_client_ids: list[int] = []
         self._client_gradients: dict[int, Tensor] = {}  # ∇F_k(w_t) of this process's clients of the round
+        self._gradient_clients_used = 0  # |S_t| less the clients whose full gradient was NaN/inf
 
     # ------------------------------------------------------------------ gradient phase
     def sample_gradient_clients(self, loop, plan: RoundPlan) -> list[int]:
@@ -252,19 +295,20 @@ class FedDANE(FedAvg):
         plan.extras["feddane_gradient_clients"] = list(ids)
         dm = pl_module.datamodule
         weights = {k: (float(dm.client_num_samples(k)) if self.weighting == "samples" else 1.0) for k in ids}
-        total_weight = sum(weights.values())
         share = pl_module.process_share(ids)  # this process's part of S_t
         own = pl_module.process_share(list(plan.client_ids))  # and of S'_t, whose ∇F_k(w_t) the local phase needs
         union = list(dict.fromkeys([*share, *own]))
         grads = pl_module.client_full_gradients(union, plan.round, self.gradient_batch_size)  # [len(union), D]
         row = {k: i for i, k in enumerate(union)}
-        self._global_gradient = weighted_mean_over_processes(
-            ((weights[k], grads[row[k]]) for k in share),
-            total_weight,
+        result = finite_weighted_mean_over_processes(
+            ((k, weights[k], grads[row[k]]) for k in share),
             grads.new_empty(grads.shape[1]),
             "FedDANE's global gradient",
             plan.round,
         )
+        leave_out_nonfinite_gradients(pl_module, plan, result, "FedDANE's global gradient g_t")
+        self._global_gradient = result.mean
+        self._gradient_clients_used = result.used_total
         if own:
             kept = grads if len(own) == len(union) else grads[[row[k] for k in own]]
             self._client_gradients = {k: kept[i] for i, k in enumerate(own)}
@@ -294,7 +338,7 @@ class FedDANE(FedAvg):
         metrics["round/communication_rounds"] = float(per_round * (plan.round + 1))
         if self._global_gradient is not None:
             metrics["feddane/gradient_norm"] = float(self._global_gradient.double().norm().item())
-            metrics["feddane/gradient_clients"] = float(len(self._gradient_client_ids))
+            metrics["feddane/gradient_clients"] = float(self._gradient_clients_used)
         return delta, lr, metrics
 
     def on_round_end(self, trainer, pl_module, result) -> None:

@@ -23,8 +23,9 @@ from torch import Tensor
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._validation import SettingTypeError, in_range, integer
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
+from fedlightning.callbacks.feddane import leave_out_nonfinite_gradients
 from fedlightning.callbacks.proximal import global_anchors
-from fedlightning.distributed import weighted_mean_over_processes
+from fedlightning.distributed import finite_weighted_mean_over_processes
 from fedlightning.optim.mime import MimeLiteSGD, MimeSGD
 from fedlightning.state import RoundPlan, flat_params
 
@@ -128,8 +129,15 @@ class Mime(ServerStrategy):
     for every vectorized run): Mime's gradient at the server point is a second batched evaluation per step, on the same
     batch, with the same random state, and without its side effects (``tests/test_mime.py``).
 
+    * A client whose full gradient at :math:`x` holds a NaN or an infinity is left out of :math:`c` (its weight too)
+      with a warning, or stops the run under ``on_client_failure="raise"``
+      (:func:`~fedlightning.callbacks.feddane.leave_out_nonfinite_gradients`): one faulty client would otherwise make
+      every client's steps (Mime) or the momentum (MimeLite) NaN for good. Its own update still counts when it is
+      finite (its local steps do not use its full gradient). A round in which no client's full gradient is finite
+      leaves :math:`m` unchanged (and Mime's clients, whose steps use :math:`c`, fail).
+
     Logged: ``mime/momentum_norm`` (‖m‖ after the update), ``mime/full_gradient_norm`` (‖c‖),
-    ``round/communication_rounds``.
+    ``mime/gradient_clients`` (the clients whose full gradient entered :math:`c`), ``round/communication_rounds``.
 
     Args:
         momentum: :math:`\beta \in [0, 1)` of the base optimizer. Default 0.9 (ours: the usual heavy-ball value;
@@ -154,6 +162,7 @@ class Mime(ServerStrategy):
         self.server_momentum: Tensor | None = None  # m, flat, in the global parameters' order
         self._full_gradient: Tensor | None = None  # c of the current round
         self._round: int | None = None
+        self._gradient_clients = 0  # the clients whose full gradient entered c this round
 
     # ------------------------------------------------------------------ checks
     def _check_client_optimizer(self, optimizer: Any) -> None:
@@ -188,13 +197,12 @@ class Mime(ServerStrategy):
         weights = {k: (float(dm.client_num_samples(k)) if self.weighting == "samples" else 1.0) for k in ids}
         share = pl_module.process_share(ids)
         grads = pl_module.client_full_gradients(share, plan.round, self.gradient_batch_size, tag="mime-gradient")
-        self._full_gradient = weighted_mean_over_processes(
-            ((weights[k], grad) for k, grad in zip(share, grads)),
-            sum(weights.values()),
-            like,
-            "Mime's full gradient",
-            plan.round,
+        result = finite_weighted_mean_over_processes(
+            ((k, weights[k], grad) for k, grad in zip(share, grads)), like, "Mime's full gradient", plan.round
         )
+        leave_out_nonfinite_gradients(pl_module, plan, result, f"{type(self).__name__}'s full gradient c")
+        self._full_gradient = result.mean
+        self._gradient_clients = result.used_total
         self._momentum(like)
 
     @contextmanager
@@ -240,7 +248,8 @@ class Mime(ServerStrategy):
         delta = self.mean_delta(stats)
         metrics: dict[str, float] = {}
         c = self._full_gradient
-        if c is not None:
+        metrics["mime/gradient_clients"] = float(self._gradient_clients)
+        if c is not None and self._gradient_clients:  # no finite full gradient: m is left as it is
             m = self._momentum(c)
             m.mul_(self.momentum).add_(c, alpha=1.0 - self.momentum)  # V(c, m) = (1 − β) c + β m
             metrics["mime/momentum_norm"] = float(m.double().norm().item())
