@@ -606,6 +606,7 @@ class FederatedLoop(pl.LightningModule):
         training uses, each one batched computation seeded with its own clients)."""
         ids = [int(c) for c in client_ids]
         params = self._global_params()
+        self._worker_trainer().model._fl_round = round  # training_step's global_step / current_epoch: the round
         if not ids:
             return torch.zeros(0, sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         engine = self._full_gradient_engine()

@@ -1,7 +1,8 @@
 """A client whose full gradient at the global weights is NaN/inf (the gradient phase of Mime, MimeLite and FedDANE)
 is left out of the shared statistic (Mime's ``c``, FedDANE's ``g_t``) instead of making every client's steps NaN:
 the runs equal the papers' algorithms written out with plain tensors over the healthy clients, and
-``on_client_failure="raise"`` stops the run naming the client and round."""
+``on_client_failure="raise"`` stops the run naming the client and round. The gradient phase shows ``training_step``
+the round's ``global_step``, as the local steps after it do."""
 
 import pytest
 import torch
@@ -117,3 +118,26 @@ def test_a_nan_full_gradient_stops_a_feddane_run_under_on_client_failure_raise()
     k = grad_sets[0][2]
     with pytest.raises(FloatingPointError, match=rf"client {k} failed in round 0: the full gradient .*FedDANE"):
         run_dane([FedDANE(mu=0.1, gradient_clients="same")], model=faulty_model({k}), on_client_failure="raise")
+
+
+class RecordsSteps(LogisticRegression):
+    """Records ``(self.global_step, self.current_epoch, trainer.global_step)`` at every ``training_step`` in the
+    class's list (the client working copy is a deep copy of the module)."""
+
+    seen: list = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.global_step, self.current_epoch, self.trainer.global_step))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+@pytest.mark.parametrize("strategy", [lambda: FedDANE(mu=0.1), lambda: Mime(momentum=BETA)], ids=["FedDANE", "Mime"])
+def test_the_gradient_phase_shows_training_step_the_rounds_global_step(strategy, execution):
+    torch.manual_seed(1)
+    model = to_float64(RecordsSteps(input_dim=64, num_classes=10))
+    seen = RecordsSteps.seen
+    seen.clear()
+    run_mime([strategy()], model=model, execution=execution)
+    assert {s[2] for s in seen} == {0, 1, 2}  # every round's full gradients and local steps were recorded
+    assert all(step == epoch == round for step, epoch, round in seen), sorted(set(seen))
