@@ -116,6 +116,12 @@ class Mime(ServerStrategy):
       are discarded (:class:`~fedlightning.optim.MimeSGD`). ``client_grad_clip`` does not apply to Mime's steps
       (it applies to MimeLite's, as to SGD's).
     * State: :math:`m` is this strategy's checkpointed state (``state_dict``); :math:`c` is recomputed every round.
+    * A client whose full gradient at :math:`x` holds a NaN or an infinity is left out of :math:`c` (its weight too)
+      with a warning, or stops the run under ``on_client_failure="raise"``
+      (:func:`~fedlightning.callbacks.feddane.leave_out_nonfinite_gradients`): one faulty client would otherwise make
+      every client's steps (Mime) or the momentum (MimeLite) NaN for good. Its own update still counts when it is
+      finite (its local steps do not use its full gradient). A round in which no client's full gradient is finite
+      leaves :math:`m` unchanged (and Mime's clients, whose steps use :math:`c`, fail).
 
     **Cost and communication per round** (model-sized vectors, per sampled client): Mime — one full pass over the
     client's data for :math:`\nabla f_i(x)`, then 2 forwards and 2 backwards per local step; down :math:`x`,
@@ -128,13 +134,6 @@ class Mime(ServerStrategy):
     round's clients in lockstep, to the weights of sequential training (float rounding apart; dropout masks differ, as
     for every vectorized run): Mime's gradient at the server point is a second batched evaluation per step, on the same
     batch, with the same random state, and without its side effects (``tests/test_mime.py``).
-
-    * A client whose full gradient at :math:`x` holds a NaN or an infinity is left out of :math:`c` (its weight too)
-      with a warning, or stops the run under ``on_client_failure="raise"``
-      (:func:`~fedlightning.callbacks.feddane.leave_out_nonfinite_gradients`): one faulty client would otherwise make
-      every client's steps (Mime) or the momentum (MimeLite) NaN for good. Its own update still counts when it is
-      finite (its local steps do not use its full gradient). A round in which no client's full gradient is finite
-      leaves :math:`m` unchanged (and Mime's clients, whose steps use :math:`c`, fail).
 
     Logged: ``mime/momentum_norm`` (‖m‖ after the update), ``mime/full_gradient_norm`` (‖c‖),
     ``mime/gradient_clients`` (the clients whose full gradient entered :math:`c`), ``round/communication_rounds``.
