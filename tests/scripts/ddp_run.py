@@ -78,7 +78,20 @@ class RoundMetrics(pl.Callback):
         self.rounds = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.rounds.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("client/")})
+        kept = ("client/", "feddane/gradient_clients", "round/failed_clients")
+        self.rounds.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(kept)})
+
+
+class NaNOnRows(MLP):
+    """Every loss of a batch that holds one of the rows ``bad`` is NaN (the rows of faulty clients)."""
+
+    def __init__(self, bad, **kwargs):
+        super().__init__(**kwargs)
+        self.bad = bad
+
+    def training_step(self, batch, batch_idx):
+        hit = (batch[0].unsqueeze(-2) == self.bad).all(-1).any()
+        return super().training_step(batch, batch_idx) * torch.where(hit, float("nan"), 1.0)
 
 
 class Freeze(pl.Callback):
@@ -115,7 +128,7 @@ def build(setup: str):
         from fedlightning.callbacks import Scaffold
 
         callbacks = [Scaffold()]
-    elif setup == "feddane":  # the global gradient: every process's share of S_t, all-reduced
+    elif setup in ("feddane", "feddane_faulty"):  # the global gradient: every process's share of S_t, all-reduced
         from fedlightning.callbacks import FedDANE
 
         callbacks = [FedDANE(mu=0.1)]
@@ -170,7 +183,14 @@ def fit(args, setup: str):
     after the other in the same processes (the later Trainers find the processes and the process group there)."""
     pl.seed_everything(0, verbose=False)
     callbacks, opt = build(setup)
+    data_cls = Digits64 if args.float64 else DigitsDataModule
+    data_args = dict(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
     net = UserModule() if setup == "usermodule" else MLP(input_dim=64, hidden=[16])
+    if setup == "feddane_faulty":  # clients 1 and 6: NaN full gradients, left out of g_t on whichever process
+        dm = data_cls(**data_args)
+        dm.setup("fit")
+        bad = torch.cat([dm.train_dataset.x[torch.as_tensor(dm.client_indices[k])] for k in (1, 6)])
+        net = NaNOnRows(bad, input_dim=64, hidden=[16])
     loop = FederatedLoop(
         net,
         client_optimizer=opt,
@@ -184,8 +204,7 @@ def fit(args, setup: str):
     callbacks = callbacks + [recorder]
     if args.freeze_rank is not None:
         callbacks.append(Freeze(args.freeze_rank, args.freeze_round, args.freeze_file))
-    data_cls = Digits64 if args.float64 else DigitsDataModule
-    dm = data_cls(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
+    dm = data_cls(**data_args)
     trainer = _trainer(
         args,
         max_steps=args.rounds,
