@@ -17,7 +17,7 @@ from fedlightning import FederatedLoop
 from fedlightning.cli import main
 from fedlightning.datamodules import IID, ArrayDataset, DatasetDataModule, Dirichlet, FederatedDataModule, Shards
 from fedlightning.datamodules.base import ClientBatchSampler
-from fedlightning.datamodules.generic import SampleView
+from fedlightning.datamodules.generic import TARGET_SPOT_CHECKS, SampleView
 from fedlightning.models import MLP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -284,13 +284,41 @@ def test_namedtuple_samples_give_namedtuple_batches_in_every_stage():
 
 
 # ---------------------------------------------------------------------------------------------- labels
-def test_labels_come_from_targets_without_reading_the_samples():
-    ds = Rows(X, torch.zeros(N, dtype=torch.long))  # samples say class 0, targets say Y: targets win
+def test_labels_come_from_targets_with_a_spot_check_of_the_samples():
+    ds = Rows(X, Y)
     ds.targets = Y.tolist()
     dm = DatasetDataModule(ds, in_memory=False, **_kw(val_fraction=0))
-    dm.setup()
-    assert ds.reads == 1  # sample 0, read at construction for the structure check
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # targets agree with the samples: no warning
+        dm.setup()
+    assert ds.reads == 1 + TARGET_SPOT_CHECKS  # sample 0 (the structure check) and the spot check, not N reads
     expected = Dirichlet(alpha=0.5)(Y.numpy(), 6, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, expected))
+
+
+class Transformed(Rows):
+    """torchvision's convention: ``targets`` holds the raw classes, ``__getitem__`` serves ``target_transform`` of
+    them (a binary task made of the 4 classes)."""
+
+    def __init__(self, x, y):
+        super().__init__(x, y)
+        self.targets = y.tolist()
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.x[i], int(self.y[i] >= 2)
+
+
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_targets_that_differ_from_the_served_labels_give_way_to_them_with_a_warning(in_memory):
+    """A partition by ``targets`` would skew the raw classes, not the binary labels the model trains on."""
+    ds = Transformed(X, Y)
+    served = (Y >= 2).long()
+    dm = DatasetDataModule(ds, in_memory=in_memory, **_kw(val_fraction=0))
+    first = int(np.flatnonzero((Y != served).numpy())[0])
+    with pytest.warns(UserWarning, match=rf"targets attribute differs .* \(sample {first}: targets {int(Y[first])}, "):
+        dm.setup()
+    expected = Dirichlet(alpha=0.5)(served.numpy(), 6, seed=3)
     assert all(np.array_equal(a, b) for a, b in zip(dm.client_indices, expected))
 
 

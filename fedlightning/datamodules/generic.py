@@ -46,6 +46,7 @@ __all__ = [
     "from_datamodule",
     "LABEL_KEYS",
     "DEFAULT_MAX_IN_MEMORY_BYTES",
+    "TARGET_SPOT_CHECKS",
 ]
 
 #: Dict keys tried, in order, for the label when ``label_key`` is not given (after a Hugging Face ``ClassLabel``
@@ -54,6 +55,11 @@ LABEL_KEYS = ("label", "labels", "y", "target", "targets")
 #: ``in_memory="auto"`` materialises a data set only below this size (ours: 1 GiB holds CIFAR-10's 50,000 float32
 #: training images, 614 MB, and stays well inside the memory of a laptop).
 DEFAULT_MAX_IN_MEMORY_BYTES = 1 << 30
+#: Samples read to check a ``targets`` attribute against the labels the samples serve when there is no in-memory
+#: copy to compare it with (ours: evenly spaced over the set; a ``target_transform`` changes nearly every label, and
+#: 16 reads cost milliseconds even for image sets with transforms).
+TARGET_SPOT_CHECKS = 16
+_TARGETS = "the train.targets attribute"
 
 
 def _is_hf(dataset: Any) -> bool:
@@ -274,8 +280,10 @@ class DatasetDataModule(FederatedDataModule):
     Labels. Label-based partitions (every partitioner except :class:`~fedlightning.datamodules.IID`) need one
     class label per training sample; the first source that gives one is used, in this order: ``labels=``; the
     second tensor of a two-tensor ``TensorDataset``; the label column of a Hugging Face data set; a ``targets``
-    attribute of the training set's length (torchvision's convention); the labels of the in-memory copy; and, for a
-    label-based partition only, one pass reading the label of every sample. The label of a sample is at
+    attribute of the training set's length (torchvision's convention) when it agrees with the labels the samples
+    serve (all of them against the in-memory copy, else :data:`TARGET_SPOT_CHECKS` samples read; a
+    ``target_transform`` makes them differ, and the next source is used, with a warning); the labels of the in-memory
+    copy; and, for a label-based partition only, one pass reading the label of every sample. The label of a sample is at
     ``label_key`` (a dict key or a tuple position); without it: position 1 of a two-element tuple / list, else for a
     dict the first ``ClassLabel`` column of a Hugging Face data set, else the first of :data:`LABEL_KEYS`
     (``label``, ``labels``, ``y``, ``target``, ``targets``) present; other samples (3-tuples, bare tensors) have
@@ -706,7 +714,7 @@ class DatasetDataModule(FederatedDataModule):
             )
         targets = getattr(source, "targets", None)
         if targets is not None:
-            candidates.append(("the train.targets attribute", lambda: targets))
+            candidates.append((_TARGETS, lambda: targets))
         else:
             tried.append("a train.targets attribute (none)")
         if isinstance(train, ArrayDataset):
@@ -733,6 +741,9 @@ class DatasetDataModule(FederatedDataModule):
             if ids is None:
                 tried.append(f"{what} ({why})")
                 continue
+            if what == _TARGETS and not self._targets_agree(arr, train, source, reader):
+                tried.append(f"{what} (differs from the labels the samples serve)")
+                continue
             return ids
         if not self.needs_labels:
             return None
@@ -741,6 +752,41 @@ class DatasetDataModule(FederatedDataModule):
             f"training samples; tried: {'; '.join(tried)}. Pass labels=[one integer class per training sample], or "
             f"use partition=IID()"
         )
+
+    def _targets_agree(self, targets: np.ndarray, train: Dataset, source: Any, reader: _Reader) -> bool:
+        """Whether the ``targets`` attribute holds the labels the training samples serve: all of them against the
+        in-memory copy, else :data:`TARGET_SPOT_CHECKS` evenly spaced samples read through the label reader (none
+        when the samples hold no label). A ``target_transform`` (torchvision's: a binary task made of CIFAR-10's
+        classes) serves other labels than ``targets`` holds; a partition by ``targets`` would then skew the classes
+        the model does not train on. Where they differ, a warning names the first such sample and the labels
+        are taken from the next source (the in-memory copy, or one pass over the samples)."""
+        if isinstance(train, ArrayDataset):
+            rows = np.arange(len(targets))
+            served = train.y.detach().cpu().numpy() if isinstance(train.y, Tensor) else np.asarray(train.y)
+        elif reader.kind != "none":
+            rows = np.unique(np.linspace(0, len(targets) - 1, num=min(TARGET_SPOT_CHECKS, len(targets))).astype(int))
+            try:
+                with preserved_random_states():  # a sample read may draw random numbers (an augmentation)
+                    served = np.asarray([_scalar_label(reader(source[int(i)]), int(i)) for i in rows])
+            except _NotALabel:
+                return True  # the samples' labels are not class ids: nothing to compare
+        else:
+            return True
+        if served.shape != (len(rows),):
+            return True
+        differ = np.flatnonzero(np.asarray(targets[rows] != served).reshape(-1))
+        if not len(differ):
+            return True
+        i = int(rows[differ[0]])
+        raw, got = (v.item() if isinstance(v, np.generic) else v for v in (targets[i], served[differ[0]]))
+        warnings.warn(
+            f"the training set's targets attribute differs from the labels its samples serve (sample {i}: targets "
+            f"{raw!r}, served {got!r}; a target_transform?): the partition and the validation "
+            "split use the served labels. Pass labels= to split by other labels",
+            UserWarning,
+            stacklevel=2,
+        )
+        return False
 
     def _remember(self, labels: np.ndarray) -> np.ndarray:
         """Keeps the labels of the one pass over the samples (the label checks reuse them)."""
@@ -957,19 +1003,21 @@ def _class_id(y: Any, where: str) -> Any:
     return y.long() if isinstance(y, Tensor) else int(value)
 
 
+def _scalar_label(y: Any, i: int) -> Any:
+    """Sample ``i``'s label ``y`` as a Python or numpy scalar; a label that is not a scalar raises
+    :class:`_NotALabel`."""
+    if isinstance(y, (Tensor, np.ndarray)):
+        if y.ndim != 0:
+            raise _NotALabel(f"sample {i}'s label is {_describe(y)}, not a scalar")
+        return y.item()
+    if not isinstance(y, (int, float, str, bool, np.generic)):
+        raise _NotALabel(f"sample {i}'s label is {_describe(y)}, not a scalar")
+    return y
+
+
 def _read_labels(dataset: Any, reader: _Reader) -> np.ndarray:
     """The label of every sample (one pass); a sample whose label is not a scalar raises :class:`_NotALabel`."""
-    out = []
-    for i in range(len(dataset)):
-        y = reader(dataset[i])
-        if isinstance(y, (Tensor, np.ndarray)):
-            if y.ndim != 0:
-                raise _NotALabel(f"sample {i}'s label is {_describe(y)}, not a scalar")
-            y = y.item()
-        elif not isinstance(y, (int, float, str, bool, np.generic)):
-            raise _NotALabel(f"sample {i}'s label is {_describe(y)}, not a scalar")
-        out.append(y)
-    return np.asarray(out)
+    return np.asarray([_scalar_label(reader(dataset[i]), i) for i in range(len(dataset))])
 
 
 def _class_ids(arr: np.ndarray) -> tuple[np.ndarray | None, str]:
