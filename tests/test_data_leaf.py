@@ -383,6 +383,9 @@ def _one_user(**changes):
         ({"num_samples": [5.7]}, r"d.json: user 'a' declares num_samples=5.7 but has 2 samples"),
         ({"num_samples": 2}, r"d.json: 'num_samples' must be a JSON list, got 2"),
         ({"users": "a"}, r"d.json: 'users' must be a JSON list"),
+        ({"users": [["a"]]}, r"d.json: user \['a'\] in 'users' is not a string"),  # was a TypeError of Arrow's reader
+        ({"users": [{"id": "a"}]}, r"d.json: user \{'id': 'a'\} in 'users' is not a string"),
+        ({"users": [7]}, r"d.json: user 7 in 'users' is not a string"),
         ({"y": 5}, r"d.json: user_data\['a'\] must have 'x' and 'y' lists"),
         ({"x": [[0.5] * 783 + ["dark"], [0.25] * 784]}, r"d.json: user 'a', sample 0: the input is not a list of"),
         # Arrow casts these without a word (0.75, 1.0)

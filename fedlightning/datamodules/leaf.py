@@ -119,6 +119,8 @@ def _leaf_json_rows(files: list[str], splits: list[str], name: str, stamps: list
         if len(num_samples) != len(users):
             raise ValueError(f"{path}: {len(users)} users but {len(num_samples)} num_samples entries")
         for user, declared in zip(users, num_samples):
+            if not isinstance(user, str):  # user_data's keys are JSON object keys, strings; a list is not hashable
+                raise ValueError(f"{path}: user {user!r:.80} in 'users' is not a string (LEAF's user ids are)")
             if user not in user_data:
                 raise ValueError(f"{path}: user {user!r} is listed in 'users' but has no entry in 'user_data'")
             entry = user_data[user]
