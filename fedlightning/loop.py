@@ -1307,7 +1307,10 @@ class FederatedLoop(pl.LightningModule):
         ``eps`` against SGD's ``momentum`` / ``dampening``), or other groups. torch's ``load_state_dict`` would load
         it anyway, leaving one optimizer with both kinds' settings and Adam's moments in SGD's state. Decision
         (ours): the flags that torch versions add (``foreach``, ``fused``, ``capturable``, ``differentiable``,
-        ``maximize``, ``decoupled_weight_decay``) do not count; in the command line, ``--resume_mismatch=allow`` does
+        ``maximize``, ``decoupled_weight_decay``) do not count; a setting whose value is a string names the update
+        rule and counts with its value (FedAdam's ``rule="adam"`` against FedAMS's ``"ams"``: the same optimizer class
+        and settings, but FedAMS needs a state FedAdam never kept, and FedYogi's or FedAdagrad's second moments mean
+        something else than Adam's); in the command line, ``--resume_mismatch=allow`` does
         not lift this refusal (it resumes with this run's settings of the same optimizer)."""
         saved = checkpoint.get("optimizer_states")
         if not saved or self.strategy is None:
@@ -1319,13 +1322,19 @@ class FederatedLoop(pl.LightningModule):
         flags = {"params", "foreach", "fused", "capturable", "differentiable", "maximize", "decoupled_weight_decay"}
         theirs = {k for g in groups if isinstance(g, dict) for k in g} - flags
         ours = {k for g in fresh.param_groups for k in g} - flags
-        if theirs == ours and len(groups) == len(fresh.param_groups):
+
+        def rules(gs) -> list[str]:  # settings that name an update rule (FedAdam's "adam", FedAMS's "ams")
+            return sorted({f"{k}={v!r}" for g in gs if isinstance(g, dict) for k, v in g.items() if isinstance(v, str)})
+
+        if theirs == ours and len(groups) == len(fresh.param_groups) and rules(groups) == rules(fresh.param_groups):
             return
+        theirs_rules, ours_rules = (", ".join(rules(gs)) for gs in (groups, fresh.param_groups))
         raise CheckpointError(
             str(trainer.ckpt_path),
-            f"its server optimizer (settings {sorted(theirs)}, {len(groups)} group(s)) is not the kind "
-            f"{type(self.strategy).__name__} builds ({type(fresh).__name__}: settings {sorted(ours)}, "
-            f"{len(fresh.param_groups)} group(s)): a run cannot resume with another server optimizer",
+            f"its server optimizer (settings {sorted(theirs)}{', ' + theirs_rules if theirs_rules else ''}, "
+            f"{len(groups)} group(s)) is not the kind {type(self.strategy).__name__} builds ({type(fresh).__name__}: "
+            f"settings {sorted(ours)}{', ' + ours_rules if ours_rules else ''}, {len(fresh.param_groups)} group(s)): "
+            "a run cannot resume with another server optimizer",
         )
 
     def _client_groups_state(self) -> dict[str, Any] | None:

@@ -731,7 +731,7 @@ def test_another_kind_of_server_optimizer_is_refused_even_when_settings_may_diff
         ],
     )
     assert line.startswith(
-        f"error: checkpoint {ckpt}: its server optimizer (settings ['betas', 'eps', 'lr', 'rule'], 1"
+        f"error: checkpoint {ckpt}: its server optimizer (settings ['betas', 'eps', 'lr', 'rule'], rule='adam', 1"
     )
     assert line.endswith(
         "is not the kind FedAvg builds (SGD: settings ['dampening', 'lr', 'momentum', 'nesterov', 'weight_decay'], 1 "
@@ -745,3 +745,19 @@ def test_another_kind_of_server_optimizer_is_refused_even_when_settings_may_diff
     trainer = make_trainer(3, callbacks=[FedAvg()])
     with pytest.raises(CheckpointError, match="is not the kind FedAvg builds"):
         trainer.fit(loop, datamodule=DigitsDataModule(num_clients=100, seed=0), ckpt_path=ckpt)
+
+
+@pytest.mark.parametrize("other", ["FedAMS", "FedYogi", "FedAdagrad"])
+def test_another_adaptive_server_rule_is_refused_even_when_settings_may_differ(tmp_path, capsys, other):
+    """FedAdam, FedAMS, FedYogi and FedAdagrad build one optimizer class with the same settings but another rule: a
+    FedAdam checkpoint resumed as FedAMS with --resume_mismatch=allow died in its first round with a KeyError (no
+    max_exp_avg_sq in Adam's state), and as FedYogi trained on with Adam's moments under Yogi's rule."""
+    adam = ["--trainer.callbacks+=fedlightning.callbacks.FedAdam", "--trainer.callbacks.server_lr=0.01"]
+    main(["fit", *_tiny(tmp_path / "adam", "--trainer.max_steps", "2", *adam)])
+    (ckpt,) = glob.glob(str(tmp_path / "adam" / "**" / "last.ckpt"), recursive=True)
+    resumed = [f"--trainer.callbacks+=fedlightning.callbacks.{other}", "--trainer.callbacks.server_lr=0.01"]
+    args = [*_tiny(tmp_path / "other", "--trainer.max_steps", "3", *resumed), "--ckpt_path", ckpt]
+    line, _ = _exit_with_error(capsys, ["fit", *args, "--resume_mismatch", "allow"])
+    rule = {"FedAMS": "ams", "FedYogi": "yogi", "FedAdagrad": "adagrad"}[other]
+    assert f"rule='adam', 1 group(s)) is not the kind {other} builds" in line
+    assert f"rule='{rule}', 1 group(s)): a run cannot resume with another server optimizer" in line
