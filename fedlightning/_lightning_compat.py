@@ -35,6 +35,7 @@ __all__ = [
     "preserved_metric_states",
     "progress_bar_options",
     "publish_step_metrics",
+    "settle_unprocessed_batch",
     "should_write_step_logs",
     "spawns_processes",
     "strategy_optimizers",
@@ -47,6 +48,37 @@ __all__ = [
 def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
     """The Trainer ``module`` is attached to, or None (``module.trainer`` raises when there is none)."""
     return module._trainer
+
+
+def settle_unprocessed_batch(checkpoint: dict[str, Any]) -> bool:
+    """Count a batch (a round) that a checkpoint records as started but not processed as never started: its fit
+    loop's batch progress back to the last completed batch, in the totals as in the current epoch's counts. True
+    when it changed something.
+
+    Such a file is written when an exception (Ctrl-C) stops the run at the start of a round
+    (:meth:`~fedlightning.checkpoint.RoundCheckpoint.on_exception` saves the last completed round then). Lightning's
+    restore puts the current counts back to the completed batches (``_Progress.reset_on_restart``) but not the
+    totals, and with ``check_val_every_n_epoch=None`` the validation schedule counts from the total of batches made
+    ready: every validation after the resume came one round early, and the last round's was lost. A file written
+    inside a batch after it was processed (``on_train_batch_end``) is Lightning's own case and is left as it is."""
+    loops = checkpoint.get("loops")
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    progress = fit.get("epoch_loop.batch_progress") if isinstance(fit, dict) else None
+    if not isinstance(progress, dict):
+        return False
+    changed = False
+    for part in ("total", "current"):
+        counts = progress.get(part)
+        if not isinstance(counts, dict) or not all(isinstance(counts.get(k), int) for k in _PROGRESS_KEYS):
+            continue
+        done = counts["completed"]
+        if counts["processed"] == done and (counts["ready"] > done or counts["started"] > done):
+            counts["ready"] = counts["started"] = done
+            changed = True
+    return changed
+
+
+_PROGRESS_KEYS = ("ready", "started", "processed", "completed")
 
 
 def spawns_processes(trainer: pl.Trainer) -> bool:

@@ -45,6 +45,7 @@ from fedlightning._lightning_compat import (
     detached_trainer,
     early_stopping_at_epoch_end,
     evaluation_batch,
+    settle_unprocessed_batch,
     spawns_processes,
     strategy_optimizers,
     timer_interval,
@@ -1287,6 +1288,7 @@ class FederatedLoop(pl.LightningModule):
             if trainer.state.fn == TrainerFn.FITTING:  # the file resumes training: it must hold the training state
                 check_resumable(str(trainer.ckpt_path), checkpoint)
                 self._check_server_optimizer_kind(trainer, checkpoint)
+        settle_unprocessed_batch(checkpoint)  # a file of a run stopped at a round's start: that round not begun
         self.client_state.load_state_dict(fed["client_state"])
         self.failed_clients_total = int(fed.get("failed_clients_total", 0))
         self.rounds_without_healthy_client = int(fed.get("rounds_without_healthy_client", 0))

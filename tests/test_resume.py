@@ -308,3 +308,42 @@ def test_validations_tied_to_the_epoch_fall_at_the_same_rounds_after_a_resume(tm
     )
     assert [r for r in full_seen.rounds if r > cut] == resumed_seen.rounds == rounds
     torch.testing.assert_close(_weights(loop), full, atol=0, rtol=0)
+
+
+def test_validations_after_resuming_a_run_stopped_at_a_rounds_start_fall_at_the_same_rounds(tmp_path):
+    """Ctrl-C at the start of the fourth round leaves RoundCheckpoint's file of three rounds recording the fourth as
+    started; the resumed run validates when 4, 6 and 8 rounds are done, as the uninterrupted one does (it validated
+    at 5 and 7, one round early, and never after the last round), with equal weights."""
+    from fedlightning.checkpoint import RoundCheckpoint
+
+    class Seen(pl.Callback):
+        def __init__(self, stop_at=None):
+            self.rounds, self.stop_at = [], stop_at
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == self.stop_at:
+                raise KeyboardInterrupt
+
+        def on_validation_end(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                self.rounds.append(trainer.global_step)
+
+    kw = dict(limit_val_batches=None, num_sanity_val_steps=0, val_check_interval=2, check_val_every_n_epoch=None)
+    loop, dm, _ = _setup()
+    full = Seen()
+    make_trainer(8, callbacks=[full], **kw).fit(loop, datamodule=dm)
+    expected = _weights(loop)
+    assert full.rounds == [2, 4, 6, 8]
+    loop, dm, _ = _setup()
+    ck = RoundCheckpoint(dirpath=str(tmp_path), save_last=True, every_n_train_steps=100)
+    stopped = Seen(stop_at=3)
+    trainer = make_trainer(8, callbacks=[ck, stopped], enable_checkpointing=True, **kw)
+    with pytest.raises(SystemExit):  # Lightning's graceful shutdown after a KeyboardInterrupt
+        trainer.fit(loop, datamodule=dm)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 3
+    loop, dm, _ = _setup()
+    resumed = Seen()
+    make_trainer(8, callbacks=[resumed], **kw).fit(loop, datamodule=dm, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert stopped.rounds == [2] and resumed.rounds == [4, 6, 8]
+    torch.testing.assert_close(_weights(loop), expected, atol=0, rtol=0)
