@@ -463,8 +463,13 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("sweep", help="a W&B sweep YAML file (grid method)")
     p.add_argument("--interpreter", default="python")
     ns = p.parse_args(argv)
-    sweep = load_sweep(ns.sweep)
-    for params in sweep_grid(sweep):
+    try:
+        sweep = load_sweep(ns.sweep)
+        grid = sweep_grid(sweep)
+    except (OSError, ValueError) as err:  # a missing file, a sweep without a finite grid: one line, as the CLI
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for params in grid:
         print(shlex.join(agent_command(sweep, params, interpreter=ns.interpreter)))
     return 0
 

@@ -411,6 +411,16 @@ def test_repository_sweep_files_run_locally_as_their_grid(path, tmp_path, capsys
     assert commands == sorted(agent_command(sweep, p, interpreter=sys.executable) for p in grid)
 
 
+def test_more_runs_than_grid_cells_says_how_many_run(tmp_path, capsys):
+    path = REPO_SWEEPS[0]
+    cells = len(sweep_grid(load_sweep(path)))
+    assert main([path, "--out", str(tmp_path / "out"), "--runs", str(cells + 3), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    name = os.path.basename(path)
+    assert lines[0] == f"{name}: --runs {cells + 3} is more than the grid's {cells} cells; {cells} run"
+    assert len(lines) == 1 + cells
+
+
 # ---------------------------------------------------------------------------------------------- mapping, names
 def test_wandb_specs_map_to_optuna_distributions():
     space = search_space(

@@ -404,3 +404,7 @@ def test_sweep_grid_order_and_cli_listing(capsys):
     random_sweep = dict(sweep, method="random", parameters={"a": {"min": 0.0, "max": 1.0}})
     with pytest.raises(ValueError, match="no finite grid"):
         sweep_grid(random_sweep)
+    for bad in (os.path.join(ROOT, "configs", "sweeps", "no_such_file.yaml"),):  # one line, no traceback
+        assert _main([bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "no_such_file.yaml" in err[0]

@@ -310,6 +310,8 @@ class LocalSweep:
 
         optuna.logging.set_verbosity(optuna.logging.ERROR)
         total = self.target(runs)
+        if runs is not None and total < runs:  # a grid has no more cells than it has
+            log(f"{self.file_name}: --runs {runs} is more than the grid's {self.grid_size} cells; {total} run")
         if dry_run:
             return self._dry_run(total, log)
         self.check_command()  # before the output directory records the sweep: a fixed file runs in the same --out
