@@ -340,6 +340,7 @@ def test_init_step_size_starts_below_the_cap_and_grows(eta_max, expected):
     [
         (dict(eta_max=1.0, init_step_size=2.0, reset="grow"), r"init_step_size=2\.0 exceeds eta_max=1\.0"),
         (dict(eta_max=1.0, init_step_size=0.5, reset="max"), r"init_step_size=0\.5 has no effect with reset='max'"),
+        (dict(eta_max=1.0, carry_step_size=True), r"carry_step_size=True has no effect with reset='max'"),
         (dict(init_step_size=0.0, reset="grow"), "init_step_size"),
         (dict(init_step_size=float("nan"), reset="grow"), "init_step_size"),
     ],

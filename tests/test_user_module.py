@@ -592,13 +592,13 @@ def test_explicit_client_optimizer_wins_over_configure_optimizers():
 def test_custom_optimizer_arguments_survive_the_rebuild_per_client():
     class Armijo(UserNet):
         def configure_optimizers(self):
-            return SgdArmijo(self.parameters(), eta_max=2.0, c=0.2, carry_step_size=True)
+            return SgdArmijo(self.parameters(), eta_max=2.0, c=0.2, reset="last", carry_step_size=True)
 
     torch.manual_seed(0)
     a = Armijo()
     b = UserNet()
     b.load_state_dict(a.state_dict())
-    explicit = lambda p: SgdArmijo(p, eta_max=2.0, c=0.2, carry_step_size=True)  # noqa: E731
+    explicit = lambda p: SgdArmijo(p, eta_max=2.0, c=0.2, reset="last", carry_step_size=True)  # noqa: E731
     make_trainer(3).fit(FederatedLoop(a, local_steps=3, clients_per_round=3, seed=4), datamodule=_dm())
     make_trainer(3).fit(FederatedLoop(b, explicit, local_steps=3, clients_per_round=3, seed=4), datamodule=_dm())
     for p, q in zip(a.net.parameters(), b.net.parameters()):

@@ -139,7 +139,8 @@ class SgdArmijo(ClosureOptimizer):
             (reference Sls).
         grad_tol: below this gradient norm no step is taken. Default 1e-8 (reference Sls).
         carry_step_size: start a round from the client's last accepted step (see above). Default
-            False (seed 000 Alg. 3 restarts at ``eta_max``).
+            False (seed 000 Alg. 3 restarts at ``eta_max``). With ``reset="max"`` it would change nothing and is
+            refused, as ``init_step_size`` is.
     """
 
     growth_setting = ("delta", 'reset="grow"')
@@ -181,6 +182,11 @@ class SgdArmijo(ClosureOptimizer):
                     f"SgdArmijo: init_step_size={init_step_size!r} has no effect with reset='max' (every search starts "
                     "at eta_max); use reset='last' or 'grow', or leave init_step_size unset"
                 )
+        if carry_step_size and reset == "max":
+            raise ValueError(
+                "SgdArmijo: carry_step_size=True has no effect with reset='max' (every search starts at eta_max, "
+                "whatever step the client accepted before); use reset='last' or 'grow', or carry_step_size=False"
+            )
         exponent = epoch_exponent(n_batches_per_epoch, batch_size, num_samples)
         defaults = dict(
             eta_max=eta_max,
