@@ -85,7 +85,9 @@ def extract_loss(output: Any, model_name: str = "model") -> Tensor:
         )
     if loss.numel() != 1:
         raise TypeError(f"{model_name}.training_step returned a loss with shape {tuple(loss.shape)}, expected a scalar")
-    return loss.reshape(())
+    # a scalar is returned as it is (a dict's loss too): the vectorised engine recognises the tensor a standard loss
+    # returned (loss interception), not a reshape of it
+    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def _cycle(loader: Iterable, steps: int, reference: bool | None = None) -> Iterator[Any]:
