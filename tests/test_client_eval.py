@@ -213,6 +213,50 @@ def test_validation_split_uses_validation_step_on_the_validation_rows():
         _fit([ClientEvaluation(split="val")], rounds=1, dm=dm0)
 
 
+class EpochEndAccuracy(pl.LightningModule):
+    """The README's pattern: ``validation_step`` updates a torchmetrics accuracy and collects the losses,
+    ``on_validation_epoch_end`` logs the accuracy's ``compute()`` and the collected mean, then resets both."""
+
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10))
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        logits = self.net(batch[0])
+        self.acc.update(logits, batch[1])
+        self.losses.append(F.cross_entropy(logits, batch[1], reduction="sum"))
+        self.count = getattr(self, "count", 0) + len(batch[1])
+
+    def on_validation_epoch_end(self):
+        self.log("val/acc", self.acc.compute())
+        self.log("val/collected_loss", torch.stack(self.losses).sum() / self.count)
+        self.acc.reset()
+        self.losses.clear()
+        self.count = 0
+
+
+def test_values_logged_in_the_epoch_end_hook_are_each_clients_own():
+    """They were dropped without a word (only the step's values were collected), and the outputs the steps collected
+    piled up over the clients into the next validation."""
+    torch.manual_seed(0)
+    ev = ClientEvaluation(split="val", vectorize=False, batch_size=7)
+    loop, dm, _ = _fit([ev], rounds=1, model=to_float64(EpochEndAccuracy()))
+    rows = dm.client_eval_indices("val")
+    assert set(ev.last_results.values) == {"val/acc", "val/collected_loss"}
+    for j, c in enumerate(ev.last_results.client_ids.tolist()):
+        loss, acc = _hand_values(loop.model.net, dm.train_dataset.x[rows[c]], dm.train_dataset.y[rows[c]])
+        _close64(ev.last_results.values["val/collected_loss"][j], loss)
+        assert ev.last_results.values["val/acc"][j] == pytest.approx(acc, rel=rtol32(1), abs=0)
+    assert loop.model.losses == []  # nothing left over for the run's own validation
+
+
 # ---------------------------------------------------------------------------------------------- the deal
 def _expected_quotas(m, weights):
     """Independent largest-remainder apportionment of ``m`` rows by ``weights`` (exact fractions)."""

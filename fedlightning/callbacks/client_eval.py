@@ -125,6 +125,7 @@ class _Recorder:
         self.reduce: dict[str, str] = {}
         self.metrics: dict[str, Any] = {}
         self.batch: Any = None
+        self.epoch_end = False  # in the epoch-end hook: a value is logged once, with weight 1
 
     def log(
         self,
@@ -164,7 +165,11 @@ class _Recorder:
         if self.reduce.setdefault(name, fx) != fx:
             raise ValueError(f"{name!r} is logged with reduce_fx {self.reduce[name]!r} and {fx!r} in one evaluation")
         if fx == "mean":
-            n = float(batch_size if batch_size is not None else extract_batch_size(self.batch))
+            n = (
+                1.0
+                if self.epoch_end
+                else float(batch_size if batch_size is not None else extract_batch_size(self.batch))
+            )
             self.sums[name] = self.sums.get(name, 0.0) + v * n
             self.weights[name] = self.weights.get(name, 0.0) + n
         elif fx == "sum":
@@ -319,8 +324,10 @@ class ClientEvaluation(FederatedCallback):
     * **Metrics**. The global model runs in ``eval()`` mode without gradients (its mode, and its torchmetrics
       states, are restored afterwards), batches of ``batch_size`` rows of one client at a time, through the Trainer's
       precision conversion and the module's batch-transfer hooks, in the precision plugin's test/val step context,
-      as Lightning's evaluation loop does; ``test_step``'s return value is not used and the ``on_test_*`` hooks are
-      not called. What it logs is reduced per client as Lightning reduces an epoch-level value: ``reduce_fx="mean"``
+      as Lightning's evaluation loop does; ``test_step``'s return value is not used, and of the ``on_test_*`` hooks
+      (``on_validation_*``) only ``on_test_epoch_end`` (``on_validation_epoch_end``) is called, after each client's
+      batches: what it logs (a torchmetrics metric's ``compute()``, a mean of outputs the steps collected) is that
+      client's value. What it logs is reduced per client as Lightning reduces an epoch-level value: ``reduce_fx="mean"``
       (default) is the mean over the client's batches weighted by ``batch_size`` (or the size Lightning extracts
       from the batch), ``"sum"``, ``"max"``, ``"min"`` likewise; sums are float64. A torchmetrics ``Metric`` is
       reset before each client and its ``compute()`` taken after the client's batches. Logging options
@@ -555,12 +562,16 @@ class ClientEvaluation(FederatedCallback):
             m.reset()
         recorder = _Recorder()
         step = model.test_step if self.split == "test" else model.validation_step
+        epoch_end = "on_test_epoch_end" if self.split == "test" else "on_validation_epoch_end"
         with routed_logging(model, recorder.log, recorder.log_dict):
             for i, batch in enumerate(self._batches(dm, dataset, rows)):
                 batch = evaluation_batch(model, batch, device)
                 recorder.batch = batch
                 with self._step_context(model):
                     step(batch, i)
+            if is_overridden(epoch_end, model):  # what it logs (a metric's compute()) is the client's value too
+                recorder.epoch_end = True
+                getattr(model, epoch_end)()
             return recorder.values()
 
     def _classifier_pass(self, model, dm, dataset, rows: list[np.ndarray], device) -> list[dict[str, float]]:
