@@ -35,6 +35,7 @@ __all__ = [
     "preserved_metric_states",
     "progress_bar_options",
     "publish_step_metrics",
+    "reopen_epoch_ended_by_max_steps",
     "settle_unprocessed_batch",
     "should_write_step_logs",
     "spawns_processes",
@@ -79,6 +80,37 @@ def settle_unprocessed_batch(checkpoint: dict[str, Any]) -> bool:
 
 
 _PROGRESS_KEYS = ("ready", "started", "processed", "completed")
+
+
+def reopen_epoch_ended_by_max_steps(checkpoint: dict[str, Any]) -> bool:
+    """Make the file of a fit that ended at its ``max_steps`` (the last round of its epoch done) read as written
+    inside that epoch, after its last round: its fit loop's epoch progress back to the epoch in progress, its last
+    batch not the epoch's last. True when it changed something. For a fit resumed with a larger ``max_steps``.
+
+    A fit with ``max_steps`` has one epoch of ``max_steps`` rounds (the data module's round loader), so the file of a
+    finished fit records that epoch as complete; resumed to train on, Lightning began a new epoch, and every later
+    round was logged with ``epoch`` 1 or 2 (an uninterrupted run logs 0) and checkpoint names read ``epoch=1-...``.
+    Reopened, the resumed fit continues epoch 0 as a fit resumed from a file written inside it does, its epoch now
+    ``max_steps`` rounds long from its first round (``train_dataloader``)."""
+    loops = checkpoint.get("loops")
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    if not isinstance(fit, dict):
+        return False
+    batches, epochs = fit.get("epoch_loop.batch_progress"), fit.get("epoch_progress")
+    if not isinstance(batches, dict) or not isinstance(epochs, dict) or batches.get("is_last_batch") is not True:
+        return False
+    parts = [batches.get("current"), epochs.get("current"), epochs.get("total")]
+    if not all(isinstance(p, dict) and all(isinstance(p.get(k), int) for k in _PROGRESS_KEYS) for p in parts):
+        return False
+    if any(len({p[k] for k in _PROGRESS_KEYS}) != 1 for p in parts) or parts[1]["completed"] < 1:
+        return False  # not a finished epoch, all of whose counts agree
+    batches["is_last_batch"] = False
+    for counts in parts[1:]:
+        counts["processed"] -= 1
+        counts["completed"] -= 1
+    if isinstance(checkpoint.get("epoch"), int) and checkpoint["epoch"] > 0:
+        checkpoint["epoch"] -= 1
+    return True
 
 
 def spawns_processes(trainer: pl.Trainer) -> bool:

@@ -45,6 +45,7 @@ from fedlightning._lightning_compat import (
     detached_trainer,
     early_stopping_at_epoch_end,
     evaluation_batch,
+    reopen_epoch_ended_by_max_steps,
     settle_unprocessed_batch,
     spawns_processes,
     strategy_optimizers,
@@ -1289,6 +1290,8 @@ class FederatedLoop(pl.LightningModule):
                 check_resumable(str(trainer.ckpt_path), checkpoint)
                 self._check_server_optimizer_kind(trainer, checkpoint)
         settle_unprocessed_batch(checkpoint)  # a file of a run stopped at a round's start: that round not begun
+        if trainer is not None and _trains_on(trainer, checkpoint):
+            reopen_epoch_ended_by_max_steps(checkpoint)  # a finished fit extended: its epoch goes on
         self.client_state.load_state_dict(fed["client_state"])
         self.failed_clients_total = int(fed.get("failed_clients_total", 0))
         self.rounds_without_healthy_client = int(fed.get("rounds_without_healthy_client", 0))
@@ -1420,6 +1423,13 @@ def _check_test_fraction(trainer: pl.Trainer, dm: FederatedDataModule) -> None:
             f"limit_test_batches={fraction!r} of the {batches} test batch(es) keeps none of them "
             f"(int({batches} * {fraction!r}) = 0); use 1.0, an integer number of batches, or 0 for no test",
         )
+
+
+def _trains_on(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+    """Whether a fit resumes from ``checkpoint`` with rounds left to train under ``trainer.max_steps``."""
+    rounds, max_steps = checkpoint.get("global_step"), trainer.max_steps
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    return fitting and isinstance(rounds, int) and max_steps is not None and max_steps > rounds
 
 
 def _say_nothing_to_train(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:

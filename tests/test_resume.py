@@ -347,3 +347,46 @@ def test_validations_after_resuming_a_run_stopped_at_a_rounds_start_fall_at_the_
     make_trainer(8, callbacks=[resumed], **kw).fit(loop, datamodule=dm, ckpt_path=str(tmp_path / "last.ckpt"))
     assert stopped.rounds == [2] and resumed.rounds == [4, 6, 8]
     torch.testing.assert_close(_weights(loop), expected, atol=0, rtol=0)
+
+
+def test_a_finished_run_extended_goes_on_in_its_epoch_as_an_uninterrupted_run_does(tmp_path):
+    """A fit that ended at max_steps=3, resumed with max_steps=6: Lightning began a new epoch, so the later rounds
+    were logged with epoch 1 (an uninterrupted 6-round run logs 0) and checkpoint names read epoch=1-...; now the
+    epoch goes on: the same epochs, validations, checkpoint names and weights as the uninterrupted run."""
+    from fedlightning.checkpoint import RoundCheckpoint
+
+    class Seen(pl.Callback):
+        def __init__(self):
+            self.rounds, self.validations = [], []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.rounds.append((trainer.global_step, trainer.current_epoch))
+
+        def on_validation_end(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                self.validations.append(trainer.global_step)
+
+    def saves(path):
+        return ModelCheckpoint(dirpath=str(path), every_n_train_steps=2, save_top_k=-1, filename="{epoch}-{step}")
+
+    kw = dict(limit_val_batches=None, num_sanity_val_steps=0, val_check_interval=2, check_val_every_n_epoch=None)
+    loop, dm, _ = _setup()
+    full = Seen()
+    make_trainer(6, callbacks=[full, saves(tmp_path / "full")], enable_checkpointing=True, **kw).fit(
+        loop, datamodule=dm
+    )
+    expected = _weights(loop)
+    loop, dm, _ = _setup()
+    first = Seen()
+    ck = RoundCheckpoint(dirpath=str(tmp_path / "cut"), save_last=True, every_n_train_steps=100)
+    make_trainer(3, callbacks=[first, ck], enable_checkpointing=True, **kw).fit(loop, datamodule=dm)
+    loop, dm, _ = _setup()
+    resumed = Seen()
+    trainer = make_trainer(6, callbacks=[resumed, saves(tmp_path / "resumed")], enable_checkpointing=True, **kw)
+    trainer.fit(loop, datamodule=dm, ckpt_path=str(tmp_path / "cut" / "last.ckpt"))
+    assert first.rounds + resumed.rounds == full.rounds == [(r, 0) for r in range(1, 7)]
+    assert first.validations + resumed.validations == full.validations == [2, 4, 6]
+    names = sorted(p.name for p in (tmp_path / "full").iterdir())
+    assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == names[1:]
+    torch.testing.assert_close(_weights(loop), expected, atol=0, rtol=0)
