@@ -51,6 +51,21 @@ def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
     return module._trainer
 
 
+_PROGRESS_KEYS = ("ready", "started", "processed", "completed")
+
+
+def _fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The fit loop's saved state in a checkpoint (``loops.fit_loop``), None where the file has none."""
+    loops = checkpoint.get("loops")
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    return fit if isinstance(fit, dict) else None
+
+
+def _progress_counts(counts: Any) -> bool:
+    """Whether ``counts`` is a saved progress tracker with the four integer counts of :data:`_PROGRESS_KEYS`."""
+    return isinstance(counts, dict) and all(isinstance(counts.get(k), int) for k in _PROGRESS_KEYS)
+
+
 def settle_unprocessed_batch(checkpoint: dict[str, Any]) -> bool:
     """Count a batch (a round) that a checkpoint records as started but not processed as never started: its fit
     loop's batch progress back to the last completed batch, in the totals as in the current epoch's counts. True
@@ -62,24 +77,20 @@ def settle_unprocessed_batch(checkpoint: dict[str, Any]) -> bool:
     totals, and with ``check_val_every_n_epoch=None`` the validation schedule counts from the total of batches made
     ready: every validation after the resume came one round early, and the last round's was lost. A file written
     inside a batch after it was processed (``on_train_batch_end``) is Lightning's own case and is left as it is."""
-    loops = checkpoint.get("loops")
-    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
-    progress = fit.get("epoch_loop.batch_progress") if isinstance(fit, dict) else None
+    fit = _fit_loop_state(checkpoint)
+    progress = fit.get("epoch_loop.batch_progress") if fit is not None else None
     if not isinstance(progress, dict):
         return False
     changed = False
     for part in ("total", "current"):
         counts = progress.get(part)
-        if not isinstance(counts, dict) or not all(isinstance(counts.get(k), int) for k in _PROGRESS_KEYS):
+        if not _progress_counts(counts):
             continue
         done = counts["completed"]
         if counts["processed"] == done and (counts["ready"] > done or counts["started"] > done):
             counts["ready"] = counts["started"] = done
             changed = True
     return changed
-
-
-_PROGRESS_KEYS = ("ready", "started", "processed", "completed")
 
 
 def reopen_epoch_ended_by_max_steps(checkpoint: dict[str, Any]) -> bool:
@@ -92,15 +103,14 @@ def reopen_epoch_ended_by_max_steps(checkpoint: dict[str, Any]) -> bool:
     round was logged with ``epoch`` 1 or 2 (an uninterrupted run logs 0) and checkpoint names read ``epoch=1-...``.
     Reopened, the resumed fit continues epoch 0 as a fit resumed from a file written inside it does, its epoch now
     ``max_steps`` rounds long from its first round (``train_dataloader``)."""
-    loops = checkpoint.get("loops")
-    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
-    if not isinstance(fit, dict):
+    fit = _fit_loop_state(checkpoint)
+    if fit is None:
         return False
     batches, epochs = fit.get("epoch_loop.batch_progress"), fit.get("epoch_progress")
     if not isinstance(batches, dict) or not isinstance(epochs, dict) or batches.get("is_last_batch") is not True:
         return False
     parts = [batches.get("current"), epochs.get("current"), epochs.get("total")]
-    if not all(isinstance(p, dict) and all(isinstance(p.get(k), int) for k in _PROGRESS_KEYS) for p in parts):
+    if not all(_progress_counts(p) for p in parts):
         return False
     if any(len({p[k] for k in _PROGRESS_KEYS}) != 1 for p in parts) or parts[1]["completed"] < 1:
         return False  # not a finished epoch, all of whose counts agree

@@ -1328,18 +1328,19 @@ class FederatedLoop(pl.LightningModule):
         theirs = {k for g in groups if isinstance(g, dict) for k in g} - flags
         ours = {k for g in fresh.param_groups for k in g} - flags
 
-        def rules(gs) -> list[str]:  # settings that name an update rule (FedAdam's "adam", FedAMS's "ams")
-            return sorted({f"{k}={v!r}" for g in gs if isinstance(g, dict) for k, v in g.items() if isinstance(v, str)})
+        def described(keys: set[str], gs: list) -> str:  # its settings, the update rules they name, its groups
+            rules = sorted(
+                {f"{k}={v!r}" for g in gs if isinstance(g, dict) for k, v in g.items() if isinstance(v, str)}
+            )
+            return f"settings {sorted(keys)}{''.join(', ' + r for r in rules)}, {len(gs)} group(s)"
 
-        if theirs == ours and len(groups) == len(fresh.param_groups) and rules(groups) == rules(fresh.param_groups):
+        theirs_kind, ours_kind = described(theirs, groups), described(ours, fresh.param_groups)
+        if theirs_kind == ours_kind:
             return
-        theirs_rules, ours_rules = (", ".join(rules(gs)) for gs in (groups, fresh.param_groups))
         raise CheckpointError(
             str(trainer.ckpt_path),
-            f"its server optimizer (settings {sorted(theirs)}{', ' + theirs_rules if theirs_rules else ''}, "
-            f"{len(groups)} group(s)) is not the kind {type(self.strategy).__name__} builds ({type(fresh).__name__}: "
-            f"settings {sorted(ours)}{', ' + ours_rules if ours_rules else ''}, {len(fresh.param_groups)} group(s)): "
-            "a run cannot resume with another server optimizer",
+            f"its server optimizer ({theirs_kind}) is not the kind {type(self.strategy).__name__} builds "
+            f"({type(fresh).__name__}: {ours_kind}): a run cannot resume with another server optimizer",
         )
 
     def _client_groups_state(self) -> dict[str, Any] | None:
@@ -1425,20 +1426,28 @@ def _check_test_fraction(trainer: pl.Trainer, dm: FederatedDataModule) -> None:
         )
 
 
+def _resumed_rounds(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> tuple[int, int] | None:
+    """``(rounds in the checkpoint, trainer.max_steps)`` when a fit resumes from ``checkpoint`` under a positive
+    ``max_steps``; None otherwise (not a fit, no round count, no bound)."""
+    rounds, max_steps = checkpoint.get("global_step"), trainer.max_steps
+    if trainer.state.fn != TrainerFn.FITTING or not isinstance(rounds, int) or max_steps is None or max_steps <= 0:
+        return None
+    return rounds, max_steps
+
+
 def _trains_on(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
     """Whether a fit resumes from ``checkpoint`` with rounds left to train under ``trainer.max_steps``."""
-    rounds, max_steps = checkpoint.get("global_step"), trainer.max_steps
-    fitting = trainer.state.fn == TrainerFn.FITTING
-    return fitting and isinstance(rounds, int) and max_steps is not None and max_steps > rounds
+    resumed = _resumed_rounds(trainer, checkpoint)
+    return resumed is not None and resumed[1] > resumed[0]
 
 
 def _say_nothing_to_train(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     """A warning when a fit resumes from a checkpoint at or past ``trainer.max_steps`` rounds: no round trains (the
     run would otherwise end with Lightning's "max_steps reached" only, and ``train.py`` test the checkpoint's
     model); a fit that should go on needs a larger ``max_steps``."""
-    rounds, max_steps = checkpoint.get("global_step"), trainer.max_steps
-    fitting = trainer.state.fn == TrainerFn.FITTING
-    if fitting and isinstance(rounds, int) and max_steps is not None and 0 < max_steps <= rounds:
+    resumed = _resumed_rounds(trainer, checkpoint)
+    if resumed is not None and resumed[1] <= resumed[0]:
+        rounds, max_steps = resumed
         rank_zero_warn(
             f"the checkpoint is at round {rounds}, at or past trainer.max_steps={max_steps}: no round trains in "
             f"this fit; set max_steps above {rounds} to train on"
