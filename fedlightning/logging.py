@@ -6,8 +6,8 @@
   :func:`find_offline_runs` read an offline run back without network or account.
 * Sweeps: :func:`validate_sweep` / :func:`load_sweep` check a W&B sweep file, :func:`sweep_grid` lists a grid's
   parameter sets and :func:`agent_command` builds the exact command line the W&B agent runs;
-  :mod:`fedlightning.sweep` runs the same files locally. ``python -m fedlightning.logging CONFIG.yaml`` prints the
-  commands of a whole grid, one per line.
+  :mod:`fedlightning.sweep` runs the same files locally (``python -m fedlightning.sweep SWEEP.yaml --dry-run`` prints
+  the commands of the runs it would start, one per line).
 """
 
 from __future__ import annotations
@@ -415,8 +415,8 @@ def agent_command(
     :func:`sweep_grid` lists the parameter sets of a grid sweep and :func:`agent_command` builds the exact command line
     the W&B agent runs for one parameter set (the agent's macro expansion: ``${env}`` → ``/usr/bin/env``,
     ``${interpreter}`` → ``python``, ``${program}`` → the sweep's ``program``, ``${args}`` → ``--name=value`` per
-    parameter). ``python -m fedlightning.logging CONFIG.yaml`` only prints the commands of a whole grid, one per line
-    (the local runner names, runs and collects them).
+    parameter). ``python -m fedlightning.sweep SWEEP.yaml --dry-run`` prints the commands of a grid's runs, one per
+    line, without running them.
     """
     command = sweep.get("command") or ["${env}", "${interpreter}", "${program}", "${args}"]
     args, no_hyphens, no_bool, no_equals = [], [], [], []
@@ -454,25 +454,8 @@ def agent_command(
     return out
 
 
-def _main(argv: list[str] | None = None) -> int:
-    """``python -m fedlightning.logging SWEEP.yaml [--interpreter PYTHON]``: print the grid's commands."""
-    import argparse
-    import shlex
-
-    p = argparse.ArgumentParser(prog="python -m fedlightning.logging", description=_main.__doc__)
-    p.add_argument("sweep", help="a W&B sweep YAML file (grid method)")
-    p.add_argument("--interpreter", default="python")
-    ns = p.parse_args(argv)
-    try:
-        sweep = load_sweep(ns.sweep)
-        grid = sweep_grid(sweep)
-    except (OSError, ValueError) as err:  # a missing file, a sweep without a finite grid: one line, as the CLI
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for params in grid:
-        print(shlex.join(agent_command(sweep, params, interpreter=ns.interpreter)))
-    return 0
-
-
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(_main())
+    sys.exit(
+        "error: fedlightning.logging has no command line; "
+        "python -m fedlightning.sweep SWEEP.yaml --dry-run prints a sweep's commands"
+    )

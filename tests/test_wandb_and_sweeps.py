@@ -388,23 +388,28 @@ def test_validate_sweep_bad_input(mutate, match):
         validate_sweep(sweep)
 
 
-def test_sweep_grid_order_and_cli_listing(capsys):
-    from fedlightning.logging import _main
+def test_sweep_grid_order_and_dry_run_listing(tmp_path, capsys):
+    from fedlightning.sweep.runner import main
 
-    sweep = load_sweep(os.path.join(ROOT, "configs", "sweeps", "fedexpsls_c_eta_max.yaml"))
+    path = os.path.join(ROOT, "configs", "sweeps", "fedexpsls_c_eta_max.yaml")
+    sweep = load_sweep(path)
     grid = sweep_grid(sweep)
     assert grid[0] == {"model.client_optimizer.init_args.c": 0.01, "model.client_optimizer.init_args.eta_max": 0.1}
     assert grid[1]["model.client_optimizer.init_args.eta_max"] == 1.0  # the last parameter varies fastest
-    assert _main([os.path.join(ROOT, "configs", "sweeps", "fedexpsls_c_eta_max.yaml")]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 15 and lines[0].startswith("/usr/bin/env python train.py fit --config configs/fedexpsls.yaml")
-    assert lines[-1].endswith(
-        "--model.client_optimizer.init_args.c=0.5 --model.client_optimizer.init_args.eta_max=10.0"
+    assert main([path, "--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    lines = sorted(capsys.readouterr().out.strip().splitlines())  # one per grid cell (in the sampler's order)
+    assert len(lines) == len(grid) == 15 and all(" train.py fit --config configs/fedexpsls.yaml " in x for x in lines)
+    assert (
+        sum(
+            "--model.client_optimizer.init_args.c=0.5 --model.client_optimizer.init_args.eta_max=10.0" in x
+            for x in lines
+        )
+        == 1
     )
     random_sweep = dict(sweep, method="random", parameters={"a": {"min": 0.0, "max": 1.0}})
     with pytest.raises(ValueError, match="no finite grid"):
         sweep_grid(random_sweep)
-    for bad in (os.path.join(ROOT, "configs", "sweeps", "no_such_file.yaml"),):  # one line, no traceback
-        assert _main([bad]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: ") and "no_such_file.yaml" in err[0]
+    bad = os.path.join(ROOT, "configs", "sweeps", "no_such_file.yaml")  # one line, no traceback
+    assert main([bad, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "no_such_file.yaml" in err[0]
