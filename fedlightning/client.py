@@ -268,6 +268,31 @@ class _Tally:
     forwards: int
     backwards: int
     backtracks: int = 0
+    #: per trainable parameter, the sum of its parameter group's learning rates over the steps, when the groups'
+    #: sums differ (:attr:`~fedlightning.state.ClientUpdate.param_step_size_sums`); None otherwise
+    param_step_sums: list[float] | None = None
+
+
+def _group_lr_sums(param_groups: list[dict]) -> list[float] | None:
+    """Running per-group sums of the learning rates of an optimizer with several parameter groups, else None."""
+    return [0.0] * len(param_groups) if len(param_groups) > 1 else None
+
+
+def _add_group_lrs(sums: list[float], param_groups: list[dict]) -> None:
+    for i, group in enumerate(param_groups):
+        sums[i] += float(group.get("lr", float("nan")))
+
+
+def _param_step_sums(
+    params: Sequence[Tensor], param_groups: list[dict], sums: list[float] | None
+) -> list[float] | None:
+    """Each trainable parameter's sum of its group's learning rates (0 for one no group holds, which the optimizer
+    does not move), when the groups' sums differ; None when every parameter took the same steps (``step_sizes``
+    describes them all)."""
+    if sums is None or len(set(sums)) <= 1:
+        return None
+    group_of = {id(p): i for i, group in enumerate(param_groups) for p in group["params"]}
+    return [sums[group_of[id(p)]] if id(p) in group_of else 0.0 for p in params]
 
 
 def _objective(plan: _StepPlan, batch: Any, step: int) -> Callable[[], Tensor]:
@@ -313,6 +338,7 @@ def _lean_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
     grad_clip = plan.grad_clip
     losses: list[Tensor] = []
     step_sizes: list[float] = []
+    group_sums = _group_lr_sums(param_groups)
     steps_run = forwards = backwards = 0
     for k, batch in enumerate(batches):
         if convert is not None:
@@ -331,9 +357,12 @@ def _lean_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
         optimizer_step()
         step_sizes.append(float(param_groups[0].get("lr", float("nan"))))
+        if group_sums is not None:
+            _add_group_lrs(group_sums, param_groups)
         backwards += 1
         losses.append(loss.detach())  # a scalar already (extract_loss); cast once after the loop
-    return _Tally(losses, step_sizes, steps_run, forwards, backwards)
+    sums = _param_step_sums(params, param_groups, group_sums)
+    return _Tally(losses, step_sizes, steps_run, forwards, backwards, param_step_sums=sums)
 
 
 def _general_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
@@ -346,6 +375,7 @@ def _general_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
     adaptive, grad_clip, params = plan.adaptive, plan.grad_clip, plan.params
     losses: list[Tensor] = []
     step_sizes: list[float] = []
+    group_sums = None if adaptive else _group_lr_sums(optimizer.param_groups)
     steps_run = forwards = backwards = backtracks = 0
     for k, batch in enumerate(batches):
         if convert is not None:  # Lightning: precision conversion, the transfer hooks, then on_train_batch_start
@@ -395,6 +425,8 @@ def _general_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
                     torch.nn.utils.clip_grad_norm_(params, grad_clip)
                 optimizer_step()
                 step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
+                if group_sums is not None:
+                    _add_group_lrs(group_sums, optimizer.param_groups)
                 backwards += 1
         if loss is None:  # a skipped step: Lightning's on_train_batch_end outputs are {}
             if h.batch_end:
@@ -405,7 +437,8 @@ def _general_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
             model.on_train_batch_end(_step_outputs(closure.output, losses[-1]), batch, k)
         if adaptive and not math.isfinite(float(losses[-1])):
             break  # adaptive optimizers refuse non-finite losses; stop early, the update is discarded
-    return _Tally(losses, step_sizes, steps_run, forwards, backwards, backtracks)
+    sums = _param_step_sums(params, optimizer.param_groups, group_sums)
+    return _Tally(losses, step_sizes, steps_run, forwards, backwards, backtracks, sums)
 
 
 def _seed_model_rng(seed: int, devices: Sequence[torch.device]) -> None:
@@ -625,6 +658,7 @@ class LocalTrainer:
             first_loss=first,
             mean_loss=mean,
             step_sizes=tally.step_sizes,
+            param_step_size_sums=tally.param_step_sums,
             backtracks=tally.backtracks,
             forwards=tally.forwards,
             backwards=tally.backwards,

@@ -90,7 +90,12 @@ class ClientUpdate:
         num_steps: local steps actually run.
         first_loss: training loss of the first mini-batch at the global weights (seed 004's ``F_0`` statistic).
         mean_loss: mean of the per-step mini-batch losses (the papers' "training loss reported by a client").
-        step_sizes: accepted step size of every local step (for SGD: the learning rate).
+        step_sizes: accepted step size of every local step (for SGD: the learning rate; of the first parameter
+            group when the client optimizer has several).
+        param_step_size_sums: when the client optimizer's parameter groups took different learning rates, each
+            trainable parameter's sum of its group's learning rates over the local steps (in ``delta``'s order of
+            parameters; 0 for a parameter no group holds); None otherwise, where every parameter's sum is
+            ``sum(step_sizes)``. SCAFFOLD divides each parameter's update by its own sum.
         backtracks: total line-search backtracks (trial points rejected) over the round.
         forwards: forward passes of the model (gradient evaluations + trial evaluations).
         backwards: backward passes.
@@ -107,6 +112,7 @@ class ClientUpdate:
     first_loss: float = float("nan")
     mean_loss: float = float("nan")
     step_sizes: list[float] = field(default_factory=list)
+    param_step_size_sums: list[float] | None = None
     backtracks: int = 0
     forwards: int = 0
     backwards: int = 0

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import make_trainer
 from fedlightning import FederatedLoop
-from fedlightning.callbacks import FedAvg, FedDANE, ProximalTerm, Scaffold
+from fedlightning.callbacks import FedAvg, FedDANE, FedLiLS, FedSPSNormalized, ProximalTerm, Scaffold
 from fedlightning.callbacks.feddane import client_full_gradient
 from fedlightning.datamodules import Dirichlet
 from fedlightning.models import MLP, LogisticRegression
@@ -87,7 +87,8 @@ def _local_sgd(f, w0, loader, steps, lr, extra):
             x, y = next(it)
         g = _grad(f, w, x, y)
         e = extra(w)
-        w = [wi - lr * (gi + ei) for wi, gi, ei in zip(w, g, e)]
+        lrs = lr if isinstance(lr, list) else [lr] * len(w)  # per parameter
+        w = [wi - li * (gi + ei) for wi, li, gi, ei in zip(w, lrs, g, e)]
     return w
 
 
@@ -135,7 +136,9 @@ def reference_feddane(mu, mode, rounds=ROUNDS, faulty=frozenset()):
     return glob, grad_sets
 
 
-def reference_scaffold(rounds=ROUNDS):
+def reference_scaffold(rounds=ROUNDS, lrs=None):
+    """SCAFFOLD option II; ``lrs``: a learning rate per parameter (weight, bias), each parameter's ``c_i`` updated
+    over its own ``K η`` and kept where ``η = 0``."""
     dm = make_dm()
     f, glob = _setup(dm)
     zeros = lambda: [torch.zeros_like(t) for t in glob]  # noqa: E731
@@ -145,9 +148,10 @@ def reference_scaffold(rounds=ROUNDS):
         for k in dm.sample_clients(r):
             cik = ci.get(k, zeros())
             loader = dm.client_dataloader(k, r, seed=SEED)
-            w = _local_sgd(f, glob, loader, K, LR, lambda w, c=c, cik=cik: [cj - cij for cj, cij in zip(c, cik)])
+            lr = lrs or [LR] * len(glob)
+            w = _local_sgd(f, glob, loader, K, lr, lambda w, c=c, cik=cik: [cj - cij for cj, cij in zip(c, cik)])
             delta = [g - wi for g, wi in zip(glob, w)]
-            cnew = [cij - cj + d / (K * LR) for cij, cj, d in zip(cik, c, delta)]  # option II
+            cnew = [cij - cj + d / (K * li) if li > 0 else cij for cij, cj, d, li in zip(cik, c, delta, lr)]
             dcs.append([a - b for a, b in zip(cnew, cik)])
             ci[k] = cnew
             deltas.append(delta)
@@ -356,6 +360,38 @@ def test_scaffold_matches_reference_loop():
     for k, v in ci.items():
         assert_close64(loop.client_state.get("scaffold", k)["control"], v)
     assert float(c.norm()) > 0
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("bias_lr", [0.05, 0.0])
+def test_scaffold_divides_each_parameter_by_its_own_groups_learning_rates(bias_lr):
+    """A client optimizer with a learning rate per parameter group (weight 0.2, bias 0.05 or 0, a group frozen by
+    its rate): each parameter's c_i is its update over its own K·η, and a parameter that did not move keeps its c_i,
+    against the reference loop; the runs with FedSPS-Normalized or FedLiLS stop naming the groups' rates."""
+
+    def grouped(params):
+        weight, bias = params
+        return torch.optim.SGD([{"params": [weight], "lr": LR}, {"params": [bias], "lr": bias_lr}])
+
+    def fit(callbacks, rounds=ROUNDS):
+        loop = FederatedLoop(
+            make_model(), client_optimizer=lambda p: grouped(list(p)), local_steps=K, clients_per_round=CPR, seed=SEED
+        )
+        make_trainer(rounds, callbacks=callbacks).fit(loop, datamodule=make_dm())
+        return loop
+
+    s = Scaffold()
+    loop = fit([s])
+    glob, c, ci = reference_scaffold(lrs=[LR, bias_lr])
+    assert_close64(weights(loop), glob)
+    assert_close64(s.server_control, c)
+    for k, v in ci.items():
+        assert_close64(loop.client_state.get("scaffold", k)["control"], v)
+    bias = slice(-10, None)  # the logistic regression's last 10 parameters
+    assert (float(c[bias].norm()) == 0.0) == (bias_lr == 0.0) and float(c[:-10].norm()) > 0
+    for strategy in (FedSPSNormalized(), FedLiLS()):
+        with pytest.raises(ValueError, match="parameter groups took different learning rates"):
+            fit([strategy], rounds=1)
 
 
 # ============================================================================ vectorised clients, |S_t| option

@@ -92,7 +92,8 @@ class FedLiLS(ServerStrategy):
       client ends that way). It is the step before any client step-size scale (``client_lr_scale``, e.g.
       ``KDecay(decay="client_lr")``): that schedule acts on the clients' moves, which ``Δ_t`` already contains; scaling
       ``η_g`` too would apply it twice. Clients whose optimizer sends no such report (e.g. ``torch.optim.SGD``) use the
-      last positive finite step size they took this round. Clients with neither (no step accepted yet) are left out
+      last positive finite step size they took this round (refused when its parameter groups take different learning
+      rates: which one is the client's step is not defined). Clients with neither (no step accepted yet) are left out
       of the maximum; if no client has one the round raises. No cap on ``η_g`` (the paper states none);
       ``server/eta_g`` is logged.
 
@@ -113,6 +114,12 @@ class FedLiLS(ServerStrategy):
         if reported is not None:
             reported = float(reported)
             return reported if math.isfinite(reported) and reported > 0 else float("nan")
+        if update.param_step_size_sums is not None:
+            raise ValueError(
+                "FedLiLS takes the server step size from each client's last local step size, but the client "
+                "optimizer's parameter groups took different learning rates (sums per parameter "
+                f"{sorted(set(update.param_step_size_sums))}): give its parameter groups one learning rate"
+            )
         moved = [s for s in update.step_sizes if math.isfinite(s) and s > 0]
         return moved[-1] if moved else float("nan")
 

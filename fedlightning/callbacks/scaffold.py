@@ -54,7 +54,11 @@ class Scaffold(ServerStrategy):
       in closed form.
     * ``Σ_k η_{i,k}`` is the sum of the step sizes the client actually took (``ClientUpdate.step_sizes``, which
       includes any per-round lr scale): it equals ``K η_l`` for constant-lr SGD and extends option II to adaptive
-      client optimizers (ours).
+      client optimizers (ours). A client optimizer whose parameter groups take different learning rates (a
+      ``configure_optimizers`` with a lower rate for a pretrained body) gives each parameter its own sum, its group's
+      rates over the steps (``ClientUpdate.param_step_size_sums``), and each parameter's update is divided by its
+      own: option II per parameter. A parameter whose sum is 0 (a group at learning rate 0) did not move, and
+      nothing estimates its gradient: its ``c_i`` stays as it was (ours).
     * Weighting: uniform mean of the client deltas (``weighting="uniform"``, the paper); ``"samples"`` is offered.
     * Only healthy clients update ``c_i``; a failed client keeps its old control variate and contributes nothing.
       ``c_i⁺`` is computed in ``on_client_end`` and stored when the round admits the client (``accumulate``, after
@@ -104,13 +108,24 @@ class Scaffold(ServerStrategy):
             return
         steps = [s for s in update.step_sizes if math.isfinite(s)]
         total = float(sum(steps))
+        sums = update.param_step_size_sums
+        if sums is not None:  # per-group learning rates: some parameter must have moved
+            total = max((s for s in sums if math.isfinite(s)), default=0.0)
         if not steps or total <= 0:
             update.failed = True
             update.failure = f"SCAFFOLD needs positive local step sizes, got {update.step_sizes!r}"
             return
         delta = update.delta
         old = self.client_control(pl_module, update.client_id, delta)
-        new = old - self._server_control(delta) + delta / total
+        server = self._server_control(delta)
+        if sums is None:
+            new = old - server + delta / total
+        else:  # per-group learning rates: each parameter over its own sum; c_i kept where it is 0
+            numels = [a.numel() for a in global_anchors(pl_module)]
+            per = torch.tensor(sums, dtype=delta.dtype, device=delta.device).repeat_interleave(
+                torch.tensor(numels, device=delta.device)
+            )
+            new = torch.where(per > 0, old - server + delta / per, old)
         update.payload["scaffold_control_delta"] = new - old
         # c_i⁺ is stored when the round admits the client (accumulate): the aggregation checks run after this hook
         update.payload[_NEW_CONTROL] = new.detach()

@@ -68,6 +68,12 @@ class FedSPSNormalized(ServerStrategy):
     def on_client_end(self, trainer, pl_module, plan: RoundPlan, update: ClientUpdate) -> None:
         if update.failed:
             return
+        if update.param_step_size_sums is not None:
+            raise ValueError(
+                f"round {plan.round}: FedSPS-Normalized normalizes by the sum of a client's step sizes, but the client "
+                "optimizer's parameter groups took different learning rates (sums per parameter "
+                f"{sorted(set(update.param_step_size_sums))}): give its parameter groups one learning rate"
+            )
         nu = normalization_factor(update)
         if not (nu > 0 and math.isfinite(nu)):
             update.failed = True
