@@ -31,7 +31,7 @@ from torch import Tensor
 from fedlightning._lightning_compat import batches_that_stepped, publish_step_metrics, should_write_step_logs
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, copy_of_state
 from fedlightning.distributed import all_gather_objects, all_reduce_statistics
-from fedlightning.state import ClientUpdate, RoundPlan
+from fedlightning.state import ClientUpdate, RoundPlan, is_averaged_buffer, squared_norm64, write_averaged_buffer
 
 __all__ = [
     "FailurePolicy",
@@ -103,8 +103,8 @@ def screen_update(
     """The aggregation checks of one healthy client (the rule: :class:`~fedlightning.loop.FederatedLoop`'s
     ``max_update_norm``): ``‖Δ_i‖²`` (float64, the value the round's sums add) when the client passes; else
     ``update`` is marked failed with the reason and its update norm, and None is returned."""
-    sq_norm = update.delta.double().pow(2).sum()
-    figures = [sq_norm] if update.buffers is None else [sq_norm, update.buffers.double().pow(2).sum()]
+    sq_norm = squared_norm64(update.delta)
+    figures = [sq_norm] if update.buffers is None else [sq_norm, squared_norm64(update.buffers)]
     values = torch.stack(figures).tolist() if len(figures) > 1 else [float(sq_norm.item())]  # one host read
     reason = _screen_reason(update, values, weight, num_sampled, max_update_norm)
     if reason is None:
@@ -577,12 +577,12 @@ def server_step(
     for p in params:
         p.grad = None
     if "buffers" in stats:
-        fbufs = [b for b in pl_module.model.buffers() if b.is_floating_point()]
         avg = stats["buffers"] / stats["weight"].to(stats["buffers"].dtype)
         off = 0
-        for b in fbufs:
-            b.copy_(avg[off : off + b.numel()].view_as(b))
-            off += b.numel()
+        for b in pl_module.model.buffers():
+            if is_averaged_buffer(b):
+                write_averaged_buffer(b, avg[off : off + b.numel()])
+                off += b.numel()
     metrics.update(extra)
     n_loss = float(stats["loss_clients"].item())  # the clients with a loss (n_clients unless steps were skipped)
     if n_loss > 0:

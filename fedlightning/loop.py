@@ -90,7 +90,15 @@ from fedlightning.datamodules.base import FederatedDataModule, WholeSplitSampler
 from fedlightning.distributed import named_collective
 from fedlightning.execution import CLIENT_EXECUTION_MODES, make_executor
 from fedlightning.optim import scale_client_step
-from fedlightning.state import ClientStateStore, ClientUpdate, RoundPlan, RoundResult, derive_seed, flat_params
+from fedlightning.state import (
+    ClientStateStore,
+    ClientUpdate,
+    RoundPlan,
+    RoundResult,
+    derive_seed,
+    flat_params,
+    is_averaged_buffer,
+)
 from fedlightning.user_module import (
     ClientHooks,
     MetricStates,
@@ -149,6 +157,9 @@ class _Runtime:
     #: ``(client, torchmetrics states before it trained)`` of the last sequential client
     #: (:meth:`FederatedLoop.train_client`), put back when the round leaves that client out
     metrics_before: tuple[int, list] | None = None
+    #: the global model's trainable parameters when the server optimizer was built (:meth:`FederatedLoop.
+    #: _check_trainable`)
+    trainable: list[torch.nn.Parameter] | None = None
 
 
 #: The user's step hook that ``Trainer.<stage>`` needs on the global model, as Lightning requires it of a plain
@@ -698,7 +709,9 @@ class FederatedLoop(pl.LightningModule):
     def configure_optimizers(self):
         if self.strategy is None:
             raise RuntimeError("the server strategy is resolved in setup(); fit the loop with a Trainer")
-        return self.strategy.configure_server_optimizer(self._global_params())
+        params = self._global_params()
+        self._runtime.trainable = params
+        return self.strategy.configure_server_optimizer(params)
 
     def _global_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -908,7 +921,7 @@ class FederatedLoop(pl.LightningModule):
         cached = self._runtime.round_tensors
         if cached is None or cached[0] != round or reference_mode():
             gbuffers = list(self.model.buffers())
-            cached = (round, self._global_params(), gbuffers, [b.is_floating_point() for b in gbuffers])
+            cached = (round, self._global_params(), gbuffers, [is_averaged_buffer(b) for b in gbuffers])
             self._runtime.round_tensors = cached
         return cached[1], cached[2], cached[3]
 
@@ -1025,13 +1038,46 @@ class FederatedLoop(pl.LightningModule):
         ``global_step``) and its ``on_train_epoch_start`` called."""
         self._runtime.round_tensors = None  # the parameter list is re-read every round
         gparams = self._round_tensors(plan.round)[0]
+        self._check_trainable(plan, gparams)
         with torch.no_grad():
             global_flat = flat_params(gparams)
         worker = self._worker_trainer()
         worker.model._fl_round = plan.round  # the client copy's global_step / current_epoch
         if worker.client_hooks.epoch_start:
             worker.model.on_train_epoch_start()
+        self._check_trainable(plan, gparams, worker)
         return global_flat
+
+    def _check_trainable(self, plan: RoundPlan, gparams: list[Tensor], worker: LocalTrainer | None = None) -> None:
+        """Refuse a change of ``requires_grad`` during fit, in the global model (a callback unfreezing a layer) or in
+        the client working copy (the module's own ``on_train_epoch_start``), naming the parameters.
+
+        Decision (ours): the trainable parameters are fixed when fit starts: the server optimizer (and its state:
+        FedAdam's moments), every client's update and the vectorized engine's layout cover exactly them, so a layer
+        unfrozen later would be trained by no one (its clients' work dropped) or break the round's sums. To unfreeze
+        in stages, run one fit per stage, each starting from the previous one's weights."""
+        fixed = self._runtime.trainable
+        frozen_now = [p for p in worker.params if not p.requires_grad] if worker is not None else []
+        thawed = [p for p in worker.frozen if p.requires_grad] if worker is not None else []
+        same_global = fixed is None or (len(gparams) == len(fixed) and all(a is b for a, b in zip(gparams, fixed)))
+        if same_global and not frozen_now and not thawed:
+            return
+        if not same_global:
+            where, model, was = "the global model", self.model, {id(p) for p in fixed}
+        else:
+            assert worker is not None
+            where, model, was = "the clients' working copy", worker.model, {id(p) for p in worker.params}
+        changed = [
+            f"{name} ({'now trainable' if p.requires_grad else 'now frozen'})"
+            for name, p in model.named_parameters()
+            if p.requires_grad != (id(p) in was)
+        ]
+        raise ValueError(
+            f"round {plan.round}: requires_grad changed during fit in {where}: {', '.join(changed[:5])}"
+            f"{' ...' if len(changed) > 5 else ''}. The trainable parameters are fixed when fit starts (the server "
+            "optimizer and every client's update cover exactly them): set requires_grad before trainer.fit, and to "
+            "unfreeze in stages run one fit per stage, each from the previous one's weights"
+        )
 
     def _close_clients(self, plan: RoundPlan, tally: RoundTally) -> RoundStatistics:
         """The round's statistics summed over all processes; then the failure policy's stops (identical on every

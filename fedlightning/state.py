@@ -34,6 +34,9 @@ __all__ = [
     "flat_grads",
     "assign_flat_",
     "float_buffers",
+    "is_averaged_buffer",
+    "squared_norm64",
+    "write_averaged_buffer",
     "buffer_report_dtype",
     "loss_report_dtype",
 ]
@@ -99,7 +102,9 @@ class ClientUpdate:
         backtracks: total line-search backtracks (trial points rejected) over the round.
         forwards: forward passes of the model (gradient evaluations + trial evaluations).
         backwards: backward passes.
-        buffers: flat float buffers (e.g. BatchNorm running statistics) at the end of local training, or None.
+        buffers: the flat buffers the round averages (:func:`is_averaged_buffer`: BatchNorm running statistics,
+            ``num_batches_tracked``, a user's counters and masks) at the end of local training, in
+            :func:`buffer_report_dtype`, or None.
         payload: extra values a strategy asked the client to send (e.g. control-variate deltas).
         failed: True when the client's training produced a non-finite loss/update or raised.
         failure: a human-readable reason when ``failed``.
@@ -299,10 +304,51 @@ def assign_flat_(params: Iterable[Tensor], vector: Tensor) -> None:
 
 
 def buffer_report_dtype(buffers: Iterable[Tensor]) -> torch.dtype:
-    """The dtype in which a client reports its float buffers (``ClientUpdate.buffers``): float64 when any of them is
-    float64 (a float64 model's BatchNorm statistics keep their precision through the average), else float32 (half
-    and bfloat16 statistics are averaged in float32, ours)."""
-    return torch.float64 if any(b.dtype == torch.float64 for b in buffers) else torch.float32
+    """The dtype in which a client reports its buffers (``ClientUpdate.buffers``): float64 when any of them is
+    float64 (a float64 model's BatchNorm statistics keep their precision through the average) or not a float (an
+    integer counter such as ``num_batches_tracked`` is exact in float64 up to 2**53), else float32 (half and
+    bfloat16 statistics are averaged in float32, ours)."""
+    return (
+        torch.float64 if any(b.dtype == torch.float64 or not b.is_floating_point() for b in buffers) else torch.float32
+    )
+
+
+def squared_norm64(t: Tensor) -> Tensor:
+    """``‖t‖²`` summed in float64 (0-d): ``Σ t²`` for a real tensor, ``Σ |t|²`` for a complex one (a model with
+    complex parameters: its flat update is complex, and ``.double()`` would drop the imaginary parts)."""
+    return (torch.view_as_real(t) if t.is_complex() else t).double().pow(2).sum()
+
+
+#: The largest magnitude of an integer buffer that the average writes back (float64 holds every integer up to it).
+EXACT_INTEGER = 2**53
+
+
+def is_averaged_buffer(buffer: Tensor) -> bool:
+    """Whether the round averages ``buffer`` over its clients (every real buffer: float, integer and bool; a complex
+    one keeps the global value)."""
+    return not buffer.is_complex()
+
+
+def write_averaged_buffer(buffer: Tensor, average: Tensor) -> None:
+    """Write the clients' weighted ``average`` (flat, float) into the global ``buffer``.
+
+    Decisions (ours): a float buffer takes the average as it is. An integer buffer takes it rounded to the nearest
+    integer (half to even): ``num_batches_tracked`` and a step counter that every client advances by its local
+    steps move by their mean, as the clients' BatchNorm statistics move by the mean of theirs (a BatchNorm layer
+    with ``momentum=None`` averages over ``num_batches_tracked`` batches, so its count and its statistics go
+    together), and a value no client changes stays exactly as it was. One whose average or global value exceeds
+    2**53 in magnitude keeps the global value, which float64 could not average exactly. A bool buffer (a mask)
+    takes the weighted majority (ties: True)."""
+    average = average.view_as(buffer)
+    if buffer.is_floating_point():
+        buffer.copy_(average)
+    elif buffer.dtype == torch.bool:
+        buffer.copy_(average >= 0.5)
+    else:
+        rounded = average.round()
+        if buffer.numel() and max(float(rounded.abs().max()), float(buffer.abs().max())) > EXACT_INTEGER:
+            return
+        buffer.copy_(rounded)
 
 
 def loss_report_dtype(losses: Tensor) -> torch.dtype:
@@ -312,10 +358,7 @@ def loss_report_dtype(losses: Tensor) -> torch.dtype:
 
 
 def float_buffers(module: nn.Module) -> list[Tensor]:
-    """The floating-point buffers of a module (BatchNorm running mean/var), which FedAvg averages.
-
-    Integer buffers such as ``num_batches_tracked`` are not averaged: the global model keeps its own.
-    """
+    """The floating-point buffers of a module (BatchNorm running mean/var)."""
     return [b for b in module.buffers() if b.is_floating_point()]
 
 

@@ -263,7 +263,7 @@ def test_a_client_twice_in_a_round_is_refused():
 
 def test_float_buffers_and_default_count_noise_refused_at_fit_start():
     dp = DPFedAvg(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5, population_size=100)
-    with pytest.raises(ValueError, match="float buffers"):
+    with pytest.raises(ValueError, match="the model has buffers"):
         dp.on_fit_start(None, SimpleNamespace(model=torch.nn.BatchNorm1d(3), clients_per_round=4))
     # adaptive clipping with the default σ_b = 0.05 · 4 = 0.2: z = 1 ≥ 2σ_b, refused before round 0
     with pytest.raises(ValueError, match="clipped_count_stddev"):

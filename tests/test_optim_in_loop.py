@@ -95,11 +95,14 @@ def test_trials_see_the_gradient_evaluation_dropout_mask(probe_run):
 
 
 def test_trials_do_not_update_batchnorm_statistics(probe_run):
-    for grad_rec, trial_recs in probe_run:
+    # each client starts from the global counter, the clients' mean count after each round (K = 4 steps each)
+    assert [g[3] for g, _ in probe_run if g[1] == 0] == [0, 0, 4, 4]
+    for i, (grad_rec, trial_recs) in enumerate(probe_run):
         k = grad_rec[1]
-        assert grad_rec[3] == k  # each client starts from the global counter 0; only gradient forwards count
+        start = 0 if i < 2 * 4 else 4  # round 0's two clients, then round 1's
+        assert grad_rec[3] == start + k  # only gradient forwards count
         for rec in trial_recs:
-            assert rec[3] == k + 1  # after the gradient forward only
+            assert rec[3] == start + k + 1  # after the gradient forward only
             torch.testing.assert_close(rec[2], trial_recs[0][2], rtol=0, atol=0)
     # the trial-entry statistics are those the next gradient evaluation of the same client finds
     for (g, trials), (g_next, _) in zip(probe_run, probe_run[1:]):

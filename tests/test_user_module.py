@@ -435,6 +435,83 @@ def test_a_buffer_reassigned_in_training_step_trains_as_one_written_in_place(opt
         assert torch.equal(p, q)
 
 
+COUNTS: list[tuple[int, int, int, bool]] = []  # (round, batch_idx, count, flag) after each gradient step
+
+
+class Counting(UserNet):
+    """An integer step counter and a bool flag (a mask) that ``training_step`` updates, a large integer constant it
+    never touches, and a BatchNorm layer (its ``num_batches_tracked``, momentum=None: a cumulative average)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16, momentum=None), nn.ReLU(), nn.Linear(16, 10))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("flag", torch.zeros(1, dtype=torch.bool))
+        self.register_buffer("salt", torch.tensor([2**60 + 1, -7], dtype=torch.long))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        if torch.is_grad_enabled():
+            self.steps += 1
+            self.flag.fill_(bool(len(y) % 2))  # a client whose batches have an odd size sets it
+            COUNTS.append((self.global_step, batch_idx, int(self.steps), bool(self.flag)))
+        return loss
+
+
+def test_integer_and_bool_buffers_are_averaged_with_the_clients():
+    """Every client starts from the global counter, and the round writes back the clients' mean count rounded to
+    an integer, their flags' majority and BatchNorm's count with its statistics; an integer no client changes (here
+    beyond 2**53) stays exactly as it was. Local epochs give the clients different step counts."""
+    COUNTS.clear()
+    torch.manual_seed(0)
+    model = Counting()
+    loop = FederatedLoop(model, local_epochs=1, clients_per_round=3, seed=2)
+    dm = DigitsDataModule(num_clients=10, batch_size=20, partition=Dirichlet(0.5), seed=1)  # no batch of 1 sample
+    make_trainer(2, callbacks=[FedAvg(weighting="uniform")]).fit(loop, datamodule=dm)
+    clients = []  # (round, first count, last count, last flag) of each client, in training order
+    for r, k, count, flag in COUNTS:
+        if k == 0:
+            clients.append([r, count, count, flag])
+        clients[-1][2:] = [count, flag]
+    assert len(clients) == 6 and len({c[2] - c[1] for c in clients}) > 1  # the clients ran different step counts
+    start = 0
+    for r in (0, 1):
+        mine = [c for c in clients if c[0] == r]
+        assert [c[1] for c in mine] == [start + 1] * 3  # each client's first step counted from the global value
+        start = round(sum(c[2] for c in mine) / 3)
+    assert int(model.steps) == start
+    assert bool(model.flag) == (sum(c[3] for c in clients if c[0] == 1) >= 2)
+    assert model.salt.tolist() == [2**60 + 1, -7]
+    bn = model.net[1]
+    assert int(bn.num_batches_tracked) == start  # one BatchNorm count per gradient step, as the counter
+
+
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+def test_batchnorm_counts_its_batches_across_rounds_in_both_modes(execution):
+    """num_batches_tracked of the global BatchNorm advances by the clients' mean count each round (K = 3 steps, 2
+    rounds), vectorized clients as sequential ones."""
+
+    class BatchNormNet(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    loop = FederatedLoop(model, local_steps=3, clients_per_round=3, seed=2, client_execution=execution)
+    dm = DigitsDataModule(num_clients=10, batch_size=20, partition=Dirichlet(0.5), seed=1)
+    make_trainer(2).fit(loop, datamodule=dm)
+    assert int(model.net[1].num_batches_tracked) == 2 * 3
+
+
 def test_a_buffer_reassigned_in_training_step_is_refused_vectorized_and_auto_trains_sequentially():
     from fedlightning.vectorized import VectorizationUnsupportedError
 
@@ -1289,3 +1366,125 @@ def test_predict_runs_the_global_models_predict_step_over_the_test_split():
     dm.setup("test")
     x = torch.stack([dm.test_dataset[i][0] for i in range(len(dm.test_dataset))])
     assert torch.equal(got, model.net(x).argmax(-1))
+
+
+class Staged(pl.LightningModule):
+    """A frozen body and a trainable head; ``thaw_in_hook``: unfreezes the body in its own on_train_epoch_start
+    from round 1 (the plain-Lightning pattern of gradual unfreezing)."""
+
+    def __init__(self, thaw_in_hook: bool):
+        super().__init__()
+        self.thaw_in_hook = thaw_in_hook
+        self.body, self.head = nn.Linear(64, 8), nn.Linear(8, 10)
+        self.body.requires_grad_(False)
+
+    def on_train_epoch_start(self):
+        if self.thaw_in_hook and self.current_epoch >= 1:
+            self.body.requires_grad_(True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(torch.tanh(self.body(x))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Toggle(pl.Callback):
+    """Sets ``requires_grad`` of the global model's ``layer`` to ``value`` from round 1 on."""
+
+    def __init__(self, layer: str, value: bool):
+        self.layer, self.value = layer, value
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step >= 1:
+            getattr(pl_module.model, self.layer).requires_grad_(self.value)
+
+
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+@pytest.mark.parametrize(
+    "hook,callback,match",
+    [
+        (True, None, r"in the clients' working copy: body\.weight \(now trainable\), body\.bias \(now trainable\)"),
+        (False, ("body", True), r"in the global model: body\.weight \(now trainable\), body\.bias \(now trainable\)"),
+        (False, ("head", False), r"in the global model: head\.weight \(now frozen\), head\.bias \(now frozen\)"),
+    ],
+    ids=["module-hook-thaws", "callback-thaws", "callback-freezes"],
+)
+def test_requires_grad_changed_during_fit_stops_the_run_naming_the_parameters(execution, hook, callback, match):
+    """The trainable parameters are fixed when fit starts: a layer thawed or frozen later, in the module's own hook
+    (on the clients' working copy) or by a callback (on the global model), stops the run at that round naming it
+    (it crashed inside the round's sums, or dropped the thawed layer's training without a word), with the
+    weights of the rounds before it."""
+    torch.manual_seed(0)
+    model = Staged(thaw_in_hook=hook)
+    body_before = model.body.weight.detach().clone()
+    callbacks = [Toggle(*callback)] if callback else []
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=2, client_execution=execution)
+    with pytest.raises(ValueError, match=r"round 1: requires_grad changed during fit " + match):
+        make_trainer(3, callbacks=callbacks).fit(loop, datamodule=_dm())
+    assert loop.global_step == 1 and torch.equal(model.body.weight, body_before)
+
+
+class ComplexNet(pl.LightningModule):
+    """A complex-valued first layer (magnitudes into a real head), complex128 / float64."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.w = nn.Parameter(0.1 * torch.randn(64, 8, dtype=torch.complex128, generator=g))
+        self.head = nn.Linear(8, 10, dtype=torch.float64)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head((x.to(torch.complex128) @ self.w).abs()), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_complex_parameters_train_under_fedprox_and_their_update_norms_count_the_imaginary_parts():
+    """FedProx's penalty on complex parameters is μ/2·Σ|w − w_t|² (real; it made the loss complex and stopped the
+    run), and the round's squared update norms are Σ|Δ|² (they dropped the imaginary parts): against a hand
+    loop in complex128."""
+    from fedlightning.callbacks import ProximalTerm
+
+    mu, K, rounds = 0.5, 2, 2
+    torch.manual_seed(0)
+    model = ComplexNet()
+    start = copy.deepcopy(model.state_dict())
+    dm = _dm64()
+    loop = FederatedLoop(model, local_steps=K, clients_per_round=3, seed=2)
+    trainer = make_trainer(rounds, callbacks=[FedAvg(), ProximalTerm(mu=mu)])
+    trainer.fit(loop, datamodule=dm)
+
+    ref = ComplexNet()
+    ref.load_state_dict(start)
+    for r in range(rounds):
+        anchor = [p.detach().clone() for p in ref.parameters()]
+        deltas, weights = [], []
+        for cid in dm.sample_clients(r):
+            client = copy.deepcopy(ref)
+            opt = torch.optim.SGD(client.parameters(), lr=0.05)
+            batches = iter(dm.client_dataloader(cid, r, seed=2))
+            for k in range(K):
+                opt.zero_grad()
+                penalty = sum(
+                    torch.view_as_real(p - a).pow(2).sum() if p.is_complex() else (p - a).pow(2).sum()
+                    for p, a in zip(client.parameters(), anchor)
+                )
+                (client.training_step(next(batches), k) + 0.5 * mu * penalty).backward()
+                opt.step()
+            deltas.append([a - p.detach() for a, p in zip(anchor, client.parameters())])
+            weights.append(float(dm.client_num_samples(cid)))
+        with torch.no_grad():
+            for j, p in enumerate(ref.parameters()):
+                p.sub_(sum(w * d[j] for w, d in zip(weights, deltas)) / sum(weights))
+        sq = [sum(float((d.abs() ** 2).sum()) for d in ds) for ds in deltas]
+    for p, q in zip(model.parameters(), ref.parameters()):  # real and imaginary parts
+        assert_close64(
+            torch.view_as_real(p.detach()) if p.is_complex() else p,
+            torch.view_as_real(q.detach()) if q.is_complex() else q,
+        )
+    logged = float(trainer.callback_metrics["server/mean_client_delta_sq_norm"])  # Lightning keeps it in float32
+    assert logged == pytest.approx(sum(sq) / len(sq), rel=2**-22)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from fedlightning._lightning_compat import allow_logging_from, current_hook
 from fedlightning._validation import one_of, positive
-from fedlightning.state import ClientUpdate, RoundPlan, RoundStatistics
+from fedlightning.state import ClientUpdate, RoundPlan, RoundStatistics, squared_norm64
 
 __all__ = [
     "FEDERATED_HOOKS",
@@ -216,7 +216,7 @@ def accumulate_core(
     stats.add("weight", w, delta.device)
     stats.add("clients", 1.0, delta.device)
     if sq_norm is None:
-        sq_norm = delta.double().pow(2).sum()
+        sq_norm = squared_norm64(delta)
     stats.add("sq_norm_sum", sq_norm)
     stats.add("weighted_sq_norm_sum", sq_norm * w)
     if update.buffers is not None:

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from fedlightning._validation import in_range, integer, non_negative, one_of, positive
 from fedlightning.callbacks.adaptive import AdaptiveServerOptimizer, _check_betas, _moment_statistics
 from fedlightning.callbacks.base import RoundStatistics, ServerStep, ServerStrategy
-from fedlightning.state import ClientUpdate, RoundPlan, derive_seed
+from fedlightning.state import ClientUpdate, RoundPlan, derive_seed, is_averaged_buffer, squared_norm64
 
 __all__ = ["DPFedAvg", "adaptive_noise_multiplier", "rdp_epsilon"]
 
@@ -122,8 +122,9 @@ class DPFedAvg(ServerStrategy):
       sampled client failed. Use ``on_client_failure="skip"`` and keep failures rare.
     * **A client twice in a round** (a plan whose ``client_ids`` repeat one) is refused before training and again
       before the server step: that client's contribution would be bounded by ``2C``, not ``C``.
-    * **Models with float buffers** (BatchNorm running statistics) are refused at fit start: the loop averages
-      buffers without clipping or noise. Use GroupNorm / LayerNorm, or ``track_running_stats=False``.
+    * **Models with buffers** (BatchNorm running statistics and ``num_batches_tracked``, a counter) are refused at
+      fit start: the loop averages buffers without clipping or noise. Use GroupNorm / LayerNorm, or
+      ``track_running_stats=False``.
     * **Noise** comes from a ``torch.Generator`` on the sum's device seeded with ``derive_seed(loop.seed,
       "dp-noise", round)`` and is drawn in the sum's dtype (``torch.randn``), so a run is reproducible, resumes bit
       for bit, and every DDP process adds the same noise to the same all-reduced sum. These are pseudo-random
@@ -272,10 +273,10 @@ class DPFedAvg(ServerStrategy):
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer, pl_module) -> None:
         model = getattr(pl_module, "model", pl_module)
-        buffers = [name for name, b in model.named_buffers() if b.is_floating_point()]
+        buffers = [name for name, b in model.named_buffers() if is_averaged_buffer(b)]
         if buffers:
             raise ValueError(
-                f"DPFedAvg: the model has float buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}"
+                f"DPFedAvg: the model has buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}"
                 "), e.g. BatchNorm running statistics, which the loop averages over clients without clipping or "
                 "noise, outside the privacy guarantee; use GroupNorm/LayerNorm or BatchNorm(track_running_stats="
                 "False)"
@@ -302,7 +303,7 @@ class DPFedAvg(ServerStrategy):
         """``dp_clipped_sum``: ``Δ_i · min(1, C/‖Δ_i‖)`` (a zero norm or ``C = inf``: factor 1, the update
         unchanged); with adaptive clipping ``dp_unclipped_centered``: ``1[‖Δ_i‖ ≤ C] − ½``. No host read."""
         delta = update.delta
-        norm = delta.double().pow(2).sum().sqrt()
+        norm = squared_norm64(delta).sqrt()
         clip = self.current_clip_norm
         factor = torch.clamp(clip / norm, max=1.0)
         stats.add("dp_clipped_sum", delta * factor.to(delta.dtype))

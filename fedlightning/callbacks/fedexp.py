@@ -20,7 +20,7 @@ from torch import Tensor
 
 from fedlightning._validation import non_negative
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
-from fedlightning.state import RoundPlan, assign_flat_, flat_params
+from fedlightning.state import RoundPlan, assign_flat_, flat_params, squared_norm64
 
 __all__ = ["FedExP", "fedexp_server_lr"]
 
@@ -92,7 +92,7 @@ class FedExP(ServerStrategy):
     def extrapolation(self, stats: RoundStatistics, delta: Tensor) -> tuple[float, float, float]:
         """``(η_g, raw η_g, ε used)`` for the round's statistics and mean delta."""
         mean_sq = float(stats["weighted_sq_norm_sum"].item()) / float(stats["weight"].item())
-        delta_sq = float(delta.double().pow(2).sum().item())
+        delta_sq = float(squared_norm64(delta).item())
         eps = self.eps * float(stats["clients"].item()) if self.scale_eps_by_clients else self.eps
         eta, raw = fedexp_server_lr(mean_sq, delta_sq, eps)
         return eta, raw, eps

@@ -13,7 +13,7 @@ from fedlightning._validation import non_negative, one_of
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.callbacks.proximal import ProximalTerm, global_anchors
 from fedlightning.objectives import AnchoredTerm
-from fedlightning.state import RoundPlan
+from fedlightning.state import RoundPlan, squared_norm64
 
 __all__ = ["FedExProx", "grads_extrapolation"]
 
@@ -97,7 +97,7 @@ class FedExProx(ServerStrategy):
             alpha = self.server_lr
         else:
             mean_sq = float(stats["weighted_sq_norm_sum"].item()) / float(stats["weight"].item())
-            alpha = grads_extrapolation(mean_sq, float(delta.double().pow(2).sum().item()), self.eps)
+            alpha = grads_extrapolation(mean_sq, float(squared_norm64(delta).item()), self.eps)
         metrics: dict[str, float] = {"server/eta_g": alpha, "server/eta_g_raw": alpha}
         return delta, alpha, metrics
 

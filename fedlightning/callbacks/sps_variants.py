@@ -20,7 +20,7 @@ from fedlightning._validation import SettingTypeError, number, one_of, positive
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.client import extract_loss
 from fedlightning.optim import SPS
-from fedlightning.state import ClientUpdate, RoundPlan, derive_seed
+from fedlightning.state import ClientUpdate, RoundPlan, derive_seed, squared_norm64
 
 __all__ = ["FedSPSNormalized", "FedSPSGlobal"]
 
@@ -186,7 +186,7 @@ class FedSPSGlobal(ServerStrategy):
             with torch.no_grad():
                 for b, s in zip(buffers, saved):
                     b.copy_(s)
-        grad_sq = math.fsum(float(g.double().pow(2).sum()) for g in grads if g is not None)
+        grad_sq = math.fsum(float(squared_norm64(g)) for g in grads if g is not None)
         return self.sps_value(float(loss.detach()), grad_sq)
 
     # ------------------------------------------------------------------ hooks

@@ -570,7 +570,7 @@ class _ModelCall:
                 f"client_execution='vectorized': training_step of {type(self.model).__name__} reassigns its buffer "
                 f"'{replaced[0]}' (self.<name> = ...); the clients in lockstep share the model's buffers, so each "
                 "client's own value would be lost. Use client_execution='sequential' (or 'auto'), which trains "
-                "each client from the global value and averages the clients' values"
+                "each client from the global value and averages the clients' values (integers rounded)"
             )
         for (name, t), before in zip(self._shared_buffers, versions):
             if t._version != before:
