@@ -259,11 +259,14 @@ def test_per_client_hook_results_are_checked(callback, error, match, mode):
         _fit([FedAvg(), callback], mode=mode, rounds=1)
 
 
-def test_a_constant_term_adds_to_the_loss_only():
-    """A term returning a number adds to the client's losses and leaves its gradient (the update) as it is."""
+@pytest.mark.parametrize("mode", ["sequential", "vectorized", "auto"])
+@pytest.mark.parametrize("term", [lambda params: 0.5, lambda params: torch.tensor(0.5, dtype=torch.float64)])
+def test_a_constant_term_adds_to_the_loss_only(mode, term):
+    """A term returning a number, or a tensor of no parameter, adds to the client's losses and leaves its gradient
+    (the update) as it is, in every mode (vectorized clients once stopped: nothing to differentiate)."""
     record_plain, record_const = _Record(), _Record()
-    plain, _ = _fit([FedAvg(), record_plain])
-    const, _ = _fit([FedAvg(), _Objective([lambda params: 0.5]), record_const])
+    plain, _ = _fit([FedAvg(), record_plain], mode=mode)
+    const, _ = _fit([FedAvg(), _Objective([term]), record_const], mode=mode)
     torch.testing.assert_close(_flat(const.model), _flat(plain.model), rtol=0, atol=0)
     first_plain = record_plain.rounds[0]["updates"][0][2]
     assert record_const.rounds[0]["updates"][0][2] == pytest.approx(first_plain + 0.5, abs=1e-15)

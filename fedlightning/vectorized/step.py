@@ -119,8 +119,9 @@ class _StepEvaluator:
             if self.terms is not None and self.terms.plain is not None:  # terms without a batched form: autograd
                 terms = engine.call.term_values(leaves, self.terms.plain)
                 losses = losses + terms
-                roots.append(terms)
-                seeds.append(None)
+                if terms.requires_grad:  # not when every term is a constant (a number, a tensor of no parameter)
+                    roots.append(terms)
+                    seeds.append(None)
             seeds = [torch.ones_like(r) if g is None else g for r, g in zip(roots, seeds)]
             grads = torch.autograd.grad(roots, leaves, grad_outputs=seeds, allow_unused=True)
         # an AnchoredTerm (proximal, control variates) reads every parameter: with stacked terms, as sequentially,
