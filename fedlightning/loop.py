@@ -167,6 +167,11 @@ class _Runtime:
 _EVALUATION_STEPS = {"validate": "validation_step", "test": "test_step"}
 
 
+#: The federated hooks called once per client, on the process that trains it (their second argument names the client:
+#: its id, or its ``ClientUpdate``).
+_PER_CLIENT_HOOKS = ("configure_client_optimizer", "client_objective", "on_client_end")
+
+
 class FederatedLoop(pl.LightningModule):
     """Federated training of ``model``.
 
@@ -815,7 +820,18 @@ class FederatedLoop(pl.LightningModule):
         instance, counts as defined)."""
         if not self._federated_hook_users(name):
             return []
-        return call_federated_hook(self.trainer, self, name, *args)
+        if name not in _PER_CLIENT_HOOKS:
+            return call_federated_hook(self.trainer, self, name, *args)
+        # a per-client hook runs on the process that trains the client: pl_module.log there logs one value of that
+        # client, reduced over the round's clients as training_step's values are (client/<name>, every process)
+        client = args[1].client_id if name == "on_client_end" else args[1]
+        router = self._worker_trainer().router
+        owner, router.owner = router.owner, client
+        try:
+            with routed_logging(self, router.log, router.log_dict):
+                return call_federated_hook(self.trainer, self, name, *args)
+        finally:
+            router.owner = owner
 
     def _federated_hook_users(self, name: str) -> bool:
         """Whether a callback defines the federated hook ``name`` itself (see :meth:`_federated_hook`)."""

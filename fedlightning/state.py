@@ -193,6 +193,11 @@ class RoundStatistics:
             self._values[key], self.ops[key] = value.clone(), op
             return
         cur = self._values[key]
+        if cur.shape != value.shape:  # a strategy's statistic must have one shape for every client (and process)
+            raise ValueError(
+                f"round statistic {key!r}: a client adds a value of shape {tuple(value.shape)} to one of shape "
+                f"{tuple(cur.shape)}; every client must add the same shape"
+            )
         if op == "sum":
             if cur.dtype == value.dtype and cur.shape == value.shape and cur.device == value.device:
                 cur.add_(value)
@@ -366,9 +371,9 @@ class ClientStateStore:
     """Persistent per-client state (optimizer step sizes, DecSPS counters, SCAFFOLD control variates, ...).
 
     A plain ``dict`` keyed by ``(namespace, client_id)``: clients that never participated cost nothing.
-    Values are dicts of tensors / Python scalars. The store is saved in, and restored from, the
-    FederatedLoop's checkpoint. Tensors are kept on the device they were stored from; ``state_dict`` moves them
-    to CPU so checkpoints are device independent. Readers must ``.to(device)`` tensors they get back: with
+    Values are dicts of tensors / Python scalars (and lists or tuples of them). The store is saved in, and restored
+    from, the FederatedLoop's checkpoint. Tensors are kept on the device they were stored from; ``state_dict`` moves
+    them to CPU so checkpoints are device independent. Readers must ``.to(device)`` tensors they get back: with
     several processes, the entries written by the other processes arrive on the CPU (every process keeps the
     whole store after each round, so any process can train any client and rank 0's checkpoint is complete).
     """
@@ -426,6 +431,8 @@ class ClientStateStore:
                 return v.detach().cpu().clone()
             if isinstance(v, dict):
                 return {k: cpu(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):  # e.g. one tensor per parameter
+                return type(v)(cpu(x) for x in v)
             return v
 
         return {ns: {cid: cpu(val) for cid, val in d.items()} for ns, d in self._data.items()}

@@ -401,3 +401,79 @@ def test_auto_measurement_leaves_attributes_it_cannot_copy_as_they_are():
     kept = hook.scaled
     loop, _ = _fit([FedAvg(), hook], mode="auto")
     assert hook.scaled is kept and loop.trainer.global_step == 2
+
+
+class _NoSuper(ServerStrategy):
+    """A strategy whose ``__init__`` forgets ``super().__init__()``."""
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+    def server_update(self, loop, stats, plan):
+        return ServerStep(self.scale * self.mean_delta(stats))
+
+
+def test_a_strategy_that_does_not_call_super_init_runs_with_the_base_defaults():
+    """It gets FedAvg's server_lr and weighting (it once failed inside pl.Trainer(...), whose debug message reprs
+    the callbacks, with an AttributeError from ServerStrategy.__repr__)."""
+    assert repr(_NoSuper()) == "_NoSuper(server_lr=1.0, weighting='samples')"
+    mine, _ = _fit([_NoSuper()])
+    fedavg, _ = _fit([FedAvg()])
+    torch.testing.assert_close(_flat(mine.model), _flat(fedavg.model), rtol=0, atol=0)
+
+
+class _RaggedStatistic(ServerStrategy):
+    """Adds a statistic whose length depends on the client (an author's slip)."""
+
+    def accumulate(self, stats, update):
+        stats.add("head", update.delta[: 3 + update.client_id])
+
+
+def test_a_statistic_of_another_shape_per_client_is_refused_naming_it():
+    """Shapes that do not match once failed in torch's addition naming nothing, and shapes that broadcast were
+    summed silently."""
+    with pytest.raises(ValueError, match=r"round statistic 'head': a client adds a value of shape \(\d+,\) to one of "):
+        _fit([_RaggedStatistic()], rounds=1)
+
+
+def test_the_client_state_store_saves_copies_of_tensors_in_lists():
+    """A list of tensors (one per parameter, as a per-parameter optimizer state) is saved as copies on the CPU, as a
+    tensor or a dict of tensors is: the saved values do not move with the live ones."""
+    from fedlightning.state import ClientStateStore
+
+    store = ClientStateStore()
+    live = [torch.zeros(2), torch.ones(3)]
+    store.set("adagrad", 4, {"sums": live, "pair": (torch.zeros(1), 2.0)})
+    saved = store.state_dict()
+    live[0].add_(5.0)
+    assert saved["adagrad"][4]["sums"][0].tolist() == [0.0, 0.0] and saved["adagrad"][4]["pair"][1] == 2.0
+    assert isinstance(saved["adagrad"][4]["pair"], tuple)
+
+
+class _LogsPerClient(FederatedCallback):
+    def __init__(self):
+        self.values = collections.defaultdict(list)  # round -> the logged values
+
+    def on_client_end(self, trainer, pl_module, plan, update):
+        value = float(update.delta.norm())
+        self.values[plan.round].append(value)
+        pl_module.log("delta_norm", value)
+        pl_module.log("delta_norm_max", value, reduce_fx="max")
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_pl_module_log_in_a_per_client_hook_is_reduced_over_the_rounds_clients(mode):
+    """One value per client, reduced over the round as training_step's values are (client/<name>); it was the last
+    client's value (the last one of each process with several)."""
+    hook, seen = _LogsPerClient(), []
+
+    class Seen(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("client/delta")})
+
+    _fit([FedAvg(), hook, Seen()], mode=mode, rounds=2)
+    for r, logged in enumerate(seen):
+        values = hook.values[r]
+        assert len(values) == 3
+        assert logged["client/delta_norm"] == pytest.approx(sum(values) / 3, rel=2**-22)  # logged in float32
+        assert logged["client/delta_norm_max"] == pytest.approx(max(values), rel=2**-23)

@@ -65,6 +65,10 @@ def test_two_processes_equal_one(one_and_two, setup):
     assert_close64(two["weights"], one["weights"])
     # rank 0 holds the per-client state of every client, including those trained by rank 1
     assert two["store_clients"] == one["store_clients"]
+    if setup == "fedavg":  # pl_module.log in on_client_end: one value per client, reduced over both processes
+        for a, b in zip(two["round_metrics"], one["round_metrics"], strict=True):
+            assert a["client/hook_norm"] == pytest.approx(b["client/hook_norm"], rel=rtol32(3))
+            assert a["client/hook_samples"] == b["client/hook_samples"]
     if setup == "fedavg":  # every process evaluates the whole split: the global model's metrics of one process
         assert one["evaluated"].keys() == {"validate", "test"} and one["evaluated"]["validate"][0]
         for stage in ("validate", "test"):

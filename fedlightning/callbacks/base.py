@@ -103,7 +103,11 @@ FEDERATED_HOOKS = ("on_round_start", "configure_client_optimizer", "client_objec
 _LEGACY_SIGNATURES = {"client_objective": "(loop, plan, client_id)", "on_client_end": "(loop, plan, update)"}
 _legacy_cache: dict[tuple[type, str], bool] = {}
 
-allow_logging_from(FEDERATED_HOOKS)  # ``pl_module.log`` inside a federated hook logs as in ``training_step``
+# ``pl_module.log`` inside a federated hook: in the round hooks (on every process) it logs as in the loop's own
+# ``training_step``; in the per-client hooks (``configure_client_optimizer``, ``client_objective``, ``on_client_end``:
+# on the process that trains the client) it logs one value per client, reduced over the round's clients of every
+# process as the module's ``training_step`` values are (``client/<name>``, its ``reduce_fx``; FederatedLoop)
+allow_logging_from(FEDERATED_HOOKS)
 
 
 def _uses_legacy_signature(callback: Any, name: str, method: Any, num_args: int) -> bool:
@@ -244,6 +248,11 @@ class ServerStrategy(FederatedCallback):
             2017); ``"uniform"`` gives every participating client the same weight (seeds 000, 001 and 004 average
             uniformly).
     """
+
+    #: the defaults of ``__init__`` at class level: a subclass whose ``__init__`` does not call ``super().__init__()``
+    #: gets them (FedAvg's), as it gets the base class's methods
+    server_lr: float = 1.0
+    weighting: str = "samples"
 
     def __init__(self, server_lr: float = 1.0, weighting: str = "samples"):
         self.server_lr = positive("server_lr", server_lr)

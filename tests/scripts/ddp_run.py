@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning.pytorch as pl  # noqa: E402
 
 from fedlightning import FederatedLoop  # noqa: E402
+from fedlightning.callbacks import FederatedCallback  # noqa: E402
 from fedlightning.datamodules import ArrayDataset, DigitsDataModule, Dirichlet  # noqa: E402
 from fedlightning.models import MLP  # noqa: E402
 
@@ -82,6 +83,15 @@ class RoundMetrics(pl.Callback):
         self.rounds.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(kept)})
 
 
+class HookLog(FederatedCallback):
+    """Logs each client's update norm from ``on_client_end``, which runs on the process that trained the client
+    (``sync_dist=True``: with 5 clients over 2 processes the ranks call the hook 3 and 2 times)."""
+
+    def on_client_end(self, trainer, pl_module, plan, update):
+        pl_module.log("hook_norm", float(update.delta.norm()), sync_dist=True)
+        pl_module.log("hook_samples", float(update.num_samples), reduce_fx="sum")
+
+
 class NaNOnRows(MLP):
     """Every loss of a batch that holds one of the rows ``bad`` is NaN (the rows of faulty clients)."""
 
@@ -113,7 +123,7 @@ def build(setup: str):
     if setup == "fedavg":
         from fedlightning.callbacks import FedAvg
 
-        callbacks = [FedAvg()]
+        callbacks = [FedAvg(), HookLog()]
     elif setup == "fedexp_sls":
         from fedlightning.callbacks import FedExP
         from fedlightning.optim import SgdArmijo
