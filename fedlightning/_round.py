@@ -568,6 +568,11 @@ def server_step(
             p.grad = None  # optimizers skip parameters without a gradient: no state change
         opt.step()
         return metrics, None
+    if float(stats["weight"].item()) == 0.0:
+        raise ValueError(
+            f"round {plan.round}: {type(strategy).__name__}.client_weight gave each of the round's {int(n_clients)} "
+            "healthy client(s) weight 0, so their weighted mean is not defined; give some client a positive weight"
+        )
     strategy_state = _StrategyState(strategy)
     try:
         pseudo_grad, lr, extra = _step_and_check(pl_module, strategy, opt, params, stats, plan)
@@ -676,6 +681,11 @@ def _server_update(
     expected = sum(p.numel() for p in params)
     if not isinstance(pseudo_grad, Tensor):
         raise TypeError(f"{where} returned a pseudo-gradient of type {type(pseudo_grad).__name__}, not a tensor")
+    if not (pseudo_grad.is_floating_point() or pseudo_grad.is_complex()):
+        raise TypeError(
+            f"{where} returned a pseudo-gradient of dtype {pseudo_grad.dtype}; it must be a floating-point tensor "
+            "(the global parameters' dtype: an integer one would truncate the step)"
+        )
     if pseudo_grad.dim() != 1 or pseudo_grad.numel() != expected:
         raise ValueError(
             f"{where} returned a pseudo-gradient of shape {tuple(pseudo_grad.shape)}; it must be flat, one entry per "
@@ -688,6 +698,10 @@ def _server_update(
         if lr.numel() != 1:
             raise ValueError(f"{where} returned a server learning rate of shape {tuple(lr.shape)}, not one number")
         lr = float(lr.item())
+    if lr is not None and lr < 0:  # (a NaN or infinite one is refused with the step's result)
+        raise ValueError(
+            f"{where} returned the server learning rate {lr!r}; it must be >= 0 (or None: the server optimizer's own)"
+        )
     if extra is None:
         extra = {}
     if not isinstance(extra, dict):

@@ -211,12 +211,17 @@ class RoundStatistics:
         self._values[key] = torch.tensor(value, dtype=torch.float64, device=device)
 
     def add(self, key: str, value: Tensor | float, device=None) -> None:
+        """Add ``value`` into the statistic ``key``, summed over the round's clients and then over every process
+        (one ``all_reduce``). A tensor keeps its dtype and must have the same shape for every client; a Python
+        number is summed in float64 and becomes a float64 tensor on ``device`` (the updates' device, where the
+        cross-process reduction runs) when read."""
         if isinstance(value, Tensor):
             self._tensor(key, value, "sum")
         else:
             self._scalar(key, value, device, "sum")
 
     def maximum(self, key: str, value: Tensor | float, device=None) -> None:
+        """As :meth:`add`, reduced by maximum (elementwise for a tensor) instead of sum."""
         if isinstance(value, Tensor):
             self._tensor(key, value, "max")
         else:

@@ -140,6 +140,9 @@ class _Returns(ServerStrategy):
         (lambda s, st: None, TypeError, r"returned NoneType"),
         (lambda s, st: ServerStep(s.mean_delta(st), "big"), TypeError, r"server learning rate 'big'"),
         (lambda s, st: ServerStep(s.mean_delta(st), None, {"server/x": "hi"}), TypeError, r"metric 'server/x' = 'hi'"),
+        (lambda s, st: ServerStep(s.mean_delta(st).round().long()), TypeError,
+         r"pseudo-gradient of dtype torch.int64; it must be a floating-point tensor"),
+        (lambda s, st: ServerStep(s.mean_delta(st), -0.5), ValueError, r"server learning rate -0.5; it must be >= 0"),
     ],
 )  # fmt: skip
 def test_server_update_result_is_checked_and_names_the_strategy(make, error, match):
@@ -477,3 +480,14 @@ def test_pl_module_log_in_a_per_client_hook_is_reduced_over_the_rounds_clients(m
         assert len(values) == 3
         assert logged["client/delta_norm"] == pytest.approx(sum(values) / 3, rel=2**-22)  # logged in float32
         assert logged["client/delta_norm_max"] == pytest.approx(max(values), rel=2**-23)
+
+
+class _ZeroWeights(ServerStrategy):
+    def client_weight(self, update):
+        return 0.0
+
+
+def test_every_client_at_weight_zero_is_refused_naming_client_weight():
+    """It ended in a message about a non-finite Δ (the mean 0/0)."""
+    with pytest.raises(ValueError, match=r"round 0: _ZeroWeights.client_weight gave each of the round's 3 healthy"):
+        _fit([_ZeroWeights()], rounds=1)

@@ -260,10 +260,16 @@ class ServerStrategy(FederatedCallback):
 
     # -------------------------------------------------------------- server optimizer
     def configure_server_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The server optimizer over the global model's trainable parameters (``params``, fixed for the fit); the
+        loop writes each round's pseudo-gradient into their ``.grad`` and steps it, and Lightning checkpoints its
+        state. Default: ``SGD(lr=server_lr)``, i.e. ``w ← w − η_g Δ``."""
         return torch.optim.SGD(params, lr=self.server_lr)
 
     # -------------------------------------------------------------- aggregation
     def client_weight(self, update: ClientUpdate) -> float:
+        """The weight ``w_i ≥ 0`` of a healthy client's update in the round's core sums (``Σ w_i Δ_i``, ``Σ w_i``,
+        the buffers' average). Default: ``n_i`` (``weighting="samples"``) or 1 (``"uniform"``). A non-finite weight
+        leaves the client out with a warning; every client at weight 0 stops the round, naming this method."""
         return float(update.num_samples) if self.weighting == "samples" else 1.0
 
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
@@ -274,6 +280,9 @@ class ServerStrategy(FederatedCallback):
         :meth:`client_weight`). Calling ``super().accumulate`` is harmless and not required."""
 
     def mean_delta(self, stats: RoundStatistics) -> Tensor:
+        """``Σ w_i Δ_i / Σ w_i`` over the round's healthy clients of every process: the flat weighted mean update in
+        the dtype of the updates (the global parameters'), laid out as the pseudo-gradient ``server_update`` returns
+        (one entry per entry of the trainable parameters, in ``model.parameters()`` order)."""
         return stats["delta"] / stats["weight"].to(stats["delta"].dtype)
 
     def server_update(
