@@ -726,7 +726,19 @@ class FederatedLoop(pl.LightningModule):
         if w is None or w.params[0].device != self.device:
             # do not deep-copy the Trainer (nor the loop through the log router)
             with detached_trainer(self.model) as trainer_ref, routed_logging(self.model, None, None):
-                work = copy.deepcopy(self.model)
+                try:
+                    work = copy.deepcopy(self.model)
+                except Exception as err:  # the clients train a deep copy of the model: say so, with torch's reason
+                    raise RuntimeError(
+                        f"the clients train a working copy of {type(self.model).__name__} made with copy.deepcopy, "
+                        f"which fails: {type(err).__name__}: {err}"
+                        + (
+                            " (torch.nn.utils.weight_norm cannot be deep-copied: use "
+                            "torch.nn.utils.parametrizations.weight_norm, its replacement)"
+                            if "weight_norm" in str(err)
+                            else ""
+                        )
+                    ) from err
             work.to(self.device)
             make_client_copy(work, trainer_ref)
             router = _LogRouter(self, "capture")

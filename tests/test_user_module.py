@@ -1488,3 +1488,21 @@ def test_complex_parameters_train_under_fedprox_and_their_update_norms_count_the
         )
     logged = float(trainer.callback_metrics["server/mean_client_delta_sq_norm"])  # Lightning keeps it in float32
     assert logged == pytest.approx(sum(sq) / len(sq), rel=2**-22)
+
+
+def test_a_model_that_cannot_be_deep_copied_is_named_with_the_replacement_of_the_old_weight_norm():
+    """torch.nn.utils.weight_norm (hook-based, deprecated) cannot be deep-copied; the error names the working copy
+    the clients train and the parametrization that replaces it (it was torch's deepcopy error alone)."""
+
+    class OldWeightNorm(Staged):
+        def __init__(self):
+            super().__init__(thaw_in_hook=False)
+            self.head = torch.nn.utils.weight_norm(nn.Linear(8, 10))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of weight_norm
+        model = OldWeightNorm()
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=2)
+    with pytest.raises(RuntimeError, match=r"working copy of OldWeightNorm made with copy\.deepcopy.*"
+                       r"use torch\.nn\.utils\.parametrizations\.weight_norm"):  # fmt: skip
+        make_trainer(1).fit(loop, datamodule=_dm())
