@@ -633,7 +633,8 @@ class LocalTrainer:
         float_buffer_mask: Sequence[bool] | None,
     ) -> ClientUpdate:
         """The :class:`ClientUpdate` of the client whose steps ``tally`` counted: its delta from the global weights,
-        losses, counts, float buffers (``float_buffer_mask``) and failure (a non-finite loss or update)."""
+        losses, counts, averaged buffers (``float_buffer_mask``: float, integer and bool ones) and failure (a
+        non-finite loss or update)."""
         delta = global_flat - flat_params(self.params).to(global_flat.dtype)
         if tally.losses:
             loss_vec = torch.stack(tally.losses)

@@ -142,7 +142,7 @@ class _Runtime:
     #: ``(callbacks' ids, hooks)``: the federated hooks some callback defines itself this round
     #: (:meth:`FederatedLoop._federated_hook`)
     hooks_in_use: tuple[tuple[int, ...], frozenset[str]] | None = None
-    #: ``(round, params, buffers, float-buffer mask)`` of the global model (:meth:`FederatedLoop._round_tensors`)
+    #: ``(round, params, buffers, averaged-buffer mask)`` of the global model (:meth:`FederatedLoop._round_tensors`)
     round_tensors: tuple[int, list[Tensor], list[Tensor], list[bool]] | None = None
     #: ``(round, lr)``: the first parameter group's learning rate of the last client optimizer built
     #: (:meth:`FederatedLoop.prepare_client`), logged as ``client/lr``; lr None when that group has no ``lr``
@@ -943,7 +943,7 @@ class FederatedLoop(pl.LightningModule):
             yield
 
     def _round_tensors(self, round: int):
-        """The global model's trainable parameters, buffers and float-buffer mask, listed once per round (walking
+        """The global model's trainable parameters, buffers and averaged-buffer mask, listed once per round (walking
         a LightningModule's module tree costs ~0.1 ms, which adds up over a round's clients); listed at every call
         in reference mode."""
         cached = self._runtime.round_tensors

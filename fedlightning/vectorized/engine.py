@@ -66,7 +66,7 @@ class VectorizedClientTrainer:
       ``on_client_error`` policy treats it as it treats that client. Any other exception raised inside the
       batched computation concerns all clients together and is raised, not turned into per-client failures.
     * **Running statistics and metrics.** BatchNorm layers keep one row of running statistics per client, moved
-      by the client's gradient evaluations only, and every client reports its own float buffers in its update, as
+      by the client's gradient evaluations only, and every client reports its own buffers in its update, as
       sequential training does (:mod:`fedlightning.vectorized.norms`). torchmetrics calls made in
       ``training_step`` at gradient evaluations are replayed after the last step, client after client
       (:mod:`fedlightning.vectorized.metrics`).
@@ -489,7 +489,7 @@ class VectorizedClientTrainer:
         rows = delta.unbind(0)
         buffers = None
         if float_buffer_mask is not None and any(float_buffer_mask):
-            # every client's float buffers, as LocalTrainer.run reports them: its running statistics, and the
+            # every client's averaged buffers, as LocalTrainer.run reports them: its running statistics, and the
             # global value of buffers that client training does not change
             norms = self.call.norms
             if norms.stats:

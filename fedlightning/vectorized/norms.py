@@ -125,7 +125,7 @@ class _NormLayers:
                 self.stats[i] = torch.where(keep, t.detach(), old)
 
     def client_buffers(self, global_buffers: Sequence[Tensor], float_mask: Sequence[bool], num_clients: int) -> Tensor:
-        """``[C, B]``: every client's float buffers flattened and concatenated in ``model.buffers()`` order, as
+        """``[C, B]``: every client's averaged buffers flattened and concatenated in ``model.buffers()`` order, as
         ``LocalTrainer.run`` reports them (its running statistics; the global value of other buffers)."""
         own = {i: s for i, s in zip(self.buffer_index, self.stats) if i >= 0}
         dtype = buffer_report_dtype([b for b, is_float in zip(global_buffers, float_mask) if is_float])
