@@ -55,7 +55,9 @@ class RoundPlan:
         client_lr_scale: multiplier applied to the client optimizer's learning rate this round (η-decay schedules).
         extras: free-form per-round information for callbacks (e.g. FedDANE's gradient-phase clients).
         client_steps: each sampled client's own number of local steps, or None when every client runs
-            ``local_steps`` (``FederatedLoop(local_epochs=E)`` sets it: ``⌈E · batches per epoch⌉`` per client).
+            ``local_steps`` (``FederatedLoop(local_epochs=E)`` sets it: ``⌈E · batches per epoch⌉`` per client). An
+            ``on_round_start`` hook may set it in any run (FedNova-style heterogeneous steps), one count ``>= 1``
+            per sampled client, with ``local_steps`` their largest.
     """
 
     round: int
