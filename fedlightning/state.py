@@ -57,7 +57,7 @@ class RoundPlan:
         client_steps: each sampled client's own number of local steps, or None when every client runs
             ``local_steps`` (``FederatedLoop(local_epochs=E)`` sets it: ``⌈E · batches per epoch⌉`` per client). An
             ``on_round_start`` hook may set it in any run (FedNova-style heterogeneous steps), one count ``>= 1``
-            per sampled client, with ``local_steps`` their largest.
+            per sampled client (the loop then sets ``local_steps`` to their largest).
     """
 
     round: int
