@@ -157,8 +157,7 @@ class _Runtime:
     #: ``(client, torchmetrics states before it trained)`` of the last sequential client
     #: (:meth:`FederatedLoop.train_client`), put back when the round leaves that client out
     metrics_before: tuple[int, list] | None = None
-    #: the global model's trainable parameters when the server optimizer was built (:meth:`FederatedLoop.
-    #: _check_trainable`)
+    #: the global model's trainable parameters at the fit's first round (:meth:`FederatedLoop._check_trainable`)
     trainable: list[torch.nn.Parameter] | None = None
 
 
@@ -714,9 +713,7 @@ class FederatedLoop(pl.LightningModule):
     def configure_optimizers(self):
         if self.strategy is None:
             raise RuntimeError("the server strategy is resolved in setup(); fit the loop with a Trainer")
-        params = self._global_params()
-        self._runtime.trainable = params
-        return self.strategy.configure_server_optimizer(params)
+        return self.strategy.configure_server_optimizer(self._global_params())
 
     def _global_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -1080,11 +1077,16 @@ class FederatedLoop(pl.LightningModule):
         """Refuse a change of ``requires_grad`` during fit, in the global model (a callback unfreezing a layer) or in
         the client working copy (the module's own ``on_train_epoch_start``), naming the parameters.
 
-        Decision (ours): the trainable parameters are fixed when fit starts: the server optimizer (and its state:
-        FedAdam's moments), every client's update and the vectorized engine's layout cover exactly them, so a layer
-        unfrozen later would be trained by no one (its clients' work dropped) or break the round's sums. To unfreeze
-        in stages, run one fit per stage, each starting from the previous one's weights."""
+        Decision (ours): the trainable parameters are fixed at the fit's first round (after ``on_fit_start`` and
+        ``on_train_start``, where a module may still freeze a layer): every client's update and the vectorized
+        engine's layout cover exactly them, and so must the server optimizer (and its state: FedAdam's moments),
+        built before those hooks, so a layer unfrozen later would be trained by no one (its clients' work dropped)
+        or break the round's sums. To unfreeze in stages, run one fit per stage, each starting from the previous
+        one's weights (the same loop may fit again: its working copy is rebuilt)."""
         fixed = self._runtime.trainable
+        if fixed is None:  # the fit's first round
+            self._fix_trainable(plan, gparams)
+            fixed = self._runtime.trainable
         frozen_now = [p for p in worker.params if not p.requires_grad] if worker is not None else []
         thawed = [p for p in worker.frozen if p.requires_grad] if worker is not None else []
         same_global = fixed is None or (len(gparams) == len(fixed) and all(a is b for a, b in zip(gparams, fixed)))
@@ -1106,6 +1108,33 @@ class FederatedLoop(pl.LightningModule):
             "optimizer and every client's update cover exactly them): set requires_grad before trainer.fit, and to "
             "unfreeze in stages run one fit per stage, each from the previous one's weights"
         )
+
+    def _fix_trainable(self, plan: RoundPlan, gparams: list[Tensor]) -> None:
+        """At the fit's first round: the trainable parameters from now on (:meth:`_check_trainable`). Refuses one the
+        server optimizer does not hold (made trainable after ``configure_optimizers``: the server step would never
+        move it); drops a working copy (and the executor's engine) that an earlier fit of this loop built with
+        other trainable parameters."""
+        held = {id(p) for opt in self.trainer.optimizers for g in opt.param_groups for p in g["params"]}
+        if held:
+            outside = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in held]
+            if outside:
+                raise ValueError(
+                    f"round {plan.round}: {', '.join(outside[:5])}{' ...' if len(outside) > 5 else ''} became "
+                    "trainable after the server optimizer was built (configure_optimizers, before on_fit_start and "
+                    "on_train_start), so the server step would never move them: set requires_grad=True before "
+                    "trainer.fit (in __init__, setup or configure_model)"
+                )
+        worker = self._runtime.worker
+        if worker is not None:
+            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+            if [n for n, p in worker.model.named_parameters() if p.requires_grad] != names:
+                self._runtime.worker = None
+                if self._runtime.module_optimizer is not None:
+                    self._runtime.module_optimizer.forget_copies()
+                self._runtime.reusable_client_opt = None
+                self._runtime.reusable_group_opts = {}
+                self._executor = make_executor(self._client_execution)
+        self._runtime.trainable = list(gparams)
 
     def _close_clients(self, plan: RoundPlan, tally: RoundTally) -> RoundStatistics:
         """The round's statistics summed over all processes; then the failure policy's stops (identical on every
@@ -1232,6 +1261,7 @@ class FederatedLoop(pl.LightningModule):
         resumed = trainer is not None and trainer.ckpt_path is not None
         if self._init_weights_missing and not resumed:
             raise CheckpointError(self.init_weights, "file not found (model.init_weights)")
+        self._runtime.trainable = None  # fixed again at this fit's first round (_check_trainable)
         self.model.on_fit_start()
 
     def apply_server_settings_on_resume(self) -> None:

@@ -267,11 +267,19 @@ class ModuleOptimizer:
         """Make ``model`` (a copy of the global model: the client working copy) buildable by :meth:`__call__`."""
         self._modules = [m for m in self._modules if m[1] is not model] + [(self._first_param(model), model)]
 
+    def forget_copies(self) -> None:
+        """Forget the registered working copies and key the global model by its first trainable parameter now (a
+        new fit whose trainable parameters differ: the loop builds and registers a new working copy)."""
+        model = self._modules[0][1]
+        self._modules = [(self._first_param(model), model)]
+
     # ------------------------------------------------------------------ the factory
     def __call__(self, params: Sequence[Tensor]) -> torch.optim.Optimizer:
         params = list(params)
         first = params[0] if params else None
         model = next((m for p, m in self._modules if p is first), None)
+        if model is None and first is not None and first is self._first_param(self._modules[0][1]):
+            model = self._modules[0][1]  # the global model, whose first trainable parameter changed between fits
         if model is None:
             raise ValueError(
                 f"the client optimizer comes from {self.model_name}.configure_optimizers() and can only be built for "

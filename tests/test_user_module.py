@@ -1506,3 +1506,46 @@ def test_a_model_that_cannot_be_deep_copied_is_named_with_the_replacement_of_the
     with pytest.raises(RuntimeError, match=r"working copy of OldWeightNorm made with copy\.deepcopy.*"
                        r"use torch\.nn\.utils\.parametrizations\.weight_norm"):  # fmt: skip
         make_trainer(1).fit(loop, datamodule=_dm())
+
+
+class FitStartToggle(pl.Callback):
+    """Sets ``requires_grad`` of the global model's ``layer`` in ``on_fit_start`` (after configure_optimizers)."""
+
+    def __init__(self, layer: str, value: bool):
+        self.layer, self.value = layer, value
+
+    def on_fit_start(self, trainer, pl_module):
+        getattr(pl_module.model, self.layer).requires_grad_(self.value)
+
+
+def test_a_layer_frozen_in_on_fit_start_stays_frozen_and_one_thawed_there_is_refused():
+    """The trainable parameters are fixed at the first round: a layer frozen in on_fit_start (after Lightning built
+    the server optimizer) is not trained, as in plain Lightning; one thawed there is refused by name, since the
+    server optimizer built before it does not hold it (its clients' work was dropped without a word)."""
+    torch.manual_seed(0)
+    model = Staged(thaw_in_hook=False)
+    model.body.requires_grad_(True)
+    body, head = model.body.weight.detach().clone(), model.head.weight.detach().clone()
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=2)
+    make_trainer(2, callbacks=[FitStartToggle("body", False)]).fit(loop, datamodule=_dm())
+    assert torch.equal(model.body.weight, body) and not torch.equal(model.head.weight, head)
+
+    model = Staged(thaw_in_hook=False)  # its body frozen in __init__
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=2)
+    with pytest.raises(ValueError, match=r"round 0: body\.weight, body\.bias became trainable after the server opt"):
+        make_trainer(2, callbacks=[FitStartToggle("body", True)]).fit(loop, datamodule=_dm())
+
+
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+def test_unfreezing_in_stages_one_fit_per_stage_with_the_same_loop(execution):
+    """Stage 1 trains the head; the body is thawed between the fits; stage 2 (the same loop, a new Trainer) trains
+    both: its working copy is rebuilt with the new trainable parameters (it kept the first fit's and stopped)."""
+    torch.manual_seed(0)
+    model = Staged(thaw_in_hook=False)
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=2, client_execution=execution)
+    make_trainer(2).fit(loop, datamodule=_dm())
+    body = model.body.weight.detach().clone()
+    model.body.requires_grad_(True)
+    make_trainer(2).fit(loop, datamodule=_dm())
+    assert not torch.equal(model.body.weight, body)
+    assert all(p.requires_grad for p in loop.client_worker.params) and len(loop.client_worker.params) == 4
