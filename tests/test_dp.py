@@ -263,7 +263,7 @@ def test_a_client_twice_in_a_round_is_refused():
 
 def test_float_buffers_and_default_count_noise_refused_at_fit_start():
     dp = DPFedAvg(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5, population_size=100)
-    with pytest.raises(ValueError, match="the model has buffers"):
+    with pytest.raises(ValueError, match="the model has float buffers"):
         dp.on_fit_start(None, SimpleNamespace(model=torch.nn.BatchNorm1d(3), clients_per_round=4))
     # adaptive clipping with the default σ_b = 0.05 · 4 = 0.2: z = 1 ≥ 2σ_b, refused before round 0
     with pytest.raises(ValueError, match="clipped_count_stddev"):
@@ -370,3 +370,35 @@ def test_rdp_epsilon_is_the_accountants_epsilon_for_any_history(history, delta):
     expected = accountant.get_epsilon(delta)
     assert rdp_epsilon(history, delta) == expected
     assert rdp_epsilon(history, delta) == expected  # cached
+
+
+class _Counted(MLP):
+    """Position ids as a constant integer buffer (as Hugging Face models register them) and, with ``counts``, a
+    step counter that training_step advances."""
+
+    def __init__(self, counts: bool):
+        super().__init__(input_dim=64, hidden=[16])
+        self.counts = counts
+        self.register_buffer("position_ids", torch.arange(64).expand(1, -1))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def training_step(self, batch, batch_idx):
+        if self.counts:
+            self.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("counts", [False, True])
+def test_integer_buffers_are_allowed_while_no_client_changes_them(counts):
+    """A constant integer buffer averages to itself and reveals nothing: the run trains as without it; a counter
+    that clients advance would be averaged without noise, and stops the run naming it."""
+    pl.seed_everything(0, verbose=False)
+    loop = FederatedLoop(_Counted(counts), local_steps=3, clients_per_round=4, seed=2)
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    trainer = make_trainer(2, callbacks=[DPFedAvg(clip_norm=1.0, noise_multiplier=1.0, delta=1e-3)])
+    if counts:
+        with pytest.raises(ValueError, match=r"DPFedAvg: client \d+'s training changed the buffer 'steps'"):
+            trainer.fit(loop, datamodule=dm)
+    else:
+        trainer.fit(loop, datamodule=dm)
+        assert loop.global_step == 2 and torch.equal(loop.model.position_ids, torch.arange(64).expand(1, -1))

@@ -122,9 +122,10 @@ class DPFedAvg(ServerStrategy):
       sampled client failed. Use ``on_client_failure="skip"`` and keep failures rare.
     * **A client twice in a round** (a plan whose ``client_ids`` repeat one) is refused before training and again
       before the server step: that client's contribution would be bounded by ``2C``, not ``C``.
-    * **Models with buffers** (BatchNorm running statistics and ``num_batches_tracked``, a counter) are refused at
-      fit start: the loop averages buffers without clipping or noise. Use GroupNorm / LayerNorm, or
-      ``track_running_stats=False``.
+    * **Models with float buffers** (BatchNorm running statistics) are refused at fit start: the loop averages
+      buffers without clipping or noise. Use GroupNorm / LayerNorm, or ``track_running_stats=False``. Integer and
+      bool buffers (position ids, masks) are allowed while client training leaves them as they are; a client that
+      changes one (a counter) stops the run, naming it.
     * **Noise** comes from a ``torch.Generator`` on the sum's device seeded with ``derive_seed(loop.seed,
       "dp-noise", round)`` and is drawn in the sum's dtype (``torch.randn``), so a run is reproducible, resumes bit
       for bit, and every DDP process adds the same noise to the same all-reduced sum. These are pseudo-random
@@ -273,14 +274,21 @@ class DPFedAvg(ServerStrategy):
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer, pl_module) -> None:
         model = getattr(pl_module, "model", pl_module)
-        buffers = [name for name, b in model.named_buffers() if is_averaged_buffer(b)]
+        buffers = [name for name, b in model.named_buffers() if b.is_floating_point()]
         if buffers:
             raise ValueError(
-                f"DPFedAvg: the model has buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}"
+                f"DPFedAvg: the model has float buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}"
                 "), e.g. BatchNorm running statistics, which the loop averages over clients without clipping or "
                 "noise, outside the privacy guarantee; use GroupNorm/LayerNorm or BatchNorm(track_running_stats="
                 "False)"
             )
+        # integer and bool buffers: the same unless client training leaves them as they are (position ids,
+        # constant masks), which accumulate checks; (name, offset in ClientUpdate.buffers, the global buffer)
+        self._fixed_buffers, offset = [], 0
+        for name, b in model.named_buffers():
+            if is_averaged_buffer(b):
+                self._fixed_buffers.append((name, offset, b))
+                offset += b.numel()
         population = self.population(pl_module)
         cohort = getattr(pl_module, "clients_per_round", None)
         if cohort is not None and cohort > population:
@@ -299,9 +307,23 @@ class DPFedAvg(ServerStrategy):
     def client_weight(self, update: ClientUpdate) -> float:
         return 1.0
 
+    def _check_fixed_buffers(self, update: ClientUpdate) -> None:
+        """Refuse a client whose training changed an integer or bool buffer (the loop would average it without
+        clipping or noise); one no client changes averages to its own value and reveals nothing."""
+        for name, offset, b in getattr(self, "_fixed_buffers", ()):
+            mine = update.buffers[offset : offset + b.numel()]
+            if not torch.equal(mine, b.detach().reshape(-1).to(mine.dtype)):
+                raise ValueError(
+                    f"DPFedAvg: client {update.client_id}'s training changed the buffer {name!r}, which the loop "
+                    "averages over clients without clipping or noise, outside the privacy guarantee; keep it "
+                    "constant, or keep such state out of the model's buffers"
+                )
+
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
         """``dp_clipped_sum``: ``Δ_i · min(1, C/‖Δ_i‖)`` (a zero norm or ``C = inf``: factor 1, the update
         unchanged); with adaptive clipping ``dp_unclipped_centered``: ``1[‖Δ_i‖ ≤ C] − ½``. No host read."""
+        if update.buffers is not None:
+            self._check_fixed_buffers(update)
         delta = update.delta
         norm = squared_norm64(delta).sqrt()
         clip = self.current_clip_norm
