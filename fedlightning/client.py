@@ -289,10 +289,20 @@ def _param_step_sums(
     """Each trainable parameter's sum of its group's learning rates (0 for one no group holds, which the optimizer
     does not move), when the groups' sums differ; None when every parameter took the same steps (``step_sizes``
     describes them all)."""
-    if sums is None or len(set(sums)) <= 1:
+    if sums is None:
         return None
     group_of = {id(p): i for i, group in enumerate(param_groups) for p in group["params"]}
-    return [sums[group_of[id(p)]] if id(p) in group_of else 0.0 for p in params]
+    per = [sums[group_of[id(p)]] if id(p) in group_of else 0.0 for p in params]
+    return None if len(set(per)) <= 1 else per  # a group of frozen parameters only does not count
+
+
+def _step_size_group(param_groups: list[dict], params: Sequence[Tensor]) -> int:
+    """The parameter group whose learning rate a step records as its step size: the first that holds a trainable
+    parameter (a first group of frozen parameters only moves nothing), as vectorized training records it."""
+    if len(param_groups) == 1:
+        return 0
+    ids = {id(p) for p in params}
+    return next((i for i, group in enumerate(param_groups) if any(id(p) in ids for p in group["params"])), 0)
 
 
 def _objective(plan: _StepPlan, batch: Any, step: int) -> Callable[[], Tensor]:
@@ -339,6 +349,7 @@ def _lean_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
     losses: list[Tensor] = []
     step_sizes: list[float] = []
     group_sums = _group_lr_sums(param_groups)
+    lr_group = param_groups[_step_size_group(param_groups, params)]
     steps_run = forwards = backwards = 0
     for k, batch in enumerate(batches):
         if convert is not None:
@@ -356,7 +367,7 @@ def _lean_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
         optimizer_step()
-        step_sizes.append(float(param_groups[0].get("lr", float("nan"))))
+        step_sizes.append(float(lr_group.get("lr", float("nan"))))
         if group_sums is not None:
             _add_group_lrs(group_sums, param_groups)
         backwards += 1
@@ -376,6 +387,7 @@ def _general_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
     losses: list[Tensor] = []
     step_sizes: list[float] = []
     group_sums = None if adaptive else _group_lr_sums(optimizer.param_groups)
+    lr_group = optimizer.param_groups[_step_size_group(optimizer.param_groups, params)]
     steps_run = forwards = backwards = backtracks = 0
     for k, batch in enumerate(batches):
         if convert is not None:  # Lightning: precision conversion, the transfer hooks, then on_train_batch_start
@@ -424,7 +436,7 @@ def _general_steps(plan: _StepPlan, batches: Iterable[Any]) -> _Tally:
                 if grad_clip is not None:
                     torch.nn.utils.clip_grad_norm_(params, grad_clip)
                 optimizer_step()
-                step_sizes.append(float(optimizer.param_groups[0].get("lr", float("nan"))))
+                step_sizes.append(float(lr_group.get("lr", float("nan"))))
                 if group_sums is not None:
                     _add_group_lrs(group_sums, optimizer.param_groups)
                 backwards += 1

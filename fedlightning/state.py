@@ -96,7 +96,7 @@ class ClientUpdate:
         first_loss: training loss of the first mini-batch at the global weights (seed 004's ``F_0`` statistic).
         mean_loss: mean of the per-step mini-batch losses (the papers' "training loss reported by a client").
         step_sizes: accepted step size of every local step (for SGD: the learning rate; of the first parameter
-            group when the client optimizer has several).
+            group that holds a trainable parameter when the client optimizer has several).
         param_step_size_sums: when the client optimizer's parameter groups took different learning rates, each
             trainable parameter's sum of its group's learning rates over the local steps (in ``delta``'s order of
             parameters; 0 for a parameter no group holds); None otherwise, where every parameter's sum is

@@ -468,3 +468,35 @@ def test_scaffold_keeps_the_control_variate_of_a_client_the_aggregation_checks_l
     mean_ci = sum(v["control"] for v in stored.values()) / 24
     c = scaffold.server_control
     assert float((c - mean_ci).norm()) <= 1e-12 * float(c.norm())
+
+
+@pytest.mark.numerics
+def test_a_first_parameter_group_of_frozen_parameters_does_not_set_the_step_size():
+    """Group 0 holds only a frozen weight (lr 0.01), group 1 the trainable bias (lr 0.2): a step's size is the
+    trainable group's learning rate in both modes (sequential recorded group 0's), so FedSPS-Normalized, which
+    normalizes by the step sizes, runs (it was refused) and gives the same weights in both modes."""
+    from fedlightning.callbacks import FederatedCallback
+
+    class Sizes(FederatedCallback):
+        def __init__(self):
+            self.sizes = []
+
+        def on_client_end(self, trainer, pl_module, plan, update):
+            self.sizes.append(list(update.step_sizes))
+
+    class FrozenFirst(LogisticRegression):
+        def configure_optimizers(self):
+            weight, bias = self.parameters()
+            return torch.optim.SGD([{"params": [weight], "lr": 0.01}, {"params": [bias], "lr": LR}])
+
+    runs = {}
+    for execution in ("sequential", "vectorized"):
+        torch.manual_seed(1)
+        model = to_float64(FrozenFirst(input_dim=64, num_classes=10))
+        next(model.parameters()).requires_grad_(False)
+        sizes = Sizes()
+        loop = FederatedLoop(model, local_steps=K, clients_per_round=CPR, seed=SEED, client_execution=execution)
+        make_trainer(2, callbacks=[FedSPSNormalized(), sizes]).fit(loop, datamodule=make_dm())
+        runs[execution] = (weights(loop), sizes.sizes)
+    assert runs["sequential"][1] == runs["vectorized"][1] == [[LR] * K] * (2 * CPR)
+    assert_close64(runs["vectorized"][0], runs["sequential"][0])
