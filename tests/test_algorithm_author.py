@@ -463,11 +463,16 @@ class _LogsPerClient(FederatedCallback):
         pl_module.log("delta_norm", value)
         pl_module.log("delta_norm_max", value, reduce_fx="max")
 
+    def client_objective(self, trainer, pl_module, plan, client_id):
+        pl_module.log("delta_objectives", 1.0, reduce_fx="sum")  # one per client and round
+        return []
 
-@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized", "auto"])
 def test_pl_module_log_in_a_per_client_hook_is_reduced_over_the_rounds_clients(mode):
     """One value per client, reduced over the round as training_step's values are (client/<name>); it was the last
-    client's value (the last one of each process with several)."""
+    client's value (the last one of each process with several). auto's measurement of the first round calls the
+    hooks for the clients it times too: what they log there is not counted."""
     hook, seen = _LogsPerClient(), []
 
     class Seen(pl.Callback):
@@ -480,6 +485,7 @@ def test_pl_module_log_in_a_per_client_hook_is_reduced_over_the_rounds_clients(m
         assert len(values) == 3
         assert logged["client/delta_norm"] == pytest.approx(sum(values) / 3, rel=2**-22)  # logged in float32
         assert logged["client/delta_norm_max"] == pytest.approx(max(values), rel=2**-23)
+        assert logged["client/delta_objectives"] == 3.0
 
 
 class _ZeroWeights(ServerStrategy):

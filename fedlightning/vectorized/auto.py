@@ -867,17 +867,20 @@ def _run(
     worker = loop.client_worker
     engine = _engine(loop, run)
     client_ids = [int(c) for c in client_ids]
-    # torch.optim optimizers are reset and reused across rounds, one per position in the group (``prepare_client``)
-    prepared = [loop.prepare_client(plan, cid, worker.params, reuse=True, slot=c) for c, cid in enumerate(client_ids)]
-    optimizers = [opt for opt, _ in prepared]
     gbuffers = list(loop.model.buffers())
     frozen = getattr(worker, "frozen", None)
     if frozen:  # the clients start from the global values of the parameters that do not train, as sequentially
         with torch.no_grad():
             worker.sync_frozen(loop.global_frozen_parameters())
     # a throw-away round logs and replays the metric calls as a real round does (their time counts), then undoes them;
-    # a real round that raises (out of memory: its group is retried smaller) undoes what it logged
+    # a real round that raises (out of memory: its group is retried smaller) undoes what it logged, the per-client
+    # hooks' values (``prepare_client``: configure_client_optimizer, client_objective) included
     with _throwaway_logs(worker) if throwaway else _undo_on_failure(worker):
+        # torch.optim optimizers are reset and reused across rounds, one per position in the group (prepare_client)
+        prepared = [
+            loop.prepare_client(plan, cid, worker.params, reuse=True, slot=c) for c, cid in enumerate(client_ids)
+        ]
+        optimizers = [opt for opt, _ in prepared]
         updates = engine.run(
             client_ids=client_ids,
             round=plan.round,
