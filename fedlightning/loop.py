@@ -1186,8 +1186,9 @@ class FederatedLoop(pl.LightningModule):
         taken = sorted(set(logged) & set(result.metrics))
         if taken:
             raise ValueError(
-                f"self.log({taken[0].removeprefix('client/')!r}) in the module's training is logged as {taken[0]!r}, "
-                f"which fedlightning logs itself (docs/configs.md); give the value another name"
+                f"self.log({taken[0].removeprefix('client/')!r}) during client training (the module's training_step "
+                f"or a callback's per-client hook) is logged as {taken[0]!r}, which fedlightning logs itself "
+                "(docs/configs.md); give the value another name"
             )
         result.metrics.update(logged)
         log_round(trainer, result.metrics, *router.shown_and_hidden())

@@ -438,6 +438,8 @@ class ClientStateStore:
                 return v.detach().cpu().clone()
             if isinstance(v, dict):
                 return {k: cpu(x) for k, x in v.items()}
+            if isinstance(v, tuple) and hasattr(v, "_fields"):  # a namedtuple
+                return type(v)(*(cpu(x) for x in v))
             if isinstance(v, (list, tuple)):  # e.g. one tensor per parameter
                 return type(v)(cpu(x) for x in v)
             return v

@@ -451,6 +451,9 @@ def test_the_client_state_store_saves_copies_of_tensors_in_lists():
     live[0].add_(5.0)
     assert saved["adagrad"][4]["sums"][0].tolist() == [0.0, 0.0] and saved["adagrad"][4]["pair"][1] == 2.0
     assert isinstance(saved["adagrad"][4]["pair"], tuple)
+    Pair = collections.namedtuple("Pair", "a b")
+    store.set("named", 1, {"pair": Pair(torch.ones(1), 3)})
+    assert store.state_dict()["named"][1]["pair"] == Pair(torch.ones(1), 3)
 
 
 class _LogsPerClient(FederatedCallback):

@@ -124,7 +124,11 @@ def _log_custom(module, loss):
     [
         (_log_vector, r"self.log\('vec', value\) in training_step: the value must be one number, got a tensor of "),
         (_log_string, r"self.log\('text', value\) in training_step: the value must be a number, .* got str"),
-        (_log_lr, r"self.log\('lr'\) in the module's training is logged as 'client/lr', which fedlightning logs"),
+        (
+            _log_lr,
+            r"self.log\('lr'\) during client training \(the module's training_step or a callback's per-client "
+            r"hook\) is logged as 'client/lr', which fedlightning logs",
+        ),
         (_log_twice, r"self.log\('twice', ...\) in training_step is called with different options"),
         (_log_custom, r"reduce_fx=<built-in method median .* reduced over the round's local steps"),
     ],

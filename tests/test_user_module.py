@@ -1549,3 +1549,33 @@ def test_unfreezing_in_stages_one_fit_per_stage_with_the_same_loop(execution):
     make_trainer(2).fit(loop, datamodule=_dm())
     assert not torch.equal(model.body.weight, body)
     assert all(p.requires_grad for p in loop.client_worker.params) and len(loop.client_worker.params) == 4
+
+
+class ComplexOnly(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.w = nn.Parameter(0.1 * torch.randn(64, 10, dtype=torch.complex128, generator=g))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy((x.to(torch.complex128) @ self.w).abs(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_model_of_complex_parameters_only_is_refused_vectorized_and_auto_trains_it_sequentially():
+    """It crashed in the engine's finiteness check (no max of complex values), auto included."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"trains real parameters; w is torch\.complex128"):
+        make_trainer(1).fit(FederatedLoop(ComplexOnly(), local_steps=2, clients_per_round=3, seed=2,
+                                          client_execution="vectorized"), datamodule=_dm64())  # fmt: skip
+    weights = {}
+    for mode in ("sequential", "auto"):
+        model = ComplexOnly()
+        loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=2, client_execution=mode)
+        make_trainer(2).fit(loop, datamodule=_dm64())
+        weights[mode] = model.w.detach()
+    assert torch.equal(weights["auto"], weights["sequential"])

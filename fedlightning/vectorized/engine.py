@@ -94,6 +94,11 @@ class VectorizedClientTrainer:
                 f"{sorted(map(str, dtypes))}"
             )
         self.dtype = dtypes.pop()
+        if self.dtype.is_complex:  # the batched rules, norms and finiteness checks are written for real weights
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized' trains real parameters; {named[0][0]} is {self.dtype}. Use "
+                "client_execution='sequential' (or 'auto')"
+            )
         self.weights = _WeightsLayout([p for _, p in named])
         self.param_names = [n for n, _ in named]
         self.call = _ModelCall(model, named, self.dtype)
