@@ -99,10 +99,12 @@ def reopen_epoch_ended_by_max_steps(checkpoint: dict[str, Any]) -> bool:
     batch not the epoch's last. True when it changed something. For a fit resumed with a larger ``max_steps``.
 
     A fit with ``max_steps`` has one epoch of ``max_steps`` rounds (the data module's round loader), so the file of a
-    finished fit records that epoch as complete; resumed to train on, Lightning began a new epoch, and every later
-    round was logged with ``epoch`` 1 or 2 (an uninterrupted run logs 0) and checkpoint names read ``epoch=1-...``.
-    Reopened, the resumed fit continues epoch 0 as a fit resumed from a file written inside it does, its epoch now
-    ``max_steps`` rounds long from its first round (``train_dataloader``)."""
+    finished fit records that epoch as complete (written after the fit, e.g. ``RoundCheckpoint``'s last save), or
+    its last batch as the epoch's last (written at the end of the last round, before Lightning ended the epoch);
+    resumed to train on, Lightning began a new epoch, and every later round was logged with ``epoch`` 1 or 2 (an
+    uninterrupted run logs 0) and checkpoint names read ``epoch=1-...``. Reopened, the resumed fit continues epoch 0
+    as a fit resumed from a file written inside it does, its epoch now ``max_steps`` rounds long from its first
+    round (``train_dataloader``)."""
     fit = _fit_loop_state(checkpoint)
     if fit is None:
         return False
@@ -112,8 +114,20 @@ def reopen_epoch_ended_by_max_steps(checkpoint: dict[str, Any]) -> bool:
     parts = [batches.get("current"), epochs.get("current"), epochs.get("total")]
     if not all(_progress_counts(p) for p in parts):
         return False
-    if any(len({p[k] for k in _PROGRESS_KEYS}) != 1 for p in parts) or parts[1]["completed"] < 1:
+    last = parts[0]
+    if not last["ready"] == last["started"] == last["processed"] or last["completed"] not in (
+        last["processed"],
+        last["processed"] - 1,  # saved in the round's on_train_batch_end, before Lightning counts it completed
+    ):
+        return False  # its last batch not done
+    in_progress = all(p["ready"] == p["started"] == p["processed"] + 1 == p["completed"] + 1 >= 1 for p in parts[1:])
+    if in_progress:  # written at the end of the epoch's last round, before the epoch ended: that round is its last
+        batches["is_last_batch"] = False
+        return True
+    if len(set(last.values())) != 1 or any(len({p[k] for k in _PROGRESS_KEYS}) != 1 for p in parts[1:]):
         return False  # not a finished epoch, all of whose counts agree
+    if parts[1]["completed"] < 1:
+        return False
     batches["is_last_batch"] = False
     for counts in parts[1:]:
         counts["processed"] -= 1

@@ -349,10 +349,13 @@ def test_validations_after_resuming_a_run_stopped_at_a_rounds_start_fall_at_the_
     torch.testing.assert_close(_weights(loop), expected, atol=0, rtol=0)
 
 
-def test_a_finished_run_extended_goes_on_in_its_epoch_as_an_uninterrupted_run_does(tmp_path):
+@pytest.mark.parametrize("every", [100, 3], ids=["saved-after-the-fit", "saved-at-the-last-rounds-end"])
+def test_a_finished_run_extended_goes_on_in_its_epoch_as_an_uninterrupted_run_does(tmp_path, every):
     """A fit that ended at max_steps=3, resumed with max_steps=6: Lightning began a new epoch, so the later rounds
     were logged with epoch 1 (an uninterrupted 6-round run logs 0) and checkpoint names read epoch=1-...; now the
-    epoch goes on: the same epochs, validations, checkpoint names and weights as the uninterrupted run."""
+    epoch goes on: the same epochs, validations, checkpoint names and weights as the uninterrupted run. Its
+    last.ckpt is written after the fit (the epoch ended) or, when a save falls on the last round (the quickstart's
+    every 10 rounds with max_steps 10), at that round's end (the epoch's last batch done, the epoch not ended)."""
     from fedlightning.checkpoint import RoundCheckpoint
 
     class Seen(pl.Callback):
@@ -378,7 +381,7 @@ def test_a_finished_run_extended_goes_on_in_its_epoch_as_an_uninterrupted_run_do
     expected = _weights(loop)
     loop, dm, _ = _setup()
     first = Seen()
-    ck = RoundCheckpoint(dirpath=str(tmp_path / "cut"), save_last=True, every_n_train_steps=100)
+    ck = RoundCheckpoint(dirpath=str(tmp_path / "cut"), save_last=True, every_n_train_steps=every)
     make_trainer(3, callbacks=[first, ck], enable_checkpointing=True, **kw).fit(loop, datamodule=dm)
     loop, dm, _ = _setup()
     resumed = Seen()
