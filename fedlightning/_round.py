@@ -124,6 +124,9 @@ def _screen_reason(
     reason = None
     if not math.isfinite(weight):
         reason = f"non-finite aggregation weight {weight!r}"
+    elif not math.isfinite(values[0]) and not bool(torch.isfinite(update.delta).all()):
+        # the training's own check (client.py) came before on_client_end, which may have changed the update
+        reason = "non-finite model update"
     elif max_update_norm is not None and norm > max_update_norm:
         reason = f"update norm {norm:.4g} > max_update_norm={max_update_norm:g}"
     elif w * norm >= limit:

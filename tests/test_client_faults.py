@@ -685,3 +685,41 @@ def test_a_data_error_under_vectorized_clients_points_to_the_client(mode):
     (line,) = [str(w.message) for w in caught if "skipped (IndexError" in str(w.message)]
     owner = next(c for c, ix in enumerate(dm.client_indices) if 7 in set(ix.tolist()))
     assert line.startswith(f"round 0: client {owner} skipped") and trainer.global_step == 1
+
+
+class DeltaFault(FederatedCallback):
+    """In ``on_client_end``, the client sampled second gets ``value`` in its update's first entry (None: it is
+    marked failed instead)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def on_client_end(self, trainer, loop, plan, update):
+        if plan.client_ids.index(update.client_id) == 1:
+            if self.value is None:
+                update.failed, update.failure = True, "left out by the test"
+            else:
+                update.delta[0] = self.value
+
+
+@pytest.mark.parametrize("execution", ["sequential", "vectorized"])
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+def test_an_update_made_non_finite_in_on_client_end_is_skipped_as_one_from_training(value, execution):
+    """on_client_end runs before the aggregation checks (docs/architecture.md): a NaN it writes into an update once
+    passed them (every comparison with NaN is false) and stopped the run blaming the strategy; now the client is
+    left out, naming the reason, and the round equals one that leaves the client out by marking it failed."""
+    runs = {}
+    for fault in (value, None):
+        torch.manual_seed(0)
+        loop = FederatedLoop(
+            MLP(input_dim=64, hidden=[16]), client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2,
+            clients_per_round=4, seed=0, client_execution=execution,
+        )  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_trainer(2, callbacks=[FedAvg(), DeltaFault(fault)]).fit(loop, datamodule=_data())
+        runs[fault is None] = torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach()
+        if fault is not None:
+            skipped = [str(w.message) for w in caught if " skipped (" in str(w.message)]
+            assert len(skipped) == 2 and all(s.endswith("skipped (non-finite model update)") for s in skipped)
+    torch.testing.assert_close(runs[False], runs[True], rtol=0, atol=0)

@@ -210,11 +210,12 @@ class LocalSweep:
     def check_command(self) -> None:
         """Raise a ValueError with the program's own last line when the sweep's command line cannot be parsed, before
         any run starts: a swept or fixed argument that does not exist (``model.client_optimizer.init_args.lrr``), a
-        value of the wrong type. Decision (ours): the check runs the first run's command with ``--print_config``
+        value of the wrong type. Decision (ours): the check runs the sweep's command with ``--print_config``
         appended (the LightningCLI parses every argument, instantiates nothing and exits), for each parameter its
-        first choice or the low end of its range; only for a program that is a fedlightning CLI (its source imports
-        ``fedlightning.cli``, as ``train.py`` does), whose errors end in one line ``error: <key>: ...``. Without
-        it every run would start and fail alike, and the reason would be only in each run's log."""
+        first choice or the low end of its range (not necessarily a run's draw); only for a program that is a
+        fedlightning CLI (its source imports ``fedlightning.cli``, as ``train.py`` does), whose errors end in one
+        line ``error: <key>: ...``. Without it every run would start and fail alike, and the reason would be only in
+        each run's log."""
         program = self.sweep.get("program")
         try:
             with open(str(program)) as f:
@@ -239,7 +240,7 @@ class LocalSweep:
             last = lines[-1] if lines else f"exit code {proc.returncode}"
             raise ValueError(
                 f"the sweep's command line fails before any run: {last.removeprefix('error: ')} (checked with the "
-                f"first run's parameters and --print_config: {shlex.join(cmd)})"
+                f"first value of each parameter and --print_config: {shlex.join(cmd)})"
             )
 
     def best_command(self, params: Mapping[str, Any]) -> str:
