@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["AnchoredTerm", "term_value"]
+__all__ = ["AnchoredTerm", "real_products", "squared_magnitudes", "term_value"]
 
 
 def term_value(term, params: Sequence[Tensor]) -> Tensor:
@@ -79,12 +79,12 @@ def _row_sq_norm(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim()))) ** 2
 
 
-def _squares(d: Tensor) -> Tensor:
+def squared_magnitudes(d: Tensor) -> Tensor:
     """``d²`` elementwise; ``|d|²`` for a complex ``d`` (a real penalty on complex parameters)."""
     return d.real**2 + d.imag**2 if d.is_complex() else d**2
 
 
-def _products(c: Tensor, d: Tensor) -> Tensor:
+def real_products(c: Tensor, d: Tensor) -> Tensor:
     """``c·d`` elementwise; ``Re(c̄·d)`` for complex tensors, the real inner product, whose gradient in ``d`` is
     ``c`` (torch's convention for a real loss of complex parameters)."""
     return (c.conj() * d).real if (c.is_complex() or d.is_complex()) else c * d
@@ -235,9 +235,9 @@ class AnchoredTerm:
             # one client: the per-client helpers' operations, in their order (sequential training's values)
             value = None
             if self.mu != 0.0:
-                value = 0.5 * self.mu * sum(_squares(p - a).sum() for p, a in zip(params, self.anchors))
+                value = 0.5 * self.mu * sum(squared_magnitudes(p - a).sum() for p, a in zip(params, self.anchors))
             if self.directions is not None:
-                lin = sum(_products(c, p - a).sum() for p, a, c in zip(params, self.anchors, self.directions))
+                lin = sum(real_products(c, p - a).sum() for p, a, c in zip(params, self.anchors, self.directions))
                 value = lin if value is None else value + lin
             return params[0].new_zeros(()) if value is None else value
         return self.values_from_differences([p - a for p, a in zip(params, self.anchors)])

@@ -207,7 +207,8 @@ def accumulate_core(
     """The round sums every strategy relies on, added by the loop for each healthy client: ``delta`` (Σ w_i Δ_i with
     ``w_i = strategy.client_weight(update)``), ``weight`` (Σ w_i), ``clients``, ``sq_norm_sum`` (Σ‖Δ_i‖²),
     ``weighted_sq_norm_sum`` and, for models with buffers, ``buffers`` (Σ w_i b_i). ``weight`` and ``sq_norm``
-    (``‖Δ_i‖²`` as ``update.delta.double().pow(2).sum()``) are computed here unless the caller already has them.
+    (``‖Δ_i‖²``, :func:`~fedlightning.state.squared_norm64` of ``update.delta``) are computed here unless the caller
+    already has them.
 
     The loop itself accumulates the core round sums (:func:`accumulate_core`: the weighted sum of the clients' deltas,
     the total weight, the number of clients, ``Σ‖Δ_i‖²``, the weighted buffers); a strategy's

@@ -18,15 +18,14 @@ from torch import Tensor
 
 from fedlightning._validation import non_negative
 from fedlightning.callbacks.base import FederatedCallback
-from fedlightning.objectives import AnchoredTerm
+from fedlightning.objectives import AnchoredTerm, real_products, squared_magnitudes
 
 __all__ = ["ProximalTerm", "proximal_penalty", "linear_correction", "split_like", "global_anchors"]
 
 
 def proximal_penalty(params: Sequence[Tensor], anchors: Sequence[Tensor], mu: float) -> Tensor:
     r""":math:`\frac{\mu}{2}\sum_j \lVert p_j - a_j\rVert^2` over matching lists of tensors (anchors detached)."""
-    diffs = (p - a for p, a in zip(params, anchors))
-    total = sum((d.real**2 + d.imag**2 if d.is_complex() else d**2).sum() for d in diffs)  # |d|² for complex
+    total = sum(squared_magnitudes(p - a).sum() for p, a in zip(params, anchors))  # |p − a|² for complex ones
     return 0.5 * mu * total
 
 
@@ -37,10 +36,7 @@ def linear_correction(params: Sequence[Tensor], anchors: Sequence[Tensor], direc
     :math:`\langle c, w - w_t\rangle` (gradient ``c``): written relative to ``w_t`` it has the gradient the papers
     ask for and is zero at the global weights, so the client's first-batch loss (seed 004's statistic) is unchanged.
     """
-    return sum(  # the real inner product Re(c̄·d) for complex parameters
-        ((c.conj() * (p - a)).real if (c.is_complex() or p.is_complex()) else c * (p - a)).sum()
-        for p, a, c in zip(params, anchors, directions)
-    )
+    return sum(real_products(c, p - a).sum() for p, a, c in zip(params, anchors, directions))  # Re(c̄·d) if complex
 
 
 def split_like(vector: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
