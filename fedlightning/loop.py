@@ -1070,12 +1070,12 @@ class FederatedLoop(pl.LightningModule):
         worker.model._fl_round = plan.round  # the client copy's global_step / current_epoch
         if worker.client_hooks.epoch_start:
             worker.model.on_train_epoch_start()
-        self._check_trainable(plan, gparams, worker)
+        self._check_worker_trainable(plan, worker)
         return global_flat
 
-    def _check_trainable(self, plan: RoundPlan, gparams: list[Tensor], worker: LocalTrainer | None = None) -> None:
-        """Refuse a change of ``requires_grad`` during fit, in the global model (a callback unfreezing a layer) or in
-        the client working copy (the module's own ``on_train_epoch_start``), naming the parameters.
+    def _check_trainable(self, plan: RoundPlan, gparams: list[Tensor]) -> None:
+        """Refuse a change of ``requires_grad`` during fit in the global model (a callback unfreezing a layer),
+        naming the parameters.
 
         Decision (ours): the trainable parameters are fixed at the fit's first round (after ``on_fit_start`` and
         ``on_train_start``, where a module may still freeze a layer): every client's update and the vectorized
@@ -1086,17 +1086,19 @@ class FederatedLoop(pl.LightningModule):
         fixed = self._runtime.trainable
         if fixed is None:  # the fit's first round
             self._fix_trainable(plan, gparams)
-            fixed = self._runtime.trainable
-        frozen_now = [p for p in worker.params if not p.requires_grad] if worker is not None else []
-        thawed = [p for p in worker.frozen if p.requires_grad] if worker is not None else []
-        same_global = fixed is None or (len(gparams) == len(fixed) and all(a is b for a, b in zip(gparams, fixed)))
-        if same_global and not frozen_now and not thawed:
-            return
-        if not same_global:
-            where, model, was = "the global model", self.model, {id(p) for p in fixed}
-        else:
-            assert worker is not None
-            where, model, was = "the clients' working copy", worker.model, {id(p) for p in worker.params}
+        elif len(gparams) != len(fixed) or any(a is not b for a, b in zip(gparams, fixed)):
+            self._refuse_trainable_change(plan, "the global model", self.model, fixed)
+
+    def _check_worker_trainable(self, plan: RoundPlan, worker: LocalTrainer) -> None:
+        """:meth:`_check_trainable` for the clients' working copy (the module's own ``on_train_epoch_start``): its
+        trainable and frozen parameters are those its :class:`~fedlightning.client.LocalTrainer` was built with."""
+        if any(not p.requires_grad for p in worker.params) or any(p.requires_grad for p in worker.frozen):
+            self._refuse_trainable_change(plan, "the clients' working copy", worker.model, worker.params)
+
+    @staticmethod
+    def _refuse_trainable_change(plan: RoundPlan, where: str, model: torch.nn.Module, trainable: list[Tensor]) -> None:
+        """The error naming the parameters of ``model`` whose ``requires_grad`` differs from ``trainable``."""
+        was = {id(p) for p in trainable}
         changed = [
             f"{name} ({'now trainable' if p.requires_grad else 'now frozen'})"
             for name, p in model.named_parameters()
