@@ -1131,8 +1131,6 @@ class FederatedLoop(pl.LightningModule):
             names = [n for n, p in self.model.named_parameters() if p.requires_grad]
             if [n for n, p in worker.model.named_parameters() if p.requires_grad] != names:
                 self._runtime.worker = None
-                if self._runtime.module_optimizer is not None:
-                    self._runtime.module_optimizer.forget_copies()
                 self._runtime.reusable_client_opt = None
                 self._runtime.reusable_group_opts = {}
                 self._executor = make_executor(self._client_execution)

@@ -264,14 +264,10 @@ class ModuleOptimizer:
         return next((p for p in model.parameters() if p.requires_grad), None)
 
     def register(self, model: pl.LightningModule) -> None:
-        """Make ``model`` (a copy of the global model: the client working copy) buildable by :meth:`__call__`."""
-        self._modules = [m for m in self._modules if m[1] is not model] + [(self._first_param(model), model)]
-
-    def forget_copies(self) -> None:
-        """Forget the registered working copies and key the global model by its first trainable parameter now (a
-        new fit whose trainable parameters differ: the loop builds and registers a new working copy)."""
-        model = self._modules[0][1]
-        self._modules = [(self._first_param(model), model)]
+        """Make ``model`` (a copy of the global model: the client working copy) buildable by :meth:`__call__`, in
+        place of the copy registered before (the loop has one working copy; a new fit whose trainable parameters
+        differ builds a new one)."""
+        self._modules = [self._modules[0], (self._first_param(model), model)]
 
     # ------------------------------------------------------------------ the factory
     def __call__(self, params: Sequence[Tensor]) -> torch.optim.Optimizer:
