@@ -52,6 +52,7 @@ from fedlightning.checkpoint import (
     verify_checksums,
 )
 from fedlightning.datamodules.base import FederatedDataModule
+from fedlightning.distributed import release_process_group
 from fedlightning.logging import LogConfigCallback, default_wandb_offline, resolved_config
 from fedlightning.loop import FederatedLoop, check_launcher
 
@@ -1116,7 +1117,10 @@ def main(args: list[str] | None = None, run: bool = True) -> FederatedCLI:
         with warnings.catch_warnings():
             if from_argv:  # the command line itself, rewritten (null): not the mix Lightning warns about
                 warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
-            return FederatedCLI(args=args, run=run)
+            cli = FederatedCLI(args=args, run=run)
+        if from_argv:  # the command line's process ends here: its process group with it (release_process_group)
+            release_process_group()
+        return cli
     except SIGTERMException as err:
         # Lightning stops at the next round boundary and raises a SystemExit without a code, i.e. exit status 0: a
         # restart loop (`until python train.py ...; do ...`) would take a preempted run for a finished one

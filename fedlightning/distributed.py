@@ -53,6 +53,7 @@ __all__ = [
     "named_collective",
     "FiniteMean",
     "finite_weighted_mean_over_processes",
+    "release_process_group",
 ]
 
 #: environment variable: the collective timeout in seconds (a positive number)
@@ -220,3 +221,13 @@ def finite_weighted_mean_over_processes(
     weight, used, dropped = acc[numel:].tolist()
     mean = body / weight if used else torch.full_like(body, float("nan"))
     return FiniteMean(mean.to(like.dtype).view(like.shape), left_out, int(dropped), int(used))
+
+
+def release_process_group() -> None:
+    """Destroy the default process group, if one exists, before the process exits. Lightning leaves it alive after
+    a fit (another may follow in the same processes); a process that exits with a gloo group alive can abort in the
+    interpreter's finalization ("terminate called without an active exception", exit status -6) after a run that
+    finished, which a restart loop or a job scheduler takes for a crash. The command line (:func:`fedlightning.cli.main`
+    from ``sys.argv``) calls it when it is done."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -26,6 +26,7 @@ import lightning.pytorch as pl  # noqa: E402
 from fedlightning import FederatedLoop  # noqa: E402
 from fedlightning.callbacks import FederatedCallback  # noqa: E402
 from fedlightning.datamodules import ArrayDataset, DigitsDataModule, Dirichlet  # noqa: E402
+from fedlightning.distributed import release_process_group  # noqa: E402
 from fedlightning.models import MLP  # noqa: E402
 
 
@@ -173,6 +174,7 @@ def main():
     results = {setup: fit(args, setup) for setup in setups}
     if results[setups[-1]] is not None:  # rank 0
         torch.save(results[setups[0]] if len(setups) == 1 else results, args.out)
+    release_process_group()  # as train.py: no gloo threads left for the interpreter's finalization
 
 
 def _trainer(args, **kwargs) -> pl.Trainer:
