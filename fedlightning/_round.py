@@ -31,7 +31,7 @@ from torch import Tensor
 from fedlightning._lightning_compat import batches_that_stepped, publish_step_metrics, should_write_step_logs
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, copy_of_state
 from fedlightning.distributed import all_gather_objects, all_reduce_statistics
-from fedlightning.state import ClientUpdate, RoundPlan, is_averaged_buffer, squared_norm64, write_averaged_buffer
+from fedlightning.state import ClientUpdate, RoundPlan, averaged_buffer_slices, squared_norm64, write_averaged_buffer
 
 __all__ = [
     "FailurePolicy",
@@ -586,11 +586,9 @@ def server_step(
         p.grad = None
     if "buffers" in stats:
         avg = stats["buffers"] / stats["weight"].to(stats["buffers"].dtype)
-        off = 0
-        for b in pl_module.model.buffers():
-            if is_averaged_buffer(b):
-                write_averaged_buffer(b, avg[off : off + b.numel()])
-                off += b.numel()
+        buffers = list(pl_module.model.buffers())
+        for i, part in averaged_buffer_slices(buffers):
+            write_averaged_buffer(buffers[i], avg[part])
     metrics.update(extra)
     n_loss = float(stats["loss_clients"].item())  # the clients with a loss (n_clients unless steps were skipped)
     if n_loss > 0:

@@ -51,7 +51,7 @@ from fedlightning._reference import reference_mode
 from fedlightning.datamodules.base import reiterate
 from fedlightning.objectives import term_value
 from fedlightning.optim import step_hooks
-from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed, flat_params, loss_report_dtype
+from fedlightning.state import ClientUpdate, derive_seed, flat_params, loss_report_dtype, report_buffers
 
 __all__ = ["BufferSlots", "extract_loss", "LocalTrainer"]
 
@@ -562,10 +562,11 @@ class LocalTrainer:
         local_steps: int,
         num_samples: int,
         terms: Sequence[ObjectiveTerm] = (),
-        float_buffer_mask: Sequence[bool] | None = None,
+        with_buffers: bool = False,
         global_frozen: Sequence[Tensor] = (),
     ) -> ClientUpdate:
-        """Train client ``client_id`` for ``local_steps`` steps from the global weights; return its update.
+        """Train client ``client_id`` for ``local_steps`` steps from the global weights; return its update (with
+        its averaged buffers when ``with_buffers``: :func:`~fedlightning.state.report_buffers`).
         ``global_frozen``: the global model's parameters that do not train, in order (:meth:`sync_frozen`).
 
         Dropout and any other ``torch`` randomness inside the model is seeded by ``(seed, "model", round,
@@ -581,7 +582,7 @@ class LocalTrainer:
             tally = steps(plan, _cycle(loader, local_steps, plan.reference))
         if self.frozen:
             self._tell_frozen_changes(client_id, round)
-        return self._update(client_id, global_flat, num_samples, tally, float_buffer_mask)
+        return self._update(client_id, global_flat, num_samples, tally, with_buffers)
 
     @torch.no_grad()
     def start_from(
@@ -642,10 +643,10 @@ class LocalTrainer:
         global_flat: Tensor,
         num_samples: int,
         tally: _Tally,
-        float_buffer_mask: Sequence[bool] | None,
+        with_buffers: bool,
     ) -> ClientUpdate:
         """The :class:`ClientUpdate` of the client whose steps ``tally`` counted: its delta from the global weights,
-        losses, counts, averaged buffers (``float_buffer_mask``: float, integer and bool ones) and failure (a
+        losses, counts, averaged buffers (``with_buffers``: float, integer and bool ones) and failure (a
         non-finite loss or update)."""
         delta = global_flat - flat_params(self.params).to(global_flat.dtype)
         if tally.losses:
@@ -676,10 +677,8 @@ class LocalTrainer:
             forwards=tally.forwards,
             backwards=tally.backwards,
         )
-        if float_buffer_mask is not None and any(float_buffer_mask):
-            kept = [b for b, m in zip(self.buffer_slots.final(self.model_name), float_buffer_mask) if m]
-            dtype = buffer_report_dtype(kept)
-            update.buffers = torch.cat([b.detach().reshape(-1).to(dtype) for b in kept])
+        if with_buffers:
+            update.buffers = report_buffers(self.buffer_slots.final(self.model_name), like=self.buffers)
         if not loss_ok:
             update.failed, update.failure = True, "non-finite training loss"
         elif not delta_ok:

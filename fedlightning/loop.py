@@ -97,7 +97,6 @@ from fedlightning.state import (
     RoundResult,
     derive_seed,
     flat_params,
-    is_averaged_buffer,
 )
 from fedlightning.user_module import (
     ClientHooks,
@@ -142,7 +141,7 @@ class _Runtime:
     #: ``(callbacks' ids, hooks)``: the federated hooks some callback defines itself this round
     #: (:meth:`FederatedLoop._federated_hook`)
     hooks_in_use: tuple[tuple[int, ...], frozenset[str]] | None = None
-    #: ``(round, params, buffers, averaged-buffer mask)`` of the global model (:meth:`FederatedLoop._round_tensors`)
+    #: ``(round, params, buffers)`` of the global model (:meth:`FederatedLoop._round_tensors`)
     round_tensors: tuple[int, list[Tensor], list[Tensor], list[bool]] | None = None
     #: ``(round, lr)``: the first parameter group's learning rate of the last client optimizer built
     #: (:meth:`FederatedLoop.prepare_client`), logged as ``client/lr``; lr None when that group has no ``lr``
@@ -896,7 +895,7 @@ class FederatedLoop(pl.LightningModule):
         if not worker.model.training:  # the working copy is private to the loop: train() once, not per client
             worker.model.train()
         opt, terms = self.prepare_client(plan, client_id, worker.params, reuse=True)
-        gparams, gbuffers, float_mask = self._round_tensors(plan.round)
+        gparams, gbuffers = self._round_tensors(plan.round)
         # what the client logs is its own (left out with it when the round leaves it out, _leave_out_logs)
         self._runtime.metrics_before = (client_id, worker.metrics.save()) if worker.metrics else None
         with self._client_optimizer_view(opt), worker.router.owned_by(client_id):
@@ -912,7 +911,7 @@ class FederatedLoop(pl.LightningModule):
                 local_steps=plan.steps_for(client_id),
                 num_samples=dm.client_num_samples(client_id),
                 terms=terms,
-                float_buffer_mask=float_mask,
+                with_buffers=True,
                 global_frozen=self.global_frozen_parameters() if worker.frozen else (),
             )
         self.finish_client(update, opt)
@@ -940,15 +939,15 @@ class FederatedLoop(pl.LightningModule):
             yield
 
     def _round_tensors(self, round: int):
-        """The global model's trainable parameters, buffers and averaged-buffer mask, listed once per round (walking
+        """The global model's trainable parameters and buffers, listed once per round (walking
         a LightningModule's module tree costs ~0.1 ms, which adds up over a round's clients); listed at every call
         in reference mode."""
         cached = self._runtime.round_tensors
         if cached is None or cached[0] != round or reference_mode():
             gbuffers = list(self.model.buffers())
-            cached = (round, self._global_params(), gbuffers, [is_averaged_buffer(b) for b in gbuffers])
+            cached = (round, self._global_params(), gbuffers)
             self._runtime.round_tensors = cached
-        return cached[1], cached[2], cached[3]
+        return cached[1], cached[2]
 
     def _start_round(self, plan: RoundPlan) -> None:
         """The callbacks' ``on_round_start``, then the plan's step counts checked: ``plan.local_steps`` an integer

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,8 @@ __all__ = [
     "assign_flat_",
     "float_buffers",
     "is_averaged_buffer",
+    "averaged_buffer_slices",
+    "report_buffers",
     "squared_norm64",
     "write_averaged_buffer",
     "buffer_report_dtype",
@@ -339,6 +341,30 @@ def is_averaged_buffer(buffer: Tensor) -> bool:
     """Whether the round averages ``buffer`` over its clients (every real buffer: float, integer and bool; a complex
     one keeps the global value)."""
     return not buffer.is_complex()
+
+
+def averaged_buffer_slices(buffers: Sequence[Tensor]) -> list[tuple[int, slice]]:
+    """The layout of ``ClientUpdate.buffers`` for a model whose buffers are ``buffers`` (``model.buffers()`` order):
+    ``(i, s)`` for every buffer the round averages (:func:`is_averaged_buffer`), ``buffers[i]`` flattened at
+    ``ClientUpdate.buffers[s]``, one after the other in that order."""
+    out, offset = [], 0
+    for i, b in enumerate(buffers):
+        if is_averaged_buffer(b):
+            out.append((i, slice(offset, offset + b.numel())))
+            offset += b.numel()
+    return out
+
+
+def report_buffers(buffers: Sequence[Tensor], like: Sequence[Tensor] | None = None) -> Tensor | None:
+    """``ClientUpdate.buffers`` of a client whose model's buffers are ``buffers`` after its training
+    (``model.buffers()`` order): the averaged ones laid out as :func:`averaged_buffer_slices` says for ``like`` (the
+    global model's buffers; default ``buffers``), in :func:`buffer_report_dtype`; None when the model has none."""
+    layout = averaged_buffer_slices(buffers if like is None else like)
+    if not layout:
+        return None
+    kept = [buffers[i] for i, _ in layout]
+    dtype = buffer_report_dtype(kept if like is None else [like[i] for i, _ in layout])
+    return torch.cat([b.detach().reshape(-1).to(dtype) for b in kept])
 
 
 def write_averaged_buffer(buffer: Tensor, average: Tensor) -> None:

@@ -487,6 +487,33 @@ def test_integer_and_bool_buffers_are_averaged_with_the_clients():
     assert int(bn.num_batches_tracked) == start  # one BatchNorm count per gradient step, as the counter
 
 
+def test_the_reported_buffers_lay_out_every_averaged_buffer_once_in_model_order():
+    """``ClientUpdate.buffers`` (state.report_buffers) holds each real buffer at the slice that
+    state.averaged_buffer_slices names, in model.buffers() order; a complex buffer is left out and keeps the global
+    value; an integer buffer makes the report float64, exact up to 2**53."""
+    from fedlightning.state import averaged_buffer_slices, report_buffers
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    net.register_buffer("phase", torch.ones(2, dtype=torch.complex64))
+    net.register_buffer("mask", torch.tensor([True, False, True]))
+    with torch.no_grad():
+        net[1].running_mean.copy_(torch.arange(4.0))
+        net[1].num_batches_tracked.fill_(2**52 + 1)
+    buffers = list(net.buffers())
+    layout = averaged_buffer_slices(buffers)
+    assert [i for i, _ in layout] == [1, 2, 3, 4]  # mask, then the BatchNorm's: running_mean, running_var, count
+    flat = report_buffers(buffers)
+    assert flat.dtype == torch.float64 and flat.numel() == 3 + 4 + 4 + 1
+    for i, part in layout:
+        assert torch.equal(flat[part], buffers[i].reshape(-1).double())
+    assert report_buffers([torch.ones(2, dtype=torch.complex64)]) is None
+    # the global model's buffers decide the layout and dtype when a client's training made one float64
+    changed = [b.double() if i == 2 else b for i, b in enumerate(buffers)]
+    assert torch.equal(report_buffers(changed, like=buffers), flat)
+    float32 = [torch.zeros(2), torch.ones(3)]
+    assert report_buffers([float32[0].double(), float32[1]], like=float32).dtype == torch.float32
+
+
 @pytest.mark.parametrize("execution", ["sequential", "vectorized"])
 def test_batchnorm_counts_its_batches_across_rounds_in_both_modes(execution):
     """num_batches_tracked of the global BatchNorm advances by the clients' mean count each round (K = 3 steps, 2

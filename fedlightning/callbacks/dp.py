@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from fedlightning._validation import in_range, integer, non_negative, one_of, positive
 from fedlightning.callbacks.adaptive import AdaptiveServerOptimizer, _check_betas, _moment_statistics
 from fedlightning.callbacks.base import RoundStatistics, ServerStep, ServerStrategy
-from fedlightning.state import ClientUpdate, RoundPlan, derive_seed, is_averaged_buffer, squared_norm64
+from fedlightning.state import ClientUpdate, RoundPlan, averaged_buffer_slices, derive_seed, squared_norm64
 
 __all__ = ["DPFedAvg", "adaptive_noise_multiplier", "rdp_epsilon"]
 
@@ -283,12 +283,9 @@ class DPFedAvg(ServerStrategy):
                 "False)"
             )
         # integer and bool buffers: the same unless client training leaves them as they are (position ids,
-        # constant masks), which accumulate checks; (name, offset in ClientUpdate.buffers, the global buffer)
-        self._fixed_buffers, offset = [], 0
-        for name, b in model.named_buffers():
-            if is_averaged_buffer(b):
-                self._fixed_buffers.append((name, offset, b))
-                offset += b.numel()
+        # constant masks), which accumulate checks; (name, the global buffer, its slice of ClientUpdate.buffers)
+        named = list(model.named_buffers())
+        self._fixed_buffers = [(*named[i], part) for i, part in averaged_buffer_slices([b for _, b in named])]
         population = self.population(pl_module)
         cohort = getattr(pl_module, "clients_per_round", None)
         if cohort is not None and cohort > population:
@@ -310,8 +307,8 @@ class DPFedAvg(ServerStrategy):
     def _check_fixed_buffers(self, update: ClientUpdate) -> None:
         """Refuse a client whose training changed an integer or bool buffer (the loop would average it without
         clipping or noise); one no client changes averages to its own value and reveals nothing."""
-        for name, offset, b in getattr(self, "_fixed_buffers", ()):
-            mine = update.buffers[offset : offset + b.numel()]
+        for name, b, part in getattr(self, "_fixed_buffers", ()):
+            mine = update.buffers[part]
             if not torch.equal(mine, b.detach().reshape(-1).to(mine.dtype)):
                 raise ValueError(
                     f"DPFedAvg: client {update.client_id}'s training changed the buffer {name!r}, which the loop "

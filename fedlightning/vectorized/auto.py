@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from fedlightning.callbacks.base import copy_of_state
-from fedlightning.state import ClientUpdate, RoundPlan, is_averaged_buffer
+from fedlightning.state import ClientUpdate, RoundPlan
 
 from .batches import _DeviceTransfer
 from .call import _info
@@ -894,7 +894,7 @@ def _run(
             grad_clip=loop.client_grad_clip,
             terms=[terms for _, terms in prepared],
             router=getattr(worker, "router", None),
-            float_buffer_mask=[is_averaged_buffer(b) for b in gbuffers],
+            with_buffers=True,
             stop=stop,
         )
         changed = worker.changed_frozen() if frozen else []

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedlightning.state import ClientUpdate, buffer_report_dtype, derive_seed, loss_report_dtype
+from fedlightning.state import ClientUpdate, averaged_buffer_slices, derive_seed, loss_report_dtype, report_buffers
 
 from .batches import _RoundBatches
 from .call import _ClientTerms, _info, _ModelCall
@@ -326,7 +326,7 @@ class VectorizedClientTrainer:
         grad_clip: float | None = None,
         terms: Sequence[Sequence[Callable[[Sequence[Tensor]], Tensor]]] | None = None,
         router=None,
-        float_buffer_mask: Sequence[bool] | None = None,
+        with_buffers: bool = False,
         stop: Callable[[], bool] | None = None,
     ) -> list[ClientUpdate | Exception] | None:
         """Train ``client_ids`` for ``local_steps`` steps from the global weights (one count for every client, or
@@ -450,7 +450,7 @@ class VectorizedClientTrainer:
         rule.finalize(optimizers)
         try:
             updates = self._updates(
-                client_ids, W, global_flat, datamodule, record, num_steps, global_buffers, float_buffer_mask
+                client_ids, W, global_flat, datamodule, record, num_steps, global_buffers, with_buffers
             )
         finally:
             norms.stats = []
@@ -474,7 +474,7 @@ class VectorizedClientTrainer:
         record: StepRecord,
         num_steps: Tensor,
         global_buffers,
-        float_buffer_mask,
+        with_buffers,
     ) -> list[ClientUpdate | Exception]:
         K = len(record.losses)
         losses = torch.stack(record.losses)  # [K, C]
@@ -493,17 +493,14 @@ class VectorizedClientTrainer:
         finite_delta = _rows_finite(delta).cpu().tolist()
         rows = delta.unbind(0)
         buffers = None
-        if float_buffer_mask is not None and any(float_buffer_mask):
+        if with_buffers and averaged_buffer_slices(global_buffers):
             # every client's averaged buffers, as LocalTrainer.run reports them: its running statistics, and the
             # global value of buffers that client training does not change
             norms = self.call.norms
             if norms.stats:
-                buffers = norms.client_buffers(global_buffers, float_buffer_mask, len(client_ids)).unbind(0)
+                buffers = norms.client_buffers(global_buffers, len(client_ids)).unbind(0)
             else:
-                kept = [b for b, m in zip(global_buffers, float_buffer_mask) if m]
-                dtype = buffer_report_dtype(kept)
-                shared = torch.cat([b.detach().reshape(-1).to(dtype) for b in kept])
-                buffers = [shared] * len(client_ids)
+                buffers = [report_buffers(global_buffers)] * len(client_ids)
         # clients that ran all K steps (the usual case): first loss, mean loss and finiteness of all at once
         by_client = losses.t().contiguous()  # [C, K]
         first_all = by_client[:, 0].tolist() if K else []

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedlightning.state import buffer_report_dtype
+from fedlightning.state import averaged_buffer_slices, buffer_report_dtype
 
 from .support import VectorizationUnsupportedError, _norm_layers
 
@@ -124,19 +124,18 @@ class _NormLayers:
                 keep = where.to(old.device).view(-1, *([1] * (old.dim() - 1)))
                 self.stats[i] = torch.where(keep, t.detach(), old)
 
-    def client_buffers(self, global_buffers: Sequence[Tensor], float_mask: Sequence[bool], num_clients: int) -> Tensor:
-        """``[C, B]``: every client's averaged buffers flattened and concatenated in ``model.buffers()`` order, as
-        ``LocalTrainer.run`` reports them (its running statistics; the global value of other buffers)."""
+    def client_buffers(self, global_buffers: Sequence[Tensor], num_clients: int) -> Tensor:
+        """``[C, B]``: every client's averaged buffers, one row each laid out as ``LocalTrainer.run`` reports them
+        (:func:`~fedlightning.state.report_buffers`): its running statistics; the global value of other buffers."""
         own = {i: s for i, s in zip(self.buffer_index, self.stats) if i >= 0}
-        dtype = buffer_report_dtype([b for b, is_float in zip(global_buffers, float_mask) if is_float])
+        layout = averaged_buffer_slices(global_buffers)
+        dtype = buffer_report_dtype([global_buffers[i] for i, _ in layout])
         parts = []
-        for i, (b, is_float) in enumerate(zip(global_buffers, float_mask)):
-            if not is_float:
-                continue
+        for i, _ in layout:
             if i in own:
                 parts.append(own[i].reshape(num_clients, -1).to(dtype))
             else:
-                parts.append(b.detach().reshape(1, -1).to(dtype).expand(num_clients, -1))
+                parts.append(global_buffers[i].detach().reshape(1, -1).to(dtype).expand(num_clients, -1))
         return torch.cat(parts, dim=1)
 
     # ------------------------------------------------------------------ one batched call
