@@ -16,8 +16,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 __all__ = [
+    "BATCH_TRANSFER_HOOKS",
     "align_logged_step",
     "allow_logging_from",
     "attached_trainer",
@@ -41,6 +43,7 @@ __all__ = [
     "spawns_processes",
     "strategy_optimizers",
     "timer_interval",
+    "transfer_hook_owners",
     "unsynced_metrics",
     "validation_follows",
 ]
@@ -146,17 +149,35 @@ def spawns_processes(trainer: pl.Trainer) -> bool:
     return isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher)
 
 
+#: Lightning's batch-transfer hooks, in the order a batch goes through them.
+BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def transfer_hook_owners(model: Any, datamodule: Any = None) -> dict[str, Any]:
+    """Whose batch-transfer hook a batch goes through, by hook name (:data:`BATCH_TRANSFER_HOOKS`): the data
+    module's where it overrides the hook (in its class, or on the instance: the hooks a wrapped module forwards),
+    else the module's. Lightning's rule (``_DataHookSelector``, which warns when both override one)."""
+    return {
+        name: datamodule
+        if datamodule is not None and is_overridden(name, datamodule, pl.LightningDataModule)
+        else model
+        for name in BATCH_TRANSFER_HOOKS
+    }
+
+
 def evaluation_batch(model: pl.LightningModule, batch: Any, device: torch.device) -> Any:
     """``batch`` as Lightning's evaluation loop hands it to the module's step: the attached Trainer's precision
-    plugin's input conversion, then the module's ``on_before_batch_transfer``, ``transfer_batch_to_device`` (to
-    ``device``) and ``on_after_batch_transfer``."""
+    plugin's input conversion, then ``on_before_batch_transfer``, ``transfer_batch_to_device`` (to ``device``) and
+    ``on_after_batch_transfer``, each the Trainer's data module's where it overrides it, else the module's
+    (:func:`transfer_hook_owners`)."""
     trainer = attached_trainer(model)
     plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
     if plugin is not None:
         batch = plugin.convert_input(batch)
-    batch = model.on_before_batch_transfer(batch, 0)
-    batch = model.transfer_batch_to_device(batch, device, 0)
-    return model.on_after_batch_transfer(batch, 0)
+    owner = transfer_hook_owners(model, getattr(trainer, "datamodule", None) if trainer is not None else None)
+    batch = owner["on_before_batch_transfer"].on_before_batch_transfer(batch, 0)
+    batch = owner["transfer_batch_to_device"].transfer_batch_to_device(batch, device, 0)
+    return owner["on_after_batch_transfer"].on_after_batch_transfer(batch, 0)
 
 
 @contextmanager

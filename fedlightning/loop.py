@@ -50,6 +50,7 @@ from fedlightning._lightning_compat import (
     spawns_processes,
     strategy_optimizers,
     timer_interval,
+    transfer_hook_owners,
     unsynced_metrics,
 )
 from fedlightning._logging_route import route_logging, routed_logging
@@ -163,6 +164,20 @@ class _Runtime:
 #: The user's step hook that ``Trainer.<stage>`` needs on the global model, as Lightning requires it of a plain
 #: module (``predict_step`` has a default there, the module's forward; fit's validation is Lightning's own choice).
 _EVALUATION_STEPS = {"validate": "validation_step", "test": "test_step"}
+
+
+class _PassRoundPlan:
+    """A data module's batch-transfer hook that hands the round's :class:`RoundPlan` (the loop's training "batch")
+    back untouched and every other batch to ``hook`` (:meth:`FederatedLoop._guard_data_transfer_hooks`). A class,
+    not a closure, so the data module still pickles; ``__wrapped__`` (the hook's own function, for Lightning's
+    ``is_overridden``, which unwraps one level) keeps the hook overridden."""
+
+    def __init__(self, hook: Callable[..., Any]):
+        self.hook = hook
+        self.__wrapped__ = getattr(hook, "__wrapped__", hook)
+
+    def __call__(self, batch: Any, *args: Any) -> Any:
+        return batch if isinstance(batch, RoundPlan) else self.hook(batch, *args)
 
 
 #: The federated hooks called once per client, on the process that trains it (their second argument names the client:
@@ -347,6 +362,7 @@ class FederatedLoop(pl.LightningModule):
                 f"No `{step}()` method defined on {type(self.model).__name__} to run "
                 f"`Trainer.{getattr(stage, 'value', stage)}`."
             )
+        self._guard_data_transfer_hooks()
         self.model.setup(stage)
         self._configure_model_now(trainer)
         strategies = [cb for cb in trainer.callbacks if isinstance(cb, ServerStrategy)]
@@ -693,6 +709,18 @@ class FederatedLoop(pl.LightningModule):
             )
         return dm
 
+    def _guard_data_transfer_hooks(self) -> None:
+        """The data module's batch-transfer hooks, which Lightning calls on the round's RoundPlan too (it prefers a
+        data module's hook to the module's), pass the RoundPlan through untouched; client, validation and test
+        batches go through them. Installed on the data module instance, once, for the hooks it overrides."""
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is None:
+            return
+        for name, owner in transfer_hook_owners(self.model, dm).items():
+            hook = getattr(dm, name)
+            if owner is dm and not isinstance(hook, _PassRoundPlan):
+                dm.__dict__[name] = _PassRoundPlan(hook)
+
     def _forward_batch_transfer_hooks(self) -> None:
         """Evaluation batches go through the user's batch-transfer hooks, the round's RoundPlan does not (client
         batches go through them in client training). Installed only for the hooks the user's class overrides:
@@ -741,7 +769,7 @@ class FederatedLoop(pl.LightningModule):
             router.module = work
             route_logging(work, router.log, router.log_dict)
             to_device = (lambda b: b) if self.device.type == "cpu" else (lambda b: move_data_to_device(b, self.device))
-            hooks = ClientHooks(work)
+            hooks = ClientHooks(work, getattr(trainer_ref, "datamodule", None))
             w = LocalTrainer(
                 work,
                 to_device=to_device,
@@ -755,6 +783,10 @@ class FederatedLoop(pl.LightningModule):
             if self._runtime.module_optimizer is not None:
                 self._runtime.module_optimizer.register(work)
             self._runtime.worker = w
+        dm = getattr(self.trainer, "datamodule", None)
+        if w.client_hooks.datamodule is not dm:  # another fit's data module: its batch-transfer hooks
+            hooks = ClientHooks(w.model, dm)
+            w.hooks, w.client_hooks = (hooks if hooks.any else None), hooks  # type: ignore[attr-defined]
         return w
 
     @staticmethod

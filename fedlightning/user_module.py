@@ -26,7 +26,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
-from fedlightning._lightning_compat import metric_state, parse_configure_optimizers
+from fedlightning._lightning_compat import (
+    BATCH_TRANSFER_HOOKS,
+    metric_state,
+    parse_configure_optimizers,
+    transfer_hook_owners,
+)
 from fedlightning._logging_route import discard, routed_logging
 
 __all__ = [
@@ -146,7 +151,8 @@ def check_optimization_hooks(model: nn.Module) -> None:
 
 
 class ClientHooks:
-    """The per-local-step hooks that ``model``'s class overrides; client training calls only these.
+    """The per-local-step hooks that ``model``'s class overrides; client training calls only these. The batch-transfer
+    hooks that the client's ``datamodule`` overrides win over the module's, as in Lightning.
 
     Mapping (one local step of one client = one Lightning training batch), in call order::
 
@@ -168,17 +174,22 @@ class ClientHooks:
     (:meth:`check_optimizer`) rather than called at a different point than Lightning documents.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, datamodule: Any = None):
         self.overridden = tuple(h for h in STEP_HOOKS if is_overridden(h, model, pl.LightningModule))
+        self.datamodule = datamodule
+        # the batch-transfer hooks of the data module that win over the module's (Lightning's rule)
+        owners = transfer_hook_owners(model, datamodule)
+        self.data_overridden = tuple(n for n in BATCH_TRANSFER_HOOKS if owners[n] is datamodule)
+        self._data_hooks = {n: getattr(datamodule, n) for n in self.data_overridden}
         o = set(self.overridden)
         self.batch_start = "on_train_batch_start" in o
-        self.transfer = bool(o & {"on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"})
+        self.transfer = bool(o & set(BATCH_TRANSFER_HOOKS)) or bool(self.data_overridden)
         self.zero_grad = "on_before_zero_grad" in o
         self.before_backward = "on_before_backward" in o
         self.after_backward = "on_after_backward" in o
         self.before_step = "on_before_optimizer_step" in o
         self.batch_end = "on_train_batch_end" in o
-        self.any = bool(self.overridden)
+        self.any = bool(self.overridden or self.data_overridden)
         # once per round on the client copy (called by the loop; not per-step hooks, so not part of ``any``)
         self.epoch_start = is_overridden("on_train_epoch_start", model, pl.LightningModule)
         self.epoch_end = is_overridden("on_train_epoch_end", model, pl.LightningModule)
@@ -194,10 +205,21 @@ class ClientHooks:
                 "search); remove the hook or use a torch.optim client optimizer"
             )
 
+    def describe(self, model_name: str) -> str:
+        """The overridden per-step hooks, by owner (for messages)."""
+        parts = [f"{model_name} overrides the per-step hook(s) {', '.join(self.overridden)}"] if self.overridden else []
+        if self.data_overridden:
+            parts.append(
+                f"the data module {type(self.datamodule).__name__} overrides the batch-transfer hook(s) "
+                f"{', '.join(self.data_overridden)}"
+            )
+        return " and ".join(parts)
+
     def transfer_batch(self, model: pl.LightningModule, batch: Any) -> Any:
-        batch = model.on_before_batch_transfer(batch, 0)
-        batch = model.transfer_batch_to_device(batch, model.device, 0)
-        return model.on_after_batch_transfer(batch, 0)
+        data = self._data_hooks
+        batch = data.get("on_before_batch_transfer", model.on_before_batch_transfer)(batch, 0)
+        batch = data.get("transfer_batch_to_device", model.transfer_batch_to_device)(batch, model.device, 0)
+        return data.get("on_after_batch_transfer", model.on_after_batch_transfer)(batch, 0)
 
 
 # ====================================================================== the module's own optimizer

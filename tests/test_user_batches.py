@@ -143,3 +143,164 @@ def test_batches_of_different_structures_are_refused_naming_the_leaf():
     seq = _fit_tagged("sequential", _tagged_collate)
     with pytest.warns(UserWarning, match=r"training clients sequentially .*structures differ"):
         torch.testing.assert_close(_fit_tagged("auto", _tagged_collate), seq, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the data module's batch-transfer hooks (Lightning sends a data module's batches through its own hooks)
+
+M = 40
+
+
+class Pixels(Dataset):
+    """uint8 "images" of 4 pixels and a class label; ``scaled``: the same images as float64 / 255."""
+
+    def __init__(self, scaled=False):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randint(0, 256, (M, 4), generator=g, dtype=torch.uint8)
+        self.scaled = scaled
+
+    def __len__(self):
+        return M
+
+    def __getitem__(self, i):
+        x = self.x[i].double() / 255 if self.scaled else self.x[i]
+        return x, i % 2
+
+
+CALLS = []
+
+
+def _scale(batch, where):
+    x, y = batch
+    CALLS.append((where, x.dtype))
+    return (x.double() / 255, y)
+
+
+class PixelNet(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(-0.5, 0.5, 4, dtype=torch.float64))
+
+    def _loss(self, batch):
+        x, y = batch
+        assert x.dtype == torch.float64  # the hooks ran before the step
+        return torch.nn.functional.binary_cross_entropy_with_logits(x @ self.w, y.double())
+
+    def training_step(self, batch, batch_idx):
+        CALLS.append(("train", None))
+        return self._loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        CALLS.append(("val", None))
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch, batch_idx):
+        CALLS.append(("test", None))
+        self.log("test_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class ScalingDataModule(pl.LightningDataModule):
+    """A plain Lightning data module that scales its uint8 images on the device, in on_after_batch_transfer, and
+    reads its Trainer there as a data module trained directly does."""
+
+    def __init__(self):
+        super().__init__()
+        self.data = Pixels()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.data, batch_size=4, shuffle=True)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.data, batch_size=8)
+
+    def test_dataloader(self):
+        return torch.utils.data.DataLoader(self.data, batch_size=8)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        CALLS.append(("before", batch[0].dtype))
+        return batch
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        assert isinstance(self.trainer, pl.Trainer)
+        return _scale(batch, "after")
+
+
+def _pixel_run(dm, mode="sequential", model_cls=PixelNet):
+    CALLS.clear()
+    torch.manual_seed(0)
+    model = model_cls()
+    loop = FederatedLoop(model, local_steps=3, clients_per_round=3, seed=0, client_execution=mode)
+    trainer = make_trainer(2, limit_val_batches=1.0, val_check_interval=2, check_val_every_n_epoch=None)
+    trainer.fit(loop, datamodule=dm)
+    trainer.test(loop, datamodule=dm, verbose=False)
+    return model.w.detach().clone(), list(CALLS)
+
+
+def _wrapped(kind):
+    from fedlightning.datamodules import WrappedDataModule
+
+    options = dict(partition=IID(), num_clients=4, seed=0)
+    if kind == "from_datamodule":
+        return FederatedDataModule.from_datamodule(ScalingDataModule(), **options)
+    return WrappedDataModule(ScalingDataModule(), **options)
+
+
+def _reference_weights():
+    """The same clients and batches with the images scaled in the data set: no hook anywhere."""
+    dm = FederatedDataModule.from_datasets(
+        Pixels(scaled=True), Pixels(scaled=True), num_clients=4, batch_size=4, partition=IID(), seed=0, val=Pixels(True)
+    )
+    return _pixel_run(dm)[0]
+
+
+@pytest.mark.parametrize("kind", ["from_datamodule", "WrappedDataModule"])
+def test_a_wrapped_data_modules_transfer_hooks_run_for_every_client_validation_and_test_batch(kind):
+    """Lightning sends a data module's batches through its on_before_batch_transfer / on_after_batch_transfer;
+    wrapped for federated training, every local step (2 rounds x 3 clients x 3 steps), validation batch (the sanity
+    check's and round 2's) and test batch goes through them once, and training equals the same data scaled in the
+    data set."""
+    w, calls = _pixel_run(_wrapped(kind))
+    steps = [c[0] for c in calls if c[0] in ("train", "val", "test")]
+    assert (steps.count("train"), steps.count("val"), steps.count("test")) == (18, 2, 1)
+    assert [c[0] for c in calls].count("before") == [c[0] for c in calls].count("after") == len(steps)
+    assert all(dtype == torch.uint8 for where, dtype in calls if where in ("before", "after"))
+    assert torch.equal(w, _reference_weights())
+
+
+def test_a_federated_data_module_subclass_may_override_the_transfer_hooks():
+    """A FederatedDataModule subclass's own on_after_batch_transfer gets client, validation and test batches, never
+    the round's plan (Lightning calls it on the loop's training "batch" too)."""
+
+    from fedlightning.datamodules import DatasetDataModule
+
+    class Scaling(DatasetDataModule):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            return _scale(batch, "after")
+
+    dm = Scaling(Pixels(), Pixels(), num_clients=4, batch_size=4, partition=IID(), seed=0, val=Pixels())
+    w, calls = _pixel_run(dm)
+    steps = [c[0] for c in calls if c[0] in ("train", "val", "test")]
+    assert steps.count("train") == 18 and steps.count("val") >= 1 and steps.count("test") >= 1
+    assert [c[0] for c in calls].count("after") == len(steps)
+    assert torch.equal(w, _reference_weights())
+
+
+def test_the_data_modules_transfer_hook_wins_over_the_modules_and_vectorized_refuses_it_by_name():
+    """Lightning's rule: a hook both override is the data module's. Vectorized clients cannot call per-client hooks
+    and say whose they are; auto trains sequentially."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    class ModuleScales(PixelNet):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            raise AssertionError("the data module's hook wins")
+
+    w, _ = _pixel_run(_wrapped("WrappedDataModule"), model_cls=ModuleScales)
+    assert torch.equal(w, _reference_weights())
+    with pytest.raises(
+        VectorizationUnsupportedError, match=r"data module DatasetDataModule overrides the batch-transfer"
+    ):
+        _pixel_run(_wrapped("from_datamodule"), mode="vectorized")
+    assert torch.equal(_pixel_run(_wrapped("from_datamodule"), mode="auto")[0], w)

@@ -25,7 +25,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
-from fedlightning._lightning_compat import attached_trainer, evaluation_batch, metric_state, unsynced_metrics
+from fedlightning._lightning_compat import (
+    attached_trainer,
+    evaluation_batch,
+    metric_state,
+    transfer_hook_owners,
+    unsynced_metrics,
+)
 from fedlightning._logging_route import discard, routed_logging
 from fedlightning._reference import reference_mode
 from fedlightning._validation import flag, integer, one_of
@@ -38,8 +44,6 @@ __all__ = ["ClientEvaluation", "ClientResults", "STATISTICS", "client_statistics
 
 #: The statistics over clients logged for every metric, in this order (:func:`client_statistics`).
 STATISTICS = ("mean", "std", "min", "p10", "p50", "p90", "max")
-
-_BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 
 def metric_key(name: str) -> str:
@@ -522,8 +526,10 @@ class ClientEvaluation(FederatedCallback):
             for n in ("test_step", "validation_step", "_eval", "_logits_targets", "loss")
         ):
             return False
-        if any(is_overridden(n, model) for n in _BATCH_TRANSFER_HOOKS):
-            return False
+        trainer = attached_trainer(model)
+        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if any(is_overridden(n, owner) for n, owner in transfer_hook_owners(model, dm).items()):
+            return False  # the batches go through the module's or the data module's transfer hooks
         metric = model.test_acc if self.split == "test" else model.val_acc
         try:
             from torchmetrics.classification import MulticlassAccuracy

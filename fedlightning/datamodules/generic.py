@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.data import BatchSampler, Dataset, IterableDataset, RandomSampler, SequentialSampler, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
+from fedlightning._lightning_compat import BATCH_TRANSFER_HOOKS, transfer_hook_owners
 from fedlightning._reference import reference_mode
 from fedlightning._validation import flag, integer, one_of
 from fedlightning.datamodules.base import (
@@ -1157,9 +1158,15 @@ def from_datamodule(datamodule: Any, **kwargs: Any) -> DatasetDataModule:
       and ``python train.py fit`` skips its test after fit with a warning).
     * Evaluation batches are built with the training loader's ``collate_fn`` and ``eval_batch_size`` (a warning
       names a validation or test loader with another ``collate_fn``).
+    * The batch-transfer hooks the module overrides (``on_before_batch_transfer``, ``transfer_batch_to_device``,
+      ``on_after_batch_transfer``) become the federated data module's: client, validation and test batches go through
+      them, in place of the model's where both override one (Lightning's rule), with the Trainer as the module's
+      ``trainer``.
     """
     train, test, options = _datamodule_parts(datamodule, kwargs)
-    return DatasetDataModule(train, test, **options)
+    federated = DatasetDataModule(train, test, **options)
+    _adopt_transfer_hooks(federated, datamodule)
+    return federated
 
 
 def _datamodule_parts(datamodule: Any, kwargs: dict) -> tuple[Any, Any, dict]:
@@ -1293,6 +1300,33 @@ class WrappedDataModule(DatasetDataModule):
         super().__init__(train, test, **options)
         #: the wrapped LightningDataModule
         self.datamodule = datamodule
+        _adopt_transfer_hooks(self, datamodule)
+
+
+class _WrappedHook:
+    """A batch-transfer hook of a wrapped ``LightningDataModule``, called as the federated data module's own
+    (:func:`_adopt_transfer_hooks`); the wrapped module's ``self.trainer`` is the federated one's Trainer when it
+    runs, as if the Trainer ran the wrapped module. ``__wrapped__`` keeps Lightning's ``is_overridden`` true."""
+
+    def __init__(self, federated: Any, datamodule: pl.LightningDataModule, name: str):
+        self.federated, self.datamodule = federated, datamodule
+        self.__wrapped__ = getattr(datamodule, name)
+
+    def __call__(self, *args: Any) -> Any:
+        trainer = self.federated.trainer
+        if self.datamodule.trainer is not trainer:
+            self.datamodule.trainer = trainer
+        return self.__wrapped__(*args)
+
+
+def _adopt_transfer_hooks(federated: Any, datamodule: pl.LightningDataModule) -> None:
+    """The batch-transfer hooks that ``datamodule``'s class overrides (``on_before_batch_transfer``,
+    ``transfer_batch_to_device``, ``on_after_batch_transfer``) become ``federated``'s: client, validation and test
+    batches go through them, each preferred to the model's as Lightning prefers a data module's hook."""
+    owners = transfer_hook_owners(None, datamodule)
+    for name in BATCH_TRANSFER_HOOKS:
+        if owners[name] is datamodule:
+            federated.__dict__[name] = _WrappedHook(federated, datamodule, name)
 
 
 def _warn_unused_sampler(name: str, loader: Any) -> None:

@@ -834,8 +834,8 @@ def _engine(loop, run: VectorizedRun) -> VectorizedClientTrainer:
     hooks = getattr(worker, "hooks", None)
     if hooks is not None:
         raise VectorizationUnsupportedError(
-            f"{worker.model_name} overrides the per-step hook(s) {', '.join(hooks.overridden)}, which "
-            "client_execution='vectorized' cannot call per client; use client_execution='sequential' (or 'auto')"
+            f"{hooks.describe(worker.model_name)}, which client_execution='vectorized' cannot call per client; use "
+            "client_execution='sequential' (or 'auto')"
         )
     engine: VectorizedClientTrainer | None = run.engine
     if engine is None or engine.model is not worker.model:
