@@ -24,11 +24,12 @@ from fedlightning.callbacks import FedAvg
 from fedlightning.datamodules import ArrayDataset, FederatedDataModule
 from fedlightning.optim import SgdArmijo
 
-SIZES = [9, 14, 6, 11]  # unequal client sizes, batch 5: padded steps
+SIZES = [9, 14, 6, 11]
 
 
 class Clients(FederatedDataModule):
-    """Four clients of 8×8 float64 inputs with 3 classes (a natural split by SIZES)."""
+    """Four clients of 8×8 float64 inputs with 3 classes: the default IID split of 36 training samples (9 per client,
+    batches of 5 then 4, every client's batch of one size at each step)."""
 
     def __init__(self):
         super().__init__(num_clients=len(SIZES), batch_size=5)
@@ -197,3 +198,47 @@ def test_blank_rows_stay_nan_whatever_writes_into_them():
     plain = VectorizedClientTrainer.scratch(engine, "blank", (2, 4), torch.float64, torch.device("cpu"))
     plain.fill_(1.0)  # a caller without fill: the buffer as it is
     assert (blank(2) == 0.5).all()
+
+
+class SmallClients(Clients):
+    """A natural split of SIZES samples (9, 13, 6 and 10 after the validation hold-out) in batches of 16: a step's
+    padded batch is as large as the round's largest sampled client, which changes from round to round."""
+
+    def __init__(self):
+        FederatedDataModule.__init__(self, num_clients=len(SIZES), batch_size=16)
+
+    def natural_clients(self):
+        return np.split(np.arange(sum(SIZES)), np.cumsum(SIZES)[:-1])
+
+
+def test_trial_rows_reuse_one_buffer_whatever_the_padded_batch_size(monkeypatch):
+    """The trial rows of the layer that reads the batch live in one reusable buffer however many padded batch sizes
+    the run meets (one per size stayed allocated before: memory that grew with every new size), with the weights
+    still those of sequential training."""
+    sizes = set()
+    linear = trials_module._LineTrials._linear
+
+    def spy(self, x, W, b):
+        sizes.add(tuple(x.shape[1:]))
+        return linear(self, x, W, b)
+
+    monkeypatch.setattr(trials_module._LineTrials, "_linear", spy)
+
+    def run(mode):
+        model = Net("plain")
+        loop = FederatedLoop(
+            model,
+            client_optimizer=lambda p: SgdArmijo(p, eta_max=4.0, beta=0.7, c=0.3, max_backtracks=12),
+            local_steps=2,
+            clients_per_round=2,
+            seed=3,
+            client_execution=mode,
+        )
+        make_trainer(8, callbacks=[FedAvg()]).fit(loop, datamodule=SmallClients())
+        return loop, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    loop, vectorized = run("vectorized")
+    assert len(sizes) >= 3  # padded batches of several sizes met the layer
+    keys = [k for k in loop.vectorized_engine._scratch if k[0] in ("line rows", "line B rows")]
+    assert len(keys) <= 2 and len({k[0] for k in keys}) == len(keys)
+    torch.testing.assert_close(vectorized, run("sequential")[1], rtol=0, atol=1e-10)

@@ -145,6 +145,7 @@ class _LineTrials:
         self._B: dict[tuple, Tensor] = {}
         self._rows_of: dict[tuple, tuple] = {}  # the clients' rows of A and B (_unbound)
         self._call: tuple | None = None
+        self._slot_uses: dict[tuple, int] = {}  # buffers handed out in the current call (_linear)
         self._read_elsewhere: set[int] = set()  # parameters some layer not computed from A and B reads as well
         self._sentinels: dict[int, Tensor] = {}
         self.served = 0  # layer calls computed from A and B (tests and benchmarks read it)
@@ -205,6 +206,7 @@ class _LineTrials:
         batch leaves ``row_leaves`` (``[P, n, ...]``) take ``A − η B``."""
         params = {_key(v): k for k, v in enumerate(point_views)}
         self._call = (params, list(row_leaves), pair_client, line.neg_eta, line.widths)
+        self._slot_uses = {}
         try:
             with _offer_linear_rows(self._linear):
                 yield
@@ -228,7 +230,12 @@ class _LineTrials:
             return None
         A, B = self._products(key)
         P = pair_client.shape[0]
-        rows = self.scratch(("line rows", key), (P, *A.shape[1:]), A.dtype, A.device)
+        # the buffers are reused whatever the batch's shape (a padded batch's size changes from step to step, and
+        # one set per shape would stay allocated): by layer, input and the use's number within the call
+        uses = self._slot_uses
+        slot = (*key[:4], uses.get(key[:4], 0))
+        uses[key[:4]] = slot[-1] + 1
+        rows = self.scratch(("line rows", slot), (P, *A.shape[1:]), A.dtype, A.device)
         neg = neg_eta.view(-1, 1, 1)
         if A.device.type in _BLOCK_DEVICES and rows.numel() * rows.element_size() > _GATHER_BYTES:
             # large calls on CPU: one multiply-add per client block, no gathered copies of A and B
@@ -239,7 +246,7 @@ class _LineTrials:
                 torch.addcmul(A_rows[c], B_rows[c], n, out=out)
         else:  # accelerators, and CPU calls up to _GATHER_BYTES of rows: three kernels rather than one per client
             torch.index_select(A, 0, pair_client, out=rows)
-            B_rows = self.scratch(("line B rows", key), rows.shape, B.dtype, B.device)
+            B_rows = self.scratch(("line B rows", slot), rows.shape, B.dtype, B.device)
             rows.addcmul_(torch.index_select(B, 0, pair_client, out=B_rows), neg)
         self.served += 1
         return rows.view(*x.shape[:-1], A.shape[-1])
