@@ -600,11 +600,12 @@ class RoundCheckpoint(ModelCheckpoint):
         """The files written at the round's end, written again after the round's validation, so that they hold what
         the validation changed (EarlyStopping's counters, a client scheduler stepped on a validation metric): a
         resumed run does not run that validation again (Lightning goes on with the next round)."""
-        super().on_validation_end(trainer, pl_module)
         fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+        if fitting:
+            self._validating = None  # the validation is complete: Lightning's saves below hold its results
+        super().on_validation_end(trainer, pl_module)
         if not fitting:
             return
-        self._validating = None
         if self.monitor is not None:
             value = trainer.callback_metrics.get(self.monitor)
             self._monitor_from_validation = value is not None and value is not self._monitor_at_validation_start

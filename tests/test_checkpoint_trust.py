@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path, PurePosixPath
 
 import lightning.pytorch as pl
@@ -526,6 +527,38 @@ def test_a_file_written_before_its_rounds_validation_completed_says_so_on_resume
     with pytest.warns(UserWarning, match=r"round 4 as it was before that round's validation, which did not complete"):
         resumed, _ = _validated_fit(tmp_path / "r", _small_mlp(), 6, ckpt_path=os.path.join(folder, "killed.ckpt"))
     assert resumed.global_step == 6
+
+
+@pytest.mark.parametrize("every", [None, 1])
+def test_files_a_monitored_checkpoint_writes_after_a_validation_are_not_pending(tmp_path, every):
+    """With a monitor, Lightning ranks and writes its files when the validation ends (per validation, or, with
+    every_n_train_steps, the round's save delayed to then): they hold the validation's results, and resuming or
+    evaluating them warns of nothing."""
+    folder = str(tmp_path / "ck")
+    ck = RoundCheckpoint(
+        dirpath=folder, monitor="val/acc", mode="max", save_top_k=-1, save_last=True, every_n_train_steps=every
+    )
+    trainer = make_trainer(
+        3,
+        callbacks=[ck],
+        enable_checkpointing=True,
+        plugins=[AtomicCheckpointIO()],
+        limit_val_batches=1,
+        val_check_interval=1,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+    )
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    trainer.fit(FederatedLoop(_small_mlp(), local_steps=2, clients_per_round=2, seed=0), datamodule=dm)
+    files = sorted(os.listdir(folder))
+    assert len(files) == 4  # rounds 1, 2, 3 and last
+    assert [_pending(os.path.join(folder, f)) for f in files] == [None] * 4
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*before that round's validation.*")
+        resumed = make_trainer(4, plugins=[AtomicCheckpointIO()], limit_val_batches=1, num_sanity_val_steps=0)
+        loop = FederatedLoop(_small_mlp(), local_steps=2, clients_per_round=2, seed=0)
+        resumed.fit(loop, datamodule=dm, ckpt_path=os.path.join(folder, "last.ckpt"))
+    assert resumed.global_step == 4
 
 
 def test_an_exception_in_validation_leaves_a_file_that_says_its_validation_is_pending(tmp_path):
