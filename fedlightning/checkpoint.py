@@ -301,6 +301,8 @@ def read_checkpoint(path, weights_only: bool | None = None, map_location: Any = 
     checkpoint's round. A read without ``mmap`` first checks the file's checksums (:func:`verify_checksums`).
     """
     path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(path, "file not found")
     if not mmap:
         verify_checksums(path)
     if weights_only is False:
@@ -791,13 +793,15 @@ def check_fits_model(path, ckpt: Mapping[str, Any], model: torch.nn.Module) -> N
                 )
 
 
-def global_model_state(path) -> dict[str, torch.Tensor]:
-    """The global model's ``state_dict`` in the file ``path``, read by :func:`read_checkpoint` (no code runs): from
-    a fedlightning checkpoint its global model (the keys of your module, without the loop's ``model.`` prefix), from
-    a Lightning checkpoint of your module its ``state_dict``, or a ``torch.save``'d state dict itself. A file that
-    holds none of these is a :class:`CheckpointError`."""
+def global_model_state(path, weights_only: bool | None = None) -> dict[str, torch.Tensor]:
+    """The global model's ``state_dict`` in the file ``path``, read by :func:`read_checkpoint` (no code runs unless
+    ``weights_only=False``, the opt-in for a file you trust that needs other types, such as a Lightning checkpoint
+    whose ``save_hyperparameters()`` holds an ``Enum``): from a fedlightning checkpoint its global model (the keys of
+    your module, without the loop's ``model.`` prefix), from a Lightning checkpoint of your module its
+    ``state_dict``, or a ``torch.save``'d state dict itself. A file that holds none of these is a
+    :class:`CheckpointError`."""
     path = os.fspath(path)
-    ckpt = read_checkpoint(path)
+    ckpt = read_checkpoint(path, weights_only=weights_only)
     state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else None
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(
@@ -809,7 +813,7 @@ def global_model_state(path) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
-def load_global_model(path, module: torch.nn.Module) -> torch.nn.Module:
+def load_global_model(path, module: torch.nn.Module, weights_only: bool | None = None) -> torch.nn.Module:
     """Load the global model of the checkpoint ``path`` (:func:`global_model_state`) into ``module`` (your
     LightningModule, built as for training) and return it, e.g. to evaluate or predict with the trained model::
 
@@ -817,8 +821,8 @@ def load_global_model(path, module: torch.nn.Module) -> torch.nn.Module:
 
     Its keys, shapes and finiteness are checked first (:func:`check_fits_model`): a :class:`CheckpointError` names
     the difference. (``MyModule.load_from_checkpoint`` cannot read a federated checkpoint: it holds the
-    ``FederatedLoop``, whose keys carry the ``model.`` prefix.)"""
-    state = global_model_state(path)
+    ``FederatedLoop``, whose keys carry the ``model.`` prefix.) ``weights_only``: as for :func:`global_model_state`."""
+    state = global_model_state(path, weights_only=weights_only)
     check_fits_model(path, {"state_dict": state}, module)
     module.load_state_dict(state)
     return module

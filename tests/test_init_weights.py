@@ -2,6 +2,7 @@
 trained centrally with plain Lightning, a ``torch.save``d state dict, a federated run's checkpoint). Reference: the
 weights in the file itself; the global model must hold exactly them when round 0 starts."""
 
+import enum
 import os
 
 import lightning.pytorch as pl
@@ -163,3 +164,34 @@ def test_a_checkpoint_that_needs_code_is_refused_with_the_state_dict_way_out(tmp
         CheckpointError, match=r"needs the type .*Settings.*torch\.save\(module\.state_dict\(\), file\)"
     ):
         _fit(path)
+
+
+class Mode(enum.Enum):
+    WIDE = "wide"
+
+
+class EnumNet(Net):
+    def __init__(self, mode: Mode = Mode.WIDE):
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_load_global_model_reads_a_trusted_file_that_needs_other_types_when_told_to(tmp_path):
+    """A central Lightning checkpoint whose save_hyperparameters() holds an Enum: refused by default naming the type
+    and the argument that opts in, read with weights_only=False (the argument the message names exists); a missing
+    file is named as such."""
+    from fedlightning.checkpoint import global_model_state, load_global_model
+
+    torch.manual_seed(0)
+    central = EnumNet()
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(central, DataLoader(TensorDataset(X, Y), batch_size=30))
+    path = str(tmp_path / "central.ckpt")
+    trainer.save_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"needs the type .*Mode.*weights_only=False"):
+        load_global_model(path, EnumNet())
+    with pytest.warns(UserWarning, match="central.ckpt"):
+        loaded = load_global_model(path, EnumNet(), weights_only=False)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in central.state_dict().items())
+    with pytest.raises(CheckpointError, match=r"checkpoint .*absent.ckpt: file not found"):
+        global_model_state(str(tmp_path / "absent.ckpt"))
