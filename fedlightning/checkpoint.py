@@ -574,19 +574,8 @@ class RoundCheckpoint(ModelCheckpoint):
     def state_dict(self) -> dict[str, Any]:
         """Lightning's state, and ``validation_pending``: the round of a file written before that round's validation
         completed (at the round's end with a validation to follow, or after an exception in the validation), else
-        None. A run resumed from such a file warns that the validation is not run again (:meth:`load_state_dict`)."""
+        None. A run resumed from such a file says that it does not run the validation (the FederatedLoop warns)."""
         return {**super().state_dict(), "validation_pending": self._pending}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        pending = state_dict.get("validation_pending")
-        if pending is not None:
-            rank_zero_warn(
-                f"the checkpoint holds round {pending} as it was before that round's validation, which did not "
-                f"complete (the run stopped during it); the resumed run goes on with round {pending + 1} and does "
-                f"not run it: its metrics are not logged, and callbacks acting on them (EarlyStopping, a monitored "
-                "checkpoint, a scheduler stepped on a validation metric) do not see them"
-            )
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         round_ = trainer.global_step

@@ -52,6 +52,7 @@ from fedlightning._lightning_compat import (
     timer_interval,
     transfer_hook_owners,
     unsynced_metrics,
+    validation_follows,
 )
 from fedlightning._logging_route import route_logging, routed_logging
 from fedlightning._reference import reference_mode
@@ -143,7 +144,9 @@ class _Runtime:
     #: (:meth:`FederatedLoop._federated_hook`)
     hooks_in_use: tuple[tuple[int, ...], frozenset[str]] | None = None
     #: ``(round, params, buffers)`` of the global model (:meth:`FederatedLoop._round_tensors`)
-    round_tensors: tuple[int, list[Tensor], list[Tensor], list[bool]] | None = None
+    round_tensors: tuple[int, list[Tensor], list[Tensor]] | None = None
+    #: a round has ended and the validation Lightning may run after it has not (FederatedLoop._validation_pending)
+    before_validation: bool = False
     #: ``(round, lr)``: the first parameter group's learning rate of the last client optimizer built
     #: (:meth:`FederatedLoop.prepare_client`), logged as ``client/lr``; lr None when that group has no ``lr``
     client_lr: tuple[int, float | None] | None = None
@@ -1018,6 +1021,7 @@ class FederatedLoop(pl.LightningModule):
         stats = self._close_clients(plan, tally)
         result = self._step_server(plan, stats, tally)
         self._end_round(result)
+        self._runtime.before_validation = True
         return None
 
     # ------------------------------------------------------------------ the round's phases
@@ -1360,6 +1364,7 @@ class FederatedLoop(pl.LightningModule):
         self.model.on_validation_start()
 
     def on_validation_end(self) -> None:
+        self._runtime.before_validation = False
         try:
             self.model.on_validation_end()
         finally:
@@ -1405,8 +1410,18 @@ class FederatedLoop(pl.LightningModule):
             "rounds_without_healthy_client": self.rounds_without_healthy_client,
             "module_optimizer": mo.state_dict() if mo is not None else None,
             "client_groups": self._client_groups_state(),
+            "validation_pending": self._validation_pending(),
         }
         self.model.on_save_checkpoint(checkpoint)
+
+    def _validation_pending(self) -> int | None:
+        """The round a checkpoint written now holds before the validation that Lightning runs after it (a
+        ``ModelCheckpoint`` saving at the round's end, before that validation), else None. A run resumed from such a
+        file does not run that validation (:meth:`_tell_validation_pending`)."""
+        trainer = attached_trainer(self)
+        if trainer is None or not self._runtime.before_validation or trainer.validating:
+            return None
+        return int(trainer.global_step) if validation_follows(trainer) else None
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The loop's own state; and first the precision plugin's conversion of the modules (``64-true``: float64),
@@ -1425,6 +1440,8 @@ class FederatedLoop(pl.LightningModule):
             if trainer.state.fn == TrainerFn.FITTING:  # the file resumes training: it must hold the training state
                 check_resumable(str(trainer.ckpt_path), checkpoint)
                 self._check_server_optimizer_kind(trainer, checkpoint)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            _tell_validation_pending(checkpoint)
         settle_unprocessed_batch(checkpoint)  # a file of a run stopped at a round's start: that round not begun
         if trainer is not None and _trains_on(trainer, checkpoint):
             reopen_epoch_ended_by_max_steps(checkpoint)  # a finished fit extended: its epoch goes on
@@ -1575,6 +1592,36 @@ def _trains_on(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
     """Whether a fit resumes from ``checkpoint`` with rounds left to train under ``trainer.max_steps``."""
     resumed = _resumed_rounds(trainer, checkpoint)
     return resumed is not None and resumed[1] > resumed[0]
+
+
+def _tell_validation_pending(checkpoint: dict[str, Any]) -> None:
+    """Warn when the file holds a round before the validation Lightning ran after it: written at the round's end
+    (by a ``ModelCheckpoint``, or by :class:`~fedlightning.checkpoint.RoundCheckpoint` in a run that stopped during
+    that validation). The resumed run goes on with the next round and never runs it. The round is the loop's
+    record (``validation_pending``), or a callback's (files written before the loop kept one)."""
+    pending = checkpoint["fedlightning"].get("validation_pending")
+    states = checkpoint.get("callbacks")
+    states = states if isinstance(states, dict) else {}
+    by_callback = [
+        v["validation_pending"]
+        for v in states.values()
+        if isinstance(v, dict) and v.get("validation_pending") is not None
+    ]
+    if pending is None and by_callback:
+        pending = by_callback[0]
+    if pending is None:
+        return
+    hint = (
+        ""
+        if any(str(k).startswith("RoundCheckpoint") for k in states)
+        else " (fedlightning.checkpoint.RoundCheckpoint writes its files again after the validation)"
+    )
+    rank_zero_warn(
+        f"the checkpoint holds round {pending} as it was before that round's validation, written at the round's end"
+        f"{hint}; the resumed run goes on with round {pending + 1} and does not run that validation: its metrics are "
+        "not logged, and callbacks acting on them (EarlyStopping, a monitored checkpoint, a scheduler stepped on a "
+        "validation metric) do not see them"
+    )
 
 
 def _say_nothing_to_train(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:

@@ -524,7 +524,7 @@ def test_a_file_written_before_its_rounds_validation_completed_says_so_on_resume
     assert _pending(os.path.join(folder, "killed.ckpt")) == 4
     assert _pending(os.path.join(folder, "epoch=0-step=4.ckpt")) is None  # written again after the validation
     assert _pending(os.path.join(folder, "last.ckpt")) is None  # round 6: no validation
-    with pytest.warns(UserWarning, match=r"round 4 as it was before that round's validation, which did not complete"):
+    with pytest.warns(UserWarning, match=r"round 4 as it was before that round's validation"):
         resumed, _ = _validated_fit(tmp_path / "r", _small_mlp(), 6, ckpt_path=os.path.join(folder, "killed.ckpt"))
     assert resumed.global_step == 6
 
@@ -559,6 +559,50 @@ def test_files_a_monitored_checkpoint_writes_after_a_validation_are_not_pending(
         loop = FederatedLoop(_small_mlp(), local_steps=2, clients_per_round=2, seed=0)
         resumed.fit(loop, datamodule=dm, ckpt_path=os.path.join(folder, "last.ckpt"))
     assert resumed.global_step == 4
+
+
+def test_a_lightning_checkpoint_written_before_its_rounds_validation_warns_on_resume(tmp_path):
+    """Lightning's own ModelCheckpoint writes at the round's end, before the validation after it: the loop records
+    the round in the file, and resuming it warns that the validation is not run (an EarlyStopping that this
+    validation would have triggered cannot stop the resumed run); a round without validation resumes silently, and a
+    RoundCheckpoint file that says so itself warns once."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    folder = str(tmp_path / "ck")
+    ck = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = make_trainer(
+        3,
+        callbacks=[ck],
+        enable_checkpointing=True,
+        plugins=[AtomicCheckpointIO()],
+        limit_val_batches=1,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+    )
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    trainer.fit(FederatedLoop(_small_mlp(), local_steps=2, clients_per_round=2, seed=0), datamodule=dm)
+    pending = {
+        f: read_checkpoint(os.path.join(folder, f))["fedlightning"]["validation_pending"] for f in os.listdir(folder)
+    }
+    assert pending == {"step=1.ckpt": None, "step=2.ckpt": 2, "step=3.ckpt": None}
+
+    def resume(path):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed = make_trainer(4, plugins=[AtomicCheckpointIO()], limit_val_batches=0)
+            resumed.fit(
+                FederatedLoop(_small_mlp(), local_steps=2, clients_per_round=2, seed=0), datamodule=dm, ckpt_path=path
+            )
+        return [str(w.message) for w in caught if "before that round's validation" in str(w.message)]
+
+    (told,) = resume(os.path.join(folder, "step=2.ckpt"))
+    assert "round 2" in told and "goes on with round 3" in told and "EarlyStopping" in told
+    assert resume(os.path.join(folder, "step=3.ckpt")) == []
+    _, folder = _validated_fit(
+        tmp_path / "rc", _small_mlp(), 6, [CopyAtValidationStart(str(tmp_path / "rc" / "ck"), 4)]
+    )
+    assert len(resume(os.path.join(folder, "killed.ckpt"))) == 1
 
 
 def test_an_exception_in_validation_leaves_a_file_that_says_its_validation_is_pending(tmp_path):
