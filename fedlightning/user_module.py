@@ -17,6 +17,7 @@ user's code expects from Lightning (docs/your_model.md lists it for users):
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -176,11 +177,11 @@ class ClientHooks:
 
     def __init__(self, model: nn.Module, datamodule: Any = None):
         self.overridden = tuple(h for h in STEP_HOOKS if is_overridden(h, model, pl.LightningModule))
-        self.datamodule = datamodule
-        # the batch-transfer hooks of the data module that win over the module's (Lightning's rule)
+        # the batch-transfer hooks of the data module that win over the module's (Lightning's rule); the data module
+        # held by a weak reference: a deep copy of the model (a user's callback keeping one) copies no data module
         owners = transfer_hook_owners(model, datamodule)
         self.data_overridden = tuple(n for n in BATCH_TRANSFER_HOOKS if owners[n] is datamodule)
-        self._data_hooks = {n: getattr(datamodule, n) for n in self.data_overridden}
+        self._datamodule = None if datamodule is None else weakref.ref(datamodule)
         o = set(self.overridden)
         self.batch_start = "on_train_batch_start" in o
         self.transfer = bool(o & set(BATCH_TRANSFER_HOOKS)) or bool(self.data_overridden)
@@ -215,11 +216,17 @@ class ClientHooks:
             )
         return " and ".join(parts)
 
+    @property
+    def datamodule(self) -> Any:
+        """The data module whose batch-transfer hooks these are (None: the module's only)."""
+        return None if self._datamodule is None else self._datamodule()
+
     def transfer_batch(self, model: pl.LightningModule, batch: Any) -> Any:
-        data = self._data_hooks
-        batch = data.get("on_before_batch_transfer", model.on_before_batch_transfer)(batch, 0)
-        batch = data.get("transfer_batch_to_device", model.transfer_batch_to_device)(batch, model.device, 0)
-        return data.get("on_after_batch_transfer", model.on_after_batch_transfer)(batch, 0)
+        dm = self.datamodule if self.data_overridden else None
+        owner = {n: dm for n in self.data_overridden} if dm is not None else {}
+        batch = owner.get("on_before_batch_transfer", model).on_before_batch_transfer(batch, 0)
+        batch = owner.get("transfer_batch_to_device", model).transfer_batch_to_device(batch, model.device, 0)
+        return owner.get("on_after_batch_transfer", model).on_after_batch_transfer(batch, 0)
 
 
 # ====================================================================== the module's own optimizer
