@@ -532,6 +532,7 @@ class RoundCheckpoint(ModelCheckpoint):
         self._monitor_from_validation = False  # the last validation logged the monitored metric
         self._warned_unranked = False
         self._validating: int | None = None  # the round whose validation has started and not ended
+        self._inherited: set[str] = set()  # top-k files of the run resumed from, in its directory (load_state_dict)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._round_started_at = trainer.global_step
@@ -570,6 +571,40 @@ class RoundCheckpoint(ModelCheckpoint):
         self._monitor_at_validation_start = trainer.callback_metrics.get(self.monitor) if self.monitor else None
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self._validating = trainer.global_step
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's restore, and (ours) with a ``monitor``, for a run resumed into another directory (``train.py``
+        opens a new version directory for every run): the ranking of the earlier run's top-k files that still
+        exist, which Lightning drops when the directory changed, so that ``best_model_path`` (and ``--ckpt_path
+        best``) name the best round of the whole run, as without the interruption. An earlier run's file that falls
+        out of the top k stays in its directory (nothing a run wrote is removed by another), and ``last`` is this
+        run's own."""
+        saved_dir = state_dict.get("dirpath", self.dirpath)
+        best_k = state_dict.get("best_k_models") or {}
+        kept = {p: v for p, v in best_k.items() if isinstance(p, str) and os.path.isfile(p)}
+        if self.monitor is None or self.dirpath is None or saved_dir == self.dirpath or not kept:
+            super().load_state_dict(state_dict)
+            return
+        ranked = sorted(kept, key=lambda p: float(kept[p]), reverse=self.mode == "max")  # best first
+        super().load_state_dict(
+            {
+                **state_dict,
+                "dirpath": self.dirpath,
+                "best_k_models": kept,
+                "best_model_path": ranked[0],
+                "best_model_score": kept[ranked[0]],
+                "kth_best_model_path": ranked[-1],
+                "kth_value": kept[ranked[-1]],
+                "last_model_path": "",
+            }
+        )
+        self._inherited = set(kept)
+
+    def _remove_checkpoint(self, trainer, filepath: str) -> None:
+        if filepath in self._inherited:  # the earlier run's file, out of the top k now: it stays (load_state_dict)
+            self._inherited.discard(filepath)
+            return
+        super()._remove_checkpoint(trainer, filepath)
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning's state, and ``validation_pending``: the round of a file written before that round's validation

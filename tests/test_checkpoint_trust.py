@@ -605,6 +605,58 @@ def test_a_lightning_checkpoint_written_before_its_rounds_validation_warns_on_re
     assert len(resume(os.path.join(folder, "killed.ckpt"))) == 1
 
 
+class ScoredMLP(MLP):
+    """Logs ``score`` (lower is better) at each validation, a fixed value per round: best round 4, then round 2."""
+
+    SCORES = {1: 0.5, 2: 0.2, 3: 0.6, 4: 0.1, 5: 0.7}
+
+    def __init__(self):
+        super().__init__(input_dim=64, num_classes=10, hidden=[8])
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            self.log("score", self.SCORES[self.global_step])
+
+
+def _scored_fit(folder, max_steps, top_k, ckpt_path=None):
+    ck = RoundCheckpoint(
+        dirpath=folder, monitor="score", mode="min", save_top_k=top_k, save_last=True, filename="{step}"
+    )
+    trainer = make_trainer(
+        max_steps,
+        callbacks=[ck],
+        enable_checkpointing=True,
+        plugins=[AtomicCheckpointIO()],
+        limit_val_batches=1,
+        val_check_interval=1,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+    )
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    trainer.fit(
+        FederatedLoop(ScoredMLP(), local_steps=1, clients_per_round=2, seed=0), datamodule=dm, ckpt_path=ckpt_path
+    )
+    return ck
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_a_run_resumed_into_another_directory_keeps_its_best_rounds(tmp_path, top_k):
+    """Rounds 1-3 in one directory, 4-5 resumed into another (as train.py resumes, in a new version directory): the
+    best model is round 4 and the top k the rounds of the uninterrupted run; the earlier run's round-2 file stays in
+    its directory when it falls out of the top k (Lightning would drop the ranking and name round 4 best only by
+    chance of the later rounds)."""
+    straight = _scored_fit(str(tmp_path / "straight"), 5, top_k)
+    first = _scored_fit(str(tmp_path / "a"), 3, top_k)
+    assert os.path.basename(first.best_model_path) == "step=2.ckpt"
+    resumed = _scored_fit(str(tmp_path / "b"), 5, top_k, ckpt_path=str(tmp_path / "a" / "last.ckpt"))
+    assert resumed.best_model_path == str(tmp_path / "b" / "step=4.ckpt")
+    assert float(resumed.best_model_score) == float(straight.best_model_score) == pytest.approx(0.1)
+    ranked = lambda ck: sorted((round(float(v), 6), os.path.basename(p)) for p, v in ck.best_k_models.items())  # noqa: E731
+    assert ranked(resumed) == ranked(straight)
+    assert os.path.isfile(tmp_path / "a" / "step=2.ckpt") and os.path.isfile(tmp_path / "a" / "last.ckpt")
+    assert sorted(os.listdir(tmp_path / "b")) == ["last.ckpt", "step=4.ckpt"]
+
+
 def test_an_exception_in_validation_leaves_a_file_that_says_its_validation_is_pending(tmp_path):
     with pytest.raises(RuntimeError, match="validation failed"):
         _validated_fit(tmp_path, FailsValidationAt(4), 8)
