@@ -573,6 +573,31 @@ def test_a_mean_weighted_by_class_is_refused_on_the_per_sample_path_and_auto_tra
     torch.testing.assert_close(auto[0], seq[0], rtol=0, atol=0)
 
 
+class FeatureWeighted(UserMLP):
+    """A mean weighted by something of the inputs (5 times the weight for samples whose pixel 5 is nearly white, 8 %
+    of the digits), written out by hand: not a class weighting, so the probe's distinct targets need not show it."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        per = F.cross_entropy(self.net(x), y, reduction="none")
+        w = 1 + 4 * (x[:, 5] > 0.9375).to(per.dtype)
+        return (per * w).sum() / w.sum()
+
+
+def test_a_mean_weighted_by_the_inputs_is_refused_on_the_per_sample_path_and_auto_trains_it_sequentially():
+    """The sample-mean check also splits every client's real samples in two: a mean over samples is the
+    size-weighted mean of its halves' means, a mean weighted by the inputs is not where the heavy samples fall in
+    one half. The probe of 8 samples missed this one, and vectorized training moved the weights 5.6e-2 away from
+    sequential training's, in silence."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    with pytest.raises(VectorizationUnsupportedError, match=r"real samples of client row \d+'s batch .* two halves"):
+        fit(FeatureWeighted(), CLIENT_OPTIMIZERS["sgd"], "vectorized")
+    seq = fit(FeatureWeighted(), CLIENT_OPTIMIZERS["sgd"], "sequential")
+    auto = fit(FeatureWeighted(), CLIENT_OPTIMIZERS["sgd"], "auto")
+    torch.testing.assert_close(auto[0], seq[0], rtol=0, atol=0)
+
+
 class BatchContextFromRound1(UserMLP):
     """A batch-context term switched on from round 1 (a curriculum, a warm-up): the loss is a mean over samples
     when the padded path is chosen (round 0) and mixes samples afterwards."""

@@ -765,7 +765,7 @@ class _ModelCall:
                     self.collector.reset()
 
     def _check_sample_mean(
-        self, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor]
+        self, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor], halves: bool = False
     ) -> str | None:
         """None if ``training_step``'s loss on a few real samples of the step's batch (:func:`_probe_cells`: up to
         8, at least 2) equals the mean of its losses on each of those samples alone (at the weights and running
@@ -777,7 +777,12 @@ class _ModelCall:
         the probe holds samples of classes of different weight, or an ignored one: the probe takes samples of as many
         distinct values of the batch's integer leaves (targets) as it can, from every client's rows. Models with
         random layers are checked in eval mode (dropout off): the check is about how the loss reduces over samples,
-        which their random draws would hide."""
+        which their random draws would hide.
+
+        With ``halves`` (the per-sample path's check, ours), also every client row's real samples: its loss on them
+        must equal the size-weighted mean of its losses on their two halves (as a mean over samples does), which a
+        mean weighted by something of the inputs fails where its heavy samples fall in one half, whatever the
+        probe holds (``3 R`` more small calls, once per round)."""
         leaves, spec = tree_flatten(batch)
         counts = mask.sum(1).tolist()
         r = max(range(len(counts)), key=lambda i: (counts[i], -i))
@@ -798,11 +803,11 @@ class _ModelCall:
             self.model.eval()
         self.metric_calls.begin(False)
 
-        def loss(lo: int, hi: int) -> tuple[Tensor, dict[str, Tensor]]:
-            self.norms.begin(row_stats, None, None, hi - lo)
+        def loss(lo: int, hi: int, samples=probe, stats=row_stats) -> tuple[Tensor, dict[str, Tensor]]:
+            self.norms.begin(stats, None, None, hi - lo)
             self.collector.reset()
             try:
-                b = tree_unflatten([x[lo:hi] for x in probe], spec)
+                b = tree_unflatten([x[lo:hi] for x in samples], spec)
                 value = extract_loss(self.model.training_step(b, step), model_name).double().reshape(())
                 logged = {
                     n: v.detach().double().reshape(()) for n, v in zip(self.collector.names, self.collector.values)
@@ -811,10 +816,21 @@ class _ModelCall:
             finally:
                 self.norms.end()
 
+        splits: list[tuple[int, int, Tensor, Tensor]] = []  # (row, real samples, whole batch, size-weighted halves)
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices), full_precision, self._weights_in_slots(row):
-                together, logged = loss(0, k)
-                each = [loss(j, j + 1) for j in range(k)]
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), full_precision:
+                with self._weights_in_slots(row):
+                    together, logged = loss(0, k)
+                    each = [loss(j, j + 1) for j in range(k)]
+                for i, n in enumerate(int(c) for c in counts):
+                    if not halves or n < 2:
+                        continue
+                    real, h = [x.detach()[i, :n] for x in leaves], n // 2
+                    stats_i = [s_[i] for s_ in stats]
+                    with self._weights_in_slots([v[i].detach() for v in views]):
+                        whole = loss(0, n, real, stats_i)[0]
+                        parts = (h * loss(0, h, real, stats_i)[0] + (n - h) * loss(h, n, real, stats_i)[0]) / n
+                    splits.append((i, n, whole, parts))
         finally:
             self.collector.reset()
             for m, training in modes:
@@ -829,6 +845,14 @@ class _ModelCall:
                 "the loss is not a mean over samples (reduction='sum'? a term over the whole batch? class weights or "
                 "ignore_index, which weight the samples in the mean?)"
             )
+        for i, n, whole, parts in splits:  # every client's real samples: a mean over them splits into its halves
+            if not torch.allclose(whole, parts, rtol=rtol, atol=atol, equal_nan=True):
+                return (
+                    f"its loss on the {n} real samples of client row {i}'s batch is {float(whole):.6g} while the "
+                    f"size-weighted mean of its losses on the batch's two halves is {float(parts):.6g}: the loss is "
+                    "not a mean over samples (a mean weighted by something of the samples, such as a weight computed "
+                    "from the inputs? a term over the whole batch?)"
+                )
         for name, value in logged.items():  # logged values are averaged over a client's samples the same way
             per = [lg.get(name) for _, lg in each]
             if any(v is None for v in per):

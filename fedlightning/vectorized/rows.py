@@ -355,7 +355,7 @@ class _SampleRows(_TracedRows):
             )
         if not self.checked:
             with self.call._vmap_context():
-                refusal = self.call._check_sample_mean(views, batch, mask, step, stats)
+                refusal = self.call._check_sample_mean(views, batch, mask, step, stats, halves=True)
             if refusal is not None:
                 raise _not_a_mean(self.call, f"one training_step per sample ({self.reason})", refusal)
             self.checked = True
