@@ -36,6 +36,7 @@ __all__ = [
     "WrongTypeError",
     "check_fit_callbacks",
     "check_fit_settings",
+    "check_refused_callbacks",
     "check_learning_rates",
     "check_step_settings",
     "check_val_check_interval",
@@ -324,37 +325,20 @@ def check_fit_callbacks(
       ``BatchSizeFinder`` grows ``data.batch_size`` until a batch fails, which client batches (at most a client's
       data) never do, so clients would take full-batch steps; ``LearningRateFinder`` tunes Lightning's own
       optimizer; ``GradientAccumulationScheduler`` accumulates Lightning's optimizer steps (as
-      ``accumulate_grad_batches``). Each is refused with what does the job here.
+      ``accumulate_grad_batches``); ``BaseFinetuning`` (``BackboneFinetuning``) unfreezes layers at epochs, which
+      under ``max_steps`` never come (the run is epoch 0), and adds them to the server optimizer with a smaller
+      learning rate, which scales the server step of their average update, not the clients' training;
+      ``SpikeDetection`` reads the loss of Lightning's training step, which a round does not return (the round's
+      mean client loss is ``train/loss``). Each is refused with what does the job here.
     """
-    from lightning.pytorch.callbacks import (
-        BatchSizeFinder,
-        EarlyStopping,
-        GradientAccumulationScheduler,
-        LearningRateFinder,
-        ModelCheckpoint,
-        StochasticWeightAveraging,
-        Timer,
-    )
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, Timer
 
     max_steps = getattr(trainer, "max_steps", None)
     one_epoch = isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps >= 1
     validates = getattr(trainer, "limit_val_batches", 1) != 0
-    refused = {
-        StochasticWeightAveraging: "averages the weights of Lightning's own optimizer steps per epoch, which a "
-        "federated fit does not take, and would put the weights of before the first round into the model when the "
-        "fit ends; average on the server with a strategy (e.g. FedExP's iterate average) instead",
-        BatchSizeFinder: "grows data.batch_size until a batch fails, which a client's batch (at most its data) never "
-        "does, so clients would take full-batch steps; set data.init_args.batch_size",
-        LearningRateFinder: "tunes Lightning's own optimizer, which a federated fit does not step; sweep the client "
-        "learning rate with a W&B sweep (docs/sweeps.md)",
-        GradientAccumulationScheduler: "accumulates Lightning's own optimizer steps, which federated training does "
-        "not take: a client's local step is one batch of its loader; use a larger data.batch_size",
-    }
+    check_refused_callbacks(trainer)
     for cb in getattr(trainer, "callbacks", None) or []:
         name = type(cb).__name__
-        for kind, why in refused.items():
-            if isinstance(cb, kind):
-                raise SettingError("trainer.callbacks", f"{name} {why}, and remove the callback")
         monitor = getattr(cb, "monitor", None)
         if not validates and isinstance(monitor, str) and monitor.startswith("val/"):
             raise SettingError(
@@ -391,6 +375,49 @@ def check_fit_callbacks(
                 f"{name}(interval='epoch') with max_steps={max_steps}: the run is one epoch, so it would check the "
                 "time after the last round only; use interval: step (a step is a round)",
             )
+
+
+def check_refused_callbacks(trainer: Any) -> None:
+    """Refuse the Lightning callbacks that would do something else in a federated fit (:func:`check_fit_callbacks`
+    lists them and why), naming what does the job here. Also called when a fit starts, before the callbacks' own
+    ``setup`` (``FederatedLoop.configure_callbacks``), where ``BackboneFinetuning`` would fail first on the loop."""
+    from lightning.pytorch import callbacks
+    from lightning.pytorch.callbacks import (
+        BaseFinetuning,
+        BatchSizeFinder,
+        GradientAccumulationScheduler,
+        LearningRateFinder,
+        StochasticWeightAveraging,
+    )
+
+    refused = {
+        StochasticWeightAveraging: "averages the weights of Lightning's own optimizer steps per epoch, which a "
+        "federated fit does not take, and would put the weights of before the first round into the model when the "
+        "fit ends; average on the server with a strategy (e.g. FedExP's iterate average) instead",
+        BatchSizeFinder: "grows data.batch_size until a batch fails, which a client's batch (at most its data) never "
+        "does, so clients would take full-batch steps; set data.init_args.batch_size",
+        LearningRateFinder: "tunes Lightning's own optimizer, which a federated fit does not step; sweep the client "
+        "learning rate with a W&B sweep (docs/sweeps.md)",
+        GradientAccumulationScheduler: "accumulates Lightning's own optimizer steps, which federated training does "
+        "not take: a client's local step is one batch of its loader; use a larger data.batch_size",
+        BaseFinetuning: "unfreezes layers at epochs (with max_steps the run is one epoch of rounds, so a later one "
+        "never comes; with max_epochs a layer thawed during the fit is refused) and adds them to the server optimizer "
+        "with a smaller learning rate, which scales the server step of their averaged update instead of the clients' "
+        "training; freeze layers in the module "
+        "(requires_grad=False, fixed at the first round) and give them their own client learning rate in "
+        "configure_optimizers() (a parameter group)",
+    }
+    spike = getattr(callbacks, "SpikeDetection", None)
+    if spike is not None:
+        refused[spike] = (
+            "reads the loss of Lightning's training step, which a federated round does not return (the round's mean "
+            "client loss is logged as train/loss); watch train/loss, or let the loop leave out non-finite clients "
+            "(FederatedLoop's max_failed_rounds)"
+        )
+    for cb in getattr(trainer, "callbacks", None) or []:
+        for kind, why in refused.items():
+            if isinstance(cb, kind):
+                raise SettingError("trainer.callbacks", f"{type(cb).__name__} {why}, and remove the callback")
 
 
 def _check_validation_runs(trainer: Any, max_steps: Any, every: Any) -> None:

@@ -70,6 +70,7 @@ from fedlightning._validation import (
     check_fit_callbacks,
     check_fit_settings,
     check_learning_rates,
+    check_refused_callbacks,
     check_step_settings,
     integer,
     one_of,
@@ -1281,6 +1282,7 @@ class FederatedLoop(pl.LightningModule):
         trainer = attached_trainer(self)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_step_settings(trainer)  # before Lightning's own check, which would advise automatic optimization
+            check_refused_callbacks(trainer)  # before their setup (BackboneFinetuning's fails on the loop)
         callbacks = self.model.configure_callbacks() or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         bar = round_bar_for(trainer.progress_bar_callback) if trainer is not None else None

@@ -20,11 +20,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    BaseFinetuning,
     BatchSizeFinder,
     EarlyStopping,
     GradientAccumulationScheduler,
     LearningRateFinder,
     ModelCheckpoint,
+    SpikeDetection,
     StochasticWeightAveraging,
     Timer,
 )
@@ -329,6 +332,12 @@ COMMAND_LINES = [
         ["client_grad_clip=0.0001 clips the gradient", "SgdArmijo computes its gradients"],
     ),
     (
+        "backbone finetuning callback",
+        ["--trainer.callbacks+=lightning.pytorch.callbacks.BackboneFinetuning"],
+        "trainer.callbacks",
+        ["BackboneFinetuning unfreezes layers at epochs", "remove the callback"],
+    ),
+    (
         "SWA callback",
         [
             "--trainer.callbacks+=lightning.pytorch.callbacks.StochasticWeightAveraging",
@@ -531,6 +540,16 @@ def _tiny_fit(trainer_kwargs, **loop_kwargs):
     return info.value
 
 
+class _Thaw(BaseFinetuning):
+    """Freezes nothing and thaws nothing: refused by kind (a thaw at epoch 0 would go to the server optimizer)."""
+
+    def freeze_before_training(self, pl_module):
+        pass
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        pass
+
+
 @pytest.mark.parametrize(
     "trainer_kwargs,key,text",
     [
@@ -558,6 +577,13 @@ def _tiny_fit(trainer_kwargs, **loop_kwargs):
             "StochasticWeightAveraging averages",
         ),
         (dict(max_steps=3, callbacks=[BatchSizeFinder()]), "trainer.callbacks", "BatchSizeFinder grows"),
+        (dict(max_steps=3, callbacks=[_Thaw()]), "trainer.callbacks", "_Thaw unfreezes layers at epochs"),
+        (  # its own setup would fail first on the loop, which has no backbone attribute
+            dict(max_steps=3, callbacks=[BackboneFinetuning()]),
+            "trainer.callbacks",
+            "BackboneFinetuning unfreezes layers at epochs",
+        ),
+        (dict(max_steps=3, callbacks=[SpikeDetection()]), "trainer.callbacks", "SpikeDetection reads the loss"),
         (dict(max_steps=3, callbacks=[LearningRateFinder()]), "trainer.callbacks", "LearningRateFinder tunes"),
         (
             dict(max_steps=3, callbacks=[GradientAccumulationScheduler({0: 4})]),
