@@ -246,7 +246,12 @@ def check_fit_settings(trainer: Any, loop: Any) -> None:
             )
         if max_steps == -1 and isinstance(max_epochs, int) and max_epochs > 0:
             per = getattr(getattr(trainer, "datamodule", None), "rounds_per_epoch", None)
+            limit = getattr(trainer, "limit_train_batches", None)
             rounds = f"{max_epochs} x rounds_per_epoch={per} = {max_epochs * per}" if isinstance(per, int) else ""
+            if rounds and isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit != 1.0:
+                # Lightning's rule: an int caps an epoch's batches (rounds), a float takes that fraction of them
+                capped = min(per, limit) if isinstance(limit, int) else max(1, int(per * limit))
+                rounds = f"{max_epochs} x {capped} (limit_train_batches={limit!r}) = {max_epochs * capped}"
             rank_zero_info(
                 f"trainer.max_epochs={max_epochs}: an epoch of the FederatedLoop is rounds_per_epoch rounds, so the "
                 f"run trains up to {rounds or 'max_epochs x rounds_per_epoch'} rounds (set trainer.max_steps to "

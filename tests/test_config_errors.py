@@ -804,3 +804,28 @@ def test_a_module_without_test_step(tmp_path, capsys):
             ]
         )
     assert cli.trainer.global_step == 1 and not any(k.startswith("test/") for k in cli.trainer.callback_metrics)
+
+
+@pytest.mark.parametrize("limit, rounds", [(1.0, 3 * 4), (2, 3 * 2), (0.5, 3 * 2)])
+def test_the_rounds_a_max_epochs_run_trains_are_announced_with_limit_train_batches(caplog, limit, rounds):
+    """max_epochs counts epochs of rounds_per_epoch rounds, each capped by limit_train_batches as Lightning caps an
+    epoch's batches: the info line names the number of rounds the run trains."""
+    import logging
+
+    import lightning.pytorch as pl
+
+    loop = FederatedLoop(MLP(input_dim=64, hidden=[8]), local_steps=1, clients_per_round=2, seed=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=3,
+        limit_train_batches=limit,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with caplog.at_level(logging.INFO):
+        trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, seed=0, rounds_per_epoch=4))
+    (line,) = [r.getMessage() for r in caplog.records if "so the run trains up to" in r.getMessage()]
+    assert line.split("= ")[-1].startswith(f"{rounds} rounds") and trainer.global_step == rounds
