@@ -201,9 +201,8 @@ def _is_metric(value: Any) -> bool:
 
 #: Hooks of the user's module that run on the global model whenever Lightning calls them on the loop (fit-level and
 #: evaluation hooks); training hooks are mapped by client training instead (fedlightning.user_module.ClientHooks).
-_FORWARDED_HOOKS = (
+_FORWARDED_HOOKS = (  # configure_model: FederatedLoop forwards it itself, only for a module that overrides it
     "teardown",
-    "configure_model",
     "on_fit_start",
     "on_fit_end",
     "on_train_start",

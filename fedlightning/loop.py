@@ -354,6 +354,8 @@ class FederatedLoop(pl.LightningModule):
         self._eval_router.module = model
         route_logging(self.model, self._eval_router.log, self._eval_router.log_dict)
         self._forward_batch_transfer_hooks()
+        if is_overridden("configure_model", model):
+            self.__dict__["configure_model"] = self._forward_configure_model
         self.failed_clients_total = 0
 
     # ================================================================== setup
@@ -417,7 +419,7 @@ class FederatedLoop(pl.LightningModule):
         """The user's ``configure_model`` (parameters created there), called here, right after ``setup``, under the
         contexts Lightning calls it in, instead of after the loop's ``setup``: the lazy-module pass, ``init_weights``
         and the client optimizer's check below need the parameters. Lightning's own call of the stage then does
-        not call it again (:meth:`configure_model`): one call per stage, as in plain Lightning."""
+        not call it again (:meth:`_forward_configure_model`): one call per stage, as in plain Lightning."""
         self._model_configured = False
         if not is_overridden("configure_model", self.model):
             return
@@ -429,8 +431,10 @@ class FederatedLoop(pl.LightningModule):
             self.model.configure_model()
         self._model_configured = True
 
-    def configure_model(self) -> None:
-        """The user's ``configure_model``, unless :meth:`setup` called it for this stage already."""
+    def _forward_configure_model(self) -> None:
+        """The loop's ``configure_model`` when the user's module overrides it (installed on the instance, so that a
+        loop around a module without one overrides none either, as Lightning's callbacks check: ``WeightAveraging``
+        warns about sharded layers otherwise): the user's, unless :meth:`setup` called it for this stage already."""
         if self._model_configured:
             self._model_configured = False
             return

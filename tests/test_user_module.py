@@ -1212,6 +1212,38 @@ def test_parameters_created_in_configure_model_train_like_the_same_module_built_
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not hasattr(pl.callbacks, "WeightAveraging"), reason="Lightning < 2.5 has no WeightAveraging")
+def test_weight_averaging_averages_the_global_model_of_every_round_without_a_sharding_warning():
+    """Lightning's WeightAveraging (an EMA of the weights after every step) keeps an EMA of the global model after
+    every round and puts it into the model when the fit ends; a module without configure_model gets no warning
+    about one (the loop overrides configure_model only for a module that does)."""
+    import warnings
+
+    from torch.optim.swa_utils import get_ema_avg_fn
+
+    rounds = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            rounds.append([p.detach().clone() for p in pl_module.model.parameters()])
+
+    torch.manual_seed(0)
+    model = _Plain()
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=5)
+    averaging = pl.callbacks.WeightAveraging(avg_fn=get_ema_avg_fn(0.5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(3, callbacks=[FedAvg(), Record(), averaging], precision="64-true")
+        trainer.fit(loop, datamodule=_dm())
+    assert not [w for w in caught if "configure_model" in str(w.message)]
+    ema = rounds[0]
+    for weights in rounds[1:]:
+        ema = [0.5 * e + 0.5 * w for e, w in zip(ema, weights)]
+    assert len(rounds) == 3 and not torch.equal(ema[0], rounds[-1][0])
+    for got, want in zip(model.parameters(), ema):  # Lightning's average lives in float32 (built before 64-true)
+        torch.testing.assert_close(got, want, rtol=rtol32(3), atol=0)
+
+
 class FrozenFirstLayer(_Plain):
     """A frozen first layer, with ``configure_optimizers`` handing ``self.parameters()`` over (frozen ones
     included) or one group of the frozen layer with its own settings."""
