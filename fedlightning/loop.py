@@ -1448,6 +1448,7 @@ class FederatedLoop(pl.LightningModule):
                 self._check_server_optimizer_kind(trainer, checkpoint)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             _tell_validation_pending(checkpoint)
+            _confine_checkpoint_paths(checkpoint)
         settle_unprocessed_batch(checkpoint)  # a file of a run stopped at a round's start: that round not begun
         if trainer is not None and _trains_on(trainer, checkpoint):
             reopen_epoch_ended_by_max_steps(checkpoint)  # a finished fit extended: its epoch goes on
@@ -1598,6 +1599,32 @@ def _trains_on(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
     """Whether a fit resumes from ``checkpoint`` with rounds left to train under ``trainer.max_steps``."""
     resumed = _resumed_rounds(trainer, checkpoint)
     return resumed is not None and resumed[1] > resumed[0]
+
+
+def _confine_checkpoint_paths(checkpoint: dict[str, Any]) -> None:
+    """Drop the file paths a ``ModelCheckpoint``'s saved state names outside its own ``dirpath`` (``best_k_models``,
+    ``best_model_path``, ``kth_best_model_path``, ``last_model_path``), before Lightning restores the callbacks: a
+    resumed run removes the files of those paths that fall out of its top k, and a crafted checkpoint could name any
+    file (``<dirpath>/../x``, which Lightning's own check, on unresolved paths, takes for one inside). Decision
+    (ours): paths are compared resolved (``..`` and links); a dropped top-k entry is simply no longer ranked."""
+    states = checkpoint.get("callbacks")
+    for state in states.values() if isinstance(states, dict) else ():
+        if not isinstance(state, dict) or not isinstance(state.get("dirpath"), str) or "best_k_models" not in state:
+            continue
+        if "://" in state["dirpath"]:
+            continue  # a remote folder (fsspec): no local file to protect
+        root = os.path.realpath(state["dirpath"])
+        best_k = state.get("best_k_models")
+        if isinstance(best_k, dict):
+            state["best_k_models"] = {p: v for p, v in best_k.items() if _inside(root, p)}
+        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+            if state.get(key) and not _inside(root, state[key]):
+                state[key] = ""
+
+
+def _inside(root: str, path: Any) -> bool:
+    """``path`` is a file path under the resolved folder ``root`` once resolved itself."""
+    return isinstance(path, str) and os.path.commonpath([root, os.path.realpath(path)]) == root
 
 
 def _tell_validation_pending(checkpoint: dict[str, Any]) -> None:

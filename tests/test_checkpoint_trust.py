@@ -974,3 +974,29 @@ def test_cifar_official_size_file_must_match_its_checksum(tmp_path, monkeypatch)
     monkeypatch.undo()
     _cifar_file(folder, "test_batch", {"data": np.zeros((100, 3072), np.uint8), "labels": labels[:100]})
     assert cifar.read_cifar(str(tmp_path), 10, "test")[0].shape == (100, 3, 32, 32)
+
+
+def test_a_checkpoint_cannot_make_a_resumed_run_remove_files_outside_the_checkpoint_folder(tmp_path):
+    """A checkpoint whose top-k state names files outside its folder (``<dirpath>/../x``, which Lightning takes for
+    a path inside) does not make the resumed run remove them when they fall out of its top k or when it writes its
+    own ``last``: the paths are dropped at the restore."""
+    folder = tmp_path / "ck"
+    _scored_fit(str(folder), 3, 1)
+    state = read_checkpoint(str(folder / "last.ckpt"))
+    victims = [tmp_path / "victim_topk.txt", tmp_path / "victim_last.txt"]
+    for v in victims:
+        v.write_text("precious")
+    outside = [str(folder / ".." / v.name) for v in victims]
+    (key,) = [k for k in state["callbacks"] if k.startswith("RoundCheckpoint")]
+    state["callbacks"][key].update(
+        best_k_models={outside[0]: torch.tensor(1e9)},
+        kth_best_model_path=outside[0],
+        kth_value=torch.tensor(1e9),
+        best_model_score=torch.tensor(1e9),
+        best_model_path=outside[0],
+        last_model_path=outside[1],
+    )
+    torch.save(state, str(tmp_path / "crafted.ckpt"))
+    resumed = _scored_fit(str(folder), 5, 1, ckpt_path=str(tmp_path / "crafted.ckpt"))
+    assert all(v.read_text() == "precious" for v in victims)
+    assert resumed.best_model_path == str(folder / "step=4.ckpt")  # ranked among the resumed run's own files
