@@ -519,10 +519,14 @@ def test_bad_parquet_files_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["fractional femnist label", "integer shakespeare target", "null shakespeare target",
-                                  "damaged png"])  # fmt: skip
+                                  "damaged png", "nan pixels", "pixels out of range", "text pixels",
+                                  "image without bytes", "integer shakespeare input",
+                                  "null shakespeare input"])  # fmt: skip
 def test_parquet_values_a_cast_would_change_are_refused_naming_the_file(tmp_path, case):
     """The Flower-hub parquet layout: a FEMNIST label 3.5 was served as class 3 (the JSON layout refuses it), integer
-    or null Shakespeare targets failed with a bare TypeError, and an unreadable PNG with PIL's error naming no file."""
+    or null Shakespeare targets failed with a bare TypeError, and an unreadable PNG with PIL's error naming no file;
+    pixel lists of NaN were served as 0 and values outside [0, 255] clipped, in silence; text pixels, an image
+    without bytes and integer or null Shakespeare inputs failed naming no file."""
     import io
 
     import pandas as pd
@@ -530,10 +534,26 @@ def test_parquet_values_a_cast_would_change_are_refused_naming_the_file(tmp_path
 
     root = tmp_path / "pq"
     root.mkdir()
-    if "shakespeare" in case:
+    if "shakespeare input" in case:
+        inputs = [1, 2, 3, 4] if case.startswith("integer") else ["a" * 80, None, "a" * 80, "a" * 80]
+        frame = pd.DataFrame({"character_id": ["JULIET"] * 4, "x": inputs, "y": ["b", "c", "d", "e"]})
+        name = "shakespeare"
+        match = r"train-0.parquet: Shakespeare inputs must be 80-character strings, got (values of type|a missing)"
+    elif "shakespeare" in case:
         targets = [5, 6, 7, 8] if case.startswith("integer") else ["b", "c", None, "d"]
         frame = pd.DataFrame({"character_id": ["JULIET"] * 4, "x": ["a" * 80] * 4, "y": targets})
         name, match = "shakespeare", r"train-0.parquet: Shakespeare targets must be single characters, got (5|None)"
+    elif "pixels" in case:
+        pixels = {"nan pixels": [float("nan")] * 784, "pixels out of range": [-5.0] + [1000.0] * 783}
+        images = [[0.5] * 784, pixels[case]] if case in pixels else ["not-an-image", "nor-this"]
+        frame = pd.DataFrame({"x": images, "writer_id": ["f0", "f1"], "character": [1, 2]})
+        name = "femnist"
+        match = {
+            "nan pixels": r"train-0.parquet: an image of column 'x' holds non-finite pixel values",
+            "pixels out of range": r"train-0.parquet: the pixel values of column 'x' must lie in \[0, 1\] or "
+            r"\[0, 255\], got an image with values in \[-5, 1000\]",
+            "text pixels": r"train-0.parquet: an image of column 'x' is neither an image file nor a list of pixel",
+        }[case]
     else:
         png = io.BytesIO()
         Image.fromarray(RNG.integers(0, 256, (28, 28)).astype(np.uint8)).save(png, format="PNG")
@@ -541,6 +561,9 @@ def test_parquet_values_a_cast_would_change_are_refused_naming_the_file(tmp_path
         if case == "damaged png":
             images, labels = [good, {"bytes": b"\x89PNG damaged", "path": None}], [1, 2]
             match = r"train-0.parquet: an image of column 'image' is not a readable image file"
+        elif case == "image without bytes":
+            images, labels = [good, {"bytes": None, "path": "/etc/hostname"}], [1, 2]
+            match = r"train-0.parquet: an image of column 'image' has no image bytes"
         else:
             images, labels = [good, good], [1.0, 3.5]
             match = r"train-0.parquet: the label 3.5 is not a class id"

@@ -577,8 +577,15 @@ class LeafDataModule(FederatedDataModule):
         return samples.to_pylist()  # sent140 texts
 
     def _encode_windows(self, strings, where) -> np.ndarray:
+        import pyarrow as pa
         import pyarrow.compute as pc
 
+        what = f"Shakespeare inputs must be {self.seq_length}-character strings"
+        if not (pa.types.is_string(strings.type) or pa.types.is_large_string(strings.type)):
+            raise ValueError(f"{where(0)}: {what}, got values of type {strings.type}")
+        if strings.null_count:
+            missing = np.flatnonzero(strings.is_null().to_numpy(zero_copy_only=False))
+            raise ValueError(f"{where(int(missing[0]))}: {what}, got a missing value")
         lengths = pc.utf8_length(strings).to_numpy(zero_copy_only=False)
         bad = np.flatnonzero(lengths != self.seq_length)
         if len(bad):
@@ -686,6 +693,8 @@ class LeafDataModule(FederatedDataModule):
             for v in batch[image]:
                 if isinstance(v, dict):
                     v = v.get("bytes")
+                    if v is None:
+                        raise ValueError(f"{where}: an image of column {image!r} has no image bytes")
                 if isinstance(v, (bytes, bytearray)):
                     try:
                         arr = np.asarray(PILImage.open(io.BytesIO(v)).convert("L"), dtype=np.uint8)
@@ -694,8 +703,22 @@ class LeafDataModule(FederatedDataModule):
                             f"{where}: an image of column {image!r} is not a readable image file ({e})"
                         ) from None
                 else:
-                    arr = np.asarray(v, dtype=np.float32)
-                    arr = np.clip(np.rint(arr * 255.0 if arr.max(initial=0) <= 1.0 else arr), 0, 255).astype(np.uint8)
+                    try:
+                        arr = np.asarray(v, dtype=np.float32)
+                    except (TypeError, ValueError) as e:  # text, ragged lists
+                        raise ValueError(
+                            f"{where}: an image of column {image!r} is neither an image file nor a list of pixel "
+                            f"values ({e})"
+                        ) from None
+                    if not np.isfinite(arr).all():
+                        raise ValueError(f"{where}: an image of column {image!r} holds non-finite pixel values")
+                    low, high = float(arr.min(initial=0)), float(arr.max(initial=0))
+                    if low < 0 or high > 255:
+                        raise ValueError(
+                            f"{where}: the pixel values of column {image!r} must lie in [0, 1] or [0, 255], got an "
+                            f"image with values in [{low:g}, {high:g}]"
+                        )
+                    arr = np.rint(arr * 255.0 if high <= 1.0 else arr).astype(np.uint8)
                 if arr.size != 784:
                     raise ValueError(f"{where}: FEMNIST images must be 28x28, got {arr.shape}")
                 out.append(arr.reshape(-1))
