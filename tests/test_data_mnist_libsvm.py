@@ -90,6 +90,16 @@ def test_mnist_bad_input(tmp_path):
     p.write_bytes(_idx_bytes(np.zeros(150, np.uint8), 1)[:-3])
     with pytest.raises(ValueError, match="header says"):
         MnistDataModule(data_dir=str(tmp_path / "bad")).setup()
+    # a header whose sizes multiply past int64 (numpy's product wrapped to 0 and matched an empty file)
+    p.write_bytes(b"\x00\x00\x08\x04" + (65536).to_bytes(4, "big") * 4)
+    with pytest.raises(ValueError, match=r"header says \(65536, 65536, 65536, 65536\) = 18446744073709551616 values"):
+        MnistDataModule(data_dir=str(tmp_path / "bad")).setup()
+    # a truncated .gz: named, not a bare EOFError
+    p.unlink()
+    gz = tmp_path / "bad" / "train-labels-idx1-ubyte.gz"
+    gz.write_bytes(gzip.compress(_idx_bytes(np.zeros(200, np.uint8), 1))[:-20])
+    with pytest.raises(ValueError, match=r"train-labels-idx1-ubyte.gz cannot be read: EOFError"):
+        MnistDataModule(data_dir=str(tmp_path / "bad")).setup()
 
 
 def _svm(path, x, y):
@@ -142,6 +152,15 @@ def test_libsvm_bad_input(tmp_path):
         LibsvmDataModule(name="ijcnn1", data_dir=str(tmp_path), num_clients=2).setup()
     with pytest.raises(ValueError, match="test_fraction"):
         LibsvmDataModule(name="a9a", test_fraction=0.0)
+    import bz2
+
+    for suffix, compress in ((".gz", gzip.compress), (".bz2", bz2.compress)):  # truncated: named, not a bare EOFError
+        folder = tmp_path / f"cut{suffix}"
+        folder.mkdir()
+        _svm(folder / "plain", RNG.random((10, 112)), np.array([1, 2] * 5))
+        (folder / f"mushrooms{suffix}").write_bytes(compress((folder / "plain").read_bytes())[:-30])
+        with pytest.raises(ValueError, match=rf"mushrooms\{suffix} cannot be read: EOFError"):
+            LibsvmDataModule(name="mushrooms", data_dir=str(folder), num_clients=2).setup()
 
 
 @pytest.mark.parametrize("compress", ["", ".gz"])

@@ -229,3 +229,8 @@ def test_bad_input(tmp_path):
         ShakespeareDataModule(data_dir=root, seq_length=500).setup()
     with pytest.raises(ValueError, match="no text"):
         parse_play("# Title only\n")
+    latin = tmp_path / "latin"
+    latin.mkdir()
+    (latin / "play.md").write_bytes("# Play\n\nROMEO. Caf\u00e9 au lait.\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"play.md is not UTF-8 text"):
+        ShakespeareDataModule(data_dir=str(latin)).setup()

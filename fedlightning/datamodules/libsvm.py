@@ -122,6 +122,8 @@ class LibsvmDataModule(FederatedDataModule):
             raise ValueError(
                 f"{path} is not a valid svmlight file for {self.name} ({self.num_features} features): {e}"
             ) from None
+        except (EOFError, OSError) as e:  # a truncated or damaged .gz / .bz2 (gzip.BadGzipFile is an OSError)
+            raise ValueError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
         neg, pos = self.label_pair
         bad = np.flatnonzero((y != neg) & (y != pos))
         if len(bad):

@@ -8,8 +8,10 @@ data module (inputs, normalisation and the default shard split: its docstring).
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import struct
+import zlib
 
 import numpy as np
 import torch
@@ -37,8 +39,11 @@ def read_idx(path: str) -> np.ndarray:
     (also when ``download=True`` fails for lack of network: the error names the download error and the folder).
     """
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (EOFError, OSError, zlib.error) as e:  # a truncated or damaged .gz (gzip.BadGzipFile is an OSError)
+        raise ValueError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
     if len(raw) < 4:
         raise ValueError(f"{path} is not an IDX file (too short)")
     zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
@@ -46,7 +51,7 @@ def read_idx(path: str) -> np.ndarray:
         raise ValueError(f"{path} is not a uint8 IDX file (magic {raw[:4].hex()})")
     header = 4 + 4 * ndim
     dims = struct.unpack(">" + "I" * ndim, raw[4:header])
-    expected = int(np.prod(dims))
+    expected = math.prod(dims)  # Python integers: no int64 wrap-around of a forged header
     if len(raw) - header != expected:
         raise ValueError(f"{path}: header says {dims} = {expected} values but the file holds {len(raw) - header}")
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)

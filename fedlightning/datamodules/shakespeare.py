@@ -352,8 +352,11 @@ class ShakespeareDataModule(FederatedDataModule):
         for path in self._play_files():
             stem = os.path.splitext(os.path.basename(path))[0]
             default_title = stem.replace("-", " ").title()
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path} is not UTF-8 text ({e})") from None
             if wanted is not None:  # decide from the title line before parsing the whole play
                 first = text.split("\n", 1)[0]
                 title = first[2:].strip() if first.startswith("# ") else default_title
