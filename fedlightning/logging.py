@@ -249,6 +249,7 @@ def _read_offline_run(path: str) -> OfflineRun:
         data = f.read()
     if len(data) < _HEADER or data[:4] != _WANDB_MAGIC:
         raise ValueError(f"{path} is not a W&B run file (bad header {data[:7]!r})")
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     records: list[bytes] = []
@@ -274,6 +275,15 @@ def _read_offline_run(path: str) -> OfflineRun:
             records.append(pending + chunk)
             pending = b""
     run = OfflineRun(path=path)
+    try:
+        _decode_records(run, records, pb)
+    except (DecodeError, TypeError, IndexError, KeyError) as e:  # a damaged record, or keys that do not nest
+        raise ValueError(f"{path}: a damaged W&B record ({type(e).__name__}: {e})") from None
+    return run
+
+
+def _decode_records(run: OfflineRun, records: list[bytes], pb: Any) -> None:
+    """The run's history, config, summary and exit status from its ``Record`` messages (:func:`read_offline_run`)."""
     for raw in records:
         rec = pb.Record()
         rec.ParseFromString(raw)
@@ -295,7 +305,6 @@ def _read_offline_run(path: str) -> OfflineRun:
             for item in rec.run.config.update:
                 keys = [item.key] if item.key else list(item.nested_key)
                 _set_nested(run.config, keys, _decode(item.value_json))
-    return run
 
 
 def find_offline_runs(wandb_dir: str) -> list[str]:

@@ -167,6 +167,37 @@ def test_read_offline_run_bad_input(tmp_path):
             read_offline_run(str(empty_dir), wait_seconds=wait)
 
 
+@pytest.mark.parametrize("case", ["garbage record", "nested key over a value", "config item without a key"])
+def test_a_damaged_record_of_a_w_and_b_run_file_is_named(tmp_path, case):
+    """A run file with W&B's header and framing whose records are damaged: one ValueError naming the file (a
+    protobuf DecodeError, a TypeError or an IndexError naming none before)."""
+    import struct
+    import zlib
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    def config(*items):
+        record = pb.Record()
+        for key, nested, value in items:
+            item = record.config.update.add()
+            if key:
+                item.key = key
+            item.nested_key.extend(nested)
+            item.value_json = value
+        return record.SerializeToString()
+
+    records = {
+        "garbage record": [b"\xff" * 7],
+        "nested key over a value": [config(("lr", [], "0.1"), ("", ["lr", "value"], "0.2"))],
+        "config item without a key": [config(("", [], "1"))],
+    }[case]
+    frames = b"".join(struct.pack("<IHB", zlib.crc32(r), len(r), 1) + r for r in records)
+    path = tmp_path / "run-x.wandb"
+    path.write_bytes(b":W&B" + struct.pack("<HB", 0xBEE1, 0) + frames)
+    with pytest.raises(ValueError, match=r"run-x.wandb: a damaged W&B record"):
+        read_offline_run(str(path))
+
+
 # ---------------------------------------------------------------------------------------------- sweep files
 def _config_of(sweep):
     cmd = sweep["command"]
