@@ -254,3 +254,16 @@ def test_a_missing_callback_entry_marks_the_run_missing():
     (spec,) = runner.all_specs(1, 1.0, experiments=[_exp(algorithms=[algo])])
     assert spec.missing == "configs/dsgd.yaml (its NoSuchCallback entry)"
     assert spec.rounds == 200 and spec.max_rounds is None
+
+
+def test_a_cached_result_that_is_not_a_result_counts_as_not_cached(tmp_path):
+    """A result file that is valid JSON but not an object (a list, a number) is a run to redo, as a truncated file
+    is, not an AttributeError in the report; a finished result of the same key is read back."""
+    (spec,) = runner.all_specs(1, 0.5, experiments=[_study()])[:1]
+    cache = str(tmp_path / "cache")
+    runner.save_result(cache, spec, {"key": spec.key, "status": "ok", "history": []})
+    assert runner.load_cached(cache, spec)["key"] == spec.key
+    for text in ("[1, 2]", "3", "not json"):
+        with open(runner.result_path(cache, spec), "w") as f:
+            f.write(text)
+        assert runner.load_cached(cache, spec) is None

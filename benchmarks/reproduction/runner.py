@@ -334,6 +334,8 @@ def load_cached(results_dir: str, spec: RunSpec) -> dict[str, Any] | None:
             data = json.load(f)
     except (OSError, ValueError):
         return None
+    if not isinstance(data, dict):  # valid JSON, not a result: not cached, as a truncated file
+        return None
     return data if data.get("key") == spec.key and data.get("status") == "ok" else None
 
 
