@@ -31,7 +31,14 @@ from torch import Tensor
 from fedlightning._lightning_compat import batches_that_stepped, publish_step_metrics, should_write_step_logs
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy, accumulate_core, copy_of_state
 from fedlightning.distributed import all_gather_objects, all_reduce_statistics
-from fedlightning.state import ClientUpdate, RoundPlan, averaged_buffer_slices, squared_norm64, write_averaged_buffer
+from fedlightning.state import (
+    ClientUpdate,
+    RoundPlan,
+    averaged_buffer_slices,
+    squared_norm64,
+    sum_dtype,
+    write_averaged_buffer,
+)
 
 __all__ = [
     "FailurePolicy",
@@ -120,7 +127,8 @@ def _screen_reason(
     ``[‖Δ_i‖², ‖b_i‖²]`` for a client with float buffers."""
     norm, w, n = math.sqrt(values[0]), abs(weight), 2 * num_sampled
     f64 = _largest(torch.float64)
-    limit = _largest(update.delta.dtype) / n
+    summed = sum_dtype(update.delta.dtype)  # the dtype of the round's Σ w_i Δ_i (accumulate_core)
+    limit = _largest(summed) / n
     reason = None
     if not math.isfinite(weight):
         reason = f"non-finite aggregation weight {weight!r}"
@@ -132,7 +140,7 @@ def _screen_reason(
     elif w * norm >= limit:
         reason = (
             f"update norm {norm:.4g}: its weighted update (weight {weight:g}) could overflow the "
-            f"{_dtype_name(update.delta.dtype)} sum of the round's {num_sampled} clients (limit "
+            f"{_dtype_name(summed)} sum of the round's {num_sampled} clients (limit "
             f"|w|·‖Δ‖ < {limit:.4g})"
         )
     elif values[0] * max(w, 1.0) >= f64 / n:

@@ -5,6 +5,7 @@ Global models are compared with an aggregate computed by hand in float64 from th
 tolerance derived from float32 rounding of the loop's sums (``_tolerance``).
 """
 
+import functools
 import math
 import os
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks import FedAdam, FedAvg, FedAvgM, FederatedCallback, FedExP
 from fedlightning.datamodules import DigitsDataModule, Dirichlet
-from fedlightning.models import MLP
+from fedlightning.models import MLP, LogisticRegression
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 U32 = torch.finfo(torch.float32).eps / 2  # unit roundoff of float32
@@ -723,3 +725,45 @@ def test_an_update_made_non_finite_in_on_client_end_is_skipped_as_one_from_train
             skipped = [str(w.message) for w in caught if " skipped (" in str(w.message)]
             assert len(skipped) == 2 and all(s.endswith("skipped (non-finite model update)") for s in skipped)
     torch.testing.assert_close(runs[False], runs[True], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true"])
+def test_half_precision_clients_of_thousands_of_samples_are_averaged_not_left_out(precision):
+    """A half-precision run with sample-count weights: the round sums w_i Δ_i in float32, so clients of 4,000
+    samples are all admitted (the float16 sum's overflow limit |w|·‖Δ‖ < 65504 / 2|S| left every one of them out,
+    and then stopped the run as if every update were non-finite), and the global step is the float64 weighted mean
+    of the clients' half-precision updates rounded once."""
+    from fedlightning.datamodules import ArrayDataset, FederatedDataModule
+
+    class Big(FederatedDataModule):
+        """Four clients of 4,000 samples, 16 features, 2 classes."""
+
+        def __init__(self):
+            super().__init__(num_clients=4, batch_size=500, val_fraction=0.0)
+
+        def load(self):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(16000, 16, generator=g)
+            y = (x[:, 0] + 0.5 * torch.randn(16000, generator=g) > 0).long()
+            data = ArrayDataset(x, y)
+            return data, data, y.numpy()
+
+        def natural_clients(self):
+            return np.split(np.arange(16000), 4)
+
+    torch.manual_seed(0)
+    model = LogisticRegression(input_dim=16, num_classes=2)
+    rec = Record()
+    sgd = functools.partial(torch.optim.SGD, lr=5.0)
+    loop = FederatedLoop(model, client_optimizer=sgd, local_steps=2, clients_per_round=4, seed=0)
+    make_trainer(2, callbacks=[FedAvg(weighting="samples"), rec], precision=precision).fit(loop, datamodule=Big())
+    assert [r.num_clients for r in rec.results] == [4, 4]  # nobody left out
+    for r in (0, 1):
+        updates = [(d, n) for rr, _, d, n in rec.updates if rr == r]
+        if precision == "16-true" and r == 0:  # each client beyond the float16 sum's limit
+            assert min(float(d.norm()) for d, _ in updates) * 4000 > 65504 / 8
+        mean = sum(d * n for d, n in updates) / sum(n for _, n in updates)  # float64
+        after = rec.start[r + 1] if r + 1 < len(rec.start) else _flat(model)
+        # the mean rounded into the parameters' dtype, then the step w - Δ̄ rounded: within eps (|w| + |Δ̄|)
+        eps = float(torch.finfo(next(model.parameters()).dtype).eps)
+        assert ((after - (rec.start[r] - mean)).abs() <= eps * (rec.start[r].abs() + mean.abs())).all()

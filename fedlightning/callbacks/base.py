@@ -24,7 +24,7 @@ from torch import Tensor
 
 from fedlightning._lightning_compat import allow_logging_from, current_hook
 from fedlightning._validation import one_of, positive
-from fedlightning.state import ClientUpdate, RoundPlan, RoundStatistics, squared_norm64
+from fedlightning.state import ClientUpdate, RoundPlan, RoundStatistics, squared_norm64, sum_dtype
 
 __all__ = [
     "FEDERATED_HOOKS",
@@ -217,7 +217,7 @@ def accumulate_core(
     """
     w = strategy.client_weight(update) if weight is None else weight
     delta = update.delta
-    stats.add("delta", delta * w)
+    stats.add("delta", delta.to(sum_dtype(delta.dtype)) * w)  # float32 for half-precision updates
     stats.add("weight", w, delta.device)
     stats.add("clients", 1.0, delta.device)
     if sq_norm is None:
@@ -282,8 +282,9 @@ class ServerStrategy(FederatedCallback):
 
     def mean_delta(self, stats: RoundStatistics) -> Tensor:
         """``Σ w_i Δ_i / Σ w_i`` over the round's healthy clients of every process: the flat weighted mean update in
-        the dtype of the updates (the global parameters'), laid out as the pseudo-gradient ``server_update`` returns
-        (one entry per entry of the trainable parameters, in ``model.parameters()`` order)."""
+        the dtype the round sums the updates in (:func:`~fedlightning.state.sum_dtype`: the global parameters', or
+        float32 for half-precision ones), laid out as the pseudo-gradient ``server_update`` returns (one entry per
+        entry of the trainable parameters, in ``model.parameters()`` order)."""
         return stats["delta"] / stats["weight"].to(stats["delta"].dtype)
 
     def server_update(
