@@ -529,6 +529,25 @@ def test_a_file_written_before_its_rounds_validation_completed_says_so_on_resume
     assert resumed.global_step == 6
 
 
+def _fit_validating(checkpoint, max_steps, val_every, module=None, local_steps=2, ckpt_path=None):
+    """A fit of ``max_steps`` rounds of ``module`` (default :func:`_small_mlp`) that validates every ``val_every``
+    rounds and checkpoints with ``checkpoint``."""
+    trainer = make_trainer(
+        max_steps,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+        plugins=[AtomicCheckpointIO()],
+        limit_val_batches=1,
+        val_check_interval=val_every,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+    )
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    loop = FederatedLoop(module or _small_mlp(), local_steps=local_steps, clients_per_round=2, seed=0)
+    trainer.fit(loop, datamodule=dm, ckpt_path=ckpt_path)
+    return dm
+
+
 @pytest.mark.parametrize("every", [None, 1])
 def test_files_a_monitored_checkpoint_writes_after_a_validation_are_not_pending(tmp_path, every):
     """With a monitor, Lightning ranks and writes its files when the validation ends (per validation, or, with
@@ -538,18 +557,7 @@ def test_files_a_monitored_checkpoint_writes_after_a_validation_are_not_pending(
     ck = RoundCheckpoint(
         dirpath=folder, monitor="val/acc", mode="max", save_top_k=-1, save_last=True, every_n_train_steps=every
     )
-    trainer = make_trainer(
-        3,
-        callbacks=[ck],
-        enable_checkpointing=True,
-        plugins=[AtomicCheckpointIO()],
-        limit_val_batches=1,
-        val_check_interval=1,
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-    )
-    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
-    trainer.fit(FederatedLoop(_small_mlp(), local_steps=2, clients_per_round=2, seed=0), datamodule=dm)
+    dm = _fit_validating(ck, 3, 1)
     files = sorted(os.listdir(folder))
     assert len(files) == 4  # rounds 1, 2, 3 and last
     assert [_pending(os.path.join(folder, f)) for f in files] == [None] * 4
@@ -570,18 +578,7 @@ def test_a_lightning_checkpoint_written_before_its_rounds_validation_warns_on_re
 
     folder = str(tmp_path / "ck")
     ck = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    trainer = make_trainer(
-        3,
-        callbacks=[ck],
-        enable_checkpointing=True,
-        plugins=[AtomicCheckpointIO()],
-        limit_val_batches=1,
-        val_check_interval=2,
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-    )
-    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
-    trainer.fit(FederatedLoop(_small_mlp(), local_steps=2, clients_per_round=2, seed=0), datamodule=dm)
+    dm = _fit_validating(ck, 3, 2)
     pending = {
         f: read_checkpoint(os.path.join(folder, f))["fedlightning"]["validation_pending"] for f in os.listdir(folder)
     }
@@ -622,20 +619,7 @@ def _scored_fit(folder, max_steps, top_k, ckpt_path=None):
     ck = RoundCheckpoint(
         dirpath=folder, monitor="score", mode="min", save_top_k=top_k, save_last=True, filename="{step}"
     )
-    trainer = make_trainer(
-        max_steps,
-        callbacks=[ck],
-        enable_checkpointing=True,
-        plugins=[AtomicCheckpointIO()],
-        limit_val_batches=1,
-        val_check_interval=1,
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-    )
-    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
-    trainer.fit(
-        FederatedLoop(ScoredMLP(), local_steps=1, clients_per_round=2, seed=0), datamodule=dm, ckpt_path=ckpt_path
-    )
+    _fit_validating(ck, max_steps, 1, module=ScoredMLP(), local_steps=1, ckpt_path=ckpt_path)
     return ck
 
 
