@@ -500,3 +500,38 @@ def test_every_client_at_weight_zero_is_refused_naming_client_weight():
     """It ended in a message about a non-finite Δ (the mean 0/0)."""
     with pytest.raises(ValueError, match=r"round 0: _ZeroWeights.client_weight gave each of the round's 3 healthy"):
         _fit([_ZeroWeights()], rounds=1)
+
+
+def test_a_callback_state_a_checkpoint_cannot_give_back_is_named():
+    """A checkpoint whose state for a callback lacks a key or holds a value of another type (edited, or written by
+    another version): one ValueError naming the callback and the cause, once also through super(), where the
+    callback's own load_state_dict raised a bare KeyError / TypeError; a state it can restore is restored."""
+    from fedlightning.callbacks import DPFedAvg
+
+    dp = DPFedAvg(clip_norm=2.0, noise_multiplier=0.0, delta=1e-5)
+    with pytest.raises(ValueError, match=r"^DPFedAvg: the checkpoint's state for this callback cannot be restored "
+                       r"\(KeyError: 'clip_norm'\)"):  # fmt: skip
+        dp.load_state_dict({"history": []})
+    with pytest.raises(ValueError, match=r"^DPFedAvg: .*\(TypeError: "):
+        dp.load_state_dict({"clip_norm": 1.0, "history": [3]})
+
+    class Counting(FederatedCallback):
+        def __init__(self):
+            self.rounds = 0
+
+        def state_dict(self):
+            return {"rounds": self.rounds}
+
+        def load_state_dict(self, state_dict):
+            self.rounds = int(state_dict["rounds"])
+
+    class Derived(Counting):
+        def load_state_dict(self, state_dict):
+            super().load_state_dict(state_dict)
+
+    with pytest.raises(ValueError) as info:
+        Derived().load_state_dict({})
+    assert str(info.value).startswith("Derived: the checkpoint's state") and str(info.value).count("cannot") == 1
+    restored = Derived()
+    restored.load_state_dict({"rounds": 7})
+    assert restored.rounds == 7

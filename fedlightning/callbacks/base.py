@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import inspect
 import warnings
 from typing import Any, NamedTuple
@@ -52,6 +53,31 @@ def copy_of_state(callback: Callback) -> dict[str, Any] | None:
         return None
 
 
+class _RestoreError(ValueError):
+    """A callback's state in a checkpoint that its ``load_state_dict`` cannot restore (:func:`_named_restore`)."""
+
+
+def _named_restore(load_state_dict: Any) -> Any:
+    """``load_state_dict`` whose failures on the given state name the callback: a ``KeyError``, ``TypeError``,
+    ``ValueError``, ``IndexError`` or ``AttributeError`` becomes one :class:`ValueError` (ours; a subclass calling
+    ``super().load_state_dict`` is named once)."""
+
+    @functools.wraps(load_state_dict)
+    def restore(self: Any, state_dict: Any) -> Any:
+        try:
+            return load_state_dict(self, state_dict)
+        except _RestoreError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+            raise _RestoreError(
+                f"{type(self).__name__}: the checkpoint's state for this callback cannot be restored "
+                f"({type(err).__name__}: {err}); resume from a checkpoint written by a run with this callback"
+            ) from err
+
+    restore._named_restore = True  # type: ignore[attr-defined]
+    return restore
+
+
 class FederatedCallback(Callback):
     """A Lightning callback with the FederatedLoop's hooks, declared here with their signatures (all no-ops).
 
@@ -62,7 +88,17 @@ class FederatedCallback(Callback):
     The federated hooks are declared, with their signatures, on :class:`FederatedCallback` (the base of every server
     strategy and schedule); the FederatedLoop calls them on every callback in ``trainer.callbacks`` that defines them,
     and refuses at setup a callback method whose name is a near miss of a hook name (a misspelled hook never runs).
+
+    A subclass's ``load_state_dict`` that fails on the state a checkpoint holds for it (a missing key, a value of
+    another type: a file edited, or written by another version) raises a ``ValueError`` naming the callback and the
+    cause (:func:`_named_restore`), not the bare ``KeyError`` of an indexed state.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("load_state_dict")
+        if own is not None and not getattr(own, "_named_restore", False):
+            cls.load_state_dict = _named_restore(own)
 
     def on_round_start(self, trainer, pl_module, plan: RoundPlan) -> None:
         """Before the round's clients train; may change ``plan`` (e.g. ``plan.local_steps``, ``plan.client_lr_scale``,
