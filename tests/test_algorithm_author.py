@@ -510,8 +510,9 @@ def test_a_callback_state_a_checkpoint_cannot_give_back_is_named():
 
     dp = DPFedAvg(clip_norm=2.0, noise_multiplier=0.0, delta=1e-5)
     with pytest.raises(ValueError, match=r"^DPFedAvg: the checkpoint's state for this callback cannot be restored "
-                       r"\(KeyError: 'clip_norm'\)"):  # fmt: skip
+                       r"\(KeyError: 'clip_norm'\)") as info:  # fmt: skip
         dp.load_state_dict({"history": []})
+    assert info.value.config_key == "ckpt_path"  # train.py's one line names the checkpoint, not clip_norm's argument
     with pytest.raises(ValueError, match=r"^DPFedAvg: .*\(TypeError: "):
         dp.load_state_dict({"clip_norm": 1.0, "history": [3]})
 

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from fedlightning._lightning_compat import allow_logging_from, current_hook
-from fedlightning._validation import one_of, positive
+from fedlightning._validation import SettingError, one_of, positive
 from fedlightning.state import ClientUpdate, RoundPlan, RoundStatistics, squared_norm64, sum_dtype
 
 __all__ = [
@@ -53,8 +53,12 @@ def copy_of_state(callback: Callback) -> dict[str, Any] | None:
         return None
 
 
-class _RestoreError(ValueError):
-    """A callback's state in a checkpoint that its ``load_state_dict`` cannot restore (:func:`_named_restore`)."""
+class _RestoreError(SettingError):
+    """A callback's state in a checkpoint that its ``load_state_dict`` cannot restore (:func:`_named_restore`): a
+    problem of the checkpoint the run resumes from (``ckpt_path``), not of the callback's arguments."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("ckpt_path", message)
 
 
 def _named_restore(load_state_dict: Any) -> Any:
