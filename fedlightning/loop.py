@@ -39,6 +39,7 @@ from torch.nn.parameter import is_lazy
 
 from fedlightning._hooks import _FORWARDED_HOOKS, _forward_to_model, _LogRouter
 from fedlightning._lightning_compat import (
+    BATCH_TRANSFER_HOOKS,
     align_logged_step,
     attached_trainer,
     checkpoint_every_n_epochs,
@@ -171,9 +172,10 @@ _EVALUATION_STEPS = {"validate": "validation_step", "test": "test_step"}
 
 
 class _PassRoundPlan:
-    """A data module's batch-transfer hook that hands the round's :class:`RoundPlan` (the loop's training "batch")
-    back untouched and every other batch to ``hook`` (:meth:`FederatedLoop._guard_data_transfer_hooks`). A class,
-    not a closure, so the data module still pickles; ``__wrapped__`` (the hook's own function, for Lightning's
+    """A batch-transfer hook (the data module's, or the user's module's forwarded by the loop) that hands the round's
+    :class:`RoundPlan` (the loop's training "batch") back untouched and every other batch to ``hook``
+    (:meth:`FederatedLoop._guard_data_transfer_hooks`, :meth:`FederatedLoop._forward_batch_transfer_hooks`). A
+    class, not a closure, so the data module still pickles; ``__wrapped__`` (the hook's own function, for Lightning's
     ``is_overridden``, which unwraps one level) keeps the hook overridden."""
 
     def __init__(self, hook: Callable[..., Any]):
@@ -733,17 +735,9 @@ class FederatedLoop(pl.LightningModule):
         """Evaluation batches go through the user's batch-transfer hooks, the round's RoundPlan does not (client
         batches go through them in client training). Installed only for the hooks the user's class overrides:
         Lightning warns about every overridden transfer hook of a module trained with a data module."""
-        model = self.model
-
-        def forward(name: str):
-            def hook(batch: Any, *args: Any) -> Any:
-                return batch if isinstance(batch, RoundPlan) else getattr(model, name)(batch, *args)
-
-            return hook
-
-        for name in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"):
-            if is_overridden(name, model, pl.LightningModule):
-                self.__dict__[name] = forward(name)
+        for name in BATCH_TRANSFER_HOOKS:
+            if is_overridden(name, self.model, pl.LightningModule):
+                self.__dict__[name] = _PassRoundPlan(getattr(self.model, name))
 
     def configure_optimizers(self):
         if self.strategy is None:

@@ -370,12 +370,12 @@ def report_buffers(buffers: Sequence[Tensor], like: Sequence[Tensor] | None = No
     """``ClientUpdate.buffers`` of a client whose model's buffers are ``buffers`` after its training
     (``model.buffers()`` order): the averaged ones laid out as :func:`averaged_buffer_slices` says for ``like`` (the
     global model's buffers; default ``buffers``), in :func:`buffer_report_dtype`; None when the model has none."""
-    layout = averaged_buffer_slices(buffers if like is None else like)
+    reference = buffers if like is None else like
+    layout = averaged_buffer_slices(reference)
     if not layout:
         return None
-    kept = [buffers[i] for i, _ in layout]
-    dtype = buffer_report_dtype(kept if like is None else [like[i] for i, _ in layout])
-    return torch.cat([b.detach().reshape(-1).to(dtype) for b in kept])
+    dtype = buffer_report_dtype([reference[i] for i, _ in layout])
+    return torch.cat([buffers[i].detach().reshape(-1).to(dtype) for i, _ in layout])
 
 
 def write_averaged_buffer(buffer: Tensor, average: Tensor) -> None:
