@@ -284,8 +284,8 @@ class UsesReturnedValue(MetricNet):
     [
         (
             BatchMeanMetric,
-            r"'mean_acc' is updated in training_step with a tensor of shape \(\) computed from a client's "
-            r"batch padded",
+            r"updates the torchmetrics metric 'mean_acc' \(update: argument 0\) with [\d.]+ on a client's batch "
+            r"padded to 16 samples but [\d.]+ on its \d+ real ones",
         ),
         (
             UsesReturnedValue,
@@ -322,6 +322,100 @@ def test_a_statistic_of_whole_batches_is_replayed():
     assert float(runs[0].weight) == float(runs[1].weight) == 2 * CPR * K
     # float32 means of 2·CPR·K float32 batch accuracies (numerics.rtol32)
     assert float(runs[1].compute()) == pytest.approx(float(runs[0].compute()), rel=rtol32(2 * CPR * K + 1))
+
+
+class CountsSamples(MetricNet):
+    """Counts its samples and weights its mean loss by the batch size: metric arguments computed from the batch's
+    size (``variant`` ``"weight"``: a Python number; ``"tensor"``: a tensor made from it; ``"ones"``: a tensor of
+    that length), or from the batch itself (``"ones_like"``: the count, one 1 per sample), or (``"constant"``) the
+    same arguments as constants."""
+
+    def __init__(self, variant="weight", loss="cross_entropy"):
+        super().__init__(variant, loss)
+        self.seen = torchmetrics.SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        if self.loss_kind == "cross_entropy":
+            loss = F.cross_entropy(logits, y)
+        else:  # not intercepted: padded steps call training_step once per sample
+            loss = -(F.log_softmax(logits, 1) * F.one_hot(y, 10)).sum(1).mean()
+        size = len(y) if self.variant in ("weight", "tensor") else 2
+        if self.variant == "ones":
+            self.seen.update(torch.ones(len(y), dtype=x.dtype))
+        elif self.variant == "ones_like":
+            self.seen.update(torch.ones_like(y, dtype=x.dtype))
+        else:
+            self.seen.update(torch.tensor(float(size)) if self.variant == "tensor" else size)
+        self.log("seen", self.seen)
+        if self.loss_kind == "cross_entropy":  # (a loss in a metric takes loss interception)
+            self.mean_loss.update(loss.detach(), weight=size)
+            self.log("mean_loss", self.mean_loss)
+        return loss
+
+
+@pytest.mark.parametrize("variant", ["weight", "tensor"])
+@pytest.mark.parametrize("loss", ["cross_entropy", "own"])
+def test_a_metric_argument_computed_from_the_batch_size_is_refused(variant, loss):
+    """Replayed once per step with the batched call's value, ``len(y)`` would be the padded size (loss
+    interception) or 1 (one call per sample) for every client: refused naming the metric, where sequential training
+    counts each client's real samples."""
+    where = "a client's batch padded to 16 samples but \\d+ on its \\d+ real ones"
+    if loss == "own":
+        where = "a client's \\d+ real samples but 1 on one of them alone"
+    with pytest.raises(VectorizationUnsupportedError, match=rf"'seen' \(update: argument 0\) with [\d.]+ on {where}"):
+        fit(CountsSamples(variant, loss), OPTIMIZERS["sgd"], "vectorized", rounds=1)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "own"])
+def test_a_tensor_as_long_as_the_padded_batch_but_not_of_it_is_refused(loss):
+    """``torch.ones(len(y))`` is the same for every client under vmap, of the padded length (or 1 on the per-sample
+    path): replayed whole, it would count the padding. Refused naming the metric and the way out."""
+    with pytest.raises(VectorizationUnsupportedError, match=r"'seen' .*torch\.ones\(len\(y\)\).*torch\.ones_like"):
+        fit(CountsSamples("ones", loss), OPTIMIZERS["sgd"], "vectorized", rounds=1)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "own"])
+def test_a_count_computed_from_the_batch_is_replayed_on_the_real_samples(loss):
+    vec = fit(CountsSamples("ones_like", loss), OPTIMIZERS["sgd"], "vectorized")
+    assert vec[2].vectorized_engine.call.intercept is (loss == "cross_entropy")
+    seq = fit(CountsSamples("ones_like", loss), OPTIMIZERS["sgd"], "sequential")
+    assert_same_metrics(seq, vec, ["seen"])
+    assert [r["client/seen"] for r in vec[1].rounds] == [r["client/seen"] for r in seq[1].rounds]  # counts: exact
+
+
+def test_auto_counts_the_real_samples_of_ragged_clients():
+    """``auto`` trains such a module sequentially: ``client/seen`` is the round's real samples, counted here from
+    the clients' updates, and the batch-size-weighted mean loss is sequential training's."""
+    seq = fit(CountsSamples("weight"), OPTIMIZERS["sgd"], "sequential")
+    auto = fit(CountsSamples("weight"), OPTIMIZERS["sgd"], "auto")
+    assert auto[2].client_execution_choice == "sequential"
+    assert_same_metrics(seq, auto, ["seen", "mean_loss"])
+    dm = digits()
+    dm.setup("fit")
+    dm.configure_rounds(CPR, K, seed=3)
+    for r, logged in enumerate(auto[1].rounds):
+        seen = 0
+        for c in dm.sample_clients(r):  # the client's K batches, from its own loader
+            batches = iter(dm.client_dataloader(c, r))
+            for _ in range(K):
+                batch = next(batches, None)
+                if batch is None:
+                    batches = iter(dm.client_dataloader(c, r))
+                    batch = next(batches)
+                seen += len(batch[1])
+        assert seen < CPR * K * BATCH  # ragged: counting the padding would give more
+        assert logged["client/seen"] == seen
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "own"])
+def test_a_constant_metric_argument_is_replayed(loss):
+    """The same arguments as constants (not of the batch): vectorized, and the values sequential training logs."""
+    vec = fit(CountsSamples("constant", loss), OPTIMIZERS["sgd"], "vectorized")
+    assert vec[2].vectorized_engine.call.intercept is (loss == "cross_entropy")
+    names = ["seen", "mean_loss"] if loss == "cross_entropy" else ["seen"]
+    assert_same_metrics(fit(CountsSamples("constant", loss), OPTIMIZERS["sgd"], "sequential"), vec, names)
 
 
 class RunningMean(torchmetrics.Metric):

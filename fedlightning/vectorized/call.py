@@ -34,7 +34,7 @@ from fedlightning.client import BufferSlots
 from fedlightning.objectives import AnchoredTerm, term_value
 
 from .losses import AutocastLosses, LossInterception
-from .metrics import _metric_modules, _metric_types, _MetricCalls, _MetricStep, _Pending
+from .metrics import _constants_mismatch, _metric_modules, _metric_types, _MetricCalls, _MetricStep, _Pending
 from .norms import _NormLayers
 from .rows import (
     InterceptionFailed,
@@ -319,6 +319,13 @@ def _logged_mismatch(name: str, k: int, n_max: int, mine: Tensor | float, theirs
         f"{shown} on the client's {k} real samples: a value logged in training_step must be the loss "
         "or not depend on the batch (a batch size, a sum over samples)"
     )
+
+
+def _shown(value: Any) -> str:
+    """A metric argument for a message: a number or one-element tensor as its value, another tensor by its shape."""
+    if isinstance(value, Tensor):
+        return f"{float(value):.6g}" if value.numel() == 1 else f"a tensor of shape {tuple(value.shape)}"
+    return repr(value)
 
 
 def _tf32(device: torch.device) -> bool:
@@ -866,6 +873,84 @@ class _ModelCall:
                     "sum, to be logged per client from padded steps"
                 )
         return None
+
+    def _check_metric_arguments(
+        self, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor], alone: bool
+    ) -> None:
+        """Raise :class:`VectorizationUnsupportedError` naming the metric and the argument if a torchmetrics call in
+        ``training_step`` gets an argument that is not one value per sample (a Python number, a tensor whose first
+        dimension is not the batch's) and differs between the value a padded path records and the client's real
+        samples: with ``alone`` False (loss interception) the padded row's call against its real samples alone, with
+        ``alone`` True (the per-sample path) the row's real samples against the first of them alone. Such an
+        argument (``weight=len(y)``, ``torch.tensor(len(y))``, a statistic of the batch) is replayed once per step
+        for every client with the recorded value (:mod:`fedlightning.vectorized.metrics`), which would then count
+        the padding where sequential training counts the real samples. Nothing for a module without metrics. Two
+        ``training_step`` calls on the row that :meth:`_interception_row` picks, without gradients, in full
+        precision, in eval mode for models with random layers (what is compared does not depend on their draws),
+        random state kept; once when the path is chosen."""
+        if not self.metric_calls:
+            return
+        leaves, spec = tree_flatten(batch)
+        r, k = self._interception_row(mask)
+        if alone and k < 2:
+            return
+        n = mask.shape[1]
+        row = [v[r].detach() for v in views]
+        row_stats = [s[r] for s in stats]
+        device = row[0].device
+        modes = [(m, m.training) for m in self.model.modules()]  # put back module by module, as in the other checks
+        if not self.deterministic:
+            self.model.eval()
+
+        def constants(size: int, padded: bool) -> list:
+            interception, weights = None, None
+            if padded:
+                weights = mask[r].to(self.dtype)
+                interception = LossInterception(n, weights, weights.sum())
+            self.metric_calls.begin(False, n=size, interception=interception, constants=True)
+            self.norms.begin(row_stats, weights, None if weights is None else weights.sum(), k if padded else size)
+            self.collector.reset()
+            try:
+                with interception if interception is not None else contextlib.nullcontext():
+                    self.model.training_step(tree_unflatten([x[r, :size] for x in leaves], spec), step)
+            finally:
+                self.norms.end()
+            return list(self.metric_calls.constants)
+
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                with _full_precision(device), self._weights_in_slots(row):
+                    real = constants(k, False)
+                    other = constants(1, False) if alone else constants(n, True)
+        finally:
+            self.metric_calls.begin(False)
+            self.collector.reset()
+            for m, training in modes:
+                m.training = training
+        rtol, atol = _tolerance(self.dtype, device)
+        names = [name for name, _ in self.metric_calls.modules]
+        found = _constants_mismatch(names, other, real, rtol, atol)
+        if found is None:
+            return
+        metric, argument, theirs, mine = found
+        if argument:
+            theirs, mine = _shown(theirs), _shown(mine)
+        if alone:  # (value, where) of both calls, in the order the message names them
+            first, second = (mine, f"a client's {k} real samples"), (theirs, "one of them alone")
+        else:
+            first, second = (theirs, f"a client's batch padded to {n} samples"), (mine, f"its {k} real ones")
+        if argument:
+            what = f"updates the torchmetrics metric {metric!r} ({argument}) with "
+        else:
+            what = "makes a different number of torchmetrics calls: "
+        what += f"{first[0]} on {first[1]} but {second[0]} on {second[1]}"
+        raise VectorizationUnsupportedError(
+            f"client_execution='vectorized': {type(self.model).__name__}.training_step {what}: an argument of a "
+            "metric that is not one value per sample is replayed once per step for every client, with the value "
+            "the batched step saw, so it must not depend on the batch (its size, a statistic of it). Update metrics "
+            "with per-sample tensors (first dimension the batch) or the loss, or use client_execution='sequential' "
+            "(or 'auto')"
+        )
 
     def _check_per_sample_protocol(self, views: list[Tensor], batch: Any, mask: Tensor, step: int) -> bool:
         """Once per engine, before the protocol is first used. False if ``training_step`` calls a torchmetrics

@@ -22,10 +22,23 @@ from fedlightning._lightning_compat import metric_reductions
 from .support import VectorizationUnsupportedError
 from .torch_internals import _is_batched
 
-__all__ = ["_MetricCalls", "_MetricStep", "_Pending", "_metric_modules", "_metric_types", "_replay"]
+__all__ = [
+    "_MetricCalls",
+    "_MetricStep",
+    "_Pending",
+    "_constants_mismatch",
+    "_metric_modules",
+    "_metric_types",
+    "_replay",
+]
 
 #: The metric methods recorded under vmap.
 _METHODS = ("update", "forward", "compute", "reset")
+
+#: In :attr:`_MetricCalls.constants`: an argument that is one value per sample or per client (a per-sample tensor,
+#: the loss loss interception computes, a value a metric returned, a container), which :func:`_constants_mismatch`
+#: does not compare.
+_PER_ROW = object()
 
 
 def _metric_types() -> tuple[type, ...]:
@@ -172,12 +185,18 @@ class _MetricCalls:
                 m.__dict__[method] = original
 
     # ------------------------------------------------------------------ one batched call
-    def begin(self, record: bool, rows: str = "whole", n: int = 0, interception: Any = None) -> None:
+    def begin(
+        self, record: bool, rows: str = "whole", n: int = 0, interception: Any = None, constants: bool = False
+    ) -> None:
         """Start a call. ``record``: keep its metric calls (gradient evaluations); ``rows``: ``"whole"`` (a row is a
         client's whole batch), ``"padded"`` (a client's batch padded to ``n``) or ``"cell"`` (a batch of one
-        sample); ``interception``: the active :class:`~fedlightning.vectorized.losses.LossInterception`, if any."""
+        sample); ``interception``: the active :class:`~fedlightning.vectorized.losses.LossInterception`, if any;
+        ``constants``: keep, for a call outside vmap on one batch of ``n`` samples, every metric call's arguments
+        that are not one value per sample (:attr:`constants`, compared by :func:`_constants_mismatch`)."""
         self.generation += 1
         self.record, self.rows, self.n, self.interception = record, rows, n, interception
+        #: with ``constants``: (metric, method, ((position or keyword, value or _PER_ROW), ...)) per metric call
+        self.constants: list[tuple[int, str, tuple]] | None = [] if constants else None
         self.calls: list[_Call] = []
         self.tensors: list[Tensor] = []
         self.kinds: list[str] = []
@@ -201,6 +220,9 @@ class _MetricCalls:
             spec_args = tuple(self._argument(a, name) for a in args)
             spec_kwargs = {k: self._argument(v, name) for k, v in kwargs.items()}
             self.calls.append(_Call(index, method, spec_args, spec_kwargs))
+        if self.constants is not None:
+            values = (*enumerate(args), *kwargs.items())
+            self.constants.append((index, method, tuple((key, self._constant(v)) for key, v in values)))
         if method in ("forward", "compute"):
             return _Pending(self, self.generation, len(self.calls) - 1, name)
         return None
@@ -229,6 +251,7 @@ class _MetricCalls:
             return ("result", value.index)
         if isinstance(value, Tensor):
             if not _is_batched(value):
+                self._refuse_sized(value, name)
                 return ("value", value.detach())  # the same for every client
             kind = self._kind(value, name)
             self.tensors.append(value.detach())
@@ -241,6 +264,37 @@ class _MetricCalls:
             f"{type(value).__name__}, which client_execution='vectorized' cannot record per client (tensors and "
             "Python numbers can be); use client_execution='sequential' (or 'auto')"
         )
+
+    def _refuse_sized(self, value: Tensor, name: str) -> None:
+        """Refuse a tensor that is the same for every client but as long as the call's batch of padded or single
+        samples (first dimension ``n``, or 1 for one-sample calls): made from the batch's size
+        (``torch.ones(len(y))``), it would be replayed whole for every client, where sequential training's has the
+        client's own length; a constant of that length by chance is refused too (ours: the two cannot be told apart
+        under vmap)."""
+        size = self.n if self.rows == "padded" else 1 if self.rows == "cell" else None
+        if size is None or value.dim() == 0 or value.shape[0] != size:
+            return
+        where = f"the padded batch's ({size})" if self.rows == "padded" else "the single sample's (1)"
+        raise VectorizationUnsupportedError(
+            f"the torchmetrics metric '{name}' is updated in training_step with a tensor of shape "
+            f"{tuple(value.shape)} that is the same for every client but whose first dimension is {where} on a "
+            "padded step (clients' batches of unequal size): made from the batch's size (torch.ones(len(y)))? "
+            "client_execution='vectorized' cannot cut it to a client's real samples; compute it from the batch "
+            "(torch.ones_like(y)), or use client_execution='sequential' (or 'auto')"
+        )
+
+    def _constant(self, value: Any) -> Any:
+        """``value`` (detached), or :data:`_PER_ROW` if it is one value per sample of a batch of :attr:`n` samples or
+        one per client (see :data:`_PER_ROW`)."""
+        if isinstance(value, Tensor):
+            if value.dim() >= 1 and value.shape[0] == self.n:
+                return _PER_ROW
+            if self.interception is not None and self.interception.cells_of(value) is not None:
+                return _PER_ROW
+            return value.detach()
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return _PER_ROW
 
     def _kind(self, value: Tensor, name: str) -> str:
         if self.rows == "whole":
@@ -349,3 +403,47 @@ def _resolve(spec: tuple[str, Any], tensors: list[Tensor], results: list[Any]) -
     if kind == "result":
         return results[value]
     return value
+
+
+def _constants_mismatch(
+    names: Sequence[str],
+    mine: Sequence[tuple[int, str, tuple]],
+    theirs: Sequence[tuple[int, str, tuple]],
+    rtol: float,
+    atol: float,
+) -> tuple[str, str, Any, Any] | None:
+    """None if two calls of ``training_step`` (their :attr:`_MetricCalls.constants`) made the same metric calls with
+    the same values in the arguments that are not one per sample (numbers and tensors to ``rtol`` / ``atol``), else
+    ``(metric, argument, mine, theirs)`` for the first that differs (``argument`` ``""`` and the numbers of calls:
+    not the same calls). ``names``: the metrics' names, by index.
+
+    Decision (ours): vectorized training replays such an argument once per step for every client with the value the
+    batched call saw, which for a value computed from the batch (its size, a statistic of it) is the padded batch's;
+    a mismatch between the padded batch and the real samples is refused where it is found, rather than logged as
+    another value than sequential training's."""
+    if len(mine) != len(theirs) or any(a[:2] != b[:2] or len(a[2]) != len(b[2]) for a, b in zip(mine, theirs)):
+        return names[mine[0][0]] if mine else names[theirs[0][0]], "", len(mine), len(theirs)
+    for (index, method, args), (_, _, other) in zip(mine, theirs):
+        other_args = dict(other)
+        for key, value in args:
+            if key not in other_args:
+                return names[index], "", len(mine), len(theirs)
+            if not _same_constant(value, other_args[key], rtol, atol):
+                where = f"argument {key}" if isinstance(key, int) else f"{key}="
+                return names[index], f"{method}: {where}", value, other_args[key]
+    return None
+
+
+def _same_constant(a: Any, b: Any, rtol: float, atol: float) -> bool:
+    if a is _PER_ROW or b is _PER_ROW:
+        return True
+    numbers = (Tensor, int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
+        x, y = torch.as_tensor(a), torch.as_tensor(b)
+        if x.shape != y.shape:
+            return False
+        if x.dtype == torch.bool or y.dtype == torch.bool:
+            return torch.equal(x.cpu(), y.cpu())
+        x, y = x.detach().cpu().double(), y.detach().cpu().double()
+        return bool(torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True))
+    return type(a) is type(b) and a == b

@@ -356,6 +356,8 @@ class _SampleRows(_TracedRows):
         if not self.checked:
             with self.call._vmap_context():
                 refusal = self.call._check_sample_mean(views, batch, mask, step, stats, halves=True)
+                if refusal is None:
+                    self.call._check_metric_arguments(views, batch, mask, step, stats, alone=True)
             if refusal is not None:
                 raise _not_a_mean(self.call, f"one training_step per sample ({self.reason})", refusal)
             self.checked = True
@@ -644,7 +646,10 @@ def choose_padded_rows(
       calls a torchmetrics metric; a protocol that disagrees with ``training_step`` raises ``ValueError``), and
       whose loss is a mean over samples (``_check_sample_mean``; else :class:`VectorizationUnsupportedError`);
     * :class:`_InterceptedRows` when loss interception passes its check (:func:`_interception_refusal`; models with
-      random layers skip the check and find out on their first call);
+      random layers skip the check and find out on their first call); its torchmetrics calls must then get the same
+      arguments that are not one per sample on a padded row as on its real samples
+      (:meth:`~fedlightning.vectorized.call._ModelCall._check_metric_arguments`; else
+      :class:`VectorizationUnsupportedError`), as must the per-sample path's on a few samples and on one;
     * :class:`_SampleRows` otherwise (:func:`per_sample_fallback`), or at once, unannounced, with ``intercept=False``
       (the per-sample path pinned by the caller); its first call checks that the loss is a mean over samples
       (``_check_sample_mean``) and raises :class:`VectorizationUnsupportedError` when it is not (a summed loss, a
@@ -663,5 +668,7 @@ def choose_padded_rows(
         return _SampleRows(call, "")
     reason = _interception_refusal(call, views, batch, mask, step, stats)
     if reason is None:
+        with call._vmap_context():
+            call._check_metric_arguments(views, batch, mask, step, stats, alone=False)
         return _InterceptedRows(call)
     return per_sample_fallback(call, reason)
