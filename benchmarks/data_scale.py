@@ -11,10 +11,17 @@ share numpy's memory and are counted there):
   traced memory during setup, and the memory the module *retains* per client beyond the client's index array
   (array headers, list slots, the per-client sample counts). Run with the default ``max_retries=10`` and with
   ``max_retries=0`` (a single draw, then the repair).
+* **Dirichlet repair** — ``Dirichlet(alpha=0.005, min_samples=1, max_retries=0).split`` (one draw, then the
+  repair) of 10 labels per client, at ``--clients / 8``, ``/ 4``, ``/ 2`` and ``--clients`` clients (at this α the
+  draw leaves most clients empty, and the repair fills each): time per repaired client and the time ratio of each
+  doubling of the clients (2 for a cost linear in the moves; 4 for a scan of all clients per move).
 * **LEAF index** — ``LeafDataModule(name="femnist")`` on LEAF JSON files written here with ``--leaf-users`` users of
   ``--leaf-samples`` samples each (binary pixels keep the files small; the per-user overhead does not depend on the
   sample count): wall time of the first load (JSON parse + Arrow cache write) and of a second, cached load, peak
   traced memory, and retained bytes per user beyond its train and test index arrays and the data tensors.
+
+Both setups run once at a small size first, so the modules they import on first use are not counted as memory
+retained per client.
 
 Target (docs/benchmarks.md): < 1 KB per unsampled client beyond its index array.
 """
@@ -81,6 +88,19 @@ def bench_dirichlet(num_samples: int, num_clients: int, max_retries: int, seed: 
     }
 
 
+def bench_repair(num_clients: int, seed: int = 0) -> dict:
+    """Time of ``Dirichlet(alpha=0.005, min_samples=1, max_retries=0).split`` (one draw, then the repair) of 10 labels
+    per client over ``num_clients`` clients, and how many clients the draw left empty (repaired)."""
+    labels = np.random.default_rng(seed).integers(0, 10, size=10 * num_clients)
+    part = Dirichlet(alpha=0.005, min_samples=0, max_retries=0)
+    empty = sum(len(p) == 0 for p in part.split(labels, num_clients, np.random.default_rng(seed)))
+    part = Dirichlet(alpha=0.005, min_samples=1, max_retries=0)
+    start = time.perf_counter()
+    part.split(labels, num_clients, np.random.default_rng(seed))  # the same draw, then the repair
+    seconds = time.perf_counter() - start
+    return {"clients": num_clients, "repaired": empty, "seconds": seconds}
+
+
 def _write_leaf(root: str, users: int, per_user: int, seed: int = 0, users_per_file: int = 100) -> None:
     rng = np.random.default_rng(seed)
     for split, n in (("train", per_user), ("test", max(1, per_user // 4))):
@@ -140,8 +160,11 @@ def main() -> None:
     torch.set_num_threads(1)
     cpu = platform.processor() or platform.machine()
     results = {"machine": f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
+    bench_dirichlet(10_000, 100, 10)  # modules that setup imports on first use: not counted as retained per client
     results["dirichlet"] = [bench_dirichlet(args.samples, args.clients, r) for r in (10, 0)]
+    bench_leaf(20, 1)  # the same for the LEAF reader's modules (Hugging Face datasets, Arrow)
     results["leaf"] = bench_leaf(args.leaf_users, args.leaf_samples)
+    results["repair"] = [bench_repair(args.clients // d) for d in (8, 4, 2, 1)]
     print(f"machine: {results['machine']}")
     print("\nDirichlet(alpha=0.3) split, FederatedDataModule.setup()")
     print(
@@ -162,6 +185,15 @@ def main() -> None:
         print(
             f"| {r['clients']:,} | {r['samples_per_user']} | {run} | {r[f'{run}_load_seconds']:.2f} | "
             f"{r[f'{run}_peak_MB']:.1f} | {r[f'{run}_retained_bytes_per_user_beyond_index']:.0f} |"
+        )
+    print("\nDirichlet(alpha=0.005, min_samples=1, max_retries=0) repair, 10 labels per client")
+    print("| clients | repaired clients | time (s) | µs per repaired client | time / time at half the clients |")
+    print("|---:|---:|---:|---:|---:|")
+    for i, r in enumerate(results["repair"]):
+        ratio = f"{r['seconds'] / results['repair'][i - 1]['seconds']:.2f}" if i else "-"
+        print(
+            f"| {r['clients']:,} | {r['repaired']:,} | {r['seconds']:.2f} | "
+            f"{1e6 * r['seconds'] / max(1, r['repaired']):.1f} | {ratio} |"
         )
     if args.json:
         with open(args.json, "w") as f:

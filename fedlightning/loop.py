@@ -447,7 +447,7 @@ class FederatedLoop(pl.LightningModule):
         (:func:`~fedlightning.user_module.materialize_lazy_modules`; nothing runs for a model without them)."""
         if not any(is_lazy(p) for p in self.model.parameters()) and not any(is_lazy(b) for b in self.model.buffers()):
             return
-        client = next(c for c in range(dm.num_clients) if dm.client_num_samples(c) > 0)
+        client = int(dm.clients_with_data()[0])
         with torch.random.fork_rng(devices=[]):  # a DataLoader iterator draws its base seed from the global RNG
             batch = next(iter(dm.client_dataloader(client, 0)))
         device = next((p.device for p in self.model.parameters() if not is_lazy(p)), torch.device("cpu"))

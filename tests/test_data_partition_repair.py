@@ -1,4 +1,4 @@
-"""Dirichlet's repair step (kept in sync with a sizes array) gives exactly the split of the original
+"""Dirichlet's repair step (the largest client from a heap of sizes) gives exactly the split of the original
 list-based loop, and every client ends with at least ``min_samples``."""
 
 import numpy as np
@@ -57,3 +57,19 @@ def test_an_empty_client_serves_no_batch():
     n = dm.client_num_samples(full)
     assert sum(len(b[1]) for b in dm.client_dataloader(full)) == n  # the others are served as before
     assert dm.client_batches_per_epoch(full) == -(-n // dm.batch_size)
+
+
+def test_clients_with_data_are_the_clients_sampling_draws_from():
+    import pytest
+
+    from fedlightning.datamodules import DigitsDataModule
+
+    dm = DigitsDataModule(num_clients=300, partition=Dirichlet(0.01, min_samples=0), seed=0)
+    dm.setup()
+    ids = dm.clients_with_data()
+    holding = [c for c in range(dm.num_clients) if dm.client_num_samples(c) > 0]
+    assert ids.tolist() == holding and len(holding) < dm.num_clients
+    with pytest.raises(ValueError, match="read-only"):
+        ids[0] = 1  # the data module's own array: not to be changed by a caller
+    dm.configure_rounds(len(holding), 1, seed=0)
+    assert sorted(dm.sample_clients(0)) == holding

@@ -156,9 +156,32 @@ def reference_scaffold(rounds=ROUNDS, lrs=None):
             ci[k] = cnew
             deltas.append(delta)
         glob = [g - sum(d[j] for d in deltas) / len(deltas) for j, g in enumerate(glob)]
-        c = [cj + sum(d[j] for d in dcs) / dm.num_clients for j, cj in enumerate(c)]
+        holding = sum(1 for k in range(dm.num_clients) if dm.client_num_samples(k) > 0)  # N
+        c = [cj + sum(d[j] for d in dcs) / holding for j, cj in enumerate(c)]
     flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
     return flat(glob), flat(c), {k: flat(v) for k, v in ci.items()}
+
+
+def test_scaffold_server_control_is_the_mean_over_the_clients_that_hold_data():
+    """With clients left empty by the split (never sampled, ``c_i = 0`` for ever), ``c = (1/N) Σ_i c_i`` over the
+    ``N`` clients that hold data: the invariant the server step keeps, checked against the stored ``c_i``."""
+    dm = Digits64(num_clients=20, batch_size=16, partition=Dirichlet(0.02, min_samples=0), seed=2)
+    dm.setup("fit")
+    holding = sum(1 for k in range(dm.num_clients) if dm.client_num_samples(k) > 0)
+    assert CPR <= holding < dm.num_clients  # some clients are empty
+    assert dm.clients_with_data().tolist() == [k for k in range(20) if dm.client_num_samples(k) > 0]
+    s = Scaffold()
+    loop = FederatedLoop(
+        make_model(),
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+        local_steps=K,
+        clients_per_round=CPR,
+        seed=SEED,
+    )
+    make_trainer(4, callbacks=[s]).fit(loop, datamodule=dm)
+    stored = [loop.client_state.get("scaffold", k)["control"] for k in loop.client_state.clients("scaffold")]
+    assert len(stored) > CPR and float(s.server_control.norm()) > 0
+    assert_close64(s.server_control, sum(stored) / holding)
 
 
 # ============================================================================ FedDANE

@@ -8,6 +8,7 @@ import math
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,8 @@ class FakeLoop:
 
     @property
     def datamodule(self):
-        return SimpleNamespace(num_clients=self.num_clients)
+        ids = np.arange(self.num_clients)  # every client holds data
+        return SimpleNamespace(num_clients=self.num_clients, clients_with_data=lambda: ids)
 
 
 def upd(cid, delta, n=1, **kw):

@@ -257,7 +257,7 @@ class DPFedAvg(ServerStrategy):
         """``N``: ``population_size``, or the clients of ``loop.datamodule`` with training data (cached)."""
         if self._population is None:
             dm = loop.datamodule
-            self._population = sum(1 for c in range(dm.num_clients) if dm.client_num_samples(c) > 0)
+            self._population = len(dm.clients_with_data())
         return self._population
 
     @staticmethod

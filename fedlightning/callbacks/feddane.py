@@ -275,13 +275,13 @@ class FedDANE(FedAvg):
         if self.gradient_clients == "same":
             return list(plan.client_ids)
         dm = loop.datamodule
-        eligible = [k for k in range(dm.num_clients) if dm.client_num_samples(k) > 0]
+        eligible = dm.clients_with_data()
         m = self.gradient_clients_per_round or len(plan.client_ids)
         if m > len(eligible):
             raise ValueError(f"gradient_clients_per_round={m} exceeds the {len(eligible)} clients that hold data")
         gen = torch.Generator().manual_seed(derive_seed(loop.seed, "feddane", plan.round))
         pick = torch.randperm(len(eligible), generator=gen)[:m]
-        return [eligible[i] for i in pick.tolist()]
+        return [int(eligible[i]) for i in pick.tolist()]
 
     def on_round_start(self, trainer, pl_module, plan: RoundPlan) -> None:
         self._round = plan.round

@@ -44,7 +44,10 @@ class Scaffold(ServerStrategy):
         \qquad(\text{the paper's } c_i - c + \tfrac{1}{K\eta_l}(x - y_i) \text{ for a constant } \eta_l).
 
     Server: ``w_{t+1} = w_t − η_g · mean_{i∈S_t} Δ_i`` and ``c ← c + (1/N) Σ_{i∈S_t} (c_i^+ − c_i)`` with ``N`` the
-    total number of clients.
+    total number of clients: here the clients that hold training data (``clients_with_data()`` of the data module,
+    the clients sampling draws from; ours). A client without data is never sampled and keeps ``c_i = 0``, so
+    counting it would shrink ``c = (1/N) Σ_i c_i`` by the share of such clients; DPFedAvg's population and FedDANE's
+    gradient clients count the same clients. With every client holding data (the papers' splits) both are the same.
 
     Decisions:
 
@@ -142,7 +145,7 @@ class Scaffold(ServerStrategy):
 
     def server_update(self, loop, stats: RoundStatistics, plan: RoundPlan):
         delta = self.mean_delta(stats)
-        num_clients = int(loop.datamodule.num_clients)
+        num_clients = len(loop.datamodule.clients_with_data())  # N: the clients that can be sampled
         control_step = stats["scaffold_control_delta"] / num_clients
         c = self._server_control(control_step)
         c.add_(control_step)

@@ -849,6 +849,16 @@ class FederatedDataModule(pl.LightningDataModule):
         self._require_setup()
         return int(self._num_samples[client_id])
 
+    def clients_with_data(self) -> np.ndarray:
+        """The ids of the clients that hold training data, ascending: the clients :meth:`sample_clients` draws from
+        (a partition may leave clients empty: ``Dirichlet(min_samples=0)``, a natural split's users without
+        training samples). A read-only view of the array kept since setup, so a callback can read it every round
+        without a pass over all clients."""
+        self._require_setup()
+        view = self._eligible.view()
+        view.flags.writeable = False
+        return view
+
     def client_dataset(self, client_id: int) -> Dataset:
         self._require_setup()
         return Subset(self.train_dataset, self.client_indices[client_id].tolist())

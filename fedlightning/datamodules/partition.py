@@ -7,6 +7,7 @@ They are seeded by the ``seed`` argument only (a private ``numpy.random.Generato
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -102,16 +103,27 @@ class Dirichlet(Partitioner):
         return [indices[order[bounds[c] : bounds[c + 1]]] for c in range(num_clients)]
 
     def _repair(self, parts: list[np.ndarray], rng) -> list[np.ndarray]:
+        """Deficient clients, in index order, take samples from the currently largest client (the lowest index
+        among equals, as ``np.argmax`` picks) until they hold ``min_samples``. The largest client comes from a heap
+        of ``(−size, client)`` entries, an entry pushed at every size change and stale ones dropped when they
+        surface, so each move costs ``O(log N)``, not a scan of all ``N`` clients (ours, measured:
+        docs/benchmarks_data.md)."""
         parts = [rng.permutation(p) for p in parts]
-        sizes = np.array([len(p) for p in parts], dtype=np.int64)  # kept in sync: argmax without a list per step
-        for c in np.flatnonzero(sizes < self.min_samples).tolist():
+        sizes = [len(p) for p in parts]
+        heap = [(-n, c) for c, n in enumerate(sizes)]
+        heapq.heapify(heap)
+        for c in [c for c, n in enumerate(sizes) if n < self.min_samples]:
             while sizes[c] < self.min_samples:
-                donor = int(np.argmax(sizes))
+                while -heap[0][0] != sizes[heap[0][1]]:  # stale: that client's size changed since
+                    heapq.heappop(heap)
+                donor = heap[0][1]
                 take = int(min(self.min_samples - sizes[c], sizes[donor] - self.min_samples))
                 parts[c] = np.concatenate([parts[c], parts[donor][:take]])
                 parts[donor] = parts[donor][take:]
                 sizes[c] += take
                 sizes[donor] -= take
+                heapq.heappush(heap, (-sizes[c], c))
+                heapq.heappush(heap, (-sizes[donor], donor))
         return parts
 
 
