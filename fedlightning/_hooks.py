@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from fedlightning._lightning_compat import attached_trainer
+from fedlightning._lightning_compat import attached_trainer, metric_reductions
 from fedlightning._logging_route import (
     RoundLogOptions,
     note_round_log_options,
@@ -178,6 +178,42 @@ class _LogRouter:
                 )
             out[f"client/{name}"] = float(value)
         return out
+
+    def list_state_layouts(self) -> dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]] | None:
+        """``(metric name, state) -> (dtype, shape after the first dimension)`` of the tensors in each list state
+        (``dist_reduce_fx="cat"``, e.g. AUROC's scores and targets) of the metrics logged in training_step that holds
+        any; None when none of these metrics has a list state (the same on every process: they hold the same
+        metrics)."""
+        out: dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]] = {}
+        found = False
+        for name in sorted(self.metrics):
+            metric = self.metrics[name]
+            for attr in metric_reductions(metric):
+                value = getattr(metric, attr)
+                if not isinstance(value, list):
+                    continue
+                found = True
+                first = next((t for t in value if isinstance(t, Tensor)), None)
+                if first is not None:
+                    out[(name, attr)] = (first.dtype, tuple(first.shape[1:]) if first.dim() else ())
+        return out if found else None
+
+    def fill_empty_list_states(self, layouts: list[dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]]):
+        """Put, into each list state that is empty on this process, an empty tensor of the dtype and trailing shape
+        another process's state holds (``layouts``: every process's :meth:`list_state_layouts`).
+
+        Decision (ours): torchmetrics' sync sends, for an empty list state (a process whose clients made no update of
+        the metric this round: fewer clients than processes, a client left out), an empty tensor of the metric's
+        float dtype, where the other processes send their tensors (int64 targets, ``[N, C]`` scores): the
+        all-gather then fails on the mismatch. The empty tensor of the other processes' dtype and shape adds no
+        value; the metric is reset at the end of the round."""
+        for key in sorted({k for layout in layouts for k in layout}):
+            name, attr = key
+            metric = self.metrics.get(name)
+            if metric is None or getattr(metric, attr):
+                continue
+            dtype, trailing = next(layout[key] for layout in layouts if key in layout)
+            getattr(metric, attr).append(torch.empty((0, *trailing), dtype=dtype, device=metric.device))
 
     def adopt_metrics(self, paths: dict[str, str]) -> None:
         """Metrics another process logged (a process whose clients have not logged them yet must still compute)."""

@@ -45,6 +45,7 @@ __all__ = [
     "HealthyClient",
     "RoundTally",
     "accumulate_telemetry",
+    "align_metric_list_states",
     "client_log_means",
     "log_round",
     "reduce_statistics",
@@ -547,6 +548,20 @@ def share_round_state(
             client_state.update_from(entries)
             router.adopt_metrics(metric_paths)  # every process computes (a collective) the same metrics
     return sorted(summaries)
+
+
+def align_metric_list_states(router: Any, trainer: Any, round: int) -> None:
+    """With several processes, before the torchmetrics metrics logged in training_step are computed (a sync over
+    the processes): the list states one process holds empty get the dtype and shape the others' hold
+    (:meth:`~fedlightning._hooks._LogRouter.fill_empty_list_states`), in one exchange; nothing for metrics without
+    list states or on one process."""
+    if not _distributed(trainer):
+        return
+    mine = router.list_state_layouts()
+    if mine is None:
+        return
+    layouts = all_gather_objects(mine, round=round, what="the dtypes and shapes of the metrics' list states")
+    router.fill_empty_list_states(layouts)
 
 
 @torch.no_grad()

@@ -60,6 +60,7 @@ from fedlightning._reference import reference_mode
 from fedlightning._round import (
     FailurePolicy,
     RoundTally,
+    align_metric_list_states,
     client_log_means,
     log_round,
     reduce_statistics,
@@ -1213,6 +1214,7 @@ class FederatedLoop(pl.LightningModule):
             worker.model.on_train_epoch_end()
         logged: dict[str, float] = {}
         if router.metrics:  # torchmetrics syncs their states over the processes
+            align_metric_list_states(router, trainer, result.plan.round)
             with named_collective("sync of the torchmetrics metrics logged in training_step", result.plan.round):
                 logged.update(router.compute_metrics())
         router.reset_metrics()

@@ -47,7 +47,7 @@ def _run(tmp_path, devices, setup, rounds=3, extra=()):
     return torch.load(out)
 
 
-SETUPS = ["fedavg", "fedexp_sls", "decsps", "scaffold", "feddane", "feddane_faulty", "usermodule"]
+SETUPS = ["fedavg", "fedexp_sls", "decsps", "scaffold", "feddane", "feddane_faulty", "usermodule", "auroc_one_client"]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,10 @@ def test_two_processes_equal_one(one_and_two, setup):
             key = "val" if stage == "validate" else "test"
             assert a[f"{key}/seen"] == b[f"{key}/seen"] == one["split_sizes"][stage]
             assert a[f"{key}/loss"] == pytest.approx(b[f"{key}/loss"], rel=1e-12)
+    if setup == "auroc_one_client":  # a metric with list states; one client a round, so one process has none
+        assert len(one["round_metrics"]) == 3
+        for a, b in zip(two["round_metrics"], one["round_metrics"]):
+            assert 0 < a["client/auroc"] == pytest.approx(b["client/auroc"], rel=rtol32(1))
     if setup == "feddane_faulty":  # NaN full gradients left out of g_t by whichever process computed them
         used = [r["feddane/gradient_clients"] for r in one["round_metrics"]]
         assert [r["feddane/gradient_clients"] for r in two["round_metrics"]] == used and min(used) < 5

@@ -67,6 +67,23 @@ class UserModule(pl.LightningModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
 
 
+class AurocModule(UserModule):
+    """A metric with list states (AUROC keeps every score and target) logged in training_step."""
+
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        self.auroc = torchmetrics.classification.MulticlassAUROC(num_classes=10, thresholds=None)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.auroc.update(logits.softmax(-1), y)
+        self.log("auroc", self.auroc)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
 class Digits64(DigitsDataModule):
     """The digits with float64 inputs."""
 
@@ -147,6 +164,10 @@ def build(setup: str):
         from fedlightning.callbacks import FedAvg
 
         callbacks, opt = [FedAvg()], None
+    elif setup == "auroc_one_client":  # one client per round: the second process trains none
+        from fedlightning.callbacks import FedAvg
+
+        callbacks = [FedAvg()]
     else:
         raise SystemExit(f"unknown setup {setup}")
     return callbacks, opt
@@ -198,6 +219,8 @@ def fit(args, setup: str):
     data_cls = Digits64 if args.float64 else DigitsDataModule
     data_args = dict(num_clients=12, batch_size=20, partition=Dirichlet(0.5), seed=0)
     net = UserModule() if setup == "usermodule" else MLP(input_dim=64, hidden=[16])
+    if setup == "auroc_one_client":
+        net = AurocModule()
     if setup == "feddane_faulty":  # clients 1 and 6: NaN full gradients, left out of g_t on whichever process
         dm = data_cls(**data_args)
         dm.setup("fit")
@@ -207,7 +230,7 @@ def fit(args, setup: str):
         net,
         client_optimizer=opt,
         local_steps=4,
-        clients_per_round=5,
+        clients_per_round=1 if setup == "auroc_one_client" else 5,
         seed=1,
         client_execution=args.execution,
         max_parallel_clients=args.groups,
