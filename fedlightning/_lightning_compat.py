@@ -10,7 +10,9 @@ No other module of fedlightning touches these attributes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,12 +29,14 @@ __all__ = [
     "batches_that_stepped",
     "checkpoint_every_n_epochs",
     "current_hook",
+    "defer_sigterm",
     "detached_trainer",
     "early_stopping_at_epoch_end",
     "evaluation_batch",
     "logged_at_last_round",
     "metric_reductions",
     "metric_state",
+    "note_sigterm",
     "parse_configure_optimizers",
     "preserved_metric_states",
     "progress_bar_options",
@@ -47,6 +51,42 @@ __all__ = [
     "unsynced_metrics",
     "validation_follows",
 ]
+
+
+def defer_sigterm(trainer: pl.Trainer, on_signal: Callable[[], None]) -> bool:
+    """Replace the SIGTERM handler Lightning registered for this fit by one that makes no collective: it forwards
+    the signal once to the processes the strategy's launcher started (as Lightning's does), calls ``on_signal``, then
+    the handler that was there before Lightning's (as Lightning's does). True if installed (in the main thread only,
+    where Python runs signal handlers); Lightning's teardown puts the earlier handler back at the end of the fit.
+
+    Decision (ours): with several processes Lightning's handler broadcasts a tensor from inside the signal handler,
+    at whatever point the process is, once per signal received (a process may receive two: the job's and the one
+    its launcher forwards), so the processes' sequences of collectives part and the run hangs until the collective
+    timeout instead of stopping. The loop instead agrees on the stop with the round's own exchange and sets
+    :func:`note_sigterm` on every process at the same round."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = getattr(trainer._signal_connector, "_original_handlers", {}).get(signal.SIGTERM)
+    forwarded = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not forwarded:
+            forwarded.append(signum)
+            launcher = trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)
+        on_signal()
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, handler)
+    return True
+
+
+def note_sigterm(trainer: pl.Trainer) -> None:
+    """Mark the fit as having received SIGTERM: Lightning then stops at the end of the round in progress with a
+    ``SIGTERMException`` (the flag its own handler sets)."""
+    trainer._signal_connector.received_sigterm = True
 
 
 def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:

@@ -522,32 +522,38 @@ def client_log_means(router: Any, trainer: Any, round: int) -> dict[str, float]:
 
 
 def share_round_state(
-    plan: RoundPlan, healthy: list[HealthyClient], trainer: Any, client_state: Any, router: Any
-) -> list[tuple]:
+    plan: RoundPlan,
+    healthy: list[HealthyClient],
+    trainer: Any,
+    client_state: Any,
+    router: Any,
+    sigterm: bool = False,
+) -> tuple[list[tuple], bool]:
     """Per-client scalars of the round's healthy clients, from every process, in sampling order; and, with
     several processes, the client-state entries written this round are exchanged so every process holds the
-    whole ClientStateStore."""
+    whole ClientStateStore. Second: whether any process received SIGTERM (``sigterm``: this one's mark), the same
+    answer on every process."""
     pos = {cid: i for i, cid in enumerate(plan.client_ids)}
     mine = [(pos.get(u.client_id, -1), u.client_id, u.first_loss, u.mean_loss) for u in healthy]
     if not _distributed(trainer):
         client_state.pop_dirty()
-        return mine
+        return mine, sigterm
     dirty = client_state.pop_dirty()
     dirty_cpu = {
         k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()} for k, d in dirty.items()
     }
     everything = all_gather_objects(
-        (mine, dirty_cpu, dict(router.metric_paths)),
+        (mine, dirty_cpu, dict(router.metric_paths), bool(sigterm)),
         round=plan.round,
         what="client summaries and client state of the round",
     )
     summaries: list[tuple] = []
-    for rank, (theirs, entries, metric_paths) in enumerate(everything):
+    for rank, (theirs, entries, metric_paths, _) in enumerate(everything):
         summaries.extend(theirs)
         if rank != trainer.global_rank:
             client_state.update_from(entries)
             router.adopt_metrics(metric_paths)  # every process computes (a collective) the same metrics
-    return sorted(summaries)
+    return sorted(summaries), any(stop for *_, stop in everything)
 
 
 def align_metric_list_states(router: Any, trainer: Any, round: int) -> None:

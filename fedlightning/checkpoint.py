@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from fedlightning._lightning_compat import validation_follows
 
@@ -517,7 +518,8 @@ class RoundCheckpoint(ModelCheckpoint):
       round was in progress, or the round in progress changed nothing yet (its server step did not run and no
       client wrote persistent state). A round part-way through its clients' state is never saved. With several
       processes nothing is saved on an exception (the exception may be on one process only, and a save waits for
-      all). A failure of that save is a warning; the original exception goes on.
+      all), except on SIGTERM, where the FederatedLoop has every process stop at the end of the same round
+      (``stopping_on_sigterm``). A failure of that save is a warning; the original exception goes on.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -650,7 +652,12 @@ class RoundCheckpoint(ModelCheckpoint):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)
-        if not self.save_last or trainer.world_size > 1 or self._should_skip_saving_checkpoint(trainer):
+        agreed = isinstance(exception, SIGTERMException) and bool(getattr(pl_module, "stopping_on_sigterm", False))
+        if (
+            not self.save_last
+            or (trainer.world_size > 1 and not agreed)
+            or self._should_skip_saving_checkpoint(trainer)
+        ):
             return
         started = self._round_started_at
         store = getattr(pl_module, "client_state", None)

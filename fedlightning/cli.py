@@ -1125,7 +1125,7 @@ def main(args: list[str] | None = None, run: bool = True) -> FederatedCLI:
         # Lightning stops at the next round boundary and raises a SystemExit without a code, i.e. exit status 0: a
         # restart loop (`until python train.py ...; do ...`) would take a preempted run for a finished one
         sys.stderr.write(
-            "stopped: the run received SIGTERM and stopped at a round boundary; a one-process run saved its last "
+            "stopped: the run received SIGTERM and stopped at a round boundary; RoundCheckpoint saved its last "
             "completed round as last.ckpt: resume with --ckpt_path last\n"
         )
         sys.stderr.flush()

@@ -43,9 +43,11 @@ from fedlightning._lightning_compat import (
     align_logged_step,
     attached_trainer,
     checkpoint_every_n_epochs,
+    defer_sigterm,
     detached_trainer,
     early_stopping_at_epoch_end,
     evaluation_batch,
+    note_sigterm,
     reopen_epoch_ended_by_max_steps,
     settle_unprocessed_batch,
     spawns_processes,
@@ -150,6 +152,10 @@ class _Runtime:
     round_tensors: tuple[int, list[Tensor], list[Tensor]] | None = None
     #: a round has ended and the validation Lightning may run after it has not (FederatedLoop._validation_pending)
     before_validation: bool = False
+    #: this process received SIGTERM during the fit (several processes: :meth:`FederatedLoop._defer_sigterm`)
+    sigterm_received: bool = False
+    #: the round at whose end every process stops on SIGTERM, once they have agreed on it
+    sigterm_round: int | None = None
     #: ``(round, lr)``: the first parameter group's learning rate of the last client optimizer built
     #: (:meth:`FederatedLoop.prepare_client`), logged as ``client/lr``; lr None when that group has no ``lr``
     client_lr: tuple[int, float | None] | None = None
@@ -1183,9 +1189,17 @@ class FederatedLoop(pl.LightningModule):
     def _step_server(self, plan: RoundPlan, stats: RoundStatistics, tally: RoundTally) -> RoundResult:
         """The server step on the reduced statistics (:func:`~fedlightning._round.server_step`), and the round's
         :class:`~fedlightning.state.RoundResult` (its metrics, and every process's healthy clients' losses)."""
-        summaries = share_round_state(
-            plan, tally.healthy, self.trainer, self.client_state, self._worker_trainer().router
+        summaries, sigterm = share_round_state(
+            plan,
+            tally.healthy,
+            self.trainer,
+            self.client_state,
+            self._worker_trainer().router,
+            self._runtime.sigterm_received,
         )
+        if sigterm:  # a process received SIGTERM: all of them stop at the end of this round
+            self._runtime.sigterm_round = plan.round
+            note_sigterm(self.trainer)
         metrics, pseudo_gradient = server_step(
             self, self.strategy, self.optimizers(), self._global_params(), stats, plan, self._runtime.client_lr
         )
@@ -1327,7 +1341,28 @@ class FederatedLoop(pl.LightningModule):
             for group, configured in zip(optimizer.param_groups, fresh.param_groups):
                 group.update({k: v for k, v in configured.items() if k != "params"})
         self._keep_an_early_stop()
+        self._defer_sigterm()
         self.model.on_train_start()
+
+    def _defer_sigterm(self) -> None:
+        """With several processes: SIGTERM only marks this process (no collective in the signal handler,
+        :func:`~fedlightning._lightning_compat.defer_sigterm`); the round's exchange of client summaries carries the
+        mark (:func:`~fedlightning._round.share_round_state`), and every process stops at the end of the first round
+        whose exchange carries one, its checkpoint callbacks' files written (:attr:`stopping_on_sigterm`)."""
+        runtime = self._runtime
+        runtime.sigterm_received, runtime.sigterm_round = False, None
+        trainer = self.trainer
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            defer_sigterm(trainer, self._mark_sigterm)
+
+    def _mark_sigterm(self) -> None:
+        self._runtime.sigterm_received = True
+
+    @property
+    def stopping_on_sigterm(self) -> bool:
+        """Whether every process stops at the end of this round because one of them received SIGTERM (several
+        processes; a one-process run stops on its own SIGTERM as Lightning does)."""
+        return self._runtime.sigterm_round is not None
 
     def _keep_an_early_stop(self) -> None:
         """A run resumed from the checkpoint of a run that an ``EarlyStopping`` stopped trains no further round while

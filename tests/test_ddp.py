@@ -132,6 +132,25 @@ def test_two_process_resume_equals_uninterrupted_run(tmp_path):
     assert resumed["store_clients"] == one["store_clients"]
 
 
+def test_sigterm_on_one_process_stops_every_process_at_a_round_boundary_and_the_round_is_resumable(tmp_path):
+    """A SIGTERM that reaches one process twice (the job's and the one a launcher forwards), at the start of round
+    1: every process finishes that round and stops, RoundCheckpoint saves it as last.ckpt, and the run resumed from
+    it with 2 processes equals an uninterrupted 1-process run (float64, numerics.RTOL64). Lightning's own handler
+    broadcasts from inside the signal handler, which parts the processes' collectives: the run hung until the
+    collective timeout and saved nothing."""
+    last = tmp_path / "last"
+    extra = ("--float64", "--sigterm-rank", "1", "--sigterm-round", "1", "--sigterm-times", "2")
+    stopped = _run(tmp_path, 2, "decsps", rounds=6, extra=(*extra, "--last-dir", str(last)))
+    assert stopped["stopped_by_sigterm"] and stopped["steps"] == 2
+    saved = torch.load(last / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 2
+    resumed = _run(tmp_path, 2, "decsps", rounds=4, extra=("--ckpt-path", str(last / "last.ckpt"), "--float64"))
+    one = _run(tmp_path, 1, "decsps", rounds=4, extra=("--float64",))
+    assert resumed["steps"] == one["steps"] == 4 and not resumed["stopped_by_sigterm"]
+    assert_close64(resumed["weights"], one["weights"])
+    assert resumed["store_clients"] == one["store_clients"]
+
+
 def test_a_frozen_rank_makes_the_other_exit_within_the_collective_timeout(tmp_path):
     """Rank 1 stops itself (SIGSTOP) at the start of round 1; rank 0 trains its clients, waits in the round's first
     collective for FEDLIGHTNING_COLLECTIVE_TIMEOUT = 10 s and exits non-zero with a CollectiveError naming the

@@ -309,10 +309,43 @@ def test_unsynced_metrics_compute_from_this_process_alone_inside_the_block_and_s
     assert float(holder.n.compute()) == 10.0
 
 
+def test_defer_sigterm_replaces_lightnings_handler_for_the_fit_and_note_sigterm_stops_at_the_batch_end(tmp_path):
+    """The handler installed during a fit calls back and chains to the handler from before the fit, without
+    setting Lightning's flag (Lightning's own handler sets it); ``note_sigterm`` sets it, and Lightning stops at the
+    end of that batch with a SIGTERMException; after the fit the earlier handler is back."""
+    import signal
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    calls = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append("before"))
+    try:
+        earlier = signal.getsignal(signal.SIGTERM)
+
+        class Deferring(pl.Callback):
+            def on_train_start(self, trainer, pl_module):
+                assert compat.defer_sigterm(trainer, lambda: calls.append("deferred"))
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if trainer.global_step == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    assert calls == ["deferred", "before"] and not trainer.received_sigterm
+                    compat.note_sigterm(trainer)
+                    assert trainer.received_sigterm
+
+        trainer = _trainer(tmp_path, callbacks=[Deferring()])
+        with pytest.raises(SIGTERMException):
+            trainer.fit(_Tiny())
+        assert trainer.global_step == 1  # the batch in progress finished
+        assert signal.getsignal(signal.SIGTERM) is earlier
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_no_other_module_touches_the_private_attributes():
     pattern = re.compile(
         r"\._(trainer|optimizers|leave|batches_that_stepped|logger_connector|current_fx_name|"
-        r"defaults|update_count|computed|reductions)\b|\b_configure_optimizers\b|"
+        r"defaults|update_count|computed|reductions|signal_connector|original_handlers)\b|\b_configure_optimizers\b|"
         r"\b_configure_schedulers_automatic_opt"
     )
     offenders = []

@@ -7,7 +7,9 @@ Used by tests/test_ddp.py to compare a 2-process run with a 1-process run of the
 model and data in float64, where the two must agree to rounding), a 2-process
 run interrupted after some rounds (``--save-ckpt``) and resumed (``--ckpt-path``) with the uninterrupted one, and a
 run in which one rank freezes itself (``--freeze-rank 1 --freeze-round 1 --freeze-file F``: at the start of that
-round the rank writes ``<pid> <time.time()>`` to F and sends itself SIGSTOP).
+round the rank writes ``<pid> <time.time()>`` to F and sends itself SIGSTOP), and a run one of whose ranks receives
+SIGTERM (``--sigterm-rank 1 --sigterm-round 1 --sigterm-times 2 --last-dir D``: it stops, and with ``--last-dir``
+RoundCheckpoint saves ``D/last.ckpt``).
 """
 
 import argparse
@@ -22,9 +24,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
 
 from fedlightning import FederatedLoop  # noqa: E402
 from fedlightning.callbacks import FederatedCallback  # noqa: E402
+from fedlightning.checkpoint import RoundCheckpoint  # noqa: E402
 from fedlightning.datamodules import ArrayDataset, DigitsDataModule, Dirichlet  # noqa: E402
 from fedlightning.distributed import release_process_group  # noqa: E402
 from fedlightning.models import MLP  # noqa: E402
@@ -136,6 +140,19 @@ class Freeze(pl.Callback):
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
+class Terminate(pl.Callback):
+    """At the start of round ``round`` on rank ``rank``: send this process SIGTERM ``times`` times (a job's signal
+    and the one a launcher forwards)."""
+
+    def __init__(self, rank, round, times):
+        self.rank, self.round, self.times = rank, round, times
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.round:
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
 def build(setup: str):
     callbacks, opt = [], functools.partial(torch.optim.SGD, lr=0.1)
     if setup == "fedavg":
@@ -184,6 +201,10 @@ def main():
     ap.add_argument("--freeze-rank", type=int, default=None, help="this rank stops itself (SIGSTOP)")
     ap.add_argument("--freeze-round", type=int, default=1, help="... at the start of this round")
     ap.add_argument("--freeze-file", default=None, help="... after writing '<pid> <time>' here")
+    ap.add_argument("--sigterm-rank", type=int, default=None, help="this rank sends itself SIGTERM ...")
+    ap.add_argument("--sigterm-round", type=int, default=1, help="... at the start of this round ...")
+    ap.add_argument("--sigterm-times", type=int, default=1, help="... this many times")
+    ap.add_argument("--last-dir", default=None, help="RoundCheckpoint(save_last=True) into this folder")
     ap.add_argument("--float64", action="store_true", help="model and data in float64 (default dtype float64)")
     ap.add_argument("--execution", default="sequential", help="FederatedLoop(client_execution=...)")
     ap.add_argument("--groups", type=int, default=None, help="FederatedLoop(max_parallel_clients=...)")
@@ -239,15 +260,23 @@ def fit(args, setup: str):
     callbacks = callbacks + [recorder]
     if args.freeze_rank is not None:
         callbacks.append(Freeze(args.freeze_rank, args.freeze_round, args.freeze_file))
+    if args.sigterm_rank is not None:
+        callbacks.append(Terminate(args.sigterm_rank, args.sigterm_round, args.sigterm_times))
+    if args.last_dir:  # only the save at an exception (no round reaches every_n_train_steps)
+        callbacks.append(RoundCheckpoint(dirpath=args.last_dir, save_last=True, save_top_k=0, every_n_train_steps=99))
     dm = data_cls(**data_args)
     trainer = _trainer(
         args,
         max_steps=args.rounds,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(args.last_dir),
         limit_val_batches=0,
         callbacks=callbacks,
     )
-    trainer.fit(loop, datamodule=dm, ckpt_path=args.ckpt_path)
+    stopped = False
+    try:
+        trainer.fit(loop, datamodule=dm, ckpt_path=args.ckpt_path)
+    except SIGTERMException:
+        stopped = True
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
     evaluated = {}
@@ -267,6 +296,7 @@ def fit(args, setup: str):
         "weights": torch.nn.utils.parameters_to_vector(loop.model.parameters()).detach(),
         "store_clients": {ns: sorted(d) for ns, d in store.items()},
         "steps": trainer.global_step,
+        "stopped_by_sigterm": stopped,
         "round_metrics": recorder.rounds,
     }
 
