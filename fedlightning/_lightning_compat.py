@@ -32,6 +32,7 @@ __all__ = [
     "defer_sigterm",
     "detached_trainer",
     "early_stopping_at_epoch_end",
+    "log_hyperparameters_like",
     "evaluation_batch",
     "logged_at_last_round",
     "metric_reductions",
@@ -81,6 +82,12 @@ def defer_sigterm(trainer: pl.Trainer, on_signal: Callable[[], None]) -> bool:
 
     signal.signal(signal.SIGTERM, handler)
     return True
+
+
+def log_hyperparameters_like(loop: pl.LightningModule, module: pl.LightningModule) -> None:
+    """Whether Lightning logs ``loop.hparams_initial`` with the loggers at the start of a fit: as it would for
+    ``module`` (the flag ``save_hyperparameters(logger=...)`` sets; off for a module that never called it)."""
+    loop._log_hyperparams = bool(getattr(module, "_log_hyperparams", False))
 
 
 def note_sigterm(trainer: pl.Trainer) -> None:

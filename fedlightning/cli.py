@@ -317,6 +317,7 @@ class FederatedCLI(LightningCLI):
     # ------------------------------------------------------------------ checkpoint resolution
     def before_fit(self) -> None:
         check_launcher(self.trainer)  # before ddp_spawn starts its processes
+        self.model.log_module_hparams = False  # LogConfigCallback logs the whole config, the module's init_args in it
         self._prepare_checkpoint("fit")
 
     def before_validate(self) -> None:

@@ -47,6 +47,7 @@ from fedlightning._lightning_compat import (
     detached_trainer,
     early_stopping_at_epoch_end,
     evaluation_batch,
+    log_hyperparameters_like,
     note_sigterm,
     reopen_epoch_ended_by_max_steps,
     settle_unprocessed_batch,
@@ -1306,15 +1307,32 @@ class FederatedLoop(pl.LightningModule):
             callbacks.append(_AfterValidation())  # once per Trainer (fit, then test, call this again)
         return callbacks
 
+    #: Log the user's module's ``save_hyperparameters()`` with the loggers at the start of a fit, as Lightning does
+    #: for a module it trains directly (:attr:`hparams_initial`). ``train.py`` turns it off: its runs log the whole
+    #: resolved config, which holds the module's arguments under ``model.model.init_args`` and whose top-level keys
+    #: (``optimizer``, ``seed_everything``, ...) a module's hyper-parameter of the same name would overwrite.
+    log_module_hparams: bool = True
+
+    @property
+    def hparams_initial(self) -> Any:
+        """The user's module's ``save_hyperparameters()`` as it called it: what Lightning logs with the loggers at
+        the start of a fit (merged with the data module's, as for a module trained directly); the loop saves none
+        of its own. Checkpoints keep storing the loop's own (empty) ``hparams``, so a resume never depends on how
+        the user's hyper-parameters unpickle (``load_global_model`` reads the user's module's file either way)."""
+        return self.model.hparams_initial
+
     def on_fit_start(self) -> None:
         """A missing ``init_weights`` file stops a run that does not resume (see :meth:`_load_init_weights`); then
-        the user's module's ``on_fit_start``."""
+        the user's module's ``on_fit_start``; then the user's module's hyper-parameters are logged if it saved them
+        for the logger (:attr:`hparams_initial`)."""
         trainer = attached_trainer(self)
         resumed = trainer is not None and trainer.ckpt_path is not None
         if self._init_weights_missing and not resumed:
             raise CheckpointError(self.init_weights, "file not found (model.init_weights)")
         self._runtime.trainable = None  # fixed again at this fit's first round (_check_trainable)
         self.model.on_fit_start()
+        if self.log_module_hparams:  # Lightning logs hparams_initial after on_fit_start
+            log_hyperparameters_like(self, self.model)
 
     def apply_server_settings_on_resume(self) -> None:
         """Resume with this run's server strategy settings (the CLI calls it for ``--resume_mismatch=allow`` when

@@ -345,7 +345,7 @@ def test_defer_sigterm_replaces_lightnings_handler_for_the_fit_and_note_sigterm_
 def test_no_other_module_touches_the_private_attributes():
     pattern = re.compile(
         r"\._(trainer|optimizers|leave|batches_that_stepped|logger_connector|current_fx_name|"
-        r"defaults|update_count|computed|reductions|signal_connector|original_handlers)\b|\b_configure_optimizers\b|"
+        r"defaults|update_count|computed|reductions|signal_connector|original_handlers|log_hyperparams)\b|\b_configure_optimizers\b|"
         r"\b_configure_schedulers_automatic_opt"
     )
     offenders = []

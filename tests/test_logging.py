@@ -19,7 +19,7 @@ import fedlightning.cli as cli_module
 from conftest import make_trainer
 from fedlightning import FederatedLoop
 from fedlightning.callbacks.telemetry import GlobalEvaluation, RoundTimer
-from fedlightning.datamodules import IID, Dirichlet
+from fedlightning.datamodules import IID, DigitsDataModule, Dirichlet
 from fedlightning.logging import LogConfigCallback, wandb_mode
 from fedlightning.models import MLP
 from numerics import RTOL64, Digits64, rtol32, to_float64
@@ -71,6 +71,46 @@ def _small_run(callbacks, rounds=3, clients=4, local_steps=2, logger=None, model
     trainer = make_trainer(rounds, callbacks=callbacks, logger=logger, log_every_n_steps=1)
     trainer.fit(loop, datamodule=dm)
     return loop, dm, logger
+
+
+class SavesHyperparameters(pl.LightningModule):
+    """A user's module that saves its arguments (for the logger or not) or none."""
+
+    def __init__(self, lr: float = 0.1, width: int = 8, save: str = "logger"):
+        super().__init__()
+        if save != "none":
+            self.save_hyperparameters(logger=save == "logger")
+        self.net = torch.nn.Linear(64, 10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("save", ["logger", "not for the logger", "none"])
+def test_the_users_module_hyperparameters_are_logged_as_lightning_logs_them(tmp_path, save):
+    """What the loggers receive from a federated fit equals what they receive from Lightning training the module
+    directly; the checkpoint keeps the loop's own (empty) hyper-parameters."""
+    logged = {}
+    for kind in ("plain", "federated"):
+        module = SavesHyperparameters(lr=0.05, width=7, save=save)
+        logger = RecordingLogger()
+        trainer = make_trainer(1, logger=logger)
+        dm = DigitsDataModule(num_clients=4, batch_size=16, partition=IID(), seed=1)
+        if kind == "plain":
+            dm.setup("fit")
+            trainer.fit(module, train_dataloaders=dm.client_dataloader(0, 0))
+        else:
+            loop = FederatedLoop(module, local_steps=1, clients_per_round=2, seed=0)
+            trainer.fit(loop, datamodule=dm)
+            trainer.save_checkpoint(tmp_path / "run.ckpt")
+            assert "hyper_parameters" not in torch.load(tmp_path / "run.ckpt", weights_only=False)
+        logged[kind] = [dict(p) for p in logger.hparams if p]
+    assert logged["federated"] == logged["plain"]
+    assert logged["plain"] == ([{"lr": 0.05, "width": 7, "save": "logger"}] if save == "logger" else [])
 
 
 def test_round_metrics_are_one_row_per_round_on_disk_at_once_and_on_the_progress_bar(tmp_path):
@@ -393,6 +433,7 @@ def test_csv_logger_gets_per_round_metrics_and_resolved_config(tmp_path, monkeyp
     assert hp["model"]["client_optimizer"]["init_args"]["momentum"] == 0.0  # a default, filled in
     assert hp["data"]["class_path"] == "fedlightning.datamodules.DigitsDataModule"
     assert hp["trainer"]["max_steps"] == 2
+    assert set(hp) <= set(cli.config["fit"].as_dict())  # the config alone: no module hyper-parameter beside it
 
 
 def test_tensorboard_logger_gets_metrics_and_config(tmp_path, monkeypatch, config_logging_cli):
