@@ -209,12 +209,24 @@ def test_epsilon_equals_opacus_accountant_for_the_same_schedule():
     assert 0 < rec.metrics[0]["privacy/epsilon"] < rec.metrics[-1]["privacy/epsilon"]
     assert float(loop.trainer.callback_metrics["privacy/epsilon"]) == pytest.approx(accountant.get_epsilon(delta))
 
-    # population_size overrides N: q = m / population_size
-    _, _, rec = _fit(DPFedAvg(clip_norm=1.0, noise_multiplier=sigma, delta=delta, population_size=1000), rounds=2)
+    # population_size overrides N (a sampler drawing from a subset): q = m / population_size
+    subset = population - 3
+    _, _, rec = _fit(DPFedAvg(clip_norm=1.0, noise_multiplier=sigma, delta=delta, population_size=subset), rounds=2)
     accountant = RDPAccountant()
     for _ in range(2):
-        accountant.step(noise_multiplier=sigma, sample_rate=4 / 1000)
+        accountant.step(noise_multiplier=sigma, sample_rate=4 / subset)
     assert rec.metrics[-1]["privacy/epsilon"] == accountant.get_epsilon(delta)
+
+
+def test_a_population_larger_than_the_clients_sampled_from_is_refused():
+    """q = m / N with N above the clients the data module samples from would under-report epsilon."""
+    loop, dm = _setup()
+    dm.setup("fit")
+    holding = sum(1 for idx in dm.client_indices if len(idx) > 0)
+    assert holding > 4
+    dp = DPFedAvg(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5, population_size=holding + 1)
+    with pytest.raises(ValueError, match=rf"population_size={holding + 1} exceeds the {holding} clients with training"):
+        make_trainer(1, callbacks=[dp]).fit(loop, datamodule=dm)
 
 
 @pytest.mark.parametrize(

@@ -176,7 +176,9 @@ class DPFedAvg(ServerStrategy):
         clip_learning_rate: ``η_C > 0`` of the geometric clip update (default 0.2: Andrew et al. / TFF).
         clipped_count_stddev: ``σ_b ≥ 0`` (None: ``0.05 · m``).
         population_size: ``N``, the number of clients sampling draws from (None: the data module's clients with
-            training data, which its ``sample_clients`` draws from).
+            training data, which its ``sample_clients`` draws from). More than those is refused (the accountant
+            would under-report ε); fewer (a data module whose own ``sample_clients`` draws from a subset) is taken
+            as given.
         weighting: must be ``"uniform"``.
     """
 
@@ -287,6 +289,14 @@ class DPFedAvg(ServerStrategy):
         named = list(model.named_buffers())
         self._fixed_buffers = [(*named[i], part) for i, part in averaged_buffer_slices([b for _, b in named])]
         population = self.population(pl_module)
+        holding = len(pl_module.datamodule.clients_with_data())
+        if population > holding:
+            raise ValueError(
+                f"DPFedAvg: population_size={population} exceeds the {holding} clients with training data that the "
+                "data module samples from: the accountant would take the sampling rate q = clients_per_round / "
+                f"{population} where it is clients_per_round / {holding}, and report a smaller epsilon than the "
+                f"training has; leave population_size unset (the {holding} clients) or set it to at most {holding}"
+            )
         cohort = getattr(pl_module, "clients_per_round", None)
         if cohort is not None and cohort > population:
             raise ValueError(f"DPFedAvg: clients_per_round={cohort} exceeds population_size={population}")
