@@ -217,6 +217,58 @@ def test_an_embedding_setting_vectorized_cannot_train_is_refused_and_auto_trains
         assert torch.equal(auto[k], seq[k]), k
 
 
+class ScaledEmbedding(torch.nn.Embedding):
+    """An embedding subclass with its own ``forward`` (the transformer idiom: rows scaled by sqrt(d))."""
+
+    def forward(self, tokens):
+        return super().forward(tokens) * 2.0
+
+
+class FunctionalTokens(Tokens):
+    """The same lookups made another way than through ``nn.Embedding``'s own ``forward``: ``F.embedding`` in
+    ``training_step`` (``how="functional"``), or a subclass with its own ``forward`` (``how="subclass"``)."""
+
+    def __init__(self, how, max_norm=None):
+        super().__init__()
+        self.how, self.max_norm = how, max_norm
+        if how == "subclass":
+            weight = self.emb.weight.detach().clone()
+            self.emb = ScaledEmbedding(9, 4, padding_idx=0, dtype=torch.float64)
+            with torch.no_grad():
+                self.emb.weight.copy_(weight)
+
+    def training_step(self, batch, batch_idx):
+        tokens, y = batch
+        if self.how == "functional":
+            rows = F.embedding(tokens, self.emb.weight, padding_idx=0, max_norm=self.max_norm)
+        else:
+            rows = self.emb(tokens)
+        return F.cross_entropy(self.head(rows.mean(1)), y)
+
+
+@pytest.mark.parametrize("how", ["functional", "subclass"])
+def test_a_padding_row_looked_up_another_way_gets_no_gradient_either(how):
+    """``F.embedding(..., padding_idx=0)`` in the module's code and an ``nn.Embedding`` subclass with its own
+    ``forward`` reach torch's batching rule, which trained every client's padding row but the first's: the engine
+    computes them as it computes the layers' own lookups, and vectorized training equals sequential training."""
+    seq = _train_tokens(FunctionalTokens(how), "sequential")
+    vec = _train_tokens(FunctionalTokens(how), "vectorized")
+    assert torch.equal(seq["emb.weight"][0], torch.full((4,), 0.5, dtype=torch.float64))
+    for k in seq:
+        torch.testing.assert_close(vec[k], seq[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_a_functional_lookup_with_max_norm_is_refused_and_auto_trains_sequentially():
+    """``F.embedding(..., max_norm=...)`` renormalises rows in place in the shared weight: refused by name (it
+    ended in autograd's in-place error, which ``auto`` could not fall back from)."""
+    with pytest.raises(VectorizationUnsupportedError, match=r"embedding looked up with max_norm=0\.5"):
+        _train_tokens(FunctionalTokens("functional", max_norm=0.5), "vectorized")
+    seq = _train_tokens(FunctionalTokens("functional", max_norm=0.5), "sequential")
+    auto = _train_tokens(FunctionalTokens("functional", max_norm=0.5), "auto")
+    for k in seq:
+        assert torch.equal(auto[k], seq[k]), k
+
+
 class Smoothed(pl.LightningModule):
     """Keeps a running average of its loss on ``self`` (a tensor attribute, not a buffer) and logs it."""
 

@@ -60,6 +60,7 @@ from .support import (
 )
 from .torch_internals import (
     _embedding_forward,
+    _EmbeddingLookups,
     _linear_forward,
     _parameter_slots,
     _plain_linears,
@@ -371,6 +372,9 @@ class _ModelCall:
         self.metric_calls = _MetricCalls(_metric_modules(model))
         self.collector = _LogCollector(self.metric_calls)
         self.norms = _NormLayers(model)
+        #: whether the model makes ``F.embedding`` lookups that :class:`_EmbeddingLookups` rewrites or refuses (None:
+        #: not known before the first batched call, which runs under it; True: every call runs under it)
+        self.lookups: bool | None = None
         #: the model's ``training_step_per_sample`` if padded steps may use it (never with normalisation layers)
         self.protocol = None if self.norms else _per_sample_protocol(model)
         # layers computed another way under vmap: recurrent layers in plain tensor ops, linear layers batched
@@ -450,15 +454,20 @@ class _ModelCall:
         saved_metrics = self.metric_calls.install()
         self.norms.install()
         upcast = AutocastLosses() if torch.is_autocast_enabled(self.device_type) else contextlib.nullcontext()
+        # functional embedding lookups: watched until the first batched call has run, kept for models that make one
+        lookups = _EmbeddingLookups() if self.lookups is not False else None
         try:
             with (
                 routed_logging(self.model, self.collector.log, self.collector.log_dict),
                 _shadowed_forwards(self.forwards),
                 upcast,
+                lookups if lookups is not None else contextlib.nullcontext(),
                 _lockstep_optimizers(self.model, self._lockstep),
             ):
                 yield
         finally:
+            if lookups is not None and lookups.seen:
+                self.lookups = True
             self.metric_calls.uninstall(saved_metrics)
             self.norms.uninstall()
             self.metric_calls.begin(False)
@@ -496,6 +505,8 @@ class _ModelCall:
             if attributes is not None:
                 self._check_attributes(attributes)
         self._attributes_checked = True
+        if self.lookups is None:  # the first batched call made no lookup _EmbeddingLookups rewrites: no mode from now
+            self.lookups = False
         self._check_buffers(versions)
         return out
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -58,6 +59,7 @@ __all__ = [
     "INSTANCE_NORM_TYPES",
     "SYNC_BATCH_NORM_TYPES",
     "TorchFunctionMode",
+    "_EmbeddingLookups",
     "tree_flatten",
     "tree_unflatten",
     "_batched_nll",
@@ -442,6 +444,55 @@ def _embedding_forward(module: nn.Embedding, input: Tensor) -> Tensor:
     gradient of every padding position (``tests/test_vectorized_shared_state.py``)."""
     out = torch.nn.functional.embedding(input, module.weight, None, module.max_norm, module.norm_type, False, False)
     return torch.where((input == module.padding_idx).unsqueeze(-1), out.detach(), out)
+
+
+class _EmbeddingLookups(TorchFunctionMode):
+    """While active, ``F.embedding`` calls that do not come through an ``nn.Embedding`` layer the engine redirects
+    (:func:`_embedding_forward`) — the function called in the module's own code, an ``nn.Embedding`` subclass with
+    its own ``forward`` — compute as the engine needs: with a ``padding_idx``, the lookup without it and the padding
+    positions' rows detached (:func:`_embedding_forward`'s form: the same values, and no gradient to the padding
+    row, which torch's batching rule gives every client but the first); with ``max_norm``, ``scale_grad_by_freq`` or
+    ``sparse``, refused by name (:func:`~fedlightning.vectorized.support._padded_embeddings` refuses them on layers).
+    Other calls run unchanged. ``seen``: whether such a call was made.
+
+    Decision (ours): a mode costs a Python call on every torch function the model calls, so the engine keeps it on
+    only for models whose first batched call made such a lookup (``_ModelCall``); a lookup that only later steps
+    make (behind a condition on the step) is not caught."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.embedding:
+            return func(*args, **kwargs)
+        bound = _EMBEDDING_SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        settings = [
+            f"{name}={a[name]!r}"
+            for name, off in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False))
+            if a[name] != off
+        ]
+        if settings:
+            self.seen = True
+            raise VectorizationUnsupportedError(
+                f"client_execution='vectorized' cannot train an embedding looked up with {', '.join(settings)} "
+                "(F.embedding called in the module's code): use client_execution='sequential' (or 'auto' to fall "
+                "back automatically)"
+            )
+        if a["padding_idx"] is None:
+            return func(*args, **kwargs)
+        self.seen = True
+        input, weight, padding_idx = a["input"], a["weight"], int(a["padding_idx"])
+        if padding_idx < 0:
+            padding_idx += weight.shape[0]
+        out = torch.nn.functional.embedding(input, weight)
+        return torch.where((input == padding_idx).unsqueeze(-1), out.detach(), out)
+
+
+_EMBEDDING_SIGNATURE = inspect.signature(torch.nn.functional.embedding)
 
 
 # ====================================================================== recurrent layers
