@@ -694,3 +694,80 @@ def test_a_logged_batch_size_is_not_taken_for_a_constant_on_padded_steps():
     auto = fit(LogsLossAndBatchSize(), CLIENT_OPTIMIZERS["sgd"], "auto")
     got, want = auto[3].callback_metrics["client/batch_size"], seq[3].callback_metrics["client/batch_size"]
     assert float(got) == float(want)
+
+
+class TokenLM(pl.LightningModule):
+    """A sequence model whose loss is the token-weighted mean of ``F.cross_entropy`` over flattened ``[B·T, V]``
+    logits (the per-sample path's form; ``ignore_index=-100`` by default)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.hidden, self.out = nn.Embedding(7, 5), nn.Linear(5, 5), nn.Linear(5, 7)
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets, _ = batch
+        logits = self.out(torch.tanh(self.hidden(self.emb(tokens))))
+        return F.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1))
+
+
+def _token_run(mode, short):
+    """``short``: 4 of 120 sequences end after 2 targets (the rest ignored, -100), so the loss is a mean over
+    tokens that a mean over samples is not; on this data a round's first padded step holds none of them."""
+    from fedlightning import FederatedLoop
+    from fedlightning.callbacks import FedAvg
+    from fedlightning.datamodules import Dirichlet, FederatedDataModule
+
+    g = torch.Generator().manual_seed(104)
+    tokens = torch.randint(1, 7, (120, 6), generator=g)
+    targets = tokens.roll(-1, 1).clone()
+    rare = torch.randperm(120, generator=g)[:4]
+    if short:
+        targets[rare, 2:] = -100
+    labels = torch.randint(0, 3, (120,), generator=g)
+    dm = FederatedDataModule.from_datasets(
+        torch.utils.data.TensorDataset(tokens, targets, labels),
+        partition=Dirichlet(alpha=0.3),
+        labels=labels.tolist(),
+        num_clients=8,
+        batch_size=12,
+        seed=0,
+        val_fraction=0,
+    )
+    model = TokenLM().double()
+    loop = FederatedLoop(
+        model,
+        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+        local_steps=4,
+        clients_per_round=4,
+        seed=3,
+        client_execution=mode,
+    )
+    pl.Trainer(
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[FedAvg()],
+    ).fit(loop, datamodule=dm)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), loop
+
+
+def test_ignored_targets_that_appear_after_the_checked_step_are_refused_where_they_appear():
+    """The per-sample path checks again each step whose integer leaves hold a value no checked step held (here the
+    first -100): a token-weighted loss is refused there, where vectorized training averaged per-sample means in
+    silence (1.8e-03 off after 2 rounds); ``auto`` trains it sequentially. Without ignored targets the path trains
+    as sequential training."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    with pytest.raises(VectorizationUnsupportedError, match="not a mean over samples"):
+        _token_run("vectorized", short=True)
+    seq, _ = _token_run("sequential", short=True)
+    auto, loop = _token_run("auto", short=True)
+    assert torch.equal(auto, seq)
+    full_seq, _ = _token_run("sequential", short=False)
+    full_vec, loop = _token_run("vectorized", short=False)
+    assert loop.client_execution_choice == "vectorized"
+    torch.testing.assert_close(full_vec, full_seq, rtol=RTOL64, atol=1e-12)

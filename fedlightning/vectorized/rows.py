@@ -324,7 +324,14 @@ class _ProtocolRows(_TracedRows):
 class _SampleRows(_TracedRows):
     """Padded rows through one ``training_step`` call per sample (an inner vmap over the row's cells, each a batch of
     one): the path for any model, and the only one that cannot restrict batch statistics (BatchNorm in training
-    mode) to a client's real samples, so such layers are refused here. ``reason``: why padded steps take it."""
+    mode) to a client's real samples, so such layers are refused here. ``reason``: why padded steps take it.
+
+    Decision (ours): the check that the loss is a mean over samples (``_check_sample_mean``) runs on the path's first
+    call of each round, and again on any call whose batch's integer leaves (targets, token ids) hold a value that no
+    checked call's held, with a sample holding it first in the probe: a loss whose weights depend on the values (a
+    token-weighted mean whose ignored targets, ``-100``, appear only in later steps) is then refused on the step it
+    first differs, not trained as a mean of per-sample means. Each call pays a ``torch.unique`` of its integer
+    leaves."""
 
     name = "per-sample"
 
@@ -332,6 +339,8 @@ class _SampleRows(_TracedRows):
         super().__init__(call)
         self.reason = reason
         self.checked = False  # the loss is a mean over samples (_ModelCall._check_sample_mean), on the first call
+        #: integer leaf position -> the values its elements took in the steps checked so far (:meth:`values`)
+        self.checked_values: dict[int, set[int]] = {}
 
     def values(
         self,
@@ -353,14 +362,23 @@ class _SampleRows(_TracedRows):
                 f"{type(self.call.model).__name__} ({self.reason}); return a standard mean loss "
                 "(e.g. F.cross_entropy) from training_step, or use client_execution='sequential' (or 'auto')"
             )
-        if not self.checked:
+        leaves = tree_flatten(batch)[0]
+        values = _integer_values(leaves, mask)
+        new = {j: v - self.checked_values.get(j, set()) for j, v in values.items()}
+        new = {j: v for j, v in new.items() if v}
+        if not self.checked or new:
+            include = _cells_holding(leaves, mask, new) if self.checked else []
             with self.call._vmap_context():
-                refusal = self.call._check_sample_mean(views, batch, mask, step, stats, halves=True)
-                if refusal is None:
+                refusal = self.call._check_sample_mean(
+                    views, batch, mask, step, stats, halves=not self.checked, include=include
+                )
+                if refusal is None and not self.checked:
                     self.call._check_metric_arguments(views, batch, mask, step, stats, alone=True)
             if refusal is not None:
                 raise _not_a_mean(self.call, f"one training_step per sample ({self.reason})", refusal)
             self.checked = True
+            for j, v in values.items():
+                self.checked_values.setdefault(j, set()).update(v)
         return super().values(views, batch, mask, step, want_cells, stats, effects, min_count)
 
     def _vmapped(
@@ -532,6 +550,34 @@ class _InterceptedRows:
         call._keep_effects(effects, out[1 + nl : 1 + nl + nm], out[1 + nl + nm :], mask)
         kept = [(name, _as_logged(v.detach())) for name, v in zip(names, out[1 : 1 + nl])]
         return _padded_result(out[0], mask, list(as_loss), kept, want_cells)
+
+
+def _integer_values(leaves: list[Tensor], mask: Tensor) -> dict[int, set[int]]:
+    """For each integer leaf of a padded batch (``[R, n_max, ...]``, by its position in ``leaves``), the values its
+    real samples' elements take (``mask``: ``[R, n_max]``, the real samples)."""
+    out = {}
+    for j, x in enumerate(leaves):
+        if isinstance(x, Tensor) and x.dim() >= 2 and not x.is_floating_point() and not x.is_complex():
+            if x.dtype == torch.bool:
+                continue
+            out[j] = set(torch.unique(x.detach()[mask.to(x.device)]).tolist())
+    return out
+
+
+def _cells_holding(leaves: list[Tensor], mask: Tensor, values: dict[int, set[int]]) -> list[tuple[int, int]]:
+    """``(row, cell)`` of a real sample holding each of ``values`` (integer leaf position -> values), the first
+    found for each value, in value order."""
+    found: list[tuple[int, int]] = []
+    for j, wanted in values.items():
+        x = leaves[j].detach()
+        hits = x.reshape(x.shape[0], x.shape[1], -1)
+        for value in sorted(wanted):
+            where = torch.nonzero((hits == value).any(-1) & mask.to(x.device))
+            if len(where):
+                cell = (int(where[0, 0]), int(where[0, 1]))
+                if cell not in found:
+                    found.append(cell)
+    return found
 
 
 def _not_a_mean(call: Any, how: str, refusal: str) -> VectorizationUnsupportedError:
