@@ -714,6 +714,7 @@ class TokenLM(pl.LightningModule):
 def _token_run(mode, short):
     """``short``: 4 of 120 sequences end after 2 targets (the rest ignored, -100), so the loss is a mean over
     tokens that a mean over samples is not; on this data a round's first padded step holds none of them."""
+    from conftest import make_trainer
     from fedlightning import FederatedLoop
     from fedlightning.callbacks import FedAvg
     from fedlightning.datamodules import Dirichlet, FederatedDataModule
@@ -735,23 +736,9 @@ def _token_run(mode, short):
         val_fraction=0,
     )
     model = TokenLM().double()
-    loop = FederatedLoop(
-        model,
-        client_optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
-        local_steps=4,
-        clients_per_round=4,
-        seed=3,
-        client_execution=mode,
-    )
-    pl.Trainer(
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[FedAvg()],
-    ).fit(loop, datamodule=dm)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    loop = FederatedLoop(model, client_optimizer=sgd, local_steps=4, clients_per_round=4, seed=3, client_execution=mode)
+    make_trainer(2, callbacks=[FedAvg()]).fit(loop, datamodule=dm)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), loop
 
 
