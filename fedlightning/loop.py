@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -992,10 +993,12 @@ class FederatedLoop(pl.LightningModule):
         return cached[1], cached[2]
 
     def _start_round(self, plan: RoundPlan) -> None:
-        """The callbacks' ``on_round_start``, then the plan's step counts checked: ``plan.local_steps`` an integer
+        """The plan's clients checked (:meth:`_check_plan_clients`), the callbacks' ``on_round_start``, then the
+        clients checked again and the plan's step counts: ``plan.local_steps`` an integer
         >= 1; with per-client counts (``local_epochs``) each of them, and ``plan.local_steps`` their largest (a
         callback that changed ``plan.local_steps`` alone is refused, naming it: the clients' own counts decide)."""
-        before = plan.local_steps
+        before, per_client = plan.local_steps, plan.client_steps is not None
+        self._check_plan_clients(plan)  # the callbacks see the clients as ints (DPFedAvg's check of repeats)
         self._federated_hook("on_round_start", plan)
         if plan.client_steps is not None and plan.local_steps != before:
             owners = ", ".join(
@@ -1004,11 +1007,20 @@ class FederatedLoop(pl.LightningModule):
                 if callable(getattr(cb, "on_round_start", None))
                 and type(cb).on_round_start is not FederatedCallback.on_round_start
             )
+            source = (
+                f"model.local_epochs={self.local_epochs}"
+                if self.local_epochs is not None
+                else "the data module's round_plan"
+                if per_client
+                else "plan.client_steps, which on_round_start set"
+            )
             raise ValueError(
                 f"round {plan.round}: on_round_start ({owners}) set plan.local_steps={plan.local_steps!r}, but with "
-                f"model.local_epochs={self.local_epochs} each client's steps are plan.client_steps; change those, or "
-                "set model.local_steps instead of model.local_epochs"
+                f"{source}, each client's steps are plan.client_steps and plan.local_steps is their largest, so that "
+                "change would be lost; change plan.client_steps instead"
+                + (", or set model.local_steps instead of model.local_epochs" if self.local_epochs is not None else "")
             )
+        self._check_plan_clients(plan)
         label = f"round {plan.round}: local_steps"
         if plan.client_steps is not None:
             plan.client_steps = {
@@ -1019,6 +1031,44 @@ class FederatedLoop(pl.LightningModule):
                 raise ValueError(f"{label}: plan.client_steps has no entry for client(s) {missing}")
             plan.local_steps = max(plan.client_steps[c] for c in plan.client_ids)
         plan.local_steps = integer("local_steps", plan.local_steps, label=label)
+
+    def _check_plan_clients(self, plan: RoundPlan) -> None:
+        """The plan's clients as Python ints (numpy integers and 0-d integer tensors are taken by value; floats and
+        bools refused): a client's data order and seeds are derived from its id, so an id of another type would
+        give another run. Every id must name a client of the data module that holds training data, and a round
+        needs at least one client (a sampler that leaves a round empty is refused here, rather than the round
+        counted as one whose clients all failed)."""
+        dm = self._datamodule()
+        ids = []
+        for c in plan.client_ids:
+            if isinstance(c, (bool, float)) or (
+                isinstance(c, Tensor) and (c.is_floating_point() or c.dtype == torch.bool)
+            ):
+                raise ValueError(f"round {plan.round}: plan.client_ids holds {c!r}; client ids are integers")
+            try:
+                ids.append(operator.index(c))
+            except TypeError:
+                raise ValueError(
+                    f"round {plan.round}: plan.client_ids holds {c!r} ({type(c).__name__}); client ids are integers"
+                ) from None
+        if not ids:
+            raise ValueError(
+                f"round {plan.round}: the round's plan has no client (the data module's sample_clients or an "
+                "on_round_start left plan.client_ids empty); every round trains at least one client"
+            )
+        bad = [c for c in ids if not 0 <= c < dm.num_clients]
+        if bad:
+            raise ValueError(
+                f"round {plan.round}: plan.client_ids holds client(s) {bad[:5]} outside the data module's "
+                f"{dm.num_clients} clients (0 to {dm.num_clients - 1})"
+            )
+        empty = [c for c in ids if dm.client_num_samples(c) == 0]
+        if empty:
+            raise ValueError(
+                f"round {plan.round}: plan.client_ids holds client(s) {empty[:5]} without training data; sample "
+                "from the data module's clients_with_data()"
+            )
+        plan.client_ids = ids
 
     def training_step(self, plan: RoundPlan, batch_idx: int) -> None:
         """One communication round, as the template of its phases (:mod:`fedlightning._round` lists them)."""
@@ -1037,7 +1087,14 @@ class FederatedLoop(pl.LightningModule):
         with its step counts checked (:meth:`_start_round`)."""
         if not isinstance(plan, RoundPlan) or plan.round != self.global_step:
             # e.g. resumed mid-epoch with a restarted loader: the round is defined by the global step
-            plan = self._datamodule().round_plan(self.global_step)
+            dm = self._datamodule()
+            plan = dm.round_plan(self.global_step)
+            if not isinstance(plan, RoundPlan) or plan.round != self.global_step:
+                got = f"round {plan.round}'s plan" if isinstance(plan, RoundPlan) else f"a {type(plan).__name__}"
+                raise ValueError(
+                    f"round {self.global_step}: {type(dm).__name__}.round_plan({self.global_step}) returned {got}; it "
+                    f"must return the RoundPlan of round {self.global_step} (its data order and seeds come from it)"
+                )
         self._runtime.hooks_in_use = None  # decided again for this round's callbacks
         self._start_round(plan)
         return plan

@@ -430,8 +430,23 @@ class ClientStateStore:
         return self._data.get(namespace, {}).get(int(client_id))
 
     def set(self, namespace: str, client_id: int, value: dict[str, Any]) -> None:
-        self._data.setdefault(namespace, {})[int(client_id)] = value
-        self._dirty.add((namespace, int(client_id)))
+        """Store client ``client_id``'s entry of ``namespace``: at most once per round (between two
+        :meth:`pop_dirty`, which the loop calls at every round's end).
+
+        Decision (ours): a second write in one round means the round's plan holds the client twice (sampling with
+        replacement) in a run whose clients keep state across rounds; sequential training would start the second
+        copy from the state the first wrote and vectorized training both from the round's start, so the run is
+        refused (a ``ValueError`` naming the client and the state) rather than trained one way or the other."""
+        key = (namespace, int(client_id))
+        if key in self._dirty:
+            raise ValueError(
+                f"client {key[1]}'s {namespace!r} state is written twice in one round: the round's plan holds the "
+                "client more than once (sampling with replacement), and clients that keep state across rounds "
+                "(SCAFFOLD's control variates, a client optimizer's carried state) must be sampled without "
+                "replacement: make sample_clients draw distinct clients"
+            )
+        self._data.setdefault(namespace, {})[key[1]] = value
+        self._dirty.add(key)
 
     @property
     def has_dirty(self) -> bool:

@@ -299,6 +299,13 @@ class KDecay(FederatedCallback):
 
     def on_round_start(self, trainer, pl_module, plan) -> None:
         epochs = plan.client_steps is not None  # local_epochs: decay="client_lr" only (on_fit_start), K untouched
+        if epochs and self.decay == "local_steps":  # per-client counts of the data module's own round_plan
+            raise ValueError(
+                f"round {plan.round}: KDecay(decay='local_steps') schedules one number of local steps K_r, but the "
+                "round's plan gives each client its own count (plan.client_steps, from the data module's round_plan "
+                "or an earlier on_round_start), which decide the clients' steps; set KDecay(decay='client_lr') to "
+                "decay the client step size with those counts kept"
+            )
         k0 = self.k0 if self.k0 is not None else (plan.local_steps if epochs else int(pl_module.local_steps))
         k, scale = self.value(plan.round + 1, k0)
         if not epochs:
