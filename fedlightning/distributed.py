@@ -228,6 +228,11 @@ def release_process_group() -> None:
     a fit (another may follow in the same processes); a process that exits with a gloo group alive can abort in the
     interpreter's finalization ("terminate called without an active exception", exit status -6) after a run that
     finished, which a restart loop or a job scheduler takes for a crash. The command line (:func:`fedlightning.cli.main`
-    from ``sys.argv``) calls it when it is done."""
+    from ``sys.argv``) calls it when it is done. With several processes they meet at a barrier first (ours): a
+    process that destroyed its group while another was still closing its last collective's connections aborted the
+    same way, now and then."""
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            with _named("barrier before the process group is released", None, apply_collective_timeout()):
+                dist.barrier()
         dist.destroy_process_group()

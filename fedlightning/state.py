@@ -16,7 +16,8 @@ import dataclasses
 import hashlib
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -425,6 +426,17 @@ class ClientStateStore:
     def __init__(self) -> None:
         self._data: dict[str, dict[int, dict[str, Any]]] = {}
         self._dirty: set = set()
+        self._rehearsing = 0
+
+    @contextmanager
+    def rehearsal(self) -> Iterator[None]:
+        """A block that trains clients a second time in a round and puts the store back afterwards (``auto``'s
+        measurement): its writes are not checked for repeats (:meth:`set`)."""
+        self._rehearsing += 1
+        try:
+            yield
+        finally:
+            self._rehearsing -= 1
 
     def get(self, namespace: str, client_id: int) -> dict[str, Any] | None:
         return self._data.get(namespace, {}).get(int(client_id))
@@ -436,9 +448,10 @@ class ClientStateStore:
         Decision (ours): a second write in one round means the round's plan holds the client twice (sampling with
         replacement) in a run whose clients keep state across rounds; sequential training would start the second
         copy from the state the first wrote and vectorized training both from the round's start, so the run is
-        refused (a ``ValueError`` naming the client and the state) rather than trained one way or the other."""
+        refused (a ``ValueError`` naming the client and the state) rather than trained one way or the other. Not
+        checked inside :meth:`rehearsal`."""
         key = (namespace, int(client_id))
-        if key in self._dirty:
+        if key in self._dirty and not self._rehearsing:
             raise ValueError(
                 f"client {key[1]}'s {namespace!r} state is written twice in one round: the round's plan holds the "
                 "client more than once (sampling with replacement), and clients that keep state across rounds "

@@ -78,6 +78,7 @@ def server_round(strategy, loop, opt, updates, round=0):
             g["lr"] = lr
     opt.step()
     loop.w.grad = None
+    loop.client_state.pop_dirty()  # the round's end, as the loop's exchange of the round's state
     return metrics
 
 

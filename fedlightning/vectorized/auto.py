@@ -675,7 +675,8 @@ def _hooks_leave_no_trace(loop):
     hooks left as it was keeps its object, and so what it shares with others (the model's parameters)."""
     saved = _HookState(loop)
     try:
-        yield
+        with loop.client_state.rehearsal():  # the measured clients write their state twice: put back below
+            yield
     finally:
         saved.restore()
 
