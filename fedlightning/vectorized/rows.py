@@ -552,14 +552,17 @@ class _InterceptedRows:
         return _padded_result(out[0], mask, list(as_loss), kept, want_cells)
 
 
+#: The integer dtypes of label-like leaves (class targets, token ids) whose values :func:`_integer_values` tracks;
+#: 8-bit leaves (images as ``uint8``) are pixels, not labels (ours).
+_LABEL_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
 def _integer_values(leaves: list[Tensor], mask: Tensor) -> dict[int, set[int]]:
-    """For each integer leaf of a padded batch (``[R, n_max, ...]``, by its position in ``leaves``), the values its
-    real samples' elements take (``mask``: ``[R, n_max]``, the real samples)."""
+    """For each label-like integer leaf of a padded batch (``[R, n_max, ...]`` of :data:`_LABEL_DTYPES`, by its
+    position in ``leaves``), the values its real samples' elements take (``mask``: ``[R, n_max]``)."""
     out = {}
     for j, x in enumerate(leaves):
-        if isinstance(x, Tensor) and x.dim() >= 2 and not x.is_floating_point() and not x.is_complex():
-            if x.dtype == torch.bool:
-                continue
+        if isinstance(x, Tensor) and x.dim() >= 2 and x.dtype in _LABEL_DTYPES:
             out[j] = set(torch.unique(x.detach()[mask.to(x.device)]).tolist())
     return out
 
