@@ -3,6 +3,7 @@ statistically, adaptive clipping against its formula, ε against Opacus's accoun
 bit without noise and clipping, refused settings, and resume with the same ε, clip norm and weights."""
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -216,6 +217,25 @@ def test_epsilon_equals_opacus_accountant_for_the_same_schedule():
     for _ in range(2):
         accountant.step(noise_multiplier=sigma, sample_rate=4 / subset)
     assert rec.metrics[-1]["privacy/epsilon"] == accountant.get_epsilon(delta)
+
+
+def test_a_data_module_with_its_own_sampler_is_warned_that_epsilon_assumes_uniform_sampling():
+    from fedlightning.datamodules import DigitsDataModule
+
+    class Importance(DigitsDataModule):  # a sampler favouring large clients: q = m / N no longer describes it
+        def sample_clients(self, round):
+            sizes = [self.client_num_samples(c) for c in range(self.num_clients)]
+            return sorted(range(self.num_clients), key=lambda c: -sizes[c])[: self.clients_per_round]
+
+    loop, _ = _setup()
+    dm = Importance(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=0)
+    dp = DPFedAvg(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5)
+    with pytest.warns(UserWarning, match=r"Importance defines its own sample_clients; the accountant takes"):
+        make_trainer(1, callbacks=[dp]).fit(loop, datamodule=dm)
+    loop, dm = _setup()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="DPFedAvg: .* defines its own")
+        make_trainer(1, callbacks=[DPFedAvg(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5)]).fit(loop, datamodule=dm)
 
 
 def test_a_population_larger_than_the_clients_sampled_from_is_refused():

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from fedlightning._validation import in_range, integer, non_negative, one_of, positive
 from fedlightning.callbacks.adaptive import AdaptiveServerOptimizer, _check_betas, _moment_statistics
 from fedlightning.callbacks.base import RoundStatistics, ServerStep, ServerStrategy
+from fedlightning.datamodules import FederatedDataModule
 from fedlightning.state import ClientUpdate, RoundPlan, averaged_buffer_slices, derive_seed, squared_norm64
 
 __all__ = ["DPFedAvg", "adaptive_noise_multiplier", "rdp_epsilon"]
@@ -289,7 +290,17 @@ class DPFedAvg(ServerStrategy):
         named = list(model.named_buffers())
         self._fixed_buffers = [(*named[i], part) for i, part in averaged_buffer_slices([b for _, b in named])]
         population = self.population(pl_module)
-        holding = len(pl_module.datamodule.clients_with_data())
+        dm = pl_module.datamodule
+        holding = len(dm.clients_with_data())
+        own = [
+            m for m in ("sample_clients", "round_plan") if getattr(type(dm), m) is not getattr(FederatedDataModule, m)
+        ]
+        if own:
+            rank_zero_warn(
+                f"DPFedAvg: {type(dm).__name__} defines its own {' and '.join(own)}; the accountant takes each round "
+                "to sample clients_per_round of the population uniformly (q = clients_per_round / population_size), "
+                "and the epsilon it reports holds only for such sampling"
+            )
         if population > holding:
             raise ValueError(
                 f"DPFedAvg: population_size={population} exceeds the {holding} clients with training data that the "
