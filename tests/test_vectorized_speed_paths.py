@@ -8,6 +8,7 @@
 * end-of-round helpers: ``_rows_finite`` and the batched division/masking of logged values (``_feed_router``).
 """
 
+import contextlib
 import copy
 
 import numpy as np
@@ -629,8 +630,9 @@ def test_interception_takes_the_batched_nll_only_without_ignored_targets(monkeyp
 
 def test_check_tolerance_follows_tf32_switches():
     """The engine's interception and per-sample checks compare two computations of a loss on batches of different
-    sizes: strict in float32 on CPU and on CUDA without TF32, looser where cuDNN's default TF32 convolutions (or TF32
-    matrix products) may run, loosest for half-precision parameters."""
+    sizes: strict in float32 where both run in full float32, looser where one of them may have run TF32 kernels
+    (cuDNN's default TF32 convolutions, TF32 matrix products; only the recheck compares the training step's own loss),
+    float64 always strict (TF32 never applies to it), loosest for half-precision parameters."""
     from fedlightning.vectorized.call import _tf32, _tolerance
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -642,16 +644,55 @@ def test_check_tolerance_follows_tf32_switches():
     try:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = False, False
         torch.set_float32_matmul_precision("highest")
-        assert not _tf32(cuda) and _tolerance(torch.float32, cuda) == (1e-4, 1e-6)
+        assert not _tf32(cuda)
         for switch in ("conv", "matmul", "precision"):
             torch.set_float32_matmul_precision("high" if switch == "precision" else "highest")
             torch.backends.cudnn.allow_tf32 = switch == "conv"
             if switch == "matmul":  # (setting the precision sets this switch too)
                 torch.backends.cuda.matmul.allow_tf32 = True
             assert _tf32(cuda) and not _tf32(cpu), switch
-            assert _tolerance(torch.float32, cuda) == (1e-2, 1e-3)
-            assert _tolerance(torch.float32, cpu) == (1e-4, 1e-6)
-        assert _tolerance(torch.bfloat16, cpu) == _tolerance(torch.float16, cuda) == (2e-2, 2e-2)
+        assert _tolerance(torch.float32) == (1e-4, 1e-6)
+        assert _tolerance(torch.float32, tf32=True) == (1e-2, 1e-3)
+        assert _tolerance(torch.float64) == _tolerance(torch.float64, tf32=True) == (1e-9, 1e-12)
+        assert _tolerance(torch.bfloat16) == _tolerance(torch.float16, tf32=True) == (2e-2, 2e-2)
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved[:2]
         torch.set_float32_matmul_precision(saved[2])
+
+
+@pytest.mark.parametrize("api", ["legacy", "fp32_precision"])
+def test_the_checks_run_cuda_float32_without_tf32_and_put_the_users_settings_back(api):
+    """A check's two computations run in full float32 on CUDA (its tolerance is float32's): inside
+    ``_full_precision`` TF32 is off through whichever of torch's APIs the user set it with, and the user's settings
+    are back afterwards, on leaving normally and on an error (the switches are global settings, readable without a
+    GPU)."""
+    from fedlightning.vectorized.call import _full_precision, _tf32
+
+    cuda, backends = torch.device("cuda"), torch.backends
+    conv, matmul = backends.cudnn.conv, backends.cuda.matmul
+    saved = (backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    try:
+        if api == "legacy":
+            backends.cudnn.allow_tf32 = True
+            torch.set_float32_matmul_precision("medium")
+        else:
+            conv.fp32_precision = matmul.fp32_precision = "tf32"
+        before = (conv.fp32_precision, matmul.fp32_precision)
+        ctx = _full_precision(cuda)
+        for raised in (False, True):  # the same context object entered twice, as the checks do
+            with contextlib.suppress(KeyError), ctx:
+                assert not _tf32(cuda)
+                if api == "legacy":
+                    assert torch.get_float32_matmul_precision() == "highest" and not backends.cudnn.allow_tf32
+                else:  # ("none": not TF32, the default)
+                    assert "tf32" not in (conv.fp32_precision, backends.cudnn.rnn.fp32_precision, matmul.fp32_precision)
+                if raised:
+                    raise KeyError
+            assert _tf32(cuda)
+            assert (conv.fp32_precision, matmul.fp32_precision) == before
+            if api == "legacy":
+                assert torch.get_float32_matmul_precision() == "medium" and backends.cudnn.allow_tf32
+    finally:
+        conv.fp32_precision = matmul.fp32_precision = "none"
+        backends.cudnn.allow_tf32 = saved[0]
+        torch.set_float32_matmul_precision(saved[1])

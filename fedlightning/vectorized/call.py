@@ -148,14 +148,67 @@ class _Effects:
         self.metrics: _MetricStep | None = None
 
 
-def _full_precision(device: torch.device):
-    """A context without autocast on ``device`` (nothing for a device type autocast does not know): the checks that
-    compare two computations run in the parameters' own dtype, where mixed precision would make two correct
-    computations differ by more than rounding."""
+class _full_precision:
+    """A context in which the checks that compare two computations run in the parameters' own dtype: without autocast
+    on ``device`` (nothing for a device type autocast does not know), where mixed precision would make two correct
+    computations differ by more than rounding, and on CUDA without TF32 (:func:`_ieee_float32`), so that both
+    computations of a float32 check are float32 and the check holds them to float32's tolerance. Reusable: each
+    ``with`` enters afresh."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(torch.autocast(device_type=self.device.type, enabled=False))
+        except RuntimeError:  # a device type autocast does not know
+            pass
+        if self.device.type == "cuda":
+            stack.enter_context(_ieee_float32())
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._stacks.pop().__exit__(*exc)
+
+
+def _attribute(owner: Any, name: str, strict: Any) -> tuple[Callable[[], Any], Callable[[Any], None], Any]:
+    """(getter, setter, strict value) of a settings attribute, for :func:`_ieee_float32`."""
+    return lambda: getattr(owner, name), lambda v: setattr(owner, name, v), strict
+
+
+@contextmanager
+def _ieee_float32():
+    """CUDA float32 convolutions and matrix products in full float32 (no TF32) inside the context; the user's
+    settings put back after. Decision (ours): the engine's checks compare a loss on a padded batch with the loss on
+    its real samples alone (another batch size, so other kernels); with cuDNN's default TF32 convolutions the two
+    differ by ~1e-4 relative per layer, and a tolerance loose enough for that (1e-2) let a forward pass that mixes
+    samples (a batch mean subtracted) pass the check on a GPU. The checks run without gradients on one row, so full
+    float32 costs little there. torch has two views of these settings: the legacy switches (``allow_tf32``,
+    ``set_float32_matmul_precision``) and, since 2.9, ``fp32_precision`` per backend; the legacy ones raise when read
+    after the two were set apart, and then the per-backend ones are saved and set instead."""
+    backends = torch.backends
+    switches = []
     try:
-        return torch.autocast(device_type=device.type, enabled=False)
-    except RuntimeError:  # a device type autocast does not know
-        return contextlib.nullcontext()
+        backends.cudnn.allow_tf32  # noqa: B018 - readable: the legacy switch (it sets convolutions and RNNs)
+        switches.append(_attribute(backends.cudnn, "allow_tf32", False))
+    except RuntimeError:
+        switches += [_attribute(backends.cudnn.conv, "fp32_precision", "ieee")]
+        switches += [_attribute(backends.cudnn.rnn, "fp32_precision", "ieee")]
+    try:
+        torch.get_float32_matmul_precision()
+        switches.append((torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, "highest"))
+    except RuntimeError:
+        switches.append(_attribute(backends.cuda.matmul, "fp32_precision", "ieee"))
+    saved = [(setter, getter()) for getter, setter, _ in switches]
+    try:
+        for _, setter, strict in switches:
+            setter(strict)
+        yield
+    finally:
+        for setter, value in reversed(saved):
+            setter(value)
 
 
 _MODULE_KEYS: set[str] = set()  # the attributes every LightningModule has (its own state, not the user's)
@@ -294,20 +347,22 @@ def _probe_cells(
     return picked[:limit]
 
 
-def _tolerance(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+def _tolerance(dtype: torch.dtype, tf32: bool = False) -> tuple[float, float]:
     """``(rtol, atol)`` within which two computations of one loss on batches of different sizes must agree in the
-    engine's checks (:meth:`_ModelCall._check_interception`, :meth:`_ModelCall._check_per_sample_protocol`; ours):
-    half-precision parameters ("16-true", "bf16-true") 2e-2 / 2e-2; float32 where TF32 kernels may run
-    (:func:`_tf32`) 1e-2 / 1e-3 (a torchvision ResNet-18 on an H100, cuDNN's default TF32 convolutions: 4e-4
-    relative between a client's 12 samples alone and in a padded batch of 50); float64 1e-9 / 1e-12 (a term
-    that is small when checked, e.g. a learnable batch-mean term whose gate starts near 0, is then seen);
-    otherwise 1e-4 / 1e-6."""
+    engine's checks (ours): half-precision parameters ("16-true", "bf16-true") 2e-2 / 2e-2; float64 1e-9 / 1e-12 (the
+    same float64 sums in another order: rounding of ~1e-15 relative; a term that is small when checked, e.g. a
+    learnable batch-mean term whose gate starts near 0, is then seen); float32 1e-4 / 1e-6, or 1e-2 / 1e-3 where one
+    of the two computations may have run TF32 kernels (``tf32``: :meth:`_ModelCall._recheck_interception` compares
+    the training step's own loss with a check's; a torchvision ResNet-18 on an H100 with cuDNN's default TF32
+    convolutions: 4e-4 relative between a client's 12 samples alone and in a padded batch of 50). The checks that
+    compute both sides themselves run them in full float32 (:class:`_full_precision`), where TF32 never applies;
+    TF32 never applies to float64 either."""
     if dtype in (torch.float16, torch.bfloat16):
         return 2e-2, 2e-2
-    if _tf32(device):
-        return 1e-2, 1e-3
-    if dtype == torch.float64:  # the same float64 sums in another order: rounding of ~1e-15 relative
+    if dtype == torch.float64:
         return 1e-9, 1e-12
+    if tf32:
+        return 1e-2, 1e-3
     return 1e-4, 1e-6
 
 
@@ -351,7 +406,7 @@ def _tf32(device: torch.device) -> bool:
     cuDNN's convolutions do by default (``torch.backends.cudnn.allow_tf32``), matrix products when
     ``torch.backends.cuda.matmul.allow_tf32`` or ``torch.set_float32_matmul_precision`` allow it. Then the same
     samples in a batch of another size can give results that differ by ~1e-4 relative per layer (other kernels),
-    which :meth:`_ModelCall._check_interception` must tolerate."""
+    which :meth:`_ModelCall._recheck_interception` must tolerate (:func:`_tolerance`)."""
     if device.type != "cuda":
         return False
     try:
@@ -724,7 +779,7 @@ class _ModelCall:
                     if interception.cells_of(v) is None
                 }
             real, real_logged = self._real_row(views, batch, r, k, step, stats)
-        rtol, atol = _tolerance(self.dtype, row[0].device)
+        rtol, atol = _tolerance(self.dtype)
         if not torch.allclose(padded.double(), real.double(), rtol=rtol, atol=atol, equal_nan=True):
             return _loss_mismatch(k, n_max, real, padded)
         for name, value in constants.items():
@@ -766,13 +821,14 @@ class _ModelCall:
         seen = [torch.as_tensor(real_logged[name]).double().reshape(()) for name in found]
         theirs = torch.stack([real.detach().double().reshape(()), *seen]).tolist()
         device = views[0].device
-        rtol, atol = _tolerance(self.dtype, device)
+        tf32 = _tf32(device)  # the step's own loss may come from TF32 kernels, the check's never does
+        rtol, atol = _tolerance(self.dtype, tf32)
         if not _close(mine[0], theirs[0], rtol, atol):
             return _loss_mismatch(k, mask.shape[1], theirs[0], mine[0])
         real_values = dict(zip(found, theirs[1:]))
         for (name, logged_value), value in zip(logged, mine[1:]):
             dtype = torch.float64 if logged_value.dtype == torch.float64 else torch.float32
-            rtol, atol = _tolerance(dtype, device)
+            rtol, atol = _tolerance(dtype, tf32)
             if name not in real_values or not _close(value, real_values[name], rtol, atol):
                 return _logged_mismatch(name, k, mask.shape[1], value, real_values.get(name))
         return None
@@ -878,7 +934,7 @@ class _ModelCall:
             self.collector.reset()
             for m, training in modes:
                 m.training = training
-        rtol, atol = _tolerance(self.dtype, row[0].device)
+        rtol, atol = _tolerance(self.dtype)
         alone = torch.stack([v for v, _ in each])
         if not torch.allclose(together, alone.mean(), rtol=rtol, atol=atol, equal_nan=True):
             return (
@@ -963,7 +1019,7 @@ class _ModelCall:
             self.collector.reset()
             for m, training in modes:
                 m.training = training
-        rtol, atol = _tolerance(self.dtype, device)
+        rtol, atol = _tolerance(self.dtype)
         names = [name for name, _ in self.metric_calls.modules]
         found = _constants_mismatch(names, other, real, rtol, atol)
         if found is None:
@@ -1028,7 +1084,7 @@ class _ModelCall:
                     ]
                 )
         self.collector.reset()
-        rtol, atol = _tolerance(self.dtype, row[0].device)
+        rtol, atol = _tolerance(self.dtype)
         if not torch.allclose(per.double(), alone.double(), rtol=rtol, atol=atol, equal_nan=True):
             raise ValueError(
                 f"{model_name}.training_step_per_sample disagrees with training_step: per-sample losses "
