@@ -15,10 +15,12 @@ warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
 def make_trainer(max_steps: int, callbacks=None, **kwargs) -> pl.Trainer:
-    """A quiet CPU trainer for federated tests: one step = one round."""
+    """A quiet trainer for federated tests: one step = one round. On the CPU unless ``FEDLIGHTNING_TEST_ACCELERATOR``
+    names another accelerator (``gpu``: the tests built on this trainer then check the CUDA path, e.g. vectorized
+    training equal to sequential training in float64 on the device; CI has no GPU and keeps the default)."""
     opts = dict(
         max_steps=max_steps,
-        accelerator="cpu",
+        accelerator=os.environ.get("FEDLIGHTNING_TEST_ACCELERATOR", "cpu"),
         devices=1,
         logger=False,
         enable_checkpointing=False,

@@ -208,7 +208,7 @@ class SomeClientsTerms(pl.Callback):
             return []
         anchors = [0.5 * p.detach() for p in loop.global_parameters()]
         g = torch.Generator().manual_seed(client_id)
-        directions = [0.01 * torch.randn(a.shape, generator=g, dtype=a.dtype) for a in anchors]
+        directions = [0.01 * torch.randn(a.shape, generator=g, dtype=a.dtype).to(a.device) for a in anchors]
         return [AnchoredTerm(anchors, mu=0.1 + client_id / 100.0, directions=directions)]
 
 
@@ -355,7 +355,8 @@ def _hand_gradient(loop, client_id):
     dm = loop.datamodule
     x, y = dm.train_dataset[list(dm.client_indices[client_id])]
     model = copy.deepcopy(loop.model)
-    loss = torch.nn.functional.cross_entropy(model(x), y)
+    device = next(model.parameters()).device
+    loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
     grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
     return torch.cat([g.reshape(-1) for g in grads])
 

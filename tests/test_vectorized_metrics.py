@@ -305,6 +305,10 @@ def test_a_statistic_of_whole_batches_is_replayed():
     def dm():
         return Digits64(num_clients=36, batch_size=7, partition=IID(), seed=0)
 
+    class ReadAtTheEnd(pl.Callback):  # the clients' working copy, as the fit leaves it (rebuilt when read later,
+        def on_train_end(self, trainer, loop):  # after Lightning has moved the loop off an accelerator)
+            runs.append(copy.deepcopy(loop.client_worker.model.mean_acc).cpu())
+
     runs = []
     for mode in ("sequential", "vectorized"):
         model = to_float64(BatchMeanMetric())
@@ -316,8 +320,7 @@ def test_a_statistic_of_whole_batches_is_replayed():
             seed=3,
             client_execution=mode,
         )
-        make_trainer(2).fit(loop, datamodule=dm())
-        runs.append(loop.client_worker.model.mean_acc)
+        make_trainer(2, callbacks=[ReadAtTheEnd()]).fit(loop, datamodule=dm())
     # the module never resets it: both hold the mean of the 2 rounds x CPR clients x K batch accuracies
     assert float(runs[0].weight) == float(runs[1].weight) == 2 * CPR * K
     # float32 means of 2·CPR·K float32 batch accuracies (numerics.rtol32)

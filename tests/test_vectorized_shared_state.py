@@ -154,10 +154,14 @@ class Checkpointed(pl.LightningModule):
 
 
 def test_a_backward_pass_vmap_cannot_run_is_refused_and_auto_trains_sequentially():
+    """Refused by name wherever vmap stops: in the first gradient evaluation (torch 2.14), or already in the forward
+    pass (torch 2.11, whose vmap refuses checkpoint's saved-inputs function)."""
+
     def fit(mode):
         return _train(Checkpointed(), mode)
 
-    with pytest.raises(VectorizationUnsupportedError, match=r"failed in the first gradient evaluation"):
+    stopped = r"failed in the first gradient evaluation|failed in the model \(Checkpointed\) while running the clients"
+    with pytest.raises(VectorizationUnsupportedError, match=stopped):
         fit("vectorized")
     seq, auto = fit("sequential"), fit("auto")
     assert all(torch.equal(auto[k], seq[k]) for k in seq)

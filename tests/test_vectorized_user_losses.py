@@ -544,7 +544,7 @@ class WeightedLossLogsAccuracy(LogsBatchSize):
         x, y = batch
         logits = self.net(x)
         self.log("batch_acc", (logits.argmax(-1) == y).float().mean())
-        w = CLASS_WEIGHTS.to(logits.dtype)
+        w = CLASS_WEIGHTS.to(logits)  # the logits' dtype and device
         if self.how == "weight":
             return F.cross_entropy(logits, y, weight=w)
         if self.how == "ignore_index":
