@@ -291,7 +291,6 @@ class DPFedAvg(ServerStrategy):
         self._fixed_buffers = [(*named[i], part) for i, part in averaged_buffer_slices([b for _, b in named])]
         population = self.population(pl_module)
         dm = pl_module.datamodule
-        holding = len(dm.clients_with_data())
         own = [
             m for m in ("sample_clients", "round_plan") if getattr(type(dm), m) is not getattr(FederatedDataModule, m)
         ]
@@ -301,6 +300,7 @@ class DPFedAvg(ServerStrategy):
                 "to sample clients_per_round of the population uniformly (q = clients_per_round / population_size), "
                 "and the epsilon it reports holds only for such sampling"
             )
+        holding = population if self.population_size is None else len(dm.clients_with_data())
         if population > holding:
             raise ValueError(
                 f"DPFedAvg: population_size={population} exceeds the {holding} clients with training data that the "
