@@ -718,6 +718,23 @@ class _ModelCall:
         the block, their Parameters again afterwards."""
         return _tensors_in_slots(self.param_slots, vs)
 
+    @contextmanager
+    def _checking(self, device: torch.device, eval_random: bool = False):
+        """The context of the checks' ``training_step`` calls (ours, one for every check): no gradients, the random
+        state put back (the CPU's, and ``device``'s on CUDA), full precision (:class:`_full_precision`); with
+        ``eval_random``, a model with random layers in eval mode (what such a check compares does not depend on their
+        draws), its modules' modes put back one by one after (a layer the module keeps frozen in eval stays so)."""
+        modes = [(m, m.training) for m in self.model.modules()] if eval_random else []
+        if eval_random and not self.deterministic:
+            self.model.eval()
+        rng_devices = [device] if device.type == "cuda" else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=rng_devices), _full_precision(device):
+                yield
+        finally:
+            for m, training in modes:
+                m.training = training
+
     def _per_sample_losses(self, vs: Sequence[Tensor], batch: Any, step: int, n: int) -> Tensor:
         """``model.training_step_per_sample(batch, step)`` with the parameter slots holding ``vs``; checked to be a
         tensor of ``n`` losses. Outside a padded step (the protocol's check) the values it logs are dropped."""
@@ -756,7 +773,7 @@ class _ModelCall:
         row_stats = [s[r] for s in stats]
         model_name = type(self.model).__name__
         self.metric_calls.begin(False)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), _full_precision(row[0].device):
+        with self._checking(row[0].device):
             with self._weights_in_slots(row):
                 row_mask = mask[r].to(self.dtype)
                 interception = LossInterception(n_max, row_mask, row_mask.sum())
@@ -842,7 +859,7 @@ class _ModelCall:
         row = [v[r].detach() for v in views]
         self.metric_calls.begin(False)
         self.collector.reset()
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), _full_precision(row[0].device):
+        with self._checking(row[0].device):
             with self._weights_in_slots(row):
                 self.norms.begin([s[r] for s in stats], None, None, k)
                 try:
@@ -895,11 +912,6 @@ class _ModelCall:
         row = [v[r].detach() for v in views]
         row_stats = [s[r] for s in stats]
         model_name = type(self.model).__name__
-        full_precision = _full_precision(row[0].device)
-        devices = [row[0].device] if row[0].device.type == "cuda" else []
-        modes = [(m, m.training) for m in self.model.modules()]  # put back module by module: a frozen layer stays so
-        if not self.deterministic:
-            self.model.eval()
         self.metric_calls.begin(False)
 
         def loss(lo: int, hi: int, samples=probe, stats=row_stats) -> tuple[Tensor, dict[str, Tensor]]:
@@ -917,7 +929,7 @@ class _ModelCall:
 
         splits: list[tuple[int, int, Tensor, Tensor]] = []  # (row, real samples, whole batch, size-weighted halves)
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices), full_precision:
+            with self._checking(row[0].device, eval_random=True):
                 with self._weights_in_slots(row):
                     together, logged = loss(0, k)
                     each = [loss(j, j + 1) for j in range(k)]
@@ -932,8 +944,6 @@ class _ModelCall:
                     splits.append((i, n, whole, parts))
         finally:
             self.collector.reset()
-            for m, training in modes:
-                m.training = training
         rtol, atol = _tolerance(self.dtype)
         alone = torch.stack([v for v, _ in each])
         if not torch.allclose(together, alone.mean(), rtol=rtol, atol=atol, equal_nan=True):
@@ -989,10 +999,6 @@ class _ModelCall:
         n = mask.shape[1]
         row = [v[r].detach() for v in views]
         row_stats = [s[r] for s in stats]
-        device = row[0].device
-        modes = [(m, m.training) for m in self.model.modules()]  # put back module by module, as in the other checks
-        if not self.deterministic:
-            self.model.eval()
 
         def constants(size: int, padded: bool) -> list:
             interception, weights = None, None
@@ -1010,15 +1016,12 @@ class _ModelCall:
             return list(self.metric_calls.constants)
 
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                with _full_precision(device), self._weights_in_slots(row):
-                    real = constants(k, False)
-                    other = constants(1, False) if alone else constants(n, True)
+            with self._checking(row[0].device, eval_random=True), self._weights_in_slots(row):
+                real = constants(k, False)
+                other = constants(1, False) if alone else constants(n, True)
         finally:
             self.metric_calls.begin(False)
             self.collector.reset()
-            for m, training in modes:
-                m.training = training
         rtol, atol = _tolerance(self.dtype)
         names = [name for name, _ in self.metric_calls.modules]
         found = _constants_mismatch(names, other, real, rtol, atol)
@@ -1055,13 +1058,10 @@ class _ModelCall:
         leaves, spec = tree_flatten(batch)
         row = [v[0].detach() for v in views]
         model_name = type(self.model).__name__
-        # in the parameters' own dtype, without autocast: mixed precision would make two correct computations
-        # differ by more than rounding (the same matrix product on batches of different shapes)
-        full_precision = _full_precision(row[0].device)
+        device = row[0].device
         if self.metric_calls:
-            devices = [row[0].device] if row[0].device.type == "cuda" else []
             self.metric_calls.begin(True)
-            with torch.no_grad(), torch.random.fork_rng(devices=devices), full_precision, self._weights_in_slots(row):
+            with self._checking(device), self._weights_in_slots(row):
                 self.model.training_step(tree_unflatten([x[0, :1] for x in leaves], spec), step)
             calls = bool(self.metric_calls.calls)
             self.metric_calls.begin(False)
@@ -1071,7 +1071,7 @@ class _ModelCall:
         if not self.deterministic:
             return True
         k = min(2, int(mask[0].sum()))
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), full_precision:
+        with self._checking(device):
             per = self._per_sample_losses(row, tree_unflatten([x[0, :k] for x in leaves], spec), step, k)
             with self._weights_in_slots(row):
                 alone = torch.stack(
