@@ -35,7 +35,7 @@ __all__ = [
     "flat_grads",
     "assign_flat_",
     "float_buffers",
-    "is_averaged_buffer",
+    "buffer_values",
     "averaged_buffer_slices",
     "report_buffers",
     "squared_norm64",
@@ -108,8 +108,8 @@ class ClientUpdate:
         backtracks: total line-search backtracks (trial points rejected) over the round.
         forwards: forward passes of the model (gradient evaluations + trial evaluations).
         backwards: backward passes.
-        buffers: the flat buffers the round averages (:func:`is_averaged_buffer`: BatchNorm running statistics,
-            ``num_batches_tracked``, a user's counters and masks) at the end of local training, in
+        buffers: the flat buffers the round averages (:func:`averaged_buffer_slices`: BatchNorm running statistics,
+            ``num_batches_tracked``, a user's counters, masks and complex buffers) at the end of local training, in
             :func:`buffer_report_dtype`, or None.
         payload: extra values a strategy asked the client to send (e.g. control-variate deltas).
         failed: True when the client's training produced a non-finite loss/update or raised.
@@ -322,7 +322,8 @@ def assign_flat_(params: Iterable[Tensor], vector: Tensor) -> None:
 def buffer_report_dtype(buffers: Iterable[Tensor]) -> torch.dtype:
     """The dtype in which a client reports its buffers (``ClientUpdate.buffers``): float64 when any of them is
     float64 (a float64 model's BatchNorm statistics keep their precision through the average) or not a float (an
-    integer counter such as ``num_batches_tracked`` is exact in float64 up to 2**53), else float32 (half and
+    integer counter such as ``num_batches_tracked`` is exact in float64 up to 2**53; a complex one's parts), else
+    float32 (half and
     bfloat16 statistics are averaged in float32, ours)."""
     return (
         torch.float64 if any(b.dtype == torch.float64 or not b.is_floating_point() for b in buffers) else torch.float32
@@ -349,21 +350,22 @@ def squared_norm64(t: Tensor) -> Tensor:
 EXACT_INTEGER = 2**53
 
 
-def is_averaged_buffer(buffer: Tensor) -> bool:
-    """Whether the round averages ``buffer`` over its clients (every real buffer: float, integer and bool; a complex
-    one keeps the global value)."""
-    return not buffer.is_complex()
+def buffer_values(buffer: Tensor) -> Tensor:
+    """``buffer``'s values as real numbers, flattened: a complex buffer as its real and imaginary parts (pairs, as
+    :func:`torch.view_as_real` lays them out), any other as it is. The round averages every buffer through these
+    (:func:`averaged_buffer_slices`): the mean of complex numbers is the mean of their parts."""
+    return (torch.view_as_real(buffer) if buffer.is_complex() else buffer).reshape(-1)
 
 
 def averaged_buffer_slices(buffers: Sequence[Tensor]) -> list[tuple[int, slice]]:
     """The layout of ``ClientUpdate.buffers`` for a model whose buffers are ``buffers`` (``model.buffers()`` order):
-    ``(i, s)`` for every buffer the round averages (:func:`is_averaged_buffer`), ``buffers[i]`` flattened at
-    ``ClientUpdate.buffers[s]``, one after the other in that order."""
+    ``(i, s)`` for every buffer (float, integer, bool and complex: the round averages them all),
+    :func:`buffer_values` of ``buffers[i]`` at ``ClientUpdate.buffers[s]``, one after the other in that order."""
     out, offset = [], 0
     for i, b in enumerate(buffers):
-        if is_averaged_buffer(b):
-            out.append((i, slice(offset, offset + b.numel())))
-            offset += b.numel()
+        size = b.numel() * (2 if b.is_complex() else 1)
+        out.append((i, slice(offset, offset + size)))
+        offset += size
     return out
 
 
@@ -376,7 +378,7 @@ def report_buffers(buffers: Sequence[Tensor], like: Sequence[Tensor] | None = No
     if not layout:
         return None
     dtype = buffer_report_dtype([reference[i] for i, _ in layout])
-    return torch.cat([buffers[i].detach().reshape(-1).to(dtype) for i, _ in layout])
+    return torch.cat([buffer_values(buffers[i].detach()).to(dtype) for i, _ in layout])
 
 
 def write_averaged_buffer(buffer: Tensor, average: Tensor) -> None:
@@ -388,7 +390,11 @@ def write_averaged_buffer(buffer: Tensor, average: Tensor) -> None:
     with ``momentum=None`` averages over ``num_batches_tracked`` batches, so its count and its statistics go
     together), and a value no client changes stays exactly as it was. One whose average or global value exceeds
     2**53 in magnitude keeps the global value, which float64 could not average exactly. A bool buffer (a mask)
-    takes the weighted majority (ties: True)."""
+    takes the weighted majority (ties: True). A complex buffer takes the average of its real and imaginary parts
+    (:func:`buffer_values`)."""
+    if buffer.is_complex():
+        buffer.copy_(torch.view_as_complex(average.reshape(*buffer.shape, 2).to(buffer.real.dtype).contiguous()))
+        return
     average = average.view_as(buffer)
     if buffer.is_floating_point():
         buffer.copy_(average)

@@ -489,8 +489,8 @@ def test_integer_and_bool_buffers_are_averaged_with_the_clients():
 
 def test_the_reported_buffers_lay_out_every_averaged_buffer_once_in_model_order():
     """``ClientUpdate.buffers`` (state.report_buffers) holds each real buffer at the slice that
-    state.averaged_buffer_slices names, in model.buffers() order; a complex buffer is left out and keeps the global
-    value; an integer buffer makes the report float64, exact up to 2**53."""
+    state.averaged_buffer_slices names, in model.buffers() order; a complex buffer as its real and imaginary parts;
+    an integer buffer makes the report float64, exact up to 2**53."""
     from fedlightning.state import averaged_buffer_slices, report_buffers
 
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
@@ -501,12 +501,12 @@ def test_the_reported_buffers_lay_out_every_averaged_buffer_once_in_model_order(
         net[1].num_batches_tracked.fill_(2**52 + 1)
     buffers = list(net.buffers())
     layout = averaged_buffer_slices(buffers)
-    assert [i for i, _ in layout] == [1, 2, 3, 4]  # mask, then the BatchNorm's: running_mean, running_var, count
+    assert [i for i, _ in layout] == [0, 1, 2, 3, 4]  # phase, mask, then the BatchNorm's: mean, var, count
     flat = report_buffers(buffers)
-    assert flat.dtype == torch.float64 and flat.numel() == 3 + 4 + 4 + 1
-    for i, part in layout:
+    assert flat.dtype == torch.float64 and flat.numel() == 2 * 2 + 3 + 4 + 4 + 1
+    for i, part in layout[1:]:
         assert torch.equal(flat[part], buffers[i].reshape(-1).double())
-    assert report_buffers([torch.ones(2, dtype=torch.complex64)]) is None
+    assert flat[layout[0][1]].tolist() == [1.0, 0.0, 1.0, 0.0]  # (real, imaginary) pairs
     # the global model's buffers decide the layout and dtype when a client's training made one float64
     changed = [b.double() if i == 2 else b for i, b in enumerate(buffers)]
     assert torch.equal(report_buffers(changed, like=buffers), flat)

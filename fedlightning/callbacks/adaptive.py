@@ -63,6 +63,9 @@ class AdaptiveServerOptimizer(torch.optim.Optimizer):
       FedAMS starts from ``v_0 = v̂_0 = 0`` (the ``max`` with ``ε`` bounds the denominator from the first round).
     * No bias correction (Reddi et al. and the FedAMS paper have none; the FedCAMS code adds Adam's corrections and a
       separate 1e-8 — not reproduced).
+    * A complex parameter is two real ones (its real and imaginary parts, as ``torch.optim.Adam`` treats it): the
+      moments are kept per part, so ``v`` accumulates squares of real numbers (ours; a complex ``Δ²`` made ``v``
+      complex, the Adam and Adagrad steps wrong and Yogi's ``sign`` / AMS's ``max`` fail).
 
     ``p.grad`` holds the pseudo-gradient ``Δ_t``. State per parameter: ``exp_avg`` (m), ``exp_avg_sq`` (v) and,
     for ``rule="ams"``, ``max_exp_avg_sq`` (v̂).
@@ -90,11 +93,14 @@ class AdaptiveServerOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, (b1, b2), eps, rule = group["lr"], group["betas"], group["eps"], group["rule"]
-            for p in group["params"]:
-                if p.grad is None:
+            for param in group["params"]:
+                if param.grad is None:
                     continue
-                d = p.grad
-                state = self.state[p]
+                # a complex parameter as its real and imaginary parts (as torch.optim.Adam treats it): v of |Δ|²
+                # per part, real and non-negative
+                p = torch.view_as_real(param) if param.is_complex() else param
+                d = torch.view_as_real(param.grad) if param.grad.is_complex() else param.grad
+                state = self.state[param]
                 if not state:
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p)

@@ -26,7 +26,14 @@ from fedlightning._validation import in_range, integer, non_negative, one_of, po
 from fedlightning.callbacks.adaptive import AdaptiveServerOptimizer, _check_betas, _moment_statistics
 from fedlightning.callbacks.base import RoundStatistics, ServerStep, ServerStrategy
 from fedlightning.datamodules import FederatedDataModule
-from fedlightning.state import ClientUpdate, RoundPlan, averaged_buffer_slices, derive_seed, squared_norm64
+from fedlightning.state import (
+    ClientUpdate,
+    RoundPlan,
+    averaged_buffer_slices,
+    buffer_values,
+    derive_seed,
+    squared_norm64,
+)
 
 __all__ = ["DPFedAvg", "adaptive_noise_multiplier", "rdp_epsilon"]
 
@@ -128,7 +135,8 @@ class DPFedAvg(ServerStrategy):
       bool buffers (position ids, masks) are allowed while client training leaves them as they are; a client that
       changes one (a counter) stops the run, naming it.
     * **Noise** comes from a ``torch.Generator`` on the sum's device seeded with ``derive_seed(loop.seed,
-      "dp-noise", round)`` and is drawn in the sum's dtype (``torch.randn``), so a run is reproducible, resumes bit
+      "dp-noise", round)`` and is drawn in the sum's dtype (``torch.randn``; for a model with complex parameters,
+      whose flat sum is complex, N(0, σ²C²) for each real and imaginary part), so a run is reproducible, resumes bit
       for bit, and every DDP process adds the same noise to the same all-reduced sum. These are pseudo-random
       numbers from a seed in the config: for a deployment the seed must be secret (the guarantee assumes noise the
       adversary cannot predict), which a research simulation does not need.
@@ -330,7 +338,7 @@ class DPFedAvg(ServerStrategy):
         clipping or noise); one no client changes averages to its own value and reveals nothing."""
         for name, b, part in getattr(self, "_fixed_buffers", ()):
             mine = update.buffers[part]
-            if not torch.equal(mine, b.detach().reshape(-1).to(mine.dtype)):
+            if not torch.equal(mine, buffer_values(b.detach()).to(mine.dtype)):
                 raise ValueError(
                     f"DPFedAvg: client {update.client_id}'s training changed the buffer {name!r}, which the loop "
                     "averages over clients without clipping or noise, outside the privacy guarantee; keep it "
@@ -363,7 +371,12 @@ class DPFedAvg(ServerStrategy):
         total = stats["dp_clipped_sum"]
         if sigma > 0:
             gen = torch.Generator(device=total.device).manual_seed(derive_seed(loop.seed, "dp-noise", plan.round))
-            noise = torch.randn(total.shape, generator=gen, device=total.device, dtype=total.dtype)
+            if total.is_complex():  # N(0, 1) per real coordinate: torch's complex normal gives each part variance 1/2
+                parts = torch.view_as_real(total)
+                noise = torch.randn(parts.shape, generator=gen, device=total.device, dtype=parts.dtype)
+                noise = torch.view_as_complex(noise)
+            else:
+                noise = torch.randn(total.shape, generator=gen, device=total.device, dtype=total.dtype)
             total = total + noise * (sigma * clip)
         # the divisor as FedAvg's mean_delta forms it (a float64 count cast to the sum's dtype): bit-identical to
         # FedAvg(weighting="uniform") without noise and clipping

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedlightning.state import averaged_buffer_slices, buffer_report_dtype
+from fedlightning.state import averaged_buffer_slices, buffer_report_dtype, buffer_values
 
 from .support import VectorizationUnsupportedError, _norm_layers
 
@@ -135,7 +135,7 @@ class _NormLayers:
             if i in own:
                 parts.append(own[i].reshape(num_clients, -1).to(dtype))
             else:
-                parts.append(global_buffers[i].detach().reshape(1, -1).to(dtype).expand(num_clients, -1))
+                parts.append(buffer_values(global_buffers[i].detach()).to(dtype).expand(num_clients, -1))
         return torch.cat(parts, dim=1)
 
     # ------------------------------------------------------------------ one batched call
