@@ -317,7 +317,18 @@ class FederatedLoop(pl.LightningModule):
     ):
         super().__init__()
         if not isinstance(model, pl.LightningModule):
-            raise TypeError(f"model must be a LightningModule, got {type(model).__name__}")
+            compiled = isinstance(getattr(model, "_orig_mod", None), pl.LightningModule)  # torch.compile(module)
+            raise TypeError(
+                f"model must be a LightningModule, got {type(model).__name__}"
+                + (
+                    f" (torch.compile of {type(model._orig_mod).__name__}): the clients train working copies of the "
+                    "module through its training_step, which a compiled wrapper does not carry over; pass the module "
+                    "itself and compile its layers instead (self.net = torch.compile(self.net), e.g. in "
+                    "configure_model)"
+                    if compiled
+                    else ""
+                )
+            )
         local_steps = integer("local_steps", local_steps, allow_none=True)
         local_epochs = positive("local_epochs", local_epochs, allow_none=True)
         if local_steps is not None and local_epochs is not None:

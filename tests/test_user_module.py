@@ -1549,6 +1549,31 @@ def test_complex_parameters_train_under_fedprox_and_their_update_norms_count_the
     assert logged == pytest.approx(sum(sq) / len(sq), rel=2**-22)
 
 
+class CompiledLayers(UserNet):
+    """Its layers compiled in configure_model, as torch.compile is applied inside a LightningModule."""
+
+    def configure_model(self):
+        self.net = torch.compile(self.net, backend="eager")
+
+
+def test_a_compiled_module_is_refused_naming_the_way_to_compile_its_layers_which_trains_as_uncompiled():
+    """``torch.compile(module)`` is a wrapper whose training_step the clients' working copies cannot use: refused,
+    naming torch.compile and what to do instead; layers compiled in configure_model train as the uncompiled module."""
+    with pytest.raises(TypeError, match=r"got OptimizedModule \(torch\.compile of UserNet\).*configure_model"):
+        FederatedLoop(torch.compile(UserNet(), backend="eager"), local_steps=2, clients_per_round=3)
+
+    def run(net):
+        torch.manual_seed(0)
+        model = to_float64(net)
+        model.load_state_dict(to_float64(UserNet()).state_dict())
+        loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=2, client_execution="sequential")
+        make_trainer(2, callbacks=[FedAvg()]).fit(loop, datamodule=_dm64())
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+    compiled = run(CompiledLayers())
+    assert_close64(compiled, run(UserNet()))
+
+
 def test_a_model_that_cannot_be_deep_copied_is_named_with_the_replacement_of_the_old_weight_norm():
     """torch.nn.utils.weight_norm (hook-based, deprecated) cannot be deep-copied; the error names the working copy
     the clients train and the parametrization that replaces it (it was torch's deepcopy error alone)."""
