@@ -323,8 +323,7 @@ def buffer_report_dtype(buffers: Iterable[Tensor]) -> torch.dtype:
     """The dtype in which a client reports its buffers (``ClientUpdate.buffers``): float64 when any of them is
     float64 (a float64 model's BatchNorm statistics keep their precision through the average) or not a float (an
     integer counter such as ``num_batches_tracked`` is exact in float64 up to 2**53; a complex one's parts), else
-    float32 (half and
-    bfloat16 statistics are averaged in float32, ours)."""
+    float32 (half and bfloat16 statistics are averaged in float32, ours)."""
     return (
         torch.float64 if any(b.dtype == torch.float64 or not b.is_floating_point() for b in buffers) else torch.float32
     )
