@@ -1549,21 +1549,7 @@ def test_complex_parameters_train_under_fedprox_and_their_update_norms_count_the
     assert logged == pytest.approx(sum(sq) / len(sq), rel=2**-22)
 
 
-class LayersNet(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class CompiledLayers(LayersNet):
+class CompiledLayers(_Plain):
     """Its layers compiled in configure_model, as torch.compile is applied inside a LightningModule."""
 
     def configure_model(self):
@@ -1576,17 +1562,18 @@ def test_a_compiled_module_is_refused_naming_the_way_to_compile_its_layers_which
     with pytest.raises(TypeError, match=r"got OptimizedModule \(torch\.compile of UserNet\).*configure_model"):
         FederatedLoop(torch.compile(UserNet(), backend="eager"), local_steps=2, clients_per_round=3)
 
-    def run(net, mode="sequential"):
-        model = to_float64(net)
+    def run(cls, mode="sequential"):
+        torch.manual_seed(0)
+        model = to_float64(cls())
         loop = FederatedLoop(model, local_steps=2, clients_per_round=3, seed=2, client_execution=mode)
         make_trainer(2, callbacks=[FedAvg()]).fit(loop, datamodule=_dm64())
         return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
-    plain = run(LayersNet())
-    assert_close64(run(CompiledLayers()), plain)
+    plain = run(_Plain)
+    assert_close64(run(CompiledLayers), plain)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # dynamo's recompilations for the batched calls
-        assert_close64(run(CompiledLayers(), "vectorized"), plain)
+        assert_close64(run(CompiledLayers, "vectorized"), plain)
 
 
 def test_a_model_that_cannot_be_deep_copied_is_named_with_the_replacement_of_the_old_weight_norm():
