@@ -33,6 +33,7 @@ from fedlightning.state import (
     buffer_values,
     derive_seed,
     squared_norm64,
+    sum_dtype,
 )
 
 __all__ = ["DPFedAvg", "adaptive_noise_multiplier", "rdp_epsilon"]
@@ -354,7 +355,8 @@ class DPFedAvg(ServerStrategy):
         norm = squared_norm64(delta).sqrt()
         clip = self.current_clip_norm
         factor = torch.clamp(clip / norm, max=1.0)
-        stats.add("dp_clipped_sum", delta * factor.to(delta.dtype))
+        wide = delta.to(sum_dtype(delta.dtype))  # float32 for half-precision updates, as FedAvg's sum
+        stats.add("dp_clipped_sum", wide * factor.to(wide.dtype))
         if self.adaptive:
             stats.add("dp_unclipped_centered", (norm <= clip).double() - 0.5)
 

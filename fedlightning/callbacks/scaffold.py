@@ -17,7 +17,7 @@ from torch import Tensor
 from fedlightning.callbacks.base import RoundStatistics, ServerStrategy
 from fedlightning.callbacks.proximal import global_anchors, split_like
 from fedlightning.objectives import AnchoredTerm
-from fedlightning.state import ClientUpdate, RoundPlan
+from fedlightning.state import ClientUpdate, RoundPlan, sum_dtype
 
 __all__ = ["Scaffold"]
 
@@ -138,7 +138,7 @@ class Scaffold(ServerStrategy):
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
         super().accumulate(stats, update)
         control_delta = update.payload["scaffold_control_delta"]
-        stats.add("scaffold_control_delta", control_delta)
+        stats.add("scaffold_control_delta", control_delta.to(sum_dtype(control_delta.dtype)))  # float32 for halves
         new = update.payload.pop(_NEW_CONTROL, None)
         if new is not None and bool(torch.isfinite(new).all()):  # a non-finite one fails the client (unsafe_entry)
             self._client_state.set(NAMESPACE, update.client_id, {"control": new})
