@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 __all__ = [
@@ -37,7 +38,9 @@ __all__ = [
     "check_fit_callbacks",
     "check_fit_settings",
     "check_refused_callbacks",
+    "check_half_precision_eps",
     "check_learning_rates",
+    "check_loss_scaling",
     "check_step_settings",
     "check_val_check_interval",
     "flag",
@@ -513,6 +516,51 @@ def check_val_check_interval(interval: Any) -> None:
                 "val_check_interval must be > 0 (validate every N rounds, or a fraction of an "
                 f"epoch of rounds), got {interval!r}",
             )
+
+
+def check_loss_scaling(trainer: Any) -> None:
+    """Refuse a precision plugin with a loss scaler (``precision="16-mixed"`` on CUDA: Lightning's
+    ``MixedPrecision`` with a ``torch.amp.GradScaler``), before round 0. Client training computes its gradients
+    itself (``loss.backward()`` of each local step, the line searches' own backward passes, the vectorized engine's
+    batched gradients) and never scales a loss, so the scaler would not do what the setting says, and the server
+    step, a Lightning optimizer step, would fail in the scaler's ``unscale_`` after every client of round 0 has
+    trained. Decision ours: refuse and name the setting (a dynamic loss scale per client is not implemented);
+    ``bf16-mixed`` needs no loss scaling. On the CPU Lightning runs ``16-mixed`` as ``bf16-mixed`` (no scaler)."""
+    plugin = getattr(trainer, "precision_plugin", None)
+    if getattr(plugin, "scaler", None) is None:
+        return
+    precision = str(getattr(trainer, "precision", ""))
+    raise SettingError(
+        "trainer.precision",
+        f"precision={precision!r} trains with a loss scaler (torch.amp.GradScaler), which federated client "
+        "training does not apply (each client computes its own gradients without scaling its loss); use "
+        "'bf16-mixed' (GPUs with bfloat16), '32-true', or '16-true' (float16 weights, no loss scaling)",
+    )
+
+
+def check_half_precision_eps(optimizer: Any, dtypes: Any, config_key: str, owner: str) -> None:
+    """Refuse a client optimizer whose ``eps`` (Adam, AdamW, Adagrad, RMSprop, ...; any parameter group's
+    positive float ``eps``) is 0 in a parameter dtype it will train (``precision="16-true"``: float16, whose smallest
+    positive value is 6e-8). torch's default ``eps=1e-8`` rounds to 0 there, so the step divides by a square root of
+    squared gradients that underflows to 0: every client's update is non-finite and every client fails, which a run
+    would only report after round 0 as "no healthy client". ``dtypes`` are the dtypes the parameters train in."""
+    halves = [d for d in dtypes if isinstance(d, torch.dtype) and d.is_floating_point and torch.finfo(d).bits < 32]
+    if not halves:
+        return
+    for i, group in enumerate(getattr(optimizer, "param_groups", None) or []):
+        eps = group.get("eps") if isinstance(group, dict) else None
+        if not isinstance(eps, float) or not eps > 0:
+            continue
+        for dtype in halves:
+            if float(torch.tensor(eps, dtype=dtype)) == 0.0:
+                where = f" (parameter group {i})" if len(optimizer.param_groups) > 1 else ""
+                tiny = torch.finfo(dtype).smallest_normal
+                raise SettingError(
+                    config_key,
+                    f"{owner} eps={eps!r}{where} is 0 in {str(dtype).removeprefix('torch.')}, the dtype the "
+                    "client parameters train in, so every step would divide by zero; set eps to at least "
+                    f"{tiny:.3g} ({str(dtype).removeprefix('torch.')}'s smallest normal number), e.g. 1e-4",
+                )
 
 
 def check_learning_rates(optimizer: Any, config_key: str, owner: str) -> None:

@@ -75,7 +75,9 @@ from fedlightning._validation import (
     SettingError,
     check_fit_callbacks,
     check_fit_settings,
+    check_half_precision_eps,
     check_learning_rates,
+    check_loss_scaling,
     check_refused_callbacks,
     check_step_settings,
     integer,
@@ -429,7 +431,8 @@ class FederatedLoop(pl.LightningModule):
             self._materialize_lazy_modules(dm)
             if self.init_weights is not None:
                 self._load_init_weights()
-            self._check_client_optimizer()
+            check_loss_scaling(trainer)  # 16-mixed on CUDA: a GradScaler that client training cannot apply
+            self._check_client_optimizer(trainer)
             precision = str(trainer.precision)
             if precision.startswith("16"):
                 rank_zero_warn(
@@ -515,20 +518,24 @@ class FederatedLoop(pl.LightningModule):
         if trainer.log_every_n_steps == FederatedLoop._LIGHTNING_LOG_EVERY_N_STEPS:
             trainer.log_every_n_steps = 1
 
-    def _check_client_optimizer(self) -> None:
+    def _check_client_optimizer(self, trainer: pl.Trainer) -> None:
         """Build the client optimizer once before round 0, so that an impossible hyper-parameter (SgdArmijo
-        ``c=1.5``, a negative SGD ``lr``) is a configuration error now instead of a failure of every client, which
-        the ``on_client_failure="skip"`` policy would otherwise absorb round after round. Constructing an optimizer
-        does not touch the parameters."""
+        ``c=1.5``, a negative SGD ``lr``, an Adam ``eps`` that is 0 in float16 under ``16-true``) is a configuration
+        error now instead of a failure of every client, which the ``on_client_failure="skip"`` policy would otherwise
+        absorb round after round. Constructing an optimizer does not touch the parameters."""
         factory = self._client_factory()
         try:
             opt = factory(self._global_params())
         except (ValueError, TypeError) as err:
             raise type(err)(f"client_optimizer cannot be built: {err}") from err
         if self.client_optimizer is not None:
-            check_learning_rates(opt, "model.client_optimizer.init_args.lr", f"client_optimizer {type(opt).__name__}")
+            key, owner = "model.client_optimizer.init_args", f"client_optimizer {type(opt).__name__}"
+            check_learning_rates(opt, f"{key}.lr", owner)
+            check_half_precision_eps(opt, _training_dtypes(trainer, opt), f"{key}.eps", owner)
         else:
-            check_learning_rates(opt, "model.model", f"{type(self.model).__qualname__}.configure_optimizers()")
+            owner = f"{type(self.model).__qualname__}.configure_optimizers()"
+            check_learning_rates(opt, "model.model", owner)
+            check_half_precision_eps(opt, _training_dtypes(trainer, opt), "model.model", owner)
         ClientHooks(self.model).check_optimizer(opt, type(self.model).__qualname__)
         if self.client_grad_clip is not None and getattr(opt, "requires_closure", False):
             raise SettingError(
@@ -1682,6 +1689,18 @@ def check_launcher(trainer: pl.Trainer) -> None:
             "a checkpoint or a test after fit would be wrong; use strategy=ddp (Lightning starts one process per "
             "device from the script)",
         )
+
+
+#: The parameter dtype of Lightning's ``*-true`` half precisions (its precision plugin converts the module to it).
+_TRUE_HALF_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
+
+
+def _training_dtypes(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> set[torch.dtype]:
+    """The dtypes the client optimizer's parameters train in: their own, and the one the precision plugin converts
+    the module to (``16-true``: float16), which it may not have done yet at ``setup``."""
+    dtypes = {p.dtype for group in optimizer.param_groups for p in group["params"]}
+    converted = _TRUE_HALF_DTYPES.get(str(getattr(trainer, "precision", "")))
+    return dtypes | {converted} if converted is not None else dtypes
 
 
 def _check_test_fraction(trainer: pl.Trainer, dm: FederatedDataModule) -> None:

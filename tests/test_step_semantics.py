@@ -11,6 +11,7 @@
 """
 
 import copy
+import functools
 import math
 import warnings
 
@@ -316,6 +317,75 @@ def test_bf16_true_converts_client_batches_on_cpu():
     after = flat(loop.model.net)
     assert after.dtype == torch.bfloat16 and bool(torch.isfinite(after).all())
     assert not torch.equal(after.double(), before.to(torch.bfloat16).double())  # it trained
+
+
+def test_16_mixed_with_a_loss_scaler_is_refused_before_round_0_naming_the_precision():
+    """``precision="16-mixed"`` on CUDA is Lightning's MixedPrecision with a GradScaler, which client training does
+    not apply: refused at setup, before any client trains (it used to fail in the scaler's ``unscale_`` at round 0's
+    server step). Built here on the CPU with a CPU GradScaler, since Lightning runs 16-mixed as bf16-mixed on the CPU.
+    """
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from fedlightning._validation import SettingError
+
+    calls = []
+
+    class Net(_NoSkip):
+        def training_step(self, batch, batch_idx):
+            calls.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    model = Net()
+    before = flat(model.net).clone()
+    plugin = MixedPrecision(precision="16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=2, seed=SEED)
+    with pytest.raises(SettingError, match=r"precision='16-mixed' trains with a loss scaler .*'bf16-mixed'") as err:
+        make_trainer(1, callbacks=[FedAvg()], plugins=[plugin]).fit(loop, datamodule=_dm32())
+    assert err.value.config_key == "trainer.precision"
+    assert calls == [] and torch.equal(flat(loop.model.net), before)
+    # precision="16-mixed" on the CPU (Lightning: bf16-mixed, no scaler) trains
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=2, seed=SEED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(1, callbacks=[FedAvg()], accelerator="cpu", precision="16-mixed").fit(loop, datamodule=_dm32())
+    assert len(calls) == 4 and not torch.equal(flat(loop.model.net), before)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "precision", "key"),
+    [
+        (functools.partial(torch.optim.Adam, lr=1e-2), "16-true", "model.client_optimizer.init_args.eps"),
+        (functools.partial(torch.optim.Adagrad, lr=1e-2), "16-true", "model.client_optimizer.init_args.eps"),
+        (None, "16-true", "model.model"),  # the module's configure_optimizers(): Adam, default eps
+    ],
+)
+def test_an_optimizer_eps_that_is_zero_in_float16_is_refused_before_round_0(optimizer, precision, key):
+    """Under ``16-true`` torch's default ``eps`` (1e-8 for Adam, 1e-10 for Adagrad) is 0 in float16: every client's
+    step divides by zero and every client fails. Refused at setup naming eps and float16; the check follows float16
+    (the same eps trains under bf16-true, and 1e-4 trains under 16-true)."""
+    from fedlightning._validation import SettingError
+
+    class Net(_NoSkip):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    model = Net()
+    before = flat(model.net).clone()
+    loop = FederatedLoop(model, client_optimizer=optimizer, local_steps=2, clients_per_round=2, seed=SEED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(SettingError, match=r"eps=1e-(08|10) is 0 in float16") as err:
+            make_trainer(1, callbacks=[FedAvg()], precision=precision).fit(loop, datamodule=_dm32())
+        assert err.value.config_key == key
+        got = flat(loop.model.net)
+        assert torch.equal(got, before.to(got.dtype))  # untrained (the precision's conversion aside)
+        for prec, eps in (("bf16-true", 1e-8), ("16-true", 1e-4)):
+            factory = functools.partial(torch.optim.Adam, lr=1e-2, eps=eps)
+            loop = FederatedLoop(Net(), client_optimizer=factory, local_steps=2, clients_per_round=2, seed=SEED)
+            make_trainer(1, callbacks=[FedAvg()], precision=prec).fit(loop, datamodule=_dm32())
+            assert bool(torch.isfinite(flat(loop.model.net)).all())
 
 
 def test_float16_true_warns_by_its_own_name_and_a_server_lr_beyond_float16_stops_naming_it():
