@@ -38,6 +38,7 @@ __all__ = [
     "buffer_values",
     "averaged_buffer_slices",
     "report_buffers",
+    "real_parts",
     "squared_norm64",
     "write_averaged_buffer",
     "buffer_report_dtype",
@@ -339,10 +340,17 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def real_parts(t: Tensor) -> Tensor:
+    """``t`` as real numbers: a complex tensor as its real and imaginary parts (a view with a last dimension of 2,
+    as :func:`torch.view_as_real` lays them out, so writes reach ``t``), any other tensor as it is. The server side
+    treats a complex parameter, update or buffer as these pairs of reals, as ``torch.optim.Adam`` does."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def squared_norm64(t: Tensor) -> Tensor:
     """``‖t‖²`` summed in float64 (0-d): ``Σ t²`` for a real tensor, ``Σ |t|²`` for a complex one (a model with
     complex parameters: its flat update is complex, and ``.double()`` would drop the imaginary parts)."""
-    return (torch.view_as_real(t) if t.is_complex() else t).double().pow(2).sum()
+    return real_parts(t).double().pow(2).sum()
 
 
 #: The largest magnitude of an integer buffer that the average writes back (float64 holds every integer up to it).
@@ -353,7 +361,7 @@ def buffer_values(buffer: Tensor) -> Tensor:
     """``buffer``'s values as real numbers, flattened: a complex buffer as its real and imaginary parts (pairs, as
     :func:`torch.view_as_real` lays them out), any other as it is. The round averages every buffer through these
     (:func:`averaged_buffer_slices`): the mean of complex numbers is the mean of their parts."""
-    return (torch.view_as_real(buffer) if buffer.is_complex() else buffer).reshape(-1)
+    return real_parts(buffer).reshape(-1)
 
 
 def averaged_buffer_slices(buffers: Sequence[Tensor]) -> list[tuple[int, slice]]:

@@ -18,6 +18,7 @@ import torch
 
 from fedlightning._validation import in_range, one_of, positive
 from fedlightning.callbacks.base import ServerStrategy
+from fedlightning.state import real_parts
 
 __all__ = [
     "AdaptiveServerOptimizer",
@@ -98,8 +99,7 @@ class AdaptiveServerOptimizer(torch.optim.Optimizer):
                     continue
                 # a complex parameter as its real and imaginary parts (as torch.optim.Adam treats it): v of |Δ|²
                 # per part, real and non-negative
-                p = torch.view_as_real(param) if param.is_complex() else param
-                d = torch.view_as_real(param.grad) if param.grad.is_complex() else param.grad
+                p, d = real_parts(param), real_parts(param.grad)
                 state = self.state[param]
                 if not state:
                     state["step"] = 0

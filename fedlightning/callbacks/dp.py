@@ -32,6 +32,7 @@ from fedlightning.state import (
     averaged_buffer_slices,
     buffer_values,
     derive_seed,
+    real_parts,
     squared_norm64,
     sum_dtype,
 )
@@ -373,12 +374,11 @@ class DPFedAvg(ServerStrategy):
         total = stats["dp_clipped_sum"]
         if sigma > 0:
             gen = torch.Generator(device=total.device).manual_seed(derive_seed(loop.seed, "dp-noise", plan.round))
-            if total.is_complex():  # N(0, 1) per real coordinate: torch's complex normal gives each part variance 1/2
-                parts = torch.view_as_real(total)
-                noise = torch.randn(parts.shape, generator=gen, device=total.device, dtype=parts.dtype)
+            # N(0, 1) per real coordinate (torch's complex normal would give each part of a complex one variance 1/2)
+            parts = real_parts(total)
+            noise = torch.randn(parts.shape, generator=gen, device=total.device, dtype=parts.dtype)
+            if total.is_complex():
                 noise = torch.view_as_complex(noise)
-            else:
-                noise = torch.randn(total.shape, generator=gen, device=total.device, dtype=total.dtype)
             total = total + noise * (sigma * clip)
         # the divisor as FedAvg's mean_delta forms it (a float64 count cast to the sum's dtype): bit-identical to
         # FedAvg(weighting="uniform") without noise and clipping
