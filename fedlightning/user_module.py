@@ -16,6 +16,7 @@ user's code expects from Lightning (docs/your_model.md lists it for users):
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -263,6 +264,8 @@ class ModuleOptimizer:
         self._modules: list[tuple[Tensor, pl.LightningModule]] = [(self._first_param(model), model)]
         # (scheduler index, round) of ReduceLROnPlateau steps waiting for the validation after their round
         self.waiting: list[tuple[int, int]] = []
+        # (round, the template's hyper-parameters that round trained with), kept when the schedulers step after it
+        self.trained: tuple[int, list[dict[str, Any]]] | None = None
 
     # ------------------------------------------------------------------ parsing
     def _parse(self, model: pl.LightningModule):
@@ -335,6 +338,7 @@ class ModuleOptimizer:
         n rounds), the next round's end finds it still waiting: ``strict`` (the default) stops the run naming the
         monitor, ``strict: False`` skips the step, as Lightning skips a monitor it does not find."""
         self._expire_waiting()
+        self.trained = (int(round), self._hyperparameters())
         stepped = False
         for index, cfg in enumerate(self.schedulers):
             if (round + 1) % max(int(cfg.frequency), 1):
@@ -399,12 +403,30 @@ class ModuleOptimizer:
                     "metric such as 'client/train_loss', or set 'strict': False to skip rounds without it"
                 )
 
+    def _hyperparameters(self) -> list[dict[str, Any]]:
+        """A copy of the template's param-group hyper-parameters (every key but ``params``)."""
+        return [
+            {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            for g in self.template.param_groups
+        ]
+
+    def hyperparameters_of_round(self, round: int) -> list[dict[str, Any]]:
+        """The param-group hyper-parameters (every key but ``params``; a copy) that round ``round``'s client
+        optimizers trained with: those kept when the schedulers stepped after that round, else the template's
+        current ones (its schedulers have not stepped since). A client-side evaluation of the model after round
+        ``r`` that trains (``ClientEvaluation(local_steps=k)``) uses them, so that it trains alike whether it runs at
+        the round's end or after fit, when the schedulers have stepped once more."""
+        if self.trained is not None and self.trained[0] == int(round):
+            return copy.deepcopy(self.trained[1])
+        return self._hyperparameters()
+
     def state_dict(self) -> dict[str, Any]:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.template.param_groups]
         return {
             "param_groups": groups,
             "schedulers": [c.scheduler.state_dict() for c in self.schedulers],
             "waiting": [list(w) for w in self.waiting],
+            "trained": None if self.trained is None else [self.trained[0], self.trained[1]],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -420,6 +442,8 @@ class ModuleOptimizer:
             g.update(saved)
         for cfg, saved in zip(self.schedulers, state["schedulers"]):
             cfg.scheduler.load_state_dict(saved)
+        trained = state.get("trained")
+        self.trained = (int(trained[0]), list(trained[1])) if trained else None
         # a checkpoint written between a round's end and the end of its validation: Lightning does not run that
         # validation again on resume, so the step that waited for it is skipped, with a warning
         waiting = [(int(i), int(r)) for i, r in state.get("waiting", [])]

@@ -405,6 +405,127 @@ def test_local_adaptation_equals_fine_tuning_by_hand():
         assert abs(loss - plain) > 1e-6  # the adaptation changed the model
 
 
+class _Scheduled(pl.LightningModule):
+    """A float64 MLP whose client optimizer comes from configure_optimizers() with a StepLR halving it per round."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Tanh(), torch.nn.Linear(8, 10)).double()
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def test_step(self, batch, batch_idx):
+        self.log("test/loss", F.cross_entropy(self.net(batch[0]), batch[1]), batch_size=len(batch[1]))
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.4)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)}
+
+
+@pytest.mark.numerics
+def test_adaptation_trains_with_the_learning_rate_of_the_evaluated_round_at_its_end_and_after_fit():
+    """The module's scheduler halves the client lr after every round. The final model (after round 2) adapted at
+    its round's end and after fit, when the scheduler has stepped once more, is adapted alike, with round 2's
+    learning rate 0.4 * 0.5**2 (a hand loop), not the next round's."""
+    scheduled = ClientEvaluation(every_n_rounds=3, local_steps=3, clients=3, prefix="at_round_end", vectorize=False)
+    after_fit = ClientEvaluation(local_steps=3, clients=3, prefix="after_fit", vectorize=False)
+    torch.manual_seed(0)
+    dm = Digits64(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1)
+    loop = FederatedLoop(_Scheduled(), local_steps=2, clients_per_round=4, seed=2)
+    make_trainer(3, callbacks=[scheduled, after_fit]).fit(loop, datamodule=dm)
+    a, b = scheduled.last_results, after_fit.last_results
+    assert scheduled._evaluated_round == after_fit._evaluated_round == 2
+    assert a.client_ids.tolist() == b.client_ids.tolist()
+    assert np.array_equal(a.values["test/loss"], b.values["test/loss"])
+    rows, seed = dm.client_eval_indices(), derive_seed(loop.seed, "client-eval")
+    for j, c in enumerate(b.client_ids.tolist()):
+        model = copy.deepcopy(loop.model.net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.4 * 0.5**2)
+        for x, y in reiterate(dm.client_dataloader(c, 2, seed=seed), 3):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        loss, _ = _hand_values(model, dm.test_dataset.x[rows[c]], dm.test_dataset.y[rows[c]])
+        _close64(b.values["test/loss"][j], loss)
+
+
+def test_a_module_without_the_evaluated_step_is_refused_before_round_0():
+    """Lightning's default test_step / validation_step log nothing: an evaluation through them would log only
+    num_clients, so it is refused at fit start naming the method."""
+
+    class NoEval(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(64, 10).double()
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):  # split="val" has what it needs
+            self.log("val/loss", F.cross_entropy(self.net(batch[0]), batch[1]))
+
+    rounds = []
+
+    class Rounds(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            rounds.append(batch_idx)
+
+    with pytest.raises(ValueError, match=r"ClientEvaluation\(split='test'\) .* test_step\(\), which .*NoEval does not"):
+        _fit([ClientEvaluation(every_n_rounds=1), Rounds()], model=NoEval())
+    assert rounds == []
+    ev = ClientEvaluation(split="val")
+    _fit(
+        [ev],
+        rounds=1,
+        model=NoEval(),
+        dm=Digits64(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1, val_fraction=0.2),
+    )
+    assert np.isfinite(ev.last_results.values["val/loss"]).all()
+
+
+def test_two_evaluations_under_one_prefix_are_refused():
+    """A test and a val evaluation with the default prefix would both write clients/num_clients."""
+    with pytest.raises(ValueError, match=r"two ClientEvaluation callbacks log under prefix='clients'"):
+        _fit([ClientEvaluation(), ClientEvaluation(split="val")], rounds=1)
+    a, b = ClientEvaluation(), ClientEvaluation(split="val", prefix="clients_val")
+    _fit(
+        [a, b], rounds=1, dm=Digits64(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1, val_fraction=0.2)
+    )
+    assert set(a.last_results.values) == {"test/loss", "test/acc"} and set(b.last_results.values) == {
+        "val/loss",
+        "val/acc",
+    }
+
+
+def test_values_left_out_of_the_statistics_are_named_in_a_warning():
+    """A client whose value is NaN (here: not logged for clients with an odd number of rows, NaN for the others'
+    'test/bad') is left out of that value's statistics, and a warning says how many; a test_step that logs nothing
+    is said too."""
+
+    class Partial(_Regression):
+        def test_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("test/mse", F.mse_loss(self.net(x).squeeze(-1), y.double()))
+            self.log("test/bad", torch.tensor(float("nan"), dtype=torch.float64))
+
+    ev = ClientEvaluation()
+    with pytest.warns(
+        UserWarning, match=r"'test/bad' is NaN for (\d+) of \1 clients .*clients/test_bad_\* are statistics"
+    ):
+        _fit([ev], rounds=1, model=Partial())
+    n = len(ev.last_results.client_ids)
+    assert n > 0 and np.isfinite(ev.last_results.values["test/mse"]).all()
+
+    class Silent(_Regression):
+        def test_step(self, batch, batch_idx):
+            self.net(batch[0])
+
+    with pytest.warns(UserWarning, match=r"Silent.test_step\(\) logged no value on any of the \d+ clients"):
+        _fit([ClientEvaluation()], rounds=1, model=Silent())
+
+
 def _snapshot(loop):
     return {
         "params": [p.detach().clone() for p in loop.model.parameters()],
@@ -616,6 +737,17 @@ def test_example_config_runs_both_evaluations_through_the_cli(tmp_path):
     assert int(metrics["clients/num_clients"]) == len(evaluations[0].last_results.client_ids) > 0
 
 
+def _dict_net():
+    """test_data_contract's dict-batch classifier with a ``test_step``."""
+    from test_data_contract import Net
+
+    class Evaluated(Net):
+        def test_step(self, batch, batch_idx):
+            self.log("test/loss", F.cross_entropy(self.lin(batch["x"]), batch["y"]))
+
+    return Evaluated("dict")
+
+
 @pytest.mark.parametrize("every_n_rounds,after_fit", [(None, True), (2, False)])
 def test_an_evaluation_that_cannot_deal_the_data_stops_the_run_before_its_first_round(every_n_rounds, after_fit):
     """assignment="labels" on data without known class labels (dict samples whose class is under a key no label
@@ -625,7 +757,6 @@ def test_an_evaluation_that_cannot_deal_the_data_stops_the_run_before_its_first_
 
     import test_data_contract as contract
     from fedlightning.datamodules import IID, FederatedDataModule
-    from test_data_contract import Net
 
     class Unlabelled(contract.Dicts):
         def __getitem__(self, i):
@@ -655,7 +786,7 @@ def test_an_evaluation_that_cannot_deal_the_data_stops_the_run_before_its_first_
             rounds.append(batch_idx)
 
     dm = FederatedDataModule.from_datamodule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
-    loop = FederatedLoop(Net("dict"), local_steps=2, clients_per_round=2, seed=0)
+    loop = FederatedLoop(_dict_net(), local_steps=2, clients_per_round=2, seed=0)
     evaluation = ClientEvaluation(every_n_rounds=every_n_rounds, after_fit=after_fit)
     trainer = make_trainer(3, callbacks=[evaluation, Rounds()])
     with pytest.raises(ValueError, match="assignment='size'"):
@@ -663,10 +794,11 @@ def test_an_evaluation_that_cannot_deal_the_data_stops_the_run_before_its_first_
     assert rounds == [] and trainer.global_step == 0
     # the same data dealt by size evaluates
     dm = FederatedDataModule.from_datamodule(UserDataModule(), partition=IID(), num_clients=4, seed=0)
-    loop = FederatedLoop(Net("dict"), local_steps=2, clients_per_round=2, seed=0)
+    loop = FederatedLoop(_dict_net(), local_steps=2, clients_per_round=2, seed=0)
     evaluation = ClientEvaluation(every_n_rounds=every_n_rounds, after_fit=after_fit, assignment="size")
     make_trainer(2, callbacks=[evaluation]).fit(loop, datamodule=dm)
     assert evaluation.last_results is not None and len(evaluation.last_results.client_ids) == 4
+    assert np.isfinite(evaluation.last_results.values["test/loss"]).all()
 
 
 def test_split_val_with_a_separate_validation_set_names_what_to_do():

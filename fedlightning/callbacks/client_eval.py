@@ -18,8 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
@@ -287,7 +289,11 @@ class ClientEvaluation(FederatedCallback):
         <prefix>/num_clients = number of clients evaluated
 
     (``<name>``: the logged key with ``"/"`` replaced by ``"_"``, so ``test/acc`` gives ``clients/test_acc_p10``;
-    :func:`client_statistics`). Every client counts once. With a ``WandbLogger`` also ``<prefix>/<name>_hist`` (a
+    :func:`client_statistics`). Every client counts once; a client whose value is NaN (not logged for it, or NaN: a
+    diverged adaptation) is left out of that value's statistics, with a warning naming the value and the count. A
+    module without the evaluated step (``test_step``; ``validation_step`` with ``split="val"``) is refused at fit
+    start, and so are two evaluations with one ``prefix`` (each would overwrite the other's values).
+    With a ``WandbLogger`` also ``<prefix>/<name>_hist`` (a
     ``wandb.Histogram`` over the clients) and ``<prefix>/table`` (one row per client: id, user, samples, values;
     :func:`wandb_payload`).
 
@@ -350,7 +356,9 @@ class ClientEvaluation(FederatedCallback):
       Evaluation of On-device Personalization": fine-tune the global model on the client's training data, then
       evaluate). Each client's model is the FederatedLoop's client working copy (``pl_module.client_worker``) after
       ``k`` steps of the loop's own client training (:meth:`~fedlightning.client.LocalTrainer.run`) from the current
-      global weights, with the client optimizer (``pl_module.client_optimizer_factory``, told the client's epoch
+      global weights, with the client optimizer (``pl_module.client_optimizer_factory``; with the module's
+      ``configure_optimizers()`` and a scheduler, the learning rate round ``r``, the evaluated one, trained with, at
+      the round's end and after fit alike, when the scheduler has stepped once more; told the client's epoch
       length as in training and, with ``persist_client_state``, started from a copy of the client's stored optimizer
       state), on ``dm.client_dataloader(i, round, seed=derive_seed(seed, "client-eval"))`` (a data order of its own),
       in-model randomness seeded by the same seed; then evaluated as above. Decisions (ours): the objective is the
@@ -407,8 +415,24 @@ class ClientEvaluation(FederatedCallback):
         """Which clients are evaluated, and on which rows, before the first round: a data module this evaluation
         cannot deal (``assignment="labels"`` without class labels, no client with data of the split) stops the run
         here, not after its rounds have trained."""
-        if self.every_n_rounds is not None or self.after_fit:
-            self.selected_clients(pl_module.datamodule, pl_module.seed)
+        if self.every_n_rounds is None and not self.after_fit:
+            return
+        self.selected_clients(pl_module.datamodule, pl_module.seed)
+        hook = "test_step" if self.split == "test" else "validation_step"
+        model = pl_module.model
+        if not is_overridden(hook, model, pl.LightningModule):
+            raise ValueError(
+                f"ClientEvaluation(split={self.split!r}) evaluates with the module's {hook}(), which "
+                f"{type(model).__qualname__} does not define: define {hook} and log the values to compare across "
+                "clients" + (" (or evaluate split='val' with its validation_step)" if self.split == "test" else "")
+            )
+        for other in trainer.callbacks:
+            if other is not self and isinstance(other, ClientEvaluation) and other.prefix == self.prefix:
+                raise ValueError(
+                    f"two ClientEvaluation callbacks log under prefix={self.prefix!r} ({self!r} and {other!r}), so "
+                    f"each would overwrite the other's {self.prefix}/* values (num_clients at least); give one of "
+                    "them another prefix"
+                )
 
     def due(self, round_index: int) -> bool:
         """True when the scheduled evaluation runs after 0-based round ``round_index``."""
@@ -427,6 +451,7 @@ class ClientEvaluation(FederatedCallback):
         results = self.evaluate(pl_module, round_index)
         self.last_results = results
         self._evaluated_round = round_index
+        self._warn_missing(pl_module, results)
         metrics = results.summary(self.prefix)
         step = round_index  # the evaluated round's train/loss step (after fit, Lightning counts one more)
         for logger in trainer.loggers:
@@ -435,6 +460,27 @@ class ClientEvaluation(FederatedCallback):
             trainer.callback_metrics[key] = torch.tensor(value)
         if trainer.is_global_zero:
             self._log_wandb(trainer, results, step)
+
+    def _warn_missing(self, pl_module, results: ClientResults) -> None:
+        """Say which values the statistics leave out: a name that is NaN for some clients (not logged for them, or a
+        NaN, e.g. a diverged local adaptation) has statistics over the other clients; no name at all means the
+        module's step logged nothing, and only ``num_clients`` is logged."""
+        total = len(results.client_ids)
+        if total and not results.values:
+            hook = "test_step" if self.split == "test" else "validation_step"
+            rank_zero_warn(
+                f"ClientEvaluation: {type(pl_module.model).__qualname__}.{hook}() logged no value on any of the "
+                f"{total} clients, so only {self.prefix}/num_clients is logged; log the values to compare with "
+                "self.log"
+            )
+        for name in sorted(results.values):
+            missing = int(np.isnan(np.asarray(results.values[name], dtype=np.float64)).sum())
+            if missing:
+                rank_zero_warn(
+                    f"ClientEvaluation: {name!r} is NaN for {missing} of {total} clients (not logged for them, or NaN: "
+                    f"a diverged local adaptation, for instance); {self.prefix}/{metric_key(name)}_* are statistics "
+                    f"over the other {total - missing}"
+                )
 
     def _log_wandb(self, trainer, results: ClientResults, step: int) -> None:
         from lightning.pytorch.loggers import WandbLogger
@@ -614,7 +660,12 @@ class ClientEvaluation(FederatedCallback):
         worker = pl_module.client_worker
         work = worker.model
         seed = derive_seed(self.seed if self.seed is not None else int(pl_module.seed), "client-eval")
-        opt = pl_module.client_optimizer_factory(worker.params)
+        factory = pl_module.client_optimizer_factory
+        opt = factory(worker.params)
+        of_round = getattr(factory, "hyperparameters_of_round", None)  # the module's configure_optimizers()
+        if of_round is not None:  # the learning rate the evaluated round trained with, not the scheduler's next one
+            for group, saved in zip(opt.param_groups, of_round(round_index)):
+                group.update(saved)
         if hasattr(opt, "set_client_data"):
             opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
         if pl_module.persist_client_state and hasattr(opt, "set_client_state"):
