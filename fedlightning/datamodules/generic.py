@@ -226,6 +226,12 @@ class DatasetDataModule(FederatedDataModule):
             True); False serves the labels exactly as the data set returns them, unchecked. See "Label checks".
         label_key: where the label of a sample is: a dict key (Hugging Face column) or a tuple position (int);
             default: see "Labels". Used to find labels, never to reshape the batches.
+        client_key: where a sample's client is (a natural split, such as a ``writer_id`` or ``user`` column): a dict
+            key (Hugging Face column) or a tuple position, read from the training samples and, when there is one, the
+            test samples. See "Natural clients".
+        client_ids: one client id per training sample (in place of ``client_key`` for the training set); see
+            "Natural clients".
+        test_client_ids: one client id per test sample (in place of ``client_key`` for the test set).
         val: a separate validation set (e.g. a LightningDataModule's validation data): it is served by
             :meth:`val_dataloader` and nothing is held out of ``train`` (``val_fraction`` then defaults to 0; a
             positive ``val_fraction`` with ``val`` is a ValueError). Its labels are served and checked as the test
@@ -297,6 +303,19 @@ class DatasetDataModule(FederatedDataModule):
     labels exactly as for the bundled modules; with IID and no cheap source (no pass is made for IID) it is a
     seeded uniform draw, the stratified split of a single class.
 
+    Natural clients (``client_key`` or ``client_ids``; decisions, ours, as Flower's ``NaturalIdPartitioner``
+    groups a column's values). Every distinct id of the training samples is one client; the clients are ordered by
+    id (``numpy.unique``'s order: numbers ascending, strings lexicographically), ``client_names`` holds the ids as
+    strings, and each client's rows are its samples in data-set order. ``partition`` does not apply (giving one is a
+    ValueError) and ``num_clients`` is ignored, as for the bundled natural splits (LEAF). The validation split is
+    per client (``floor(val_fraction · n_i)`` of each client's samples, seeded; :class:`FederatedDataModule`).
+    The test samples with a client's id are its own test data (``client_test_indices``: what
+    :class:`~fedlightning.callbacks.ClientEvaluation` evaluates); test samples whose id no training sample has stay
+    in the global test set only, with a warning that counts them. An id must be a scalar (integer, string, bool, a
+    whole float, or a 0-d tensor / array of one); anything else is a ValueError naming the sample. The ids are read
+    from a Hugging Face column directly (a data set without a transform), else by one pass over the samples at
+    setup.
+
     In memory. The bundled modules' fast path (one tensor indexing per batch, no per-sample fetch or collate)
     needs the whole set as two tensors: it applies only to ``(x, y)`` pair samples (a plain tuple or list; a
     namedtuple keeps per-sample loading, so that batches keep its type) without a ``collate_fn``
@@ -351,6 +370,9 @@ class DatasetDataModule(FederatedDataModule):
         num_classes: int | None = None,
         check_labels: bool = True,
         label_key: str | int | None = None,
+        client_key: str | int | None = None,
+        client_ids: Sequence[Any] | None = None,
+        test_client_ids: Sequence[Any] | None = None,
         val: Dataset | None = None,
         train_eval: Dataset | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -407,7 +429,12 @@ class DatasetDataModule(FederatedDataModule):
             )
         self._train_eval_view: Dataset | None = None  # train_eval as served (set by setup)
         self._random_reads: dict[int, bool] = {}  # id of a data set -> whether it reads its samples at random
-        if self._num_clients > n:
+        self._client_sources = self._check_client_options(client_key, client_ids, test_client_ids, partition, test)
+        #: natural clients: every client's training rows (None: the partition splits the samples; set by load)
+        self._natural: list[np.ndarray] | None = None
+        #: natural clients: the client ids as strings, in client order (set by load)
+        self.client_names: list[str] = []
+        if self._client_sources is None and self._num_clients > n:
             raise ValueError(
                 f"num_clients={self._num_clients} exceeds the {n} training samples: every client needs at least "
                 f"one sample; lower num_clients"
@@ -441,7 +468,95 @@ class DatasetDataModule(FederatedDataModule):
     def needs_labels(self) -> bool:
         """Whether the partition is label-based: every partitioner except IID (a partitioner may say otherwise
         with a ``needs_labels`` attribute)."""
+        if self._client_sources is not None:
+            return False  # natural clients: no partition
         return bool(getattr(self.partition, "needs_labels", not isinstance(self.partition, IID)))
+
+    def natural_clients(self) -> list[np.ndarray] | None:
+        """The natural clients' training rows (``client_key`` / ``client_ids``), else None (the partition)."""
+        return self._natural
+
+    # ------------------------------------------------------------------ natural clients
+    def _check_client_options(
+        self, client_key: Any, client_ids: Any, test_client_ids: Any, partition: Any, test: Any
+    ) -> dict[str, Any] | None:
+        """The natural clients' id sources by set name (``"train"``, ``"test"``): an array of ids (given) or a
+        key to read; None without natural clients (rules: class docstring, "Natural clients")."""
+        if client_key is None and client_ids is None:
+            if test_client_ids is not None:
+                raise ValueError(
+                    "test_client_ids gives the test samples' clients, but the training samples have none; pass "
+                    "client_ids= (or client_key=) for the training set too"
+                )
+            return None
+        if partition is not None:
+            given = "client_key=" + repr(client_key) if client_key is not None else "client_ids="
+            raise ValueError(
+                f"{given} makes each distinct id a client (a natural split), but partition={partition!r} splits the "
+                "samples another way; pass one of them"
+            )
+        if client_key is not None and (isinstance(client_key, bool) or not isinstance(client_key, (str, int))):
+            raise ValueError(f"client_key must be a dict key (str) or a tuple position (int), got {client_key!r}")
+        sources: dict[str, Any] = {}
+        for name, dataset, given in (
+            ("train", self._train_source, client_ids),
+            ("test", self._test_source, test_client_ids),
+        ):
+            if dataset is None:
+                if given is not None:
+                    raise ValueError("test_client_ids are given, but there is no test set (test=None)")
+                continue
+            if given is not None:
+                arg = "client_ids" if name == "train" else "test_client_ids"
+                sources[name] = _client_id_array(given, arg, name)
+                if len(sources[name]) != len(dataset):
+                    raise ValueError(
+                        f"{arg} holds {len(sources[name])} ids for the {len(dataset)} {name} samples; pass one client "
+                        f"id per {name} sample, in the data set's order"
+                    )
+            elif client_key is not None:
+                sources[name] = _key_position(dataset[0], client_key, name)
+        return sources
+
+    def _client_ids_of(self, name: str) -> np.ndarray | None:
+        """The client id of every sample of set ``name`` (given, a Hugging Face column, or one pass)."""
+        source = self._client_sources.get(name)
+        if source is None or isinstance(source, np.ndarray):
+            return source
+        dataset = self._train_source if name == "train" else self._test_source
+        if isinstance(source, str) and _hf_label_column(dataset, _Reader("dict", source)):  # a column, no transform
+            values = list(dataset.with_format(None, columns=[source])[source])
+        else:
+            values = [dataset[i][source] for i in range(len(dataset))]
+        return _client_id_array(values, f"client_key={source!r} of {name}", name)
+
+    def _natural_clients(self) -> None:
+        """``_natural``, ``client_names`` and ``client_test_indices`` from the samples' client ids."""
+        ids = self._client_ids_of("train")
+        names, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        order = np.argsort(inverse, kind="stable")
+        self._natural = [np.sort(rows).astype(np.int64) for rows in np.split(order, np.cumsum(counts)[:-1])]
+        self.client_names = [str(v) for v in names.tolist()]
+        test_ids = self._client_ids_of("test") if self._test_source is not None else None
+        if test_ids is None:
+            self.client_test_indices = None
+            return
+        try:
+            position = {v: i for i, v in enumerate(names.tolist())}
+            own = [position.get(v, -1) for v in test_ids.tolist()]
+        except TypeError as err:  # an id that cannot be compared with the training ids
+            raise ValueError(f"the test samples' client ids cannot be matched with the training ids: {err}") from err
+        own = np.asarray(own, dtype=np.int64)
+        self.client_test_indices = [np.flatnonzero(own == c).astype(np.int64) for c in range(len(names))]
+        stray = int((own < 0).sum())
+        if stray:
+            first = test_ids[int(np.flatnonzero(own < 0)[0])]
+            warnings.warn(
+                f"{type(self).__name__}: {stray} test sample(s) have a client id that no training sample has (e.g. "
+                f"{_scalar(first)!r}); they count in the global test set only, not in any client's own test data",
+                UserWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ construction checks
     def _set_loader_options(
@@ -626,7 +741,9 @@ class DatasetDataModule(FederatedDataModule):
                 )
             n = len(train)
             n_val = int(math.ceil(self.val_fraction * n - 1e-9))
-            if self._num_clients > n - n_val:
+            if self._client_sources is not None:
+                self._natural_clients()
+            elif self._num_clients > n - n_val:
                 raise ValueError(
                     f"num_clients={self._num_clients} exceeds the {n - n_val} training samples left for the clients "
                     f"({n} in train, {n_val} held out for validation by val_fraction={self.val_fraction}); lower "
@@ -945,6 +1062,56 @@ class _NotALabel(ValueError):
     pass
 
 
+def _key_position(sample: Any, key: str | int, name: str) -> str | int:
+    """``key`` checked against ``name`` sample 0: a key of a dict sample, or a position of a tuple sample."""
+    if isinstance(sample, Mapping):
+        if key not in sample:
+            raise ValueError(f"client_key={key!r} is not a key of {name} sample 0 (keys {list(sample)})")
+        return key
+    if isinstance(sample, (tuple, list)):
+        n = len(sample)
+        if isinstance(key, bool) or not isinstance(key, int) or not -n <= key < n:
+            raise ValueError(
+                f"client_key={key!r} is not a position of {name} sample 0 ({_describe(sample)}); pass an integer "
+                f"position from 0 to {n - 1}"
+            )
+        return key % n
+    raise ValueError(
+        f"client_key={key!r} names a key or position, but {name} sample 0 is {_describe(sample)}; pass "
+        f"client_ids=[one client id per {name} sample] instead"
+    )
+
+
+def _client_id_array(values: Any, what: str, name: str = "train") -> np.ndarray:
+    """Client ids as a 1-D numpy array of scalars (rules: :class:`DatasetDataModule`, "Natural clients"); a value
+    that is not one is a ValueError naming ``what`` and the sample."""
+    if isinstance(values, Tensor):
+        values = values.detach().cpu().numpy()
+    if isinstance(values, np.ndarray) and values.ndim != 1:
+        raise ValueError(f"{what} must be one id per sample (1-D), got shape {values.shape}")
+    out: list[Any] = []
+    for i, v in enumerate(values.tolist() if isinstance(values, np.ndarray) else values):
+        if isinstance(v, (Tensor, np.ndarray)):
+            if v.ndim != 0:
+                raise ValueError(f"{what}: {name} sample {i}'s client id is {_describe(v)}, not a scalar")
+            v = v.item()
+        if isinstance(v, np.generic):
+            v = v.item()
+        if isinstance(v, float):
+            if not _is_whole(v):
+                raise ValueError(
+                    f"{what}: {name} sample {i}'s client id is {v!r}, not an integer, string or whole float"
+                )
+            v = int(v)
+        if not isinstance(v, (int, str, bool)):
+            raise ValueError(f"{what}: {name} sample {i}'s client id is {_describe(v)}, not a scalar (int or str)")
+        out.append(v)
+    kinds = {type(v) is str for v in out}
+    if len(kinds) > 1:
+        raise ValueError(f"{what} mixes strings and numbers; give every {name} sample an id of one kind")
+    return np.asarray(out) if out else np.empty(0, dtype=np.int64)
+
+
 def _label_feature(dataset: Any, reader: _Reader) -> Any:
     """The Hugging Face ``ClassLabel`` feature of the label column of ``dataset``, or None."""
     if not _is_hf(dataset) or reader.kind != "dict":
@@ -1257,7 +1424,8 @@ class WrappedDataModule(DatasetDataModule):
     ``test_dataloader()`` data sets validate and test. Arguments left at None take the loader's value
     (``batch_size``, ``drop_last``, ``num_workers``) or :class:`DatasetDataModule`'s rule (``val_fraction``: 0 with
     the module's own validation set, else 0.1); the others are :class:`DatasetDataModule`'s and override the
-    loader's. ``num_workers: 0`` also drops the loader's ``persistent_workers`` and ``prefetch_factor`` (they need
+    loader's (``client_key: writer_id`` makes each distinct value of that key of the samples a client, in place of
+    ``partition``). ``num_workers: 0`` also drops the loader's ``persistent_workers`` and ``prefetch_factor`` (they need
     worker processes). The wrapped module stays available as :attr:`datamodule`.
     """
 
@@ -1276,6 +1444,7 @@ class WrappedDataModule(DatasetDataModule):
         num_classes: int | None = None,
         check_labels: bool = True,
         label_key: str | int | None = None,
+        client_key: str | int | None = None,
         in_memory: bool | str = "auto",
         max_in_memory_bytes: int = DEFAULT_MAX_IN_MEMORY_BYTES,
         rounds_per_epoch: int = 1000,
@@ -1291,6 +1460,7 @@ class WrappedDataModule(DatasetDataModule):
             num_classes=num_classes,
             check_labels=check_labels,
             label_key=label_key,
+            client_key=client_key,
             in_memory=in_memory,
             max_in_memory_bytes=max_in_memory_bytes,
             rounds_per_epoch=rounds_per_epoch,
