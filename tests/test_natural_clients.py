@@ -169,12 +169,17 @@ def test_natural_clients_from_a_lightning_data_module():
             r"client_key='author' is not a key of train sample 0 \(keys \['x', 'y', 'writer'\]\)",
         ),
         (dict(client_key=1.5), r"client_key must be a dict key"),
-        (dict(client_ids=[0, 1]), r"client_ids holds 2 ids for the 30 train samples"),
+        (dict(client_ids=[0, 1], test_client_ids=[0] * 10), r"client_ids holds 2 ids for the 30 train samples"),
         (dict(test_client_ids=[0] * 10), r"test_client_ids gives the test samples' clients"),
-        (dict(client_ids=[0.0] * 29 + [1.5]), r"client_ids: train sample 29's client id is 1.5, not an integer"),
-        (dict(client_ids=[0] * 29 + [float("nan")]), r"train sample 29's client id is nan"),
-        (dict(client_ids=[[0, 1]] * 30), r"train sample 0's client id is .*not a scalar"),
-        (dict(client_ids=[0] * 29 + ["a"]), r"client_ids mixes strings and numbers"),
+        (dict(client_ids=[0] * 30), r"client_ids gives the training samples' clients, but the test set's samples"),
+        (
+            dict(client_ids=[0.0] * 29 + [1.5], test_client_ids=[0] * 10),
+            r"client_ids: train sample 29's client id is 1.5, not an integer",
+        ),
+        (dict(client_ids=[0] * 29 + [float("nan")], test_client_ids=[0] * 10), r"train sample 29's client id is nan"),
+        (dict(client_ids=[[0, 1]] * 30, test_client_ids=[0] * 10), r"train sample 0's client id is .*not a scalar"),
+        (dict(client_ids=[0] * 29 + ["a"], test_client_ids=[0] * 10), r"client_ids mixes numbers and strings"),
+        (dict(client_ids=[1] * 29 + [True], test_client_ids=[0] * 10), r"client_ids mixes bools and numbers"),
         (dict(client_key="writer", test_client_ids=[0] * 3), r"test_client_ids holds 3 ids for the 10 test samples"),
     ],
 )
@@ -192,6 +197,43 @@ def test_a_client_key_that_is_not_a_scalar_is_refused_at_setup_naming_the_sample
     dm = DatasetDataModule(Vectors(20), client_key="writer", batch_size=4)
     with pytest.raises(ValueError, match=r"client_key='writer' of train: train sample 7's client id is .*not a scalar"):
         dm.setup("fit")
+
+
+def test_a_client_key_missing_from_a_later_sample_is_refused_at_setup_naming_the_sample():
+    class Missing(Writers):
+        def __getitem__(self, i):
+            sample = super().__getitem__(i)
+            if i == 5:
+                return {"x": sample["x"], "y": sample["y"]} if self.kind == "dict" else sample[:2]
+            return sample
+
+    for key, kind in (("writer", "dict"), (2, "tuple")):
+        dm = DatasetDataModule(Missing(20, kind=kind), client_key=key, batch_size=4)
+        with pytest.raises(
+            ValueError, match=rf"client_key={key!r}: train sample 5 has no {key!r} .*(KeyError|IndexError)"
+        ):
+            dm.setup("fit")
+
+
+def test_a_validation_fraction_near_one_leaves_every_user_a_training_sample():
+    """floor(val_fraction * n) < n for val_fraction < 1: the float tolerance of the rounding must not take a user's
+    last sample."""
+    dm = DatasetDataModule(Writers(40), client_key="writer", val_fraction=0.9999999999, seed=1)
+    dm.setup("fit")
+    groups = _by_hand(Writers(40))
+    for c, name in enumerate(dm.client_names):
+        n = len(groups[name])
+        assert len(dm.client_val_indices[c]) == math.floor(0.9999999999 * n) == n - 1
+        assert dm.client_num_samples(c) == 1
+
+
+def test_too_many_clients_per_round_names_the_natural_split():
+    dm = DatasetDataModule(Writers(40), client_key="writer", val_fraction=0)
+    dm.setup("fit")
+    with pytest.raises(
+        ValueError, match=r"clients_per_round=5 exceeds .* \(4 of 4\); lower clients_per_round \(the clients are"
+    ):
+        dm.configure_rounds(5, 2, 0)
 
 
 def test_test_samples_of_an_unknown_client_are_counted_in_a_warning():

@@ -635,8 +635,8 @@ class FederatedDataModule(pl.LightningDataModule):
         splits). Default: ``floor(val_fraction · n)`` positions drawn uniformly without replacement from ``rng``
         (none, and no draw, when that is 0). Override for data whose samples are not exchangeable (Shakespeare's
         overlapping windows use :func:`chronological_holdout`)."""
-        k = int(math.floor(self.val_fraction * n + _EPS))
-        if k == 0:
+        k = min(int(math.floor(self.val_fraction * n + _EPS)), n - 1)  # val_fraction < 1 leaves one sample
+        if k <= 0:
             return np.arange(n, dtype=np.int64), np.empty(0, dtype=np.int64)
         val = np.sort(rng.choice(n, size=k, replace=False)).astype(np.int64)
         return np.setdiff1d(np.arange(n, dtype=np.int64), val, assume_unique=True), val
@@ -1087,9 +1087,14 @@ class FederatedDataModule(pl.LightningDataModule):
         eligible = len(self._eligible)
         clients_per_round = integer("clients_per_round", clients_per_round)
         if clients_per_round > eligible:
+            fix = (
+                " (the clients are the data's own users, a natural split, which num_clients does not change)"
+                if self.natural_clients() is not None
+                else " or use more clients"
+            )
             raise ValueError(
                 f"clients_per_round={clients_per_round} exceeds the number of clients with data ({eligible} of "
-                f"{self.num_clients}); lower clients_per_round or use more clients"
+                f"{self.num_clients}); lower clients_per_round{fix}"
             )
         self.clients_per_round = int(clients_per_round)
         self.local_epochs = None if local_epochs is None else float(local_epochs)

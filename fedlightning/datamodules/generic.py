@@ -489,6 +489,12 @@ class DatasetDataModule(FederatedDataModule):
                     "client_ids= (or client_key=) for the training set too"
                 )
             return None
+        if client_key is None and test is not None and test_client_ids is None:
+            raise ValueError(
+                "client_ids gives the training samples' clients, but the test set's samples have none: pass "
+                "test_client_ids=[one client id per test sample] (each client's own test data, what ClientEvaluation "
+                "evaluates it on)"
+            )
         if partition is not None:
             given = "client_key=" + repr(client_key) if client_key is not None else "client_ids="
             raise ValueError(
@@ -527,7 +533,16 @@ class DatasetDataModule(FederatedDataModule):
         if isinstance(source, str) and _hf_label_column(dataset, _Reader("dict", source)):  # a column, no transform
             values = list(dataset.with_format(None, columns=[source])[source])
         else:
-            values = [dataset[i][source] for i in range(len(dataset))]
+            values = []
+            for i in range(len(dataset)):
+                sample = dataset[i]
+                try:
+                    values.append(sample[source])
+                except (KeyError, IndexError, TypeError) as err:
+                    raise ValueError(
+                        f"client_key={source!r}: {name} sample {i} has no {source!r} ({_describe(sample)}: "
+                        f"{type(err).__name__}: {err}); every sample needs its client id there"
+                    ) from None
         return _client_id_array(values, f"client_key={source!r} of {name}", name)
 
     def _natural_clients(self) -> None:
@@ -1106,9 +1121,10 @@ def _client_id_array(values: Any, what: str, name: str = "train") -> np.ndarray:
         if not isinstance(v, (int, str, bool)):
             raise ValueError(f"{what}: {name} sample {i}'s client id is {_describe(v)}, not a scalar (int or str)")
         out.append(v)
-    kinds = {type(v) is str for v in out}
-    if len(kinds) > 1:
-        raise ValueError(f"{what} mixes strings and numbers; give every {name} sample an id of one kind")
+    kinds = {str if isinstance(v, str) else bool if isinstance(v, bool) else int for v in out}
+    if len(kinds) > 1:  # numpy would turn them into one kind: 1 and "1", True and 1, one client
+        named = " and ".join(sorted({str: "strings", bool: "bools", int: "numbers"}[k] for k in kinds))
+        raise ValueError(f"{what} mixes {named}; give every {name} sample an id of one kind")
     return np.asarray(out) if out else np.empty(0, dtype=np.int64)
 
 
