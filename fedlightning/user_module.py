@@ -338,7 +338,8 @@ class ModuleOptimizer:
         n rounds), the next round's end finds it still waiting: ``strict`` (the default) stops the run naming the
         monitor, ``strict: False`` skips the step, as Lightning skips a monitor it does not find."""
         self._expire_waiting()
-        self.trained = (int(round), self._hyperparameters())
+        if self.schedulers:  # without schedulers the template's hyper-parameters are every round's
+            self.trained = (int(round), self._hyperparameters())
         stepped = False
         for index, cfg in enumerate(self.schedulers):
             if (round + 1) % max(int(cfg.frequency), 1):
