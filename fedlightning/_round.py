@@ -528,32 +528,37 @@ def share_round_state(
     client_state: Any,
     router: Any,
     sigterm: bool = False,
-) -> tuple[list[tuple], bool]:
+    client_lr: tuple | None = None,
+) -> tuple[list[tuple], bool, tuple | None]:
     """Per-client scalars of the round's healthy clients, from every process, in sampling order; and, with
     several processes, the client-state entries written this round are exchanged so every process holds the
     whole ClientStateStore. Second: whether any process received SIGTERM (``sigterm``: this one's mark), the same
-    answer on every process."""
+    answer on every process. Third: ``(round, lr)`` of the last client optimizer built (``client_lr``: this
+    process's), the first process's that built one this round, so that a process that trained no client of the
+    round (fewer clients than processes) logs ``client/lr`` too, with the same value (a callback monitoring it runs
+    the same collectives on every process)."""
     pos = {cid: i for i, cid in enumerate(plan.client_ids)}
     mine = [(pos.get(u.client_id, -1), u.client_id, u.first_loss, u.mean_loss) for u in healthy]
     if not _distributed(trainer):
         client_state.pop_dirty()
-        return mine, sigterm
+        return mine, sigterm, client_lr
     dirty = client_state.pop_dirty()
     dirty_cpu = {
         k: {n: (v.detach().cpu() if isinstance(v, Tensor) else v) for n, v in d.items()} for k, d in dirty.items()
     }
     everything = all_gather_objects(
-        (mine, dirty_cpu, dict(router.metric_paths), bool(sigterm)),
+        (mine, dirty_cpu, dict(router.metric_paths), bool(sigterm), client_lr),
         round=plan.round,
         what="client summaries and client state of the round",
     )
     summaries: list[tuple] = []
-    for rank, (theirs, entries, metric_paths, _) in enumerate(everything):
+    for rank, (theirs, entries, metric_paths, _, _) in enumerate(everything):
         summaries.extend(theirs)
         if rank != trainer.global_rank:
             client_state.update_from(entries)
             router.adopt_metrics(metric_paths)  # every process computes (a collective) the same metrics
-    return sorted(summaries), any(stop for *_, stop in everything)
+    lrs = [lr for *_, lr in everything if lr is not None and lr[0] == plan.round]
+    return sorted(summaries), any(stop for *_, stop, _ in everything), lrs[0] if lrs else None
 
 
 def align_metric_list_states(router: Any, trainer: Any, round: int) -> None:

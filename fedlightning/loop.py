@@ -1265,19 +1265,20 @@ class FederatedLoop(pl.LightningModule):
     def _step_server(self, plan: RoundPlan, stats: RoundStatistics, tally: RoundTally) -> RoundResult:
         """The server step on the reduced statistics (:func:`~fedlightning._round.server_step`), and the round's
         :class:`~fedlightning.state.RoundResult` (its metrics, and every process's healthy clients' losses)."""
-        summaries, sigterm = share_round_state(
+        summaries, sigterm, client_lr = share_round_state(
             plan,
             tally.healthy,
             self.trainer,
             self.client_state,
             self._worker_trainer().router,
             self._runtime.sigterm_received,
+            self._runtime.client_lr,
         )
         if sigterm:  # a process received SIGTERM: all of them stop at the end of this round
             self._runtime.sigterm_round = plan.round
             note_sigterm(self.trainer)
         metrics, pseudo_gradient = server_step(
-            self, self.strategy, self.optimizers(), self._global_params(), stats, plan, self._runtime.client_lr
+            self, self.strategy, self.optimizers(), self._global_params(), stats, plan, client_lr
         )
         n_failed = int(stats["failed"].item())
         self.failed_clients_total += n_failed

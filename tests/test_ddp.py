@@ -86,6 +86,11 @@ def test_two_processes_equal_one(one_and_two, setup):
         assert len(one["round_metrics"]) == 3
         for a, b in zip(two["round_metrics"], one["round_metrics"]):
             assert 0 < a["client/auroc"] == pytest.approx(b["client/auroc"], rel=rtol32(1))
+            assert a["client/lr"] == b["client/lr"]
+        # the process that trains no client logs the same names (client/lr included): a callback monitoring one
+        # runs the same collectives on both
+        rank0, rank1 = two["round_metric_names"]
+        assert rank0 == rank1 and all("client/lr" in names for names in rank1)
     if setup == "feddane_faulty":  # NaN full gradients left out of g_t by whichever process computed them
         used = [r["feddane/gradient_clients"] for r in one["round_metrics"]]
         assert [r["feddane/gradient_clients"] for r in two["round_metrics"]] == used and min(used) < 5

@@ -292,6 +292,12 @@ def fit(args, setup: str):
             "validate": evaluator.validate(loop, datamodule=dm, verbose=False),
             "test": evaluator.test(loop, datamodule=dm, verbose=False),
         }
+    keys = [sorted(r) for r in recorder.rounds]  # every process's round metric names
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        every_rank_keys = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every_rank_keys, keys)
+    else:
+        every_rank_keys = [keys]
     if trainer.global_rank != 0:
         return None
     store = loop.client_state.state_dict()
@@ -303,6 +309,7 @@ def fit(args, setup: str):
         "steps": trainer.global_step,
         "stopped_by_sigterm": stopped,
         "round_metrics": recorder.rounds,
+        "round_metric_names": every_rank_keys,
     }
 
 
