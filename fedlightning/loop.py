@@ -959,7 +959,7 @@ class FederatedLoop(pl.LightningModule):
         gparams, gbuffers = self._round_tensors(plan.round)
         # what the client logs is its own (left out with it when the round leaves it out, _leave_out_logs)
         self._runtime.metrics_before = (client_id, worker.metrics.save()) if worker.metrics else None
-        with self._client_optimizer_view(opt), worker.router.owned_by(client_id):
+        with self.client_optimizer_view(opt), worker.router.owned_by(client_id):
             update = worker.run(
                 client_id=client_id,
                 round=plan.round,
@@ -979,8 +979,9 @@ class FederatedLoop(pl.LightningModule):
         return update
 
     @contextmanager
-    def _client_optimizer_view(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """While one client trains sequentially, ``trainer.optimizers`` is ``[optimizer]`` (the client's own) and
+    def client_optimizer_view(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """While one client trains sequentially (also in a callback's local training on the client working copy,
+        e.g. ``ClientEvaluation``'s adaptation), ``trainer.optimizers`` is ``[optimizer]`` (the client's own) and
         ``trainer.lr_scheduler_configs`` the client schedulers of the module's ``configure_optimizers()`` (their
         ``scheduler.optimizer`` is the round's template, whose learning rate the client's is built from; ``[]`` with
         ``client_optimizer``); both are the server's again afterwards, also when the client raises, so callbacks

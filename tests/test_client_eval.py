@@ -451,6 +451,26 @@ def test_adaptation_trains_with_the_learning_rate_of_the_evaluated_round_at_its_
         _close64(b.values["test/loss"][j], loss)
 
 
+def test_the_adapting_clients_training_step_sees_its_own_optimizer_as_in_training():
+    """self.trainer.optimizers inside training_step is the training client's optimizer (docs/your_model.md); the
+    adaptation is client training too: its optimizer, at the evaluated round's learning rate, not the server's."""
+    seen = []
+
+    class Recording(_Scheduled):
+        def training_step(self, batch, batch_idx):
+            (opt,) = self.trainer.optimizers
+            seen.append((self.trainer.state.stage, opt.param_groups[0]["lr"], len(self.trainer.lr_scheduler_configs)))
+            return super().training_step(batch, batch_idx)
+
+    evaluation = ClientEvaluation(every_n_rounds=2, local_steps=2, clients=1, vectorize=False)
+    dm = Digits64(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=1)
+    loop = FederatedLoop(Recording(), local_steps=2, clients_per_round=2, seed=2)
+    make_trainer(2, callbacks=[evaluation]).fit(loop, datamodule=dm)
+    # round 0: 2 clients x 2 steps at 0.4; round 1: 2 x 2 at 0.2; then the adaptation of the model after round 1
+    assert [lr for _, lr, _ in seen] == pytest.approx([0.4] * 4 + [0.2] * 4 + [0.2] * 2)
+    assert {n for *_, n in seen} == {1}  # the module's StepLR, as in training
+
+
 def test_a_module_without_the_evaluated_step_is_refused_before_round_0():
     """Lightning's default test_step / validation_step log nothing: an evaluation through them would log only
     num_clients, so it is refused at fit start naming the method."""

@@ -680,7 +680,8 @@ class ClientEvaluation(FederatedCallback):
         saved = [(m, metric_state(m)) for m in _metrics_of(work)]
         try:
             work.train()
-            with routed_logging(work, discard, discard):  # not the round's client/* values
+            # not the round's client/* values; self.trainer.optimizers is the adapting client's, as in training
+            with routed_logging(work, discard, discard), pl_module.client_optimizer_view(opt):
                 worker.run(
                     client_id=client_id,
                     round=round_index,
