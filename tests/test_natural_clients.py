@@ -178,8 +178,14 @@ def test_natural_clients_from_a_lightning_data_module():
         ),
         (dict(client_ids=[0] * 29 + [float("nan")], test_client_ids=[0] * 10), r"train sample 29's client id is nan"),
         (dict(client_ids=[[0, 1]] * 30, test_client_ids=[0] * 10), r"train sample 0's client id is .*not a scalar"),
-        (dict(client_ids=[0] * 29 + ["a"], test_client_ids=[0] * 10), r"client_ids mixes numbers and strings"),
-        (dict(client_ids=[1] * 29 + [True], test_client_ids=[0] * 10), r"client_ids mixes bools and numbers"),
+        (
+            dict(client_ids=[0] * 29 + ["a"], test_client_ids=[0] * 10),
+            r"client_ids mixes numbers and strings \(train sample 0.s id is 0, train sample 29.s .a.\)",
+        ),
+        (
+            dict(client_ids=[1] * 29 + [True], test_client_ids=[0] * 10),
+            r"client_ids mixes bools and numbers \(train sample 0.s id is 1, train sample 29.s True\)",
+        ),
         (dict(client_key="writer", test_client_ids=[0] * 3), r"test_client_ids holds 3 ids for the 10 test samples"),
     ],
 )

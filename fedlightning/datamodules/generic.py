@@ -1121,10 +1121,14 @@ def _client_id_array(values: Any, what: str, name: str = "train") -> np.ndarray:
         if not isinstance(v, (int, str, bool)):
             raise ValueError(f"{what}: {name} sample {i}'s client id is {_describe(v)}, not a scalar (int or str)")
         out.append(v)
-    kinds = {str if isinstance(v, str) else bool if isinstance(v, bool) else int for v in out}
-    if len(kinds) > 1:  # numpy would turn them into one kind: 1 and "1", True and 1, one client
-        named = " and ".join(sorted({str: "strings", bool: "bools", int: "numbers"}[k] for k in kinds))
-        raise ValueError(f"{what} mixes {named}; give every {name} sample an id of one kind")
+    kinds = [str if isinstance(v, str) else bool if isinstance(v, bool) else int for v in out]
+    if len(set(kinds)) > 1:  # numpy would turn them into one kind: 1 and "1", True and 1, one client
+        named = " and ".join(sorted({str: "strings", bool: "bools", int: "numbers"}[k] for k in set(kinds)))
+        i = next(i for i, k in enumerate(kinds) if k is not kinds[0])
+        raise ValueError(
+            f"{what} mixes {named} ({name} sample 0's id is {out[0]!r}, {name} sample {i}'s {out[i]!r}); give every "
+            f"{name} sample an id of one kind"
+        )
     return np.asarray(out) if out else np.empty(0, dtype=np.int64)
 
 
