@@ -370,7 +370,7 @@ def averaged_buffer_slices(buffers: Sequence[Tensor]) -> list[tuple[int, slice]]
     :func:`buffer_values` of ``buffers[i]`` at ``ClientUpdate.buffers[s]``, one after the other in that order."""
     out, offset = [], 0
     for i, b in enumerate(buffers):
-        size = b.numel() * (2 if b.is_complex() else 1)
+        size = real_parts(b).numel()  # a complex buffer: its real and imaginary parts
         out.append((i, slice(offset, offset + size)))
         offset += size
     return out
@@ -400,7 +400,8 @@ def write_averaged_buffer(buffer: Tensor, average: Tensor) -> None:
     takes the weighted majority (ties: True). A complex buffer takes the average of its real and imaginary parts
     (:func:`buffer_values`)."""
     if buffer.is_complex():
-        buffer.copy_(torch.view_as_complex(average.reshape(*buffer.shape, 2).to(buffer.real.dtype).contiguous()))
+        parts = real_parts(buffer)  # a view: writing it writes the buffer
+        parts.copy_(average.view_as(parts))
         return
     average = average.view_as(buffer)
     if buffer.is_floating_point():
