@@ -56,6 +56,16 @@ CASES = {
     "bce": lambda x, y, t: F.binary_cross_entropy(torch.sigmoid(x), (t > 0).double(), weight=W.view(1, C, 1)),
     "bce-logits": lambda x, y, t: F.binary_cross_entropy_with_logits(x, (t > 0).double(), pos_weight=W.view(C, 1)),
     "bce-logits-module": lambda x, y, t: nn.BCEWithLogitsLoss(weight=W.view(C, 1))(x, torch.sigmoid(t)),
+    # flattened batches ([N·T, ...], sample-major, as reshape gives): a language model's token loss
+    "ce-flat-ignore": lambda x, y, t: F.cross_entropy(x.transpose(1, 2).reshape(-1, C), y.reshape(-1), ignore_index=3),
+    "ce-flat-weight-smooth": lambda x, y, t: F.cross_entropy(
+        x.transpose(1, 2).reshape(-1, C), y.reshape(-1), weight=W, ignore_index=3, label_smoothing=0.2
+    ),
+    "nll-flat": lambda x, y, t: F.nll_loss(F.log_softmax(x.transpose(1, 2).reshape(-1, C), 1), y.reshape(-1)),
+    "mse-flat": lambda x, y, t: F.mse_loss(x.reshape(-1), t.reshape(-1)),
+    "bce-logits-flat": lambda x, y, t: F.binary_cross_entropy_with_logits(
+        x.reshape(-1, 3), (t > 0).reshape(-1, 3).double()
+    ),
 }
 
 
@@ -82,7 +92,16 @@ def test_intercepted_loss_is_torchs_loss_on_the_real_samples(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["ce-module-weight-ignore", "ce-probabilities", "mse", "bce-logits", "ce-weight-smooth"]
+    "name",
+    [
+        "ce-module-weight-ignore",
+        "ce-probabilities",
+        "mse",
+        "bce-logits",
+        "ce-weight-smooth",
+        "ce-flat-ignore",
+        "mse-flat",
+    ],
 )
 def test_intercepted_loss_under_vmap_rows_with_different_masks(name):
     """Rows of one batched call hold 4, 7 and 1 real samples; row r's loss is torch's on its own real samples."""
@@ -698,22 +717,30 @@ def test_a_logged_batch_size_is_not_taken_for_a_constant_on_padded_steps():
 
 class TokenLM(pl.LightningModule):
     """A sequence model whose loss is the token-weighted mean of ``F.cross_entropy`` over flattened ``[B·T, V]``
-    logits (the per-sample path's form; ``ignore_index=-100`` by default)."""
+    logits (``ignore_index=-100`` by default), as language models write it; ``by_hand``: the same mean written out,
+    ``Σ mask · ce / Σ mask``, which loss interception does not recognise (the per-sample path's form)."""
 
-    def __init__(self):
+    def __init__(self, by_hand=False):
         super().__init__()
         torch.manual_seed(0)
         self.emb, self.hidden, self.out = nn.Embedding(7, 5), nn.Linear(5, 5), nn.Linear(5, 7)
+        self.by_hand = by_hand
 
     def training_step(self, batch, batch_idx):
         tokens, targets, _ = batch
         logits = self.out(torch.tanh(self.hidden(self.emb(tokens))))
-        return F.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1))
+        if not self.by_hand:
+            return F.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1))
+        kept = (targets != -100).to(logits.dtype)
+        ce = F.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none")
+        return (ce * kept).sum() / kept.sum()
 
 
-def _token_run(mode, short):
+def _token_run(mode, short, by_hand=False, tail=False):
     """``short``: 4 of 120 sequences end after 2 targets (the rest ignored, -100), so the loss is a mean over
-    tokens that a mean over samples is not; on this data a round's first padded step holds none of them."""
+    tokens that a mean over samples is not; on this data a round's first padded step holds none of them. ``tail``:
+    every sequence's last target is ignored too, so the steps checked first hold -100 already (with one count of
+    ignored targets per sequence)."""
     from conftest import make_trainer
     from fedlightning import FederatedLoop
     from fedlightning.callbacks import FedAvg
@@ -723,6 +750,8 @@ def _token_run(mode, short):
     tokens = torch.randint(1, 7, (120, 6), generator=g)
     targets = tokens.roll(-1, 1).clone()
     rare = torch.randperm(120, generator=g)[:4]
+    if tail:
+        targets[:, 5:] = -100
     if short:
         targets[rare, 2:] = -100
     labels = torch.randint(0, 3, (120,), generator=g)
@@ -735,26 +764,41 @@ def _token_run(mode, short):
         seed=0,
         val_fraction=0,
     )
-    model = TokenLM().double()
+    model = TokenLM(by_hand).double()
     sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
     loop = FederatedLoop(model, client_optimizer=sgd, local_steps=4, clients_per_round=4, seed=3, client_execution=mode)
     make_trainer(2, callbacks=[FedAvg()]).fit(loop, datamodule=dm)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), loop
 
 
-def test_ignored_targets_that_appear_after_the_checked_step_are_refused_where_they_appear():
-    """The per-sample path checks again each step whose integer leaves hold a value no checked step held (here the
-    first -100): a token-weighted loss is refused there, where vectorized training averaged per-sample means in
-    silence (1.8e-03 off after 2 rounds); ``auto`` trains it sequentially. Without ignored targets the path trains
-    as sequential training."""
+@pytest.mark.numerics
+def test_a_flattened_token_loss_takes_loss_interception_and_equals_sequential():
+    """``F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))`` with ignored targets in a few sequences: loss
+    interception reads the flattened ``[B·T, V]`` batch per sample, so padded steps average over each client's real
+    tokens as sequential training does (float64), without the per-sample path."""
+    seq, _ = _token_run("sequential", short=True)
+    vec, loop = _token_run("vectorized", short=True)
+    call = loop.vectorized_engine.call
+    assert call.intercept is True and "per-sample" not in call.probed
+    torch.testing.assert_close(vec, seq, rtol=RTOL64, atol=1e-12)
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_a_token_weighted_mean_on_the_per_sample_path_is_refused_on_the_step_where_counts_differ(tail):
+    """The per-sample path checks every step's rows: the loss of each row's padded batch against the mean of its
+    cells. A token-weighted mean written by hand is refused on the first step whose sequences hold different
+    numbers of ignored targets, also when the steps checked before held ignored targets already (``tail``: one in
+    every sequence; vectorized training then averaged per-sample means in silence, 1.6e-03 off after 2 rounds);
+    ``auto`` trains it sequentially. With one count of ignored targets in every sequence the per-sample mean is the
+    token mean, and the path trains as sequential training does."""
     from fedlightning.vectorized import VectorizationUnsupportedError
 
     with pytest.raises(VectorizationUnsupportedError, match="not a mean over samples"):
-        _token_run("vectorized", short=True)
-    seq, _ = _token_run("sequential", short=True)
-    auto, loop = _token_run("auto", short=True)
+        _token_run("vectorized", short=True, by_hand=True, tail=tail)
+    seq, _ = _token_run("sequential", short=True, by_hand=True, tail=tail)
+    auto, loop = _token_run("auto", short=True, by_hand=True, tail=tail)
     assert torch.equal(auto, seq)
-    full_seq, _ = _token_run("sequential", short=False)
-    full_vec, loop = _token_run("vectorized", short=False)
-    assert loop.client_execution_choice == "vectorized"
+    full_seq, _ = _token_run("sequential", short=False, by_hand=True, tail=tail)
+    full_vec, loop = _token_run("vectorized", short=False, by_hand=True, tail=tail)
+    assert loop.client_execution_choice == "vectorized" and "per-sample" in loop.vectorized_engine.call.probed
     torch.testing.assert_close(full_vec, full_seq, rtol=RTOL64, atol=1e-12)

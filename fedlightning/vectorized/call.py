@@ -62,6 +62,7 @@ from .torch_internals import (
     _embedding_forward,
     _EmbeddingLookups,
     _linear_forward,
+    _offer_linear_rows,
     _parameter_slots,
     _plain_linears,
     _rnn_forward,
@@ -364,6 +365,12 @@ def _tolerance(dtype: torch.dtype, tf32: bool = False) -> tuple[float, float]:
     if tf32:
         return 1e-2, 1e-3
     return 1e-4, 1e-6
+
+
+def _no_rows(x: Tensor, W: Tensor, b: Tensor | None) -> None:
+    """Leaves every batched linear layer to its product (:func:`_offer_linear_rows`): a check inside a line search's
+    gradient evaluation records nothing for its trial rows."""
+    return None
 
 
 def _close(a: float, b: float, rtol: float, atol: float) -> bool:
@@ -988,6 +995,60 @@ class _ModelCall:
                     "training_step must be a mean over samples (or not depend on the batch), not a batch size or a "
                     "sum, to be logged per client from padded steps"
                 )
+        return None
+
+    def _check_padded_means(
+        self, path: Any, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor], min_count: int
+    ) -> str | None:
+        """None if, on every row with two real samples or more, ``training_step``'s loss on the row's whole padded
+        batch equals the mean of the per-sample path's cells of that batch (``path``, a
+        :class:`~fedlightning.vectorized.rows._SampleRows` whose call has just computed them), and so does every value
+        it logs; else the first difference. The padding repeats the row's own samples, so for a mean over samples both
+        are the same mean; a mean weighted per sample (tokens that are not ignored, class weights, an input) differs
+        as soon as the weights differ within a row, and with them the client's true loss and the per-sample path's.
+
+        Decisions (ours): the batch call runs without gradients or effects, in full precision, with the random state
+        put back (:meth:`_checking`) and no line-search recording; a model with random layers, or one under autocast,
+        gets its cells computed again the same way (in eval mode), others reuse the step's own (TF32's tolerance on
+        CUDA where the step's may come from TF32 kernels). Rows with one real sample hold one sample ``n_max`` times,
+        where any mean is that sample's."""
+        counts = mask.sum(1).tolist()
+        if max(counts) < 2:
+            return None
+        device = views[0].device
+        plain = [v.detach() for v in views]
+        reuse = self.deterministic and not torch.is_autocast_enabled(device.type)
+        try:
+            with self._vmap_context(), self._checking(device, eval_random=True), _offer_linear_rows(_no_rows):
+                if reuse:
+                    cells, cell_logged = path.last_cells
+                else:
+                    cells, cell_logged = path.cells(plain, batch, mask, step, stats, min_count)
+                whole, whole_logged = self.whole_rows._vmapped(plain, batch, None, step, False, stats, None, min_count)
+        finally:
+            self.collector.reset()
+        rows = [i for i, k in enumerate(counts) if k >= 2]
+        at = torch.tensor(rows, device=cells.device)
+        per_name = dict(whole_logged)
+        pairs = [("the loss", whole, cells)]
+        pairs += [(repr(name), per_name[name], v) for name, v in cell_logged if name in per_name]
+        n_max = mask.shape[1]
+        tf32 = reuse and _tf32(device)
+        for what, batch_values, cell_values in pairs:
+            got = batch_values.detach().reshape(-1)[at].double().tolist()
+            mean = cell_values.double().mean(1)[at].tolist()
+            dtype = torch.float64 if cell_values.dtype == torch.float64 else self.dtype
+            rtol, atol = _tolerance(dtype, tf32)
+            for i, a, b in zip(rows, got, mean):
+                if not _close(a, b, rtol, atol):
+                    return (
+                        f"{what} of training_step on client row {i}'s padded batch of {n_max} ({counts[i]} real "
+                        f"samples, the others repeated) is {a:.6g} while the mean over its samples alone is {b:.6g} "
+                        f"(local step {step}): the loss is not a mean over samples here (a mean over tokens or "
+                        "elements whose count differs between samples, e.g. ignore_index or a padding mask; class "
+                        "weights; a weight computed from the inputs), and the per-sample path would train a "
+                        "client on another objective than its own batch's"
+                    )
         return None
 
     def _check_metric_arguments(

@@ -185,10 +185,26 @@ def _gathered_without(rows: Tensor, base: Tensor, value: int) -> bool:
     return inside is not None and hit[2][0] <= inside[0] and inside[1] <= hit[2][1]
 
 
+def _flattened(rows: int, n: int, dim: int) -> bool:
+    """Whether a loss input whose first dimension is ``rows`` (``dim`` dimensions) is a flattened batch of ``n``
+    samples: ``[n·T, ...]`` with ``T ≥ 2``, as ``logits.reshape(-1, C)`` of ``[n, T, C]`` gives (ours: read as
+    ``n`` samples of ``T`` consecutive rows each; see :class:`LossInterception`)."""
+    return dim >= 1 and rows > n and rows % n == 0
+
+
+def _per_sample(a: Tensor, d: Tensor | None, n: int) -> tuple[Tensor, Tensor | None]:
+    """``a`` and ``d`` of a flattened batch (:func:`_flattened`) as ``[n, T, ...]``: sample ``j``'s rows together."""
+    return a.reshape(n, -1, *a.shape[1:]), None if d is None else d.reshape(n, -1, *d.shape[1:])
+
+
 def _class_loss(
     logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, smoothing: float, n: int
 ) -> tuple[Tensor, Tensor | None] | None:
-    """``(a, d)`` for cross-entropy / NLL on log-probabilities ``logp`` ([n, C, ...]); None if not recognised."""
+    """``(a, d)`` for cross-entropy / NLL on log-probabilities ``logp`` ([n, C, ...], or a flattened batch
+    ``[n·T, C]``: then ``[n, T]`` each); None if not recognised."""
+    if logp.dim() == 2 and _flattened(logp.shape[0], n, 2):
+        parts = _class_loss(logp, target, weight, ignore_index, smoothing, logp.shape[0])
+        return None if parts is None else _per_sample(*parts, n)
     if logp.dim() < 2 or logp.shape[0] != n:
         return None
     C = logp.shape[1]
@@ -286,6 +302,9 @@ def _elementwise(formula: Callable[..., Tensor], weighted: bool = False) -> Call
     ``pos_weight`` arguments are part of the formula (else a given ``weight`` is not recognised)."""
 
     def handler(n, input, target, weight=None, **options):
+        if input.dim() >= 1 and _flattened(input.shape[0], n, input.dim()):
+            parts = handler(input.shape[0], input, target, weight, **options)
+            return None if parts is None else _per_sample(*parts, n)
         if input.dim() < 1 or input.shape[0] != n or tuple(target.shape) != tuple(input.shape):
             return None
         if weight is not None and not weighted:
@@ -412,6 +431,12 @@ class LossInterception(TorchFunctionMode):
       class losses) with ``input.shape[0] == n``; elementwise losses need ``target.shape == input.shape`` (a
       broadcasting pair mixes samples) and ``weight`` / ``pos_weight`` that broadcast to ``input``'s shape; class
       targets of shape ``input.shape[:1] + input.shape[2:]`` or probability targets of ``input``'s shape.
+    * A flattened batch: ``input.shape[0] = n·T`` with ``T ≥ 2`` (2-D for the class losses: ``[n·T, C]`` logits and
+      ``[n·T]`` targets, the language-model form ``F.cross_entropy(logits.reshape(-1, C), labels.reshape(-1))``) is
+      read as ``n`` samples of ``T`` consecutive rows each, the order ``reshape`` of a ``[n, T, ...]`` tensor gives.
+      Another order (a time-major ``[T, n, ...]`` flattened) puts rows of different samples in one cell; the engine's
+      check of the path (a client's intercepted loss against ``training_step`` on its real samples alone, on the
+      first padded step and again every round) then differs, and the padded steps take the per-sample path.
     * ``F.mse_loss`` / ``F.l1_loss`` / ``F.huber_loss`` with their ``weight`` argument are not recognised (its mean
       normalisation is not a documented per-element formula); ``F.binary_cross_entropy`` under autocast is not
       recognised (torch refuses it there).

@@ -326,12 +326,18 @@ class _SampleRows(_TracedRows):
     one): the path for any model, and the only one that cannot restrict batch statistics (BatchNorm in training
     mode) to a client's real samples, so such layers are refused here. ``reason``: why padded steps take it.
 
-    Decision (ours): the check that the loss is a mean over samples (``_check_sample_mean``) runs on the path's first
-    call of each round, and again on any call whose batch's integer leaves (targets, token ids) hold a value that no
-    checked call's held, with a sample holding it first in the probe: a loss whose weights depend on the values (a
-    token-weighted mean whose ignored targets, ``-100``, appear only in later steps) is then refused on the step it
-    first differs, not trained as a mean of per-sample means. Each call pays a ``torch.unique`` of its integer
-    leaves."""
+    Decisions (ours): the check that the loss is a mean over samples (``_check_sample_mean``, on a probe of samples
+    from every client and on each client's two halves) runs on the path's first call of each round. Every call that
+    computes a step's cells (a local step's gradient evaluation, a full-gradient phase; not a line search's trial
+    calls, which evaluate the same batch at other weights) is also checked on its own rows
+    (:meth:`~fedlightning.vectorized.call._ModelCall._check_padded_means`): each row's ``training_step`` loss on its
+    whole padded batch must equal the mean of its cells (the padding repeats the row's own samples, so a mean over
+    samples gives the same value either way), and so must every logged value. A loss whose per-sample weights vary
+    within a client's batch (a token-weighted mean over sequences with different numbers of ignored targets, a mean
+    weighted by class or by an input) fails it on the first step where they vary, whatever the earlier steps held, so
+    it is refused there (``"auto"`` trains the rest sequentially), never trained as a mean of per-sample means. The
+    check costs one batched ``training_step`` call without gradients per such step (two for models with random
+    layers or under autocast, whose check computes the cells again in eval mode and full precision)."""
 
     name = "per-sample"
 
@@ -339,8 +345,8 @@ class _SampleRows(_TracedRows):
         super().__init__(call)
         self.reason = reason
         self.checked = False  # the loss is a mean over samples (_ModelCall._check_sample_mean), on the first call
-        #: integer leaf position -> the values its elements took in the steps checked so far (:meth:`values`)
-        self.checked_values: dict[int, set[int]] = {}
+        #: the last call's ``[R, n_max]`` cells and logged values (name, ``[R, n_max]``), detached (:meth:`_cells`)
+        self.last_cells: tuple[Tensor, list[tuple[str, Tensor]]] | None = None
 
     def values(
         self,
@@ -362,24 +368,28 @@ class _SampleRows(_TracedRows):
                 f"{type(self.call.model).__name__} ({self.reason}); return a standard mean loss "
                 "(e.g. F.cross_entropy) from training_step, or use client_execution='sequential' (or 'auto')"
             )
-        leaves = tree_flatten(batch)[0]
-        values = _integer_values(leaves, mask)
-        new = {j: v - self.checked_values.get(j, set()) for j, v in values.items()}
-        new = {j: v for j, v in new.items() if v}
-        if not self.checked or new:
-            include = _cells_holding(leaves, mask, new) if self.checked else []
+        how = f"one training_step per sample ({self.reason})"
+        if not self.checked:
             with self.call._vmap_context():
-                refusal = self.call._check_sample_mean(
-                    views, batch, mask, step, stats, halves=not self.checked, include=include
-                )
-                if refusal is None and not self.checked:
+                refusal = self.call._check_sample_mean(views, batch, mask, step, stats, halves=True)
+                if refusal is None:
                     self.call._check_metric_arguments(views, batch, mask, step, stats, alone=True)
             if refusal is not None:
-                raise _not_a_mean(self.call, f"one training_step per sample ({self.reason})", refusal)
+                raise _not_a_mean(self.call, how, refusal)
             self.checked = True
-            for j, v in values.items():
-                self.checked_values.setdefault(j, set()).update(v)
-        return super().values(views, batch, mask, step, want_cells, stats, effects, min_count)
+        out = super().values(views, batch, mask, step, want_cells, stats, effects, min_count)
+        if want_cells:
+            refusal = self.call._check_padded_means(self, views, batch, mask, step, stats, min_count)
+            if refusal is not None:
+                raise _not_a_mean(self.call, how, refusal)
+        return out
+
+    def cells(self, views, batch, mask, step, stats, min_count) -> tuple[Tensor, list[tuple[str, Tensor]]]:
+        """The ``[R, n_max]`` cells and logged values of a call without effects (no metric calls recorded, running
+        statistics unchanged), detached: the per-sample side of
+        :meth:`~fedlightning.vectorized.call._ModelCall._check_padded_means` where it computes them again."""
+        self._vmapped(views, batch, mask, step, True, stats, None, min_count)
+        return self.last_cells
 
     def _vmapped(
         self,
@@ -414,6 +424,7 @@ class _SampleRows(_TracedRows):
         # [R, n_max] values of every cell; padded cells (repeated samples) count zero. The masked sums run
         # outside vmap (the same ops on the same [R, n_max] tensors, without their batching rules)
         kept = list(zip(list(call.collector.names), [_logged_value(v, 2) for v in cells[1 : 1 + nl]]))
+        self.last_cells = (cells[0].detach(), kept)
         return _padded_result(cells[0], mask, [], kept, want_cells)
 
 
@@ -550,37 +561,6 @@ class _InterceptedRows:
         call._keep_effects(effects, out[1 + nl : 1 + nl + nm], out[1 + nl + nm :], mask)
         kept = [(name, _as_logged(v.detach())) for name, v in zip(names, out[1 : 1 + nl])]
         return _padded_result(out[0], mask, list(as_loss), kept, want_cells)
-
-
-#: The integer dtypes of label-like leaves (class targets, token ids) whose values :func:`_integer_values` tracks;
-#: 8-bit leaves (images as ``uint8``) are pixels, not labels (ours).
-_LABEL_DTYPES = (torch.int16, torch.int32, torch.int64)
-
-
-def _integer_values(leaves: list[Tensor], mask: Tensor) -> dict[int, set[int]]:
-    """For each label-like integer leaf of a padded batch (``[R, n_max, ...]`` of :data:`_LABEL_DTYPES`, by its
-    position in ``leaves``), the values its real samples' elements take (``mask``: ``[R, n_max]``)."""
-    out = {}
-    for j, x in enumerate(leaves):
-        if isinstance(x, Tensor) and x.dim() >= 2 and x.dtype in _LABEL_DTYPES:
-            out[j] = set(torch.unique(x.detach()[mask.to(x.device)]).tolist())
-    return out
-
-
-def _cells_holding(leaves: list[Tensor], mask: Tensor, values: dict[int, set[int]]) -> list[tuple[int, int]]:
-    """``(row, cell)`` of a real sample holding each of ``values`` (integer leaf position -> values), the first
-    found for each value, in value order."""
-    found: list[tuple[int, int]] = []
-    for j, wanted in values.items():
-        x = leaves[j].detach()
-        hits = x.reshape(x.shape[0], x.shape[1], -1)
-        for value in sorted(wanted):
-            where = torch.nonzero((hits == value).any(-1) & mask.to(x.device))
-            if len(where):
-                cell = (int(where[0, 0]), int(where[0, 1]))
-                if cell not in found:
-                    found.append(cell)
-    return found
 
 
 def _not_a_mean(call: Any, how: str, refusal: str) -> VectorizationUnsupportedError:
