@@ -456,13 +456,18 @@ class FederatedCLI(LightningCLI):
             newest = (key, ckpt)
             break
         if keyword == "last":
-            if newest is None:
+            if newest is None and resume:
                 rank_zero_warn(f"--ckpt_path last: no complete checkpoint found in {where}; starting from round 0")
                 return None
+            if newest is None:  # validate / test / predict would evaluate the untrained model
+                raise CheckpointError(
+                    f"last ({where})",
+                    "no complete checkpoint of this config's runs found, nothing to evaluate; pass a file",
+                )
             (round_, _, path), ckpt = newest
             rank_zero_info(
-                f"--ckpt_path last: resuming from {path} (round {round_}, the newest complete of "
-                f"{len(candidates)} checkpoint file(s) in {where})"
+                f"--ckpt_path last: {'resuming from' if resume else 'evaluating'} {path} (round {round_}, the newest "
+                f"complete of {len(candidates)} checkpoint file(s) in {where})"
             )
             self._checked = (path, ckpt)
             return path

@@ -21,6 +21,7 @@ import copy
 import operator
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -175,11 +176,20 @@ class _Runtime:
     metrics_before: tuple[int, list] | None = None
     #: the global model's trainable parameters at the fit's first round (:meth:`FederatedLoop._check_trainable`)
     trainable: list[torch.nn.Parameter] | None = None
+    #: a round of the current fit has trained (:meth:`FederatedLoop._begin_fit`)
+    fitted: bool = False
+    #: the server optimizer the loop's ``configure_optimizers`` built last, and the one a fit that continues the
+    #: Trainer's run takes the state of (:meth:`FederatedLoop._begin_fit`)
+    server_optimizer: torch.optim.Optimizer | None = None
+    continued_server_optimizer: torch.optim.Optimizer | None = None
 
 
 #: The user's step hook that ``Trainer.<stage>`` needs on the global model, as Lightning requires it of a plain
 #: module (``predict_step`` has a default there, the module's forward; fit's validation is Lightning's own choice).
 _EVALUATION_STEPS = {"validate": "validation_step", "test": "test_step"}
+#: each federated callback's ``state_dict`` when a fit at round 0 first met it, put back at its next such fit
+#: (:meth:`FederatedLoop._begin_fit`)
+_INITIAL_CALLBACK_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _PassRoundPlan:
@@ -424,6 +434,7 @@ class FederatedLoop(pl.LightningModule):
                 checkpoint_every_n_epochs=checkpoint_every_n_epochs,
             )
             check_launcher(trainer)  # ddp_spawn & co.: refused
+            self._begin_fit(trainer)
             self._log_every_round(trainer)
             dm = self._datamodule()
             dm.configure_rounds(self.clients_per_round, self.local_steps, self.seed, local_epochs=self.local_epochs)
@@ -439,6 +450,57 @@ class FederatedLoop(pl.LightningModule):
                     f"precision={precision!r} has no loss scaling inside client training (float16 gradients that "
                     "underflow are lost); use 'bf16-mixed', 'bf16-true' or 32",
                 )
+
+    def _begin_fit(self, trainer: pl.Trainer) -> None:
+        """What a fit of a loop that has fitted before starts from. Decisions (ours):
+
+        * **A fit at round 0** (a new Trainer, or ``trainer.fit`` without ``ckpt_path`` on a Trainer that has not
+          trained) is a new federated run from the module's current weights, as plain Lightning's new fit is: the
+          loop's client state (SCAFFOLD's control variates, the client optimizers' carried step sizes), its failure
+          counters and its client-optimizer factory (the module's schedulers) start afresh, and every
+          :class:`~fedlightning.callbacks.FederatedCallback` of the Trainer gets back the state it had before its
+          first fit (its ``state_dict``: SCAFFOLD's server control variate, FedExP's and the K schedules' histories,
+          ...). Otherwise state from the previous fit would meet a server state that restarts (a new ``Scaffold()``
+          whose ``c`` is 0 next to the previous fit's ``c_i``) or parameters that changed (a layer unfrozen between
+          stages). A fit that resumes (``ckpt_path``) gets the checkpoint's state after this, as before.
+        * **A fit that continues** (``trainer.fit`` again on the same Trainer after ``max_steps`` was raised: its
+          round counter carries on) keeps that state, and the server optimizer, which Lightning builds again for every
+          fit, gets the previous one's state (FedAdam's moments, FedAvgM's momentum): the run equals an uninterrupted
+          one. Its trainable parameters must be those of the previous fit (the server optimizer's state and the
+          clients' state are per parameter), else it is refused, naming the way to start a stage."""
+        fed_callbacks = [cb for cb in trainer.callbacks if isinstance(cb, FederatedCallback)]
+        if trainer.global_step > 0:
+            before = self._runtime.trainable
+            now = self._global_params()
+            if before is not None and (len(before) != len(now) or any(a is not b for a, b in zip(before, now))):
+                raise ValueError(
+                    f"trainer.fit continues this Trainer's run at round {trainer.global_step}, but the trainable "
+                    "parameters differ from its previous fit's (the server optimizer's and the clients' state are "
+                    "per parameter); to train a new stage (a layer unfrozen), fit with a new Trainer: a fit at round "
+                    "0 starts a new federated run from the module's current weights"
+                )
+            self._runtime.continued_server_optimizer = self._runtime.server_optimizer
+            return
+        self._runtime.continued_server_optimizer = None
+        used = len(self.client_state) > 0 or self.failed_clients_total > 0 or self._runtime.fitted
+        if used:
+            rank_zero_info(
+                "trainer.fit starts a new federated run at round 0 from the module's current weights: the loop's "
+                f"client state from its previous fit ({len(self.client_state)} entries) and the federated callbacks' "
+                "state start afresh (to continue a run, resume from its checkpoint with ckpt_path)"
+            )
+        self.client_state.load_state_dict({})
+        self.failed_clients_total = 0
+        self.rounds_without_healthy_client = 0
+        for name in ("module_optimizer", "pending_module_optimizer_state", "client_lr"):
+            setattr(self._runtime, name, None)
+        for cb in fed_callbacks:
+            initial = _INITIAL_CALLBACK_STATES.get(cb)
+            if initial is None:
+                _INITIAL_CALLBACK_STATES[cb] = copy.deepcopy(cb.state_dict())
+            else:
+                cb.load_state_dict(copy.deepcopy(initial))
+        self._runtime.fitted = False
 
     def _configure_model_now(self, trainer: pl.Trainer) -> None:
         """The user's ``configure_model`` (parameters created there), called here, right after ``setup``, under the
@@ -769,7 +831,15 @@ class FederatedLoop(pl.LightningModule):
     def configure_optimizers(self):
         if self.strategy is None:
             raise RuntimeError("the server strategy is resolved in setup(); fit the loop with a Trainer")
-        return self.strategy.configure_server_optimizer(self._global_params())
+        optimizer = self.strategy.configure_server_optimizer(self._global_params())
+        previous = self._runtime.continued_server_optimizer
+        if previous is not None and self.trainer.state.fn == TrainerFn.FITTING:
+            # a fit that continues this Trainer's run (_begin_fit): the previous fit's server optimizer state
+            self._runtime.continued_server_optimizer = None
+            if type(previous) is type(optimizer) and len(previous.param_groups) == len(optimizer.param_groups):
+                optimizer.load_state_dict(previous.state_dict())
+        self._runtime.server_optimizer = optimizer
+        return optimizer
 
     def _global_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -1202,6 +1272,7 @@ class FederatedLoop(pl.LightningModule):
         or break the round's sums. To unfreeze in stages, run one fit per stage, each starting from the previous
         one's weights (the same loop may fit again: its working copy is rebuilt)."""
         fixed = self._runtime.trainable
+        self._runtime.fitted = True
         if fixed is None:  # the fit's first round
             self._fix_trainable(plan, gparams)
         elif len(gparams) != len(fixed) or any(a is not b for a, b in zip(gparams, fixed)):

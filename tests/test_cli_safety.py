@@ -382,6 +382,16 @@ def test_last_with_no_checkpoint_starts_from_round_0_with_a_warning(tmp_path):
     assert cli.trainer.global_step == 1
 
 
+@pytest.mark.parametrize("sub", ["validate", "test", "predict"])
+def test_last_with_no_checkpoint_stops_an_evaluation(tmp_path, capsys, sub):
+    """Evaluating ``last`` of a config that has no run yet (a typo in the run's name, another working directory)
+    would evaluate the untrained model and exit 0: one line instead, as for ``best``."""
+    line, _ = _exit_with_error(capsys, [sub, *_tiny(tmp_path), "--ckpt_path", "last"])
+    assert line.startswith("error: checkpoint last (") and line.endswith(
+        "no complete checkpoint of this config's runs found, nothing to evaluate; pass a file"
+    )
+
+
 def test_without_a_logger_each_run_gets_a_version_directory(tmp_path):
     args = [
         "fit",
