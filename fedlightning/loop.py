@@ -1654,6 +1654,7 @@ class FederatedLoop(pl.LightningModule):
         self.rounds_without_healthy_client = int(fed.get("rounds_without_healthy_client", 0))
         saved = fed.get("module_optimizer")
         if saved is not None:
+            saved = {**saved, "validation_pending": _pending_validation(checkpoint)}
             mo = self._runtime.module_optimizer
             if mo is not None:
                 mo.load_state_dict(saved)
@@ -1836,23 +1837,30 @@ def _inside(root: str, path: Any) -> bool:
     return isinstance(path, str) and os.path.commonpath([root, os.path.realpath(path)]) == root
 
 
+def _pending_validation(checkpoint: dict[str, Any]) -> int | None:
+    """The rounds done when the file was written before the validation Lightning runs after them (the loop's record
+    ``validation_pending``, or a callback's in files written before the loop kept one); None if it was not."""
+    pending = checkpoint["fedlightning"].get("validation_pending")
+    if pending is not None:
+        return int(pending)
+    states = checkpoint.get("callbacks")
+    states = states if isinstance(states, dict) else {}
+    for v in states.values():
+        if isinstance(v, dict) and v.get("validation_pending") is not None:
+            return int(v["validation_pending"])
+    return None
+
+
 def _tell_validation_pending(checkpoint: dict[str, Any]) -> None:
     """Warn when the file holds a round before the validation Lightning ran after it: written at the round's end
     (by a ``ModelCheckpoint``, or by :class:`~fedlightning.checkpoint.RoundCheckpoint` in a run that stopped during
     that validation). The resumed run goes on with the next round and never runs it. The round is the loop's
     record (``validation_pending``), or a callback's (files written before the loop kept one)."""
-    pending = checkpoint["fedlightning"].get("validation_pending")
-    states = checkpoint.get("callbacks")
-    states = states if isinstance(states, dict) else {}
-    by_callback = [
-        v["validation_pending"]
-        for v in states.values()
-        if isinstance(v, dict) and v.get("validation_pending") is not None
-    ]
-    if pending is None and by_callback:
-        pending = by_callback[0]
+    pending = _pending_validation(checkpoint)
     if pending is None:
         return
+    states = checkpoint.get("callbacks")
+    states = states if isinstance(states, dict) else {}
     hint = (
         ""
         if any(str(k).startswith("RoundCheckpoint") for k in states)

@@ -445,11 +445,16 @@ class ModuleOptimizer:
             cfg.scheduler.load_state_dict(saved)
         trained = state.get("trained")
         self.trained = (int(trained[0]), list(trained[1])) if trained else None
-        # a checkpoint written between a round's end and the end of its validation: Lightning does not run that
-        # validation again on resume, so the step that waited for it is skipped, with a warning
+        # a checkpoint written between a round's end and the end of its validation (``validation_pending``: the
+        # rounds done then, put in by the loop): Lightning does not run that validation again on resume, so the step
+        # that waited for it is skipped, with a warning. A step waiting after a round no validation follows keeps
+        # waiting, and the next round's end expires it as in the uninterrupted run
+        pending = state.get("validation_pending")
         waiting = [(int(i), int(r)) for i, r in state.get("waiting", [])]
-        self.waiting = []
+        self.waiting = [(i, r) for i, r in waiting if pending is None or r + 1 != int(pending)]
         for index, round in waiting:
+            if pending is None or round + 1 != int(pending):
+                continue
             rank_zero_warn(
                 f"{self.model_name}.configure_optimizers(): the checkpoint was written before the validation after "
                 f"round {round} ended, and a resumed run does not run it again: ReduceLROnPlateau (monitor "

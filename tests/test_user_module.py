@@ -1407,6 +1407,35 @@ def test_a_checkpoint_written_before_the_rounds_validation_warns_of_the_skipped_
         _plateau_fit(OnPlateau(), 3, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
 
 
+def test_a_step_waiting_after_a_round_no_validation_follows_resumes_without_a_warning(tmp_path):
+    """Validation every 2 rounds, ``strict: False``: the file of round 3 holds the step of round 2 (0-based) still
+    waiting, and no validation follows round 2 in any run. The resumed run keeps it waiting (the next round's end
+    skips it, as in the uninterrupted run) without the warning of a skipped validation, and ends with the
+    uninterrupted run's weights."""
+    import warnings
+
+    from fedlightning.checkpoint import RoundCheckpoint
+
+    torch.manual_seed(0)
+    init = OnPlateau(strict=False).state_dict()
+    full = OnPlateau(strict=False)
+    full.load_state_dict(init)
+    _plateau_fit(full, 4, every=2)
+    part = OnPlateau(strict=False)
+    part.load_state_dict(init)
+    ckpt = RoundCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)
+    _plateau_fit(part, 3, every=2, callbacks=[ckpt], enable_checkpointing=True)
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["fedlightning"]["module_optimizer"]["waiting"]
+    resumed = OnPlateau(strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _plateau_fit(resumed, 4, every=2, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert not [w for w in caught if "ReduceLROnPlateau" in str(w.message)]
+    assert resumed.validated == full.validated[1:] and resumed.stepped == full.stepped[1:]
+    for p, q in zip(resumed.parameters(), full.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
 class Predicts(_Plain):
     def predict_step(self, batch, batch_idx):
         x, _ = batch
