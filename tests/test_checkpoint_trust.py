@@ -778,7 +778,7 @@ def test_last_is_the_newest_complete_round_of_any_file_name(trained, tmp_path, m
     where = os.path.join(tmp_path, "quickstart", "*", "checkpoints")
     assert infos[:2] == [
         f"--ckpt_path last: removed 1 temporary file(s) of interrupted checkpoint writes: {leftover}",
-        f"--ckpt_path last: resuming from {newest} (round 3, the newest complete of 4 checkpoint file(s) in {where})",
+        f"--ckpt_path last: evaluating {newest} (round 3, the newest complete of 4 checkpoint file(s) in {where})",
     ]
     assert cli.config_init["validate"]["ckpt_path"] == newest
     assert [str(w.message) for w in caught if "skipped" in str(w.message)] == [

@@ -1456,6 +1456,35 @@ def test_predict_runs_the_global_models_predict_step_over_the_test_split():
     assert torch.equal(got, model.net(x).argmax(-1))
 
 
+def test_a_prediction_writer_gets_the_test_indices_of_every_batch():
+    """Lightning's ``BasePredictionWriter`` maps predictions to samples through ``batch_indices``: the predict loader
+    of an in-memory test set gives them (the evaluation loaders' whole-batch reads give none), in the test set's
+    order, each batch's predictions those of its samples."""
+    from lightning.pytorch.callbacks import BasePredictionWriter
+
+    class Writer(BasePredictionWriter):
+        def __init__(self):
+            super().__init__(write_interval="epoch")
+            self.written = None
+
+        def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+            self.written = (predictions, batch_indices)
+
+    torch.manual_seed(0)
+    model, dm = Predicts(), _dm(eval_batch_size=100)
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3)
+    make_trainer(1).fit(loop, datamodule=dm)
+    writer = Writer()
+    make_trainer(1, callbacks=[writer]).predict(loop, datamodule=dm, return_predictions=False)
+    predictions, (indices,) = writer.written
+    dm.setup("test")
+    flat = [i for batch in indices for i in batch]
+    assert flat == list(range(len(dm.test_dataset))) and len(indices) > 1
+    for batch, rows in zip(predictions, indices):
+        x = torch.stack([dm.test_dataset[i][0] for i in rows])
+        assert torch.equal(batch, model.net(x).argmax(-1))
+
+
 class Staged(pl.LightningModule):
     """A frozen body and a trainable head; ``thaw_in_hook``: unfreezes the body in its own on_train_epoch_start
     from round 1 (the plain-Lightning pattern of gradual unfreezing)."""

@@ -1140,14 +1140,17 @@ class FederatedDataModule(pl.LightningDataModule):
         indices: np.ndarray | None = None,
         batch_size: int | None = None,
         workers: int | None = None,
+        batch_indices: bool = False,
     ) -> DataLoader:
         """Sequential batches of ``batch_size`` (None: ``eval_batch_size``) over ``dataset`` (or its rows
         ``indices``), loaded by ``workers`` processes (None: ``num_workers``). An :class:`ArrayDataset` is read a
-        whole batch per tensor indexing (the in-memory fast path)."""
+        whole batch per tensor indexing (the in-memory fast path), unless ``batch_indices``: then every loader is a
+        DataLoader with a batch size, whose batches' sample indices Lightning records for a prediction writer."""
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__} has no evaluation data set")
         size = self.eval_batch_size if batch_size is None else int(batch_size)
-        if isinstance(dataset, ArrayDataset) and self.collate_fn is None and not reference_mode():
+        fast = not batch_indices and self.collate_fn is None and not reference_mode()
+        if isinstance(dataset, ArrayDataset) and fast:
             rows = np.arange(len(dataset)) if indices is None else indices
             sampler = WholeSplitSampler(ClientBatchSampler(rows, size, None, shuffle=False))
             return DataLoader(dataset, sampler=sampler, batch_size=None)  # a real DataLoader for Lightning
@@ -1217,10 +1220,16 @@ class FederatedDataModule(pl.LightningDataModule):
         return self._eval_loader(self.test_dataset)
 
     def predict_dataloader(self) -> DataLoader:
-        """The global test set, as :meth:`test_dataloader` gives it (Lightning's ``predict`` stage: the global
-        model's ``predict_step`` over the test split; decision, ours: the data modules hold no other unlabelled
-        split). A subclass defines its own to predict on other data."""
-        return self.test_dataloader()
+        """The global test set in :meth:`test_dataloader`'s order and batches (Lightning's ``predict`` stage: the
+        global model's ``predict_step`` over the test split; decision, ours: the data modules hold no other unlabelled
+        split). A subclass defines its own to predict on other data.
+
+        Decision (ours): an in-memory test set is read sample by sample here, not a whole batch per tensor indexing
+        as the evaluation loaders read it, so that Lightning records each batch's test-set indices
+        (``BasePredictionWriter``'s ``batch_indices``), which map the predictions to their samples; the batches
+        hold the same values."""
+        self._require_setup()
+        return self._eval_loader(self.test_dataset, batch_indices=True)
 
     def training_rows(self) -> np.ndarray:
         """Sorted rows of the training set that clients hold (the union of ``client_indices``; no validation row)."""
