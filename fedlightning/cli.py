@@ -34,7 +34,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
-from fedlightning._lightning_compat import logged_at_last_round
 from fedlightning._validation import SettingError, check_val_check_interval
 from fedlightning.callbacks.progress import RoundProgressBar
 from fedlightning.checkpoint import (
@@ -158,8 +157,7 @@ class FederatedCLI(LightningCLI):
             rank_zero_warn(f"{type(user_module).__name__} defines no test_step: test_after_fit skipped")
             return
         fit_metrics = dict(self.trainer.callback_metrics)
-        with logged_at_last_round(self.trainer):  # the final model's test/* next to its last round's val/*
-            self.trainer.test(self.model, datamodule=dm)
+        self.trainer.test(self.model, datamodule=dm)  # logged at the last round's step (FederatedLoop.on_test_start)
         metrics = self.trainer.callback_metrics
         for key, value in fit_metrics.items():
             metrics.setdefault(key, value)

@@ -50,6 +50,7 @@ from fedlightning._lightning_compat import (
     early_stopping_at_epoch_end,
     evaluation_batch,
     log_hyperparameters_like,
+    logged_at_last_round,
     note_sigterm,
     reopen_epoch_ended_by_max_steps,
     settle_unprocessed_batch,
@@ -182,6 +183,8 @@ class _Runtime:
     #: Trainer's run takes the state of (:meth:`FederatedLoop._begin_fit`)
     server_optimizer: torch.optim.Optimizer | None = None
     continued_server_optimizer: torch.optim.Optimizer | None = None
+    #: the step context of a test after fit (:meth:`FederatedLoop._test_at_last_round`)
+    test_step_context: Any | None = None
 
 
 #: The user's step hook that ``Trainer.<stage>`` needs on the global model, as Lightning requires it of a plain
@@ -1575,6 +1578,7 @@ class FederatedLoop(pl.LightningModule):
 
     def on_test_start(self) -> None:
         self._begin_evaluation("test_dataloaders")
+        self._test_at_last_round()
         self.model.on_test_start()
 
     def on_test_end(self) -> None:
@@ -1582,6 +1586,25 @@ class FederatedLoop(pl.LightningModule):
             self.model.on_test_end()
         finally:
             self._end_evaluation()
+            self._end_test_at_last_round()
+
+    def _test_at_last_round(self) -> None:
+        """A test of the Trainer's fitted model (``trainer.test`` after ``trainer.fit``, as ``train.py`` runs it)
+        logs at the step of the fit's last round, next to that round's metrics and validation
+        (:func:`~fedlightning._lightning_compat.logged_at_last_round`), until :meth:`on_test_end`. Decision (ours):
+        the same step whether the test runs from Python or from the CLI; Lightning's own step there is one past the
+        last round."""
+        self._end_test_at_last_round()
+        trainer = attached_trainer(self)
+        if trainer is not None and trainer.global_step > 0:
+            context = logged_at_last_round(trainer)
+            context.__enter__()
+            self._runtime.test_step_context = context
+
+    def _end_test_at_last_round(self) -> None:
+        context, self._runtime.test_step_context = self._runtime.test_step_context, None
+        if context is not None:
+            context.__exit__(None, None, None)
 
     def _begin_evaluation(self, loaders: str) -> None:
         """With several processes that each evaluate the whole split (the data modules' evaluation loaders,

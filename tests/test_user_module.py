@@ -1485,6 +1485,34 @@ def test_a_prediction_writer_gets_the_test_indices_of_every_batch():
         assert torch.equal(batch, model.net(x).argmax(-1))
 
 
+def test_a_test_after_fit_in_python_logs_at_the_last_rounds_step_as_the_cli_does(tmp_path):
+    """``trainer.test`` after ``trainer.fit`` (the README's Python form of ``train.py fit``) writes its ``test/*``
+    row at the fit's last round (step 2 of rounds 0..2), where ``train.py`` writes it, not one step past it; a
+    later fit of the same Trainer logs its rounds at their own steps again."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    class Tests(Predicts):
+        def test_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("test/acc", (self.net(x).argmax(-1) == y).float().mean())
+
+    torch.manual_seed(0)
+    model, dm = Tests(), _dm()
+    loop = FederatedLoop(model, local_steps=2, clients_per_round=3)
+    logger = CSVLogger(str(tmp_path), name="run")
+    trainer = make_trainer(3, logger=logger)
+    trainer.fit(loop, datamodule=dm)
+    trainer.test(loop, datamodule=dm)
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(loop, datamodule=dm)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    steps = {key: [int(r["step"]) for r in rows if r.get(key)] for key in ("train/loss", "test/acc")}
+    assert steps == {"train/loss": [0, 1, 2, 3], "test/acc": [2]}
+
+
 class Staged(pl.LightningModule):
     """A frozen body and a trainable head; ``thaw_in_hook``: unfreezes the body in its own on_train_epoch_start
     from round 1 (the plain-Lightning pattern of gradual unfreezing)."""
