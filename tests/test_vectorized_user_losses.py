@@ -36,7 +36,12 @@ def _data():
     y = torch.randint(0, C, (N, 3), generator=g)
     y[1, 2] = 3  # a target that ignore_index=3 drops
     w = torch.rand(C, dtype=torch.double, generator=g) + 0.1
-    return x, y, w
+    return _padded(x, REAL), _padded(y, REAL), w
+
+
+def _padded(a: Tensor, k: int) -> Tensor:
+    """``a``'s first ``k`` rows, repeated as the engine pads a client's batch: row ``j`` is row ``j mod k``."""
+    return a[torch.arange(a.shape[0]) % k].clone()
 
 
 X, Y, W = _data()
@@ -75,7 +80,7 @@ def test_intercepted_loss_is_torchs_loss_on_the_real_samples(name):
     f = CASES[name]
     mask = (torch.arange(N) < REAL).double()
     x = X.clone().requires_grad_(True)
-    interception = LossInterception(N, mask, mask.sum())
+    interception = LossInterception(N, mask, mask.sum(), flattened=True)
     with interception:
         out = f(x, Y, T)
     cells = interception.cells_of(out)
@@ -108,12 +113,12 @@ def test_intercepted_loss_under_vmap_rows_with_different_masks(name):
     f = CASES[name]
     counts = [4, 7, 1]
     masks = torch.stack([(torch.arange(N) < k).double() for k in counts])
-    xs = torch.stack([X, X.roll(1, 0), 2 * X])
-    ys = torch.stack([Y, Y.roll(2, 0), Y])
-    ts = torch.stack([T, T, -T])
+    xs = torch.stack([_padded(a, k) for a, k in zip([X, X.roll(1, 0), 2 * X], counts)])
+    ys = torch.stack([_padded(a, k) for a, k in zip([Y, Y.roll(2, 0), Y], counts)])
+    ts = torch.stack([_padded(a, k) for a, k in zip([T, T, -T], counts)])
 
     def row(x, y, t, m):
-        interception = LossInterception(N, m, m.sum())
+        interception = LossInterception(N, m, m.sum(), flattened=True)
         with interception:
             out = f(x, y, t)
         assert interception.cells_of(out) is not None
@@ -142,7 +147,7 @@ def test_merged_defaults_bind_as_the_signature_does(name, monkeypatch):
     for merged in (True, False):
         if not merged:
             monkeypatch.setattr(losses, "_TWO_ARGUMENT_CALLS", {})
-        interception = LossInterception(N, mask, mask.sum())
+        interception = LossInterception(N, mask, mask.sum(), flattened=True)
         with interception:
             out = f(X, Y, T)
         results.append((out, interception.cells_of(out), len(binds)))
@@ -160,15 +165,29 @@ def test_merged_defaults_bind_as_the_signature_does(name, monkeypatch):
         lambda x: F.mse_loss(x[:, :, :1], x[:, :1, 0].unsqueeze(-1).expand(N, 1, 1)),  # shapes differ
         lambda x: F.mse_loss(x[0], T[0]),  # first dimension is not the batch
         lambda x: F.mse_loss(x, T, weight=torch.ones_like(T)),  # mse with weight: not recognised
+        # flattened time-major ([T·N, C]) and two views concatenated: the padding rows' targets do not repeat
+        lambda x: F.cross_entropy(x.permute(2, 0, 1).reshape(-1, C), Y.t().reshape(-1)),
+        lambda x: F.cross_entropy(torch.cat([x[:, :, 0], x[:, :, 1]]), torch.cat([Y[:, 0], Y[:, 1]])),
     ],
 )
 def test_unrecognised_calls_run_unchanged(call):
     mask = (torch.arange(N) < REAL).double()
-    interception = LossInterception(N, mask, mask.sum())
+    interception = LossInterception(N, mask, mask.sum(), flattened=True)
     with interception:
         out = call(X)
     assert interception.cells_of(out) is None
     torch.testing.assert_close(out, call(X), rtol=0, atol=0)
+
+
+def test_a_flattened_batch_is_read_per_sample_only_when_asked():
+    """Without ``flattened`` (the engine's setting for models with random layers, whose check does not run) a
+    ``[N·T, C]`` call is not recognised; with it, the same call is."""
+    mask = (torch.arange(N) < REAL).double()
+    for flattened in (False, True):
+        interception = LossInterception(N, mask, mask.sum(), flattened=flattened)
+        with interception:
+            out = CASES["ce-flat-ignore"](X, Y, T)
+        assert (interception.cells_of(out) is not None) is flattened
 
 
 CLASS_CASES = ["ce", "ce-seq", "ce-weight-smooth", "ce-ignore-smooth", "ce-module-weight-ignore", "nll"]
@@ -197,7 +216,7 @@ def test_class_losses_without_ignored_targets_skip_the_validity_mask_to_the_same
         monkeypatch.setattr(losses, "_none_equal", (lambda t, v: False) if general else recorded)
 
         def row(x, y, m):
-            interception = LossInterception(N, m, m.sum())
+            interception = LossInterception(N, m, m.sum(), flattened=True)
             with interception:
                 out = f(x, y, T)
             return out, interception.cells_of(out)
@@ -720,15 +739,24 @@ class TokenLM(pl.LightningModule):
     logits (``ignore_index=-100`` by default), as language models write it; ``by_hand``: the same mean written out,
     ``Σ mask · ce / Σ mask``, which loss interception does not recognise (the per-sample path's form)."""
 
-    def __init__(self, by_hand=False):
+    def __init__(self, by_hand=False, time_major=False, dropout=0.0, zero_head=False):
         super().__init__()
         torch.manual_seed(0)
         self.emb, self.hidden, self.out = nn.Embedding(7, 5), nn.Linear(5, 5), nn.Linear(5, 7)
-        self.by_hand = by_hand
+        self.drop = nn.Dropout(dropout)
+        if zero_head:  # every token's loss log 7 at the start, whichever sample it is read as
+            nn.init.zeros_(self.out.weight)
+            nn.init.zeros_(self.out.bias)
+        self.by_hand, self.time_major = by_hand, time_major
+
+    def logits(self, tokens):
+        return self.out(self.drop(torch.tanh(self.hidden(self.emb(tokens)))))
 
     def training_step(self, batch, batch_idx):
         tokens, targets, _ = batch
-        logits = self.out(torch.tanh(self.hidden(self.emb(tokens))))
+        logits = self.logits(tokens)
+        if self.time_major:  # flattened time step by time step: [T·B, V]
+            return F.cross_entropy(logits.transpose(0, 1).reshape(-1, 7), targets.t().reshape(-1))
         if not self.by_hand:
             return F.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1))
         kept = (targets != -100).to(logits.dtype)
@@ -736,7 +764,18 @@ class TokenLM(pl.LightningModule):
         return (ce * kept).sum() / kept.sum()
 
 
-def _token_run(mode, short, by_hand=False, tail=False):
+class ProtocolTokenLM(TokenLM):
+    """The token mean of ``TokenLM`` with a ``training_step_per_sample`` that gives each sequence its own token
+    mean: right sample by sample, but the loss of a batch weighs its sequences by their numbers of targets."""
+
+    def training_step_per_sample(self, batch, batch_idx):
+        tokens, targets, _ = batch
+        ce = F.cross_entropy(self.logits(tokens).transpose(1, 2), targets, reduction="none")
+        kept = (targets != -100).to(ce.dtype)
+        return (ce * kept).sum(1) / kept.sum(1)
+
+
+def _token_run(mode, short, by_hand=False, tail=False, cls=None, **options):
     """``short``: 4 of 120 sequences end after 2 targets (the rest ignored, -100), so the loss is a mean over
     tokens that a mean over samples is not; on this data a round's first padded step holds none of them. ``tail``:
     every sequence's last target is ignored too, so the steps checked first hold -100 already (with one count of
@@ -764,7 +803,7 @@ def _token_run(mode, short, by_hand=False, tail=False):
         seed=0,
         val_fraction=0,
     )
-    model = TokenLM(by_hand).double()
+    model = (cls or TokenLM)(by_hand, **options).double()
     sgd = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
     loop = FederatedLoop(model, client_optimizer=sgd, local_steps=4, clients_per_round=4, seed=3, client_execution=mode)
     make_trainer(2, callbacks=[FedAvg()]).fit(loop, datamodule=dm)
@@ -801,4 +840,34 @@ def test_a_token_weighted_mean_on_the_per_sample_path_is_refused_on_the_step_whe
     full_seq, _ = _token_run("sequential", short=False, by_hand=True, tail=tail)
     full_vec, loop = _token_run("vectorized", short=False, by_hand=True, tail=tail)
     assert loop.client_execution_choice == "vectorized" and "per-sample" in loop.vectorized_engine.call.probed
+    torch.testing.assert_close(full_vec, full_seq, rtol=RTOL64, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", [{"dropout": 1e-12}, {"zero_head": True}], ids=["random-layers", "zero-head"])
+def test_a_time_major_flatten_is_not_read_per_sample_and_trains_as_sequential(options):
+    """``F.cross_entropy(logits.transpose(0, 1).reshape(-1, V), ...)`` is not sample-major: loss interception
+    does not read it per sample, neither for a model with random layers (whose interception check does not run;
+    a dropout that never drops keeps the runs comparable) nor where the check's losses agree by chance (a
+    zero-initialised head: every loss log V). Before, both trained another objective (1e-02 and 7e-03 off); now the
+    padded steps take the per-sample path, which trains the token mean as sequential training does."""
+    seq, _ = _token_run("sequential", short=False, time_major=True, **options)
+    vec, loop = _token_run("vectorized", short=False, time_major=True, **options)
+    assert "per-sample" in loop.vectorized_engine.call.probed
+    torch.testing.assert_close(vec, seq, rtol=RTOL64, atol=1e-12)
+
+
+def test_a_users_per_sample_protocol_is_checked_on_every_step():
+    """A user's ``training_step_per_sample`` of per-sequence means next to a token-mean ``training_step``: refused
+    on the step where the sequences' numbers of targets differ (before: 7e-04 off in silence); ``auto`` trains it
+    sequentially; with one number of targets per sequence the protocol's padded steps equal sequential training."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    with pytest.raises(VectorizationUnsupportedError, match="not a mean over samples"):
+        _token_run("vectorized", short=True, cls=ProtocolTokenLM)
+    seq, _ = _token_run("sequential", short=True, cls=ProtocolTokenLM)
+    auto, _ = _token_run("auto", short=True, cls=ProtocolTokenLM)
+    assert torch.equal(auto, seq)
+    full_seq, _ = _token_run("sequential", short=False, cls=ProtocolTokenLM)
+    full_vec, loop = _token_run("vectorized", short=False, cls=ProtocolTokenLM)
+    assert "per-sample protocol" in loop.vectorized_engine.call.probed
     torch.testing.assert_close(full_vec, full_seq, rtol=RTOL64, atol=1e-12)

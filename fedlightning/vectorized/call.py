@@ -797,7 +797,7 @@ class _ModelCall:
         with self._checking(row[0].device):
             with self._weights_in_slots(row):
                 row_mask = mask[r].to(self.dtype)
-                interception = LossInterception(n_max, row_mask, row_mask.sum())
+                interception = LossInterception(n_max, row_mask, row_mask.sum(), flattened=self.deterministic)
                 self.norms.begin(row_stats, row_mask, row_mask.sum(), k)
                 self.collector.reset()
                 try:
@@ -1079,7 +1079,7 @@ class _ModelCall:
             interception, weights = None, None
             if padded:
                 weights = mask[r].to(self.dtype)
-                interception = LossInterception(n, weights, weights.sum())
+                interception = LossInterception(n, weights, weights.sum(), flattened=self.deterministic)
             self.metric_calls.begin(False, n=size, interception=interception, constants=True)
             self.norms.begin(row_stats, weights, None if weights is None else weights.sum(), k if padded else size)
             self.collector.reset()

@@ -431,12 +431,15 @@ class LossInterception(TorchFunctionMode):
       class losses) with ``input.shape[0] == n``; elementwise losses need ``target.shape == input.shape`` (a
       broadcasting pair mixes samples) and ``weight`` / ``pos_weight`` that broadcast to ``input``'s shape; class
       targets of shape ``input.shape[:1] + input.shape[2:]`` or probability targets of ``input``'s shape.
-    * A flattened batch: ``input.shape[0] = n·T`` with ``T ≥ 2`` (2-D for the class losses: ``[n·T, C]`` logits and
+    * With ``flattened`` (the engine sets it for models without random layers, whose interception check runs), a
+      flattened batch: ``input.shape[0] = n·T`` with ``T ≥ 2`` (2-D for the class losses: ``[n·T, C]`` logits and
       ``[n·T]`` targets, the language-model form ``F.cross_entropy(logits.reshape(-1, C), labels.reshape(-1))``) is
-      read as ``n`` samples of ``T`` consecutive rows each, the order ``reshape`` of a ``[n, T, ...]`` tensor gives.
-      Another order (a time-major ``[T, n, ...]`` flattened) puts rows of different samples in one cell; the engine's
-      check of the path (a client's intercepted loss against ``training_step`` on its real samples alone, on the
-      first padded step and again every round) then differs, and the padded steps take the per-sample path.
+      read as ``n`` samples of ``T`` consecutive rows each, the order ``reshape`` of a ``[n, T, ...]`` tensor gives,
+      where every call's targets confirm it (:meth:`_sample_major`: the padding samples' target rows repeat those of
+      the samples they copy). Another order (a time-major ``[T, n, ...]`` flattened, two views concatenated along the
+      batch) fails that on a padded step and is not recognised, as the engine's check of the path (a client's
+      intercepted loss against ``training_step`` on its real samples alone) would find; the padded steps then take
+      the per-sample path.
     * ``F.mse_loss`` / ``F.l1_loss`` / ``F.huber_loss`` with their ``weight`` argument are not recognised (its mean
       normalisation is not a documented per-element formula); ``F.binary_cross_entropy`` under autocast is not
       recognised (torch refuses it there).
@@ -456,12 +459,29 @@ class LossInterception(TorchFunctionMode):
     other tensor), and ``unrecognised`` names the loss calls that ran unchanged.
     """
 
-    def __init__(self, n: int, mask: Tensor, count: Tensor, weights: Tensor | None = None):
+    def __init__(self, n: int, mask: Tensor, count: Tensor, weights: Tensor | None = None, flattened: bool = False):
         super().__init__()
         self.n, self.mask, self.count = n, mask, count
+        self.flattened = flattened
         self.weights = mask / count if weights is None else weights  # m_j / n_i
         self._outputs: dict[int, tuple[Tensor, Tensor]] = {}  # id(output) -> (output, cells); output kept alive
         self.unrecognised: list = []
+
+    def _sample_major(self, target: Tensor) -> bool:
+        """Whether a flattened batch's ``target`` (``[n·T, ...]``) read as ``n`` samples of ``T`` consecutive rows
+        repeats each padding sample's rows where the padding repeats its samples (sample ``j ≥ n_i`` is a copy of
+        sample ``j mod n_i``), in every client row: a structural check of the reading, on the data, not on the
+        losses (which can agree by chance, e.g. every loss ``log V`` under a zero-initialised head, where the
+        gradient still reaches the wrong samples). A time-major flatten or two views concatenated along the batch
+        fail it wherever a client's batch is padded."""
+        try:
+            t = target.reshape(self.n, -1)
+            idx = torch.arange(self.n, device=t.device) % self.count.to(torch.long).clamp_min(1)
+            same = (t.index_select(0, idx) == t).all()
+        except RuntimeError:
+            return False
+        plain = _physical(same)
+        return plain is not None and bool(plain.all())
 
     def cells_of(self, value: Any) -> Tensor | None:
         hit = self._outputs.get(id(value))
@@ -499,6 +519,10 @@ class LossInterception(TorchFunctionMode):
             return None
         if not isinstance(options.get("input"), Tensor) or not isinstance(options.get("target"), Tensor):
             return None
+        rows, dim = (options["input"].shape[0], options["input"].dim()) if options["input"].dim() else (0, 0)
+        if rows != self.n and _flattened(rows, self.n, dim):
+            if not self.flattened or not self._sample_major(options["target"]):
+                return None
         parts = handler(self.n, **options)
         if parts is None:
             return None

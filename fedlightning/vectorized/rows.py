@@ -194,6 +194,15 @@ class _TracedRows:
     def __init__(self, call: Any):
         self.call = call  # the _ModelCall whose model runs
         self.probed = False
+        #: a padded path's last call's ``[R, n_max]`` cells and logged values (name, ``[R, n_max]``), detached
+        self.last_cells: tuple[Tensor, list[tuple[str, Tensor]]] | None = None
+
+    def cells(self, views, batch, mask, step, stats, min_count) -> tuple[Tensor, list[tuple[str, Tensor]]]:
+        """A padded path's ``[R, n_max]`` cells and logged values of a call without effects (no metric calls
+        recorded, running statistics unchanged), detached: the per-sample side of
+        :meth:`~fedlightning.vectorized.call._ModelCall._check_padded_means` where it computes them again."""
+        self._vmapped(views, batch, mask, step, True, stats, None, min_count)
+        return self.last_cells
 
     def values(
         self,
@@ -279,6 +288,19 @@ class _ProtocolRows(_TracedRows):
     name = "per-sample protocol"
     reason = "the model's training_step_per_sample"
 
+    def values(self, views, batch, mask, step, want_cells, stats, effects, min_count):
+        """Decision (ours): a user's protocol is checked on every step that computes cells, as the per-sample path
+        is (:class:`_SampleRows`): a ``training_step_per_sample`` that gives each sample's own mean (right sample by
+        sample, so its once-per-engine check passes) next to a ``training_step`` that weighs the samples (a token
+        mean over sequences of different lengths) would train another objective. The bundled models' protocols
+        (``fedlightning.models``, checked by the test suite) are not checked again."""
+        out = super().values(views, batch, mask, step, want_cells, stats, effects, min_count)
+        if want_cells and not _bundled_protocol(self.call.model):
+            refusal = self.call._check_padded_means(self, views, batch, mask, step, stats, min_count)
+            if refusal is not None:
+                raise _not_a_mean(self.call, "its training_step_per_sample losses", refusal)
+        return out
+
     def _vmapped(
         self,
         views: list[Tensor],
@@ -318,6 +340,7 @@ class _ProtocolRows(_TracedRows):
         # values logged with another length than the batch have no per-sample meaning: dropped
         shape = tuple(mask.shape)
         kept = [(name, _as_logged(v.detach())) for name, v in zip(names, out[1 : 1 + nl]) if tuple(v.shape) == shape]
+        self.last_cells = (out[0].detach(), kept)
         return _padded_result(out[0], mask, as_loss, kept, want_cells)
 
 
@@ -345,8 +368,6 @@ class _SampleRows(_TracedRows):
         super().__init__(call)
         self.reason = reason
         self.checked = False  # the loss is a mean over samples (_ModelCall._check_sample_mean), on the first call
-        #: the last call's ``[R, n_max]`` cells and logged values (name, ``[R, n_max]``), detached (:meth:`_cells`)
-        self.last_cells: tuple[Tensor, list[tuple[str, Tensor]]] | None = None
 
     def values(
         self,
@@ -383,13 +404,6 @@ class _SampleRows(_TracedRows):
             if refusal is not None:
                 raise _not_a_mean(self.call, how, refusal)
         return out
-
-    def cells(self, views, batch, mask, step, stats, min_count) -> tuple[Tensor, list[tuple[str, Tensor]]]:
-        """The ``[R, n_max]`` cells and logged values of a call without effects (no metric calls recorded, running
-        statistics unchanged), detached: the per-sample side of
-        :meth:`~fedlightning.vectorized.call._ModelCall._check_padded_means` where it computes them again."""
-        self._vmapped(views, batch, mask, step, True, stats, None, min_count)
-        return self.last_cells
 
     def _vmapped(
         self,
@@ -526,7 +540,7 @@ class _InterceptedRows:
             vs, row_mask, count, row_weights = args[:nv], args[nv], args[nv + 1], args[nv + 2]
             st = args[nv + 3 : nv + 3 + ns]
             collector.reset()
-            interception = LossInterception(n_max, row_mask, count, row_weights)
+            interception = LossInterception(n_max, row_mask, count, row_weights, flattened=call.deterministic)
             metric_calls.begin(record, "padded", n_max, interception)
             norms.begin(st, row_mask, count, min_count)
             with call._weights_in_slots(vs), interception:
@@ -561,6 +575,17 @@ class _InterceptedRows:
         call._keep_effects(effects, out[1 + nl : 1 + nl + nm], out[1 + nl + nm :], mask)
         kept = [(name, _as_logged(v.detach())) for name, v in zip(names, out[1 : 1 + nl])]
         return _padded_result(out[0], mask, list(as_loss), kept, want_cells)
+
+
+def _bundled_protocol(model: Any) -> bool:
+    """Whether the model's ``training_step`` and ``training_step_per_sample`` are both fedlightning's own (the bundled
+    models of :mod:`fedlightning.models`)."""
+
+    def owner(name: str) -> str:
+        cls = next((c for c in type(model).__mro__ if name in c.__dict__), None)
+        return "" if cls is None else cls.__module__
+
+    return all(owner(n).startswith("fedlightning.") for n in ("training_step", "training_step_per_sample"))
 
 
 def _not_a_mean(call: Any, how: str, refusal: str) -> VectorizationUnsupportedError:
