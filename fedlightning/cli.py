@@ -335,6 +335,11 @@ class FederatedCLI(LightningCLI):
         if given in _KEYWORDS:
             path = self._resolve_keyword(given, weights_only, resume=sub == "fit")
             sub_config["ckpt_path"] = path
+        if given is None and sub != "fit" and getattr(self.model, "init_weights", None) is None:
+            rank_zero_warn(
+                f"{sub} without --ckpt_path evaluates the model as the config builds it, untrained; pass "
+                "--ckpt_path last (this config's newest run), best, or a file to evaluate a trained model"
+            )
         if not _is_local_file(path):
             return
         path = os.fspath(path)
