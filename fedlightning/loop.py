@@ -1272,8 +1272,9 @@ class FederatedLoop(pl.LightningModule):
         ``on_train_start``, where a module may still freeze a layer): every client's update and the vectorized
         engine's layout cover exactly them, and so must the server optimizer (and its state: FedAdam's moments),
         built before those hooks, so a layer unfrozen later would be trained by no one (its clients' work dropped)
-        or break the round's sums. To unfreeze in stages, run one fit per stage, each starting from the previous
-        one's weights (the same loop may fit again: its working copy is rebuilt)."""
+        or break the round's sums. To unfreeze in stages, run one fit per stage with a new Trainer, each starting from
+        the previous one's weights (the same loop may fit again: its working copy is rebuilt, and a fit at round 0 is
+        a new federated run, :meth:`_begin_fit`)."""
         fixed = self._runtime.trainable
         self._runtime.fitted = True
         if fixed is None:  # the fit's first round
@@ -1300,7 +1301,7 @@ class FederatedLoop(pl.LightningModule):
             f"round {plan.round}: requires_grad changed during fit in {where}: {', '.join(changed[:5])}"
             f"{' ...' if len(changed) > 5 else ''}. The trainable parameters are fixed when fit starts (the server "
             "optimizer and every client's update cover exactly them): set requires_grad before trainer.fit, and to "
-            "unfreeze in stages run one fit per stage, each from the previous one's weights"
+            "unfreeze in stages run one fit per stage with a new Trainer, each from the previous one's weights"
         )
 
     def _fix_trainable(self, plan: RoundPlan, gparams: list[Tensor]) -> None:
