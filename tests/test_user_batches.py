@@ -83,8 +83,8 @@ def test_ragged_padded_batches_are_refused_by_name_and_auto_falls_back():
         ),
     ):
         torch.testing.assert_close(_fit(True, "auto"), seq, rtol=0, atol=0)
-    with pytest.raises(Exception, match=r"leaf batch\['inputs'\]\['seq'\] has shape"):
-        _fit(True, "vectorized")
+    with pytest.raises(Exception, match=r"^round \d+: .*leaf batch\['inputs'\]\['seq'\] has shape"):
+        _fit(True, "vectorized")  # the round is named: batches may stop stacking in a later round
 
 
 class Tagged(Dataset):

@@ -160,7 +160,9 @@ def _groups(loop, run: VectorizedRun, plan: RoundPlan, client_ids: list[int], gl
                     outcomes = _run(loop, run, plan, group, global_flat)
         except VectorizationUnsupportedError as err:
             if run.mode != "auto":
-                raise
+                if str(err).startswith("round "):
+                    raise
+                raise VectorizationUnsupportedError(f"round {plan.round}: {err}") from err
             _fall_back(run, str(err))
             return
         except torch.cuda.OutOfMemoryError as err:
