@@ -187,6 +187,18 @@ def reopen_epoch_ended_by_max_steps(checkpoint: dict[str, Any]) -> bool:
     return True
 
 
+def reopen_finished_fit(trainer: pl.Trainer) -> bool:
+    """For ``trainer.fit`` again on a Trainer whose fit ended at its ``max_steps``, now raised: its fit loop's finished
+    epoch reopened, as :func:`reopen_epoch_ended_by_max_steps` reopens such a fit's file, so that the continued fit
+    goes on in epoch 0 (``epoch`` logged 0, checkpoint names ``epoch=0-...``) as an uninterrupted fit does, not in a
+    new epoch. True when it changed something."""
+    state = {"loops": {"fit_loop": trainer.fit_loop.state_dict()}}
+    if not reopen_epoch_ended_by_max_steps(state):
+        return False
+    trainer.fit_loop.load_state_dict(state["loops"]["fit_loop"])
+    return True
+
+
 def spawns_processes(trainer: pl.Trainer) -> bool:
     """Whether the Trainer's strategy runs the fit in processes it starts from this one and hands back only the
     results (Lightning's multiprocessing launcher: ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), not in this

@@ -53,6 +53,7 @@ from fedlightning._lightning_compat import (
     logged_at_last_round,
     note_sigterm,
     reopen_epoch_ended_by_max_steps,
+    reopen_finished_fit,
     settle_unprocessed_batch,
     spawns_processes,
     strategy_optimizers,
@@ -179,6 +180,10 @@ class _Runtime:
     trainable: list[torch.nn.Parameter] | None = None
     #: a round of the current fit has trained (:meth:`FederatedLoop._begin_fit`)
     fitted: bool = False
+    #: the round that has started and not reached its end (an error stopped the fit inside it), else None
+    open_round: int | None = None
+    #: client-state entries a fit at round 0 cleared from a used loop (said in on_fit_start), else None
+    new_run_entries: int | None = None
     #: the server optimizer the loop's ``configure_optimizers`` built last, and the one a fit that continues the
     #: Trainer's run takes the state of (:meth:`FederatedLoop._begin_fit`)
     server_optimizer: torch.optim.Optimizer | None = None
@@ -482,16 +487,20 @@ class FederatedLoop(pl.LightningModule):
                     "per parameter); to train a new stage (a layer unfrozen), fit with a new Trainer: a fit at round "
                     "0 starts a new federated run from the module's current weights"
                 )
+            if self._runtime.open_round is not None:
+                raise ValueError(
+                    f"trainer.fit continues this Trainer's run, but its previous fit stopped inside round "
+                    f"{self._runtime.open_round} (an error), whose clients' state is partly written; resume from the "
+                    "checkpoint of the last completed round (ckpt_path) or fit with a new Trainer"
+                )
             self._runtime.continued_server_optimizer = self._runtime.server_optimizer
-            return
+            reopen_finished_fit(trainer)  # the run's epoch goes on, as an uninterrupted fit's does (a ckpt_path's
+            return  # restore, after setup, replaces it)
         self._runtime.continued_server_optimizer = None
+        self._runtime.open_round = None
         used = len(self.client_state) > 0 or self.failed_clients_total > 0 or self._runtime.fitted
-        if used:
-            rank_zero_info(
-                "trainer.fit starts a new federated run at round 0 from the module's current weights: the loop's "
-                f"client state from its previous fit ({len(self.client_state)} entries) and the federated callbacks' "
-                "state start afresh (to continue a run, resume from its checkpoint with ckpt_path)"
-            )
+        # said in on_fit_start, unless a checkpoint is restored then (Lightning sets ckpt_path after setup)
+        self._runtime.new_run_entries = len(self.client_state) if used else None
         self.client_state.load_state_dict({})
         self.failed_clients_total = 0
         self.rounds_without_healthy_client = 0
@@ -1170,6 +1179,7 @@ class FederatedLoop(pl.LightningModule):
         stats = self._close_clients(plan, tally)
         result = self._step_server(plan, stats, tally)
         self._end_round(result)
+        self._runtime.open_round = None  # set at the round's start (_check_trainable)
         self._runtime.before_validation = True
         return None
 
@@ -1277,6 +1287,7 @@ class FederatedLoop(pl.LightningModule):
         a new federated run, :meth:`_begin_fit`)."""
         fixed = self._runtime.trainable
         self._runtime.fitted = True
+        self._runtime.open_round = plan.round  # until the round's end (training_step)
         if fixed is None:  # the fit's first round
             self._fix_trainable(plan, gparams)
         elif len(gparams) != len(fixed) or any(a is not b for a, b in zip(gparams, fixed)):
@@ -1482,6 +1493,13 @@ class FederatedLoop(pl.LightningModule):
         if self._init_weights_missing and not resumed:
             raise CheckpointError(self.init_weights, "file not found (model.init_weights)")
         self._runtime.trainable = None  # fixed again at this fit's first round (_check_trainable)
+        entries, self._runtime.new_run_entries = self._runtime.new_run_entries, None
+        if entries is not None and not resumed:  # _begin_fit reset a used loop's state
+            rank_zero_info(
+                "trainer.fit starts a new federated run at round 0 from the module's current weights: the loop's "
+                f"client state from its previous fit ({entries} entries) and the federated callbacks' state start "
+                "afresh (to continue a run, resume from its checkpoint with ckpt_path)"
+            )
         self.model.on_fit_start()
         if self.log_module_hparams:  # Lightning logs hparams_initial after on_fit_start
             log_hyperparameters_like(self, self.model)

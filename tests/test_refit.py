@@ -5,10 +5,11 @@
 * a fit at round 0 (a new Trainer) of a loop that has trained is a new federated run from the module's weights:
   the loop's client state and the federated callbacks' state start afresh, so it equals a new loop with new
   callbacks from the same weights (SCAFFOLD's ``c`` and ``c_i``, SgdArmijo's carried step sizes);
-* a layer unfrozen between stages trains with a new Trainer, and is refused on a continuing one.
+* a layer unfrozen between stages trains with a new Trainer, and is refused on a continuing one, as is a
+  continuation of a fit that an error stopped inside a round; a continued fit stays in the run's epoch.
 
-All in float64; both sides of each comparison run the same operations in the same order, so they are equal bit
-for bit.
+All in float64 with sequential clients; both sides of each comparison run the same operations in the same order,
+so they are equal bit for bit.
 """
 
 import copy
@@ -104,3 +105,75 @@ def test_a_layer_unfrozen_between_stages_trains_with_a_new_trainer_and_is_refuse
     _trainer(2, Scaffold()).fit(_loop(fresh), datamodule=_data())
     assert torch.equal(_flat(model), _flat(fresh))
     assert not torch.equal(_flat(model)[: first.numel()], _flat(middle)[: first.numel()])  # the layer trained
+
+
+def test_a_continued_fit_stays_in_the_runs_epoch(tmp_path):
+    """Rounds 4..7 of a 4 + 4 continuation log ``epoch`` 0 and are checkpointed as ``epoch=0-step=...``, as in the
+    uninterrupted run (Lightning would begin a new epoch for the second fit: ``epoch`` 1, ``epoch=1-step=6.ckpt``)."""
+    import csv
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path), name="run")
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    trainer = make_trainer(
+        4, callbacks=[FedAdam(server_lr=0.01), saves], logger=logger, enable_checkpointing=True, precision="64-true"
+    )
+    loop = _loop(_model())
+    trainer.fit(loop, datamodule=_data())
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    trainer.fit(loop, datamodule=_data())
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        epochs = {int(r["step"]): r["epoch"] for r in csv.DictReader(f) if r.get("train/loss")}
+    assert sorted(epochs) == list(range(8)) and set(epochs.values()) == {"0"}
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)]
+
+
+class _FailsOnce(MLP):
+    """Raises in one training_step call of round 1 (a fit stopped inside a round)."""
+
+    calls = 0
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 1:
+            type(self).calls += 1
+            if type(self).calls == 4:
+                raise RuntimeError("a failing step")
+        return super().training_step(batch, batch_idx)
+
+
+def test_continuing_a_fit_that_stopped_inside_a_round_is_refused():
+    """SCAFFOLD's clients of round 1 wrote part of their state before the error: the same Trainer cannot continue
+    from there (it replayed round 1 over that state, and stopped on a misleading 'written twice' error); a new
+    Trainer starts a new run."""
+    torch.manual_seed(0)
+    model = _FailsOnce(input_dim=64, hidden=[16], num_classes=10)
+    loop, trainer = _loop(model), _trainer(3, Scaffold())
+    with pytest.raises(RuntimeError):
+        trainer.fit(loop, datamodule=_data())
+    assert trainer.global_step == 1 and len(loop.client_state) > 0
+    with pytest.raises(ValueError, match=r"previous fit stopped inside round 1 \(an error\)"):
+        trainer.fit(loop, datamodule=_data())
+    fresh = _trainer(2, Scaffold())
+    fresh.fit(loop, datamodule=_data())
+    assert fresh.global_step == 2
+
+
+def test_resuming_a_used_loop_from_a_checkpoint_does_not_announce_a_new_run(tmp_path, caplog):
+    """``ckpt_path`` on a used loop restores the file's state: the 'new federated run' line would say otherwise."""
+    import logging
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    loop = _loop(_model())
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    make_trainer(2, callbacks=[Scaffold(), saves], enable_checkpointing=True).fit(loop, datamodule=_data())
+    with caplog.at_level(logging.INFO):
+        make_trainer(3, callbacks=[Scaffold()]).fit(
+            loop, datamodule=_data(), ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt")
+        )
+    assert "starts a new federated run" not in caplog.text
+    with caplog.at_level(logging.INFO):
+        make_trainer(1, callbacks=[Scaffold()]).fit(loop, datamodule=_data())
+    assert "starts a new federated run" in caplog.text
