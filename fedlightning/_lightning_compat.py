@@ -43,6 +43,7 @@ __all__ = [
     "progress_bar_options",
     "publish_step_metrics",
     "reopen_epoch_ended_by_max_steps",
+    "reopen_finished_fit",
     "settle_unprocessed_batch",
     "should_write_step_logs",
     "spawns_processes",
