@@ -295,9 +295,7 @@ def _tensor_attributes(model: nn.Module) -> dict[tuple[int, str], tuple[nn.Modul
 PROBE_SAMPLES = 8
 
 
-def _probe_cells(
-    leaves: list[Tensor], counts: list[int], limit: int = PROBE_SAMPLES, first: Sequence[tuple[int, int]] = ()
-) -> list[tuple[int, int]]:
+def _probe_cells(leaves: list[Tensor], counts: list[int], limit: int = PROBE_SAMPLES) -> list[tuple[int, int]]:
     """``(row, cell)`` of up to ``limit`` real samples of a padded batch (leaves ``[R, n_max, ...]``, ``counts`` real
     samples per row) for the sample-mean check, scanning the rows in order: first samples that bring a value of a
     *label-like* leaf not met before (an integer leaf: a target, a token label sequence; or a per-sample scalar:
@@ -306,8 +304,7 @@ def _probe_cells(
     told from a plain one only on samples of different weight, which a probe of one client's first samples misses
     under label skew, and a rare sample weight is in the probe when the step's batch holds it; a mean weighted by
     the batch's own class counts (``weight=1 / bincount(y)``) equals the plain mean on samples of distinct classes,
-    and is told from it by the samples that repeat a class. ``first``: samples the probe holds before any other (up
-    to ``limit - 2``)."""
+    and is told from it by the samples that repeat a class."""
     labels = [
         x.detach().reshape(x.shape[0], x.shape[1], -1).cpu()
         for x in leaves
@@ -316,12 +313,9 @@ def _probe_cells(
         and not x.is_complex()
         and (not x.is_floating_point() or x[0, 0].numel() == 1)
     ]
-    picked: list[tuple[int, int]] = list(first)[: max(0, limit - 2)]
+    picked: list[tuple[int, int]] = []
     repeats: list[tuple[int, int]] = []
     seen: list[set] = [set() for _ in labels]
-    for row, cell in picked:
-        for j, y in enumerate(labels):
-            seen[j].add(tuple(y[row, cell].tolist()))
     for row, n in enumerate(counts if labels else []):
         for cell in range(int(n)):
             if len(picked) >= limit - 2 and len(repeats) >= 2:
@@ -901,7 +895,6 @@ class _ModelCall:
         step: int,
         stats: list[Tensor],
         halves: bool = False,
-        include: Sequence[tuple[int, int]] = (),
     ) -> str | None:
         """None if ``training_step``'s loss on a few real samples of the step's batch (:func:`_probe_cells`: up to
         8, at least 2) equals the mean of its losses on each of those samples alone (at the weights and running
@@ -911,8 +904,7 @@ class _ModelCall:
         samples. A ``reduction="sum"`` loss, a term computed over the whole batch, a mean weighted by class
         (``cross_entropy(weight=...)``) or one that leaves samples out (``ignore_index``) fails, the last two when
         the probe holds samples of classes of different weight, or an ignored one: the probe takes samples of as many
-        distinct values of the batch's integer leaves (targets) as it can, from every client's rows, and first the
-        samples ``include`` names. Models with
+        distinct values of the batch's integer leaves (targets) as it can, from every client's rows. Models with
         random layers are checked in eval mode (dropout off): the check is about how the loss reduces over samples,
         which their random draws would hide.
 
@@ -923,7 +915,7 @@ class _ModelCall:
         leaves, spec = tree_flatten(batch)
         counts = mask.sum(1).tolist()
         r = max(range(len(counts)), key=lambda i: (counts[i], -i))
-        cells = _probe_cells(leaves, counts, first=include)
+        cells = _probe_cells(leaves, counts)
         k = len(cells)
         if k < 2:
             return None
