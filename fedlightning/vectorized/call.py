@@ -320,8 +320,6 @@ def _probe_cells(leaves: list[Tensor], counts: list[int], limit: int = PROBE_SAM
         for cell in range(int(n)):
             if len(picked) >= limit - 2 and len(repeats) >= 2:
                 break
-            if (row, cell) in picked:
-                continue
             new = False
             for j, y in enumerate(labels):
                 key = tuple(y[row, cell].tolist())
@@ -993,11 +991,13 @@ class _ModelCall:
         self, path: Any, views: list[Tensor], batch: Any, mask: Tensor, step: int, stats: list[Tensor], min_count: int
     ) -> str | None:
         """None if, on every row with two real samples or more, ``training_step``'s loss on the row's whole padded
-        batch equals the mean of the per-sample path's cells of that batch (``path``, a
-        :class:`~fedlightning.vectorized.rows._SampleRows` whose call has just computed them), and so does every value
-        it logs; else the first difference. The padding repeats the row's own samples, so for a mean over samples both
-        are the same mean; a mean weighted per sample (tokens that are not ignored, class weights, an input) differs
-        as soon as the weights differ within a row, and with them the client's true loss and the per-sample path's.
+        batch equals the mean of a padded path's cells of that batch (``path``: the per-sample path,
+        :class:`~fedlightning.vectorized.rows._SampleRows`, or a user's per-sample protocol,
+        :class:`~fedlightning.vectorized.rows._ProtocolRows`, whose call has just computed them), and so does every
+        value it logs; else the first difference. The padding repeats the row's own samples, so for a mean over
+        samples both are the same mean; a mean weighted per sample (tokens that are not ignored, class weights, an
+        input) differs as soon as the weights differ within a row, and with them the client's true loss and the
+        path's.
 
         Decisions (ours): the batch call runs without gradients or effects, in full precision, with the random state
         put back (:meth:`_checking`) and no line-search recording; a model with random layers, or one under autocast,
@@ -1038,7 +1038,7 @@ class _ModelCall:
                         f"samples, the others repeated) is {a:.6g} while the mean over its samples alone is {b:.6g} "
                         f"(local step {step}): the loss is not a mean over samples here (a mean over tokens or "
                         "elements whose count differs between samples, e.g. ignore_index or a padding mask; class "
-                        "weights; a weight computed from the inputs), and the per-sample path would train a "
+                        "weights; a weight computed from the inputs), and averaging per sample would train a "
                         "client on another objective than its own batch's"
                     )
         return None
