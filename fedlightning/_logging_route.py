@@ -12,6 +12,7 @@ through again)::
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 from collections.abc import Callable, Iterator
@@ -63,6 +64,27 @@ def round_log_options(name: str, args: tuple, kwargs: dict) -> RoundLogOptions:
     nothing more here (the round is the step, and an epoch of the loop is ``rounds_per_epoch`` rounds);
     ``sync_dist`` is always on in effect (the reduction covers all processes); ``batch_size``, ``enable_graph``,
     ``rank_zero_only`` and the rest are accepted and have no effect."""
+    values = (*args, *kwargs.values())
+    simple = type(name) is str and all(type(v) in _PLAIN for v in values)
+    if simple:  # the common call: options of plain values, bound once per distinct call (see _bound_options)
+        return _bound_options(name, args, tuple(kwargs.items()))
+    return _bind_options(name, args, kwargs)
+
+
+#: Types of ``self.log`` option values whose bound options :func:`_bound_options` keeps (hashable by value)
+_PLAIN = frozenset({bool, int, float, str, type(None)})
+
+
+@functools.lru_cache(maxsize=4096)
+def _bound_options(name: str, args: tuple, kwargs: tuple[tuple[str, Any], ...]) -> RoundLogOptions:
+    """:func:`_bind_options` of a call whose options are plain values, kept per distinct call: ``training_step``
+    logs the same names with the same options at every local step of every client, and binding the signature
+    costs about ten times a lookup here. Values equal as keys give equal options (``prog_bar=1`` and ``True``). An
+    invalid call raises and is not kept."""
+    return _bind_options(name, args, dict(kwargs))
+
+
+def _bind_options(name: str, args: tuple, kwargs: dict) -> RoundLogOptions:
     try:
         bound = _LOG_SIGNATURE.bind(None, name, None, *args, **kwargs)
     except TypeError as err:

@@ -183,3 +183,22 @@ def test_a_metric_logged_in_on_train_epoch_end_is_the_rounds_from_round_0():
         total = sum(n for rr, _, n in hits if rr == r)
         expected.append(right / total)
     assert logged == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_options_of_repeated_log_calls_are_bound_as_the_first_call_binds_them():
+    """``round_log_options`` keeps the options of calls with plain values (every local step repeats them): each
+    call still gets its own options, an invalid call is refused every time, and options with other values (a torch
+    reduction, a tensor) are bound each time."""
+    from fedlightning._logging_route import RoundLogOptions, round_log_options
+
+    for _ in range(2):
+        assert round_log_options("a", (), {"prog_bar": True}) == RoundLogOptions("mean", True, True)
+        assert round_log_options("a", (), {"prog_bar": False}) == RoundLogOptions("mean", False, True)
+        assert round_log_options("a", (True, False), {}) == RoundLogOptions("mean", True, False)  # prog_bar, logger
+        assert round_log_options("a", (), {"reduce_fx": "max", "logger": 0}) == RoundLogOptions("max", False, False)
+        assert round_log_options("a", (), {"reduce_fx": torch.sum}) == RoundLogOptions("sum", False, True)
+        assert round_log_options("a", (), {"batch_size": torch.tensor(3)}) == RoundLogOptions()
+        with pytest.raises(ValueError, match=r"reduce_fx='median'"):
+            round_log_options("a", (), {"reduce_fx": "median"})
+        with pytest.raises(TypeError, match=r"self.log\('a', ...\) in training_step: .*unexpected keyword"):
+            round_log_options("a", (), {"colour": "red"})
