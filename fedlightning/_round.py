@@ -104,6 +104,20 @@ class _ServerState:
             group.update(values)
 
 
+def _client_weight(strategy: Any, plan: RoundPlan, update: ClientUpdate) -> Any:
+    """``strategy.client_weight(update)``, refused when it is negative: the weights of a weighted mean are ``w_i ≥ 0``
+    (:meth:`~fedlightning.callbacks.base.ServerStrategy.client_weight`), and a negative one turns the round's mean into
+    an extrapolation whose size depends on how close ``Σ w_i`` comes to 0 (a loss-based weight ``f_i − c``, say).
+    A non-finite weight is left to :func:`screen_update` (the client is left out with a warning)."""
+    weight = strategy.client_weight(update)
+    if weight < 0:
+        raise ValueError(
+            f"round {plan.round}: {type(strategy).__name__}.client_weight gave client {update.client_id} the weight "
+            f"{float(weight):g}; a client's aggregation weight must be >= 0 (0 leaves its update out of the mean)"
+        )
+    return weight
+
+
 @torch.no_grad()
 def screen_update(
     update: ClientUpdate, weight: float, num_sampled: int, max_update_norm: float | None
@@ -250,7 +264,7 @@ class RoundTally:
         stops the run (``on_client_failure="raise"``): no further client of this process is trained."""
         strategy = self.strategy
         if not update.failed:
-            weight = strategy.client_weight(update)
+            weight = _client_weight(strategy, plan, update)
             sq_norm = screen_update(update, weight, self.num_sampled, self.max_update_norm)
         extras = self._extras(update)
         if update.failed:
@@ -307,7 +321,7 @@ class RoundTally:
     def _admit_chunk(self, plan: RoundPlan, chunk: list[ClientUpdate]) -> bool:
         """:meth:`admit` for ``chunk`` (healthy updates of one dtype, shape and device, without buffers)."""
         strategy, stats = self.strategy, self.stats
-        weights = [strategy.client_weight(u) for u in chunk]
+        weights = [_client_weight(strategy, plan, u) for u in chunk]
         deltas = torch.stack([u.delta for u in chunk])
         # squared norms as screen_update computes them: each row's own 1-d float64 sum (a [C] row reduction may
         # split a row's sum differently across threads), of its squares converted in the kept buffer

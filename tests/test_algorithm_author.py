@@ -502,6 +502,24 @@ def test_every_client_at_weight_zero_is_refused_naming_client_weight():
         _fit([_ZeroWeights()], rounds=1)
 
 
+class _LossMinusConstant(ServerStrategy):
+    """A loss-based weight ``f_i − c`` (q-FFL written by hand) that goes negative for a client with a low loss."""
+
+    def client_weight(self, update):
+        return update.first_loss - 2.0 if update.client_id % 2 else update.first_loss
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_a_negative_client_weight_is_refused_naming_the_client_and_value(mode):
+    """It was taken as it came: with weights w_1 > 0 > w_2 the round's 'mean' Σ w_i Δ_i / Σ w_i extrapolates past
+    the first update, the more so the closer Σ w_i comes to 0, with no message. Sequential clients are admitted one
+    by one, vectorized ones in a chunk (``_round.py``'s two paths)."""
+    with pytest.raises(ValueError, match=r"round 0: _LossMinusConstant.client_weight gave client \d+ the weight "
+                       r"-\d\.\d+; a client's aggregation weight must be >= 0") as info:  # fmt: skip
+        _fit([_LossMinusConstant()], mode=mode, rounds=1, clients=4)
+    assert "gave client" in str(info.value)
+
+
 def test_a_callback_state_a_checkpoint_cannot_give_back_is_named():
     """A checkpoint whose state for a callback lacks a key or holds a value of another type (edited, or written by
     another version): one ValueError naming the callback and the cause, once also through super(), where the

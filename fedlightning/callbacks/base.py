@@ -310,7 +310,8 @@ class ServerStrategy(FederatedCallback):
     def client_weight(self, update: ClientUpdate) -> float:
         """The weight ``w_i ≥ 0`` of a healthy client's update in the round's core sums (``Σ w_i Δ_i``, ``Σ w_i``,
         the buffers' average). Default: ``n_i`` (``weighting="samples"``) or 1 (``"uniform"``). A non-finite weight
-        leaves the client out with a warning; every client at weight 0 stops the round, naming this method."""
+        leaves the client out with a warning; a negative one, or every client at weight 0, stops the round, naming
+        this method."""
         return float(update.num_samples) if self.weighting == "samples" else 1.0
 
     def accumulate(self, stats: RoundStatistics, update: ClientUpdate) -> None:
