@@ -30,6 +30,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -98,7 +99,13 @@ from fedlightning.callbacks.base import (
 from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.feddane import client_full_batches, client_full_gradient, client_full_rows
 from fedlightning.callbacks.progress import round_bar_for
-from fedlightning.checkpoint import CheckpointError, check_fits_model, check_resumable, global_model_state
+from fedlightning.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    check_fits_model,
+    check_resumable,
+    global_model_state,
+)
 from fedlightning.client import LocalTrainer
 from fedlightning.datamodules.base import FederatedDataModule, WholeSplitSampler
 from fedlightning.distributed import named_collective
@@ -220,6 +227,15 @@ class _PassRoundPlan:
 _PER_CLIENT_HOOKS = ("configure_client_optimizer", "client_objective", "on_client_end")
 
 
+def _install_safe_checkpoint_io(trainer: pl.Trainer) -> None:
+    """:class:`~fedlightning.checkpoint.AtomicCheckpointIO` in place of Lightning's default checkpoint IO (see
+    :class:`FederatedLoop`, "Checkpoint files"). ``setup`` runs before Lightning reads ``ckpt_path`` (``fit``,
+    ``validate``, ``test``, ``predict``), so that read is the safe one too."""
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is not None and type(strategy.checkpoint_io) is TorchCheckpointIO:
+        strategy.checkpoint_io = AtomicCheckpointIO()
+
+
 class FederatedLoop(pl.LightningModule):
     """Federated training of ``model``.
 
@@ -315,6 +331,12 @@ class FederatedLoop(pl.LightningModule):
             :class:`~fedlightning.checkpoint.CheckpointError` names the difference. A run resumed from a checkpoint
             (``ckpt_path``) ends up with the resumed weights (Lightning restores them over these) and does not need
             the file. Default None: the module's own initial weights.
+
+    Checkpoint files: a Trainer with Lightning's default checkpoint IO (no ``plugins``, or a plain
+    ``TorchCheckpointIO``) gets :class:`~fedlightning.checkpoint.AtomicCheckpointIO` at ``setup``, as the CLI
+    installs it: files written atomically (a kill mid-write keeps the previous file) and read by the safe reader,
+    which admits the numpy and path values a module or callback state may hold (Lightning's default read refuses
+    them, so such a run could not be resumed from Python). Another checkpoint IO is left as it is.
     """
 
     def __init__(
@@ -411,6 +433,7 @@ class FederatedLoop(pl.LightningModule):
                 f"`Trainer.{getattr(stage, 'value', stage)}`."
             )
         self._guard_data_transfer_hooks()
+        _install_safe_checkpoint_io(trainer)
         self.model.setup(stage)
         self._configure_model_now(trainer)
         strategies = [cb for cb in trainer.callbacks if isinstance(cb, ServerStrategy)]

@@ -335,6 +335,66 @@ def test_user_module_checkpoint_resumes_bit_exactly_under_weights_only(tmp_path)
     np.testing.assert_array_equal(extra["counts"], np.arange(3))
 
 
+class _NumpyState(FederatedCallback):
+    """A researcher's callback keeping numpy scalars (a float32 loss, a count) in its state and in the loop's
+    per-client state."""
+
+    def __init__(self):
+        self.best, self.rounds = np.float32(np.inf), np.int64(0)
+
+    def on_client_end(self, trainer, pl_module, plan, update):
+        self.best = min(self.best, np.float32(update.first_loss))
+        pl_module.client_state.set("numpy_probe", update.client_id, {"first_loss": np.float64(update.first_loss)})
+
+    def on_round_end(self, trainer, pl_module, result):
+        self.rounds += 1
+
+    def state_dict(self):
+        return {"best": self.best, "rounds": self.rounds}
+
+    def load_state_dict(self, state_dict):
+        self.best, self.rounds = state_dict["best"], state_dict["rounds"]
+
+
+def _python_fit(folder, max_steps, ckpt_path=None, **trainer_args):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    loop = FederatedLoop(MLP(input_dim=64, num_classes=10, hidden=[16]), local_steps=2, clients_per_round=3, seed=0)
+    probe = _NumpyState()
+    every_round = ModelCheckpoint(dirpath=str(folder), every_n_train_steps=1, save_top_k=-1)
+    trainer = make_trainer(max_steps, [probe, every_round], enable_checkpointing=True, **trainer_args)
+    trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, seed=0), ckpt_path=ckpt_path)
+    return trainer, loop, probe
+
+
+def test_a_python_trainer_writes_atomically_and_resumes_numpy_state(tmp_path):
+    """A Trainer built in Python without plugins: its checkpoints went through Lightning's default IO, written in
+    place, and the read of ``ckpt_path`` refused the numpy scalars the callback keeps (torch's weights_only
+    ``UnpicklingError``), so the run could not resume. The loop installs AtomicCheckpointIO: the run resumes and
+    equals the uninterrupted one, numpy types included; another checkpoint IO the user gave is kept."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    full, full_loop, full_probe = _python_fit(tmp_path / "full", 4)
+    assert type(full.strategy.checkpoint_io) is AtomicCheckpointIO
+    _python_fit(tmp_path / "cut", 2)
+    resumed, loop, probe = _python_fit(tmp_path / "cut", 4, ckpt_path=str(tmp_path / "cut" / "epoch=0-step=2.ckpt"))
+    assert resumed.global_step == 4 and probe.rounds == full_probe.rounds == 4
+    assert type(probe.best) is np.float32 and probe.best == full_probe.best
+    assert torch.equal(_weights(loop), _weights(full_loop))
+    clients = loop.client_state.clients("numpy_probe")
+    assert clients == full_loop.client_state.clients("numpy_probe") and clients
+    for c in clients:
+        value = loop.client_state.get("numpy_probe", c)["first_loss"]
+        assert type(value) is np.float64 and value == full_loop.client_state.get("numpy_probe", c)["first_loss"]
+
+    class OwnIO(TorchCheckpointIO):
+        pass
+
+    own, _, _ = _python_fit(tmp_path / "own", 1, plugins=[OwnIO()])
+    assert type(own.strategy.checkpoint_io) is OwnIO
+
+
 # ====================================================================== 3. nothing lost: the final round
 def _last_holds_the_model(path, module):
     ckpt = read_checkpoint(path)
