@@ -1028,14 +1028,29 @@ class FederatedLoop(pl.LightningModule):
         if hasattr(opt, "set_client_data"):
             dm = self._datamodule()
             opt.set_client_data(num_samples=dm.client_num_samples(client_id), batch_size=dm.batch_size)
+        writers = self._user_hook_owners("configure_client_optimizer")
+        before = [p.detach().clone() for p in params] if writers else None
         for owner, configured in self._hook_results("configure_client_optimizer", plan, client_id, opt):
             if configured is not None:
                 _check_configured_optimizer(owner, configured, params)
                 opt = configured
+        if before is not None:
+            _check_parameters_unwritten(writers, client_id, before, params)
         terms = []
         for owner, extra in self._hook_results("client_objective", plan, client_id):
             terms.extend(_objective_terms(owner, extra))
         return opt, terms
+
+    def _user_hook_owners(self, name: str) -> list[str]:
+        """The class names of the callbacks other than fedlightning's own that define the federated hook ``name``
+        (fedlightning's are known not to write the client's parameters: :func:`_check_parameters_unwritten`)."""
+        if not self._federated_hook_users(name):
+            return []
+        return [
+            type(cb).__name__
+            for cb in self.trainer.callbacks
+            if _defines_hook(cb, name) and not type(cb).__module__.startswith("fedlightning.")
+        ]
 
     def _hook_results(self, name: str, *args: Any) -> list[tuple[str, Any]]:
         """:meth:`_federated_hook`'s results, each with the name of the callback class that returned it."""
@@ -2004,6 +2019,30 @@ def _check_configured_optimizer(owner: str, optimizer: Any, params: Sequence[Ten
             f"{where} returned a {type(optimizer).__name__} over {foreign} tensor(s) that are not the client model's "
             "parameters, so the client's model would not train; build it over the parameters of the optimizer the "
             "hook receives (optimizer.param_groups), or return None"
+        )
+
+
+def _check_parameters_unwritten(
+    owners: list[str], client_id: int, before: list[Tensor], params: Sequence[Tensor]
+) -> None:
+    """A ``configure_client_optimizer`` hook must leave the client's parameters (the optimizer's) as they were.
+
+    Decision (ours): every client starts its local training from the global weights ``w_t``, which are written into
+    the client's working copy after this hook, in sequential and vectorised training alike; a value the hook writes
+    there (personal weights, say) would be overwritten without a trace, so a write is refused, naming the hook.
+    Compared bit for bit (a NaN left by the previous client counts as unchanged), for callbacks other than
+    fedlightning's own: one copy of the client's parameters per client while such a callback defines the hook."""
+    changed = [
+        i
+        for i, (old, p) in enumerate(zip(before, params))
+        if not torch.equal(old.reshape(-1).view(torch.uint8), p.detach().reshape(-1).view(torch.uint8))
+    ]
+    if changed:
+        raise ValueError(
+            f"{' / '.join(owners)}.configure_client_optimizer changed client {client_id}'s parameters ({len(changed)} "
+            "of the optimizer's parameter tensors): a client starts its training from the global model's weights, "
+            "written after this hook, so the change would be lost; set server-held state into the optimizer (its "
+            "state or param_groups) or the client_objective, not into the parameters"
         )
 
 

@@ -520,6 +520,43 @@ def test_a_negative_client_weight_is_refused_naming_the_client_and_value(mode):
     assert "gave client" in str(info.value)
 
 
+class _PersonalStart(FederatedCallback):
+    """Personal weights written where the optimizer's parameters are: the client's working copy."""
+
+    def __init__(self, how):
+        self.how, self.calls = how, 0
+
+    def configure_client_optimizer(self, trainer, pl_module, plan, client_id, optimizer):
+        self.calls += 1
+        if self.how == "none":
+            optimizer.param_groups[0]["lr"] = optimizer.param_groups[0]["lr"]  # touches the optimizer only
+            return None
+        p = optimizer.param_groups[0]["params"][-1]
+        if self.how == "no_grad":
+            with torch.no_grad():
+                p.fill_(0.0)
+        else:  # the older idiom, which no version counter sees
+            p.data.copy_(torch.zeros_like(p))
+        return None
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+@pytest.mark.parametrize("how", ["no_grad", "data"])
+def test_personal_weights_written_in_configure_client_optimizer_are_refused(mode, how):
+    """The write was overwritten by the global weights without a trace: every client trained from w_t. (Sequential
+    training reports it as the client's error, ``round 0: client c raised ValueError: ...``.)"""
+    refused = r"_PersonalStart.configure_client_optimizer changed client \d+'s parameters \(1 of the optimizer's "
+    with pytest.raises((ValueError, RuntimeError), match=refused + r"parameter tensors\): a client starts"):
+        _fit([FedAvg(), _PersonalStart(how)], mode=mode, rounds=1)
+
+
+def test_a_configure_client_optimizer_that_leaves_the_parameters_trains_as_without_it():
+    hook = _PersonalStart("none")
+    loop, _ = _fit([FedAvg(), hook], rounds=2)
+    plain, _ = _fit([FedAvg()], rounds=2)
+    assert hook.calls == 6 and torch.equal(_flat(loop.model), _flat(plain.model))
+
+
 def test_a_callback_state_a_checkpoint_cannot_give_back_is_named():
     """A checkpoint whose state for a callback lacks a key or holds a value of another type (edited, or written by
     another version): one ValueError naming the callback and the cause, once also through super(), where the

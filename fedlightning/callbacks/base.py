@@ -114,7 +114,9 @@ class FederatedCallback(Callback):
         """After client ``client_id``'s optimizer was built for ``plan`` (lr scaled, its own client state set), before
         it trains: a strategy may set server-held state into ``optimizer`` (return None) or return an optimizer that
         replaces it for this client (a wrapper over the same parameters). Default: None (unchanged). Like Flower's
-        ``configure_fit``: what the server sends each client besides the weights."""
+        ``configure_fit``: what the server sends each client besides the weights. The client's parameters (the
+        optimizer's) must be left as they are: the client starts from the global weights, written after this hook,
+        and a hook that changes them stops the run, naming it."""
         return None
 
     def client_objective(self, trainer, pl_module, plan: RoundPlan, client_id: int) -> list[Any]:
