@@ -748,6 +748,21 @@ class FederatedLoop(pl.LightningModule):
         vector the loop and the strategies use: ``Δ``, ``update.delta``, ``flat_params``)."""
         return self._global_params()
 
+    def parameter_slices(self) -> dict[str, slice]:
+        """Where each trainable parameter of the global model lies in the flat vectors a round passes around (a
+        client's ``update.delta``, ``mean_delta``, the pseudo-gradient ``server_update`` returns, rows of
+        :meth:`client_full_gradients`): ``{name: slice}`` in ``model.named_parameters()`` order, frozen parameters
+        (``requires_grad=False``) left out, a shared parameter once under its first name. E.g. a strategy that keeps
+        some layers out of the server step zeroes ``pseudo_gradient[s]`` for their slices. The order is the module's
+        registration order, not the order of the names: a module's own ``nn.Parameter`` attributes come before
+        those of its submodules."""
+        slices, start = {}, 0
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                slices[name] = slice(start, start + p.numel())
+                start += p.numel()
+        return slices
+
     def global_frozen_parameters(self) -> list[torch.nn.Parameter]:
         """The global model's parameters that do not train (``requires_grad=False``), in ``model.parameters()``
         order: every client starts from their values (``LocalTrainer.run``'s ``global_frozen``)."""

@@ -591,3 +591,51 @@ def test_a_callback_state_a_checkpoint_cannot_give_back_is_named():
     restored = Derived()
     restored.load_state_dict({"rounds": 7})
     assert restored.rounds == 7
+
+
+class _ScaledLin(Lin):
+    """A module's own Parameter next to a submodule's, and a frozen one: registration order is not name order."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+        self.scale = torch.nn.Parameter(torch.ones(N_CLS))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x.double()) * self.scale, y)
+
+
+class _KeepsOut(ServerStrategy):
+    """Leaves the parameters ``names`` out of the server step (FedBN-like), through ``loop.parameter_slices()``."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names, self.seen = names, []
+
+    def server_update(self, loop, stats, plan):
+        step = self.mean_delta(stats).clone()
+        slices = loop.parameter_slices()
+        self.seen.append(slices)
+        for name in self.names:
+            step[slices[name]] = 0
+        return ServerStep(step, None, {})
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+def test_parameter_slices_locate_each_trainable_parameter_in_the_flat_update(mode):
+    """The slices follow the flat layout (``scale`` first, ``frozen`` absent), so a strategy that zeroes the
+    pseudo-gradient of ``net.bias`` and ``scale`` leaves exactly those parameters at their initial values while the
+    weight trains."""
+    module = _ScaledLin()
+    start = {k: v.clone() for k, v in module.state_dict().items()}
+    strategy = _KeepsOut(["net.bias", "scale"])
+    loop, _ = _fit([strategy], mode=mode, rounds=2, module=module)
+    n_w = N_CLS * D_IN
+    assert strategy.seen[0] == {
+        "scale": slice(0, N_CLS),
+        "net.weight": slice(N_CLS, N_CLS + n_w),
+        "net.bias": slice(N_CLS + n_w, 2 * N_CLS + n_w),
+    }
+    assert torch.equal(module.net.bias, start["net.bias"]) and torch.equal(module.scale, start["scale"])
+    assert not torch.equal(module.net.weight, start["net.weight"])
