@@ -922,7 +922,11 @@ class FederatedDataModule(pl.LightningDataModule):
         or consecutive chunks of ``batch_size`` (the last one shorter; ``drop_last`` does not apply: every sample is
         read), collated as :meth:`client_dataloader` collates them (the user's ``collate_fn`` and loader options;
         one tensor indexing per batch for in-memory tensors without one), in this process (no worker processes):
-        the batches of a client's full-batch gradient (FedDANE's gradient phase, Mime's full gradient)."""
+        the batches of a client's full-batch gradient (FedDANE's gradient phase, Mime's full gradient). The batches
+        are the data set's, on the CPU, as any loader gives them: the Trainer's device transfer and precision
+        conversion (``precision="64-true"`` makes float inputs float64) are applied by the loop's own uses
+        (``FederatedLoop.client_full_gradients``), not here; a callback that reads them itself applies
+        ``trainer.strategy.batch_to_device`` and ``trainer.precision_plugin.convert_input``."""
         self._require_setup()
         self._check_client_id(client_id)
         indices = self.client_indices[client_id]
