@@ -32,7 +32,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -188,23 +188,33 @@ class FiniteMean(NamedTuple):
     left_out: list[Any]  #: the keys of this process's terms whose vector holds a NaN or an infinity
     left_out_total: int  #: how many terms were left out, over every process
     used_total: int  #: how many terms entered the mean, over every process
+    raised_total: int = 0  #: how many terms were left out as ``raised`` keys, over every process (not in the above)
 
 
 def finite_weighted_mean_over_processes(
-    terms: Iterable[tuple[Any, float, Tensor]], like: Tensor, what: str, round: int | None = None
+    terms: Iterable[tuple[Any, float, Tensor]],
+    like: Tensor,
+    what: str,
+    round: int | None = None,
+    raised: Collection[Any] = (),
 ) -> FiniteMean:
     """``Σ w_k v_k / Σ w_k`` over the terms ``(key, w_k, v_k)`` of every process (each process passes its own share)
     whose vector ``v_k`` is finite, summed in float64 in the order given and returned in ``like``'s dtype and
     shape, with the keys of this process's terms that were left out (a NaN or an infinity in ``v_k``). When no term
     of any process is finite the mean is NaN. Under a process group the partial sums, the summed weight and the
     counts are all-reduced together, under the collective timeout (a failure raises :class:`CollectiveError` naming
-    ``what`` and ``round``); in one process this is the weighted mean of the finite terms."""
+    ``what`` and ``round``); in one process this is the weighted mean of the finite terms. The terms whose key is in
+    ``raised`` (this process's clients whose computation raised, their vectors NaN) are left out too and counted
+    apart (``raised_total``), not in ``left_out``."""
     numel = like.numel()
-    acc = torch.zeros(numel + 3, dtype=torch.float64, device=like.device)
+    acc = torch.zeros(numel + 4, dtype=torch.float64, device=like.device)
     body = acc[:numel]
     left_out: list[Any] = []
-    weight, used = 0.0, 0
+    weight, used, failed = 0.0, 0, 0
     for key, w, v in terms:
+        if key in raised:
+            failed += 1
+            continue
         if not bool(torch.isfinite(v).all()):
             left_out.append(key)
             continue
@@ -214,13 +224,14 @@ def finite_weighted_mean_over_processes(
     acc[numel] = weight
     acc[numel + 1] = used
     acc[numel + 2] = len(left_out)
+    acc[numel + 3] = failed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         timeout = apply_collective_timeout()
         with _named(f"all_reduce ({what})", round, timeout):
             dist.all_reduce(acc)
-    weight, used, dropped = acc[numel:].tolist()
+    weight, used, dropped, failed = acc[numel:].tolist()
     mean = body / weight if used else torch.full_like(body, float("nan"))
-    return FiniteMean(mean.to(like.dtype).view(like.shape), left_out, int(dropped), int(used))
+    return FiniteMean(mean.to(like.dtype).view(like.shape), left_out, int(dropped), int(used), int(failed))
 
 
 def release_process_group() -> None:

@@ -177,6 +177,9 @@ class _Runtime:
     full_gradient_engine: Any | None = None
     #: why :meth:`FederatedLoop.client_full_gradients` computes client by client for this run (None: it need not)
     full_gradient_fallback: str | None = None
+    #: ``(round, client ids)``: the clients whose full gradient raised in that round under ``on_client_error="skip"``
+    #: (:meth:`FederatedLoop.full_gradient_errors`)
+    full_gradient_raised: tuple[int, set[int]] = (-1, set())
     #: the global model's torchmetrics metrics computing without a sync, during a whole-split evaluation with
     #: several processes (:meth:`FederatedLoop._begin_evaluation`)
     evaluation: contextlib.ExitStack | None = None
@@ -817,7 +820,52 @@ class FederatedLoop(pl.LightningModule):
                     f"the full gradients of {len(ids)} clients at once ran out of accelerator memory ({first}); "
                     "computing them client by client this round"
                 )
-        return torch.stack([client_full_gradient(self, k, round, batch_size, tag=tag) for k in ids])
+            except Exception as err:  # noqa: BLE001 - which client raised is found client by client below
+                warnings.warn(
+                    f"round {round}: the batched full gradients of {len(ids)} clients raised {type(err).__name__}: "
+                    f"{err}; computing them client by client this round",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        return self._full_gradients_one_by_one(ids, round, batch_size, tag, params)
+
+    def _full_gradients_one_by_one(self, ids: list[int], round: int, batch_size, tag: str, params) -> Tensor:
+        """:meth:`client_full_gradients` client by client, under the loop's ``on_client_error``.
+
+        Decision (ours): a client whose ``training_step`` raises in its full gradient at the global weights is
+        treated as a client that raises in its local training: ``"raise"`` (default) stops the run with a
+        ``RuntimeError`` naming the round, the client and the exception (chained); ``"skip"`` warns and gives the
+        client a NaN row, which the strategies' means leave out (FedDANE's ``g_t``, Mime's server momentum:
+        :func:`~fedlightning.callbacks.feddane.leave_out_nonfinite_gradients`, which does not count it again as a
+        NaN gradient; :meth:`full_gradient_errors`). Under FedDANE the client's own correction is then NaN, so its
+        local update is too and the round leaves it out (``on_client_failure``)."""
+        rows = []
+        for k in ids:
+            try:
+                rows.append(client_full_gradient(self, k, round, batch_size, tag=tag))
+            except Exception as err:
+                what = (
+                    f"round {round}: client {k} raised {type(err).__name__}: {err}, in its full gradient at the "
+                    f"global weights ({tag})"
+                )
+                if self.on_client_error != "skip":
+                    raise RuntimeError(
+                        f"{what}. An exception in client training is a bug in the model, the data or a callback's "
+                        "hook, not a faulty client, so the run stops (on_client_error='skip' would leave such clients "
+                        "out of the round's means)"
+                    ) from err
+                warnings.warn(f"{what}; it is left out (on_client_error='skip')", UserWarning, stacklevel=3)
+                seen_round, raised = self._runtime.full_gradient_raised
+                self._runtime.full_gradient_raised = (round, (raised if seen_round == round else set()) | {k})
+                D = sum(p.numel() for p in params)
+                rows.append(torch.full((D,), float("nan"), dtype=params[0].dtype, device=params[0].device))
+        return torch.stack(rows)
+
+    def full_gradient_errors(self, round: int) -> frozenset[int]:
+        """The clients whose full gradient raised in ``round`` and were left out under ``on_client_error="skip"``
+        (their rows of :meth:`client_full_gradients` are NaN)."""
+        seen_round, raised = self._runtime.full_gradient_raised
+        return frozenset(raised) if seen_round == round else frozenset()
 
     def _client_group_limit(self) -> int | None:
         """The most clients one vectorised computation takes now (the vectorised executor's rule, ``VectorizedRun``);

@@ -5,6 +5,7 @@ which sum in other orders, agree to rounding (numerics.RTOL64)."""
 
 import copy
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -523,3 +524,60 @@ def test_a_first_parameter_group_of_frozen_parameters_does_not_set_the_step_size
         runs[execution] = (weights(loop), sizes.sizes)
     assert runs["sequential"][1] == runs["vectorized"][1] == [[LR] * K] * (2 * CPR)
     assert_close64(runs["vectorized"][0], runs["sequential"][0])
+
+
+class _RaisesForOneSample(pl.LightningModule):
+    """BatchNorm in training mode raises on a batch of one sample: a client whose full-data chunks end in one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+
+def _full_gradient_fit(strategy, policy, mode):
+    from fedlightning.callbacks import Mime
+    from fedlightning.datamodules import DigitsDataModule, Dirichlet
+
+    dm = DigitsDataModule(num_clients=20, batch_size=8, partition=Dirichlet(0.3), seed=3)
+    loop = FederatedLoop(_RaisesForOneSample(), client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=1,
+                         clients_per_round=20, seed=3, on_client_error=policy, client_execution=mode)  # fmt: skip
+    if strategy == "FedDANE":
+        cb = FedDANE(mu=0.01, gradient_clients="same", gradient_batch_size=8)
+    else:
+        cb = Mime(momentum=0.9, gradient_batch_size=8)
+    metrics = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    trainer = make_trainer(1, [cb, Record()])
+    return trainer, loop, dm, metrics
+
+
+@pytest.mark.parametrize("mode", ["sequential", "vectorized"])
+@pytest.mark.parametrize("strategy", ["FedDANE", "Mime"])
+def test_a_client_raising_in_the_full_gradient_phase_follows_on_client_error(strategy, mode):
+    """The exception escaped bare (no round, no client) and on_client_error='skip' did not apply. Now 'raise' names
+    the round, the client and the phase, and 'skip' leaves the raising clients out of the gradient mean: the mean
+    counts exactly the clients whose chunks of 8 never leave one sample alone (vectorized: the batched call raises
+    and the clients are computed one by one, which finds them)."""
+    trainer, loop, dm, _ = _full_gradient_fit(strategy, "raise", mode)
+    refused = r"^round 0: client \d+ raised ValueError: Expected more than 1 value per channel .*, in its full "
+    with pytest.raises(RuntimeError, match=refused + r"gradient at the global weights \((feddane|mime)-gradient\)"):
+        trainer.fit(loop, datamodule=dm)
+
+    trainer, loop, dm, metrics = _full_gradient_fit(strategy, "skip", mode)
+    with pytest.warns(UserWarning, match=r"round 0: client \d+ raised ValueError: .* it is left out"):
+        trainer.fit(loop, datamodule=dm)
+    lone = [k for k in range(20) if dm.client_num_samples(k) % 8 == 1]
+    assert lone, "the split must hold a client whose last chunk is one sample"
+    key = "feddane/gradient_clients" if strategy == "FedDANE" else "mime/gradient_clients"
+    assert metrics[0][key] == 20 - len(lone)  # every client of the round is in S_t
+    assert loop.full_gradient_errors(0) == frozenset(lone)
+    assert torch.isfinite(torch.cat([p.reshape(-1) for p in loop.model.parameters()])).all()

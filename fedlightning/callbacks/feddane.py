@@ -164,7 +164,9 @@ def leave_out_nonfinite_gradients(loop, plan: RoundPlan, result: FiniteMean, wha
     Decision (ours): such a client is a failed client of the gradient phase, as a client with a NaN update is of
     the local phase. Its own training then goes by the loop's usual checks: under FedDANE its correction
     ``g_t − ∇F_k(w_t)`` is NaN, so its update is too and it is left out of the round; under Mime and MimeLite its
-    local steps do not use its own full gradient, and its update counts if it is finite."""
+    local steps do not use its own full gradient, and its update counts if it is finite. A client whose computation
+    raised under ``on_client_error="skip"`` (``FederatedLoop.full_gradient_errors``, ``result.raised_total``) was
+    warned about by the loop and is not counted here."""
     if not result.left_out_total:
         return
     if loop.on_client_failure == "raise":
@@ -305,6 +307,7 @@ class FedDANE(FedAvg):
             grads.new_empty(grads.shape[1]),
             "FedDANE's global gradient",
             plan.round,
+            raised=pl_module.full_gradient_errors(plan.round),
         )
         leave_out_nonfinite_gradients(pl_module, plan, result, "FedDANE's global gradient g_t")
         self._global_gradient = result.mean

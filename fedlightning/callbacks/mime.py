@@ -197,7 +197,11 @@ class Mime(ServerStrategy):
         share = pl_module.process_share(ids)
         grads = pl_module.client_full_gradients(share, plan.round, self.gradient_batch_size, tag="mime-gradient")
         result = finite_weighted_mean_over_processes(
-            ((k, weights[k], grad) for k, grad in zip(share, grads)), like, "Mime's full gradient", plan.round
+            ((k, weights[k], grad) for k, grad in zip(share, grads)),
+            like,
+            "Mime's full gradient",
+            plan.round,
+            raised=pl_module.full_gradient_errors(plan.round),
         )
         leave_out_nonfinite_gradients(pl_module, plan, result, f"{type(self).__name__}'s full gradient c")
         self._full_gradient = result.mean
