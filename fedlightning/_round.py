@@ -243,6 +243,7 @@ class RoundTally:
         self.healthy: list[HealthyClient] = []
         self.failed = 0
         self.first_error: tuple | None = None  # (client, exception) of the first client that raised, under "skip"
+        self.first_failure: tuple[int, str] | None = None  # (client, reason) of the first client left out
         self.stop: tuple | None = None
         self._raised: set = set()
         self._has_extras = type(strategy).accumulate is not ServerStrategy.accumulate  # else nothing to check or merge
@@ -386,6 +387,8 @@ class RoundTally:
         self.failed += 1
         # every process names its own clients (rank_zero_warn would drop the other processes' ones)
         reason = update.failure or "marked failed, no reason given"
+        if self.first_failure is None:
+            self.first_failure = (update.client_id, reason)
         warnings.warn(f"round {plan.round}: client {update.client_id} skipped ({reason})", UserWarning, stacklevel=4)
         return True
 
@@ -414,6 +417,9 @@ class FailurePolicy:
         self.on_client_error = on_client_error
         self.max_failed_rounds = max_failed_rounds
         self.rounds_without_healthy_client = 0
+        #: ``(round, client, reason)``: this process's first client left out in the latest round without a healthy
+        #: client (named by the stops; not checkpointed: a resumed run names the rounds it trained itself)
+        self.last_failure: tuple[int, int, str] | None = None
 
     def stop_run(self, plan: RoundPlan, stats: RoundStatistics, stop: tuple | None, trainer: Any) -> None:
         """Stop the run when a client of this round raised under ``on_client_error="raise"`` or failed under
@@ -446,7 +452,14 @@ class FailurePolicy:
             ) from cause
         raise FloatingPointError(f"client {cid} failed in round {plan.round}: {what}")
 
-    def check_round(self, plan: RoundPlan, stats: RoundStatistics, first_error: tuple | None, model_name: str) -> None:
+    def check_round(
+        self,
+        plan: RoundPlan,
+        stats: RoundStatistics,
+        first_error: tuple | None,
+        model_name: str,
+        first_failure: tuple[int, str] | None = None,
+    ) -> None:
         """The failure policy's stops (the ``"skip"`` policies; identical on every process, from the reduced
         counts): every client raised → the round's first exception, chained; ``max_failed_rounds`` consecutive
         rounds without a healthy client → ``FloatingPointError``.
@@ -481,13 +494,24 @@ class FailurePolicy:
             )
             raise RuntimeError(message) from (first_error[1] if first_error is not None else None)
         self.rounds_without_healthy_client += 1
+        if first_failure is not None:
+            self.last_failure = (plan.round, *first_failure)
+        elif first_error is not None:
+            self.last_failure = (plan.round, first_error[0], f"raised {type(first_error[1]).__name__}")
         limit = self.max_failed_rounds
         if limit is not None and self.rounds_without_healthy_client >= limit:
             raise FloatingPointError(
                 f"round {plan.round}: {self.rounds_without_healthy_client} consecutive rounds without a healthy client "
-                f"(max_failed_rounds={limit}); every client's loss or update was NaN/inf or it failed. Lower the "
-                "client learning rate, clip client gradients (client_grad_clip) or raise max_failed_rounds"
+                f"(max_failed_rounds={limit}): every client was left out of its round{self._example()}. "
+                f"{_REMEDIES} or raise max_failed_rounds"
             )
+
+    def _example(self) -> str:
+        """``"; e.g. client c in round r: <reason>"``, from :attr:`last_failure` (empty without one)."""
+        if self.last_failure is None:
+            return ""
+        round_, client, reason = self.last_failure
+        return f"; e.g. client {client} in round {round_}: {reason}"
 
     def check_run(self, rounds: int) -> None:
         """At the end of training: a run in which no round had a healthy client (the global model never changed)
@@ -497,10 +521,18 @@ class FailurePolicy:
         if self.max_failed_rounds is None or rounds == 0 or self.rounds_without_healthy_client < rounds:
             return
         raise FloatingPointError(
-            f"no round of this run had a healthy client ({rounds} round{'s' if rounds != 1 else ''}; every client's "
-            "loss or update was NaN/inf, too large, or it failed), so the global model was never updated. Lower the "
-            "client learning rate or clip client gradients (client_grad_clip)"
+            f"no round of this run had a healthy client ({rounds} round{'s' if rounds != 1 else ''}: every client was "
+            f"left out of its round{self._example()}), so the global model was never updated. {_REMEDIES}"
         )
+
+
+#: What the stops for rounds without a healthy client suggest; which applies shows in the reason they name (each
+#: client's reason is also in its round's warning)
+_REMEDIES = (
+    "For NaN/inf losses or updates: lower the client learning rate or clip client gradients (client_grad_clip, for "
+    "client optimizers other than the line searches and SPS); for 'max_update_norm': raise it; for updates that "
+    "could overflow: lower the learning rate"
+)
 
 
 def _distributed(trainer: Any) -> bool:

@@ -1447,7 +1447,7 @@ class FederatedLoop(pl.LightningModule):
         stats = tally.close()
         reduce_statistics(stats, self.trainer, self.global_step)  # global_step is the round being trained
         self._policy.stop_run(plan, stats, tally.stop, self.trainer)
-        self._policy.check_round(plan, stats, tally.first_error, type(self.model).__qualname__)
+        self._policy.check_round(plan, stats, tally.first_error, type(self.model).__qualname__, tally.first_failure)
         return stats
 
     def _step_server(self, plan: RoundPlan, stats: RoundStatistics, tally: RoundTally) -> RoundResult:

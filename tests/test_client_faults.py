@@ -287,6 +287,21 @@ def test_max_update_norm_skips_a_client_with_a_big_norm():
     _assert_close_to(_flat(loop.model), expected, tol)
 
 
+def test_rounds_left_without_a_client_by_max_update_norm_stop_naming_it():
+    """Every update (finite) above a tiny max_update_norm for max_failed_rounds rounds: the stop said every loss or
+    update was NaN/inf and suggested client_grad_clip; it names a client's actual reason now."""
+    with pytest.raises(FloatingPointError) as info:
+        _fit(FedAvg(), rounds=3, max_update_norm=1e-9, max_failed_rounds=2)
+    message = str(info.value)
+    assert message.startswith(
+        "round 1: 2 consecutive rounds without a healthy client (max_failed_rounds=2): every client was left out of "
+        "its round; e.g. client "
+    )
+    named = re.search(r"e.g. client \d+ in round (\d+): update norm [0-9.e+-]+ > max_update_norm=1e-09\. ", message)
+    assert named and named.group(1) == "1"  # the latest round's first client left out
+    assert "for 'max_update_norm': raise it" in message and "NaN/inf or it failed" not in message
+
+
 class ExtraStatistic(FedAvg):
     """FedAvg that adds a statistic per client; the second sampled client's is ``bad`` (others: 1.0)."""
 
@@ -591,11 +606,13 @@ def test_a_run_without_a_healthy_round_exits_non_zero_through_train_py(tmp_path)
         timeout=300,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "FloatingPointError: no round of this run had a healthy client (2 rounds; every client's loss or update was "
-        "NaN/inf, too large, or it failed), so the global model was never updated. Lower the client learning rate or "
-        "clip client gradients (client_grad_clip)"
-    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"FloatingPointError: no round of this run had a healthy client \(2 rounds: every client was left out of its "
+        r"round; e.g. client \d+ in round 1: non-finite training loss\), so the global model was never updated. For "
+        r"NaN/inf losses or updates: lower the client learning rate or clip client gradients .*",
+        last,
+    ), last
 
 
 # ============================================================================ DDP: the rules hold per process
