@@ -1847,14 +1847,17 @@ class FederatedLoop(pl.LightningModule):
     def _client_groups_state(self) -> dict[str, Any] | None:
         """How vectorised execution runs, as far as a measurement decided it: the group size in force (measured for
         ``max_parallel_clients="auto"``, or halved after running out of memory) with the setting it came from, and
-        ``client_execution="auto"``'s choice with its reason and the device type it was measured on; None when the
-        settings alone give it."""
+        ``client_execution="auto"``'s choice with its reason and the device type it was measured on, and the padded
+        steps' path once it left loss interception (``padded_path``); None when the settings alone give it."""
         run = getattr(self._executor, "run", None)
         if run is None:
             return None
         out: dict[str, Any] = {}
         if run.group_size is not None:
             out.update(max_parallel_clients=self.max_parallel_clients, group_size=int(run.group_size))
+        padded = run.engine.padded_path_state if run.engine is not None else run.padded_path
+        if padded is not None:
+            out["padded_path"] = dict(padded)
         if run.mode == "auto" and run.choice is not None:
             out["auto"] = {
                 "choice": run.choice,
@@ -1870,10 +1873,16 @@ class FederatedLoop(pl.LightningModule):
         since: then the new setting applies. ``client_execution="auto"`` keeps the choice measured before the
         resume on the same device type (decision, ours: a new measurement could choose the other mode, whose
         rounding differs in the last bits, and the resumed run would no longer equal the uninterrupted one); on
-        another device type it measures again."""
+        another device type it measures again. Padded steps keep the per-sample path the interrupted run had moved
+        to (a check or a call of loss interception failed in a round before the checkpoint; the two paths round
+        differently in the last bits)."""
         run = getattr(self._executor, "run", None)
         if run is None or not saved:
             return
+        padded = saved.get("padded_path")
+        run.padded_path = dict(padded) if isinstance(padded, dict) else None
+        if run.engine is not None:
+            run.engine.pin_padded_path(run.padded_path)
         size = saved.get("group_size")
         same_setting = saved.get("max_parallel_clients") == self.max_parallel_clients
         if same_setting and isinstance(size, int) and not isinstance(size, bool) and size >= 1:

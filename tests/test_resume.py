@@ -393,3 +393,43 @@ def test_a_finished_run_extended_goes_on_in_its_epoch_as_an_uninterrupted_run_do
     assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
     assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == names[1:]
     torch.testing.assert_close(_weights(loop), expected, atol=0, rtol=0)
+
+
+class _WarmUpPenalty(pl.LightningModule):
+    """A logit penalty in round 0 only: loss interception refuses that round's loss, and padded steps move to the
+    per-sample path for the rest of the engine's life."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10)).double()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x.double())
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        if self.global_step == 0:
+            loss = loss + 1e-3 * logits.pow(2).mean()
+        return loss
+
+
+def _warm_up_fit(tmp_path, rounds, ckpt_path=None):
+    loop = FederatedLoop(_WarmUpPenalty(), client_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_steps=3,
+                         clients_per_round=4, seed=0, client_execution="vectorized")  # fmt: skip
+    ck = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = make_trainer(rounds, callbacks=[ck], enable_checkpointing=True)
+    dm = DigitsDataModule(num_clients=20, batch_size=32, partition=Dirichlet(0.3), seed=3)
+    trainer.fit(loop, datamodule=dm, ckpt_path=ckpt_path)
+    return loop
+
+
+def test_a_vectorized_run_resumes_on_the_padded_path_it_had_moved_to(tmp_path):
+    """The resumed engine chose loss interception again (it never saw round 0's penalty), where the uninterrupted run
+    had moved to the per-sample path: 2.8e-17 apart in float64. The checkpoint records the path now."""
+    full = _warm_up_fit(tmp_path / "full", 4)
+    assert full.vectorized_engine.padded_path_state is not None  # the case under test: the path moved
+    resumed = _warm_up_fit(tmp_path / "cut", 4, ckpt_path=str(tmp_path / "full" / "step=2.ckpt"))
+    assert resumed.vectorized_engine.padded_path_state == {
+        "per_sample": "as before the resume: " + full.vectorized_engine.padded_path_state["per_sample"]
+    }
+    assert torch.equal(_weights(resumed), _weights(full))

@@ -59,6 +59,9 @@ class VectorizedRun:
     fallback: bool = False
     group_size: int | None = None
     footprint: float | None = None
+    #: the engine's padded path as a checkpoint recorded it (``VectorizedClientTrainer.padded_path_state``), given to
+    #: the engine :func:`_engine` builds
+    padded_path: dict | None = None
 
     def group_limit(self, max_parallel_clients: int | str | None) -> int | None:
         """The most clients one vectorised computation takes now: the group size in force (measured for
@@ -847,6 +850,7 @@ def _engine(loop, run: VectorizedRun) -> VectorizedClientTrainer:
         to_device = worker.to_device if convert is None else (lambda b: worker.to_device(convert(b)))
         device = next(iter(worker.model.parameters()), torch.empty(0)).device
         engine = VectorizedClientTrainer(worker.model, to_device=_DeviceTransfer(to_device, device))
+        engine.pin_padded_path(run.padded_path)
         run.engine = engine
     return engine
 

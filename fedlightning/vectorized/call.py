@@ -512,6 +512,14 @@ class _ModelCall:
         if isinstance(self.padded_rows, _InterceptedRows):
             self.padded_rows = _SampleRows(self, "")
 
+    def pin_per_sample(self, reason: str) -> None:
+        """Padded steps take the per-sample path from now on, announced with ``reason``: a run resumed from a
+        checkpoint whose run had left loss interception for it (:attr:`VectorizedClientTrainer.padded_path_state`),
+        so the resumed run computes its padded steps as the uninterrupted run does."""
+        self._may_intercept = False
+        if not isinstance(self.padded_rows, _SampleRows):
+            self.padded_rows = per_sample_fallback(self, reason)
+
     @property
     def padded_path_reason(self) -> str:
         """Why padded steps take their path ("" before the first padded step)."""

@@ -25,6 +25,10 @@ from .torch_internals import _rng_state, _seed_default_generators, tree_flatten
 __all__ = ["VectorizedClientTrainer"]
 
 
+#: How a padded path pinned on resume announces itself (:meth:`VectorizedClientTrainer.pin_padded_path`)
+_RESUMED = "as before the resume: "
+
+
 class VectorizedClientTrainer:
     r"""Trains a list of clients in lockstep on the loop's working copy of the model.
 
@@ -134,6 +138,22 @@ class VectorizedClientTrainer:
         self._filled.clear()
         if self.call.norms:
             self.call.norms.stats = []
+
+    @property
+    def padded_path_state(self) -> dict[str, str] | None:
+        """``{"per_sample": reason}`` once padded steps have left loss interception for the per-sample path (for the
+        rest of the engine's life: a check that failed, a call interception could not run), else None; a resumed run
+        gives it to :meth:`pin_padded_path` (the loop's checkpoint keeps it), since the two paths round differently in
+        the last bits."""
+        if self.call.intercept is False:
+            return {"per_sample": self.call.padded_path_reason}
+        return None
+
+    def pin_padded_path(self, state: dict[str, str] | None) -> None:
+        """Take the padded path :attr:`padded_path_state` recorded (None: choose it on the first padded step)."""
+        if state is not None and isinstance(state.get("per_sample"), str):
+            reason = state["per_sample"].removeprefix(_RESUMED) or "pinned"
+            self.call.pin_per_sample(_RESUMED + reason)
 
     @property
     def deterministic(self) -> bool:
