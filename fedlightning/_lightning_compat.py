@@ -45,6 +45,7 @@ __all__ = [
     "reopen_epoch_ended_by_max_steps",
     "reopen_finished_fit",
     "settle_unprocessed_batch",
+    "saved_step",
     "should_write_step_logs",
     "spawns_processes",
     "strategy_optimizers",
@@ -299,6 +300,13 @@ def checkpoint_every_n_epochs(callback: Any) -> int:
     """A ``ModelCheckpoint``'s ``every_n_epochs`` as it resolved it (0 when ``every_n_train_steps`` or
     ``train_time_interval`` is set and ``every_n_epochs`` is not)."""
     return int(callback._every_n_epochs)
+
+
+def saved_step(callback: Any) -> int | None:
+    """The global step (round) a ``ModelCheckpoint`` last wrote a file at (``_last_global_step_saved``; None if it
+    wrote none in this fit)."""
+    step = getattr(callback, "_last_global_step_saved", None)
+    return int(step) if isinstance(step, int) and step > 0 else None
 
 
 def validation_follows(trainer: pl.Trainer) -> bool:

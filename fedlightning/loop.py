@@ -55,6 +55,7 @@ from fedlightning._lightning_compat import (
     note_sigterm,
     reopen_epoch_ended_by_max_steps,
     reopen_finished_fit,
+    saved_step,
     settle_unprocessed_batch,
     spawns_processes,
     strategy_optimizers,
@@ -1682,7 +1683,33 @@ class FederatedLoop(pl.LightningModule):
         round had a healthy client fails: ``max_failed_rounds``). Lightning calls the callbacks' ``on_train_end``
         (checkpoints) before this hook."""
         self.model.on_train_end()
+        self._warn_unsaved_final_round()
         self._policy.check_run(int(self.global_step))
+
+    def _warn_unsaved_final_round(self) -> None:
+        """A warning when checkpoint callbacks ran and none holds the round training ended at (Lightning's
+        ``ModelCheckpoint`` saves at its own interval, or after validations: a run of 7 rounds validated every 2
+        ends with round 6 in its files); :class:`~fedlightning.checkpoint.RoundCheckpoint` with ``save_last``,
+        train.py's default, saves the final round. Decision (ours): warn rather than write a file the user's callback
+        did not ask for."""
+        trainer = self.trainer
+        callbacks = trainer.checkpoint_callbacks
+        step = int(trainer.global_step)
+        if step == 0 or not callbacks:
+            return
+        newest = max((s for s in map(saved_step, callbacks) if s is not None), default=None)
+        if newest is not None and newest >= step:
+            return
+        held = (
+            f"the newest checkpoint file holds round {newest}"
+            if newest is not None
+            else "no checkpoint file was written"
+        )
+        rank_zero_warn(
+            f"training ended at round {step} and {held}: the final model is only in memory. Add "
+            "fedlightning.checkpoint.RoundCheckpoint(save_last=True) (it also saves the round training ends at; "
+            "train.py's default) or call trainer.save_checkpoint(path)"
+        )
 
     # ============================================================= evaluation of the global model
     def on_validation_start(self) -> None:

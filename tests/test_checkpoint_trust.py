@@ -1044,3 +1044,40 @@ def test_a_checkpoint_cannot_make_a_resumed_run_remove_files_outside_the_checkpo
     resumed = _scored_fit(str(folder), 5, 1, ckpt_path=str(tmp_path / "crafted.ckpt"))
     assert all(v.read_text() == "precious" for v in victims)
     assert resumed.best_model_path == str(folder / "step=4.ckpt")  # ranked among the resumed run's own files
+
+
+@pytest.mark.parametrize(
+    "callback, warned",
+    [
+        ("every2", "the newest checkpoint file holds round 2"),
+        ("every1", None),
+        ("round", "the newest checkpoint file holds round 2"),  # RoundCheckpoint saves the final round as last only
+        ("round_last", None),
+    ],
+)
+def test_a_python_run_whose_files_miss_the_final_round_says_so(tmp_path, callback, warned):
+    """Lightning's ModelCheckpoint every 2 rounds of a 3-round run keeps round 2 only, and nothing said that round 3
+    exists only in memory; a checkpoint of every round, or RoundCheckpoint with save_last, is silent."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fedlightning.checkpoint import RoundCheckpoint
+
+    cls = RoundCheckpoint if callback.startswith("round") else ModelCheckpoint
+    every = 1 if callback == "every1" else 2
+    ck = cls(dirpath=str(tmp_path), every_n_train_steps=every, save_top_k=-1, save_last=callback == "round_last")
+    loop = FederatedLoop(MLP(input_dim=64, num_classes=10, hidden=[16]), local_steps=1, clients_per_round=2, seed=0)
+    trainer = make_trainer(3, [ck], enable_checkpointing=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, seed=0))
+    said = [str(w.message) for w in caught if "final model is only in memory" in str(w.message)]
+    if warned is None:
+        assert said == []
+    else:
+        assert said == [
+            f"training ended at round 3 and {warned}: the final model is only in memory. Add "
+            "fedlightning.checkpoint.RoundCheckpoint(save_last=True) (it also saves the round training ends at; "
+            "train.py's default) or call trainer.save_checkpoint(path)"
+        ]
+    if callback == "round_last":
+        assert _last_holds_the_model(str(tmp_path / "last.ckpt"), loop) == 3
