@@ -218,14 +218,14 @@ def _readme_python_example(tmp_path, rounds, **trainer_kw):
         run.replace("local_steps=20, clients_per_round=20", "local_steps=2, clients_per_round=4")
         .replace("max_steps=60", f"max_steps={rounds}")
         .replace(
-            'callbacks=[FedAvg(weighting="samples")]',
-            'callbacks=[FedAvg(weighting="samples")], logger=LOGGER, enable_progress_bar=False, '
-            "enable_model_summary=False, enable_checkpointing=False" + extra,
+            'callbacks=[FedAvg(weighting="samples"), RoundCheckpoint(save_last=True)],',
+            'callbacks=[FedAvg(weighting="samples"), RoundCheckpoint(save_last=True, dirpath=CKPT)], logger=LOGGER, '
+            "enable_progress_bar=False, enable_model_summary=False" + extra + ",",
         )
     )
     assert run.count("LOGGER") == 1 and "local_steps=2" in run
     logger = CSVLogger(str(tmp_path), name="readme")
-    namespace = {"LOGGER": logger}
+    namespace = {"LOGGER": logger, "CKPT": str(tmp_path / "checkpoints")}
     exec(compile(module + run, README, "exec"), namespace)  # noqa: S102 - the repository's own README
     with open(f"{logger.log_dir}/metrics.csv", newline="") as f:
         return list(csv.DictReader(f))
