@@ -9,7 +9,20 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 # One thread by default (CI has 2 cores shared by everything). Kernels may sum in another order with more threads;
 # the suite's float comparisons must hold either way (tests/numerics.py): FEDLIGHTNING_TEST_THREADS=2 checks that.
-torch.set_num_threads(int(os.environ.get("FEDLIGHTNING_TEST_THREADS", "1")))
+TEST_THREADS = int(os.environ.get("FEDLIGHTNING_TEST_THREADS", "1"))
+torch.set_num_threads(TEST_THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _test_threads():
+    """Every test starts with the suite's thread count: Lightning's DDP strategy on a CPU sets the process's torch
+    threads to cores / processes and leaves them so, which made a later test compare a run in a subprocess (the
+    suite's count) with one in this process (one thread) and differ in the last bits."""
+    if torch.get_num_threads() != TEST_THREADS:
+        torch.set_num_threads(TEST_THREADS)
+    yield
+
+
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
