@@ -188,7 +188,6 @@ class FiniteMean(NamedTuple):
     left_out: list[Any]  #: the keys of this process's terms whose vector holds a NaN or an infinity
     left_out_total: int  #: how many terms were left out, over every process
     used_total: int  #: how many terms entered the mean, over every process
-    raised_total: int = 0  #: how many terms were left out as ``raised`` keys, over every process (not in the above)
 
 
 def finite_weighted_mean_over_processes(
@@ -204,16 +203,15 @@ def finite_weighted_mean_over_processes(
     of any process is finite the mean is NaN. Under a process group the partial sums, the summed weight and the
     counts are all-reduced together, under the collective timeout (a failure raises :class:`CollectiveError` naming
     ``what`` and ``round``); in one process this is the weighted mean of the finite terms. The terms whose key is in
-    ``raised`` (this process's clients whose computation raised, their vectors NaN) are left out too and counted
-    apart (``raised_total``), not in ``left_out``."""
+    ``raised`` (this process's clients whose computation raised, their vectors NaN) are left out too, and not
+    counted in ``left_out`` / ``left_out_total`` (their callers report them)."""
     numel = like.numel()
-    acc = torch.zeros(numel + 4, dtype=torch.float64, device=like.device)
+    acc = torch.zeros(numel + 3, dtype=torch.float64, device=like.device)
     body = acc[:numel]
     left_out: list[Any] = []
-    weight, used, failed = 0.0, 0, 0
+    weight, used = 0.0, 0
     for key, w, v in terms:
         if key in raised:
-            failed += 1
             continue
         if not bool(torch.isfinite(v).all()):
             left_out.append(key)
@@ -224,14 +222,13 @@ def finite_weighted_mean_over_processes(
     acc[numel] = weight
     acc[numel + 1] = used
     acc[numel + 2] = len(left_out)
-    acc[numel + 3] = failed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         timeout = apply_collective_timeout()
         with _named(f"all_reduce ({what})", round, timeout):
             dist.all_reduce(acc)
-    weight, used, dropped, failed = acc[numel:].tolist()
+    weight, used, dropped = acc[numel:].tolist()
     mean = body / weight if used else torch.full_like(body, float("nan"))
-    return FiniteMean(mean.to(like.dtype).view(like.shape), left_out, int(dropped), int(used), int(failed))
+    return FiniteMean(mean.to(like.dtype).view(like.shape), left_out, int(dropped), int(used))
 
 
 def release_process_group() -> None:

@@ -180,7 +180,7 @@ class _Runtime:
     full_gradient_fallback: str | None = None
     #: ``(round, client ids)``: the clients whose full gradient raised in that round under ``on_client_error="skip"``
     #: (:meth:`FederatedLoop.full_gradient_errors`)
-    full_gradient_raised: tuple[int, set[int]] = (-1, set())
+    full_gradient_raised: tuple[int, frozenset[int]] = (-1, frozenset())
     #: the global model's torchmetrics metrics computing without a sync, during a whole-split evaluation with
     #: several processes (:meth:`FederatedLoop._begin_evaluation`)
     evaluation: contextlib.ExitStack | None = None
@@ -856,8 +856,7 @@ class FederatedLoop(pl.LightningModule):
                         "out of the round's means)"
                     ) from err
                 warnings.warn(f"{what}; it is left out (on_client_error='skip')", UserWarning, stacklevel=3)
-                seen_round, raised = self._runtime.full_gradient_raised
-                self._runtime.full_gradient_raised = (round, (raised if seen_round == round else set()) | {k})
+                self._runtime.full_gradient_raised = (round, self.full_gradient_errors(round) | {k})
                 D = sum(p.numel() for p in params)
                 rows.append(torch.full((D,), float("nan"), dtype=params[0].dtype, device=params[0].device))
         return torch.stack(rows)
@@ -866,7 +865,7 @@ class FederatedLoop(pl.LightningModule):
         """The clients whose full gradient raised in ``round`` and were left out under ``on_client_error="skip"``
         (their rows of :meth:`client_full_gradients` are NaN)."""
         seen_round, raised = self._runtime.full_gradient_raised
-        return frozenset(raised) if seen_round == round else frozenset()
+        return raised if seen_round == round else frozenset()
 
     def _client_group_limit(self) -> int | None:
         """The most clients one vectorised computation takes now (the vectorised executor's rule, ``VectorizedRun``);

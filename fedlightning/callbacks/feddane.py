@@ -165,8 +165,8 @@ def leave_out_nonfinite_gradients(loop, plan: RoundPlan, result: FiniteMean, wha
     the local phase. Its own training then goes by the loop's usual checks: under FedDANE its correction
     ``g_t − ∇F_k(w_t)`` is NaN, so its update is too and it is left out of the round; under Mime and MimeLite its
     local steps do not use its own full gradient, and its update counts if it is finite. A client whose computation
-    raised under ``on_client_error="skip"`` (``FederatedLoop.full_gradient_errors``, ``result.raised_total``) was
-    warned about by the loop and is not counted here."""
+    raised under ``on_client_error="skip"`` (``FederatedLoop.full_gradient_errors``, passed to the mean as ``raised``)
+    was warned about by the loop and is not counted here."""
     if not result.left_out_total:
         return
     if loop.on_client_failure == "raise":
