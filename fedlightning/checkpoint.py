@@ -55,12 +55,15 @@ __all__ = [
     "FEDLIGHTNING_FORMAT",
     "TEMP_PREFIX",
     "STALE_TEMP_SECONDS",
+    "SIGTERM_EXIT_STATUS",
 ]
 
 CONFIG_KEY = "fedlightning_config"
 FEDLIGHTNING_FORMAT = 1  #: the ``format`` number FederatedLoop writes into the checkpoint's ``fedlightning`` section
 TEMP_PREFIX = ".tmp-"  #: name prefix of :class:`AtomicCheckpointIO`'s temporary files (``.tmp-<host>-<pid>-*.ckpt``)
 STALE_TEMP_SECONDS = 3600  #: a temporary file nobody can vouch for is a leftover after this long unmodified (ours)
+#: Exit status of a run stopped by SIGTERM (128 + 15, as a shell reports a process that SIGTERM ended).
+SIGTERM_EXIT_STATUS = 143
 _LIST_AT_MOST = 5
 _TRUST_HINT = "pass --weights_only false (Python: weights_only=False) to load a checkpoint you trust"
 

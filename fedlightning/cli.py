@@ -38,6 +38,7 @@ from fedlightning._validation import SettingError, check_val_check_interval
 from fedlightning.callbacks.progress import RoundProgressBar
 from fedlightning.checkpoint import (
     CONFIG_KEY,
+    SIGTERM_EXIT_STATUS,
     TEMP_PREFIX,
     AtomicCheckpointIO,
     CheckpointError,
@@ -58,8 +59,6 @@ from fedlightning.loop import FederatedLoop, check_launcher
 __all__ = ["FederatedCLI", "main", "SIGTERM_EXIT_STATUS", "TRACEBACK_ENV"]
 
 TRACEBACK_ENV = "FEDLIGHTNING_TRACEBACK"
-#: Exit status of a run stopped by SIGTERM (128 + 15, as a shell reports a process that SIGTERM ended).
-SIGTERM_EXIT_STATUS = 143
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _KEYWORDS = ("last", "best")
 _MAX_SEED = 2**32 - 1  # lightning.fabric.utilities.seed.max_seed_value (numpy's seed range)

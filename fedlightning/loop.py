@@ -34,7 +34,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
@@ -101,6 +101,7 @@ from fedlightning.callbacks.fedavg import FedAvg
 from fedlightning.callbacks.feddane import client_full_batches, client_full_gradient, client_full_rows
 from fedlightning.callbacks.progress import round_bar_for
 from fedlightning.checkpoint import (
+    SIGTERM_EXIT_STATUS,
     AtomicCheckpointIO,
     CheckpointError,
     check_fits_model,
@@ -2086,11 +2087,26 @@ def _defines_hook(callback: Any, name: str) -> bool:
 class _AfterValidation(pl.Callback):
     """Runs :meth:`FederatedLoop._after_validation` at the end of each validation of a fit: as a callback, before
     every ``ModelCheckpoint`` (Lightning orders those last), so a checkpoint written after the validation holds the
-    scheduler steps it caused."""
+    scheduler steps it caused.
+
+    It also gives a fit that SIGTERM stopped a nonzero exit status: Lightning ends such a fit with a
+    ``SIGTERMException``, a ``SystemExit`` without a code, so a Python script that does not catch it exits with
+    status 0, and a restart loop or a job scheduler takes the preempted run for a finished one. The exception keeps
+    its type and gets the code :data:`~fedlightning.checkpoint.SIGTERM_EXIT_STATUS` (143, as a shell reports a
+    process that SIGTERM ended; ``train.py`` exits with the same status), with a warning naming the rounds done."""
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             pl_module._after_validation(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and exception.code is None:
+            exception.code = SIGTERM_EXIT_STATUS
+            rank_zero_warn(
+                f"the run received SIGTERM and stopped after round {trainer.global_step}: trainer.fit ends with "
+                f"SIGTERMException (exit status {SIGTERM_EXIT_STATUS}); resume from the last saved round with "
+                "trainer.fit(..., ckpt_path=...)"
+            )
 
 
 for _name in _FORWARDED_HOOKS:

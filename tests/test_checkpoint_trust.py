@@ -395,6 +395,48 @@ def test_a_python_trainer_writes_atomically_and_resumes_numpy_state(tmp_path):
     assert type(own.strategy.checkpoint_io) is OwnIO
 
 
+_PREEMPTED_SCRIPT = """
+import os, signal, sys
+import lightning.pytorch as pl, torch
+from fedlightning import FederatedLoop
+from fedlightning.checkpoint import RoundCheckpoint
+from fedlightning.datamodules import DigitsDataModule
+from fedlightning.models import MLP
+
+class Preempt(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+torch.manual_seed(0)
+loop = FederatedLoop(MLP(input_dim=64, num_classes=10, hidden=[16]), local_steps=1, clients_per_round=2, seed=0)
+trainer = pl.Trainer(max_steps=5, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     limit_val_batches=0, callbacks=[Preempt(), RoundCheckpoint(dirpath=sys.argv[1], save_last=True)])
+trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, seed=0))
+print("script went on after fit")
+"""
+
+
+def test_a_python_script_stopped_by_sigterm_exits_143_with_its_round_saved(tmp_path):
+    """Lightning ends a fit that SIGTERM stopped with a SystemExit without a code: a plain Python script exited
+    with status 0, as a finished run does, so a restart loop or a scheduler took the preempted run for done. The
+    loop gives the exception the CLI's status 143 and warns; the round in progress is saved as last.ckpt."""
+    from fedlightning.checkpoint import SIGTERM_EXIT_STATUS
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _PREEMPTED_SCRIPT, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
+    assert proc.returncode == SIGTERM_EXIT_STATUS, proc.stderr[-2000:]
+    assert "script went on" not in proc.stdout
+    assert "the run received SIGTERM and stopped after round 2" in proc.stderr
+    assert read_checkpoint(str(tmp_path / "last.ckpt"))["global_step"] == 2
+
+
 # ====================================================================== 3. nothing lost: the final round
 def _last_holds_the_model(path, module):
     ckpt = read_checkpoint(path)
