@@ -261,6 +261,7 @@ class ModuleOptimizer:
         )
         optimizer, self.schedulers = self._parse(model)
         self.template = optimizer
+        self._warn_step_interval()
         self._modules: list[tuple[Tensor, pl.LightningModule]] = [(self._first_param(model), model)]
         # (scheduler index, round) of ReduceLROnPlateau steps waiting for the validation after their round
         self.waiting: list[tuple[int, int]] = []
@@ -290,6 +291,21 @@ class ModuleOptimizer:
                     f"{self.model_name}.configure_optimizers(): a scheduler is not attached to its optimizer"
                 )
         return optimizers[0], configs
+
+    def _warn_step_interval(self) -> None:
+        """A scheduler configured with ``interval: "step"`` steps once per round, as one with ``"epoch"`` does: the
+        global model takes one step per round (``global_step`` counts rounds), and the clients' local steps do not
+        step the module's schedulers. In plain Lightning ``"step"`` means every training batch (a warm-up over
+        batches, OneCycle), so a module written for it would now schedule over rounds: a warning says so once, at
+        the fit's start (ours)."""
+        stepwise = [type(cfg.scheduler).__name__ for cfg in self.schedulers if cfg.interval == "step"]
+        if stepwise:
+            rank_zero_warn(
+                f"{self.model_name}.configure_optimizers(): {', '.join(stepwise)} has interval 'step', which steps "
+                "it once per round, as 'epoch' does: a round is one step of the global model (trainer.global_step "
+                "counts rounds), and the clients' local steps do not step the module's schedulers; a schedule over "
+                "local steps (warm-up, OneCycle) would need its length and frequency in rounds"
+            )
 
     @staticmethod
     def _first_param(model: nn.Module) -> Tensor | None:
@@ -337,7 +353,7 @@ class ModuleOptimizer:
         such a scheduler after the epoch's validation. Where no validation ran after the round (validation every
         n rounds), the next round's end finds it still waiting: ``strict`` (the default) stops the run naming the
         monitor, ``strict: False`` skips the step, as Lightning skips a monitor it does not find."""
-        self._expire_waiting()
+        self._expire_waiting(metrics)
         if self.schedulers:  # without schedulers the template's hyper-parameters are every round's
             self.trained = (int(round), self._hyperparameters())
         stepped = False
@@ -391,17 +407,21 @@ class ModuleOptimizer:
         self.waiting = []
         return stepped
 
-    def _expire_waiting(self) -> None:
-        """Steps still waiting at the next round's end: no validation ran after their round."""
+    def _expire_waiting(self, metrics: dict[str, Any]) -> None:
+        """Steps still waiting at the next round's end (whose ``metrics`` are the round metrics there are): no
+        validation ran after their round."""
         waiting, self.waiting = self.waiting, []
         for index, round in waiting:
             cfg = self.schedulers[index]
             if cfg.strict:
+                own = sorted(k for k in metrics if k.startswith("train/"))
+                hint = f"one of the round's metrics such as {own[-1]!r}" if own else "a metric of the round"
                 raise ValueError(
                     f"{self.model_name}.configure_optimizers(): ReduceLROnPlateau monitors {cfg.monitor!r}, which is "
                     f"not among round {round}'s metrics, and no validation ran after round {round} to give it: "
-                    "validate after every round the scheduler steps at (trainer.val_check_interval), monitor a round "
-                    "metric such as 'client/train_loss', or set 'strict': False to skip rounds without it"
+                    f"validate after every round the scheduler steps at (trainer.val_check_interval), monitor {hint} "
+                    "(or client/<name> for a value your training_step logs as <name>), or set 'strict': False to "
+                    "skip rounds without it"
                 )
 
     def _hyperparameters(self) -> list[dict[str, Any]]:

@@ -735,6 +735,26 @@ def test_lr_scheduler_is_stepped_once_per_round():
     _assert_halving_rounds(Scheduled(lr=0.4))
 
 
+class ScheduledPerStep(UserNet):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_scheduler_with_interval_step_steps_once_per_round_and_says_so():
+    """In plain Lightning ``interval: "step"`` steps the scheduler every training batch; here a round is one step of
+    the global model, so it steps once per round (the rounds' step sizes 0.4, 0.2, 0.1, not halved per local
+    step), with a warning that names the scheduler; ``"epoch"`` (the default) warns nothing."""
+    with pytest.warns(UserWarning, match=r"StepLR has interval 'step', which steps it once per round") as caught:
+        _assert_halving_rounds(ScheduledPerStep(lr=0.4))
+    assert len([w for w in caught if "interval 'step'" in str(w.message)]) == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _assert_halving_rounds(Scheduled(lr=0.4))
+    assert not [w for w in caught if "interval 'step'" in str(w.message)]
+
+
 class _EpochHalving:
     """A scheduler outside torch.optim (timm's kind): ``step`` needs the epoch, so Lightning needs the module's
     ``lr_scheduler_step``."""
@@ -1358,8 +1378,11 @@ def test_reduce_on_plateau_without_a_validation_after_the_round_is_an_error_or_s
     torch.manual_seed(0)
     with pytest.raises(
         ValueError, match=r"monitors 'val_loss', which is not among round 0's metrics, and no validation"
-    ):
+    ) as info:
         _plateau_fit(OnPlateau(), 4, every=2)
+    # the hint names metrics the round has, not a name the module may not log
+    assert "monitor one of the round's metrics such as 'train/loss' (or client/<name>" in str(info.value)
+    assert "client/train_loss" not in str(info.value)
     model = OnPlateau(strict=False)
     _plateau_fit(model, 4, every=2)
     assert len(model.validated) == 2 and model.stepped == model.validated
