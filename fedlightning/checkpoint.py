@@ -430,9 +430,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 if hasattr(os, "fchmod"):
                     os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
+        except BaseException as err:
+            with contextlib.suppress(OSError):  # a folder made read-only: the write's own error is the one to see
                 os.unlink(tmp)
+            if isinstance(err, OSError) and err.errno is not None:  # the file it was writing, not the temporary one
+                raise OSError(err.errno, f"could not write the checkpoint: {err.strerror}", path) from err
             raise
 
     def load_checkpoint(

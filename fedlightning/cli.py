@@ -98,7 +98,9 @@ class FederatedCLI(LightningCLI):
     * **One version directory per run.** The checkpoints of the CLI's default
       :class:`~fedlightning.checkpoint.RoundCheckpoint` go into the logger's version directory
       ``<save_dir>/<name>/<version>/checkpoints`` (Lightning's default for a ``ModelCheckpoint`` without
-      ``dirpath``), or ``<default_root_dir>/checkpoints/version_<N>`` without a logger (next free ``N``).
+      ``dirpath``), or ``<default_root_dir>/checkpoints/version_<N>`` without a logger (the next free ``N``, made
+      when the fit's Trainer is built, so that runs whose times overlap never share it; the run's ``config.yaml``
+      goes there too).
     * **``--ckpt_path last``** is the newest *complete* checkpoint of this config's runs by the round it holds
       (``global_step`` read from the file, ``weights_only``; ties broken by modification time, then name): every
       ``*.ckpt`` (``last.ckpt``, ``last-v1.ckpt``, ``epoch=...-step=....ckpt``, ...) in
@@ -296,7 +298,11 @@ class FederatedCLI(LightningCLI):
         ]
         trainer = super()._instantiate_trainer(config, callbacks)
         if added is not None and trainer.logger is None:
-            added.dirpath = _next_version_dir(os.path.join(trainer.default_root_dir, "checkpoints"))
+            claim = self.subcommand in (None, "fit") and trainer.is_global_zero  # launched DDP ranks: rank 0's
+            added.dirpath = _next_version_dir(os.path.join(trainer.default_root_dir, "checkpoints"), create=claim)
+            for cb in trainer.callbacks:  # config.yaml next to the run's checkpoints, not shared by every run
+                if isinstance(cb, LogConfigCallback):
+                    cb.run_folder = added.dirpath
         # with a logger: dirpath None = Lightning's default, the logger's version directory
         return trainer
 
@@ -537,14 +543,26 @@ def _is_version_dir_of(dirpath, base: str) -> bool:
     return os.path.dirname(os.path.abspath(os.fspath(dirpath))) == os.path.abspath(base)
 
 
-def _next_version_dir(base: str) -> str:
+def _next_version_dir(base: str, create: bool = False) -> str:
+    """``<base>/version_<N>`` with the next free ``N``. With ``create`` the folder is made here, when the Trainer is
+    built: a run that starts before this one's first save (which would make it otherwise) then takes the next
+    number instead of writing its checkpoints into the same folder; ``os.mkdir`` fails for all but one of runs that
+    race for a number."""
     versions = []
     if os.path.isdir(base):
         for name in os.listdir(base):
             m = re.fullmatch(r"version_(\d+)", name)
             if m and os.path.isdir(os.path.join(base, name)):
                 versions.append(int(m.group(1)))
-    return os.path.join(base, f"version_{max(versions) + 1 if versions else 0}")
+    n = max(versions) + 1 if versions else 0
+    while create:
+        try:
+            os.makedirs(base, exist_ok=True)
+            os.mkdir(os.path.join(base, f"version_{n}"))
+            break
+        except FileExistsError:
+            n += 1
+    return os.path.join(base, f"version_{n}")
 
 
 def _chain(err: BaseException) -> list[BaseException]:

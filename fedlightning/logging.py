@@ -68,14 +68,24 @@ class LogConfigCallback(SaveConfigCallback):
     per process (Lightning's ``already_saved`` flag).
     """
 
+    #: The run's own folder for ``config.yaml`` when the Trainer has no logger (the CLI sets it to the run's
+    #: checkpoint version folder); None: Lightning's ``trainer.log_dir``.
+    run_folder: str | None = None
+
     def setup(self, trainer, pl_module, stage: str) -> None:
-        """Lightning's ``setup``, except with a ``WandbLogger`` first: Lightning writes ``config.yaml`` into
-        ``trainer.log_dir``, which for W&B is the logger's ``save_dir``, shared by every run (each would replace the
-        last one's file); here it goes into the run's own folder, ``<save_dir>/<project>/<run id>/``, where
-        Lightning's ``ModelCheckpoint`` puts the run's ``checkpoints/``."""
-        if self.already_saved or not _first_logger_is_wandb(trainer):  # the same branch on every process
+        """Lightning's ``setup``, except where Lightning's ``trainer.log_dir`` is shared by every run (each would
+        replace the last one's ``config.yaml``): with a ``WandbLogger`` first, ``trainer.log_dir`` is the logger's
+        ``save_dir``, and the file goes into the run's own folder, ``<save_dir>/<project>/<run id>/``, where
+        Lightning's ``ModelCheckpoint`` puts the run's ``checkpoints/``; without a logger it is ``default_root_dir``,
+        and the file goes into :attr:`run_folder` where one is set."""
+        if self.already_saved:
             return super().setup(trainer, pl_module, stage)
-        run_dir = _wandb_run_folder(trainer) if trainer.is_global_zero else None
+        if trainer.logger is None and self.run_folder is not None:  # the same branch on every process
+            run_dir = self.run_folder if trainer.is_global_zero else None
+        elif _first_logger_is_wandb(trainer):
+            run_dir = _wandb_run_folder(trainer) if trainer.is_global_zero else None
+        else:
+            return super().setup(trainer, pl_module, stage)
         if self.save_to_log_dir and run_dir is not None:
             path = os.path.join(run_dir, self.config_filename)
             if not self.overwrite and os.path.isfile(path):

@@ -416,6 +416,26 @@ def test_without_a_logger_each_run_gets_a_version_directory(tmp_path):
     assert resumed.trainer.global_step == 2
 
 
+def test_without_a_logger_runs_that_overlap_get_their_own_version_directory_and_config(tmp_path):
+    """The second run is built while the first has saved nothing yet (the folder used to be made at the first save,
+    so both took version_0 and wrote their checkpoints and config.yaml into one folder): each has its own folder,
+    with its own checkpoint and config.yaml, and none is left in default_root_dir."""
+    import yaml
+
+    args = [*TINY, "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)]
+    first = main([*args, "--trainer.max_steps", "1"], run=False)
+    second = main([*args, "--trainer.max_steps", "1", "--model.client_optimizer.init_args.lr", "0.05"], run=False)
+    for cli in (second, first):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    folders = {cli: tmp_path / "checkpoints" / f"version_{v}" for v, cli in enumerate((first, second))}
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["version_0", "version_1"]
+    for cli, folder in folders.items():
+        assert sorted(os.listdir(folder)) == ["config.yaml", "last.ckpt"]
+        saved = yaml.safe_load((folder / "config.yaml").read_text())
+        assert saved["model"]["client_optimizer"]["init_args"]["lr"] == (0.05 if cli is second else 0.1)
+    assert not (tmp_path / "config.yaml").exists()
+
+
 def test_config_differences_compares_what_decides_the_trajectory():
     base = {
         "seed_everything": 0,

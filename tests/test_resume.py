@@ -216,6 +216,33 @@ def test_atomic_save_keeps_previous_checkpoint_when_writing_fails(tmp_path, monk
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
 
 
+@pytest.mark.parametrize("where", ["write", "rename"])
+def test_a_failed_save_names_the_checkpoint_and_keeps_the_previous_one(tmp_path, monkeypatch, where):
+    """A full disk during the write, or a folder made read-only before the rename (whose temporary file then cannot
+    be removed either): the error is the write's, of its kind (ENOSPC, EACCES), and names the checkpoint being
+    written, not the temporary file; the previous file is intact."""
+    import errno
+    import os
+
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"a": torch.ones(3)}, path)
+    code = errno.ENOSPC if where == "write" else errno.EACCES
+
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code), str(tmp_path / ".tmp-x.ckpt"))
+
+    monkeypatch.setattr(torch if where == "write" else os, "save" if where == "write" else "replace", fail)
+    if where == "rename":
+        monkeypatch.setattr(os, "unlink", fail)
+    with pytest.raises(OSError) as info:
+        io.save_checkpoint({"a": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    assert info.value.errno == code and isinstance(info.value, PermissionError) == (where == "rename")
+    assert info.value.filename == str(path) and "could not write the checkpoint" in str(info.value)
+    assert torch.equal(io.load_checkpoint(path)["a"], torch.ones(3))
+
+
 class _Steps(pl.Callback):
     """The step each round's metrics go to the loggers at (Lightning's batches-that-stepped count), per round."""
 
