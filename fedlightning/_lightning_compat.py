@@ -42,10 +42,11 @@ __all__ = [
     "preserved_metric_states",
     "progress_bar_options",
     "publish_step_metrics",
-    "reopen_epoch_ended_by_max_steps",
+    "reopen_ended_epoch",
     "reopen_finished_fit",
     "settle_unprocessed_batch",
     "saved_step",
+    "skip_validation_of_timed_stop",
     "should_write_step_logs",
     "spawns_processes",
     "strategy_optimizers",
@@ -145,24 +146,31 @@ def settle_unprocessed_batch(checkpoint: dict[str, Any]) -> bool:
     return changed
 
 
-def reopen_epoch_ended_by_max_steps(checkpoint: dict[str, Any]) -> bool:
-    """Make the file of a fit that ended at its ``max_steps`` (the last round of its epoch done) read as written
-    inside that epoch, after its last round: its fit loop's epoch progress back to the epoch in progress, its last
-    batch not the epoch's last. True when it changed something. For a fit resumed with a larger ``max_steps``.
+def reopen_ended_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Make the file of a fit whose epoch has ended, at its ``max_steps`` (the last round of its epoch done) or by a
+    stop request (``EarlyStopping``, ``max_time``, a callback setting ``trainer.should_stop``), read as written inside
+    that epoch, after its last round: its fit loop's epoch progress back to the epoch in progress, its last batch
+    not the epoch's last. True when it changed something. For a fit resumed to train on.
 
     A fit with ``max_steps`` has one epoch of ``max_steps`` rounds (the data module's round loader), so the file of a
     finished fit records that epoch as complete (written after the fit, e.g. ``RoundCheckpoint``'s last save), or
     its last batch as the epoch's last (written at the end of the last round, before Lightning ended the epoch);
     resumed to train on, Lightning began a new epoch, and every later round was logged with ``epoch`` 1 or 2 (an
-    uninterrupted run logs 0) and checkpoint names read ``epoch=1-...``. Reopened, the resumed fit continues epoch 0
-    as a fit resumed from a file written inside it does, its epoch now ``max_steps`` rounds long from its first
-    round (``train_dataloader``)."""
+    uninterrupted run logs 0) and checkpoint names read ``epoch=1-...``. A stop request ends the epoch before its
+    last batch: the file records the epoch complete with a last batch that is not the epoch's last. Reopened, the
+    resumed fit continues epoch 0 as a fit resumed from a file written inside it does, its epoch now ``max_steps``
+    rounds long from its first round (``train_dataloader``)."""
     fit = _fit_loop_state(checkpoint)
     if fit is None:
         return False
     batches, epochs = fit.get("epoch_loop.batch_progress"), fit.get("epoch_progress")
-    if not isinstance(batches, dict) or not isinstance(epochs, dict) or batches.get("is_last_batch") is not True:
+    if (
+        not isinstance(batches, dict)
+        or not isinstance(epochs, dict)
+        or not isinstance(batches.get("is_last_batch"), bool)
+    ):
         return False
+    stopped = not batches["is_last_batch"]  # only a finished epoch below qualifies: one a stop request ended
     parts = [batches.get("current"), epochs.get("current"), epochs.get("total")]
     if not all(_progress_counts(p) for p in parts):
         return False
@@ -174,6 +182,8 @@ def reopen_epoch_ended_by_max_steps(checkpoint: dict[str, Any]) -> bool:
         return False  # its last batch not done
     in_progress = all(p["ready"] == p["started"] == p["processed"] + 1 == p["completed"] + 1 >= 1 for p in parts[1:])
     if in_progress:  # written at the end of the epoch's last round, before the epoch ended: that round is its last
+        if stopped:
+            return False  # a file written inside its epoch: Lightning resumes inside it already
         batches["is_last_batch"] = False
         return True
     if len(set(last.values())) != 1 or any(len({p[k] for k in _PROGRESS_KEYS}) != 1 for p in parts[1:]):
@@ -190,12 +200,13 @@ def reopen_epoch_ended_by_max_steps(checkpoint: dict[str, Any]) -> bool:
 
 
 def reopen_finished_fit(trainer: pl.Trainer) -> bool:
-    """For ``trainer.fit`` again on a Trainer whose fit ended at its ``max_steps``, now raised: its fit loop's finished
-    epoch reopened, as :func:`reopen_epoch_ended_by_max_steps` reopens such a fit's file, so that the continued fit
+    """For ``trainer.fit`` again on a Trainer whose fit ended (at its ``max_steps``, now raised, or by a stop request):
+    its fit loop's finished epoch reopened, as :func:`reopen_ended_epoch` reopens such a fit's file, so that the
+    continued fit
     goes on in epoch 0 (``epoch`` logged 0, checkpoint names ``epoch=0-...``) as an uninterrupted fit does, not in a
     new epoch. True when it changed something."""
     state = {"loops": {"fit_loop": trainer.fit_loop.state_dict()}}
-    if not reopen_epoch_ended_by_max_steps(state):
+    if not reopen_ended_epoch(state):
         return False
     trainer.fit_loop.load_state_dict(state["loops"]["fit_loop"])
     return True
@@ -312,9 +323,35 @@ def saved_step(callback: Any) -> int | None:
 def validation_follows(trainer: pl.Trainer) -> bool:
     """Asked from an ``on_train_batch_end`` hook: whether Lightning's fit loop runs a validation right after the
     batch (round) now ending (its own rule, which it applies after that hook: ``val_check_interval``,
-    ``check_val_every_n_epoch``, the epoch's last batch, a stop requested, ``limit_val_batches=0``)."""
+    ``check_val_every_n_epoch``, the epoch's last batch, a stop requested, ``limit_val_batches=0``; and not when
+    :func:`skip_validation_of_timed_stop` skipped it)."""
     loop = trainer.fit_loop
+    if loop.epoch_loop._skip_next_val:
+        return False
     return bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
+
+
+def skip_validation_of_timed_stop(trainer: pl.Trainer) -> bool:
+    """Asked from an ``on_train_batch_end`` hook that runs after Lightning's ``Timer``: when the ``Timer``
+    (``max_time``) has just asked the fit to stop, and no validation is due after this batch but for that request
+    (Lightning validates whenever a stop is requested), have the fit loop skip that validation (its
+    ``_skip_next_val``, its own flag for a validation it must not run). True when it did."""
+    from lightning.pytorch.callbacks import Timer
+
+    if not trainer.should_stop:
+        return False
+    timer = next((cb for cb in trainer.callbacks if isinstance(cb, Timer)), None)
+    remaining = timer.time_remaining() if timer is not None else None
+    if remaining is None or remaining > 0:
+        return False
+    trainer.should_stop = False
+    try:
+        due = validation_follows(trainer)
+    finally:
+        trainer.should_stop = True
+    if not due:
+        trainer.fit_loop.epoch_loop._skip_next_val = True
+    return not due
 
 
 def batches_in_epoch(trainer: pl.Trainer) -> int:

@@ -53,10 +53,11 @@ from fedlightning._lightning_compat import (
     log_hyperparameters_like,
     logged_at_last_round,
     note_sigterm,
-    reopen_epoch_ended_by_max_steps,
+    reopen_ended_epoch,
     reopen_finished_fit,
     saved_step,
     settle_unprocessed_batch,
+    skip_validation_of_timed_stop,
     spawns_processes,
     strategy_optimizers,
     timer_interval,
@@ -1818,7 +1819,7 @@ class FederatedLoop(pl.LightningModule):
             _confine_checkpoint_paths(checkpoint)
         settle_unprocessed_batch(checkpoint)  # a file of a run stopped at a round's start: that round not begun
         if trainer is not None and _trains_on(trainer, checkpoint):
-            reopen_epoch_ended_by_max_steps(checkpoint)  # a finished fit extended: its epoch goes on
+            reopen_ended_epoch(checkpoint)  # a finished fit extended: its epoch goes on
         self.client_state.load_state_dict(fed["client_state"])
         self.failed_clients_total = int(fed.get("failed_clients_total", 0))
         self.rounds_without_healthy_client = int(fed.get("rounds_without_healthy_client", 0))
@@ -2089,11 +2090,23 @@ class _AfterValidation(pl.Callback):
     every ``ModelCheckpoint`` (Lightning orders those last), so a checkpoint written after the validation holds the
     scheduler steps it caused.
 
+    A fit that ``max_time`` stops (Lightning's ``Timer``) ends after the round in progress without the validation
+    Lightning runs on every stop request, unless one was due after that round anyway
+    (:func:`~fedlightning._lightning_compat.skip_validation_of_timed_stop`). Decision (ours): where the clock stops
+    a run is the machine's speed, not the config's, and a validation there would reach what acts on validations
+    (``EarlyStopping``'s patience and best score, ``ReduceLROnPlateau``, a monitored ``ModelCheckpoint``), so the
+    run resumed from its last round would not train as the uninterrupted run does. The run's last metrics are
+    those of its last scheduled validation.
+
     It also gives a fit that SIGTERM stopped a nonzero exit status: Lightning ends such a fit with a
     ``SIGTERMException``, a ``SystemExit`` without a code, so a Python script that does not catch it exits with
     status 0, and a restart loop or a job scheduler takes the preempted run for a finished one. The exception keeps
     its type and gets the code :data:`~fedlightning.checkpoint.SIGTERM_EXIT_STATUS` (143, as a shell reports a
     process that SIGTERM ended; ``train.py`` exits with the same status), with a warning naming the rounds done."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if skip_validation_of_timed_stop(trainer):
+            pl_module._runtime.before_validation = False  # a file written from now on holds no pending validation
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:

@@ -460,3 +460,86 @@ def test_a_vectorized_run_resumes_on_the_padded_path_it_had_moved_to(tmp_path):
         "per_sample": "as before the resume: " + full.vectorized_engine.padded_path_state["per_sample"]
     }
     assert torch.equal(_weights(resumed), _weights(full))
+
+
+# ====================================================================== a run max_time stopped, resumed
+class _Clock:
+    """Lightning's Timer reads ``time.monotonic``; this one advances by one unit at every round's start, so
+    ``max_time`` of n units stops the fit at the end of round n - 1 (0-based) on any machine."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+
+class _Tick(pl.Callback):
+    def __init__(self, clock):
+        self.clock = clock
+
+    def on_train_batch_start(self, *args):
+        self.clock.now += 1.0
+
+
+class _Validations(pl.Callback):
+    def __init__(self):
+        self.rounds = []
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.rounds.append(int(trainer.global_step))
+
+
+def _early_stopped_fit(folder, max_steps, clock=None, max_time=None, ckpt_path=None):
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    from fedlightning.checkpoint import RoundCheckpoint
+
+    torch.manual_seed(0)
+    module = MLP(input_dim=64, num_classes=10, hidden=[8])
+    seen = _Validations()
+    stop = EarlyStopping(monitor="val/loss", patience=2, min_delta=0.05)
+    callbacks = [seen, stop, RoundCheckpoint(dirpath=str(folder), save_last=True)]
+    if clock is not None:
+        callbacks.append(_Tick(clock))
+    trainer = make_trainer(
+        max_steps,
+        callbacks=callbacks,
+        enable_checkpointing=True,
+        limit_val_batches=1,
+        val_check_interval=3,
+        num_sanity_val_steps=0,
+        max_time=max_time,
+    )
+    loop = FederatedLoop(module, local_steps=2, clients_per_round=2, seed=0)
+    trainer.fit(loop, datamodule=DigitsDataModule(num_clients=10, batch_size=16, seed=0), ckpt_path=ckpt_path)
+    return trainer, module, seen.rounds
+
+
+def test_a_run_max_time_stopped_resumes_as_the_uninterrupted_run(tmp_path, monkeypatch):
+    """Lightning validates whenever a stop is requested, so a run that max_time stopped after round 4 validated there
+    although validation is every 3 rounds, and EarlyStopping counted that validation: the run resumed from its last
+    round stopped earlier than the uninterrupted one, with other weights. The timed stop now skips a validation
+    that was not due (and one that was due still runs), and the resumed run validates, stops and ends as the
+    uninterrupted run does."""
+    import lightning.pytorch.callbacks.timer as timer_module
+
+    full, full_module, full_rounds = _early_stopped_fit(tmp_path / "full", 40)
+    assert full_rounds[:2] == [3, 6] and 6 < full.global_step < 40  # EarlyStopping ended it, after round 6
+    for stop_after, validated in ((4, [3]), (6, [3, 6])):  # not due after round 4; due after round 6
+        clock = _Clock()
+        monkeypatch.setattr(timer_module, "time", clock)
+        folder = tmp_path / f"timed{stop_after}"
+        timed, _, rounds = _early_stopped_fit(folder, 40, clock=clock, max_time={"seconds": stop_after})
+        assert timed.global_step == stop_after and rounds == validated
+        monkeypatch.undo()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed, module, rest = _early_stopped_fit(folder, 40, ckpt_path=str(folder / "last.ckpt"))
+        assert not [w for w in caught if "before that round's validation" in str(w.message)]
+        assert rest == [r for r in full_rounds if r > stop_after]
+        assert resumed.global_step == full.global_step
+        assert resumed.current_epoch == full.current_epoch  # the stopped epoch goes on: not a new one
+        for p, q in zip(module.parameters(), full_module.parameters()):
+            torch.testing.assert_close(p, q, atol=0, rtol=0)
