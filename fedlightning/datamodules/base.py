@@ -905,7 +905,10 @@ class FederatedDataModule(pl.LightningDataModule):
         return self.train_dataset
 
     def client_dataloader(self, client_id: int, round: int = 0, seed: int | None = None) -> DataLoader:
-        """Shuffled epochs over client ``client_id``'s samples (last partial batch kept unless ``drop_last``).
+        """Shuffled epochs over client ``client_id``'s samples (last partial batch kept unless ``drop_last``): each
+        pass over the loader is one epoch, and the next pass a new shuffle. A client's round takes its ``K`` batches
+        from consecutive passes (``fedlightning.client``), so to rebuild a round's batches by hand iterate the same
+        loader again until ``K`` batches are taken.
 
         The data order is seeded by ``(seed, "data", round, client_id)`` (``seed`` defaults to the sampling seed
         the FederatedLoop configured), so it does not depend on which other clients ran before. With
