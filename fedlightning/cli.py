@@ -320,6 +320,7 @@ class FederatedCLI(LightningCLI):
     # ------------------------------------------------------------------ checkpoint resolution
     def before_fit(self) -> None:
         check_launcher(self.trainer)  # before ddp_spawn starts its processes
+        self.model.compare_resumed_settings = False  # the stored config is compared instead (--resume_mismatch)
         self.model.log_module_hparams = False  # LogConfigCallback logs the whole config, the module's init_args in it
         self._prepare_checkpoint("fit")
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import inspect
 import operator
 import os
 import warnings
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -1579,6 +1582,10 @@ class FederatedLoop(pl.LightningModule):
     #: (``optimizer``, ``seed_everything``, ...) a module's hyper-parameter of the same name would overwrite.
     log_module_hparams: bool = True
 
+    #: Warn when a fit resumes from a checkpoint written with other settings (:meth:`_compare_resumed_settings`).
+    #: ``train.py`` turns it off: it compares the whole stored config itself and refuses unless told otherwise.
+    compare_resumed_settings: bool = True
+
     @property
     def hparams_initial(self) -> Any:
         """The user's module's ``save_hyperparameters()`` as it called it: what Lightning logs with the loggers at
@@ -1785,8 +1792,69 @@ class FederatedLoop(pl.LightningModule):
             "module_optimizer": mo.state_dict() if mo is not None else None,
             "client_groups": self._client_groups_state(),
             "validation_pending": self._validation_pending(),
+            "settings": self._resume_settings(),
         }
         self.model.on_save_checkpoint(checkpoint)
+
+    def _resume_settings(self) -> dict[str, Any]:
+        """What decides this run's training beyond the weights and state a checkpoint holds, as plain values
+        (safe to load): the loop's round settings, the client optimizer's class and defaults, every federated
+        callback's class and the plain arguments it keeps under their own names, and the data module's batch size
+        and client split (a hash of every client's sample indices). Read by :meth:`_compare_resumed_settings`."""
+        out: dict[str, Any] = {
+            name: getattr(self, name, None)
+            for name in (
+                "local_steps",
+                "local_epochs",
+                "clients_per_round",
+                "seed",
+                "client_grad_clip",
+                "persist_client_state",
+                "max_update_norm",
+                "on_client_failure",
+            )
+        }
+        out = {k: v if _plain_setting(v) else repr(v) for k, v in out.items()}
+        try:
+            opt = self._client_factory()(self._global_params())
+            defaults = {k: v for k, v in sorted(opt.defaults.items()) if _plain_setting(v)}
+            out["client_optimizer"] = f"{type(opt).__qualname__}({_arguments(defaults)})"
+        except Exception:  # noqa: BLE001 - a factory that cannot be built here is left out of the comparison
+            pass
+        trainer = attached_trainer(self)
+        if trainer is not None:
+            out["callbacks"] = [_describe_callback(cb) for cb in trainer.callbacks if isinstance(cb, FederatedCallback)]
+            dm = trainer.datamodule
+            if isinstance(dm, FederatedDataModule) and dm.client_indices:
+                digest = hashlib.sha1()
+                for ix in dm.client_indices:
+                    digest.update(np.asarray(ix, dtype=np.int64).tobytes() + b"|")
+                out["data"] = (
+                    f"{type(dm).__qualname__}(batch_size={dm.batch_size}, clients={len(dm.client_indices)}, "
+                    f"split {digest.hexdigest()[:12]})"
+                )
+        return out
+
+    def _compare_resumed_settings(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+        """A fit resuming from a checkpoint whose :meth:`_resume_settings` differ from this run's warns, listing each
+        difference. Decision (ours): a warning, not a refusal, as plain Lightning resumes with changed settings (a
+        second stage with another learning rate); but such a run is not the checkpoint's run continued, which a
+        silent resume would let one believe (a changed ``clients_per_round``, seed, strategy or client split).
+        ``train.py`` compares its whole stored config instead and refuses (``--resume_mismatch``)."""
+        saved = checkpoint.get("fedlightning", {}).get("settings")
+        if not self.compare_resumed_settings or not isinstance(saved, dict):
+            return
+        now = self._resume_settings()
+        diffs = [
+            f"{key}: checkpoint {saved.get(key)!r} -> now {now.get(key)!r}"
+            for key in sorted(set(saved) | set(now))
+            if key in saved and key in now and saved[key] != now[key]
+        ]
+        if diffs:
+            rank_zero_warn(
+                f"the checkpoint {trainer.ckpt_path} was written by a run with other settings, and this fit trains "
+                "on with its own, so it does not continue that run as it was:\n  " + "\n  ".join(diffs)
+            )
 
     def _validation_pending(self) -> int | None:
         """The round a checkpoint written now holds before the validation that Lightning runs after it (a
@@ -1814,6 +1882,7 @@ class FederatedLoop(pl.LightningModule):
             if trainer.state.fn == TrainerFn.FITTING:  # the file resumes training: it must hold the training state
                 check_resumable(str(trainer.ckpt_path), checkpoint)
                 self._check_server_optimizer_kind(trainer, checkpoint)
+                self._compare_resumed_settings(trainer, checkpoint)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             _tell_validation_pending(checkpoint)
             _confine_checkpoint_paths(checkpoint)
@@ -2083,6 +2152,29 @@ def _defines_hook(callback: Any, name: str) -> bool:
     if not callable(method):
         return False
     return getattr(method, "__func__", method) is not getattr(FederatedCallback, name)
+
+
+def _plain_setting(value: Any) -> bool:
+    """Whether ``value`` is a plain setting (compared and stored as it is): a number, string, bool, None, or a
+    tuple / list of them."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain_setting(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _arguments(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in values.items())
+
+
+def _describe_callback(callback: FederatedCallback) -> str:
+    """``Class(arg=value, ...)``: the plain arguments of the callback's ``__init__`` it keeps as attributes of the
+    same name (``FedAvg(server_lr=1.0, ...)``); arguments kept under other names are not seen."""
+    try:
+        names = [n for n in inspect.signature(type(callback).__init__).parameters if n != "self"]
+    except (TypeError, ValueError):
+        names = []
+    kept = {n: getattr(callback, n) for n in names if hasattr(callback, n)}
+    return f"{type(callback).__qualname__}({_arguments({k: v for k, v in kept.items() if _plain_setting(v)})})"
 
 
 class _AfterValidation(pl.Callback):

@@ -1123,3 +1123,49 @@ def test_a_python_run_whose_files_miss_the_final_round_says_so(tmp_path, callbac
         ]
     if callback == "round_last":
         assert _last_holds_the_model(str(tmp_path / "last.ckpt"), loop) == 3
+
+
+# ====================================================================== a Python resume with other settings
+def _settings_fit(folder, max_steps, ckpt_path=None, cpr=3, lr=0.1, server_lr=1.0, split_seed=0):
+    from fedlightning.callbacks import FedAvg
+
+    torch.manual_seed(0)
+    loop = FederatedLoop(
+        MLP(input_dim=64, num_classes=10, hidden=[16]),
+        lambda p: torch.optim.SGD(p, lr=lr),
+        local_steps=2,
+        clients_per_round=cpr,
+        seed=0,
+    )
+    trainer = make_trainer(
+        max_steps,
+        [FedAvg(server_lr=server_lr), RoundCheckpoint(dirpath=str(folder), save_last=True)],
+        enable_checkpointing=True,
+    )
+    dm = DigitsDataModule(num_clients=10, batch_size=16, partition=Dirichlet(0.5), seed=split_seed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(loop, datamodule=dm, ckpt_path=ckpt_path)
+    return [str(w.message) for w in caught if "written by a run with other settings" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "change, listed",
+    [
+        ({}, None),
+        ({"cpr": 4}, "clients_per_round: checkpoint 3 -> now 4"),
+        ({"lr": 0.05}, "client_optimizer: checkpoint 'SGD("),
+        ({"server_lr": 0.5}, "callbacks: checkpoint [\"FedAvg(server_lr=1.0, weighting='samples')\"] -> now"),
+        ({"split_seed": 1}, "data: checkpoint 'DigitsDataModule(batch_size=16, clients=10, split "),
+    ],
+)
+def test_a_python_resume_with_other_settings_lists_them(tmp_path, change, listed):
+    """train.py compares the stored config and refuses a resume with other settings; a Python run had no check at
+    all, so a resume with another cohort size, client optimizer, strategy argument or client split trained on
+    silently as if it continued the run. It now warns, listing each difference; the same settings warn nothing."""
+    assert _settings_fit(tmp_path, 2) == []
+    said = _settings_fit(tmp_path, 3, ckpt_path=str(tmp_path / "last.ckpt"), **change)
+    if listed is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and listed in said[0] and len(said[0].splitlines()) == 2, said
