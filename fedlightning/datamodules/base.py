@@ -50,6 +50,7 @@ __all__ = [
     "chronological_holdout",
     "epoch_steps",
     "preserved_random_states",
+    "random_states_moved",
     "reiterate",
 ]
 
@@ -208,6 +209,14 @@ def preserved_random_states() -> Iterator[None]:
     finally:
         for (_, put), state in zip(_RANDOM_SOURCES, states):
             put(state)
+
+
+@contextlib.contextmanager
+def random_states_moved() -> Iterator[Callable[[], bool]]:
+    """Inside the block, the yielded function tells whether any of the process's global random states
+    (:data:`_RANDOM_SOURCES`) has moved since the block began: a data set's ``__getitem__`` that draws from one."""
+    before = [get() for get, _ in _RANDOM_SOURCES]
+    yield lambda: not all(_same_state(get(), state) for (get, _), state in zip(_RANDOM_SOURCES, before))
 
 
 def _same_state(a: Any, b: Any) -> bool:
