@@ -130,6 +130,7 @@ from fedlightning.user_module import (
     MetricStates,
     ModuleOptimizer,
     check_optimization_hooks,
+    copy_gradient_hooks,
     make_client_copy,
     materialize_lazy_modules,
 )
@@ -965,6 +966,7 @@ class FederatedLoop(pl.LightningModule):
                             else ""
                         )
                     ) from err
+            copy_gradient_hooks(self.model, work)
             work.to(self.device)
             make_client_copy(work, trainer_ref)
             router = _LogRouter(self, "capture")
@@ -1793,8 +1795,39 @@ class FederatedLoop(pl.LightningModule):
             "client_groups": self._client_groups_state(),
             "validation_pending": self._validation_pending(),
             "settings": self._resume_settings(),
+            "non_persistent_buffers": self._non_persistent_buffers(),
         }
         self.model.on_save_checkpoint(checkpoint)
+
+    def _non_persistent_buffers(self) -> dict[str, Tensor]:
+        """The global model's floating-point buffers registered with ``persistent=False``, by name: its
+        ``state_dict``, which Lightning saves, leaves them out, but a client's training may write them (a temperature,
+        a running estimate) and the aggregation averages them as any buffer, so they are part of the run's state; a
+        run resumed without them restarted them from their ``__init__`` values. Decision (ours): floating-point and
+        complex ones only, the ones training writes and aggregation averages; integer and boolean ones (position ids,
+        masks) are constants a module builds in ``__init__``."""
+        out = {}
+        for module_name, module in self.model.named_modules():
+            for name in getattr(module, "_non_persistent_buffers_set", ()):
+                tensor = module._buffers.get(name)
+                if isinstance(tensor, Tensor) and (tensor.is_floating_point() or tensor.is_complex()):
+                    out[f"{module_name}.{name}" if module_name else name] = tensor.detach().clone()
+        return out
+
+    def _load_non_persistent_buffers(self, saved: Any) -> None:
+        """Copy the buffers :meth:`_non_persistent_buffers` saved into the model's buffers of the same name and
+        shape."""
+        if not isinstance(saved, dict):
+            return
+        current = self._non_persistent_buffers().keys()
+        with torch.no_grad():
+            for name in current:
+                value = saved.get(name)
+                prefix, _, leaf = name.rpartition(".")
+                module = self.model.get_submodule(prefix) if prefix else self.model
+                tensor = module._buffers[leaf]
+                if isinstance(value, Tensor) and value.shape == tensor.shape:
+                    tensor.copy_(value)
 
     def _resume_settings(self) -> dict[str, Any]:
         """What decides this run's training beyond the weights and state a checkpoint holds, as plain values
@@ -1902,6 +1935,7 @@ class FederatedLoop(pl.LightningModule):
             else:  # restored before setup resolved it (e.g. validate/test): applied when it is built
                 self._runtime.pending_module_optimizer_state = saved
         self._load_client_groups_state(fed.get("client_groups"))
+        self._load_non_persistent_buffers(fed.get("non_persistent_buffers"))
         self.model.on_load_checkpoint(checkpoint)
 
     def _check_server_optimizer_kind(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "ModuleOptimizer",
     "STEP_HOOKS",
     "check_optimization_hooks",
+    "copy_gradient_hooks",
     "make_client_copy",
     "materialize_lazy_modules",
 ]
@@ -109,6 +110,22 @@ def make_client_copy(work: pl.LightningModule, trainer: pl.Trainer | None) -> pl
     if trainer is not None:
         work.trainer = trainer  # LightningModule's setter also attaches nested LightningModules
     return work
+
+
+def copy_gradient_hooks(source: nn.Module, copy: nn.Module) -> None:
+    """Register the gradient hooks of ``source``'s parameters (``Tensor.register_hook``,
+    ``register_post_accumulate_grad_hook``) on the same parameters of ``copy``, a deep copy of it: ``copy.deepcopy``
+    of a parameter does not copy its hooks, and the clients, which train a deep copy of the module, trained as if
+    they were not there. The hooks are the module's own functions (a closure over the module reads the global
+    model's attributes, as a hook of plain Lightning reads the trained module's). A parameter of ``copy`` that has
+    hooks already keeps them (a torch that copies them)."""
+    for p, q in zip(source.parameters(), copy.parameters()):
+        if not getattr(q, "_backward_hooks", None):
+            for hook in (getattr(p, "_backward_hooks", None) or {}).values():
+                q.register_hook(hook)
+        if not getattr(q, "_post_accumulate_grad_hooks", None):
+            for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+                q.register_post_accumulate_grad_hook(hook)
 
 
 #: Per-local-step hooks, in the order client training calls them (see :class:`ClientHooks`).

@@ -543,3 +543,52 @@ def test_a_run_max_time_stopped_resumes_as_the_uninterrupted_run(tmp_path, monke
         assert resumed.current_epoch == full.current_epoch  # the stopped epoch goes on: not a new one
         for p, q in zip(module.parameters(), full_module.parameters()):
             torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+# ====================================================================== a buffer registered with persistent=False
+class _Tempered(pl.LightningModule):
+    """A temperature that training raises, registered with ``persistent=False`` (so not in ``state_dict``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10))
+        self.register_buffer("temp", torch.tensor(1.0), persistent=False)
+        self.register_buffer("ids", torch.arange(4), persistent=False)  # a constant: not saved
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.temp = self.temp + 0.1
+        return torch.nn.functional.cross_entropy(self.net(x) / self.temp, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _tempered_fit(folder, max_steps, ckpt_path=None):
+    from fedlightning.checkpoint import RoundCheckpoint
+
+    torch.manual_seed(0)
+    model = _Tempered()
+    loop = FederatedLoop(model, local_steps=3, clients_per_round=3, seed=2)
+    trainer = make_trainer(max_steps, [RoundCheckpoint(dirpath=str(folder), save_last=True)], enable_checkpointing=True)
+    trainer.fit(loop, datamodule=DigitsDataModule(num_clients=6, batch_size=16, seed=1), ckpt_path=ckpt_path)
+    return model
+
+
+def test_a_buffer_training_writes_with_persistent_false_resumes(tmp_path):
+    """The aggregation averages every buffer, a non-persistent one too, but Lightning's checkpoint (``state_dict``)
+    leaves it out: the resumed run restarted the temperature at 1.0 (1.6 against 2.2 after 4 rounds of 3 steps) and
+    its weights left the uninterrupted run's. The loop saves such floating-point buffers itself; integer ones
+    (constants) are not saved."""
+    from fedlightning.checkpoint import read_checkpoint
+
+    full = _tempered_fit(tmp_path / "full", 4)
+    assert float(full.temp) == pytest.approx(1.0 + 4 * 3 * 0.1)
+    _tempered_fit(tmp_path / "cut", 2)
+    assert set(read_checkpoint(str(tmp_path / "cut" / "last.ckpt"))["fedlightning"]["non_persistent_buffers"]) == {
+        "temp"
+    }
+    resumed = _tempered_fit(tmp_path / "cut", 4, ckpt_path=str(tmp_path / "cut" / "last.ckpt"))
+    assert torch.equal(resumed.temp, full.temp)
+    for p, q in zip(resumed.parameters(), full.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)

@@ -5,6 +5,7 @@ weights, or counts recorded outside the code under test.
 """
 
 import copy
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -1776,3 +1777,73 @@ def test_a_model_of_complex_parameters_only_is_refused_vectorized_and_auto_train
         make_trainer(2).fit(loop, datamodule=_dm64())
         weights[mode] = model.w.detach()
     assert torch.equal(weights["auto"], weights["sequential"])
+
+
+# ====================================================================== hooks on the backward pass
+def _zero_grad(param):
+    param.grad.zero_()
+
+
+class _Hooked(pl.LightningModule):
+    """An MLP with a hook on its backward pass registered in ``__init__``: ``"freeze"`` zeroes the first layer's
+    weight gradient (``Tensor.register_hook``), ``"after"`` zeroes it after accumulation
+    (``register_post_accumulate_grad_hook``), ``"module"`` halves the gradient into the last layer's input
+    (``register_full_backward_hook``)."""
+
+    def __init__(self, hook=None):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10))
+        weight = self.net[0].weight
+        if hook == "freeze":
+            weight.register_hook(torch.zeros_like)
+        elif hook == "after":
+            weight.register_post_accumulate_grad_hook(_zero_grad)
+        elif hook == "module":
+            self.net[2].register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _hooked_fit(hook, mode="sequential"):
+    torch.manual_seed(0)
+    model = _Hooked(hook)
+    loop = FederatedLoop(model, local_steps=3, clients_per_round=3, seed=2, client_execution=mode)
+    make_trainer(2).fit(loop, datamodule=_dm())
+    return model, loop
+
+
+@pytest.mark.parametrize("hook", ["freeze", "after"])
+def test_a_parameters_gradient_hook_reaches_the_clients(hook):
+    """The clients train a deep copy of the module, and ``copy.deepcopy`` drops a parameter's hooks: a hook that
+    zeroes the first layer's gradient was ignored and the layer trained. Now the copy has the hook: that weight is
+    exactly its initial value after two rounds, while the other parameters train as without the hook's layer."""
+    torch.manual_seed(0)
+    start = _Hooked(hook).net[0].weight.detach().clone()
+    model, _ = _hooked_fit(hook)
+    assert torch.equal(model.net[0].weight.detach(), start)
+    assert not torch.equal(model.net[0].bias.detach(), _Hooked(None).net[0].bias.detach())
+    free, _ = _hooked_fit(None)
+    assert not torch.equal(free.net[0].weight.detach(), start)
+
+
+@pytest.mark.parametrize("hook", ["freeze", "after", "module"])
+def test_vectorized_refuses_hooks_on_the_backward_pass_and_auto_trains_sequentially(hook):
+    """The vectorized engine's batched gradients call no backward hook, so its clients trained as if the hook were
+    not there (the hook-free weights, bit for bit); it now refuses by name, and "auto" trains sequentially, to
+    sequential training's weights."""
+    from fedlightning.vectorized import VectorizationUnsupportedError
+
+    where = "a backward hook on 'net.2' (Linear)" if hook == "module" else "a gradient hook on parameter 'net.0.weight'"
+    with pytest.raises(VectorizationUnsupportedError, match=re.escape(f"cannot run {where}: the clients' gradients")):
+        _hooked_fit(hook, "vectorized")
+    with pytest.warns(UserWarning, match="training clients sequentially"):
+        auto, loop = _hooked_fit(hook, "auto")
+    sequential, _ = _hooked_fit(hook)
+    assert loop.client_execution_choice == "sequential"
+    for p, q in zip(auto.parameters(), sequential.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)

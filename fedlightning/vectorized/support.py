@@ -19,7 +19,13 @@ from typing import Any
 from torch import Tensor, nn
 
 from .errors import VectorizationUnsupportedError
-from .torch_internals import BATCH_NORM_TYPES, DROPOUT_TYPES, INSTANCE_NORM_TYPES, SYNC_BATCH_NORM_TYPES
+from .torch_internals import (
+    BATCH_NORM_TYPES,
+    DROPOUT_TYPES,
+    INSTANCE_NORM_TYPES,
+    SYNC_BATCH_NORM_TYPES,
+    _backward_hooks,
+)
 
 __all__ = [
     "VectorizationUnsupportedError",
@@ -36,7 +42,17 @@ def check_model_vectorizable(model: nn.Module) -> None:
     """Raise :class:`VectorizationUnsupportedError` naming the first normalisation layer the engine cannot run per
     client: ``SyncBatchNorm`` (its statistics span processes) and subclasses of BatchNorm / InstanceNorm that override
     ``forward`` (the engine runs the layers' standard computation, :mod:`fedlightning.vectorized.norms`).
-    BatchNorm, InstanceNorm, GroupNorm and LayerNorm are fine."""
+    BatchNorm, InstanceNorm, GroupNorm and LayerNorm are fine. Also refused: hooks on the backward pass (a module's
+    backward hook, a parameter's gradient hook), which the batched gradients never call, so the clients would train
+    as if they were not there (forward hooks and forward pre-hooks run)."""
+    hooks = _backward_hooks(model)
+    if hooks:
+        raise VectorizationUnsupportedError(
+            f"client_execution='vectorized' cannot run {hooks[0]}"
+            + (f" (and {len(hooks) - 1} more)" if len(hooks) > 1 else "")
+            + ": the clients' gradients are computed in one batched call that calls no backward hook, so they would "
+            "train as if it were not there; use client_execution='sequential' (or 'auto' to fall back automatically)"
+        )
     _norm_layers(model)
 
 

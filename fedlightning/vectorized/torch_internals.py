@@ -62,6 +62,7 @@ __all__ = [
     "_EmbeddingLookups",
     "tree_flatten",
     "tree_unflatten",
+    "_backward_hooks",
     "_batched_nll",
     "_foreach_add_",
     "_is_batched",
@@ -662,3 +663,27 @@ def _foreach_add_(tensors: list[Tensor], others: Sequence[Tensor], alpha: float)
     else:  # pragma: no cover
         for t, o in zip(tensors, others):
             t.add_(o, alpha=alpha)
+
+
+def _backward_hooks(model: nn.Module) -> list[str]:
+    """What runs on ``model``'s backward pass outside its functional computation, which the engine's batched
+    gradients (``torch.func`` over the clients' stacked weights) never call: each module's full backward hooks and
+    backward pre-hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``, and the older
+    ``register_backward_hook``), the global module backward hooks (``torch.nn.modules.module``), and each parameter's
+    gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``); described, e.g. ``"a backward hook on
+    'net.2' (Linear)"``."""
+    from torch.nn.modules import module as module_registry
+
+    found = []
+    for kind in ("_global_backward_hooks", "_global_backward_pre_hooks"):
+        if getattr(module_registry, kind, None):
+            found.append("a global module backward hook (torch.nn.modules.module.register_module_full_backward_hook)")
+            break
+    for name, module in model.named_modules():
+        label = f"'{name}' ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
+        if getattr(module, "_backward_hooks", None) or getattr(module, "_backward_pre_hooks", None):
+            found.append(f"a backward hook on {label}")
+    for name, param in model.named_parameters():
+        if getattr(param, "_backward_hooks", None) or getattr(param, "_post_accumulate_grad_hooks", None):
+            found.append(f"a gradient hook on parameter '{name}'")
+    return found
