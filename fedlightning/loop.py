@@ -1517,7 +1517,7 @@ class FederatedLoop(pl.LightningModule):
         mo = self._runtime.module_optimizer
         if mo is not None and mo.schedulers:  # only built when client_optimizer is None
             # the round's own metrics: a validation metric waits for the validation after the round
-            # (ModuleOptimizer.step_schedulers; _AfterValidation steps it)
+            # (ModuleOptimizer.step_schedulers; _LoopCallback steps it)
             if mo.step_schedulers(result.plan.round, dict(result.metrics)):
                 self._forget_reusable_optimizers()  # their snapshots hold the previous round's lr
 
@@ -1574,8 +1574,8 @@ class FederatedLoop(pl.LightningModule):
         bar = round_bar_for(trainer.progress_bar_callback) if trainer is not None else None
         if bar is not None:  # replaced: Lightning drops a trainer callback that a configure_callbacks one subclasses
             callbacks.append(bar)
-        if trainer is None or not any(isinstance(cb, _AfterValidation) for cb in trainer.callbacks):
-            callbacks.append(_AfterValidation())  # once per Trainer (fit, then test, call this again)
+        if trainer is None or not any(isinstance(cb, _LoopCallback) for cb in trainer.callbacks):
+            callbacks.append(_LoopCallback())  # once per Trainer (fit, then test, call this again)
         return callbacks
 
     #: Log the user's module's ``save_hyperparameters()`` with the loggers at the start of a fit, as Lightning does
@@ -2211,8 +2211,10 @@ def _describe_callback(callback: FederatedCallback) -> str:
     return f"{type(callback).__qualname__}({_arguments({k: v for k, v in kept.items() if _plain_setting(v)})})"
 
 
-class _AfterValidation(pl.Callback):
-    """Runs :meth:`FederatedLoop._after_validation` at the end of each validation of a fit: as a callback, before
+class _LoopCallback(pl.Callback):
+    """The loop's own callback, one per Trainer (:meth:`FederatedLoop.configure_callbacks`).
+
+    It runs :meth:`FederatedLoop._after_validation` at the end of each validation of a fit: as a callback, before
     every ``ModelCheckpoint`` (Lightning orders those last), so a checkpoint written after the validation holds the
     scheduler steps it caused.
 
