@@ -332,17 +332,21 @@ def validation_follows(trainer: pl.Trainer) -> bool:
 
 
 def skip_validation_of_timed_stop(trainer: pl.Trainer) -> bool:
-    """Asked from an ``on_train_batch_end`` hook that runs after Lightning's ``Timer``: when the ``Timer``
-    (``max_time``) has just asked the fit to stop, and no validation is due after this batch but for that request
-    (Lightning validates whenever a stop is requested), have the fit loop skip that validation (its
-    ``_skip_next_val``, its own flag for a validation it must not run). True when it did."""
+    """Asked from an ``on_train_batch_end`` hook that runs after Lightning's ``Timer``, on every process: when the
+    ``Timer`` (``max_time``, on the clock of global rank 0, as the ``Timer`` decides) has just asked the fit to stop,
+    and no validation is due after this batch but for that request (Lightning validates whenever a stop is
+    requested), have the fit loop skip that validation (its ``_skip_next_val``, its own flag for a validation it must
+    not run). True when it did."""
     from lightning.pytorch.callbacks import Timer
 
-    if not trainer.should_stop:
+    if not trainer.should_stop:  # the same on every process (the Timer broadcasts its decision, as EarlyStopping)
         return False
     timer = next((cb for cb in trainer.callbacks if isinstance(cb, Timer)), None)
-    remaining = timer.time_remaining() if timer is not None else None
-    if remaining is None or remaining > 0:
+    if timer is None:
+        return False
+    remaining = timer.time_remaining()
+    # rank 0's clock, as the Timer's own decision: every process then skips the same validation (a collective)
+    if not trainer.strategy.broadcast(remaining is not None and remaining <= 0):
         return False
     trainer.should_stop = False
     try:

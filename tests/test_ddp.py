@@ -89,7 +89,7 @@ def test_two_processes_equal_one(one_and_two, setup):
             assert a["client/lr"] == b["client/lr"]
         # the process that trains no client logs the same names (client/lr included): a callback monitoring one
         # runs the same collectives on both
-        rank0, rank1 = two["round_metric_names"]
+        (rank0, _), (rank1, _) = two["round_metric_names"]
         assert rank0 == rank1 and all("client/lr" in names for names in rank1)
     if setup == "feddane_faulty":  # NaN full gradients left out of g_t by whichever process computed them
         used = [r["feddane/gradient_clients"] for r in one["round_metrics"]]
@@ -154,6 +154,18 @@ def test_sigterm_on_one_process_stops_every_process_at_a_round_boundary_and_the_
     assert resumed["steps"] == one["steps"] == 4 and not resumed["stopped_by_sigterm"]
     assert_close64(resumed["weights"], one["weights"])
     assert resumed["store_clients"] == one["store_clients"]
+
+
+def test_a_max_time_stop_skips_the_same_validation_on_every_process(tmp_path):
+    """max_time on rank 0's clock (the Timer broadcasts rank 0's decision) is up at the end of round 1, where no
+    validation is due (every 3 rounds): every process skips Lightning's validation on the stop, also the one whose
+    own clock has time left (deciding by each process's clock would run the validation's collectives on one process
+    only), and the run ends after round 1 without a validation."""
+    got = _run(
+        tmp_path, 2, "fedavg", rounds=6, extra=("--time-up-rank", "0", "--time-up-round", "1", "--validate-every", "3")
+    )
+    assert got["steps"] == 2
+    assert [validations for _, validations in got["round_metric_names"]] == [0, 0]
 
 
 def test_a_frozen_rank_makes_the_other_exit_within_the_collective_timeout(tmp_path):

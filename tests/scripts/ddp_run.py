@@ -99,6 +99,11 @@ class Digits64(DigitsDataModule):
 class RoundMetrics(pl.Callback):
     def __init__(self):
         self.rounds = []
+        self.validations = 0
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.validations += 1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         kept = ("client/", "feddane/gradient_clients", "round/failed_clients")
@@ -153,6 +158,27 @@ class Terminate(pl.Callback):
                 os.kill(os.getpid(), signal.SIGTERM)
 
 
+class _ShiftedClock:
+    """``time`` for Lightning's Timer module: ``monotonic`` a day ahead of the real clock."""
+
+    def monotonic(self):
+        return time.monotonic() + 86400.0
+
+
+class TimeUp(pl.Callback):
+    """At the start of round ``round`` on rank ``rank``: this process's clock, as the Timer reads it, jumps a day
+    ahead, so that its ``max_time`` is up at the end of that round on that process only."""
+
+    def __init__(self, rank, round):
+        self.rank, self.round = rank, round
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.round:
+            import lightning.pytorch.callbacks.timer as timer_module
+
+            timer_module.time = _ShiftedClock()
+
+
 def build(setup: str):
     callbacks, opt = [], functools.partial(torch.optim.SGD, lr=0.1)
     if setup == "fedavg":
@@ -204,6 +230,9 @@ def main():
     ap.add_argument("--sigterm-rank", type=int, default=None, help="this rank sends itself SIGTERM ...")
     ap.add_argument("--sigterm-round", type=int, default=1, help="... at the start of this round ...")
     ap.add_argument("--sigterm-times", type=int, default=1, help="... this many times")
+    ap.add_argument("--time-up-rank", type=int, default=None, help="max_time is up on this rank only ...")
+    ap.add_argument("--time-up-round", type=int, default=1, help="... at the end of this round (max_time 1 hour)")
+    ap.add_argument("--validate-every", type=int, default=None, help="validate every this many rounds")
     ap.add_argument("--last-dir", default=None, help="RoundCheckpoint(save_last=True) into this folder")
     ap.add_argument("--float64", action="store_true", help="model and data in float64 (default dtype float64)")
     ap.add_argument("--execution", default="sequential", help="FederatedLoop(client_execution=...)")
@@ -267,15 +296,21 @@ def fit(args, setup: str):
         callbacks.append(Freeze(args.freeze_rank, args.freeze_round, args.freeze_file))
     if args.sigterm_rank is not None:
         callbacks.append(Terminate(args.sigterm_rank, args.sigterm_round, args.sigterm_times))
+    if args.time_up_rank is not None:
+        callbacks.append(TimeUp(args.time_up_rank, args.time_up_round))
     if args.last_dir:  # only the save at an exception (no round reaches every_n_train_steps)
         callbacks.append(RoundCheckpoint(dirpath=args.last_dir, save_last=True, save_top_k=0, every_n_train_steps=99))
     dm = data_cls(**data_args)
+    validation = {"limit_val_batches": 0}
+    if args.validate_every:
+        validation = {"limit_val_batches": 1, "val_check_interval": args.validate_every, "num_sanity_val_steps": 0}
     trainer = _trainer(
         args,
         max_steps=args.rounds,
+        max_time={"hours": 1} if args.time_up_rank is not None else None,
         enable_checkpointing=bool(args.last_dir),
-        limit_val_batches=0,
         callbacks=callbacks,
+        **validation,
     )
     stopped = False
     try:
@@ -292,7 +327,7 @@ def fit(args, setup: str):
             "validate": evaluator.validate(loop, datamodule=dm, verbose=False),
             "test": evaluator.test(loop, datamodule=dm, verbose=False),
         }
-    keys = [sorted(r) for r in recorder.rounds]  # every process's round metric names
+    keys = ([sorted(r) for r in recorder.rounds], recorder.validations)  # every process's metric names, validations
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         every_rank_keys = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every_rank_keys, keys)
