@@ -202,9 +202,8 @@ def reopen_ended_epoch(checkpoint: dict[str, Any]) -> bool:
 def reopen_finished_fit(trainer: pl.Trainer) -> bool:
     """For ``trainer.fit`` again on a Trainer whose fit ended (at its ``max_steps``, now raised, or by a stop request):
     its fit loop's finished epoch reopened, as :func:`reopen_ended_epoch` reopens such a fit's file, so that the
-    continued fit
-    goes on in epoch 0 (``epoch`` logged 0, checkpoint names ``epoch=0-...``) as an uninterrupted fit does, not in a
-    new epoch. True when it changed something."""
+    continued fit goes on in epoch 0 (``epoch`` logged 0, checkpoint names ``epoch=0-...``) as an uninterrupted fit
+    does, not in a new epoch. True when it changed something."""
     state = {"loops": {"fit_loop": trainer.fit_loop.state_dict()}}
     if not reopen_ended_epoch(state):
         return False

@@ -1806,26 +1806,24 @@ class FederatedLoop(pl.LightningModule):
         run resumed without them restarted them from their ``__init__`` values. Decision (ours): floating-point and
         complex ones only, the ones training writes and aggregation averages; integer and boolean ones (position ids,
         masks) are constants a module builds in ``__init__``."""
-        out = {}
+        return {name: tensor.detach().clone() for name, tensor in self._non_persistent_buffer_slots()}
+
+    def _non_persistent_buffer_slots(self) -> Iterator[tuple[str, Tensor]]:
+        """``(name, tensor)`` of the buffers :meth:`_non_persistent_buffers` saves, the model's own tensors."""
         for module_name, module in self.model.named_modules():
             for name in getattr(module, "_non_persistent_buffers_set", ()):
                 tensor = module._buffers.get(name)
                 if isinstance(tensor, Tensor) and (tensor.is_floating_point() or tensor.is_complex()):
-                    out[f"{module_name}.{name}" if module_name else name] = tensor.detach().clone()
-        return out
+                    yield (f"{module_name}.{name}" if module_name else name), tensor
 
     def _load_non_persistent_buffers(self, saved: Any) -> None:
         """Copy the buffers :meth:`_non_persistent_buffers` saved into the model's buffers of the same name and
         shape."""
         if not isinstance(saved, dict):
             return
-        current = self._non_persistent_buffers().keys()
         with torch.no_grad():
-            for name in current:
+            for name, tensor in self._non_persistent_buffer_slots():
                 value = saved.get(name)
-                prefix, _, leaf = name.rpartition(".")
-                module = self.model.get_submodule(prefix) if prefix else self.model
-                tensor = module._buffers[leaf]
                 if isinstance(value, Tensor) and value.shape == tensor.shape:
                     tensor.copy_(value)
 
@@ -1879,9 +1877,9 @@ class FederatedLoop(pl.LightningModule):
             return
         now = self._resume_settings()
         diffs = [
-            f"{key}: checkpoint {saved.get(key)!r} -> now {now.get(key)!r}"
-            for key in sorted(set(saved) | set(now))
-            if key in saved and key in now and saved[key] != now[key]
+            f"{key}: checkpoint {saved[key]!r} -> now {now[key]!r}"
+            for key in sorted(saved.keys() & now.keys())
+            if saved[key] != now[key]
         ]
         if diffs:
             rank_zero_warn(
