@@ -44,6 +44,8 @@ __all__ = [
     "check_resumable",
     "global_model_state",
     "load_global_model",
+    "non_persistent_buffers",
+    "load_non_persistent_buffers",
     "read_checkpoint",
     "checkpoint_round",
     "verify_checksums",
@@ -829,13 +831,42 @@ def check_fits_model(path, ckpt: Mapping[str, Any], model: torch.nn.Module) -> N
                 )
 
 
-def global_model_state(path, weights_only: bool | None = None) -> dict[str, torch.Tensor]:
-    """The global model's ``state_dict`` in the file ``path``, read by :func:`read_checkpoint` (no code runs unless
-    ``weights_only=False``, the opt-in for a file you trust that needs other types, such as a Lightning checkpoint
-    whose ``save_hyperparameters()`` holds an ``Enum``): from a fedlightning checkpoint its global model (the keys of
-    your module, without the loop's ``model.`` prefix), from a Lightning checkpoint of your module its
-    ``state_dict``, or a ``torch.save``'d state dict itself. A file that holds none of these is a
-    :class:`CheckpointError`."""
+def _non_persistent_buffer_slots(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the buffers :func:`non_persistent_buffers` saves, ``module``'s own tensors."""
+    for module_name, sub in module.named_modules():
+        for name in getattr(sub, "_non_persistent_buffers_set", ()):
+            tensor = sub._buffers.get(name)
+            if isinstance(tensor, torch.Tensor) and (tensor.is_floating_point() or tensor.is_complex()):
+                yield (f"{module_name}.{name}" if module_name else name), tensor
+
+
+def non_persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of ``module``'s floating-point buffers registered with ``persistent=False``, by name.
+
+    Its ``state_dict``, which Lightning saves, leaves them out, but a client's training may write them (a
+    temperature, a running estimate) and the aggregation averages them as any buffer, so they are part of a
+    federated run's state: :class:`~fedlightning.loop.FederatedLoop` saves them in its checkpoints
+    (``checkpoint["fedlightning"]["non_persistent_buffers"]``), and resuming, ``validate`` / ``test`` with
+    ``ckpt_path`` and :func:`load_global_model` put them back. Decision (ours): floating-point and complex ones only,
+    the ones training writes and aggregation averages; integer and boolean ones (position ids, masks) are constants a
+    module builds in ``__init__``."""
+    return {name: tensor.detach().clone() for name, tensor in _non_persistent_buffer_slots(module)}
+
+
+def load_non_persistent_buffers(module: torch.nn.Module, saved: Any) -> None:
+    """Copy the buffers :func:`non_persistent_buffers` saved into ``module``'s buffers of the same name and shape
+    (``saved`` from an older checkpoint without them, ``None``, changes nothing)."""
+    if not isinstance(saved, Mapping):
+        return
+    with torch.no_grad():
+        for name, tensor in _non_persistent_buffer_slots(module):
+            value = saved.get(name)
+            if isinstance(value, torch.Tensor) and value.shape == tensor.shape:
+                tensor.copy_(value)
+
+
+def _global_model(path, weights_only: bool | None) -> tuple[dict[str, torch.Tensor], Any]:
+    """The global model's ``state_dict`` in the file ``path`` and its saved non-persistent buffers (or None)."""
     path = os.fspath(path)
     ckpt = read_checkpoint(path, weights_only=weights_only)
     state = ckpt.get("state_dict", ckpt) if isinstance(ckpt, Mapping) else None
@@ -844,9 +875,21 @@ def global_model_state(path, weights_only: bool | None = None) -> dict[str, torc
             path,
             "holds no state dict of tensors (a Lightning or fedlightning checkpoint, or a torch.save'd state_dict)",
         )
-    if isinstance(ckpt, Mapping) and "fedlightning" in ckpt:  # a federated run's checkpoint: its global model
-        return {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
-    return dict(state)
+    fed = ckpt.get("fedlightning") if isinstance(ckpt, Mapping) else None
+    if isinstance(fed, Mapping):  # a federated run's checkpoint: its global model
+        model = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+        return model, fed.get("non_persistent_buffers")
+    return dict(state), None
+
+
+def global_model_state(path, weights_only: bool | None = None) -> dict[str, torch.Tensor]:
+    """The global model's ``state_dict`` in the file ``path``, read by :func:`read_checkpoint` (no code runs unless
+    ``weights_only=False``, the opt-in for a file you trust that needs other types, such as a Lightning checkpoint
+    whose ``save_hyperparameters()`` holds an ``Enum``): from a fedlightning checkpoint its global model (the keys of
+    your module, without the loop's ``model.`` prefix), from a Lightning checkpoint of your module its
+    ``state_dict``, or a ``torch.save``'d state dict itself. A file that holds none of these is a
+    :class:`CheckpointError`."""
+    return _global_model(path, weights_only)[0]
 
 
 def load_global_model(path, module: torch.nn.Module, weights_only: bool | None = None) -> torch.nn.Module:
@@ -856,11 +899,14 @@ def load_global_model(path, module: torch.nn.Module, weights_only: bool | None =
         model = load_global_model("runs/quickstart/version_0/checkpoints/last.ckpt", MyModule())
 
     Its keys, shapes and finiteness are checked first (:func:`check_fits_model`): a :class:`CheckpointError` names
-    the difference. (``MyModule.load_from_checkpoint`` cannot read a federated checkpoint: it holds the
-    ``FederatedLoop``, whose keys carry the ``model.`` prefix.) ``weights_only``: as for :func:`global_model_state`."""
-    state = global_model_state(path, weights_only=weights_only)
+    the difference. The floating-point buffers registered with ``persistent=False`` that a federated checkpoint
+    holds are put back too (:func:`non_persistent_buffers`). (``MyModule.load_from_checkpoint`` cannot read a
+    federated checkpoint: it holds the ``FederatedLoop``, whose keys carry the ``model.`` prefix.)
+    ``weights_only``: as for :func:`global_model_state`."""
+    state, buffers = _global_model(path, weights_only)
     check_fits_model(path, {"state_dict": state}, module)
     module.load_state_dict(state)
+    load_non_persistent_buffers(module, buffers)
     return module
 
 

@@ -108,9 +108,10 @@ from fedlightning.checkpoint import (
     SIGTERM_EXIT_STATUS,
     AtomicCheckpointIO,
     CheckpointError,
-    check_fits_model,
     check_resumable,
-    global_model_state,
+    load_global_model,
+    load_non_persistent_buffers,
+    non_persistent_buffers,
 )
 from fedlightning.client import LocalTrainer
 from fedlightning.datamodules.base import FederatedDataModule, WholeSplitSampler
@@ -593,7 +594,7 @@ class FederatedLoop(pl.LightningModule):
         if self._init_weights_missing:
             return
         try:
-            state = global_model_state(path)
+            load_global_model(path, self.model)  # its non-persistent buffers too, as a resume puts them back
         except CheckpointError as err:
             if err.unsafe_type is None:
                 raise
@@ -604,8 +605,6 @@ class FederatedLoop(pl.LightningModule):
                 "that file as model.init_weights",
                 unsafe_type=err.unsafe_type,
             ) from err
-        check_fits_model(path, {"state_dict": state}, self.model)
-        self.model.load_state_dict(state)
 
     #: local steps per client and round when neither ``local_steps`` nor ``local_epochs`` is given (seed 000's K = 20)
     DEFAULT_LOCAL_STEPS = 20
@@ -1795,37 +1794,9 @@ class FederatedLoop(pl.LightningModule):
             "client_groups": self._client_groups_state(),
             "validation_pending": self._validation_pending(),
             "settings": self._resume_settings(),
-            "non_persistent_buffers": self._non_persistent_buffers(),
+            "non_persistent_buffers": non_persistent_buffers(self.model),
         }
         self.model.on_save_checkpoint(checkpoint)
-
-    def _non_persistent_buffers(self) -> dict[str, Tensor]:
-        """The global model's floating-point buffers registered with ``persistent=False``, by name: its
-        ``state_dict``, which Lightning saves, leaves them out, but a client's training may write them (a temperature,
-        a running estimate) and the aggregation averages them as any buffer, so they are part of the run's state; a
-        run resumed without them restarted them from their ``__init__`` values. Decision (ours): floating-point and
-        complex ones only, the ones training writes and aggregation averages; integer and boolean ones (position ids,
-        masks) are constants a module builds in ``__init__``."""
-        return {name: tensor.detach().clone() for name, tensor in self._non_persistent_buffer_slots()}
-
-    def _non_persistent_buffer_slots(self) -> Iterator[tuple[str, Tensor]]:
-        """``(name, tensor)`` of the buffers :meth:`_non_persistent_buffers` saves, the model's own tensors."""
-        for module_name, module in self.model.named_modules():
-            for name in getattr(module, "_non_persistent_buffers_set", ()):
-                tensor = module._buffers.get(name)
-                if isinstance(tensor, Tensor) and (tensor.is_floating_point() or tensor.is_complex()):
-                    yield (f"{module_name}.{name}" if module_name else name), tensor
-
-    def _load_non_persistent_buffers(self, saved: Any) -> None:
-        """Copy the buffers :meth:`_non_persistent_buffers` saved into the model's buffers of the same name and
-        shape."""
-        if not isinstance(saved, dict):
-            return
-        with torch.no_grad():
-            for name, tensor in self._non_persistent_buffer_slots():
-                value = saved.get(name)
-                if isinstance(value, Tensor) and value.shape == tensor.shape:
-                    tensor.copy_(value)
 
     def _resume_settings(self) -> dict[str, Any]:
         """What decides this run's training beyond the weights and state a checkpoint holds, as plain values
@@ -1933,7 +1904,7 @@ class FederatedLoop(pl.LightningModule):
             else:  # restored before setup resolved it (e.g. validate/test): applied when it is built
                 self._runtime.pending_module_optimizer_state = saved
         self._load_client_groups_state(fed.get("client_groups"))
-        self._load_non_persistent_buffers(fed.get("non_persistent_buffers"))
+        load_non_persistent_buffers(self.model, fed.get("non_persistent_buffers"))
         self.model.on_load_checkpoint(checkpoint)
 
     def _check_server_optimizer_kind(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:

@@ -592,3 +592,26 @@ def test_a_buffer_training_writes_with_persistent_false_resumes(tmp_path):
     assert torch.equal(resumed.temp, full.temp)
     for p, q in zip(resumed.parameters(), full.parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_load_global_model_and_init_weights_put_non_persistent_buffers_back(tmp_path):
+    """``load_global_model`` (evaluating a trained model) and ``init_weights`` (starting a run from another's
+    model) read the same checkpoint as a resume: the temperature training wrote must come back with the weights,
+    not stay at the fresh module's 1.0."""
+    from fedlightning.checkpoint import load_global_model
+
+    trained = _tempered_fit(tmp_path / "run", 2)
+    assert float(trained.temp) == pytest.approx(1.0 + 2 * 3 * 0.1)
+    loaded = load_global_model(tmp_path / "run" / "last.ckpt", _Tempered())
+    assert torch.equal(loaded.temp, trained.temp)
+    assert torch.equal(loaded.ids, torch.arange(4))  # an integer constant keeps its __init__ value
+    for p, q in zip(loaded.parameters(), trained.parameters()):
+        assert torch.equal(p, q)
+
+    torch.manual_seed(0)
+    started = _Tempered()
+    loop = FederatedLoop(
+        started, local_steps=3, clients_per_round=3, seed=2, init_weights=str(tmp_path / "run" / "last.ckpt")
+    )
+    make_trainer(1, []).fit(loop, datamodule=DigitsDataModule(num_clients=6, batch_size=16, seed=1))
+    assert float(started.temp) == pytest.approx(float(trained.temp) + 3 * 0.1)  # one round of 3 steps on top
