@@ -447,13 +447,21 @@ def _auto_decide(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence
       lockstep step vectorised, so the cost's floor is the warm-ups, one client's steps and one vectorised step of
       the ``C`` clients: with ``K = 1`` that step is a whole vectorised round (about 1.4 rounds in all for 10
       clients at even speeds; more where vectorised is much slower), which no measurement of a full-size
-      vectorised step avoids.
+      vectorised step avoids. Where fewer than :data:`AUTO_SEQUENTIAL_CLIENTS` timed clients chose vectorised, their
+      steps are timed once more, beyond the budget (the choice, below).
     * **Groups** (``max_parallel_clients``, :func:`run_vectorized_round`): where the round trains in groups of
       ``G < C`` clients, the vectorised timing runs one group (the round's first ``G`` clients) and the vectorised
       round is estimated as ``⌈C / G⌉`` times that group's round (a smaller last group counted in full: a close call
       tips towards sequential); the warm-up is ``max_parallel_clients="auto"``'s footprint measurement
       (:func:`_probe`). A measurement that runs out of memory is repeated with the group halved (one warning).
     * **The choice**: vectorised when its estimated round is faster by :data:`AUTO_MARGIN` (:func:`auto_choice`).
+      Where that choice rests on fewer than :data:`AUTO_SEQUENTIAL_CLIENTS` sequential clients (the budget ran out:
+      a stall in the warm-ups uses it up), no median can pass over an interrupted client, and one would make
+      sequential look slow (a 3-client round whose modes ran at the same speed read "72x faster"): those clients are
+      timed once more, after the vectorised timing, each keeps the smaller of its two times, and the choice is made
+      again (ours: another process only ever adds time, and rarely twice to the same client at two moments; the cost
+      is those clients' steps, only on this path; the reason then says "(twice)"). A vectorised estimate that an
+      interruption inflates can only tip a call towards sequential, the reference path, and is not re-timed.
       After choosing sequential the engine's buffers are released: no vectorised round follows.
     * **Throw-away**: both modes log and make the metric calls a real round makes, so their cost is timed, and
       then no logged value reaches the loop, torchmetrics states are restored (:func:`_throwaway_logs`), no client
@@ -522,7 +530,7 @@ def _measure(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int
         _run(loop, run, warm, client_ids[: min(2, _group_limit(loop, run) or 2)], global_flat, throwaway=True)
     G = min(_group_limit(loop, run) or C, C)  # the clients of one vectorised engine call
     groups = -(-C // G)
-    rates = []  # seconds per local step of each timed client
+    rates, timed_clients = [], []  # seconds per local step of each timed client, and the clients
     with _throwaway_sequential(loop):
         _train_or_fail(loop, warm, client_ids[0], global_flat)  # warm-up
         _sync(device)
@@ -532,6 +540,7 @@ def _measure(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int
             _sync(device)
             t, t1 = t1, _clock()
             rates.append((t1 - t) / plan.steps_for(cid))
+            timed_clients.append(cid)
             seq = statistics.median(rates) * client_steps  # the estimated sequential round
             if t1 - t_start + (t1 - t0) / len(rates) + seq * G / client_steps > _budget(seq):
                 break  # one more client and one vectorised step at sequential speed would not fit in the budget
@@ -563,13 +572,18 @@ def _measure(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int
         vec = steps[0] + (K - 1) * statistics.median(steps[1:])  # the estimated vectorised round of one group
     vec *= groups
     choice = auto_choice(seq, vec)  # sequential after a loss: its estimate only grew since it had lost
+    retimed = choice == "vectorized" and n < AUTO_SEQUENTIAL_CLIENTS
+    if retimed:  # too few sequential samples for a median to pass over an interruption: time them once more
+        rates = [min(r, a) for r, a in zip(rates, _time_again(loop, plan, timed_clients, global_flat))]
+        seq = statistics.median(rates) * client_steps
+        choice = auto_choice(seq, vec)
     ratio = seq / max(vec, 1e-12)
     everyone = f"all {C} clients" if C > 1 else "the 1 client"
     if G < C:
         everyone = f"a group of {_count(G, 'client')} of {C} ({groups} groups)"
     timed = (
         f"timed: {_count(len(steps), 'local step')} of {everyone} vectorized, "
-        f"{'all' if n == C else n} of the {_count(C, 'client')} one at a time"
+        f"{'all' if n == C else n} of the {_count(C, 'client')} one at a time{' (twice)' if retimed else ''}"
     )
     if choice == "vectorized":
         return choice, f"{ratio:.2f}x faster than one at a time; {timed}"
@@ -582,6 +596,19 @@ def _measure(loop, run: VectorizedRun, plan: RoundPlan, client_ids: Sequence[int
     elif ratio >= 1:
         reason += f"; it is used only when at least {AUTO_MARGIN}x faster"
     return choice, reason
+
+
+def _time_again(loop, plan: RoundPlan, client_ids: Sequence[int], global_flat: Tensor) -> list[float]:
+    """Seconds per local step of each of ``client_ids`` trained sequentially (throw-away) once more."""
+    device, rates = global_flat.device, []
+    with _throwaway_sequential(loop):
+        for cid in client_ids:
+            _sync(device)
+            start = _clock()
+            _train_or_fail(loop, plan, cid, global_flat)
+            _sync(device)
+            rates.append((_clock() - start) / plan.steps_for(cid))
+    return rates
 
 
 def _diffs(readings: list[float]) -> list[float]:
