@@ -92,6 +92,22 @@ def test_claim_verdicts_follow_the_tie_rule():
     assert claims.lowest("b", ["a", "b", "c"], "m")(three, labels)[0] == "agrees"
 
 
+def test_a_set_claim_with_algorithms_not_run_is_checked_only_where_it_fails():
+    """``--only`` ran a and b of the experiment's a, b, c: "a is the best" holds among the two run, but c could
+    beat it, so the claim is not checked (c named); "b is the best" fails against a whatever c does. A diverged
+    c counts as run: it cannot be the best."""
+    labels = {"a": "A", "b": "B", "c": "C"}
+    two = _agg(a=(2.0, 0.1), b=(1.0, 0.1))
+    assert claims.best("a", "m", True)(two, labels) == ("n/a", "best other: A 2 ± 0.1 vs B 1 ± 0.1; not run: C")
+    assert claims.best("b", "m", True)(two, labels)[0] == "disagrees"
+    assert claims.best("a", "m", True, among=["a", "b"])(two, labels)[0] == "agrees"
+    assert claims.lowest("b", ["a", "b", "c"], "m")(two, labels) == ("n/a", "A 2.00, B 1.00; not run: C")
+    assert claims.lowest("a", ["a", "b", "c"], "m")(two, labels)[0] == "disagrees"
+    diverged = {**two, "c": {"m": {"mean": float("nan"), "std": float("nan"), "n": 3, "diverged": 1}}}
+    assert claims.best("a", "m", True)(diverged, labels)[0] == "agrees"
+    assert claims.lowest("b", ["a", "b", "c"], "m")(diverged, labels)[0] == "agrees"
+
+
 def test_no_worse_for_less_needs_a_relative_cost_below_one():
     labels = {"ref": "R", "a": "A", "b": "B"}
     agg = {
@@ -267,3 +283,14 @@ def test_a_cached_result_that_is_not_a_result_counts_as_not_cached(tmp_path):
         with open(runner.result_path(cache, spec), "w") as f:
             f.write(text)
         assert runner.load_cached(cache, spec) is None
+
+
+def test_the_summary_of_a_partial_invocation_says_what_was_checked():
+    """A claim whose runs were not all made is "n/a" on every setup: the paper's summary line says no claim was
+    checked (it read "— ." before), and a claim that held reads "on every setup checked", not on every setup."""
+    exp = experiments.EXPERIMENTS[0]
+    claim = exp.claims[0].text
+    lines = report._summary([exp], {exp.paper: {claim: ["n/a"]}}, {})
+    assert lines[2].endswith("— No claim checked yet (a claim is checked once the runs it compares have all run).")
+    lines = report._summary([exp], {exp.paper: {claim: ["agrees"]}}, {})
+    assert f"— Holds on every setup checked: {report._short(claim)}." in lines[2]

@@ -7,6 +7,11 @@ Verdicts: ``"agrees"``, ``"agrees_tie"`` (an "at least as good" claim that holds
 
 Decision (ours): "A beats B" is a *tie* when the means differ by less than the sum of the two standard deviations
 (sample std over seeds); a mean over seeds of which one diverged is undefined and the claim is not checked.
+
+A claim over a set of algorithms ("A is the best", "A is the lowest of ...") that a partial invocation (``--only``)
+ran for only some of them is checked only where it already fails: A worse than one that ran stays worse whatever the
+others do, but "best of the ones run" is not the paper's claim, so it is "not checked", with the ones not run named.
+An algorithm that ran and diverged counts as run (it cannot be the best).
 """
 
 from __future__ import annotations
@@ -66,20 +71,34 @@ def at_least(check: Check) -> Check:
     return wrapped
 
 
+def _not_run(agg, labels, algos: Sequence[str], metric: str) -> list[str]:
+    """The names of ``algos`` with no run of ``metric`` (a diverged run counts as run)."""
+    return [labels.get(k, k) for k in algos if not (agg.get(k, {}).get(metric) or {}).get("n")]
+
+
+def _partial(verdict: str, detail: str, missing: list[str]) -> Verdict:
+    """A set claim's verdict where some of its algorithms were not run: only a failure stands (module docstring)."""
+    if not missing or verdict == "disagrees":
+        return verdict, detail
+    return "n/a", f"{detail}; not run: {', '.join(missing)}"
+
+
 def best(a: str, metric: str, higher_better: bool, among: Sequence[str] | None = None) -> Check:
-    """ "``a`` is the best of the algorithms run" (of ``among`` if given): ``a`` against the best other one."""
+    """ "``a`` is the best of the algorithms" (the experiment's, i.e. ``labels``, or ``among`` if given): ``a``
+    against the best other one that ran; "not checked" unless it fails where some were not run."""
 
     def check(agg, labels):
         sa = stat(agg, a, metric)
         if sa is None:
             return "n/a", f"{a} not run"
-        others = [k for k in (among or agg) if k != a and stat(agg, k, metric) is not None]
+        candidates = [k for k in dict.fromkeys([*(among or labels or agg)]) if k != a]
+        others = [k for k in candidates if stat(agg, k, metric) is not None]
         if not others:
             return "n/a", "nothing to compare with"
         sign = -1.0 if higher_better else 1.0
         best_other = sorted(others, key=lambda k: sign * stat(agg, k, metric)["mean"])[0]
         verdict, detail = compare(agg, labels, a, best_other, metric, higher_better)
-        return verdict, f"best other: {detail}"
+        return _partial(verdict, f"best other: {detail}", _not_run(agg, labels, candidates, metric))
 
     return check
 
@@ -146,7 +165,8 @@ def no_worse_for_less(
 
 
 def lowest(a: str, among: Sequence[str], metric: str) -> Check:
-    """``a`` has the lowest mean ``metric`` of ``among`` (equal means: tie; needs ``a`` and one other)."""
+    """``a`` has the lowest mean ``metric`` of ``among`` (equal means: tie; needs ``a`` and one other; "not checked"
+    unless it fails where some of ``among`` were not run)."""
 
     def check(agg, labels):
         vals = {k: stat(agg, k, metric) for k in among}
@@ -155,6 +175,7 @@ def lowest(a: str, among: Sequence[str], metric: str) -> Check:
             return "n/a", "not run"
         detail = ", ".join(f"{labels[k]} {v['mean']:.2f}" for k, v in vals.items())
         mine, others = vals[a]["mean"], min(v["mean"] for k, v in vals.items() if k != a)
-        return ("agrees" if mine < others else "tie" if mine == others else "disagrees"), detail
+        verdict = "agrees" if mine < others else "tie" if mine == others else "disagrees"
+        return _partial(verdict, detail, _not_run(agg, labels, among, metric))
 
     return check

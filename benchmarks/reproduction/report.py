@@ -434,13 +434,15 @@ def _summary(experiments, tallies: dict[str, dict[str, list[str]]], findings: di
         ties = [t for t, v in outcomes.items() if t not in holds and t not in fails and any(x == "tie" for x in v)]
         parts = []
         if holds:
-            parts.append("holds on every setup: " + "; ".join(_short(t) for t in holds))
+            parts.append("holds on every setup checked: " + "; ".join(_short(t) for t in holds))
         if fails:
             parts.append("fails on at least one setup: " + "; ".join(_short(t) for t in fails))
         if ties:
             parts.append("within the seed spread: " + "; ".join(_short(t) for t in ties))
         if exp.paper in findings:
             parts.append("sensitivity study: " + findings[exp.paper])
+        if not parts:  # a partial invocation: no claim had all the runs it needs
+            parts.append("no claim checked yet (a claim is checked once the runs it compares have all run)")
         lines.append(f"* **Seed {exp.paper}** ({exp.title}) — " + ". ".join(p[0].upper() + p[1:] for p in parts) + ".")
     return lines + ["* " + OFFLINE_GAPS, ""]
 
