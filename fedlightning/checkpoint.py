@@ -875,10 +875,10 @@ def _global_model(path, weights_only: bool | None) -> tuple[dict[str, torch.Tens
             path,
             "holds no state dict of tensors (a Lightning or fedlightning checkpoint, or a torch.save'd state_dict)",
         )
-    fed = ckpt.get("fedlightning") if isinstance(ckpt, Mapping) else None
-    if isinstance(fed, Mapping):  # a federated run's checkpoint: its global model
+    if isinstance(ckpt, Mapping) and "fedlightning" in ckpt:  # a federated run's checkpoint: its global model
         model = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
-        return model, fed.get("non_persistent_buffers")
+        fed = ckpt["fedlightning"]
+        return model, fed.get("non_persistent_buffers") if isinstance(fed, Mapping) else None
     return dict(state), None
 
 
