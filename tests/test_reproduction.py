@@ -294,3 +294,33 @@ def test_the_summary_of_a_partial_invocation_says_what_was_checked():
     assert lines[2].endswith("— No claim checked yet (a claim is checked once the runs it compares have all run).")
     lines = report._summary([exp], {exp.paper: {claim: ["agrees"]}}, {})
     assert f"— Holds on every setup checked: {report._short(claim)}." in lines[2]
+
+
+def test_docs_results_rest_on_runs_of_the_current_configs():
+    """docs/results.md says which command wrote it; every run that command reports must be in the committed cache
+    under the key of the current configs and arguments, else the page shows results of a configuration that no
+    longer exists (or leaves out runs the experiments now hold). A config edit that changes a run's key needs those
+    runs again: ``python benchmarks/reproduce.py <the command's options> --only <the runs named>``."""
+    import shlex
+
+    import reproduce
+
+    with open(os.path.join(ROOT, "docs", "results.md")) as f:
+        head = f.read(2000)
+    command = head.split("Command: `", 1)[1].split("`", 1)[0]
+    argv = shlex.split(command)[2:]
+    assert "--only" not in argv and "--results" not in argv, command
+    ns = {"--rounds": "1", "--seeds": "3"}
+    scales = {}
+    it = iter(argv)
+    for arg in it:
+        if arg == "--setup-rounds":
+            pattern, scale = next(it).split("=")
+            scales[pattern] = float(scale)
+        elif arg in ns:
+            ns[arg] = next(it)
+    specs = reproduce.all_specs(int(ns["--seeds"]), float(ns["--rounds"]), scales)
+    results = os.path.join(BENCH, "results")
+    stale = [s.run_id for s in specs if not s.missing and runner.load_cached(results, s) is None]
+    assert not stale, f"{len(stale)} runs of docs/results.md are not cached under their current key: {stale[:10]}"
+    assert len(specs) >= 200
