@@ -324,3 +324,12 @@ def test_docs_results_rest_on_runs_of_the_current_configs():
     stale = [s.run_id for s in specs if not s.missing and runner.load_cached(results, s) is None]
     assert not stale, f"{len(stale)} runs of docs/results.md are not cached under their current key: {stale[:10]}"
     assert len(specs) >= 200
+
+
+def test_the_summary_does_not_word_a_tie_as_the_claim():
+    """A claim tied within the seed spread is not confirmed, and the summary says so (it listed the claim's text
+    under "within the seed spread", which read as the claim holding)."""
+    exp = experiments.EXPERIMENTS[0]
+    claim = exp.claims[0].text
+    line = report._summary([exp], {exp.paper: {claim: ["tie"]}}, {})[2]
+    assert f"— Tied within the seed spread, so not confirmed: {report._short(claim)}." in line

@@ -438,7 +438,7 @@ def _summary(experiments, tallies: dict[str, dict[str, list[str]]], findings: di
         if fails:
             parts.append("fails on at least one setup: " + "; ".join(_short(t) for t in fails))
         if ties:
-            parts.append("within the seed spread: " + "; ".join(_short(t) for t in ties))
+            parts.append("tied within the seed spread, so not confirmed: " + "; ".join(_short(t) for t in ties))
         if exp.paper in findings:
             parts.append("sensitivity study: " + findings[exp.paper])
         if not parts:  # a partial invocation: no claim had all the runs it needs
