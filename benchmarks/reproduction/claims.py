@@ -91,7 +91,7 @@ def best(a: str, metric: str, higher_better: bool, among: Sequence[str] | None =
         sa = stat(agg, a, metric)
         if sa is None:
             return "n/a", f"{a} not run"
-        candidates = [k for k in dict.fromkeys([*(among or labels or agg)]) if k != a]
+        candidates = [k for k in dict.fromkeys(among or labels or agg) if k != a]
         others = [k for k in candidates if stat(agg, k, metric) is not None]
         if not others:
             return "n/a", "nothing to compare with"
